@@ -1,0 +1,33 @@
+# pipedream_ext developer entry points. `make test` and `make run` install
+# everything they need themselves (see .ci/bootstrap.sh).
+PY ?= python3
+BUILD_DIR ?= build/cmake
+
+.PHONY: setup build test cpp-test py-test run clean
+
+setup:
+	PYTHON=$(PY) bash .ci/bootstrap.sh
+
+# Incremental rebuild of pipedream_ext._C in place (after editing csrc/).
+build:
+	MAX_JOBS=2 $(PY) setup.py -q build_ext --inplace
+
+cpp-test:
+	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release >/dev/null
+	cmake --build $(BUILD_DIR) -j 2
+	cd $(BUILD_DIR) && ctest --output-on-failure -j 2
+
+py-test:
+	$(PY) -m pytest tests -q
+
+# The README's test command: GoogleTest (ctest) then pytest.
+test: setup
+	$(MAKE) cpp-test
+	$(MAKE) py-test
+
+# The README's main job.
+run: setup
+	$(PY) -m pipedream_ext schedule --name 1f1b --stages 4 --microbatches 8
+
+clean:
+	rm -rf build pipedream_ext/_C*.so *.egg-info

@@ -1,0 +1,93 @@
+// A pipeline schedule as data: the placement of stages on ranks (Layout) and,
+// for every rank, an ordered list of typed actions (Schedule).
+//
+// Placement:
+//   - straight pipeline: stage j lives on rank j;
+//   - interleaved (v chunks per rank, p ranks): virtual stage j lives on rank
+//     j mod p, so rank r holds stages r, r+p, ..., r+(v-1)p;
+//   - replicated stages (replica counts R = r_0, r_1, ...): stage j occupies
+//     r_j consecutive ranks, and microbatch i runs on replica i mod r_j of
+//     stage j (round robin), forward and backward alike.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "action.h"
+
+namespace pipedream {
+
+class Layout {
+ public:
+  // One stage per rank, or replicated stages when `replicas` is non-empty
+  // (its size must equal `stages`).
+  static Layout straight(int stages, const std::vector<int>& replicas = {});
+  // `ranks` ranks, `chunks` virtual stages per rank, stage j on rank j % ranks.
+  static Layout interleaved(int ranks, int chunks);
+
+  int numRanks() const { return numRanks_; }
+  int numStages() const { return static_cast<int>(stageRanks_.size()); }
+  int replicas(int stage) const;
+  const std::vector<int>& stageRanks(int stage) const;
+  // The rank that runs microbatch i of stage j (round robin over replicas).
+  int rankFor(int stage, int microbatch) const;
+  // Stages held by a rank, ascending.
+  std::vector<int> stagesOfRank(int rank) const;
+  // The replica index of `rank` within `stage` (-1 if it does not hold it).
+  int replicaIndex(int stage, int rank) const;
+  std::vector<int> replicaCounts() const;
+
+  bool operator==(const Layout& other) const {
+    return numRanks_ == other.numRanks_ && stageRanks_ == other.stageRanks_;
+  }
+
+ private:
+  int numRanks_ = 0;
+  std::vector<std::vector<int>> stageRanks_;  // stage -> ranks (replica order)
+};
+
+// Per-rank action lists plus the metadata that gives them meaning.
+class Schedule {
+ public:
+  Schedule() = default;
+  Schedule(std::string name, Layout layout, int microbatches,
+           std::vector<std::vector<Action>> rankActions);
+
+  const std::string& name() const { return name_; }
+  const Layout& layout() const { return layout_; }
+  int numRanks() const { return layout_.numRanks(); }
+  int numStages() const { return layout_.numStages(); }
+  int microbatches() const { return microbatches_; }
+  const std::vector<Action>& actions(int rank) const;
+  const std::vector<std::vector<Action>>& allActions() const { return rankActions_; }
+  // Whether SEND/RECV actions are present (set by lower()).
+  bool isLowered() const;
+
+  // One line per rank: "rank 0: 0F0 0F1 0B0 ...".
+  std::string toText() const;
+  // Rank-by-step grid. `mark` (rank, step) is drawn as ">>ACTION<<"
+  // (used by the validator to point at an offending action).
+  std::string grid(int markRank = -1, int markStep = -1) const;
+  // One row per rank, one cell per action (torch.distributed.pipelining's
+  // CSV layout).
+  std::string toCsv() const;
+
+  // Replaces the action lists with the ones in `text` (the toText() form or
+  // the toCsv() form), keeping name and layout. Throws std::invalid_argument
+  // naming the line and the bad token.
+  Schedule withActionsFromText(const std::string& text) const;
+  Schedule withActionsFromCsv(const std::string& csv) const;
+  Schedule withActions(std::vector<std::vector<Action>> rankActions) const;
+
+ private:
+  std::string name_;
+  Layout layout_;
+  int microbatches_ = 0;
+  std::vector<std::vector<Action>> rankActions_;
+};
+
+// Renders a rank-by-step grid of arbitrary per-rank lists.
+std::string formatGrid(const std::vector<std::vector<Action>>& rankActions,
+                       int markRank = -1, int markStep = -1);
+
+}  // namespace pipedream

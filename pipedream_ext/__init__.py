@@ -1,0 +1,6 @@
+"""pipedream_ext: pipeline-parallel training in the style of PipeDream."""
+from . import _C  # noqa: F401  (fail early if the extension is not built)
+from . import schedules
+
+__all__ = ["schedules"]
+__version__ = "0.1.0"

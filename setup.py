@@ -1,0 +1,32 @@
+"""Builds pipedream_ext._C from csrc/ with torch.utils.cpp_extension (ninja).
+
+Install against the already installed torch (CPU wheel here):
+    pip install --no-build-isolation -e .
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _sources() -> list:
+    core = sorted(glob.glob("csrc/core/*.cpp"))
+    runtime = sorted(glob.glob("csrc/runtime/*.cpp"))
+    return core + runtime + ["csrc/bindings.cpp"]
+
+
+setup(
+    packages=find_packages(include=["pipedream_ext", "pipedream_ext.*"]),
+    ext_modules=[
+        CppExtension(
+            name="pipedream_ext._C",
+            sources=_sources(),
+            include_dirs=[os.path.join(ROOT, "csrc")],
+            extra_compile_args={"cxx": ["-O2", "-std=c++17"]},
+        )
+    ],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)
