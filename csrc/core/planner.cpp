@@ -1,0 +1,435 @@
+#include "planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+
+namespace pipedream {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+struct Cell {
+  double t = kInf;
+  int k = -1;      // split state (-1: one stage over `rep` units)
+  int mPrev = -1;  // worker index (count - 1) of the prefix before the split
+  int rep = 0;     // units of the last stage
+};
+
+inline long ceilDiv(long a, long b) { return (a + b - 1) / b; }
+
+struct Table {
+  int n = 0, N = 0, rows = 0;
+  std::vector<Cell> cells;
+  Cell& at(int row, int j, int m) { return cells[(static_cast<size_t>(row) * n + j) * N + m]; }
+  const Cell& at(int row, int j, int m) const {
+    return cells[(static_cast<size_t>(row) * n + j) * N + m];
+  }
+};
+
+struct Segment {
+  int startRow;  // 0: from the start; r: after state r - 1
+  int end;       // last state
+  std::vector<int> ranks;
+  double time;   // level-0 stage time (per minibatch, inside its unit)
+  int level0Reps;
+};
+
+class Solver {
+ public:
+  Solver(const PlanningStates& s, const Topology& topo, const PlannerOptions& opt)
+      : s_(s), topo_(topo), opt_(opt), n_(s.size()) {}
+
+  double run() {
+    const int L = static_cast<int>(topo_.levels.size());
+    tables_.resize(L);
+    for (int l = 0; l < L; ++l) {
+      if (opt_.costModel == CostModel::PipeDream) {
+        solveLevel<true>(l, l == L - 1);
+      } else {
+        solveLevel<false>(l, l == L - 1);
+      }
+    }
+    return tables_[L - 1].at(0, n_ - 1, tables_[L - 1].N - 1).t;
+  }
+
+  // Final stages in pipeline order, ranks absolute.
+  std::vector<Segment> segments() const {
+    const int L = static_cast<int>(topo_.levels.size());
+    return expand(L - 1, 0, n_ - 1, tables_[L - 1].N - 1);
+  }
+
+  double stageTime0(int startRow, int end, int reps) const {
+    const TopologyLevel& lv = topo_.levels[0];
+    double C = segT(0, startRow, end), P = segP(startRow, end);
+    double t = compute(C, P, reps, lv.bandwidth, 1.0);
+    if (boundariesPaid()) {
+      double c = opt_.compression > 0 ? opt_.compression : 1.0;
+      if (startRow > 0) t = std::max(t, 2.0 * bnd(startRow - 1) / (c * lv.bandwidth * reps));
+      if (end < n_ - 1) t = std::max(t, 2.0 * bnd(end) / (c * lv.bandwidth * reps));
+    }
+    return t;
+  }
+
+ private:
+  bool boundariesPaid() const {
+    return opt_.costModel == CostModel::Default || opt_.compression > 0;
+  }
+  double bnd(int state) const {
+    return opt_.costModel == CostModel::PipeDream ? s_.antichainBytes[state] : s_.liveBytes[state];
+  }
+  // Cumulative differences (PipeDream's compute_times / activation_sizes /
+  // parameter_sizes matrices: row r > 0 subtracts state r - 1 whatever the
+  // order relation, which is one of its quirks).
+  double segT(int level, int row, int j) const {
+    if (level == 0) return s_.computeSeconds[j] - (row > 0 ? s_.computeSeconds[row - 1] : 0.0);
+    const Table& prev = tables_[level - 1];
+    return prev.at(row, j, prev.N - 1).t;
+  }
+  double segA(int row, int j) const {
+    return s_.activationBytes[j] - (row > 0 ? s_.activationBytes[row - 1] : 0.0);
+  }
+  double segP(int row, int j) const {
+    return s_.parameterBytes[j] - (row > 0 ? s_.parameterBytes[row - 1] : 0.0);
+  }
+  double unitWorkers(int level) const {
+    if (level == 0) return 1.0;
+    if (opt_.costModel == CostModel::PipeDream) return topo_.levels[level - 1].workers;
+    double k = 1.0;
+    for (int l = 0; l < level; ++l) k *= topo_.levels[l].workers;
+    return k;
+  }
+  // Time of one stage of compute C and weights P over `reps` units.
+  double compute(double C, double P, int reps, double B, double K) const {
+    if (opt_.costModel == CostModel::PipeDream) {
+      return (C + 4.0 * (reps - 1) * P / (reps * B) / K) / reps;
+    }
+    return std::max(C, 2.0 * (reps - 1) * P / (reps * B * K)) / reps;
+  }
+  bool memoryOk(double A, double P, long N, long prefixWorkers, long reps) const {
+    if (topo_.memoryBytes <= 0) return true;
+    if (opt_.costModel == CostModel::PipeDream) {
+      return static_cast<double>(ceilDiv(N - prefixWorkers, reps)) * (A + P) <= topo_.memoryBytes;
+    }
+    long inflight = ceilDiv(N - prefixWorkers + reps, reps);
+    long versions = opt_.twoBw ? std::min<long>(2, inflight) : inflight;
+    return versions * P + inflight * A <= topo_.memoryBytes;
+  }
+
+  template <bool PD>
+  void solveLevel(int level, bool finalLevel) {
+    const TopologyLevel& lv = topo_.levels[level];
+    const int N = lv.workers;
+    const double B = lv.bandwidth;
+    // PipeDream divides only the single-stage all-reduce by the unit size.
+    const double K = unitWorkers(level);
+    const double Ksplit = PD ? 1.0 : K;
+    const bool paid = boundariesPaid();
+    const double c = opt_.compression > 0 ? opt_.compression : 1.0;
+    Table& A = tables_[level];
+    A.n = n_;
+    A.N = N;
+    A.rows = finalLevel ? 1 : n_ + 1;
+    A.cells.assign(static_cast<size_t>(A.rows) * n_ * N, Cell{});
+    const int maxSingle = opt_.straight ? 1 : N;
+    const int maxRep = opt_.straight ? 1 : N - 1;
+    std::vector<Cell> split(N);
+    for (int row = 0; row < A.rows; ++row) {
+      for (int j = row; j < n_; ++j) {
+        double C = segT(level, row, j);
+        double Aa = segA(row, j), P = segP(row, j);
+        for (int m = 0; m < maxSingle; ++m) {
+          const int M = m + 1;
+          if (!memoryOk(Aa, P, N, M, M)) continue;
+          double t = PD ? (C + 4.0 * m * P / (B * M) / K) / M
+                        : std::max(C, 2.0 * m * P / (M * B * K)) / M;
+          A.at(row, j, m) = Cell{t, -1, -1, M};
+        }
+        if (j == row) continue;
+        // Splits: prefix [row .. k] then a last stage (k, j] on m' units.
+        std::fill(split.begin(), split.end(), Cell{});
+        const std::vector<int>& preds = s_.preds[j];
+        auto kBegin = std::lower_bound(preds.begin(), preds.end(), row);
+        const double outB = (paid && j < n_ - 1) ? 2.0 * bnd(j) / (c * B) : 0.0;
+        for (auto it = kBegin; it != preds.end(); ++it) {
+          const int k = *it;
+          const double Ck = segT(level, k + 1, j);
+          if (Ck == kInf) continue;
+          const double Ak = segA(k + 1, j), Pk = segP(k + 1, j);
+          const double inB = paid ? 2.0 * bnd(k) / (c * B) : 0.0;
+          const Cell* prefix = &A.at(row, k, 0);
+          for (int mp = 1; mp <= maxRep; ++mp) {
+            double last = PD ? (Ck + 4.0 * (mp - 1) * Pk / (mp * B)) / mp
+                             : std::max(Ck, 2.0 * (mp - 1) * Pk / (mp * B * Ksplit)) / mp;
+            last = std::max(last, std::max(inB, outB) / mp);
+            for (int m = std::max(mp, 1); m < N; ++m) {
+              const double pre = prefix[m - mp].t;
+              if (pre == kInf) continue;
+              const double v = std::max(pre, last);
+              if (v < split[m].t) {
+                if (!memoryOk(Ak, Pk, N, m + 1, mp)) continue;
+                split[m] = Cell{v, k, m - mp, mp};
+              }
+            }
+          }
+        }
+        for (int m = 0; m < N; ++m) {
+          Cell cell = A.at(row, j, m);
+          if (opt_.fewerWorkers && m > 0) {
+            const Cell& fewer = A.at(row, j, m - 1);
+            if (cell.t == kInf || fewer.t < cell.t) cell = fewer;
+          }
+          if (m >= 1 && split[m].t < cell.t) cell = split[m];
+          A.at(row, j, m) = cell;
+        }
+      }
+    }
+  }
+
+  // Stages of [row .. j] on m + 1 units of `level`; ranks relative to the
+  // first worker of those units.
+  std::vector<Segment> expand(int level, int row, int j, int m) const {
+    const Table& A = tables_[level];
+    // Backtrack this level: (startRow, end, reps) in pipeline order.
+    struct Piece {
+      int startRow, end, reps;
+    };
+    std::vector<Piece> pieces;
+    int curJ = j, curM = m;
+    while (true) {
+      const Cell& cell = A.at(row, curJ, curM);
+      if (cell.t == kInf) throw std::logic_error("planner: backtracking reached an empty cell");
+      if (cell.k < 0) {
+        pieces.push_back({row, curJ, cell.rep});
+        break;
+      }
+      pieces.push_back({cell.k + 1, curJ, cell.rep});
+      curJ = cell.k;
+      curM = cell.mPrev;
+    }
+    std::reverse(pieces.begin(), pieces.end());
+    long unitSize = 1;
+    for (int l = 0; l < level; ++l) unitSize *= topo_.levels[l].workers;
+    std::vector<Segment> out;
+    int offset = 0;
+    for (const Piece& pc : pieces) {
+      if (level == 0) {
+        Segment seg{pc.startRow, pc.end, {}, stageTime0(pc.startRow, pc.end, pc.reps), pc.reps};
+        for (int r = 0; r < pc.reps; ++r) seg.ranks.push_back(offset + r);
+        out.push_back(seg);
+      } else {
+        std::vector<Segment> inner =
+            expand(level - 1, pc.startRow, pc.end, tables_[level - 1].N - 1);
+        for (Segment& seg : inner) {
+          std::vector<int> ranks;
+          for (int u = offset; u < offset + pc.reps; ++u) {
+            for (int r : seg.ranks) ranks.push_back(static_cast<int>(u * unitSize + r));
+          }
+          seg.ranks = ranks;
+          out.push_back(seg);
+        }
+      }
+      offset += pc.reps;
+    }
+    return out;
+  }
+
+  const PlanningStates& s_;
+  const Topology& topo_;
+  const PlannerOptions& opt_;
+  const int n_;
+  std::vector<Table> tables_;
+};
+
+double repWork(int N, bool straight) {
+  if (straight) return N - 1;
+  return 0.5 * N * (N - 1);
+}
+
+}  // namespace
+
+CostModel parseCostModel(const std::string& name) {
+  if (name == "pipedream") return CostModel::PipeDream;
+  if (name == "default") return CostModel::Default;
+  throw std::invalid_argument("unknown cost model '" + name + "'; use 'pipedream' or 'default'");
+}
+
+const char* costModelName(CostModel model) {
+  return model == CostModel::PipeDream ? "pipedream" : "default";
+}
+
+double estimateWork(const PlanningStates& states, const Topology& topology, bool straight) {
+  double pairs = 0, weighted = 0;
+  for (int j = 0; j < states.size(); ++j) {
+    for (int k : states.preds[j]) {
+      pairs += 1;
+      weighted += k + 1;
+    }
+  }
+  const int L = static_cast<int>(topology.levels.size());
+  double n = states.size();
+  double work = 0;
+  for (int l = 0; l < L; ++l) {
+    int N = topology.levels[l].workers;
+    if (l == L - 1) {
+      work += pairs * repWork(N, straight) + n * N;
+    } else {
+      work += (pairs + weighted) * repWork(N, straight) + n * n * N;
+    }
+  }
+  return work;
+}
+
+namespace {
+double chainWork(double L, const Topology& topology, bool straight) {
+  double pairs = L * (L - 1) / 2, weighted = (L - 1) * L * (L + 1) / 6;
+  const int levels = static_cast<int>(topology.levels.size());
+  double work = 0;
+  for (int l = 0; l < levels; ++l) {
+    int N = topology.levels[l].workers;
+    work += (l == levels - 1) ? pairs * repWork(N, straight) + L * N
+                              : (pairs + weighted) * repWork(N, straight) + L * L * N;
+  }
+  return work;
+}
+}  // namespace
+
+Plan planOnStates(const ProfileGraph& graph, const PlanningStates& states, const Topology& topology,
+                  const PlannerOptions& options) {
+  topology.validate();
+  if (options.compression < 0 || !std::isfinite(options.compression)) {
+    throw std::invalid_argument("activation compression ratio " + std::to_string(options.compression) +
+                                " is invalid; use a positive ratio or leave it out");
+  }
+  const int n = states.size();
+  Solver solver(states, topology, options);
+  const double best = solver.run();
+  if (best == kInf) {
+    throw std::invalid_argument(
+        "no partition fits the memory limit of " + std::to_string(topology.memoryBytes) +
+        " bytes per worker (" + std::to_string(topology.totalWorkers()) +
+        " workers); raise the limit, add workers, or drop the limit");
+  }
+  Plan plan;
+  plan.costModel = options.costModel;
+  plan.stateKind = states.kind;
+  plan.numStates = n;
+  plan.topology = topology;
+  plan.numWorkers = topology.totalWorkers();
+  plan.timePerStage = best;
+
+  // Data parallelism over every worker under the same model.
+  const double totalT = states.computeSeconds[n - 1], totalP = states.parameterBytes[n - 1];
+  double dp = totalT, unit = 1.0;
+  for (const TopologyLevel& lv : topology.levels) {
+    const double N = lv.workers;
+    if (options.costModel == CostModel::PipeDream) {
+      dp = (dp + 4.0 * (N - 1) * totalP / (lv.bandwidth * N) / unit) / N;
+      unit = N;
+    } else {
+      dp = std::max(dp, 2.0 * (N - 1) * totalP / (N * lv.bandwidth * unit)) / N;
+      unit *= N;
+    }
+  }
+  plan.dataParallelTime = dp;
+  plan.singleWorkerTime = totalT;
+  plan.speedupOverDp = best > 0 ? dp / best : kInf;
+
+  // Stages: state segments -> node sets (what the end state adds, PipeDream's
+  // assignment), then Input sources to stage 0 and dropped sinks beside
+  // their producers.
+  std::vector<Segment> segs = solver.segments();
+  const int p = static_cast<int>(states.planNodes.size());
+  std::vector<int> stageOf(graph.numNodes(), -1);
+  for (size_t s = 0; s < segs.size(); ++s) {
+    for (int q = 0; q < p; ++q) {
+      int v = states.planNodes[q];
+      if (stageOf[v] < 0 && states.contains(segs[s].end, q)) stageOf[v] = static_cast<int>(s);
+    }
+  }
+  for (int v : graph.topologicalOrder()) {
+    if (stageOf[v] >= 0) continue;
+    int st = 0;
+    for (int u : graph.predecessors(v)) st = std::max(st, stageOf[u]);
+    stageOf[v] = st;
+  }
+  plan.stages.resize(segs.size());
+  int used = 0;
+  for (size_t s = 0; s < segs.size(); ++s) {
+    PlanStage& st = plan.stages[s];
+    st.replicas = static_cast<int>(segs[s].ranks.size());
+    st.ranks = segs[s].ranks;
+    std::sort(st.ranks.begin(), st.ranks.end());
+    // Cross-unit replicas divide the in-unit time (see docs/planner.md).
+    st.time = segs[s].time * segs[s].level0Reps / st.replicas;
+    used += st.replicas;
+  }
+  plan.usedWorkers = used;
+  for (int v = 0; v < graph.numNodes(); ++v) {
+    PlanStage& st = plan.stages[stageOf[v]];
+    st.nodes.push_back(v);
+    const GraphNode& node = graph.node(v);
+    if (node.isInput() && graph.predecessors(v).empty()) continue;
+    st.computeSeconds += (node.forwardMs + node.backwardMs) / 1000.0;
+    st.parameterBytes += node.parameterBytes;
+    st.activationBytes += node.activationBytes;
+  }
+  long workersFrom = used;
+  for (PlanStage& st : plan.stages) {
+    long inflight = ceilDiv(workersFrom, st.replicas);
+    long versions = (options.costModel == CostModel::Default && options.twoBw)
+                        ? std::min<long>(2, inflight)
+                        : inflight;
+    st.memoryBytes = versions * st.parameterBytes + inflight * st.activationBytes;
+    workersFrom -= st.replicas;
+  }
+  std::vector<int> order;
+  if (graph.isChain(&order)) {
+    plan.chain = true;
+    const int skip = graph.node(order[0]).isInput() ? 1 : 0;
+    std::vector<int> layerOf(graph.numNodes(), -1);
+    for (size_t i = skip; i < order.size(); ++i) layerOf[order[i]] = static_cast<int>(i) - skip;
+    int next = 0;
+    for (PlanStage& st : plan.stages) {
+      int lo = -1, hi = -1;
+      for (int v : st.nodes) {
+        if (layerOf[v] < 0) continue;
+        lo = lo < 0 ? layerOf[v] : std::min(lo, layerOf[v]);
+        hi = std::max(hi, layerOf[v] + 1);
+      }
+      if (lo < 0) lo = hi = next;
+      st.layerStart = lo;
+      st.layerEnd = hi;
+      next = hi;
+    }
+  }
+  return plan;
+}
+
+Plan planPartition(const ProfileGraph& graph, const Topology& topology,
+                   const PlannerOptions& options) {
+  topology.validate();
+  PlanningStates states;
+  bool antichain = enumerateAntichainStates(graph, options.maxAntichainStates, &states) &&
+                   estimateWork(states, topology, options.straight) <= options.workBudget;
+  bool coarsened = false;
+  if (!antichain) {
+    PlanningStates full = topologicalCutStates(graph, 0);
+    int L = full.size();
+    while (L > 2 && chainWork(L, topology, options.straight) > options.workBudget) {
+      L = static_cast<int>(L * 0.9);
+    }
+    if (L < full.size()) {
+      states = topologicalCutStates(graph, L);
+      coarsened = true;
+    } else {
+      states = std::move(full);
+    }
+  }
+  Plan plan = planOnStates(graph, states, topology, options);
+  plan.coarsened = coarsened;
+  return plan;
+}
+
+}  // namespace pipedream

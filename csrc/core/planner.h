@@ -1,0 +1,69 @@
+// PipeDream's partitioner: dynamic programming over planning states and worker
+// counts, level by level (innermost first), with two cost models. See
+// docs/planner.md for the exact formulas.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "profile_graph.h"
+#include "topology.h"
+
+namespace pipedream {
+
+enum class CostModel { PipeDream, Default };
+CostModel parseCostModel(const std::string& name);  // "pipedream" | "default"
+const char* costModelName(CostModel model);
+
+struct PlannerOptions {
+  CostModel costModel = CostModel::Default;
+  bool straight = false;       // one worker per stage, no replication
+  bool fewerWorkers = false;   // a plan may leave workers unused
+  double compression = 0.0;    // activation compression ratio; 0 = absent
+  bool twoBw = false;          // default model: 2 weight versions (2BW) instead of PipeDream's
+  int maxAntichainStates = 4096;  // above this, use topological cuts
+  double workBudget = 1.5e8;      // DP cell updates allowed before coarsening
+};
+
+struct PlanStage {
+  std::vector<int> nodes;  // graph node indices (file order)
+  int replicas = 1;
+  std::vector<int> ranks;
+  double time = 0.0;            // predicted seconds per minibatch (see docs)
+  double computeSeconds = 0.0;  // fwd + bwd of its layers, one worker
+  double parameterBytes = 0.0;
+  double activationBytes = 0.0;
+  double memoryBytes = 0.0;  // per worker: weight versions + stashed activations
+  int layerStart = -1;       // for a chain graph: layers [start, end), Input excluded
+  int layerEnd = -1;
+};
+
+struct Plan {
+  CostModel costModel = CostModel::Default;
+  StateKind stateKind = StateKind::Antichain;
+  int numStates = 0;
+  bool coarsened = false;  // topological cuts thinned to fit the work budget
+  Topology topology;
+  int numWorkers = 0;
+  int usedWorkers = 0;
+  bool chain = false;
+  double timePerStage = 0.0;       // the DP optimum: bottleneck seconds per minibatch
+  double dataParallelTime = 0.0;   // same model, plain data parallelism on all workers
+  double singleWorkerTime = 0.0;   // fwd + bwd of the whole model on one worker
+  double speedupOverDp = 0.0;      // dataParallelTime / timePerStage
+  std::vector<PlanStage> stages;
+};
+
+// Plans `graph` on `topology`. Throws std::invalid_argument when the topology
+// is invalid or no plan satisfies the memory limit.
+Plan planPartition(const ProfileGraph& graph, const Topology& topology,
+                   const PlannerOptions& options = {});
+
+// The same DP on caller-provided states (used by tests to compare paths).
+Plan planOnStates(const ProfileGraph& graph, const PlanningStates& states,
+                  const Topology& topology, const PlannerOptions& options);
+
+// Estimated DP cell updates for `states` on `topology` (path selection).
+double estimateWork(const PlanningStates& states, const Topology& topology, bool straight);
+
+}  // namespace pipedream
