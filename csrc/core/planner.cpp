@@ -60,13 +60,15 @@ class Solver {
     return expand(L - 1, 0, n_ - 1, tables_[L - 1].N - 1);
   }
 
-  double stageTime0(int startRow, int end, int reps) const {
+  // The time the DP charged for a level-0 stage: boundary transfers only for
+  // the stages it added by a split (the first stage of a row has none).
+  double stageTime0(int startRow, int end, int reps, bool splitStage) const {
     const TopologyLevel& lv = topo_.levels[0];
     double C = segT(0, startRow, end), P = segP(startRow, end);
     double t = compute(C, P, reps, lv.bandwidth, 1.0);
-    if (boundariesPaid()) {
+    if (boundariesPaid() && splitStage) {
       double c = opt_.compression > 0 ? opt_.compression : 1.0;
-      if (startRow > 0) t = std::max(t, 2.0 * bnd(startRow - 1) / (c * lv.bandwidth * reps));
+      t = std::max(t, 2.0 * bnd(startRow - 1) / (c * lv.bandwidth * reps));
       if (end < n_ - 1) t = std::max(t, 2.0 * bnd(end) / (c * lv.bandwidth * reps));
     }
     return t;
@@ -194,6 +196,7 @@ class Solver {
     // Backtrack this level: (startRow, end, reps) in pipeline order.
     struct Piece {
       int startRow, end, reps;
+      bool split;
     };
     std::vector<Piece> pieces;
     int curJ = j, curM = m;
@@ -201,10 +204,10 @@ class Solver {
       const Cell& cell = A.at(row, curJ, curM);
       if (cell.t == kInf) throw std::logic_error("planner: backtracking reached an empty cell");
       if (cell.k < 0) {
-        pieces.push_back({row, curJ, cell.rep});
+        pieces.push_back({row, curJ, cell.rep, false});
         break;
       }
-      pieces.push_back({cell.k + 1, curJ, cell.rep});
+      pieces.push_back({cell.k + 1, curJ, cell.rep, true});
       curJ = cell.k;
       curM = cell.mPrev;
     }
@@ -215,7 +218,8 @@ class Solver {
     int offset = 0;
     for (const Piece& pc : pieces) {
       if (level == 0) {
-        Segment seg{pc.startRow, pc.end, {}, stageTime0(pc.startRow, pc.end, pc.reps), pc.reps};
+        Segment seg{pc.startRow, pc.end, {}, stageTime0(pc.startRow, pc.end, pc.reps, pc.split),
+                    pc.reps};
         for (int r = 0; r < pc.reps; ++r) seg.ranks.push_back(offset + r);
         out.push_back(seg);
       } else {

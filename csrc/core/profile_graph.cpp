@@ -343,8 +343,10 @@ std::string ProfileGraph::toString() const {
     first = false;
   };
   for (const GraphNode& n : nodes_) {
+    // Descriptions are written as given (the shipped profiles keep commas);
+    // only line breaks would corrupt the format.
     std::string desc = n.description;
-    std::replace(desc.begin(), desc.end(), ',', ';');
+    std::replace(desc.begin(), desc.end(), '\n', ' ');
     std::string act = n.activationText.empty() ? formatFixed3(n.activationBytes) : n.activationText;
     std::string line = n.id + " -- " + desc + " -- forward_compute_time=" + formatFixed3(n.forwardMs) +
                        ", backward_compute_time=" + formatFixed3(n.backwardMs) +

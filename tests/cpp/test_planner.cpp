@@ -1,0 +1,414 @@
+// The planner's DP against exhaustive search, golden plans, path selection.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <random>
+#include <set>
+#include <string>
+
+#include "planner.h"
+
+namespace pipedream {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+std::string dataPath(const std::string& name) {
+  return std::string(PIPEDREAM_SOURCE_DIR) + "/tests/data/profiles/" + name;
+}
+
+GraphNode makeNode(const std::string& id, const std::string& desc, double f, double b, double a,
+                   double p) {
+  GraphNode n;
+  n.id = id;
+  n.description = desc;
+  n.forwardMs = f;
+  n.backwardMs = b;
+  n.activationBytes = a;
+  n.parameterBytes = p;
+  return n;
+}
+
+ProfileGraph randomChain(std::mt19937& rng, int layers) {
+  std::uniform_real_distribution<double> ms(0.5, 20.0), bytes(1e5, 5e7);
+  ProfileGraph g;
+  g.addNode(makeNode("node0", "Input", 0, 0, bytes(rng), 0));
+  for (int i = 1; i <= layers; ++i) {
+    double p = (rng() % 3 == 0) ? 0.0 : bytes(rng);
+    g.addNode(makeNode("node" + std::to_string(i), "Layer", ms(rng), ms(rng), bytes(rng), p));
+    g.addEdge(i - 1, i);
+  }
+  return g;
+}
+
+// Input then `nodes` layers; each layer has 1-2 predecessors among earlier ones.
+ProfileGraph randomDag(std::mt19937& rng, int nodes) {
+  std::uniform_real_distribution<double> ms(0.5, 20.0), bytes(1e5, 5e7);
+  ProfileGraph g;
+  g.addNode(makeNode("node0", "Input", 0, 0, bytes(rng), 0));
+  for (int i = 1; i <= nodes; ++i) {
+    double p = (rng() % 3 == 0) ? 0.0 : bytes(rng);
+    g.addNode(makeNode("node" + std::to_string(i), "Layer", ms(rng), ms(rng), bytes(rng), p));
+    if (i == 1) {
+      g.addEdge(0, 1);
+      continue;
+    }
+    int a = 1 + static_cast<int>(rng() % (i - 1));
+    g.addEdge(a, i);
+    int b = 1 + static_cast<int>(rng() % (i - 1));
+    if (b != a && rng() % 2 == 0) g.addEdge(b, i);
+  }
+  return g;
+}
+
+bool isSubset(const PlanningStates& s, int k, int j) {
+  if (k == j) return false;
+  for (int w = 0; w < s.words; ++w) {
+    if (s.member[k][w] & ~s.member[j][w]) return false;
+  }
+  return true;
+}
+
+// Exhaustive search over every sequence of nested states, replica counts and
+// (with fewer workers) unused gaps, written from the cost model's definition
+// in docs/planner.md independently of the DP.
+struct Brute {
+  const PlanningStates& s;
+  int N;
+  double B, mem;
+  PlannerOptions o;
+  double best = kInf;
+
+  double stage(int prev, int e, int r, long prefixWorkers) const {
+    const int n = s.size();
+    double T = s.computeSeconds[e] - (prev >= 0 ? s.computeSeconds[prev] : 0.0);
+    double P = s.parameterBytes[e] - (prev >= 0 ? s.parameterBytes[prev] : 0.0);
+    double A = s.activationBytes[e] - (prev >= 0 ? s.activationBytes[prev] : 0.0);
+    bool pd = o.costModel == CostModel::PipeDream;
+    if (mem > 0) {
+      if (pd) {
+        double stash = std::ceil(static_cast<double>(N - prefixWorkers) / r) * (A + P);
+        if (stash > mem) return kInf;
+      } else {
+        double inflight = std::ceil(static_cast<double>(N - prefixWorkers + r) / r);
+        double versions = o.twoBw ? std::min(2.0, inflight) : inflight;
+        if (versions * P + inflight * A > mem) return kInf;
+      }
+    }
+    double t = pd ? (T + 4.0 * (r - 1) * P / (r * B)) / r
+                  : std::max(T, 2.0 * (r - 1) * P / (r * B)) / r;
+    bool paid = !pd || o.compression > 0;
+    if (paid && prev >= 0) {
+      double c = o.compression > 0 ? o.compression : 1.0;
+      auto bnd = [&](int st) { return pd ? s.antichainBytes[st] : s.liveBytes[st]; };
+      t = std::max(t, 2.0 * bnd(prev) / (c * B * r));
+      if (e < n - 1) t = std::max(t, 2.0 * bnd(e) / (c * B * r));
+    }
+    return t;
+  }
+
+  void rec(int prev, long used, double curMax) {
+    const int n = s.size();
+    for (int e = 0; e < n; ++e) {
+      if (prev >= 0 && !isSubset(s, prev, e)) continue;
+      const int maxR = o.straight ? 1 : N;
+      for (int r = 1; r <= maxR; ++r) {
+        const int maxGap = (o.fewerWorkers && prev >= 0) ? N : 0;
+        for (int g = 0; g <= maxGap; ++g) {
+          long budget = used + g + r;
+          if (budget > N) break;
+          double v = std::max(curMax, stage(prev, e, r, budget));
+          if (v == kInf) continue;
+          if (e == n - 1) {
+            if (o.fewerWorkers || budget == N) best = std::min(best, v);
+          } else {
+            rec(e, budget, v);
+          }
+        }
+      }
+    }
+  }
+};
+
+double bruteForce(const PlanningStates& s, int N, double B, double mem, const PlannerOptions& o) {
+  Brute b{s, N, B, mem, o};
+  b.rec(-1, 0, 0.0);
+  return b.best;
+}
+
+void compareWithBruteForce(const ProfileGraph& g, const PlanningStates& states, std::mt19937& rng,
+                           const std::string& what) {
+  for (CostModel model : {CostModel::PipeDream, CostModel::Default}) {
+    for (int variant = 0; variant < 6; ++variant) {
+      PlannerOptions o;
+      o.costModel = model;
+      o.straight = variant == 1;
+      o.fewerWorkers = variant == 2 || variant == 5;
+      o.compression = variant == 3 ? 2.0 : 0.0;
+      o.twoBw = variant == 4;
+      Topology t;
+      const int N = 1 + static_cast<int>(rng() % 4);
+      t.levels = {{N, (rng() % 2) ? 1.25e9 : 16e9}};
+      // A memory limit that binds for some candidates (variants 4 and 5).
+      double total = states.parameterBytes.back() + states.activationBytes.back();
+      t.memoryBytes = (variant >= 4) ? total * (0.6 + 0.8 * (rng() % 100) / 100.0) : 0.0;
+      double expected = bruteForce(states, N, t.levels[0].bandwidth, t.memoryBytes, o);
+      std::string ctx = what + " model=" + costModelName(model) + " variant=" +
+                        std::to_string(variant) + " N=" + std::to_string(N);
+      if (expected == kInf) {
+        EXPECT_THROW(planOnStates(g, states, t, o), std::invalid_argument) << ctx;
+        continue;
+      }
+      Plan p = planOnStates(g, states, t, o);
+      EXPECT_NEAR(p.timePerStage, expected, 1e-12 * std::max(1.0, expected)) << ctx;
+      // The returned partition achieves the optimum it reports.
+      double worst = 0;
+      for (const PlanStage& st : p.stages) worst = std::max(worst, st.time);
+      EXPECT_NEAR(worst, p.timePerStage, 1e-12 * std::max(1.0, worst)) << ctx;
+      int used = 0;
+      for (const PlanStage& st : p.stages) used += st.replicas;
+      if (o.fewerWorkers) {
+        EXPECT_LE(used, N) << ctx;
+      } else {
+        EXPECT_EQ(used, N) << ctx;
+      }
+      if (o.straight) {
+        for (const PlanStage& st : p.stages) EXPECT_EQ(st.replicas, 1) << ctx;
+      }
+    }
+  }
+}
+
+TEST(PlannerBruteForce, RandomChainsMatchExhaustiveSearch) {
+  std::mt19937 rng(1234);
+  for (int trial = 0; trial < 25; ++trial) {
+    ProfileGraph g = randomChain(rng, 2 + static_cast<int>(rng() % 5));
+    PlanningStates s;
+    ASSERT_TRUE(enumerateAntichainStates(g, 1000, &s));
+    compareWithBruteForce(g, s, rng, "chain trial " + std::to_string(trial));
+  }
+}
+
+TEST(PlannerBruteForce, RandomDagsMatchExhaustiveSearchOnBothStateKinds) {
+  std::mt19937 rng(99);
+  for (int trial = 0; trial < 25; ++trial) {
+    ProfileGraph g = randomDag(rng, 3 + static_cast<int>(rng() % 4));
+    PlanningStates s;
+    ASSERT_TRUE(enumerateAntichainStates(g, 1000, &s));
+    compareWithBruteForce(g, s, rng, "dag antichain trial " + std::to_string(trial));
+    compareWithBruteForce(g, topologicalCutStates(g), rng, "dag cuts trial " + std::to_string(trial));
+  }
+}
+
+// Input -> a -> b with heavy weights on a slow link: splitting wins.
+ProfileGraph twoHeavyLayers() {
+  ProfileGraph g;
+  g.addNode(makeNode("node1", "Input", 0, 0, 1e6, 0));
+  g.addNode(makeNode("node2", "a", 10, 20, 1e6, 1e9));
+  g.addNode(makeNode("node3", "b", 10, 20, 1e6, 1e9));
+  g.addEdge(0, 1);
+  g.addEdge(1, 2);
+  return g;
+}
+
+TEST(PlannerGolden, TwoHeavyLayersSplitOnTwoWorkers) {
+  Topology t;
+  t.levels = {{2, 1e9}};
+  PlannerOptions o;
+  o.costModel = CostModel::PipeDream;
+  Plan p = planPartition(twoHeavyLayers(), t, o);
+  ASSERT_EQ(p.stages.size(), 2u);
+  EXPECT_EQ(p.stages[0].nodes, (std::vector<int>{0, 1}));
+  EXPECT_EQ(p.stages[1].nodes, (std::vector<int>{2}));
+  EXPECT_EQ(p.stages[0].ranks, (std::vector<int>{0}));
+  EXPECT_EQ(p.stages[1].ranks, (std::vector<int>{1}));
+  EXPECT_DOUBLE_EQ(p.timePerStage, 0.03);
+  // Data parallel: (0.06 + 4 * 1 * 2e9 / (2 * 1e9)) / 2 = 2.03.
+  EXPECT_NEAR(p.dataParallelTime, 2.03, 1e-12);
+  EXPECT_NEAR(p.speedupOverDp, 2.03 / 0.03, 1e-9);
+  EXPECT_TRUE(p.chain);
+  EXPECT_EQ(p.stages[0].layerStart, 0);
+  EXPECT_EQ(p.stages[0].layerEnd, 1);
+  EXPECT_EQ(p.stages[1].layerStart, 1);
+  EXPECT_EQ(p.stages[1].layerEnd, 2);
+  // Memory per worker: stage 0 keeps 2 in-flight versions of 1e9 + 2 x 1e6.
+  EXPECT_DOUBLE_EQ(p.stages[0].memoryBytes, 2 * 1e9 + 2 * 1e6);
+  EXPECT_DOUBLE_EQ(p.stages[1].memoryBytes, 1e9 + 1e6);
+}
+
+TEST(PlannerGolden, WeightlessLayerIsReplicated) {
+  // a: 90 ms, no weights; b: 30 ms, 1 GB of weights. Best on 4 workers:
+  // a over 3 replicas (0.03 s each), b alone (0.03 s).
+  ProfileGraph g;
+  g.addNode(makeNode("node1", "Input", 0, 0, 1e3, 0));
+  g.addNode(makeNode("node2", "a", 30, 60, 1e3, 0));
+  g.addNode(makeNode("node3", "b", 10, 20, 1e3, 1e9));
+  g.addEdge(0, 1);
+  g.addEdge(1, 2);
+  Topology t;
+  t.levels = {{4, 1e9}};
+  for (CostModel model : {CostModel::PipeDream, CostModel::Default}) {
+    PlannerOptions o;
+    o.costModel = model;
+    Plan p = planPartition(g, t, o);
+    ASSERT_EQ(p.stages.size(), 2u) << costModelName(model);
+    EXPECT_EQ(p.stages[0].replicas, 3);
+    EXPECT_EQ(p.stages[0].ranks, (std::vector<int>{0, 1, 2}));
+    EXPECT_EQ(p.stages[1].ranks, (std::vector<int>{3}));
+    EXPECT_NEAR(p.timePerStage, 0.03, 1e-9) << costModelName(model);
+  }
+  // Straight pipelines cannot replicate: 2 stages on 2 workers (3 and 4
+  // workers would need more stages than layers).
+  PlannerOptions straight;
+  straight.straight = true;
+  t.levels = {{2, 1e9}};
+  Plan p = planPartition(g, t, straight);
+  ASSERT_EQ(p.stages.size(), 2u);
+  EXPECT_NEAR(p.timePerStage, 0.09, 1e-12);
+}
+
+TEST(PlannerGolden, FewerWorkersLeavesWorkersIdle) {
+  Topology t;
+  t.levels = {{5, 1e9}};
+  PlannerOptions o;
+  o.costModel = CostModel::PipeDream;
+  o.straight = true;
+  // Two layers cannot fill 5 straight stages.
+  EXPECT_THROW(planPartition(twoHeavyLayers(), t, o), std::invalid_argument);
+  o.fewerWorkers = true;
+  Plan p = planPartition(twoHeavyLayers(), t, o);
+  EXPECT_EQ(p.usedWorkers, 2);
+  EXPECT_EQ(p.numWorkers, 5);
+  EXPECT_DOUBLE_EQ(p.timePerStage, 0.03);
+}
+
+TEST(PlannerGolden, MemoryLimitForcesASplit) {
+  ProfileGraph g;
+  g.addNode(makeNode("node1", "Input", 0, 0, 0, 0));
+  g.addNode(makeNode("node2", "a", 1, 1, 0, 1e9));
+  g.addNode(makeNode("node3", "b", 3, 3, 0, 6e9));
+  g.addEdge(0, 1);
+  g.addEdge(1, 2);
+  Topology t;
+  t.levels = {{2, 1e15}};
+  // Default model, unlimited: data parallel (0.004 s) beats a|b (0.006 s).
+  PlannerOptions o;
+  Plan free = planPartition(g, t, o);
+  EXPECT_EQ(free.stages.size(), 1u);
+  EXPECT_NEAR(free.timePerStage, 0.004, 1e-9);
+  // Both replicas would hold 7 GB; a|b holds 2 x 1 GB and 1 x 6 GB.
+  t.memoryBytes = 6.5e9;
+  Plan limited = planPartition(g, t, o);
+  ASSERT_EQ(limited.stages.size(), 2u);
+  EXPECT_NEAR(limited.timePerStage, 0.006, 1e-12);
+  EXPECT_DOUBLE_EQ(limited.stages[0].memoryBytes, 2e9);
+  EXPECT_DOUBLE_EQ(limited.stages[1].memoryBytes, 6e9);
+  t.memoryBytes = 1e9;
+  EXPECT_THROW(planPartition(g, t, o), std::invalid_argument);
+}
+
+TEST(PlannerHierarchy, DegenerateLevelsMatchFlatPlans) {
+  ProfileGraph g = ProfileGraph::load(dataPath("resnet18.txt"));
+  for (CostModel model : {CostModel::PipeDream, CostModel::Default}) {
+    PlannerOptions o;
+    o.costModel = model;
+    Topology flat, outer, inner;
+    flat.levels = {{8, 1.25e9}};
+    outer.levels = {{1, 16e9}, {8, 1.25e9}};  // 8 servers of one worker
+    inner.levels = {{8, 1.25e9}, {1, 16e9}};  // one server of 8 workers
+    double f = planPartition(g, flat, o).timePerStage;
+    EXPECT_NEAR(planPartition(g, outer, o).timePerStage, f, 1e-12) << costModelName(model);
+    EXPECT_NEAR(planPartition(g, inner, o).timePerStage, f, 1e-12) << costModelName(model);
+  }
+}
+
+TEST(PlannerHierarchy, RanksPartitionTheClusterAndStayInsideServers) {
+  ProfileGraph g = ProfileGraph::load(dataPath("gnmt.txt"));
+  Topology t;
+  t.levels = {{4, 16e9}, {4, 1.25e9}};
+  for (CostModel model : {CostModel::PipeDream, CostModel::Default}) {
+    PlannerOptions o;
+    o.costModel = model;
+    Plan p = planPartition(g, t, o);
+    std::set<int> seen;
+    for (const PlanStage& st : p.stages) {
+      EXPECT_EQ(static_cast<int>(st.ranks.size()), st.replicas);
+      for (int r : st.ranks) EXPECT_TRUE(seen.insert(r).second) << "rank " << r << " reused";
+      // Replicas come in equal groups per server (in-server replicas times
+      // servers), consecutive inside each server.
+      std::map<int, std::vector<int>> perServer;
+      for (int r : st.ranks) perServer[r / 4].push_back(r);
+      for (const auto& kv : perServer) {
+        EXPECT_EQ(kv.second.size(), perServer.begin()->second.size());
+        EXPECT_EQ(kv.second.back() - kv.second.front() + 1, static_cast<int>(kv.second.size()));
+      }
+    }
+    EXPECT_EQ(static_cast<int>(seen.size()), 16);
+    EXPECT_GT(p.speedupOverDp, 0.0);
+    // Every node is in exactly one stage.
+    size_t nodes = 0;
+    for (const PlanStage& st : p.stages) nodes += st.nodes.size();
+    EXPECT_EQ(nodes, static_cast<size_t>(g.numNodes()));
+  }
+}
+
+TEST(PlannerPaths, FallbackAnswersAndAgreesOnChains) {
+  // On a chain antichain states and topological cuts are the same prefixes.
+  std::mt19937 rng(7);
+  ProfileGraph chain = randomChain(rng, 12);
+  Topology t;
+  t.levels = {{4, 16e9}, {2, 1.25e9}};
+  PlannerOptions o;
+  o.costModel = CostModel::PipeDream;
+  Plan a = planPartition(chain, t, o);
+  EXPECT_EQ(a.stateKind, StateKind::Antichain);
+  PlannerOptions cuts = o;
+  cuts.maxAntichainStates = 2;  // force the fallback
+  Plan b = planPartition(chain, t, cuts);
+  EXPECT_EQ(b.stateKind, StateKind::TopologicalCut);
+  EXPECT_FALSE(b.coarsened);
+  EXPECT_DOUBLE_EQ(a.timePerStage, b.timePerStage);
+  // A tiny work budget coarsens the cuts but still answers.
+  PlannerOptions tiny = cuts;
+  tiny.workBudget = 1e3;
+  Plan c = planPartition(chain, t, tiny);
+  EXPECT_TRUE(c.coarsened);
+  EXPECT_LT(c.numStates, 13);
+  EXPECT_GE(c.timePerStage, a.timePerStage);
+}
+
+TEST(PlannerPaths, AntichainOptimumIsNoWorseThanCutsOnBranchingGraphs) {
+  ProfileGraph g = ProfileGraph::load(dataPath("resnet18.txt"));
+  Topology t;
+  t.levels = {{16, 1.25e9}};
+  for (CostModel model : {CostModel::PipeDream, CostModel::Default}) {
+    PlannerOptions o;
+    o.costModel = model;
+    PlanningStates s;
+    ASSERT_TRUE(enumerateAntichainStates(g, 4096, &s));
+    Plan a = planOnStates(g, s, t, o);
+    Plan b = planOnStates(g, topologicalCutStates(g), t, o);
+    if (model == CostModel::PipeDream) {
+      // Cuts of one order are a subset of the ideals.
+      EXPECT_LE(a.timePerStage, b.timePerStage * (1 + 1e-12));
+    }
+    EXPECT_GT(b.timePerStage, 0.0);
+  }
+}
+
+TEST(PlannerOptionsCheck, RejectsBadInput) {
+  Topology t;
+  EXPECT_THROW(planPartition(twoHeavyLayers(), t, {}), std::invalid_argument);
+  t.levels = {{0, 1e9}};
+  EXPECT_THROW(planPartition(twoHeavyLayers(), t, {}), std::invalid_argument);
+  t.levels = {{2, -1}};
+  EXPECT_THROW(planPartition(twoHeavyLayers(), t, {}), std::invalid_argument);
+  EXPECT_THROW(parseCostModel("fast"), std::invalid_argument);
+  EXPECT_EQ(parseCostModel("pipedream"), CostModel::PipeDream);
+}
+
+}  // namespace
+}  // namespace pipedream
