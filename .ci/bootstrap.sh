@@ -32,6 +32,6 @@ if [ -z "$so" ] || [ -n "$(find csrc setup.py -newer "$so" -type f 2>/dev/null |
    || ! $PY -c "import pipedream_ext" 2>/dev/null; then
   log "building pipedream_ext._C (pip install --no-build-isolation -e .)"
   $PY -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "Running pip as the 'root' user" || true
-  $PY -c "import pipedream_ext._C" || { echo "[bootstrap] build failed" >&2; exit 1; }
+  $PY -c "import pipedream_ext" || { echo "[bootstrap] build failed" >&2; exit 1; }
 fi
 log "ready"

@@ -2,21 +2,270 @@
 // pipedream_ext._C. Each subsystem has its own bind* function below.
 #include <torch/extension.h>
 
+#include <pybind11/stl.h>
+
 #include "core/action.h"
+#include "core/generators.h"
+#include "core/lower.h"
 #include "core/schedule.h"
+#include "core/simulate.h"
+#include "core/validate.h"
 
 namespace py = pybind11;
 
 namespace pipedream {
 namespace {
 
-void bindSchedules(py::module_& m) {
-  (void)m;  // filled in by the schedule engine
+std::vector<std::string> actionStrings(const std::vector<Action>& actions) {
+  std::vector<std::string> out;
+  out.reserve(actions.size());
+  for (const auto& a : actions) out.push_back(a.toString());
+  return out;
 }
 
-// ---- planner (csrc/core/graph.h, csrc/core/planner.h) ----------------------
+void bindSchedules(py::module_& m) {
+  py::enum_<ActionKind>(m, "ActionKind")
+      .value("F", ActionKind::kForward)
+      .value("B", ActionKind::kBackward)
+      .value("I", ActionKind::kBackwardInput)
+      .value("W", ActionKind::kBackwardWeight)
+      .value("SEND_F", ActionKind::kSendForward)
+      .value("RECV_F", ActionKind::kRecvForward)
+      .value("SEND_B", ActionKind::kSendBackward)
+      .value("RECV_B", ActionKind::kRecvBackward)
+      .value("UPDATE", ActionKind::kUpdate)
+      .value("ALLREDUCE", ActionKind::kAllReduce);
+
+  py::class_<Action>(m, "Action")
+      .def_readonly("stage", &Action::stage)
+      .def_readonly("kind", &Action::kind)
+      .def_readonly("microbatch", &Action::microbatch)
+      .def_readonly("version", &Action::version)
+      .def_static("parse", &Action::parse, py::arg("text"))
+      .def("__str__", &Action::toString)
+      .def("__repr__", [](const Action& a) { return "Action('" + a.toString() + "')"; })
+      .def("__eq__", &Action::operator==);
+
+  py::class_<Layout>(m, "Layout")
+      .def_property_readonly("num_ranks", &Layout::numRanks)
+      .def_property_readonly("num_stages", &Layout::numStages)
+      .def("stage_ranks", &Layout::stageRanks, py::arg("stage"))
+      .def("rank_for", &Layout::rankFor, py::arg("stage"), py::arg("microbatch"))
+      .def("stages_of_rank", &Layout::stagesOfRank, py::arg("rank"))
+      .def_property_readonly("replicas", &Layout::replicaCounts);
+
+  py::class_<Schedule>(m, "Schedule")
+      .def_property_readonly("name", &Schedule::name)
+      .def_property_readonly("layout", &Schedule::layout)
+      .def_property_readonly("num_ranks", &Schedule::numRanks)
+      .def_property_readonly("num_stages", &Schedule::numStages)
+      .def_property_readonly("microbatches", &Schedule::microbatches)
+      .def_property_readonly("batches", &Schedule::batches)
+      .def_property_readonly("is_lowered", &Schedule::isLowered)
+      .def("actions", [](const Schedule& s, int rank) { return s.actions(rank); }, py::arg("rank"))
+      .def("action_strings", [](const Schedule& s, int rank) { return actionStrings(s.actions(rank)); },
+           py::arg("rank"))
+      .def("to_text", &Schedule::toText)
+      .def("to_csv", &Schedule::toCsv)
+      .def("grid", [](const Schedule& s) { return s.grid(); })
+      .def("with_actions_from_text", &Schedule::withActionsFromText, py::arg("text"))
+      .def("with_actions_from_csv", &Schedule::withActionsFromCsv, py::arg("csv"));
+
+  py::class_<StageCosts>(m, "StageCosts")
+      .def(py::init<>())
+      .def_readwrite("forward", &StageCosts::forward)
+      .def_readwrite("backward", &StageCosts::backward)
+      .def_readwrite("weight", &StageCosts::weight)
+      .def_readwrite("comm", &StageCosts::comm)
+      .def_readwrite("all_reduce", &StageCosts::allReduce);
+
+  py::class_<TimedAction>(m, "TimedAction")
+      .def_readonly("rank", &TimedAction::rank)
+      .def_readonly("step", &TimedAction::step)
+      .def_readonly("action", &TimedAction::action)
+      .def_readonly("start", &TimedAction::start)
+      .def_readonly("end", &TimedAction::end);
+
+  py::class_<SimulationResult>(m, "SimulationResult")
+      .def_readonly("makespan", &SimulationResult::makespan)
+      .def_readonly("bubble_fraction", &SimulationResult::bubbleFraction)
+      .def_readonly("bubble_fraction_per_rank", &SimulationResult::bubbleFractionPerRank)
+      .def_readonly("busy_time_per_rank", &SimulationResult::busyTimePerRank)
+      .def_readonly("peak_activations", &SimulationResult::peakActivations)
+      .def_readonly("peak_activations_per_rank", &SimulationResult::peakActivationsPerRank)
+      .def_readonly("peak_deferred_weight_grads", &SimulationResult::peakDeferredWeightGrads)
+      .def_readonly("peak_weight_versions", &SimulationResult::peakWeightVersions)
+      .def_readonly("timeline", &SimulationResult::timeline);
+
+  m.def("schedule_names", &scheduleNames);
+  m.def(
+      "build_schedule",
+      [](const std::string& name, int stages, int microbatches, int chunks,
+         std::vector<int> replicas, int batches) {
+        ScheduleOptions options;
+        options.name = name;
+        options.stages = stages;
+        options.microbatches = microbatches;
+        options.chunks = chunks;
+        options.replicas = std::move(replicas);
+        options.batches = batches;
+        return buildSchedule(options);
+      },
+      py::arg("name"), py::arg("stages"), py::arg("microbatches"), py::arg("chunks") = 1,
+      py::arg("replicas") = std::vector<int>{}, py::arg("batches") = 1,
+      "Builds the compute-only schedule (F/B/I/W, UPDATE, ALLREDUCE).");
+  m.def("lower", &lower, py::arg("schedule"), "Inserts SEND/RECV actions.");
+  m.def("strip_communication", &stripCommunication, py::arg("schedule"));
+  m.def("validate", &validate, py::arg("schedule"),
+        "Raises ValueError with a marked rank-by-step grid if the schedule is invalid.");
+  m.def("simulate", &simulate, py::arg("schedule"), py::arg("costs"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("to_chrome_trace", &toChromeTrace, py::arg("schedule"), py::arg("result"));
+  m.def("num_optimal_active_minibatches", &numOptimalActiveMinibatches, py::arg("replicas"),
+        py::arg("stage"));
+  m.def("parse_actions", [](const std::string& text) { return parseActions(text); },
+        py::arg("text"));
+}
+
+// ---- planner (csrc/core/profile_graph.h, csrc/core/planner.h) -------------
+}  // namespace
+}  // namespace pipedream
+#include "core/planner.h"
+#include "core/profile_graph.h"
+#include "core/topology.h"
+namespace pipedream {
+namespace {
+
+py::dict planToDict(const ProfileGraph& g, const Plan& p) {
+  py::list stages;
+  for (const PlanStage& st : p.stages) {
+    py::dict d;
+    py::list nodes;
+    for (int v : st.nodes) nodes.append(g.node(v).id);
+    d["nodes"] = nodes;
+    d["replicas"] = st.replicas;
+    d["ranks"] = st.ranks;
+    d["time"] = st.time;
+    d["compute_seconds"] = st.computeSeconds;
+    d["parameter_bytes"] = st.parameterBytes;
+    d["activation_bytes"] = st.activationBytes;
+    d["memory_bytes"] = st.memoryBytes;
+    if (p.chain) {
+      d["layers"] = py::make_tuple(st.layerStart, st.layerEnd);
+    } else {
+      d["layers"] = py::none();
+    }
+    stages.append(d);
+  }
+  py::dict out;
+  out["cost_model"] = costModelName(p.costModel);
+  out["state_kind"] = stateKindName(p.stateKind);
+  out["num_states"] = p.numStates;
+  out["coarsened"] = p.coarsened;
+  out["num_workers"] = p.numWorkers;
+  out["used_workers"] = p.usedWorkers;
+  out["chain"] = p.chain;
+  out["time_per_stage"] = p.timePerStage;
+  out["data_parallel_time"] = p.dataParallelTime;
+  out["single_worker_time"] = p.singleWorkerTime;
+  out["speedup_over_dp"] = p.speedupOverDp;
+  out["stages"] = stages;
+  return out;
+}
+
 void bindPlanner(py::module_& m) {
-  (void)m;  // filled in by the planner
+  py::class_<ProfileGraph>(m, "ProfileGraph",
+                           "A layer profile graph in PipeDream's graph.txt format.")
+      .def(py::init<>())
+      .def_static("parse", &ProfileGraph::parse, py::arg("text"), py::arg("source") = "<string>")
+      .def_static("load", &ProfileGraph::load, py::arg("path"))
+      .def("to_string", &ProfileGraph::toString)
+      .def("save", &ProfileGraph::save, py::arg("path"))
+      .def(
+          "add_node",
+          [](ProfileGraph& g, const std::string& id, const std::string& description,
+             double forwardMs, double backwardMs, double activationBytes, double parameterBytes) {
+            GraphNode n;
+            n.id = id;
+            n.description = description;
+            n.forwardMs = forwardMs;
+            n.backwardMs = backwardMs;
+            n.activationBytes = activationBytes;
+            n.parameterBytes = parameterBytes;
+            return g.addNode(n);
+          },
+          py::arg("id"), py::arg("description"), py::arg("forward_ms"), py::arg("backward_ms"),
+          py::arg("activation_bytes"), py::arg("parameter_bytes"))
+      .def("add_edge",
+           py::overload_cast<const std::string&, const std::string&>(&ProfileGraph::addEdge),
+           py::arg("src"), py::arg("dst"))
+      .def("__len__", &ProfileGraph::numNodes)
+      .def("is_chain", [](const ProfileGraph& g) { return g.isChain(); })
+      .def("nodes",
+           [](const ProfileGraph& g) {
+             py::list out;
+             for (const GraphNode& n : g.nodes()) {
+               py::dict d;
+               d["id"] = n.id;
+               d["description"] = n.description;
+               d["forward_ms"] = n.forwardMs;
+               d["backward_ms"] = n.backwardMs;
+               d["activation_bytes"] = n.activationBytes;
+               d["parameter_bytes"] = n.parameterBytes;
+               out.append(d);
+             }
+             return out;
+           })
+      .def("edges", [](const ProfileGraph& g) {
+        std::vector<std::pair<std::string, std::string>> out;
+        for (const auto& e : g.edges()) out.emplace_back(g.node(e.first).id, g.node(e.second).id);
+        return out;
+      });
+
+  m.def(
+      "plan_graph",
+      [](const ProfileGraph& g, const std::vector<int>& workers,
+         const std::vector<double>& bandwidth, double memory, bool straight, bool fewerWorkers,
+         const std::string& costModel, double compression, bool twoBw, int maxAntichainStates,
+         double workBudget) {
+        if (workers.size() != bandwidth.size()) {
+          throw std::invalid_argument("got " + std::to_string(workers.size()) +
+                                      " worker counts but " + std::to_string(bandwidth.size()) +
+                                      " bandwidths; give one bandwidth per level");
+        }
+        Topology t;
+        for (size_t i = 0; i < workers.size(); ++i) t.levels.push_back({workers[i], bandwidth[i]});
+        t.memoryBytes = memory;
+        PlannerOptions o;
+        o.costModel = parseCostModel(costModel);
+        o.straight = straight;
+        o.fewerWorkers = fewerWorkers;
+        o.compression = compression;
+        o.twoBw = twoBw;
+        o.maxAntichainStates = maxAntichainStates;
+        o.workBudget = workBudget;
+        Plan p;
+        {
+          py::gil_scoped_release release;
+          p = planPartition(g, t, o);
+        }
+        return planToDict(g, p);
+      },
+      py::arg("graph"), py::arg("workers"), py::arg("bandwidth"), py::arg("memory") = 0.0,
+      py::arg("straight") = false, py::arg("fewer_workers") = false,
+      py::arg("cost_model") = "default", py::arg("compression") = 0.0,
+      py::arg("two_bw") = false, py::arg("max_antichain_states") = 4096,
+      py::arg("work_budget") = 1.5e8,
+      "Plans `graph` on a cluster (levels innermost first); returns a dict.");
+
+  m.def(
+      "count_antichain_states",
+      [](const ProfileGraph& g, int cap) {
+        PlanningStates s;
+        return enumerateAntichainStates(g, cap, &s) ? s.size() : -1;
+      },
+      py::arg("graph"), py::arg("cap"),
+      "PipeDream's state count, or -1 when it exceeds `cap`.");
 }
 
 }  // namespace

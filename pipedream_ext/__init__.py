@@ -1,4 +1,6 @@
 """pipedream_ext: pipeline-parallel training in the style of PipeDream."""
+import torch  # noqa: F401  (loads libc10/libtorch that _C links against)
+
 from . import _C  # noqa: F401  (fail early if the extension is not built)
 from . import schedules
 

@@ -1,0 +1,297 @@
+"""Pipeline schedules as data: build, inspect, validate and simulate them.
+
+A schedule is, for every rank, an ordered list of typed actions in a compact
+text form (``2F0``: stage 2 forward of microbatch 0; ``1B3v2``: stage 1
+backward of microbatch 3 reading weight version 2; ``0U1``: the update that
+creates version 1 of stage 0; ``3SEND_F1`` / ``4RECV_F1``: communication).
+Generators, lowering, validation and the simulator are C++ (``_C``); this
+module is a thin typed wrapper.
+
+Example:
+    >>> from pipedream_ext import schedules
+    >>> s = schedules.build("1f1b", stages=4, microbatches=8)
+    >>> s.actions(0, comm=False)[:5]
+    ['0F0', '0F1', '0F2', '0F3', '0B0']
+    >>> round(s.simulate(t_f=1, t_b=1).bubble_fraction, 4)
+    0.2727
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+from . import _C
+
+__all__ = ["Schedule", "SimulationResult", "build", "names", "parse_action"]
+
+Costs = Union[float, int, Sequence[float]]
+
+
+def names() -> List[str]:
+    """Returns the names of all schedule generators."""
+    return list(_C.schedule_names())
+
+
+def parse_action(text: str) -> Dict[str, Any]:
+    """Parses one action such as ``"1B3v2"`` into its fields.
+
+    Raises:
+        ValueError: if ``text`` is not a valid action.
+    """
+    action = _C.Action.parse(text)
+    return {
+        "stage": action.stage,
+        "kind": action.kind.name,
+        "microbatch": action.microbatch,
+        "version": action.version,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulationResult:
+    """Figures of one simulated run of a schedule.
+
+    Attributes:
+        makespan: time from the first action to the last, in cost units.
+        bubble_fraction: idle share of all ranks, 1 - compute / (ranks * makespan).
+        bubble_fraction_per_rank: the same per rank.
+        peak_activations: per stage, most microbatches between F and the end
+            of their backward (B, or I when split); max over a stage's replicas.
+        peak_activations_per_rank: the same summed over the stages of a rank.
+        peak_deferred_weight_grads: per stage, most microbatches between I and W.
+        peak_weight_versions: per stage, most weight versions alive at once
+            (versions read by in-flight microbatches plus the current one).
+        timeline: ``(rank, step, action, start, end)`` for every action.
+    """
+
+    makespan: float
+    bubble_fraction: float
+    bubble_fraction_per_rank: List[float]
+    peak_activations: List[int]
+    peak_activations_per_rank: List[int]
+    peak_deferred_weight_grads: List[int]
+    peak_weight_versions: List[int]
+    timeline: List[tuple] = dataclasses.field(repr=False, default_factory=list)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Returns the figures (without the timeline) as a JSON-ready dict."""
+        out = dataclasses.asdict(self)
+        out.pop("timeline")
+        return out
+
+
+def _per(values: Costs, count: int, name: str) -> List[float]:
+    if isinstance(values, (int, float)):
+        return [float(values)] * count
+    values = [float(v) for v in values]
+    if len(values) != count:
+        raise ValueError(
+            f"{name} lists {len(values)} costs but {count} are needed; "
+            "pass a single number or one value per stage (per boundary for t_comm)"
+        )
+    return values
+
+
+def _wrap(raw: "_C.SimulationResult") -> SimulationResult:
+    return SimulationResult(
+        makespan=raw.makespan,
+        bubble_fraction=raw.bubble_fraction,
+        bubble_fraction_per_rank=list(raw.bubble_fraction_per_rank),
+        peak_activations=list(raw.peak_activations),
+        peak_activations_per_rank=list(raw.peak_activations_per_rank),
+        peak_deferred_weight_grads=list(raw.peak_deferred_weight_grads),
+        peak_weight_versions=list(raw.peak_weight_versions),
+        timeline=[(e.rank, e.step, str(e.action), e.start, e.end) for e in raw.timeline],
+    )
+
+
+class Schedule:
+    """Per-rank action lists of one pipeline schedule (see :func:`build`).
+
+    Holds the compute-only form (F/B/I/W, U, ALLREDUCE) and the lowered form
+    (with SEND/RECV), which is what the runtime executes.
+    """
+
+    def __init__(self, compute: "_C.Schedule", lowered: Optional["_C.Schedule"] = None) -> None:
+        self._compute = compute
+        self._lowered = lowered if lowered is not None else _C.lower(compute)
+
+    # -- metadata ---------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self._compute.name
+
+    @property
+    def num_stages(self) -> int:
+        """Stages (virtual stages for interleaved schedules)."""
+        return self._compute.num_stages
+
+    @property
+    def num_ranks(self) -> int:
+        return self._compute.num_ranks
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches per batch (minibatches for ``pipedream``)."""
+        return self._compute.microbatches
+
+    @property
+    def batches(self) -> int:
+        return self._compute.batches
+
+    @property
+    def replicas(self) -> List[int]:
+        """Replica count of every stage."""
+        return list(self._compute.layout.replicas)
+
+    def stage_ranks(self, stage: int) -> List[int]:
+        """Ranks that hold ``stage`` (its replicas, in round-robin order)."""
+        return list(self._compute.layout.stage_ranks(stage))
+
+    def stages_of_rank(self, rank: int) -> List[int]:
+        return list(self._compute.layout.stages_of_rank(rank))
+
+    # -- views --------------------------------------------------------------
+    def actions(self, rank: int, comm: bool = True) -> List[str]:
+        """Returns rank ``rank``'s actions as text, with communication unless ``comm=False``."""
+        source = self._lowered if comm else self._compute
+        return list(source.action_strings(rank))
+
+    def grid(self, comm: bool = False) -> str:
+        """Rank-by-step text grid (compute-only unless ``comm=True``)."""
+        return (self._lowered if comm else self._compute).grid()
+
+    def to_text(self, comm: bool = True) -> str:
+        """One line per rank: ``rank 0: 0F0 0SEND_F0 ...``."""
+        return (self._lowered if comm else self._compute).to_text()
+
+    def to_csv(self, path: Optional[Union[str, os.PathLike]] = None, comm: bool = True) -> str:
+        """Returns (and optionally writes) one CSV row of action texts per rank."""
+        text = (self._lowered if comm else self._compute).to_csv()
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.write(text)
+        return text
+
+    def with_actions(self, text: str, fmt: str = "text") -> "Schedule":
+        """Returns a validated schedule with this layout and the given actions.
+
+        Args:
+            text: actions in the :meth:`to_text` form, or CSV when ``fmt="csv"``;
+                lowered (with SEND/RECV) or compute-only.
+            fmt: ``"text"`` or ``"csv"``.
+
+        Raises:
+            ValueError: on a parse error or an invalid schedule (the message
+                shows the grid with the offending action marked).
+        """
+        if fmt == "text":
+            parsed = self._compute.with_actions_from_text(text)
+        elif fmt == "csv":
+            parsed = self._compute.with_actions_from_csv(text)
+        else:
+            raise ValueError(f"fmt must be 'text' or 'csv' (got {fmt!r})")
+        _C.validate(parsed)
+        if parsed.is_lowered:
+            return Schedule(_C.strip_communication(parsed), parsed)
+        return Schedule(parsed)
+
+    def validate(self) -> None:
+        """Checks both forms.
+
+        Raises:
+            ValueError: naming the problem, with the grid marked at the action.
+        """
+        _C.validate(self._compute)
+        _C.validate(self._lowered)
+
+    # -- simulation -----------------------------------------------------------
+    def _costs(self, t_f: Costs, t_b: Costs, t_w: Optional[Costs], t_comm: Costs,
+               t_allreduce: Costs) -> "_C.StageCosts":
+        stages = self.num_stages
+        costs = _C.StageCosts()
+        costs.forward = _per(t_f, stages, "t_f")
+        costs.backward = _per(t_b, stages, "t_b")
+        costs.weight = [] if t_w is None else _per(t_w, stages, "t_w")
+        costs.comm = _per(t_comm, max(0, stages - 1), "t_comm")
+        costs.all_reduce = _per(t_allreduce, stages, "t_allreduce")
+        return costs
+
+    def _simulate(self, **costs: Any) -> "_C.SimulationResult":
+        return _C.simulate(self._lowered, self._costs(**costs))
+
+    def simulate(self, t_f: Costs = 1.0, t_b: Costs = 2.0, t_w: Optional[Costs] = None,
+                 t_comm: Costs = 0.0, t_allreduce: Costs = 0.0) -> SimulationResult:
+        """Simulates the lowered schedule.
+
+        Args:
+            t_f: forward time, one number or one per stage.
+            t_b: backward time. With ``t_w=None`` the backward is not split: B
+                costs ``t_b`` and I, W cost ``t_b / 2`` each. Otherwise I costs
+                ``t_b``, W costs ``t_w`` and B costs ``t_b + t_w``.
+            t_w: weight-gradient time (see ``t_b``), or None.
+            t_comm: transfer time per stage boundary (one number or p-1).
+            t_allreduce: gradient all-reduce time of a replicated stage.
+
+        Returns:
+            The :class:`SimulationResult`.
+
+        Raises:
+            ValueError: on negative or mis-sized costs.
+        """
+        raw = self._simulate(t_f=t_f, t_b=t_b, t_w=t_w, t_comm=t_comm, t_allreduce=t_allreduce)
+        return _wrap(raw)
+
+    def to_chrome_trace(self, path: Union[str, os.PathLike], t_f: Costs = 1.0, t_b: Costs = 2.0,
+                        t_w: Optional[Costs] = None, t_comm: Costs = 0.0,
+                        t_allreduce: Costs = 0.0) -> SimulationResult:
+        """Simulates and writes a Chrome trace (chrome://tracing, Perfetto) to ``path``.
+
+        Returns:
+            The :class:`SimulationResult` of the simulated run.
+        """
+        raw = self._simulate(t_f=t_f, t_b=t_b, t_w=t_w, t_comm=t_comm, t_allreduce=t_allreduce)
+        text = _C.to_chrome_trace(self._lowered, raw)
+        json.loads(text)  # never write a broken trace
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        return _wrap(raw)
+
+    def __repr__(self) -> str:
+        return (f"Schedule(name={self.name!r}, stages={self.num_stages}, ranks={self.num_ranks}, "
+                f"microbatches={self.microbatches}, batches={self.batches}, "
+                f"replicas={self.replicas})")
+
+
+def build(name: str, stages: int, microbatches: int, chunks: int = 1,
+          replicas: Optional[Sequence[int]] = None, batches: int = 1) -> Schedule:
+    """Builds, lowers and validates a schedule.
+
+    Args:
+        name: one of :func:`names`: ``gpipe``, ``1f1b``, ``interleaved-1f1b``,
+            ``zb-h1``, ``pipedream``, ``pipedream-2bw``.
+        stages: pipeline stages p (ranks, for ``interleaved-1f1b``).
+        microbatches: microbatches per batch m (for ``pipedream``: minibatches,
+            each followed by an update).
+        chunks: model chunks per rank v (``interleaved-1f1b`` only).
+        replicas: replica count per stage, e.g. ``[2, 1, 1]`` (gpipe, 1f1b,
+            pipedream, pipedream-2bw); microbatch i runs on replica i mod r.
+        batches: consecutive batches in the schedule (not for ``pipedream``).
+
+    Returns:
+        The validated :class:`Schedule`.
+
+    Raises:
+        ValueError: unknown name or impossible parameters, naming the value.
+    """
+    for label, value in (("stages", stages), ("microbatches", microbatches),
+                         ("chunks", chunks), ("batches", batches)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{label} must be an integer (got {value!r})")
+    compute = _C.build_schedule(name, stages, microbatches, chunks,
+                                list(replicas) if replicas is not None else [], batches)
+    schedule = Schedule(compute)
+    schedule.validate()
+    return schedule

@@ -87,10 +87,11 @@ std::vector<int> Layout::replicaCounts() const {
 // -------------------------------------------------------------- Schedule --
 
 Schedule::Schedule(std::string name, Layout layout, int microbatches,
-                   std::vector<std::vector<Action>> rankActions)
+                   std::vector<std::vector<Action>> rankActions, int batches)
     : name_(std::move(name)),
       layout_(std::move(layout)),
       microbatches_(microbatches),
+      batches_(batches),
       rankActions_(std::move(rankActions)) {
   if (static_cast<int>(rankActions_.size()) != layout_.numRanks()) {
     throw std::invalid_argument("schedule has action lists for " +
@@ -183,7 +184,7 @@ std::string Schedule::toCsv() const {
 }
 
 Schedule Schedule::withActions(std::vector<std::vector<Action>> rankActions) const {
-  return Schedule(name_, layout_, microbatches_, std::move(rankActions));
+  return Schedule(name_, layout_, microbatches_, std::move(rankActions), batches_);
 }
 
 Schedule Schedule::withActionsFromText(const std::string& text) const {

@@ -50,14 +50,18 @@ class Layout {
 class Schedule {
  public:
   Schedule() = default;
+  // `microbatches` per batch; microbatch ids run over [0, microbatches *
+  // batches).
   Schedule(std::string name, Layout layout, int microbatches,
-           std::vector<std::vector<Action>> rankActions);
+           std::vector<std::vector<Action>> rankActions, int batches = 1);
 
   const std::string& name() const { return name_; }
   const Layout& layout() const { return layout_; }
   int numRanks() const { return layout_.numRanks(); }
   int numStages() const { return layout_.numStages(); }
   int microbatches() const { return microbatches_; }
+  int batches() const { return batches_; }
+  int totalMicrobatches() const { return microbatches_ * batches_; }
   const std::vector<Action>& actions(int rank) const;
   const std::vector<std::vector<Action>>& allActions() const { return rankActions_; }
   // Whether SEND/RECV actions are present (set by lower()).
@@ -83,6 +87,7 @@ class Schedule {
   std::string name_;
   Layout layout_;
   int microbatches_ = 0;
+  int batches_ = 1;
   std::vector<std::vector<Action>> rankActions_;
 };
 

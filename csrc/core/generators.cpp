@@ -1,0 +1,363 @@
+#include "generators.h"
+
+#include <algorithm>
+#include <functional>
+#include <numeric>
+#include <stdexcept>
+
+namespace pipedream {
+
+namespace {
+
+using RankLists = std::vector<std::vector<Action>>;
+
+[[noreturn]] void fail(const std::string& message) { throw std::invalid_argument(message); }
+
+std::string str(int value) { return std::to_string(value); }
+
+std::string joined(const std::vector<int>& values) {
+  std::string out;
+  for (size_t k = 0; k < values.size(); ++k) out += (k ? "-" : "") + str(values[k]);
+  return out;
+}
+
+// Microbatches [base, base + count) that replica `replica` of `r` runs
+// (round robin: i mod r == replica).
+std::vector<int> localMicrobatches(int base, int count, int replica, int r) {
+  std::vector<int> local;
+  for (int i = base; i < base + count; ++i) {
+    if (i % r == replica) local.push_back(i);
+  }
+  return local;
+}
+
+// One-forward-one-backward order over a rank's local microbatches: `warmup`
+// forwards, then B(local[x]) followed by F(local[x + warmup]) until forwards
+// run out, then the remaining backwards. `afterBackward(x)` may append
+// UPDATE/ALLREDUCE after the x-th backward; `versionOf(i)` gives the version
+// that F(i) and B(i) read.
+void appendOneFOneB(std::vector<Action>& out, int stage, const std::vector<int>& local,
+                    int warmup, const std::function<int(int)>& versionOf,
+                    const std::function<void(int)>& afterBackward) {
+  const int n = static_cast<int>(local.size());
+  const int w = std::min(warmup, n);
+  for (int x = 0; x < w; ++x) {
+    out.push_back(Action::compute(stage, ActionKind::kForward, local[x], versionOf(local[x])));
+  }
+  for (int x = 0; x < n; ++x) {
+    out.push_back(Action::compute(stage, ActionKind::kBackward, local[x], versionOf(local[x])));
+    afterBackward(x);
+    if (w + x < n) {
+      const int i = local[w + x];
+      out.push_back(Action::compute(stage, ActionKind::kForward, i, versionOf(i)));
+    }
+  }
+}
+
+void appendUpdate(std::vector<Action>& out, int stage, int replicas, int newVersion) {
+  if (replicas > 1) out.push_back(Action::allReduce(stage, newVersion));
+  out.push_back(Action::update(stage, newVersion));
+}
+
+// --- flush schedules: one batch at a time -----------------------------------
+
+// GPipe: all forwards, then all backwards, then one update.
+void gpipeBatch(const Layout& layout, int m, int batch, RankLists& lists) {
+  for (int j = 0; j < layout.numStages(); ++j) {
+    const auto& ranks = layout.stageRanks(j);
+    const int r = static_cast<int>(ranks.size());
+    for (int k = 0; k < r; ++k) {
+      auto& out = lists[ranks[k]];
+      const auto local = localMicrobatches(batch * m, m, k, r);
+      for (int i : local) out.push_back(Action::compute(j, ActionKind::kForward, i, batch));
+      for (int i : local) out.push_back(Action::compute(j, ActionKind::kBackward, i, batch));
+      appendUpdate(out, j, r, batch + 1);
+    }
+  }
+}
+
+// PipeDream-Flush (1F1B with a flush): NOAM_j forwards of warm-up, 1F1B,
+// drain, one update.
+void oneFOneBBatch(const Layout& layout, int m, int batch, RankLists& lists) {
+  const auto replicas = layout.replicaCounts();
+  for (int j = 0; j < layout.numStages(); ++j) {
+    const auto& ranks = layout.stageRanks(j);
+    const int r = static_cast<int>(ranks.size());
+    const int warmup = numOptimalActiveMinibatches(replicas, j);
+    for (int k = 0; k < r; ++k) {
+      auto& out = lists[ranks[k]];
+      appendOneFOneB(out, j, localMicrobatches(batch * m, m, k, r), warmup,
+                     [batch](int) { return batch; }, [](int) {});
+      appendUpdate(out, j, r, batch + 1);
+    }
+  }
+}
+
+// Megatron-LM's interleaved 1F1B: p ranks, v chunks per rank, m % p == 0.
+// Virtual microbatch k (0 <= k < m*v) is microbatch (k / pv) * p + k % p of
+// chunk (k % pv) / p going forward and chunk v-1-(k % pv)/p going backward.
+void interleavedBatch(int p, int v, int m, int batch, RankLists& lists) {
+  const int total = m * v;
+  auto chunkForward = [&](int k) { return (k % (p * v)) / p; };
+  auto microbatchOf = [&](int k) { return batch * m + (k / (p * v)) * p + k % p; };
+  for (int r = 0; r < p; ++r) {
+    auto& out = lists[r];
+    int warmup;
+    if (m == p) {
+      warmup = total;  // Megatron: everything is warm-up when m == p
+    } else {
+      warmup = std::min((p - r - 1) * 2 + (v - 1) * p, total);
+    }
+    auto forward = [&](int k) {
+      out.push_back(Action::compute(chunkForward(k) * p + r, ActionKind::kForward,
+                                    microbatchOf(k), batch));
+    };
+    auto backward = [&](int k) {
+      const int chunk = v - 1 - chunkForward(k);
+      out.push_back(Action::compute(chunk * p + r, ActionKind::kBackward, microbatchOf(k),
+                                    batch));
+    };
+    for (int k = 0; k < warmup; ++k) forward(k);
+    for (int k = 0; k < total - warmup; ++k) {
+      forward(warmup + k);
+      backward(k);
+    }
+    for (int k = total - warmup; k < total; ++k) backward(k);
+    for (int c = 0; c < v; ++c) out.push_back(Action::update(c * p + r, batch + 1));
+  }
+}
+
+// ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism"): the backward is
+// split into I (input gradient, on the critical path) and W (weight
+// gradient, deferrable). The order is what a unit-cost list scheduler
+// (tF = tI = tW) produces with priorities I > F > W under 1F1B's activation
+// bound: stage j keeps at most p - j microbatches between F and I. A W only
+// needs a small stash (the layer inputs and output gradients), and at most
+// p of them wait at a time: enough to fill the drain, which leaves (p-1)(tF + tI - tW) idle per rank instead of 1F1B's
+// (p-1)(tF + tI + tW).
+//
+//   p = 4, m = 8 (one clock per action):
+//   rank 0: F0 F1 F2 F3 .. .. .. I0 F4 I1 F5 I2 F6 I3 F7 I4 W0 I5 W1 ...
+//   rank 3:          F0 I0 F1 I1 F2 I2 ...                  ... I7 W4 W5 W6 W7
+void zbH1Batch(int p, int m, int batch, RankLists& lists) {
+  const int kNotYet = -1;
+  // *End[j][i]: clock at which the action's result is available.
+  std::vector<std::vector<int>> fEnd(p, std::vector<int>(m, kNotYet));
+  std::vector<std::vector<int>> iEnd(p, std::vector<int>(m, kNotYet));
+  std::vector<std::vector<bool>> wDone(p, std::vector<bool>(m, false));
+  // activations[j]: F done, I not yet; deferred[j]: I done, W not yet.
+  std::vector<int> nextForward(p, 0), activations(p, 0), deferred(p, 0), done(p, 0);
+  auto ready = [](int end, int clock) { return end != kNotYet && end <= clock; };
+  for (int clock = 0; std::accumulate(done.begin(), done.end(), 0) < p * m; ++clock) {
+    bool acted = false;
+    for (int j = 0; j < p; ++j) {
+      auto& out = lists[j];
+      auto doW = [&]() {
+        for (int i = 0; i < m; ++i) {
+          if (!wDone[j][i] && ready(iEnd[j][i], clock)) {
+            wDone[j][i] = true;
+            --deferred[j];
+            ++done[j];
+            out.push_back(Action::compute(j, ActionKind::kBackwardWeight, batch * m + i, batch));
+            return true;
+          }
+        }
+        return false;
+      };
+      // I: the oldest microbatch whose gradient has arrived.
+      int pick = -1;
+      for (int i = 0; i < m && pick < 0; ++i) {
+        if (iEnd[j][i] == kNotYet && ready(fEnd[j][i], clock) &&
+            (j == p - 1 || ready(iEnd[j + 1][i], clock))) {
+          pick = i;
+        }
+      }
+      if (pick >= 0) {
+        iEnd[j][pick] = clock + 1;
+        --activations[j];
+        ++deferred[j];
+        out.push_back(Action::compute(j, ActionKind::kBackwardInput, batch * m + pick, batch));
+        acted = true;
+        continue;
+      }
+      // With p deferred W's waiting, a W goes first: p is what the drain needs
+      // to be gap-free (p - 1 costs one clock; see the simulator tests).
+      if (deferred[j] > p - 1 && doW()) {
+        acted = true;
+        continue;
+      }
+      // F: the next microbatch, if its input is there and memory allows.
+      const int f = nextForward[j];
+      if (f < m && activations[j] < p - j && (j == 0 || ready(fEnd[j - 1][f], clock))) {
+        fEnd[j][f] = clock + 1;
+        ++nextForward[j];
+        ++activations[j];
+        out.push_back(Action::compute(j, ActionKind::kForward, batch * m + f, batch));
+        acted = true;
+        continue;
+      }
+      if (doW()) acted = true;
+    }
+    // With unit costs every action ends by the next clock, so an idle clock
+    // with nothing in progress could only repeat forever.
+    if (!acted) {
+      bool anythingPending = false;
+      for (int j = 0; j < p; ++j) {
+        for (int i = 0; i < m; ++i) {
+          if ((fEnd[j][i] != kNotYet && fEnd[j][i] > clock) ||
+              (iEnd[j][i] != kNotYet && iEnd[j][i] > clock)) {
+            anythingPending = true;
+          }
+        }
+      }
+      if (!anythingPending) throw std::logic_error("zb-h1 generator made no progress");
+    }
+  }
+  for (int j = 0; j < p; ++j) lists[j].push_back(Action::update(j, batch + 1));
+}
+
+// --- asynchronous schedules ------------------------------------------------
+
+// PipeDream: 1F1B without flushes; an UPDATE (after an ALLREDUCE for a
+// replicated stage) follows every backward, and F reads the number of
+// updates applied so far on its rank.
+void pipedreamAll(const Layout& layout, int m, RankLists& lists) {
+  const auto replicas = layout.replicaCounts();
+  for (int j = 0; j < layout.numStages(); ++j) {
+    const auto& ranks = layout.stageRanks(j);
+    const int r = static_cast<int>(ranks.size());
+    const int noam = numOptimalActiveMinibatches(replicas, j);
+    for (int k = 0; k < r; ++k) {
+      auto& out = lists[ranks[k]];
+      const auto local = localMicrobatches(0, m, k, r);
+      // Local position x is read at version max(0, x - noam + 1): warm-up
+      // forwards see no update, the x-th steady forward follows x+1-noam...
+      std::vector<int> version(m, 0);
+      for (size_t x = 0; x < local.size(); ++x) {
+        version[local[x]] = std::max(0, static_cast<int>(x) - noam + 1);
+      }
+      appendOneFOneB(out, j, local, noam, [&version](int i) { return version[i]; },
+                     [&](int x) { appendUpdate(out, j, r, x + 1); });
+    }
+  }
+}
+
+// PipeDream-2BW: 1F1B without flushes over `batches` batches of m
+// microbatches; gradients accumulate over a batch, one update per batch.
+// Every microbatch of batch t reads version max(0, t - 1), so the update
+// after batch t computes W(t+1) = W(t) - lr * grad(W(t-1)), and at most two
+// versions are live on any stage.
+void twoBwAll(const Layout& layout, int m, int batches, RankLists& lists) {
+  const auto replicas = layout.replicaCounts();
+  for (int j = 0; j < layout.numStages(); ++j) {
+    const auto& ranks = layout.stageRanks(j);
+    const int r = static_cast<int>(ranks.size());
+    const int noam = numOptimalActiveMinibatches(replicas, j);
+    const int perBatch = m / r;
+    for (int k = 0; k < r; ++k) {
+      auto& out = lists[ranks[k]];
+      appendOneFOneB(
+          out, j, localMicrobatches(0, m * batches, k, r), noam,
+          [m](int i) { return std::max(0, i / m - 1); },
+          [&](int x) {
+            if ((x + 1) % perBatch == 0) appendUpdate(out, j, r, (x + 1) / perBatch);
+          });
+    }
+  }
+}
+
+void checkPositive(const char* what, int value, const char* flag) {
+  if (value < 1) {
+    fail(std::string(what) + " must be >= 1 (got " + str(value) + "); pass " + flag +
+         " with a positive value");
+  }
+}
+
+}  // namespace
+
+std::vector<std::string> scheduleNames() {
+  return {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "pipedream", "pipedream-2bw"};
+}
+
+int numOptimalActiveMinibatches(const std::vector<int>& replicas, int stage) {
+  const int downstream = std::accumulate(replicas.begin() + stage, replicas.end(), 0);
+  return (downstream + replicas[stage] - 1) / replicas[stage];
+}
+
+Schedule buildSchedule(const ScheduleOptions& o) {
+  const auto names = scheduleNames();
+  if (std::find(names.begin(), names.end(), o.name) == names.end()) {
+    std::string list;
+    for (const auto& n : names) list += (list.empty() ? "" : ", ") + n;
+    fail("unknown schedule '" + o.name + "'; choose one of: " + list);
+  }
+  checkPositive("stages", o.stages, "--stages");
+  checkPositive("microbatches", o.microbatches, "--microbatches");
+  checkPositive("chunks", o.chunks, "--chunks");
+  checkPositive("batches", o.batches, "--batches");
+  const int p = o.stages;
+  const int m = o.microbatches;
+  if (o.chunks != 1 && o.name != "interleaved-1f1b") {
+    fail("schedule '" + o.name + "' runs one chunk per rank (got chunks=" + str(o.chunks) +
+         "); use --name interleaved-1f1b for chunks > 1");
+  }
+  const bool anyReplicas =
+      std::any_of(o.replicas.begin(), o.replicas.end(), [](int r) { return r != 1; });
+  if (!o.replicas.empty() && (o.name == "interleaved-1f1b" || o.name == "zb-h1") &&
+      anyReplicas) {
+    fail("schedule '" + o.name + "' does not support replicated stages (got replicas " +
+         joined(o.replicas) + "); use gpipe, 1f1b, pipedream or pipedream-2bw");
+  }
+  if (o.name == "pipedream" && o.batches != 1) {
+    fail("schedule 'pipedream' updates after every minibatch, so --batches does not apply (got " +
+         str(o.batches) + "); give the number of minibatches as --microbatches");
+  }
+
+  if (o.name == "interleaved-1f1b") {
+    if (m % p != 0) {
+      fail("interleaved-1f1b needs microbatches to be a multiple of stages (got m=" + str(m) +
+           ", p=" + str(p) + "); use m=" + str((m + p - 1) / p * p));
+    }
+    Layout layout = Layout::interleaved(p, o.chunks);
+    RankLists lists(p);
+    for (int t = 0; t < o.batches; ++t) interleavedBatch(p, o.chunks, m, t, lists);
+    return Schedule(o.name, layout, m, std::move(lists), o.batches);
+  }
+
+  Layout layout = Layout::straight(p, o.replicas);
+  const auto replicas = layout.replicaCounts();
+  for (int j = 0; j < p; ++j) {
+    const int r = replicas[j];
+    const bool asynchronous = o.name == "pipedream" || o.name == "pipedream-2bw";
+    if (asynchronous ? m % r != 0 : m < r) {
+      fail("schedule '" + o.name + "' with replicas " + joined(replicas) + " needs microbatches " +
+           (asynchronous ? "to be a multiple of " : ">= ") + str(r) + " (the replicas of stage " +
+           str(j) + "), got m=" + str(m) + "; use m=" + str((m + r - 1) / r * r));
+    }
+  }
+  RankLists lists(layout.numRanks());
+  if (o.name == "gpipe") {
+    for (int t = 0; t < o.batches; ++t) gpipeBatch(layout, m, t, lists);
+  } else if (o.name == "1f1b") {
+    for (int t = 0; t < o.batches; ++t) oneFOneBBatch(layout, m, t, lists);
+  } else if (o.name == "zb-h1") {
+    for (int t = 0; t < o.batches; ++t) zbH1Batch(p, m, t, lists);
+  } else if (o.name == "pipedream") {
+    pipedreamAll(layout, m, lists);
+  } else {  // pipedream-2bw
+    // The first forward of batch t+1 must come after the update that ends
+    // batch t-1, which needs m/r_j >= NOAM_j - 1 on every stage.
+    for (int j = 0; j < p; ++j) {
+      const int need = (numOptimalActiveMinibatches(replicas, j) - 1) * replicas[j];
+      if (m < need) {
+        fail("pipedream-2bw needs at least " + str(need) +
+             " microbatches per batch so that stage " + str(j) +
+             " never needs a third weight version (got m=" + str(m) + "); use m=" + str(need));
+      }
+    }
+    twoBwAll(layout, m, o.batches, lists);
+  }
+  return Schedule(o.name, layout, m, std::move(lists), o.batches);
+}
+
+}  // namespace pipedream

@@ -1,0 +1,103 @@
+"""CLI command ``schedule``: print, simulate and export a pipeline schedule."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from typing import List, Optional
+
+from . import schedules
+
+__all__ = ["register"]
+
+_log = logging.getLogger(__name__)
+
+
+def _int_list(text: str) -> List[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers such as 2,1,1 (got {text!r})") from None
+
+
+def _cost(text: str) -> Optional[object]:
+    """A cost: one number, a comma-separated list, or 'none' (t-w only)."""
+    if text.lower() == "none":
+        return None
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number or comma-separated numbers (got {text!r})") from None
+    return values[0] if len(values) == 1 else values
+
+
+def register(subparsers: "argparse._SubParsersAction") -> None:
+    """Adds the ``schedule`` command."""
+    p = subparsers.add_parser(
+        "schedule",
+        help="print and simulate a pipeline schedule",
+        description="Builds a schedule, prints its rank-by-step grid and simulated figures "
+                    "(makespan, bubble fraction, peak activations and weight versions per stage).",
+    )
+    p.add_argument("--name", required=True, help="one of: " + ", ".join(schedules.names()))
+    p.add_argument("--stages", type=int, required=True, help="pipeline stages p (ranks for interleaved)")
+    p.add_argument("--microbatches", type=int, required=True,
+                   help="microbatches per batch m (minibatches for pipedream)")
+    p.add_argument("--chunks", type=int, default=1, help="model chunks per rank v (interleaved-1f1b)")
+    p.add_argument("--replicas", type=_int_list, default=None,
+                   help="replicas per stage, e.g. 2,1,1 (gpipe, 1f1b, pipedream, pipedream-2bw)")
+    p.add_argument("--batches", type=int, default=1, help="consecutive batches (default 1)")
+    p.add_argument("--t-f", type=_cost, default=1.0, help="forward time (one or per stage; default 1)")
+    p.add_argument("--t-b", type=_cost, default=2.0,
+                   help="backward time (default 2); with --t-w, the input-gradient part I")
+    p.add_argument("--t-w", type=_cost, default=None,
+                   help="weight-gradient time W (default none: the backward is not split, "
+                        "I and W take half of --t-b each)")
+    p.add_argument("--t-comm", type=_cost, default=0.0, help="transfer time per boundary (default 0)")
+    p.add_argument("--t-allreduce", type=_cost, default=0.0,
+                   help="all-reduce time of a replicated stage (default 0)")
+    p.add_argument("--comm", action="store_true", help="show SEND/RECV in the grid")
+    p.add_argument("--trace", metavar="PATH", help="write a Chrome trace (chrome://tracing, Perfetto)")
+    p.add_argument("--csv", metavar="PATH", help="write the lowered schedule as CSV")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the figures")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    schedule = schedules.build(args.name, args.stages, args.microbatches, chunks=args.chunks,
+                               replicas=args.replicas, batches=args.batches)
+    costs = dict(t_f=args.t_f, t_b=args.t_b, t_w=args.t_w, t_comm=args.t_comm,
+                 t_allreduce=args.t_allreduce)
+    if args.trace:
+        result = schedule.to_chrome_trace(args.trace, **costs)
+        _log.info("wrote Chrome trace to %s", args.trace)
+    else:
+        result = schedule.simulate(**costs)
+    if args.csv:
+        schedule.to_csv(args.csv)
+        _log.info("wrote schedule CSV to %s", args.csv)
+    if args.json:
+        out = {"schedule": schedule.name, "stages": schedule.num_stages,
+               "ranks": schedule.num_ranks, "microbatches": schedule.microbatches,
+               "batches": schedule.batches, "replicas": schedule.replicas}
+        out.update(result.to_dict())
+        print(json.dumps(out))
+        return 0
+    print(f"{schedule!r}\n")
+    print(schedule.grid(comm=args.comm))
+    rows = [
+        ("makespan", f"{result.makespan:g}"),
+        ("bubble fraction", f"{result.bubble_fraction:.4f}"),
+        ("bubble per rank", " ".join(f"{b:.3f}" for b in result.bubble_fraction_per_rank)),
+        ("peak activations per stage", " ".join(map(str, result.peak_activations))),
+        ("peak weight versions per stage", " ".join(map(str, result.peak_weight_versions))),
+    ]
+    if any(result.peak_deferred_weight_grads):
+        rows.append(("peak deferred W per stage",
+                     " ".join(map(str, result.peak_deferred_weight_grads))))
+    width = max(len(label) for label, _ in rows)
+    for label, value in rows:
+        print(f"{label.ljust(width)}  {value}")
+    return 0

@@ -1,0 +1,150 @@
+// Golden action lists: every generator, small cases, exact equality.
+#include <gtest/gtest.h>
+
+#include <functional>
+
+#include "lower.h"
+#include "test_helpers.h"
+
+namespace pipedream {
+namespace {
+
+using testing_helpers::expectActions;
+using testing_helpers::make;
+
+TEST(GeneratorGolden, GPipe) {
+  expectActions(make("gpipe", 4, 8), {
+      "0F0 0F1 0F2 0F3 0F4 0F5 0F6 0F7 0B0 0B1 0B2 0B3 0B4 0B5 0B6 0B7 0U1",
+      "1F0 1F1 1F2 1F3 1F4 1F5 1F6 1F7 1B0 1B1 1B2 1B3 1B4 1B5 1B6 1B7 1U1",
+      "2F0 2F1 2F2 2F3 2F4 2F5 2F6 2F7 2B0 2B1 2B2 2B3 2B4 2B5 2B6 2B7 2U1",
+      "3F0 3F1 3F2 3F3 3F4 3F5 3F6 3F7 3B0 3B1 3B2 3B3 3B4 3B5 3B6 3B7 3U1",
+  });
+}
+
+TEST(GeneratorGolden, OneFOneB) {
+  expectActions(make("1f1b", 4, 8), {
+      "0F0 0F1 0F2 0F3 0B0 0F4 0B1 0F5 0B2 0F6 0B3 0F7 0B4 0B5 0B6 0B7 0U1",
+      "1F0 1F1 1F2 1B0 1F3 1B1 1F4 1B2 1F5 1B3 1F6 1B4 1F7 1B5 1B6 1B7 1U1",
+      "2F0 2F1 2B0 2F2 2B1 2F3 2B2 2F4 2B3 2F5 2B4 2F6 2B5 2F7 2B6 2B7 2U1",
+      "3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3F4 3B4 3F5 3B5 3F6 3B6 3F7 3B7 3U1",
+  });
+}
+
+TEST(GeneratorGolden, OneFOneBTwoBatches) {
+  expectActions(make("1f1b", 2, 2, 1, {}, 2), {
+      "0F0 0F1 0B0 0B1 0U1 0F2v1 0F3v1 0B2v1 0B3v1 0U2",
+      "1F0 1B0 1F1 1B1 1U1 1F2v1 1B2v1 1F3v1 1B3v1 1U2",
+  });
+}
+
+TEST(GeneratorGolden, Interleaved) {
+  // Megatron-LM order: rank r warms up with (p-r-1)*2 + (v-1)*p forwards.
+  expectActions(make("interleaved-1f1b", 4, 8, 2), {
+      "0F0 0F1 0F2 0F3 4F0 4F1 4F2 4F3 0F4 0F5 0F6 4B0 0F7 4B1 4F4 4B2 4F5 4B3 4F6 0B0 4F7 0B1 "
+      "0B2 0B3 4B4 4B5 4B6 4B7 0B4 0B5 0B6 0B7 0U1 4U1",
+      "1F0 1F1 1F2 1F3 5F0 5F1 5F2 5F3 1F4 5B0 1F5 5B1 1F6 5B2 1F7 5B3 5F4 1B0 5F5 1B1 5F6 1B2 "
+      "5F7 1B3 5B4 5B5 5B6 5B7 1B4 1B5 1B6 1B7 1U1 5U1",
+      "2F0 2F1 2F2 2F3 6F0 6F1 6F2 6B0 6F3 6B1 2F4 6B2 2F5 6B3 2F6 2B0 2F7 2B1 6F4 2B2 6F5 2B3 "
+      "6F6 6B4 6F7 6B5 6B6 6B7 2B4 2B5 2B6 2B7 2U1 6U1",
+      "3F0 3F1 3F2 3F3 7F0 7B0 7F1 7B1 7F2 7B2 7F3 7B3 3F4 3B0 3F5 3B1 3F6 3B2 3F7 3B3 7F4 7B4 "
+      "7F5 7B5 7F6 7B6 7F7 7B7 3B4 3B5 3B6 3B7 3U1 7U1",
+  });
+}
+
+TEST(GeneratorGolden, ZeroBubbleH1) {
+  expectActions(make("zb-h1", 4, 8), {
+      "0F0 0F1 0F2 0F3 0I0 0F4 0I1 0F5 0I2 0F6 0I3 0W0 0F7 0I4 0W1 0W2 0I5 0W3 0W4 0I6 0W5 0W6 "
+      "0I7 0W7 0U1",
+      "1F0 1F1 1F2 1I0 1F3 1I1 1F4 1I2 1F5 1I3 1W0 1F6 1I4 1W1 1F7 1I5 1W2 1W3 1I6 1W4 1W5 1I7 "
+      "1W6 1W7 1U1",
+      "2F0 2F1 2I0 2F2 2I1 2F3 2I2 2F4 2I3 2W0 2F5 2I4 2W1 2F6 2I5 2W2 2F7 2I6 2W3 2W4 2I7 2W5 "
+      "2W6 2W7 2U1",
+      "3F0 3I0 3F1 3I1 3F2 3I2 3F3 3I3 3W0 3F4 3I4 3W1 3F5 3I5 3W2 3F6 3I6 3W3 3F7 3I7 3W4 3W5 "
+      "3W6 3W7 3U1",
+  });
+}
+
+TEST(GeneratorGolden, PipeDream) {
+  // F(i) on stage j reads version max(0, i - (p-1-j)); an update after every B.
+  expectActions(make("pipedream", 4, 8), {
+      "0F0 0F1 0F2 0F3 0B0 0U1 0F4v1 0B1 0U2 0F5v2 0B2 0U3 0F6v3 0B3 0U4 0F7v4 0B4v1 0U5 0B5v2 "
+      "0U6 0B6v3 0U7 0B7v4 0U8",
+      "1F0 1F1 1F2 1B0 1U1 1F3v1 1B1 1U2 1F4v2 1B2 1U3 1F5v3 1B3v1 1U4 1F6v4 1B4v2 1U5 1F7v5 "
+      "1B5v3 1U6 1B6v4 1U7 1B7v5 1U8",
+      "2F0 2F1 2B0 2U1 2F2v1 2B1 2U2 2F3v2 2B2v1 2U3 2F4v3 2B3v2 2U4 2F5v4 2B4v3 2U5 2F6v5 "
+      "2B5v4 2U6 2F7v6 2B6v5 2U7 2B7v6 2U8",
+      "3F0 3B0 3U1 3F1v1 3B1v1 3U2 3F2v2 3B2v2 3U3 3F3v3 3B3v3 3U4 3F4v4 3B4v4 3U5 3F5v5 3B5v5 "
+      "3U6 3F6v6 3B6v6 3U7 3F7v7 3B7v7 3U8",
+  });
+}
+
+TEST(GeneratorGolden, PipeDreamReplicated) {
+  // 2-1-1: minibatch i runs on replica i % 2 of stage 0; NOAM = ceil(4/2) = 2.
+  expectActions(make("pipedream", 3, 8, 1, {2, 1, 1}), {
+      "0F0 0F2 0B0 0ALLREDUCE1 0U1 0F4v1 0B2 0ALLREDUCE2 0U2 0F6v2 0B4v1 0ALLREDUCE3 0U3 0B6v2 "
+      "0ALLREDUCE4 0U4",
+      "0F1 0F3 0B1 0ALLREDUCE1 0U1 0F5v1 0B3 0ALLREDUCE2 0U2 0F7v2 0B5v1 0ALLREDUCE3 0U3 0B7v2 "
+      "0ALLREDUCE4 0U4",
+      "1F0 1F1 1B0 1U1 1F2v1 1B1 1U2 1F3v2 1B2v1 1U3 1F4v3 1B3v2 1U4 1F5v4 1B4v3 1U5 1F6v5 "
+      "1B5v4 1U6 1F7v6 1B6v5 1U7 1B7v6 1U8",
+      "2F0 2B0 2U1 2F1v1 2B1v1 2U2 2F2v2 2B2v2 2U3 2F3v3 2B3v3 2U4 2F4v4 2B4v4 2U5 2F5v5 2B5v5 "
+      "2U6 2F6v6 2B6v6 2U7 2F7v7 2B7v7 2U8",
+  });
+}
+
+TEST(GeneratorGolden, PipeDream2BW) {
+  // Batch t (microbatches 4t..4t+3) reads version max(0, t-1).
+  expectActions(make("pipedream-2bw", 4, 4, 1, {}, 3), {
+      "0F0 0F1 0F2 0F3 0B0 0F4 0B1 0F5 0B2 0F6 0B3 0U1 0F7 0B4 0F8v1 0B5 0F9v1 0B6 0F10v1 0B7 "
+      "0U2 0F11v1 0B8v1 0B9v1 0B10v1 0B11v1 0U3",
+      "1F0 1F1 1F2 1B0 1F3 1B1 1F4 1B2 1F5 1B3 1U1 1F6 1B4 1F7 1B5 1F8v1 1B6 1F9v1 1B7 1U2 "
+      "1F10v1 1B8v1 1F11v1 1B9v1 1B10v1 1B11v1 1U3",
+      "2F0 2F1 2B0 2F2 2B1 2F3 2B2 2F4 2B3 2U1 2F5 2B4 2F6 2B5 2F7 2B6 2F8v1 2B7 2U2 2F9v1 "
+      "2B8v1 2F10v1 2B9v1 2F11v1 2B10v1 2B11v1 2U3",
+      "3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3U1 3F4 3B4 3F5 3B5 3F6 3B6 3F7 3B7 3U2 3F8v1 3B8v1 "
+      "3F9v1 3B9v1 3F10v1 3B10v1 3F11v1 3B11v1 3U3",
+  });
+}
+
+TEST(GeneratorGolden, OneFOneBReplicatedLastStage) {
+  expectActions(make("1f1b", 2, 4, 1, {1, 2}), {
+      "0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3 0U1",
+      "1F0 1B0 1F2 1B2 1ALLREDUCE1 1U1",
+      "1F1 1B1 1F3 1B3 1ALLREDUCE1 1U1",
+  });
+}
+
+TEST(GeneratorGolden, LoweredOneFOneB) {
+  // SEND right after the producer, RECV right before the consumer.
+  const Schedule s = make("1f1b", 2, 2);
+  expectActions(lower(s), {
+      "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1 0U1",
+      "1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1 1U1",
+  });
+}
+
+TEST(GeneratorErrors, NamesTheBadValue) {
+  auto expectError = [](const std::function<void()>& fn, const std::string& needle) {
+    try {
+      fn();
+      ADD_FAILURE() << "no error; expected one mentioning '" << needle << "'";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expectError([] { make("1f1c", 4, 8); }, "unknown schedule '1f1c'");
+  expectError([] { make("1f1b", 0, 8); }, "stages must be >= 1 (got 0)");
+  expectError([] { make("gpipe", 4, 0); }, "microbatches must be >= 1 (got 0)");
+  expectError([] { make("interleaved-1f1b", 4, 6, 2); }, "got m=6, p=4); use m=8");
+  expectError([] { make("interleaved-1f1b", 4, 8, 0); }, "chunks must be >= 1 (got 0)");
+  expectError([] { make("1f1b", 4, 8, 2); }, "got chunks=2");
+  expectError([] { make("zb-h1", 2, 4, 1, {2, 1}); }, "does not support replicated stages");
+  expectError([] { make("pipedream", 2, 5, 1, {2, 1}); }, "multiple of 2");
+  expectError([] { make("pipedream", 2, 4, 1, {2}); }, "1 counts for 2 stages");
+  expectError([] { make("pipedream", 2, 4, 1, {0, 1}); }, "replica count of stage 0 must be >= 1");
+  expectError([] { make("pipedream-2bw", 4, 2); }, "needs at least 3 microbatches");
+  expectError([] { make("pipedream", 2, 4, 1, {}, 2); }, "--batches does not apply");
+}
+
+}  // namespace
+}  // namespace pipedream
