@@ -1,11 +1,149 @@
-"""CLI commands ``profile`` and ``plan`` (owned by the planner work)."""
+"""CLI commands ``profile`` and ``plan``.
+
+    python -m pipedream_ext profile --model MODULE:FACTORY --input-shape 64,1,8,8 -o graph.txt
+    python -m pipedream_ext plan --profile graph.txt --workers 4,4 --bandwidth 16e9,1.25e9
+"""
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
+import os
+import sys
+from typing import List
 
 __all__ = ["register"]
 
 
+def _int_list(text: str) -> List[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers")
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer, e.g. 4,4")
+    return values
+
+
+def _float_list(text: str) -> List[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers")
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one number, e.g. 16e9,1.25e9")
+    return values
+
+
+def _load_factory(spec: str):  # type: ignore[no-untyped-def]
+    if ":" not in spec:
+        raise ValueError(f"--model {spec!r} should be MODULE:FACTORY, e.g. mypkg.models:make_mlp")
+    module_name, attr = spec.split(":", 1)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import module {module_name!r} for --model: {exc}") from exc
+    factory = getattr(module, attr, None)
+    if factory is None or not callable(factory):
+        raise ValueError(f"{module_name!r} has no callable {attr!r}; --model needs MODULE:FACTORY")
+    return factory
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    import torch
+    from torch import nn
+
+    from ._profiler import profile
+
+    model = _load_factory(args.model)()
+    if not isinstance(model, nn.Sequential):
+        raise ValueError(f"{args.model} returned {type(model).__name__}; the factory must return nn.Sequential")
+    device = torch.device(args.device)
+    model = model.to(device)
+    if args.input_dtype == "int64":
+        sample = torch.randint(0, args.input_high, tuple(args.input_shape), device=device)
+    else:
+        sample = torch.randn(tuple(args.input_shape), device=device)
+    graph = profile(model, sample, steps=args.steps, warmup=args.warmup, output=args.output,
+                    progress=args.progress)
+    total_f = sum(n["forward_ms"] for n in graph.nodes())
+    total_b = sum(n["backward_ms"] for n in graph.nodes())
+    print(f"profiled {len(graph) - 1} layers: forward {total_f:.3f} ms, backward {total_b:.3f} ms"
+          + (f"; wrote {args.output}" if args.output else ""))
+    if not args.output:
+        print(graph.to_string())
+    return 0
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from .planner import plan
+
+    result = plan(
+        args.profile,
+        workers=args.workers,
+        bandwidth=args.bandwidth,
+        memory=args.memory,
+        straight=args.straight,
+        fewer_workers=args.fewer_workers,
+        cost_model=args.cost_model,
+        activation_compression_ratio=args.activation_compression_ratio,
+        two_bw=args.two_bw,
+    )
+    if args.output:
+        result.save(args.output)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(result.table())
+        if args.output:
+            print(f"wrote {args.output}")
+    return 0
+
+
 def register(subparsers: "argparse._SubParsersAction") -> None:
-    """Adds the ``profile`` and ``plan`` commands (not implemented yet)."""
-    del subparsers
+    """Adds the ``profile`` and ``plan`` commands."""
+    p = subparsers.add_parser(
+        "profile",
+        help="time every layer of an nn.Sequential and write PipeDream's graph.txt",
+        description="Profiles forward/backward time, activation and weight bytes per layer.",
+    )
+    p.add_argument("--model", required=True, metavar="MODULE:FACTORY",
+                   help="a factory returning an nn.Sequential, e.g. mypkg.models:make_mlp")
+    p.add_argument("--input-shape", required=True, type=_int_list, metavar="N,C,...",
+                   help="shape of one minibatch, e.g. 64,1,8,8")
+    p.add_argument("--input-dtype", choices=["float32", "int64"], default="float32",
+                   help="float32 (randn) or int64 (token ids in [0, --input-high))")
+    p.add_argument("--input-high", type=int, default=2, help="upper bound for int64 inputs")
+    p.add_argument("--steps", type=int, default=20, help="measured iterations (median)")
+    p.add_argument("--warmup", type=int, default=5, help="unmeasured iterations first")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    p.add_argument("--progress", action="store_true", help="show a progress bar")
+    p.add_argument("-o", "--output", help="graph.txt to write (default: print it)")
+    p.set_defaults(func=_run_profile)
+
+    q = subparsers.add_parser(
+        "plan",
+        help="partition a profiled model over a cluster (stages, replicas, ranks)",
+        description="PipeDream's planner: stages, replicas per stage and ranks, "
+        "with predicted time per stage and speedup over data parallelism.",
+    )
+    q.add_argument("--profile", required=True, help="graph.txt from `profile` or PipeDream")
+    q.add_argument("--workers", required=True, type=_int_list, metavar="N[,N...]",
+                   help="workers per level, innermost first, e.g. 4,4")
+    q.add_argument("--bandwidth", required=True, type=_float_list, metavar="B[,B...]",
+                   help="bytes/s per level, innermost first, e.g. 16e9,1.25e9")
+    q.add_argument("--memory", type=float, default=None, metavar="BYTES",
+                   help="memory per worker; plans that exceed it are rejected")
+    q.add_argument("--straight", action="store_true", help="one worker per stage (no replication)")
+    q.add_argument("--fewer-workers", action="store_true", help="allow leaving workers unused")
+    q.add_argument("--cost-model", choices=["pipedream", "default"], default="default",
+                   help="pipedream: PipeDream's optimizer exactly; default: our model")
+    q.add_argument("--activation-compression-ratio", type=float, default=None, metavar="C",
+                   help="activation compression (pipedream model: absent means free transfers)")
+    q.add_argument("--two-bw", action="store_true",
+                   help="default model: count 2 weight versions per stage (2BW)")
+    q.add_argument("-o", "--output", help="plan.json to write")
+    q.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    q.set_defaults(func=_run_plan)
