@@ -1,0 +1,154 @@
+"""Planner: Python API, plan.json, CLI, and every shipped profile."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import List
+
+import pytest
+
+import pipedream_ext as pe
+from pipedream_ext.__main__ import main
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data" / "profiles"
+SHARED = ROOT.parent / "shared" / "profiles" / "pipedream"
+SHARED_PROFILES = sorted(SHARED.glob("*.txt")) if SHARED.is_dir() else []
+
+
+def _two_layer_profile(path: Path) -> Path:
+    path.write_text(
+        "node1 -- Input -- forward_compute_time=0.000, backward_compute_time=0.000, "
+        "activation_size=1000000.0, parameter_size=0.000\n"
+        "node2 -- a -- forward_compute_time=10.000, backward_compute_time=20.000, "
+        "activation_size=1000000.0, parameter_size=1000000000.000\n"
+        "node3 -- b -- forward_compute_time=10.000, backward_compute_time=20.000, "
+        "activation_size=1000000.0, parameter_size=1000000000.000\n"
+        "\tnode1 -- node2\n\tnode2 -- node3"
+    )
+    return path
+
+
+def test_golden_two_heavy_layers(tmp_path: Path) -> None:
+    p = pe.plan(_two_layer_profile(tmp_path / "g.txt"), workers=2, bandwidth=1e9, cost_model="pipedream")
+    assert [s.nodes for s in p.stages] == [["node1", "node2"], ["node3"]]
+    assert p.layers == [(0, 1), (1, 2)]
+    assert [s.ranks for s in p.stages] == [[0], [1]]
+    assert p.time_per_stage == pytest.approx(0.03)
+    assert p.data_parallel_time == pytest.approx(2.03)
+    assert p.speedup_over_dp == pytest.approx(2.03 / 0.03)
+
+
+def test_plan_json_round_trip(tmp_path: Path) -> None:
+    p = pe.plan(DATA / "gnmt.txt", workers=[4, 2], bandwidth=[16e9, 1.25e9], memory=64e9)
+    assert pe.Plan.from_json(p.to_json()) == p
+    p.save(tmp_path / "plan.json")
+    back = pe.Plan.load(tmp_path / "plan.json")
+    assert back == p
+    raw = json.loads((tmp_path / "plan.json").read_text())
+    assert raw["num_workers"] == 8 and raw["topology"]["workers"] == [4, 2]
+    assert raw["ranks"] == [s.ranks for s in p.stages]
+    assert "layers" not in raw  # gnmt is a branching graph
+    assert sorted(r for s in p.stages for r in s.ranks) == list(range(8))
+    with pytest.raises(ValueError, match="not a pipedream_ext.plan"):
+        pe.Plan.from_dict({"format": "other"})
+    with pytest.raises(ValueError, match="malformed"):
+        pe.Plan.from_json("{")
+
+
+def test_chain_plans_carry_contiguous_layer_ranges() -> None:
+    graph = pe.ProfileGraph()
+    graph.add_node("node1", "Input", 0.0, 0.0, 4e6, 0.0)
+    for i in range(12):
+        graph.add_node(f"node{i + 2}", f"Layer{i}", 1.0 + i % 4, 2.0 + i % 3, 1e6 * (1 + i % 5), 1e6 * (i % 3))
+        graph.add_edge(f"node{i + 1}", f"node{i + 2}")
+    assert graph.is_chain()
+    p = pe.plan(graph, workers=8, bandwidth=1.25e9, cost_model="pipedream",
+                activation_compression_ratio=1.0)
+    assert p.chain and p.layers is not None
+    assert p.layers[0][0] == 0 and p.layers[-1][1] == len(graph) - 1
+    for (_, end), (start, _) in zip(p.layers, p.layers[1:]):
+        assert end == start
+    assert sum(p.replicas) == 8
+    assert json.loads(p.to_json())["layers"] == [list(x) for x in p.layers]
+
+
+def test_options_straight_fewer_and_memory(tmp_path: Path) -> None:
+    prof = DATA / "resnet18.txt"
+    straight = pe.plan(prof, workers=4, bandwidth=1.25e9, straight=True)
+    assert straight.replicas == [1, 1, 1, 1]
+    profile = _two_layer_profile(tmp_path / "g.txt")
+    with pytest.raises(ValueError, match="memory limit"):
+        pe.plan(profile, workers=5, bandwidth=1e9, straight=True)
+    fewer = pe.plan(profile, workers=5, bandwidth=1e9, straight=True, fewer_workers=True)
+    assert fewer.used_workers == 2 and fewer.num_workers == 5
+    with pytest.raises(ValueError, match="memory limit"):
+        pe.plan(prof, workers=4, bandwidth=1.25e9, memory=1e6)
+    with pytest.raises(ValueError, match="bandwidth"):
+        pe.plan(prof, workers=[4, 4], bandwidth=[1e9])
+    with pytest.raises(ValueError, match="cost model"):
+        pe.plan(prof, workers=4, bandwidth=1e9, cost_model="fast")
+
+
+def test_parse_errors_name_file_line_and_field(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.txt"
+    bad.write_text(
+        "node1 -- Input -- forward_compute_time=0.000, backward_compute_time=0.000, "
+        "activation_size=1.0, parameter_size=0.000\n"
+        "node2 -- a -- forward_compute_time=x, backward_compute_time=0.000, "
+        "activation_size=1.0, parameter_size=0.000\n"
+    )
+    with pytest.raises(ValueError, match=r"bad.txt:2: field 'forward_compute_time'"):
+        pe.load_profile(bad)
+    with pytest.raises(FileNotFoundError):
+        pe.load_profile(tmp_path / "missing.txt")
+
+
+def _cli(capsys: pytest.CaptureFixture, args: List[str]) -> "tuple[int, str, str]":
+    rc = main(args)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_plan_json_table_and_output(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    prof = str(DATA / "resnet18.txt")
+    rc, out, _ = _cli(capsys, ["plan", "--profile", prof, "--workers", "4,4", "--bandwidth",
+                               "16e9,1.25e9", "--cost-model", "pipedream", "--json",
+                               "-o", str(tmp_path / "plan.json")])
+    assert rc == 0
+    obj = json.loads(out)
+    api = pe.plan(prof, workers=[4, 4], bandwidth=[16e9, 1.25e9], cost_model="pipedream")
+    assert obj["time_per_stage"] == pytest.approx(api.time_per_stage)
+    assert obj["speedup_over_dp"] == pytest.approx(api.speedup_over_dp)
+    assert [s["replicas"] for s in obj["stages"]] == api.replicas
+    assert all({"nodes", "replicas", "time"} <= set(s) for s in obj["stages"])
+    assert pe.Plan.load(tmp_path / "plan.json") == pe.Plan.from_dict(obj)
+
+    rc, out, _ = _cli(capsys, ["plan", "--profile", prof, "--workers", "8", "--bandwidth", "1.25e9",
+                               "--straight", "--memory", "64e9", "--activation-compression-ratio", "2"])
+    assert rc == 0
+    assert "speedup over data parallelism" in out and "replicas" in out
+
+
+def test_cli_plan_errors(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    rc, _, err = _cli(capsys, ["plan", "--profile", str(tmp_path / "none.txt"), "--workers", "4",
+                               "--bandwidth", "1e9"])
+    assert rc == 2 and "error:" in err and "none.txt" in err
+    rc, _, err = _cli(capsys, ["plan", "--profile", str(DATA / "alexnet.txt"), "--workers", "4,4",
+                               "--bandwidth", "1e9"])
+    assert rc == 2 and "bandwidth" in err
+
+
+@pytest.mark.skipif(not SHARED_PROFILES, reason="../shared/profiles/pipedream not present")
+@pytest.mark.parametrize("path", SHARED_PROFILES, ids=lambda p: p.stem)
+def test_every_shipped_profile_plans_flat_and_hierarchical(path: Path) -> None:
+    graph = pe.load_profile(path)
+    for workers, bandwidth in (([16], [1.25e9]), ([4, 4], [16e9, 1.25e9])):
+        for model in ("pipedream", "default"):
+            p = pe.plan(graph, workers=workers, bandwidth=bandwidth, cost_model=model)
+            nodes = [n for s in p.stages for n in s.nodes]
+            assert sorted(nodes) == sorted(n["id"] for n in graph.nodes())
+            assert sorted(r for s in p.stages for r in s.ranks) == list(range(16))
+            assert 0 < p.time_per_stage <= p.single_worker_time
+            assert p.speedup_over_dp >= 1.0 - 1e-9  # plain DP is one candidate plan
