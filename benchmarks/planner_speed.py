@@ -1,0 +1,68 @@
+"""Planner speed on PipeDream's shipped profiles (flat 16 workers and 4x4).
+
+Prints a Markdown table: model, cluster, cost model, planning path (antichain
+states or topological cuts), number of states, wall time of ``plan`` (median of
+``--repeat`` runs, profile parsing excluded), predicted time per stage and
+speedup over data parallelism.
+
+    python benchmarks/planner_speed.py [--profiles ../shared/profiles/pipedream] [--repeat 3]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+import pipedream_ext as pe
+from pipedream_ext import _C
+
+CLUSTERS = {"16": ([16], [1.25e9]), "4x4": ([4, 4], [16e9, 1.25e9])}
+
+
+def main(argv: List[str]) -> int:
+    """Runs the benchmark; returns the exit code."""
+    here = Path(__file__).resolve().parents[1]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profiles", type=Path, default=here.parent / "shared" / "profiles" / "pipedream")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--models", default="", help="comma-separated subset of profile names")
+    args = parser.parse_args(argv)
+    paths = sorted(args.profiles.glob("*.txt"))
+    if args.models:
+        keep = set(args.models.split(","))
+        paths = [p for p in paths if p.stem in keep]
+    if not paths:
+        print(f"no profiles under {args.profiles}", file=sys.stderr)
+        return 1
+    print("| model | nodes | PipeDream states | cluster | cost model | path (states) | plan time (s) "
+          "| time per stage (ms) | speedup over DP |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    worst = 0.0
+    for path in paths:
+        graph = pe.load_profile(path)
+        count = _C.count_antichain_states(graph, 20000)
+        states = str(count) if count >= 0 else "> 20000"
+        for cname, (workers, bandwidth) in CLUSTERS.items():
+            for model in ("pipedream", "default"):
+                times = []
+                for _ in range(args.repeat):
+                    t0 = time.perf_counter()
+                    plan = pe.plan(graph, workers=workers, bandwidth=bandwidth, cost_model=model)
+                    times.append(time.perf_counter() - t0)
+                t = statistics.median(times)
+                worst = max(worst, max(times))
+                kind = "antichain" if plan.state_kind == "antichain" else "cuts"
+                if plan.coarsened:
+                    kind += ", coarsened"
+                print(f"| {path.stem} | {len(graph)} | {states} | {cname} | {model} | {kind} ({plan.num_states}) "
+                      f"| {t:.3f} | {plan.time_per_stage * 1e3:.2f} | {plan.speedup_over_dp:.2f} |")
+                sys.stdout.flush()
+    print(f"\nslowest single plan: {worst:.3f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
