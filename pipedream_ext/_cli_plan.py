@@ -139,7 +139,7 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     q.add_argument("--straight", action="store_true", help="one worker per stage (no replication)")
     q.add_argument("--fewer-workers", action="store_true", help="allow leaving workers unused")
     q.add_argument("--cost-model", choices=["pipedream", "default"], default="default",
-                   help="pipedream: PipeDream's optimizer exactly; default: our model")
+                   help="pipedream: PipeDream's optimizer's cost model and search; default: ours (docs/planner.md)")
     q.add_argument("--activation-compression-ratio", type=float, default=None, metavar="C",
                    help="activation compression (pipedream model: absent means free transfers)")
     q.add_argument("--two-bw", action="store_true",
