@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
@@ -151,7 +152,7 @@ void compareWithBruteForce(const ProfileGraph& g, const PlanningStates& states, 
       o.twoBw = variant == 4;
       Topology t;
       const int N = 1 + static_cast<int>(rng() % 4);
-      t.levels = {{N, (rng() % 2) ? 1.25e9 : 16e9}};
+      t.levels = std::vector<TopologyLevel>{{N, (rng() % 2) ? 1.25e9 : 16e9}};
       // A memory limit that binds for some candidates (variants 4 and 5).
       double total = states.parameterBytes.back() + states.activationBytes.back();
       t.memoryBytes = (variant >= 4) ? total * (0.6 + 0.8 * (rng() % 100) / 100.0) : 0.0;
@@ -203,6 +204,153 @@ TEST(PlannerBruteForce, RandomDagsMatchExhaustiveSearchOnBothStateKinds) {
   }
 }
 
+// A literal port of PipeDream's optimizer_graph_hierarchical.py main loop and
+// compute_partitioning (loop order i, m, j, k, m'; None as std::optional),
+// with the default model's formulas swapped in when asked. Checks the
+// restructured, hierarchical DP in planner.cpp level by level.
+double pipedreamReference(const PlanningStates& s, const Topology& topo, const PlannerOptions& o) {
+  using Opt = std::optional<double>;
+  struct Entry {
+    Opt t;
+  };
+  const int n = s.size();
+  const bool pd = o.costModel == CostModel::PipeDream;
+  const bool useMem = topo.memoryBytes > 0;
+  const double c = o.compression > 0 ? o.compression : 1.0;
+  auto out = [&](int st) { return pd ? s.antichainBytes[st] : s.liveBytes[st]; };
+  auto isPred = [&](int k, int j) {
+    return std::find(s.preds[j].begin(), s.preds[j].end(), k) != s.preds[j].end();
+  };
+  // compute_times / activation_sizes / parameter_sizes: rows 0..n, cols 0..n-1.
+  std::vector<std::vector<Opt>> ct(n + 1, std::vector<Opt>(n));
+  auto diff = [&](const std::vector<double>& v, int i, int j) {
+    return i == 0 ? v[j] : v[j] - v[i - 1];
+  };
+  for (int i = 0; i <= n; ++i) {
+    for (int j = 0; j < n; ++j) {
+      if (i == 0 || j > i - 1) ct[i][j] = diff(s.computeSeconds, i, j);
+    }
+  }
+  double unit = 1.0, product = 1.0;
+  std::vector<std::vector<std::vector<Entry>>> A;
+  const int L = static_cast<int>(topo.levels.size());
+  for (int level = 0; level < L; ++level) {
+    const int N = topo.levels[level].workers;
+    const double B = topo.levels[level].bandwidth;
+    const double K = pd ? unit : product;
+    const bool finalLevel = level == L - 1;
+    A.assign(n + 1, std::vector<std::vector<Entry>>(n, std::vector<Entry>(N)));
+    for (int i = 0; i <= n; ++i) {
+      for (int j = i; j < n; ++j) {
+        const double Aa = diff(s.activationBytes, i, j), P = diff(s.parameterBytes, i, j);
+        const int maxM = o.straight ? 1 : N;
+        for (int m = 0; m < maxM; ++m) {
+          double stash;
+          if (pd) {
+            stash = std::ceil(static_cast<double>(N - (m + 1)) / (m + 1)) * (Aa + P);
+          } else {
+            double inflight = std::ceil(static_cast<double>(N) / (m + 1));
+            stash = (o.twoBw ? std::min(2.0, inflight) : inflight) * P + inflight * Aa;
+          }
+          if (useMem && stash > topo.memoryBytes) continue;
+          if (!ct[i][j]) continue;
+          double t = pd ? (*ct[i][j] + 4.0 * m * P / (B * (m + 1)) / K) / (m + 1)
+                        : std::max(*ct[i][j], 2.0 * m * P / ((m + 1) * B * K)) / (m + 1);
+          A[i][j][m].t = t;
+        }
+      }
+    }
+    const int maxI = finalLevel ? 1 : n + 1;
+    for (int i = 0; i < maxI; ++i) {
+      for (int m = 1; m < N; ++m) {
+        for (int j = i + 1; j < n; ++j) {
+          Opt best = A[i][j][m].t;
+          if (o.fewerWorkers && m > 0 && (!best || (A[i][j][m - 1].t && *A[i][j][m - 1].t < *best))) {
+            best = A[i][j][m - 1].t;
+          }
+          for (int k : s.preds[j]) {
+            if (i > 0 && isPred(k, i - 1)) continue;
+            const int maxMp = o.straight ? 2 : m + 1;
+            for (int mp = 1; mp < maxMp; ++mp) {
+              double in = 2.0 * out(k) / (B * mp);
+              Opt outT;
+              if (j < n - 1) outT = 2.0 * out(j) / (B * mp);
+              if (!ct[k + 1][j]) continue;
+              const double lastP = diff(s.parameterBytes, k + 1, j);
+              const double lastA = diff(s.activationBytes, k + 1, j);
+              double stash;
+              if (pd) {
+                stash = (lastA + lastP) * std::ceil(static_cast<double>(N - (m + 1)) / mp);
+              } else {
+                double inflight = std::ceil(static_cast<double>(N - (m + 1) + mp) / mp);
+                stash = (o.twoBw ? std::min(2.0, inflight) : inflight) * lastP + inflight * lastA;
+              }
+              if (useMem && stash > topo.memoryBytes) continue;
+              double last = pd ? (*ct[k + 1][j] + 4.0 * (mp - 1) * lastP / (B * mp)) / mp
+                               : std::max(*ct[k + 1][j], 2.0 * (mp - 1) * lastP / (mp * B * K)) / mp;
+              if (!A[i][k][m - mp].t) continue;
+              double pt = std::max(*A[i][k][m - mp].t, last);
+              if (!pd || o.compression > 0) {
+                pt = std::max(pt, in / c);
+                if (outT) pt = std::max(pt, *outT / c);
+              }
+              if (!best || *best > pt) best = pt;
+            }
+          }
+          A[i][j][m].t = best;
+        }
+      }
+    }
+    for (int i = 0; i <= n; ++i) {
+      for (int j = 0; j < n; ++j) ct[i][j] = A[i][j][N - 1].t;
+    }
+    unit = N;
+    product *= N;
+  }
+  Opt r = A[0][n - 1].back().t;
+  return r ? *r : kInf;
+}
+
+TEST(PlannerHierarchy, MatchesALiteralPortOfPipeDreamsLoops) {
+  std::mt19937 rng(2024);
+  const std::vector<std::vector<int>> shapes = {{2, 2}, {3, 2}, {2, 3}, {1, 3}, {3, 1}, {2, 2, 2}};
+  int compared = 0, infeasible = 0;
+  for (int trial = 0; trial < 30; ++trial) {
+    ProfileGraph g = (trial % 3 == 0) ? randomChain(rng, 3 + static_cast<int>(rng() % 4))
+                                      : randomDag(rng, 3 + static_cast<int>(rng() % 4));
+    PlanningStates s;
+    ASSERT_TRUE(enumerateAntichainStates(g, 1000, &s));
+    const std::vector<int>& shape = shapes[trial % shapes.size()];
+    for (CostModel model : {CostModel::PipeDream, CostModel::Default}) {
+      for (int variant = 0; variant < 5; ++variant) {
+        PlannerOptions o;
+        o.costModel = model;
+        o.straight = variant == 1;
+        o.fewerWorkers = variant == 2 || variant == 4;
+        o.compression = variant == 3 ? 1.5 : 0.0;
+        Topology t;
+        const double bws[3] = {16e9, 1.25e9, 0.5e9};
+        for (size_t l = 0; l < shape.size(); ++l) t.levels.push_back({shape[l], bws[l]});
+        double total = s.parameterBytes.back() + s.activationBytes.back();
+        t.memoryBytes = variant == 4 ? total * (0.5 + (rng() % 100) / 100.0) : 0.0;
+        const double expected = pipedreamReference(s, t, o);
+        std::string ctx = "trial " + std::to_string(trial) + " model " + costModelName(model) +
+                          " variant " + std::to_string(variant);
+        if (expected == kInf) {
+          ++infeasible;
+          EXPECT_THROW(planOnStates(g, s, t, o), std::invalid_argument) << ctx;
+          continue;
+        }
+        ++compared;
+        Plan p = planOnStates(g, s, t, o);
+        EXPECT_NEAR(p.timePerStage, expected, 1e-12 * std::max(1.0, std::fabs(expected))) << ctx;
+      }
+    }
+  }
+  EXPECT_GT(compared, 200);
+  EXPECT_GT(infeasible, 0);
+}
+
 // Input -> a -> b with heavy weights on a slow link: splitting wins.
 ProfileGraph twoHeavyLayers() {
   ProfileGraph g;
@@ -216,7 +364,7 @@ ProfileGraph twoHeavyLayers() {
 
 TEST(PlannerGolden, TwoHeavyLayersSplitOnTwoWorkers) {
   Topology t;
-  t.levels = {{2, 1e9}};
+  t.levels = std::vector<TopologyLevel>{{2, 1e9}};
   PlannerOptions o;
   o.costModel = CostModel::PipeDream;
   Plan p = planPartition(twoHeavyLayers(), t, o);
@@ -249,7 +397,7 @@ TEST(PlannerGolden, WeightlessLayerIsReplicated) {
   g.addEdge(0, 1);
   g.addEdge(1, 2);
   Topology t;
-  t.levels = {{4, 1e9}};
+  t.levels = std::vector<TopologyLevel>{{4, 1e9}};
   for (CostModel model : {CostModel::PipeDream, CostModel::Default}) {
     PlannerOptions o;
     o.costModel = model;
@@ -264,7 +412,7 @@ TEST(PlannerGolden, WeightlessLayerIsReplicated) {
   // workers would need more stages than layers).
   PlannerOptions straight;
   straight.straight = true;
-  t.levels = {{2, 1e9}};
+  t.levels = std::vector<TopologyLevel>{{2, 1e9}};
   Plan p = planPartition(g, t, straight);
   ASSERT_EQ(p.stages.size(), 2u);
   EXPECT_NEAR(p.timePerStage, 0.09, 1e-12);
@@ -272,7 +420,7 @@ TEST(PlannerGolden, WeightlessLayerIsReplicated) {
 
 TEST(PlannerGolden, FewerWorkersLeavesWorkersIdle) {
   Topology t;
-  t.levels = {{5, 1e9}};
+  t.levels = std::vector<TopologyLevel>{{5, 1e9}};
   PlannerOptions o;
   o.costModel = CostModel::PipeDream;
   o.straight = true;
@@ -293,7 +441,7 @@ TEST(PlannerGolden, MemoryLimitForcesASplit) {
   g.addEdge(0, 1);
   g.addEdge(1, 2);
   Topology t;
-  t.levels = {{2, 1e15}};
+  t.levels = std::vector<TopologyLevel>{{2, 1e15}};
   // Default model, unlimited: data parallel (0.004 s) beats a|b (0.006 s).
   PlannerOptions o;
   Plan free = planPartition(g, t, o);
@@ -316,9 +464,9 @@ TEST(PlannerHierarchy, DegenerateLevelsMatchFlatPlans) {
     PlannerOptions o;
     o.costModel = model;
     Topology flat, outer, inner;
-    flat.levels = {{8, 1.25e9}};
-    outer.levels = {{1, 16e9}, {8, 1.25e9}};  // 8 servers of one worker
-    inner.levels = {{8, 1.25e9}, {1, 16e9}};  // one server of 8 workers
+    flat.levels = std::vector<TopologyLevel>{{8, 1.25e9}};
+    outer.levels = std::vector<TopologyLevel>{{1, 16e9}, {8, 1.25e9}};  // 8 servers of one worker
+    inner.levels = std::vector<TopologyLevel>{{8, 1.25e9}, {1, 16e9}};  // one server of 8 workers
     double f = planPartition(g, flat, o).timePerStage;
     EXPECT_NEAR(planPartition(g, outer, o).timePerStage, f, 1e-12) << costModelName(model);
     EXPECT_NEAR(planPartition(g, inner, o).timePerStage, f, 1e-12) << costModelName(model);
@@ -328,7 +476,7 @@ TEST(PlannerHierarchy, DegenerateLevelsMatchFlatPlans) {
 TEST(PlannerHierarchy, RanksPartitionTheClusterAndStayInsideServers) {
   ProfileGraph g = ProfileGraph::load(dataPath("gnmt.txt"));
   Topology t;
-  t.levels = {{4, 16e9}, {4, 1.25e9}};
+  t.levels = std::vector<TopologyLevel>{{4, 16e9}, {4, 1.25e9}};
   for (CostModel model : {CostModel::PipeDream, CostModel::Default}) {
     PlannerOptions o;
     o.costModel = model;
@@ -360,7 +508,7 @@ TEST(PlannerPaths, FallbackAnswersAndAgreesOnChains) {
   std::mt19937 rng(7);
   ProfileGraph chain = randomChain(rng, 12);
   Topology t;
-  t.levels = {{4, 16e9}, {2, 1.25e9}};
+  t.levels = std::vector<TopologyLevel>{{4, 16e9}, {2, 1.25e9}};
   PlannerOptions o;
   o.costModel = CostModel::PipeDream;
   Plan a = planPartition(chain, t, o);
@@ -383,7 +531,7 @@ TEST(PlannerPaths, FallbackAnswersAndAgreesOnChains) {
 TEST(PlannerPaths, AntichainOptimumIsNoWorseThanCutsOnBranchingGraphs) {
   ProfileGraph g = ProfileGraph::load(dataPath("resnet18.txt"));
   Topology t;
-  t.levels = {{16, 1.25e9}};
+  t.levels = std::vector<TopologyLevel>{{16, 1.25e9}};
   for (CostModel model : {CostModel::PipeDream, CostModel::Default}) {
     PlannerOptions o;
     o.costModel = model;
@@ -402,9 +550,9 @@ TEST(PlannerPaths, AntichainOptimumIsNoWorseThanCutsOnBranchingGraphs) {
 TEST(PlannerOptionsCheck, RejectsBadInput) {
   Topology t;
   EXPECT_THROW(planPartition(twoHeavyLayers(), t, {}), std::invalid_argument);
-  t.levels = {{0, 1e9}};
+  t.levels = std::vector<TopologyLevel>{{0, 1e9}};
   EXPECT_THROW(planPartition(twoHeavyLayers(), t, {}), std::invalid_argument);
-  t.levels = {{2, -1}};
+  t.levels = std::vector<TopologyLevel>{{2, -1}};
   EXPECT_THROW(planPartition(twoHeavyLayers(), t, {}), std::invalid_argument);
   EXPECT_THROW(parseCostModel("fast"), std::invalid_argument);
   EXPECT_EQ(parseCostModel("pipedream"), CostModel::PipeDream);
