@@ -29,6 +29,8 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--profiles", type=Path, default=here.parent / "shared" / "profiles" / "pipedream")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--models", default="", help="comma-separated subset of profile names")
+    parser.add_argument("--work-budget", type=float, default=1.5e8,
+                        help="planner work budget (raise it to force PipeDream's antichain states)")
     args = parser.parse_args(argv)
     paths = sorted(args.profiles.glob("*.txt"))
     if args.models:
@@ -50,7 +52,8 @@ def main(argv: List[str]) -> int:
                 times = []
                 for _ in range(args.repeat):
                     t0 = time.perf_counter()
-                    plan = pe.plan(graph, workers=workers, bandwidth=bandwidth, cost_model=model)
+                    plan = pe.plan(graph, workers=workers, bandwidth=bandwidth, cost_model=model,
+                                   work_budget=args.work_budget)
                     times.append(time.perf_counter() - t0)
                 t = statistics.median(times)
                 worst = max(worst, max(times))

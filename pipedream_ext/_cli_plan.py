@@ -90,6 +90,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         cost_model=args.cost_model,
         activation_compression_ratio=args.activation_compression_ratio,
         two_bw=args.two_bw,
+        max_antichain_states=args.max_states,
+        work_budget=args.work_budget,
     )
     if args.output:
         result.save(args.output)
@@ -144,6 +146,10 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
                    help="activation compression (pipedream model: absent means free transfers)")
     q.add_argument("--two-bw", action="store_true",
                    help="default model: count 2 weight versions per stage (2BW)")
+    q.add_argument("--max-states", type=int, default=4096, metavar="N",
+                   help="use PipeDream's antichain states only up to N of them (else topological cuts)")
+    q.add_argument("--work-budget", type=float, default=1.5e8, metavar="W",
+                   help="DP updates allowed before falling back to cuts / coarsening them")
     q.add_argument("-o", "--output", help="plan.json to write")
     q.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     q.set_defaults(func=_run_plan)

@@ -130,6 +130,10 @@ def test_cli_plan_json_table_and_output(tmp_path: Path, capsys: pytest.CaptureFi
     assert rc == 0
     assert "speedup over data parallelism" in out and "replicas" in out
 
+    rc, out, _ = _cli(capsys, ["plan", "--profile", prof, "--workers", "4", "--bandwidth", "1e9",
+                               "--max-states", "2", "--json"])
+    assert rc == 0 and json.loads(out)["state_kind"] == "topological_cut"
+
 
 def test_cli_plan_errors(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     rc, _, err = _cli(capsys, ["plan", "--profile", str(tmp_path / "none.txt"), "--workers", "4",
