@@ -85,7 +85,7 @@ def test_validator_error_shows_marked_grid():
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(name="1f1c", stages=4, microbatches=8), "unknown schedule '1f1c'"),
     (dict(name="1f1b", stages=0, microbatches=8), "stages must be >= 1 (got 0)"),
-    (dict(name="interleaved-1f1b", stages=4, microbatches=6, chunks=2), "use m=8"),
+    (dict(name="interleaved-1f1b", stages=3, microbatches=7, chunks=2), "use m=8"),
     (dict(name="pipedream-2bw", stages=4, microbatches=2), "needs at least 3 microbatches"),
     (dict(name="pipedream", stages=2, microbatches=3, replicas=[2, 1]), "multiple of 2"),
     (dict(name="gpipe", stages=2.5, microbatches=3), "stages must be an integer"),
@@ -131,9 +131,9 @@ def test_cli_grid_trace_and_csv(tmp_path):
 
 
 def test_cli_errors_exit_nonzero_with_the_value():
-    out = _cli("schedule", "--name", "interleaved-1f1b", "--stages", "4", "--microbatches", "6",
+    out = _cli("schedule", "--name", "interleaved-1f1b", "--stages", "3", "--microbatches", "7",
                "--chunks", "2")
     assert out.returncode != 0
-    assert "got m=6, p=4" in out.stderr and "Traceback" not in out.stderr
+    assert "got m=7, p=3" in out.stderr and "Traceback" not in out.stderr
     out = _cli("schedule", "--name", "nope", "--stages", "4", "--microbatches", "6")
     assert out.returncode != 0 and "unknown schedule 'nope'" in out.stderr

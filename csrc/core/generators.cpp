@@ -93,36 +93,40 @@ void oneFOneBBatch(const Layout& layout, int m, int batch, RankLists& lists) {
   }
 }
 
-// Megatron-LM's interleaved 1F1B: p ranks, v chunks per rank, m % p == 0.
-// Virtual microbatch k (0 <= k < m*v) is microbatch (k / pv) * p + k % p of
-// chunk (k % pv) / p going forward and chunk v-1-(k % pv)/p going backward.
+// Interleaved 1F1B (Megatron-LM; the generalisation of
+// torch.distributed.pipelining): p ranks, v chunks per rank. Microbatches go
+// in rounds of s = m / max(1, m / p) (so s >= p unless m < p, and rounds must
+// be equal). Forwards run round by round, chunks 0..v-1 within a round;
+// backwards the same with the chunks reversed. Rank r warms up with
+// (v - 1) * s + 2 * (p - 1 - r) forwards, then alternates F and B. With
+// s == p this is exactly Megatron's order: virtual microbatch k is
+// microbatch (k / pv) * p + k % p of chunk (k % pv) / p.
+int interleavedRoundSize(int p, int m) { return m / std::max(1, m / p); }
+
 void interleavedBatch(int p, int v, int m, int batch, RankLists& lists) {
+  const int roundSize = interleavedRoundSize(p, m);
+  std::vector<std::pair<int, int>> forwardOrder, backwardOrder;  // (chunk, microbatch)
+  for (int start = 0; start < m; start += roundSize) {
+    for (int c = 0; c < v; ++c) {
+      for (int i = start; i < start + roundSize; ++i) {
+        forwardOrder.push_back({c, i});
+        backwardOrder.push_back({v - 1 - c, i});
+      }
+    }
+  }
   const int total = m * v;
-  auto chunkForward = [&](int k) { return (k % (p * v)) / p; };
-  auto microbatchOf = [&](int k) { return batch * m + (k / (p * v)) * p + k % p; };
   for (int r = 0; r < p; ++r) {
     auto& out = lists[r];
-    int warmup;
-    if (m == p) {
-      warmup = total;  // Megatron: everything is warm-up when m == p
-    } else {
-      warmup = std::min((p - r - 1) * 2 + (v - 1) * p, total);
-    }
-    auto forward = [&](int k) {
-      out.push_back(Action::compute(chunkForward(k) * p + r, ActionKind::kForward,
-                                    microbatchOf(k), batch));
+    const int warmup = std::min((v - 1) * roundSize + 2 * (p - 1 - r), total);
+    auto emit = [&](const std::pair<int, int>& ci, ActionKind kind) {
+      out.push_back(Action::compute(ci.first * p + r, kind, batch * m + ci.second, batch));
     };
-    auto backward = [&](int k) {
-      const int chunk = v - 1 - chunkForward(k);
-      out.push_back(Action::compute(chunk * p + r, ActionKind::kBackward, microbatchOf(k),
-                                    batch));
-    };
-    for (int k = 0; k < warmup; ++k) forward(k);
+    for (int k = 0; k < warmup; ++k) emit(forwardOrder[k], ActionKind::kForward);
     for (int k = 0; k < total - warmup; ++k) {
-      forward(warmup + k);
-      backward(k);
+      emit(forwardOrder[warmup + k], ActionKind::kForward);
+      emit(backwardOrder[k], ActionKind::kBackward);
     }
-    for (int k = total - warmup; k < total; ++k) backward(k);
+    for (int k = total - warmup; k < total; ++k) emit(backwardOrder[k], ActionKind::kBackward);
     for (int c = 0; c < v; ++c) out.push_back(Action::update(c * p + r, batch + 1));
   }
 }
@@ -314,9 +318,13 @@ Schedule buildSchedule(const ScheduleOptions& o) {
   }
 
   if (o.name == "interleaved-1f1b") {
-    if (m % p != 0) {
-      fail("interleaved-1f1b needs microbatches to be a multiple of stages (got m=" + str(m) +
-           ", p=" + str(p) + "); use m=" + str((m + p - 1) / p * p));
+    const int roundSize = interleavedRoundSize(p, m);
+    if (m % roundSize != 0) {
+      int suggestion = m + 1;
+      while (suggestion % interleavedRoundSize(p, suggestion) != 0) ++suggestion;
+      fail("interleaved-1f1b splits microbatches into equal rounds of at least p (got m=" +
+           str(m) + ", p=" + str(p) + ": rounds of " + str(roundSize) + " leave " +
+           str(m % roundSize) + " over); use m=" + str(suggestion));
     }
     Layout layout = Layout::interleaved(p, o.chunks);
     RankLists lists(p);

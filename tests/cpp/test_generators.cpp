@@ -135,7 +135,7 @@ TEST(GeneratorErrors, NamesTheBadValue) {
   expectError([] { make("1f1c", 4, 8); }, "unknown schedule '1f1c'");
   expectError([] { make("1f1b", 0, 8); }, "stages must be >= 1 (got 0)");
   expectError([] { make("gpipe", 4, 0); }, "microbatches must be >= 1 (got 0)");
-  expectError([] { make("interleaved-1f1b", 4, 6, 2); }, "got m=6, p=4); use m=8");
+  expectError([] { make("interleaved-1f1b", 3, 7, 2); }, "got m=7, p=3: rounds of 3 leave 1 over); use m=8");
   expectError([] { make("interleaved-1f1b", 4, 8, 0); }, "chunks must be >= 1 (got 0)");
   expectError([] { make("1f1b", 4, 8, 2); }, "got chunks=2");
   expectError([] { make("zb-h1", 2, 4, 1, {2, 1}); }, "does not support replicated stages");
