@@ -10,6 +10,8 @@
 #include "core/schedule.h"
 #include "core/simulate.h"
 #include "core/validate.h"
+#include "runtime/comm_engine.h"
+#include "runtime/executor.h"
 
 namespace py = pybind11;
 
@@ -268,6 +270,34 @@ void bindPlanner(py::module_& m) {
       "PipeDream's state count, or -1 when it exceeds `cap`.");
 }
 
+// ---- runtime (csrc/runtime) --------------------------------------------------
+void bindRuntime(py::module_& m) {
+  py::class_<PipelineExecutor>(m, "PipelineExecutor")
+      .def(py::init([](const Schedule& lowered, int rank,
+                       const c10::intrusive_ptr<c10d::ProcessGroup>& group, double timeoutSeconds,
+                       py::function forward, std::map<int, std::vector<at::Tensor>> parameters) {
+             auto engine = std::make_shared<CommEngine>(
+                 group, std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000.0)));
+             // The only call into Python: re-acquire the GIL around it.
+             auto fn = [forward](int stage, int microbatch, const std::vector<at::Tensor>& inputs) {
+               py::gil_scoped_acquire gil;
+               return forward(stage, microbatch, inputs).cast<std::vector<at::Tensor>>();
+             };
+             return std::make_unique<PipelineExecutor>(lowered, rank, std::move(engine), std::move(fn),
+                                                       std::move(parameters));
+           }),
+           py::arg("lowered_schedule"), py::arg("rank"), py::arg("group"), py::arg("timeout_seconds"),
+           py::arg("forward"), py::arg("stage_parameters"))
+      .def("run", &PipelineExecutor::run, py::arg("inputs"), py::call_guard<py::gil_scoped_release>(),
+           "Runs one step; returns the scaled loss of each microbatch whose last stage ran here.")
+      .def("run_forward", &PipelineExecutor::runForward, py::arg("inputs"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("peak_stashed", &PipelineExecutor::peakStashed)
+      .def_property_readonly("bytes_sent", [](const PipelineExecutor& e) { return e.engine().bytesSent(); })
+      .def_property_readonly("bytes_received",
+                             [](const PipelineExecutor& e) { return e.engine().bytesReceived(); });
+}
+
 }  // namespace
 }  // namespace pipedream
 
@@ -275,4 +305,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pipedream_ext C++ core: schedules, simulator, planner, runtime";
   pipedream::bindSchedules(m);
   pipedream::bindPlanner(m);
+  pipedream::bindRuntime(m);
 }

@@ -1,0 +1,208 @@
+#include "comm_engine.h"
+
+#include <c10/util/Exception.h>
+
+#include <sstream>
+
+namespace pipedream {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::chrono::milliseconds remaining(Clock::time_point deadline) {
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  return std::max(left, std::chrono::milliseconds(1));
+}
+
+// Waits for one c10d work item; rethrows failures with context.
+void waitWork(const c10::intrusive_ptr<c10d::Work>& work, Clock::time_point deadline, int self,
+              int peer, const std::string& description, std::chrono::milliseconds timeout) {
+  try {
+    work->wait(remaining(deadline));
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "rank ", self, ": ", description, " with rank ", peer,
+                " failed or timed out after ", timeout.count(),
+                " ms (is rank ", peer, " alive?): ", e.what());
+  }
+}
+
+int messageTag(int tag, int part) { return tag * 16 + part; }
+
+class SendTransfer : public Transfer {
+ public:
+  SendTransfer(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::vector<at::Tensor> keepAlive,
+               int self, int peer, std::string description, std::chrono::milliseconds timeout)
+      : works_(std::move(works)),
+        keepAlive_(std::move(keepAlive)),
+        self_(self),
+        peer_(peer),
+        description_(std::move(description)),
+        timeout_(timeout) {}
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    const auto deadline = Clock::now() + timeout;
+    try {
+      for (auto& work : works_) waitWork(work, deadline, self_, peer_, description_, timeout);
+    } catch (...) {
+      error_ = std::current_exception();
+      throw;
+    }
+    keepAlive_.clear();
+    return true;
+  }
+  bool isCompleted() override {
+    for (auto& work : works_) {
+      if (!work->isCompleted()) return false;
+    }
+    return true;
+  }
+  std::exception_ptr exception() const override { return error_; }
+  const std::vector<at::Tensor>& tensors() const override { return keepAlive_; }
+  const std::string& description() const override { return description_; }
+
+ private:
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  std::vector<at::Tensor> keepAlive_;  // buffers must outlive the sends
+  int self_;
+  int peer_;
+  std::string description_;
+  std::chrono::milliseconds timeout_;
+  std::exception_ptr error_;
+};
+
+class RecvTransfer : public Transfer {
+ public:
+  RecvTransfer(CommEngine& engine, int peer, int tag, std::string description)
+      : engine_(engine), peer_(peer), tag_(tag), description_(std::move(description)) {
+    header_ = at::empty({kHeaderWords}, at::TensorOptions().dtype(at::kLong));
+    std::vector<at::Tensor> buffers{header_};
+    headerWork_ = engine_.group().recv(buffers, peer_, messageTag(tag_, 0));
+  }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (done_) return true;
+    const auto deadline = Clock::now() + timeout;
+    try {
+      waitWork(headerWork_, deadline, engine_.rank(), peer_, description_, timeout);
+      const auto metas = decodeHeader(header_, description_);
+      std::vector<c10::intrusive_ptr<c10d::Work>> works;
+      for (size_t k = 0; k < metas.size(); ++k) {
+        at::Tensor buffer = at::empty(metas[k].shape, at::TensorOptions().dtype(metas[k].dtype));
+        std::vector<at::Tensor> one{buffer};
+        works.push_back(engine_.group().recv(one, peer_, messageTag(tag_, static_cast<int>(k) + 1)));
+        tensors_.push_back(buffer);
+      }
+      for (auto& work : works) waitWork(work, deadline, engine_.rank(), peer_, description_, timeout);
+      for (const auto& t : tensors_) engine_.addBytesReceived(t.numel() * t.element_size());
+    } catch (...) {
+      error_ = std::current_exception();
+      throw;
+    }
+    done_ = true;
+    return true;
+  }
+  bool isCompleted() override { return done_; }
+  std::exception_ptr exception() const override { return error_; }
+  const std::vector<at::Tensor>& tensors() const override { return tensors_; }
+  const std::string& description() const override { return description_; }
+
+ private:
+  CommEngine& engine_;
+  int peer_;
+  int tag_;
+  std::string description_;
+  at::Tensor header_;
+  c10::intrusive_ptr<c10d::Work> headerWork_;
+  std::vector<at::Tensor> tensors_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+}  // namespace
+
+std::string TensorMeta::toString() const {
+  std::ostringstream out;
+  out << c10::toString(dtype) << "[";
+  for (size_t k = 0; k < shape.size(); ++k) out << (k ? ", " : "") << shape[k];
+  out << "]";
+  return out.str();
+}
+
+at::Tensor encodeHeader(const std::vector<at::Tensor>& tensors) {
+  TORCH_CHECK(tensors.size() <= kMaxTensorsPerTransfer, "a stage boundary carries ",
+              tensors.size(), " tensors but at most ", kMaxTensorsPerTransfer,
+              " are supported; pack them into fewer tensors");
+  at::Tensor header = at::zeros({kHeaderWords}, at::TensorOptions().dtype(at::kLong));
+  auto* words = header.data_ptr<int64_t>();
+  words[0] = kHeaderMagic;
+  words[1] = static_cast<int64_t>(tensors.size());
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const auto& t = tensors[k];
+    TORCH_CHECK(t.dim() <= kMaxDims, "tensor ", k, " at a stage boundary has ", t.dim(),
+                " dimensions; at most ", kMaxDims, " are supported");
+    int64_t* slot = words + 2 + k * (2 + kMaxDims);
+    slot[0] = static_cast<int64_t>(t.scalar_type());
+    slot[1] = t.dim();
+    for (int64_t d = 0; d < t.dim(); ++d) slot[2 + d] = t.size(d);
+  }
+  return header;
+}
+
+std::vector<TensorMeta> decodeHeader(const at::Tensor& header, const std::string& description) {
+  const auto* words = header.data_ptr<int64_t>();
+  TORCH_CHECK(words[0] == kHeaderMagic, description,
+              ": received a header with a bad magic number (", words[0],
+              "); the peer is not running the same pipedream_ext schedule");
+  const int64_t count = words[1];
+  TORCH_CHECK(count >= 0 && count <= kMaxTensorsPerTransfer, description,
+              ": header announces ", count, " tensors");
+  std::vector<TensorMeta> metas;
+  for (int64_t k = 0; k < count; ++k) {
+    const int64_t* slot = words + 2 + k * (2 + kMaxDims);
+    TensorMeta meta;
+    meta.dtype = static_cast<at::ScalarType>(slot[0]);
+    TORCH_CHECK(slot[1] >= 0 && slot[1] <= kMaxDims, description, ": bad rank ", slot[1]);
+    meta.shape.assign(slot + 2, slot + 2 + slot[1]);
+    metas.push_back(std::move(meta));
+  }
+  return metas;
+}
+
+CommEngine::CommEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, std::chrono::milliseconds timeout)
+    : group_(std::move(group)), timeout_(timeout) {
+  TORCH_CHECK(group_, "CommEngine needs a process group");
+  TORCH_CHECK(timeout_.count() > 0, "communication timeout must be > 0 ms (got ", timeout_.count(), ")");
+  rank_ = group_->getRank();
+  worldSize_ = group_->getSize();
+}
+
+std::shared_ptr<Transfer> CommEngine::send(const std::vector<at::Tensor>& tensors, int peer, int tag,
+                                           const std::string& description) {
+  TORCH_CHECK(peer >= 0 && peer < worldSize_ && peer != rank_, description, ": bad peer rank ", peer);
+  std::vector<at::Tensor> keepAlive;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  at::Tensor header = encodeHeader(tensors);
+  keepAlive.push_back(header);
+  {
+    std::vector<at::Tensor> one{header};
+    works.push_back(group_->send(one, peer, messageTag(tag, 0)));
+  }
+  bytesSent_ += header.numel() * header.element_size();
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    at::Tensor data = tensors[k].detach().contiguous();
+    keepAlive.push_back(data);
+    std::vector<at::Tensor> one{data};
+    works.push_back(group_->send(one, peer, messageTag(tag, static_cast<int>(k) + 1)));
+    bytesSent_ += data.numel() * data.element_size();
+  }
+  return std::make_shared<SendTransfer>(std::move(works), std::move(keepAlive), rank_, peer,
+                                        description, timeout_);
+}
+
+std::shared_ptr<Transfer> CommEngine::recv(int peer, int tag, const std::string& description) {
+  TORCH_CHECK(peer >= 0 && peer < worldSize_ && peer != rank_, description, ": bad peer rank ", peer);
+  return std::make_shared<RecvTransfer>(*this, peer, tag, description);
+}
+
+}  // namespace pipedream

@@ -1,0 +1,94 @@
+// Point-to-point transfers of activations and gradients between pipeline
+// stages, on top of a c10d ProcessGroup (Gloo on CPU, NCCL on GPU).
+//
+// Wire format of one transfer of n tensors to a peer under tag T:
+//   message T*16 + 0 : header, int64[kHeaderWords]:
+//                      [magic, n, (dtype, ndim, d0 .. d7) x n]
+//   message T*16 + k : tensor k-1 (contiguous, k = 1..n)
+// No pickle: the receiver allocates from the header and receives in place.
+//
+// Handles follow c10d::Work: wait(timeout), isCompleted(), exception().
+// Every wait has a deadline; a peer that dies or never sends makes wait()
+// throw a c10::Error naming this rank, the peer, and the action (e.g.
+// "RECV_F of microbatch 3 for stage 2").
+//
+// Threading: a CommEngine and its transfers are used from one thread (the
+// executor's); the process group does the actual I/O on its own threads.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace pipedream {
+
+constexpr int kMaxTensorsPerTransfer = 8;
+constexpr int kMaxDims = 8;
+constexpr int64_t kHeaderMagic = 0x50495045;  // "PIPE"
+constexpr int kHeaderWords = 2 + kMaxTensorsPerTransfer * (2 + kMaxDims);
+
+struct TensorMeta {
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;
+  bool operator==(const TensorMeta& other) const {
+    return dtype == other.dtype && shape == other.shape;
+  }
+  std::string toString() const;  // "float32[4, 16]"
+};
+
+// An in-flight send or receive. Owned by the thread that created it.
+class Transfer {
+ public:
+  virtual ~Transfer() = default;
+  // Blocks until done or `timeout` passes. Returns true when done; throws
+  // c10::Error (with peer and action) on failure or timeout.
+  virtual bool wait(std::chrono::milliseconds timeout) = 0;
+  // Non-blocking: whether every message of the transfer completed.
+  virtual bool isCompleted() = 0;
+  // The failure, if one was observed (nullptr otherwise).
+  virtual std::exception_ptr exception() const = 0;
+  // Received tensors (receives only; valid after wait() returned true).
+  virtual const std::vector<at::Tensor>& tensors() const = 0;
+  virtual const std::string& description() const = 0;
+};
+
+class CommEngine {
+ public:
+  CommEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, std::chrono::milliseconds timeout);
+
+  // Starts sending `tensors` (made contiguous, on their device) to `peer`.
+  std::shared_ptr<Transfer> send(const std::vector<at::Tensor>& tensors, int peer, int tag,
+                                 const std::string& description);
+  // Posts the header receive now; the data receives are posted when the
+  // header has arrived (inside wait()).
+  std::shared_ptr<Transfer> recv(int peer, int tag, const std::string& description);
+
+  int rank() const { return rank_; }
+  int worldSize() const { return worldSize_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  // Payload and header bytes this engine has sent (for benchmarks).
+  int64_t bytesSent() const { return bytesSent_; }
+  int64_t bytesReceived() const { return bytesReceived_; }
+  void addBytesReceived(int64_t bytes) { bytesReceived_ += bytes; }
+
+  c10d::ProcessGroup& group() { return *group_; }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;  // immutable after construction
+  std::chrono::milliseconds timeout_;
+  int rank_;
+  int worldSize_;
+  int64_t bytesSent_ = 0;      // executor thread only
+  int64_t bytesReceived_ = 0;  // executor thread only
+};
+
+// Encodes / decodes the fixed header (exposed for tests).
+at::Tensor encodeHeader(const std::vector<at::Tensor>& tensors);
+std::vector<TensorMeta> decodeHeader(const at::Tensor& header, const std::string& description);
+
+}  // namespace pipedream

@@ -1,0 +1,300 @@
+"""The user-facing pipeline wrapper: ``PipeDream(module, loss_fn, schedule, ...)``.
+
+Thin by design: it splits an ``nn.Sequential`` into stages, keeps this rank's
+layers, builds the schedule (C++), and hands the rank's lowered action list to
+the C++ executor, whose only call back into Python is a stage's forward.
+"""
+from __future__ import annotations
+
+import collections
+import datetime
+import logging
+import os
+import zlib
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _C, schedules
+
+__all__ = ["PipeDream", "SYNCHRONOUS_SCHEDULES"]
+
+_log = logging.getLogger(__name__)
+
+#: Flush schedules the runtime executes today (gradients equal the unsplit model's).
+SYNCHRONOUS_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+
+Tensors = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
+
+
+def _as_tuple(value: Tensors) -> Tuple[torch.Tensor, ...]:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def even_balance(num_layers: int, num_stages: int) -> List[int]:
+    """Splits ``num_layers`` into ``num_stages`` contiguous parts differing by at most one."""
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if j < extra else 0) for j in range(num_stages)]
+
+
+def _init_default_group(device: torch.device, timeout: datetime.timedelta) -> None:
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise RuntimeError(
+            "no torch.distributed process group and no torchrun environment (RANK, WORLD_SIZE); "
+            "launch with `torchrun --nproc-per-node N script.py` or call "
+            "torch.distributed.init_process_group() first")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, timeout=timeout)
+
+
+class PipeDream:
+    """Pipeline-parallel training of an ``nn.Sequential`` over the ranks of a process group.
+
+    Example (under ``torchrun --nproc-per-node 4``)::
+
+        pipe = PipeDream(model, loss_fn=F.cross_entropy, schedule="1f1b", microbatches=4)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        for x, y in loader:
+            loss = pipe.step(x, y)
+            opt.step(); opt.zero_grad()
+
+    Args:
+        module: the whole model, identically initialised on every rank.
+        loss_fn: ``loss_fn(output, target)`` with mean reduction over the batch.
+        schedule: one of :data:`SYNCHRONOUS_SCHEDULES`.
+        microbatches: microbatches per ``step`` (the batch is split on dim 0).
+        balance: layers per stage (``None``: an even split). Stages are ordered
+            as in the module; stage ``j`` runs on rank ``j`` (``j mod world`` for
+            interleaved schedules).
+        chunks: model chunks per rank (``interleaved-1f1b``).
+        process_group: the group to run on (default: the default group, which is
+            created from the torchrun environment if needed: Gloo on CPU, NCCL on GPU).
+        device: where this rank's layers live (default: ``cuda:LOCAL_RANK`` if CUDA
+            is available, else CPU).
+        timeout: seconds any wait on another rank may take before failing.
+
+    Raises:
+        ValueError: bad schedule, balance, chunks or world size (the message names
+            the value and the fix).
+        RuntimeError: no process group and no torchrun environment.
+    """
+
+    def __init__(self, module: nn.Sequential, loss_fn: Callable[..., torch.Tensor],
+                 schedule: str = "1f1b", microbatches: int = 4,
+                 balance: Optional[Sequence[int]] = None, chunks: int = 1,
+                 process_group: Optional[dist.ProcessGroup] = None,
+                 device: Optional[Union[str, torch.device]] = None,
+                 timeout: float = 300.0) -> None:
+        if not isinstance(module, nn.Sequential):
+            raise ValueError(f"module must be an nn.Sequential (got {type(module).__name__}); "
+                             "wrap your layers in torch.nn.Sequential")
+        if schedule not in SYNCHRONOUS_SCHEDULES:
+            raise ValueError(f"schedule {schedule!r} is not supported by the runtime; choose one of "
+                             f"{', '.join(SYNCHRONOUS_SCHEDULES)}")
+        if chunks != 1 and schedule != "interleaved-1f1b":
+            raise ValueError(f"chunks={chunks} needs schedule='interleaved-1f1b' (got {schedule!r})")
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be a positive integer (got {microbatches!r})")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds (got {timeout})")
+        if device is None:
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
+        self.device = torch.device(device)
+        _init_default_group(self.device, datetime.timedelta(seconds=timeout))
+        self.group = process_group if process_group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.loss_fn = loss_fn
+        self.microbatches = microbatches
+        self.schedule_name = schedule
+        self.timeout = float(timeout)
+
+        num_layers = len(module)
+        num_stages = self.world_size * chunks
+        if balance is None:
+            if num_layers < num_stages:
+                raise ValueError(
+                    f"the model has {num_layers} layers but {num_stages} stages are needed "
+                    f"({self.world_size} ranks x {chunks} chunks); use fewer ranks or chunks")
+            balance = even_balance(num_layers, num_stages)
+        balance = [int(b) for b in balance]
+        if len(balance) != num_stages:
+            raise ValueError(
+                f"balance lists {len(balance)} stages but the world has {self.world_size} ranks "
+                f"x {chunks} chunks = {num_stages} stages; give one layer count per stage or "
+                f"launch {len(balance) // chunks if len(balance) % chunks == 0 else len(balance)} ranks")
+        if any(b < 1 for b in balance):
+            raise ValueError(f"balance {balance} has a stage with no layers; every stage needs >= 1")
+        if sum(balance) != num_layers:
+            raise ValueError(f"balance {balance} sums to {sum(balance)} but the model has "
+                             f"{num_layers} layers; make the counts add up to {num_layers}")
+        self.balance = balance
+        self._check_same_config_everywhere(num_layers)
+
+        self._schedule = schedules.build(schedule, stages=self.world_size if chunks > 1 else num_stages,
+                                         microbatches=microbatches, chunks=chunks)
+        self.num_stages = self._schedule.num_stages
+        self.local_stages = self._schedule.stages_of_rank(self.rank)
+        bounds = [0]
+        for b in balance:
+            bounds.append(bounds[-1] + b)
+        children = list(module.named_children())
+        # Each local stage keeps the original child names, so parameter names
+        # ("3.weight") match the unsplit model's.
+        self._stages: Dict[int, nn.Sequential] = {}
+        for j in self.local_stages:
+            layers = collections.OrderedDict(children[bounds[j]:bounds[j + 1]])
+            self._stages[j] = nn.Sequential(layers).to(self.device)
+        self.stage_layers = {j: (bounds[j], bounds[j + 1]) for j in self.local_stages}
+        merged = collections.OrderedDict()
+        for j in self.local_stages:
+            merged.update(self._stages[j].named_children())
+        #: This rank's layers as one module, named as in the original model.
+        self.module: nn.Module = self._stages[self.local_stages[0]] if len(self.local_stages) == 1 \
+            else nn.Sequential(merged)
+        self.stage_index = self.local_stages[0]
+        self._targets: List[Any] = []
+        self._scales: List[float] = []
+        self._forward_only = False
+        stage_parameters = {j: [p for p in self._stages[j].parameters()] for j in self.local_stages}
+        self._executor = _C.PipelineExecutor(self._schedule._lowered, self.rank, self.group,
+                                             self.timeout, self._stage_forward, stage_parameters)
+        _log.info("rank %d: stages %s (layers %s) of %d, schedule %s, %d microbatches",
+                  self.rank, self.local_stages, [self.stage_layers[j] for j in self.local_stages],
+                  self.num_stages, schedule, microbatches)
+
+    # -- configuration consistency ------------------------------------------------
+    def _check_same_config_everywhere(self, num_layers: int) -> None:
+        """Fails on every rank if ranks disagree on schedule, balance or model size."""
+        text = f"{self.schedule_name}|{self.microbatches}|{self.balance}|{num_layers}"
+        digest = torch.tensor([zlib.crc32(text.encode())], dtype=torch.int64)
+        low, high = digest.clone(), digest.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.group)
+        if low.item() != high.item():
+            raise ValueError(f"rank {self.rank}: ranks disagree on the pipeline configuration "
+                             f"(this rank: schedule, microbatches, balance, layers = {text}); "
+                             "every rank must build PipeDream with the same arguments and model")
+
+    # -- module-like API ------------------------------------------------------------
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """Parameters of this rank's stages (give these to your optimizer)."""
+        return self.module.parameters()
+
+    def named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
+        """This rank's parameters, named as in the original model."""
+        return self.module.named_parameters()
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        """This rank's weights keyed by the original model's names."""
+        return self.module.state_dict()
+
+    def train(self, mode: bool = True) -> "PipeDream":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "PipeDream":
+        return self.train(False)
+
+    @property
+    def is_first(self) -> bool:
+        return 0 in self.local_stages
+
+    @property
+    def is_last(self) -> bool:
+        return self.num_stages - 1 in self.local_stages
+
+    @property
+    def last_rank(self) -> int:
+        return self._schedule.stage_ranks(self.num_stages - 1)[0]
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank's communication engine has sent so far."""
+        return self._executor.bytes_sent
+
+    # -- the callback the C++ executor makes ------------------------------------------
+    def _stage_forward(self, stage: int, microbatch: int,
+                       inputs: List[torch.Tensor]) -> List[torch.Tensor]:
+        out = self._stages[stage](*inputs)
+        if stage == self.num_stages - 1 and not self._forward_only:
+            loss = self.loss_fn(out, self._targets[microbatch])
+            if loss.numel() != 1:
+                raise ValueError(f"loss_fn returned a tensor of shape {tuple(loss.shape)}; it must "
+                                 "return a scalar (use reduction='mean')")
+            return [loss * self._scales[microbatch]]
+        return list(_as_tuple(out))
+
+    # -- training ---------------------------------------------------------------------
+    def _split(self, value: Tensors, what: str) -> List[Tuple[torch.Tensor, ...]]:
+        parts = [torch.tensor_split(t.to(self.device), self.microbatches, dim=0) for t in _as_tuple(value)]
+        batch = _as_tuple(value)[0].shape[0]
+        if batch < self.microbatches:
+            raise ValueError(f"{what} has batch size {batch}, smaller than microbatches="
+                             f"{self.microbatches}; use a batch of at least {self.microbatches}")
+        return [tuple(p[i] for p in parts) for i in range(self.microbatches)]
+
+    def step(self, inputs: Optional[Tensors], targets: Optional[Any]) -> float:
+        """Runs forward and backward of one batch through the pipeline.
+
+        Leaves on every local parameter the gradient of ``loss_fn(model(inputs), targets)``
+        of the unsplit model over the whole batch. Call your optimizer afterwards.
+
+        Args:
+            inputs: the batch (tensor or tuple of tensors), needed on the rank of stage 0.
+            targets: the targets, needed on the rank of the last stage.
+
+        Returns:
+            The batch's mean loss, on every rank.
+
+        Raises:
+            ValueError: inputs or targets missing where needed, or a batch smaller
+                than ``microbatches``.
+        """
+        input_chunks: List[Tuple[torch.Tensor, ...]] = []
+        if self.is_first:
+            if inputs is None:
+                raise ValueError(f"rank {self.rank} holds stage 0: step() needs the inputs")
+            input_chunks = self._split(inputs, "inputs")
+        if self.is_last:
+            if targets is None:
+                raise ValueError(f"rank {self.rank} holds the last stage: step() needs the targets")
+            chunks = self._split(targets, "targets")
+            self._targets = [c[0] if len(c) == 1 else c for c in chunks]
+            total = sum(c[0].shape[0] for c in chunks)
+            self._scales = [c[0].shape[0] / total for c in chunks]
+        self._forward_only = False
+        losses = self._executor.run([list(c) for c in input_chunks])
+        loss = torch.zeros(1, dtype=torch.float64)
+        if self.is_last:
+            loss += sum(float(l) for l in losses if l is not None)
+        dist.broadcast(loss, src=self.last_rank, group=self.group)
+        return float(loss.item())
+
+    @torch.no_grad()
+    def forward_only(self, inputs: Optional[Tensors]) -> Optional[torch.Tensor]:
+        """Runs the batch forward through the pipeline without gradients.
+
+        Returns:
+            The model's outputs for the whole batch on the rank of the last stage
+            (concatenated over microbatches), ``None`` elsewhere.
+        """
+        if self.is_first and inputs is None:
+            raise ValueError(f"rank {self.rank} holds stage 0: forward_only() needs the inputs")
+        input_chunks = self._split(inputs, "inputs") if self.is_first else []
+        self._forward_only = True
+        try:
+            outputs = self._executor.run_forward([list(c) for c in input_chunks])
+        finally:
+            self._forward_only = False
+        if not self.is_last:
+            return None
+        parts = [o for o in outputs if o]
+        if len(parts[0]) == 1:
+            return torch.cat([p[0] for p in parts], dim=0)
+        return tuple(torch.cat([p[k] for p in parts], dim=0) for k in range(len(parts[0])))
