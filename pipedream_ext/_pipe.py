@@ -221,7 +221,8 @@ class PipeDream:
     # -- the callback the C++ executor makes ------------------------------------------
     def _stage_forward(self, stage: int, microbatch: int,
                        inputs: List[torch.Tensor]) -> List[torch.Tensor]:
-        out = self._stages[stage](*inputs)
+        # nn.Sequential semantics: a tuple output reaches the next layer as one tuple.
+        out = self._stages[stage](inputs[0] if len(inputs) == 1 else tuple(inputs))
         if stage == self.num_stages - 1 and not self._forward_only:
             loss = self.loss_fn(out, self._targets[microbatch])
             if loss.numel() != 1:

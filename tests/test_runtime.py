@@ -1,0 +1,280 @@
+"""Multi-process runtime tests (CPU, Gloo, processes on localhost).
+
+Runs under pytest, which launches the worker side with torchrun, or standalone:
+
+    torchrun --standalone --nproc-per-node 3 tests/test_runtime.py
+
+Every check compares against the unsplit model trained in the same process,
+so it asserts numerical equality, not just "it ran".
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+RTOL, ATOL = 1e-5, 1e-6
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+HERE = os.path.abspath(__file__)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+# --------------------------------------------------------------------------- models
+class Fork(nn.Module):
+    """Returns a tuple: exercises tuple activations between stages."""
+
+    def forward(self, x: torch.Tensor):
+        return x, torch.tanh(x)
+
+
+class Join(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+
+    def forward(self, pair):
+        x, y = pair
+        return self.a(x) + self.b(y)
+
+
+def make_model(kind: str = "mlp", seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    if kind == "mlp":  # 8 layers: enough for 4 ranks x 2 chunks
+        return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.ReLU(),
+                             nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12), nn.Linear(12, 3))
+    if kind == "tuple":
+        return nn.Sequential(nn.Linear(6, 10), Fork(), Join(10), nn.ReLU(), nn.Linear(10, 3))
+    raise ValueError(kind)
+
+
+def batch(n: int = 8, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+# --------------------------------------------------------------------------- worker checks
+def check_gradients_and_training(schedule: str, microbatches: int, kind: str = "mlp",
+                                 balance: Optional[List[int]] = None) -> None:
+    """Loss and gradients equal the unsplit model's; so do weights after 5 SGD / Adam steps."""
+    import pipedream_ext as pd
+
+    world = dist.get_world_size()
+    chunks = 2 if schedule == "interleaved-1f1b" else 1
+    if balance is None and kind == "mlp" and chunks == 1 and world < 8:
+        balance = None  # even split
+    for opt_name in ("sgd", "adam"):
+        ref = make_model(kind)
+        pipe = pd.PipeDream(make_model(kind), F.cross_entropy, schedule=schedule,
+                            microbatches=microbatches, chunks=chunks, balance=balance, timeout=60)
+        make_opt: Callable = (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)) \
+            if opt_name == "sgd" else (lambda ps: torch.optim.Adam(ps, lr=0.01))
+        # torch optimizers refuse an empty parameter list (a parameter-free stage).
+        has_params = any(True for _ in pipe.parameters())
+        ref_opt = make_opt(ref.parameters())
+        opt = make_opt(pipe.parameters()) if has_params else None
+        ref_params: Dict[str, nn.Parameter] = dict(ref.named_parameters())
+        for step in range(5):
+            x, y = batch(seed=10 + step)
+            ref_loss = F.cross_entropy(ref(x), y)
+            ref_loss.backward()
+            loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+            assert abs(loss - ref_loss.item()) <= 1e-5 * max(1.0, abs(ref_loss.item())), \
+                f"{schedule} m={microbatches} step {step}: loss {loss} != {ref_loss.item()}"
+            if step == 0:
+                for name, p in pipe.named_parameters():
+                    assert_close(p.grad, ref_params[name].grad,
+                                 f"{schedule} m={microbatches} grad of {name}")
+            ref_opt.step(); ref_opt.zero_grad()
+            if opt is not None:
+                opt.step(); opt.zero_grad()
+        for name, p in pipe.named_parameters():
+            assert_close(p.detach(), ref_params[name].detach(),
+                         f"{schedule} m={microbatches} {opt_name} weight {name} after 5 steps")
+        state = pipe.state_dict()
+        assert set(state) == {n for n, _ in pipe.named_parameters()}
+
+
+def check_forward_only() -> None:
+    import pipedream_ext as pd
+
+    ref = make_model()
+    pipe = pd.PipeDream(make_model(), F.cross_entropy, schedule="1f1b", microbatches=3, timeout=60)
+    pipe.eval()
+    x, _ = batch(n=7)
+    out = pipe.forward_only(x)
+    if pipe.is_last:
+        assert_close(out, ref(x).detach(), "forward_only output")
+    else:
+        assert out is None
+    pipe.train()
+
+
+def check_symmetric_bad_input() -> None:
+    """Errors every rank detects before any communication: raised everywhere, no hang."""
+    import pipedream_ext as pd
+
+    world = dist.get_world_size()
+    cases = [
+        (dict(balance=[1] * (world - 1) + [100]), "sums to"),
+        (dict(balance=[2] * (world + 1)), "balance lists"),
+        (dict(schedule="pipedream"), "not supported by the runtime"),
+        (dict(microbatches=0), "microbatches must be a positive integer"),
+    ]
+    for kwargs, needle in cases:
+        args = dict(schedule="1f1b", microbatches=2)
+        args.update(kwargs)
+        with pytest.raises(ValueError, match=needle):
+            pd.PipeDream(make_model(), F.cross_entropy, **args)
+    tiny = nn.Sequential(*[nn.Linear(6, 6) for _ in range(world - 1)]) if world > 1 else None
+    if tiny is not None:
+        with pytest.raises(ValueError, match="needs? .*stages|layers but"):
+            pd.PipeDream(tiny, F.cross_entropy)
+
+
+def run_all_checks() -> None:
+    world = dist.get_world_size()
+    for schedule in SCHEDULES:
+        for m in (1, 2, 4, 8):
+            check_gradients_and_training(schedule, m)
+    if world >= 2:
+        # Uneven balance; from 3 ranks on, stage 1 is the parameter-free Tanh alone.
+        uneven = [3, 5] if world == 2 else [1] * (world - 1) + [8 - (world - 1)]
+        check_gradients_and_training("1f1b", 4, balance=uneven)
+        check_gradients_and_training("zb-h1", 4, balance=uneven)
+    if world <= 3:
+        tuple_balance = {1: None, 2: [2, 3], 3: [2, 1, 2]}[world]
+        check_gradients_and_training("1f1b", 4, kind="tuple", balance=tuple_balance)
+        check_gradients_and_training("gpipe", 2, kind="tuple", balance=tuple_balance)
+    check_forward_only()
+    check_symmetric_bad_input()
+
+
+# --------------------------------------------------------------------------- faults
+def fault_case(case: str) -> None:
+    """One rank misbehaves; returns normally only on the misbehaving rank's expected path."""
+    import pipedream_ext as pd
+
+    rank = dist.get_rank()
+    pipe = pd.PipeDream(make_model(), F.cross_entropy, schedule="1f1b", microbatches=2, timeout=5)
+    x, y = batch()
+    pipe.step(x, y)  # one good step first
+    if case == "kill" and rank == 1:
+        os.kill(os.getpid(), 9)
+    if case == "missing-targets":
+        y = None if pipe.is_last else y
+    if case == "small-batch":
+        x = x[:1] if pipe.is_first else x
+    start = time.time()
+    try:
+        pipe.step(x, y)
+    except Exception as exc:  # noqa: BLE001 - report any failure type
+        print(f"RANK{rank} ERROR after {time.time() - start:.1f}s: {type(exc).__name__}: {exc}",
+              flush=True)
+        sys.stdout.flush()
+        os._exit(3)
+    print(f"RANK{rank} NO ERROR", flush=True)
+    os._exit(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(world: int, rank: int, port: int) -> Dict[str, str]:
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return env
+
+
+def _launch_torchrun(world: int, timeout: float) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={world}", HERE]
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _launch_raw(world: int, case: str, timeout: float) -> List[subprocess.CompletedProcess]:
+    """Starts the ranks as plain processes (no torchrun, so nobody kills the survivors)."""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, HERE, "--fault", case], env=_env(world, r, port),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    results = []
+    deadline = time.time() + timeout
+    for r, proc in enumerate(procs):
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail(f"rank {r} hung in fault case {case!r}")
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, ""))
+    return results
+
+
+# --------------------------------------------------------------------------- pytest side
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_flush_schedules_match_the_unsplit_model(world: int) -> None:
+    result = _launch_torchrun(world, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    assert result.stdout.count("ALL RUNTIME CHECKS PASSED") == world
+
+
+def test_killed_rank_makes_the_others_fail_naming_it() -> None:
+    start = time.time()
+    results = _launch_raw(2, "kill", timeout=120)
+    assert results[1].returncode == -9
+    assert results[0].returncode == 3, results[0].stdout
+    assert "rank 1" in results[0].stdout, results[0].stdout
+    # Communication timeout is 5 s; allow process start-up on a busy machine.
+    assert time.time() - start < 90
+
+
+@pytest.mark.parametrize("case, bad_rank, needle", [
+    ("missing-targets", 1, "needs the targets"),
+    ("small-batch", 0, "smaller than microbatches=2"),
+])
+def test_one_sided_bad_input_fails_everywhere(case: str, bad_rank: int, needle: str) -> None:
+    results = _launch_raw(2, case, timeout=120)
+    assert all(r.returncode == 3 for r in results), [r.stdout for r in results]
+    assert needle in results[bad_rank].stdout
+    other = results[1 - bad_rank].stdout
+    assert f"rank {bad_rank}" in other, other
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fault", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    if args.fault:
+        fault_case(args.fault)
+        return
+    run_all_checks()
+    print(f"rank {dist.get_rank()}: ALL RUNTIME CHECKS PASSED", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
