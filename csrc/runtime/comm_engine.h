@@ -38,7 +38,7 @@ struct TensorMeta {
   bool operator==(const TensorMeta& other) const {
     return dtype == other.dtype && shape == other.shape;
   }
-  std::string toString() const;  // "float32[4, 16]"
+  std::string toString() const;  // "Float[4, 16]"
 };
 
 // An in-flight send or receive. Owned by the thread that created it.
