@@ -275,9 +275,11 @@ void bindRuntime(py::module_& m) {
   py::class_<PipelineExecutor>(m, "PipelineExecutor")
       .def(py::init([](const Schedule& lowered, int rank,
                        const c10::intrusive_ptr<c10d::ProcessGroup>& group, double timeoutSeconds,
-                       py::function forward, std::map<int, std::vector<at::Tensor>> parameters) {
+                       py::function forward, std::map<int, std::vector<at::Tensor>> parameters,
+                       const std::string& device) {
              auto engine = std::make_shared<CommEngine>(
-                 group, std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000.0)));
+                 group, std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000.0)),
+                 at::Device(device));
              // The only call into Python: re-acquire the GIL around it.
              auto fn = [forward](int stage, int microbatch, const std::vector<at::Tensor>& inputs) {
                py::gil_scoped_acquire gil;
@@ -287,7 +289,7 @@ void bindRuntime(py::module_& m) {
                                                        std::move(parameters));
            }),
            py::arg("lowered_schedule"), py::arg("rank"), py::arg("group"), py::arg("timeout_seconds"),
-           py::arg("forward"), py::arg("stage_parameters"))
+           py::arg("forward"), py::arg("stage_parameters"), py::arg("device") = "cpu")
       .def("run", &PipelineExecutor::run, py::arg("inputs"), py::call_guard<py::gil_scoped_release>(),
            "Runs one step; returns the scaled loss of each microbatch whose last stage ran here.")
       .def("run_forward", &PipelineExecutor::runForward, py::arg("inputs"),

@@ -163,7 +163,8 @@ class PipeDream:
         self._forward_only = False
         stage_parameters = {j: [p for p in self._stages[j].parameters()] for j in self.local_stages}
         self._executor = _C.PipelineExecutor(self._schedule._lowered, self.rank, self.group,
-                                             self.timeout, self._stage_forward, stage_parameters)
+                                             self.timeout, self._stage_forward, stage_parameters,
+                                             str(self.device))
         _log.info("rank %d: stages %s (layers %s) of %d, schedule %s, %d microbatches",
                   self.rank, self.local_stages, [self.stage_layers[j] for j in self.local_stages],
                   self.num_stages, schedule, microbatches)

@@ -75,7 +75,7 @@ class RecvTransfer : public Transfer {
  public:
   RecvTransfer(CommEngine& engine, int peer, int tag, std::string description)
       : engine_(engine), peer_(peer), tag_(tag), description_(std::move(description)) {
-    header_ = at::empty({kHeaderWords}, at::TensorOptions().dtype(at::kLong));
+    header_ = at::empty({kHeaderWords}, engine_.wireOptions(at::kLong));
     std::vector<at::Tensor> buffers{header_};
     headerWork_ = engine_.group().recv(buffers, peer_, messageTag(tag_, 0));
   }
@@ -85,16 +85,19 @@ class RecvTransfer : public Transfer {
     const auto deadline = Clock::now() + timeout;
     try {
       waitWork(headerWork_, deadline, engine_.rank(), peer_, description_, timeout);
-      const auto metas = decodeHeader(header_, description_);
+      const auto metas = decodeHeader(header_.to(at::kCPU), description_);
       std::vector<c10::intrusive_ptr<c10d::Work>> works;
       for (size_t k = 0; k < metas.size(); ++k) {
-        at::Tensor buffer = at::empty(metas[k].shape, at::TensorOptions().dtype(metas[k].dtype));
+        at::Tensor buffer = at::empty(metas[k].shape, engine_.wireOptions(metas[k].dtype));
         std::vector<at::Tensor> one{buffer};
         works.push_back(engine_.group().recv(one, peer_, messageTag(tag_, static_cast<int>(k) + 1)));
         tensors_.push_back(buffer);
       }
       for (auto& work : works) waitWork(work, deadline, engine_.rank(), peer_, description_, timeout);
-      for (const auto& t : tensors_) engine_.addBytesReceived(t.numel() * t.element_size());
+      for (auto& t : tensors_) {
+        engine_.addBytesReceived(t.numel() * t.element_size());
+        t = engine_.fromWire(t);
+      }
     } catch (...) {
       error_ = std::current_exception();
       throw;
@@ -169,12 +172,25 @@ std::vector<TensorMeta> decodeHeader(const at::Tensor& header, const std::string
   return metas;
 }
 
-CommEngine::CommEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, std::chrono::milliseconds timeout)
-    : group_(std::move(group)), timeout_(timeout) {
+CommEngine::CommEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, std::chrono::milliseconds timeout,
+                       at::Device device)
+    : group_(std::move(group)), timeout_(timeout), device_(device) {
   TORCH_CHECK(group_, "CommEngine needs a process group");
+  stageThroughHost_ = !device_.is_cpu() && group_->getBackendName() != "nccl";
   TORCH_CHECK(timeout_.count() > 0, "communication timeout must be > 0 ms (got ", timeout_.count(), ")");
   rank_ = group_->getRank();
   worldSize_ = group_->getSize();
+}
+
+at::TensorOptions CommEngine::wireOptions(at::ScalarType dtype) const {
+  auto options = at::TensorOptions().dtype(dtype);
+  if (device_.is_cpu()) return options;
+  if (stageThroughHost_) return options.device(at::kCPU).pinned_memory(true);
+  return options.device(device_);
+}
+
+at::Tensor CommEngine::fromWire(const at::Tensor& buffer) const {
+  return stageThroughHost_ ? buffer.to(device_) : buffer;
 }
 
 std::shared_ptr<Transfer> CommEngine::send(const std::vector<at::Tensor>& tensors, int peer, int tag,
@@ -183,6 +199,7 @@ std::shared_ptr<Transfer> CommEngine::send(const std::vector<at::Tensor>& tensor
   std::vector<at::Tensor> keepAlive;
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   at::Tensor header = encodeHeader(tensors);
+  if (!device_.is_cpu()) header = header.to(wireOptions(at::kLong));
   keepAlive.push_back(header);
   {
     std::vector<at::Tensor> one{header};
@@ -191,6 +208,9 @@ std::shared_ptr<Transfer> CommEngine::send(const std::vector<at::Tensor>& tensor
   bytesSent_ += header.numel() * header.element_size();
   for (size_t k = 0; k < tensors.size(); ++k) {
     at::Tensor data = tensors[k].detach().contiguous();
+    if (stageThroughHost_ && !data.is_cpu()) {
+      data = at::empty(data.sizes(), wireOptions(data.scalar_type())).copy_(data);
+    }
     keepAlive.push_back(data);
     std::vector<at::Tensor> one{data};
     works.push_back(group_->send(one, peer, messageTag(tag, static_cast<int>(k) + 1)));

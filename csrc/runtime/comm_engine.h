@@ -12,6 +12,11 @@
 // throw a c10::Error naming this rank, the peer, and the action (e.g.
 // "RECV_F of microbatch 3 for stage 2").
 //
+// Devices: tensors live on `device`. With NCCL on CUDA, headers and data go
+// device to device (c10d's NCCL group runs them on its own stream and makes
+// the compute stream wait in wait()). With Gloo and a CUDA device, data is
+// staged through pinned host memory. On CPU nothing is copied.
+//
 // Threading: a CommEngine and its transfers are used from one thread (the
 // executor's); the process group does the actual I/O on its own threads.
 #pragma once
@@ -59,7 +64,8 @@ class Transfer {
 
 class CommEngine {
  public:
-  CommEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, std::chrono::milliseconds timeout);
+  CommEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, std::chrono::milliseconds timeout,
+             at::Device device = at::kCPU);
 
   // Starts sending `tensors` (made contiguous, on their device) to `peer`.
   std::shared_ptr<Transfer> send(const std::vector<at::Tensor>& tensors, int peer, int tag,
@@ -77,10 +83,17 @@ class CommEngine {
   void addBytesReceived(int64_t bytes) { bytesReceived_ += bytes; }
 
   c10d::ProcessGroup& group() { return *group_; }
+  const at::Device& device() const { return device_; }
+  // Where headers and received data land before they reach `device()`.
+  at::TensorOptions wireOptions(at::ScalarType dtype) const;
+  // Moves a received buffer to `device()` (a no-op unless staged).
+  at::Tensor fromWire(const at::Tensor& buffer) const;
 
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> group_;  // immutable after construction
   std::chrono::milliseconds timeout_;
+  at::Device device_;
+  bool stageThroughHost_;  // CUDA tensors over a CPU-only backend (Gloo)
   int rank_;
   int worldSize_;
   int64_t bytesSent_ = 0;      // executor thread only
