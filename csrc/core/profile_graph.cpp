@@ -126,7 +126,33 @@ void finishStates(const ProfileGraph& g, const PlanView& view, PlanningStates* s
   s->parameterBytes.assign(n, 0.0);
   s->antichainBytes.assign(n, 0.0);
   s->liveBytes.assign(n, 0.0);
+  // Ancestors of every planning node (transitive predecessors), as bitsets,
+  // for PipeDream's augmented antichains below.
+  const int words = (p + 63) / 64;
+  std::vector<std::vector<uint64_t>> ancestors(p, std::vector<uint64_t>(words, 0));
+  auto has = [](const std::vector<uint64_t>& bits, int q) { return (bits[q >> 6] >> (q & 63)) & 1ULL; };
+  {
+    // Kahn's order over the planning view (planNodes follow the file order).
+    std::vector<int> indegree(p, 0), order;
+    for (int q = 0; q < p; ++q) indegree[q] = static_cast<int>(view.pred[q].size());
+    for (int q = 0; q < p; ++q) {
+      if (indegree[q] == 0) order.push_back(q);
+    }
+    for (size_t k = 0; k < order.size(); ++k) {
+      for (int r : view.succ[order[k]]) {
+        if (--indegree[r] == 0) order.push_back(r);
+      }
+    }
+    for (int q : order) {
+      for (int r : view.pred[q]) {
+        ancestors[q][r >> 6] |= 1ULL << (r & 63);
+        for (int w = 0; w < words; ++w) ancestors[q][w] |= ancestors[r][w];
+      }
+    }
+  }
+  std::vector<char> extra(p);
   for (int j = 0; j < n; ++j) {
+    std::fill(extra.begin(), extra.end(), 0);
     for (int q = 0; q < p; ++q) {
       if (!s->contains(j, q)) continue;
       const GraphNode& node = g.node(view.planNodes[q]);
@@ -135,8 +161,25 @@ void finishStates(const ProfileGraph& g, const PlanView& view, PlanningStates* s
       s->parameterBytes[j] += node.parameterBytes;
       bool inside = false, outside = false;
       for (int r : view.succ[q]) (s->contains(j, r) ? inside : outside) = true;
-      if (!inside) s->antichainBytes[j] += node.activationBytes;
+      if (!inside) {
+        s->antichainBytes[j] += node.activationBytes;
+        // PipeDream's augment_antichain: an ancestor a of this antichain node
+        // q that feeds a node outside q's ancestors (other than q) is part of
+        // the state's boundary too, even when that consumer is inside the set.
+        for (int a = 0; a < p; ++a) {
+          if (!has(ancestors[q], a) || extra[a]) continue;
+          for (int o : view.succ[a]) {
+            if (o != q && !has(ancestors[q], o)) {
+              extra[a] = 1;
+              break;
+            }
+          }
+        }
+      }
       if (outside) s->liveBytes[j] += node.activationBytes;
+    }
+    for (int a = 0; a < p; ++a) {
+      if (extra[a]) s->antichainBytes[j] += g.node(view.planNodes[a]).activationBytes;
     }
   }
   s->preds.assign(n, {});

@@ -86,7 +86,7 @@ struct PlanningStates {
   std::vector<double> computeSeconds;         // cumulative (fwd + bwd) / 1000
   std::vector<double> activationBytes;        // cumulative activation bytes
   std::vector<double> parameterBytes;         // cumulative weight bytes
-  std::vector<double> antichainBytes;         // PipeDream: outputs of the maximal nodes
+  std::vector<double> antichainBytes;         // PipeDream: outputs of its augmented antichain
   std::vector<double> liveBytes;              // outputs consumed outside the set
   std::vector<std::vector<int>> preds;        // strict subsets, ascending
 
