@@ -116,6 +116,23 @@ PlanView makePlanView(const ProfileGraph& g) {
   return view;
 }
 
+// Ancestor sets (each including the node itself) of the planning nodes, as
+// bitsets over planning positions, built in topological order.
+std::vector<std::vector<uint64_t>> ancestorSets(const ProfileGraph& g, const PlanView& view) {
+  const int p = static_cast<int>(view.planNodes.size());
+  const int words = (p + 63) / 64;
+  std::vector<std::vector<uint64_t>> anc(p, std::vector<uint64_t>(words, 0));
+  for (int v : g.topologicalOrder()) {
+    const int q = view.positionOf[v];
+    if (q < 0) continue;
+    anc[q][q >> 6] |= 1ULL << (q & 63);
+    for (int r : view.pred[q]) {
+      for (int w = 0; w < words; ++w) anc[q][w] |= anc[r][w];
+    }
+  }
+  return anc;
+}
+
 // Fills cumulative sums, boundary sizes and (optionally) preds for the states.
 void finishStates(const ProfileGraph& g, const PlanView& view, PlanningStates* s,
                   bool chainPreds) {
@@ -126,30 +143,9 @@ void finishStates(const ProfileGraph& g, const PlanView& view, PlanningStates* s
   s->parameterBytes.assign(n, 0.0);
   s->antichainBytes.assign(n, 0.0);
   s->liveBytes.assign(n, 0.0);
-  // Ancestors of every planning node (transitive predecessors), as bitsets,
-  // for PipeDream's augmented antichains below.
-  const int words = (p + 63) / 64;
-  std::vector<std::vector<uint64_t>> ancestors(p, std::vector<uint64_t>(words, 0));
+  // For PipeDream's augmented antichains below.
+  const std::vector<std::vector<uint64_t>> ancestors = ancestorSets(g, view);
   auto has = [](const std::vector<uint64_t>& bits, int q) { return (bits[q >> 6] >> (q & 63)) & 1ULL; };
-  {
-    // Kahn's order over the planning view (planNodes follow the file order).
-    std::vector<int> indegree(p, 0), order;
-    for (int q = 0; q < p; ++q) indegree[q] = static_cast<int>(view.pred[q].size());
-    for (int q = 0; q < p; ++q) {
-      if (indegree[q] == 0) order.push_back(q);
-    }
-    for (size_t k = 0; k < order.size(); ++k) {
-      for (int r : view.succ[order[k]]) {
-        if (--indegree[r] == 0) order.push_back(r);
-      }
-    }
-    for (int q : order) {
-      for (int r : view.pred[q]) {
-        ancestors[q][r >> 6] |= 1ULL << (r & 63);
-        for (int w = 0; w < words; ++w) ancestors[q][w] |= ancestors[r][w];
-      }
-    }
-  }
   std::vector<char> extra(p);
   for (int j = 0; j < n; ++j) {
     std::fill(extra.begin(), extra.end(), 0);
@@ -167,7 +163,7 @@ void finishStates(const ProfileGraph& g, const PlanView& view, PlanningStates* s
         // q that feeds a node outside q's ancestors (other than q) is part of
         // the state's boundary too, even when that consumer is inside the set.
         for (int a = 0; a < p; ++a) {
-          if (!has(ancestors[q], a) || extra[a]) continue;
+          if (a == q || !has(ancestors[q], a) || extra[a]) continue;
           for (int o : view.succ[a]) {
             if (o != q && !has(ancestors[q], o)) {
               extra[a] = 1;
@@ -468,18 +464,7 @@ bool enumerateAntichainStates(const ProfileGraph& graph, int maxStates, Planning
   PlanView view = makePlanView(graph);
   const int p = static_cast<int>(view.planNodes.size());
   const int words = (p + 63) / 64;
-  // Ancestor sets (including the node) in topological order.
-  std::vector<int> topo;
-  for (int v : graph.topologicalOrder()) {
-    if (view.positionOf[v] >= 0) topo.push_back(view.positionOf[v]);
-  }
-  std::vector<std::vector<uint64_t>> anc(p, std::vector<uint64_t>(words, 0));
-  for (int q : topo) {
-    anc[q][q >> 6] |= 1ULL << (q & 63);
-    for (int r : view.pred[q]) {
-      for (int w = 0; w < words; ++w) anc[q][w] |= anc[r][w];
-    }
-  }
+  const std::vector<std::vector<uint64_t>> anc = ancestorSets(graph, view);
   // PipeDream starts from the first source in file order.
   int s0 = -1;
   for (int q = 0; q < p && s0 < 0; ++q) {
