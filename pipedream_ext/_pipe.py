@@ -124,10 +124,11 @@ class PipeDream:
             balance = even_balance(num_layers, num_stages)
         balance = [int(b) for b in balance]
         if len(balance) != num_stages:
+            fix = (f"launch {len(balance) // chunks} ranks" if len(balance) % chunks == 0
+                   else f"give a multiple of chunks={chunks} counts")
             raise ValueError(
                 f"balance lists {len(balance)} stages but the world has {self.world_size} ranks "
-                f"x {chunks} chunks = {num_stages} stages; give one layer count per stage or "
-                f"launch {len(balance) // chunks if len(balance) % chunks == 0 else len(balance)} ranks")
+                f"x {chunks} chunks = {num_stages} stages; give one layer count per stage or {fix}")
         if any(b < 1 for b in balance):
             raise ValueError(f"balance {balance} has a stage with no layers; every stage needs >= 1")
         if sum(balance) != num_layers:
