@@ -276,25 +276,45 @@ void bindRuntime(py::module_& m) {
       .def(py::init([](const Schedule& lowered, int rank,
                        const c10::intrusive_ptr<c10d::ProcessGroup>& group, double timeoutSeconds,
                        py::function forward, std::map<int, std::vector<at::Tensor>> parameters,
-                       const std::string& device) {
+                       const std::string& device, bool stashWeights, py::object update,
+                       std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>> replicaGroups) {
              auto engine = std::make_shared<CommEngine>(
                  group, std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000.0)),
                  at::Device(device));
-             // The only call into Python: re-acquire the GIL around it.
-             auto fn = [forward](int stage, int microbatch, const std::vector<at::Tensor>& inputs) {
+             // The only calls into Python: re-acquire the GIL around them.
+             auto fn = [forward](int stage, int microbatch, const std::vector<at::Tensor>& inputs,
+                                 const std::vector<at::Tensor>& weights) {
                py::gil_scoped_acquire gil;
-               return forward(stage, microbatch, inputs).cast<std::vector<at::Tensor>>();
+               return forward(stage, microbatch, inputs, weights).cast<std::vector<at::Tensor>>();
              };
+             PipelineExecutor::UpdateFn updateFn;
+             if (!update.is_none()) {
+               updateFn = [update](int stage, int version) {
+                 py::gil_scoped_acquire gil;
+                 update(stage, version);
+               };
+             }
              return std::make_unique<PipelineExecutor>(lowered, rank, std::move(engine), std::move(fn),
-                                                       std::move(parameters));
+                                                       std::move(parameters), stashWeights,
+                                                       std::move(updateFn), std::move(replicaGroups));
            }),
            py::arg("lowered_schedule"), py::arg("rank"), py::arg("group"), py::arg("timeout_seconds"),
-           py::arg("forward"), py::arg("stage_parameters"), py::arg("device") = "cpu")
+           py::arg("forward"), py::arg("stage_parameters"), py::arg("device") = "cpu",
+           py::arg("stash_weights") = false, py::arg("update") = py::none(),
+           py::arg("replica_groups") = std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>>{})
       .def("run", &PipelineExecutor::run, py::arg("inputs"), py::call_guard<py::gil_scoped_release>(),
            "Runs one step; returns the scaled loss of each microbatch whose last stage ran here.")
       .def("run_forward", &PipelineExecutor::runForward, py::arg("inputs"),
            py::call_guard<py::gil_scoped_release>())
+      .def("run_until", &PipelineExecutor::runUntil, py::arg("end"), py::arg("inputs"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("end_of_forward", &PipelineExecutor::endOfForward, py::arg("microbatch"))
+      .def("extend_schedule", &PipelineExecutor::extendSchedule, py::arg("lowered_schedule"))
+      .def("wait_sends", &PipelineExecutor::waitSends, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("position", &PipelineExecutor::position)
+      .def_property_readonly("size", &PipelineExecutor::size)
       .def_property_readonly("peak_stashed", &PipelineExecutor::peakStashed)
+      .def_property_readonly("peak_weight_versions", &PipelineExecutor::peakWeightVersions)
       .def_property_readonly("bytes_sent", [](const PipelineExecutor& e) { return e.engine().bytesSent(); })
       .def_property_readonly("bytes_received",
                              [](const PipelineExecutor& e) { return e.engine().bytesReceived(); });

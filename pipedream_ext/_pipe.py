@@ -163,6 +163,8 @@ class PipeDream:
         self._scales: List[float] = []
         self._forward_only = False
         stage_parameters = {j: [p for p in self._stages[j].parameters()] for j in self.local_stages}
+        self._param_names = {j: [n for n, _ in self._stages[j].named_parameters()]
+                             for j in self.local_stages}
         self._executor = _C.PipelineExecutor(self._schedule._lowered, self.rank, self.group,
                                              self.timeout, self._stage_forward, stage_parameters,
                                              str(self.device))
@@ -221,10 +223,15 @@ class PipeDream:
         return self._executor.bytes_sent
 
     # -- the callback the C++ executor makes ------------------------------------------
-    def _stage_forward(self, stage: int, microbatch: int,
-                       inputs: List[torch.Tensor]) -> List[torch.Tensor]:
+    def _stage_forward(self, stage: int, microbatch: int, inputs: List[torch.Tensor],
+                       weights: List[torch.Tensor]) -> List[torch.Tensor]:
         # nn.Sequential semantics: a tuple output reaches the next layer as one tuple.
-        out = self._stages[stage](inputs[0] if len(inputs) == 1 else tuple(inputs))
+        arg = inputs[0] if len(inputs) == 1 else tuple(inputs)
+        if weights:  # a stashed weight version: run the stage functionally on it
+            names = self._param_names[stage]
+            out = torch.func.functional_call(self._stages[stage], dict(zip(names, weights)), (arg,))
+        else:
+            out = self._stages[stage](arg)
         if stage == self.num_stages - 1 and not self._forward_only:
             loss = self.loss_fn(out, self._targets[microbatch])
             if loss.numel() != 1:

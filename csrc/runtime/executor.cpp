@@ -3,32 +3,49 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <climits>
+
 namespace pipedream {
 
 namespace {
 
 constexpr int kForwardDir = 0;   // activations j -> j+1, keyed by j
 constexpr int kBackwardDir = 1;  // gradients j+1 -> j, keyed by j
+// Microbatch ids in tags wrap here: far more than can be in flight at once,
+// and independent of how long the (growing) list is.
+constexpr int kTagMicrobatches = 1 << 16;
 
 }  // namespace
 
 PipelineExecutor::PipelineExecutor(Schedule schedule, int rank, std::shared_ptr<CommEngine> engine,
                                    ForwardFn forward,
-                                   std::map<int, std::vector<at::Tensor>> stageParameters)
+                                   std::map<int, std::vector<at::Tensor>> stageParameters,
+                                   bool stashWeights, UpdateFn update,
+                                   std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>> replicaGroups)
     : schedule_(std::move(schedule)),
       rank_(rank),
       engine_(std::move(engine)),
       forward_(std::move(forward)),
-      stageParameters_(std::move(stageParameters)) {
+      update_(std::move(update)),
+      stageParameters_(std::move(stageParameters)),
+      replicaGroups_(std::move(replicaGroups)),
+      stashWeights_(stashWeights) {
   TORCH_CHECK(schedule_.isLowered(), "PipelineExecutor needs a lowered schedule (with SEND/RECV)");
   TORCH_CHECK(rank_ >= 0 && rank_ < schedule_.numRanks(), "rank ", rank_,
               " is out of range for a schedule of ", schedule_.numRanks(), " ranks");
+  TORCH_CHECK(schedule_.numStages() < 1024, "at most 1023 stages are supported (got ",
+              schedule_.numStages(), ")");
+  TORCH_CHECK(!stashWeights_ || update_, "weight stashing needs an update callback");
   actions_ = &schedule_.actions(rank_);
   lastStage_ = schedule_.numStages() - 1;
+  if (stashWeights_) {
+    for (const auto& [stage, params] : stageParameters_) stores_.emplace(stage, WeightStore(params));
+  }
 }
 
 int PipelineExecutor::tag(int direction, int boundary, int microbatch) const {
-  return (direction * schedule_.numStages() + boundary) * schedule_.totalMicrobatches() + microbatch;
+  return (direction * schedule_.numStages() + boundary) * kTagMicrobatches +
+         microbatch % kTagMicrobatches;
 }
 
 std::string PipelineExecutor::describe(const char* what, int stage, int microbatch) const {
@@ -67,8 +84,8 @@ void PipelineExecutor::checkSignature(int direction, int stage, int microbatch,
               "; every microbatch must give a stage the same shapes apart from the batch dimension");
 }
 
-std::vector<at::Tensor> PipelineExecutor::receive(std::map<Key, std::shared_ptr<Transfer>>& posted,
-                                                  const Key& key, int direction) {
+std::vector<at::Tensor> PipelineExecutor::receive(const Key& key, int direction) {
+  auto& posted = direction == kForwardDir ? recvF_ : recvB_;
   auto it = posted.find(key);
   TORCH_CHECK(it != posted.end(), "rank ", rank_, ": no receive was posted for ",
               describe(direction == kForwardDir ? "RECV_F" : "RECV_B", key.first, key.second));
@@ -78,16 +95,6 @@ std::vector<at::Tensor> PipelineExecutor::receive(std::map<Key, std::shared_ptr<
   auto tensors = transfer->tensors();
   checkSignature(direction, key.first, key.second, tensors);
   return tensors;
-}
-
-std::vector<at::Tensor> PipelineExecutor::gradOutputsFor(const Key& key) {
-  auto local = localGrads_.find(key);
-  if (local != localGrads_.end()) {
-    auto grads = std::move(local->second);
-    localGrads_.erase(local);
-    return grads;
-  }
-  return {};
 }
 
 void PipelineExecutor::backward(const Action& a, bool inputOnly, bool weightOnly) {
@@ -165,68 +172,210 @@ void PipelineExecutor::backward(const Action& a, bool inputOnly, bool weightOnly
       torch::autograd::backward(roots, grads, /*keep_graph=*/false, /*create_graph=*/false, weights);
     }
   }
+  if (stashWeights_) {
+    auto& store = stores_.at(a.stage);
+    store.moveGradsToLive(s.version);
+    store.release(s.version);
+  }
   stash_.erase(it);
 }
 
+int PipelineExecutor::oldestFutureRead(int stage, size_t from) const {
+  for (size_t k = from; k < actions_->size(); ++k) {
+    const Action& a = (*actions_)[k];
+    if (a.kind == ActionKind::kForward && a.stage == stage) return a.version;
+  }
+  return INT_MAX;
+}
+
+void PipelineExecutor::update(const Action& a, size_t index) {
+  if (!stashWeights_) return;  // flush schedules: the caller steps its optimizer
+  auto& store = stores_.at(a.stage);
+  const int oldest = oldestFutureRead(a.stage, index + 1);
+  store.beforeUpdate(oldest);
+  update_(a.stage, a.version);
+  store.afterUpdate(a.version, oldest);
+}
+
+void PipelineExecutor::allReduce(const Action& a) {
+  auto group = replicaGroups_.find(a.stage);
+  TORCH_CHECK(group != replicaGroups_.end(), "rank ", rank_, ": ", a.toString(),
+              " needs the process group of stage ", a.stage, "'s replicas");
+  auto params = stageParameters_.find(a.stage);
+  if (params == stageParameters_.end()) return;
+  std::vector<at::Tensor> grads;
+  for (const auto& p : params->second) {
+    if (!p.requires_grad()) continue;
+    at::Tensor& g = const_cast<at::Tensor&>(p).mutable_grad();
+    if (!g.defined()) g = at::zeros_like(p);
+    grads.push_back(g);
+  }
+  if (grads.empty()) return;
+  // One flat buffer: one collective per update, not one per tensor.
+  at::Tensor flat = at::cat([&] {
+    std::vector<at::Tensor> views;
+    for (const auto& g : grads) views.push_back(g.reshape({-1}));
+    return views;
+  }());
+  std::vector<at::Tensor> buffers{flat};
+  auto work = group->second->allreduce(buffers);
+  try {
+    work->wait(engine_->timeout());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "rank ", rank_, ": ", a.toString(), " (gradient all-reduce among the ",
+                group->second->getSize(), " replicas of stage ", a.stage,
+                ") failed or timed out: ", e.what());
+  }
+  // Asynchronous replicas average (each ran its own minibatch); flush
+  // schedules sum (each ran part of one batch whose loss is already scaled).
+  if (stashWeights_) flat.div_(group->second->getSize());
+  int64_t offset = 0;
+  for (auto& g : grads) {
+    g.copy_(flat.narrow(0, offset, g.numel()).view_as(g));
+    offset += g.numel();
+  }
+}
+
+void PipelineExecutor::reset() {
+  next_ = 0;
+  stash_.clear();
+  inputGrads_.clear();
+  localActivations_.clear();
+  localGrads_.clear();
+  recvF_.clear();
+  recvB_.clear();
+  sends_.clear();
+  peakStashed_ = 0;
+}
+
+void PipelineExecutor::waitSends() {
+  for (auto& send : sends_) send->wait(engine_->timeout());
+  sends_.clear();
+}
+
 std::vector<at::Tensor> PipelineExecutor::run(const std::vector<std::vector<at::Tensor>>& inputs) {
-  auto outputs = execute(inputs, /*forwardOnly=*/false);
-  std::vector<at::Tensor> losses;
-  for (auto& out : outputs) losses.push_back(out.empty() ? at::Tensor() : out[0]);
+  reset();
+  std::map<int, std::vector<at::Tensor>> results;
+  execute(0, actions_->size(),
+          [&inputs](int i) { return i < static_cast<int>(inputs.size()) ? &inputs[i] : nullptr; },
+          /*forwardOnly=*/false, results);
+  waitSends();
+  TORCH_CHECK(stash_.empty(), "rank ", rank_, ": ", stash_.size(),
+              " microbatches still stashed at the end of the step (schedule bug)");
+  next_ = actions_->size();
+  std::vector<at::Tensor> losses(schedule_.totalMicrobatches());
+  for (auto& [i, out] : results) losses[i] = out.empty() ? at::Tensor() : out[0];
   return losses;
 }
 
 std::vector<std::vector<at::Tensor>> PipelineExecutor::runForward(
     const std::vector<std::vector<at::Tensor>>& inputs) {
   at::NoGradGuard noGrad;
-  return execute(inputs, /*forwardOnly=*/true);
+  reset();
+  std::map<int, std::vector<at::Tensor>> results;
+  execute(0, actions_->size(),
+          [&inputs](int i) { return i < static_cast<int>(inputs.size()) ? &inputs[i] : nullptr; },
+          /*forwardOnly=*/true, results);
+  waitSends();
+  stash_.clear();
+  next_ = actions_->size();
+  std::vector<std::vector<at::Tensor>> outputs(schedule_.totalMicrobatches());
+  for (auto& [i, out] : results) outputs[i] = out;
+  return outputs;
 }
 
-std::vector<std::vector<at::Tensor>> PipelineExecutor::execute(
-    const std::vector<std::vector<at::Tensor>>& inputs, bool forwardOnly) {
-  stash_.clear();
-  inputGrads_.clear();
-  localActivations_.clear();
-  localGrads_.clear();
-  sends_.clear();
-  peakStashed_ = 0;
+std::map<int, at::Tensor> PipelineExecutor::runUntil(
+    size_t end, const std::map<int, std::vector<at::Tensor>>& inputs) {
+  TORCH_CHECK(end >= next_ && end <= actions_->size(), "runUntil(", end, ") outside [", next_, ", ",
+              actions_->size(), "]");
+  std::map<int, std::vector<at::Tensor>> results;
+  execute(next_, end,
+          [&inputs](int i) {
+            auto it = inputs.find(i);
+            return it == inputs.end() ? nullptr : &it->second;
+          },
+          /*forwardOnly=*/false, results);
+  next_ = end;
+  // Drop completed sends so a long stream does not accumulate handles.
+  std::vector<std::shared_ptr<Transfer>> pending;
+  for (auto& send : sends_) {
+    if (!send->isCompleted()) pending.push_back(send);
+  }
+  sends_ = std::move(pending);
+  std::map<int, at::Tensor> losses;
+  for (auto& [i, out] : results) losses[i] = out.at(0);
+  return losses;
+}
+
+size_t PipelineExecutor::endOfForward(int microbatch) const {
+  for (size_t k = next_; k < actions_->size(); ++k) {
+    const Action& a = (*actions_)[k];
+    if (a.kind == ActionKind::kForward && a.microbatch == microbatch) return k + 1;
+  }
+  return next_;
+}
+
+void PipelineExecutor::extendSchedule(Schedule longer) {
+  TORCH_CHECK(longer.isLowered() && longer.numRanks() == schedule_.numRanks() &&
+                  longer.numStages() == schedule_.numStages(),
+              "extendSchedule needs a lowered schedule of the same shape");
+  const auto& extended = longer.actions(rank_);
+  TORCH_CHECK(extended.size() >= next_, "the new schedule is shorter than what already ran");
+  for (size_t k = 0; k < next_; ++k) {
+    TORCH_CHECK(extended[k] == (*actions_)[k], "rank ", rank_, ": the extended schedule differs at step ",
+                k, " (", extended[k].toString(), " instead of ", (*actions_)[k].toString(), ")");
+  }
+  schedule_ = std::move(longer);
+  actions_ = &schedule_.actions(rank_);
+}
+
+std::map<int, int> PipelineExecutor::peakWeightVersions() const {
+  std::map<int, int> peaks;
+  for (const auto& [stage, store] : stores_) peaks[stage] = store.peakLiveVersions();
+  return peaks;
+}
+
+void PipelineExecutor::execute(size_t begin, size_t end,
+                               const std::function<const std::vector<at::Tensor>*(int)>& inputOf,
+                               bool forwardOnly, std::map<int, std::vector<at::Tensor>>& results) {
   const Layout& layout = schedule_.layout();
-  std::vector<std::vector<at::Tensor>> results(schedule_.totalMicrobatches());
   auto wanted = [forwardOnly](const Action& a) {
     return !forwardOnly || a.kind == ActionKind::kForward || a.kind == ActionKind::kSendForward ||
            a.kind == ActionKind::kRecvForward;
   };
 
-  // Post every receive of the step up front (headers only; cheap).
-  std::map<Key, std::shared_ptr<Transfer>> recvF, recvB;
-  for (const Action& a : *actions_) {
+  // Post every receive of the range up front (headers only; cheap).
+  for (size_t k = begin; k < end; ++k) {
+    const Action& a = (*actions_)[k];
     if (!wanted(a)) continue;
     if (a.kind == ActionKind::kRecvForward) {
-      recvF[{a.stage, a.microbatch}] =
+      recvF_[{a.stage, a.microbatch}] =
           engine_->recv(layout.rankFor(a.stage - 1, a.microbatch), tag(kForwardDir, a.stage - 1, a.microbatch),
                         describe("RECV_F", a.stage, a.microbatch));
     } else if (a.kind == ActionKind::kRecvBackward) {
-      recvB[{a.stage, a.microbatch}] =
+      recvB_[{a.stage, a.microbatch}] =
           engine_->recv(layout.rankFor(a.stage + 1, a.microbatch), tag(kBackwardDir, a.stage, a.microbatch),
                         describe("RECV_B", a.stage, a.microbatch));
     }
   }
 
-  for (const Action& a : *actions_) {
+  for (size_t index = begin; index < end; ++index) {
+    const Action& a = (*actions_)[index];
     if (!wanted(a)) continue;
     const Key key{a.stage, a.microbatch};
     switch (a.kind) {
       case ActionKind::kForward: {
         std::vector<at::Tensor> in;
         if (a.stage == 0) {
-          TORCH_CHECK(a.microbatch < static_cast<int>(inputs.size()), "rank ", rank_,
-                      " holds stage 0 but got inputs for ", inputs.size(), " microbatches; ",
-                      a.toString(), " needs microbatch ", a.microbatch);
-          in = inputs[a.microbatch];
+          const auto* given = inputOf(a.microbatch);
+          TORCH_CHECK(given != nullptr, "rank ", rank_, " holds stage 0 but has no inputs for ",
+                      a.toString(), " (microbatch ", a.microbatch, ")");
+          in = *given;
         } else if (layout.rankFor(a.stage - 1, a.microbatch) == rank_) {
           in = std::move(localActivations_.at({a.stage - 1, a.microbatch}));
           localActivations_.erase({a.stage - 1, a.microbatch});
         } else {
-          in = receive(recvF, key, kForwardDir);
+          in = receive(key, kForwardDir);
         }
         if (a.stage > 0) {
           for (auto& t : in) {
@@ -234,7 +383,9 @@ std::vector<std::vector<at::Tensor>> PipelineExecutor::execute(
             if (!forwardOnly && at::isFloatingType(t.scalar_type())) t.requires_grad_(true);
           }
         }
-        std::vector<at::Tensor> out = forward_(a.stage, a.microbatch, in);
+        std::vector<at::Tensor> weights;
+        if (stashWeights_ && !forwardOnly) weights = stores_.at(a.stage).acquire(a.version);
+        std::vector<at::Tensor> out = forward_(a.stage, a.microbatch, in, weights);
         if (a.stage == lastStage_) {
           if (forwardOnly) {
             results[a.microbatch] = out;
@@ -250,11 +401,11 @@ std::vector<std::vector<at::Tensor>> PipelineExecutor::execute(
         }
         if (forwardOnly) {
           if (a.stage != lastStage_ && layout.rankFor(a.stage + 1, a.microbatch) != rank_) {
-            stash_[key] = Stash{{}, std::move(out), {}};  // until SEND_F
+            stash_[key] = Stash{{}, std::move(out), {}, 0};  // until SEND_F
           }
           break;
         }
-        stash_[key] = Stash{std::move(in), std::move(out), {}};
+        stash_[key] = Stash{std::move(in), std::move(out), {}, a.version};
         peakStashed_ = std::max(peakStashed_, static_cast<int>(stash_.size()));
         break;
       }
@@ -268,12 +419,18 @@ std::vector<std::vector<at::Tensor>> PipelineExecutor::execute(
       }
       case ActionKind::kBackward:
       case ActionKind::kBackwardInput: {
+        TORCH_CHECK(!stashWeights_ || a.kind == ActionKind::kBackward,
+                    "split backward (I/W) is not supported with weight stashing");
         if (a.stage != lastStage_) {
           auto& s = stash_.at(key);
           if (layout.rankFor(a.stage + 1, a.microbatch) == rank_) {
-            s.gradOutputs = gradOutputsFor(key);
+            auto local = localGrads_.find(key);
+            TORCH_CHECK(local != localGrads_.end(), "rank ", rank_, ": ", a.toString(),
+                        " has no gradient from stage ", a.stage + 1);
+            s.gradOutputs = std::move(local->second);
+            localGrads_.erase(local);
           } else {
-            s.gradOutputs = receive(recvB, key, kBackwardDir);
+            s.gradOutputs = receive(key, kBackwardDir);
           }
         }
         backward(a, a.kind == ActionKind::kBackwardInput, false);
@@ -291,18 +448,17 @@ std::vector<std::vector<at::Tensor>> PipelineExecutor::execute(
         inputGrads_.erase(it);
         break;
       }
+      case ActionKind::kUpdate:
+        update(a, index);
+        break;
+      case ActionKind::kAllReduce:
+        if (stashWeights_ || replicaGroups_.count(a.stage)) allReduce(a);
+        break;
       case ActionKind::kRecvForward:
       case ActionKind::kRecvBackward:
-      case ActionKind::kUpdate:
-      case ActionKind::kAllReduce:
-        break;  // receives were posted up front; updates belong to the caller
+        break;  // posted when the range started; consumers wait for them
     }
   }
-  for (auto& send : sends_) send->wait(engine_->timeout());
-  sends_.clear();
-  TORCH_CHECK(stash_.empty(), "rank ", rank_, ": ", stash_.size(),
-              " microbatches still stashed at the end of the step (schedule bug)");
-  return results;
 }
 
 }  // namespace pipedream

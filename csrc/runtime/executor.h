@@ -1,23 +1,34 @@
-// Runs one rank's lowered action list (see csrc/core/lower.h) for one step.
+// Runs one rank's lowered action list (see csrc/core/lower.h).
 //
 //   F(j, i)      inputs (stage 0: given; otherwise received or handed over by
-//                the same rank's stage j-1) -> forward callback -> stash
+//                the same rank's stage j-1) -> forward callback -> stash.
+//                With weight stashing the callback also gets the tensors of
+//                the weight version the action names (WeightStore).
 //   B(j, i)      autograd on the stashed outputs with the received output
 //                gradients; the input gradients are kept for SEND_B; the
-//                stash is freed
+//                stash is freed (with stashing: the snapshot's gradients go
+//                to the live parameters' .grad)
 //   I / W        the same split in two: I computes input gradients only
 //                (graph retained), W the weight gradients (graph freed)
-//   SEND_*       asynchronous send, waited at the end of the step
-//   RECV_*       all receives of the step are posted when it starts; F/B
-//                wait for theirs (with the engine's timeout) when they need it
-//   U, ALLREDUCE left to the caller (the optimizer is the user's)
+//   SEND_*       asynchronous send
+//   RECV_*       posted when the range that contains it starts; F/B wait for
+//                theirs (with the engine's timeout) when they need it
+//   U            with stashing: the update callback (the user's optimizer)
+//                then the next weight version; otherwise left to the caller
+//   ALLREDUCE    with stashing: averages the live gradients over the
+//                stage's replica group
 //
-// The forward callback is the only call into Python; the caller releases
-// the GIL for run() and the callback re-acquires it, so waits and autograd
-// run without the GIL.
+// Two ways to run: run() executes the whole list once per call (flush
+// schedules: one batch per step); runUntil() executes the list in pieces
+// with state kept between calls (asynchronous schedules: a step runs up to
+// the forward of its minibatch, flush() the rest), and extendSchedule()
+// swaps in a longer list with the same prefix.
+//
+// The forward and update callbacks are the only calls into Python; the
+// caller releases the GIL for run*() and the callbacks re-acquire it.
 //
 // Threading: an executor is used by one thread at a time (the caller of
-// run()); all members below are owned by that thread.
+// run*()); all members below are owned by that thread.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -30,23 +41,29 @@
 
 #include "core/schedule.h"
 #include "runtime/comm_engine.h"
+#include "runtime/weight_store.h"
 
 namespace pipedream {
 
 class PipelineExecutor {
  public:
-  // forward(stage, microbatch, inputs) -> outputs. On the last stage the
-  // outputs must be one scalar loss, already scaled for the backward.
-  using ForwardFn =
-      std::function<std::vector<at::Tensor>(int, int, const std::vector<at::Tensor>&)>;
+  // forward(stage, microbatch, inputs, weights) -> outputs. On the last
+  // stage the outputs must be one scalar loss, already scaled for the
+  // backward. `weights` is empty unless weights are stashed.
+  using ForwardFn = std::function<std::vector<at::Tensor>(
+      int, int, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&)>;
+  // update(stage, newVersion): step the optimizer of `stage`.
+  using UpdateFn = std::function<void(int, int)>;
 
   PipelineExecutor(Schedule schedule, int rank, std::shared_ptr<CommEngine> engine,
-                   ForwardFn forward, std::map<int, std::vector<at::Tensor>> stageParameters);
+                   ForwardFn forward, std::map<int, std::vector<at::Tensor>> stageParameters,
+                   bool stashWeights = false, UpdateFn update = nullptr,
+                   std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>> replicaGroups = {});
 
-  // Runs the rank's whole list once. `inputs[i]` are microbatch i's inputs of
-  // stage 0 (ignored unless this rank holds stage 0). Returns the detached
-  // loss of every microbatch whose last stage ran on this rank (undefined
-  // tensors elsewhere).
+  // Runs the rank's whole list once (state reset first). `inputs[i]` are
+  // microbatch i's inputs of stage 0 (ignored unless this rank holds stage
+  // 0). Returns the detached loss of every microbatch whose last stage ran on
+  // this rank (undefined tensors elsewhere).
   std::vector<at::Tensor> run(const std::vector<std::vector<at::Tensor>>& inputs);
 
   // Forward only (evaluation): runs just the F/SEND_F/RECV_F actions under
@@ -54,25 +71,44 @@ class PipelineExecutor {
   // returned per microbatch (empty lists on other ranks).
   std::vector<std::vector<at::Tensor>> runForward(const std::vector<std::vector<at::Tensor>>& inputs);
 
-  // Most microbatches stashed at once during the last run (activations).
+  // Streaming: runs actions [position(), end) keeping all state. `inputs`
+  // maps microbatch -> stage-0 inputs for the forwards in that range.
+  // Returns microbatch -> detached loss for last-stage forwards that ran.
+  std::map<int, at::Tensor> runUntil(size_t end, const std::map<int, std::vector<at::Tensor>>& inputs);
+  // Index just after the forward of `microbatch` in this rank's list, or
+  // the current position if this rank runs no forward of it.
+  size_t endOfForward(int microbatch) const;
+  size_t position() const { return next_; }
+  size_t size() const { return actions_->size(); }
+  // Replaces the list with a longer one whose first position() actions are
+  // identical (asynchronous schedules grow as minibatches arrive).
+  void extendSchedule(Schedule longer);
+  // Waits for every outstanding send (end of a stream or of the program).
+  void waitSends();
+
+  // Most microbatches stashed at once (activations) since the last reset.
   int peakStashed() const { return peakStashed_; }
+  // Peak weight versions held per local stage (weight stashing only).
+  std::map<int, int> peakWeightVersions() const;
   const CommEngine& engine() const { return *engine_; }
 
  private:
   struct Stash {
-    std::vector<at::Tensor> inputs;   // leaves (requires_grad for floats)
-    std::vector<at::Tensor> outputs;  // forward outputs (or {loss})
+    std::vector<at::Tensor> inputs;       // leaves (requires_grad for floats)
+    std::vector<at::Tensor> outputs;      // forward outputs (or {loss})
     std::vector<at::Tensor> gradOutputs;  // kept between I and W
+    int version = 0;                      // weight version read (stashing)
   };
   using Key = std::pair<int, int>;  // (stage, microbatch)
 
-  // Shared body of run() and runForward().
-  std::vector<std::vector<at::Tensor>> execute(const std::vector<std::vector<at::Tensor>>& inputs,
-                                               bool forwardOnly);
-  std::vector<at::Tensor> receive(std::map<Key, std::shared_ptr<Transfer>>& posted, const Key& key,
-                                  int direction);
+  void reset();
+  void execute(size_t begin, size_t end, const std::function<const std::vector<at::Tensor>*(int)>& inputOf,
+               bool forwardOnly, std::map<int, std::vector<at::Tensor>>& results);
+  std::vector<at::Tensor> receive(const Key& key, int direction);
   void backward(const Action& a, bool inputOnly, bool weightOnly);
-  std::vector<at::Tensor> gradOutputsFor(const Key& key);
+  void update(const Action& a, size_t index);
+  void allReduce(const Action& a);
+  int oldestFutureRead(int stage, size_t from) const;
   void checkSignature(int direction, int stage, int microbatch,
                       const std::vector<at::Tensor>& received);
   int tag(int direction, int boundary, int microbatch) const;
@@ -84,13 +120,19 @@ class PipelineExecutor {
   int lastStage_;
   std::shared_ptr<CommEngine> engine_;
   ForwardFn forward_;
+  UpdateFn update_;
   std::map<int, std::vector<at::Tensor>> stageParameters_;
+  std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>> replicaGroups_;
+  bool stashWeights_;
+  std::map<int, WeightStore> stores_;  // per local stage (stashing only)
 
-  // Per-step state (cleared at the start of run()).
+  // Stream state (cleared by reset()).
+  size_t next_ = 0;
   std::map<Key, Stash> stash_;
-  std::map<Key, std::vector<at::Tensor>> inputGrads_;      // for SEND_B / local hand-over
+  std::map<Key, std::vector<at::Tensor>> inputGrads_;       // for SEND_B
   std::map<Key, std::vector<at::Tensor>> localActivations_; // stage j -> j+1 on this rank
   std::map<Key, std::vector<at::Tensor>> localGrads_;       // stage j+1 -> j on this rank
+  std::map<Key, std::shared_ptr<Transfer>> recvF_, recvB_;  // posted receives
   std::vector<std::shared_ptr<Transfer>> sends_;
   int peakStashed_ = 0;
   // (direction, stage) -> metadata learned on the first step; the batch
