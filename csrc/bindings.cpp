@@ -103,7 +103,7 @@ void bindSchedules(py::module_& m) {
   m.def(
       "build_schedule",
       [](const std::string& name, int stages, int microbatches, int chunks,
-         std::vector<int> replicas, int batches) {
+         std::vector<int> replicas, int batches, bool verticalSync) {
         ScheduleOptions options;
         options.name = name;
         options.stages = stages;
@@ -111,10 +111,12 @@ void bindSchedules(py::module_& m) {
         options.chunks = chunks;
         options.replicas = std::move(replicas);
         options.batches = batches;
+        options.verticalSync = verticalSync;
         return buildSchedule(options);
       },
       py::arg("name"), py::arg("stages"), py::arg("microbatches"), py::arg("chunks") = 1,
       py::arg("replicas") = std::vector<int>{}, py::arg("batches") = 1,
+      py::arg("vertical_sync") = false,
       "Builds the compute-only schedule (F/B/I/W, UPDATE, ALLREDUCE).");
   m.def("lower", &lower, py::arg("schedule"), "Inserts SEND/RECV actions.");
   m.def("strip_communication", &stripCommunication, py::arg("schedule"));

@@ -49,6 +49,8 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--replicas", type=_int_list, default=None,
                    help="replicas per stage, e.g. 2,1,1 (gpipe, 1f1b, pipedream, pipedream-2bw)")
     p.add_argument("--batches", type=int, default=1, help="consecutive batches (default 1)")
+    p.add_argument("--vertical-sync", action="store_true",
+                   help="pipedream: every stage reads stage 0's weight version of a minibatch")
     p.add_argument("--t-f", type=_cost, default=1.0, help="forward time (one or per stage; default 1)")
     p.add_argument("--t-b", type=_cost, default=2.0,
                    help="backward time (default 2); with --t-w, the input-gradient part I")
@@ -67,7 +69,8 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
 
 def _run(args: argparse.Namespace) -> int:
     schedule = schedules.build(args.name, args.stages, args.microbatches, chunks=args.chunks,
-                               replicas=args.replicas, batches=args.batches)
+                               replicas=args.replicas, batches=args.batches,
+                               vertical_sync=args.vertical_sync)
     costs = dict(t_f=args.t_f, t_b=args.t_b, t_w=args.t_w, t_comm=args.t_comm,
                  t_allreduce=args.t_allreduce)
     if args.trace:

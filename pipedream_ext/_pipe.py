@@ -19,12 +19,16 @@ from torch import nn
 
 from . import _C, schedules
 
-__all__ = ["PipeDream", "SYNCHRONOUS_SCHEDULES"]
+__all__ = ["PipeDream", "SYNCHRONOUS_SCHEDULES", "ASYNCHRONOUS_SCHEDULES"]
 
 _log = logging.getLogger(__name__)
 
-#: Flush schedules the runtime executes today (gradients equal the unsplit model's).
+#: Flush schedules (gradients equal the unsplit model's; you step the optimizer).
 SYNCHRONOUS_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+#: Asynchronous schedules (weight stashing; the runtime steps your optimizer).
+ASYNCHRONOUS_SCHEDULES = ("pipedream", "pipedream-2bw")
+#: Initial length (minibatches, or batches for 2bw) of an asynchronous list; it doubles as needed.
+_INITIAL_HORIZON = 64
 
 Tensors = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
 
@@ -65,7 +69,11 @@ class PipeDream:
     Args:
         module: the whole model, identically initialised on every rank.
         loss_fn: ``loss_fn(output, target)`` with mean reduction over the batch.
-        schedule: one of :data:`SYNCHRONOUS_SCHEDULES`.
+        schedule: one of :data:`SYNCHRONOUS_SCHEDULES` or :data:`ASYNCHRONOUS_SCHEDULES`.
+            With ``pipedream`` every ``step`` is one minibatch and one weight update
+            per stage (weight stashing); with ``pipedream-2bw`` one batch of
+            ``microbatches`` and one update (at most 2 weight versions). Both take
+            the optimizer in ``step(x, y, optimizer=opt)`` and need ``flush()``.
         microbatches: microbatches per ``step`` (the batch is split on dim 0).
         balance: layers per stage (``None``: an even split). Stages are ordered
             as in the module; stage ``j`` runs on rank ``j`` (``j mod world`` for
@@ -76,6 +84,8 @@ class PipeDream:
         device: where this rank's layers live (default: ``cuda:LOCAL_RANK`` if CUDA
             is available, else CPU).
         timeout: seconds any wait on another rank may take before failing.
+        vertical_sync: ``pipedream`` only: every stage uses, for a minibatch, the
+            weight version stage 0 used.
 
     Raises:
         ValueError: bad schedule, balance, chunks or world size (the message names
@@ -88,13 +98,17 @@ class PipeDream:
                  balance: Optional[Sequence[int]] = None, chunks: int = 1,
                  process_group: Optional[dist.ProcessGroup] = None,
                  device: Optional[Union[str, torch.device]] = None,
-                 timeout: float = 300.0) -> None:
+                 timeout: float = 300.0, vertical_sync: bool = False) -> None:
         if not isinstance(module, nn.Sequential):
             raise ValueError(f"module must be an nn.Sequential (got {type(module).__name__}); "
                              "wrap your layers in torch.nn.Sequential")
-        if schedule not in SYNCHRONOUS_SCHEDULES:
+        if schedule not in SYNCHRONOUS_SCHEDULES + ASYNCHRONOUS_SCHEDULES:
             raise ValueError(f"schedule {schedule!r} is not supported by the runtime; choose one of "
-                             f"{', '.join(SYNCHRONOUS_SCHEDULES)}")
+                             f"{', '.join(SYNCHRONOUS_SCHEDULES + ASYNCHRONOUS_SCHEDULES)}")
+        if vertical_sync and schedule != "pipedream":
+            raise ValueError(f"vertical_sync=True needs schedule='pipedream' (got {schedule!r})")
+        self.asynchronous = schedule in ASYNCHRONOUS_SCHEDULES
+        self.vertical_sync = bool(vertical_sync)
         if chunks != 1 and schedule != "interleaved-1f1b":
             raise ValueError(f"chunks={chunks} needs schedule='interleaved-1f1b' (got {schedule!r})")
         if not isinstance(microbatches, int) or microbatches < 1:
@@ -137,8 +151,10 @@ class PipeDream:
         self.balance = balance
         self._check_same_config_everywhere(num_layers)
 
-        self._schedule = schedules.build(schedule, stages=self.world_size if chunks > 1 else num_stages,
-                                         microbatches=microbatches, chunks=chunks)
+        self._horizon = _INITIAL_HORIZON
+        self._schedule = self._build_schedule(self._horizon) if self.asynchronous else \
+            schedules.build(schedule, stages=self.world_size if chunks > 1 else num_stages,
+                            microbatches=microbatches, chunks=chunks)
         self.num_stages = self._schedule.num_stages
         self.local_stages = self._schedule.stages_of_rank(self.rank)
         bounds = [0]
@@ -165,9 +181,13 @@ class PipeDream:
         stage_parameters = {j: [p for p in self._stages[j].parameters()] for j in self.local_stages}
         self._param_names = {j: [n for n, _ in self._stages[j].named_parameters()]
                              for j in self.local_stages}
-        self._executor = _C.PipelineExecutor(self._schedule._lowered, self.rank, self.group,
-                                             self.timeout, self._stage_forward, stage_parameters,
-                                             str(self.device))
+        self._stage_parameters = stage_parameters
+        self._optimizer: Optional[torch.optim.Optimizer] = None
+        self._steps = 0  # minibatches (2bw: batches) admitted since the last flush
+        self._pending_targets: Dict[int, Any] = {}
+        self._executor = self._make_executor(self._schedule)
+        self._eval_executor: Optional["_C.PipelineExecutor"] = None
+        self.peak_weight_versions: Dict[int, int] = {}
         _log.info("rank %d: stages %s (layers %s) of %d, schedule %s, %d microbatches",
                   self.rank, self.local_stages, [self.stage_layers[j] for j in self.local_stages],
                   self.num_stages, schedule, microbatches)
@@ -184,6 +204,28 @@ class PipeDream:
             raise ValueError(f"rank {self.rank}: ranks disagree on the pipeline configuration "
                              f"(this rank: schedule, microbatches, balance, layers = {text}); "
                              "every rank must build PipeDream with the same arguments and model")
+
+    # -- schedule and executor ------------------------------------------------------
+    def _build_schedule(self, length: int) -> "schedules.Schedule":
+        """The asynchronous list for ``length`` minibatches (2bw: batches)."""
+        if self.schedule_name == "pipedream":
+            return schedules.build("pipedream", stages=self.world_size, microbatches=length,
+                                   vertical_sync=self.vertical_sync)
+        return schedules.build("pipedream-2bw", stages=self.world_size,
+                               microbatches=self.microbatches, batches=length)
+
+    def _make_executor(self, schedule: "schedules.Schedule") -> "_C.PipelineExecutor":
+        return _C.PipelineExecutor(
+            schedule._lowered, self.rank, self.group, self.timeout, self._stage_forward,
+            self._stage_parameters, str(self.device), stash_weights=self.asynchronous,
+            update=self._update if self.asynchronous else None)
+
+    def _update(self, stage: int, version: int) -> None:
+        """Called by the executor at every UPDATE action (asynchronous schedules)."""
+        del stage, version  # one stage per rank: the optimizer holds exactly its parameters
+        if self._optimizer is not None:
+            self._optimizer.step()
+            self._optimizer.zero_grad(set_to_none=True)
 
     # -- module-like API ------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -233,6 +275,13 @@ class PipeDream:
         else:
             out = self._stages[stage](arg)
         if stage == self.num_stages - 1 and not self._forward_only:
+            if self.asynchronous:
+                target, scale = self._pending_targets[microbatch]
+                loss = self.loss_fn(out, target)
+                if loss.numel() != 1:
+                    raise ValueError(f"loss_fn returned a tensor of shape {tuple(loss.shape)}; it "
+                                     "must return a scalar (use reduction='mean')")
+                return [loss * scale]
             loss = self.loss_fn(out, self._targets[microbatch])
             if loss.numel() != 1:
                 raise ValueError(f"loss_fn returned a tensor of shape {tuple(loss.shape)}; it must "
@@ -241,15 +290,99 @@ class PipeDream:
         return list(_as_tuple(out))
 
     # -- training ---------------------------------------------------------------------
-    def _split(self, value: Tensors, what: str) -> List[Tuple[torch.Tensor, ...]]:
-        parts = [torch.tensor_split(t.to(self.device), self.microbatches, dim=0) for t in _as_tuple(value)]
+    def _split(self, value: Tensors, what: str, count: Optional[int] = None) -> List[Tuple[torch.Tensor, ...]]:
+        count = self.microbatches if count is None else count
         batch = _as_tuple(value)[0].shape[0]
-        if batch < self.microbatches:
+        if batch < count:
             raise ValueError(f"{what} has batch size {batch}, smaller than microbatches="
-                             f"{self.microbatches}; use a batch of at least {self.microbatches}")
-        return [tuple(p[i] for p in parts) for i in range(self.microbatches)]
+                             f"{count}; use a batch of at least {count}")
+        parts = [torch.tensor_split(t.to(self.device), count, dim=0) for t in _as_tuple(value)]
+        return [tuple(p[i] for p in parts) for i in range(count)]
 
-    def step(self, inputs: Optional[Tensors], targets: Optional[Any]) -> float:
+    def step(self, inputs: Optional[Tensors], targets: Optional[Any],
+             optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[float]:
+        """Runs one batch (flush schedules) or admits one minibatch (asynchronous ones).
+
+        Flush schedules (``gpipe``, ``1f1b``, ``interleaved-1f1b``, ``zb-h1``): see
+        :meth:`_step_flush`; you step your optimizer afterwards. Asynchronous
+        schedules (``pipedream``, ``pipedream-2bw``): the runtime steps
+        ``optimizer`` at every weight update; see :meth:`_step_async`.
+        """
+        if self.asynchronous:
+            return self._step_async(inputs, targets, optimizer)
+        if optimizer is not None:
+            raise ValueError(f"schedule {self.schedule_name!r} flushes every step: call "
+                             "optimizer.step() yourself after pipe.step(x, y)")
+        return self._step_flush(inputs, targets)
+
+    def _step_async(self, inputs: Optional[Tensors], targets: Optional[Any],
+                    optimizer: Optional[torch.optim.Optimizer]) -> Optional[float]:
+        """Admits one minibatch (2bw: one batch of ``microbatches``) into the pipeline.
+
+        Runs this rank's actions up to the forward of that minibatch: the
+        backwards and updates of earlier minibatches that come first, then its
+        forward. Weight stashing keeps every backward on the version its forward
+        read.
+
+        Returns:
+            On the rank of the last stage, the loss of the minibatch (2bw: batch)
+            whose forward just completed there; ``None`` on other ranks. Losses are
+            not broadcast so that ranks never wait for each other per step.
+
+        Raises:
+            ValueError: no optimizer, or inputs/targets missing where needed.
+        """
+        if optimizer is None:
+            raise ValueError(f"schedule {self.schedule_name!r} updates weights inside the pipeline: "
+                             "pass your optimizer, pipe.step(x, y, optimizer=opt)")
+        self._optimizer = optimizer
+        t = self._steps
+        per_step = self.microbatches if self.schedule_name == "pipedream-2bw" else 1
+        if t + 1 >= self._horizon:
+            self._horizon *= 2
+            self._schedule = self._build_schedule(self._horizon)
+            self._executor.extend_schedule(self._schedule._lowered)
+        first = t * per_step
+        inputs_by_microbatch: Dict[int, List[torch.Tensor]] = {}
+        if self.is_first:
+            if inputs is None:
+                raise ValueError(f"rank {self.rank} holds stage 0: step() needs the inputs")
+            chunks = self._split(inputs, "inputs", per_step)
+            inputs_by_microbatch = {first + i: list(c) for i, c in enumerate(chunks)}
+        if self.is_last:
+            if targets is None:
+                raise ValueError(f"rank {self.rank} holds the last stage: step() needs the targets")
+            chunks = self._split(targets, "targets", per_step)
+            total = sum(c[0].shape[0] for c in chunks)
+            for i, c in enumerate(chunks):
+                self._pending_targets[first + i] = (c[0] if len(c) == 1 else c, c[0].shape[0] / total)
+        end = max(self._executor.end_of_forward(first + i) for i in range(per_step))
+        losses = self._executor.run_until(end, inputs_by_microbatch)
+        self._steps += 1
+        for i in losses:
+            self._pending_targets.pop(i, None)
+        if not self.is_last or not losses:
+            return None
+        return float(sum(float(l) for l in losses.values()))
+
+    def flush(self) -> None:
+        """Drains an asynchronous pipeline: every admitted minibatch finishes its
+        backward and update. Call it before evaluation, checkpointing and at the end.
+        A no-op for flush schedules."""
+        if not self.asynchronous or self._steps == 0:
+            return
+        final = self._build_schedule(self._steps)
+        self._executor.extend_schedule(final._lowered)
+        self._executor.run_until(self._executor.size, {})
+        self._executor.wait_sends()
+        self.peak_weight_versions = dict(self._executor.peak_weight_versions)
+        # A new stream starts from version 0 = the current live weights.
+        self._steps = 0
+        self._horizon = _INITIAL_HORIZON
+        self._schedule = self._build_schedule(self._horizon)
+        self._executor = self._make_executor(self._schedule)
+
+    def _step_flush(self, inputs: Optional[Tensors], targets: Optional[Any]) -> float:
         """Runs forward and backward of one batch through the pipeline.
 
         Leaves on every local parameter the gradient of ``loss_fn(model(inputs), targets)``
@@ -296,10 +429,22 @@ class PipeDream:
         """
         if self.is_first and inputs is None:
             raise ValueError(f"rank {self.rank} holds stage 0: forward_only() needs the inputs")
+        executor = self._executor
+        if self.asynchronous:
+            if self._steps:
+                raise RuntimeError(f"{self._steps} minibatches are still in the pipeline; call "
+                                   "pipe.flush() before forward_only()")
+            if self._eval_executor is None:  # forwards of a flush schedule, on the live weights
+                evaluation = schedules.build("gpipe", stages=self.world_size,
+                                             microbatches=self.microbatches)
+                self._eval_executor = _C.PipelineExecutor(
+                    evaluation._lowered, self.rank, self.group, self.timeout, self._stage_forward,
+                    self._stage_parameters, str(self.device))
+            executor = self._eval_executor
         input_chunks = self._split(inputs, "inputs") if self.is_first else []
         self._forward_only = True
         try:
-            outputs = self._executor.run_forward([list(c) for c in input_chunks])
+            outputs = executor.run_forward([list(c) for c in input_chunks])
         finally:
             self._forward_only = False
         if not self.is_last:

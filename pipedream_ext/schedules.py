@@ -266,7 +266,8 @@ class Schedule:
 
 
 def build(name: str, stages: int, microbatches: int, chunks: int = 1,
-          replicas: Optional[Sequence[int]] = None, batches: int = 1) -> Schedule:
+          replicas: Optional[Sequence[int]] = None, batches: int = 1,
+          vertical_sync: bool = False) -> Schedule:
     """Builds, lowers and validates a schedule.
 
     Args:
@@ -279,6 +280,8 @@ def build(name: str, stages: int, microbatches: int, chunks: int = 1,
         replicas: replica count per stage, e.g. ``[2, 1, 1]`` (gpipe, 1f1b,
             pipedream, pipedream-2bw); microbatch i runs on replica i mod r.
         batches: consecutive batches in the schedule (not for ``pipedream``).
+        vertical_sync: ``pipedream`` only: every stage reads, for minibatch i,
+            the weight version stage 0 read (equal replica counts needed).
 
     Returns:
         The validated :class:`Schedule`.
@@ -291,7 +294,8 @@ def build(name: str, stages: int, microbatches: int, chunks: int = 1,
         if not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(f"{label} must be an integer (got {value!r})")
     compute = _C.build_schedule(name, stages, microbatches, chunks,
-                                list(replicas) if replicas is not None else [], batches)
+                                list(replicas) if replicas is not None else [], batches,
+                                bool(vertical_sync))
     schedule = Schedule(compute)
     schedule.validate()
     return schedule

@@ -225,8 +225,12 @@ void zbH1Batch(int p, int m, int batch, RankLists& lists) {
 // PipeDream: 1F1B without flushes; an UPDATE (after an ALLREDUCE for a
 // replicated stage) follows every backward, and F reads the number of
 // updates applied so far on its rank.
-void pipedreamAll(const Layout& layout, int m, RankLists& lists) {
+void pipedreamAll(const Layout& layout, int m, bool verticalSync, RankLists& lists) {
   const auto replicas = layout.replicaCounts();
+  // Vertical sync: stage 0's version of minibatch i (its replica runs it as
+  // local position i / r_0, after max(0, i / r_0 - NOAM_0 + 1) updates).
+  const int noam0 = numOptimalActiveMinibatches(replicas, 0);
+  auto stageZeroVersion = [&](int i) { return std::max(0, i / replicas[0] - noam0 + 1); };
   for (int j = 0; j < layout.numStages(); ++j) {
     const auto& ranks = layout.stageRanks(j);
     const int r = static_cast<int>(ranks.size());
@@ -238,7 +242,8 @@ void pipedreamAll(const Layout& layout, int m, RankLists& lists) {
       // forwards see no update, the x-th steady forward follows x+1-noam...
       std::vector<int> version(m, 0);
       for (size_t x = 0; x < local.size(); ++x) {
-        version[local[x]] = std::max(0, static_cast<int>(x) - noam + 1);
+        version[local[x]] = verticalSync ? stageZeroVersion(local[x])
+                                         : std::max(0, static_cast<int>(x) - noam + 1);
       }
       appendOneFOneB(out, j, local, noam, [&version](int i) { return version[i]; },
                      [&](int x) { appendUpdate(out, j, r, x + 1); });
@@ -312,6 +317,17 @@ Schedule buildSchedule(const ScheduleOptions& o) {
     fail("schedule '" + o.name + "' does not support replicated stages (got replicas " +
          joined(o.replicas) + "); use gpipe, 1f1b, pipedream or pipedream-2bw");
   }
+  if (o.verticalSync && o.name != "pipedream") {
+    fail("vertical sync applies to schedule 'pipedream' only (got '" + o.name +
+         "'); pipedream-2bw and the flush schedules read one version per batch already");
+  }
+  if (o.verticalSync && !o.replicas.empty() &&
+      std::adjacent_find(o.replicas.begin(), o.replicas.end(), std::not_equal_to<int>()) !=
+          o.replicas.end()) {
+    fail("vertical sync needs the same replica count on every stage (got replicas " +
+         joined(o.replicas) + "): a version of a stage with r replicas covers r minibatches per "
+         "update, so stage 0's version number means something else downstream");
+  }
   if (o.name == "pipedream" && o.batches != 1) {
     fail("schedule 'pipedream' updates after every minibatch, so --batches does not apply (got " +
          str(o.batches) + "); give the number of minibatches as --microbatches");
@@ -351,7 +367,7 @@ Schedule buildSchedule(const ScheduleOptions& o) {
   } else if (o.name == "zb-h1") {
     for (int t = 0; t < o.batches; ++t) zbH1Batch(p, m, t, lists);
   } else if (o.name == "pipedream") {
-    pipedreamAll(layout, m, lists);
+    pipedreamAll(layout, m, o.verticalSync, lists);
   } else {  // pipedream-2bw
     // The first forward of batch t+1 must come after the update that ends
     // batch t-1, which needs m/r_j >= NOAM_j - 1 on every stage.

@@ -33,6 +33,9 @@ struct ScheduleOptions {
   int chunks = 1;            // v: model chunks per rank (interleaved-1f1b)
   std::vector<int> replicas; // per-stage replica counts (empty: all 1)
   int batches = 1;           // batches in the schedule (not for pipedream)
+  // pipedream only: every stage reads, for minibatch i, the version stage 0
+  // read (PipeDream's vertical sync) instead of its newest one.
+  bool verticalSync = false;
 };
 
 // "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "pipedream", "pipedream-2bw".

@@ -1,6 +1,7 @@
 #include "simulate.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -74,21 +75,37 @@ void computeMemoryFigures(const Schedule& schedule, SimulationResult& result) {
   result.peakDeferredWeightGrads.assign(stages, 0);
   result.peakActivationsPerRank.assign(schedule.numRanks(), 0);
   for (int r = 0; r < schedule.numRanks(); ++r) {
+    const auto& list = schedule.actions(r);
+    // oldestFutureRead[k][j]: the version the next forward of stage j after
+    // position k reads (forwards read non-decreasing versions); every version
+    // from there up to the current one must be kept (vertical sync reads old
+    // versions later).
+    std::vector<std::vector<int>> oldestFutureRead(list.size() + 1, std::vector<int>(stages, INT_MAX));
+    for (size_t k = list.size(); k-- > 0;) {
+      oldestFutureRead[k] = oldestFutureRead[k + 1];
+      const Action& a = list[k];
+      if (a.kind == ActionKind::kForward && a.stage >= 0 && a.stage < stages) {
+        oldestFutureRead[k][a.stage] = a.version;
+      }
+    }
     std::vector<int> inFlight(stages, 0), deferred(stages, 0);
     std::vector<int> current(stages, 0);
     std::vector<std::map<int, int>> readers(stages);  // version -> in-flight count
     int rankInFlight = 0;
-    auto liveVersions = [&](int j) {
-      int live = 1;  // the current version
+    auto liveVersions = [&](int j, size_t k) {
+      std::set<int> live;
+      for (int v = std::max(0, oldestFutureRead[k + 1][j]); v <= current[j]; ++v) live.insert(v);
+      live.insert(current[j]);
       for (const auto& [version, count] : readers[j]) {
-        if (count > 0 && version != current[j]) ++live;
+        if (count > 0) live.insert(version);
       }
-      return live;
+      return static_cast<int>(live.size());
     };
     for (const auto& layoutStage : schedule.layout().stagesOfRank(r)) {
       result.peakWeightVersions[layoutStage] = std::max(result.peakWeightVersions[layoutStage], 1);
     }
-    for (const auto& a : schedule.actions(r)) {
+    for (size_t k = 0; k < list.size(); ++k) {
+      const Action& a = list[k];
       const int j = a.stage;
       if (j < 0 || j >= stages) continue;
       if (a.kind == ActionKind::kForward) {
@@ -114,7 +131,7 @@ void computeMemoryFigures(const Schedule& schedule, SimulationResult& result) {
       result.peakActivations[j] = std::max(result.peakActivations[j], inFlight[j]);
       result.peakDeferredWeightGrads[j] = std::max(result.peakDeferredWeightGrads[j], deferred[j]);
       result.peakActivationsPerRank[r] = std::max(result.peakActivationsPerRank[r], rankInFlight);
-      result.peakWeightVersions[j] = std::max(result.peakWeightVersions[j], liveVersions(j));
+      result.peakWeightVersions[j] = std::max(result.peakWeightVersions[j], liveVersions(j, k));
     }
   }
 }

@@ -64,7 +64,9 @@ struct SimulationResult {
   // weight gradient needs (layer inputs and output gradients).
   std::vector<int> peakDeferredWeightGrads;
   // Distinct weight versions a stage must keep: versions read by its
-  // in-flight microbatches plus its current version; peak per stage.
+  // in-flight microbatches, its current version, and every version from the
+  // one its next forward reads up to the current one (vertical sync reads
+  // old versions later); peak per stage.
   std::vector<int> peakWeightVersions;
   std::vector<TimedAction> timeline;  // in execution order
 };

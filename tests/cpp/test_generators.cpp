@@ -78,6 +78,15 @@ TEST(GeneratorGolden, PipeDream) {
   });
 }
 
+TEST(GeneratorGolden, PipeDreamVerticalSync) {
+  // Every stage reads stage 0's version of the minibatch: max(0, i - (p-1)).
+  expectActions(make("pipedream", 3, 5, 1, {}, 1, /*verticalSync=*/true), {
+      "0F0 0F1 0F2 0B0 0U1 0F3v1 0B1 0U2 0F4v2 0B2 0U3 0B3v1 0U4 0B4v2 0U5",
+      "1F0 1F1 1B0 1U1 1F2 1B1 1U2 1F3v1 1B2 1U3 1F4v2 1B3v1 1U4 1B4v2 1U5",
+      "2F0 2B0 2U1 2F1 2B1 2U2 2F2 2B2 2U3 2F3v1 2B3v1 2U4 2F4v2 2B4v2 2U5",
+  });
+}
+
 TEST(GeneratorGolden, PipeDreamReplicated) {
   // 2-1-1: minibatch i runs on replica i % 2 of stage 0; NOAM = ceil(4/2) = 2.
   expectActions(make("pipedream", 3, 8, 1, {2, 1, 1}), {
@@ -144,6 +153,8 @@ TEST(GeneratorErrors, NamesTheBadValue) {
   expectError([] { make("pipedream", 2, 4, 1, {0, 1}); }, "replica count of stage 0 must be >= 1");
   expectError([] { make("pipedream-2bw", 4, 2); }, "needs at least 3 microbatches");
   expectError([] { make("pipedream", 2, 4, 1, {}, 2); }, "--batches does not apply");
+  expectError([] { make("1f1b", 2, 4, 1, {}, 1, true); }, "vertical sync applies to schedule 'pipedream' only");
+  expectError([] { make("pipedream", 2, 4, 1, {1, 2}, 1, true); }, "same replica count on every stage");
 }
 
 }  // namespace

@@ -13,7 +13,7 @@ namespace pipedream {
 namespace testing_helpers {
 
 inline Schedule make(const std::string& name, int p, int m, int v = 1,
-                     std::vector<int> replicas = {}, int batches = 1) {
+                     std::vector<int> replicas = {}, int batches = 1, bool verticalSync = false) {
   ScheduleOptions o;
   o.name = name;
   o.stages = p;
@@ -21,6 +21,7 @@ inline Schedule make(const std::string& name, int p, int m, int v = 1,
   o.chunks = v;
   o.replicas = std::move(replicas);
   o.batches = batches;
+  o.verticalSync = verticalSync;
   return buildSchedule(o);
 }
 

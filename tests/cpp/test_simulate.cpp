@@ -132,6 +132,15 @@ TEST(SimulatorFormula, PipeDreamKeepsPMinusSVersionsTwoBWAtMostTwo) {
   }
 }
 
+TEST(SimulatorFormula, VerticalSyncKeepsPVersionsOnEveryStage) {
+  // Stage s reads version b - (p-1) for minibatch b while its own newest is
+  // b - (p-1-s): it keeps versions b-(p-1) .. b-(p-1-s) and the in-flight ones.
+  for (int p = 1; p <= 6; ++p) {
+    const auto r = run(make("pipedream", p, 3 * p, 1, {}, 1, /*verticalSync=*/true), 1.0, 2.0, -1.0);
+    for (int s = 0; s < p; ++s) EXPECT_EQ(r.peakWeightVersions[s], p) << "p=" << p << " s=" << s;
+  }
+}
+
 TEST(SimulatorFormula, ReplicatedStageNoamAndVersions) {
   // 2-1-1 on 4 workers: every stage admits 2, 2, 1 minibatches.
   const auto r = run(make("pipedream", 3, 12, 1, {2, 1, 1}), 1.0, 2.0, -1.0);

@@ -2,6 +2,9 @@
 // and hand-broken schedules that the validator must reject with the grid.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <functional>
+
 #include "lower.h"
 #include "simulate.h"
 #include "test_helpers.h"
@@ -31,7 +34,11 @@ std::string describe(const Case& c) {
 bool expectedToFail(const Case& c) {
   if (c.name == "interleaved-1f1b") return c.m % (c.m / std::max(1, c.m / c.p)) != 0;
   std::vector<int> replicas = c.replicas.empty() ? std::vector<int>(c.p, 1) : c.replicas;
-  const bool async = c.name == "pipedream" || c.name == "pipedream-2bw";
+  if (c.name == "pipedream-vs" &&
+      std::adjacent_find(replicas.begin(), replicas.end(), std::not_equal_to<int>()) != replicas.end()) {
+    return true;  // vertical sync needs equal replica counts
+  }
+  const bool async = c.name.rfind("pipedream", 0) == 0;
   for (int j = 0; j < c.p; ++j) {
     if (async ? c.m % replicas[j] != 0 : c.m < replicas[j]) return true;
     if (c.name == "pipedream-2bw" &&
@@ -49,6 +56,7 @@ std::vector<Case> gridCases() {
       for (const std::string name : {"gpipe", "1f1b", "zb-h1", "pipedream"}) {
         cases.push_back({name, p, m, 1, {}, 1});
       }
+      cases.push_back({"pipedream-vs", p, m, 1, {}, 1});
       cases.push_back({"pipedream-2bw", p, m, 1, {}, 3});
       for (int v = 1; v <= 4; ++v) cases.push_back({"interleaved-1f1b", p, m, v, {}, 1});
     }
@@ -59,7 +67,9 @@ std::vector<Case> gridCases() {
   for (const auto& layout : layouts) {
     const int p = static_cast<int>(layout.size());
     for (int m = 1; m <= 24; ++m) {
-      for (const std::string name : {"gpipe", "1f1b", "pipedream"}) cases.push_back({name, p, m, 1, layout, 1});
+      for (const std::string name : {"gpipe", "1f1b", "pipedream", "pipedream-vs"}) {
+        cases.push_back({name, p, m, 1, layout, 1});
+      }
       cases.push_back({"1f1b", p, m, 1, layout, 2});
       cases.push_back({"pipedream-2bw", p, m, 1, layout, 3});
     }
@@ -71,11 +81,14 @@ TEST(ValidityGrid, EveryGeneratorIsValidOrRejectedAsDocumented) {
   int built = 0;
   for (const auto& c : gridCases()) {
     SCOPED_TRACE(describe(c));
+    // "pipedream-vs": pipedream with vertical sync.
+    const bool vs = c.name == "pipedream-vs";
+    const std::string name = vs ? "pipedream" : c.name;
     if (expectedToFail(c)) {
-      EXPECT_THROW(make(c.name, c.p, c.m, c.v, c.replicas, c.batches), std::invalid_argument);
+      EXPECT_THROW(make(name, c.p, c.m, c.v, c.replicas, c.batches, vs), std::invalid_argument);
       continue;
     }
-    const Schedule s = make(c.name, c.p, c.m, c.v, c.replicas, c.batches);
+    const Schedule s = make(name, c.p, c.m, c.v, c.replicas, c.batches, vs);
     ASSERT_NO_THROW(validate(s));
     const Schedule lowered = lower(s);
     ASSERT_NO_THROW(validate(lowered));
