@@ -86,6 +86,9 @@ class PipeDream:
         timeout: seconds any wait on another rank may take before failing.
         vertical_sync: ``pipedream`` only: every stage uses, for a minibatch, the
             weight version stage 0 used.
+        recompute: keep only each stage's inputs during the forward and recompute
+            its activations in the backward (same result, with the CPU RNG state
+            restored so dropout draws the same masks).
 
     Raises:
         ValueError: bad schedule, balance, chunks or world size (the message names
@@ -98,7 +101,8 @@ class PipeDream:
                  balance: Optional[Sequence[int]] = None, chunks: int = 1,
                  process_group: Optional[dist.ProcessGroup] = None,
                  device: Optional[Union[str, torch.device]] = None,
-                 timeout: float = 300.0, vertical_sync: bool = False) -> None:
+                 timeout: float = 300.0, vertical_sync: bool = False,
+                 recompute: bool = False) -> None:
         if not isinstance(module, nn.Sequential):
             raise ValueError(f"module must be an nn.Sequential (got {type(module).__name__}); "
                              "wrap your layers in torch.nn.Sequential")
@@ -109,6 +113,7 @@ class PipeDream:
             raise ValueError(f"vertical_sync=True needs schedule='pipedream' (got {schedule!r})")
         self.asynchronous = schedule in ASYNCHRONOUS_SCHEDULES
         self.vertical_sync = bool(vertical_sync)
+        self.recompute = bool(recompute)
         if chunks != 1 and schedule != "interleaved-1f1b":
             raise ValueError(f"chunks={chunks} needs schedule='interleaved-1f1b' (got {schedule!r})")
         if not isinstance(microbatches, int) or microbatches < 1:
@@ -218,7 +223,7 @@ class PipeDream:
         return _C.PipelineExecutor(
             schedule._lowered, self.rank, self.group, self.timeout, self._stage_forward,
             self._stage_parameters, str(self.device), stash_weights=self.asynchronous,
-            update=self._update if self.asynchronous else None)
+            update=self._update if self.asynchronous else None, recompute=self.recompute)
 
     def _update(self, stage: int, version: int) -> None:
         """Called by the executor at every UPDATE action (asynchronous schedules)."""
@@ -359,8 +364,11 @@ class PipeDream:
         end = max(self._executor.end_of_forward(first + i) for i in range(per_step))
         losses = self._executor.run_until(end, inputs_by_microbatch)
         self._steps += 1
-        for i in losses:
-            self._pending_targets.pop(i, None)
+        # Targets stay until their backward (a recomputed forward needs them):
+        # at most 2 pipeline depths of steps behind.
+        horizon = first - 2 * (self.world_size + 1) * per_step
+        for i in [i for i in self._pending_targets if i < horizon]:
+            del self._pending_targets[i]
         if not self.is_last or not losses:
             return None
         return float(sum(float(l) for l in losses.values()))
@@ -377,6 +385,7 @@ class PipeDream:
         self._executor.wait_sends()
         self.peak_weight_versions = dict(self._executor.peak_weight_versions)
         # A new stream starts from version 0 = the current live weights.
+        self._pending_targets.clear()
         self._steps = 0
         self._horizon = _INITIAL_HORIZON
         self._schedule = self._build_schedule(self._horizon)

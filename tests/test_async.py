@@ -102,7 +102,7 @@ OPTIMIZERS = {
 }
 
 
-def check(kind: str, opt_name: str, streams: Sequence[int] = (10, 4)) -> None:
+def check(kind: str, opt_name: str, streams: Sequence[int] = (10, 4), recompute: bool = False) -> None:
     import pipedream_ext as pd
 
     p = dist.get_world_size()
@@ -110,7 +110,7 @@ def check(kind: str, opt_name: str, streams: Sequence[int] = (10, 4)) -> None:
     schedule = "pipedream-2bw" if kind == "pipedream-2bw" else "pipedream"
     # 2bw: batches of m = 4 microbatches of 8; pipedream: microbatches only split forward_only.
     pipe = pd.PipeDream(make_model(), F.cross_entropy, schedule=schedule, microbatches=max(m, 2),
-                        vertical_sync=kind == "vertical", timeout=60)
+                        vertical_sync=kind == "vertical", timeout=60, recompute=recompute)
     opt = OPTIMIZERS[opt_name](pipe.parameters())
     expected, expected_losses = simulate(RULES[kind], p, streams, OPTIMIZERS[opt_name],
                                          microbatches_per_step=m)
@@ -154,6 +154,9 @@ def run_all_checks() -> None:
     for kind in ("pipedream", "vertical", "pipedream-2bw"):
         for opt_name in ("sgd", "adam"):
             check(kind, opt_name)
+    # Recomputed activations give the same weights as stashed ones.
+    check("pipedream", "adam", recompute=True)
+    check("pipedream-2bw", "sgd", recompute=True)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -69,7 +69,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> Non
 
 # --------------------------------------------------------------------------- worker checks
 def check_gradients_and_training(schedule: str, microbatches: int, kind: str = "mlp",
-                                 balance: Optional[List[int]] = None) -> None:
+                                 balance: Optional[List[int]] = None, recompute: bool = False) -> None:
     """Loss and gradients equal the unsplit model's; so do weights after 5 SGD / Adam steps."""
     import pipedream_ext as pd
 
@@ -77,7 +77,8 @@ def check_gradients_and_training(schedule: str, microbatches: int, kind: str = "
     for opt_name in ("sgd", "adam"):
         ref = make_model(kind)
         pipe = pd.PipeDream(make_model(kind), F.cross_entropy, schedule=schedule,
-                            microbatches=microbatches, chunks=chunks, balance=balance, timeout=60)
+                            microbatches=microbatches, chunks=chunks, balance=balance, timeout=60,
+                            recompute=recompute)
         make_opt: Callable = (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)) \
             if opt_name == "sgd" else (lambda ps: torch.optim.Adam(ps, lr=0.01))
         # torch optimizers refuse an empty parameter list (a parameter-free stage).
@@ -106,6 +107,31 @@ def check_gradients_and_training(schedule: str, microbatches: int, kind: str = "
         assert set(state) == {n for n, _ in pipe.named_parameters()}
 
 
+def check_recompute_with_dropout() -> None:
+    """recompute=True restores the RNG state: dropout masks and weights are identical."""
+    import pipedream_ext as pd
+
+    weights = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 12), nn.Dropout(0.3), nn.Tanh(), nn.Linear(12, 12),
+                              nn.Dropout(0.3), nn.Linear(12, 3))
+        pipe = pd.PipeDream(model, F.cross_entropy, schedule="1f1b", microbatches=2,
+                            recompute=recompute, timeout=60)
+        params = list(pipe.parameters())
+        opt = torch.optim.SGD(params, lr=0.1) if params else None  # a stage may be a lone Dropout
+        torch.manual_seed(1234 + dist.get_rank())
+        for step in range(3):
+            x, y = batch(seed=50 + step)
+            pipe.step(x, y)
+            if opt is not None:
+                opt.step(); opt.zero_grad()
+        weights.append({n: p.detach().clone() for n, p in pipe.named_parameters()})
+    for name in weights[0]:
+        torch.testing.assert_close(weights[1][name], weights[0][name], rtol=0, atol=0,
+                                   msg=lambda m: f"recompute changed {name}: {m}")
+
+
 def check_forward_only() -> None:
     import pipedream_ext as pd
 
@@ -129,7 +155,8 @@ def check_symmetric_bad_input() -> None:
     cases = [
         (dict(balance=[1] * (world - 1) + [100]), "sums to"),
         (dict(balance=[2] * (world + 1)), "balance lists"),
-        (dict(schedule="pipedream"), "not supported by the runtime"),
+        (dict(schedule="1f1c"), "not supported by the runtime"),
+        (dict(schedule="1f1b", vertical_sync=True), "vertical_sync=True needs schedule=.pipedream."),
         (dict(microbatches=0), "microbatches must be a positive integer"),
     ]
     for kwargs, needle in cases:
@@ -157,6 +184,9 @@ def run_all_checks() -> None:
         tuple_balance = {1: None, 2: [2, 3], 3: [2, 1, 2]}[world]
         check_gradients_and_training("1f1b", 4, kind="tuple", balance=tuple_balance)
         check_gradients_and_training("gpipe", 2, kind="tuple", balance=tuple_balance)
+    check_gradients_and_training("1f1b", 4, recompute=True)
+    check_gradients_and_training("zb-h1", 4, recompute=True)
+    check_recompute_with_dropout()
     check_forward_only()
     check_symmetric_bad_input()
 

@@ -3,6 +3,9 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/Generator.h>
+
 #include <climits>
 
 namespace pipedream {
@@ -21,7 +24,8 @@ PipelineExecutor::PipelineExecutor(Schedule schedule, int rank, std::shared_ptr<
                                    ForwardFn forward,
                                    std::map<int, std::vector<at::Tensor>> stageParameters,
                                    bool stashWeights, UpdateFn update,
-                                   std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>> replicaGroups)
+                                   std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>> replicaGroups,
+                                   bool recompute)
     : schedule_(std::move(schedule)),
       rank_(rank),
       engine_(std::move(engine)),
@@ -29,7 +33,8 @@ PipelineExecutor::PipelineExecutor(Schedule schedule, int rank, std::shared_ptr<
       update_(std::move(update)),
       stageParameters_(std::move(stageParameters)),
       replicaGroups_(std::move(replicaGroups)),
-      stashWeights_(stashWeights) {
+      stashWeights_(stashWeights),
+      recompute_(recompute) {
   TORCH_CHECK(schedule_.isLowered(), "PipelineExecutor needs a lowered schedule (with SEND/RECV)");
   TORCH_CHECK(rank_ >= 0 && rank_ < schedule_.numRanks(), "rank ", rank_,
               " is out of range for a schedule of ", schedule_.numRanks(), " ranks");
@@ -103,6 +108,26 @@ void PipelineExecutor::backward(const Action& a, bool inputOnly, bool weightOnly
   TORCH_CHECK(it != stash_.end(), "rank ", rank_, ": ", a.toString(),
               " has no stashed forward (schedule bug)");
   Stash& s = it->second;
+  if (recompute_ && s.rngState.defined()) {
+    // Re-run the forward on the stashed inputs and weight version with the
+    // RNG state the first forward saw (dropout draws the same masks).
+    auto generator = at::detail::getDefaultCPUGenerator();
+    at::Tensor now;
+    {
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      now = generator.get_state();
+      generator.set_state(s.rngState);
+    }
+    std::vector<at::Tensor> weights;
+    if (stashWeights_) weights = stores_.at(a.stage).acquire(s.version);
+    s.outputs = forward_(a.stage, a.microbatch, s.inputs, weights);
+    if (stashWeights_) stores_.at(a.stage).release(s.version);
+    {
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_state(now);
+    }
+    s.rngState = at::Tensor();
+  }
 
   // Roots: outputs that require grad, with their gradients.
   std::vector<at::Tensor> roots, grads;
@@ -385,7 +410,19 @@ void PipelineExecutor::execute(size_t begin, size_t end,
         }
         std::vector<at::Tensor> weights;
         if (stashWeights_ && !forwardOnly) weights = stores_.at(a.stage).acquire(a.version);
-        std::vector<at::Tensor> out = forward_(a.stage, a.microbatch, in, weights);
+        at::Tensor rngState;
+        std::vector<at::Tensor> out;
+        if (recompute_ && !forwardOnly) {
+          auto generator = at::detail::getDefaultCPUGenerator();
+          {
+            std::lock_guard<std::mutex> lock(generator.mutex());
+            rngState = generator.get_state();
+          }
+          at::NoGradGuard noGrad;
+          out = forward_(a.stage, a.microbatch, in, weights);
+        } else {
+          out = forward_(a.stage, a.microbatch, in, weights);
+        }
         if (a.stage == lastStage_) {
           if (forwardOnly) {
             results[a.microbatch] = out;
@@ -401,11 +438,19 @@ void PipelineExecutor::execute(size_t begin, size_t end,
         }
         if (forwardOnly) {
           if (a.stage != lastStage_ && layout.rankFor(a.stage + 1, a.microbatch) != rank_) {
-            stash_[key] = Stash{{}, std::move(out), {}, 0};  // until SEND_F
+            stash_[key] = Stash{{}, std::move(out), {}, 0, at::Tensor()};  // until SEND_F
           }
           break;
         }
-        stash_[key] = Stash{std::move(in), std::move(out), {}, a.version};
+        if (recompute_) {
+          // Keep the outputs only until they are sent; the backward recomputes them.
+          const bool sendsLater = a.stage != lastStage_ &&
+                                  layout.rankFor(a.stage + 1, a.microbatch) != rank_;
+          if (!sendsLater) out.clear();
+          stash_[key] = Stash{std::move(in), std::move(out), {}, a.version, rngState};
+        } else {
+          stash_[key] = Stash{std::move(in), std::move(out), {}, a.version, at::Tensor()};
+        }
         peakStashed_ = std::max(peakStashed_, static_cast<int>(stash_.size()));
         break;
       }
@@ -414,7 +459,11 @@ void PipelineExecutor::execute(size_t begin, size_t end,
         sends_.push_back(engine_->send(out, layout.rankFor(a.stage + 1, a.microbatch),
                                        tag(kForwardDir, a.stage, a.microbatch),
                                        describe("SEND_F", a.stage, a.microbatch)));
-        if (forwardOnly) stash_.erase(key);
+        if (forwardOnly) {
+          stash_.erase(key);
+        } else if (recompute_) {
+          stash_.at(key).outputs.clear();  // the send keeps its own reference
+        }
         break;
       }
       case ActionKind::kBackward:

@@ -13,6 +13,8 @@
 //   SEND_*       asynchronous send
 //   RECV_*       posted when the range that contains it starts; F/B wait for
 //                theirs (with the engine's timeout) when they need it
+//   recompute    F runs under no_grad and keeps only inputs (and the RNG
+//                state); B re-runs the forward with the same RNG state first
 //   U            with stashing: the update callback (the user's optimizer)
 //                then the next weight version; otherwise left to the caller
 //   ALLREDUCE    with stashing: averages the live gradients over the
@@ -58,7 +60,8 @@ class PipelineExecutor {
   PipelineExecutor(Schedule schedule, int rank, std::shared_ptr<CommEngine> engine,
                    ForwardFn forward, std::map<int, std::vector<at::Tensor>> stageParameters,
                    bool stashWeights = false, UpdateFn update = nullptr,
-                   std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>> replicaGroups = {});
+                   std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>> replicaGroups = {},
+                   bool recompute = false);
 
   // Runs the rank's whole list once (state reset first). `inputs[i]` are
   // microbatch i's inputs of stage 0 (ignored unless this rank holds stage
@@ -98,6 +101,7 @@ class PipelineExecutor {
     std::vector<at::Tensor> outputs;      // forward outputs (or {loss})
     std::vector<at::Tensor> gradOutputs;  // kept between I and W
     int version = 0;                      // weight version read (stashing)
+    at::Tensor rngState;                  // recompute: CPU RNG state before F
   };
   using Key = std::pair<int, int>;  // (stage, microbatch)
 
@@ -124,6 +128,7 @@ class PipelineExecutor {
   std::map<int, std::vector<at::Tensor>> stageParameters_;
   std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>> replicaGroups_;
   bool stashWeights_;
+  bool recompute_;  // F keeps only its inputs; B re-runs the forward first
   std::map<int, WeightStore> stores_;  // per local stage (stashing only)
 
   // Stream state (cleared by reset()).
