@@ -56,7 +56,10 @@ def load_digits(seed: int) -> Tuple[TensorDataset, TensorDataset]:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--schedule", default="1f1b", choices=pd._pipe.SYNCHRONOUS_SCHEDULES)
+    p.add_argument("--schedule", default="1f1b",
+                   choices=pd._pipe.SYNCHRONOUS_SCHEDULES + pd._pipe.ASYNCHRONOUS_SCHEDULES)
+    p.add_argument("--vertical-sync", action="store_true", help="pipedream: vertical sync")
+    p.add_argument("--recompute", action="store_true", help="recompute activations in the backward")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--chunks", type=int, default=1, help="chunks per rank (interleaved-1f1b)")
     p.add_argument("--balance", default=None, help="layers per stage, e.g. 3,3,2,2 (default: even)")
@@ -75,7 +78,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     balance = [int(b) for b in args.balance.split(",")] if args.balance else None
     pipe = pd.PipeDream(make_model(args.seed), loss_fn=F.cross_entropy, schedule=args.schedule,
-                        microbatches=args.microbatches, chunks=args.chunks, balance=balance)
+                        microbatches=args.microbatches, chunks=args.chunks, balance=balance,
+                        vertical_sync=args.vertical_sync, recompute=args.recompute)
     rank = dist.get_rank()
     show = rank == 0
     train_set, test_set = load_digits(args.seed)
@@ -93,16 +97,26 @@ def main(argv: Optional[List[str]] = None) -> int:
         total, count = 0.0, 0
         for x, y in tqdm(loader, desc=f"epoch {epoch + 1}/{args.epochs}", disable=not show,
                          leave=False, file=sys.stdout):
-            loss = pipe.step(x, y)
-            if opt is not None:
-                opt.step()
-                opt.zero_grad()
-            total += loss * len(y)
-            count += len(y)
+            if pipe.asynchronous:
+                # The runtime steps the optimizer at every weight update; the loss
+                # (of the minibatch finishing its forward) is known on the last stage.
+                loss = pipe.step(x, y, optimizer=opt)
+            else:
+                loss = pipe.step(x, y)
+                if opt is not None:
+                    opt.step()
+                    opt.zero_grad()
+            if loss is not None:
+                total += loss * len(y)
+                count += len(y)
+        pipe.flush()  # asynchronous schedules: drain before the epoch ends (no-op otherwise)
         if sched is not None:
             sched.step()
+        # The last stage knows the loss; one broadcast per epoch brings it to rank 0.
+        epoch_loss = torch.tensor([total / max(count, 1)], dtype=torch.float64)
+        dist.broadcast(epoch_loss, src=pipe.last_rank)
         if show:
-            log.info("epoch %d: train loss %.4f", epoch + 1, total / count)
+            log.info("epoch %d: train loss %.4f", epoch + 1, epoch_loss.item())
 
     pipe.eval()
     x_test, y_test = test_set.tensors

@@ -337,7 +337,7 @@ class PipeDream:
         Raises:
             ValueError: no optimizer, or inputs/targets missing where needed.
         """
-        if optimizer is None:
+        if optimizer is None and any(True for _ in self.parameters()):
             raise ValueError(f"schedule {self.schedule_name!r} updates weights inside the pipeline: "
                              "pass your optimizer, pipe.step(x, y, optimizer=opt)")
         self._optimizer = optimizer

@@ -29,3 +29,10 @@ def test_digits_example_other_schedules_run():
                     "--min-accuracy", "0")
     assert result.returncode == 0, result.stderr[-5000:]
     assert "TEST ACCURACY" in result.stdout
+
+
+def test_digits_example_asynchronous_pipedream_reaches_95_percent():
+    result = _train("--schedule", "pipedream")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    accuracy = float(re.search(r"TEST ACCURACY ([0-9.]+)", result.stdout).group(1))
+    assert accuracy >= 0.95
