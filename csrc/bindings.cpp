@@ -9,6 +9,7 @@
 #include "core/lower.h"
 #include "core/schedule.h"
 #include "core/simulate.h"
+#include "core/stream.h"
 #include "core/validate.h"
 #include "runtime/comm_engine.h"
 #include "runtime/executor.h"
@@ -98,6 +99,24 @@ void bindSchedules(py::module_& m) {
       .def_readonly("peak_deferred_weight_grads", &SimulationResult::peakDeferredWeightGrads)
       .def_readonly("peak_weight_versions", &SimulationResult::peakWeightVersions)
       .def_readonly("timeline", &SimulationResult::timeline);
+
+  py::class_<AsyncStream>(m, "AsyncStream")
+      .def(py::init([](const std::string& name, int stages, int microbatches, std::vector<int> replicas,
+                       bool verticalSync) {
+             ScheduleOptions o;
+             o.name = name;
+             o.stages = stages;
+             o.microbatches = microbatches;
+             o.replicas = std::move(replicas);
+             o.verticalSync = verticalSync;
+             return AsyncStream(o);
+           }),
+           py::arg("name"), py::arg("stages"), py::arg("microbatches") = 1,
+           py::arg("replicas") = std::vector<int>{}, py::arg("vertical_sync") = false)
+      .def("step_actions", &AsyncStream::stepActions, py::arg("rank"), py::arg("step"))
+      .def("drain_actions", &AsyncStream::drainActions, py::arg("rank"), py::arg("steps"))
+      .def_property_readonly("base", &AsyncStream::base)
+      .def_property_readonly("period", &AsyncStream::period);
 
   m.def("schedule_names", &scheduleNames);
   m.def(
@@ -280,7 +299,7 @@ void bindRuntime(py::module_& m) {
                        py::function forward, std::map<int, std::vector<at::Tensor>> parameters,
                        const std::string& device, bool stashWeights, py::object update,
                        std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>> replicaGroups,
-                       bool recompute) {
+                       bool recompute, bool streaming) {
              auto engine = std::make_shared<CommEngine>(
                  group, std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000.0)),
                  at::Device(device));
@@ -300,21 +319,20 @@ void bindRuntime(py::module_& m) {
              return std::make_unique<PipelineExecutor>(lowered, rank, std::move(engine), std::move(fn),
                                                        std::move(parameters), stashWeights,
                                                        std::move(updateFn), std::move(replicaGroups),
-                                                       recompute);
+                                                       recompute, streaming);
            }),
            py::arg("lowered_schedule"), py::arg("rank"), py::arg("group"), py::arg("timeout_seconds"),
            py::arg("forward"), py::arg("stage_parameters"), py::arg("device") = "cpu",
            py::arg("stash_weights") = false, py::arg("update") = py::none(),
            py::arg("replica_groups") = std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>>{},
-           py::arg("recompute") = false)
+           py::arg("recompute") = false, py::arg("streaming") = false)
       .def("run", &PipelineExecutor::run, py::arg("inputs"), py::call_guard<py::gil_scoped_release>(),
            "Runs one step; returns the scaled loss of each microbatch whose last stage ran here.")
       .def("run_forward", &PipelineExecutor::runForward, py::arg("inputs"),
            py::call_guard<py::gil_scoped_release>())
       .def("run_until", &PipelineExecutor::runUntil, py::arg("end"), py::arg("inputs"),
            py::call_guard<py::gil_scoped_release>())
-      .def("end_of_forward", &PipelineExecutor::endOfForward, py::arg("microbatch"))
-      .def("extend_schedule", &PipelineExecutor::extendSchedule, py::arg("lowered_schedule"))
+      .def("append_actions", &PipelineExecutor::appendActions, py::arg("actions"))
       .def("wait_sends", &PipelineExecutor::waitSends, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("position", &PipelineExecutor::position)
       .def_property_readonly("size", &PipelineExecutor::size)

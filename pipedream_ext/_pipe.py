@@ -27,8 +27,6 @@ _log = logging.getLogger(__name__)
 SYNCHRONOUS_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 #: Asynchronous schedules (weight stashing; the runtime steps your optimizer).
 ASYNCHRONOUS_SCHEDULES = ("pipedream", "pipedream-2bw")
-#: Initial length (minibatches, or batches for 2bw) of an asynchronous list; it doubles as needed.
-_INITIAL_HORIZON = 64
 
 Tensors = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
 
@@ -156,10 +154,16 @@ class PipeDream:
         self.balance = balance
         self._check_same_config_everywhere(num_layers)
 
-        self._horizon = _INITIAL_HORIZON
-        self._schedule = self._build_schedule(self._horizon) if self.asynchronous else \
-            schedules.build(schedule, stages=self.world_size if chunks > 1 else num_stages,
-                            microbatches=microbatches, chunks=chunks)
+        if self.asynchronous:
+            # Steps are served one at a time in constant memory (csrc/core/stream.h).
+            self._stream = _C.AsyncStream(schedule, stages=self.world_size,
+                                          microbatches=microbatches if schedule == "pipedream-2bw" else 1,
+                                          vertical_sync=self.vertical_sync)
+            self._schedule = schedules.Schedule(_C.strip_communication(self._stream.base),
+                                                self._stream.base)
+        else:
+            self._schedule = schedules.build(schedule, stages=self.world_size if chunks > 1 else num_stages,
+                                             microbatches=microbatches, chunks=chunks)
         self.num_stages = self._schedule.num_stages
         self.local_stages = self._schedule.stages_of_rank(self.rank)
         bounds = [0]
@@ -211,19 +215,12 @@ class PipeDream:
                              "every rank must build PipeDream with the same arguments and model")
 
     # -- schedule and executor ------------------------------------------------------
-    def _build_schedule(self, length: int) -> "schedules.Schedule":
-        """The asynchronous list for ``length`` minibatches (2bw: batches)."""
-        if self.schedule_name == "pipedream":
-            return schedules.build("pipedream", stages=self.world_size, microbatches=length,
-                                   vertical_sync=self.vertical_sync)
-        return schedules.build("pipedream-2bw", stages=self.world_size,
-                               microbatches=self.microbatches, batches=length)
-
     def _make_executor(self, schedule: "schedules.Schedule") -> "_C.PipelineExecutor":
         return _C.PipelineExecutor(
             schedule._lowered, self.rank, self.group, self.timeout, self._stage_forward,
             self._stage_parameters, str(self.device), stash_weights=self.asynchronous,
-            update=self._update if self.asynchronous else None, recompute=self.recompute)
+            update=self._update if self.asynchronous else None, recompute=self.recompute,
+            streaming=self.asynchronous)
 
     def _update(self, stage: int, version: int) -> None:
         """Called by the executor at every UPDATE action (asynchronous schedules)."""
@@ -343,10 +340,6 @@ class PipeDream:
         self._optimizer = optimizer
         t = self._steps
         per_step = self.microbatches if self.schedule_name == "pipedream-2bw" else 1
-        if t + 1 >= self._horizon:
-            self._horizon *= 2
-            self._schedule = self._build_schedule(self._horizon)
-            self._executor.extend_schedule(self._schedule._lowered)
         first = t * per_step
         inputs_by_microbatch: Dict[int, List[torch.Tensor]] = {}
         if self.is_first:
@@ -361,8 +354,8 @@ class PipeDream:
             total = sum(c[0].shape[0] for c in chunks)
             for i, c in enumerate(chunks):
                 self._pending_targets[first + i] = (c[0] if len(c) == 1 else c, c[0].shape[0] / total)
-        end = max(self._executor.end_of_forward(first + i) for i in range(per_step))
-        losses = self._executor.run_until(end, inputs_by_microbatch)
+        self._executor.append_actions(self._stream.step_actions(self.rank, t))
+        losses = self._executor.run_until(self._executor.size, inputs_by_microbatch)
         self._steps += 1
         # Targets stay until their backward (a recomputed forward needs them):
         # at most 2 pipeline depths of steps behind.
@@ -379,16 +372,13 @@ class PipeDream:
         A no-op for flush schedules."""
         if not self.asynchronous or self._steps == 0:
             return
-        final = self._build_schedule(self._steps)
-        self._executor.extend_schedule(final._lowered)
+        self._executor.append_actions(self._stream.drain_actions(self.rank, self._steps))
         self._executor.run_until(self._executor.size, {})
         self._executor.wait_sends()
         self.peak_weight_versions = dict(self._executor.peak_weight_versions)
         # A new stream starts from version 0 = the current live weights.
         self._pending_targets.clear()
         self._steps = 0
-        self._horizon = _INITIAL_HORIZON
-        self._schedule = self._build_schedule(self._horizon)
         self._executor = self._make_executor(self._schedule)
 
     def _step_flush(self, inputs: Optional[Tensors], targets: Optional[Any]) -> float:

@@ -25,7 +25,7 @@ PipelineExecutor::PipelineExecutor(Schedule schedule, int rank, std::shared_ptr<
                                    std::map<int, std::vector<at::Tensor>> stageParameters,
                                    bool stashWeights, UpdateFn update,
                                    std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>> replicaGroups,
-                                   bool recompute)
+                                   bool recompute, bool streaming)
     : schedule_(std::move(schedule)),
       rank_(rank),
       engine_(std::move(engine)),
@@ -41,7 +41,7 @@ PipelineExecutor::PipelineExecutor(Schedule schedule, int rank, std::shared_ptr<
   TORCH_CHECK(schedule_.numStages() < 1024, "at most 1023 stages are supported (got ",
               schedule_.numStages(), ")");
   TORCH_CHECK(!stashWeights_ || update_, "weight stashing needs an update callback");
-  actions_ = &schedule_.actions(rank_);
+  if (!streaming) list_ = schedule_.actions(rank_);
   lastStage_ = schedule_.numStages() - 1;
   if (stashWeights_) {
     for (const auto& [stage, params] : stageParameters_) stores_.emplace(stage, WeightStore(params));
@@ -206,8 +206,8 @@ void PipelineExecutor::backward(const Action& a, bool inputOnly, bool weightOnly
 }
 
 int PipelineExecutor::oldestFutureRead(int stage, size_t from) const {
-  for (size_t k = from; k < actions_->size(); ++k) {
-    const Action& a = (*actions_)[k];
+  for (size_t k = from; k < list_.size(); ++k) {
+    const Action& a = list_[k];
     if (a.kind == ActionKind::kForward && a.stage == stage) return a.version;
   }
   return INT_MAX;
@@ -281,13 +281,13 @@ void PipelineExecutor::waitSends() {
 std::vector<at::Tensor> PipelineExecutor::run(const std::vector<std::vector<at::Tensor>>& inputs) {
   reset();
   std::map<int, std::vector<at::Tensor>> results;
-  execute(0, actions_->size(),
+  execute(0, list_.size(),
           [&inputs](int i) { return i < static_cast<int>(inputs.size()) ? &inputs[i] : nullptr; },
           /*forwardOnly=*/false, results);
   waitSends();
   TORCH_CHECK(stash_.empty(), "rank ", rank_, ": ", stash_.size(),
               " microbatches still stashed at the end of the step (schedule bug)");
-  next_ = actions_->size();
+  next_ = list_.size();
   std::vector<at::Tensor> losses(schedule_.totalMicrobatches());
   for (auto& [i, out] : results) losses[i] = out.empty() ? at::Tensor() : out[0];
   return losses;
@@ -298,12 +298,12 @@ std::vector<std::vector<at::Tensor>> PipelineExecutor::runForward(
   at::NoGradGuard noGrad;
   reset();
   std::map<int, std::vector<at::Tensor>> results;
-  execute(0, actions_->size(),
+  execute(0, list_.size(),
           [&inputs](int i) { return i < static_cast<int>(inputs.size()) ? &inputs[i] : nullptr; },
           /*forwardOnly=*/true, results);
   waitSends();
   stash_.clear();
-  next_ = actions_->size();
+  next_ = list_.size();
   std::vector<std::vector<at::Tensor>> outputs(schedule_.totalMicrobatches());
   for (auto& [i, out] : results) outputs[i] = out;
   return outputs;
@@ -311,8 +311,8 @@ std::vector<std::vector<at::Tensor>> PipelineExecutor::runForward(
 
 std::map<int, at::Tensor> PipelineExecutor::runUntil(
     size_t end, const std::map<int, std::vector<at::Tensor>>& inputs) {
-  TORCH_CHECK(end >= next_ && end <= actions_->size(), "runUntil(", end, ") outside [", next_, ", ",
-              actions_->size(), "]");
+  TORCH_CHECK(end >= next_ && end <= list_.size(), "runUntil(", end, ") outside [", next_, ", ",
+              list_.size(), "]");
   std::map<int, std::vector<at::Tensor>> results;
   execute(next_, end,
           [&inputs](int i) {
@@ -321,37 +321,26 @@ std::map<int, at::Tensor> PipelineExecutor::runUntil(
           },
           /*forwardOnly=*/false, results);
   next_ = end;
-  // Drop completed sends so a long stream does not accumulate handles.
-  std::vector<std::shared_ptr<Transfer>> pending;
-  for (auto& send : sends_) {
-    if (!send->isCompleted()) pending.push_back(send);
+  // Gloo reports a send complete only once it is waited for, so keep a
+  // bounded number in flight: the oldest have long been received (their
+  // peers are steps further), and waiting for them costs nothing.
+  const size_t keep = 4 * static_cast<size_t>(schedule_.numRanks()) + 16;
+  if (sends_.size() > keep) {
+    const auto stop = sends_.end() - static_cast<std::ptrdiff_t>(keep);
+    for (auto it = sends_.begin(); it != stop; ++it) (*it)->wait(engine_->timeout());
+    sends_.erase(sends_.begin(), stop);
   }
-  sends_ = std::move(pending);
   std::map<int, at::Tensor> losses;
   for (auto& [i, out] : results) losses[i] = out.at(0);
   return losses;
 }
 
-size_t PipelineExecutor::endOfForward(int microbatch) const {
-  for (size_t k = next_; k < actions_->size(); ++k) {
-    const Action& a = (*actions_)[k];
-    if (a.kind == ActionKind::kForward && a.microbatch == microbatch) return k + 1;
+void PipelineExecutor::appendActions(const std::vector<Action>& actions) {
+  if (next_ >= 256) {  // drop what already ran: constant memory over a long stream
+    list_.erase(list_.begin(), list_.begin() + static_cast<std::ptrdiff_t>(next_));
+    next_ = 0;
   }
-  return next_;
-}
-
-void PipelineExecutor::extendSchedule(Schedule longer) {
-  TORCH_CHECK(longer.isLowered() && longer.numRanks() == schedule_.numRanks() &&
-                  longer.numStages() == schedule_.numStages(),
-              "extendSchedule needs a lowered schedule of the same shape");
-  const auto& extended = longer.actions(rank_);
-  TORCH_CHECK(extended.size() >= next_, "the new schedule is shorter than what already ran");
-  for (size_t k = 0; k < next_; ++k) {
-    TORCH_CHECK(extended[k] == (*actions_)[k], "rank ", rank_, ": the extended schedule differs at step ",
-                k, " (", extended[k].toString(), " instead of ", (*actions_)[k].toString(), ")");
-  }
-  schedule_ = std::move(longer);
-  actions_ = &schedule_.actions(rank_);
+  list_.insert(list_.end(), actions.begin(), actions.end());
 }
 
 std::map<int, int> PipelineExecutor::peakWeightVersions() const {
@@ -371,7 +360,7 @@ void PipelineExecutor::execute(size_t begin, size_t end,
 
   // Post every receive of the range up front (headers only; cheap).
   for (size_t k = begin; k < end; ++k) {
-    const Action& a = (*actions_)[k];
+    const Action& a = list_[k];
     if (!wanted(a)) continue;
     if (a.kind == ActionKind::kRecvForward) {
       recvF_[{a.stage, a.microbatch}] =
@@ -385,7 +374,7 @@ void PipelineExecutor::execute(size_t begin, size_t end,
   }
 
   for (size_t index = begin; index < end; ++index) {
-    const Action& a = (*actions_)[index];
+    const Action& a = list_[index];
     if (!wanted(a)) continue;
     const Key key{a.stage, a.microbatch};
     switch (a.kind) {

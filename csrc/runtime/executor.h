@@ -21,10 +21,10 @@
 //                stage's replica group
 //
 // Two ways to run: run() executes the whole list once per call (flush
-// schedules: one batch per step); runUntil() executes the list in pieces
-// with state kept between calls (asynchronous schedules: a step runs up to
-// the forward of its minibatch, flush() the rest), and extendSchedule()
-// swaps in a longer list with the same prefix.
+// schedules: one batch per step); a streaming executor starts with an empty
+// list, gets each step's actions with appendActions() (from AsyncStream,
+// csrc/core/stream.h) and runs them with runUntil(), keeping all state
+// between calls; actions already run are dropped, so memory stays constant.
 //
 // The forward and update callbacks are the only calls into Python; the
 // caller releases the GIL for run*() and the callbacks re-acquire it.
@@ -61,7 +61,7 @@ class PipelineExecutor {
                    ForwardFn forward, std::map<int, std::vector<at::Tensor>> stageParameters,
                    bool stashWeights = false, UpdateFn update = nullptr,
                    std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>> replicaGroups = {},
-                   bool recompute = false);
+                   bool recompute = false, bool streaming = false);
 
   // Runs the rank's whole list once (state reset first). `inputs[i]` are
   // microbatch i's inputs of stage 0 (ignored unless this rank holds stage
@@ -78,14 +78,10 @@ class PipelineExecutor {
   // maps microbatch -> stage-0 inputs for the forwards in that range.
   // Returns microbatch -> detached loss for last-stage forwards that ran.
   std::map<int, at::Tensor> runUntil(size_t end, const std::map<int, std::vector<at::Tensor>>& inputs);
-  // Index just after the forward of `microbatch` in this rank's list, or
-  // the current position if this rank runs no forward of it.
-  size_t endOfForward(int microbatch) const;
   size_t position() const { return next_; }
-  size_t size() const { return actions_->size(); }
-  // Replaces the list with a longer one whose first position() actions are
-  // identical (asynchronous schedules grow as minibatches arrive).
-  void extendSchedule(Schedule longer);
+  size_t size() const { return list_.size(); }
+  // Streaming: appends actions to run next (dropping those already run).
+  void appendActions(const std::vector<Action>& actions);
   // Waits for every outstanding send (end of a stream or of the program).
   void waitSends();
 
@@ -118,8 +114,8 @@ class PipelineExecutor {
   int tag(int direction, int boundary, int microbatch) const;
   std::string describe(const char* what, int stage, int microbatch) const;
 
-  Schedule schedule_;
-  const std::vector<Action>* actions_;
+  Schedule schedule_;          // layout and metadata
+  std::vector<Action> list_;   // this rank's actions (streaming: a window)
   int rank_;
   int lastStage_;
   std::shared_ptr<CommEngine> engine_;

@@ -1,0 +1,80 @@
+// AsyncStream: every step and every drain, served by shifting one short
+// list, equals the list generated in full, action for action.
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "lower.h"
+#include "stream.h"
+#include "test_helpers.h"
+
+namespace pipedream {
+namespace {
+
+struct StreamCase {
+  std::string name;
+  int p, m;
+  std::vector<int> replicas;
+  bool verticalSync;
+};
+
+ScheduleOptions optionsOf(const StreamCase& c, int steps) {
+  ScheduleOptions o;
+  o.name = c.name;
+  o.stages = c.p;
+  o.replicas = c.replicas;
+  o.verticalSync = c.verticalSync;
+  if (c.name == "pipedream") {
+    o.microbatches = steps;
+  } else {
+    o.microbatches = c.m;
+    o.batches = steps;
+  }
+  return o;
+}
+
+TEST(AsyncStream, StepsPlusDrainEqualTheFullList) {
+  const std::vector<StreamCase> cases = {
+      {"pipedream", 1, 1, {}, false},      {"pipedream", 2, 1, {}, false},
+      {"pipedream", 4, 1, {}, false},      {"pipedream", 3, 1, {}, true},
+      {"pipedream", 3, 1, {2, 1, 1}, false}, {"pipedream", 2, 1, {2, 3}, false},
+      {"pipedream", 3, 1, {1, 1, 2}, false}, {"pipedream", 2, 1, {2, 2}, true},
+      {"pipedream-2bw", 1, 2, {}, false},  {"pipedream-2bw", 3, 4, {}, false},
+      {"pipedream-2bw", 4, 3, {}, false},  {"pipedream-2bw", 2, 4, {2, 1}, false},
+  };
+  for (const auto& c : cases) {
+    // For pipedream with replicas, the number of minibatches must be a
+    // multiple of every replica count; 2bw steps are whole batches.
+    int unit = 1;
+    for (int r : c.replicas) unit = c.name == "pipedream" ? std::lcm(unit, r) : unit;
+    const AsyncStream stream(optionsOf(c, 1));
+    for (int steps : {1, 2, 3, 5, 8, 13, 21, 34, 55, 89}) {
+      steps = (steps + unit - 1) / unit * unit;
+      SCOPED_TRACE(c.name + " p=" + std::to_string(c.p) + " steps=" + std::to_string(steps) +
+                   (c.verticalSync ? " vertical" : ""));
+      const Schedule full = lower(buildSchedule(optionsOf(c, steps)));
+      for (int r = 0; r < full.numRanks(); ++r) {
+        std::vector<Action> joined;
+        for (int t = 0; t < steps; ++t) {
+          const auto part = stream.stepActions(r, t);
+          joined.insert(joined.end(), part.begin(), part.end());
+        }
+        const auto drain = stream.drainActions(r, steps);
+        joined.insert(joined.end(), drain.begin(), drain.end());
+        ASSERT_EQ(actionsToString(joined), actionsToString(full.actions(r))) << "rank " << r;
+      }
+    }
+  }
+}
+
+TEST(AsyncStream, AStepEndsWithItsForwardAndItsSends) {
+  const AsyncStream stream(optionsOf({"pipedream", 3, 1, {}, false}, 1));
+  // Rank 1 at step 10: the backward and update of an older minibatch, then
+  // the new forward and its send, so rank 2 never waits for our next step.
+  EXPECT_EQ(actionsToString(stream.stepActions(1, 10)),
+            "1RECV_B8 1B8v7 1SEND_B8 1U9 1RECV_F10 1F10v9 1SEND_F10");
+  EXPECT_THROW(AsyncStream(optionsOf({"1f1b", 2, 1, {}, false}, 1)), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace pipedream
