@@ -299,7 +299,7 @@ void bindRuntime(py::module_& m) {
                        py::function forward, std::map<int, std::vector<at::Tensor>> parameters,
                        const std::string& device, bool stashWeights, py::object update,
                        std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>> replicaGroups,
-                       bool recompute, bool streaming) {
+                       bool recompute, bool streaming, bool averageReplicaGradients) {
              auto engine = std::make_shared<CommEngine>(
                  group, std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000.0)),
                  at::Device(device));
@@ -319,13 +319,14 @@ void bindRuntime(py::module_& m) {
              return std::make_unique<PipelineExecutor>(lowered, rank, std::move(engine), std::move(fn),
                                                        std::move(parameters), stashWeights,
                                                        std::move(updateFn), std::move(replicaGroups),
-                                                       recompute, streaming);
+                                                       recompute, streaming, averageReplicaGradients);
            }),
            py::arg("lowered_schedule"), py::arg("rank"), py::arg("group"), py::arg("timeout_seconds"),
            py::arg("forward"), py::arg("stage_parameters"), py::arg("device") = "cpu",
            py::arg("stash_weights") = false, py::arg("update") = py::none(),
            py::arg("replica_groups") = std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>>{},
-           py::arg("recompute") = false, py::arg("streaming") = false)
+           py::arg("recompute") = false, py::arg("streaming") = false,
+           py::arg("average_replica_gradients") = false)
       .def("run", &PipelineExecutor::run, py::arg("inputs"), py::call_guard<py::gil_scoped_release>(),
            "Runs one step; returns the scaled loss of each microbatch whose last stage ran here.")
       .def("run_forward", &PipelineExecutor::runForward, py::arg("inputs"),

@@ -84,6 +84,12 @@ class PipeDream:
         timeout: seconds any wait on another rank may take before failing.
         vertical_sync: ``pipedream`` only: every stage uses, for a minibatch, the
             weight version stage 0 used.
+        replicas: replica count per stage, e.g. ``[2, 1, 1]`` on 4 ranks (hybrid
+            pipeline and data parallelism; gpipe, 1f1b, pipedream, pipedream-2bw).
+            Stage j runs on ``replicas[j]`` consecutive ranks; microbatch i runs on
+            replica ``i mod replicas[j]``; replicas all-reduce gradients before each
+            update (summed for flush schedules and 2bw, where they are parts of one
+            batch; averaged for ``pipedream``, where each replica ran its own minibatch).
         recompute: keep only each stage's inputs during the forward and recompute
             its activations in the backward (same result, with the CPU RNG state
             restored so dropout draws the same masks).
@@ -100,7 +106,7 @@ class PipeDream:
                  process_group: Optional[dist.ProcessGroup] = None,
                  device: Optional[Union[str, torch.device]] = None,
                  timeout: float = 300.0, vertical_sync: bool = False,
-                 recompute: bool = False) -> None:
+                 recompute: bool = False, replicas: Optional[Sequence[int]] = None) -> None:
         if not isinstance(module, nn.Sequential):
             raise ValueError(f"module must be an nn.Sequential (got {type(module).__name__}); "
                              "wrap your layers in torch.nn.Sequential")
@@ -133,6 +139,18 @@ class PipeDream:
 
         num_layers = len(module)
         num_stages = self.world_size * chunks
+        self.replicas = [1] * num_stages
+        if replicas is not None:
+            replicas = [int(r) for r in replicas]
+            if chunks != 1:
+                raise ValueError("replicas cannot be combined with chunks > 1 (interleaved stages)")
+            if any(r < 1 for r in replicas):
+                raise ValueError(f"replicas {replicas} has a count below 1; every stage needs >= 1")
+            if sum(replicas) != self.world_size:
+                raise ValueError(f"replicas {replicas} need {sum(replicas)} ranks but the world has "
+                                 f"{self.world_size}; launch {sum(replicas)} ranks or change replicas")
+            num_stages = len(replicas)
+            self.replicas = replicas
         if balance is None:
             if num_layers < num_stages:
                 raise ValueError(
@@ -156,14 +174,15 @@ class PipeDream:
 
         if self.asynchronous:
             # Steps are served one at a time in constant memory (csrc/core/stream.h).
-            self._stream = _C.AsyncStream(schedule, stages=self.world_size,
+            self._stream = _C.AsyncStream(schedule, stages=num_stages,
                                           microbatches=microbatches if schedule == "pipedream-2bw" else 1,
-                                          vertical_sync=self.vertical_sync)
+                                          replicas=self.replicas, vertical_sync=self.vertical_sync)
             self._schedule = schedules.Schedule(_C.strip_communication(self._stream.base),
                                                 self._stream.base)
         else:
             self._schedule = schedules.build(schedule, stages=self.world_size if chunks > 1 else num_stages,
-                                             microbatches=microbatches, chunks=chunks)
+                                             microbatches=microbatches, chunks=chunks,
+                                             replicas=self.replicas if replicas is not None else None)
         self.num_stages = self._schedule.num_stages
         self.local_stages = self._schedule.stages_of_rank(self.rank)
         bounds = [0]
@@ -191,6 +210,19 @@ class PipeDream:
         self._param_names = {j: [n for n, _ in self._stages[j].named_parameters()]
                              for j in self.local_stages}
         self._stage_parameters = stage_parameters
+        # One process group per replicated stage, and one of the stage leaders
+        # (replica 0) for evaluation. Every rank creates every group, in order.
+        self._replica_groups: Dict[int, dist.ProcessGroup] = {}
+        self._leaders = [self._schedule.stage_ranks(j)[0] for j in range(self.num_stages)]
+        self._leader_group = self.group
+        if any(r > 1 for r in self.replicas):
+            for j in range(self.num_stages):
+                ranks = self._schedule.stage_ranks(j)
+                if len(ranks) > 1:
+                    group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout))
+                    if self.rank in ranks:
+                        self._replica_groups[j] = group
+            self._leader_group = dist.new_group(self._leaders, timeout=datetime.timedelta(seconds=timeout))
         self._optimizer: Optional[torch.optim.Optimizer] = None
         self._steps = 0  # minibatches (2bw: batches) admitted since the last flush
         self._pending_targets: Dict[int, Any] = {}
@@ -204,7 +236,7 @@ class PipeDream:
     # -- configuration consistency ------------------------------------------------
     def _check_same_config_everywhere(self, num_layers: int) -> None:
         """Fails on every rank if ranks disagree on schedule, balance or model size."""
-        text = f"{self.schedule_name}|{self.microbatches}|{self.balance}|{num_layers}"
+        text = f"{self.schedule_name}|{self.microbatches}|{self.balance}|{num_layers}|{self.replicas}"
         digest = torch.tensor([zlib.crc32(text.encode())], dtype=torch.int64)
         low, high = digest.clone(), digest.clone()
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.group)
@@ -219,8 +251,10 @@ class PipeDream:
         return _C.PipelineExecutor(
             schedule._lowered, self.rank, self.group, self.timeout, self._stage_forward,
             self._stage_parameters, str(self.device), stash_weights=self.asynchronous,
-            update=self._update if self.asynchronous else None, recompute=self.recompute,
-            streaming=self.asynchronous)
+            update=self._update if self.asynchronous else None,
+            replica_groups=self._replica_groups, recompute=self.recompute,
+            streaming=self.asynchronous,
+            average_replica_gradients=self.schedule_name == "pipedream")
 
     def _update(self, stage: int, version: int) -> None:
         """Called by the executor at every UPDATE action (asynchronous schedules)."""
@@ -328,7 +362,9 @@ class PipeDream:
 
         Returns:
             On the rank of the last stage, the loss of the minibatch (2bw: batch)
-            whose forward just completed there; ``None`` on other ranks. Losses are
+            whose forward just completed there (with a replicated last stage: on the
+            replica that ran it; 2bw: on every last-stage replica); ``None`` on
+            other ranks. Losses are
             not broadcast so that ranks never wait for each other per step.
 
         Raises:
@@ -362,9 +398,16 @@ class PipeDream:
         horizon = first - 2 * (self.world_size + 1) * per_step
         for i in [i for i in self._pending_targets if i < horizon]:
             del self._pending_targets[i]
-        if not self.is_last or not losses:
+        if not self.is_last:
             return None
-        return float(sum(float(l) for l in losses.values()))
+        total = float(sum(float(l) for l in losses.values()))
+        last_group = self._replica_groups.get(self.num_stages - 1)
+        if self.schedule_name == "pipedream-2bw" and last_group is not None:
+            # The batch's microbatches are split over the last stage's replicas.
+            partial = torch.tensor([total], dtype=torch.float64)
+            dist.all_reduce(partial, group=last_group)
+            return float(partial.item())
+        return total if losses else None
 
     def flush(self) -> None:
         """Drains an asynchronous pipeline: every admitted minibatch finishes its
@@ -372,6 +415,11 @@ class PipeDream:
         A no-op for flush schedules."""
         if not self.asynchronous or self._steps == 0:
             return
+        if self._steps % self._stream.period:
+            raise ValueError(
+                f"replicated stages {self.replicas} take minibatches in rounds of "
+                f"{self._stream.period}; flush after a multiple of {self._stream.period} steps "
+                f"(now {self._steps})")
         self._executor.append_actions(self._stream.drain_actions(self.rank, self._steps))
         self._executor.run_until(self._executor.size, {})
         self._executor.wait_sends()
@@ -412,10 +460,11 @@ class PipeDream:
             self._scales = [c[0].shape[0] / total for c in chunks]
         self._forward_only = False
         losses = self._executor.run([list(c) for c in input_chunks])
+        # Each last-stage replica holds the scaled losses of its microbatches.
         loss = torch.zeros(1, dtype=torch.float64)
         if self.is_last:
             loss += sum(float(l) for l in losses if l is not None)
-        dist.broadcast(loss, src=self.last_rank, group=self.group)
+        dist.all_reduce(loss, group=self.group)
         return float(loss.item())
 
     @torch.no_grad()
@@ -429,16 +478,20 @@ class PipeDream:
         if self.is_first and inputs is None:
             raise ValueError(f"rank {self.rank} holds stage 0: forward_only() needs the inputs")
         executor = self._executor
-        if self.asynchronous:
-            if self._steps:
-                raise RuntimeError(f"{self._steps} minibatches are still in the pipeline; call "
-                                   "pipe.flush() before forward_only()")
-            if self._eval_executor is None:  # forwards of a flush schedule, on the live weights
-                evaluation = schedules.build("gpipe", stages=self.world_size,
+        if self.asynchronous and self._steps:
+            raise RuntimeError(f"{self._steps} minibatches are still in the pipeline; call "
+                               "pipe.flush() before forward_only()")
+        if self.asynchronous or any(r > 1 for r in self.replicas):
+            # Forwards of a plain GPipe list over one replica (the leader) of each
+            # stage, on the live weights; the other replicas sit this out.
+            if self.rank not in self._leaders:
+                return None
+            if self._eval_executor is None:
+                evaluation = schedules.build("gpipe", stages=self.num_stages,
                                              microbatches=self.microbatches)
                 self._eval_executor = _C.PipelineExecutor(
-                    evaluation._lowered, self.rank, self.group, self.timeout, self._stage_forward,
-                    self._stage_parameters, str(self.device))
+                    evaluation._lowered, self._leaders.index(self.rank), self._leader_group,
+                    self.timeout, self._stage_forward, self._stage_parameters, str(self.device))
             executor = self._eval_executor
         input_chunks = self._split(inputs, "inputs") if self.is_first else []
         self._forward_only = True

@@ -56,14 +56,17 @@ def split_stages(model: nn.Sequential, balance: Sequence[int]) -> List[nn.Sequen
 
 
 def simulate(rule: Callable[[int, int, int], int], p: int, streams: Sequence[int],
-             make_opt: Callable, microbatches_per_step: int = 1,
+             make_opt: Callable, microbatches_per_step: int = 1, replicas: Sequence[int] = (),
              ) -> Tuple[Dict[str, torch.Tensor], List[float]]:
     """Sequential reference. ``rule(stage, b, p)`` is the version stage reads for step b
-    (of its stream); every step's gradient produces the next version of every stage.
+    (of its stream); every step's gradient produces the next version of every stage, or,
+    for a stage with r replicas, every r steps the average of their r gradients (replica
+    b mod r runs step b; all replicas apply the same averaged update).
 
     Returns the final weights (original names) and the loss of every step.
     """
     model = copy.deepcopy(make_model())
+    replicas = list(replicas) or [1] * p
     stages = split_stages(model, even_balance(len(model), p))
     opts = [make_opt(st.parameters()) for st in stages]
     losses: List[float] = []
@@ -83,12 +86,24 @@ def simulate(rule: Callable[[int, int, int], int], p: int, streams: Sequence[int
             losses.append(loss.item())
             for s, st in enumerate(stages):
                 for n, t in st.named_parameters():
-                    t.grad = versions[s][n].grad.clone()
-                opts[s].step()
-                opts[s].zero_grad()
-                history[s].append({n: t.detach().clone() for n, t in st.named_parameters()})
+                    g = versions[s][n].grad / replicas[s]
+                    t.grad = g.clone() if t.grad is None else t.grad + g
+                if (b + 1) % replicas[s] == 0:  # a round of the stage's replicas is complete
+                    opts[s].step()
+                    opts[s].zero_grad()
+                    history[s].append({n: t.detach().clone() for n, t in st.named_parameters()})
             step += 1
     return {n: t.detach() for n, t in model.named_parameters()}, losses
+
+
+def replicated_rule(replicas: Sequence[int]) -> Callable[[int, int, int], int]:
+    """pipedream with replicas: replica b mod r of stage s runs minibatch b as its local
+    position b // r, after max(0, b // r - NOAM_s + 1) updates (NOAM_s = ceil(ranks in
+    stages s.. / r_s))."""
+    def rule(s: int, b: int, p: int) -> int:
+        noam = -(-sum(replicas[s:]) // replicas[s])
+        return max(0, b // replicas[s] - noam + 1)
+    return rule
 
 
 RULES = {
@@ -102,24 +117,30 @@ OPTIMIZERS = {
 }
 
 
-def check(kind: str, opt_name: str, streams: Sequence[int] = (10, 4), recompute: bool = False) -> None:
+def check(kind: str, opt_name: str, streams: Sequence[int] = (10, 4), recompute: bool = False,
+          replicas: Sequence[int] = ()) -> None:
     import pipedream_ext as pd
 
-    p = dist.get_world_size()
+    p = len(replicas) if replicas else dist.get_world_size()
     m = 4 if kind == "pipedream-2bw" else 1
     schedule = "pipedream-2bw" if kind == "pipedream-2bw" else "pipedream"
     # 2bw: batches of m = 4 microbatches of 8; pipedream: microbatches only split forward_only.
     pipe = pd.PipeDream(make_model(), F.cross_entropy, schedule=schedule, microbatches=max(m, 2),
-                        vertical_sync=kind == "vertical", timeout=60, recompute=recompute)
+                        vertical_sync=kind == "vertical", timeout=60, recompute=recompute,
+                        replicas=list(replicas) or None)
     opt = OPTIMIZERS[opt_name](pipe.parameters())
-    expected, expected_losses = simulate(RULES[kind], p, streams, OPTIMIZERS[opt_name],
-                                         microbatches_per_step=m)
+    rule = replicated_rule(replicas) if replicas and kind == "pipedream" else RULES[kind]
+    expected, expected_losses = simulate(rule, p, streams, OPTIMIZERS[opt_name],
+                                         microbatches_per_step=m, replicas=replicas if kind == "pipedream" else ())
     step = 0
     for length in streams:
         for _ in range(length):
             x, y = minibatch(step, 8 * m)
             loss = pipe.step(x, y, optimizer=opt)
-            if pipe.is_last:
+            runs_it = pipe.is_last and (
+                not replicas or kind == "pipedream-2bw"
+                or step % replicas[-1] == pipe._schedule.stage_ranks(p - 1).index(pipe.rank))  # noqa: SLF001
+            if runs_it:
                 assert loss == pytest.approx(expected_losses[step], rel=1e-5), \
                     f"{kind} {opt_name} p={p} step {step}: loss {loss} != {expected_losses[step]}"
             else:
@@ -130,21 +151,21 @@ def check(kind: str, opt_name: str, streams: Sequence[int] = (10, 4), recompute:
         # (p - s for a long enough pipedream stream, 2 for 2bw).
         stage = pipe.stage_index
         predicted = pd.schedules.build(schedule, stages=p, microbatches=m if m > 1 else length,
-                                       batches=length if m > 1 else 1,
+                                       batches=length if m > 1 else 1, replicas=list(replicas) or None,
                                        vertical_sync=kind == "vertical").simulate()
         assert pipe.peak_weight_versions[stage] == predicted.peak_weight_versions[stage], \
             (kind, length, pipe.peak_weight_versions, predicted.peak_weight_versions)
-        if kind == "pipedream" and length >= 2 * p:
+        if kind == "pipedream" and not replicas and length >= 2 * p:
             assert pipe.peak_weight_versions[stage] == p - stage
         if kind == "pipedream-2bw" and length >= 2:
             assert pipe.peak_weight_versions[stage] == 2
     for name, param in pipe.named_parameters():
         torch.testing.assert_close(param.detach(), expected[name], rtol=RTOL, atol=ATOL,
                                    msg=lambda msg: f"{kind} {opt_name} p={p} {name}: {msg}")
-    # Evaluation after the flush runs on the final weights.
+    # Evaluation after the flush runs on the final weights (on the stage leaders).
     x, _ = minibatch(999, 8)
     out = pipe.forward_only(x)
-    if pipe.is_last:
+    if pipe.is_last and pipe.rank == pipe.last_rank:
         reference = make_model()
         reference.load_state_dict(expected)
         torch.testing.assert_close(out, reference(x).detach(), rtol=RTOL, atol=ATOL)
@@ -186,6 +207,11 @@ def run_all_checks() -> None:
     # Recomputed activations give the same weights as stashed ones.
     check("pipedream", "adam", recompute=True)
     check("pipedream-2bw", "sgd", recompute=True)
+    # Replicated stages (hybrid pipeline and data parallelism).
+    for layout in {3: [[2, 1], [1, 2]], 4: [[2, 1, 1], [1, 1, 2], [2, 2]]}.get(dist.get_world_size(), []):
+        check("pipedream", "sgd", replicas=layout)
+        check("pipedream", "adam", replicas=layout)
+        check("pipedream-2bw", "sgd", replicas=layout)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

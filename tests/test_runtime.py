@@ -69,7 +69,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> Non
 
 # --------------------------------------------------------------------------- worker checks
 def check_gradients_and_training(schedule: str, microbatches: int, kind: str = "mlp",
-                                 balance: Optional[List[int]] = None, recompute: bool = False) -> None:
+                                 balance: Optional[List[int]] = None, recompute: bool = False,
+                                 replicas: Optional[List[int]] = None) -> None:
     """Loss and gradients equal the unsplit model's; so do weights after 5 SGD / Adam steps."""
     import pipedream_ext as pd
 
@@ -78,7 +79,7 @@ def check_gradients_and_training(schedule: str, microbatches: int, kind: str = "
         ref = make_model(kind)
         pipe = pd.PipeDream(make_model(kind), F.cross_entropy, schedule=schedule,
                             microbatches=microbatches, chunks=chunks, balance=balance, timeout=60,
-                            recompute=recompute)
+                            recompute=recompute, replicas=replicas)
         make_opt: Callable = (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)) \
             if opt_name == "sgd" else (lambda ps: torch.optim.Adam(ps, lr=0.01))
         # torch optimizers refuse an empty parameter list (a parameter-free stage).
@@ -184,6 +185,10 @@ def run_all_checks() -> None:
         tuple_balance = {1: None, 2: [2, 3], 3: [2, 1, 2]}[world]
         check_gradients_and_training("1f1b", 4, kind="tuple", balance=tuple_balance)
         check_gradients_and_training("gpipe", 2, kind="tuple", balance=tuple_balance)
+    # Replicated stages: the replicas' gradients add up to the whole batch's.
+    for layout in {2: [[1, 1]], 3: [[2, 1], [1, 2]], 4: [[2, 1, 1], [1, 1, 2], [2, 2]]}.get(world, []):
+        check_gradients_and_training("1f1b", 4, replicas=layout)
+        check_gradients_and_training("gpipe", 6, replicas=layout)
     check_gradients_and_training("1f1b", 4, recompute=True)
     check_gradients_and_training("zb-h1", 4, recompute=True)
     check_recompute_with_dropout()

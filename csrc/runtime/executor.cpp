@@ -25,7 +25,7 @@ PipelineExecutor::PipelineExecutor(Schedule schedule, int rank, std::shared_ptr<
                                    std::map<int, std::vector<at::Tensor>> stageParameters,
                                    bool stashWeights, UpdateFn update,
                                    std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>> replicaGroups,
-                                   bool recompute, bool streaming)
+                                   bool recompute, bool streaming, bool averageReplicaGradients)
     : schedule_(std::move(schedule)),
       rank_(rank),
       engine_(std::move(engine)),
@@ -34,7 +34,8 @@ PipelineExecutor::PipelineExecutor(Schedule schedule, int rank, std::shared_ptr<
       stageParameters_(std::move(stageParameters)),
       replicaGroups_(std::move(replicaGroups)),
       stashWeights_(stashWeights),
-      recompute_(recompute) {
+      recompute_(recompute),
+      averageReplicaGradients_(averageReplicaGradients) {
   TORCH_CHECK(schedule_.isLowered(), "PipelineExecutor needs a lowered schedule (with SEND/RECV)");
   TORCH_CHECK(rank_ >= 0 && rank_ < schedule_.numRanks(), "rank ", rank_,
               " is out of range for a schedule of ", schedule_.numRanks(), " ranks");
@@ -251,9 +252,7 @@ void PipelineExecutor::allReduce(const Action& a) {
                 group->second->getSize(), " replicas of stage ", a.stage,
                 ") failed or timed out: ", e.what());
   }
-  // Asynchronous replicas average (each ran its own minibatch); flush
-  // schedules sum (each ran part of one batch whose loss is already scaled).
-  if (stashWeights_) flat.div_(group->second->getSize());
+  if (averageReplicaGradients_) flat.div_(group->second->getSize());
   int64_t offset = 0;
   for (auto& g : grads) {
     g.copy_(flat.narrow(0, offset, g.numel()).view_as(g));

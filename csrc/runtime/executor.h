@@ -61,7 +61,8 @@ class PipelineExecutor {
                    ForwardFn forward, std::map<int, std::vector<at::Tensor>> stageParameters,
                    bool stashWeights = false, UpdateFn update = nullptr,
                    std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>> replicaGroups = {},
-                   bool recompute = false, bool streaming = false);
+                   bool recompute = false, bool streaming = false,
+                   bool averageReplicaGradients = false);
 
   // Runs the rank's whole list once (state reset first). `inputs[i]` are
   // microbatch i's inputs of stage 0 (ignored unless this rank holds stage
@@ -125,6 +126,9 @@ class PipelineExecutor {
   std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>> replicaGroups_;
   bool stashWeights_;
   bool recompute_;  // F keeps only its inputs; B re-runs the forward first
+  // pipedream: replicas ran different minibatches -> average; flush and 2bw:
+  // replicas ran parts of one batch whose loss is scaled already -> sum.
+  bool averageReplicaGradients_;
   std::map<int, WeightStore> stores_;  // per local stage (stashing only)
 
   // Stream state (cleared by reset()).
