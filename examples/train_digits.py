@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import time
@@ -62,7 +63,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--recompute", action="store_true", help="recompute activations in the backward")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--chunks", type=int, default=1, help="chunks per rank (interleaved-1f1b)")
-    p.add_argument("--balance", default=None, help="layers per stage, e.g. 3,3,2,2 (default: even)")
+    p.add_argument("--balance", default=None,
+                   help="layers per stage, e.g. 3,3,2,2 (default: even); 'auto' to profile and plan "
+                        "on rank 0; or a plan.json")
+    p.add_argument("--replicas", default=None, help="replicas per stage, e.g. 2,1,1 (4 ranks)")
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -76,21 +80,35 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)  # every rank shares the machine's cores
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    balance = [int(b) for b in args.balance.split(",")] if args.balance else None
+    train_set, test_set = load_digits(args.seed)
+    balance = args.balance
+    if balance and balance != "auto" and not balance.endswith(".json"):
+        balance = [int(b) for b in balance.split(",")]
+    replicas = [int(r) for r in args.replicas.split(",")] if args.replicas else None
+    sample = (train_set.tensors[0][:args.batch_size], train_set.tensors[1][:args.batch_size])
     pipe = pd.PipeDream(make_model(args.seed), loss_fn=F.cross_entropy, schedule=args.schedule,
                         microbatches=args.microbatches, chunks=args.chunks, balance=balance,
-                        vertical_sync=args.vertical_sync, recompute=args.recompute)
+                        vertical_sync=args.vertical_sync, recompute=args.recompute,
+                        replicas=replicas, sample=sample if balance == "auto" else None)
     rank = dist.get_rank()
     show = rank == 0
-    train_set, test_set = load_digits(args.seed)
-    loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=False,
+    # Asynchronous replicated stages take minibatches in rounds (lcm of the replica
+    # counts) and flush after whole rounds: drop the ragged end of the epoch there.
+    rounds = 1
+    if pipe.asynchronous:
+        for r in pipe.replicas:
+            rounds = rounds * r // math.gcd(rounds, r)
+    steps = len(train_set) // args.batch_size // rounds * rounds if rounds > 1 else None
+    loader = DataLoader(train_set if steps is None else
+                        torch.utils.data.Subset(train_set, range(steps * args.batch_size)),
+                        batch_size=args.batch_size, shuffle=True, drop_last=False,
                         generator=torch.Generator().manual_seed(args.seed))
     opt = torch.optim.Adam(pipe.parameters(), lr=args.lr) if any(True for _ in pipe.parameters()) else None
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.epochs) if opt else None
     if show:
-        log.info("%d ranks, schedule %s, %d microbatches, balance %s, %d train / %d test images",
-                 pipe.world_size, args.schedule, args.microbatches, pipe.balance,
-                 len(train_set), len(test_set))
+        log.info("%d ranks, schedule %s, %d microbatches, balance %s, replicas %s, "
+                 "%d train / %d test images", pipe.world_size, args.schedule, args.microbatches,
+                 pipe.balance, pipe.replicas, len(train_set), len(test_set))
     start = time.time()
     for epoch in range(args.epochs):
         pipe.train()
@@ -122,7 +140,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     x_test, y_test = test_set.tensors
     out = pipe.forward_only(x_test)
     correct = torch.zeros(1)
-    if pipe.is_last:
+    if out is not None:  # the last stage (its first replica when replicated)
         correct += (out.argmax(dim=1) == y_test).sum()
     dist.broadcast(correct, src=pipe.last_rank)
     accuracy = correct.item() / len(y_test)

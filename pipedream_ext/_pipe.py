@@ -10,6 +10,7 @@ import collections
 import datetime
 import logging
 import os
+import time
 import zlib
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _C, schedules
+from .planner import Plan
 
 __all__ = ["PipeDream", "SYNCHRONOUS_SCHEDULES", "ASYNCHRONOUS_SCHEDULES"]
 
@@ -73,9 +75,12 @@ class PipeDream:
             ``microbatches`` and one update (at most 2 weight versions). Both take
             the optimizer in ``step(x, y, optimizer=opt)`` and need ``flush()``.
         microbatches: microbatches per ``step`` (the batch is split on dim 0).
-        balance: layers per stage (``None``: an even split). Stages are ordered
-            as in the module; stage ``j`` runs on rank ``j`` (``j mod world`` for
-            interleaved schedules).
+        balance: layers per stage (``None``: an even split); ``"auto"`` to profile
+            the model on rank 0 with ``sample`` and plan stages and replicas for this
+            world with the planner; or a saved plan (a ``plan.json`` path or a
+            :class:`~pipedream_ext.Plan`). Stages are ordered as in the module; stage
+            ``j`` runs on rank ``j`` (``j mod world`` for interleaved schedules), or on
+            consecutive ranks when replicated.
         chunks: model chunks per rank (``interleaved-1f1b``).
         process_group: the group to run on (default: the default group, which is
             created from the torchrun environment if needed: Gloo on CPU, NCCL on GPU).
@@ -90,6 +95,9 @@ class PipeDream:
             replica ``i mod replicas[j]``; replicas all-reduce gradients before each
             update (summed for flush schedules and 2bw, where they are parts of one
             batch; averaged for ``pipedream``, where each replica ran its own minibatch).
+        sample: ``(inputs, targets)`` of one batch, for ``balance="auto"``.
+        bandwidth: bytes/s per topology level (within a node, then between
+            nodes) for ``balance="auto"``; measured with a short probe if omitted.
         recompute: keep only each stage's inputs during the forward and recompute
             its activations in the backward (same result, with the CPU RNG state
             restored so dropout draws the same masks).
@@ -106,7 +114,9 @@ class PipeDream:
                  process_group: Optional[dist.ProcessGroup] = None,
                  device: Optional[Union[str, torch.device]] = None,
                  timeout: float = 300.0, vertical_sync: bool = False,
-                 recompute: bool = False, replicas: Optional[Sequence[int]] = None) -> None:
+                 recompute: bool = False, replicas: Optional[Sequence[int]] = None,
+                 sample: Optional[Tuple[Tensors, Any]] = None,
+                 bandwidth: Optional[Sequence[float]] = None) -> None:
         if not isinstance(module, nn.Sequential):
             raise ValueError(f"module must be an nn.Sequential (got {type(module).__name__}); "
                              "wrap your layers in torch.nn.Sequential")
@@ -138,6 +148,23 @@ class PipeDream:
         self.timeout = float(timeout)
 
         num_layers = len(module)
+        #: The plan the stages come from (balance="auto" or a saved plan), else None.
+        self.plan: Optional[Plan] = None
+        if isinstance(balance, Plan) or isinstance(balance, (str, os.PathLike)):
+            if chunks != 1 or replicas is not None:
+                raise ValueError("a plan sets balance and replicas itself; drop chunks/replicas")
+            if isinstance(balance, Plan):
+                self.plan = balance
+            elif str(balance) == "auto":
+                self.plan = self._auto_plan(module, loss_fn, sample, bandwidth, schedule)
+            else:
+                self.plan = Plan.load(balance)
+            balance, replicas = self._stages_from_plan(self.plan, num_layers)
+            if self.rank == 0:
+                _log.info("pipeline plan (%s cost model, predicted %.2fx over data parallelism):\n%s",
+                          self.plan.cost_model, self.plan.speedup_over_dp, self.plan.table())
+            if all(r == 1 for r in replicas):
+                replicas = None
         num_stages = self.world_size * chunks
         self.replicas = [1] * num_stages
         if replicas is not None:
@@ -232,6 +259,85 @@ class PipeDream:
         _log.info("rank %d: stages %s (layers %s) of %d, schedule %s, %d microbatches",
                   self.rank, self.local_stages, [self.stage_layers[j] for j in self.local_stages],
                   self.num_stages, schedule, microbatches)
+
+    # -- planning at start-up ---------------------------------------------------------
+    def _measure_bandwidth(self, a: int, b: int, size: int = 4 << 20, rounds: int = 3) -> float:
+        """Bytes/s between ranks ``a`` and ``b`` (ping-pong); every rank must call it."""
+        seconds = torch.zeros(1, dtype=torch.float64)
+        if self.rank in (a, b):
+            buffer = torch.zeros(size // 4, dtype=torch.float32)
+            peer = b if self.rank == a else a
+            start = time.perf_counter()
+            for _ in range(rounds):
+                if self.rank == a:
+                    dist.send(buffer, peer, group=self.group)
+                    dist.recv(buffer, peer, group=self.group)
+                else:
+                    dist.recv(buffer, peer, group=self.group)
+                    dist.send(buffer, peer, group=self.group)
+            seconds += time.perf_counter() - start
+        dist.broadcast(seconds, src=a, group=self.group)
+        return 2 * rounds * size / max(seconds.item(), 1e-9)
+
+    def _auto_plan(self, module: nn.Sequential, loss_fn: Callable[..., torch.Tensor],
+                   sample: Optional[Tuple[Tensors, Any]], bandwidth: Optional[Sequence[float]],
+                   schedule: str) -> Plan:
+        """Profiles on rank 0, plans for this world, and gives every rank the same plan."""
+        from ._profiler import profile
+        from .planner import plan as make_plan
+
+        if sample is None:
+            raise ValueError('balance="auto" profiles the model: pass sample=(inputs, targets) '
+                             "with one batch")
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        if per_node < 1 or self.world_size % per_node:
+            per_node = self.world_size
+        nodes = self.world_size // per_node
+        workers = [per_node] if nodes == 1 else [per_node, nodes]
+        if bandwidth is None:
+            measured = [self._measure_bandwidth(0, 1) if per_node > 1 else 1e10]
+            if nodes > 1:
+                measured.append(self._measure_bandwidth(0, per_node))
+            bandwidth = measured
+        bandwidth = [float(b) for b in bandwidth]
+        if len(bandwidth) != len(workers):
+            raise ValueError(f"bandwidth lists {len(bandwidth)} levels but the cluster has "
+                             f"{len(workers)} ({workers}); give one bytes/s value per level")
+        payload = torch.zeros(0, dtype=torch.uint8)
+        length = torch.zeros(1, dtype=torch.int64)
+        if self.rank == 0:
+            inputs, targets = sample
+            graph = profile(module, inputs, loss_fn=loss_fn, target=targets, steps=10, warmup=3)
+            chosen = make_plan(graph, workers=workers, bandwidth=bandwidth, cost_model="default",
+                               straight=schedule in ("interleaved-1f1b", "zb-h1"),
+                               two_bw=schedule == "pipedream-2bw")
+            payload = torch.tensor(list(chosen.to_json(indent=None).encode()), dtype=torch.uint8)
+            length[0] = payload.numel()
+        # The plan travels as UTF-8 JSON bytes in a tensor (no pickle).
+        dist.broadcast(length, src=0, group=self.group)
+        if self.rank != 0:
+            payload = torch.zeros(int(length.item()), dtype=torch.uint8)
+        dist.broadcast(payload, src=0, group=self.group)
+        return Plan.from_json(bytes(payload.tolist()).decode())
+
+    def _stages_from_plan(self, plan: Plan, num_layers: int) -> Tuple[List[int], List[int]]:
+        """Balance and replicas of a plan for this model and world; clear errors otherwise."""
+        layers = plan.layers
+        if layers is None:
+            raise ValueError("the plan is for a branching graph (no layer ranges); plan a "
+                             "profile of this nn.Sequential (pipedream_ext.profile)")
+        if plan.used_workers != self.world_size or sum(plan.replicas) != self.world_size:
+            raise ValueError(f"the plan uses {plan.used_workers} workers but the world has "
+                             f"{self.world_size} ranks; re-plan for {self.world_size} workers")
+        bounds = [0]
+        for start, end in layers:
+            if start != bounds[-1] or end <= start:
+                raise ValueError(f"the plan's layer ranges {layers} are not contiguous")
+            bounds.append(end)
+        if bounds[-1] != num_layers:
+            raise ValueError(f"the plan covers {bounds[-1]} layers but the model has {num_layers}; "
+                             "was it made for another model?")
+        return [end - start for start, end in layers], list(plan.replicas)
 
     # -- configuration consistency ------------------------------------------------
     def _check_same_config_everywhere(self, num_layers: int) -> None:

@@ -36,3 +36,12 @@ def test_digits_example_asynchronous_pipedream_reaches_95_percent():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     accuracy = float(re.search(r"TEST ACCURACY ([0-9.]+)", result.stdout).group(1))
     assert accuracy >= 0.95
+
+
+def test_digits_example_replicas_and_auto_balance():
+    result = _train("--schedule", "pipedream", "--replicas", "2,1,1")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert float(re.search(r"TEST ACCURACY ([0-9.]+)", result.stdout).group(1)) >= 0.95
+    result = _train("--balance", "auto", "--epochs", "2", "--min-accuracy", "0")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert "speedup over data parallelism" in result.stdout + result.stderr

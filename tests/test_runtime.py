@@ -133,6 +133,41 @@ def check_recompute_with_dropout() -> None:
                                    msg=lambda m: f"recompute changed {name}: {m}")
 
 
+def check_auto_balance() -> None:
+    """balance="auto": the same plan on every rank, gradients equal the unsplit model's,
+    and the saved plan.json rebuilds the same stages."""
+    import tempfile
+    import zlib
+
+    import pipedream_ext as pd
+
+    x, y = batch()
+    pipe = pd.PipeDream(make_model(), F.cross_entropy, schedule="1f1b", microbatches=4,
+                        balance="auto", sample=(x, y), timeout=60)
+    digest = torch.tensor([zlib.crc32(pipe.plan.to_json().encode())], dtype=torch.int64)
+    low, high = digest.clone(), digest.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    assert low.item() == high.item(), "ranks got different plans"
+    assert sum(pipe.balance) == 8 and sum(pipe.replicas) == dist.get_world_size()
+    ref = make_model()
+    F.cross_entropy(ref(x), y).backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    pipe.step(x, y)
+    for name, param in pipe.named_parameters():
+        assert_close(param.grad, ref_grads[name], f"auto plan {pipe.balance}/{pipe.replicas} grad {name}")
+    path = os.path.join(tempfile.gettempdir(), f"pipedream_plan_{os.environ.get('MASTER_PORT', 'x')}.json")
+    if dist.get_rank() == 0:
+        pipe.plan.save(path)
+    dist.barrier()
+    again = pd.PipeDream(make_model(), F.cross_entropy, schedule="1f1b", microbatches=4,
+                         balance=path, timeout=60)
+    assert again.balance == pipe.balance and again.replicas == pipe.replicas
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.remove(path)
+
+
 def check_forward_only() -> None:
     import pipedream_ext as pd
 
@@ -192,6 +227,7 @@ def run_all_checks() -> None:
     check_gradients_and_training("1f1b", 4, recompute=True)
     check_gradients_and_training("zb-h1", 4, recompute=True)
     check_recompute_with_dropout()
+    check_auto_balance()
     check_forward_only()
     check_symmetric_bad_input()
 
