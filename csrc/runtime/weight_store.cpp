@@ -34,7 +34,7 @@ void WeightStore::moveGradsToLive(int version) {
     if (liveGrad.defined()) {
       liveGrad.add_(grad);
     } else {
-      liveGrad = grad.detach().clone();
+      liveGrad = grad.detach();  // take the tensor over: the snapshot lets go of it below
     }
     tensors[k].mutable_grad() = at::Tensor();
   }
