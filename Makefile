@@ -3,7 +3,7 @@
 PY ?= python3
 BUILD_DIR ?= build/cmake
 
-.PHONY: setup build test cpp-test py-test run clean
+.PHONY: setup build test cpp-test py-test run bench clean
 
 setup:
 	PYTHON=$(PY) bash .ci/bootstrap.sh
@@ -28,6 +28,13 @@ test: setup
 # The README's main job: 4-stage pipeline training of a CNN on digits (CPU).
 run: setup
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc-per-node 4 examples/train_digits.py
+
+# Every benchmark (tables and plots under benchmarks/results/; see benchmarks/README.md).
+bench: setup
+	$(PY) benchmarks/schedules_sweep.py
+	$(PY) benchmarks/planner_speed.py > benchmarks/results/planner_speed.md
+	$(PY) benchmarks/comm_volume.py
+	@if [ -f benchmarks/throughput.py ]; then $(PY) benchmarks/throughput.py; fi
 
 clean:
 	rm -rf build pipedream_ext/_C*.so *.egg-info
