@@ -14,8 +14,6 @@ from __future__ import annotations
 import collections
 import copy
 import os
-import subprocess
-import sys
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import pytest
@@ -25,9 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
+
 RTOL, ATOL = 1e-5, 1e-6
+MARKER = "ALL ASYNC CHECKS PASSED"
 HERE = os.path.abspath(__file__)
-ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def make_model(seed: int = 0) -> nn.Sequential:
@@ -216,23 +216,8 @@ def run_all_checks() -> None:
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_asynchronous_schedules_match_the_sequential_simulation(world: int) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={world}", HERE]
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
-    assert result.stdout.count("ALL ASYNC CHECKS PASSED") == world
-
-
-def main() -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    run_all_checks()
-    print(f"rank {dist.get_rank()}: ALL ASYNC CHECKS PASSED", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    assert_every_rank_passed(launch_torchrun(HERE, world), world, MARKER)
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(run_all_checks, MARKER)

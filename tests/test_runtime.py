@@ -23,7 +23,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
+
 RTOL, ATOL = 1e-5, 1e-6
+MARKER = "ALL RUNTIME CHECKS PASSED"
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -279,14 +282,6 @@ def _env(world: int, rank: int, port: int) -> Dict[str, str]:
     return env
 
 
-def _launch_torchrun(world: int, timeout: float) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={world}", HERE]
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-
-
 def _launch_raw(world: int, case: str, timeout: float) -> List[subprocess.CompletedProcess]:
     """Starts the ranks as plain processes (no torchrun, so nobody kills the survivors)."""
     port = _free_port()
@@ -309,9 +304,7 @@ def _launch_raw(world: int, case: str, timeout: float) -> List[subprocess.Comple
 # --------------------------------------------------------------------------- pytest side
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_flush_schedules_match_the_unsplit_model(world: int) -> None:
-    result = _launch_torchrun(world, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
-    assert result.stdout.count("ALL RUNTIME CHECKS PASSED") == world
+    assert_every_rank_passed(launch_torchrun(HERE, world), world, MARKER)
 
 
 def test_killed_rank_makes_the_others_fail_naming_it() -> None:
@@ -342,15 +335,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fault", default=None)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
     if args.fault:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")
         fault_case(args.fault)
         return
-    run_all_checks()
-    print(f"rank {dist.get_rank()}: ALL RUNTIME CHECKS PASSED", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    worker_main(run_all_checks, MARKER)
 
 
 if __name__ == "__main__":
