@@ -1,4 +1,4 @@
-"""Planner speed on PipeDream's shipped profiles (flat 16 workers and 4x4).
+"""Planner speed on PipeDream's shipped profiles (4, 16 and 64 workers flat, and 4x4).
 
 Prints a Markdown table: model, cluster, cost model, planning path (antichain
 states or topological cuts), number of states, wall time of ``plan`` (median of
@@ -19,7 +19,12 @@ from typing import List
 import pipedream_ext as pe
 from pipedream_ext import _C
 
-CLUSTERS = {"16": ([16], [1.25e9]), "4x4": ([4, 4], [16e9, 1.25e9])}
+CLUSTERS = {
+    "4": ([4], [1.25e9]),
+    "16": ([16], [1.25e9]),
+    "4x4": ([4, 4], [16e9, 1.25e9]),
+    "64": ([64], [1.25e9]),
+}
 
 
 def main(argv: List[str]) -> int:
@@ -29,6 +34,8 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--profiles", type=Path, default=here.parent / "shared" / "profiles" / "pipedream")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--models", default="", help="comma-separated subset of profile names")
+    parser.add_argument("--clusters", default=",".join(CLUSTERS),
+                        help=f"comma-separated subset of {', '.join(CLUSTERS)}")
     parser.add_argument("--work-budget", type=float, default=1.5e8,
                         help="planner work budget (raise it to force PipeDream's antichain states)")
     args = parser.parse_args(argv)
@@ -47,7 +54,8 @@ def main(argv: List[str]) -> int:
         graph = pe.load_profile(path)
         count = _C.count_antichain_states(graph, 20000)
         states = str(count) if count >= 0 else "> 20000"
-        for cname, (workers, bandwidth) in CLUSTERS.items():
+        for cname in args.clusters.split(","):
+            workers, bandwidth = CLUSTERS[cname]
             for model in ("pipedream", "default"):
                 times = []
                 for _ in range(args.repeat):
