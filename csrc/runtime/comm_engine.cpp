@@ -80,20 +80,25 @@ class RecvTransfer : public Transfer {
     headerWork_ = engine_.group().recv(buffers, peer_, messageTag(tag_, 0));
   }
 
+  void poll() override {
+    if (dataPosted_ || done_ || !headerWork_->isCompleted()) return;
+    try {
+      headerWork_->wait(std::chrono::milliseconds(1));  // completed: surfaces errors only
+      postData();
+    } catch (...) {
+      // Leave it to wait(), which reports failures with their context.
+    }
+  }
+
   bool wait(std::chrono::milliseconds timeout) override {
     if (done_) return true;
     const auto deadline = Clock::now() + timeout;
     try {
-      waitWork(headerWork_, deadline, engine_.rank(), peer_, description_, timeout);
-      const auto metas = decodeHeader(header_.to(at::kCPU), description_);
-      std::vector<c10::intrusive_ptr<c10d::Work>> works;
-      for (size_t k = 0; k < metas.size(); ++k) {
-        at::Tensor buffer = at::empty(metas[k].shape, engine_.wireOptions(metas[k].dtype));
-        std::vector<at::Tensor> one{buffer};
-        works.push_back(engine_.group().recv(one, peer_, messageTag(tag_, static_cast<int>(k) + 1)));
-        tensors_.push_back(buffer);
+      if (!dataPosted_) {
+        waitWork(headerWork_, deadline, engine_.rank(), peer_, description_, timeout);
+        postData();
       }
-      for (auto& work : works) waitWork(work, deadline, engine_.rank(), peer_, description_, timeout);
+      for (auto& work : dataWorks_) waitWork(work, deadline, engine_.rank(), peer_, description_, timeout);
       for (auto& t : tensors_) {
         engine_.addBytesReceived(t.numel() * t.element_size());
         t = engine_.fromWire(t);
@@ -105,6 +110,20 @@ class RecvTransfer : public Transfer {
     done_ = true;
     return true;
   }
+
+ private:
+  void postData() {
+    const auto metas = decodeHeader(header_.to(at::kCPU), description_);
+    for (size_t k = 0; k < metas.size(); ++k) {
+      at::Tensor buffer = at::empty(metas[k].shape, engine_.wireOptions(metas[k].dtype));
+      std::vector<at::Tensor> one{buffer};
+      dataWorks_.push_back(engine_.group().recv(one, peer_, messageTag(tag_, static_cast<int>(k) + 1)));
+      tensors_.push_back(buffer);
+    }
+    dataPosted_ = true;
+  }
+
+ public:
   bool isCompleted() override { return done_; }
   std::exception_ptr exception() const override { return error_; }
   const std::vector<at::Tensor>& tensors() const override { return tensors_; }
@@ -117,7 +136,9 @@ class RecvTransfer : public Transfer {
   std::string description_;
   at::Tensor header_;
   c10::intrusive_ptr<c10d::Work> headerWork_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> dataWorks_;
   std::vector<at::Tensor> tensors_;
+  bool dataPosted_ = false;
   bool done_ = false;
   std::exception_ptr error_;
 };

@@ -57,6 +57,10 @@ class Transfer {
   virtual bool isCompleted() = 0;
   // The failure, if one was observed (nullptr otherwise).
   virtual std::exception_ptr exception() const = 0;
+  // Non-blocking progress: a receive whose header has arrived posts its data
+  // receives now, so the data flows while this thread computes (Gloo sends
+  // only once the receiver has posted). A no-op for sends.
+  virtual void poll() {}
   // Received tensors (receives only; valid after wait() returned true).
   virtual const std::vector<at::Tensor>& tensors() const = 0;
   virtual const std::string& description() const = 0;

@@ -376,6 +376,11 @@ void PipelineExecutor::execute(size_t begin, size_t end,
   for (size_t index = begin; index < end; ++index) {
     const Action& a = list_[index];
     if (!wanted(a)) continue;
+    // Let arrived headers post their data receives before computing on.
+    if (isCompute(a.kind)) {
+      for (auto& [k, transfer] : recvF_) transfer->poll();
+      for (auto& [k, transfer] : recvB_) transfer->poll();
+    }
     const Key key{a.stage, a.microbatch};
     switch (a.kind) {
       case ActionKind::kForward: {
