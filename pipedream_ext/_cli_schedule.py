@@ -63,11 +63,21 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--comm", action="store_true", help="show SEND/RECV in the grid")
     p.add_argument("--trace", metavar="PATH", help="write a Chrome trace (chrome://tracing, Perfetto)")
     p.add_argument("--csv", metavar="PATH", help="write the lowered schedule as CSV")
+    p.add_argument("--plot", metavar="PATH.png",
+                   help="draw a rank-by-time chart of the simulated run as PNG (matplotlib); "
+                        "with --comm also SEND/RECV")
+    p.add_argument("--plot-width", type=int, default=1200, metavar="PIXELS",
+                   help="width of the --plot image (default 1200; height 116 + 40 per rank)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the figures")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.plot:  # fail before any work on a path that cannot be written
+        from . import _plot
+
+        _plot.check_png_path(args.plot)
+        _plot.image_size(1, args.plot_width)
     schedule = schedules.build(args.name, args.stages, args.microbatches, chunks=args.chunks,
                                replicas=args.replicas, batches=args.batches,
                                vertical_sync=args.vertical_sync)
@@ -78,6 +88,9 @@ def _run(args: argparse.Namespace) -> int:
         _log.info("wrote Chrome trace to %s", args.trace)
     else:
         result = schedule.simulate(**costs)
+    if args.plot:
+        schedule.plot(args.plot, comm=args.comm, width=args.plot_width, **costs)
+        _log.info("wrote schedule plot to %s", args.plot)
     if args.csv:
         schedule.to_csv(args.csv)
         _log.info("wrote schedule CSV to %s", args.csv)

@@ -1,0 +1,261 @@
+"""Rank-by-time chart of a simulated schedule, written as a PNG (matplotlib, Agg).
+
+One row per rank (rank 0 on top), x is the simulator's time. Every compute action
+(F, B, I, W, ALLREDUCE) is a box coloured by its kind with the microbatch number
+centred in it (``3v2``: microbatch 3 reading weight version 2, as in the action
+text); ``U`` (the update, which takes no time in the simulator) is a vertical bar
+at its instant. Interleaved schedules shade a rank's chunks differently (chunk 0
+in the kind's colour, later chunks lighter). With ``comm=True`` SEND and RECV are
+drawn as thin strips: SEND at the bottom of the row, as long as the transfer it
+starts (``t_comm`` of the boundary), RECV at the top at the moment the data is in.
+
+The image size depends only on the number of ranks and the width:
+``image_size(ranks, width) == (width, 116 + 40 * ranks)`` pixels (1200 wide by
+default, 100 dpi), whatever the schedule's length; see :func:`image_size`.
+
+matplotlib is imported only when a plot is drawn (``pip install matplotlib``).
+The figure is built with the object-oriented API on an Agg canvas, so pyplot's
+global state and the user's interactive backend are left alone.
+"""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .schedules import Costs, Schedule, SimulationResult
+
+__all__ = ["COLORS", "DEFAULT_WIDTH", "image_size", "check_png_path", "plot_schedule"]
+
+#: Pixels per inch of the written PNG.
+DPI = 100
+#: Default image width in pixels.
+DEFAULT_WIDTH = 1200
+MIN_WIDTH = 400
+_ROW = 40      # pixels per rank row
+_TOP = 36      # title
+_BOTTOM = 80   # x tick labels, x label, legend
+_LEFT = 78     # rank labels
+_RIGHT = 14
+
+#: Colour (hex RGB) of every action kind; chunk 0 uses exactly these.
+COLORS: Dict[str, str] = {
+    "F": "#1f77b4",          # blue
+    "B": "#2ca02c",          # green
+    "I": "#17becf",          # cyan: input-gradient half of a backward
+    "W": "#9467bd",          # purple: weight-gradient half
+    "ALLREDUCE": "#ff7f0e",  # orange
+    "UPDATE": "#d62728",     # red
+    "SEND_F": "#7f7f7f",     # grey
+    "SEND_B": "#7f7f7f",
+    "RECV_F": "#303030",     # dark grey
+    "RECV_B": "#303030",
+}
+_LEGEND = {"F": "F forward", "B": "B backward", "I": "I input grad", "W": "W weight grad",
+           "ALLREDUCE": "all-reduce", "UPDATE": "U update", "SEND": "send", "RECV": "recv"}
+_BOXED = ("F", "B", "I", "W", "ALLREDUCE")
+_MIN_BOX_PX = 3.0   # zero-time boxes (an all-reduce with t_allreduce=0) stay visible
+_LABEL_FONT = 8.0
+
+
+def image_size(ranks: int, width: int = DEFAULT_WIDTH) -> Tuple[int, int]:
+    """Returns the ``(width, height)`` in pixels of the PNG drawn for ``ranks`` ranks.
+
+    ``height = 116 + 40 * ranks``; the width is what was asked for (at least 400).
+    """
+    if not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be an integer >= 1 (got {ranks!r})")
+    if not isinstance(width, int) or isinstance(width, bool) or width < MIN_WIDTH:
+        raise ValueError(f"plot width must be an integer number of pixels >= {MIN_WIDTH} "
+                         f"(got {width!r})")
+    return width, _TOP + _BOTTOM + _ROW * ranks
+
+
+def check_png_path(path: Union[str, os.PathLike]) -> str:
+    """Checks that ``path`` names a ``.png`` file in an existing, writable directory.
+
+    Returns:
+        The path as a string.
+
+    Raises:
+        ValueError: naming the path and what to change.
+    """
+    text = os.fspath(path)
+    if not text.lower().endswith(".png"):
+        raise ValueError(f"the plot is written as PNG: give a path ending in .png (got {text!r})")
+    if os.path.isdir(text):
+        raise ValueError(f"plot path {text!r} is a directory; give a file name ending in .png")
+    directory = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(directory):
+        raise ValueError(f"cannot write the plot {text!r}: directory {directory!r} does not exist "
+                         "(create it first)")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot write the plot {text!r}: directory {directory!r} is not writable")
+    return text
+
+
+def _import_matplotlib():
+    try:
+        import matplotlib
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise RuntimeError("plotting a schedule needs matplotlib: pip install matplotlib") from exc
+    return matplotlib, Figure, FigureCanvasAgg
+
+
+def _lighter(color: str, amount: float) -> Tuple[float, float, float]:
+    """``color`` mixed with white (``amount`` 0: unchanged, 1: white)."""
+    r, g, b = (int(color[i:i + 2], 16) / 255.0 for i in (1, 3, 5))
+    return (r + (1 - r) * amount, g + (1 - g) * amount, b + (1 - b) * amount)
+
+
+def _text_color(rgb: Tuple[float, float, float]) -> str:
+    luminance = 0.299 * rgb[0] + 0.587 * rgb[1] + 0.114 * rgb[2]
+    return "black" if luminance > 0.5 else "white"
+
+
+def _label(kind: str, microbatch: int, version: int) -> str:
+    if kind == "ALLREDUCE":
+        return f"v{version}"
+    return f"{microbatch}v{version}" if version else str(microbatch)
+
+
+def _transfer_time(kind: str, stage: int, t_comm: List[float]) -> float:
+    # SEND_F of stage j crosses boundary j (j -> j+1); SEND_B crosses boundary j-1.
+    boundary = stage if kind == "SEND_F" else stage - 1
+    return t_comm[boundary] if 0 <= boundary < len(t_comm) else 0.0
+
+
+def _default_title(schedule: "Schedule") -> str:
+    parts = [f"{schedule.name}: {schedule.num_stages} stages"]
+    if schedule.num_ranks != schedule.num_stages:
+        parts.append(f"{schedule.num_ranks} ranks")
+    parts.append(f"{schedule.microbatches} microbatches")
+    if schedule.batches > 1:
+        parts.append(f"{schedule.batches} batches")
+    if any(r > 1 for r in schedule.replicas):
+        parts.append("replicas " + ",".join(map(str, schedule.replicas)))
+    return ", ".join(parts)
+
+
+def plot_schedule(schedule: "Schedule", path: Union[str, os.PathLike], t_f: "Costs" = 1.0,
+                  t_b: "Costs" = 2.0, t_w: Optional["Costs"] = None, t_comm: "Costs" = 0.0,
+                  t_allreduce: "Costs" = 0.0, comm: bool = False, title: Optional[str] = None,
+                  width: int = DEFAULT_WIDTH) -> "SimulationResult":
+    """Simulates ``schedule`` with the given costs and writes its rank-by-time chart.
+
+    Args:
+        schedule: a :class:`~pipedream_ext.schedules.Schedule`.
+        path: output file, must end in ``.png``.
+        t_f, t_b, t_w, t_comm, t_allreduce: costs, as for ``Schedule.simulate``.
+        comm: also draw SEND and RECV (thin strips).
+        title: replaces the default title (schedule name and sizes); the bubble
+            fraction and makespan are appended either way.
+        width: image width in pixels (the height follows from the ranks, see
+            :func:`image_size`).
+
+    Returns:
+        The :class:`~pipedream_ext.schedules.SimulationResult` that was drawn.
+
+    Raises:
+        ValueError: bad path, width or costs.
+        RuntimeError: matplotlib is not installed.
+    """
+    from . import schedules as _schedules
+
+    path = check_png_path(path)
+    ranks = schedule.num_ranks
+    img_w, img_h = image_size(ranks, width)
+    result = schedule.simulate(t_f=t_f, t_b=t_b, t_w=t_w, t_comm=t_comm, t_allreduce=t_allreduce)
+    comm_costs = _schedules._per(t_comm, max(0, schedule.num_stages - 1), "t_comm")
+    matplotlib, Figure, FigureCanvasAgg = _import_matplotlib()
+    from matplotlib.patches import Patch, Rectangle
+    from matplotlib.lines import Line2D
+
+    makespan = result.makespan if result.makespan > 0 else 1.0
+    axes_px = img_w - _LEFT - _RIGHT
+    px_per_unit = axes_px / makespan
+    chunks = {r: schedule.stages_of_rank(r) for r in range(ranks)}
+    most_chunks = max(len(s) for s in chunks.values())
+
+    def fill(kind: str, chunk: int) -> Tuple[float, float, float]:
+        amount = 0.0 if most_chunks == 1 else 0.55 * chunk / (most_chunks - 1)
+        return _lighter(COLORS[kind], amount)
+
+    # Only these settings shape the file; pin them against the user's matplotlibrc.
+    rc = {"savefig.bbox": "standard", "savefig.transparent": False, "savefig.facecolor": "white",
+          "figure.facecolor": "white", "axes.facecolor": "white", "font.family": "DejaVu Sans",
+          "font.size": 9.0, "text.usetex": False, "axes.grid": False}
+    with matplotlib.rc_context(rc):
+        fig = Figure(figsize=(img_w / DPI, img_h / DPI), dpi=DPI)
+        FigureCanvasAgg(fig)
+        ax = fig.add_axes((_LEFT / img_w, _BOTTOM / img_h, axes_px / img_w, _ROW * ranks / img_h))
+        ax.set_xlim(0, makespan)
+        ax.set_ylim(ranks, 0)  # rank 0 on top
+        seen: Dict[str, Tuple[float, float, float]] = {}
+        shaded: Dict[Tuple[str, int], Tuple[float, float, float]] = {}
+        for rank, _step, text, start, end in result.timeline:
+            action = _schedules.parse_action(text)
+            kind, stage = action["kind"], action["stage"]
+            chunk = chunks[rank].index(stage) if stage in chunks[rank] else 0
+            color = fill(kind, chunk)
+            if kind in _BOXED:
+                x0, w = start, max(end - start, _MIN_BOX_PX / px_per_unit)
+                ax.add_patch(Rectangle((x0, rank + 0.08), w, 0.84, facecolor=color,
+                                       edgecolor="white", linewidth=0.6))
+                seen.setdefault(kind, COLORS[kind])
+                if most_chunks > 1:
+                    shaded[(kind, chunk)] = color
+                label = _label(kind, action["microbatch"], action["version"])
+                box_px = w * px_per_unit
+                for size in (_LABEL_FONT, 6.5):
+                    if len(label) * 0.62 * size * DPI / 72 + 3 <= box_px:
+                        ax.text(x0 + w / 2, rank + 0.5, label, ha="center", va="center",
+                                fontsize=size, color=_text_color(color))
+                        break
+            elif kind == "UPDATE":
+                ax.plot([start, start], [rank + 0.04, rank + 0.96], color=COLORS[kind],
+                        linewidth=2.0, solid_capstyle="butt", clip_on=False, zorder=3)
+                seen.setdefault(kind, COLORS[kind])
+            elif comm:  # SEND_*/RECV_*
+                if kind.startswith("SEND"):
+                    w = max(end - start, _transfer_time(kind, stage, comm_costs))
+                    y0 = rank + 0.80
+                else:
+                    w = end - start
+                    y0 = rank + 0.04
+                w = max(w, 2.0 / px_per_unit)
+                ax.add_patch(Rectangle((start, y0), w, 0.16, facecolor=COLORS[kind],
+                                       edgecolor="none", zorder=4))
+                seen.setdefault(kind.split("_")[0], COLORS[kind])
+
+        ax.set_yticks([r + 0.5 for r in range(ranks)])
+        ax.set_yticklabels([f"rank {r}\nstage{'s' if len(chunks[r]) > 1 else ''} "
+                            + ",".join(map(str, chunks[r])) for r in range(ranks)], fontsize=8)
+        ax.tick_params(axis="y", length=0)
+        for r in range(1, ranks):
+            ax.axhline(r, color="#dddddd", linewidth=0.6)
+        ax.set_xlabel("simulated time (cost units)", fontsize=9)
+        ax.tick_params(axis="x", labelsize=8)
+
+        handles = []
+        for kind in ("F", "B", "I", "W", "ALLREDUCE", "UPDATE", "SEND", "RECV"):
+            if kind not in seen:
+                continue
+            if kind == "UPDATE":
+                handles.append(Line2D([], [], color=COLORS[kind], linewidth=2.0, label=_LEGEND[kind]))
+                continue
+            handles.append(Patch(facecolor=seen[kind], label=_LEGEND[kind]))
+            for (k, chunk), color in sorted(shaded.items()):
+                if k == kind and chunk > 0:
+                    handles.append(Patch(facecolor=color, label=f"{kind} chunk {chunk}"))
+        ncol = max(1, min(len(handles), axes_px // 105))
+        fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=8, frameon=False,
+                   bbox_to_anchor=(0.5, 0.0), handlelength=1.4, columnspacing=1.2)
+
+        heading = title if title is not None else _default_title(schedule)
+        fig.suptitle(f"{heading}  |  bubble {result.bubble_fraction:.1%}, "
+                     f"makespan {result.makespan:g}", fontsize=10, y=1 - 6 / img_h, va="top")
+        fig.savefig(path, dpi=DPI, format="png")
+    return result
