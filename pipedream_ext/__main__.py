@@ -14,7 +14,7 @@ __all__ = ["main"]
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from . import _cli_plan, _cli_schedule
+    from . import _cli_checkpoint, _cli_plan, _cli_schedule
 
     parser = argparse.ArgumentParser(
         prog="python -m pipedream_ext",
@@ -24,6 +24,7 @@ def _build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _cli_schedule.register(subparsers)
     _cli_plan.register(subparsers)
+    _cli_checkpoint.register(subparsers)
     return parser
 
 
