@@ -32,7 +32,7 @@ import numbers
 import os
 import re
 import time
-from typing import TYPE_CHECKING, Any, BinaryIO, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, BinaryIO, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist

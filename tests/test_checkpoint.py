@@ -28,7 +28,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import pytest
 import torch
@@ -215,7 +215,6 @@ def check_broken_checkpoints(root: str) -> None:
     import pipedream_ext as pd
     from pipedream_ext import CheckpointError
 
-    rank = dist.get_rank()
     sgd = SCENARIOS["sgd"]
     src = os.path.join(root, "ckpt-sgd")
     bad = os.path.join(root, f"broken-{os.environ.get('MASTER_PORT', 'x')}")
