@@ -29,7 +29,8 @@ $PY -m pip install -q ninja pytest pytest-timeout tqdm numpy matplotlib scikit-l
 # Build (or rebuild) the extension when it is missing or older than csrc/.
 so=$(ls pipedream_ext/_C*.so 2>/dev/null | head -n1 || true)
 if [ -z "$so" ] || [ -n "$(find csrc setup.py -newer "$so" -type f 2>/dev/null | head -n1)" ] \
-   || ! $PY -c "import pipedream_ext" 2>/dev/null; then
+   || ! (cd / && $PY -c "import pipedream_ext, sys; sys.exit(pipedream_ext.__file__ != '$PWD/pipedream_ext/__init__.py')") 2>/dev/null; then
+  # (imported from / so that an editable install of another checkout is caught)
   log "building pipedream_ext._C (pip install --no-build-isolation -e .)"
   $PY -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "Running pip as the 'root' user" || true
   $PY -c "import pipedream_ext" || { echo "[bootstrap] build failed" >&2; exit 1; }

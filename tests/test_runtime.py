@@ -91,7 +91,9 @@ def check_gradients_and_training(schedule: str, microbatches: int, kind: str = "
         opt = make_opt(pipe.parameters()) if has_params else None
         ref_params: Dict[str, nn.Parameter] = dict(ref.named_parameters())
         for step in range(5):
-            x, y = batch(seed=10 + step)
+            # Batch sizes 8, 9, 10, 8, 9: microbatch shapes change between steps, which
+            # exercises the engine's redirected transfers (pre-posted receives of the old shape).
+            x, y = batch(n=8 + step % 3, seed=10 + step)
             ref_loss = F.cross_entropy(ref(x), y)
             ref_loss.backward()
             loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
@@ -176,13 +178,22 @@ def check_forward_only() -> None:
 
     ref = make_model()
     pipe = pd.PipeDream(make_model(), F.cross_entropy, schedule="1f1b", microbatches=3, timeout=60)
-    pipe.eval()
-    x, _ = batch(n=7)
-    out = pipe.forward_only(x)
-    if pipe.is_last:
-        assert_close(out, ref(x).detach(), "forward_only output")
-    else:
-        assert out is None
+    # Evaluation and training interleaved with different batch sizes: the same
+    # transfer slots carry changing shapes (pre-posted receives get redirected).
+    for n, train in ((7, False), (9, True), (7, False), (5, False), (9, True), (9, False)):
+        x, y = batch(n=n, seed=n)
+        if train:
+            pipe.train()
+            loss = pipe.step(x, y)
+            expected = F.cross_entropy(ref(x), y).item()
+            assert abs(loss - expected) <= 1e-5 * max(1.0, abs(expected)), (loss, expected)
+            continue
+        pipe.eval()
+        out = pipe.forward_only(x)
+        if pipe.is_last:
+            assert_close(out, ref(x).detach(), f"forward_only output, batch {n}")
+        else:
+            assert out is None
     pipe.train()
 
 

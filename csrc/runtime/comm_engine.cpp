@@ -27,7 +27,7 @@ void waitWork(const c10::intrusive_ptr<c10d::Work>& work, Clock::time_point dead
   }
 }
 
-int messageTag(int tag, int part) { return tag * 16 + part; }
+int messageTag(int tag, int part) { return tag * kPartsPerTag + part; }
 
 class SendTransfer : public Transfer {
  public:
@@ -73,18 +73,26 @@ class SendTransfer : public Transfer {
 
 class RecvTransfer : public Transfer {
  public:
-  RecvTransfer(CommEngine& engine, int peer, int tag, std::string description)
+  // `predicted`: the slot's shapes from its last transfer (pre-posted now),
+  // or nullptr to post the data when the header arrives.
+  RecvTransfer(CommEngine& engine, int peer, int tag, std::string description,
+               const std::vector<TensorMeta>* predicted)
       : engine_(engine), peer_(peer), tag_(tag), description_(std::move(description)) {
     header_ = at::empty({kHeaderWords}, engine_.wireOptions(at::kLong));
     std::vector<at::Tensor> buffers{header_};
     headerWork_ = engine_.group().recv(buffers, peer_, messageTag(tag_, 0));
+    if (predicted != nullptr) {
+      prePosted_ = true;
+      predicted_ = *predicted;
+      postData(predicted_, 1);
+    }
   }
 
   void poll() override {
-    if (dataPosted_ || done_ || !headerWork_->isCompleted()) return;
+    if (headerDone_ || done_ || !headerWork_->isCompleted()) return;
     try {
       headerWork_->wait(std::chrono::milliseconds(1));  // completed: surfaces errors only
-      postData();
+      onHeader();
     } catch (...) {
       // Leave it to wait(), which reports failures with their context.
     }
@@ -94,11 +102,13 @@ class RecvTransfer : public Transfer {
     if (done_) return true;
     const auto deadline = Clock::now() + timeout;
     try {
-      if (!dataPosted_) {
+      if (!headerDone_) {
         waitWork(headerWork_, deadline, engine_.rank(), peer_, description_, timeout);
-        postData();
+        onHeader();
       }
       for (auto& work : dataWorks_) waitWork(work, deadline, engine_.rank(), peer_, description_, timeout);
+      // Redirected: the first buffers only took the sender's filler.
+      tensors_.erase(tensors_.begin(), tensors_.begin() + static_cast<std::ptrdiff_t>(skip_));
       for (auto& t : tensors_) {
         engine_.addBytesReceived(t.numel() * t.element_size());
         t = engine_.fromWire(t);
@@ -112,15 +122,34 @@ class RecvTransfer : public Transfer {
   }
 
  private:
-  void postData() {
-    const auto metas = decodeHeader(header_.to(at::kCPU), description_);
+  void postData(const std::vector<TensorMeta>& metas, int firstPart) {
     for (size_t k = 0; k < metas.size(); ++k) {
       at::Tensor buffer = at::empty(metas[k].shape, engine_.wireOptions(metas[k].dtype));
       std::vector<at::Tensor> one{buffer};
-      dataWorks_.push_back(engine_.group().recv(one, peer_, messageTag(tag_, static_cast<int>(k) + 1)));
+      dataWorks_.push_back(
+          engine_.group().recv(one, peer_, messageTag(tag_, firstPart + static_cast<int>(k))));
       tensors_.push_back(buffer);
     }
-    dataPosted_ = true;
+  }
+
+  void onHeader() {
+    bool redirected = false;
+    const auto metas = decodeHeader(header_.to(at::kCPU), description_, &redirected);
+    if (redirected) {
+      TORCH_CHECK(prePosted_, description_, ": rank ", peer_,
+                  " redirected a transfer this rank did not pre-post (the two ranks disagree on "
+                  "the transfer history; are both running the same schedule?)");
+      skip_ = tensors_.size();
+      postData(metas, kRedirectedPart + 1);
+    } else if (prePosted_) {
+      TORCH_CHECK(metas == predicted_, description_, ": rank ", peer_,
+                  " sent shapes that differ from the pre-posted ones without redirecting (the two "
+                  "ranks disagree on the transfer history)");
+    } else {
+      postData(metas, 1);
+    }
+    if (engine_.shapePrediction()) engine_.receivedShapes_[{peer_, tag_}] = metas;
+    headerDone_ = true;
   }
 
  public:
@@ -136,9 +165,12 @@ class RecvTransfer : public Transfer {
   std::string description_;
   at::Tensor header_;
   c10::intrusive_ptr<c10d::Work> headerWork_;
+  bool prePosted_ = false;             // data buffers posted with the header
+  std::vector<TensorMeta> predicted_;  // their shapes
   std::vector<c10::intrusive_ptr<c10d::Work>> dataWorks_;
   std::vector<at::Tensor> tensors_;
-  bool dataPosted_ = false;
+  size_t skip_ = 0;  // leading filler buffers of a redirected transfer
+  bool headerDone_ = false;
   bool done_ = false;
   std::exception_ptr error_;
 };
@@ -153,40 +185,54 @@ std::string TensorMeta::toString() const {
   return out.str();
 }
 
-at::Tensor encodeHeader(const std::vector<at::Tensor>& tensors) {
-  TORCH_CHECK(tensors.size() <= kMaxTensorsPerTransfer, "a stage boundary carries ",
-              tensors.size(), " tensors but at most ", kMaxTensorsPerTransfer,
+std::vector<TensorMeta> metasOf(const std::vector<at::Tensor>& tensors) {
+  std::vector<TensorMeta> metas;
+  metas.reserve(tensors.size());
+  for (const auto& t : tensors) metas.push_back(TensorMeta{t.scalar_type(), t.sizes().vec()});
+  return metas;
+}
+
+at::Tensor encodeHeader(const std::vector<TensorMeta>& metas, bool redirected) {
+  TORCH_CHECK(metas.size() <= kMaxTensorsPerTransfer, "a stage boundary carries ",
+              metas.size(), " tensors but at most ", kMaxTensorsPerTransfer,
               " are supported; pack them into fewer tensors");
   at::Tensor header = at::zeros({kHeaderWords}, at::TensorOptions().dtype(at::kLong));
   auto* words = header.data_ptr<int64_t>();
   words[0] = kHeaderMagic;
-  words[1] = static_cast<int64_t>(tensors.size());
-  for (size_t k = 0; k < tensors.size(); ++k) {
-    const auto& t = tensors[k];
-    TORCH_CHECK(t.dim() <= kMaxDims, "tensor ", k, " at a stage boundary has ", t.dim(),
-                " dimensions; at most ", kMaxDims, " are supported");
+  words[1] = static_cast<int64_t>(metas.size()) | (redirected ? kRedirectedFlag : 0);
+  for (size_t k = 0; k < metas.size(); ++k) {
+    const auto& m = metas[k];
+    TORCH_CHECK(m.shape.size() <= kMaxDims, "tensor ", k, " at a stage boundary has ",
+                m.shape.size(), " dimensions; at most ", kMaxDims, " are supported");
     int64_t* slot = words + 2 + k * (2 + kMaxDims);
-    slot[0] = static_cast<int64_t>(t.scalar_type());
-    slot[1] = t.dim();
-    for (int64_t d = 0; d < t.dim(); ++d) slot[2 + d] = t.size(d);
+    slot[0] = static_cast<int64_t>(m.dtype);
+    slot[1] = static_cast<int64_t>(m.shape.size());
+    for (size_t d = 0; d < m.shape.size(); ++d) slot[2 + d] = m.shape[d];
   }
   return header;
 }
 
-std::vector<TensorMeta> decodeHeader(const at::Tensor& header, const std::string& description) {
+std::vector<TensorMeta> decodeHeader(const at::Tensor& header, const std::string& description,
+                                     bool* redirected) {
   const auto* words = header.data_ptr<int64_t>();
   TORCH_CHECK(words[0] == kHeaderMagic, description,
               ": received a header with a bad magic number (", words[0],
               "); the peer is not running the same pipedream_ext schedule");
-  const int64_t count = words[1];
+  if (redirected != nullptr) *redirected = (words[1] & kRedirectedFlag) != 0;
+  const int64_t count = words[1] & ~kRedirectedFlag;
   TORCH_CHECK(count >= 0 && count <= kMaxTensorsPerTransfer, description,
               ": header announces ", count, " tensors");
   std::vector<TensorMeta> metas;
   for (int64_t k = 0; k < count; ++k) {
     const int64_t* slot = words + 2 + k * (2 + kMaxDims);
     TensorMeta meta;
+    TORCH_CHECK(slot[0] >= 0 && slot[0] < static_cast<int64_t>(at::ScalarType::NumOptions),
+                description, ": header announces an unknown dtype ", slot[0]);
     meta.dtype = static_cast<at::ScalarType>(slot[0]);
     TORCH_CHECK(slot[1] >= 0 && slot[1] <= kMaxDims, description, ": bad rank ", slot[1]);
+    for (int64_t d = 0; d < slot[1]; ++d) {
+      TORCH_CHECK(slot[2 + d] >= 0, description, ": header announces a negative size ", slot[2 + d]);
+    }
     meta.shape.assign(slot + 2, slot + 2 + slot[1]);
     metas.push_back(std::move(meta));
   }
@@ -219,31 +265,51 @@ std::shared_ptr<Transfer> CommEngine::send(const std::vector<at::Tensor>& tensor
   TORCH_CHECK(peer >= 0 && peer < worldSize_ && peer != rank_, description, ": bad peer rank ", peer);
   std::vector<at::Tensor> keepAlive;
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  at::Tensor header = encodeHeader(tensors);
-  if (!device_.is_cpu()) header = header.to(wireOptions(at::kLong));
-  keepAlive.push_back(header);
-  {
-    std::vector<at::Tensor> one{header};
-    works.push_back(group_->send(one, peer, messageTag(tag, 0)));
-  }
-  bytesSent_ += header.numel() * header.element_size();
-  for (size_t k = 0; k < tensors.size(); ++k) {
-    at::Tensor data = tensors[k].detach().contiguous();
-    if (stageThroughHost_ && !data.is_cpu()) {
+  auto post = [&](at::Tensor data, int part) {
+    if (!device_.is_cpu() && data.device() != wireOptions(data.scalar_type()).device()) {
       data = at::empty(data.sizes(), wireOptions(data.scalar_type())).copy_(data);
     }
     keepAlive.push_back(data);
     std::vector<at::Tensor> one{data};
-    works.push_back(group_->send(one, peer, messageTag(tag, static_cast<int>(k) + 1)));
+    works.push_back(group_->send(one, peer, messageTag(tag, part)));
     bytesSent_ += data.numel() * data.element_size();
+  };
+  const auto metas = metasOf(tensors);
+  // What the receiver pre-posted for this slot (see the file comment).
+  const std::vector<TensorMeta>* predicted = nullptr;
+  if (predictShapes_) {
+    auto it = sentShapes_.find({peer, tag});
+    if (it != sentShapes_.end()) predicted = &it->second;
   }
+  const bool redirected = predicted != nullptr && !(*predicted == metas);
+  ++sends_;
+  redirectedSends_ += redirected ? 1 : 0;
+  post(encodeHeader(metas, redirected), 0);
+  if (redirected) {
+    for (size_t k = 0; k < predicted->size(); ++k) {
+      post(at::zeros((*predicted)[k].shape, at::TensorOptions().dtype((*predicted)[k].dtype)),
+           static_cast<int>(k) + 1);
+    }
+  }
+  const int firstPart = redirected ? kRedirectedPart + 1 : 1;
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    post(tensors[k].detach().contiguous(), firstPart + static_cast<int>(k));
+  }
+  if (predictShapes_) sentShapes_[{peer, tag}] = metas;
   return std::make_shared<SendTransfer>(std::move(works), std::move(keepAlive), rank_, peer,
                                         description, timeout_);
 }
 
 std::shared_ptr<Transfer> CommEngine::recv(int peer, int tag, const std::string& description) {
   TORCH_CHECK(peer >= 0 && peer < worldSize_ && peer != rank_, description, ": bad peer rank ", peer);
-  return std::make_shared<RecvTransfer>(*this, peer, tag, description);
+  const std::vector<TensorMeta>* predicted = nullptr;
+  if (predictShapes_) {
+    auto it = receivedShapes_.find({peer, tag});
+    if (it != receivedShapes_.end()) predicted = &it->second;
+  }
+  ++receives_;
+  prePostedReceives_ += predicted != nullptr ? 1 : 0;
+  return std::make_shared<RecvTransfer>(*this, peer, tag, description, predicted);
 }
 
 }  // namespace pipedream

@@ -2,10 +2,27 @@
 // stages, on top of a c10d ProcessGroup (Gloo on CPU, NCCL on GPU).
 //
 // Wire format of one transfer of n tensors to a peer under tag T:
-//   message T*16 + 0 : header, int64[kHeaderWords]:
-//                      [magic, n, (dtype, ndim, d0 .. d7) x n]
-//   message T*16 + k : tensor k-1 (contiguous, k = 1..n)
+//   message T*32 + 0     : header, int64[kHeaderWords]:
+//                          [magic, n | flags, (dtype, ndim, d0 .. d7) x n]
+//   message T*32 + k     : tensor k-1 (contiguous, k = 1..n)
+//   message T*32 + 16 + k: tensor k-1 when redirected (see below)
 // No pickle: the receiver allocates from the header and receives in place.
+//
+// Pre-posted receives (shape prediction, enabled per engine): a slot is a
+// (peer, tag) pair. Both ends remember the shapes of the slot's last
+// transfer (the sender what it sent, the receiver what it received: the same
+// transfer, so the same shapes). A receive on a slot seen before posts its
+// data buffers with those shapes at once, together with the header, so the
+// data lands while this rank computes instead of after it asks (Gloo moves a
+// message only once both ends have posted). The sender knows what was
+// pre-posted: if its shapes are the same it sends as usual; if not it sets
+// kRedirected in the header, sends zeros of the predicted shapes to fill the
+// pre-posted buffers and the real tensors under parts 16 + k, which the
+// receiver posts when the header arrives. Flush schedules repeat their tags
+// every step, so from the second step on every receive is pre-posted.
+// Requirement: a slot's transfers complete in order at the receiver before
+// its next receive is posted (true for run()/runForward(); streaming
+// executors, whose tags do not repeat, leave prediction off).
 //
 // Handles follow c10d::Work: wait(timeout), isCompleted(), exception().
 // Every wait has a deadline; a peer that dies or never sends makes wait()
@@ -25,6 +42,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
+#include <map>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -36,6 +54,10 @@ constexpr int kMaxTensorsPerTransfer = 8;
 constexpr int kMaxDims = 8;
 constexpr int64_t kHeaderMagic = 0x50495045;  // "PIPE"
 constexpr int kHeaderWords = 2 + kMaxTensorsPerTransfer * (2 + kMaxDims);
+// Message parts per transfer tag: header, data, redirected data.
+constexpr int kPartsPerTag = 32;
+constexpr int kRedirectedPart = 16;
+constexpr int64_t kRedirectedFlag = int64_t{1} << 16;  // in header word 1
 
 struct TensorMeta {
   at::ScalarType dtype = at::kFloat;
@@ -74,9 +96,15 @@ class CommEngine {
   // Starts sending `tensors` (made contiguous, on their device) to `peer`.
   std::shared_ptr<Transfer> send(const std::vector<at::Tensor>& tensors, int peer, int tag,
                                  const std::string& description);
-  // Posts the header receive now; the data receives are posted when the
-  // header has arrived (inside wait()).
+  // Posts the header receive now, and the data receives too when the slot's
+  // shapes are predicted; otherwise they are posted when the header arrives
+  // (poll() or wait()).
   std::shared_ptr<Transfer> recv(int peer, int tag, const std::string& description);
+
+  // Turns pre-posted receives on or off (see the file comment). Both ends of
+  // every slot must agree; call it before the first transfer.
+  void setShapePrediction(bool enabled) { predictShapes_ = enabled; }
+  bool shapePrediction() const { return predictShapes_; }
 
   int rank() const { return rank_; }
   int worldSize() const { return worldSize_; }
@@ -85,6 +113,12 @@ class CommEngine {
   int64_t bytesSent() const { return bytesSent_; }
   int64_t bytesReceived() const { return bytesReceived_; }
   void addBytesReceived(int64_t bytes) { bytesReceived_ += bytes; }
+  // Receives posted with their data buffers (predicted) / sends that had to
+  // redirect because their shapes changed; all receives / sends.
+  int64_t prePostedReceives() const { return prePostedReceives_; }
+  int64_t redirectedSends() const { return redirectedSends_; }
+  int64_t receives() const { return receives_; }
+  int64_t sends() const { return sends_; }
 
   c10d::ProcessGroup& group() { return *group_; }
   const at::Device& device() const { return device_; }
@@ -102,10 +136,21 @@ class CommEngine {
   int worldSize_;
   int64_t bytesSent_ = 0;      // executor thread only
   int64_t bytesReceived_ = 0;  // executor thread only
+  bool predictShapes_ = false;  // executor thread only
+  int64_t prePostedReceives_ = 0, redirectedSends_ = 0, receives_ = 0, sends_ = 0;  // executor thread
+
+ public:
+  // Slot memory for pre-posted receives, keyed by (peer, tag). Executor
+  // thread only; used by the transfers this engine creates.
+  using Slot = std::pair<int, int>;
+  std::map<Slot, std::vector<TensorMeta>> sentShapes_;
+  std::map<Slot, std::vector<TensorMeta>> receivedShapes_;
 };
 
 // Encodes / decodes the fixed header (exposed for tests).
-at::Tensor encodeHeader(const std::vector<at::Tensor>& tensors);
-std::vector<TensorMeta> decodeHeader(const at::Tensor& header, const std::string& description);
+at::Tensor encodeHeader(const std::vector<TensorMeta>& metas, bool redirected = false);
+std::vector<TensorMeta> decodeHeader(const at::Tensor& header, const std::string& description,
+                                     bool* redirected = nullptr);
+std::vector<TensorMeta> metasOf(const std::vector<at::Tensor>& tensors);
 
 }  // namespace pipedream
