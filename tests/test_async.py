@@ -192,6 +192,15 @@ def check_long_run(steps: int = 1000) -> None:
     p, stage = dist.get_world_size(), pipe.stage_index
     assert pipe.peak_weight_versions[stage] == p - stage
     assert len(pipe._pending_targets) == 0  # noqa: SLF001 - test only
+    # Copy on update: the last stage runs F and B back to back, so its weights are
+    # never copied; other stages copy at most once per update.
+    stats = pipe.stats()
+    stage_bytes = sum(q.numel() * q.element_size() for q in pipe.parameters())
+    if stage == p - 1:
+        assert stats["weight_bytes_copied"] == 0, stats
+    else:
+        assert 0 < stats["weight_bytes_copied"] <= steps * stage_bytes, (stats, stage_bytes)
+    assert 0 < stats["compute_s"] <= stats["busy_s"] and 0 <= stats["bubble_fraction"] < 1, stats
     growth = rss[steps] - rss[200]
     # Anything that grew per step (stashes, handles, targets, snapshots) would show up
     # as hundreds of KB over 800 steps; allow 2 MiB of allocator noise.

@@ -1,5 +1,6 @@
 #include "runtime/weight_store.h"
 
+#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
 namespace pipedream {
@@ -13,8 +14,13 @@ const std::vector<at::Tensor>& WeightStore::acquire(int version) {
                 " was requested but only the live version ", current_,
                 " can be snapshotted now (older versions must be retained)");
     Snapshot snapshot;
+    snapshot.aliasesLive = true;
     for (const auto& p : live_) {
-      snapshot.tensors.push_back(p.detach().clone().requires_grad_(p.requires_grad()));
+      // A new tensor on the same storage: autograd tracks it on its own
+      // (its version counter is not the live parameter's).
+      at::Tensor alias = at::empty({0}, p.options());
+      alias.set_(p.storage(), p.storage_offset(), p.sizes(), p.strides());
+      snapshot.tensors.push_back(alias.requires_grad_(p.requires_grad()));
     }
     it = snapshots_.emplace(version, std::move(snapshot)).first;
   }
@@ -50,10 +56,28 @@ void WeightStore::release(int version) {
 
 void WeightStore::beforeUpdate(int oldestFutureRead) {
   oldestFutureRead_ = oldestFutureRead;
-  if (oldestFutureRead_ <= current_ && snapshots_.find(current_) == snapshots_.end()) {
+  const bool neededLater = oldestFutureRead_ <= current_;  // e.g. vertical sync
+  auto it = snapshots_.find(current_);
+  if (it == snapshots_.end()) {
+    if (!neededLater) return;  // nobody reads this version again: update in place
     acquire(current_);
-    --snapshots_[current_].readers;
+    it = snapshots_.find(current_);
+    --it->second.readers;
   }
+  if (!it->second.aliasesLive) return;
+  if (it->second.readers == 0 && !neededLater) {
+    snapshots_.erase(it);  // its readers are done: update in place, no copy
+    return;
+  }
+  // Still needed: the live parameters move to a copy, the snapshot keeps the
+  // storage its readers' autograd graphs saved.
+  at::NoGradGuard noGrad;
+  for (auto& p : live_) {
+    at::Tensor copy = p.detach().clone();
+    bytesCopied_ += copy.numel() * copy.element_size();
+    p.set_data(copy);
+  }
+  it->second.aliasesLive = false;
 }
 
 void WeightStore::afterUpdate(int version, int oldestFutureRead) {

@@ -2,13 +2,21 @@
 //
 // The live parameters (the tensors the user's optimizer updates in place)
 // always hold the newest version. A forward that reads version v runs on a
-// *snapshot* of v: detached clones that require grad, made once per version
-// while v is the live one. The backward of the same minibatch differentiates
-// with respect to that snapshot, so autograd never sees an in-place update,
-// and its gradients are then added to the live parameters' .grad for the
-// next optimizer step. A snapshot is freed as soon as no in-flight
-// minibatch reads it and no future forward will (the executor tells the
-// store the oldest version a future forward of this rank reads).
+// *snapshot* of v: leaf tensors that require grad, made once per version.
+// The backward of the same minibatch differentiates with respect to that
+// snapshot, so autograd never sees an in-place update, and its gradients are
+// then added to the live parameters' .grad for the next optimizer step. A
+// snapshot is freed as soon as no in-flight minibatch reads it and no future
+// forward will (the executor tells the store the oldest version a future
+// forward of this rank reads).
+//
+// Copy on update: the snapshot of the live version starts as an *alias*
+// (new tensors, with their own autograd version counters, on the live
+// parameters' storage): no copy. Only when the optimizer is about to update
+// a version that is still needed do the live parameters move to a fresh copy
+// (set_data), leaving the old storage to the snapshot; a version nobody
+// needs any more is updated in place. So the last stage (F and B back to
+// back) never copies, and other stages copy once per needed version.
 //
 //   version:   0        1        2          live params
 //   stage 0:   [F0 F1 F2 F3]..B0 U1 [F4] B1 U2 [F5] ...   (p = 4)
@@ -56,6 +64,7 @@ class WeightStore {
   struct Snapshot {
     std::vector<at::Tensor> tensors;
     int readers = 0;
+    bool aliasesLive = false;  // shares the live parameters' storage
   };
   void collect();
 
@@ -64,6 +73,13 @@ class WeightStore {
   int current_ = 0;
   int oldestFutureRead_ = 0;
   int peak_ = 1;
+
+ public:
+  // Bytes copied for snapshots so far (benchmarks, tests).
+  int64_t bytesCopied() const { return bytesCopied_; }
+
+ private:
+  int64_t bytesCopied_ = 0;
 };
 
 }  // namespace pipedream
