@@ -341,7 +341,43 @@ void bindRuntime(py::module_& m) {
       .def_property_readonly("peak_weight_versions", &PipelineExecutor::peakWeightVersions)
       .def_property_readonly("bytes_sent", [](const PipelineExecutor& e) { return e.engine().bytesSent(); })
       .def_property_readonly("bytes_received",
-                             [](const PipelineExecutor& e) { return e.engine().bytesReceived(); });
+                             [](const PipelineExecutor& e) { return e.engine().bytesReceived(); })
+      .def(
+          "stats",
+          [](const PipelineExecutor& e) {
+            const auto& s = e.stats();
+            py::dict d;
+            d["compute_s"] = s.computeSeconds;
+            d["wait_s"] = s.waitSeconds;
+            d["busy_s"] = s.busySeconds;
+            d["actions"] = s.actions;
+            d["steps"] = s.steps;
+            d["seconds_by_kind"] = s.secondsByKind;
+            d["bytes_sent"] = e.engine().bytesSent();
+            d["bytes_received"] = e.engine().bytesReceived();
+            d["sends"] = e.engine().sends();
+            d["receives"] = e.engine().receives();
+            d["preposted_receives"] = e.engine().prePostedReceives();
+            d["redirected_sends"] = e.engine().redirectedSends();
+            d["peak_stashed"] = e.peakStashed();
+            d["peak_weight_versions"] = e.peakWeightVersions();
+            d["weight_bytes_copied"] = e.weightBytesCopied();
+            return d;
+          },
+          "Time accounting since construction or reset_stats() (see ExecutorStats).")
+      .def("reset_stats", &PipelineExecutor::resetStats)
+      .def_property("tracing", &PipelineExecutor::tracing, &PipelineExecutor::setTracing)
+      .def_property_readonly("dropped_trace_events", &PipelineExecutor::droppedTraceEvents)
+      .def(
+          "take_trace",
+          [](PipelineExecutor& e) {
+            py::list out;
+            for (const auto& t : e.takeTrace()) {
+              out.append(py::make_tuple(t.name, t.category, t.startUs, t.durationUs));
+            }
+            return out;
+          },
+          "Recorded spans (name, category, start_us, duration_us), cleared.");
 }
 
 }  // namespace

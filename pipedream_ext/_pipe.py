@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import json
 import logging
 import os
 import time
@@ -53,6 +54,44 @@ def _init_default_group(device: torch.device, timeout: datetime.timedelta) -> No
             "torch.distributed.init_process_group() first")
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, timeout=timeout)
+
+
+def _merge_stats(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
+    """Sums two executor stats dicts (peaks: maximum; per-kind seconds: per key)."""
+    out: Dict[str, Any] = dict(a)
+    for key, value in b.items():
+        if key == "seconds_by_kind":
+            kinds = dict(out.get(key, {}))
+            for kind, seconds in value.items():
+                kinds[kind] = kinds.get(kind, 0.0) + seconds
+            out[key] = kinds
+        elif key == "peak_weight_versions":
+            versions = dict(out.get(key, {}))
+            for stage, count in value.items():
+                versions[stage] = max(versions.get(stage, 0), count)
+            out[key] = versions
+        elif key == "peak_stashed":
+            out[key] = max(out.get(key, 0), value)
+        else:
+            out[key] = out.get(key, 0) + value
+    return out
+
+
+def _gather_bytes(payload: bytes, group: dist.ProcessGroup, world: int,
+                  rank: int) -> Optional[List[bytes]]:
+    """Gathers one byte string per rank on rank 0 of ``group`` (uint8 tensors, no pickle)."""
+    length = torch.tensor([len(payload)], dtype=torch.int64)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(lengths, length, group=group)
+    size = int(max(l.item() for l in lengths))
+    buffer = torch.zeros(size, dtype=torch.uint8)
+    buffer[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload \
+        else buffer[:0]
+    gathered = [torch.zeros(size, dtype=torch.uint8) for _ in range(world)] if rank == 0 else None
+    dist.gather(buffer, gathered, dst=dist.get_global_rank(group, 0), group=group)
+    if gathered is None:
+        return None
+    return [g[:int(l.item())].numpy().tobytes() for g, l in zip(gathered, lengths)]
 
 
 class PipeDream:
@@ -101,6 +140,11 @@ class PipeDream:
         recompute: keep only each stage's inputs during the forward and recompute
             its activations in the backward (same result, with the CPU RNG state
             restored so dropout draws the same masks).
+        trace: record every action each rank runs (F/B/I/W, waits on receives,
+            sends, updates, all-reduces) and write them, merged by rank 0, as one
+            Chrome trace at this path (open it in Perfetto) when :meth:`write_trace`
+            or :meth:`close` is called. Default: the ``PIPEDREAM_TRACE``
+            environment variable, if set.
 
     Raises:
         ValueError: bad schedule, balance, chunks or world size (the message names
@@ -116,7 +160,8 @@ class PipeDream:
                  timeout: float = 300.0, vertical_sync: bool = False,
                  recompute: bool = False, replicas: Optional[Sequence[int]] = None,
                  sample: Optional[Tuple[Tensors, Any]] = None,
-                 bandwidth: Optional[Sequence[float]] = None) -> None:
+                 bandwidth: Optional[Sequence[float]] = None,
+                 trace: Optional[Union[str, os.PathLike]] = None) -> None:
         if not isinstance(module, nn.Sequential):
             raise ValueError(f"module must be an nn.Sequential (got {type(module).__name__}); "
                              "wrap your layers in torch.nn.Sequential")
@@ -253,6 +298,13 @@ class PipeDream:
         self._optimizer: Optional[torch.optim.Optimizer] = None
         self._steps = 0  # minibatches (2bw: batches) admitted since the last flush
         self._pending_targets: Dict[int, Any] = {}
+        if trace is None:
+            trace = os.environ.get("PIPEDREAM_TRACE") or None
+        #: Where :meth:`write_trace` writes the merged Chrome trace (None: not tracing).
+        self.trace_path: Optional[str] = os.fspath(trace) if trace is not None else None
+        self._trace_events: List[Tuple[str, str, int, int]] = []
+        # Stats of executors already replaced (async flush starts a new stream).
+        self._retired_stats: Dict[str, Any] = {}
         self._executor = self._make_executor(self._schedule)
         self._eval_executor: Optional["_C.PipelineExecutor"] = None
         self.peak_weight_versions: Dict[int, int] = {}
@@ -354,13 +406,21 @@ class PipeDream:
 
     # -- schedule and executor ------------------------------------------------------
     def _make_executor(self, schedule: "schedules.Schedule") -> "_C.PipelineExecutor":
-        return _C.PipelineExecutor(
+        executor = _C.PipelineExecutor(
             schedule._lowered, self.rank, self.group, self.timeout, self._stage_forward,
             self._stage_parameters, str(self.device), stash_weights=self.asynchronous,
             update=self._update if self.asynchronous else None,
             replica_groups=self._replica_groups, recompute=self.recompute,
             streaming=self.asynchronous,
             average_replica_gradients=self.schedule_name == "pipedream")
+        executor.tracing = self.trace_path is not None
+        return executor
+
+    def _retire_executor(self) -> None:
+        """Keeps the stats and trace of the executor about to be replaced."""
+        self._retired_stats = _merge_stats(self._retired_stats, self._executor.stats())
+        if self.trace_path is not None:
+            self._trace_events.extend(self._executor.take_trace())
 
     def _update(self, stage: int, version: int) -> None:
         """Called by the executor at every UPDATE action (asynchronous schedules)."""
@@ -404,7 +464,105 @@ class PipeDream:
     @property
     def bytes_sent(self) -> int:
         """Bytes this rank's communication engine has sent so far."""
-        return self._executor.bytes_sent
+        return int(self.stats()["bytes_sent"])
+
+    # -- seeing what happens ----------------------------------------------------------
+    def stats(self) -> Dict[str, Any]:
+        """What this rank's runtime did since construction (or :meth:`reset_stats`).
+
+        Returns:
+            A dict with ``rank``, ``stages``, ``steps`` (executor runs), ``compute_s``
+            (forward/backward/update work), ``wait_s`` (blocked on other ranks:
+            receives, sends, all-reduces), ``busy_s`` (wall time inside the runtime),
+            ``bubble_fraction`` (``1 - compute_s / busy_s``: the share of the
+            runtime's time this rank did no work), ``bytes_sent``/``bytes_received``,
+            ``peak_activations`` (most microbatches stashed at once),
+            ``peak_weight_versions`` (per stage; asynchronous schedules),
+            ``seconds_by_kind`` (``F``, ``B``, ``RECV_F`` waits, ...), and the transfer
+            counts ``sends``, ``receives``, ``preposted_receives`` (data buffers
+            posted before the peer sent; see docs/runtime.md) and ``redirected_sends``.
+            Local to this rank: no communication.
+        """
+        merged = _merge_stats(self._retired_stats, self._executor.stats())
+        busy = merged.get("busy_s", 0.0)
+        merged["bubble_fraction"] = 1.0 - merged.get("compute_s", 0.0) / busy if busy > 0 else 0.0
+        merged["peak_activations"] = merged.pop("peak_stashed", 0)
+        merged["rank"] = self.rank
+        merged["stages"] = list(self.local_stages)
+        return merged
+
+    def reset_stats(self) -> None:
+        """Starts :meth:`stats` from zero (e.g. after warm-up steps)."""
+        self._retired_stats = {}
+        self._executor.reset_stats()
+
+    def write_trace(self, path: Optional[Union[str, os.PathLike]] = None) -> Optional[str]:
+        """Merges every rank's recorded spans into one Chrome trace on rank 0.
+
+        Collective: every rank of the group must call it (``close()`` does). Spans
+        travel as UTF-8 JSON in uint8 tensors (no pickle). The trace has one process
+        per rank (``rank r: stages [...]``) with threads ``compute`` (F/B/I/W/U),
+        ``comm`` (sends posted, waits on receives and sends) and ``allreduce``;
+        times are wall-clock microseconds, so ranks on different hosts are only as
+        aligned as their clocks.
+
+        Args:
+            path: where to write (default: the ``trace`` given to the constructor).
+
+        Returns:
+            The path written, on rank 0; ``None`` on other ranks.
+
+        Raises:
+            ValueError: tracing was not enabled (no ``trace=`` / ``PIPEDREAM_TRACE``).
+        """
+        if self.trace_path is None:
+            raise ValueError("tracing is off: pass PipeDream(..., trace='run.json') or set "
+                             "PIPEDREAM_TRACE=run.json before building the pipeline")
+        target = os.fspath(path) if path is not None else self.trace_path
+        self._trace_events.extend(self._executor.take_trace())
+        threads = {"compute": 0, "update": 0, "send": 1, "wait": 1, "allreduce": 2}
+        events = [{"name": name, "cat": cat, "ph": "X", "ts": start, "dur": max(duration, 1),
+                   "pid": self.rank, "tid": threads.get(cat, 1)}
+                  for name, cat, start, duration in self._trace_events]
+        label = f"rank {self.rank}: stages {list(self.local_stages)}"
+        events.append({"name": "process_name", "ph": "M", "pid": self.rank,
+                       "args": {"name": label}})
+        for thread, tid in (("compute", 0), ("comm", 1), ("allreduce", 2)):
+            events.append({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid,
+                           "args": {"name": thread}})
+        self._trace_events = []
+        gathered = _gather_bytes(json.dumps(events).encode(), self.group, self.world_size,
+                                 self.rank)
+        if gathered is None:
+            return None
+        merged = [e for blob in gathered for e in json.loads(blob.decode())]
+        origin = min((e["ts"] for e in merged if "ts" in e), default=0)
+        for e in merged:
+            if "ts" in e:
+                e["ts"] -= origin
+        tmp = f"{target}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"traceEvents": merged, "displayTimeUnit": "ms",
+                       "otherData": {"schedule": self.schedule_name, "ranks": self.world_size,
+                                     "origin_unix_us": origin}}, f)
+        os.replace(tmp, target)
+        _log.info("wrote the execution trace of %d ranks to %s", self.world_size, target)
+        return target
+
+    def close(self) -> None:
+        """Ends the pipeline: drains an asynchronous one and writes the trace if on.
+        Collective (every rank calls it)."""
+        if self.asynchronous and self._steps:
+            self.flush()
+        if self.trace_path is not None:
+            self.write_trace()
+
+    def __enter__(self) -> "PipeDream":
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            self.close()
 
     # -- the callback the C++ executor makes ------------------------------------------
     def _stage_forward(self, stage: int, microbatch: int, inputs: List[torch.Tensor],
@@ -533,6 +691,7 @@ class PipeDream:
         # A new stream starts from version 0 = the current live weights.
         self._pending_targets.clear()
         self._steps = 0
+        self._retire_executor()
         self._executor = self._make_executor(self._schedule)
 
     def _step_flush(self, inputs: Optional[Tensors], targets: Optional[Any]) -> float:

@@ -15,8 +15,17 @@ namespace {
 constexpr int kForwardDir = 0;   // activations j -> j+1, keyed by j
 constexpr int kBackwardDir = 1;  // gradients j+1 -> j, keyed by j
 // Microbatch ids in tags wrap here: far more than can be in flight at once,
-// and independent of how long the (growing) list is.
-constexpr int kTagMicrobatches = 1 << 16;
+// and independent of how long the (growing) list is. Bounded so that
+// tag * kPartsPerTag fits an int for 1023 stages.
+constexpr int kTagMicrobatches = 1 << 15;
+static_assert(int64_t{2 * 1023} * kTagMicrobatches * kPartsPerTag - 1 <= INT_MAX,
+              "transfer tags must fit an int");
+
+using Clock = std::chrono::steady_clock;
+
+std::string commName(int stage, const char* what, int microbatch) {
+  return std::to_string(stage) + what + std::to_string(microbatch);
+}
 
 }  // namespace
 
@@ -44,6 +53,8 @@ PipelineExecutor::PipelineExecutor(Schedule schedule, int rank, std::shared_ptr<
               schedule_.numStages(), ")");
   TORCH_CHECK(!stashWeights_ || update_, "weight stashing needs an update callback");
   if (!streaming) list_ = schedule_.actions(rank_);
+  // Flush schedules repeat their transfer tags every step: pre-post receives.
+  engine_->setShapePrediction(!streaming);
   lastStage_ = schedule_.numStages() - 1;
   if (stashWeights_) {
     for (const auto& [stage, params] : stageParameters_) stores_.emplace(stage, WeightStore(params));
@@ -58,6 +69,33 @@ int PipelineExecutor::tag(int direction, int boundary, int microbatch) const {
 std::string PipelineExecutor::describe(const char* what, int stage, int microbatch) const {
   return std::string(what) + " of microbatch " + std::to_string(microbatch) + " for stage " +
          std::to_string(stage);
+}
+
+void PipelineExecutor::account(const std::string& kind, const std::string& name, const char* category,
+                               TimePoint start, bool isWait) {
+  const auto end = Clock::now();
+  const double seconds = std::chrono::duration<double>(end - start).count();
+  stats_.secondsByKind[kind] += seconds;
+  if (isWait) {
+    stats_.waitSeconds += seconds;
+  } else if (std::string(category) == "compute" || std::string(category) == "update") {
+    stats_.computeSeconds += seconds;
+  }
+  if (!tracing_) return;
+  if (trace_.size() >= kMaxTraceEvents) {
+    ++droppedTraceEvents_;
+    return;
+  }
+  using namespace std::chrono;
+  const auto wallEnd = duration_cast<microseconds>(system_clock::now().time_since_epoch()).count();
+  const auto durationUs = duration_cast<microseconds>(end - start).count();
+  trace_.push_back(TraceEvent{name, category, wallEnd - durationUs, durationUs});
+}
+
+std::vector<TraceEvent> PipelineExecutor::takeTrace() {
+  std::vector<TraceEvent> out;
+  out.swap(trace_);
+  return out;
 }
 
 void PipelineExecutor::checkSignature(int direction, int stage, int microbatch,
@@ -98,7 +136,10 @@ std::vector<at::Tensor> PipelineExecutor::receive(const Key& key, int direction)
               describe(direction == kForwardDir ? "RECV_F" : "RECV_B", key.first, key.second));
   auto transfer = it->second;
   posted.erase(it);
+  const auto start = Clock::now();
   transfer->wait(engine_->timeout());
+  const char* what = direction == kForwardDir ? "RECV_F" : "RECV_B";
+  account(what, commName(key.first, what, key.second), "wait", start, true);
   auto tensors = transfer->tensors();
   checkSignature(direction, key.first, key.second, tensors);
   return tensors;
@@ -245,6 +286,7 @@ void PipelineExecutor::allReduce(const Action& a) {
     return views;
   }());
   std::vector<at::Tensor> buffers{flat};
+  const auto start = Clock::now();
   auto work = group->second->allreduce(buffers);
   try {
     work->wait(engine_->timeout());
@@ -253,6 +295,7 @@ void PipelineExecutor::allReduce(const Action& a) {
                 group->second->getSize(), " replicas of stage ", a.stage,
                 ") failed or timed out: ", e.what());
   }
+  account("ALLREDUCE", a.toString(), "allreduce", start, true);
   if (averageReplicaGradients_) flat.div_(group->second->getSize());
   int64_t offset = 0;
   for (auto& g : grads) {
@@ -274,11 +317,15 @@ void PipelineExecutor::reset() {
 }
 
 void PipelineExecutor::waitSends() {
+  if (sends_.empty()) return;
+  const auto start = Clock::now();
   for (auto& send : sends_) send->wait(engine_->timeout());
   sends_.clear();
+  account("SEND_WAIT", "wait for sends", "wait", start, true);
 }
 
 std::vector<at::Tensor> PipelineExecutor::run(const std::vector<std::vector<at::Tensor>>& inputs) {
+  const auto begin = Clock::now();
   reset();
   std::map<int, std::vector<at::Tensor>> results;
   execute(0, list_.size(),
@@ -288,6 +335,8 @@ std::vector<at::Tensor> PipelineExecutor::run(const std::vector<std::vector<at::
   TORCH_CHECK(stash_.empty(), "rank ", rank_, ": ", stash_.size(),
               " microbatches still stashed at the end of the step (schedule bug)");
   next_ = list_.size();
+  stats_.busySeconds += std::chrono::duration<double>(Clock::now() - begin).count();
+  ++stats_.steps;
   std::vector<at::Tensor> losses(schedule_.totalMicrobatches());
   for (auto& [i, out] : results) losses[i] = out.empty() ? at::Tensor() : out[0];
   return losses;
@@ -296,6 +345,7 @@ std::vector<at::Tensor> PipelineExecutor::run(const std::vector<std::vector<at::
 std::vector<std::vector<at::Tensor>> PipelineExecutor::runForward(
     const std::vector<std::vector<at::Tensor>>& inputs) {
   at::NoGradGuard noGrad;
+  const auto begin = Clock::now();
   reset();
   std::map<int, std::vector<at::Tensor>> results;
   execute(0, list_.size(),
@@ -304,6 +354,8 @@ std::vector<std::vector<at::Tensor>> PipelineExecutor::runForward(
   waitSends();
   stash_.clear();
   next_ = list_.size();
+  stats_.busySeconds += std::chrono::duration<double>(Clock::now() - begin).count();
+  ++stats_.steps;
   std::vector<std::vector<at::Tensor>> outputs(schedule_.totalMicrobatches());
   for (auto& [i, out] : results) outputs[i] = out;
   return outputs;
@@ -313,6 +365,7 @@ std::map<int, at::Tensor> PipelineExecutor::runUntil(
     size_t end, const std::map<int, std::vector<at::Tensor>>& inputs) {
   TORCH_CHECK(end >= next_ && end <= list_.size(), "runUntil(", end, ") outside [", next_, ", ",
               list_.size(), "]");
+  const auto begin = Clock::now();
   std::map<int, std::vector<at::Tensor>> results;
   execute(next_, end,
           [&inputs](int i) {
@@ -326,10 +379,14 @@ std::map<int, at::Tensor> PipelineExecutor::runUntil(
   // peers are steps further), and waiting for them costs nothing.
   const size_t keep = 4 * static_cast<size_t>(schedule_.numRanks()) + 16;
   if (sends_.size() > keep) {
+    const auto start = Clock::now();
     const auto stop = sends_.end() - static_cast<std::ptrdiff_t>(keep);
     for (auto it = sends_.begin(); it != stop; ++it) (*it)->wait(engine_->timeout());
     sends_.erase(sends_.begin(), stop);
+    account("SEND_WAIT", "wait for sends", "wait", start, true);
   }
+  stats_.busySeconds += std::chrono::duration<double>(Clock::now() - begin).count();
+  ++stats_.steps;
   std::map<int, at::Tensor> losses;
   for (auto& [i, out] : results) losses[i] = out.at(0);
   return losses;
@@ -341,6 +398,12 @@ void PipelineExecutor::appendActions(const std::vector<Action>& actions) {
     next_ = 0;
   }
   list_.insert(list_.end(), actions.begin(), actions.end());
+}
+
+int64_t PipelineExecutor::weightBytesCopied() const {
+  int64_t bytes = 0;
+  for (const auto& [stage, store] : stores_) bytes += store.bytesCopied();
+  return bytes;
 }
 
 std::map<int, int> PipelineExecutor::peakWeightVersions() const {
@@ -382,6 +445,7 @@ void PipelineExecutor::execute(size_t begin, size_t end,
       for (auto& [k, transfer] : recvB_) transfer->poll();
     }
     const Key key{a.stage, a.microbatch};
+    auto start = Clock::now();  // reset after a receive: its wait is accounted apart
     switch (a.kind) {
       case ActionKind::kForward: {
         std::vector<at::Tensor> in;
@@ -395,6 +459,7 @@ void PipelineExecutor::execute(size_t begin, size_t end,
           localActivations_.erase({a.stage - 1, a.microbatch});
         } else {
           in = receive(key, kForwardDir);
+          start = Clock::now();
         }
         if (a.stage > 0) {
           for (auto& t : in) {
@@ -474,6 +539,7 @@ void PipelineExecutor::execute(size_t begin, size_t end,
             localGrads_.erase(local);
           } else {
             s.gradOutputs = receive(key, kBackwardDir);
+            start = Clock::now();
           }
         }
         backward(a, a.kind == ActionKind::kBackwardInput, false);
@@ -500,6 +566,14 @@ void PipelineExecutor::execute(size_t begin, size_t end,
       case ActionKind::kRecvForward:
       case ActionKind::kRecvBackward:
         break;  // posted when the range started; consumers wait for them
+    }
+    ++stats_.actions;
+    if (isCompute(a.kind)) {
+      account(kindToken(a.kind), a.toString(), "compute", start, false);
+    } else if (a.kind == ActionKind::kSendForward || a.kind == ActionKind::kSendBackward) {
+      account(kindToken(a.kind), a.toString(), "send", start, false);
+    } else if (a.kind == ActionKind::kUpdate && stashWeights_) {
+      account("U", a.toString(), "update", start, false);
     }
   }
 }

@@ -29,12 +29,18 @@
 // The forward and update callbacks are the only calls into Python; the
 // caller releases the GIL for run*() and the callbacks re-acquire it.
 //
+// Observability: stats() accumulates, per executor, the time spent in
+// compute actions, the time blocked on peers and the wall time inside
+// run*(); with tracing on, every action (and every wait on a peer) is also
+// recorded as a span with wall-clock microseconds (takeTrace()).
+//
 // Threading: an executor is used by one thread at a time (the caller of
 // run*()); all members below are owned by that thread.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <functional>
 #include <map>
 #include <memory>
@@ -46,6 +52,24 @@
 #include "runtime/weight_store.h"
 
 namespace pipedream {
+
+// Time accounting of one executor (seconds, summed over every run*() call).
+struct ExecutorStats {
+  double computeSeconds = 0;  // F/B/I/W (and recomputation), U callbacks
+  double waitSeconds = 0;     // blocked on peers: receives, sends, all-reduces
+  double busySeconds = 0;     // wall time inside run*() / waitSends()
+  int64_t actions = 0;        // actions executed
+  int64_t steps = 0;          // run*() calls
+  std::map<std::string, double> secondsByKind;  // "F", "B", "RECV_F" (waits), ...
+};
+
+// One span of the real execution (Chrome trace "X" event).
+struct TraceEvent {
+  std::string name;      // the action's text, e.g. "1F3" or "0RECV_B2"
+  std::string category;  // "compute", "wait", "send", "update", "allreduce"
+  int64_t startUs = 0;   // microseconds since the Unix epoch (system clock)
+  int64_t durationUs = 0;
+};
 
 class PipelineExecutor {
  public:
@@ -90,7 +114,19 @@ class PipelineExecutor {
   int peakStashed() const { return peakStashed_; }
   // Peak weight versions held per local stage (weight stashing only).
   std::map<int, int> peakWeightVersions() const;
+  // Bytes the weight stores copied for snapshots (weight stashing only).
+  int64_t weightBytesCopied() const;
   const CommEngine& engine() const { return *engine_; }
+
+  const ExecutorStats& stats() const { return stats_; }
+  void resetStats() { stats_ = ExecutorStats{}; }
+  // Records every action as a TraceEvent while on (at most kMaxTraceEvents
+  // are kept between takeTrace() calls; later ones are counted as dropped).
+  void setTracing(bool on) { tracing_ = on; }
+  bool tracing() const { return tracing_; }
+  std::vector<TraceEvent> takeTrace();
+  int64_t droppedTraceEvents() const { return droppedTraceEvents_; }
+  static constexpr size_t kMaxTraceEvents = 1 << 20;
 
  private:
   struct Stash {
@@ -114,6 +150,10 @@ class PipelineExecutor {
                       const std::vector<at::Tensor>& received);
   int tag(int direction, int boundary, int microbatch) const;
   std::string describe(const char* what, int stage, int microbatch) const;
+  // Accounts [start, now) to `kind` in stats_ and, when tracing, the trace.
+  using TimePoint = std::chrono::steady_clock::time_point;
+  void account(const std::string& kind, const std::string& name, const char* category,
+               TimePoint start, bool isWait);
 
   Schedule schedule_;          // layout and metadata
   std::vector<Action> list_;   // this rank's actions (streaming: a window)
@@ -143,6 +183,11 @@ class PipelineExecutor {
   // (direction, stage) -> metadata learned on the first step; the batch
   // dimension may change, nothing else may.
   std::map<std::pair<int, int>, std::vector<TensorMeta>> signatures_;
+
+  ExecutorStats stats_;
+  bool tracing_ = false;
+  std::vector<TraceEvent> trace_;
+  int64_t droppedTraceEvents_ = 0;
 };
 
 }  // namespace pipedream
