@@ -22,7 +22,7 @@ from torch import nn
 from . import _C, schedules
 from .planner import Plan
 
-__all__ = ["PipeDream", "SYNCHRONOUS_SCHEDULES", "ASYNCHRONOUS_SCHEDULES"]
+__all__ = ["PipeDream", "NonFiniteError", "SYNCHRONOUS_SCHEDULES", "ASYNCHRONOUS_SCHEDULES"]
 
 _log = logging.getLogger(__name__)
 
@@ -54,6 +54,10 @@ def _init_default_group(device: torch.device, timeout: datetime.timedelta) -> No
             "torch.distributed.init_process_group() first")
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, timeout=timeout)
+
+
+class NonFiniteError(RuntimeError):
+    """NaN or inf appeared in a stage's output or gradients (``check_finite="raise"``)."""
 
 
 def _merge_stats(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
@@ -145,6 +149,20 @@ class PipeDream:
             Chrome trace at this path (open it in Perfetto) when :meth:`write_trace`
             or :meth:`close` is called. Default: the ``PIPEDREAM_TRACE``
             environment variable, if set.
+        autocast: run every stage's forward (and the loss) under
+            ``torch.autocast(device_type, dtype=autocast)``, e.g. ``torch.bfloat16``;
+            boundary tensors then travel in that dtype (half the bytes). With
+            ``torch.float16`` on a flush schedule, scale the loss with
+            :meth:`grad_scaler` (all ranks skip an overflowing step together).
+        check_finite: ``"raise"`` or ``"skip"``: after every step, find the first
+            stage whose forward output (or, in the backward, the last stage whose
+            gradients) holds NaN or inf and report it with the step number;
+            ``"raise"`` raises :class:`NonFiniteError` on every rank, ``"skip"``
+            (flush schedules) logs a warning, sets this step's gradients to ``None``
+            so ``optimizer.step()`` leaves the weights alone, and returns ``nan``.
+            Costs one ``isfinite`` per stage output and one small all-reduce per
+            step. Asynchronous schedules support ``"raise"`` only (the rank that
+            finds it raises; the others fail naming it).
 
     Raises:
         ValueError: bad schedule, balance, chunks or world size (the message names
@@ -161,7 +179,9 @@ class PipeDream:
                  recompute: bool = False, replicas: Optional[Sequence[int]] = None,
                  sample: Optional[Tuple[Tensors, Any]] = None,
                  bandwidth: Optional[Sequence[float]] = None,
-                 trace: Optional[Union[str, os.PathLike]] = None) -> None:
+                 trace: Optional[Union[str, os.PathLike]] = None,
+                 autocast: Optional[torch.dtype] = None,
+                 check_finite: Optional[str] = None) -> None:
         if not isinstance(module, nn.Sequential):
             raise ValueError(f"module must be an nn.Sequential (got {type(module).__name__}); "
                              "wrap your layers in torch.nn.Sequential")
@@ -171,6 +191,23 @@ class PipeDream:
         if vertical_sync and schedule != "pipedream":
             raise ValueError(f"vertical_sync=True needs schedule='pipedream' (got {schedule!r})")
         self.asynchronous = schedule in ASYNCHRONOUS_SCHEDULES
+        if autocast is not None and autocast not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"autocast={autocast!r} is not a reduced-precision dtype; use "
+                             "torch.bfloat16 or torch.float16 (or None for full precision)")
+        if autocast == torch.float16 and self.asynchronous:
+            raise ValueError(f"autocast=torch.float16 needs loss scaling, which schedule "
+                             f"{schedule!r} does not support; use autocast=torch.bfloat16")
+        if check_finite not in (None, "raise", "skip"):
+            raise ValueError(f"check_finite={check_finite!r}; use None, 'raise' or 'skip'")
+        if check_finite == "skip" and self.asynchronous:
+            raise ValueError(f"check_finite='skip' needs a flush schedule (got {schedule!r}); "
+                             "use check_finite='raise'")
+        #: Compute dtype of autocast (None: full precision).
+        self.autocast: Optional[torch.dtype] = autocast
+        self.check_finite = check_finite
+        self._grad_scaler: Optional[Any] = None
+        self._nonfinite_forward: Optional[int] = None  # first stage with a non-finite output
+        self._step_count = 0  # steps run (flush) or admitted (async), for messages
         self.vertical_sync = bool(vertical_sync)
         self.recompute = bool(recompute)
         if chunks != 1 and schedule != "interleaved-1f1b":
@@ -567,6 +604,29 @@ class PipeDream:
     # -- the callback the C++ executor makes ------------------------------------------
     def _stage_forward(self, stage: int, microbatch: int, inputs: List[torch.Tensor],
                        weights: List[torch.Tensor]) -> List[torch.Tensor]:
+        if self.autocast is None:
+            outputs = self._stage_forward_impl(stage, microbatch, inputs, weights)
+        else:
+            with torch.autocast(device_type=self.device.type, dtype=self.autocast):
+                outputs = self._stage_forward_impl(stage, microbatch, inputs, weights)
+        if self.check_finite and not self._forward_only:
+            if not all(bool(torch.isfinite(t).all()) for t in outputs if t.is_floating_point()):
+                if self._nonfinite_forward is None or stage < self._nonfinite_forward:
+                    self._nonfinite_forward = stage
+                if self.asynchronous:
+                    raise NonFiniteError(
+                        f"rank {self.rank}: step {self._step_count}: the "
+                        f"{'loss' if stage == self.num_stages - 1 else 'forward output'} of stage "
+                        f"{stage} (layers {self._layer_range(stage)}), microbatch {microbatch}, "
+                        "holds NaN or inf")
+        return outputs
+
+    def _layer_range(self, stage: int) -> str:
+        start = sum(self.balance[:stage])
+        return f"{start}-{start + self.balance[stage] - 1}"
+
+    def _stage_forward_impl(self, stage: int, microbatch: int, inputs: List[torch.Tensor],
+                            weights: List[torch.Tensor]) -> List[torch.Tensor]:
         # nn.Sequential semantics: a tuple output reaches the next layer as one tuple.
         arg = inputs[0] if len(inputs) == 1 else tuple(inputs)
         if weights:  # a stashed weight version: run the stage functionally on it
@@ -586,7 +646,10 @@ class PipeDream:
             if loss.numel() != 1:
                 raise ValueError(f"loss_fn returned a tensor of shape {tuple(loss.shape)}; it must "
                                  "return a scalar (use reduction='mean')")
-            return [loss * self._scales[microbatch]]
+            loss = loss.float() * self._scales[microbatch]
+            if self._grad_scaler is not None:
+                loss = self._grad_scaler.scale(loss)
+            return [loss]
         return list(_as_tuple(out))
 
     # -- training ---------------------------------------------------------------------
@@ -657,6 +720,7 @@ class PipeDream:
         self._executor.append_actions(self._stream.step_actions(self.rank, t))
         losses = self._executor.run_until(self._executor.size, inputs_by_microbatch)
         self._steps += 1
+        self._step_count += 1
         # Targets stay until their backward (a recomputed forward needs them):
         # at most 2 pipeline depths of steps behind.
         horizon = first - 2 * (self.world_size + 1) * per_step
@@ -724,13 +788,88 @@ class PipeDream:
             total = sum(c[0].shape[0] for c in chunks)
             self._scales = [c[0].shape[0] / total for c in chunks]
         self._forward_only = False
+        self._nonfinite_forward = None
+        loss_scale = float(self._grad_scaler.get_scale()) if self._grad_scaler is not None else 1.0
         losses = self._executor.run([list(c) for c in input_chunks])
+        self._step_count += 1
         # Each last-stage replica holds the scaled losses of its microbatches.
         loss = torch.zeros(1, dtype=torch.float64)
         if self.is_last:
-            loss += sum(float(l) for l in losses if l is not None)
+            loss += sum(float(l) for l in losses if l is not None) / loss_scale
         dist.all_reduce(loss, group=self.group)
+        if self.check_finite and self._check_finite_step():
+            return float("nan")
         return float(loss.item())
+
+    def _check_finite_step(self) -> bool:
+        """Agrees on every rank where non-finite values first appeared this step.
+
+        Returns:
+            True when the step was skipped (``check_finite="skip"``).
+
+        Raises:
+            NonFiniteError: ``check_finite="raise"`` and a NaN or inf was found.
+        """
+        forward = self._nonfinite_forward if self._nonfinite_forward is not None else self.num_stages
+        backward = -1
+        if self._grad_scaler is None:  # with loss scaling, overflowing gradients are the scaler's job
+            for j in self.local_stages:
+                if any(p.grad is not None and not bool(torch.isfinite(p.grad).all())
+                       for p in self._stages[j].parameters()):
+                    backward = max(backward, j)
+        flags = torch.tensor([-forward, backward], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        forward, backward = int(-flags[0]), int(flags[1])
+        if forward == self.num_stages and backward < 0:
+            return False
+        if forward < self.num_stages:
+            where = (f"the {'loss' if forward == self.num_stages - 1 else 'forward output'} of "
+                     f"stage {forward} (layers {self._layer_range(forward)})")
+        else:
+            where = f"the gradients of stage {backward} (layers {self._layer_range(backward)}) in the backward"
+        message = f"step {self._step_count - 1}: NaN or inf first appeared in {where}"
+        if self.check_finite == "raise":
+            raise NonFiniteError(message)
+        _log.warning("%s; skipping the step (gradients set to None)", message)
+        for p in self.parameters():
+            p.grad = None
+        return True
+
+    def grad_scaler(self, **kwargs: Any) -> Any:
+        """A loss scaler for ``autocast=torch.float16`` on a flush schedule.
+
+        A :class:`torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler` over this
+        pipeline's group: ``scaler.step(optimizer)`` skips an overflowing step on every
+        rank together (each rank only sees its own stage's gradients). ``pipe.step``
+        scales the loss with it and returns the unscaled loss. Use it like
+        ``torch.amp.GradScaler``::
+
+            scaler = pipe.grad_scaler()
+            loss = pipe.step(x, y)
+            scaler.step(opt); scaler.update(); opt.zero_grad()
+
+        Every rank must call ``scaler.step`` each step, so every stage needs parameters.
+
+        Args:
+            **kwargs: passed on (``init_scale``, ``growth_interval``, ...).
+
+        Raises:
+            ValueError: an asynchronous schedule (their updates happen inside the pipeline).
+        """
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        if self.asynchronous:
+            raise ValueError(f"schedule {self.schedule_name!r} updates inside the pipeline; loss "
+                             "scaling needs a flush schedule (or use autocast=torch.bfloat16)")
+        if not any(True for _ in self.parameters()):
+            raise ValueError(f"rank {self.rank}'s stages have no parameters, so it cannot step a "
+                             "scaler; give every stage parameters (balance=...)")
+        self._grad_scaler = ShardedGradScaler(device=self.device.type, process_group=self.group,
+                                              **kwargs)
+        # The scale is created lazily by scale(), which only the last stage calls;
+        # every rank's step()/update() needs it.
+        self._grad_scaler.scale(torch.ones((), device=self.device))
+        return self._grad_scaler
 
     @torch.no_grad()
     def forward_only(self, inputs: Optional[Tensors]) -> Optional[torch.Tensor]:

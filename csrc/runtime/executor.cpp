@@ -117,8 +117,12 @@ void PipelineExecutor::checkSignature(int direction, int stage, int microbatch,
   for (size_t k = 0; same && k < metas.size(); ++k) {
     const auto& a = it->second[k];
     const auto& b = metas[k];
-    // The batch dimension may differ (uneven microbatches, a smaller last batch).
-    same = a.dtype == b.dtype && a.shape.size() == b.shape.size() &&
+    // The batch dimension may differ (uneven microbatches, a smaller last batch);
+    // a floating dtype may change (autocast switched on or off, evaluation in
+    // another precision): the header carries it, receivers allocate from it.
+    const bool dtypeOk = a.dtype == b.dtype ||
+                         (at::isFloatingType(a.dtype) && at::isFloatingType(b.dtype));
+    same = dtypeOk && a.shape.size() == b.shape.size() &&
            std::equal(a.shape.begin() + (a.shape.empty() ? 0 : 1), a.shape.end(),
                       b.shape.begin() + (b.shape.empty() ? 0 : 1));
   }
