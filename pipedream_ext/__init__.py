@@ -26,3 +26,27 @@ __all__ = [
     "CheckpointInfo",
 ]
 __version__ = "0.1.0"
+
+
+def _configure_logging_from_env() -> None:
+    """``PIPEDREAM_LOG=debug|info|warning`` sets this package's log level (and adds a
+    stderr handler if logging is not configured): ``debug`` logs every action run."""
+    import logging
+    import os
+
+    level = os.environ.get("PIPEDREAM_LOG")
+    if not level:
+        return
+    value = logging.getLevelName(level.upper())
+    if not isinstance(value, int):
+        raise ValueError(f"PIPEDREAM_LOG={level!r} is not a logging level; use debug, info, "
+                         "warning or error")
+    logger = logging.getLogger(__name__)
+    logger.setLevel(value)
+    if not logging.getLogger().handlers and not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+
+
+_configure_logging_from_env()

@@ -450,8 +450,21 @@ class PipeDream:
             replica_groups=self._replica_groups, recompute=self.recompute,
             streaming=self.asynchronous,
             average_replica_gradients=self.schedule_name == "pipedream")
-        executor.tracing = self.trace_path is not None
+        # PIPEDREAM_LOG=debug (or a DEBUG level on this logger) logs every action.
+        executor.tracing = self.trace_path is not None or _log.isEnabledFor(logging.DEBUG)
         return executor
+
+    def _after_step(self) -> None:
+        """Moves the step's recorded spans to the trace and/or the debug log."""
+        if not self._executor.tracing:
+            return
+        events = self._executor.take_trace()
+        if _log.isEnabledFor(logging.DEBUG):
+            for name, category, _start, duration in events:
+                _log.debug("rank %d step %d: %-14s %-9s %8.3f ms", self.rank, self._step_count - 1,
+                           name, category, duration / 1e3)
+        if self.trace_path is not None:
+            self._trace_events.extend(events)
 
     def _retire_executor(self) -> None:
         """Keeps the stats and trace of the executor about to be replaced."""
@@ -721,6 +734,7 @@ class PipeDream:
         losses = self._executor.run_until(self._executor.size, inputs_by_microbatch)
         self._steps += 1
         self._step_count += 1
+        self._after_step()
         # Targets stay until their backward (a recomputed forward needs them):
         # at most 2 pipeline depths of steps behind.
         horizon = first - 2 * (self.world_size + 1) * per_step
@@ -792,6 +806,7 @@ class PipeDream:
         loss_scale = float(self._grad_scaler.get_scale()) if self._grad_scaler is not None else 1.0
         losses = self._executor.run([list(c) for c in input_chunks])
         self._step_count += 1
+        self._after_step()
         # Each last-stage replica holds the scaled losses of its microbatches.
         loss = torch.zeros(1, dtype=torch.float64)
         if self.is_last:

@@ -1,0 +1,129 @@
+"""pipe.stats(), the merged execution trace and PIPEDREAM_LOG=debug (CPU, Gloo, 2 ranks).
+
+    torchrun --standalone --nproc-per-node 2 tests/test_observability.py
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _multiprocess import ROOT, assert_every_rank_passed, launch_torchrun, worker_main  # noqa: E402
+
+MARKER = "ALL OBSERVABILITY CHECKS PASSED"
+M, STEPS, WIDTH, BATCH = 4, 3, 12, 8
+HEADER_BYTES = 82 * 8  # int64[kHeaderWords] per transfer (csrc/runtime/comm_engine.h)
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 3))
+
+
+def run_checks() -> None:
+    import pipedream_ext as pd
+
+    rank = dist.get_rank()
+    path = os.path.join(os.environ["OBS_DIR"], "run.json")
+    pipe = pd.PipeDream(make_model(), F.cross_entropy, schedule="1f1b", microbatches=M,
+                        balance=[2, 2], trace=path, timeout=60)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(STEPS):
+        x, y = torch.randn(BATCH, 6, generator=g), torch.randint(0, 3, (BATCH,), generator=g)
+        pipe.step(x, y)
+        opt.step(); opt.zero_grad()
+
+    stats = pipe.stats()
+    # Exact bytes: every microbatch's activation (rank 0) or gradient (rank 1), each
+    # (BATCH / M) x WIDTH float32 plus the header, every step.
+    per_transfer = HEADER_BYTES + (BATCH // M) * WIDTH * 4
+    assert stats["bytes_sent"] == STEPS * M * per_transfer, stats
+    assert stats["sends"] == stats["receives"] == STEPS * M, stats
+    # From the second step on, every receive was pre-posted; shapes never changed.
+    assert stats["preposted_receives"] == (STEPS - 1) * M and stats["redirected_sends"] == 0, stats
+    assert stats["steps"] == STEPS and stats["peak_activations"] == (2 if rank == 0 else 1), stats
+    assert 0 < stats["compute_s"] <= stats["busy_s"] and 0 <= stats["bubble_fraction"] < 1, stats
+    assert set(stats["seconds_by_kind"]) >= {"F", "B"}, stats
+
+    written = pipe.write_trace()
+    assert (written == path) == (rank == 0), written
+    if rank == 0:
+        with open(path) as f:
+            trace = json.load(f)
+        spans = collections.defaultdict(collections.Counter)
+        for e in trace["traceEvents"]:
+            if e["ph"] == "X":
+                assert e["dur"] >= 1 and e["ts"] >= 0, e
+                spans[e["pid"]][e["name"]] += 1
+        # One track per rank with exactly its schedule's F, B and SEND actions, every step.
+        schedule = pd.schedules.build("1f1b", stages=2, microbatches=M)
+        for r in (0, 1):
+            # (U is the caller's optimizer step in flush schedules: not run by the runtime.)
+            expected = collections.Counter(
+                a for a in schedule.actions(r, comm=True)
+                if "RECV" not in a and not re.fullmatch(r"\d+U\d+", a))
+            actual = collections.Counter({n: c for n, c in spans[r].items()
+                                          if "RECV" not in n and "wait" not in n})
+            assert actual == collections.Counter({n: c * STEPS for n, c in expected.items()}), \
+                (r, actual, expected)
+        # Waits on receives are on the receiving rank only.
+        assert any("RECV_F" in n for n in spans[1]) and not any("RECV_F" in n for n in spans[0])
+        names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+        assert names == {"rank 0: stages [0]", "rank 1: stages [1]"}, names
+
+
+def test_stats_and_merged_trace() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["OBS_DIR"] = tmp
+        try:
+            result = launch_torchrun(os.path.abspath(__file__), world=2, timeout=300)
+        finally:
+            del os.environ["OBS_DIR"]
+        assert_every_rank_passed(result, 2, MARKER)
+
+
+def test_pipedream_log_debug_shows_every_action() -> None:
+    script = (
+        "import torch, torch.nn.functional as F, torch.distributed as dist\n"
+        "import pipedream_ext as pd\n"
+        "torch.manual_seed(0)\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))\n"
+        "pipe = pd.PipeDream(m, F.cross_entropy, schedule='gpipe', microbatches=2, timeout=60)\n"
+        "pipe.step(torch.randn(4, 4), torch.randint(0, 2, (4,)))\n"
+        "dist.destroy_process_group()\n")
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(script)
+    try:
+        env = dict(os.environ, PIPEDREAM_LOG="debug", OMP_NUM_THREADS="1",
+                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                 "--nproc-per-node=2", f.name], capture_output=True, text=True,
+                                timeout=300, env=env)
+    finally:
+        os.remove(f.name)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for action in ("0F0", "0F1", "0SEND_F0", "0B0", "1F0", "1B1", "1SEND_B0", "1RECV_F0"):
+        assert f"step 0: {action} " in result.stderr, (action, result.stderr[-3000:])
+
+
+def test_bad_pipedream_log_level_is_a_clear_error() -> None:
+    env = dict(os.environ, PIPEDREAM_LOG="chatty",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, "-c", "import pipedream_ext"], capture_output=True,
+                            text=True, env=env, timeout=120)
+    assert result.returncode != 0 and "PIPEDREAM_LOG='chatty' is not a logging level" in result.stderr
+
+
+if __name__ == "__main__":
+    worker_main(run_checks, MARKER)
