@@ -56,9 +56,10 @@ double parseNumber(const std::string& text, const std::string& field, const std:
 }
 
 std::string formatFixed3(double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.3f", v);
-  return buf;
+  // Sized from snprintf: "%.3f" of a large value runs to 300+ digits.
+  std::string out(static_cast<size_t>(std::snprintf(nullptr, 0, "%.3f", v)), '\0');
+  std::snprintf(&out[0], out.size() + 1, "%.3f", v);
+  return out;
 }
 
 struct BitsetHash {

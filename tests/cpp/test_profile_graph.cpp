@@ -85,6 +85,19 @@ TEST(GraphIO, WritesNewGraphsInPipeDreamFormat) {
   EXPECT_THROW(g.addNode(in), std::invalid_argument);
 }
 
+// Found by the profile_graph fuzz target: "%.3f" of a value >= 1e60 was cut
+// to 63 characters, so toString() wrote a different (and smaller) number.
+TEST(GraphIO, WritesHugeValuesInFull) {
+  ProfileGraph g;
+  g.addNode(GraphNode{"node1", "Linear", 1e300, 1e65, 0, "", 123456789e60});
+  const std::string text = g.toString();
+  ProfileGraph back = ProfileGraph::parse(text);
+  EXPECT_EQ(back.node(0).forwardMs, 1e300);
+  EXPECT_EQ(back.node(0).backwardMs, 1e65);
+  EXPECT_EQ(back.node(0).parameterBytes, 123456789e60);
+  EXPECT_EQ(back.toString(), text);
+}
+
 void expectParseError(const std::string& text, const std::vector<std::string>& parts) {
   try {
     ProfileGraph::parse(text, "bad.txt");
