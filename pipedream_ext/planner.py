@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import os
+import reprlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _C
@@ -29,6 +30,74 @@ PLAN_FORMAT = "pipedream_ext.plan"
 PLAN_VERSION = 1
 
 ProfileLike = Union[str, "os.PathLike[str]", "_C.ProfileGraph"]
+
+# plan.json field checks: every malformed field is a ValueError naming it.
+_REQUIRED = object()
+
+
+def _as_int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (
+            isinstance(v, float) and not v.is_integer()):
+        raise TypeError("expected an integer")
+    return int(v)
+
+
+def _as_float(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError("expected a number")
+    return float(v)
+
+
+def _as_str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise TypeError("expected a string")
+    return v
+
+
+def _as_bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError("expected true or false")
+    return v
+
+
+def _as_dict(v: Any) -> Dict[str, Any]:
+    if not isinstance(v, dict):
+        raise TypeError("expected an object")
+    return dict(v)
+
+
+def _list_of(conv: Any) -> Any:
+    def as_list(v: Any) -> List[Any]:
+        if not isinstance(v, list):
+            raise TypeError("expected a list")
+        return [conv(x) for x in v]
+    return as_list
+
+
+def _as_layers(v: Any) -> Optional[Tuple[int, int]]:
+    if v is None:
+        return None
+    if not isinstance(v, list) or len(v) != 2:
+        raise TypeError("expected null or [start, end]")
+    return (_as_int(v[0]), _as_int(v[1]))
+
+
+def _field(d: Dict[str, Any], key: str, conv: Any, where: str, default: Any = _REQUIRED) -> Any:
+    """``conv(d[key])``; a missing (without default) or malformed field raises ValueError."""
+    if key not in d:
+        if default is _REQUIRED:
+            raise ValueError(f"{where} lacks the field {key!r}; write plans with `plan -o plan.json`")
+        return default
+    try:
+        return conv(d[key])
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"{where} field {key!r} is {reprlib.repr(d[key])}: {exc}") from None
+
+
+def _as_object(d: Any, where: str) -> Dict[str, Any]:
+    if not isinstance(d, dict):
+        raise ValueError(f"{where} must be a JSON object, not {type(d).__name__}")
+    return d
 
 
 def load_profile(path: Union[str, "os.PathLike[str]"]) -> "_C.ProfileGraph":
@@ -95,9 +164,20 @@ class Topology:
         return {"workers": list(self.workers), "bandwidth": list(self.bandwidth), "memory": self.memory}
 
     @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "Topology":
-        """Inverse of :meth:`to_dict`."""
-        return cls(tuple(d["workers"]), tuple(d["bandwidth"]), float(d.get("memory", 0.0)))
+    def from_dict(cls, d: Dict[str, Any], where: str = "topology") -> "Topology":
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ValueError: a missing or malformed field (named in the message).
+        """
+        d = _as_object(d, where)
+        workers = _field(d, "workers", _list_of(_as_int), where)
+        bandwidth = _field(d, "bandwidth", _list_of(_as_float), where)
+        memory = _field(d, "memory", _as_float, where, 0.0)
+        try:
+            return cls(tuple(workers), tuple(bandwidth), memory)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
 
 
 @dataclasses.dataclass
@@ -134,19 +214,23 @@ class Stage:
         return d
 
     @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "Stage":
-        """Inverse of :meth:`to_dict`."""
-        layers = d.get("layers")
+    def from_dict(cls, d: Dict[str, Any], where: str = "stage") -> "Stage":
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ValueError: a missing or malformed field (named in the message).
+        """
+        d = _as_object(d, where)
         return cls(
-            nodes=list(d["nodes"]),
-            replicas=int(d["replicas"]),
-            ranks=[int(r) for r in d["ranks"]],
-            time=float(d["time"]),
-            compute_seconds=float(d.get("compute_seconds", 0.0)),
-            parameter_bytes=float(d.get("parameter_bytes", 0.0)),
-            activation_bytes=float(d.get("activation_bytes", 0.0)),
-            memory_bytes=float(d.get("memory_bytes", 0.0)),
-            layers=(int(layers[0]), int(layers[1])) if layers is not None else None,
+            nodes=_field(d, "nodes", _list_of(_as_str), where),
+            replicas=_field(d, "replicas", _as_int, where),
+            ranks=_field(d, "ranks", _list_of(_as_int), where),
+            time=_field(d, "time", _as_float, where),
+            compute_seconds=_field(d, "compute_seconds", _as_float, where, 0.0),
+            parameter_bytes=_field(d, "parameter_bytes", _as_float, where, 0.0),
+            activation_bytes=_field(d, "activation_bytes", _as_float, where, 0.0),
+            memory_bytes=_field(d, "memory_bytes", _as_float, where, 0.0),
+            layers=_field(d, "layers", _as_layers, where, None),
         )
 
 
@@ -230,28 +314,33 @@ class Plan:
         """Inverse of :meth:`to_dict`.
 
         Raises:
-            ValueError: the object is not a plan of a known version.
+            ValueError: the object is not a plan of a known version, or a field
+                is missing or malformed (the message names it).
         """
-        if d.get("format") != PLAN_FORMAT or int(d.get("version", -1)) != PLAN_VERSION:
+        d = _as_object(d, "plan JSON")
+        version = d.get("version")
+        if d.get("format") != PLAN_FORMAT or isinstance(version, bool) or version != PLAN_VERSION:
             raise ValueError(
                 f"not a {PLAN_FORMAT} v{PLAN_VERSION} object (format={d.get('format')!r}, "
                 f"version={d.get('version')!r}); write plans with `plan -o plan.json`"
             )
+        where = "plan"
+        stages = _field(d, "stages", _list_of(lambda s: s), where)
         return cls(
-            stages=[Stage.from_dict(s) for s in d["stages"]],
-            time_per_stage=float(d["time_per_stage"]),
-            data_parallel_time=float(d["data_parallel_time"]),
-            speedup_over_dp=float(d["speedup_over_dp"]),
-            single_worker_time=float(d["single_worker_time"]),
-            num_workers=int(d["num_workers"]),
-            used_workers=int(d["used_workers"]),
-            cost_model=str(d["cost_model"]),
-            topology=Topology.from_dict(d["topology"]),
-            state_kind=str(d.get("state_kind", "antichain")),
-            num_states=int(d.get("num_states", 0)),
-            coarsened=bool(d.get("coarsened", False)),
-            chain=bool(d.get("chain", False)),
-            options=dict(d.get("options", {})),
+            stages=[Stage.from_dict(s, f"plan stage {i}") for i, s in enumerate(stages)],
+            time_per_stage=_field(d, "time_per_stage", _as_float, where),
+            data_parallel_time=_field(d, "data_parallel_time", _as_float, where),
+            speedup_over_dp=_field(d, "speedup_over_dp", _as_float, where),
+            single_worker_time=_field(d, "single_worker_time", _as_float, where),
+            num_workers=_field(d, "num_workers", _as_int, where),
+            used_workers=_field(d, "used_workers", _as_int, where),
+            cost_model=_field(d, "cost_model", _as_str, where),
+            topology=Topology.from_dict(_field(d, "topology", _as_dict, where), "plan topology"),
+            state_kind=_field(d, "state_kind", _as_str, where, "antichain"),
+            num_states=_field(d, "num_states", _as_int, where, 0),
+            coarsened=_field(d, "coarsened", _as_bool, where, False),
+            chain=_field(d, "chain", _as_bool, where, False),
+            options=_field(d, "options", _as_dict, where, {}),
         )
 
     def to_json(self, indent: Optional[int] = 2) -> str:
@@ -267,7 +356,7 @@ class Plan:
         """
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError; nesting too deep
             raise ValueError(f"plan JSON is malformed: {exc}") from exc
         if not isinstance(data, dict):
             raise ValueError("plan JSON must be an object")
@@ -288,7 +377,10 @@ class Plan:
             ValueError: not a plan.
         """
         with open(path, encoding="utf-8") as f:
-            return cls.from_json(f.read())
+            try:
+                return cls.from_json(f.read())
+            except ValueError as exc:  # also UnicodeDecodeError
+                raise ValueError(f"{os.fspath(path)}: {exc}") from exc
 
     def table(self) -> str:
         """A human-readable table of the stages and the predicted speedup."""

@@ -57,6 +57,33 @@ def test_plan_json_round_trip(tmp_path: Path) -> None:
         pe.Plan.from_json("{")
 
 
+def test_plan_json_errors_name_the_file_and_field(tmp_path: Path) -> None:
+    """Found by the plan_json fuzz target: KeyError, AttributeError, IndexError,
+    TypeError, OverflowError and RecursionError escaped Plan.load."""
+    d = pe.plan(DATA / "alexnet.txt", workers=4, bandwidth=16e9).to_dict()
+    cases = {
+        "lacks the field 'stages'": {k: v for k, v in d.items() if k != "stages"},
+        "stage 0 must be a JSON object": dict(d, stages=[5]),
+        "stage 0 field 'layers'": dict(d, stages=[dict(d["stages"][0], layers=[1])]),
+        "stage 0 field 'replicas' is 'two'": dict(d, stages=[dict(d["stages"][0], replicas="two")]),
+        "topology lacks the field 'bandwidth'": dict(d, topology={"workers": [4]}),
+        "field 'time_per_stage'": dict(d, time_per_stage=10 ** 400),
+        "field 'options'": dict(d, options="ab"),
+    }
+    path = tmp_path / "plan.json"
+    for message, obj in cases.items():
+        path.write_text(json.dumps(obj))
+        with pytest.raises(ValueError, match=message) as info:
+            pe.Plan.load(path)
+        assert str(path) in str(info.value)
+    path.write_text("[" * 100000)
+    with pytest.raises(ValueError, match="malformed"):
+        pe.Plan.load(path)
+    path.write_bytes(b'{"format": "\xff"}')
+    with pytest.raises(ValueError, match="plan.json"):
+        pe.Plan.load(path)
+
+
 def test_chain_plans_carry_contiguous_layer_ranges() -> None:
     graph = pe.ProfileGraph()
     graph.add_node("node1", "Input", 0.0, 0.0, 4e6, 0.0)
