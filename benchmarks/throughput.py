@@ -273,20 +273,29 @@ def run_worker(args: argparse.Namespace) -> int:
         if finish is not None:
             finish()
         reps: List[float] = []
+        cpu_per_sample: List[float] = []
         for _ in range(args.reps):
             barrier()
             t0 = time.perf_counter()
+            c0 = time.process_time()  # this process, all threads (Gloo's included)
             for _ in range(steps):
                 step_fn()
             if finish is not None:
                 finish()
+            cpu = time.process_time() - c0
             barrier()
             elapsed = time.perf_counter() - t0
             if distributed:
-                t = torch.tensor([elapsed], dtype=torch.float64)
+                t = torch.tensor([elapsed, cpu], dtype=torch.float64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                elapsed = float(t.item())
+                elapsed = float(t[0].item())
+                c = torch.tensor([cpu], dtype=torch.float64)
+                dist.all_reduce(c)  # CPU seconds of all ranks together
+                cpu = float(c.item())
             reps.append(steps * samples_per_step / elapsed)
+            cpu_per_sample.append(cpu / (steps * samples_per_step))
+        if cpu_per_sample:
+            result["cpu_us_per_sample"] = statistics.median(cpu_per_sample) * 1e6
         if reps:
             result.update(samples_per_s=reps, median=statistics.median(reps), min=min(reps),
                           max=max(reps), samples_per_rep=steps * samples_per_step)

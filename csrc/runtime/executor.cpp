@@ -186,8 +186,18 @@ void PipelineExecutor::backward(const Action& a, bool inputOnly, bool weightOnly
       if (!s.outputs[k].requires_grad()) continue;
       TORCH_CHECK(k < s.gradOutputs.size() && s.gradOutputs[k].defined(), "stage ", a.stage,
                   " microbatch ", a.microbatch, ": missing gradient for output ", k);
-      roots.push_back(s.outputs[k]);
-      grads.push_back(s.gradOutputs[k]);
+      const auto& out = s.outputs[k];
+      const auto& grad = s.gradOutputs[k];
+      // A peer running another split or model would otherwise surface as an
+      // autograd shape error without saying who sent what.
+      TORCH_CHECK(grad.sizes() == out.sizes() && at::isFloatingType(grad.scalar_type()), "rank ",
+                  rank_, ": ", describe("RECV_B", a.stage, a.microbatch), ": rank ",
+                  schedule_.layout().rankFor(a.stage + 1, a.microbatch), " sent a gradient ",
+                  TensorMeta{grad.scalar_type(), grad.sizes().vec()}.toString(), " for output ", k,
+                  " of ", TensorMeta{out.scalar_type(), out.sizes().vec()}.toString(),
+                  "; every rank must run the same model, balance and schedule");
+      roots.push_back(out);
+      grads.push_back(grad);
     }
   }
 

@@ -1,0 +1,263 @@
+"""Every bad input of docs/bad_input.md, each row a test.
+
+ROWS below is the table: an id, what was wrong and the error a user sees. Rows
+checked here run either in-process (argument checks that happen before any
+communication), in one 2-rank torchrun job (world size, replicas, hostile peers
+that send malformed metadata), or through the CLI. Rows tested elsewhere name
+their test, which must exist. test_docs_table_lists_every_row keeps the
+document and this list the same.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from typing import Any, Callable, Dict, List, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _multiprocess import ROOT, assert_every_rank_passed, launch_torchrun, worker_main  # noqa: E402
+
+MARKER = "ALL BAD INPUT CHECKS PASSED"
+DOC = os.path.join(ROOT, "docs", "bad_input.md")
+
+# (id, bad input, the error a user sees (a regex found in the message), where it is tested)
+ROWS: List[Tuple[str, str, str, str]] = [
+    # -- arguments, rejected before any communication (in-process here)
+    ("not-sequential", "`module` is not an `nn.Sequential`",
+     r"module must be an nn\.Sequential \(got Linear\); wrap your layers in torch\.nn\.Sequential", "here"),
+    ("schedule-name", "unknown schedule `1f1c`",
+     r"schedule '1f1c' is not supported by the runtime; choose one of gpipe, 1f1b", "here"),
+    ("microbatches", "`microbatches=0`", r"microbatches must be a positive integer \(got 0\)", "here"),
+    ("chunks", "`chunks=2` with `1f1b`", r"chunks=2 needs schedule='interleaved-1f1b'", "here"),
+    ("vertical-sync", "`vertical_sync=True` with `1f1b`", r"vertical_sync=True needs schedule='pipedream'", "here"),
+    ("timeout", "`timeout=0`", r"timeout must be > 0 seconds \(got 0\)", "here"),
+    ("autocast-dtype", "`autocast=torch.float64`", r"autocast=torch\.float64 is not a reduced-precision dtype", "here"),
+    ("autocast-async-fp16", "`autocast=torch.float16` with `pipedream`", r"needs loss scaling", "here"),
+    ("check-finite", "`check_finite='warn'`", r"check_finite='warn'; use None, 'raise' or 'skip'", "here"),
+    ("no-launcher", "no process group and no torchrun environment",
+     r"no torch\.distributed process group and no torchrun environment", "here"),
+    # -- world, balance, replicas (2 ranks)
+    ("balance-count", "`balance` lists 3 stages on 2 ranks",
+     r"balance lists 3 stages but the world has 2 ranks x 1 chunks = 2 stages", "here"),
+    ("balance-sum", "`balance` does not add up to the layers", r"balance \[2, 9\] sums to 11 but the model has 4 layers", "here"),
+    ("balance-empty", "a stage with no layers", r"balance \[0, 4\] has a stage with no layers", "here"),
+    ("world-size", "`replicas=[2, 1]` on 2 ranks", r"replicas \[2, 1\] need 3 ranks but the world has 2", "here"),
+    ("replicas-zero", "`replicas=[0, 2]`", r"replicas \[0, 2\] has a count below 1", "here"),
+    ("too-few-layers", "more stages than layers", r"the model has 1 layers but 2 stages are needed", "here"),
+    ("config-mismatch", "ranks built with different arguments", r"ranks disagree on the pipeline configuration", "here"),
+    ("plan-file", "`balance=` a file that is not a plan",
+     r"notaplan0.json: not a pipedream_ext.plan v1 object|notaplan1.json: not a pipedream_ext.plan v1 object", "here"),
+    # -- data
+    ("missing-targets", "no targets on the last stage's rank", r"needs the targets",
+     "tests/test_runtime.py::test_one_sided_bad_input_fails_everywhere"),
+    ("small-batch", "a batch smaller than `microbatches`", r"smaller than microbatches=2",
+     "tests/test_runtime.py::test_one_sided_bad_input_fails_everywhere"),
+    ("shape-change", "a stage input changes shape after the first step",
+     r"changed shape or dtype: expected \(Float\[4, 6\]\) \(first step\) but got \(Float\[4, 5\]\)",
+     "tests/test_runtime.py::test_one_sided_bad_input_fails_everywhere"),
+    ("loss-shape", "`loss_fn` does not reduce to a scalar", r"loss_fn returned a tensor of shape \(4,\); it must return a scalar", "here"),
+    ("nan", "NaN or inf in a stage's output", r"NaN or inf first appeared in the forward output of stage 0",
+     "tests/test_mixed_precision.py::test_mixed_precision_and_nonfinite_detection"),
+    # -- peers that send the wrong metadata (a raw rank posing as stage 1)
+    ("peer-magic", "a peer's header with a bad magic number",
+     r"received a header with a bad magic number \(12345\); the peer is not running the same pipedream_ext schedule", "here"),
+    ("peer-count", "a peer announces 99 tensors", r"header announces 99 tensors", "here"),
+    ("peer-negative-size", "a peer announces a negative size", r"header announces a negative size -3", "here"),
+    ("peer-dtype", "a peer announces an unknown dtype", r"header announces an unknown dtype 999", "here"),
+    ("peer-gradient-shape", "a peer sends a gradient of the wrong shape",
+     r"rank 1 sent a gradient Float\[2, 99\] for output 0 of Float\[2, 12\]; every rank must run the same model", "here"),
+    ("peer-dead", "a peer dies mid-step", r"failed or timed out .*is rank 1 alive",
+     "tests/test_runtime.py::test_killed_rank_makes_the_others_fail_naming_it"),
+    # -- files
+    ("profile-corrupt", "a corrupt profile file", r"file:line and the field",
+     "tests/test_planner.py::test_parse_errors_name_file_line_and_field"),
+    ("plan-json", "a plan JSON with a bad field", r"the file and the field",
+     "tests/test_planner.py::test_plan_json_errors_name_the_file_and_field"),
+    ("plan-cli", "bad `plan` arguments (e.g. a missing profile)", r"error: ... none.txt (exit 2)", "tests/test_planner.py::test_cli_plan_errors"),
+    ("schedule-text", "a schedule text with a bad action",
+     r"schedule text line 1: cannot parse action '0Q0': unknown action kind", "here"),
+    ("schedule-cli", "bad `schedule` arguments", r"error: ... (the value and the fix; exit 2)",
+     "tests/test_schedules.py::test_cli_errors_exit_nonzero_with_the_value"),
+    ("checkpoint-corrupt", "a missing, truncated or altered checkpoint file",
+     r"CKPT is not a complete checkpoint: ... is missing / FILE does not match the sha256 in the manifest",
+     "tests/test_checkpoint.py::test_resume_in_other_processes_equals_an_uninterrupted_run"),
+    ("plot-path", "`--plot` to a path that cannot be written", r"cannot write the plot ...: directory ... is not writable (exit 2)",
+     "tests/test_plot.py::test_cli_plot_bad_path_exits_2_with_a_message"),
+]
+
+
+def model(layers: int = 4) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*([nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Linear(12, 3)][:layers]))
+
+
+def pipe_kwargs(**kwargs: Any) -> Dict[str, Any]:
+    base = dict(loss_fn=F.cross_entropy, schedule="1f1b", microbatches=2, timeout=30)
+    base.update(kwargs)
+    return base
+
+
+# -------------------------------------------------------------------------- in-process
+IN_PROCESS: Dict[str, Callable[[], Any]] = {
+    "not-sequential": lambda: _pd().PipeDream(nn.Linear(2, 2), F.cross_entropy),
+    "schedule-name": lambda: _pd().PipeDream(model(), **pipe_kwargs(schedule="1f1c")),
+    "microbatches": lambda: _pd().PipeDream(model(), **pipe_kwargs(microbatches=0)),
+    "chunks": lambda: _pd().PipeDream(model(), **pipe_kwargs(chunks=2)),
+    "vertical-sync": lambda: _pd().PipeDream(model(), **pipe_kwargs(vertical_sync=True)),
+    "timeout": lambda: _pd().PipeDream(model(), **pipe_kwargs(timeout=0)),
+    "autocast-dtype": lambda: _pd().PipeDream(model(), **pipe_kwargs(autocast=torch.float64)),
+    "autocast-async-fp16": lambda: _pd().PipeDream(
+        model(), **pipe_kwargs(schedule="pipedream", autocast=torch.float16)),
+    "check-finite": lambda: _pd().PipeDream(model(), **pipe_kwargs(check_finite="warn")),
+    "no-launcher": lambda: _pd().PipeDream(model(), **pipe_kwargs()),
+    "schedule-text": lambda: _pd().schedules.build("1f1b", stages=2, microbatches=2).with_actions(
+        "rank 0: 0F0 0Q0\nrank 1: 1F0"),
+}
+
+
+def _pd():
+    import pipedream_ext as pd
+
+    return pd
+
+
+def _message(row_id: str) -> str:
+    return next(r[2] for r in ROWS if r[0] == row_id)
+
+
+@pytest.mark.parametrize("row_id", sorted(IN_PROCESS))
+def test_in_process_rows(row_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    assert not dist.is_initialized()
+    with pytest.raises((ValueError, RuntimeError)) as info:
+        IN_PROCESS[row_id]()
+    assert re.search(_message(row_id), str(info.value)), (row_id, str(info.value))
+
+
+# -------------------------------------------------------------------------- 2 ranks
+def _expect(row_id: str, fn: Callable[[], Any]) -> None:
+    with pytest.raises((ValueError, RuntimeError)) as info:
+        fn()
+    assert re.search(_message(row_id), str(info.value)), (row_id, str(info.value))
+
+
+def _header(words: Dict[int, int]) -> torch.Tensor:
+    header = torch.zeros(82, dtype=torch.int64)
+    header[0] = 0x50495045  # "PIPE"
+    for index, value in words.items():
+        header[index] = value
+    return header
+
+
+def check_world_rows() -> None:
+    import pipedream_ext as pd
+
+    _expect("balance-count", lambda: pd.PipeDream(model(), balance=[1, 1, 2], **pipe_kwargs()))
+    _expect("balance-sum", lambda: pd.PipeDream(model(), balance=[2, 9], **pipe_kwargs()))
+    _expect("balance-empty", lambda: pd.PipeDream(model(), balance=[0, 4], **pipe_kwargs()))
+    _expect("world-size", lambda: pd.PipeDream(model(), replicas=[2, 1], **pipe_kwargs()))
+    _expect("replicas-zero", lambda: pd.PipeDream(model(), replicas=[0, 2], **pipe_kwargs()))
+    _expect("too-few-layers", lambda: pd.PipeDream(model(1), **pipe_kwargs()))
+    mb = 2 if dist.get_rank() == 0 else 4
+    _expect("config-mismatch", lambda: pd.PipeDream(model(), **pipe_kwargs(microbatches=mb)))
+    bad = os.path.join(os.environ["BAD_INPUT_DIR"], f"notaplan{dist.get_rank()}.json")
+    with open(bad, "w") as f:
+        f.write('{"stages": "many"}')
+    _expect("plan-file", lambda: pd.PipeDream(model(), balance=bad, **pipe_kwargs()))
+
+
+def check_loss_shape_row() -> None:
+    """Last: the failed step leaves rank 0's receive posted (its peer died to it)."""
+    import pipedream_ext as pd
+
+    # Its own group: Gloo closes a pair after a timed-out receive, and the default
+    # group must stay usable for the final barrier.
+    group = dist.new_group([0, 1])
+    pipe = pd.PipeDream(model(), process_group=group, **pipe_kwargs(
+        timeout=5, loss_fn=lambda out, y: F.cross_entropy(out, y, reduction="none")))
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    if pipe.is_last:
+        _expect("loss-shape", lambda: pipe.step(x, y))
+    else:  # the peer of a failed rank fails too (naming it), never hangs
+        with pytest.raises(RuntimeError, match="rank 1"):
+            pipe.step(x, y)
+
+
+def check_hostile_peer_rows() -> None:
+    """Rank 1 builds the pipeline, then plays stage 1 by hand with malformed headers."""
+    import pipedream_ext as pd
+
+    # RECV_B of stage 0, microbatch 0, 2 stages: tag ((1 * 2 + 0) * 2^15 + 0) * 32 + part.
+    recv_b_tag = (1 * 2 + 0) * (1 << 15) * 32
+    cases = [
+        ("peer-magic", _header({0: 12345, 1: 1})),
+        ("peer-count", _header({1: 99})),
+        ("peer-negative-size", _header({1: 1, 2: 6, 3: 2, 4: 2, 5: -3})),
+        ("peer-dtype", _header({1: 1, 2: 999, 3: 2, 4: 2, 5: 12})),
+        ("peer-gradient-shape", _header({1: 1, 2: 6, 3: 2, 4: 2, 5: 99})),  # 6 = at::kFloat
+    ]
+    for row_id, header in cases:
+        pipe = pd.PipeDream(model(), **pipe_kwargs(microbatches=1, timeout=20))
+        x, y = torch.randn(2, 6), torch.randint(0, 3, (2,))
+        if dist.get_rank() == 0:
+            _expect(row_id, lambda: pipe.step(x, None))
+        else:
+            # Take stage 0's activation (header + data) so nothing is left pending.
+            got = torch.zeros(82, dtype=torch.int64)
+            dist.recv(got, src=0, tag=0)
+            dist.recv(torch.zeros(2, 12), src=0, tag=1)
+            dist.send(header, dst=0, tag=recv_b_tag)
+            if row_id == "peer-gradient-shape":
+                dist.send(torch.zeros(2, 99), dst=0, tag=recv_b_tag + 1)
+        dist.barrier()
+
+
+def run_checks() -> None:
+    check_world_rows()
+    check_hostile_peer_rows()
+    check_loss_shape_row()
+
+
+def test_two_rank_rows(tmp_path) -> None:
+    os.environ["BAD_INPUT_DIR"] = str(tmp_path)
+    try:
+        result = launch_torchrun(os.path.abspath(__file__), world=2, timeout=300)
+    finally:
+        del os.environ["BAD_INPUT_DIR"]
+    assert_every_rank_passed(result, 2, MARKER)
+
+
+# -------------------------------------------------------------------------- the table
+def test_every_row_is_tested_here_or_names_an_existing_test() -> None:
+    here = set(IN_PROCESS) | {"balance-count", "balance-sum", "balance-empty", "world-size",
+                              "replicas-zero", "too-few-layers", "config-mismatch", "plan-file",
+                              "loss-shape", "peer-magic", "peer-count", "peer-negative-size",
+                              "peer-dtype", "peer-gradient-shape"}
+    for row_id, _what, _message_re, where in ROWS:
+        if where == "here":
+            assert row_id in here, f"row {row_id} says it is tested here but is not"
+            continue
+        path, _, name = where.partition("::")
+        with open(os.path.join(ROOT, path)) as f:
+            assert re.search(rf"def {re.escape(name)}\(", f.read()), f"{where} does not exist"
+
+
+def test_docs_table_lists_every_row() -> None:
+    with open(DOC) as f:
+        text = f.read()
+    for row_id, what, _message, where in ROWS:
+        assert f"| `{row_id}` | {what} |" in text, f"docs/bad_input.md lacks row {row_id}"
+        assert (where if where != "here" else "tests/test_bad_input.py (here)") in text, \
+            f"docs/bad_input.md does not name the test of {row_id}"
+
+
+if __name__ == "__main__":
+    worker_main(run_checks, MARKER)
