@@ -3,7 +3,7 @@
 PY ?= python3
 BUILD_DIR ?= build/cmake
 
-.PHONY: setup build test cpp-test py-test run bench clean
+.PHONY: setup build test cpp-test py-test run bench bench-network clean
 
 setup:
 	PYTHON=$(PY) bash .ci/bootstrap.sh
@@ -35,6 +35,12 @@ bench: setup
 	$(PY) benchmarks/planner_speed.py > benchmarks/results/planner_speed.md
 	$(PY) benchmarks/comm_volume.py
 	@if [ -f benchmarks/throughput.py ]; then $(PY) benchmarks/throughput.py; fi
+
+# Time to accuracy on an emulated 4-host cluster (network namespaces, tc-limited
+# links at 100 Mbit/s and 1 Gbit/s): DDP vs 1f1b / pipedream / pipedream-2bw.
+# Needs root and iproute2 (sudo make bench-network); about 10 minutes on 2 cores.
+bench-network: setup
+	$(PY) benchmarks/slow_network.py --command "sudo make bench-network"
 
 clean:
 	rm -rf build pipedream_ext/_C*.so *.egg-info
