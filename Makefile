@@ -2,8 +2,10 @@
 # everything they need themselves (see .ci/bootstrap.sh).
 PY ?= python3
 BUILD_DIR ?= build/cmake
+SAN_BUILD_DIR ?= build/cmake-asan
+FUZZ_SECONDS ?= 60
 
-.PHONY: setup build test cpp-test py-test run bench bench-network clean
+.PHONY: setup build test cpp-test cpp-test-sanitized fuzz py-test run bench bench-network clean
 
 setup:
 	PYTHON=$(PY) bash .ci/bootstrap.sh
@@ -17,12 +19,27 @@ cpp-test:
 	cmake --build $(BUILD_DIR) -j 2
 	cd $(BUILD_DIR) && ctest --output-on-failure -j 2
 
+# The same GoogleTest suite built with g++ under AddressSanitizer (leaks
+# included) and UndefinedBehaviorSanitizer; it also replays tests/fuzz's
+# corpora and saved findings.
+cpp-test-sanitized:
+	cmake -S . -B $(SAN_BUILD_DIR) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPIPEDREAM_SANITIZE=ON >/dev/null
+	cmake --build $(SAN_BUILD_DIR) -j 2
+	cd $(SAN_BUILD_DIR) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+		ctest --output-on-failure -j 2
+
+# libFuzzer/atheris targets for the profile, schedule and plan JSON parsers,
+# FUZZ_SECONDS each (installs clang if missing; see docs/fuzzing.md).
+fuzz: setup
+	bash tests/fuzz/run_fuzzers.sh $(FUZZ_SECONDS)
+
 py-test:
 	$(PY) -m pytest tests -q
 
-# The README's test command: GoogleTest (ctest) then pytest.
+# The README's test command: GoogleTest (ctest, plain and sanitized) then pytest.
 test: setup
 	$(MAKE) cpp-test
+	$(MAKE) cpp-test-sanitized
 	$(MAKE) py-test
 
 # The README's main job: 4-stage pipeline training of a CNN on digits (CPU).
