@@ -1,0 +1,213 @@
+"""The benchmark scripts' pure helpers (benchmarks/plan_accuracy.py, memory.py, soak.py).
+
+Fast: the scripts import torch only inside functions, so nothing here starts a process
+group or imports torch.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name: str):
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+plan_accuracy = _load("plan_accuracy")
+memory = _load("memory")
+soak = _load("soak")
+util = _load("_bench_util")
+
+
+def test_scripts_do_not_import_torch_at_module_level():
+    assert "torch" not in vars(plan_accuracy) and "torch" not in vars(memory) and "torch" not in vars(soak)
+
+
+# ----------------------------------------------------------------------------- memory
+def test_cumulative_peak_orders_events_by_time():
+    # Recorded out of order: at t=2 and t=3 two 4-byte blocks coexist with the 10 bytes of t=1.
+    events = [(3, 4), (1, 10), (5, -10), (2, 4), (4, -4), (6, -4)]
+    assert memory.cumulative_peak(events) == (18, 0)
+
+
+def test_cumulative_peak_keeps_recorded_order_for_equal_times_and_ignores_earlier_frees():
+    # A free of memory allocated before the window (t=0) lowers the running sum;
+    # at t=1 the recorded free comes before the allocation, so the peak is 2, not 5.
+    events = [(0, -3), (1, -8), (1, 8), (2, 5), (3, -5)]
+    assert memory.cumulative_peak(events) == (2, -3)
+    assert memory.cumulative_peak([]) == (0, 0)
+    assert memory.cumulative_peak([(0, 1 << 20), (1, -(1 << 20)), (2, 3 << 18)]) == (1 << 20, 3 << 18)
+
+
+def test_expected_in_flight_per_schedule():
+    assert [memory.expected_in_flight("1f1b", 4, j, 8) for j in range(4)] == [4, 3, 2, 1]
+    assert [memory.expected_in_flight("1f1b", 4, j, 2) for j in range(4)] == [2, 2, 2, 1]
+    assert [memory.expected_in_flight("gpipe", 4, j, 8) for j in range(4)] == [8] * 4
+    assert [memory.expected_in_flight("pipedream", 3, j, 8) for j in range(3)] == [3, 2, 1]
+    with pytest.raises(ValueError):
+        memory.expected_in_flight("1f1b", 2, 2, 4)
+    with pytest.raises(ValueError):
+        memory.expected_in_flight("interleaved-1f1b", 2, 0, 4)
+
+
+def test_expected_peak_with_and_without_recompute():
+    assert memory.expected_peak(3, 100.0, 10.0, 7.0, recompute=False) == 307.0
+    assert memory.expected_peak(3, 100.0, 10.0, 7.0, recompute=True) == 137.0
+    assert memory.expected_peak(2, 100.0, 10.0, 7.0, recompute=False, extra_weights=14.0) == 221.0
+
+
+def test_block_balance_splits_blocks_and_puts_the_classifier_last():
+    assert memory.block_balance(8, 2) == [16, 17]
+    assert memory.block_balance(8, 4) == [8, 8, 8, 9]
+    assert memory.block_balance(5, 2) == [12, 9]
+    assert memory.block_balance(3, 2, per_block=2) == [4, 3]
+    with pytest.raises(ValueError):
+        memory.block_balance(2, 3)
+
+
+def test_slope_is_least_squares():
+    assert memory.slope([2, 4, 8, 16], [1.0, 2.0, 4.0, 8.0]) == pytest.approx(0.5)
+    assert memory.slope([1, 2, 3], [5.0, 5.0, 5.0]) == pytest.approx(0.0)
+    with pytest.raises(ValueError):
+        memory.slope([4, 4], [1.0, 2.0])
+    with pytest.raises(ValueError):
+        memory.slope([1], [1.0])
+
+
+def test_recompute_table_reports_the_saving():
+    rows = [{"ranks": 2, "schedule": "gpipe", "stage": 0, "recompute": False, "peak_mib": 4.0},
+            {"ranks": 2, "schedule": "gpipe", "stage": 0, "recompute": True, "peak_mib": 1.0}]
+    lines = memory.recompute_table(rows)
+    assert lines[-1] == "| 2 | gpipe | 0 | 4.00 | 1.00 | 75% |"
+
+
+# ----------------------------------------------------------------------------- plan accuracy
+NODES = [{"id": "node1", "forward_ms": 0.0, "backward_ms": 0.0, "activation_bytes": 64.0, "parameter_bytes": 0.0}] + [
+    {"id": f"node{i + 2}", "forward_ms": float(i + 1), "backward_ms": 2.0 * (i + 1),
+     "activation_bytes": 100.0 * (i + 1), "parameter_bytes": 10.0 * i} for i in range(4)]
+
+
+def test_stage_profile_costs_sums_the_stage_layers():
+    c = plan_accuracy.stage_profile_costs(NODES, (1, 3))  # layers 1, 2: node3, node4
+    assert c == {"forward_s": pytest.approx(0.005), "backward_s": pytest.approx(0.010),
+                 "output_bytes": 300.0, "parameter_bytes": 30.0}
+
+
+def test_replica_share_round_robin():
+    assert [plan_accuracy.replica_share(5, 2, k) for k in range(2)] == [3, 2]
+    assert [plan_accuracy.replica_share(8, 3, k) for k in range(3)] == [3, 3, 2]
+    assert plan_accuracy.replica_share(4, 1, 0) == 4
+    with pytest.raises(ValueError):
+        plan_accuracy.replica_share(4, 2, 2)
+
+
+def test_measured_stages_per_microbatch_and_share():
+    ranks = [
+        # stage 0 on two replicas: 10 pipeline microbatches, 5 each
+        {"stage": 0, "replica": 0, "replicas": 2, "seconds_by_kind": {"F": 0.5, "B": 1.0, "ALLREDUCE": 0.5}},
+        {"stage": 0, "replica": 1, "replicas": 2, "seconds_by_kind": {"F": 1.0, "B": 1.5, "ALLREDUCE": 0.1}},
+        {"stage": 1, "replica": 0, "replicas": 1, "seconds_by_kind": {"F": 1.0, "I": 0.5, "W": 0.5, "RECV_F": 9.0}},
+    ]
+    m = plan_accuracy.measured_stages(ranks, 10)
+    assert m[0]["compute_s"] == pytest.approx((1.5 / 5 + 2.5 / 5) / 2)
+    assert m[0]["stage_s"] == pytest.approx(max(2.0, 2.6) / 10)
+    assert m[0]["allreduce_s"] == pytest.approx(0.05)
+    assert m[1]["compute_s"] == pytest.approx(0.2)  # waits (RECV_F) are not compute
+    assert m[1]["stage_s"] == pytest.approx(0.2)
+
+
+def test_relative_error_and_formatting():
+    assert plan_accuracy.relative_error(2.0, 3.0) == pytest.approx(0.5)
+    assert plan_accuracy.relative_error(0.0, 3.0) is None
+    assert plan_accuracy.relative_error(None, 3.0) is None
+    assert util.pct(0.5) == "+50%" and util.pct(-0.25) == "-25%" and util.pct(None) == "n/a"
+
+
+def test_merge_rows_joins_plans_with_the_same_partition():
+    rows = [{"plan_name": "pipedream", "workers": 2, "plan": "[0,3)x1 [3,10)x1", "t": 1.0},
+            {"plan_name": "default (straight)", "workers": 2, "plan": "[0,3)x1 [3,10)x1", "t": 1.0},
+            {"plan_name": "default", "workers": 2, "plan": "[0,10)x2", "t": 1.0},
+            {"plan_name": "other", "workers": 2, "plan": "[0,3)x1 [3,10)x1", "t": 2.0}]
+    merged = plan_accuracy.merge_rows(rows, ("workers", "plan", "t"))
+    assert [m["plans"] for m in merged] == [["pipedream", "default (straight)"], ["default"], ["other"]]
+
+
+# ----------------------------------------------------------------------------- soak
+def _samples(rss, rates=None, start=0, every=100, **queues):
+    """Synthetic samples: rss in MiB per sample, constant 100 steps/s unless rates given."""
+    out, t = [], 0.0
+    for k, r in enumerate(rss):
+        step = start + k * every
+        if k:
+            t += every / (rates[k] if rates else 100.0)
+        s = {"step": step, "t": t, "rss": int(r * soak.MIB)}
+        for q, values in queues.items():
+            s[q] = values[k]
+        out.append(s)
+    return out
+
+
+def test_rss_bytes_reads_statm():
+    assert soak.rss_bytes("1000 250 30 1 0 200 0\n", page_size=4096) == 250 * 4096
+    assert soak.rss_bytes() > 0
+
+
+def test_soak_passes_a_flat_steady_run():
+    flat = _samples([300.0] * 3 + [301.0] * 18, pending_targets=[11] * 21)
+    problems, figures = soak.assess([flat, flat], warmup_step=200, rss_threshold=5 * soak.MIB, max_drop=0.3)
+    assert problems == []
+    assert figures["rss"][0]["max_growth"] == pytest.approx(soak.MIB)
+    assert figures["throughput"]["first"] == pytest.approx(100.0)
+    assert figures["queues"]["pending_targets"] == {"first": 11, "last": 11}
+
+
+def test_soak_flags_rss_growth_after_warmup_only():
+    # Growth inside the warm-up (steps < 200) does not count; 10.8 MiB after it does.
+    early = _samples([100.0, 200.0, 300.0, 300.0, 300.0, 300.0, 300.0, 300.0, 300.0, 300.0, 300.0])
+    assert soak.assess([early], 200, 5 * soak.MIB, 0.3)[0] == []
+    leak = _samples([300.0 + 0.6 * k for k in range(21)])
+    problems, figures = soak.assess([leak], 200, 5 * soak.MIB, 0.3)
+    assert len(problems) == 1 and "RSS grew" in problems[0]
+    assert figures["rss"][0]["max_growth"] == pytest.approx(0.6 * 18 * soak.MIB, rel=1e-3)
+
+
+def test_soak_flags_a_throughput_drop_of_more_than_max_drop():
+    rates = [100.0] * 11 + [60.0] * 10  # last quarter at 60% of the first
+    problems, figures = soak.assess([_samples([300.0] * 21, rates)], 200, 5 * soak.MIB, 0.3)
+    assert any("throughput fell" in p for p in problems)
+    assert figures["throughput"]["last"] == pytest.approx(60.0)
+    mild = [100.0] * 11 + [80.0] * 10
+    assert soak.assess([_samples([300.0] * 21, mild)], 200, 5 * soak.MIB, 0.3)[0] == []
+
+
+def test_soak_flags_growing_queues_but_not_periodic_ones():
+    periodic = [200 + (k % 4) * 20 for k in range(21)]
+    assert soak.assess([_samples([300.0] * 21, executor_size=periodic)], 200, 5 * soak.MIB, 0.3)[0] == []
+    growing = [10 + 2 * k for k in range(21)]
+    problems, _ = soak.assess([_samples([300.0] * 21, pending_targets=growing)], 200, 5 * soak.MIB, 0.3)
+    assert problems == ["rank 0: pending_targets grew from at most 22 to 50"]
+    assert soak.queue_growing([4, 4], [7])  # small queues: more than 2 above
+    assert not soak.queue_growing([4, 4], [6])
+
+
+def test_quarters_and_rate():
+    s = _samples([1.0] * 9)  # steps 0..800
+    first, last = soak.quarters(s)
+    assert [x["step"] for x in first] == [0, 100, 200]
+    assert [x["step"] for x in last] == [600, 700, 800]
+    assert soak.rate(first) == pytest.approx(100.0)
+    assert soak.rate(s[:1]) is None
+    two = _samples([1.0, 1.0])
+    assert soak.quarters(two) == (two, two)
