@@ -5,7 +5,7 @@ BUILD_DIR ?= build/cmake
 SAN_BUILD_DIR ?= build/cmake-asan
 FUZZ_SECONDS ?= 60
 
-.PHONY: setup build test cpp-test cpp-test-sanitized fuzz py-test run bench bench-network clean
+.PHONY: setup build test cpp-test cpp-test-sanitized fuzz py-test run bench bench-network soak clean
 
 setup:
 	PYTHON=$(PY) bash .ci/bootstrap.sh
@@ -51,6 +51,8 @@ bench: setup
 	$(PY) benchmarks/schedules_sweep.py
 	$(PY) benchmarks/planner_speed.py > benchmarks/results/planner_speed.md
 	$(PY) benchmarks/comm_volume.py
+	$(PY) benchmarks/plan_accuracy.py
+	$(PY) benchmarks/memory.py
 	@if [ -f benchmarks/throughput.py ]; then $(PY) benchmarks/throughput.py; fi
 
 # Time to accuracy on an emulated 4-host cluster (network namespaces, tc-limited
@@ -58,6 +60,13 @@ bench: setup
 # Needs root and iproute2 (sudo make bench-network); about 10 minutes on 2 cores.
 bench-network: setup
 	$(PY) benchmarks/slow_network.py --command "sudo make bench-network"
+
+# Soak run (not CI): 4 ranks, every schedule, 20 000 steps of a tiny model each;
+# exits non-zero if a rank's RSS grows more than 5 MiB after warm-up, throughput
+# drops more than 30% or a queue grows (benchmarks/README.md, "Soak"). Long: see
+# the README for the measured duration; `$(PY) benchmarks/soak.py --steps 2000` is quicker.
+soak: setup
+	$(PY) benchmarks/soak.py
 
 clean:
 	rm -rf build pipedream_ext/_C*.so *.egg-info
