@@ -431,15 +431,16 @@ def fmt(v: Optional[float], digits: int = 0) -> str:
 
 
 def main_table(results: Dict[str, Dict[str, Any]], base: float, M: int) -> List[str]:
-    rows = ["| configuration | samples/s (median) | min | max | ratio to single process |",
-            "|---|---|---|---|---|"]
+    rows = ["| configuration | samples/s (median) | min | max | ratio to single process | "
+            "CPU us/sample (all ranks) |",
+            "|---|---|---|---|---|---|"]
     for cfg in MAIN_CONFIGS:
         r = results[cfg]
         if "error" in r:
-            rows.append(f"| {LABELS[cfg]} | n/a ({r['error'][:80]}) | | | |")
+            rows.append(f"| {LABELS[cfg]} | n/a ({r['error'][:80]}) | | | | |")
             continue
         rows.append(f"| {LABELS[cfg]} | {r['median']:.0f} | {r['min']:.0f} | {r['max']:.0f} | "
-                    f"{r['median'] / base:.2f} |")
+                    f"{r['median'] / base:.2f} | {r.get('cpu_us_per_sample', float('nan')):.0f} |")
     return rows
 
 
@@ -559,18 +560,27 @@ def run_driver(args: argparse.Namespace) -> int:
     LOG.info("machine: %s", info)
     jobs: List[Tuple[str, int, bool]] = [(c, M, False) for c in MAIN_CONFIGS]
     jobs += [(c, m, False) for m in ms if m != M for c in SWEEP_CONFIGS]
+    # Interleaved A/B pairs, torch's Schedule1F1B then ours, on the same work: the
+    # ratio per pair cancels slow drifts of a shared machine.
+    jobs += [(c, M, False) for _ in range(args.ab_pairs) for c in ("torch-1f1b", "pd-1f1b")]
     if args.profile:
         jobs += [(c, M, True) for c in args.profile_configs]
     t_start = time.perf_counter()
     main: Dict[str, Dict[str, Any]] = {}
     sweep: Dict[Tuple[str, int], Dict[str, Any]] = {}
     profiles: Dict[str, Dict[str, Any]] = {}
+    pairs: List[Dict[str, Any]] = []
     for cfg, m, prof in tqdm(jobs, desc="configurations", unit="cfg"):
         r = launch(args, cfg, m, profile=prof)
         if prof:
             profiles[cfg] = r
-        elif m == M and cfg in MAIN_CONFIGS:
+        elif m == M and cfg in MAIN_CONFIGS and cfg not in main:
             main[cfg] = r
+        elif m == M and cfg in ("torch-1f1b", "pd-1f1b"):
+            if cfg == "torch-1f1b":
+                pairs.append({"torch": r})
+            else:
+                pairs[-1]["ours"] = r
         if not prof and cfg in SWEEP_CONFIGS:
             sweep[(cfg, m)] = r
         if "median" in r:
@@ -607,6 +617,26 @@ def run_driver(args: argparse.Namespace) -> int:
     r1, t1 = main["pd-1f1b"], main["torch-1f1b"]
     if "median" in r1 and "median" in t1:
         lines += ["", f"pipedream_ext 1f1b / torch Schedule1F1B: {r1['median'] / t1['median']:.2f}"]
+    if pairs:
+        lines += ["", f"## pipedream_ext 1f1b against torch Schedule1F1B: {len(pairs)} interleaved pairs, M={M}",
+                  "", "Each pair runs torch's Schedule1F1B, then ours, on the same model, batch and "
+                  "microbatches (median samples/s of each run's repetitions). CPU time is all "
+                  "threads of both ranks per sample.", "",
+                  "| pair | torch Schedule1F1B (samples/s) | pipedream_ext 1f1b (samples/s) | ratio | "
+                  "CPU us/sample torch | CPU us/sample ours |", "|---|---|---|---|---|---|"]
+        ratios = []
+        for k, pair in enumerate(pairs, 1):
+            t, o = pair.get("torch", {}), pair.get("ours", {})
+            if "median" in t and "median" in o:
+                ratios.append(o["median"] / t["median"])
+                lines.append(f"| {k} | {t['median']:.0f} | {o['median']:.0f} | {ratios[-1]:.2f} | "
+                             f"{t.get('cpu_us_per_sample', float('nan')):.0f} | "
+                             f"{o.get('cpu_us_per_sample', float('nan')):.0f} |")
+            else:
+                lines.append(f"| {k} | {t.get('error', 'n/a')} | {o.get('error', 'n/a')} | n/a | | |")
+        if ratios:
+            lines += ["", f"Median ratio {statistics.median(ratios):.2f} (min {min(ratios):.2f}, "
+                      f"max {max(ratios):.2f}); {sum(r >= 1 for r in ratios)} of {len(ratios)} pairs >= 1."]
     lines += ["", f"## Pipeline efficiency against M (global batch {B})", "",
               "Efficiency = samples/s / (2 x single-process samples/s). Microbatch size = "
               f"{B}/M.", ""]
@@ -623,7 +653,7 @@ def run_driver(args: argparse.Namespace) -> int:
     (out_dir / "throughput.md").write_text(text)
     plot_main(main, base, out_dir / "throughput.png", M, B)
     plot_sweep(sweep, base, ms, out_dir / "pipeline_efficiency.png", B)
-    raw = {"machine": info, "command": command, "main": main,
+    raw = {"machine": info, "command": command, "main": main, "ab_pairs": pairs,
            "sweep": {f"{c}@{m}": r for (c, m), r in sweep.items()}, "profiles": profiles}
     (out_dir / "throughput.json").write_text(json.dumps(raw, indent=1))
     print(text)
@@ -643,6 +673,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="warm-up batches")
     p.add_argument("--sweep", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 4, 8, 16],
                    help="microbatch counts for the 1f1b efficiency sweep (comma-separated)")
+    p.add_argument("--ab-pairs", type=int, default=5,
+                   help="interleaved torch-1f1b / pd-1f1b pairs for the A/B table")
     p.add_argument("--profile", action="store_true",
                    help="also re-run --profile-configs with a time breakdown (driver) / this worker")
     p.add_argument("--profile-steps", type=int, default=10, help="batches under the profiler")
