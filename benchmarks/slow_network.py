@@ -44,7 +44,8 @@ epoch budget. Outputs: ``<out-dir>/slow_network.md`` (tables), ``slow_network.js
 against wall-clock time).
 
 Needs root and iproute2 (``ip``, ``tc``); run ``sudo make bench-network`` or
-``sudo python3 benchmarks/slow_network.py``. About 8-12 minutes on 2 cores.
+``sudo python3 benchmarks/slow_network.py``. About 13 minutes on 2 shared cores
+(16 runs; mostly the start-up of 8 processes per run).
 """
 from __future__ import annotations
 
