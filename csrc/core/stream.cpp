@@ -31,7 +31,10 @@ AsyncStream::AsyncStream(ScheduleOptions options) : options_(std::move(options))
   }
   // Enough steps that every stage is in its steady 1F1B pattern and reads
   // versions > 0 (so shifting a version is adding to it).
+  // A multiple of the period: the base list's minibatch count must be one
+  // (pipedream with replicas takes minibatches in rounds of lcm(replicas)).
   warmup_ = 2 * (ranks + period_) + 2;
+  warmup_ = (warmup_ + period_ - 1) / period_ * period_;
   base_ = lowered(warmup_ + 2 * period_);
   for (int r = 0; r < base_.numRanks(); ++r) {
     baseSlices_.push_back(slices(base_, r, warmup_ + 2 * period_));

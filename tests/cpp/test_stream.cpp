@@ -39,6 +39,9 @@ TEST(AsyncStream, StepsPlusDrainEqualTheFullList) {
       {"pipedream", 4, 1, {}, false},      {"pipedream", 3, 1, {}, true},
       {"pipedream", 3, 1, {2, 1, 1}, false}, {"pipedream", 2, 1, {2, 3}, false},
       {"pipedream", 3, 1, {1, 1, 2}, false}, {"pipedream", 2, 1, {2, 2}, true},
+      // Periods that do not divide 2 * ranks + 2 (planner plans such as 1-3).
+      {"pipedream", 2, 1, {1, 3}, false},  {"pipedream", 2, 1, {3, 1}, false},
+      {"pipedream", 1, 1, {4}, false},     {"pipedream", 3, 1, {1, 2, 3}, false},
       {"pipedream-2bw", 1, 2, {}, false},  {"pipedream-2bw", 3, 4, {}, false},
       {"pipedream-2bw", 4, 3, {}, false},  {"pipedream-2bw", 2, 4, {2, 1}, false},
   };
