@@ -113,6 +113,13 @@ def test_replica_share_round_robin():
         plan_accuracy.replica_share(4, 2, 2)
 
 
+def test_async_minibatches_round_up_to_whole_replica_rounds():
+    assert plan_accuracy.async_minibatches(5, 4, [1, 1]) == 20
+    assert plan_accuracy.async_minibatches(5, 4, [3, 1]) == 21
+    assert plan_accuracy.async_minibatches(5, 4, [2, 3]) == 24
+    assert plan_accuracy.async_minibatches(1, 4, [4]) == 4
+
+
 def test_measured_stages_per_microbatch_and_share():
     ranks = [
         # stage 0 on two replicas: 10 pipeline microbatches, 5 each
