@@ -49,11 +49,12 @@ run: setup
 # Every benchmark (tables and plots under benchmarks/results/; see benchmarks/README.md).
 bench: setup
 	$(PY) benchmarks/schedules_sweep.py
-	$(PY) benchmarks/planner_speed.py > benchmarks/results/planner_speed.md
+	$(PY) benchmarks/planner_speed.py --clusters 4,16,4x4,64 > benchmarks/results/planner_speed.md
 	$(PY) benchmarks/comm_volume.py
 	$(PY) benchmarks/plan_accuracy.py
 	$(PY) benchmarks/memory.py
-	@if [ -f benchmarks/throughput.py ]; then $(PY) benchmarks/throughput.py; fi
+	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/update_readme.py
 
 # Time to accuracy on an emulated 4-host cluster (network namespaces, tc-limited
 # links at 100 Mbit/s and 1 Gbit/s): DDP vs 1f1b / pipedream / pipedream-2bw.

@@ -30,7 +30,7 @@ def fill_blocks(text: str, root: Path) -> str:
     """Returns ``text`` with every block's body replaced by ``root / name``'s content.
 
     A leading ``# Title`` line of the result file is dropped (the README has its own
-    headings).
+    headings) and the file's other headings go one level down.
 
     Raises:
         FileNotFoundError: a block names a result file that does not exist.
@@ -43,7 +43,9 @@ def fill_blocks(text: str, root: Path) -> str:
         body = path.read_text()
         lines = body.splitlines()
         if lines and lines[0].startswith("# "):
-            body = "\n".join(lines[1:]).lstrip("\n")
+            lines = lines[1:]
+        # The README's section is "##": the file's own headings go one level down.
+        body = "\n".join("#" + l if l.startswith("#") else l for l in lines).lstrip("\n")
         if not body.endswith("\n"):
             body += "\n"
         return match.group(1) + body + match.group(4)
