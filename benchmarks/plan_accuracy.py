@@ -140,6 +140,31 @@ def async_minibatches(steps: int, microbatches: int, replicas: Sequence[int]) ->
     return -(-n // period) * period
 
 
+WAIT_KINDS = ("RECV_F", "RECV_B", "SEND_WAIT", "ALLREDUCE")
+SEND_KINDS = ("SEND_F", "SEND_B")
+
+
+def time_breakdown(ranks: Sequence[Dict[str, Any]], steps: int) -> Dict[str, float]:
+    """Where a rank's wall time per step goes, mean over ranks (seconds per step).
+
+    ``compute``: F+B+I+W; ``waits``: blocked on receives, sends and all-reduces;
+    ``sends``: posting sends; ``update``: U (asynchronous optimizer steps); ``other``:
+    the rest of the time inside the runtime; ``outside``: wall time outside it (the
+    Python step call, the optimizer step of flush schedules, the loss all-reduce)."""
+    keys = ("wall", "compute", "waits", "sends", "update", "other", "outside")
+    total = {k: 0.0 for k in keys}
+    for r in ranks:
+        kinds = r["seconds_by_kind"]
+        part = {"wall": r["elapsed_s"], "compute": sum(kinds.get(k, 0.0) for k in COMPUTE_KINDS),
+                "waits": sum(kinds.get(k, 0.0) for k in WAIT_KINDS),
+                "sends": sum(kinds.get(k, 0.0) for k in SEND_KINDS), "update": kinds.get("U", 0.0)}
+        part["other"] = max(r["busy_s"] - part["compute"] - part["waits"] - part["sends"] - part["update"], 0.0)
+        part["outside"] = max(r["elapsed_s"] - r["busy_s"], 0.0)
+        for k in keys:
+            total[k] += part[k] / steps / len(ranks)
+    return total
+
+
 def describe_plan(layers: Sequence[Sequence[int]], replicas: Sequence[int]) -> str:
     """``[0,3)x1 [3,10)x1``: layer ranges and replica counts per stage."""
     return " ".join(f"[{a},{b})x{r}" for (a, b), r in zip(layers, replicas))
@@ -374,7 +399,8 @@ def build_rows(plans: Dict[Tuple[int, str], Any], runs: Dict[Tuple[int, str, str
                              "measured_bubble": statistics.mean(bubbles),
                              "steady_err": relative_error(pred["steady_samples_per_s"], run["samples_per_s"]),
                              "simulated_err": relative_error(pred["simulated_samples_per_s"],
-                                                             run["samples_per_s"])})
+                                                             run["samples_per_s"]),
+                             "breakdown": time_breakdown(run["ranks"], run["steps"])})
     stage_rows = merge_rows(stage_rows, ("workers", "plan", "schedule", "stage", "pred_stage_ms"))
     run_rows = merge_rows(run_rows, ("workers", "plan", "schedule", "steady_samples_per_s",
                                      "simulated_samples_per_s", "error"))
@@ -419,6 +445,20 @@ def stage_table(rows: List[Dict[str, Any]]) -> List[str]:
         lines.append(f"| {r['label']} | {r['stage']} | [{a}, {b}) | {r['replicas']} | {r['pred_compute_ms']:.3f} "
                      f"| {r['meas_compute_ms']:.3f} | {pct(r['compute_err'])} | {r['pred_stage_ms']:.3f} "
                      f"| {r['meas_stage_ms']:.3f} | {pct(r['stage_err'])} | {r['meas_allreduce_ms']:.3f} |")
+    return lines
+
+
+def breakdown_table(rows: List[Dict[str, Any]]) -> List[str]:
+    lines = ["| run | wall per step (ms) | F+B | waiting on peers | posting sends | optimizer in runtime (U) "
+             "| other runtime | outside the runtime |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b = r.get("breakdown")
+        if not b:
+            continue
+        wall = b["wall"] or 1e-12
+        cells = " | ".join(f"{1e3 * b[k]:.2f} ({100 * b[k] / wall:.0f}%)"
+                           for k in ("compute", "waits", "sends", "update", "other", "outside"))
+        lines.append(f"| {r['label']} | {1e3 * b['wall']:.2f} | {cells} |")
     return lines
 
 
@@ -599,13 +639,21 @@ def run_driver(args: argparse.Namespace) -> int:
               "time (optimizer steps and final flush included). Bubble: simulated bubble fraction vs the mean "
               "over ranks of `stats()['bubble_fraction']`.", ""]
     lines += run_table(run_rows)
+    lines += ["", "## Where the time goes", "",
+              "Per step (pipedream: per minibatch), mean over the run's ranks, from `pipe.stats()` and the rank's "
+              "wall time: forward and backward compute; waiting on peers (receives, sends, all-reduce); posting "
+              "sends; optimizer steps inside the runtime (pipedream); the rest of the runtime's time; and wall time "
+              "outside the runtime (the Python `step` call around it, the flush schedules' optimizer step and "
+              "loss all-reduce).", ""]
+    lines += breakdown_table(run_rows)
     lines += ["", "![predicted vs measured](plan_accuracy.png)", ""]
     text = "\n".join(lines)
     (out_dir / "plan_accuracy.md").write_text(text)
     (out_dir / "plan_accuracy.json").write_text(json.dumps(
         {"machine": info, "command": command, "bandwidth": bandwidth, "bandwidth_source": bw_source,
          "profile_nodes": nodes, "plans": {"|".join(map(str, k)): p.to_dict() for k, p in plans.items()},
-         "stage_rows": stage_rows, "run_rows": run_rows, "total_s": total_s}, indent=1))
+         "stage_rows": stage_rows, "run_rows": run_rows,
+         "runs": {"|".join(map(str, k)): v for k, v in runs.items()}, "total_s": total_s}, indent=1))
     plot(stage_rows, run_rows, out_dir / "plan_accuracy.png")
     print(text)
     LOG.info("done in %.0f s", total_s)

@@ -114,6 +114,21 @@ def throughput_summary(samples: Sequence[Dict[str, Any]], warmup_step: int) -> D
     return {"first": rate(first), "last": rate(last), "overall": rate(post)}
 
 
+def cpu_per_step(samples: Sequence[Dict[str, Any]], warmup_step: int) -> Dict[str, Optional[float]]:
+    """CPU seconds per step of the process and the mean 1-minute load average over the
+    first and last quarter after warm-up: a throughput drop with the same CPU time per
+    step and a higher load average points at other work on the machine."""
+    first, last = quarters(after_warmup(samples, warmup_step))
+    out: Dict[str, Optional[float]] = {}
+    for name, part in (("first", first), ("last", last)):
+        ok = [s for s in part if s.get("cpu_s") is not None]
+        span = ok[-1]["step"] - ok[0]["step"] if len(ok) >= 2 else 0
+        out[f"cpu_ms_per_step_{name}"] = 1e3 * (ok[-1]["cpu_s"] - ok[0]["cpu_s"]) / span if span else None
+        loads = [s["loadavg"] for s in part if s.get("loadavg") is not None]
+        out[f"loadavg_{name}"] = sum(loads) / len(loads) if loads else None
+    return out
+
+
 def queue_growing(values_first: Sequence[float], values_last: Sequence[float]) -> bool:
     """True when the last quarter's largest value exceeds the first quarter's largest by
     more than max(2, half of it): a bounded (periodic) queue never does."""
@@ -137,6 +152,7 @@ def assess(ranks: Sequence[Sequence[Dict[str, Any]]], warmup_step: int, rss_thre
             problems.append(f"rank {r}: RSS grew {fig['max_growth'] / MIB:.2f} MiB after warm-up "
                             f"(threshold {rss_threshold / MIB:.2f} MiB)")
     tp = throughput_summary(ranks[0], warmup_step)
+    tp.update(cpu_per_step(ranks[0], warmup_step))
     if tp["first"] and tp["last"] is not None and tp["last"] < (1 - max_drop) * tp["first"]:
         problems.append(f"throughput fell from {tp['first']:.1f} to {tp['last']:.1f} steps/s "
                         f"(more than {100 * max_drop:.0f}%)")
@@ -211,6 +227,7 @@ def run_worker(args: argparse.Namespace) -> int:
         def sample(step: int, t: float, window_rate: Optional[float]) -> Dict[str, Any]:
             st = pipe.stats()
             return {"step": step, "t": t, "rss": rss_bytes(), "steps_per_s": window_rate,
+                    "cpu_s": time.process_time(), "loadavg": os.getloadavg()[0],
                     "compute_s": st["compute_s"], "wait_s": st["wait_s"], "busy_s": st["busy_s"],
                     "bytes_sent": st["bytes_sent"], "sends": st["sends"], "receives": st["receives"],
                     "peak_activations": st["peak_activations"],
@@ -287,13 +304,14 @@ def plot(runs: Dict[str, Dict[str, Any]], path: Path, warmup_step: int) -> None:
 
 
 def summary_table(runs: Dict[str, Dict[str, Any]]) -> List[str]:
-    lines = ["| schedule | steps | wall (s) | steps/s first quarter -> last quarter | RSS per rank, first -> last "
-             "quarter (MiB) | max RSS growth after warm-up (MiB, worst rank) | queues, max first -> last quarter "
+    lines = ["| schedule | steps | wall (s) | steps/s first quarter -> last quarter | rank 0 CPU ms per step; "
+             "load average (1 min), first -> last quarter | RSS per rank, first -> last quarter (MiB) "
+             "| max RSS growth after warm-up (MiB, worst rank) | queues, max first -> last quarter "
              "| peak activations / weight versions | verdict |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, run in runs.items():
         if "figures" not in run:
-            lines.append(f"| {name} | | | | | | | | FAILED: {run.get('error', 'no result')[:160]} |")
+            lines.append(f"| {name} | | | | | | | | | FAILED: {run.get('error', 'no result')[:160]} |")
             continue
         f = run["figures"]
         tp = f["throughput"]
@@ -305,8 +323,11 @@ def summary_table(runs: Dict[str, Dict[str, Any]]) -> List[str]:
         peaks = (f"{max(s['peak_activations'] for s in last)} / "
                  f"{max(s['peak_weight_versions'] for s in last)}")
         verdict = "ok" if not run["problems"] else "FAIL: " + "; ".join(run["problems"])
+        cpu = (f"{tp.get('cpu_ms_per_step_first') or 0:.2f} -> {tp.get('cpu_ms_per_step_last') or 0:.2f}; "
+               f"{tp.get('loadavg_first') or 0:.1f} -> {tp.get('loadavg_last') or 0:.1f}")
         lines.append(f"| {name} | {run['steps']} | {run['wall_s']:.0f} | {tp['first'] or 0:.0f} -> "
-                     f"{tp['last'] or 0:.0f}{change} | {rss} | {growth:.2f} | {queues} | {peaks} | {verdict} |")
+                     f"{tp['last'] or 0:.0f}{change} | {cpu} | {rss} | {growth:.2f} | {queues} | {peaks} "
+                     f"| {verdict} |")
     return lines
 
 

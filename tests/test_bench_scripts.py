@@ -135,6 +135,15 @@ def test_measured_stages_per_microbatch_and_share():
     assert m[1]["stage_s"] == pytest.approx(0.2)
 
 
+def test_time_breakdown_splits_wall_time():
+    ranks = [{"elapsed_s": 10.0, "busy_s": 8.0,
+              "seconds_by_kind": {"F": 1.0, "B": 2.0, "RECV_B": 3.0, "SEND_F": 0.5, "SEND_WAIT": 0.5}},
+             {"elapsed_s": 12.0, "busy_s": 12.0, "seconds_by_kind": {"F": 2.0, "B": 2.0, "ALLREDUCE": 6.0, "U": 1.0}}]
+    b = plan_accuracy.time_breakdown(ranks, steps=2)
+    assert b == pytest.approx({"wall": 5.5, "compute": 1.75, "waits": 2.375, "sends": 0.125, "update": 0.25,
+                               "other": 0.5, "outside": 0.5})
+
+
 def test_relative_error_and_formatting():
     assert plan_accuracy.relative_error(2.0, 3.0) == pytest.approx(0.5)
     assert plan_accuracy.relative_error(0.0, 3.0) is None
@@ -207,6 +216,15 @@ def test_soak_flags_growing_queues_but_not_periodic_ones():
     assert problems == ["rank 0: pending_targets grew from at most 22 to 50"]
     assert soak.queue_growing([4, 4], [7])  # small queues: more than 2 above
     assert not soak.queue_growing([4, 4], [6])
+
+
+def test_cpu_per_step_and_load_by_quarter():
+    samples = [{"step": 100 * k, "t": float(k), "rss": 1, "cpu_s": 0.5 * k + (0.5 * (k - 10) if k > 10 else 0.0),
+                "loadavg": 2.0 if k < 10 else 6.0} for k in range(21)]
+    c = soak.cpu_per_step(samples, 200)
+    assert c["cpu_ms_per_step_first"] == pytest.approx(5.0)
+    assert c["cpu_ms_per_step_last"] == pytest.approx(10.0)
+    assert (c["loadavg_first"], c["loadavg_last"]) == (2.0, 6.0)
 
 
 def test_quarters_and_rate():
