@@ -14,8 +14,9 @@ the first appends the first one to its message::
     microbatch 0 for stage 1 with rank 2 failed ... (is rank 2 alive?) ...
 
 ``ValueError`` (bad arguments, raised before any communication) is neither
-recorded nor annotated; SIGTERM / Ctrl-C shutdowns are recorded ("stopped by
-SIGTERM") so the peers they break say so. A record older than the pipeline's
+recorded nor annotated, and only errors about a peer (a failed or timed-out
+transfer, a closed connection) get the note; SIGTERM / Ctrl-C shutdowns are
+recorded ("stopped by SIGINT") so the peers they break say so. A record older than the pipeline's
 timeout plus 30 s is stale (a failure the program caught and survived) and is
 replaced. Store operations run on a helper thread bounded to a few seconds: a
 store that is gone (its host was the lost rank) only means no annotation.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 import time
 from typing import Any, Callable, Optional, TypeVar
@@ -35,6 +37,8 @@ KEY = "pipedream_ext/first_failure"
 _STORE_SECONDS = 5.0
 _STALE_SLACK = 30.0
 _MAX_CHARS = 800
+# Errors caused by a peer (the runtime's and Gloo's wording): only these get the note.
+_PEER_FAILURE = re.compile(r"failed or timed out|Connection (?:closed|reset) by peer|[Tt]imed out")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -111,6 +115,8 @@ def _report(pipe: Any, exc: BaseException) -> None:
     if first is None or not isinstance(exc, Exception) or not exc.args:
         return
     message = str(exc.args[0])
+    if not _PEER_FAILURE.search(message):  # a local error (the same on every rank, say)
+        return
     note = (f"first failure in this job ({first['age']:.1f} s earlier): rank {first['rank']}: "
             f"{first['error']}")
     if first["error"] in message:
