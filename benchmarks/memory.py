@@ -350,7 +350,7 @@ def recompute_table(rows: List[Dict[str, Any]]) -> List[str]:
     for (p, s, j), v in pairs.items():
         if False in v and True in v:
             saved = 1 - v[True] / v[False] if v[False] else float("nan")
-            lines.append(f"| {p} | {s} | {j} | {v[False]:.2f} | {v[True]:.2f} | {100 * saved:.0f}% |")
+            lines.append(f"| {p} | {s} | {j} | {v[False]:.2f} | {v[True]:.2f} | {round(100 * saved):d}% |")
     return lines
 
 
@@ -477,7 +477,7 @@ def run_driver(args: argparse.Namespace) -> int:
                   "the least-squares growth per extra microbatch.", ""] + st
     if errors:
         lines += ["", "Failed:"] + [f"- {err}" for err in errors]
-    lines += ["", "![memory per stage](memory.png)", ""]
+    lines += ["", "Plot: `memory.png` (peak per stage with and without recompute, textbook expectation marked).", ""]
     text = "\n".join(lines)
     (out_dir / "memory.md").write_text(text)
     (out_dir / "memory.json").write_text(json.dumps({"machine": info, "command": command, "results": results,

@@ -380,7 +380,7 @@ def run_driver(args: argparse.Namespace) -> int:
              "(pending targets, executor window, flush targets) whose last-quarter maximum exceeds the first "
              "quarter's by more than max(2, half of it).", ""]
     lines += summary_table(runs)
-    lines += ["", "![soak: RSS per rank and steps/s](soak.png)", ""]
+    lines += ["", "Plot: `soak.png` (RSS per rank and rank 0's steps/s against the step, one panel per schedule).", ""]
     text = "\n".join(lines)
     (out_dir / "soak.md").write_text(text)
     (out_dir / "soak.json").write_text(json.dumps({"machine": info, "command": command, "total_s": total_s,
