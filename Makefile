@@ -21,9 +21,11 @@ cpp-test:
 
 # The same GoogleTest suite built with g++ under AddressSanitizer (leaks
 # included) and UndefinedBehaviorSanitizer; it also replays tests/fuzz's
-# corpora and saved findings.
+# corpora and saved findings. -O1 -g1 (line tables for the reports) halves the
+# build time of -O2 -g.
 cpp-test-sanitized:
-	cmake -S . -B $(SAN_BUILD_DIR) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPIPEDREAM_SANITIZE=ON >/dev/null
+	cmake -S . -B $(SAN_BUILD_DIR) -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+		-DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" -DPIPEDREAM_SANITIZE=ON >/dev/null
 	cmake --build $(SAN_BUILD_DIR) -j 2
 	cd $(SAN_BUILD_DIR) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
 		ctest --output-on-failure -j 2
