@@ -34,6 +34,10 @@ recompute the peak is about n_j * a + gradients (+ the stashed weight copies);
 with recompute a stage keeps only its inputs (plus one microbatch's activations while
 recomputing), so it is about n_j * input + a + gradients.
 
+On the smallest world, 1f1b also runs with ``--m-sweep`` microbatch counts at the same
+microbatch size: if only p - j microbatches were alive, its peak would not grow with M
+(the slope per extra microbatch is reported beside the stage's boundary bytes).
+
 Writes ``<out-dir>/memory.md``, ``<out-dir>/memory.json`` and ``<out-dir>/memory.png``.
 Command, from the repository root (about a minute on an idle 2-core machine):
 
