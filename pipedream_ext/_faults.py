@@ -1,46 +1,83 @@
-"""Names a job's first failure in the errors of the ranks that fail after it.
+"""Names the lost rank, and the job's first failure, in every rank's error.
 
-When a rank dies, only its neighbours in the pipeline see it go ("... with rank 2
-failed ... Connection reset by peer"); ranks further away fail later, when their
-own neighbour stops, and name that neighbour instead. With
-:func:`names_first_failure` on ``PipeDream.step``, ``flush`` and
-``forward_only``, every rank whose call fails records its error in the process
-group's store (the c10d TCPStore every rank already talks to; under torchrun the
-agent's, which outlives the workers), first writer wins, and a rank that is not
-the first appends the first one to its message::
+When a rank dies, only some ranks see it directly, and not always by name: its
+pipeline neighbours' transfers fail naming it ("... with rank 2 failed ...
+Connection reset by peer"), ranks further away fail later naming their own
+neighbour, and a rank inside a collective (the batch-loss all-reduce of the flush
+schedules, a checkpoint's exchange) gets Gloo's message, which names an address,
+not a rank. :func:`names_first_failure`, on ``PipeDream.step``, ``flush`` and
+``forward_only``, adds two notes to an error about a peer::
 
     rank 0: RECV_B of microbatch 0 for stage 0 with rank 1 failed ... Connection closed by peer
+    lost rank 2: no heartbeat for 3 s and no error reported (killed, crashed or hung)
     first failure in this job (0.1 s earlier): rank 1: RuntimeError: rank 1: RECV_B of
     microbatch 0 for stage 1 with rank 2 failed ... (is rank 2 alive?) ...
 
-``ValueError`` (bad arguments, raised before any communication) is neither
-recorded nor annotated, and only errors about a peer (a failed or timed-out
-transfer, a closed connection) get the note; SIGTERM / Ctrl-C shutdowns are
-recorded ("stopped by SIGINT") so the peers they break say so. A record older than the pipeline's
-timeout plus 30 s is stale (a failure the program caught and survived) and is
-replaced. Store operations run on a helper thread bounded to a few seconds: a
-store that is gone (its host was the lost rank) only means no annotation.
+Both come from the process group's store (the c10d TCPStore every rank already
+talks to; under torchrun the agent's, which outlives the workers), under a
+per-attempt prefix:
+
+* **heartbeats**: from its first pipeline call on, every rank increments a
+  counter every 0.5 s from a daemon thread, which also reads the pipeline's
+  counters and the list of ranks that reported an error, keeping the view in
+  the process (so a rank that fails after the store is gone, as when the lost
+  rank or rank 0 hosted it, still knows). A rank whose counter stood still for
+  3 s and that reported no error is lost; a failing rank waits up to that long
+  for the verdict. Counters, not clocks, decide, so hosts need not agree on the
+  time. A rank blocked in a wait still beats: it is not reported. The thread
+  stops at exit (before the interpreter shuts down) and at the first store error;
+* **first failure**: every failing rank records its error (first writer wins);
+  a rank that is not the first appends it.
+
+Only errors about a peer (a failed or timed-out transfer, a closed connection)
+get notes, and only they wait the 3 s; ``ValueError`` (bad arguments, raised
+before any communication) is not recorded. SIGTERM / Ctrl-C shutdowns are
+recorded ("stopped by SIGINT"), so they are neither lost nor silent. A
+first-failure record older than the pipeline's timeout plus 30 s is stale (a
+failure the program caught and survived) and is replaced. A failing rank first
+waits for one fresh read of the store (half a second); if the store is gone (its
+host exited: rank 0 of a job launched without torchrun), it uses its last view
+and leaves the store alone (each failed store call makes torch print a warning
+with a C++ stack; the heartbeat thread's is the only one). Store calls run on a
+helper thread bounded to 5 s.
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import json
+import os
 import re
 import threading
 import time
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Dict, List, Optional, TypeVar
 
-__all__ = ["names_first_failure", "ensure_installed", "KEY"]
+__all__ = ["names_first_failure", "ensure_installed", "BEAT_SECONDS", "SILENCE_SECONDS"]
 
-#: Store key (under the default group's store prefix, so one per torchrun attempt).
-KEY = "pipedream_ext/first_failure"
+#: Seconds between two heartbeats of a rank.
+BEAT_SECONDS = 0.5
+#: A rank whose heartbeat stood still this long (and that reported no error) is lost.
+SILENCE_SECONDS = 3.0
 _STORE_SECONDS = 5.0
 _STALE_SLACK = 30.0
 _MAX_CHARS = 800
-# Errors caused by a peer (the runtime's and Gloo's wording): only these get the note.
+# Errors caused by a peer (the runtime's and Gloo's wording): only these get notes.
 _PEER_FAILURE = re.compile(r"failed or timed out|Connection (?:closed|reset) by peer|[Tt]imed out")
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+_lock = threading.Lock()
+_heartbeat: Dict[str, Any] = {"monitor": None}
+
+
+def _prefix() -> str:
+    return f"pipedream_ext/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _store() -> Any:
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()  # noqa: SLF001 - no public accessor
 
 
 def _in_thread(fn: Callable[[], Any], seconds: float) -> Optional[Any]:
@@ -53,10 +90,126 @@ def _in_thread(fn: Callable[[], Any], seconds: float) -> Optional[Any]:
         except Exception:  # noqa: BLE001 - the store may be gone with the lost rank
             pass
 
-    thread = threading.Thread(target=run, name="pipedream-first-failure", daemon=True)
+    thread = threading.Thread(target=run, name="pipedream-faults", daemon=True)
     thread.start()
     thread.join(seconds)
     return box[0] if box else None
+
+
+class _Monitor:
+    """This rank's heartbeat, and its view of the pipeline's heartbeats and failures."""
+
+    def __init__(self, rank: int, ranks: List[int]) -> None:
+        self.store, self.prefix, self.rank = _store(), _prefix(), rank
+        self.ranks = sorted(set(ranks) | {rank})
+        self.stop = threading.Event()
+        self.store_ok = True
+        self.store_lost_at = 0.0
+        self.rounds = 0  # completed reads of the store
+        self.first = ""  # the job's first-failure record, as last read
+        self._view_lock = threading.Condition()
+        now = time.monotonic()
+        self.counts = {r: 0 for r in self.ranks}
+        self.changed = {r: now for r in self.ranks}  # when each counter last moved
+        self.failed: set = set()
+        self.thread = threading.Thread(target=self._run, name="pipedream-heartbeat", daemon=True)
+
+    def key(self, rank: int) -> str:
+        return f"{self.prefix}/beat/{rank}"
+
+    def _run(self) -> None:
+        keys = [self.key(r) for r in self.ranks]
+        failed_key, first_key = f"{self.prefix}/failed_ranks", f"{self.prefix}/first_failure"
+        try:
+            for k in keys:  # every key exists, so multi_get never waits
+                self.store.add(k, 0)
+            self.store.append(failed_key, "")
+            self.store.compare_set(first_key, "", "")  # created empty unless a failure is in
+            while not self.stop.is_set():
+                self.store.add(self.key(self.rank), 1)
+                *values, failed, first = self.store.multi_get(keys + [failed_key, first_key])
+                now = time.monotonic()
+                with self._view_lock:
+                    for r, v in zip(self.ranks, values):
+                        if int(v) != self.counts[r]:
+                            self.counts[r], self.changed[r] = int(v), now
+                    self.failed = {int(r) for r in failed.decode().split(",") if r}
+                    self.first = first.decode()
+                    self.rounds += 1
+                    self._view_lock.notify_all()
+                self.stop.wait(BEAT_SECONDS)
+        except Exception:  # noqa: BLE001 - the store is gone: keep the last view
+            with self._view_lock:
+                self.store_lost_at = time.monotonic()
+                self.store_ok = False
+                self._view_lock.notify_all()
+
+    def fresh_view(self) -> bool:
+        """Waits for one more read of the store (at most a few beats); False if the
+        store is gone (then nothing should touch it: each failed call prints a warning)."""
+        with self._view_lock:
+            target = self.rounds + 1
+            self._view_lock.wait_for(lambda: self.rounds >= target or not self.store_ok,
+                                     timeout=4 * BEAT_SECONDS)
+            return self.store_ok
+
+    def report_failure(self) -> None:
+        if self.store_ok:
+            _in_thread(lambda: self.store.append(f"{self.prefix}/failed_ranks", f"{self.rank},"),
+                       _STORE_SECONDS)
+
+    def _silence(self) -> Dict[int, float]:
+        """Seconds each other rank's counter has stood still (ranks that started
+        beating and reported no error), as of now or of the store's end."""
+        with self._view_lock:
+            now = time.monotonic() if self.store_ok else self.store_lost_at
+            return {r: now - self.changed[r] for r in self.ranks
+                    if r != self.rank and self.counts[r] > 0 and r not in self.failed}
+
+    def lost(self) -> List[int]:
+        """Ranks silent for SILENCE_SECONDS that reported no error. Waits while a rank
+        is quiet but not yet for that long (at most SILENCE_SECONDS and a beat), and
+        a few beats in any case, so that a rank that just died shows as quiet."""
+        start = time.monotonic()
+        while True:
+            silence = self._silence()
+            lost = sorted(r for r, quiet in silence.items() if quiet >= SILENCE_SECONDS)
+            quiet = [r for r, q in silence.items() if 2 * BEAT_SECONDS < q < SILENCE_SECONDS]
+            waited = time.monotonic() - start
+            if not self.store_ok or waited >= SILENCE_SECONDS + 2 * BEAT_SECONDS:
+                return lost
+            if not quiet and (lost or waited >= 3 * BEAT_SECONDS):
+                return lost
+            time.sleep(0.1)  # in the main thread: a signal still interrupts it
+
+
+def _ensure_heartbeat(pipe: Any) -> None:
+    """Starts this process's heartbeat thread once the default group exists."""
+    import torch.distributed as dist
+
+    with _lock:
+        if _heartbeat["monitor"] is not None or not dist.is_available() or not dist.is_initialized():
+            return
+        monitor = _Monitor(dist.get_rank(), _pipeline_ranks(pipe))
+        _heartbeat["monitor"] = monitor
+        monitor.thread.start()
+    # Stop it before the interpreter shuts down: a daemon thread coming back from a
+    # C++ call during finalization can end the process with std::terminate.
+    atexit.register(_stop_heartbeat)
+
+
+def _stop_heartbeat() -> None:
+    monitor = _heartbeat["monitor"]
+    if monitor is not None:
+        monitor.stop.set()
+        monitor.thread.join(_STORE_SECONDS)
+
+
+def _after_fork_in_child() -> None:  # a forked child (a DataLoader worker) does not beat
+    _heartbeat["monitor"] = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _describe(exc: BaseException) -> str:
@@ -69,19 +222,28 @@ def _describe(exc: BaseException) -> str:
     return text if len(text) <= _MAX_CHARS else text[:_MAX_CHARS] + " ..."
 
 
-def _record_and_read(pipe: Any, exc: BaseException) -> Optional[dict]:
-    """Records this rank's failure unless one is recorded; returns another rank's
-    fresh first failure, or None."""
+def _pipeline_ranks(pipe: Any) -> List[int]:
     import torch.distributed as dist
 
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    rank = dist.get_rank()
+    try:
+        return list(dist.get_process_group_ranks(pipe.group))
+    except Exception:  # noqa: BLE001 - fall back to the whole world
+        return list(range(dist.get_world_size()))
+
+
+def _record_and_read(pipe: Any, exc: BaseException, rank: int, cached: str = "",
+                     store_ok: bool = True) -> Optional[dict]:
+    """Records this rank's failure unless one is known (``cached``: the monitor's last
+    read); returns another rank's fresh first failure, or None."""
     now = time.time()
     mine = json.dumps({"rank": rank, "time": now, "error": _describe(exc)})
-    store = dist.distributed_c10d._get_default_store()  # noqa: SLF001 - no public accessor
-    current = _in_thread(lambda: store.compare_set(KEY, "", mine), _STORE_SECONDS)
-    if current is None:
+    store, prefix = _store(), _prefix()
+    if cached or not store_ok:
+        current: Any = cached
+    else:
+        current = _in_thread(lambda: store.compare_set(f"{prefix}/first_failure", "", mine),
+                             _STORE_SECONDS)
+    if not current:
         return None
     current = current.decode() if isinstance(current, bytes) else str(current)
     if current == mine:
@@ -93,7 +255,9 @@ def _record_and_read(pipe: Any, exc: BaseException) -> Optional[dict]:
     except (ValueError, KeyError, TypeError):
         return None
     if age > float(getattr(pipe, "timeout", 300.0)) + _STALE_SLACK:
-        _in_thread(lambda: store.compare_set(KEY, current, mine), _STORE_SECONDS)
+        if store_ok:
+            _in_thread(lambda: store.compare_set(f"{prefix}/first_failure", current, mine),
+                       _STORE_SECONDS)
         return None
     if first_rank == rank:
         return None
@@ -102,37 +266,56 @@ def _record_and_read(pipe: Any, exc: BaseException) -> Optional[dict]:
 
 
 def _report(pipe: Any, exc: BaseException) -> None:
+    import torch.distributed as dist
+
     if getattr(exc, "_pipedream_first_failure_seen", False):
         return
     try:
         exc._pipedream_first_failure_seen = True  # type: ignore[attr-defined]
     except AttributeError:  # pragma: no cover - exceptions without __dict__
         return
-    try:
-        first = _record_and_read(pipe, exc)
-    except Exception:  # noqa: BLE001 - reporting must never hide the real error
+    if not dist.is_available() or not dist.is_initialized():
         return
-    if first is None or not isinstance(exc, Exception) or not exc.args:
+    rank = dist.get_rank()
+    monitor: Optional[_Monitor] = _heartbeat["monitor"]
+    first = None
+    try:
+        store_ok = monitor.fresh_view() if monitor is not None else True
+        if monitor is not None and store_ok:
+            monitor.report_failure()
+        first = _record_and_read(pipe, exc, rank, cached=monitor.first if monitor else "",
+                                 store_ok=store_ok)
+    except Exception:  # noqa: BLE001 - reporting must never hide the real error
+        pass
+    if not isinstance(exc, Exception) or not exc.args:
         return
     message = str(exc.args[0])
     if not _PEER_FAILURE.search(message):  # a local error (the same on every rank, say)
         return
-    note = (f"first failure in this job ({first['age']:.1f} s earlier): rank {first['rank']}: "
-            f"{first['error']}")
-    if first["error"] in message:
-        return
-    exc.args = (f"{message}\n{note}",) + tuple(exc.args[1:])
+    notes = []
+    lost = monitor.lost() if monitor is not None else []
+    if lost:
+        notes.append(f"lost rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}: no "
+                     f"heartbeat for {SILENCE_SECONDS:g} s and no error reported (killed, crashed "
+                     "or hung)")
+    if first is not None and first["error"] not in message:
+        notes.append(f"first failure in this job ({first['age']:.1f} s earlier): rank "
+                     f"{first['rank']}: {first['error']}")
+    if notes:
+        exc.args = ("\n".join([message, *notes]),) + tuple(exc.args[1:])
 
 
 def names_first_failure(method: F) -> F:
-    """Decorates a ``PipeDream`` method: a failure is recorded in the store and, if
-    another rank failed first, its error is appended to this one's message (same
-    exception object, same type)."""
+    """Decorates a ``PipeDream`` method: starts the heartbeat; on a failure records it
+    in the store and, for an error about a peer, appends the lost ranks and the job's
+    first failure to the message (same exception object, same type)."""
     if getattr(method, "_pipedream_names_first_failure", False):
         return method
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _heartbeat["monitor"] is None:
+            _ensure_heartbeat(self)
         try:
             return method(self, *args, **kwargs)
         except ValueError:
