@@ -18,8 +18,8 @@ talks to; under torchrun the agent's, which outlives the workers), under a
 per-attempt prefix:
 
 * **heartbeats**: from its first pipeline call on, every rank increments a
-  counter every 0.5 s from a daemon thread, which also reads the pipeline's
-  counters and the list of ranks that reported an error, keeping the view in
+  counter every 0.5 s from a daemon thread, which also reads every rank's
+  counter and the list of ranks that reported an error, keeping the view in
   the process (so a rank that fails after the store is gone, as when the lost
   rank or rank 0 hosted it, still knows). A rank whose counter stood still for
   3 s and that reported no error is lost; a failing rank waits up to that long
@@ -29,10 +29,11 @@ per-attempt prefix:
 * **first failure**: every failing rank records its error (first writer wins);
   a rank that is not the first appends it.
 
-Only errors about a peer (a failed or timed-out transfer, a closed connection)
-get notes, and only they wait the 3 s; ``ValueError`` (bad arguments, raised
-before any communication) is not recorded. SIGTERM / Ctrl-C shutdowns are
-recorded ("stopped by SIGINT"), so they are neither lost nor silent. A
+Every failure is recorded (a one-sided ``ValueError``, such as missing targets,
+becomes the first failure its peers name), but only errors about a peer (a
+failed or timed-out transfer, a closed connection) get notes, and only they wait
+for the verdict. SIGTERM / Ctrl-C shutdowns are recorded too ("stopped by
+SIGINT"): a rank that stopped that way is not lost. A
 first-failure record older than the pipeline's timeout plus 30 s is stale (a
 failure the program caught and survived) and is replaced. A failing rank first
 waits for one fresh read of the store (half a second); if the store is gone (its
@@ -183,14 +184,15 @@ class _Monitor:
             time.sleep(0.1)  # in the main thread: a signal still interrupts it
 
 
-def _ensure_heartbeat(pipe: Any) -> None:
+def _ensure_heartbeat() -> None:
     """Starts this process's heartbeat thread once the default group exists."""
     import torch.distributed as dist
 
     with _lock:
         if _heartbeat["monitor"] is not None or not dist.is_available() or not dist.is_initialized():
             return
-        monitor = _Monitor(dist.get_rank(), _pipeline_ranks(pipe))
+        # The whole world: pipelines on subgroups share the process's monitor.
+        monitor = _Monitor(dist.get_rank(), list(range(dist.get_world_size())))
         _heartbeat["monitor"] = monitor
         monitor.thread.start()
     # Stop it before the interpreter shuts down: a daemon thread coming back from a
@@ -220,15 +222,6 @@ def _describe(exc: BaseException) -> str:
         return f"exited with status {exc.code}" + (" (SIGTERM)" if exc.code == 143 else "")
     text = f"{type(exc).__name__}: {exc}"
     return text if len(text) <= _MAX_CHARS else text[:_MAX_CHARS] + " ..."
-
-
-def _pipeline_ranks(pipe: Any) -> List[int]:
-    import torch.distributed as dist
-
-    try:
-        return list(dist.get_process_group_ranks(pipe.group))
-    except Exception:  # noqa: BLE001 - fall back to the whole world
-        return list(range(dist.get_world_size()))
 
 
 def _record_and_read(pipe: Any, exc: BaseException, rank: int, cached: str = "",
@@ -280,7 +273,9 @@ def _report(pipe: Any, exc: BaseException) -> None:
     monitor: Optional[_Monitor] = _heartbeat["monitor"]
     first = None
     try:
-        store_ok = monitor.fresh_view() if monitor is not None else True
+        # A ValueError (bad arguments, before any communication) is recorded at once.
+        fresh = monitor is not None and not isinstance(exc, ValueError)
+        store_ok = monitor.fresh_view() if fresh else (monitor is None or monitor.store_ok)
         if monitor is not None and store_ok:
             monitor.report_failure()
         first = _record_and_read(pipe, exc, rank, cached=monitor.first if monitor else "",
@@ -290,8 +285,8 @@ def _report(pipe: Any, exc: BaseException) -> None:
     if not isinstance(exc, Exception) or not exc.args:
         return
     message = str(exc.args[0])
-    if not _PEER_FAILURE.search(message):  # a local error (the same on every rank, say)
-        return
+    if isinstance(exc, ValueError) or not _PEER_FAILURE.search(message):
+        return  # a local error (the same on every rank, say): no notes
     notes = []
     lost = monitor.lost() if monitor is not None else []
     if lost:
@@ -315,11 +310,9 @@ def names_first_failure(method: F) -> F:
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _heartbeat["monitor"] is None:
-            _ensure_heartbeat(self)
+            _ensure_heartbeat()
         try:
             return method(self, *args, **kwargs)
-        except ValueError:
-            raise
         except BaseException as exc:
             _report(self, exc)
             raise
