@@ -15,6 +15,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -89,11 +90,26 @@ def launch_torchrun(script: Path, nproc: int, args: List[str], tag: str, timeout
         if line.startswith(tag):
             out = json.loads(line[len(tag):])
     if out is None or proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-8:]
         out = dict(out or {})
-        out["error"] = f"exit {proc.returncode}: " + " | ".join(tail)
+        out["error"] = f"exit {proc.returncode}: " + " | ".join(failure_lines(proc.stderr or proc.stdout))
+        # The whole output of a failed launch is kept for diagnosis.
+        fd, path = tempfile.mkstemp(prefix=f"{Path(script).stem}-", suffix=".log")
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(" ".join(cmd) + "\n--- stdout ---\n" + proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+        out["log"] = path
+        LOG.error("launch failed; full output in %s", path)
     out["launch_s"] = time.perf_counter() - t0
     return out
+
+
+def failure_lines(text: str, limit: int = 6) -> List[str]:
+    """The lines of a failed launch's output that say what went wrong: exceptions,
+    errors and signals (torchrun's banner and profiler noise left out), else the tail."""
+    keys = ("Error", "error:", "Exception", "Signal", "terminate called", "Aborted", "what():")
+    noise = ("USDT:", "torch.distributed.elastic", "error_file", "traceback :", "To enable traceback")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not any(n in ln for n in noise)]
+    hits = [ln for ln in lines if any(k in ln for k in keys)]
+    return (hits or lines)[-limit:]
 
 
 def fmt(value: Optional[float], digits: int = 2) -> str:

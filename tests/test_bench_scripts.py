@@ -151,6 +151,15 @@ def test_relative_error_and_formatting():
     assert util.pct(0.5) == "+50%" and util.pct(-0.25) == "-25%" and util.pct(None) == "n/a"
 
 
+def test_failure_lines_pick_the_error_out_of_torchrun_output():
+    text = ("USDT: profiler_start\n[rank1]: step 3\nterminate called after throwing an instance of 'c10::Error'\n"
+            "  what():  boom\n  error_file: <N/A>\n  traceback : To enable traceback see ...\n"
+            "Signal 6 (SIGABRT) received by PID 7\n")
+    assert util.failure_lines(text) == ["terminate called after throwing an instance of 'c10::Error'",
+                                        "what():  boom", "Signal 6 (SIGABRT) received by PID 7"]
+    assert util.failure_lines("a\nb\nc", limit=2) == ["b", "c"]
+
+
 def test_merge_rows_joins_plans_with_the_same_partition():
     rows = [{"plan_name": "pipedream", "workers": 2, "plan": "[0,3)x1 [3,10)x1", "t": 1.0},
             {"plan_name": "default (straight)", "workers": 2, "plan": "[0,3)x1 [3,10)x1", "t": 1.0},
