@@ -76,7 +76,7 @@ class RecvTransfer : public Transfer {
   // `predicted`: the slot's shapes from its last transfer (pre-posted now),
   // or nullptr to post the data when the header arrives.
   RecvTransfer(CommEngine& engine, int peer, int tag, std::string description,
-               const std::vector<TensorMeta>* predicted)
+               const std::vector<TensorMeta>* predicted, bool eager)
       : engine_(engine), peer_(peer), tag_(tag), description_(std::move(description)) {
     header_ = at::empty({kHeaderWords}, engine_.wireOptions(at::kLong));
     std::vector<at::Tensor> buffers{header_};
@@ -84,8 +84,14 @@ class RecvTransfer : public Transfer {
     if (predicted != nullptr) {
       prePosted_ = true;
       predicted_ = *predicted;
-      postData(predicted_, 1);
+      if (eager) post();
     }
+  }
+
+  void post() override {
+    if (!prePosted_ || predictedPosted_) return;
+    postData(predicted_, 1);
+    predictedPosted_ = true;
   }
 
   void poll() override {
@@ -139,12 +145,14 @@ class RecvTransfer : public Transfer {
       TORCH_CHECK(prePosted_, description_, ": rank ", peer_,
                   " redirected a transfer this rank did not pre-post (the two ranks disagree on "
                   "the transfer history; are both running the same schedule?)");
+      post();  // the buffers the sender's filler goes to
       skip_ = tensors_.size();
       postData(metas, kRedirectedPart + 1);
     } else if (prePosted_) {
       TORCH_CHECK(metas == predicted_, description_, ": rank ", peer_,
                   " sent shapes that differ from the pre-posted ones without redirecting (the two "
                   "ranks disagree on the transfer history)");
+      post();
     } else {
       postData(metas, 1);
     }
@@ -165,7 +173,8 @@ class RecvTransfer : public Transfer {
   std::string description_;
   at::Tensor header_;
   c10::intrusive_ptr<c10d::Work> headerWork_;
-  bool prePosted_ = false;             // data buffers posted with the header
+  bool prePosted_ = false;             // committed to the predicted shapes
+  bool predictedPosted_ = false;       // ... and their buffers are posted
   std::vector<TensorMeta> predicted_;  // their shapes
   std::vector<c10::intrusive_ptr<c10d::Work>> dataWorks_;
   std::vector<at::Tensor> tensors_;
@@ -300,7 +309,8 @@ std::shared_ptr<Transfer> CommEngine::send(const std::vector<at::Tensor>& tensor
                                         description, timeout_);
 }
 
-std::shared_ptr<Transfer> CommEngine::recv(int peer, int tag, const std::string& description) {
+std::shared_ptr<Transfer> CommEngine::recv(int peer, int tag, const std::string& description,
+                                           bool eager) {
   TORCH_CHECK(peer >= 0 && peer < worldSize_ && peer != rank_, description, ": bad peer rank ", peer);
   const std::vector<TensorMeta>* predicted = nullptr;
   if (predictShapes_) {
@@ -309,7 +319,7 @@ std::shared_ptr<Transfer> CommEngine::recv(int peer, int tag, const std::string&
   }
   ++receives_;
   prePostedReceives_ += predicted != nullptr ? 1 : 0;
-  return std::make_shared<RecvTransfer>(*this, peer, tag, description, predicted);
+  return std::make_shared<RecvTransfer>(*this, peer, tag, description, predicted, eager);
 }
 
 }  // namespace pipedream

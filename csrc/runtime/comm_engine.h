@@ -83,6 +83,9 @@ class Transfer {
   // receives now, so the data flows while this thread computes (Gloo sends
   // only once the receiver has posted). A no-op for sends.
   virtual void poll() {}
+  // A receive with predicted shapes that was created lazy (see recv()): posts
+  // its data buffers now. A no-op otherwise (sends, already posted).
+  virtual void post() {}
   // Received tensors (receives only; valid after wait() returned true).
   virtual const std::vector<at::Tensor>& tensors() const = 0;
   virtual const std::string& description() const = 0;
@@ -97,9 +100,12 @@ class CommEngine {
   std::shared_ptr<Transfer> send(const std::vector<at::Tensor>& tensors, int peer, int tag,
                                  const std::string& description);
   // Posts the header receive now, and the data receives too when the slot's
-  // shapes are predicted; otherwise they are posted when the header arrives
-  // (poll() or wait()).
-  std::shared_ptr<Transfer> recv(int peer, int tag, const std::string& description);
+  // shapes are predicted and `eager` (otherwise when post() is called or the
+  // header arrives: poll() or wait(), whichever comes first). A lazy receive
+  // is still committed to the predicted shapes (the sender relies on it);
+  // laziness only bounds how many buffers exist at once.
+  std::shared_ptr<Transfer> recv(int peer, int tag, const std::string& description,
+                                 bool eager = true);
 
   // Turns pre-posted receives on or off (see the file comment). Both ends of
   // every slot must agree; call it before the first transfer.

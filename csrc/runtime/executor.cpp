@@ -6,6 +6,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>
 
+#include <algorithm>
 #include <climits>
 
 namespace pipedream {
@@ -140,6 +141,10 @@ std::vector<at::Tensor> PipelineExecutor::receive(const Key& key, int direction)
               describe(direction == kForwardDir ? "RECV_F" : "RECV_B", key.first, key.second));
   auto transfer = it->second;
   posted.erase(it);
+  if (!lazyReceives_.empty()) {  // one buffer taken, one more posted
+    lazyReceives_.front()->post();
+    lazyReceives_.pop_front();
+  }
   const auto start = Clock::now();
   transfer->wait(engine_->timeout());
   const char* what = direction == kForwardDir ? "RECV_F" : "RECV_B";
@@ -318,8 +323,23 @@ void PipelineExecutor::allReduce(const Action& a) {
   }
 }
 
+void PipelineExecutor::releaseForwardSend(const Key& key) {
+  auto it = forwardSends_.find(key);
+  if (it == forwardSends_.end()) return;
+  auto transfer = it->second;
+  forwardSends_.erase(it);
+  // The gradient of this microbatch came back, so the peer has its activation:
+  // the wait returns at once and the send's buffer goes.
+  const auto start = Clock::now();
+  transfer->wait(engine_->timeout());
+  account("SEND_WAIT", "wait for sends", "wait", start, true);
+  sends_.erase(std::remove(sends_.begin(), sends_.end(), transfer), sends_.end());
+}
+
 void PipelineExecutor::reset() {
   next_ = 0;
+  forwardSends_.clear();
+  lazyReceives_.clear();
   stash_.clear();
   inputGrads_.clear();
   localActivations_.clear();
@@ -335,6 +355,7 @@ void PipelineExecutor::waitSends() {
   const auto start = Clock::now();
   for (auto& send : sends_) send->wait(engine_->timeout());
   sends_.clear();
+  forwardSends_.clear();
   account("SEND_WAIT", "wait for sends", "wait", start, true);
 }
 
@@ -435,19 +456,28 @@ void PipelineExecutor::execute(size_t begin, size_t end,
            a.kind == ActionKind::kRecvForward;
   };
 
-  // Post every receive of the range up front (headers only; cheap).
+  // Post every receive of the range up front: headers (cheap), and predicted
+  // data buffers for the first `window` receives; each consumed receive posts
+  // the next one's (lazyReceives_), so buffers stay O(ranks), not O(M).
+  const size_t window = 2 * static_cast<size_t>(schedule_.numRanks()) + 2;
+  size_t posted = 0;
+  lazyReceives_.clear();
   for (size_t k = begin; k < end; ++k) {
     const Action& a = list_[k];
     if (!wanted(a)) continue;
+    if (a.kind != ActionKind::kRecvForward && a.kind != ActionKind::kRecvBackward) continue;
+    const bool eager = posted++ < window;
+    std::shared_ptr<Transfer> transfer;
     if (a.kind == ActionKind::kRecvForward) {
-      recvF_[{a.stage, a.microbatch}] =
+      transfer = recvF_[{a.stage, a.microbatch}] =
           engine_->recv(layout.rankFor(a.stage - 1, a.microbatch), tag(kForwardDir, a.stage - 1, a.microbatch),
-                        describe("RECV_F", a.stage, a.microbatch));
-    } else if (a.kind == ActionKind::kRecvBackward) {
-      recvB_[{a.stage, a.microbatch}] =
+                        describe("RECV_F", a.stage, a.microbatch), eager);
+    } else {
+      transfer = recvB_[{a.stage, a.microbatch}] =
           engine_->recv(layout.rankFor(a.stage + 1, a.microbatch), tag(kBackwardDir, a.stage, a.microbatch),
-                        describe("RECV_B", a.stage, a.microbatch));
+                        describe("RECV_B", a.stage, a.microbatch), eager);
     }
+    if (!eager) lazyReceives_.push_back(transfer);
   }
 
   for (size_t index = begin; index < end; ++index) {
@@ -532,6 +562,7 @@ void PipelineExecutor::execute(size_t begin, size_t end,
         sends_.push_back(engine_->send(out, layout.rankFor(a.stage + 1, a.microbatch),
                                        tag(kForwardDir, a.stage, a.microbatch),
                                        describe("SEND_F", a.stage, a.microbatch)));
+        if (!forwardOnly) forwardSends_[key] = sends_.back();
         if (forwardOnly) {
           stash_.erase(key);
         } else if (recompute_) {
@@ -553,6 +584,7 @@ void PipelineExecutor::execute(size_t begin, size_t end,
             localGrads_.erase(local);
           } else {
             s.gradOutputs = receive(key, kBackwardDir);
+            releaseForwardSend(key);
             start = Clock::now();
           }
         }

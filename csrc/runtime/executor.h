@@ -41,6 +41,7 @@
 #include <ATen/ATen.h>
 
 #include <chrono>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -179,6 +180,14 @@ class PipelineExecutor {
   std::map<Key, std::vector<at::Tensor>> localGrads_;       // stage j+1 -> j on this rank
   std::map<Key, std::shared_ptr<Transfer>> recvF_, recvB_;  // posted receives
   std::vector<std::shared_ptr<Transfer>> sends_;
+  // SEND_F transfers by (stage, microbatch): released as soon as the gradient
+  // for that microbatch arrives (the peer consumed the activation by then), so
+  // a flush step does not hold all M activations until its end.
+  std::map<Key, std::shared_ptr<Transfer>> forwardSends_;
+  // Receives of the running range whose predicted data buffers are not posted
+  // yet, in list order: kept to a window so a step holds O(ranks) buffers.
+  std::deque<std::shared_ptr<Transfer>> lazyReceives_;
+  void releaseForwardSend(const Key& key);
   int peakStashed_ = 0;
   // (direction, stage) -> metadata learned on the first step; the batch
   // dimension may change, nothing else may.
