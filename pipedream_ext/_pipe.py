@@ -6,12 +6,15 @@ the C++ executor, whose only call back into Python is a stage's forward.
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import datetime
+import gc
 import json
 import logging
 import os
 import time
+import weakref
 import zlib
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -54,6 +57,21 @@ def _init_default_group(device: torch.device, timeout: datetime.timedelta) -> No
             "torch.distributed.init_process_group() first")
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, timeout=timeout)
+
+
+# Live pipelines, to release their C++ executors (which hold the process group)
+# at interpreter exit: a process group destroyed during Python's finalization,
+# after its creator's module state is gone, can abort the process ("terminate
+# called without an active exception").
+_LIVE: "weakref.WeakSet[PipeDream]" = weakref.WeakSet()
+
+
+@atexit.register
+def _release_executors_at_exit() -> None:
+    for pipe in list(_LIVE):
+        pipe._executor = None  # noqa: SLF001
+        pipe._eval_executor = None  # noqa: SLF001
+    gc.collect()
 
 
 class NonFiniteError(RuntimeError):
@@ -344,6 +362,7 @@ class PipeDream:
         self._retired_stats: Dict[str, Any] = {}
         self._executor = self._make_executor(self._schedule)
         self._eval_executor: Optional["_C.PipelineExecutor"] = None
+        _LIVE.add(self)
         self.peak_weight_versions: Dict[int, int] = {}
         _log.info("rank %d: stages %s (layers %s) of %d, schedule %s, %d microbatches",
                   self.rank, self.local_stages, [self.stage_layers[j] for j in self.local_stages],
