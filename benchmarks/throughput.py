@@ -381,7 +381,8 @@ def machine_info() -> Dict[str, str]:
 
     return {"cpu_count": str(os.cpu_count()), "processor": platform.processor() or "(empty)",
             "cpu_model": _cpu_model(), "torch": torch.__version__, "python": platform.python_version(),
-            "platform": platform.platform()}
+            "platform": platform.platform(),
+            "load": "load average %.1f %.1f %.1f at the start" % os.getloadavg()}
 
 
 def _cpu_model() -> str:
@@ -597,8 +598,9 @@ def run_driver(args: argparse.Namespace) -> int:
              f"Command: `{command}`", "",
              f"Machine: os.cpu_count()={info['cpu_count']}, platform.processor()={info['processor']!r}, "
              f"CPU model {info['cpu_model']}, torch {info['torch']}, Python {info['python']}, "
-             f"{info['platform']}. One thread per rank (torch.set_num_threads(1), OMP_NUM_THREADS=1), "
-             "Gloo.", "",
+             f"{info['platform']}, {info['load']} (other work on the machine slows every "
+             f"configuration alike; compare within a run). One thread per rank "
+             "(torch.set_num_threads(1), OMP_NUM_THREADS=1), Gloo.", "",
              f"Model: {args.layers} x [Linear({args.hidden}, {args.hidden}), ReLU] + "
              f"Linear({args.hidden}, 10), SGD lr={args.lr}. Global batch {B}, M={M} microbatches of {mb}; "
              f"2 stages of {stage_bounds(args.layers)} modules (stage 0: {args.layers // 2} Linear+ReLU pairs). "
