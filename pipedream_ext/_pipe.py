@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C, schedules
+from . import _C, _elastic, _faults, _signals, schedules
 from .planner import Plan
 
 __all__ = ["PipeDream", "NonFiniteError", "SYNCHRONOUS_SCHEDULES", "ASYNCHRONOUS_SCHEDULES"]
@@ -56,7 +56,7 @@ def _init_default_group(device: torch.device, timeout: datetime.timedelta) -> No
             "launch with `torchrun --nproc-per-node N script.py` or call "
             "torch.distributed.init_process_group() first")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, timeout=timeout)
+    _elastic.init_process_group(backend, timeout)
 
 
 # Live pipelines, to release their C++ executors (which hold the process group)
@@ -239,6 +239,7 @@ class PipeDream:
             device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
         self.device = torch.device(device)
         _init_default_group(self.device, datetime.timedelta(seconds=timeout))
+        _signals.install()  # SIGTERM / Ctrl-C: clean exit on every rank, with a deadline
         self.group = process_group if process_group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
@@ -943,3 +944,7 @@ class PipeDream:
         if len(parts[0]) == 1:
             return torch.cat([p[0] for p in parts], dim=0)
         return tuple(torch.cat([p[k] for p in parts], dim=0) for k in range(len(parts[0])))
+
+
+# Errors about a peer name the job's first failure and a lost rank (heartbeats).
+_faults.ensure_installed(PipeDream)
