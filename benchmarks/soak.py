@@ -311,7 +311,8 @@ def summary_table(runs: Dict[str, Dict[str, Any]]) -> List[str]:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, run in runs.items():
         if "figures" not in run:
-            lines.append(f"| {name} | | | | | | | | | FAILED: {run.get('error', 'no result')[:160]} |")
+            error = run.get("error", "no result").replace("|", "/")
+            lines.append(f"| {name} | | | | | | | | | FAILED: {error[:300]} |")
             continue
         f = run["figures"]
         tp = f["throughput"]
@@ -322,7 +323,7 @@ def summary_table(runs: Dict[str, Dict[str, Any]]) -> List[str]:
         last = [r["samples"][-1] for r in run["ranks"]]
         peaks = (f"{max(s['peak_activations'] for s in last)} / "
                  f"{max(s['peak_weight_versions'] for s in last)}")
-        verdict = "ok" if not run["problems"] else "FAIL: " + "; ".join(run["problems"])
+        verdict = "ok" if not run["problems"] else "FAIL: " + "; ".join(run["problems"]).replace("|", "/")
         cpu = (f"{tp.get('cpu_ms_per_step_first') or 0:.2f} -> {tp.get('cpu_ms_per_step_last') or 0:.2f}; "
                f"{tp.get('loadavg_first') or 0:.1f} -> {tp.get('loadavg_last') or 0:.1f}")
         lines.append(f"| {name} | {run['steps']} | {run['wall_s']:.0f} | {tp['first'] or 0:.0f} -> "
@@ -331,44 +332,63 @@ def summary_table(runs: Dict[str, Dict[str, Any]]) -> List[str]:
     return lines
 
 
+def evaluate(name: str, r: Dict[str, Any], args: argparse.Namespace, warmup_step: int) -> bool:
+    """Adds ``problems`` and ``figures`` to one schedule's launch result; True if it failed.
+
+    A launch that failed after every rank reported its samples (e.g. a crash at
+    shutdown) is assessed too, and fails with the launch error among its problems."""
+    if not r.get("ranks"):
+        LOG.error("%s: %s", name, r.get("error", "no result"))
+        return True
+    ranks = sorted(r["ranks"], key=lambda x: x["rank"])
+    problems, figures = assess([x["samples"] for x in ranks], warmup_step, args.rss_threshold_mib * MIB,
+                               args.max_drop)
+    if "error" in r:
+        problems.append(f"the launch failed after the samples were in: {r['error']}")
+    r.update(problems=problems, figures=figures, wall_s=max(x["wall_s"] for x in ranks), ranks=ranks)
+    tp = figures["throughput"]
+    LOG.info("%s: %d steps in %.0f s (launch %.0f s), steps/s %.0f -> %.0f, max RSS growth %.2f MiB: %s",
+             name, r["steps"], r["wall_s"], r.get("launch_s", 0.0), tp["first"] or 0, tp["last"] or 0,
+             max(x["max_growth"] for x in figures["rss"]) / MIB, problems or "ok")
+    return bool(problems)
+
+
 def run_driver(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     t_start = time.perf_counter()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    info = machine_info()
-    command = command_line()
-    LOG.info("%s", machine_line(info))
-    script = Path(__file__).resolve()
     warmup_step = int(args.steps * args.warmup_frac)
-    common = ["--steps", str(args.steps), "--sample-every", str(args.sample_every), "--width", str(args.width),
-              "--blocks", str(args.blocks), "--batch", str(args.batch), "--microbatches", str(args.microbatches),
-              "--lr", str(args.lr), "--seed", str(args.seed), "--pipe-timeout", str(args.pipe_timeout)]
     runs: Dict[str, Dict[str, Any]] = {}
     failed = False
-    for name in tqdm(args.schedules, desc="schedules", unit="schedule"):
-        r = launch_torchrun(script, args.ranks, ["--worker", name] + common, JSON_TAG, args.timeout)
-        r["steps"] = args.steps
-        if "error" in r or not r.get("ranks"):
-            LOG.error("%s: %s", name, r.get("error", "no result"))
-            failed = True
+    if args.from_json:
+        # Re-assess and re-report a previous run (same --steps and thresholds as given now).
+        data = json.loads(Path(args.from_json).read_text())
+        info, command, total_s = data["machine"], data["command"], data["total_s"]
+        for name, r in data["runs"].items():
+            r.pop("problems", None)
+            r.pop("figures", None)
             runs[name] = r
-            continue
-        ranks = sorted(r["ranks"], key=lambda x: x["rank"])
-        problems, figures = assess([x["samples"] for x in ranks], warmup_step, args.rss_threshold_mib * MIB,
-                                   args.max_drop)
-        r.update(problems=problems, figures=figures, wall_s=max(x["wall_s"] for x in ranks), ranks=ranks)
-        runs[name] = r
-        failed = failed or bool(problems)
-        tp = figures["throughput"]
-        LOG.info("%s: %d steps in %.0f s (launch %.0f s), steps/s %.0f -> %.0f, max RSS growth %.2f MiB: %s",
-                 name, args.steps, r["wall_s"], r["launch_s"], tp["first"] or 0, tp["last"] or 0,
-                 max(x["max_growth"] for x in figures["rss"]) / MIB, problems or "ok")
-    total_s = time.perf_counter() - t_start
+            failed = evaluate(name, r, args, warmup_step) or failed
+    else:
+        info = machine_info()
+        command = command_line()
+        LOG.info("%s", machine_line(info))
+        script = Path(__file__).resolve()
+        common = ["--steps", str(args.steps), "--sample-every", str(args.sample_every), "--width", str(args.width),
+                  "--blocks", str(args.blocks), "--batch", str(args.batch), "--microbatches", str(args.microbatches),
+                  "--lr", str(args.lr), "--seed", str(args.seed), "--pipe-timeout", str(args.pipe_timeout)]
+        for name in tqdm(args.schedules, desc="schedules", unit="schedule"):
+            r = launch_torchrun(script, args.ranks, ["--worker", name] + common, JSON_TAG, args.timeout)
+            r["steps"] = args.steps
+            runs[name] = r
+            failed = evaluate(name, r, args, warmup_step) or failed
+        total_s = time.perf_counter() - t_start
     every = max(1, args.sample_every or args.steps // 100)
     lines = ["# Soak", "",
-             f"Command: `{command}` (total {total_s:.0f} s, launches included).", "",
+             f"Command: `{command}` (total {total_s:.0f} s, launches included)."
+             + (f" Report regenerated from its JSON with `{command_line()}`." if args.from_json else ""), "",
              machine_line(info) + " One thread per rank, Gloo.", "",
              f"{args.ranks} ranks; model {args.blocks} x [Linear({args.width}, {args.width}), ReLU] + "
              f"Linear({args.width}, 10), SGD lr={args.lr}; {args.steps} steps per schedule (flush schedules and "
@@ -378,13 +398,13 @@ def run_driver(args: argparse.Namespace) -> int:
              f"growth after warm-up at most {args.rss_threshold_mib:g} MiB on every rank; last-quarter steps/s at "
              f"least {100 * (1 - args.max_drop):.0f}% of the first quarter's (rank 0); no queue "
              "(pending targets, executor window, flush targets) whose last-quarter maximum exceeds the first "
-             "quarter's by more than max(2, half of it).", ""]
+             "quarter's by more than max(2, half of it); every launch exits cleanly.", ""]
     lines += summary_table(runs)
     lines += ["", "Plot: `soak.png` (RSS per rank and rank 0's steps/s against the step, one panel per schedule).", ""]
     text = "\n".join(lines)
     (out_dir / "soak.md").write_text(text)
     (out_dir / "soak.json").write_text(json.dumps({"machine": info, "command": command, "total_s": total_s,
-                                                   "warmup_step": warmup_step, "runs": runs}))
+                                                   "warmup_step": warmup_step, "args": vars(args), "runs": runs}))
     plot(runs, out_dir / "soak.png", warmup_step)
     print(text)
     LOG.info("done in %.0f s: %s", total_s, "FAILED" if failed else "all schedules passed")
@@ -409,6 +429,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pipe-timeout", type=float, default=120.0)
     p.add_argument("--timeout", type=float, default=7200.0, help="seconds per torchrun launch")
+    p.add_argument("--from-json", help="re-assess and re-report a previous soak.json (no runs)")
     p.add_argument("--progress", action="store_true", help="workers: tqdm bar on rank 0 (stderr)")
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("-v", "--verbose", action="store_true")

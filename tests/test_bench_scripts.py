@@ -236,6 +236,19 @@ def test_cpu_per_step_and_load_by_quarter():
     assert (c["loadavg_first"], c["loadavg_last"]) == (2.0, 6.0)
 
 
+def test_a_launch_that_fails_after_reporting_is_assessed_and_fails():
+    args = soak.parse_args(["--steps", "2000"])
+    flat = _samples([300.0] * 21)
+    ok = {"steps": 2000, "ranks": [{"rank": 0, "wall_s": 20.0, "samples": flat}]}
+    assert soak.evaluate("1f1b", ok, args, 200) is False and ok["problems"] == []
+    crashed = {"steps": 2000, "error": "exit -6: Signal 6 (SIGABRT)",
+               "ranks": [{"rank": 0, "wall_s": 20.0, "samples": flat}]}
+    assert soak.evaluate("zb-h1", crashed, args, 200) is True
+    assert crashed["problems"] == ["the launch failed after the samples were in: exit -6: Signal 6 (SIGABRT)"]
+    assert crashed["figures"]["rss"][0]["max_growth"] == 0.0
+    assert soak.evaluate("gpipe", {"steps": 2000, "error": "timed out"}, args, 200) is True
+
+
 def test_quarters_and_rate():
     s = _samples([1.0] * 9)  # steps 0..800
     first, last = soak.quarters(s)
