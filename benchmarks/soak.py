@@ -417,7 +417,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--schedules", type=lambda s: s.split(","), default=list(SCHEDULES))
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--steps", type=int, default=20000, help="pipe.step calls per schedule")
-    p.add_argument("--sample-every", type=int, default=0, help="steps between samples (default steps/100)")
+    p.add_argument("--sample-every", type=int, default=0,
+                   help="steps between samples (default steps/100; a sample walks the GC's objects, some ms)")
     p.add_argument("--warmup-frac", type=float, default=0.1, help="share of the steps treated as warm-up")
     p.add_argument("--rss-threshold-mib", type=float, default=5.0)
     p.add_argument("--max-drop", type=float, default=0.30, help="largest allowed throughput drop (fraction)")
