@@ -88,7 +88,12 @@ def worker(name: str, plan_path: str, batch: int, steps: int) -> None:
         pipe.step(x, y)
         if opt is not None:
             opt.step(); opt.zero_grad()
-    sent = torch.tensor([pipe.bytes_sent], dtype=torch.float64)
+    # The engine counts point-to-point transfers; a replicated stage also sends
+    # its gradients' ring all-reduce, 2 (r - 1) / r of its weight bytes per step.
+    r = pipe.replicas[pipe.stage_index]
+    grad_bytes = sum(p.numel() * p.element_size() for p in pipe.parameters())
+    allreduce = steps * 2 * (r - 1) / r * grad_bytes if r > 1 else 0.0
+    sent = torch.tensor([pipe.bytes_sent + allreduce], dtype=torch.float64)
     dist.all_reduce(sent)
     if dist.get_rank() == 0:
         print(json.dumps({"bytes_per_sample": sent.item() / (steps * batch)}), flush=True)
@@ -167,7 +172,9 @@ def analytical(profiles: Sequence[str], workers: Sequence[int]) -> List[Dict]:
 def report(measured_rows: List[Dict], analytical_rows: List[Dict], command: str) -> str:
     lines = [f"Machine: {os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
              f"torch {torch.__version__}. Command: `{command}`.", "",
-             "### Measured (2 ranks, 1f1b with the planner's plan, bytes counted by the engine)", "",
+             "### Measured (2 ranks, 1f1b with the planner's plan, bytes counted by the engine; "
+             "a replicated stage's gradient all-reduce added as 2 (r - 1) / r of its weight bytes "
+             "per step)", "",
              "| model | weights (MB) | plan (layers x replicas) | pipedream_ext (KB/sample) "
              "| data parallel (KB/sample) | reduction |", "|---|---|---|---|---|---|"]
     for r in measured_rows:
