@@ -360,6 +360,7 @@ void bindRuntime(py::module_& m) {
             d["preposted_receives"] = e.engine().prePostedReceives();
             d["redirected_sends"] = e.engine().redirectedSends();
             d["peak_stashed"] = e.peakStashed();
+            d["peak_sends_in_flight"] = s.peakSendsInFlight;
             d["peak_weight_versions"] = e.peakWeightVersions();
             d["weight_bytes_copied"] = e.weightBytesCopied();
             return d;

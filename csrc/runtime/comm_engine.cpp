@@ -40,7 +40,12 @@ class SendTransfer : public Transfer {
         description_(std::move(description)),
         timeout_(timeout) {}
 
+  // Idempotent: Gloo's SendWork::wait waits for one more completion of its
+  // buffer each call, so a second wait would block until the timeout. The
+  // works hold the sent tensors too: both go once the send is done.
   bool wait(std::chrono::milliseconds timeout) override {
+    if (error_) std::rethrow_exception(error_);
+    if (done_) return true;
     const auto deadline = Clock::now() + timeout;
     try {
       for (auto& work : works_) waitWork(work, deadline, self_, peer_, description_, timeout);
@@ -48,10 +53,13 @@ class SendTransfer : public Transfer {
       error_ = std::current_exception();
       throw;
     }
+    works_.clear();
     keepAlive_.clear();
+    done_ = true;
     return true;
   }
   bool isCompleted() override {
+    if (done_) return true;
     for (auto& work : works_) {
       if (!work->isCompleted()) return false;
     }
@@ -69,6 +77,7 @@ class SendTransfer : public Transfer {
   std::string description_;
   std::chrono::milliseconds timeout_;
   std::exception_ptr error_;
+  bool done_ = false;  // waited successfully: works_ and keepAlive_ released
 };
 
 class RecvTransfer : public Transfer {

@@ -53,7 +53,10 @@ PipelineExecutor::PipelineExecutor(Schedule schedule, int rank, std::shared_ptr<
   TORCH_CHECK(schedule_.numStages() < 1024, "at most 1023 stages are supported (got ",
               schedule_.numStages(), ")");
   TORCH_CHECK(!stashWeights_ || update_, "weight stashing needs an update callback");
-  if (!streaming) list_ = schedule_.actions(rank_);
+  if (!streaming) {
+    list_ = schedule_.actions(rank_);
+    releaseAt_ = sendReleasePoints(schedule_, rank_);
+  }
   // Flush schedules repeat their transfer tags every step: pre-post receives.
   engine_->setShapePrediction(!streaming);
   lastStage_ = schedule_.numStages() - 1;
@@ -336,9 +339,28 @@ void PipelineExecutor::releaseForwardSend(const Key& key) {
   sends_.erase(std::remove(sends_.begin(), sends_.end(), transfer), sends_.end());
 }
 
+void PipelineExecutor::releaseReceivedSends(size_t index) {
+  // The schedule proves these arrived (csrc/core/receipt.h): each wait returns
+  // at once, and the send's buffer goes now rather than at the end of the step.
+  const auto start = Clock::now();
+  for (int position : releaseAt_[index]) {
+    auto it = sendAt_.find(static_cast<size_t>(position));
+    if (it == sendAt_.end()) continue;  // not sent in this run (forward-only)
+    auto transfer = it->second;
+    sendAt_.erase(it);
+    transfer->wait(engine_->timeout());
+    sends_.erase(std::remove(sends_.begin(), sends_.end(), transfer), sends_.end());
+    const Action& send = list_[position];
+    auto forward = forwardSends_.find({send.stage, send.microbatch});
+    if (forward != forwardSends_.end() && forward->second == transfer) forwardSends_.erase(forward);
+  }
+  account("SEND_WAIT", "wait for sends", "wait", start, true);
+}
+
 void PipelineExecutor::reset() {
   next_ = 0;
   forwardSends_.clear();
+  sendAt_.clear();
   lazyReceives_.clear();
   stash_.clear();
   inputGrads_.clear();
@@ -356,6 +378,7 @@ void PipelineExecutor::waitSends() {
   for (auto& send : sends_) send->wait(engine_->timeout());
   sends_.clear();
   forwardSends_.clear();
+  sendAt_.clear();
   account("SEND_WAIT", "wait for sends", "wait", start, true);
 }
 
@@ -563,6 +586,7 @@ void PipelineExecutor::execute(size_t begin, size_t end,
                                        tag(kForwardDir, a.stage, a.microbatch),
                                        describe("SEND_F", a.stage, a.microbatch)));
         if (!forwardOnly) forwardSends_[key] = sends_.back();
+        if (!releaseAt_.empty()) sendAt_[index] = sends_.back();
         if (forwardOnly) {
           stash_.erase(key);
         } else if (recompute_) {
@@ -600,6 +624,7 @@ void PipelineExecutor::execute(size_t begin, size_t end,
         sends_.push_back(engine_->send(it->second, layout.rankFor(a.stage - 1, a.microbatch),
                                        tag(kBackwardDir, a.stage - 1, a.microbatch),
                                        describe("SEND_B", a.stage, a.microbatch)));
+        if (!releaseAt_.empty()) sendAt_[index] = sends_.back();
         inputGrads_.erase(it);
         break;
       }
@@ -621,6 +646,8 @@ void PipelineExecutor::execute(size_t begin, size_t end,
     } else if (a.kind == ActionKind::kUpdate && stashWeights_) {
       account("U", a.toString(), "update", start, false);
     }
+    if (!releaseAt_.empty() && !releaseAt_[index].empty()) releaseReceivedSends(index);
+    stats_.peakSendsInFlight = std::max(stats_.peakSendsInFlight, static_cast<int64_t>(sends_.size()));
   }
 }
 

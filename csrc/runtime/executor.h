@@ -48,6 +48,7 @@
 #include <string>
 #include <vector>
 
+#include "core/receipt.h"
 #include "core/schedule.h"
 #include "runtime/comm_engine.h"
 #include "runtime/weight_store.h"
@@ -62,6 +63,7 @@ struct ExecutorStats {
   int64_t actions = 0;        // actions executed
   int64_t steps = 0;          // run*() calls
   std::map<std::string, double> secondsByKind;  // "F", "B", "RECV_F" (waits), ...
+  int64_t peakSendsInFlight = 0;  // most sends held at once (their buffers live)
 };
 
 // One span of the real execution (Chrome trace "X" event).
@@ -188,6 +190,12 @@ class PipelineExecutor {
   // yet, in list order: kept to a window so a step holds O(ranks) buffers.
   std::deque<std::shared_ptr<Transfer>> lazyReceives_;
   void releaseForwardSend(const Key& key);
+  // Flush executors: releaseAt_[k] = positions of this rank's sends known
+  // received once the compute action at k has its inputs (receipt.h);
+  // sendAt_ = the transfers of those sent this step, by position.
+  std::vector<std::vector<int>> releaseAt_;
+  std::map<size_t, std::shared_ptr<Transfer>> sendAt_;
+  void releaseReceivedSends(size_t index);
   int peakStashed_ = 0;
   // (direction, stage) -> metadata learned on the first step; the batch
   // dimension may change, nothing else may.
