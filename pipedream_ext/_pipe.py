@@ -74,6 +74,25 @@ def _release_executors_at_exit() -> None:
     gc.collect()
 
 
+def _weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps a bound method for the C++ executor without keeping its object alive.
+
+    A bound method held by a C++ ``std::function`` is a reference the cycle
+    collector cannot see: the pipeline would hold its executor, the executor the
+    pipeline, and neither would ever be freed (nor the process group).
+    """
+    ref = weakref.WeakMethod(method)
+    name = method.__name__
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        if bound is None:
+            raise RuntimeError(f"PipeDream.{name} called after its pipeline was freed")
+        return bound(*args)
+
+    return call
+
+
 class NonFiniteError(RuntimeError):
     """NaN or inf appeared in a stage's output or gradients (``check_finite="raise"``)."""
 
@@ -92,7 +111,7 @@ def _merge_stats(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
             for stage, count in value.items():
                 versions[stage] = max(versions.get(stage, 0), count)
             out[key] = versions
-        elif key == "peak_stashed":
+        elif key in ("peak_stashed", "peak_sends_in_flight"):
             out[key] = max(out.get(key, 0), value)
         else:
             out[key] = out.get(key, 0) + value
@@ -464,9 +483,10 @@ class PipeDream:
     # -- schedule and executor ------------------------------------------------------
     def _make_executor(self, schedule: "schedules.Schedule") -> "_C.PipelineExecutor":
         executor = _C.PipelineExecutor(
-            schedule._lowered, self.rank, self.group, self.timeout, self._stage_forward,
-            self._stage_parameters, str(self.device), stash_weights=self.asynchronous,
-            update=self._update if self.asynchronous else None,
+            schedule._lowered, self.rank, self.group, self.timeout,
+            _weak_method(self._stage_forward), self._stage_parameters, str(self.device),
+            stash_weights=self.asynchronous,
+            update=_weak_method(self._update) if self.asynchronous else None,
             replica_groups=self._replica_groups, recompute=self.recompute,
             streaming=self.asynchronous,
             average_replica_gradients=self.schedule_name == "pipedream")
@@ -547,6 +567,7 @@ class PipeDream:
             ``bubble_fraction`` (``1 - compute_s / busy_s``: the share of the
             runtime's time this rank did no work), ``bytes_sent``/``bytes_received``,
             ``peak_activations`` (most microbatches stashed at once),
+            ``peak_sends_in_flight`` (most sends whose buffers were held at once),
             ``peak_weight_versions`` (per stage; asynchronous schedules),
             ``seconds_by_kind`` (``F``, ``B``, ``RECV_F`` waits, ...), and the transfer
             counts ``sends``, ``receives``, ``preposted_receives`` (data buffers
@@ -831,7 +852,11 @@ class PipeDream:
         loss = torch.zeros(1, dtype=torch.float64)
         if self.is_last:
             loss += sum(float(l) for l in losses if l is not None) / loss_scale
-        dist.all_reduce(loss, group=self.group)
+        try:
+            dist.all_reduce(loss, group=self.group)
+        except RuntimeError as exc:  # Gloo names an address; say which rank and step
+            raise RuntimeError(f"rank {self.rank}: the all-reduce of the batch loss after step "
+                               f"{self._step_count - 1} failed or timed out: {exc}") from exc
         if self.check_finite and self._check_finite_step():
             return float("nan")
         return float(loss.item())
@@ -930,7 +955,8 @@ class PipeDream:
                                              microbatches=self.microbatches)
                 self._eval_executor = _C.PipelineExecutor(
                     evaluation._lowered, self._leaders.index(self.rank), self._leader_group,
-                    self.timeout, self._stage_forward, self._stage_parameters, str(self.device))
+                    self.timeout, _weak_method(self._stage_forward), self._stage_parameters,
+                    str(self.device))
             executor = self._eval_executor
         input_chunks = self._split(inputs, "inputs") if self.is_first else []
         self._forward_only = True

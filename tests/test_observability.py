@@ -5,12 +5,14 @@
 from __future__ import annotations
 
 import collections
+import gc
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -55,6 +57,10 @@ def run_checks() -> None:
     assert stats["steps"] == STEPS and stats["peak_activations"] == (2 if rank == 0 else 1), stats
     assert 0 < stats["compute_s"] <= stats["busy_s"] and 0 <= stats["bubble_fraction"] < 1, stats
     assert set(stats["seconds_by_kind"]) >= {"F", "B"}, stats
+    # A send is released once the schedule proves it received (csrc/core/receipt.h):
+    # rank 1's gradient of microbatch i when rank 0's forward of i + 2 arrives, so 1F1B
+    # on 2 ranks holds 2 sends at most, not one per microbatch (M = 4).
+    assert stats["peak_sends_in_flight"] == 2, stats
 
     written = pipe.write_trace()
     assert (written == path) == (rank == 0), written
@@ -81,6 +87,12 @@ def run_checks() -> None:
         assert any("RECV_F" in n for n in spans[1]) and not any("RECV_F" in n for n in spans[0])
         names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
         assert names == {"rank 0: stages [0]", "rank 1: stages [1]"}, names
+
+    # Only the user's references keep a pipeline (its executor, its process group) alive.
+    ref = weakref.ref(pipe)
+    del pipe, opt
+    gc.collect()
+    assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]
 
 
 def test_stats_and_merged_trace() -> None:
