@@ -66,8 +66,8 @@ bench-network: setup
 
 # Soak run (not CI): 4 ranks, every schedule, 20 000 steps of a tiny model each;
 # exits non-zero if a rank's RSS grows more than 5 MiB after warm-up, throughput
-# drops more than 30% or a queue grows (benchmarks/README.md, "Soak"). Long: see
-# the README for the measured duration; `$(PY) benchmarks/soak.py --steps 2000` is quicker.
+# drops more than 30% or a queue grows (benchmarks/README.md, "Soak"). About 20
+# minutes on an idle 2-core machine; `$(PY) benchmarks/soak.py --steps 2000` is quicker.
 soak: setup
 	$(PY) benchmarks/soak.py
 
