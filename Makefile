@@ -60,7 +60,7 @@ bench: setup
 
 # Time to accuracy on an emulated 4-host cluster (network namespaces, tc-limited
 # links at 100 Mbit/s and 1 Gbit/s): DDP vs 1f1b / pipedream / pipedream-2bw.
-# Needs root and iproute2 (sudo make bench-network); about 13 minutes on 2 shared cores.
+# Needs root and iproute2 (sudo make bench-network); 8-13 minutes on 2 cores.
 bench-network: setup
 	$(PY) benchmarks/slow_network.py --command "sudo make bench-network"
 
