@@ -1,0 +1,176 @@
+"""The small collectives the Python layer runs, with one device rule.
+
+Owns every collective outside the C++ executor: configuration checks, plan
+broadcast, bandwidth probe, loss all-reduce, finite-check flags, trace and
+checkpoint metadata gathering. Boundary tensors, replica all-reduces and the
+schedule's own traffic are the executor's (``csrc/runtime``).
+
+The device rule: a metadata tensor lives on the device the group has a backend
+for, preferring the CPU. PipeDream creates its default group with
+``cpu:gloo,cuda:nccl`` on GPU machines, so metadata stays on the CPU (no device
+synchronisation per collective); a group the user created with NCCL alone gets
+its metadata on the current CUDA device. Payloads travel as UTF-8 bytes in
+uint8 tensors, never pickled.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import time
+import zlib
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["metadata_device", "all_reduce", "broadcast_bytes", "gather_bytes",
+           "all_gather_json", "check_same_everywhere", "measure_bandwidth", "barrier"]
+
+
+def metadata_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """The device metadata tensors of ``group`` live on: CPU when the group has a
+    CPU backend, else the current CUDA device.
+
+    Args:
+        group: a process group (default: the default group).
+
+    Returns:
+        ``torch.device("cpu")`` or ``torch.device("cuda", current)``.
+
+    Raises:
+        RuntimeError: the group has neither a CPU nor a CUDA backend.
+    """
+    group = group if group is not None else dist.group.WORLD
+    types = {t.type if isinstance(t, torch.device) else str(t) for t in group._device_types}
+    if "cpu" in types:
+        return torch.device("cpu")
+    if "cuda" in types:
+        return torch.device("cuda", torch.cuda.current_device())
+    raise RuntimeError(f"process group {group} has no CPU or CUDA backend (device types "
+                       f"{sorted(types)}); create it with backend='gloo', 'nccl' or "
+                       "'cpu:gloo,cuda:nccl'")
+
+
+def all_reduce(values: List[float], group: dist.ProcessGroup, op: Any = dist.ReduceOp.SUM,
+               dtype: torch.dtype = torch.float64) -> List[float]:
+    """All-reduces a few numbers; returns them reduced (as Python numbers of ``dtype``)."""
+    t = torch.tensor(values, dtype=dtype, device=metadata_device(group))
+    dist.all_reduce(t, op=op, group=group)
+    return t.cpu().tolist()
+
+
+def _to_tensor(payload: bytes, size: int, device: torch.device) -> torch.Tensor:
+    buffer = torch.zeros(size, dtype=torch.uint8)
+    if payload:
+        buffer[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return buffer.to(device)
+
+
+def broadcast_bytes(payload: Optional[bytes], src: int, group: dist.ProcessGroup) -> bytes:
+    """Broadcasts a byte string from group rank ``src``; every rank gets it.
+
+    Args:
+        payload: the bytes on ``src`` (ignored elsewhere).
+        src: the sender's rank within ``group``.
+        group: the process group.
+    """
+    device = metadata_device(group)
+    mine = dist.get_rank(group) == src
+    length = torch.tensor([len(payload) if mine and payload else 0], dtype=torch.int64,
+                          device=device)
+    global_src = dist.get_global_rank(group, src)
+    dist.broadcast(length, src=global_src, group=group)
+    size = int(length.item())
+    buffer = _to_tensor(payload if mine and payload else b"", size, device)
+    dist.broadcast(buffer, src=global_src, group=group)
+    return buffer.cpu().numpy().tobytes()
+
+
+def _gathered_lengths(size: int, group: dist.ProcessGroup, device: torch.device) -> List[int]:
+    world = dist.get_world_size(group)
+    length = torch.tensor([size], dtype=torch.int64, device=device)
+    lengths = [torch.zeros_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length, group=group)
+    return [int(l.item()) for l in lengths]
+
+
+def gather_bytes(payload: bytes, group: dist.ProcessGroup) -> Optional[List[bytes]]:
+    """Gathers one byte string per rank on group rank 0.
+
+    Returns:
+        The byte strings in rank order on rank 0, ``None`` elsewhere.
+    """
+    device = metadata_device(group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    lengths = _gathered_lengths(len(payload), group, device)
+    size = max(lengths)
+    buffer = _to_tensor(payload, size, device)
+    gathered = [torch.zeros(size, dtype=torch.uint8, device=device)
+                for _ in range(world)] if rank == 0 else None
+    dist.gather(buffer, gathered, dst=dist.get_global_rank(group, 0), group=group)
+    if gathered is None:
+        return None
+    return [g[:n].cpu().numpy().tobytes() for g, n in zip(gathered, lengths)]
+
+
+def all_gather_json(payload: Any, group: dist.ProcessGroup) -> List[Any]:
+    """Every rank contributes a JSON-serialisable object; every rank gets them all."""
+    if dist.get_world_size(group) == 1:
+        return [json.loads(json.dumps(payload))]
+    device = metadata_device(group)
+    data = json.dumps(payload).encode("utf-8")
+    lengths = _gathered_lengths(len(data), group, device)
+    size = max(lengths)
+    mine = _to_tensor(data, size, device)
+    gathered = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in lengths]
+    dist.all_gather(gathered, mine, group=group)
+    return [json.loads(t[:n].cpu().numpy().tobytes().decode("utf-8"))
+            for t, n in zip(gathered, lengths)]
+
+
+def barrier(group: dist.ProcessGroup, timeout: float) -> None:
+    """A barrier that names a missing rank where the backend can (Gloo's
+    ``monitored_barrier``); a plain barrier elsewhere."""
+    if "gloo" in str(dist.get_backend(group)) and metadata_device(group).type == "cpu":
+        dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout),
+                               wait_all_ranks=True)
+    else:
+        dist.barrier(group=group)
+
+
+def check_same_everywhere(text: str, group: dist.ProcessGroup) -> bool:
+    """Whether every rank of ``group`` passed the same ``text`` (a CRC32 min/max
+    all-reduce: two small collectives, no payload exchange)."""
+    digest = float(zlib.crc32(text.encode()))
+    low = all_reduce([digest], group, op=dist.ReduceOp.MIN)[0]
+    high = all_reduce([digest], group, op=dist.ReduceOp.MAX)[0]
+    return low == high
+
+
+def measure_bandwidth(group: dist.ProcessGroup, a: int, b: int, size: int = 4 << 20,
+                      rounds: int = 3, device: Optional[torch.device] = None) -> float:
+    """Bytes/s between group ranks ``a`` and ``b`` (ping-pong of ``size`` bytes,
+    ``rounds`` times each way). Every rank of ``group`` must call it.
+
+    Args:
+        device: where the probe's buffer lives (default: the metadata device;
+            pass the pipeline's device to measure what boundary tensors see).
+    """
+    rank = dist.get_rank(group)
+    probe_device = device if device is not None else metadata_device(group)
+    seconds = 0.0
+    if rank in (a, b):
+        buffer = torch.zeros(size // 4, dtype=torch.float32, device=probe_device)
+        peer = dist.get_global_rank(group, b if rank == a else a)
+        start = time.perf_counter()
+        for _ in range(rounds):
+            if rank == a:
+                dist.send(buffer, peer, group=group)
+                dist.recv(buffer, peer, group=group)
+            else:
+                dist.recv(buffer, peer, group=group)
+                dist.send(buffer, peer, group=group)
+        seconds = time.perf_counter() - start
+    # Only a and b measured; the others contribute 0 and the maximum is theirs.
+    seconds = all_reduce([seconds], group, op=dist.ReduceOp.MAX)[0]
+    return 2 * rounds * size / max(seconds, 1e-9)
