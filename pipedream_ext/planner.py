@@ -12,12 +12,13 @@ Example:
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
 import os
 import reprlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 from . import _C
 
@@ -31,8 +32,13 @@ PLAN_VERSION = 1
 
 ProfileLike = Union[str, "os.PathLike[str]", "_C.ProfileGraph"]
 
-# plan.json field checks: every malformed field is a ValueError naming it.
+# The plan schema. Every field of Topology, Stage and Plan carries a _Spec in its
+# dataclass metadata; to_dict, from_dict and the construction from the C++
+# planner's dict (whose keys are the field names) are all derived from it, so a
+# field is declared once. Every malformed field is a ValueError naming it.
+_SCHEMA = "pipedream_ext.plan_schema"
 _REQUIRED = object()
+_PLAN_HINT = "; write plans with `plan -o plan.json`"
 
 
 def _as_int(v: Any) -> int:
@@ -66,12 +72,16 @@ def _as_dict(v: Any) -> Dict[str, Any]:
     return dict(v)
 
 
-def _list_of(conv: Any) -> Any:
+def _list_of(conv: Callable[[Any], Any]) -> Callable[[Any], List[Any]]:
     def as_list(v: Any) -> List[Any]:
         if not isinstance(v, list):
             raise TypeError("expected a list")
         return [conv(x) for x in v]
     return as_list
+
+
+def _same(v: Any) -> Any:
+    return v
 
 
 def _as_layers(v: Any) -> Optional[Tuple[int, int]]:
@@ -82,11 +92,61 @@ def _as_layers(v: Any) -> Optional[Tuple[int, int]]:
     return (_as_int(v[0]), _as_int(v[1]))
 
 
-def _field(d: Dict[str, Any], key: str, conv: Any, where: str, default: Any = _REQUIRED) -> Any:
+def _as_layers_from_planner(v: Any) -> Optional[Tuple[int, int]]:
+    # The C++ planner hands layers over as a tuple, which JSON never holds.
+    return _as_layers(list(v) if isinstance(v, tuple) else v)
+
+
+def _dump_layers(v: Optional[Tuple[int, int]]) -> Optional[List[int]]:
+    return list(v) if v is not None else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """How one dataclass field crosses the JSON / C++ boundary.
+
+    Attributes:
+        load: JSON value -> attribute value; raises TypeError or ValueError
+            (the caller names the field).
+        dump: attribute value -> JSON-ready value (a copy, so callers may edit it).
+        nested: then ``(value, where, from_planner) -> attribute value`` for fields
+            holding schema dataclasses; runs outside the field's error wrapping,
+            so the nested object's own messages (which name its fields) pass through.
+        from_planner: replaces ``load`` for the C++ planner's dict.
+        position: place of the key in the JSON object (default: declaration order).
+    """
+
+    load: Callable[[Any], Any]
+    dump: Callable[[Any], Any] = copy.deepcopy
+    nested: Optional[Callable[[Any, str, bool], Any]] = None
+    from_planner: Optional[Callable[[Any], Any]] = None
+    position: Optional[int] = None
+
+
+def _schema_field(load: Callable[[Any], Any], *, default: Any = dataclasses.MISSING,
+                  default_factory: Any = dataclasses.MISSING, **spec: Any) -> Any:
+    """A dataclass field carrying its :class:`_Spec` (``spec``: the other _Spec attributes)."""
+    return dataclasses.field(default=default, default_factory=default_factory,
+                             metadata={_SCHEMA: _Spec(load, **spec)})
+
+
+def _spec(f: "dataclasses.Field[Any]") -> _Spec:
+    return f.metadata[_SCHEMA]
+
+
+def _schema_fields(cls: type) -> List["dataclasses.Field[Any]"]:
+    """The fields of a schema dataclass in JSON key order."""
+    fields = dataclasses.fields(cls)
+    return sorted(fields, key=lambda f: (_spec(f).position if _spec(f).position is not None
+                                         else fields.index(f)))
+
+
+def _field(d: Dict[str, Any], key: str, conv: Any, where: str, default: Any = _REQUIRED,
+           hint: str = _PLAN_HINT) -> Any:
     """``conv(d[key])``; a missing (without default) or malformed field raises ValueError."""
     if key not in d:
         if default is _REQUIRED:
-            raise ValueError(f"{where} lacks the field {key!r}; write plans with `plan -o plan.json`")
+            raise ValueError(f"{where} lacks the field {key!r}{hint}")
         return default
     try:
         return conv(d[key])
@@ -98,6 +158,56 @@ def _as_object(d: Any, where: str) -> Dict[str, Any]:
     if not isinstance(d, dict):
         raise ValueError(f"{where} must be a JSON object, not {type(d).__name__}")
     return d
+
+
+def _to_dict(obj: Any) -> Dict[str, Any]:
+    """A schema dataclass as its JSON object (keys in schema order)."""
+    return {f.name: _spec(f).dump(getattr(obj, f.name)) for f in _schema_fields(type(obj))}
+
+
+_T = TypeVar("_T")
+
+
+def _from_dict(cls: Type[_T], d: Any, where: str, from_planner: bool = False, **given: Any) -> _T:
+    """Builds a schema dataclass from its JSON object (or the C++ planner's dict).
+
+    Fields are read in declaration order, so the first bad one is reported.
+
+    Args:
+        cls: Topology, Stage or Plan.
+        d: the object to read.
+        where: what ``d`` is, for messages (``"plan stage 0"``).
+        from_planner: ``d`` is the C++ planner's output: every field is required
+            and read with ``_Spec.from_planner`` where one is set.
+        given: field values that do not come from ``d``.
+
+    Returns:
+        The instance.
+
+    Raises:
+        ValueError: ``d`` is not an object, or a field is missing or malformed
+            (the message names it and ``where``).
+    """
+    d = _as_object(d, where)
+    values: Dict[str, Any] = dict(given)
+    for f in dataclasses.fields(cls):
+        if f.name in given:
+            continue
+        spec = _spec(f)
+        if from_planner:
+            value = _field(d, f.name, spec.from_planner or spec.load, where, hint="")
+        else:
+            default: Any = _REQUIRED
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            value = _field(d, f.name, spec.load, where, default)
+        values[f.name] = spec.nested(value, where, from_planner) if spec.nested else value
+    try:
+        return cls(**values)
+    except ValueError as exc:  # Topology's own range checks
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def load_profile(path: Union[str, "os.PathLike[str]"]) -> "_C.ProfileGraph":
@@ -130,9 +240,9 @@ class Topology:
         memory: bytes per worker; 0 means no memory limit.
     """
 
-    workers: Tuple[int, ...]
-    bandwidth: Tuple[float, ...]
-    memory: float = 0.0
+    workers: Tuple[int, ...] = _schema_field(_list_of(_as_int), dump=list)
+    bandwidth: Tuple[float, ...] = _schema_field(_list_of(_as_float), dump=list)
+    memory: float = _schema_field(_as_float, default=0.0)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "workers", tuple(int(w) for w in self.workers))
@@ -160,24 +270,29 @@ class Topology:
         return total
 
     def to_dict(self) -> Dict[str, Any]:
-        """JSON-ready form."""
-        return {"workers": list(self.workers), "bandwidth": list(self.bandwidth), "memory": self.memory}
+        """JSON-ready form.
+
+        Returns:
+            ``{"workers": [...], "bandwidth": [...], "memory": ...}``.
+        """
+        return _to_dict(self)
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any], where: str = "topology") -> "Topology":
         """Inverse of :meth:`to_dict`.
 
+        Args:
+            d: the JSON object.
+            where: what ``d`` is, for messages.
+
+        Returns:
+            The topology.
+
         Raises:
-            ValueError: a missing or malformed field (named in the message).
+            ValueError: a missing or malformed field (named in the message), or
+                values :class:`Topology` rejects.
         """
-        d = _as_object(d, where)
-        workers = _field(d, "workers", _list_of(_as_int), where)
-        bandwidth = _field(d, "bandwidth", _list_of(_as_float), where)
-        memory = _field(d, "memory", _as_float, where, 0.0)
-        try:
-            return cls(tuple(workers), tuple(bandwidth), memory)
-        except ValueError as exc:
-            raise ValueError(f"{where}: {exc}") from None
+        return _from_dict(cls, d, where)
 
 
 @dataclasses.dataclass
@@ -197,41 +312,48 @@ class Stage:
             ``(start, end)`` of the stage; ``None`` for branching graphs.
     """
 
-    nodes: List[str]
-    replicas: int
-    ranks: List[int]
-    time: float
-    compute_seconds: float = 0.0
-    parameter_bytes: float = 0.0
-    activation_bytes: float = 0.0
-    memory_bytes: float = 0.0
-    layers: Optional[Tuple[int, int]] = None
+    nodes: List[str] = _schema_field(_list_of(_as_str))
+    replicas: int = _schema_field(_as_int)
+    ranks: List[int] = _schema_field(_list_of(_as_int))
+    time: float = _schema_field(_as_float)
+    compute_seconds: float = _schema_field(_as_float, default=0.0)
+    parameter_bytes: float = _schema_field(_as_float, default=0.0)
+    activation_bytes: float = _schema_field(_as_float, default=0.0)
+    memory_bytes: float = _schema_field(_as_float, default=0.0)
+    layers: Optional[Tuple[int, int]] = _schema_field(
+        _as_layers, default=None, dump=_dump_layers, from_planner=_as_layers_from_planner)
 
     def to_dict(self) -> Dict[str, Any]:
-        """JSON-ready form."""
-        d = dataclasses.asdict(self)
-        d["layers"] = list(self.layers) if self.layers is not None else None
-        return d
+        """JSON-ready form.
+
+        Returns:
+            One key per field, ``layers`` as ``[start, end]`` or ``None``.
+        """
+        return _to_dict(self)
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any], where: str = "stage") -> "Stage":
         """Inverse of :meth:`to_dict`.
 
+        Args:
+            d: the JSON object.
+            where: what ``d`` is, for messages (``"plan stage 0"``).
+
+        Returns:
+            The stage.
+
         Raises:
             ValueError: a missing or malformed field (named in the message).
         """
-        d = _as_object(d, where)
-        return cls(
-            nodes=_field(d, "nodes", _list_of(_as_str), where),
-            replicas=_field(d, "replicas", _as_int, where),
-            ranks=_field(d, "ranks", _list_of(_as_int), where),
-            time=_field(d, "time", _as_float, where),
-            compute_seconds=_field(d, "compute_seconds", _as_float, where, 0.0),
-            parameter_bytes=_field(d, "parameter_bytes", _as_float, where, 0.0),
-            activation_bytes=_field(d, "activation_bytes", _as_float, where, 0.0),
-            memory_bytes=_field(d, "memory_bytes", _as_float, where, 0.0),
-            layers=_field(d, "layers", _as_layers, where, None),
-        )
+        return _from_dict(cls, d, where)
+
+
+def _nested_stages(stages: List[Any], where: str, from_planner: bool) -> List[Stage]:
+    return [_from_dict(Stage, s, f"{where} stage {i}", from_planner) for i, s in enumerate(stages)]
+
+
+def _nested_topology(topology: Dict[str, Any], where: str, from_planner: bool) -> Topology:
+    return _from_dict(Topology, topology, f"{where} topology", from_planner)
 
 
 @dataclasses.dataclass
@@ -257,20 +379,26 @@ class Plan:
         options: the planner options used.
     """
 
-    stages: List[Stage]
-    time_per_stage: float
-    data_parallel_time: float
-    speedup_over_dp: float
-    single_worker_time: float
-    num_workers: int
-    used_workers: int
-    cost_model: str
-    topology: Topology
-    state_kind: str = "antichain"
-    num_states: int = 0
-    coarsened: bool = False
-    chain: bool = False
-    options: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    # from_dict reads (and reports the first bad field) in declaration order;
+    # ``position`` is plan.json's key order, which the file format fixes and
+    # which differs from the constructor's argument order.
+    stages: List[Stage] = _schema_field(
+        _list_of(_same), nested=_nested_stages, position=13,
+        dump=lambda stages: [s.to_dict() for s in stages])
+    time_per_stage: float = _schema_field(_as_float, position=4)
+    data_parallel_time: float = _schema_field(_as_float, position=5)
+    speedup_over_dp: float = _schema_field(_as_float, position=6)
+    single_worker_time: float = _schema_field(_as_float, position=7)
+    num_workers: int = _schema_field(_as_int, position=2)
+    used_workers: int = _schema_field(_as_int, position=3)
+    cost_model: str = _schema_field(_as_str, position=0)
+    topology: Topology = _schema_field(
+        _as_dict, nested=_nested_topology, position=1, dump=lambda t: t.to_dict())
+    state_kind: str = _schema_field(_as_str, default="antichain", position=8)
+    num_states: int = _schema_field(_as_int, default=0, position=9)
+    coarsened: bool = _schema_field(_as_bool, default=False, position=10)
+    chain: bool = _schema_field(_as_bool, default=False, position=11)
+    options: Dict[str, Any] = _schema_field(_as_dict, default_factory=dict, position=12, dump=dict)
 
     @property
     def layers(self) -> Optional[List[Tuple[int, int]]]:
@@ -285,26 +413,16 @@ class Plan:
         return [s.replicas for s in self.stages]
 
     def to_dict(self) -> Dict[str, Any]:
-        """The ``plan.json`` object."""
-        d: Dict[str, Any] = {
-            "format": PLAN_FORMAT,
-            "version": PLAN_VERSION,
-            "cost_model": self.cost_model,
-            "topology": self.topology.to_dict(),
-            "num_workers": self.num_workers,
-            "used_workers": self.used_workers,
-            "time_per_stage": self.time_per_stage,
-            "data_parallel_time": self.data_parallel_time,
-            "speedup_over_dp": self.speedup_over_dp,
-            "single_worker_time": self.single_worker_time,
-            "state_kind": self.state_kind,
-            "num_states": self.num_states,
-            "coarsened": self.coarsened,
-            "chain": self.chain,
-            "options": dict(self.options),
-            "stages": [s.to_dict() for s in self.stages],
-            "ranks": [list(s.ranks) for s in self.stages],
-        }
+        """The ``plan.json`` object.
+
+        Returns:
+            ``format`` and ``version``, one key per field, then ``ranks`` (and
+            ``layers`` for chains) per stage: views that readers of plan.json
+            use without walking the stages, never read back.
+        """
+        d: Dict[str, Any] = {"format": PLAN_FORMAT, "version": PLAN_VERSION}
+        d.update(_to_dict(self))
+        d["ranks"] = [list(s.ranks) for s in self.stages]
         if self.chain:
             d["layers"] = [list(s.layers) for s in self.stages if s.layers is not None]
         return d
@@ -312,6 +430,12 @@ class Plan:
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Plan":
         """Inverse of :meth:`to_dict`.
+
+        Args:
+            d: the ``plan.json`` object.
+
+        Returns:
+            The plan.
 
         Raises:
             ValueError: the object is not a plan of a known version, or a field
@@ -324,24 +448,7 @@ class Plan:
                 f"not a {PLAN_FORMAT} v{PLAN_VERSION} object (format={d.get('format')!r}, "
                 f"version={d.get('version')!r}); write plans with `plan -o plan.json`"
             )
-        where = "plan"
-        stages = _field(d, "stages", _list_of(lambda s: s), where)
-        return cls(
-            stages=[Stage.from_dict(s, f"plan stage {i}") for i, s in enumerate(stages)],
-            time_per_stage=_field(d, "time_per_stage", _as_float, where),
-            data_parallel_time=_field(d, "data_parallel_time", _as_float, where),
-            speedup_over_dp=_field(d, "speedup_over_dp", _as_float, where),
-            single_worker_time=_field(d, "single_worker_time", _as_float, where),
-            num_workers=_field(d, "num_workers", _as_int, where),
-            used_workers=_field(d, "used_workers", _as_int, where),
-            cost_model=_field(d, "cost_model", _as_str, where),
-            topology=Topology.from_dict(_field(d, "topology", _as_dict, where), "plan topology"),
-            state_kind=_field(d, "state_kind", _as_str, where, "antichain"),
-            num_states=_field(d, "num_states", _as_int, where, 0),
-            coarsened=_field(d, "coarsened", _as_bool, where, False),
-            chain=_field(d, "chain", _as_bool, where, False),
-            options=_field(d, "options", _as_dict, where, {}),
-        )
+        return _from_dict(cls, d, "plan")
 
     def to_json(self, indent: Optional[int] = 2) -> str:
         """Serializes to JSON text."""
@@ -488,34 +595,11 @@ def plan(
         work_budget=work_budget,
     )
     log.debug("planned over %d %s states", raw["num_states"], raw["state_kind"])
-    stages = [
-        Stage(
-            nodes=list(s["nodes"]),
-            replicas=int(s["replicas"]),
-            ranks=list(s["ranks"]),
-            time=float(s["time"]),
-            compute_seconds=float(s["compute_seconds"]),
-            parameter_bytes=float(s["parameter_bytes"]),
-            activation_bytes=float(s["activation_bytes"]),
-            memory_bytes=float(s["memory_bytes"]),
-            layers=tuple(s["layers"]) if s["layers"] is not None else None,  # type: ignore[arg-type]
-        )
-        for s in raw["stages"]
-    ]
-    return Plan(
-        stages=stages,
-        time_per_stage=float(raw["time_per_stage"]),
-        data_parallel_time=float(raw["data_parallel_time"]),
-        speedup_over_dp=float(raw["speedup_over_dp"]),
-        single_worker_time=float(raw["single_worker_time"]),
-        num_workers=int(raw["num_workers"]),
-        used_workers=int(raw["used_workers"]),
-        cost_model=str(raw["cost_model"]),
+    # The planner's dict (csrc/bindings.cpp planToDict) is keyed by the field
+    # names; the topology and options are ours, not the planner's.
+    return _from_dict(
+        Plan, raw, "the C++ planner's result", from_planner=True,
         topology=topo,
-        state_kind=str(raw["state_kind"]),
-        num_states=int(raw["num_states"]),
-        coarsened=bool(raw["coarsened"]),
-        chain=bool(raw["chain"]),
         options={
             "straight": straight,
             "fewer_workers": fewer_workers,
