@@ -1,6 +1,7 @@
 """Planner: Python API, plan.json, CLI, and every shipped profile."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -82,6 +83,115 @@ def test_plan_json_errors_name_the_file_and_field(tmp_path: Path) -> None:
     path.write_bytes(b'{"format": "\xff"}')
     with pytest.raises(ValueError, match="plan.json"):
         pe.Plan.load(path)
+
+
+# plan.json's key order is part of the file format: readers diff plans as text.
+PLAN_JSON_KEYS = ["format", "version", "cost_model", "topology", "num_workers", "used_workers",
+                  "time_per_stage", "data_parallel_time", "speedup_over_dp", "single_worker_time",
+                  "state_kind", "num_states", "coarsened", "chain", "options", "stages", "ranks"]
+STAGE_JSON_KEYS = ["nodes", "replicas", "ranks", "time", "compute_seconds", "parameter_bytes",
+                   "activation_bytes", "memory_bytes", "layers"]
+
+
+def _chain_graph() -> "pe.ProfileGraph":
+    graph = pe.ProfileGraph()
+    graph.add_node("node1", "Input", 0.0, 0.0, 4e6, 0.0)
+    for i in range(12):
+        graph.add_node(f"node{i + 2}", f"Layer{i}", 1.0 + i % 4, 2.0 + i % 3, 1e6 * (1 + i % 5), 1e6 * (i % 3))
+        graph.add_edge(f"node{i + 1}", f"node{i + 2}")
+    return graph
+
+
+def _schema_plans() -> List["pe.Plan"]:
+    """A chain plan (stages carry layers) and a branching one (layers None)."""
+    return [pe.plan(_chain_graph(), workers=8, bandwidth=1.25e9, cost_model="pipedream",
+                    activation_compression_ratio=1.0),
+            pe.plan(DATA / "gnmt.txt", workers=[4, 2], bandwidth=[16e9, 1.25e9], two_bw=True)]
+
+
+def test_plan_schema_round_trip_covers_every_field() -> None:
+    """to_dict/from_dict/JSON agree, and every dataclass field is in plan.json."""
+    for p in _schema_plans():
+        d = p.to_dict()
+        assert list(d) == PLAN_JSON_KEYS + (["layers"] if p.chain else [])
+        fields = {f.name for f in dataclasses.fields(pe.Plan)}
+        assert fields == set(PLAN_JSON_KEYS) - {"format", "version", "ranks"}
+        assert [list(s) for s in d["stages"]] == [STAGE_JSON_KEYS] * len(p.stages)
+        assert [f.name for f in dataclasses.fields(pe.Stage)] == STAGE_JSON_KEYS
+        assert list(d["topology"]) == [f.name for f in dataclasses.fields(pe.Topology)]
+        back = pe.Plan.from_dict(json.loads(json.dumps(d)))
+        assert back == p
+        assert back.to_dict() == d and back.to_json() == p.to_json()
+        for s in back.stages:
+            assert pe.Stage.from_dict(s.to_dict()) == s
+            assert s.layers is None or isinstance(s.layers, tuple)
+        assert pe.Topology.from_dict(p.topology.to_dict()) == p.topology
+        # to_dict hands out copies: editing them leaves the plan alone.
+        d["stages"][0]["nodes"].append("x")
+        d["options"]["straight"] = "x"
+        d["topology"]["workers"].append(9)
+        assert p.to_dict() == back.to_dict()
+
+
+def test_plan_schema_from_the_planner_matches_from_dict() -> None:
+    """plan() builds the dataclasses from the C++ dict with the same converters."""
+    chain, branching = _schema_plans()
+    for p in (chain, branching):
+        loaded = pe.Plan.from_json(p.to_json())
+        for f in dataclasses.fields(pe.Plan):
+            assert type(getattr(p, f.name)) is type(getattr(loaded, f.name)), f.name
+        for s in p.stages:
+            assert isinstance(s.replicas, int) and all(isinstance(r, int) for r in s.ranks)
+            assert isinstance(s.time, float)
+    assert chain.layers is not None and all(isinstance(x, tuple) for x in chain.layers)
+    assert branching.layers is None and all(s.layers is None for s in branching.stages)
+
+
+def test_plan_schema_names_missing_and_malformed_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    d = _schema_plans()[0].to_dict()
+    for cls, obj, where in ((pe.Plan, d, "plan"), (pe.Stage, d["stages"][1], "plan stage 1"),
+                            (pe.Topology, d["topology"], "plan topology")):
+        for f in dataclasses.fields(cls):
+            def load(changed: dict) -> "pe.Plan":
+                if cls is pe.Plan:
+                    return pe.Plan.from_dict(changed)
+                stages = [dict(x) for x in d["stages"]]
+                if cls is pe.Stage:
+                    stages[1] = changed
+                    return pe.Plan.from_dict(dict(d, stages=stages))
+                return pe.Plan.from_dict(dict(d, topology=changed))
+
+            missing = {k: v for k, v in obj.items() if k != f.name}
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            if required:
+                with pytest.raises(ValueError, match=f"^{where} lacks the field '{f.name}'; write plans"):
+                    load(missing)
+            else:
+                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                loaded = load(missing)
+                holder = {pe.Plan: loaded, pe.Stage: loaded.stages[1], pe.Topology: loaded.topology}[cls]
+                assert getattr(holder, f.name) == default
+            # True is no valid value for any non-bool field; "yes" none for a bool one.
+            bad = "yes" if f.type in ("bool", bool) else True
+            with pytest.raises(ValueError, match=f"^{where} field '{f.name}' is {bad!r}: expected"):
+                load(dict(obj, **{f.name: bad}))
+    with pytest.raises(ValueError, match="^plan stage 0 must be a JSON object, not list"):
+        pe.Plan.from_dict(dict(d, stages=[[]]))
+    with pytest.raises(ValueError, match=r"^plan topology: worker counts \[0\] must all be >= 1"):
+        pe.Plan.from_dict(dict(d, topology=dict(d["topology"], workers=[0])))
+
+    # The planner's dict goes through the same schema: a field it lacks is named.
+    from pipedream_ext import planner
+    real = planner._C.plan_graph
+
+    def drop_time(*args: object, **kwargs: object) -> dict:
+        raw = real(*args, **kwargs)
+        del raw["stages"][0]["time"]
+        return raw
+
+    monkeypatch.setattr(planner._C, "plan_graph", drop_time)
+    with pytest.raises(ValueError, match=r"^the C\+\+ planner's result stage 0 lacks the field 'time'$"):
+        pe.plan(_chain_graph(), workers=2, bandwidth=1e9)
 
 
 def test_chain_plans_carry_contiguous_layer_ranges() -> None:
