@@ -35,7 +35,8 @@ import time
 from typing import TYPE_CHECKING, Any, BinaryIO, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
+
+from . import _collectives
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._pipe import PipeDream
@@ -340,34 +341,29 @@ def _exchange(pipe: "PipeDream", payload: Mapping[str, Any], what: str) -> List[
     """Every rank of ``pipe.group`` contributes a JSON object; every rank gets them all.
 
     A barrier with the pipeline's timeout comes first (Gloo: ``monitored_barrier``,
-    which names a rank that does not arrive). Payloads travel as UTF-8 JSON bytes in
-    tensors, never pickled.
+    which names a rank that does not arrive). Both collectives are
+    :mod:`._collectives`', on its metadata device; payloads travel as UTF-8 JSON
+    bytes in tensors, never pickled.
+
+    Args:
+        pipe: the pipeline (its ``group``, ``world_size``, ``rank`` and ``timeout``).
+        payload: this rank's JSON-serialisable object.
+        what: the operation, for the error message.
+
+    Returns:
+        Every rank's payload, in rank order.
+
+    Raises:
+        CheckpointError: a peer did not arrive within the timeout, or the exchange failed.
     """
-    group = pipe.group
-    world = pipe.world_size
-    if world == 1:
+    if pipe.world_size == 1:
         return [json.loads(json.dumps(payload))]
-    backend = str(dist.get_backend(group))
-    device = pipe.device if backend == "nccl" else torch.device("cpu")
     try:
-        if "gloo" in backend:
-            dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=pipe.timeout),
-                                   wait_all_ranks=True)
-        data = json.dumps(payload).encode("utf-8")
-        length = torch.tensor([len(data)], dtype=torch.int64, device=device)
-        lengths = [torch.zeros_like(length) for _ in range(world)]
-        dist.all_gather(lengths, length, group=group)
-        longest = max(int(t.item()) for t in lengths)
-        mine = torch.zeros(longest, dtype=torch.uint8)
-        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        mine = mine.to(device)
-        gathered = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in range(world)]
-        dist.all_gather(gathered, mine, group=group)
+        _collectives.barrier(pipe.group, pipe.timeout)
+        return _collectives.all_gather_json(payload, pipe.group)
     except Exception as exc:  # noqa: BLE001 - a dead or stuck peer
         raise CheckpointError(f"rank {pipe.rank}: {what}: waiting for the other ranks failed: "
                               f"{type(exc).__name__}: {exc}") from exc
-    return [json.loads(t[:int(n.item())].cpu().numpy().tobytes().decode("utf-8"))
-            for t, n in zip(gathered, lengths)]
 
 
 def _error_entry(exc: BaseException) -> Dict[str, str]:
