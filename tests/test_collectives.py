@@ -1,0 +1,145 @@
+"""The Python layer's small collectives (pipedream_ext/_collectives.py) and the
+checkpoint exchange built on them, in this process on a 1-rank Gloo group.
+
+Several ranks exchanging real payloads are covered by tests/test_checkpoint.py,
+whose saves and loads go through ``_checkpoint._exchange``.
+"""
+from __future__ import annotations
+
+import datetime
+import types
+from typing import Any, Iterator, List
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipedream_ext import _checkpoint, _collectives
+from pipedream_ext._checkpoint import CheckpointError
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dist.ProcessGroup]:
+    """The default group, 1 rank, Gloo; destroyed afterwards so that later tests
+    in this process still see no process group."""
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    store = tmp_path_factory.mktemp("store") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def _fake_group(*device_types: Any) -> Any:
+    return types.SimpleNamespace(_device_types=list(device_types))
+
+
+def test_metadata_device_prefers_the_cpu() -> None:
+    cpu = torch.device("cpu")
+    assert _collectives.metadata_device(_fake_group(torch.device("cuda"), cpu)) == cpu
+    assert _collectives.metadata_device(_fake_group("cpu")) == cpu
+
+
+def test_metadata_device_cuda_only_group_uses_the_current_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert _collectives.metadata_device(_fake_group(torch.device("cuda"))) == torch.device("cuda", 3)
+
+
+def test_metadata_device_rejects_a_group_without_cpu_or_cuda() -> None:
+    with pytest.raises(RuntimeError, match=r"no CPU or CUDA backend \(device types \['meta'\]\)"):
+        _collectives.metadata_device(_fake_group(torch.device("meta")))
+
+
+def test_metadata_device_of_a_gloo_group(group: dist.ProcessGroup) -> None:
+    assert _collectives.metadata_device(group) == torch.device("cpu")
+    assert _collectives.metadata_device() == torch.device("cpu")  # the default group
+    assert _collectives.metadata_device(dist.new_group([0])) == torch.device("cpu")
+
+
+def test_all_reduce(group: dist.ProcessGroup) -> None:
+    assert _collectives.all_reduce([1.5, -2.0], group) == [1.5, -2.0]
+    assert _collectives.all_reduce([7, 3], group, op=dist.ReduceOp.MAX, dtype=torch.int64) == [7, 3]
+    assert _collectives.all_reduce([2 ** 53 + 1], group, dtype=torch.int64) == [2 ** 53 + 1]
+
+
+@pytest.mark.parametrize("payload", [b"", b"plan", bytes(range(256)) * 3, "é\x00".encode()])
+def test_broadcast_and_gather_bytes(group: dist.ProcessGroup, payload: bytes) -> None:
+    assert _collectives.broadcast_bytes(payload, 0, group) == payload
+    assert _collectives.gather_bytes(payload, group) == [payload]
+    sub = dist.new_group([0])
+    assert _collectives.broadcast_bytes(payload, 0, sub) == payload
+    assert _collectives.gather_bytes(payload, sub) == [payload]
+
+
+def test_broadcast_bytes_without_payload(group: dist.ProcessGroup) -> None:
+    assert _collectives.broadcast_bytes(None, 0, group) == b""
+
+
+def test_all_gather_json(group: dist.ProcessGroup) -> None:
+    payload = {"error": None, "stages": [{"layers": [0, 3], "ranks": [0]}], "x": 1.5, "s": "é"}
+    assert _collectives.all_gather_json(payload, group) == [payload]
+    result = _collectives.all_gather_json({"t": (1, 2)}, group)
+    assert result == [{"t": [1, 2]}]  # what a JSON round trip gives, as with several ranks
+    with pytest.raises(TypeError):
+        _collectives.all_gather_json({"bad": object()}, group)
+
+
+def test_check_same_everywhere(group: dist.ProcessGroup) -> None:
+    assert _collectives.check_same_everywhere("balance=[2, 2]", group)
+    assert _collectives.check_same_everywhere("", group)
+
+
+def test_barrier_on_gloo_is_monitored(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: List[dict] = []
+    real = dist.monitored_barrier
+
+    def spy(**kwargs: Any) -> None:
+        calls.append(kwargs)
+        real(**kwargs)
+
+    monkeypatch.setattr(_collectives.dist, "monitored_barrier", spy)
+    _collectives.barrier(group, 2.5)
+    assert calls == [{"group": group, "timeout": datetime.timedelta(seconds=2.5), "wait_all_ranks": True}]
+
+
+def _pipe(group: dist.ProcessGroup, world_size: int) -> Any:
+    """What _checkpoint._exchange reads of a pipeline."""
+    return types.SimpleNamespace(group=group, world_size=world_size, rank=0, timeout=5.0,
+                                 device=torch.device("cpu"))
+
+
+def test_checkpoint_exchange_goes_through_collectives(group: dist.ProcessGroup,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: List[str] = []
+    real_barrier, real_gather = _collectives.barrier, _collectives.all_gather_json
+
+    def barrier(g: dist.ProcessGroup, timeout: float) -> None:
+        calls.append(f"barrier {timeout}")
+        real_barrier(g, timeout)
+
+    def all_gather_json(payload: Any, g: dist.ProcessGroup) -> List[Any]:
+        calls.append("all_gather_json")
+        return real_gather(payload, g)
+
+    monkeypatch.setattr(_collectives, "barrier", barrier)
+    monkeypatch.setattr(_collectives, "all_gather_json", all_gather_json)
+    # world_size 1: no collective at all, as a 1-rank pipeline has no peer to wait for.
+    assert _checkpoint._exchange(_pipe(group, 1), {"error": None}, "saving") == [{"error": None}]
+    assert calls == []
+    # A pipeline of several ranks: the barrier first, then the gather (the group
+    # here has 1 rank, so the gathered list does too).
+    assert _checkpoint._exchange(_pipe(group, 2), {"error": None}, "saving") == [{"error": None}]
+    assert calls == ["barrier 5.0", "all_gather_json"]
+
+
+def test_checkpoint_exchange_wraps_failures(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch) -> None:
+    def stuck(g: dist.ProcessGroup, timeout: float) -> None:
+        raise RuntimeError("Rank 1 failed to pass monitoredBarrier in 5000 ms")
+
+    monkeypatch.setattr(_collectives, "barrier", stuck)
+    with pytest.raises(CheckpointError, match=r"^rank 0: saving checkpoint /x: waiting for the other ranks "
+                       r"failed: RuntimeError: Rank 1 failed to pass monitoredBarrier") as info:
+        _checkpoint._exchange(_pipe(group, 2), {"error": None}, "saving checkpoint /x")
+    assert isinstance(info.value.__cause__, RuntimeError)
