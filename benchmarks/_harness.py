@@ -10,7 +10,8 @@
 * workers: :func:`worker` runs one rank's body under ``torch.distributed`` and prints
   its JSON result for the driver;
 * formatting and results: :func:`fmt`, :func:`pct`, :func:`table`, :func:`table_row`,
-  :func:`write_results` (Markdown and JSON under ``benchmarks/results``);
+  :func:`write_results` (Markdown and JSON under ``benchmarks/results``), :func:`pyplot`
+  and :func:`save_figure` for the plots;
 * the command-line skeleton: :func:`make_parser`, :func:`setup_logging`, :func:`main`;
 * the shared models: :func:`mlp` and :func:`digits` (examples/train_digits.py).
 """
@@ -28,10 +29,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-__all__ = ["ROOT", "RESULTS", "CommandFailed", "command_line", "cpu_model", "digits", "failure_lines",
-           "fmt", "launch_failed", "launch_torchrun", "machine_info", "machine_line", "main",
-           "make_parser", "mlp", "pct", "run_command", "setup_logging", "start_report", "table", "table_row",
-           "worker", "write_results"]
+__all__ = ["RESULTS", "ROOT", "command_line", "command_sentence", "CommandFailed", "cpu_model", "digits",
+           "failure_lines", "fmt", "forward", "launch_failed", "launch_torchrun", "machine_info",
+           "machine_line", "main", "make_parser", "mlp", "pct", "pyplot", "run_command", "save_figure",
+           "setup_logging", "start_report", "table", "table_row", "worker", "write_results"]
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -130,8 +131,13 @@ class CommandFailed(subprocess.CalledProcessError):
         self.reason = reason
         self.lines = failure_lines(stderr or stdout)
 
+    @property
+    def summary(self) -> str:
+        """``reason: line | line``, without the log's path."""
+        return f"{self.reason}: " + " | ".join(self.lines)
+
     def __str__(self) -> str:
-        return f"{self.reason}: " + " | ".join(self.lines) + f" (full output: {self.log})"
+        return f"{self.summary} (full output: {self.log})"
 
 
 def _keep_log(cmd: Sequence[str], stdout: str, stderr: str) -> str:
@@ -234,9 +240,28 @@ def launch_torchrun(script: Path, nproc: int, args: Sequence[str], tag: str, tim
         if check:
             raise
         out = _tagged(exc.stdout, tag) or {}
-        out.update(error=str(exc).rsplit(" (full output: ", 1)[0], log=exc.log)
+        out.update(error=exc.summary, log=exc.log)
         LOG.error("launch of %s failed: %s", Path(script).name, exc)
     out["launch_s"] = time.perf_counter() - t0
+    return out
+
+
+def forward(args: argparse.Namespace, *names: str) -> List[str]:
+    """The driver's options ``names`` as command-line arguments for its workers.
+
+    Args:
+        args: the parsed options.
+        names: attribute names (``pipe_timeout`` becomes ``--pipe-timeout``); a list
+            value is passed comma-separated.
+
+    Returns:
+        ``["--name", "value", ...]``.
+    """
+    out: List[str] = []
+    for name in names:
+        value = getattr(args, name)
+        text = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+        out += ["--" + name.replace("_", "-"), text]
     return out
 
 
@@ -332,6 +357,34 @@ def write_results(out_dir: Path, name: str, text: str, data: Optional[Dict[str, 
     return path
 
 
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (benchmarks run without a display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path, dpi: int = 110, rect: Optional[Sequence[float]] = None) -> Path:
+    """Lays out, saves and closes a Matplotlib figure.
+
+    Args:
+        fig: the figure.
+        path: where the image goes.
+        dpi: its resolution.
+        rect: ``tight_layout``'s rectangle (room for a legend or title outside the axes).
+
+    Returns:
+        ``path``.
+    """
+    fig.tight_layout(**({} if rect is None else {"rect": tuple(rect)}))
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return Path(path)
+
+
 # ----------------------------------------------------------------------------- command line
 def make_parser(doc: str, worker: Union[bool, Sequence[str]] = False,
                 results: bool = True) -> argparse.ArgumentParser:
@@ -381,6 +434,18 @@ def main(parse_args: Callable[[Optional[List[str]]], argparse.Namespace],
         return run_worker(args) if args.worker else run_driver(args)
 
     return script_main
+
+
+def command_sentence(command: str, total_s: float, launches: Dict[int, float]) -> str:
+    """``Command: `...` (total 80 s; torchrun launches: 2 ranks 30 s, 4 ranks 45 s).``
+
+    Args:
+        command: the command line.
+        total_s: the whole run's seconds.
+        launches: seconds of the launch of each world size.
+    """
+    return (f"Command: `{command}` (total {total_s:.0f} s; torchrun launches: "
+            + ", ".join(f"{n} ranks {s:.0f} s" for n, s in launches.items()) + ").")
 
 
 def start_report(log: logging.Logger) -> Tuple[Dict[str, str], str]:

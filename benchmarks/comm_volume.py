@@ -37,6 +37,9 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h  # noqa: E402
 
+__all__ = ["analytical", "digits_cnn", "main", "measured", "parse_args", "report", "run_driver", "run_worker",
+           "vgg_like", "weight_bytes"]
+
 PROFILES = os.path.join(os.path.dirname(h.ROOT), "shared", "profiles", "pipedream")
 JSON_TAG = "COMM_VOLUME_JSON "
 _log = logging.getLogger("comm_volume")

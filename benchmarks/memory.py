@@ -56,6 +56,10 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h  # noqa: E402
 
+__all__ = ["Window", "block_balance", "cumulative_peak", "expected_in_flight", "expected_peak", "main",
+           "main_table", "make_model", "parse_args", "plot", "recompute_table", "rows_of", "run_config",
+           "run_driver", "run_worker", "self_check", "slope", "stage_activation", "sweep_table", "worker_configs"]
+
 LOG = logging.getLogger("memory")
 JSON_TAG = "MEMORY_JSON "
 MIB = float(1 << 20)
@@ -358,10 +362,7 @@ def sweep_table(rows: List[Dict[str, Any]]) -> Tuple[List[str], Dict[Tuple[int, 
 
 
 def plot(rows: List[Dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = h.pyplot()
 
     worlds = sorted({r["ranks"] for r in rows})
     fig, axes = plt.subplots(1, len(worlds), figsize=(6.5 * len(worlds), 4.6), squeeze=False)
@@ -390,9 +391,7 @@ def plot(rows: List[Dict[str, Any]], path: Path) -> None:
         ax.set_ylabel("peak allocated in the window (MiB)")
         ax.set_title(f"Peak memory per stage, {p} ranks")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    h.save_figure(fig, path)
 
 
 def run_driver(args: argparse.Namespace) -> int:
@@ -401,12 +400,8 @@ def run_driver(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     info, command = h.start_report(LOG)
     script = Path(__file__).resolve()
-    common = ["--hidden", str(args.hidden), "--expand", str(args.expand), "--blocks", str(args.blocks),
-              "--batch", str(args.batch), "--microbatches", str(args.microbatches), "--warmup", str(args.warmup),
-              "--async-steps", str(args.async_steps), "--schedules", ",".join(args.schedules),
-              "--ranks", ",".join(map(str, args.ranks)),
-              "--m-sweep", ",".join(map(str, args.m_sweep)) if args.m_sweep else "",
-              "--seed", str(args.seed), "--lr", str(args.lr), "--pipe-timeout", str(args.pipe_timeout)]
+    common = h.forward(args, "hidden", "expand", "blocks", "batch", "microbatches", "warmup", "async_steps",
+                       "schedules", "ranks", "m_sweep", "seed", "lr", "pipe_timeout")
     results, rows, errors, launches = [], [], [], {}
     for p in tqdm(args.ranks, desc="world sizes", unit="launch"):
         r = h.launch_torchrun(script, p, ["--worker"] + common, JSON_TAG, args.timeout)
@@ -431,8 +426,7 @@ def run_driver(args: argparse.Namespace) -> int:
                  else f"CUDA: {info['cuda']} (peaks from torch.cuda.max_memory_allocated).")
     e = args.expand * args.hidden
     lines = ["# Memory per stage, with and without recompute", "",
-             f"Command: `{command}` (total {total_s:.0f} s; torchrun launches: "
-             + ", ".join(f"{p} ranks {s:.0f} s" for p, s in launches.items()) + ").", "",
+             h.command_sentence(command, total_s, launches), "",
              h.machine_line(info) + " One thread per rank, Gloo.", "",
              f"Model: {args.blocks} x [Linear({args.hidden}, {e}), ReLU, Linear({e}, {args.hidden}), ReLU] + "
              f"Linear({args.hidden}, 10), SGD; batch {args.batch} in M={args.microbatches} microbatches of {mb} "

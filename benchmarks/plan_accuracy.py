@@ -52,6 +52,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h  # noqa: E402
 from _harness import pct  # noqa: E402
 
+__all__ = ["async_minibatches", "breakdown_table", "build_rows", "describe_plan", "main", "measured_stages",
+           "merge_rows", "parse_args", "plot", "predictions", "profile_digits", "relative_error", "replica_share",
+           "run_config", "run_config_safely", "run_driver", "run_label", "run_table", "run_worker",
+           "runtime_rejects", "schedules_for", "short", "stage_profile_costs", "stage_table", "time_breakdown"]
+
 LOG = logging.getLogger("plan_accuracy")
 JSON_TAG = "PLAN_ACCURACY_JSON "
 COMPUTE_KINDS = ("F", "B", "I", "W")
@@ -454,10 +459,7 @@ def short(row: Dict[str, Any]) -> str:
 
 
 def plot(stage_rows: List[Dict[str, Any]], run_rows: List[Dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = h.pyplot()
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.2), gridspec_kw={"width_ratios": [3, 2]})
     labels = [f"{short(r)} s{r['stage']}" for r in stage_rows]
@@ -485,9 +487,7 @@ def plot(stage_rows: List[Dict[str, Any]], run_rows: List[Dict[str, Any]], path:
     ax2.set_ylabel("samples/s")
     ax2.set_title("Throughput: predicted vs measured")
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    h.save_figure(fig, path)
 
 
 def run_driver(args: argparse.Namespace) -> int:
@@ -498,9 +498,7 @@ def run_driver(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     info, command = h.start_report(LOG)
     script = Path(__file__).resolve()
-    common = ["--pipe-timeout", str(args.pipe_timeout), "--batch-size", str(args.batch_size), "--microbatches", str(args.microbatches),
-              "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed),
-              "--lr", str(args.lr)]
+    common = h.forward(args, "pipe_timeout", "batch_size", "microbatches", "steps", "warmup", "seed", "lr")
 
     LOG.info("profiling the digits CNN at microbatch %d", args.batch_size // args.microbatches)
     graph = profile_digits(args)
@@ -509,8 +507,8 @@ def run_driver(args: argparse.Namespace) -> int:
     if args.bandwidth:
         bandwidth, bw_source = args.bandwidth, "given (--bandwidth)"
     else:
-        r = h.launch_torchrun(script, 2, ["--worker", "bandwidth", "--probe-bytes", str(args.probe_bytes),
-                                        "--probe-rounds", str(args.probe_rounds)], JSON_TAG, args.timeout)
+        r = h.launch_torchrun(script, 2, ["--worker", "bandwidth"] + h.forward(args, "probe_bytes", "probe_rounds"),
+                              JSON_TAG, args.timeout)
         if "error" in r:
             LOG.error("bandwidth probe failed: %s", r["error"])
             return 1
@@ -569,8 +567,7 @@ def run_driver(args: argparse.Namespace) -> int:
     total_s = time.perf_counter() - t_start
     mb = args.batch_size // args.microbatches
     lines = ["# Planner: predicted vs measured (digits CNN)", "",
-             f"Command: `{command}` (total {total_s:.0f} s; torchrun launches: "
-             + ", ".join(f"{w} ranks {s:.0f} s" for w, s in launches.items()) + ").", "",
+             h.command_sentence(command, total_s, launches), "",
              h.machine_line(info) + " One thread per rank (torch.set_num_threads(1), OMP_NUM_THREADS=1), Gloo.", "",
              f"Model: examples/train_digits.py's CNN (10 layers), real digits, Adam lr={args.lr}. Profile: "
              f"`pd.profile` at the training microbatch of {mb} samples (batch {args.batch_size} / "

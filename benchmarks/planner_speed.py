@@ -21,6 +21,8 @@ from pipedream_ext import _C
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h  # noqa: E402
 
+__all__ = ["main"]
+
 CLUSTERS = {
     "4": ([4], [1.25e9]),
     "16": ([16], [1.25e9]),

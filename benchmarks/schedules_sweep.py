@@ -38,16 +38,14 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import matplotlib
+from tqdm import tqdm
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from pipedream_ext import schedules  # noqa: E402
+from pipedream_ext import schedules
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h  # noqa: E402
+
+__all__ = ["build_kwargs", "fmt", "main", "plot", "simulate", "write_markdown"]
 
 LOG = logging.getLogger("schedules_sweep")
 
@@ -161,6 +159,7 @@ def write_markdown(path: Path, results: Dict[Key, object], stages: Sequence[int]
 
 def plot(path: Path, results: Dict[Key, object], stages: Sequence[int], mbs: Sequence[int]) -> None:
     """Bubble fraction vs m, one line per schedule, one subplot per p."""
+    plt = h.pyplot()
     ncols = 2 if len(stages) > 1 else 1
     nrows = math.ceil(len(stages) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4.0 * nrows), sharey=True, squeeze=False)
@@ -197,9 +196,7 @@ def plot(path: Path, results: Dict[Key, object], stages: Sequence[int], mbs: Seq
     note = f"\n{', '.join(same)}: identical to (p-1)/(m+p-1), lines overlap" if same else ""
     fig.suptitle(f"Simulated bubble fraction, tF=1, tB=2 (interleaved: {CHUNKS} chunks; "
                  f"2bw: {BATCHES_2BW} batches){note}")
-    fig.tight_layout(rect=(0, 0.08, 1, 0.96))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    h.save_figure(fig, path, rect=(0, 0.08, 1, 0.96))
 
 
 def main(argv: List[str]) -> int:

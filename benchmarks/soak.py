@@ -47,6 +47,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h  # noqa: E402
 
+__all__ = ["after_warmup", "assess", "cpu_per_step", "evaluate", "main", "parse_args", "plot", "quarters",
+           "queue_growing", "rate", "rss_bytes", "rss_summary", "run_driver", "run_worker", "summary_table",
+           "throughput_summary"]
+
 LOG = logging.getLogger("soak")
 JSON_TAG = "SOAK_JSON "
 MIB = float(1 << 20)
@@ -248,10 +252,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- driver
 def plot(runs: Dict[str, Dict[str, Any]], path: Path, warmup_step: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = h.pyplot()
 
     names = [s for s, r in runs.items() if r.get("ranks")]
     cols = 2
@@ -278,9 +279,7 @@ def plot(runs: Dict[str, Dict[str, Any]], path: Path, warmup_step: int) -> None:
         ax.legend(h1 + h2, l1 + l2, fontsize=6, loc="lower right")
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    h.save_figure(fig, path, dpi=100)
 
 
 def summary_table(runs: Dict[str, Dict[str, Any]]) -> List[str]:
@@ -353,9 +352,8 @@ def run_driver(args: argparse.Namespace) -> int:
     else:
         info, command = h.start_report(LOG)
         script = Path(__file__).resolve()
-        common = ["--steps", str(args.steps), "--sample-every", str(args.sample_every), "--width", str(args.width),
-                  "--blocks", str(args.blocks), "--batch", str(args.batch), "--microbatches", str(args.microbatches),
-                  "--lr", str(args.lr), "--seed", str(args.seed), "--pipe-timeout", str(args.pipe_timeout)]
+        common = h.forward(args, "steps", "sample_every", "width", "blocks", "batch", "microbatches", "lr", "seed",
+                           "pipe_timeout")
         for name in tqdm(args.schedules, desc="schedules", unit="schedule"):
             r = h.launch_torchrun(script, args.ranks, ["--worker", name] + common, JSON_TAG, args.timeout)
             r["steps"] = args.steps
