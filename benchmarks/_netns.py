@@ -49,6 +49,8 @@ import subprocess
 import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+import _harness
+
 __all__ = ["Host", "NetnsCluster", "cgroup_cpu_root", "cgroup_settings", "missing_prerequisites",
            "parse_rate", "tbf_args"]
 
@@ -179,7 +181,9 @@ c.close()
 
 
 def _default_runner(cmd: Sequence[str]) -> "subprocess.CompletedProcess[str]":
-    return subprocess.run(list(cmd), check=True, capture_output=True, text=True, timeout=30)
+    """Runs one setup or teardown command; the harness's failure policy
+    (:class:`_harness.CommandFailed`, a ``subprocess.CalledProcessError``) on failure."""
+    return _harness.run_command(cmd, timeout=30)
 
 
 class NetnsCluster:
@@ -343,9 +347,9 @@ class NetnsCluster:
             self.exec_prefix(dst) + [python, "-c", _PROBE_SERVER, self.hosts[dst].address, str(port)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            subprocess.run(self.exec_prefix(src) + [python, "-c", _PROBE_CLIENT,
-                                                    self.hosts[dst].address, str(port), str(size)],
-                           check=True, capture_output=True, text=True, timeout=30 + 20 * seconds)
+            _harness.run_command(self.exec_prefix(src) + [python, "-c", _PROBE_CLIENT,
+                                                          self.hosts[dst].address, str(port), str(size)],
+                                 timeout=30 + 20 * seconds)
             out, err = server.communicate(timeout=30)
         finally:
             if server.poll() is None:

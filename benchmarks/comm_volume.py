@@ -23,22 +23,25 @@ Command (about a minute on 2 cores):
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import platform
-import subprocess
 import sys
 import tempfile
-from typing import Dict, List, Sequence, Tuple
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-PROFILES = os.path.join(os.path.dirname(ROOT), "shared", "profiles", "pipedream")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as h  # noqa: E402
+
+__all__ = ["analytical", "digits_cnn", "main", "measured", "parse_args", "report", "run_driver", "run_worker",
+           "vgg_like", "weight_bytes"]
+
+PROFILES = os.path.join(os.path.dirname(h.ROOT), "shared", "profiles", "pipedream")
+JSON_TAG = "COMM_VOLUME_JSON "
 _log = logging.getLogger("comm_volume")
 
 
@@ -57,51 +60,57 @@ def vgg_like(seed: int = 0) -> nn.Sequential:
 
 
 def digits_cnn(seed: int = 0) -> nn.Sequential:
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    from train_digits import make_model  # the example's model, unchanged
-
-    return make_model(seed)
+    """The CNN of examples/train_digits.py, unchanged."""
+    return h.digits().make_model(seed)
 
 
 MODELS = {"vgg-like": (vgg_like, (3, 32, 32)), "digits-cnn": (digits_cnn, (1, 8, 8))}
 
 
 def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 # ----------------------------------------------------------------------------- worker
-def worker(name: str, plan_path: str, batch: int, steps: int) -> None:
-    import torch.distributed as dist
-    import torch.nn.functional as F
+def run_worker(args: argparse.Namespace) -> int:
+    """One rank: ``--steps`` 1f1b steps of model ``--worker`` with plan ``--plan``; rank 0
+    reports the bytes all ranks sent per sample."""
+    def body(result: Dict[str, Any]) -> None:
+        import torch.distributed as dist
+        import torch.nn.functional as F
 
-    import pipedream_ext as pd
+        import pipedream_ext as pd
 
-    torch.set_num_threads(1)
-    factory, shape = MODELS[name]
-    pipe = pd.PipeDream(factory(), F.cross_entropy, schedule="1f1b", microbatches=4,
-                        balance=plan_path)
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.01) if any(True for _ in pipe.parameters()) else None
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(batch, *shape, generator=g), torch.randint(0, 10, (batch,), generator=g)
-    for _ in range(steps):
-        pipe.step(x, y)
-        if opt is not None:
-            opt.step(); opt.zero_grad()
-    # The engine counts point-to-point transfers; a replicated stage also sends
-    # its gradients' ring all-reduce, 2 (r - 1) / r of its weight bytes per step.
-    r = pipe.replicas[pipe.stage_index]
-    grad_bytes = sum(p.numel() * p.element_size() for p in pipe.parameters())
-    allreduce = steps * 2 * (r - 1) / r * grad_bytes if r > 1 else 0.0
-    sent = torch.tensor([pipe.bytes_sent + allreduce], dtype=torch.float64)
-    dist.all_reduce(sent)
-    if dist.get_rank() == 0:
-        print(json.dumps({"bytes_per_sample": sent.item() / (steps * batch)}), flush=True)
-    dist.destroy_process_group()
+        factory, shape = MODELS[args.worker]
+        pipe = pd.PipeDream(factory(), F.cross_entropy, schedule="1f1b", microbatches=4, balance=args.plan)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.01) if any(True for _ in pipe.parameters()) else None
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(args.batch, *shape, generator=g)
+        y = torch.randint(0, 10, (args.batch,), generator=g)
+        for _ in range(args.steps):
+            pipe.step(x, y)
+            if opt is not None:
+                opt.step(); opt.zero_grad()
+        # The engine counts point-to-point transfers; a replicated stage also sends
+        # its gradients' ring all-reduce, 2 (r - 1) / r of its weight bytes per step.
+        r = pipe.replicas[pipe.stage_index]
+        grad_bytes = sum(p.numel() * p.element_size() for p in pipe.parameters())
+        allreduce = args.steps * 2 * (r - 1) / r * grad_bytes if r > 1 else 0.0
+        sent = torch.tensor([pipe.bytes_sent + allreduce], dtype=torch.float64)
+        dist.all_reduce(sent)
+        result["bytes_per_sample"] = sent.item() / (args.steps * args.batch)
+
+    return h.worker(JSON_TAG, body, backend="gloo")
 
 
 # ----------------------------------------------------------------------------- measured
 def measured(batch: int, steps: int) -> List[Dict]:
+    """Bytes per sample of our plan's 2-rank run against DDP's, per model.
+
+    Raises:
+        harness.CommandFailed: a launch failed (its output is kept in a log file).
+    """
     import torch.nn.functional as F
 
     import pipedream_ext as pd
@@ -117,14 +126,9 @@ def measured(batch: int, steps: int) -> List[Dict]:
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "plan.json")
             plan.save(path)
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                   os.path.abspath(__file__), "--worker", name, "--plan", path, "--batch", str(batch),
-                   "--steps", str(steps)]
-            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-            if out.returncode != 0:
-                raise RuntimeError(out.stderr[-3000:])
-            ours = json.loads([l for l in out.stdout.splitlines() if l.startswith("{")][-1])
+            ours = h.launch_torchrun(Path(__file__).resolve(), 2, ["--worker", name, "--plan", path, "--batch",
+                                                                    str(batch), "--steps", str(steps)],
+                                     JSON_TAG, timeout=600, check=True)
         weights = weight_bytes(model)
         dp = 2 * (2 - 1) * weights / batch  # ring all-reduce, both workers together, per sample
         rows.append({"model": name, "weights_MB": weights / 1e6, "plan": _describe(plan),
@@ -133,6 +137,7 @@ def measured(batch: int, steps: int) -> List[Dict]:
 
 
 def _describe(plan) -> str:
+    """``layers 0-3 x1, layers 4-9 x1``: a plan's stages."""
     layers = plan.layers or [None] * len(plan.stages)
     return ", ".join(f"layers {l[0]}-{l[1] - 1} x{r}" if l else f"x{r}"
                      for l, r in zip(layers, plan.replicas))
@@ -140,6 +145,7 @@ def _describe(plan) -> str:
 
 # ----------------------------------------------------------------------------- analytical
 def analytical(profiles: Sequence[str], workers: Sequence[int]) -> List[Dict]:
+    """Bytes per minibatch of the planner's plans for the shipped profiles against DP's."""
     import pipedream_ext as pd
 
     rows = []
@@ -170,47 +176,43 @@ def analytical(profiles: Sequence[str], workers: Sequence[int]) -> List[Dict]:
 
 # ----------------------------------------------------------------------------- report
 def report(measured_rows: List[Dict], analytical_rows: List[Dict], command: str) -> str:
-    lines = [f"Machine: {os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
-             f"torch {torch.__version__}. Command: `{command}`.", "",
+    """The Markdown report of both parts."""
+    lines = [h.machine_line(h.machine_info()) + f" Command: `{command}`.", "",
              "### Measured (2 ranks, 1f1b with the planner's plan, bytes counted by the engine; "
              "a replicated stage's gradient all-reduce added as 2 (r - 1) / r of its weight bytes "
              "per step)", "",
-             "| model | weights (MB) | plan (layers x replicas) | pipedream_ext (KB/sample) "
-             "| data parallel (KB/sample) | reduction |", "|---|---|---|---|---|---|"]
-    for r in measured_rows:
-        lines.append(f"| {r['model']} | {r['weights_MB']:.1f} | {r['plan']} | {r['ours'] / 1e3:.1f} "
-                     f"| {r['dp'] / 1e3:.1f} | {100 * (1 - r['ours'] / r['dp']):.0f}% |")
+             *h.table(["model", "weights (MB)", "plan (layers x replicas)", "pipedream_ext (KB/sample)",
+                       "data parallel (KB/sample)", "reduction"],
+                      [[r["model"], f"{r['weights_MB']:.1f}", r["plan"], f"{r['ours'] / 1e3:.1f}",
+                        f"{r['dp'] / 1e3:.1f}", f"{100 * (1 - r['ours'] / r['dp']):.0f}%"] for r in measured_rows])]
     lines += ["", "### Analytical (shipped profiles, `pipedream` cost model at 1.25e9 B/s, "
               "activation compression ratio 1)", "",
-              "| profile | workers | plan | pipedream_ext (MB/minibatch) | data parallel (MB/minibatch) "
-              "| reduction |", "|---|---|---|---|---|---|"]
-    for r in analytical_rows:
-        lines.append(f"| {r['profile']} | {r['workers']} | {r['plan']} | {r['ours'] / 1e6:.1f} "
-                     f"| {r['dp'] / 1e6:.1f} | {100 * (1 - r['ours'] / r['dp']):.0f}% |")
+              *h.table(["profile", "workers", "plan", "pipedream_ext (MB/minibatch)", "data parallel (MB/minibatch)",
+                        "reduction"],
+                       [[r["profile"], r["workers"], r["plan"], f"{r['ours'] / 1e6:.1f}", f"{r['dp'] / 1e6:.1f}",
+                         f"{100 * (1 - r['ours'] / r['dp']):.0f}%"] for r in analytical_rows])]
     return "\n".join(lines) + "\n"
 
 
-def main(argv: List[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--plan", help=argparse.SUPPRESS)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "comm_volume.md"))
-    args = parser.parse_args(argv)
-    if args.worker:
-        worker(args.worker, args.plan, args.batch, args.steps)
-        return 0
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+def run_driver(args: argparse.Namespace) -> int:
+    """Both parts; writes ``<out-dir>/comm_volume.md``."""
     rows_a = measured(args.batch, args.steps)
     rows_b = analytical(["vgg16", "alexnet", "resnet50", "gnmt"], [4, 16])
-    text = report(rows_a, rows_b, "python benchmarks/comm_volume.py")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as handle:
-        handle.write(text)
-    print(text)
+    h.write_results(Path(args.out_dir), "comm_volume", report(rows_a, rows_b, "python benchmarks/comm_volume.py"))
     return 0
 
 
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """The command line (``--worker MODEL --plan PATH`` under torchrun)."""
+    parser = h.make_parser(__doc__, tuple(MODELS))
+    parser.add_argument("--plan", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=5)
+    return parser.parse_args(argv)
+
+
+main = h.main(parse_args, run_worker, run_driver)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import sys
 import time
@@ -55,8 +54,11 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_util import (ROOT, command_line, launch_torchrun, machine_info,  # noqa: E402
-                         machine_line)
+import _harness as h  # noqa: E402
+
+__all__ = ["Window", "block_balance", "cumulative_peak", "expected_in_flight", "expected_peak", "main",
+           "main_table", "make_model", "parse_args", "plot", "recompute_table", "rows_of", "run_config",
+           "run_driver", "run_worker", "self_check", "slope", "stage_activation", "sweep_table", "worker_configs"]
 
 LOG = logging.getLogger("memory")
 JSON_TAG = "MEMORY_JSON "
@@ -128,15 +130,7 @@ def expected_peak(in_flight: int, activation: float, input_bytes: float, grads: 
 # ----------------------------------------------------------------------------- worker
 def make_model(hidden: int, expand: int, blocks: int, seed: int = 0):
     """``blocks`` x [Linear(H, eH), ReLU, Linear(eH, H), ReLU] + Linear(H, 10), flat."""
-    import torch
-    from torch import nn
-
-    torch.manual_seed(seed)
-    mods: List[Any] = []
-    for _ in range(blocks):
-        mods += [nn.Linear(hidden, expand * hidden), nn.ReLU(), nn.Linear(expand * hidden, hidden), nn.ReLU()]
-    mods.append(nn.Linear(hidden, 10))
-    return nn.Sequential(*mods)
+    return h.mlp([hidden] + [expand * hidden, hidden] * blocks + [10], seed)
 
 
 class Window:
@@ -284,31 +278,22 @@ def worker_configs(args: argparse.Namespace, world: int) -> List[Dict[str, Any]]
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    import torch
-    import torch.distributed as dist
+    """One rank: the method check, then every configuration of :func:`worker_configs`."""
+    def body(result: Dict[str, Any]) -> None:
+        import torch
+        import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    logging.getLogger("pipedream_ext").setLevel(logging.WARNING)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    rank = dist.get_rank()
-    device = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if torch.cuda.is_available() \
-        else torch.device("cpu")
-    result: Dict[str, Any] = {"world": dist.get_world_size(), "device": str(device),
-                              "method": "torch.cuda.max_memory_allocated" if device.type == "cuda"
-                              else "torch.profiler memory events"}
-    try:
-        check = self_check(device)
+        rank = dist.get_rank()
+        device = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if torch.cuda.is_available() \
+            else torch.device("cpu")
+        result.update(device=str(device), method="torch.cuda.max_memory_allocated" if device.type == "cuda"
+                      else "torch.profiler memory events")
         checks: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(checks, check)
+        dist.all_gather_object(checks, self_check(device))
         result["self_check"] = checks
         result["runs"] = [run_config(c, args) for c in worker_configs(args, dist.get_world_size())]
-    except Exception as exc:  # noqa: BLE001 - reported to the driver
-        LOG.exception("rank %d failed", rank)
-        result["error"] = f"rank {rank}: {type(exc).__name__}: {exc}"
-    if rank == 0:
-        print(JSON_TAG + json.dumps(result), flush=True)
-    dist.destroy_process_group()
-    return 0 if "error" not in result else 1
+
+    return h.worker(JSON_TAG, body)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -333,28 +318,27 @@ def rows_of(result: Dict[str, Any]) -> List[Dict[str, Any]]:
 
 
 def main_table(rows: List[Dict[str, Any]]) -> List[str]:
-    lines = ["| ranks | schedule | recompute | stage | peak (MiB) | stats peak_activations | expected n "
-             "| a: one microbatch (MiB) | stage input / output per microbatch (MiB) | weights (MiB) "
-             "| weight versions | textbook expectation (MiB) | measured / expected |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['ranks']} | {r['schedule']} | {'yes' if r['recompute'] else 'no'} | {r['stage']} "
-                     f"| {r['peak_mib']:.2f} | {r['peak_activations']} | {r['expected_in_flight']} "
-                     f"| {r['activation_mib']:.3f} | {r['input_mib']:.3f} / {r['output_mib']:.3f} "
-                     f"| {r['weight_mib']:.3f} | {r['versions']} | {r['expected_mib']:.2f} | {r['ratio']:.2f} |")
-    return lines
+    """The peak per (world, schedule, recompute, stage) beside the textbook expectation."""
+    return h.table(["ranks", "schedule", "recompute", "stage", "peak (MiB)", "stats peak_activations",
+                    "expected n", "a: one microbatch (MiB)", "stage input / output per microbatch (MiB)",
+                    "weights (MiB)", "weight versions", "textbook expectation (MiB)", "measured / expected"],
+                   [[r["ranks"], r["schedule"], "yes" if r["recompute"] else "no", r["stage"],
+                     f"{r['peak_mib']:.2f}", r["peak_activations"], r["expected_in_flight"],
+                     f"{r['activation_mib']:.3f}", f"{r['input_mib']:.3f} / {r['output_mib']:.3f}",
+                     f"{r['weight_mib']:.3f}", r["versions"], f"{r['expected_mib']:.2f}", f"{r['ratio']:.2f}"]
+                    for r in rows])
 
 
 def recompute_table(rows: List[Dict[str, Any]]) -> List[str]:
-    lines = ["| ranks | schedule | stage | without recompute (MiB) | with recompute (MiB) | saved |",
-             "|---|---|---|---|---|---|"]
+    """Peak per stage without and with recompute, and the share saved."""
+    lines = h.table(["ranks", "schedule", "stage", "without recompute (MiB)", "with recompute (MiB)", "saved"])
     pairs: Dict[Tuple[int, str, int], Dict[bool, float]] = {}
     for r in rows:
         pairs.setdefault((r["ranks"], r["schedule"], r["stage"]), {})[r["recompute"]] = r["peak_mib"]
     for (p, s, j), v in pairs.items():
         if False in v and True in v:
             saved = 1 - v[True] / v[False] if v[False] else float("nan")
-            lines.append(f"| {p} | {s} | {j} | {v[False]:.2f} | {v[True]:.2f} | {round(100 * saved):d}% |")
+            lines.append(h.table_row([p, s, j, f"{v[False]:.2f}", f"{v[True]:.2f}", f"{round(100 * saved):d}%"]))
     return lines
 
 
@@ -362,9 +346,8 @@ def sweep_table(rows: List[Dict[str, Any]]) -> Tuple[List[str], Dict[Tuple[int, 
     """Peak per stage against M (1f1b, fixed microbatch size) and the slope per microbatch."""
     ms = sorted({r["microbatches"] for r in rows})
     keys = sorted({(r["stage"], r["recompute"]) for r in rows})
-    lines = ["| stage | recompute | " + " | ".join(f"M={m}" for m in ms)
-             + " | slope (MiB per extra microbatch) | stage input + output per microbatch (MiB) |",
-             "|---|---|" + "---|" * len(ms) + "---|---|"]
+    lines = h.table(["stage", "recompute"] + [f"M={m}" for m in ms]
+                    + ["slope (MiB per extra microbatch)", "stage input + output per microbatch (MiB)"])
     slopes: Dict[Tuple[int, bool], float] = {}
     for j, rc in keys:
         pts = {r["microbatches"]: r for r in rows if (r["stage"], r["recompute"]) == (j, rc)}
@@ -372,17 +355,14 @@ def sweep_table(rows: List[Dict[str, Any]]) -> Tuple[List[str], Dict[Tuple[int, 
         k = slope(xs, [pts[m]["peak_mib"] for m in xs]) if len(xs) >= 2 else float("nan")
         slopes[(j, rc)] = k
         any_row = next(iter(pts.values()))
-        lines.append(f"| {j} | {'yes' if rc else 'no'} | "
-                     + " | ".join(f"{pts[m]['peak_mib']:.2f}" if m in pts else "n/a" for m in ms)
-                     + f" | {k:.3f} | {any_row['input_mib'] + any_row['output_mib']:.3f} |")
+        lines.append(h.table_row([j, "yes" if rc else "no"]
+                                 + [f"{pts[m]['peak_mib']:.2f}" if m in pts else "n/a" for m in ms]
+                                 + [f"{k:.3f}", f"{any_row['input_mib'] + any_row['output_mib']:.3f}"]))
     return lines, slopes
 
 
 def plot(rows: List[Dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = h.pyplot()
 
     worlds = sorted({r["ranks"] for r in rows})
     fig, axes = plt.subplots(1, len(worlds), figsize=(6.5 * len(worlds), 4.6), squeeze=False)
@@ -411,30 +391,20 @@ def plot(rows: List[Dict[str, Any]], path: Path) -> None:
         ax.set_ylabel("peak allocated in the window (MiB)")
         ax.set_title(f"Peak memory per stage, {p} ranks")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    h.save_figure(fig, path)
 
 
 def run_driver(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     t_start = time.perf_counter()
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    info = machine_info()
-    command = command_line()
-    LOG.info("%s", machine_line(info))
+    info, command = h.start_report(LOG)
     script = Path(__file__).resolve()
-    common = ["--hidden", str(args.hidden), "--expand", str(args.expand), "--blocks", str(args.blocks),
-              "--batch", str(args.batch), "--microbatches", str(args.microbatches), "--warmup", str(args.warmup),
-              "--async-steps", str(args.async_steps), "--schedules", ",".join(args.schedules),
-              "--ranks", ",".join(map(str, args.ranks)),
-              "--m-sweep", ",".join(map(str, args.m_sweep)) if args.m_sweep else "",
-              "--seed", str(args.seed), "--lr", str(args.lr), "--pipe-timeout", str(args.pipe_timeout)]
+    common = h.forward(args, "hidden", "expand", "blocks", "batch", "microbatches", "warmup", "async_steps",
+                       "schedules", "ranks", "m_sweep", "seed", "lr", "pipe_timeout")
     results, rows, errors, launches = [], [], [], {}
     for p in tqdm(args.ranks, desc="world sizes", unit="launch"):
-        r = launch_torchrun(script, p, ["--worker"] + common, JSON_TAG, args.timeout)
+        r = h.launch_torchrun(script, p, ["--worker"] + common, JSON_TAG, args.timeout)
         launches[p] = r.get("launch_s", 0.0)
         if "error" in r:
             LOG.error("%d ranks: %s", p, r["error"])
@@ -456,9 +426,8 @@ def run_driver(args: argparse.Namespace) -> int:
                  else f"CUDA: {info['cuda']} (peaks from torch.cuda.max_memory_allocated).")
     e = args.expand * args.hidden
     lines = ["# Memory per stage, with and without recompute", "",
-             f"Command: `{command}` (total {total_s:.0f} s; torchrun launches: "
-             + ", ".join(f"{p} ranks {s:.0f} s" for p, s in launches.items()) + ").", "",
-             machine_line(info) + " One thread per rank, Gloo.", "",
+             h.command_sentence(command, total_s, launches), "",
+             h.machine_line(info) + " One thread per rank, Gloo.", "",
              f"Model: {args.blocks} x [Linear({args.hidden}, {e}), ReLU, Linear({e}, {args.hidden}), ReLU] + "
              f"Linear({args.hidden}, 10), SGD; batch {args.batch} in M={args.microbatches} microbatches of {mb} "
              f"(pipedream: minibatches of {mb}); stages split the blocks evenly, the classifier on the last "
@@ -482,13 +451,10 @@ def run_driver(args: argparse.Namespace) -> int:
     if errors:
         lines += ["", "Failed:"] + [f"- {err}" for err in errors]
     lines += ["", "Plot: `memory.png` (peak per stage with and without recompute, textbook expectation marked).", ""]
-    text = "\n".join(lines)
-    (out_dir / "memory.md").write_text(text)
-    (out_dir / "memory.json").write_text(json.dumps({"machine": info, "command": command, "results": results,
-                                                     "rows": rows, "total_s": total_s}, indent=1))
+    h.write_results(Path(args.out_dir), "memory", "\n".join(lines),
+                    {"machine": info, "command": command, "results": results, "rows": rows, "total_s": total_s})
     if main_rows:
-        plot(main_rows, out_dir / "memory.png")
-    print(text)
+        plot(main_rows, Path(args.out_dir) / "memory.png")
     LOG.info("done in %.0f s", total_s)
     return 1 if errors or not all(c["ok"] for c in checks) else 0
 
@@ -498,8 +464,7 @@ def _ints(text: str) -> List[int]:
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p = h.make_parser(__doc__, worker=True)
     p.add_argument("--ranks", type=_ints, default=[2, 4], help="world sizes (comma-separated, default 2,4)")
     p.add_argument("--schedules", type=lambda s: s.split(","), default=["gpipe", "1f1b", "pipedream"])
     p.add_argument("--hidden", type=int, default=64, help="H")
@@ -517,8 +482,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pipe-timeout", type=float, default=120.0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per torchrun launch")
-    p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
-    p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     for s in args.schedules:
         if s not in ("gpipe", "1f1b", "zb-h1", "pipedream"):
@@ -530,13 +493,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.worker:
-        return run_worker(args)
-    return run_driver(args)
+main = h.main(parse_args, run_worker, run_driver)
 
 
 if __name__ == "__main__":

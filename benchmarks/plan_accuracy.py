@@ -49,8 +49,13 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_util import (ROOT, command_line, launch_torchrun, machine_info,  # noqa: E402
-                         machine_line, pct)
+import _harness as h  # noqa: E402
+from _harness import pct  # noqa: E402
+
+__all__ = ["async_minibatches", "breakdown_table", "build_rows", "describe_plan", "main", "measured_stages",
+           "merge_rows", "parse_args", "plot", "predictions", "profile_digits", "relative_error", "replica_share",
+           "run_config", "run_config_safely", "run_driver", "run_label", "run_table", "run_worker",
+           "runtime_rejects", "schedules_for", "short", "stage_profile_costs", "stage_table", "time_breakdown"]
 
 LOG = logging.getLogger("plan_accuracy")
 JSON_TAG = "PLAN_ACCURACY_JSON "
@@ -172,35 +177,9 @@ def describe_plan(layers: Sequence[Sequence[int]], replicas: Sequence[int]) -> s
 
 # ----------------------------------------------------------------------------- worker
 def _digits():
-    sys.path.insert(0, str(ROOT / "examples"))
-    from train_digits import load_digits, make_model  # the example's builders, unchanged
-
-    return make_model, load_digits
-
-
-def measure_bandwidth(nbytes: int, rounds: int) -> float:
-    """Gloo ping-pong between ranks 0 and 1 (bytes/s); every rank must call it."""
-    import torch
-    import torch.distributed as dist
-
-    rank = dist.get_rank()
-    seconds = torch.zeros(1, dtype=torch.float64)
-    if rank in (0, 1):
-        buf = torch.zeros(nbytes // 4, dtype=torch.float32)
-        peer = 1 - rank
-        for warm in (True, False):
-            start = time.perf_counter()
-            for _ in range(1 if warm else rounds):
-                if rank == 0:
-                    dist.send(buf, peer)
-                    dist.recv(buf, peer)
-                else:
-                    dist.recv(buf, peer)
-                    dist.send(buf, peer)
-            if not warm:
-                seconds += time.perf_counter() - start
-    dist.broadcast(seconds, src=0)
-    return 2 * rounds * nbytes / max(float(seconds.item()), 1e-9)
+    """examples/train_digits.py's ``make_model`` and ``load_digits``."""
+    module = h.digits()
+    return module.make_model, module.load_digits
 
 
 def run_config(cfg: Dict[str, Any], args: argparse.Namespace, batches) -> Dict[str, Any]:
@@ -285,33 +264,26 @@ def run_config_safely(cfg: Dict[str, Any], args: argparse.Namespace, batches) ->
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    import torch
-    import torch.distributed as dist
+    """One rank: the bandwidth probe (``--worker bandwidth``) or every configuration of
+    ``--configs`` (``--worker run``)."""
+    def body(result: Dict[str, Any]) -> None:
+        import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    logging.getLogger("pipedream_ext").setLevel(logging.WARNING)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    result: Dict[str, Any] = {"world": dist.get_world_size()}
-    try:
+        from pipedream_ext._collectives import measure_bandwidth
+
         if args.worker == "bandwidth":
-            result["bandwidth"] = measure_bandwidth(args.probe_bytes, args.probe_rounds)
-        else:
-            _, load_digits = _digits()
-            train, _ = load_digits(args.seed)
-            X, Y = train.tensors
-            B = args.batch_size
-            batches = [(X[i * B:(i + 1) * B], Y[i * B:(i + 1) * B]) for i in range(len(X) // B)]
-            configs = json.loads(Path(args.configs).read_text())
-            result["runs"] = [run_config_safely(cfg, args, batches) for cfg in configs]
-    except Exception as exc:  # noqa: BLE001 - reported to the driver
-        LOG.exception("rank %d failed", rank)
-        result["error"] = f"{type(exc).__name__}: {exc}"
-    if rank == 0:
-        print(JSON_TAG + json.dumps(result), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0 if "error" not in result else 1
+            result["bandwidth"] = measure_bandwidth(dist.group.WORLD, 0, 1, size=args.probe_bytes,
+                                                    rounds=args.probe_rounds)
+            return
+        _, load_digits = _digits()
+        train, _ = load_digits(args.seed)
+        X, Y = train.tensors
+        B = args.batch_size
+        batches = [(X[i * B:(i + 1) * B], Y[i * B:(i + 1) * B]) for i in range(len(X) // B)]
+        configs = json.loads(Path(args.configs).read_text())
+        result["runs"] = [run_config_safely(cfg, args, batches) for cfg in configs]
+
+    return h.worker(JSON_TAG, body, backend="gloo")
 
 
 # ----------------------------------------------------------------------------- driver
@@ -437,46 +409,45 @@ def schedules_for(cost_model: str, args: argparse.Namespace) -> List[str]:
 
 
 def stage_table(rows: List[Dict[str, Any]]) -> List[str]:
-    lines = ["| run | stage | layers | replicas | predicted F+B per microbatch (ms) | measured (ms) | error "
-             "| predicted stage time (ms) | measured (ms) | error | of which all-reduce (ms) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        a, b = r["layers"]
-        lines.append(f"| {r['label']} | {r['stage']} | [{a}, {b}) | {r['replicas']} | {r['pred_compute_ms']:.3f} "
-                     f"| {r['meas_compute_ms']:.3f} | {pct(r['compute_err'])} | {r['pred_stage_ms']:.3f} "
-                     f"| {r['meas_stage_ms']:.3f} | {pct(r['stage_err'])} | {r['meas_allreduce_ms']:.3f} |")
-    return lines
+    """Per stage: predicted against measured compute and stage time."""
+    return h.table(["run", "stage", "layers", "replicas", "predicted F+B per microbatch (ms)", "measured (ms)",
+                    "error", "predicted stage time (ms)", "measured (ms)", "error", "of which all-reduce (ms)"],
+                   [[r["label"], r["stage"], f"[{r['layers'][0]}, {r['layers'][1]})", r["replicas"],
+                     f"{r['pred_compute_ms']:.3f}", f"{r['meas_compute_ms']:.3f}", pct(r["compute_err"]),
+                     f"{r['pred_stage_ms']:.3f}", f"{r['meas_stage_ms']:.3f}", pct(r["stage_err"]),
+                     f"{r['meas_allreduce_ms']:.3f}"] for r in rows])
 
 
 def breakdown_table(rows: List[Dict[str, Any]]) -> List[str]:
-    lines = ["| run | wall per step (ms) | F+B | waiting on peers | posting sends | optimizer in runtime (U) "
-             "| other runtime | outside the runtime |", "|---|---|---|---|---|---|---|---|"]
+    """Per run: where a step's wall time goes."""
+    lines = h.table(["run", "wall per step (ms)", "F+B", "waiting on peers", "posting sends",
+                     "optimizer in runtime (U)", "other runtime", "outside the runtime"])
     for r in rows:
         b = r.get("breakdown")
         if not b:
             continue
         wall = b["wall"] or 1e-12
-        cells = " | ".join(f"{1e3 * b[k]:.2f} ({100 * b[k] / wall:.0f}%)"
-                           for k in ("compute", "waits", "sends", "update", "other", "outside"))
-        lines.append(f"| {r['label']} | {1e3 * b['wall']:.2f} | {cells} |")
+        lines.append(h.table_row([r["label"], f"{1e3 * b['wall']:.2f}"]
+                                 + [f"{1e3 * b[k]:.2f} ({100 * b[k] / wall:.0f}%)"
+                                    for k in ("compute", "waits", "sends", "update", "other", "outside")]))
     return lines
 
 
 def run_table(rows: List[Dict[str, Any]]) -> List[str]:
-    lines = ["| run | plan (layers x replicas) | predicted speedup over DP | predicted samples/s, plan "
-             "steady state | predicted, schedule simulated | measured samples/s | error vs steady state "
-             "| error vs simulated | simulated / measured bubble |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    """Per run: predicted (plan, simulated) against measured throughput and bubble."""
+    lines = h.table(["run", "plan (layers x replicas)", "predicted speedup over DP",
+                     "predicted samples/s, plan steady state", "predicted, schedule simulated",
+                     "measured samples/s", "error vs steady state", "error vs simulated",
+                     "simulated / measured bubble"])
     for r in rows:
+        cells = [r["label"], r["plan"], f"{r.get('speedup', 0):.2f}", f"{r['steady_samples_per_s']:.0f}",
+                 f"{r['simulated_samples_per_s']:.0f}"]
         if "error" in r:
-            lines.append(f"| {r['label']} | {r['plan']} | {r.get('speedup', 0):.2f} "
-                         f"| {r['steady_samples_per_s']:.0f} | {r['simulated_samples_per_s']:.0f} "
-                         f"| {'not run' if r.get('rejected') else 'failed'}: {r['error'][:160]} | | | |")
-            continue
-        lines.append(f"| {r['label']} | {r['plan']} | {r['speedup']:.2f} | {r['steady_samples_per_s']:.0f} "
-                     f"| {r['simulated_samples_per_s']:.0f} | {r['measured_samples_per_s']:.0f} "
-                     f"| {pct(r['steady_err'])} | {pct(r['simulated_err'])} "
-                     f"| {r['simulated_bubble']:.2f} / {r['measured_bubble']:.2f} |")
+            cells += [f"{'not run' if r.get('rejected') else 'failed'}: {r['error'][:160]}", "", "", ""]
+        else:
+            cells += [f"{r['measured_samples_per_s']:.0f}", pct(r["steady_err"]), pct(r["simulated_err"]),
+                      f"{r['simulated_bubble']:.2f} / {r['measured_bubble']:.2f}"]
+        lines.append(h.table_row(cells))
     return lines
 
 
@@ -488,10 +459,7 @@ def short(row: Dict[str, Any]) -> str:
 
 
 def plot(stage_rows: List[Dict[str, Any]], run_rows: List[Dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = h.pyplot()
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.2), gridspec_kw={"width_ratios": [3, 2]})
     labels = [f"{short(r)} s{r['stage']}" for r in stage_rows]
@@ -519,9 +487,7 @@ def plot(stage_rows: List[Dict[str, Any]], run_rows: List[Dict[str, Any]], path:
     ax2.set_ylabel("samples/s")
     ax2.set_title("Throughput: predicted vs measured")
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    h.save_figure(fig, path)
 
 
 def run_driver(args: argparse.Namespace) -> int:
@@ -530,14 +496,9 @@ def run_driver(args: argparse.Namespace) -> int:
 
     t_start = time.perf_counter()
     out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    info = machine_info()
-    command = command_line()
-    LOG.info("%s", machine_line(info))
+    info, command = h.start_report(LOG)
     script = Path(__file__).resolve()
-    common = ["--pipe-timeout", str(args.pipe_timeout), "--batch-size", str(args.batch_size), "--microbatches", str(args.microbatches),
-              "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed),
-              "--lr", str(args.lr)]
+    common = h.forward(args, "pipe_timeout", "batch_size", "microbatches", "steps", "warmup", "seed", "lr")
 
     LOG.info("profiling the digits CNN at microbatch %d", args.batch_size // args.microbatches)
     graph = profile_digits(args)
@@ -546,8 +507,8 @@ def run_driver(args: argparse.Namespace) -> int:
     if args.bandwidth:
         bandwidth, bw_source = args.bandwidth, "given (--bandwidth)"
     else:
-        r = launch_torchrun(script, 2, ["--worker", "bandwidth", "--probe-bytes", str(args.probe_bytes),
-                                        "--probe-rounds", str(args.probe_rounds)], JSON_TAG, args.timeout)
+        r = h.launch_torchrun(script, 2, ["--worker", "bandwidth"] + h.forward(args, "probe_bytes", "probe_rounds"),
+                              JSON_TAG, args.timeout)
         if "error" in r:
             LOG.error("bandwidth probe failed: %s", r["error"])
             return 1
@@ -586,7 +547,7 @@ def run_driver(args: argparse.Namespace) -> int:
             cfg_path = Path(tmp) / f"configs_{w}.json"
             cfg_path.write_text(json.dumps(configs))
             LOG.info("%d workers: %d runs: %s", w, len(configs), [c["key"] for c in configs])
-            result = launch_torchrun(script, w, ["--worker", "run", "--configs", str(cfg_path)] + common,
+            result = h.launch_torchrun(script, w, ["--worker", "run", "--configs", str(cfg_path)] + common,
                                      JSON_TAG, args.timeout)
             launches[w] = result.get("launch_s", 0.0)
             if "error" in result:
@@ -606,9 +567,8 @@ def run_driver(args: argparse.Namespace) -> int:
     total_s = time.perf_counter() - t_start
     mb = args.batch_size // args.microbatches
     lines = ["# Planner: predicted vs measured (digits CNN)", "",
-             f"Command: `{command}` (total {total_s:.0f} s; torchrun launches: "
-             + ", ".join(f"{w} ranks {s:.0f} s" for w, s in launches.items()) + ").", "",
-             machine_line(info) + " One thread per rank (torch.set_num_threads(1), OMP_NUM_THREADS=1), Gloo.", "",
+             h.command_sentence(command, total_s, launches), "",
+             h.machine_line(info) + " One thread per rank (torch.set_num_threads(1), OMP_NUM_THREADS=1), Gloo.", "",
              f"Model: examples/train_digits.py's CNN (10 layers), real digits, Adam lr={args.lr}. Profile: "
              f"`pd.profile` at the training microbatch of {mb} samples (batch {args.batch_size} / "
              f"{args.microbatches} microbatches), median of {args.profile_steps} steps after "
@@ -647,15 +607,12 @@ def run_driver(args: argparse.Namespace) -> int:
               "loss all-reduce).", ""]
     lines += breakdown_table(run_rows)
     lines += ["", "Plot: `plan_accuracy.png` (per stage F+B per microbatch, predicted vs measured; throughput).", ""]
-    text = "\n".join(lines)
-    (out_dir / "plan_accuracy.md").write_text(text)
-    (out_dir / "plan_accuracy.json").write_text(json.dumps(
-        {"machine": info, "command": command, "bandwidth": bandwidth, "bandwidth_source": bw_source,
+    h.write_results(out_dir, "plan_accuracy", "\n".join(lines), {
+        "machine": info, "command": command, "bandwidth": bandwidth, "bandwidth_source": bw_source,
          "profile_nodes": nodes, "plans": {"|".join(map(str, k)): p.to_dict() for k, p in plans.items()},
          "stage_rows": stage_rows, "run_rows": run_rows,
-         "runs": {"|".join(map(str, k)): v for k, v in runs.items()}, "total_s": total_s}, indent=1))
+        "runs": {"|".join(map(str, k)): v for k, v in runs.items()}, "total_s": total_s})
     plot(stage_rows, run_rows, out_dir / "plan_accuracy.png")
-    print(text)
     LOG.info("done in %.0f s", total_s)
     # A layout the runtime rejects up front is reported, not a failure of this benchmark.
     failed = [r for r in run_rows if "error" in r and not r.get("rejected")]
@@ -663,8 +620,7 @@ def run_driver(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worker", choices=("run", "bandwidth"), help=argparse.SUPPRESS)
+    p = h.make_parser(__doc__, ("run", "bandwidth"))
     p.add_argument("--configs", help=argparse.SUPPRESS)
     p.add_argument("--workers", type=lambda s: [int(v) for v in s.split(",")], default=[2, 4],
                    help="world sizes to plan and run for (comma-separated, default 2,4)")
@@ -688,8 +644,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per torchrun launch")
     p.add_argument("--pipe-timeout", type=float, default=120.0, help="PipeDream(timeout=) in the workers")
-    p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
-    p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     if args.batch_size % args.microbatches:
         p.error("--batch-size must be divisible by --microbatches")
@@ -699,13 +653,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.worker:
-        return run_worker(args)
-    return run_driver(args)
+main = h.main(parse_args, run_worker, run_driver)
 
 
 if __name__ == "__main__":

@@ -9,15 +9,19 @@ speedup over data parallelism.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import pipedream_ext as pe
 from pipedream_ext import _C
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as h  # noqa: E402
+
+__all__ = ["main"]
 
 CLUSTERS = {
     "4": ([4], [1.25e9]),
@@ -35,11 +39,11 @@ PIPEDREAM_REPORTED = {
 }
 
 
-def main(argv: List[str]) -> int:
-    """Runs the benchmark; returns the exit code."""
-    here = Path(__file__).resolve().parents[1]
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profiles", type=Path, default=here.parent / "shared" / "profiles" / "pipedream")
+def main(argv: Optional[List[str]] = None) -> int:
+    """Runs the benchmark, printing its report; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = h.make_parser(__doc__, results=False)
+    parser.add_argument("--profiles", type=Path, default=h.ROOT.parent / "shared" / "profiles" / "pipedream")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--models", default="", help="comma-separated subset of profile names")
     parser.add_argument("--clusters", default=",".join(CLUSTERS),
@@ -54,22 +58,14 @@ def main(argv: List[str]) -> int:
     if not paths:
         print(f"no profiles under {args.profiles}", file=sys.stderr)
         return 1
-    import os
-    import platform
-
-    import torch
-
-    print(f"Command: `python3 benchmarks/planner_speed.py {' '.join(argv)}`")
+    print(f"Command: `{h.command_line(argv)}`")
     print()
-    print(f"Machine: {os.cpu_count()} cores, {platform.machine()}, torch {torch.__version__}, "
-          f"Python {platform.python_version()}; single-threaded C++ planner, median of "
-          f"{args.repeat} runs, profile parsing excluded. \"PipeDream's optimizer\": what "
-          "PipeDream's own (Python) optimizer is reported to take on that problem (pipedream "
-          "cost model rows only).")
+    print(h.machine_line(h.machine_info()) + f" Single-threaded C++ planner, median of {args.repeat} runs, "
+          "profile parsing excluded. \"PipeDream's optimizer\": what PipeDream's own (Python) optimizer is "
+          "reported to take on that problem (pipedream cost model rows only).")
     print()
-    print("| model | nodes | PipeDream states | cluster | cost model | path (states) | plan time (s) "
-          "| time per stage (ms) | speedup over DP | PipeDream's optimizer |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(h.table(["model", "nodes", "PipeDream states", "cluster", "cost model", "path (states)",
+                            "plan time (s)", "time per stage (ms)", "speedup over DP", "PipeDream's optimizer"])))
     worst = 0.0
     for path in paths:
         graph = pe.load_profile(path)
@@ -90,12 +86,13 @@ def main(argv: List[str]) -> int:
                 if plan.coarsened:
                     kind += ", coarsened"
                 reported = PIPEDREAM_REPORTED.get((path.stem, cname), "") if model == "pipedream" else ""
-                print(f"| {path.stem} | {len(graph)} | {states} | {cname} | {model} | {kind} ({plan.num_states}) "
-                      f"| {t:.3f} | {plan.time_per_stage * 1e3:.2f} | {plan.speedup_over_dp:.2f} | {reported} |")
+                print(h.table_row([path.stem, len(graph), states, cname, model, f"{kind} ({plan.num_states})",
+                                   f"{t:.3f}", f"{plan.time_per_stage * 1e3:.2f}", f"{plan.speedup_over_dp:.2f}",
+                                   reported]))
                 sys.stdout.flush()
     print(f"\nslowest single plan: {worst:.3f} s")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

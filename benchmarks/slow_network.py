@@ -56,7 +56,6 @@ import json
 import logging
 import math
 import os
-import platform
 import re
 import shlex
 import shutil
@@ -68,12 +67,15 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO / "examples"))
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as h  # noqa: E402
 import _netns  # noqa: E402
+
+__all__ = ["ModelSpec", "RunOutcome", "bandwidth_label", "build_model", "build_parser", "check_runnable",
+           "configs_of", "driver_main", "lcm_all", "load_data", "main", "make_plans", "microbatches_for",
+           "parse_args", "parse_bandwidths", "parse_list", "parse_targets", "plan_text", "plot",
+           "prerequisite_message", "report", "round_up", "run_configuration", "same_plan_run",
+           "scale_profile_text", "summarize", "time_to_target", "torchrun_commands", "worker_main"]
 
 LOG = logging.getLogger("slow_network")
 CONFIGS = ("ddp", "1f1b", "pipedream", "pipedream-2bw", "1f1b-straight")
@@ -226,19 +228,9 @@ def time_to_target(records: Sequence[Dict[str, Any]], target: float) -> Optional
 # ------------------------------------------------------------------------------ data
 def build_model(name: str, seed: int):
     """The model (an nn.Sequential), identically initialised for a given seed."""
-    import torch
-    from torch import nn
-
     if name == "digits":
-        from train_digits import make_model
-
-        return make_model(seed)
-    torch.manual_seed(seed)
-    layers: List[Any] = [nn.Linear(256, 512), nn.ReLU()]
-    for _ in range(3):
-        layers += [nn.Linear(512, 512), nn.ReLU()]
-    layers.append(nn.Linear(512, 10))
-    return nn.Sequential(*layers)
+        return h.digits().make_model(seed)
+    return h.mlp([256, 512, 512, 512, 512, 10], seed)
 
 
 def load_data(name: str, seed: int):
@@ -246,9 +238,7 @@ def load_data(name: str, seed: int):
     import torch
 
     if name == "digits":
-        from train_digits import load_digits
-
-        train, test = load_digits(seed)
+        train, test = h.digits().load_digits(seed)
         return train.tensors[0], train.tensors[1], test.tensors[0], test.tensors[1]
     from sklearn.datasets import make_classification
 
@@ -523,6 +513,9 @@ def run_configuration(cluster: _netns.NetnsCluster, worker_args: List[str], port
     codes = [p.returncode for p in procs]
     if not error and any(c != 0 for c in codes):
         error = f"exit codes {codes}"
+    if error:
+        # The log keeps the whole output; the error names the lines that say what failed.
+        error += ": " + " | ".join(h.failure_lines(log_path.read_text(errors="replace")))
     result = None
     if result_path.exists():
         with open(result_path) as f:
@@ -530,23 +523,6 @@ def run_configuration(cluster: _netns.NetnsCluster, worker_args: List[str], port
     if result is None and not error:
         error = "no result file"
     return RunOutcome(ok=not error and result is not None, wall_s=wall, result=result, error=error)
-
-
-def machine_info() -> Dict[str, Any]:
-    import torch
-
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {"cpu_count": os.cpu_count(), "cpu": cpu, "torch": torch.__version__,
-            "python": platform.python_version(), "kernel": platform.release(),
-            "loadavg": os.getloadavg()}
 
 
 def scale_profile_text(text: str, factor: float) -> str:
@@ -686,21 +662,17 @@ def summarize(runs: List[Dict[str, Any]], models: Sequence[str], bandwidths: Seq
 
 
 def configs_of(rows: Sequence[Dict[str, Any]]) -> List[str]:
+    """The configurations of a (model, bandwidth)'s rows, in order."""
     return [r["config"] for r in rows]
 
 
-def _fmt(value: Any, spec: str = ".2f", none: str = "-") -> str:
-    return none if value is None else format(value, spec)
-
-
-def write_markdown(path: Path, table, plans, runs, probes: Dict[float, float], info: Dict[str, Any],
-                   command: str, total_s: float, args: argparse.Namespace) -> str:
+def report(table, plans, runs, probes: Dict[float, float], info: Dict[str, Any], command: str, total_s: float,
+           args: argparse.Namespace) -> str:
+    """The Markdown report: one table per (model, bandwidth), then the failed runs."""
     lines = ["# Slow network: time to accuracy", "",
              f"Command: `{command}` (whole run {total_s / 60:.1f} min, "
              f"{datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}).",
-             f"Machine: os.cpu_count()={info['cpu_count']} ({info['cpu']}), torch {info['torch']}, "
-             f"Python {info['python']}, Linux {info['kernel']}; load average at start "
-             f"{info['loadavg'][0]:.2f} (shared machine), at end {os.getloadavg()[0]:.2f}. "
+             h.machine_line(info) + f" Load average at end {os.getloadavg()[0]:.2f} (shared machine). "
              f"4 ranks in 4 network namespaces, one thread each, Gloo over veth links rate limited "
              f"with tc tbf in both directions"
              + (f", each host capped at {args.host_cpus:g} cores (cgroup cpu quota; the profile's "
@@ -726,10 +698,9 @@ def write_markdown(path: Path, table, plans, runs, probes: Dict[float, float], i
                 continue
             target = next((r["target"] for r in rows if r.get("target") is not None), spec.target)
             lines += [f"### {name} at {bandwidth_label(bw)} (target {100 * target:.0f}% test accuracy)", "",
-                      "| configuration | plan (layers x replicas) | planner speedup over DP | "
-                      "time to target (s) | steps to target | speedup over DDP | final acc | best acc | "
-                      "train s/step | MB/step | steps | run wall (s) |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                      *h.table(["configuration", "plan (layers x replicas)", "planner speedup over DP",
+                                "time to target (s)", "steps to target", "speedup over DDP", "final acc", "best acc",
+                                "train s/step", "MB/step", "steps", "run wall (s)"])]
             for row in rows:
                 cfg = row["config"]
                 plan = None if cfg == "ddp" else plans.get((name, bw, cfg))
@@ -737,18 +708,17 @@ def write_markdown(path: Path, table, plans, runs, probes: Dict[float, float], i
                 if run is None:
                     continue
                 if run["result"] is None:
-                    lines.append(f"| {cfg} | {plan_text(plan)} | | failed: {run['error']} | | | | | | | | "
-                                 f"{run['wall_s']:.0f} |")
+                    lines.append(h.table_row([cfg, plan_text(plan), "", f"failed: {run['error']}"] + [""] * 7
+                                             + [f"{run['wall_s']:.0f}"]))
                     continue
-                ttt = _fmt(row["time_to_target"], ".1f", "not reached")
+                ttt = h.fmt(row["time_to_target"], 1, "not reached")
                 if run.get("note"):
                     ttt += f" ({run['note']})"
-                lines.append(
-                    f"| {cfg} | {plan_text(plan)} | {_fmt(plan['speedup_over_dp'] if plan else None)} | "
-                    f"{ttt} | {_fmt(row['steps_to_target'], 'd')} | "
-                    f"{_fmt(row['speedup'], '.2f')} | {_fmt(row['final_acc'], '.3f')} | "
-                    f"{_fmt(row['best_acc'], '.3f')} | {_fmt(row['s_per_step'], '.3f')} | "
-                    f"{_fmt(row['mb_per_step'], '.2f')} | {row['steps']} | {run['wall_s']:.0f} |")
+                lines.append(h.table_row([
+                    cfg, plan_text(plan), h.fmt(plan["speedup_over_dp"] if plan else None, 2, "-"), ttt,
+                    h.fmt(row["steps_to_target"], 0, "-"), h.fmt(row["speedup"], 2, "-"),
+                    h.fmt(row["final_acc"], 3, "-"), h.fmt(row["best_acc"], 3, "-"), h.fmt(row["s_per_step"], 3, "-"),
+                    h.fmt(row["mb_per_step"], 2, "-"), row["steps"], f"{run['wall_s']:.0f}"]))
             lines.append("")
             for cfg in configs_of(rows):
                 plan = plans.get((name, bw, cfg))
@@ -764,16 +734,11 @@ def write_markdown(path: Path, table, plans, runs, probes: Dict[float, float], i
             lines.append(f"- {r['model']} {bandwidth_label(r['bw'])} {r['config']}: {r['error']} "
                          f"(log: {r['log']})")
         lines.append("")
-    text = "\n".join(lines)
-    path.write_text(text)
-    return text
+    return "\n".join(lines)
 
 
 def plot(table, out_dir: Path) -> List[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = h.pyplot()
 
     paths = []
     for (name, bw), rows in table.items():
@@ -803,11 +768,7 @@ def plot(table, out_dir: Path) -> List[Path]:
         for ax in (ax_loss, ax_acc):
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out_dir / f"slow_network_{name}_{bandwidth_label(bw)}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(h.save_figure(fig, out_dir / f"slow_network_{name}_{bandwidth_label(bw)}.png"))
     return paths
 
 
@@ -818,9 +779,9 @@ def driver_main(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if missing:
         sys.stderr.write(prerequisite_message(missing, argv))
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    h.setup_logging(args.verbose)
     total_start = time.perf_counter()
-    info = machine_info()
+    info = h.machine_info()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="pd_slow_network_"))
@@ -877,9 +838,7 @@ def driver_main(args: argparse.Namespace, argv: Sequence[str]) -> int:
                                  f"target at {hit['time']:.1f} s" if hit else "target not reached",
                                  outcome.wall_s)
                     else:
-                        LOG.error("%s failed: %s; log %s", tag, outcome.error, work / f"log_{tag}.txt")
-                        tail = Path(work / f"log_{tag}.txt").read_text().splitlines()[-15:]
-                        LOG.error("last lines of the log:\n%s", "\n".join(tail))
+                        LOG.error("%s failed: %s (full output: %s)", tag, outcome.error, work / f"log_{tag}.txt")
                     bar.update(1)
     finally:
         bar.close()
@@ -887,21 +846,19 @@ def driver_main(args: argparse.Namespace, argv: Sequence[str]) -> int:
     total_s = time.perf_counter() - total_start
     table = summarize(runs, args.models, args.bandwidths, args.configs)
     command = args.command or ("python3 benchmarks/slow_network.py " + " ".join(shlex.quote(a) for a in argv)).strip()
-    text = write_markdown(out_dir / "slow_network.md", table, plans, runs, probes, info, command, total_s, args)
+    h.write_results(out_dir, "slow_network", report(table, plans, runs, probes, info, command, total_s, args),
+                    {"machine": info, "command": command, "total_s": total_s,
+                     "probes_bps": {bandwidth_label(b): v for b, v in probes.items()},
+                     "plans": {f"{m}_{bandwidth_label(b)}_{c}": p for (m, b, c), p in plans.items()},
+                     "runs": [{k: v for k, v in r.items()} for r in runs]})
     plot(table, out_dir)
-    with open(out_dir / "slow_network.json", "w") as f:
-        json.dump({"machine": info, "command": command, "total_s": total_s,
-                   "probes_bps": {bandwidth_label(b): v for b, v in probes.items()},
-                   "plans": {f"{m}_{bandwidth_label(b)}_{c}": p for (m, b, c), p in plans.items()},
-                   "runs": [{k: v for k, v in r.items()} for r in runs]}, f, indent=1)
-    print(text)
     LOG.info("whole run %.1f min; results in %s", total_s / 60, out_dir)
     return 0 if all(r["ok"] for r in runs) else 1
 
 
 # ---------------------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = h.make_parser(__doc__, CONFIGS)
     p.add_argument("--bandwidths", default="100mbit,1gbit",
                    help="link rates to emulate, comma separated (tc units: 100mbit, 1gbit, or bits/s)")
     p.add_argument("--models", default="digits,mlp", help=f"models, from {', '.join(MODELS)}")
@@ -927,11 +884,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-overhead", type=float, default=240.0,
                    help="seconds a run may take beyond --max-seconds (start-up, evaluation) before "
                         "it is killed")
-    p.add_argument("--out-dir", default=str(HERE / "results"))
     p.add_argument("--work-dir", default=None, help="logs, profiles and plans (default: a temp dir)")
     p.add_argument("--command", default=None, help=argparse.SUPPRESS)  # how the run was invoked
     # Worker mode (inside torchrun; internal).
-    p.add_argument("--worker", default=None, choices=CONFIGS, help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--bandwidth", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--plan", default=None, help=argparse.SUPPRESS)

@@ -45,8 +45,11 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_util import (ROOT, command_line, launch_torchrun, machine_info,  # noqa: E402
-                         machine_line)
+import _harness as h  # noqa: E402
+
+__all__ = ["after_warmup", "assess", "cpu_per_step", "evaluate", "main", "parse_args", "plot", "quarters",
+           "queue_growing", "rate", "rss_bytes", "rss_summary", "run_driver", "run_worker", "summary_table",
+           "throughput_summary"]
 
 LOG = logging.getLogger("soak")
 JSON_TAG = "SOAK_JSON "
@@ -172,35 +175,21 @@ def assess(ranks: Sequence[Sequence[Dict[str, Any]]], warmup_step: int, rss_thre
 
 
 # ----------------------------------------------------------------------------- worker
-def make_model(width: int, blocks: int, seed: int = 0):
-    import torch
-    from torch import nn
-
-    torch.manual_seed(seed)
-    mods: List[Any] = []
-    for _ in range(blocks):
-        mods += [nn.Linear(width, width), nn.ReLU()]
-    mods.append(nn.Linear(width, 10))
-    return nn.Sequential(*mods)
-
-
 def run_worker(args: argparse.Namespace) -> int:
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from tqdm import tqdm
+    """One rank: ``--steps`` steps of schedule ``--worker``, sampled every ``--sample-every``."""
+    def body(result: Dict[str, Any]) -> None:
+        import torch
+        import torch.distributed as dist
+        import torch.nn.functional as F
+        from tqdm import tqdm
 
-    import pipedream_ext as pd
+        import pipedream_ext as pd
 
-    torch.set_num_threads(1)
-    logging.getLogger("pipedream_ext").setLevel(logging.WARNING)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    schedule = args.worker
-    result: Dict[str, Any] = {"schedule": schedule, "world": world}
-    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        schedule = result["schedule"] = args.worker
         M = args.microbatches
-        pipe = pd.PipeDream(make_model(args.width, args.blocks, args.seed), F.cross_entropy, schedule=schedule,
+        pipe = pd.PipeDream(h.mlp([args.width] * (args.blocks + 1) + [10], args.seed), F.cross_entropy,
+                            schedule=schedule,
                             microbatches=M, chunks=2 if schedule == "interleaved-1f1b" else 1,
                             timeout=args.pipe_timeout)
         params = list(pipe.parameters())
@@ -257,21 +246,13 @@ def run_worker(args: argparse.Namespace) -> int:
         gathered: List[Any] = [None] * world
         dist.all_gather_object(gathered, mine)
         result["ranks"] = gathered
-    except Exception as exc:  # noqa: BLE001 - reported to the driver
-        LOG.exception("rank %d failed", rank)
-        result["error"] = f"rank {rank}: {type(exc).__name__}: {exc}"
-    if rank == 0:
-        print(JSON_TAG + json.dumps(result), flush=True)
-    dist.destroy_process_group()
-    return 0 if "error" not in result else 1
+
+    return h.worker(JSON_TAG, body, backend="gloo")
 
 
 # ----------------------------------------------------------------------------- driver
 def plot(runs: Dict[str, Dict[str, Any]], path: Path, warmup_step: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = h.pyplot()
 
     names = [s for s, r in runs.items() if r.get("ranks")]
     cols = 2
@@ -298,21 +279,19 @@ def plot(runs: Dict[str, Dict[str, Any]], path: Path, warmup_step: int) -> None:
         ax.legend(h1 + h2, l1 + l2, fontsize=6, loc="lower right")
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    h.save_figure(fig, path, dpi=100)
 
 
 def summary_table(runs: Dict[str, Dict[str, Any]]) -> List[str]:
-    lines = ["| schedule | steps | wall (s) | steps/s first quarter -> last quarter | rank 0 CPU ms per step; "
-             "load average (1 min), first -> last quarter | RSS per rank, first -> last quarter (MiB) "
-             "| max RSS growth after warm-up (MiB, worst rank) | queues, max first -> last quarter "
-             "| peak activations / weight versions | verdict |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    """One row per schedule: throughput, CPU and load, RSS, queues and the verdict."""
+    lines = h.table(["schedule", "steps", "wall (s)", "steps/s first quarter -> last quarter",
+                     "rank 0 CPU ms per step; load average (1 min), first -> last quarter",
+                     "RSS per rank, first -> last quarter (MiB)", "max RSS growth after warm-up (MiB, worst rank)",
+                     "queues, max first -> last quarter", "peak activations / weight versions", "verdict"])
     for name, run in runs.items():
         if "figures" not in run:
             error = run.get("error", "no result").replace("|", "/")
-            lines.append(f"| {name} | | | | | | | | | FAILED: {error[:300]} |")
+            lines.append(h.table_row([name] + [""] * 8 + [f"FAILED: {error[:300]}"]))
             continue
         f = run["figures"]
         tp = f["throughput"]
@@ -326,9 +305,9 @@ def summary_table(runs: Dict[str, Dict[str, Any]]) -> List[str]:
         verdict = "ok" if not run["problems"] else "FAIL: " + "; ".join(run["problems"]).replace("|", "/")
         cpu = (f"{tp.get('cpu_ms_per_step_first') or 0:.2f} -> {tp.get('cpu_ms_per_step_last') or 0:.2f}; "
                f"{tp.get('loadavg_first') or 0:.1f} -> {tp.get('loadavg_last') or 0:.1f}")
-        lines.append(f"| {name} | {run['steps']} | {run['wall_s']:.0f} | {tp['first'] or 0:.0f} -> "
-                     f"{tp['last'] or 0:.0f}{change} | {cpu} | {rss} | {growth:.2f} | {queues} | {peaks} "
-                     f"| {verdict} |")
+        lines.append(h.table_row([name, run["steps"], f"{run['wall_s']:.0f}",
+                                  f"{tp['first'] or 0:.0f} -> {tp['last'] or 0:.0f}{change}", cpu, rss,
+                                  f"{growth:.2f}", queues, peaks, verdict]))
     return lines
 
 
@@ -358,7 +337,6 @@ def run_driver(args: argparse.Namespace) -> int:
 
     t_start = time.perf_counter()
     out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     warmup_step = int(args.steps * args.warmup_frac)
     runs: Dict[str, Dict[str, Any]] = {}
     failed = False
@@ -372,15 +350,12 @@ def run_driver(args: argparse.Namespace) -> int:
             runs[name] = r
             failed = evaluate(name, r, args, warmup_step) or failed
     else:
-        info = machine_info()
-        command = command_line()
-        LOG.info("%s", machine_line(info))
+        info, command = h.start_report(LOG)
         script = Path(__file__).resolve()
-        common = ["--steps", str(args.steps), "--sample-every", str(args.sample_every), "--width", str(args.width),
-                  "--blocks", str(args.blocks), "--batch", str(args.batch), "--microbatches", str(args.microbatches),
-                  "--lr", str(args.lr), "--seed", str(args.seed), "--pipe-timeout", str(args.pipe_timeout)]
+        common = h.forward(args, "steps", "sample_every", "width", "blocks", "batch", "microbatches", "lr", "seed",
+                           "pipe_timeout")
         for name in tqdm(args.schedules, desc="schedules", unit="schedule"):
-            r = launch_torchrun(script, args.ranks, ["--worker", name] + common, JSON_TAG, args.timeout)
+            r = h.launch_torchrun(script, args.ranks, ["--worker", name] + common, JSON_TAG, args.timeout)
             r["steps"] = args.steps
             runs[name] = r
             failed = evaluate(name, r, args, warmup_step) or failed
@@ -388,8 +363,8 @@ def run_driver(args: argparse.Namespace) -> int:
     every = max(1, args.sample_every or args.steps // 100)
     lines = ["# Soak", "",
              f"Command: `{command}` (total {total_s:.0f} s, launches included)."
-             + (f" Report regenerated from its JSON with `{command_line()}`." if args.from_json else ""), "",
-             machine_line(info) + " One thread per rank, Gloo.", "",
+             + (f" Report regenerated from its JSON with `{h.command_line()}`." if args.from_json else ""), "",
+             h.machine_line(info) + " One thread per rank, Gloo.", "",
              f"{args.ranks} ranks; model {args.blocks} x [Linear({args.width}, {args.width}), ReLU] + "
              f"Linear({args.width}, 10), SGD lr={args.lr}; {args.steps} steps per schedule (flush schedules and "
              f"pipedream-2bw: a batch of {args.batch} in {args.microbatches} microbatches per step; pipedream: "
@@ -401,19 +376,15 @@ def run_driver(args: argparse.Namespace) -> int:
              "quarter's by more than max(2, half of it); every launch exits cleanly.", ""]
     lines += summary_table(runs)
     lines += ["", "Plot: `soak.png` (RSS per rank and rank 0's steps/s against the step, one panel per schedule).", ""]
-    text = "\n".join(lines)
-    (out_dir / "soak.md").write_text(text)
-    (out_dir / "soak.json").write_text(json.dumps({"machine": info, "command": command, "total_s": total_s,
-                                                   "warmup_step": warmup_step, "args": vars(args), "runs": runs}))
+    h.write_results(out_dir, "soak", "\n".join(lines), {"machine": info, "command": command, "total_s": total_s,
+                                                        "warmup_step": warmup_step, "args": vars(args), "runs": runs})
     plot(runs, out_dir / "soak.png", warmup_step)
-    print(text)
     LOG.info("done in %.0f s: %s", total_s, "FAILED" if failed else "all schedules passed")
     return 1 if failed else 0
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worker", choices=SCHEDULES, help=argparse.SUPPRESS)
+    p = h.make_parser(__doc__, SCHEDULES)
     p.add_argument("--schedules", type=lambda s: s.split(","), default=list(SCHEDULES))
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--steps", type=int, default=20000, help="pipe.step calls per schedule")
@@ -432,8 +403,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=7200.0, help="seconds per torchrun launch")
     p.add_argument("--from-json", help="re-assess and re-report a previous soak.json (no runs)")
     p.add_argument("--progress", action="store_true", help="workers: tqdm bar on rank 0 (stderr)")
-    p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
-    p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     for s in args.schedules:
         if s not in SCHEDULES:
@@ -445,13 +414,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.worker:
-        return run_worker(args)
-    return run_driver(args)
+main = h.main(parse_args, run_worker, run_driver)
 
 
 if __name__ == "__main__":

@@ -41,18 +41,23 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import logging
-import os
-import platform
 import pstats
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as h  # noqa: E402
+
+__all__ = ["ForwardTimer", "launch", "main", "main_table", "make_batch", "make_model", "parse_args", "plot_main",
+           "plot_sweep", "profile_section", "profile_steps", "run_driver", "run_worker", "stage_bounds",
+           "sweep_table", "time_fwd_bwd"]
 
 LOG = logging.getLogger("throughput")
 JSON_TAG = "THROUGHPUT_JSON "
@@ -75,15 +80,8 @@ LABELS = {
 
 # ----------------------------------------------------------------------------- worker
 def make_model(hidden: int, layers: int, seed: int = 0):
-    import torch
-    from torch import nn
-
-    torch.manual_seed(seed)
-    mods: List[Any] = []
-    for _ in range(layers):
-        mods += [nn.Linear(hidden, hidden), nn.ReLU()]
-    mods.append(nn.Linear(hidden, 10))
-    return nn.Sequential(*mods)
+    """``layers`` x [Linear(H, H), ReLU] + Linear(H, 10)."""
+    return h.mlp([hidden] * (layers + 1) + [10], seed)
 
 
 def stage_bounds(layers: int) -> List[int]:
@@ -313,6 +311,12 @@ def run_worker(args: argparse.Namespace) -> int:
         print(JSON_TAG + json.dumps(result), flush=True)
     if distributed:
         dist.barrier()
+        # What holds the process group (DDP's reducer, the pipelines) goes first:
+        # torn down after the group, a rank of the ddp configuration sometimes
+        # aborted at exit ("terminate called without an active exception").
+        del step_fn, stage_module, model, finish
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
     return 0
 
@@ -376,78 +380,38 @@ def profile_steps(args, rank, world, stage_module, step_fn, finish, x, y, bounds
 
 
 # ----------------------------------------------------------------------------- driver
-def machine_info() -> Dict[str, str]:
-    import torch
-
-    return {"cpu_count": str(os.cpu_count()), "processor": platform.processor() or "(empty)",
-            "cpu_model": _cpu_model(), "torch": torch.__version__, "python": platform.python_version(),
-            "platform": platform.platform(),
-            "load": "load average %.1f %.1f %.1f at the start" % os.getloadavg()}
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def launch(args: argparse.Namespace, cfg: str, microbatches: int, profile: bool = False) -> Dict[str, Any]:
-    nproc = 1 if cfg == "single" else 2
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(Path(__file__).resolve()), "--worker", cfg,
-           "--global-batch", str(args.global_batch), "--microbatches", str(microbatches),
-           "--hidden", str(args.hidden), "--layers", str(args.layers), "--lr", str(args.lr),
-           "--reps", str(0 if profile else args.reps), "--steps", str(args.steps),
-           "--warmup", str(args.warmup)]
+    """Runs configuration ``cfg`` under torchrun (1 rank for ``single``, else 2)."""
+    worker_args = ["--worker", cfg, "--microbatches", str(microbatches), "--reps", str(0 if profile else args.reps)]
+    worker_args += h.forward(args, "global_batch", "hidden", "layers", "lr", "steps", "warmup")
     if profile:
-        cmd += ["--profile", "--profile-steps", str(args.profile_steps)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    LOG.debug("launch: %s", " ".join(cmd))
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"config": cfg, "microbatches": microbatches, "error": f"timed out after {args.timeout} s"}
-    out = None
-    for line in proc.stdout.splitlines():
-        if line.startswith(JSON_TAG):
-            out = json.loads(line[len(JSON_TAG):])
-    if out is None:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-        out = {"config": cfg, "microbatches": microbatches,
-               "error": f"no result (exit {proc.returncode}): " + " | ".join(tail)}
-    out["launch_s"] = time.perf_counter() - t0
+        worker_args += ["--profile"] + h.forward(args, "profile_steps")
+    out = h.launch_torchrun(Path(__file__).resolve(), 1 if cfg == "single" else 2, worker_args, JSON_TAG,
+                            args.timeout)
+    out.setdefault("config", cfg)
+    out.setdefault("microbatches", microbatches)
     if "error" in out:
         LOG.warning("%s M=%d: %s", cfg, microbatches, out["error"])
     return out
 
 
-def fmt(v: Optional[float], digits: int = 0) -> str:
-    return "n/a" if v is None else f"{v:.{digits}f}"
-
-
 def main_table(results: Dict[str, Dict[str, Any]], base: float, M: int) -> List[str]:
-    rows = ["| configuration | samples/s (median) | min | max | ratio to single process | "
-            "CPU us/sample (all ranks) |",
-            "|---|---|---|---|---|---|"]
+    """The main table: every configuration's samples/s against the single process."""
+    rows = h.table(["configuration", "samples/s (median)", "min", "max", "ratio to single process",
+                    "CPU us/sample (all ranks)"])
     for cfg in MAIN_CONFIGS:
         r = results[cfg]
         if "error" in r:
-            rows.append(f"| {LABELS[cfg]} | n/a ({r['error'][:80]}) | | | | |")
+            rows.append(h.table_row([LABELS[cfg], f"n/a ({r['error'][:80]})", "", "", "", ""]))
             continue
-        rows.append(f"| {LABELS[cfg]} | {r['median']:.0f} | {r['min']:.0f} | {r['max']:.0f} | "
-                    f"{r['median'] / base:.2f} | {r.get('cpu_us_per_sample', float('nan')):.0f} |")
+        rows.append(h.table_row([LABELS[cfg], f"{r['median']:.0f}", f"{r['min']:.0f}", f"{r['max']:.0f}",
+                                 f"{r['median'] / base:.2f}", f"{r.get('cpu_us_per_sample', float('nan')):.0f}"]))
     return rows
 
 
 def sweep_table(sweep: Dict[Tuple[str, int], Dict[str, Any]], base: float, ms: List[int]) -> List[str]:
-    head = "| runtime | " + " | ".join(f"M={m} (mb {{}})" for m in ms) + " |"
-    rows = [head, "|---|" + "---|" * len(ms)]
+    """Samples/s and efficiency per M of the sweep (the header's ``{}``: microbatch sizes)."""
+    rows = h.table(["runtime"] + [f"M={m} (mb {{}})" for m in ms])
     for cfg in SWEEP_CONFIGS:
         sps, eff = [], []
         for m in ms:
@@ -458,21 +422,18 @@ def sweep_table(sweep: Dict[Tuple[str, int], Dict[str, Any]], base: float, ms: L
             else:
                 sps.append("n/a")
                 eff.append("n/a")
-        rows.append(f"| {LABELS[cfg]}: samples/s [min-max] | " + " | ".join(sps) + " |")
-        rows.append(f"| {LABELS[cfg]}: efficiency | " + " | ".join(eff) + " |")
+        rows.append(h.table_row([f"{LABELS[cfg]}: samples/s [min-max]"] + sps))
+        rows.append(h.table_row([f"{LABELS[cfg]}: efficiency"] + eff))
     ratio = []
     for m in ms:
         a, b = sweep.get(("pd-1f1b", m), {}), sweep.get(("torch-1f1b", m), {})
         ratio.append(f"{a['median'] / b['median']:.2f}" if "median" in a and "median" in b else "n/a")
-    rows.append("| ratio pipedream_ext / torch | " + " | ".join(ratio) + " |")
+    rows.append(h.table_row(["ratio pipedream_ext / torch"] + ratio))
     return rows
 
 
 def plot_main(results, base, path: Path, M: int, B: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = h.pyplot()
 
     cfgs = [c for c in MAIN_CONFIGS if "median" in results[c]]
     med = [results[c]["median"] for c in cfgs]
@@ -489,16 +450,11 @@ def plot_main(results, base, path: Path, M: int, B: int) -> None:
     ax.set_ylabel("samples/s (median, min-max bars)")
     ax.set_title(f"Training throughput, CPU, 2 ranks x 1 thread, global batch {B}, M={M}")
     ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    h.save_figure(fig, path, dpi=120)
 
 
 def plot_sweep(sweep, base, ms: List[int], path: Path, B: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = h.pyplot()
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for cfg, color in (("pd-1f1b", "#55a868"), ("torch-1f1b", "#dd8452")):
@@ -519,9 +475,7 @@ def plot_sweep(sweep, base, ms: List[int], path: Path, B: int) -> None:
     ax.set_ylim(0, 1.05)
     ax.set_title("Pipeline efficiency, 1F1B, 2 stages (CPU)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    h.save_figure(fig, path, dpi=120)
 
 
 def profile_section(profiles: Dict[str, Dict[str, Any]], M: int) -> List[str]:
@@ -529,17 +483,18 @@ def profile_section(profiles: Dict[str, Dict[str, Any]], M: int) -> List[str]:
              "somewhat inflated). 'forward in pipeline' sums the stage module's forward calls "
              "(module hooks); 'standalone' is the same stage's forward / forward+backward on one "
              "microbatch, times M, with no communication.", "",
-             "| runtime | rank | wall | forward in pipeline | standalone forward | standalone fwd+bwd | "
-             "wall - standalone fwd+bwd |", "|---|---|---|---|---|---|---|"]
+             *h.table(["runtime", "rank", "wall", "forward in pipeline", "standalone forward",
+                       "standalone fwd+bwd", "wall - standalone fwd+bwd"])]
     for cfg, prof in profiles.items():
         if "profile" not in prof:
-            lines.append(f"| {LABELS[cfg]} | n/a ({prof.get('error', 'no profile')}) | | | | | |")
+            lines.append(h.table_row([LABELS[cfg], f"n/a ({prof.get('error', 'no profile')})"] + [""] * 5))
             continue
         for r in prof["profile"]["ranks"]:
-            lines.append(f"| {LABELS[cfg]} | {r['rank']} | {r['wall_ms_per_batch']:.1f} | "
-                         f"{r['fwd_in_pipeline_ms_per_batch']:.1f} | {r['standalone_fwd_ms_per_batch']:.1f} | "
-                         f"{r['standalone_fwd_bwd_ms_per_batch']:.1f} | "
-                         f"{r['wall_ms_per_batch'] - r['standalone_fwd_bwd_ms_per_batch']:.1f} |")
+            lines.append(h.table_row([LABELS[cfg], r["rank"], f"{r['wall_ms_per_batch']:.1f}",
+                                      f"{r['fwd_in_pipeline_ms_per_batch']:.1f}",
+                                      f"{r['standalone_fwd_ms_per_batch']:.1f}",
+                                      f"{r['standalone_fwd_bwd_ms_per_batch']:.1f}",
+                                      f"{r['wall_ms_per_batch'] - r['standalone_fwd_bwd_ms_per_batch']:.1f}"]))
     for cfg, prof in profiles.items():
         for r in prof.get("profile", {}).get("ranks", []):
             lines += ["", f"cProfile, {LABELS[cfg]}, rank {r['rank']} (top by tottime, "
@@ -553,12 +508,9 @@ def run_driver(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     M, B = args.microbatches, args.global_batch
     ms = sorted(set(args.sweep))
-    info = machine_info()
-    command = "python3 " + " ".join([str(Path(sys.argv[0]))] + sys.argv[1:])
-    LOG.info("machine: %s", info)
+    info, command = h.start_report(LOG)
     jobs: List[Tuple[str, int, bool]] = [(c, M, False) for c in MAIN_CONFIGS]
     jobs += [(c, m, False) for m in ms if m != M for c in SWEEP_CONFIGS]
     # Interleaved A/B pairs, torch's Schedule1F1B then ours, on the same work: the
@@ -596,11 +548,8 @@ def run_driver(args: argparse.Namespace) -> int:
     mb = B // M
     lines = ["# Throughput (CPU, 2 ranks)", "",
              f"Command: `{command}`", "",
-             f"Machine: os.cpu_count()={info['cpu_count']}, platform.processor()={info['processor']!r}, "
-             f"CPU model {info['cpu_model']}, torch {info['torch']}, Python {info['python']}, "
-             f"{info['platform']}, {info['load']} (other work on the machine slows every "
-             f"configuration alike; compare within a run). One thread per rank "
-             "(torch.set_num_threads(1), OMP_NUM_THREADS=1), Gloo.", "",
+             h.machine_line(info) + " Other work on the machine slows every configuration alike; compare "
+             "within a run. One thread per rank (torch.set_num_threads(1), OMP_NUM_THREADS=1), Gloo.", "",
              f"Model: {args.layers} x [Linear({args.hidden}, {args.hidden}), ReLU] + "
              f"Linear({args.hidden}, 10), SGD lr={args.lr}. Global batch {B}, M={M} microbatches of {mb}; "
              f"2 stages of {stage_bounds(args.layers)} modules (stage 0: {args.layers // 2} Linear+ReLU pairs). "
@@ -624,18 +573,18 @@ def run_driver(args: argparse.Namespace) -> int:
                   "", "Each pair runs torch's Schedule1F1B, then ours, on the same model, batch and "
                   "microbatches (median samples/s of each run's repetitions). CPU time is all "
                   "threads of both ranks per sample.", "",
-                  "| pair | torch Schedule1F1B (samples/s) | pipedream_ext 1f1b (samples/s) | ratio | "
-                  "CPU us/sample torch | CPU us/sample ours |", "|---|---|---|---|---|---|"]
+                  *h.table(["pair", "torch Schedule1F1B (samples/s)", "pipedream_ext 1f1b (samples/s)", "ratio",
+                            "CPU us/sample torch", "CPU us/sample ours"])]
         ratios = []
         for k, pair in enumerate(pairs, 1):
             t, o = pair.get("torch", {}), pair.get("ours", {})
             if "median" in t and "median" in o:
                 ratios.append(o["median"] / t["median"])
-                lines.append(f"| {k} | {t['median']:.0f} | {o['median']:.0f} | {ratios[-1]:.2f} | "
-                             f"{t.get('cpu_us_per_sample', float('nan')):.0f} | "
-                             f"{o.get('cpu_us_per_sample', float('nan')):.0f} |")
+                lines.append(h.table_row([k, f"{t['median']:.0f}", f"{o['median']:.0f}", f"{ratios[-1]:.2f}",
+                                          f"{t.get('cpu_us_per_sample', float('nan')):.0f}",
+                                          f"{o.get('cpu_us_per_sample', float('nan')):.0f}"]))
             else:
-                lines.append(f"| {k} | {t.get('error', 'n/a')} | {o.get('error', 'n/a')} | n/a | | |")
+                lines.append(h.table_row([k, t.get("error", "n/a"), o.get("error", "n/a"), "n/a", "", ""]))
         if ratios:
             lines += ["", f"Median ratio {statistics.median(ratios):.2f} (min {min(ratios):.2f}, "
                       f"max {max(ratios):.2f}); {sum(r >= 1 for r in ratios)} of {len(ratios)} pairs >= 1."]
@@ -651,20 +600,20 @@ def run_driver(args: argparse.Namespace) -> int:
     if profiles:
         lines += ["", f"## Time breakdown, M={M}", ""] + profile_section(profiles, M)
     lines += ["", "![throughput](throughput.png)", "", "![pipeline efficiency](pipeline_efficiency.png)", ""]
-    text = "\n".join(lines)
-    (out_dir / "throughput.md").write_text(text)
+    h.write_results(out_dir, "throughput", "\n".join(lines),
+                    {"machine": info, "command": command, "main": main, "ab_pairs": pairs,
+                     "sweep": {f"{c}@{m}": r for (c, m), r in sweep.items()}, "profiles": profiles})
     plot_main(main, base, out_dir / "throughput.png", M, B)
     plot_sweep(sweep, base, ms, out_dir / "pipeline_efficiency.png", B)
-    raw = {"machine": info, "command": command, "main": main, "ab_pairs": pairs,
-           "sweep": {f"{c}@{m}": r for (c, m), r in sweep.items()}, "profiles": profiles}
-    (out_dir / "throughput.json").write_text(json.dumps(raw, indent=1))
-    print(text)
-    return 0
+    failed = [r for r in [*main.values(), *sweep.values(), *profiles.values()] if h.launch_failed(r)]
+    failed += [r for pair in pairs for r in pair.values() if h.launch_failed(r)]
+    if failed:
+        LOG.error("%d launches failed; their output is in %s", len(failed), ", ".join(r["log"] for r in failed))
+    return 1 if failed else 0
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--worker", choices=MAIN_CONFIGS, help="internal: run one configuration (under torchrun)")
+    p = h.make_parser(__doc__, MAIN_CONFIGS)
     p.add_argument("--global-batch", type=int, default=128)
     p.add_argument("--microbatches", type=int, default=8, help="M for the main table")
     p.add_argument("--hidden", type=int, default=1024)
@@ -684,21 +633,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    default=["pd-1f1b", "torch-1f1b", "pd-pipedream", "pd-pipedream-2bw"],
                    help="configurations to re-run with a time breakdown (comma-separated)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration")
-    p.add_argument("--out-dir", default="benchmarks/results")
-    p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     if args.global_batch % args.microbatches or any(args.global_batch % m for m in args.sweep):
         p.error("--global-batch must be divisible by --microbatches and every --sweep value")
     return args
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.worker:
-        return run_worker(args)
-    return run_driver(args)
+main = h.main(parse_args, run_worker, run_driver)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The benchmark scripts' pure helpers (benchmarks/plan_accuracy.py, memory.py, soak.py).
+"""The benchmark scripts' pure helpers (benchmarks/plan_accuracy.py, memory.py, soak.py)
+and the harness they stand on (benchmarks/_harness.py).
 
 Fast: the scripts import torch only inside functions, so nothing here starts a process
 group or imports torch.
@@ -6,6 +7,7 @@ group or imports torch.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -28,7 +30,7 @@ def _load(name: str):
 plan_accuracy = _load("plan_accuracy")
 memory = _load("memory")
 soak = _load("soak")
-util = _load("_bench_util")
+util = _load("_harness")
 
 
 def test_scripts_do_not_import_torch_at_module_level():
@@ -258,3 +260,77 @@ def test_quarters_and_rate():
     assert soak.rate(s[:1]) is None
     two = _samples([1.0, 1.0])
     assert soak.quarters(two) == (two, two)
+
+
+# ----------------------------------------------------------------------------- harness
+def test_table_rows_and_rule():
+    assert util.table(["a", "b"], [["x", 1], ["", 2.5]]) == ["| a | b |", "|---|---|", "| x | 1 |", "| | 2.5 |"]
+    assert util.table_row(["ok", "exit 1: a | b"]) == "| ok | exit 1: a \\| b |"
+
+
+def test_fmt_and_pct():
+    assert util.fmt(1.23456) == "1.23" and util.fmt(2.0, 0) == "2" and util.fmt(None) == "n/a"
+    assert util.fmt(None, 1, "-") == "-"
+
+
+def test_machine_info_keys_and_line():
+    info = util.machine_info()
+    assert set(info) == {"cpu_count", "cpu_model", "torch", "python", "platform", "cuda", "loadavg_at_start"}
+    assert all(isinstance(v, str) and v for v in info.values())
+    line = util.machine_line(info)
+    assert line.startswith("Machine: ") and info["torch"] in line and info["cpu_count"] in line
+
+
+FAILING = ("import sys; print('step 1'); print('RuntimeError: boom on rank 1', file=sys.stderr); "
+           "print('noise', file=sys.stderr); sys.exit(3)")
+
+
+def test_a_failed_command_keeps_its_output_and_names_the_error():
+    with pytest.raises(util.CommandFailed) as info:
+        util.run_command([sys.executable, "-c", FAILING], timeout=60)
+    exc = info.value
+    try:
+        assert exc.returncode == 3 and exc.reason == "exit 3"
+        assert exc.lines == ["RuntimeError: boom on rank 1"]
+        assert "RuntimeError: boom on rank 1" in str(exc) and exc.log in str(exc)
+        kept = Path(exc.log).read_text()
+        assert "step 1" in kept and "noise" in kept and FAILING in kept
+    finally:
+        os.unlink(exc.log)
+
+
+def test_a_command_that_times_out_or_prints_no_result_fails():
+    with pytest.raises(util.CommandFailed, match="timed out after 1 s") as info:
+        util.run_command([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(30)"],
+                         timeout=1)
+    os.unlink(info.value.log)
+    with pytest.raises(util.CommandFailed, match="exit 0 but no result") as info:
+        util.run_command([sys.executable, "-c", "print('no tag')"], timeout=60, ok=lambda out: "TAG" in out)
+    os.unlink(info.value.log)
+    assert util.run_command([sys.executable, "-c", "print('TAG')"], timeout=60).stdout == "TAG\n"
+
+
+def test_mlp_layers():
+    model = util.mlp([4, 8, 8, 3], seed=0)
+    assert [type(m).__name__ for m in model] == ["Linear", "ReLU", "Linear", "ReLU", "Linear"]
+    assert [(m.in_features, m.out_features) for m in model if hasattr(m, "in_features")] == [(4, 8), (8, 8), (8, 3)]
+    again = util.mlp([4, 8, 8, 3], seed=0)
+    assert all((a == b).all() for a, b in zip(model.parameters(), again.parameters()))
+    with pytest.raises(ValueError):
+        util.mlp([4])
+
+
+def test_a_failed_launch_keeps_what_rank_0_reported(monkeypatch, tmp_path):
+    log = tmp_path / "launch.log"
+
+    def crash(cmd, timeout, env=None, ok=None):
+        raise util.CommandFailed(cmd, -6, 'TAG {"ranks": [1]}\n', "Signal 6 (SIGABRT) received by PID 7\n",
+                                 str(log), "exit -6")
+
+    monkeypatch.setattr(util, "run_command", crash)
+    r = util.launch_torchrun(Path("bench.py"), 2, ["--worker"], "TAG ", timeout=5)
+    assert r["ranks"] == [1] and r["log"] == str(log) and util.launch_failed(r)
+    assert r["error"] == "exit -6: Signal 6 (SIGABRT) received by PID 7"
+    with pytest.raises(util.CommandFailed):
+        util.launch_torchrun(Path("bench.py"), 2, [], "TAG ", timeout=5, check=True)
+    assert not util.launch_failed({"error": "rank 1: ValueError: reported as data", "launch_s": 1.0})
