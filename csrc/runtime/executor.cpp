@@ -169,97 +169,102 @@ std::vector<at::Tensor> PipelineExecutor::receive(const Key& key, int direction)
   return tensors;
 }
 
-void PipelineExecutor::differentiate(const Action& a, bool inputOnly, bool weightOnly) {
-  const Key key{a.stage, a.microbatch};
-  auto it = stash_.find(key);
-  TORCH_CHECK(it != stash_.end(), "rank ", rank_, ": ", a.toString(),
-              " has no stashed forward (schedule bug)");
-  Stash& s = it->second;
-  if (recompute_ && s.rngState.defined()) {
-    // Re-run the forward on the stashed inputs and weight version with the
-    // RNG state the first forward saw (dropout draws the same masks).
-    auto generator = at::detail::getDefaultCPUGenerator();
-    at::Tensor now;
-    {
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      now = generator.get_state();
-      generator.set_state(s.rngState);
-    }
-    std::vector<at::Tensor> weights;
-    if (traits_.stashWeights) weights = stores_.at(a.stage).acquire(s.version);
-    s.outputs = forward_(a.stage, a.microbatch, s.inputs, weights);
-    if (traits_.stashWeights) stores_.at(a.stage).release(s.version);
-    {
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      generator.set_state(now);
-    }
-    s.rngState = at::Tensor();
+void PipelineExecutor::recomputeForward(const Action& a, Stash& s) {
+  // Re-run the forward on the stashed inputs and weight version with the
+  // RNG state the first forward saw (dropout draws the same masks).
+  auto generator = at::detail::getDefaultCPUGenerator();
+  at::Tensor now;
+  {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    now = generator.get_state();
+    generator.set_state(s.rngState);
   }
+  std::vector<at::Tensor> weights;
+  if (traits_.stashWeights) weights = stores_.at(a.stage).acquire(s.version);
+  s.outputs = forward_(a.stage, a.microbatch, s.inputs, weights);
+  if (traits_.stashWeights) stores_.at(a.stage).release(s.version);
+  {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(now);
+  }
+  s.rngState = at::Tensor();
+}
 
-  // Roots: outputs that require grad, with their gradients.
-  std::vector<at::Tensor> roots, grads;
+void PipelineExecutor::gradientRoots(const Action& a, const Stash& s, std::vector<at::Tensor>& roots,
+                                     std::vector<at::Tensor>& grads) const {
   if (a.stage == lastStage_) {
     roots = {s.outputs.at(0)};
     grads = {at::Tensor()};
-  } else {
-    for (size_t k = 0; k < s.outputs.size(); ++k) {
-      if (!s.outputs[k].requires_grad()) continue;
-      TORCH_CHECK(k < s.gradOutputs.size() && s.gradOutputs[k].defined(), "stage ", a.stage,
-                  " microbatch ", a.microbatch, ": missing gradient for output ", k);
-      const auto& out = s.outputs[k];
-      const auto& grad = s.gradOutputs[k];
-      // A peer running another split or model would otherwise surface as an
-      // autograd shape error without saying who sent what.
-      TORCH_CHECK(grad.sizes() == out.sizes() && at::isFloatingType(grad.scalar_type()), "rank ",
-                  rank_, ": ", describe("RECV_B", a.stage, a.microbatch), ": rank ",
-                  schedule_.layout().rankFor(a.stage + 1, a.microbatch), " sent a gradient ",
-                  TensorMeta{grad.scalar_type(), grad.sizes().vec()}.toString(), " for output ", k,
-                  " of ", TensorMeta{out.scalar_type(), out.sizes().vec()}.toString(),
-                  "; every rank must run the same model, balance and schedule");
-      roots.push_back(out);
-      grads.push_back(grad);
-    }
+    return;
   }
+  for (size_t k = 0; k < s.outputs.size(); ++k) {
+    if (!s.outputs[k].requires_grad()) continue;
+    TORCH_CHECK(k < s.gradOutputs.size() && s.gradOutputs[k].defined(), "stage ", a.stage,
+                " microbatch ", a.microbatch, ": missing gradient for output ", k);
+    const auto& out = s.outputs[k];
+    const auto& grad = s.gradOutputs[k];
+    // A peer running another split or model would otherwise surface as an
+    // autograd shape error without saying who sent what.
+    TORCH_CHECK(grad.sizes() == out.sizes() && at::isFloatingType(grad.scalar_type()), "rank ",
+                rank_, ": ", describe("RECV_B", a.stage, a.microbatch), ": rank ",
+                schedule_.layout().rankFor(a.stage + 1, a.microbatch), " sent a gradient ",
+                TensorMeta{grad.scalar_type(), grad.sizes().vec()}.toString(), " for output ", k,
+                " of ", TensorMeta{out.scalar_type(), out.sizes().vec()}.toString(),
+                "; every rank must run the same model, balance and schedule");
+    roots.push_back(out);
+    grads.push_back(grad);
+  }
+}
 
+void PipelineExecutor::inputGradients(const Action& a, Stash& s, const std::vector<at::Tensor>& roots,
+                                      const std::vector<at::Tensor>& grads, bool inputOnly) {
   std::vector<at::Tensor> gradInputs(s.inputs.size());
-  if (!weightOnly) {
-    std::vector<at::Tensor> needInputs;
-    std::vector<size_t> needIndex;
-    for (size_t k = 0; k < s.inputs.size(); ++k) {
-      if (s.inputs[k].requires_grad()) {
-        needInputs.push_back(s.inputs[k]);
-        needIndex.push_back(k);
-      }
-    }
-    if (inputOnly) {
-      if (!roots.empty() && !needInputs.empty()) {
-        auto result = torch::autograd::grad(roots, needInputs, grads, /*retain_graph=*/true,
-                                            /*create_graph=*/false, /*allow_unused=*/true);
-        for (size_t n = 0; n < needIndex.size(); ++n) gradInputs[needIndex[n]] = result[n];
-      }
-    } else if (!roots.empty()) {
-      torch::autograd::backward(roots, grads);
-      for (size_t n = 0; n < needIndex.size(); ++n) {
-        gradInputs[needIndex[n]] = s.inputs[needIndex[n]].grad();
-      }
-    }
-    if (a.stage > 0) {
-      // Float inputs without a gradient get zeros; others an empty marker.
-      for (size_t k = 0; k < gradInputs.size(); ++k) {
-        if (!gradInputs[k].defined()) {
-          gradInputs[k] = at::isFloatingType(s.inputs[k].scalar_type())
-                              ? at::zeros_like(s.inputs[k])
-                              : at::empty({0}, s.inputs[k].options().dtype(at::kFloat));
-        }
-      }
-      const Key upstream{a.stage - 1, a.microbatch};
-      if (schedule_.layout().rankFor(a.stage - 1, a.microbatch) == rank_) {
-        localGrads_[upstream] = gradInputs;
-      } else {
-        inputGrads_[key] = gradInputs;
-      }
+  std::vector<at::Tensor> needInputs;
+  std::vector<size_t> needIndex;
+  for (size_t k = 0; k < s.inputs.size(); ++k) {
+    if (s.inputs[k].requires_grad()) {
+      needInputs.push_back(s.inputs[k]);
+      needIndex.push_back(k);
     }
   }
+  if (inputOnly) {
+    if (!roots.empty() && !needInputs.empty()) {
+      auto result = torch::autograd::grad(roots, needInputs, grads, /*retain_graph=*/true,
+                                          /*create_graph=*/false, /*allow_unused=*/true);
+      for (size_t n = 0; n < needIndex.size(); ++n) gradInputs[needIndex[n]] = result[n];
+    }
+  } else if (!roots.empty()) {
+    torch::autograd::backward(roots, grads);
+    for (size_t n = 0; n < needIndex.size(); ++n) {
+      gradInputs[needIndex[n]] = s.inputs[needIndex[n]].grad();
+    }
+  }
+  if (a.stage == 0) return;  // nobody upstream
+  // Float inputs without a gradient get zeros; others an empty marker.
+  for (size_t k = 0; k < gradInputs.size(); ++k) {
+    if (!gradInputs[k].defined()) {
+      gradInputs[k] = at::isFloatingType(s.inputs[k].scalar_type())
+                          ? at::zeros_like(s.inputs[k])
+                          : at::empty({0}, s.inputs[k].options().dtype(at::kFloat));
+    }
+  }
+  if (schedule_.layout().rankFor(a.stage - 1, a.microbatch) == rank_) {
+    localGrads_[{a.stage - 1, a.microbatch}] = std::move(gradInputs);
+  } else {
+    inputGrads_[{a.stage, a.microbatch}] = std::move(gradInputs);
+  }
+}
+
+void PipelineExecutor::differentiate(const Action& a, bool inputOnly, bool weightOnly) {
+  auto it = stash_.find({a.stage, a.microbatch});
+  TORCH_CHECK(it != stash_.end(), "rank ", rank_, ": ", a.toString(),
+              " has no stashed forward (schedule bug)");
+  Stash& s = it->second;
+  if (recompute_ && s.rngState.defined()) recomputeForward(a, s);
+  // Roots: outputs that require grad, with their gradients.
+  std::vector<at::Tensor> roots, grads;
+  gradientRoots(a, s, roots, grads);
+  if (!weightOnly) inputGradients(a, s, roots, grads, inputOnly);
   if (inputOnly) return;  // keep the stash (graph retained) for W
 
   if (weightOnly && !roots.empty()) {

@@ -160,7 +160,14 @@ class PipelineExecutor {
   void accountAction(const Action& a, TimePoint start);
 
   std::vector<at::Tensor> receive(const Key& key, int direction);
+  // Autograd of B (neither flag), I (inputOnly) or W (weightOnly).
   void differentiate(const Action& a, bool inputOnly, bool weightOnly);
+  void recomputeForward(const Action& a, Stash& s);
+  void gradientRoots(const Action& a, const Stash& s, std::vector<at::Tensor>& roots,
+                     std::vector<at::Tensor>& grads) const;
+  // Input gradients of B or I, kept for SEND_B or the same rank's stage j-1.
+  void inputGradients(const Action& a, Stash& s, const std::vector<at::Tensor>& roots,
+                      const std::vector<at::Tensor>& grads, bool inputOnly);
   int oldestFutureRead(int stage, size_t from) const;
   void checkSignature(int direction, int stage, int microbatch,
                       const std::vector<at::Tensor>& received);
