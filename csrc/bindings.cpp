@@ -441,7 +441,6 @@ void bindRuntime(py::module_& m) {
            "Starts stats() over: times, counts, peaks, the engine's bytes and transfers, "
            "the weight stores' copies.")
       .def_property("tracing", &PipelineExecutor::tracing, &PipelineExecutor::setTracing)
-      .def_property_readonly("dropped_trace_events", &PipelineExecutor::droppedTraceEvents)
       .def(
           "take_trace",
           [](PipelineExecutor& e) {
