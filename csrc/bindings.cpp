@@ -10,6 +10,7 @@
 #include "core/schedule.h"
 #include "core/simulate.h"
 #include "core/stream.h"
+#include "core/traits.h"
 #include "core/validate.h"
 #include "runtime/comm_engine.h"
 #include "runtime/executor.h"
@@ -118,6 +119,43 @@ void bindSchedules(py::module_& m) {
       .def_property_readonly("base", &AsyncStream::base)
       .def_property_readonly("period", &AsyncStream::period);
 
+  py::class_<ScheduleTraits>(m, "ScheduleTraits",
+                             "What a schedule means (csrc/core/traits.h); read-only.")
+      .def_property_readonly("name", [](const ScheduleTraits& t) { return t.name; })
+      .def_property_readonly("asynchronous", [](const ScheduleTraits& t) { return t.asynchronous; })
+      .def_property_readonly("update_rule",
+                             [](const ScheduleTraits& t) { return updateRuleName(t.updateRule); })
+      .def_property_readonly(
+          "replica_reduction",
+          [](const ScheduleTraits& t) { return replicaReductionName(t.replicaReduction); })
+      .def("microbatches_per_step", &ScheduleTraits::microbatchesPerStep, py::arg("m"))
+      .def_property_readonly("multi_chunk", [](const ScheduleTraits& t) { return t.multiChunk; })
+      .def_property_readonly("supports_replicas",
+                             [](const ScheduleTraits& t) { return t.supportsReplicas; })
+      .def_property_readonly("split_backward", [](const ScheduleTraits& t) { return t.splitBackward; })
+      .def_property_readonly("stash_weights", [](const ScheduleTraits& t) { return t.stashWeights; })
+      .def_property_readonly("streaming", [](const ScheduleTraits& t) { return t.streaming; })
+      .def_property_readonly("supports_vertical_sync",
+                             [](const ScheduleTraits& t) { return t.supportsVerticalSync; })
+      .def_property_readonly("planner_straight",
+                             [](const ScheduleTraits& t) { return t.plannerStraight; })
+      .def_property_readonly("planner_two_versions",
+                             [](const ScheduleTraits& t) { return t.plannerTwoVersions; })
+      .def("__repr__", [](const ScheduleTraits& t) {
+        auto flag = [](bool b) { return b ? "True" : "False"; };
+        return "ScheduleTraits(name='" + t.name + "', asynchronous=" + flag(t.asynchronous) +
+               ", update_rule='" + updateRuleName(t.updateRule) + "', replica_reduction='" +
+               replicaReductionName(t.replicaReduction) + "', multi_chunk=" + flag(t.multiChunk) +
+               ", supports_replicas=" + flag(t.supportsReplicas) + ", split_backward=" +
+               flag(t.splitBackward) + ", stash_weights=" + flag(t.stashWeights) +
+               ", streaming=" + flag(t.streaming) + ", supports_vertical_sync=" +
+               flag(t.supportsVerticalSync) + ", planner_straight=" + flag(t.plannerStraight) +
+               ", planner_two_versions=" + flag(t.plannerTwoVersions) + ")";
+      });
+  // Copies: Python never holds a pointer into the static table.
+  m.def("schedule_traits", [](const std::string& name) { return scheduleTraits(name); },
+        py::arg("name"), "The traits of schedule `name`; ValueError naming the choices if unknown.");
+  m.def("all_schedule_traits", &allScheduleTraits, "Every schedule's traits, in schedule_names() order.");
   m.def("schedule_names", &scheduleNames);
   m.def(
       "build_schedule",
@@ -292,14 +330,73 @@ void bindPlanner(py::module_& m) {
 }
 
 // ---- runtime (csrc/runtime) --------------------------------------------------
+py::dict statsToDict(const RuntimeStats& s) {
+  py::dict d;
+  d["compute_s"] = s.computeSeconds;
+  d["wait_s"] = s.waitSeconds;
+  d["busy_s"] = s.busySeconds;
+  d["actions"] = s.actions;
+  d["steps"] = s.steps;
+  d["seconds_by_kind"] = s.secondsByKind;
+  d["bytes_sent"] = s.bytesSent;
+  d["bytes_received"] = s.bytesReceived;
+  d["sends"] = s.sends;
+  d["receives"] = s.receives;
+  d["preposted_receives"] = s.prePostedReceives;
+  d["redirected_sends"] = s.redirectedSends;
+  d["peak_activations"] = s.peakActivations;
+  d["peak_sends_in_flight"] = s.peakSendsInFlight;
+  d["peak_weight_versions"] = s.peakWeightVersions;
+  d["weight_bytes_copied"] = s.weightBytesCopied;
+  d["bubble_fraction"] = s.bubbleFraction();
+  return d;
+}
+
 void bindRuntime(py::module_& m) {
+  py::class_<RuntimeStats>(m, "RuntimeStats",
+                           "What one rank's runtime did (csrc/core/runtime_stats.h); a read-only "
+                           "snapshot. RuntimeStats() is empty.")
+      .def(py::init<>())
+      .def_property_readonly("compute_s", [](const RuntimeStats& s) { return s.computeSeconds; },
+                             "Seconds in F/B/I/W (and recomputation) and U callbacks.")
+      .def_property_readonly("wait_s", [](const RuntimeStats& s) { return s.waitSeconds; },
+                             "Seconds blocked on peers: receives, sends, all-reduces.")
+      .def_property_readonly("busy_s", [](const RuntimeStats& s) { return s.busySeconds; },
+                             "Wall seconds inside the executor's run calls.")
+      .def_property_readonly("actions", [](const RuntimeStats& s) { return s.actions; })
+      .def_property_readonly("steps", [](const RuntimeStats& s) { return s.steps; })
+      .def_property_readonly("seconds_by_kind", [](const RuntimeStats& s) { return s.secondsByKind; },
+                             "Seconds per action kind ('F', 'B', 'RECV_F' waits, 'SEND_WAIT', ...).")
+      .def_property_readonly("bytes_sent", [](const RuntimeStats& s) { return s.bytesSent; })
+      .def_property_readonly("bytes_received", [](const RuntimeStats& s) { return s.bytesReceived; })
+      .def_property_readonly("sends", [](const RuntimeStats& s) { return s.sends; })
+      .def_property_readonly("receives", [](const RuntimeStats& s) { return s.receives; })
+      .def_property_readonly("preposted_receives", [](const RuntimeStats& s) { return s.prePostedReceives; })
+      .def_property_readonly("redirected_sends", [](const RuntimeStats& s) { return s.redirectedSends; })
+      .def_property_readonly("peak_activations", [](const RuntimeStats& s) { return s.peakActivations; })
+      .def_property_readonly("peak_sends_in_flight", [](const RuntimeStats& s) { return s.peakSendsInFlight; })
+      .def_property_readonly("peak_weight_versions", [](const RuntimeStats& s) { return s.peakWeightVersions; },
+                             "Per local stage (asynchronous schedules); empty otherwise.")
+      .def_property_readonly("weight_bytes_copied", [](const RuntimeStats& s) { return s.weightBytesCopied; })
+      .def_property_readonly("bubble_fraction", &RuntimeStats::bubbleFraction,
+                             "1 - compute_s / busy_s; 0 when busy_s is 0.")
+      .def("merge", &RuntimeStats::merge, py::arg("other"),
+           "A new RuntimeStats: sums; peaks and per-stage versions take the maximum; "
+           "seconds_by_kind adds per kind.")
+      .def("as_dict", &statsToDict, "A dict with exactly the property names as keys.")
+      .def("__repr__", [](const RuntimeStats& s) {
+        return "RuntimeStats(steps=" + std::to_string(s.steps) + ", actions=" +
+               std::to_string(s.actions) + ", busy_s=" + std::to_string(s.busySeconds) +
+               ", bytes_sent=" + std::to_string(s.bytesSent) + ")";
+      });
+
   py::class_<PipelineExecutor>(m, "PipelineExecutor")
       .def(py::init([](const Schedule& lowered, int rank,
                        const c10::intrusive_ptr<c10d::ProcessGroup>& group, double timeoutSeconds,
                        py::function forward, std::map<int, std::vector<at::Tensor>> parameters,
-                       const std::string& device, bool stashWeights, py::object update,
+                       const std::string& device, py::object update,
                        std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>> replicaGroups,
-                       bool recompute, bool streaming, bool averageReplicaGradients) {
+                       bool recompute) {
              auto engine = std::make_shared<CommEngine>(
                  group, std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000.0)),
                  at::Device(device));
@@ -317,16 +414,17 @@ void bindRuntime(py::module_& m) {
                };
              }
              return std::make_unique<PipelineExecutor>(lowered, rank, std::move(engine), std::move(fn),
-                                                       std::move(parameters), stashWeights,
-                                                       std::move(updateFn), std::move(replicaGroups),
-                                                       recompute, streaming, averageReplicaGradients);
+                                                       std::move(parameters), std::move(updateFn),
+                                                       std::move(replicaGroups), recompute);
            }),
            py::arg("lowered_schedule"), py::arg("rank"), py::arg("group"), py::arg("timeout_seconds"),
            py::arg("forward"), py::arg("stage_parameters"), py::arg("device") = "cpu",
-           py::arg("stash_weights") = false, py::arg("update") = py::none(),
+           py::arg("update") = py::none(),
            py::arg("replica_groups") = std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>>{},
-           py::arg("recompute") = false, py::arg("streaming") = false,
-           py::arg("average_replica_gradients") = false)
+           py::arg("recompute") = false,
+           "Executes `lowered_schedule` for `rank`; stashing, streaming and replica reduction "
+           "follow the schedule's traits (schedule_traits(name)). `update(stage, version)` steps "
+           "the optimizer and is required when the traits stash weights.")
       .def("run", &PipelineExecutor::run, py::arg("inputs"), py::call_guard<py::gil_scoped_release>(),
            "Runs one step; returns the scaled loss of each microbatch whose last stage ran here.")
       .def("run_forward", &PipelineExecutor::runForward, py::arg("inputs"),
@@ -337,38 +435,12 @@ void bindRuntime(py::module_& m) {
       .def("wait_sends", &PipelineExecutor::waitSends, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("position", &PipelineExecutor::position)
       .def_property_readonly("size", &PipelineExecutor::size)
-      .def_property_readonly("peak_stashed", &PipelineExecutor::peakStashed)
-      .def_property_readonly("peak_weight_versions", &PipelineExecutor::peakWeightVersions)
-      .def_property_readonly("bytes_sent", [](const PipelineExecutor& e) { return e.engine().bytesSent(); })
-      .def_property_readonly("bytes_received",
-                             [](const PipelineExecutor& e) { return e.engine().bytesReceived(); })
-      .def(
-          "stats",
-          [](const PipelineExecutor& e) {
-            const auto& s = e.stats();
-            py::dict d;
-            d["compute_s"] = s.computeSeconds;
-            d["wait_s"] = s.waitSeconds;
-            d["busy_s"] = s.busySeconds;
-            d["actions"] = s.actions;
-            d["steps"] = s.steps;
-            d["seconds_by_kind"] = s.secondsByKind;
-            d["bytes_sent"] = e.engine().bytesSent();
-            d["bytes_received"] = e.engine().bytesReceived();
-            d["sends"] = e.engine().sends();
-            d["receives"] = e.engine().receives();
-            d["preposted_receives"] = e.engine().prePostedReceives();
-            d["redirected_sends"] = e.engine().redirectedSends();
-            d["peak_stashed"] = e.peakStashed();
-            d["peak_sends_in_flight"] = s.peakSendsInFlight;
-            d["peak_weight_versions"] = e.peakWeightVersions();
-            d["weight_bytes_copied"] = e.weightBytesCopied();
-            return d;
-          },
-          "Time accounting since construction or reset_stats() (see ExecutorStats).")
-      .def("reset_stats", &PipelineExecutor::resetStats)
+      .def("stats", &PipelineExecutor::stats,
+           "A RuntimeStats snapshot since construction or reset_stats().")
+      .def("reset_stats", &PipelineExecutor::resetStats,
+           "Starts stats() over: times, counts, peaks, the engine's bytes and transfers, "
+           "the weight stores' copies.")
       .def_property("tracing", &PipelineExecutor::tracing, &PipelineExecutor::setTracing)
-      .def_property_readonly("dropped_trace_events", &PipelineExecutor::droppedTraceEvents)
       .def(
           "take_trace",
           [](PipelineExecutor& e) {
@@ -378,7 +450,11 @@ void bindRuntime(py::module_& m) {
             }
             return out;
           },
-          "Recorded spans (name, category, start_us, duration_us), cleared.");
+          "The spans recorded since the last call (then cleared), in execution order, as\n"
+          "(name, category, start_us, duration_us) tuples: name is the action's text\n"
+          "('1F3', '0RECV_B2') or 'wait for sends'; category is 'compute', 'wait', 'send',\n"
+          "'update' or 'allreduce'; start_us is wall-clock microseconds since the Unix\n"
+          "epoch; duration_us is microseconds.");
 }
 
 }  // namespace

@@ -97,27 +97,6 @@ class NonFiniteError(RuntimeError):
     """NaN or inf appeared in a stage's output or gradients (``check_finite="raise"``)."""
 
 
-def _merge_stats(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
-    """Sums two executor stats dicts (peaks: maximum; per-kind seconds: per key)."""
-    out: Dict[str, Any] = dict(a)
-    for key, value in b.items():
-        if key == "seconds_by_kind":
-            kinds = dict(out.get(key, {}))
-            for kind, seconds in value.items():
-                kinds[kind] = kinds.get(kind, 0.0) + seconds
-            out[key] = kinds
-        elif key == "peak_weight_versions":
-            versions = dict(out.get(key, {}))
-            for stage, count in value.items():
-                versions[stage] = max(versions.get(stage, 0), count)
-            out[key] = versions
-        elif key in ("peak_stashed", "peak_sends_in_flight"):
-            out[key] = max(out.get(key, 0), value)
-        else:
-            out[key] = out.get(key, 0) + value
-    return out
-
-
 def _gather_bytes(payload: bytes, group: dist.ProcessGroup, world: int,
                   rank: int) -> Optional[List[bytes]]:
     """Gathers one byte string per rank on rank 0 of ``group`` (uint8 tensors, no pickle)."""
@@ -379,7 +358,7 @@ class PipeDream:
         self.trace_path: Optional[str] = os.fspath(trace) if trace is not None else None
         self._trace_events: List[Tuple[str, str, int, int]] = []
         # Stats of executors already replaced (async flush starts a new stream).
-        self._retired_stats: Dict[str, Any] = {}
+        self._retired_stats = _C.RuntimeStats()
         self._executor = self._make_executor(self._schedule)
         self._eval_executor: Optional["_C.PipelineExecutor"] = None
         _LIVE.add(self)
@@ -485,11 +464,8 @@ class PipeDream:
         executor = _C.PipelineExecutor(
             schedule._lowered, self.rank, self.group, self.timeout,
             _weak_method(self._stage_forward), self._stage_parameters, str(self.device),
-            stash_weights=self.asynchronous,
             update=_weak_method(self._update) if self.asynchronous else None,
-            replica_groups=self._replica_groups, recompute=self.recompute,
-            streaming=self.asynchronous,
-            average_replica_gradients=self.schedule_name == "pipedream")
+            replica_groups=self._replica_groups, recompute=self.recompute)
         # PIPEDREAM_LOG=debug (or a DEBUG level on this logger) logs every action.
         executor.tracing = self.trace_path is not None or _log.isEnabledFor(logging.DEBUG)
         return executor
@@ -508,7 +484,7 @@ class PipeDream:
 
     def _retire_executor(self) -> None:
         """Keeps the stats and trace of the executor about to be replaced."""
-        self._retired_stats = _merge_stats(self._retired_stats, self._executor.stats())
+        self._retired_stats = self._retired_stats.merge(self._executor.stats())
         if self.trace_path is not None:
             self._trace_events.extend(self._executor.take_trace())
 
@@ -574,17 +550,14 @@ class PipeDream:
             posted before the peer sent; see docs/runtime.md) and ``redirected_sends``.
             Local to this rank: no communication.
         """
-        merged = _merge_stats(self._retired_stats, self._executor.stats())
-        busy = merged.get("busy_s", 0.0)
-        merged["bubble_fraction"] = 1.0 - merged.get("compute_s", 0.0) / busy if busy > 0 else 0.0
-        merged["peak_activations"] = merged.pop("peak_stashed", 0)
+        merged = self._retired_stats.merge(self._executor.stats()).as_dict()
         merged["rank"] = self.rank
         merged["stages"] = list(self.local_stages)
         return merged
 
     def reset_stats(self) -> None:
         """Starts :meth:`stats` from zero (e.g. after warm-up steps)."""
-        self._retired_stats = {}
+        self._retired_stats = _C.RuntimeStats()
         self._executor.reset_stats()
 
     def write_trace(self, path: Optional[Union[str, os.PathLike]] = None) -> Optional[str]:
@@ -806,7 +779,7 @@ class PipeDream:
         self._executor.append_actions(self._stream.drain_actions(self.rank, self._steps))
         self._executor.run_until(self._executor.size, {})
         self._executor.wait_sends()
-        self.peak_weight_versions = dict(self._executor.peak_weight_versions)
+        self.peak_weight_versions = dict(self._executor.stats().peak_weight_versions)
         # A new stream starts from version 0 = the current live weights.
         self._pending_targets.clear()
         self._steps = 0

@@ -93,6 +93,49 @@ def run_checks() -> None:
     del pipe, opt
     gc.collect()
     assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]
+    check_reset_stats(rank)
+
+
+STATS_KEYS = {"compute_s", "wait_s", "busy_s", "actions", "steps", "seconds_by_kind", "bytes_sent",
+              "bytes_received", "sends", "receives", "preposted_receives", "redirected_sends",
+              "peak_activations", "peak_sends_in_flight", "peak_weight_versions",
+              "weight_bytes_copied", "bubble_fraction"}
+
+
+def check_reset_stats(rank: int) -> None:
+    """reset_stats() zeroes everything stats() counts: the communication engine's bytes and
+    transfers and the weight stores' copies too (an asynchronous pipeline has both)."""
+    import pipedream_ext as pd
+
+    pipe = pd.PipeDream(make_model(), F.cross_entropy, schedule="pipedream", balance=[2, 2],
+                        timeout=60)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            x, y = torch.randn(BATCH, 6, generator=g), torch.randint(0, 3, (BATCH,), generator=g)
+            pipe.step(x, y, optimizer=opt)
+
+    steps(6)
+    before = pipe.stats()
+    assert set(before) == STATS_KEYS | {"rank", "stages"}, sorted(before)
+    assert before["bytes_sent"] > 0 and before["bytes_received"] > 0, before
+    assert before["sends"] > 0 and before["receives"] > 0 and before["steps"] == 6, before
+    if rank == 0:  # stage 0 of 2 keeps 2 versions: updating a needed one copies it
+        assert before["weight_bytes_copied"] > 0, before
+    pipe.reset_stats()
+    after = pipe.stats()
+    for key in STATS_KEYS - {"seconds_by_kind", "peak_weight_versions"}:
+        assert after[key] == 0, (key, after)
+    assert after["seconds_by_kind"] == {}, after
+    steps(2)
+    again = pipe.stats()
+    assert again["steps"] == 2 and 0 < again["sends"] < before["sends"], (again, before)
+    assert 0 < again["bytes_sent"] < before["bytes_sent"], (again, before)
+    pipe.flush()
+    del pipe, opt
+    gc.collect()
 
 
 def test_stats_and_merged_trace() -> None:
@@ -127,6 +170,18 @@ def test_pipedream_log_debug_shows_every_action() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     for action in ("0F0", "0F1", "0SEND_F0", "0B0", "1F0", "1B1", "1SEND_B0", "1RECV_F0"):
         assert f"step 0: {action} " in result.stderr, (action, result.stderr[-3000:])
+
+
+def test_runtime_stats_schema_and_merge() -> None:
+    from pipedream_ext import _C
+
+    empty = _C.RuntimeStats()
+    d = empty.as_dict()
+    assert set(d) == STATS_KEYS, sorted(d)
+    assert d["bubble_fraction"] == 0 and d["seconds_by_kind"] == {} and d["peak_weight_versions"] == {}
+    merged = empty.merge(_C.RuntimeStats())
+    assert merged is not empty and merged.as_dict() == d
+    assert all(getattr(empty, key) == value for key, value in d.items())
 
 
 def test_bad_pipedream_log_level_is_a_clear_error() -> None:

@@ -137,3 +137,22 @@ def test_cli_errors_exit_nonzero_with_the_value():
     assert "got m=7, p=3" in out.stderr and "Traceback" not in out.stderr
     out = _cli("schedule", "--name", "nope", "--stages", "4", "--microbatches", "6")
     assert out.returncode != 0 and "unknown schedule 'nope'" in out.stderr
+
+
+def test_schedule_traits_binding():
+    from pipedream_ext import _C
+
+    table = _C.all_schedule_traits()
+    assert [t.name for t in table] == schedules.names()
+    pd_, two = _C.schedule_traits("pipedream"), _C.schedule_traits("pipedream-2bw")
+    assert (pd_.asynchronous, pd_.update_rule, pd_.replica_reduction) == (True, "per_minibatch", "mean")
+    assert (two.update_rule, two.replica_reduction, two.planner_two_versions) == ("per_batch", "sum", True)
+    assert pd_.microbatches_per_step(4) == 1 and two.microbatches_per_step(4) == 4
+    assert pd_.stash_weights and pd_.streaming and pd_.supports_vertical_sync
+    flush = _C.schedule_traits("1f1b")
+    assert (flush.asynchronous, flush.update_rule, flush.supports_replicas) == (False, "caller_per_batch", True)
+    assert _C.schedule_traits("interleaved-1f1b").multi_chunk
+    assert _C.schedule_traits("zb-h1").split_backward and _C.schedule_traits("zb-h1").planner_straight
+    assert "name='pipedream'" in repr(pd_)
+    with pytest.raises(ValueError, match="unknown schedule '1f1c'; choose one of: gpipe, 1f1b"):
+        _C.schedule_traits("1f1c")

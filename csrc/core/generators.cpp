@@ -5,6 +5,8 @@
 #include <numeric>
 #include <stdexcept>
 
+#include "traits.h"
+
 namespace pipedream {
 
 namespace {
@@ -275,17 +277,32 @@ void twoBwAll(const Layout& layout, int m, int batches, RankLists& lists) {
   }
 }
 
-void checkPositive(const char* what, int value, const char* flag) {
+void checkPositive(const char* what, int value) {
   if (value < 1) {
-    fail(std::string(what) + " must be >= 1 (got " + str(value) + "); pass " + flag +
-         " with a positive value");
+    fail(std::string(what) + " must be >= 1 (got " + str(value) + "); give " + what +
+         " a positive value");
   }
+}
+
+// "'a'", "'a' or 'b'", "'a', 'b' or 'c'": the schedules with `flag` set.
+std::string namesWhere(bool ScheduleTraits::*flag) {
+  std::vector<std::string> names;
+  for (const auto& traits : allScheduleTraits()) {
+    if (traits.*flag) names.push_back("'" + traits.name + "'");
+  }
+  std::string out;
+  for (size_t k = 0; k < names.size(); ++k) {
+    out += (k == 0 ? "" : k + 1 == names.size() ? " or " : ", ") + names[k];
+  }
+  return out;
 }
 
 }  // namespace
 
 std::vector<std::string> scheduleNames() {
-  return {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "pipedream", "pipedream-2bw"};
+  std::vector<std::string> names;
+  for (const auto& traits : allScheduleTraits()) names.push_back(traits.name);
+  return names;
 }
 
 int numOptimalActiveMinibatches(const std::vector<int>& replicas, int stage) {
@@ -294,31 +311,26 @@ int numOptimalActiveMinibatches(const std::vector<int>& replicas, int stage) {
 }
 
 Schedule buildSchedule(const ScheduleOptions& o) {
-  const auto names = scheduleNames();
-  if (std::find(names.begin(), names.end(), o.name) == names.end()) {
-    std::string list;
-    for (const auto& n : names) list += (list.empty() ? "" : ", ") + n;
-    fail("unknown schedule '" + o.name + "'; choose one of: " + list);
-  }
-  checkPositive("stages", o.stages, "--stages");
-  checkPositive("microbatches", o.microbatches, "--microbatches");
-  checkPositive("chunks", o.chunks, "--chunks");
-  checkPositive("batches", o.batches, "--batches");
+  const ScheduleTraits& traits = scheduleTraits(o.name);
+  checkPositive("stages", o.stages);
+  checkPositive("microbatches", o.microbatches);
+  checkPositive("chunks", o.chunks);
+  checkPositive("batches", o.batches);
   const int p = o.stages;
   const int m = o.microbatches;
-  if (o.chunks != 1 && o.name != "interleaved-1f1b") {
+  if (o.chunks != 1 && !traits.multiChunk) {
     fail("schedule '" + o.name + "' runs one chunk per rank (got chunks=" + str(o.chunks) +
-         "); use --name interleaved-1f1b for chunks > 1");
+         "); use chunks=1 or schedule " + namesWhere(&ScheduleTraits::multiChunk));
   }
   const bool anyReplicas =
       std::any_of(o.replicas.begin(), o.replicas.end(), [](int r) { return r != 1; });
-  if (!o.replicas.empty() && (o.name == "interleaved-1f1b" || o.name == "zb-h1") &&
-      anyReplicas) {
+  if (anyReplicas && !traits.supportsReplicas) {
     fail("schedule '" + o.name + "' does not support replicated stages (got replicas " +
-         joined(o.replicas) + "); use gpipe, 1f1b, pipedream or pipedream-2bw");
+         joined(o.replicas) + "); use " + namesWhere(&ScheduleTraits::supportsReplicas));
   }
-  if (o.verticalSync && o.name != "pipedream") {
-    fail("vertical sync applies to schedule 'pipedream' only (got '" + o.name +
+  if (o.verticalSync && !traits.supportsVerticalSync) {
+    fail("vertical sync applies to schedule " + namesWhere(&ScheduleTraits::supportsVerticalSync) +
+         " only (got '" + o.name +
          "'); pipedream-2bw and the flush schedules read one version per batch already");
   }
   if (o.verticalSync && !o.replicas.empty() &&
@@ -328,9 +340,9 @@ Schedule buildSchedule(const ScheduleOptions& o) {
          joined(o.replicas) + "): a version of a stage with r replicas covers r minibatches per "
          "update, so stage 0's version number means something else downstream");
   }
-  if (o.name == "pipedream" && o.batches != 1) {
-    fail("schedule 'pipedream' updates after every minibatch, so --batches does not apply (got " +
-         str(o.batches) + "); give the number of minibatches as --microbatches");
+  if (traits.updateRule == UpdateRule::kPerMinibatch && o.batches != 1) {
+    fail("schedule '" + o.name + "' updates after every minibatch, so batches does not apply (got batches=" +
+         str(o.batches) + "); use batches=1 and give the number of minibatches as microbatches");
   }
 
   if (o.name == "interleaved-1f1b") {
@@ -352,7 +364,8 @@ Schedule buildSchedule(const ScheduleOptions& o) {
   const auto replicas = layout.replicaCounts();
   for (int j = 0; j < p; ++j) {
     const int r = replicas[j];
-    const bool asynchronous = o.name == "pipedream" || o.name == "pipedream-2bw";
+    // Asynchronous replicas must agree on the number of all-reduces.
+    const bool asynchronous = traits.asynchronous;
     if (asynchronous ? m % r != 0 : m < r) {
       fail("schedule '" + o.name + "' with replicas " + joined(replicas) + " needs microbatches " +
            (asynchronous ? "to be a multiple of " : ">= ") + str(r) + " (the replicas of stage " +

@@ -38,7 +38,8 @@ struct ScheduleOptions {
   bool verticalSync = false;
 };
 
-// "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "pipedream", "pipedream-2bw".
+// "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "pipedream", "pipedream-2bw":
+// the names of allScheduleTraits() (traits.h), in its order.
 std::vector<std::string> scheduleNames();
 
 // Builds the compute-only schedule. Throws std::invalid_argument naming the

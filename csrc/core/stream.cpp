@@ -4,26 +4,30 @@
 #include <stdexcept>
 
 #include "lower.h"
+#include "traits.h"
 
 namespace pipedream {
 
 AsyncStream::AsyncStream(ScheduleOptions options) : options_(std::move(options)) {
-  const bool twoBw = options_.name == "pipedream-2bw";
-  if (options_.name != "pipedream" && !twoBw) {
-    throw std::invalid_argument("an asynchronous stream needs schedule 'pipedream' or 'pipedream-2bw' (got '" +
+  const ScheduleTraits& traits = scheduleTraits(options_.name);
+  if (!traits.streaming) {
+    std::string streaming;
+    for (const auto& t : allScheduleTraits()) {
+      if (t.streaming) streaming += (streaming.empty() ? "'" : " or '") + t.name + "'";
+    }
+    throw std::invalid_argument("an asynchronous stream needs schedule " + streaming + " (got '" +
                                 options_.name + "')");
   }
+  // pipedream: one minibatch and one update per step; 2bw: one batch of m.
+  const bool perMinibatch = traits.updateRule == UpdateRule::kPerMinibatch;
   std::vector<int> replicas = options_.replicas;
   if (replicas.empty()) replicas.assign(std::max(1, options_.stages), 1);
   int ranks = 0;
   for (int r : replicas) ranks += r;
   versionsPerPeriod_.assign(replicas.size(), 1);
-  if (twoBw) {
-    perStep_ = options_.microbatches;
-    period_ = 1;  // one batch, one update per stage
-  } else {
-    perStep_ = 1;
-    period_ = 1;
+  perStep_ = traits.microbatchesPerStep(options_.microbatches);
+  period_ = 1;  // 2bw: one batch, one update per stage
+  if (perMinibatch) {
     for (int r : replicas) period_ = std::lcm(period_, std::max(1, r));
     for (size_t j = 0; j < replicas.size(); ++j) {
       versionsPerPeriod_[j] = period_ / (options_.verticalSync ? replicas[0] : replicas[j]);
@@ -43,7 +47,7 @@ AsyncStream::AsyncStream(ScheduleOptions options) : options_(std::move(options))
 
 Schedule AsyncStream::lowered(int steps) const {
   ScheduleOptions o = options_;
-  if (o.name == "pipedream") {
+  if (scheduleTraits(o.name).updateRule == UpdateRule::kPerMinibatch) {
     o.microbatches = steps;
     o.batches = 1;
   } else {

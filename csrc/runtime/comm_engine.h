@@ -125,6 +125,11 @@ class CommEngine {
   int64_t redirectedSends() const { return redirectedSends_; }
   int64_t receives() const { return receives_; }
   int64_t sends() const { return sends_; }
+  // Zeroes the byte and transfer counters above (stats start over).
+  void resetCounters() {
+    bytesSent_ = bytesReceived_ = 0;
+    prePostedReceives_ = redirectedSends_ = receives_ = sends_ = 0;
+  }
 
   c10d::ProcessGroup& group() { return *group_; }
   const at::Device& device() const { return device_; }

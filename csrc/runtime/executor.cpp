@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <optional>
 
 namespace pipedream {
 
@@ -30,37 +31,45 @@ std::string commName(int stage, const char* what, int microbatch) {
 
 }  // namespace
 
+namespace {
+
+// Checks the rank first: receipt points are computed for it.
+TransferLedger makeLedger(const Schedule& schedule, int rank, const ScheduleTraits& traits) {
+  TORCH_CHECK(rank >= 0 && rank < schedule.numRanks(), "rank ", rank,
+              " is out of range for a schedule of ", schedule.numRanks(), " ranks");
+  if (traits.streaming) return TransferLedger::forStreaming(schedule.numRanks());
+  return TransferLedger::forFlush(schedule.numRanks(), sendReleasePoints(schedule, rank));
+}
+
+}  // namespace
+
 PipelineExecutor::PipelineExecutor(Schedule schedule, int rank, std::shared_ptr<CommEngine> engine,
                                    ForwardFn forward,
                                    std::map<int, std::vector<at::Tensor>> stageParameters,
-                                   bool stashWeights, UpdateFn update,
+                                   UpdateFn update,
                                    std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>> replicaGroups,
-                                   bool recompute, bool streaming, bool averageReplicaGradients)
+                                   bool recompute)
     : schedule_(std::move(schedule)),
+      traits_(scheduleTraits(schedule_.name())),
       rank_(rank),
       engine_(std::move(engine)),
       forward_(std::move(forward)),
       update_(std::move(update)),
       stageParameters_(std::move(stageParameters)),
       replicaGroups_(std::move(replicaGroups)),
-      stashWeights_(stashWeights),
       recompute_(recompute),
-      averageReplicaGradients_(averageReplicaGradients) {
+      ledger_(makeLedger(schedule_, rank_, traits_)) {
   // The schedule must be lowered (lower()); a single stage has nothing to send,
   // so that cannot be told from the actions.
-  TORCH_CHECK(rank_ >= 0 && rank_ < schedule_.numRanks(), "rank ", rank_,
-              " is out of range for a schedule of ", schedule_.numRanks(), " ranks");
   TORCH_CHECK(schedule_.numStages() < 1024, "at most 1023 stages are supported (got ",
               schedule_.numStages(), ")");
-  TORCH_CHECK(!stashWeights_ || update_, "weight stashing needs an update callback");
-  if (!streaming) {
-    list_ = schedule_.actions(rank_);
-    releaseAt_ = sendReleasePoints(schedule_, rank_);
-  }
+  TORCH_CHECK(!traits_.stashWeights || update_, "schedule '", traits_.name,
+              "' stashes weights and steps the optimizer itself: it needs an update callback");
+  if (!traits_.streaming) list_ = schedule_.actions(rank_);
   // Flush schedules repeat their transfer tags every step: pre-post receives.
-  engine_->setShapePrediction(!streaming);
+  engine_->setShapePrediction(!traits_.streaming);
   lastStage_ = schedule_.numStages() - 1;
-  if (stashWeights_) {
+  if (traits_.stashWeights) {
     for (const auto& [stage, params] : stageParameters_) stores_.emplace(stage, WeightStore(params));
   }
 }
@@ -144,9 +153,12 @@ std::vector<at::Tensor> PipelineExecutor::receive(const Key& key, int direction)
               describe(direction == kForwardDir ? "RECV_F" : "RECV_B", key.first, key.second));
   auto transfer = it->second;
   posted.erase(it);
-  if (!lazyReceives_.empty()) {  // one buffer taken, one more posted
-    lazyReceives_.front()->post();
-    lazyReceives_.pop_front();
+  if (auto next = ledger_.onReceiveConsumed()) {  // one buffer taken, one more posted
+    auto waiting = unposted_.find(*next);
+    if (waiting != unposted_.end()) {
+      waiting->second->post();
+      unposted_.erase(waiting);
+    }
   }
   const auto start = Clock::now();
   transfer->wait(engine_->timeout());
@@ -157,97 +169,102 @@ std::vector<at::Tensor> PipelineExecutor::receive(const Key& key, int direction)
   return tensors;
 }
 
-void PipelineExecutor::backward(const Action& a, bool inputOnly, bool weightOnly) {
-  const Key key{a.stage, a.microbatch};
-  auto it = stash_.find(key);
-  TORCH_CHECK(it != stash_.end(), "rank ", rank_, ": ", a.toString(),
-              " has no stashed forward (schedule bug)");
-  Stash& s = it->second;
-  if (recompute_ && s.rngState.defined()) {
-    // Re-run the forward on the stashed inputs and weight version with the
-    // RNG state the first forward saw (dropout draws the same masks).
-    auto generator = at::detail::getDefaultCPUGenerator();
-    at::Tensor now;
-    {
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      now = generator.get_state();
-      generator.set_state(s.rngState);
-    }
-    std::vector<at::Tensor> weights;
-    if (stashWeights_) weights = stores_.at(a.stage).acquire(s.version);
-    s.outputs = forward_(a.stage, a.microbatch, s.inputs, weights);
-    if (stashWeights_) stores_.at(a.stage).release(s.version);
-    {
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      generator.set_state(now);
-    }
-    s.rngState = at::Tensor();
+void PipelineExecutor::recomputeForward(const Action& a, Stash& s) {
+  // Re-run the forward on the stashed inputs and weight version with the
+  // RNG state the first forward saw (dropout draws the same masks).
+  auto generator = at::detail::getDefaultCPUGenerator();
+  at::Tensor now;
+  {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    now = generator.get_state();
+    generator.set_state(s.rngState);
   }
+  std::vector<at::Tensor> weights;
+  if (traits_.stashWeights) weights = stores_.at(a.stage).acquire(s.version);
+  s.outputs = forward_(a.stage, a.microbatch, s.inputs, weights);
+  if (traits_.stashWeights) stores_.at(a.stage).release(s.version);
+  {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(now);
+  }
+  s.rngState = at::Tensor();
+}
 
-  // Roots: outputs that require grad, with their gradients.
-  std::vector<at::Tensor> roots, grads;
+void PipelineExecutor::gradientRoots(const Action& a, const Stash& s, std::vector<at::Tensor>& roots,
+                                     std::vector<at::Tensor>& grads) const {
   if (a.stage == lastStage_) {
     roots = {s.outputs.at(0)};
     grads = {at::Tensor()};
-  } else {
-    for (size_t k = 0; k < s.outputs.size(); ++k) {
-      if (!s.outputs[k].requires_grad()) continue;
-      TORCH_CHECK(k < s.gradOutputs.size() && s.gradOutputs[k].defined(), "stage ", a.stage,
-                  " microbatch ", a.microbatch, ": missing gradient for output ", k);
-      const auto& out = s.outputs[k];
-      const auto& grad = s.gradOutputs[k];
-      // A peer running another split or model would otherwise surface as an
-      // autograd shape error without saying who sent what.
-      TORCH_CHECK(grad.sizes() == out.sizes() && at::isFloatingType(grad.scalar_type()), "rank ",
-                  rank_, ": ", describe("RECV_B", a.stage, a.microbatch), ": rank ",
-                  schedule_.layout().rankFor(a.stage + 1, a.microbatch), " sent a gradient ",
-                  TensorMeta{grad.scalar_type(), grad.sizes().vec()}.toString(), " for output ", k,
-                  " of ", TensorMeta{out.scalar_type(), out.sizes().vec()}.toString(),
-                  "; every rank must run the same model, balance and schedule");
-      roots.push_back(out);
-      grads.push_back(grad);
-    }
+    return;
   }
+  for (size_t k = 0; k < s.outputs.size(); ++k) {
+    if (!s.outputs[k].requires_grad()) continue;
+    TORCH_CHECK(k < s.gradOutputs.size() && s.gradOutputs[k].defined(), "stage ", a.stage,
+                " microbatch ", a.microbatch, ": missing gradient for output ", k);
+    const auto& out = s.outputs[k];
+    const auto& grad = s.gradOutputs[k];
+    // A peer running another split or model would otherwise surface as an
+    // autograd shape error without saying who sent what.
+    TORCH_CHECK(grad.sizes() == out.sizes() && at::isFloatingType(grad.scalar_type()), "rank ",
+                rank_, ": ", describe("RECV_B", a.stage, a.microbatch), ": rank ",
+                schedule_.layout().rankFor(a.stage + 1, a.microbatch), " sent a gradient ",
+                TensorMeta{grad.scalar_type(), grad.sizes().vec()}.toString(), " for output ", k,
+                " of ", TensorMeta{out.scalar_type(), out.sizes().vec()}.toString(),
+                "; every rank must run the same model, balance and schedule");
+    roots.push_back(out);
+    grads.push_back(grad);
+  }
+}
 
+void PipelineExecutor::inputGradients(const Action& a, Stash& s, const std::vector<at::Tensor>& roots,
+                                      const std::vector<at::Tensor>& grads, bool inputOnly) {
   std::vector<at::Tensor> gradInputs(s.inputs.size());
-  if (!weightOnly) {
-    std::vector<at::Tensor> needInputs;
-    std::vector<size_t> needIndex;
-    for (size_t k = 0; k < s.inputs.size(); ++k) {
-      if (s.inputs[k].requires_grad()) {
-        needInputs.push_back(s.inputs[k]);
-        needIndex.push_back(k);
-      }
-    }
-    if (inputOnly) {
-      if (!roots.empty() && !needInputs.empty()) {
-        auto result = torch::autograd::grad(roots, needInputs, grads, /*retain_graph=*/true,
-                                            /*create_graph=*/false, /*allow_unused=*/true);
-        for (size_t n = 0; n < needIndex.size(); ++n) gradInputs[needIndex[n]] = result[n];
-      }
-    } else if (!roots.empty()) {
-      torch::autograd::backward(roots, grads);
-      for (size_t n = 0; n < needIndex.size(); ++n) {
-        gradInputs[needIndex[n]] = s.inputs[needIndex[n]].grad();
-      }
-    }
-    if (a.stage > 0) {
-      // Float inputs without a gradient get zeros; others an empty marker.
-      for (size_t k = 0; k < gradInputs.size(); ++k) {
-        if (!gradInputs[k].defined()) {
-          gradInputs[k] = at::isFloatingType(s.inputs[k].scalar_type())
-                              ? at::zeros_like(s.inputs[k])
-                              : at::empty({0}, s.inputs[k].options().dtype(at::kFloat));
-        }
-      }
-      const Key upstream{a.stage - 1, a.microbatch};
-      if (schedule_.layout().rankFor(a.stage - 1, a.microbatch) == rank_) {
-        localGrads_[upstream] = gradInputs;
-      } else {
-        inputGrads_[key] = gradInputs;
-      }
+  std::vector<at::Tensor> needInputs;
+  std::vector<size_t> needIndex;
+  for (size_t k = 0; k < s.inputs.size(); ++k) {
+    if (s.inputs[k].requires_grad()) {
+      needInputs.push_back(s.inputs[k]);
+      needIndex.push_back(k);
     }
   }
+  if (inputOnly) {
+    if (!roots.empty() && !needInputs.empty()) {
+      auto result = torch::autograd::grad(roots, needInputs, grads, /*retain_graph=*/true,
+                                          /*create_graph=*/false, /*allow_unused=*/true);
+      for (size_t n = 0; n < needIndex.size(); ++n) gradInputs[needIndex[n]] = result[n];
+    }
+  } else if (!roots.empty()) {
+    torch::autograd::backward(roots, grads);
+    for (size_t n = 0; n < needIndex.size(); ++n) {
+      gradInputs[needIndex[n]] = s.inputs[needIndex[n]].grad();
+    }
+  }
+  if (a.stage == 0) return;  // nobody upstream
+  // Float inputs without a gradient get zeros; others an empty marker.
+  for (size_t k = 0; k < gradInputs.size(); ++k) {
+    if (!gradInputs[k].defined()) {
+      gradInputs[k] = at::isFloatingType(s.inputs[k].scalar_type())
+                          ? at::zeros_like(s.inputs[k])
+                          : at::empty({0}, s.inputs[k].options().dtype(at::kFloat));
+    }
+  }
+  if (schedule_.layout().rankFor(a.stage - 1, a.microbatch) == rank_) {
+    localGrads_[{a.stage - 1, a.microbatch}] = std::move(gradInputs);
+  } else {
+    inputGrads_[{a.stage, a.microbatch}] = std::move(gradInputs);
+  }
+}
+
+void PipelineExecutor::differentiate(const Action& a, bool inputOnly, bool weightOnly) {
+  auto it = stash_.find({a.stage, a.microbatch});
+  TORCH_CHECK(it != stash_.end(), "rank ", rank_, ": ", a.toString(),
+              " has no stashed forward (schedule bug)");
+  Stash& s = it->second;
+  if (recompute_ && s.rngState.defined()) recomputeForward(a, s);
+  // Roots: outputs that require grad, with their gradients.
+  std::vector<at::Tensor> roots, grads;
+  gradientRoots(a, s, roots, grads);
+  if (!weightOnly) inputGradients(a, s, roots, grads, inputOnly);
   if (inputOnly) return;  // keep the stash (graph retained) for W
 
   if (weightOnly && !roots.empty()) {
@@ -262,7 +279,7 @@ void PipelineExecutor::backward(const Action& a, bool inputOnly, bool weightOnly
       torch::autograd::backward(roots, grads, /*keep_graph=*/false, /*create_graph=*/false, weights);
     }
   }
-  if (stashWeights_) {
+  if (traits_.stashWeights) {
     auto& store = stores_.at(a.stage);
     store.moveGradsToLive(s.version);
     store.release(s.version);
@@ -278,8 +295,9 @@ int PipelineExecutor::oldestFutureRead(int stage, size_t from) const {
   return INT_MAX;
 }
 
-void PipelineExecutor::update(const Action& a, size_t index) {
-  if (!stashWeights_) return;  // flush schedules: the caller steps its optimizer
+void PipelineExecutor::updateAction(const Action& a, size_t index) {
+  // Flush schedules: the caller steps its optimizer after run().
+  if (traits_.updateRule == UpdateRule::kCallerPerBatch) return;
   auto& store = stores_.at(a.stage);
   const int oldest = oldestFutureRead(a.stage, index + 1);
   store.beforeUpdate(oldest);
@@ -287,7 +305,10 @@ void PipelineExecutor::update(const Action& a, size_t index) {
   store.afterUpdate(a.version, oldest);
 }
 
-void PipelineExecutor::allReduce(const Action& a) {
+void PipelineExecutor::allReduceAction(const Action& a) {
+  // A flush executor without the stage's group (evaluation over the leaders)
+  // has nothing to reduce; a stashing one must have it.
+  if (!traits_.stashWeights && !replicaGroups_.count(a.stage)) return;
   auto group = replicaGroups_.find(a.stage);
   TORCH_CHECK(group != replicaGroups_.end(), "rank ", rank_, ": ", a.toString(),
               " needs the process group of stage ", a.stage, "'s replicas");
@@ -318,7 +339,7 @@ void PipelineExecutor::allReduce(const Action& a) {
                 ") failed or timed out: ", e.what());
   }
   account("ALLREDUCE", a.toString(), "allreduce", start, true);
-  if (averageReplicaGradients_) flat.div_(group->second->getSize());
+  if (traits_.replicaReduction == ReplicaReduction::kMean) flat.div_(group->second->getSize());
   int64_t offset = 0;
   for (auto& g : grads) {
     g.copy_(flat.narrow(0, offset, g.numel()).view_as(g));
@@ -326,66 +347,39 @@ void PipelineExecutor::allReduce(const Action& a) {
   }
 }
 
-void PipelineExecutor::releaseForwardSend(const Key& key) {
-  auto it = forwardSends_.find(key);
-  if (it == forwardSends_.end()) return;
-  auto transfer = it->second;
-  forwardSends_.erase(it);
-  // The gradient of this microbatch came back, so the peer has its activation:
-  // the wait returns at once and the send's buffer goes.
-  const auto start = Clock::now();
-  transfer->wait(engine_->timeout());
-  account("SEND_WAIT", "wait for sends", "wait", start, true);
-  sends_.erase(std::remove(sends_.begin(), sends_.end(), transfer), sends_.end());
-}
-
-void PipelineExecutor::releaseReceivedSends(size_t index) {
-  // The schedule proves these arrived (csrc/core/receipt.h): each wait returns
-  // at once, and the send's buffer goes now rather than at the end of the step.
-  const auto start = Clock::now();
-  for (int position : releaseAt_[index]) {
-    auto it = sendAt_.find(static_cast<size_t>(position));
-    if (it == sendAt_.end()) continue;  // not sent in this run (forward-only)
-    auto transfer = it->second;
-    sendAt_.erase(it);
-    transfer->wait(engine_->timeout());
-    sends_.erase(std::remove(sends_.begin(), sends_.end(), transfer), sends_.end());
-    const Action& send = list_[position];
-    auto forward = forwardSends_.find({send.stage, send.microbatch});
-    if (forward != forwardSends_.end() && forward->second == transfer) forwardSends_.erase(forward);
+void PipelineExecutor::releaseSends(const std::vector<TransferId>& ids) {
+  for (TransferId id : ids) {
+    auto it = sends_.find(id);
+    if (it == sends_.end()) continue;
+    it->second->wait(engine_->timeout());
+    sends_.erase(it);
   }
-  account("SEND_WAIT", "wait for sends", "wait", start, true);
 }
 
 void PipelineExecutor::reset() {
   next_ = 0;
-  forwardSends_.clear();
-  sendAt_.clear();
-  lazyReceives_.clear();
+  ledger_.clear();
+  unposted_.clear();
+  sends_.clear();
   stash_.clear();
   inputGrads_.clear();
   localActivations_.clear();
   localGrads_.clear();
   recvF_.clear();
   recvB_.clear();
-  sends_.clear();
-  peakStashed_ = 0;
 }
 
 void PipelineExecutor::waitSends() {
-  if (sends_.empty()) return;
+  if (ledger_.sendsInFlight() == 0) return;
   const auto start = Clock::now();
-  for (auto& send : sends_) send->wait(engine_->timeout());
-  sends_.clear();
-  forwardSends_.clear();
-  sendAt_.clear();
+  releaseSends(ledger_.releaseAll());
   account("SEND_WAIT", "wait for sends", "wait", start, true);
 }
 
 std::vector<at::Tensor> PipelineExecutor::run(const std::vector<std::vector<at::Tensor>>& inputs) {
   const auto begin = Clock::now();
   reset();
-  std::map<int, std::vector<at::Tensor>> results;
+  Results results;
   execute(0, list_.size(),
           [&inputs](int i) { return i < static_cast<int>(inputs.size()) ? &inputs[i] : nullptr; },
           /*forwardOnly=*/false, results);
@@ -405,7 +399,7 @@ std::vector<std::vector<at::Tensor>> PipelineExecutor::runForward(
   at::NoGradGuard noGrad;
   const auto begin = Clock::now();
   reset();
-  std::map<int, std::vector<at::Tensor>> results;
+  Results results;
   execute(0, list_.size(),
           [&inputs](int i) { return i < static_cast<int>(inputs.size()) ? &inputs[i] : nullptr; },
           /*forwardOnly=*/true, results);
@@ -424,7 +418,7 @@ std::map<int, at::Tensor> PipelineExecutor::runUntil(
   TORCH_CHECK(end >= next_ && end <= list_.size(), "runUntil(", end, ") outside [", next_, ", ",
               list_.size(), "]");
   const auto begin = Clock::now();
-  std::map<int, std::vector<at::Tensor>> results;
+  Results results;
   execute(next_, end,
           [&inputs](int i) {
             auto it = inputs.find(i);
@@ -432,15 +426,10 @@ std::map<int, at::Tensor> PipelineExecutor::runUntil(
           },
           /*forwardOnly=*/false, results);
   next_ = end;
-  // Gloo reports a send complete only once it is waited for, so keep a
-  // bounded number in flight: the oldest have long been received (their
-  // peers are steps further), and waiting for them costs nothing.
-  const size_t keep = 4 * static_cast<size_t>(schedule_.numRanks()) + 16;
-  if (sends_.size() > keep) {
+  const auto beyond = ledger_.releaseBeyondBound();
+  if (!beyond.empty()) {
     const auto start = Clock::now();
-    const auto stop = sends_.end() - static_cast<std::ptrdiff_t>(keep);
-    for (auto it = sends_.begin(); it != stop; ++it) (*it)->wait(engine_->timeout());
-    sends_.erase(sends_.begin(), stop);
+    releaseSends(beyond);
     account("SEND_WAIT", "wait for sends", "wait", start, true);
   }
   stats_.busySeconds += std::chrono::duration<double>(Clock::now() - begin).count();
@@ -453,45 +442,50 @@ std::map<int, at::Tensor> PipelineExecutor::runUntil(
 void PipelineExecutor::appendActions(const std::vector<Action>& actions) {
   if (next_ >= 256) {  // drop what already ran: constant memory over a long stream
     list_.erase(list_.begin(), list_.begin() + static_cast<std::ptrdiff_t>(next_));
+    dropped_ += next_;
     next_ = 0;
   }
   list_.insert(list_.end(), actions.begin(), actions.end());
 }
 
-int64_t PipelineExecutor::weightBytesCopied() const {
-  int64_t bytes = 0;
-  for (const auto& [stage, store] : stores_) bytes += store.bytesCopied();
-  return bytes;
+RuntimeStats PipelineExecutor::stats() const {
+  RuntimeStats out = stats_;
+  out.bytesSent = engine_->bytesSent();
+  out.bytesReceived = engine_->bytesReceived();
+  out.sends = engine_->sends();
+  out.receives = engine_->receives();
+  out.prePostedReceives = engine_->prePostedReceives();
+  out.redirectedSends = engine_->redirectedSends();
+  for (const auto& [stage, store] : stores_) {
+    out.peakWeightVersions[stage] = store.peakLiveVersions();
+    out.weightBytesCopied += store.bytesCopied();
+  }
+  return out;
 }
 
-std::map<int, int> PipelineExecutor::peakWeightVersions() const {
-  std::map<int, int> peaks;
-  for (const auto& [stage, store] : stores_) peaks[stage] = store.peakLiveVersions();
-  return peaks;
+void PipelineExecutor::resetStats() {
+  stats_ = RuntimeStats{};
+  engine_->resetCounters();
+  for (auto& [stage, store] : stores_) {
+    store.resetBytesCopied();
+    store.resetPeak();
+  }
 }
 
-void PipelineExecutor::execute(size_t begin, size_t end,
-                               const std::function<const std::vector<at::Tensor>*(int)>& inputOf,
-                               bool forwardOnly, std::map<int, std::vector<at::Tensor>>& results) {
+void PipelineExecutor::postReceives(size_t begin, size_t end, bool forwardOnly) {
+  // Headers of every receive of the range go now (cheap); the ledger says
+  // which also post their predicted data buffers now and which wait until a
+  // receive is consumed, so buffers stay O(ranks), not O(M).
   const Layout& layout = schedule_.layout();
-  auto wanted = [forwardOnly](const Action& a) {
-    return !forwardOnly || a.kind == ActionKind::kForward || a.kind == ActionKind::kSendForward ||
-           a.kind == ActionKind::kRecvForward;
-  };
-
-  // Post every receive of the range up front: headers (cheap), and predicted
-  // data buffers for the first `window` receives; each consumed receive posts
-  // the next one's (lazyReceives_), so buffers stay O(ranks), not O(M).
-  const size_t window = 2 * static_cast<size_t>(schedule_.numRanks()) + 2;
-  size_t posted = 0;
-  lazyReceives_.clear();
+  ledger_.beginReceives();
+  unposted_.clear();
   for (size_t k = begin; k < end; ++k) {
     const Action& a = list_[k];
-    if (!wanted(a)) continue;
-    if (a.kind != ActionKind::kRecvForward && a.kind != ActionKind::kRecvBackward) continue;
-    const bool eager = posted++ < window;
+    const bool forward = a.kind == ActionKind::kRecvForward;
+    if (!forward && (a.kind != ActionKind::kRecvBackward || forwardOnly)) continue;
+    const bool eager = ledger_.admitReceive(idOf(k));
     std::shared_ptr<Transfer> transfer;
-    if (a.kind == ActionKind::kRecvForward) {
+    if (forward) {
       transfer = recvF_[{a.stage, a.microbatch}] =
           engine_->recv(layout.rankFor(a.stage - 1, a.microbatch), tag(kForwardDir, a.stage - 1, a.microbatch),
                         describe("RECV_F", a.stage, a.microbatch), eager);
@@ -500,155 +494,185 @@ void PipelineExecutor::execute(size_t begin, size_t end,
           engine_->recv(layout.rankFor(a.stage + 1, a.microbatch), tag(kBackwardDir, a.stage, a.microbatch),
                         describe("RECV_B", a.stage, a.microbatch), eager);
     }
-    if (!eager) lazyReceives_.push_back(transfer);
+    if (!eager) unposted_[idOf(k)] = transfer;
   }
+}
 
+void PipelineExecutor::execute(size_t begin, size_t end, const InputFn& inputOf, bool forwardOnly,
+                               Results& results) {
+  postReceives(begin, end, forwardOnly);
   for (size_t index = begin; index < end; ++index) {
     const Action& a = list_[index];
-    if (!wanted(a)) continue;
-    // Let arrived headers post their data receives before computing on.
-    if (isCompute(a.kind)) {
+    if (forwardOnly && a.kind != ActionKind::kForward && a.kind != ActionKind::kSendForward &&
+        a.kind != ActionKind::kRecvForward) {
+      continue;
+    }
+    if (isCompute(a.kind)) {  // let arrived headers post their data receives first
       for (auto& [k, transfer] : recvF_) transfer->poll();
       for (auto& [k, transfer] : recvB_) transfer->poll();
     }
-    const Key key{a.stage, a.microbatch};
-    auto start = Clock::now();  // reset after a receive: its wait is accounted apart
+    auto start = Clock::now();
     switch (a.kind) {
-      case ActionKind::kForward: {
-        std::vector<at::Tensor> in;
-        if (a.stage == 0) {
-          const auto* given = inputOf(a.microbatch);
-          TORCH_CHECK(given != nullptr, "rank ", rank_, " holds stage 0 but has no inputs for ",
-                      a.toString(), " (microbatch ", a.microbatch, ")");
-          in = *given;
-        } else if (layout.rankFor(a.stage - 1, a.microbatch) == rank_) {
-          in = std::move(localActivations_.at({a.stage - 1, a.microbatch}));
-          localActivations_.erase({a.stage - 1, a.microbatch});
-        } else {
-          in = receive(key, kForwardDir);
-          start = Clock::now();
-        }
-        if (a.stage > 0) {
-          for (auto& t : in) {
-            t = t.detach();
-            if (!forwardOnly && at::isFloatingType(t.scalar_type())) t.requires_grad_(true);
-          }
-        }
-        std::vector<at::Tensor> weights;
-        if (stashWeights_ && !forwardOnly) weights = stores_.at(a.stage).acquire(a.version);
-        at::Tensor rngState;
-        std::vector<at::Tensor> out;
-        if (recompute_ && !forwardOnly) {
-          auto generator = at::detail::getDefaultCPUGenerator();
-          {
-            std::lock_guard<std::mutex> lock(generator.mutex());
-            rngState = generator.get_state();
-          }
-          at::NoGradGuard noGrad;
-          out = forward_(a.stage, a.microbatch, in, weights);
-        } else {
-          out = forward_(a.stage, a.microbatch, in, weights);
-        }
-        if (a.stage == lastStage_) {
-          if (forwardOnly) {
-            results[a.microbatch] = out;
-            break;
-          }
-          TORCH_CHECK(out.size() == 1 && out[0].numel() == 1,
-                      "the last stage must return one scalar loss (got ", out.size(), " tensors)");
-          results[a.microbatch] = {out[0].detach()};
-        } else if (layout.rankFor(a.stage + 1, a.microbatch) == rank_) {
-          std::vector<at::Tensor> handOver;
-          for (const auto& t : out) handOver.push_back(t.detach());
-          localActivations_[{a.stage, a.microbatch}] = std::move(handOver);
-        }
-        if (forwardOnly) {
-          if (a.stage != lastStage_ && layout.rankFor(a.stage + 1, a.microbatch) != rank_) {
-            stash_[key] = Stash{{}, std::move(out), {}, 0, at::Tensor()};  // until SEND_F
-          }
-          break;
-        }
-        if (recompute_) {
-          // Keep the outputs only until they are sent; the backward recomputes them.
-          const bool sendsLater = a.stage != lastStage_ &&
-                                  layout.rankFor(a.stage + 1, a.microbatch) != rank_;
-          if (!sendsLater) out.clear();
-          stash_[key] = Stash{std::move(in), std::move(out), {}, a.version, rngState};
-        } else {
-          stash_[key] = Stash{std::move(in), std::move(out), {}, a.version, at::Tensor()};
-        }
-        peakStashed_ = std::max(peakStashed_, static_cast<int>(stash_.size()));
-        break;
-      }
-      case ActionKind::kSendForward: {
-        const auto& out = stash_.at(key).outputs;
-        sends_.push_back(engine_->send(out, layout.rankFor(a.stage + 1, a.microbatch),
-                                       tag(kForwardDir, a.stage, a.microbatch),
-                                       describe("SEND_F", a.stage, a.microbatch)));
-        if (!forwardOnly) forwardSends_[key] = sends_.back();
-        if (!releaseAt_.empty()) sendAt_[index] = sends_.back();
-        if (forwardOnly) {
-          stash_.erase(key);
-        } else if (recompute_) {
-          stash_.at(key).outputs.clear();  // the send keeps its own reference
-        }
-        break;
-      }
+      case ActionKind::kForward: forwardAction(a, inputOf, forwardOnly, results, start); break;
+      case ActionKind::kSendForward: sendForwardAction(a, index, forwardOnly); break;
       case ActionKind::kBackward:
-      case ActionKind::kBackwardInput: {
-        TORCH_CHECK(!stashWeights_ || a.kind == ActionKind::kBackward,
-                    "split backward (I/W) is not supported with weight stashing");
-        if (a.stage != lastStage_) {
-          auto& s = stash_.at(key);
-          if (layout.rankFor(a.stage + 1, a.microbatch) == rank_) {
-            auto local = localGrads_.find(key);
-            TORCH_CHECK(local != localGrads_.end(), "rank ", rank_, ": ", a.toString(),
-                        " has no gradient from stage ", a.stage + 1);
-            s.gradOutputs = std::move(local->second);
-            localGrads_.erase(local);
-          } else {
-            s.gradOutputs = receive(key, kBackwardDir);
-            releaseForwardSend(key);
-            start = Clock::now();
-          }
-        }
-        backward(a, a.kind == ActionKind::kBackwardInput, false);
-        break;
-      }
-      case ActionKind::kBackwardWeight:
-        backward(a, false, true);
-        break;
-      case ActionKind::kSendBackward: {
-        auto it = inputGrads_.find(key);
-        TORCH_CHECK(it != inputGrads_.end(), "rank ", rank_, ": ", a.toString(), " before its backward");
-        sends_.push_back(engine_->send(it->second, layout.rankFor(a.stage - 1, a.microbatch),
-                                       tag(kBackwardDir, a.stage - 1, a.microbatch),
-                                       describe("SEND_B", a.stage, a.microbatch)));
-        if (!releaseAt_.empty()) sendAt_[index] = sends_.back();
-        inputGrads_.erase(it);
-        break;
-      }
-      case ActionKind::kUpdate:
-        update(a, index);
-        break;
-      case ActionKind::kAllReduce:
-        if (stashWeights_ || replicaGroups_.count(a.stage)) allReduce(a);
-        break;
+      case ActionKind::kBackwardInput:
+      case ActionKind::kBackwardWeight: backwardAction(a, start); break;
+      case ActionKind::kSendBackward: sendBackwardAction(a, index); break;
+      case ActionKind::kUpdate: updateAction(a, index); break;
+      case ActionKind::kAllReduce: allReduceAction(a); break;
       case ActionKind::kRecvForward:
-      case ActionKind::kRecvBackward:
-        break;  // posted when the range started; consumers wait for them
+      case ActionKind::kRecvBackward: break;  // posted above; consumers wait for them
     }
-    ++stats_.actions;
-    if (isCompute(a.kind)) {
-      account(kindToken(a.kind), a.toString(), "compute", start, false);
-    } else if (a.kind == ActionKind::kSendForward || a.kind == ActionKind::kSendBackward) {
-      account(kindToken(a.kind), a.toString(), "send", start, false);
-    } else if (a.kind == ActionKind::kUpdate && stashWeights_) {
-      account("U", a.toString(), "update", start, false);
+    accountAction(a, start);
+    if (ledger_.isReceiptPoint(static_cast<size_t>(idOf(index)))) {
+      // The schedule proves these arrived (csrc/core/receipt.h): each wait
+      // returns at once, and the buffers go now rather than at the step's end.
+      const auto releaseStart = Clock::now();
+      releaseSends(ledger_.releaseAtReceiptPoint(static_cast<size_t>(idOf(index))));
+      account("SEND_WAIT", "wait for sends", "wait", releaseStart, true);
     }
-    if (!releaseAt_.empty() && !releaseAt_[index].empty()) releaseReceivedSends(index);
-    stats_.peakSendsInFlight = std::max(stats_.peakSendsInFlight, static_cast<int64_t>(sends_.size()));
+    stats_.peakSendsInFlight =
+        std::max(stats_.peakSendsInFlight, static_cast<int64_t>(ledger_.sendsInFlight()));
   }
+}
+
+void PipelineExecutor::accountAction(const Action& a, TimePoint start) {
+  ++stats_.actions;
+  if (isCompute(a.kind)) {
+    account(kindToken(a.kind), a.toString(), "compute", start, false);
+  } else if (a.kind == ActionKind::kSendForward || a.kind == ActionKind::kSendBackward) {
+    account(kindToken(a.kind), a.toString(), "send", start, false);
+  } else if (a.kind == ActionKind::kUpdate && traits_.updateRule != UpdateRule::kCallerPerBatch) {
+    account("U", a.toString(), "update", start, false);
+  }
+}
+
+std::vector<at::Tensor> PipelineExecutor::forwardInputs(const Action& a, const InputFn& inputOf,
+                                                        bool forwardOnly, TimePoint& start) {
+  std::vector<at::Tensor> in;
+  if (a.stage == 0) {
+    const auto* given = inputOf(a.microbatch);
+    TORCH_CHECK(given != nullptr, "rank ", rank_, " holds stage 0 but has no inputs for ",
+                a.toString(), " (microbatch ", a.microbatch, ")");
+    return *given;
+  }
+  const Key upstream{a.stage - 1, a.microbatch};
+  if (schedule_.layout().rankFor(a.stage - 1, a.microbatch) == rank_) {
+    in = std::move(localActivations_.at(upstream));
+    localActivations_.erase(upstream);
+  } else {
+    in = receive({a.stage, a.microbatch}, kForwardDir);
+    start = Clock::now();
+  }
+  for (auto& t : in) {  // fresh leaves: this stage's backward stops here
+    t = t.detach();
+    if (!forwardOnly && at::isFloatingType(t.scalar_type())) t.requires_grad_(true);
+  }
+  return in;
+}
+
+void PipelineExecutor::forwardAction(const Action& a, const InputFn& inputOf, bool forwardOnly,
+                                     Results& results, TimePoint& start) {
+  const Key key{a.stage, a.microbatch};
+  std::vector<at::Tensor> in = forwardInputs(a, inputOf, forwardOnly, start);
+  std::vector<at::Tensor> weights;
+  if (traits_.stashWeights && !forwardOnly) weights = stores_.at(a.stage).acquire(a.version);
+  at::Tensor rngState;
+  std::vector<at::Tensor> out;
+  if (recompute_ && !forwardOnly) {
+    auto generator = at::detail::getDefaultCPUGenerator();
+    {
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      rngState = generator.get_state();
+    }
+    at::NoGradGuard noGrad;
+    out = forward_(a.stage, a.microbatch, in, weights);
+  } else {
+    out = forward_(a.stage, a.microbatch, in, weights);
+  }
+  const bool sendsLater = a.stage != lastStage_ &&
+                          schedule_.layout().rankFor(a.stage + 1, a.microbatch) != rank_;
+  if (a.stage == lastStage_) {
+    if (forwardOnly) {
+      results[a.microbatch] = out;
+      return;
+    }
+    TORCH_CHECK(out.size() == 1 && out[0].numel() == 1,
+                "the last stage must return one scalar loss (got ", out.size(), " tensors)");
+    results[a.microbatch] = {out[0].detach()};
+  } else if (!sendsLater) {
+    std::vector<at::Tensor> handOver;
+    for (const auto& t : out) handOver.push_back(t.detach());
+    localActivations_[key] = std::move(handOver);
+  }
+  if (forwardOnly) {
+    if (sendsLater) stash_[key] = Stash{{}, std::move(out), {}, 0, at::Tensor()};  // until SEND_F
+    return;
+  }
+  // With recompute, keep the outputs only until they are sent; the backward
+  // recomputes them.
+  if (recompute_ && !sendsLater) out.clear();
+  stash_[key] = Stash{std::move(in), std::move(out), {}, a.version, rngState};
+  stats_.peakActivations = std::max(stats_.peakActivations, static_cast<int64_t>(stash_.size()));
+}
+
+void PipelineExecutor::sendForwardAction(const Action& a, size_t index, bool forwardOnly) {
+  const Key key{a.stage, a.microbatch};
+  const auto& out = stash_.at(key).outputs;
+  const TransferId id = idOf(index);
+  sends_[id] = engine_->send(out, schedule_.layout().rankFor(a.stage + 1, a.microbatch),
+                             tag(kForwardDir, a.stage, a.microbatch),
+                             describe("SEND_F", a.stage, a.microbatch));
+  // Training: the microbatch's gradient coming back releases this send.
+  ledger_.sendIssued(id, forwardOnly ? std::nullopt : std::optional<std::pair<int, int>>(key));
+  if (forwardOnly) {
+    stash_.erase(key);
+  } else if (recompute_) {
+    stash_.at(key).outputs.clear();  // the send keeps its own reference
+  }
+}
+
+void PipelineExecutor::backwardAction(const Action& a, TimePoint& start) {
+  if (a.kind == ActionKind::kBackwardWeight) {
+    differentiate(a, false, true);
+    return;
+  }
+  TORCH_CHECK(!traits_.stashWeights || a.kind == ActionKind::kBackward,
+              "split backward (I/W) is not supported with weight stashing");
+  const Key key{a.stage, a.microbatch};
+  if (a.stage != lastStage_) {
+    auto& s = stash_.at(key);
+    if (schedule_.layout().rankFor(a.stage + 1, a.microbatch) == rank_) {
+      auto local = localGrads_.find(key);
+      TORCH_CHECK(local != localGrads_.end(), "rank ", rank_, ": ", a.toString(),
+                  " has no gradient from stage ", a.stage + 1);
+      s.gradOutputs = std::move(local->second);
+      localGrads_.erase(local);
+    } else {
+      s.gradOutputs = receive(key, kBackwardDir);
+      if (auto sent = ledger_.releaseByGradient(a.stage, a.microbatch)) {
+        // The peer has the activation by now: the wait returns at once.
+        const auto releaseStart = Clock::now();
+        releaseSends({*sent});
+        account("SEND_WAIT", "wait for sends", "wait", releaseStart, true);
+      }
+      start = Clock::now();
+    }
+  }
+  differentiate(a, a.kind == ActionKind::kBackwardInput, false);
+}
+
+void PipelineExecutor::sendBackwardAction(const Action& a, size_t index) {
+  const Key key{a.stage, a.microbatch};
+  auto it = inputGrads_.find(key);
+  TORCH_CHECK(it != inputGrads_.end(), "rank ", rank_, ": ", a.toString(), " before its backward");
+  const TransferId id = idOf(index);
+  sends_[id] = engine_->send(it->second, schedule_.layout().rankFor(a.stage - 1, a.microbatch),
+                             tag(kBackwardDir, a.stage - 1, a.microbatch),
+                             describe("SEND_B", a.stage, a.microbatch));
+  ledger_.sendIssued(id);
+  inputGrads_.erase(it);
 }
 
 }  // namespace pipedream

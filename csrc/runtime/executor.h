@@ -1,4 +1,6 @@
-// Runs one rank's lowered action list (see csrc/core/lower.h).
+// Runs one rank's lowered action list (see csrc/core/lower.h). What the
+// schedule means (stashing, streaming, how replicas reduce gradients) comes
+// from its traits (csrc/core/traits.h), looked up by the schedule's name.
 //
 //   F(j, i)      inputs (stage 0: given; otherwise received or handed over by
 //                the same rank's stage j-1) -> forward callback -> stash.
@@ -10,15 +12,19 @@
 //                to the live parameters' .grad)
 //   I / W        the same split in two: I computes input gradients only
 //                (graph retained), W the weight gradients (graph freed)
-//   SEND_*       asynchronous send
+//   SEND_*       asynchronous send; released as TransferLedger decides
+//                (csrc/core/transfer_ledger.h)
 //   RECV_*       posted when the range that contains it starts; F/B wait for
 //                theirs (with the engine's timeout) when they need it
 //   recompute    F runs under no_grad and keeps only inputs (and the RNG
 //                state); B re-runs the forward with the same RNG state first
-//   U            with stashing: the update callback (the user's optimizer)
-//                then the next weight version; otherwise left to the caller
-//   ALLREDUCE    with stashing: averages the live gradients over the
-//                stage's replica group
+//   U            with stashing (asynchronous schedules): the update callback
+//                (the user's optimizer), then the next weight version; flush
+//                schedules: nothing, the caller steps its optimizer after run()
+//   ALLREDUCE    all-reduces the live gradients over the stage's replica
+//                group: summed for flush schedules and 2bw (replicas ran
+//                parts of one batch whose loss is scaled already), averaged
+//                for pipedream (each replica ran its own minibatch)
 //
 // Two ways to run: run() executes the whole list once per call (flush
 // schedules: one batch per step); a streaming executor starts with an empty
@@ -29,10 +35,12 @@
 // The forward and update callbacks are the only calls into Python; the
 // caller releases the GIL for run*() and the callbacks re-acquire it.
 //
-// Observability: stats() accumulates, per executor, the time spent in
-// compute actions, the time blocked on peers and the wall time inside
-// run*(); with tracing on, every action (and every wait on a peer) is also
-// recorded as a span with wall-clock microseconds (takeTrace()).
+// Observability: stats() is a RuntimeStats (csrc/core/runtime_stats.h)
+// snapshot since construction or resetStats(): time in compute actions,
+// time blocked on peers, wall time inside run*(), the engine's transfer
+// counters and the weight stores' copies; with tracing on, every action (and
+// every wait on a peer) is also recorded as a span with wall-clock
+// microseconds (takeTrace()).
 //
 // Threading: an executor is used by one thread at a time (the caller of
 // run*()); all members below are owned by that thread.
@@ -49,22 +57,14 @@
 #include <vector>
 
 #include "core/receipt.h"
+#include "core/runtime_stats.h"
 #include "core/schedule.h"
+#include "core/traits.h"
+#include "core/transfer_ledger.h"
 #include "runtime/comm_engine.h"
 #include "runtime/weight_store.h"
 
 namespace pipedream {
-
-// Time accounting of one executor (seconds, summed over every run*() call).
-struct ExecutorStats {
-  double computeSeconds = 0;  // F/B/I/W (and recomputation), U callbacks
-  double waitSeconds = 0;     // blocked on peers: receives, sends, all-reduces
-  double busySeconds = 0;     // wall time inside run*() / waitSends()
-  int64_t actions = 0;        // actions executed
-  int64_t steps = 0;          // run*() calls
-  std::map<std::string, double> secondsByKind;  // "F", "B", "RECV_F" (waits), ...
-  int64_t peakSendsInFlight = 0;  // most sends held at once (their buffers live)
-};
 
 // One span of the real execution (Chrome trace "X" event).
 struct TraceEvent {
@@ -84,12 +84,13 @@ class PipelineExecutor {
   // update(stage, newVersion): step the optimizer of `stage`.
   using UpdateFn = std::function<void(int, int)>;
 
+  // `update` is required when the schedule's traits stash weights;
+  // `replicaGroups` maps each replicated local stage to its replicas' group.
   PipelineExecutor(Schedule schedule, int rank, std::shared_ptr<CommEngine> engine,
                    ForwardFn forward, std::map<int, std::vector<at::Tensor>> stageParameters,
-                   bool stashWeights = false, UpdateFn update = nullptr,
+                   UpdateFn update = nullptr,
                    std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>> replicaGroups = {},
-                   bool recompute = false, bool streaming = false,
-                   bool averageReplicaGradients = false);
+                   bool recompute = false);
 
   // Runs the rank's whole list once (state reset first). `inputs[i]` are
   // microbatch i's inputs of stage 0 (ignored unless this rank holds stage
@@ -113,16 +114,12 @@ class PipelineExecutor {
   // Waits for every outstanding send (end of a stream or of the program).
   void waitSends();
 
-  // Most microbatches stashed at once (activations) since the last reset.
-  int peakStashed() const { return peakStashed_; }
-  // Peak weight versions held per local stage (weight stashing only).
-  std::map<int, int> peakWeightVersions() const;
-  // Bytes the weight stores copied for snapshots (weight stashing only).
-  int64_t weightBytesCopied() const;
-  const CommEngine& engine() const { return *engine_; }
+  const ScheduleTraits& traits() const { return traits_; }
 
-  const ExecutorStats& stats() const { return stats_; }
-  void resetStats() { stats_ = ExecutorStats{}; }
+  // Everything this executor did since construction or resetStats().
+  RuntimeStats stats() const;
+  // Starts stats() over, including the engine's and weight stores' counters.
+  void resetStats();
   // Records every action as a TraceEvent while on (at most kMaxTraceEvents
   // are kept between takeTrace() calls; later ones are counted as dropped).
   void setTracing(bool on) { tracing_ = on; }
@@ -141,25 +138,53 @@ class PipelineExecutor {
   };
   using Key = std::pair<int, int>;  // (stage, microbatch)
 
+  using InputFn = std::function<const std::vector<at::Tensor>*(int)>;
+  using Results = std::map<int, std::vector<at::Tensor>>;
+  using TimePoint = std::chrono::steady_clock::time_point;
+  using TransferId = TransferLedger::Id;
+
   void reset();
-  void execute(size_t begin, size_t end, const std::function<const std::vector<at::Tensor>*(int)>& inputOf,
-               bool forwardOnly, std::map<int, std::vector<at::Tensor>>& results);
+  void execute(size_t begin, size_t end, const InputFn& inputOf, bool forwardOnly, Results& results);
+  // One method per action kind. `start` is when the action's compute began;
+  // an action that waits for a receive moves it past the wait.
+  void postReceives(size_t begin, size_t end, bool forwardOnly);
+  void forwardAction(const Action& a, const InputFn& inputOf, bool forwardOnly, Results& results,
+                     TimePoint& start);
+  std::vector<at::Tensor> forwardInputs(const Action& a, const InputFn& inputOf, bool forwardOnly,
+                                        TimePoint& start);
+  void sendForwardAction(const Action& a, size_t index, bool forwardOnly);
+  void backwardAction(const Action& a, TimePoint& start);
+  void sendBackwardAction(const Action& a, size_t index);
+  void updateAction(const Action& a, size_t index);
+  void allReduceAction(const Action& a);
+  void accountAction(const Action& a, TimePoint start);
+
   std::vector<at::Tensor> receive(const Key& key, int direction);
-  void backward(const Action& a, bool inputOnly, bool weightOnly);
-  void update(const Action& a, size_t index);
-  void allReduce(const Action& a);
+  // Autograd of B (neither flag), I (inputOnly) or W (weightOnly).
+  void differentiate(const Action& a, bool inputOnly, bool weightOnly);
+  void recomputeForward(const Action& a, Stash& s);
+  void gradientRoots(const Action& a, const Stash& s, std::vector<at::Tensor>& roots,
+                     std::vector<at::Tensor>& grads) const;
+  // Input gradients of B or I, kept for SEND_B or the same rank's stage j-1.
+  void inputGradients(const Action& a, Stash& s, const std::vector<at::Tensor>& roots,
+                      const std::vector<at::Tensor>& grads, bool inputOnly);
   int oldestFutureRead(int stage, size_t from) const;
   void checkSignature(int direction, int stage, int microbatch,
                       const std::vector<at::Tensor>& received);
   int tag(int direction, int boundary, int microbatch) const;
   std::string describe(const char* what, int stage, int microbatch) const;
+  // The ledger's id of list position `index`: absolute over a stream.
+  TransferId idOf(size_t index) const { return static_cast<TransferId>(dropped_ + index); }
+  // Waits for (releases) the sends `ids` and drops their handles.
+  void releaseSends(const std::vector<TransferId>& ids);
   // Accounts [start, now) to `kind` in stats_ and, when tracing, the trace.
-  using TimePoint = std::chrono::steady_clock::time_point;
   void account(const std::string& kind, const std::string& name, const char* category,
                TimePoint start, bool isWait);
 
   Schedule schedule_;          // layout and metadata
+  const ScheduleTraits& traits_;  // of schedule_.name(); a static table entry
   std::vector<Action> list_;   // this rank's actions (streaming: a window)
+  size_t dropped_ = 0;         // streaming: actions dropped from the front of list_
   int rank_;
   int lastStage_;
   std::shared_ptr<CommEngine> engine_;
@@ -167,11 +192,7 @@ class PipelineExecutor {
   UpdateFn update_;
   std::map<int, std::vector<at::Tensor>> stageParameters_;
   std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>> replicaGroups_;
-  bool stashWeights_;
   bool recompute_;  // F keeps only its inputs; B re-runs the forward first
-  // pipedream: replicas ran different minibatches -> average; flush and 2bw:
-  // replicas ran parts of one batch whose loss is scaled already -> sum.
-  bool averageReplicaGradients_;
   std::map<int, WeightStore> stores_;  // per local stage (stashing only)
 
   // Stream state (cleared by reset()).
@@ -181,27 +202,16 @@ class PipelineExecutor {
   std::map<Key, std::vector<at::Tensor>> localActivations_; // stage j -> j+1 on this rank
   std::map<Key, std::vector<at::Tensor>> localGrads_;       // stage j+1 -> j on this rank
   std::map<Key, std::shared_ptr<Transfer>> recvF_, recvB_;  // posted receives
-  std::vector<std::shared_ptr<Transfer>> sends_;
-  // SEND_F transfers by (stage, microbatch): released as soon as the gradient
-  // for that microbatch arrives (the peer consumed the activation by then), so
-  // a flush step does not hold all M activations until its end.
-  std::map<Key, std::shared_ptr<Transfer>> forwardSends_;
-  // Receives of the running range whose predicted data buffers are not posted
-  // yet, in list order: kept to a window so a step holds O(ranks) buffers.
-  std::deque<std::shared_ptr<Transfer>> lazyReceives_;
-  void releaseForwardSend(const Key& key);
-  // Flush executors: releaseAt_[k] = positions of this rank's sends known
-  // received once the compute action at k has its inputs (receipt.h);
-  // sendAt_ = the transfers of those sent this step, by position.
-  std::vector<std::vector<int>> releaseAt_;
-  std::map<size_t, std::shared_ptr<Transfer>> sendAt_;
-  void releaseReceivedSends(size_t index);
-  int peakStashed_ = 0;
+  // Which receives post their data when, and which sends may be released:
+  // the ledger decides on ids; the handles stay here.
+  TransferLedger ledger_;
+  std::map<TransferId, std::shared_ptr<Transfer>> unposted_;  // receives waiting for the window
+  std::map<TransferId, std::shared_ptr<Transfer>> sends_;     // sends in flight
   // (direction, stage) -> metadata learned on the first step; the batch
   // dimension may change, nothing else may.
   std::map<std::pair<int, int>, std::vector<TensorMeta>> signatures_;
 
-  ExecutorStats stats_;
+  RuntimeStats stats_;  // own counters; stats() adds the engine's and the stores'
   bool tracing_ = false;
   std::vector<TraceEvent> trace_;
   int64_t droppedTraceEvents_ = 0;

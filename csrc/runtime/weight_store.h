@@ -77,6 +77,7 @@ class WeightStore {
  public:
   // Bytes copied for snapshots so far (benchmarks, tests).
   int64_t bytesCopied() const { return bytesCopied_; }
+  void resetBytesCopied() { bytesCopied_ = 0; }
 
  private:
   int64_t bytesCopied_ = 0;

@@ -152,7 +152,7 @@ TEST(GeneratorErrors, NamesTheBadValue) {
   expectError([] { make("pipedream", 2, 4, 1, {2}); }, "1 counts for 2 stages");
   expectError([] { make("pipedream", 2, 4, 1, {0, 1}); }, "replica count of stage 0 must be >= 1");
   expectError([] { make("pipedream-2bw", 4, 2); }, "needs at least 3 microbatches");
-  expectError([] { make("pipedream", 2, 4, 1, {}, 2); }, "--batches does not apply");
+  expectError([] { make("pipedream", 2, 4, 1, {}, 2); }, "batches does not apply");
   expectError([] { make("1f1b", 2, 4, 1, {}, 1, true); }, "vertical sync applies to schedule 'pipedream' only");
   expectError([] { make("pipedream", 2, 4, 1, {1, 2}, 1, true); }, "same replica count on every stage");
 }

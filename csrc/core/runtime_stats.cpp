@@ -1,0 +1,31 @@
+#include "runtime_stats.h"
+
+#include <algorithm>
+
+namespace pipedream {
+
+RuntimeStats RuntimeStats::merge(const RuntimeStats& other) const {
+  RuntimeStats out = *this;
+  out.computeSeconds += other.computeSeconds;
+  out.waitSeconds += other.waitSeconds;
+  out.busySeconds += other.busySeconds;
+  out.actions += other.actions;
+  out.steps += other.steps;
+  for (const auto& [kind, seconds] : other.secondsByKind) out.secondsByKind[kind] += seconds;
+  out.bytesSent += other.bytesSent;
+  out.bytesReceived += other.bytesReceived;
+  out.sends += other.sends;
+  out.receives += other.receives;
+  out.prePostedReceives += other.prePostedReceives;
+  out.redirectedSends += other.redirectedSends;
+  out.peakActivations = std::max(out.peakActivations, other.peakActivations);
+  out.peakSendsInFlight = std::max(out.peakSendsInFlight, other.peakSendsInFlight);
+  for (const auto& [stage, versions] : other.peakWeightVersions) {
+    auto& mine = out.peakWeightVersions[stage];
+    mine = std::max(mine, versions);
+  }
+  out.weightBytesCopied += other.weightBytesCopied;
+  return out;
+}
+
+}  // namespace pipedream

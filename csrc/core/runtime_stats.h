@@ -1,0 +1,39 @@
+// What one rank's runtime did: the one schema the executor reports, Python
+// reads (pipe.stats()) and benchmarks merge. Torch-free so that merging is
+// unit-tested with the core.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+namespace pipedream {
+
+struct RuntimeStats {
+  double computeSeconds = 0;  // F/B/I/W (and recomputation), U callbacks
+  double waitSeconds = 0;     // blocked on peers: receives, sends, all-reduces
+  double busySeconds = 0;     // wall time inside run*() / waitSends()
+  int64_t actions = 0;        // actions executed
+  int64_t steps = 0;          // run*() calls
+  std::map<std::string, double> secondsByKind;  // "F", "B", "RECV_F" (waits), "SEND_WAIT", ...
+  int64_t bytesSent = 0;      // payload and header bytes
+  int64_t bytesReceived = 0;
+  int64_t sends = 0;
+  int64_t receives = 0;
+  int64_t prePostedReceives = 0;  // receives posted with predicted data buffers
+  int64_t redirectedSends = 0;    // sends whose shapes differed from the prediction
+  int64_t peakActivations = 0;    // most microbatches stashed at once
+  int64_t peakSendsInFlight = 0;  // most sends held at once (their buffers live)
+  std::map<int, int64_t> peakWeightVersions;  // per local stage (weight stashing only)
+  int64_t weightBytesCopied = 0;  // weight stores' snapshot copies
+
+  // 1 - compute / busy: the share of the runtime's time with no work; 0 when
+  // nothing ran.
+  double bubbleFraction() const { return busySeconds > 0 ? 1.0 - computeSeconds / busySeconds : 0.0; }
+
+  // Counters and times add; peaks (and each stage's peak versions) take the
+  // maximum; secondsByKind adds per kind.
+  RuntimeStats merge(const RuntimeStats& other) const;
+};
+
+}  // namespace pipedream
