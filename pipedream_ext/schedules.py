@@ -24,14 +24,40 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 from . import _C
 
-__all__ = ["Schedule", "SimulationResult", "build", "names", "parse_action"]
+__all__ = ["Schedule", "SimulationResult", "build", "names", "parse_action", "traits",
+           "synchronous_names", "asynchronous_names"]
 
 Costs = Union[float, int, Sequence[float]]
-
 
 def names() -> List[str]:
     """Returns the names of all schedule generators."""
     return list(_C.schedule_names())
+
+
+def traits(name: str) -> "_C.ScheduleTraits":
+    """What a schedule means, from the C++ table (``csrc/core/traits.h``).
+
+    Fields: ``asynchronous``, ``update_rule`` (``"caller_per_batch"``: the user
+    steps after each flushed batch; ``"per_minibatch"`` / ``"per_batch"``: the
+    runtime steps inside the pipeline), ``replica_reduction`` (``"sum"`` or
+    ``"mean"``), ``microbatches_per_step(m)``, ``multi_chunk``,
+    ``supports_replicas``, ``split_backward``, ``stash_weights``, ``streaming``,
+    ``supports_vertical_sync``, ``planner_straight``, ``planner_two_versions``.
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+    """
+    return _C.schedule_traits(name)
+
+
+def synchronous_names() -> List[str]:
+    """Flush schedules: gradients equal the unsplit model's; the user steps the optimizer."""
+    return [t.name for t in _C.all_schedule_traits() if not t.asynchronous]
+
+
+def asynchronous_names() -> List[str]:
+    """Asynchronous schedules: weight stashing; the runtime steps the optimizer."""
+    return [t.name for t in _C.all_schedule_traits() if t.asynchronous]
 
 
 def parse_action(text: str) -> Dict[str, Any]:

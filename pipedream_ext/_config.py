@@ -1,0 +1,98 @@
+"""The pipeline's arguments, checked once: ``PipelineConfig``.
+
+Owns the argument checks of :class:`~pipedream_ext.PipeDream` that need no
+process group (schedule, microbatches, chunks, timeout, precision, finite
+checks). What a schedule permits comes from its traits (``csrc/core/traits.h``),
+never from comparing names. Pure: tested in one process.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+from . import _C, schedules
+
+__all__ = ["PipelineConfig"]
+
+
+def _names_with(flag: str) -> str:
+    return " or ".join(f"schedule={t.name!r}" for t in _C.all_schedule_traits()
+                       if getattr(t, flag))
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """The checked arguments of a pipeline (see :class:`PipeDream` for each).
+
+    Attributes:
+        schedule: the schedule's name.
+        traits: what the schedule means (``schedules.traits(schedule)``).
+        microbatches: microbatches per batch (``pipedream``: per minibatch update).
+        chunks: model chunks per rank.
+        timeout: seconds any wait on another rank may take.
+        vertical_sync: ``pipedream``'s vertical sync.
+        recompute: recompute activations in the backward.
+        autocast: reduced-precision compute dtype, or ``None``.
+        check_finite: ``None``, ``"raise"`` or ``"skip"``.
+    """
+
+    schedule: str
+    traits: Any
+    microbatches: int
+    chunks: int = 1
+    timeout: float = 300.0
+    vertical_sync: bool = False
+    recompute: bool = False
+    autocast: Optional[torch.dtype] = None
+    check_finite: Optional[str] = None
+
+    @classmethod
+    def checked(cls, schedule: str, microbatches: int, chunks: int = 1, timeout: float = 300.0,
+                vertical_sync: bool = False, recompute: bool = False,
+                autocast: Optional[torch.dtype] = None,
+                check_finite: Optional[str] = None) -> "PipelineConfig":
+        """Checks the arguments and returns the config.
+
+        Raises:
+            ValueError: a bad value; the message names it and the fix.
+        """
+        runnable = schedules.synchronous_names() + schedules.asynchronous_names()
+        if schedule not in runnable:
+            raise ValueError(f"schedule {schedule!r} is not supported by the runtime; choose one "
+                             f"of {', '.join(runnable)}")
+        traits = schedules.traits(schedule)
+        if vertical_sync and not traits.supports_vertical_sync:
+            raise ValueError(f"vertical_sync=True needs {_names_with('supports_vertical_sync')} "
+                             f"(got {schedule!r})")
+        if autocast is not None and autocast not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"autocast={autocast!r} is not a reduced-precision dtype; use "
+                             "torch.bfloat16 or torch.float16 (or None for full precision)")
+        if autocast == torch.float16 and traits.asynchronous:
+            raise ValueError(f"autocast=torch.float16 needs loss scaling, which schedule "
+                             f"{schedule!r} does not support; use autocast=torch.bfloat16")
+        if check_finite not in (None, "raise", "skip"):
+            raise ValueError(f"check_finite={check_finite!r}; use None, 'raise' or 'skip'")
+        if check_finite == "skip" and traits.asynchronous:
+            raise ValueError(f"check_finite='skip' needs a flush schedule (got {schedule!r}); "
+                             "use check_finite='raise'")
+        if chunks != 1 and not traits.multi_chunk:
+            raise ValueError(f"chunks={chunks} needs {_names_with('multi_chunk')} "
+                             f"(got {schedule!r})")
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be a positive integer (got {microbatches!r})")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds (got {timeout})")
+        return cls(schedule, traits, microbatches, chunks, float(timeout), bool(vertical_sync),
+                   bool(recompute), autocast, check_finite)
+
+    @property
+    def asynchronous(self) -> bool:
+        """The runtime steps the optimizer inside the pipeline (no flush per step)."""
+        return bool(self.traits.asynchronous)
+
+    @property
+    def microbatches_per_step(self) -> int:
+        """Microbatches one ``step`` call admits (``pipedream``: 1)."""
+        return int(self.traits.microbatches_per_step(self.microbatches))
