@@ -12,9 +12,10 @@ steps). Every ``--sample-every`` steps each rank records: RSS (``/proc/self/stat
 resident pages x page size), the steps/s of the last window, ``pipe.stats()``
 counters (compute/wait/busy seconds, bytes and transfer counts, peak activations and
 weight versions, weight bytes copied), the number of Python objects the GC tracks,
-and read-only looks at private state: ``len(pipe._pending_targets)`` (targets kept
-for asynchronous backwards), ``pipe._executor.size`` / ``position`` (the executor's
-window of actions) and, for flush schedules, ``len(pipe._targets)``.
+and read-only looks at private state: ``len(pipe._stage_fn.targets)`` (targets kept
+until their backward: ``pending_targets`` for asynchronous schedules,
+``flush_targets`` for flush ones) and ``pipe._runner.executor.size`` / ``position``
+(the executor's window of actions).
 
 Verdict, after the warm-up (the first ``--warmup-frac`` of the steps):
 
@@ -222,9 +223,10 @@ def run_worker(args: argparse.Namespace) -> int:
                     "peak_activations": st["peak_activations"],
                     "peak_weight_versions": max(st["peak_weight_versions"].values(), default=0),
                     "weight_bytes_copied": st["weight_bytes_copied"], "gc_objects": len(gc.get_objects()),
-                    "pending_targets": len(pipe._pending_targets) if pipe.asynchronous else None,
-                    "flush_targets": None if pipe.asynchronous else len(pipe._targets),
-                    "executor_size": pipe._executor.size, "executor_position": pipe._executor.position}
+                    "pending_targets": len(pipe._stage_fn.targets) if pipe.asynchronous else None,
+                    "flush_targets": None if pipe.asynchronous else len(pipe._stage_fn.targets),
+                    "executor_size": pipe._runner.executor.size,
+                    "executor_position": pipe._runner.executor.position}
 
         every = max(1, args.sample_every or args.steps // 100)
         dist.barrier()

@@ -39,8 +39,8 @@ import pipedream_ext as pd
 
 log = logging.getLogger("ddp_vs_pipedream")
 
-SYNCHRONOUS = pd._pipe.SYNCHRONOUS_SCHEDULES    # gpipe, 1f1b, interleaved-1f1b, zb-h1
-ASYNCHRONOUS = pd._pipe.ASYNCHRONOUS_SCHEDULES  # pipedream, pipedream-2bw
+SYNCHRONOUS = tuple(pd.schedules.synchronous_names())    # gpipe, 1f1b, interleaved-1f1b, zb-h1
+ASYNCHRONOUS = tuple(pd.schedules.asynchronous_names())  # pipedream, pipedream-2bw
 CHOICES = ("ddp",) + SYNCHRONOUS + ASYNCHRONOUS
 
 

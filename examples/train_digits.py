@@ -58,7 +58,7 @@ def load_digits(seed: int) -> Tuple[TensorDataset, TensorDataset]:
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--schedule", default="1f1b",
-                   choices=pd._pipe.SYNCHRONOUS_SCHEDULES + pd._pipe.ASYNCHRONOUS_SCHEDULES)
+                   choices=pd.schedules.synchronous_names() + pd.schedules.asynchronous_names())
     p.add_argument("--vertical-sync", action="store_true", help="pipedream: vertical sync")
     p.add_argument("--recompute", action="store_true", help="recompute activations in the backward")
     p.add_argument("--microbatches", type=int, default=4)

@@ -77,7 +77,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=60, help="train until this step")
     p.add_argument("--every", type=int, default=10, help="save a checkpoint every this many steps")
     p.add_argument("--schedule", default="1f1b",
-                   choices=pd._pipe.SYNCHRONOUS_SCHEDULES + pd._pipe.ASYNCHRONOUS_SCHEDULES)
+                   choices=pd.schedules.synchronous_names() + pd.schedules.asynchronous_names())
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)

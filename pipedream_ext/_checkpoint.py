@@ -400,10 +400,6 @@ def _local_stage_modules(pipe: "PipeDream") -> Dict[int, torch.nn.Module]:
     return {j: pipe._stages[j] for j in pipe.local_stages}  # noqa: SLF001 - same package
 
 
-def _chunks(pipe: "PipeDream") -> int:
-    return pipe.num_stages // pipe.world_size if pipe.schedule_name == "interleaved-1f1b" else 1
-
-
 def _class_name(obj: Any) -> str:
     cls = type(obj)
     return f"{cls.__module__}.{cls.__qualname__}"
@@ -612,7 +608,7 @@ def save_checkpoint(path: PathLike, pipe: "PipeDream", optimizer: Optional[torch
         "layers": layers,
         "pipeline": {"schedule": pipe.schedule_name, "microbatches": pipe.microbatches,
                      "balance": list(pipe.balance), "replicas": list(pipe.replicas),
-                     "chunks": _chunks(pipe), "world_size": pipe.world_size},
+                     "chunks": pipe.chunks, "world_size": pipe.world_size},
         "optimizer": optimizer_class,
         "stages": stages,
         "extra": extra_record,

@@ -53,7 +53,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, TypeVar
 
-__all__ = ["names_first_failure", "ensure_installed", "BEAT_SECONDS", "SILENCE_SECONDS"]
+__all__ = ["names_first_failure", "BEAT_SECONDS", "SILENCE_SECONDS"]
 
 #: Seconds between two heartbeats of a rank.
 BEAT_SECONDS = 0.5
@@ -319,15 +319,3 @@ def names_first_failure(method: F) -> F:
 
     wrapper._pipedream_names_first_failure = True  # type: ignore[attr-defined]
     return wrapper  # type: ignore[return-value]
-
-
-def ensure_installed(cls: type) -> bool:
-    """Applies :func:`names_first_failure` to ``cls.step``, ``flush`` and
-    ``forward_only`` unless they have it. Returns True if anything changed."""
-    changed = False
-    for name in ("step", "flush", "forward_only"):
-        method = getattr(cls, name)
-        if not getattr(method, "_pipedream_names_first_failure", False):
-            setattr(cls, name, names_first_failure(method))
-            changed = True
-    return changed

@@ -1,0 +1,130 @@
+"""Seeing what a pipeline does: stats and the merged Chrome trace.
+
+Owns everything a pipeline reports about itself: the executor's stats (kept
+across executors an asynchronous flush replaces), the per-action spans for the
+trace and the ``PIPEDREAM_LOG=debug`` log, and writing every rank's spans as one
+Chrome trace on rank 0. The numbers come from the C++ executor as one bound
+schema (``_C.RuntimeStats``); this module only adds which rank and stages they
+belong to.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch.distributed as dist
+
+from . import _C, _collectives
+
+__all__ = ["Observer"]
+
+_log = logging.getLogger("pipedream_ext._pipe")
+
+# Chrome trace threads by span category.
+_THREADS = {"compute": 0, "update": 0, "send": 1, "wait": 1, "allreduce": 2}
+_THREAD_NAMES = (("compute", 0), ("comm", 1), ("allreduce", 2))
+
+Span = Tuple[str, str, int, int]  # (name, category, start_us, duration_us)
+
+
+class Observer:
+    """Stats and trace of one rank's pipeline.
+
+    Args:
+        rank: this rank in ``group``.
+        stages: this rank's stage indices.
+        group: the pipeline's group (trace merging).
+        schedule: the schedule's name (recorded in the trace).
+        trace_path: where :meth:`write_trace` writes, or ``None`` (not tracing).
+    """
+
+    def __init__(self, rank: int, stages: Sequence[int], group: dist.ProcessGroup,
+                 schedule: str, trace_path: Optional[str]) -> None:
+        self.rank = rank
+        self.stages = list(stages)
+        self.group = group
+        self.schedule = schedule
+        self.trace_path = trace_path
+        self._spans: List[Span] = []
+        self._retired = _C.RuntimeStats()  # executors already replaced
+
+    @property
+    def tracing(self) -> bool:
+        """Whether executors should record spans (a trace, or the debug log)."""
+        return self.trace_path is not None or _log.isEnabledFor(logging.DEBUG)
+
+    def after_step(self, executor: Any, step: int) -> None:
+        """Moves the step's spans to the trace and/or the debug log."""
+        if not executor.tracing:
+            return
+        spans = executor.take_trace()
+        if _log.isEnabledFor(logging.DEBUG):
+            for name, category, _start, duration in spans:
+                _log.debug("rank %d step %d: %-14s %-9s %8.3f ms", self.rank, step, name,
+                           category, duration / 1e3)
+        if self.trace_path is not None:
+            self._spans.extend(spans)
+
+    def retire(self, executor: Any) -> None:
+        """Keeps the stats and spans of an executor about to be replaced."""
+        self._retired = self._retired.merge(executor.stats())
+        if self.trace_path is not None:
+            self._spans.extend(executor.take_trace())
+
+    def stats(self, executor: Any) -> Dict[str, Any]:
+        """This rank's stats since construction or :meth:`reset` (see ``PipeDream.stats``)."""
+        merged = self._retired.merge(executor.stats()).as_dict()
+        merged["rank"] = self.rank
+        merged["stages"] = list(self.stages)
+        return merged
+
+    def reset(self, executor: Any) -> None:
+        self._retired = _C.RuntimeStats()
+        executor.reset_stats()
+
+    def write_trace(self, executor: Any, path: Optional[Union[str, os.PathLike]]) -> Optional[str]:
+        """Merges every rank's spans into one Chrome trace on rank 0 (collective).
+
+        Returns:
+            The path written, on rank 0; ``None`` elsewhere.
+
+        Raises:
+            ValueError: tracing is off.
+        """
+        if self.trace_path is None:
+            raise ValueError("tracing is off: pass PipeDream(..., trace='run.json') or set "
+                             "PIPEDREAM_TRACE=run.json before building the pipeline")
+        target = os.fspath(path) if path is not None else self.trace_path
+        self._spans.extend(executor.take_trace())
+        events = self._events()
+        self._spans = []
+        gathered = _collectives.gather_bytes(json.dumps(events).encode(), self.group)
+        if gathered is None:
+            return None
+        merged = [e for blob in gathered for e in json.loads(blob.decode())]
+        origin = min((e["ts"] for e in merged if "ts" in e), default=0)
+        for e in merged:
+            if "ts" in e:
+                e["ts"] -= origin
+        tmp = f"{target}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"traceEvents": merged, "displayTimeUnit": "ms",
+                       "otherData": {"schedule": self.schedule, "ranks": len(gathered),
+                                     "origin_unix_us": origin}}, f)
+        os.replace(tmp, target)
+        _log.info("wrote the execution trace of %d ranks to %s", len(gathered), target)
+        return target
+
+    def _events(self) -> List[Dict[str, Any]]:
+        events: List[Dict[str, Any]] = [
+            {"name": name, "cat": cat, "ph": "X", "ts": start, "dur": max(duration, 1),
+             "pid": self.rank, "tid": _THREADS.get(cat, 1)}
+            for name, cat, start, duration in self._spans]
+        events.append({"name": "process_name", "ph": "M", "pid": self.rank,
+                       "args": {"name": f"rank {self.rank}: stages {self.stages}"}})
+        for thread, tid in _THREAD_NAMES:
+            events.append({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid,
+                           "args": {"name": thread}})
+        return events

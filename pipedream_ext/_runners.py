@@ -1,0 +1,385 @@
+"""Runners: how a family of schedules is driven step by step.
+
+One runner per family, chosen by the schedule's traits:
+
+* :class:`FlushRunner` (``gpipe``, ``1f1b``, ``interleaved-1f1b``, ``zb-h1``): every
+  ``step`` runs the rank's whole action list once (one batch, then a flush); the
+  user steps the optimizer; the batch loss is all-reduced to every rank.
+* :class:`StreamRunner` (``pipedream``, ``pipedream-2bw``): every ``step`` appends
+  one minibatch's actions (``AsyncStream``) to a long-lived executor and runs up
+  to its forward; the runtime steps the optimizer at every ``U``; ``flush``
+  drains the pipeline.
+
+Both own their C++ executors (and release them at interpreter exit, before the
+process group goes) and evaluate with ``forward_only`` on a GPipe list over one
+replica per stage where their own list cannot (replicas, streams).
+"""
+from __future__ import annotations
+
+import atexit
+import gc
+import logging
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import _C, _collectives, schedules
+from ._config import PipelineConfig
+from ._groups import PipelineGroups
+from ._observe import Observer
+from ._stage_fn import NonFiniteError, StageFunction, Tensors, split_microbatches
+from ._stages import LocalStages
+
+__all__ = ["Runner", "FlushRunner", "StreamRunner", "make_runner"]
+
+_log = logging.getLogger("pipedream_ext._pipe")
+
+# Live runners, to release their C++ executors (which hold the process group) at
+# interpreter exit: a process group destroyed during Python's finalization,
+# after its creator's module state is gone, can abort the process ("terminate
+# called without an active exception").
+_LIVE: "weakref.WeakSet[Runner]" = weakref.WeakSet()
+
+
+@atexit.register
+def _release_executors_at_exit() -> None:
+    for runner in list(_LIVE):
+        runner.release()
+    gc.collect()
+
+
+class _OptimizerStep:
+    """The executor's update callback: steps the optimizer of the current ``step``.
+
+    A separate object (not a bound method of the runner) so that the executor,
+    which holds it, does not hold the runner: no reference cycle through C++,
+    which the cycle collector cannot see.
+    """
+
+    def __init__(self) -> None:
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+
+    def __call__(self, stage: int, version: int) -> None:
+        del stage, version  # one stage per rank: the optimizer holds exactly its parameters
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+
+class Runner:
+    """What the two families share: executors, evaluation, stats plumbing.
+
+    Args:
+        config: the checked arguments.
+        schedule: the lowered schedule of this pipeline.
+        stages: this rank's stages.
+        groups: the pipeline's process groups.
+        stage_fn: the executor's forward callback.
+        observer: stats and trace.
+        device: the stages' device.
+    """
+
+    def __init__(self, config: PipelineConfig, schedule: "schedules.Schedule",
+                 stages: LocalStages, groups: PipelineGroups, stage_fn: StageFunction,
+                 observer: Observer, device: torch.device) -> None:
+        self.config = config
+        self.schedule = schedule
+        self.stages = stages
+        self.groups = groups
+        self.stage_fn = stage_fn
+        self.observer = observer
+        self.device = device
+        self.num_stages = schedule.num_stages
+        self.steps_run = 0  # steps run (flush) or admitted (stream), for messages
+        self._update = _OptimizerStep()
+        self.executor: Optional["_C.PipelineExecutor"] = self._make_executor(schedule._lowered)
+        self._eval_executor: Optional["_C.PipelineExecutor"] = None
+        _LIVE.add(self)
+
+    # -- executors ----------------------------------------------------------------
+    def _make_executor(self, lowered: "_C.Schedule", rank: Optional[int] = None,
+                       group: Optional[dist.ProcessGroup] = None) -> "_C.PipelineExecutor":
+        traits = schedules.traits(lowered.name)
+        executor = _C.PipelineExecutor(
+            lowered, self.groups.rank if rank is None else rank,
+            self.groups.group if group is None else group, self.config.timeout,
+            self.stage_fn, self.stages.parameters_by_stage(), str(self.device),
+            update=self._update if traits.stash_weights else None,
+            replica_groups=self.groups.replica_groups, recompute=self.config.recompute)
+        # PIPEDREAM_LOG=debug (or a DEBUG level on this logger) logs every action.
+        executor.tracing = self.observer.tracing
+        return executor
+
+    def release(self) -> None:
+        """Drops the executors (and their hold on the process group)."""
+        self.executor = None
+        self._eval_executor = None
+
+    @property
+    def is_first(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def is_last(self) -> bool:
+        return self.num_stages - 1 in self.stages
+
+    def _split(self, value: Tensors, what: str, count: int) -> List[Tuple[torch.Tensor, ...]]:
+        return split_microbatches(value, count, self.device, what)
+
+    def _require(self, value: Any, needed: bool, what: str, call: str = "step()") -> None:
+        if needed and value is None:
+            where = "stage 0" if what == "inputs" else "the last stage"
+            raise ValueError(f"rank {self.groups.rank} holds {where}: {call} needs the {what}")
+
+    def _finish_step(self) -> None:
+        self.steps_run += 1
+        self.stage_fn.step_index = self.steps_run
+        self.observer.after_step(self.executor, self.steps_run - 1)
+
+    # -- evaluation ------------------------------------------------------------------
+    def _evaluates_on_leaders(self) -> bool:
+        return any(r > 1 for r in self.schedule.replicas)
+
+    def _evaluation_executor(self) -> Optional["_C.PipelineExecutor"]:
+        """This rank's executor for ``forward_only``; ``None`` if it sits it out."""
+        if not self._evaluates_on_leaders():
+            return self.executor
+        # Forwards of a plain GPipe list over one replica (the leader) of each stage,
+        # on the live weights; the other replicas sit this out.
+        leaders = self.groups.leaders
+        if self.groups.rank not in leaders:
+            return None
+        if self._eval_executor is None:
+            evaluation = schedules.build("gpipe", stages=self.num_stages,
+                                         microbatches=self.config.microbatches)
+            self._eval_executor = self._make_executor(
+                evaluation._lowered, rank=leaders.index(self.groups.rank),
+                group=self.groups.leader_group)
+        return self._eval_executor
+
+    def forward_only(self, inputs: Optional[Tensors]) -> Optional[Tensors]:
+        """Runs a batch forward without gradients; the outputs on the last stage's rank."""
+        self._require(inputs, self.is_first, "inputs", "forward_only()")
+        executor = self._evaluation_executor()
+        if executor is None:
+            return None
+        chunks = self._split(inputs, "inputs", self.config.microbatches) if self.is_first else []
+        self.stage_fn.evaluating = True
+        try:
+            outputs = executor.run_forward([list(c) for c in chunks])
+        finally:
+            self.stage_fn.evaluating = False
+        if not self.is_last:
+            return None
+        parts = [o for o in outputs if o]
+        if len(parts[0]) == 1:
+            return torch.cat([p[0] for p in parts], dim=0)
+        return tuple(torch.cat([p[k] for p in parts], dim=0) for k in range(len(parts[0])))
+
+    # -- the family's contract -------------------------------------------------------------
+    def step(self, inputs: Optional[Tensors], targets: Optional[Any],
+             optimizer: Optional[torch.optim.Optimizer]) -> Optional[float]:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def peak_weight_versions(self) -> Dict[int, int]:
+        return {}
+
+
+class FlushRunner(Runner):
+    """One batch per ``step``, flushed; the user steps the optimizer afterwards."""
+
+    def step(self, inputs: Optional[Tensors], targets: Optional[Any],
+             optimizer: Optional[torch.optim.Optimizer]) -> float:
+        """Runs forward and backward of one batch through the pipeline.
+
+        Leaves on every local parameter the gradient of ``loss_fn(model(inputs),
+        targets)`` of the unsplit model over the whole batch.
+
+        Returns:
+            The batch's mean loss, on every rank (``nan`` for a skipped step).
+
+        Raises:
+            ValueError: an optimizer passed, inputs or targets missing where needed,
+                or a batch smaller than ``microbatches``.
+        """
+        if optimizer is not None:
+            raise ValueError(f"schedule {self.config.schedule!r} flushes every step: call "
+                             "optimizer.step() yourself after pipe.step(x, y)")
+        m = self.config.microbatches
+        self._require(inputs, self.is_first, "inputs")
+        self._require(targets, self.is_last, "targets")
+        chunks = self._split(inputs, "inputs", m) if self.is_first else []
+        if self.is_last:
+            self.stage_fn.targets.clear()
+            self.stage_fn.targets.add(targets, m, 0, self.device)
+        self.stage_fn.nonfinite_forward = None
+        scaler = self.stage_fn.grad_scaler
+        loss_scale = float(scaler.get_scale()) if scaler is not None else 1.0
+        losses = self.executor.run([list(c) for c in chunks])
+        self._finish_step()
+        # Each last-stage replica holds the scaled losses of its microbatches.
+        local = sum(float(l) for l in losses if l is not None) / loss_scale if self.is_last else 0.0
+        try:
+            loss = _collectives.all_reduce([local], self.groups.group)[0]
+        except RuntimeError as exc:  # Gloo names an address; say which rank and step
+            raise RuntimeError(f"rank {self.groups.rank}: the all-reduce of the batch loss after "
+                               f"step {self.steps_run - 1} failed or timed out: {exc}") from exc
+        if self.config.check_finite and self._check_finite_step():
+            return float("nan")
+        return loss
+
+    def flush(self) -> None:
+        """Nothing to drain: every step ends flushed."""
+
+    def _check_finite_step(self) -> bool:
+        """Agrees on every rank where non-finite values first appeared this step.
+
+        Returns:
+            True when the step was skipped (``check_finite="skip"``).
+
+        Raises:
+            NonFiniteError: ``check_finite="raise"`` and a NaN or inf was found.
+        """
+        p = self.num_stages
+        forward = self.stage_fn.nonfinite_forward
+        forward = p if forward is None else forward
+        backward = -1
+        if self.stage_fn.grad_scaler is None:  # with loss scaling, overflows are the scaler's
+            for j in self.stages:
+                if any(t.grad is not None and not bool(torch.isfinite(t.grad).all())
+                       for t in self.stages.parameters_of(j)):
+                    backward = max(backward, j)
+        flags = _collectives.all_reduce([-forward, backward], self.groups.group,
+                                        op=dist.ReduceOp.MAX, dtype=torch.int64)
+        forward, backward = int(-flags[0]), int(flags[1])
+        if forward == p and backward < 0:
+            return False
+        layers = self.stages.partition.layer_range
+        if forward < p:
+            where = (f"the {'loss' if forward == p - 1 else 'forward output'} of stage {forward} "
+                     f"(layers {layers(forward)})")
+        else:
+            where = f"the gradients of stage {backward} (layers {layers(backward)}) in the backward"
+        message = f"step {self.steps_run - 1}: NaN or inf first appeared in {where}"
+        if self.config.check_finite == "raise":
+            raise NonFiniteError(message)
+        _log.warning("%s; skipping the step (gradients set to None)", message)
+        for t in self.stages.module.parameters():
+            t.grad = None
+        return True
+
+
+class StreamRunner(Runner):
+    """Asynchronous PipeDream: minibatches stream through one long-lived executor.
+
+    Args:
+        stream: the schedule's per-step action source (``_C.AsyncStream``).
+        (the rest as :class:`Runner`)
+    """
+
+    def __init__(self, stream: "_C.AsyncStream", *args: Any, **kwargs: Any) -> None:
+        self.stream = stream
+        self.admitted = 0  # minibatches (2bw: batches) admitted since the last flush
+        self._peak_weight_versions: Dict[int, int] = {}
+        super().__init__(*args, **kwargs)
+
+    @property
+    def peak_weight_versions(self) -> Dict[int, int]:
+        """Most weight versions held per local stage, as of the last flush."""
+        return self._peak_weight_versions
+
+    def _evaluates_on_leaders(self) -> bool:
+        return True  # the stream's list has no forward-only form
+
+    def forward_only(self, inputs: Optional[Tensors]) -> Optional[Tensors]:
+        self._require(inputs, self.is_first, "inputs", "forward_only()")
+        if self.admitted:
+            raise RuntimeError(f"{self.admitted} minibatches are still in the pipeline; call "
+                               "pipe.flush() before forward_only()")
+        return super().forward_only(inputs)
+
+    def step(self, inputs: Optional[Tensors], targets: Optional[Any],
+             optimizer: Optional[torch.optim.Optimizer]) -> Optional[float]:
+        """Admits one minibatch (2bw: one batch of ``microbatches``) into the pipeline.
+
+        Runs this rank's actions up to the forward of that minibatch: the backwards
+        and updates of earlier minibatches that come first, then its forward.
+        Weight stashing keeps every backward on the version its forward read.
+
+        Returns:
+            On the rank of the last stage, the loss of the minibatch (2bw: batch)
+            whose forward just completed there (with a replicated last stage: on
+            the replica that ran it; 2bw: on every last-stage replica); ``None`` on
+            other ranks and while the pipeline fills. Losses are not broadcast so
+            that ranks never wait for each other per step.
+
+        Raises:
+            ValueError: no optimizer, or inputs/targets missing where needed.
+        """
+        if optimizer is None and any(True for _ in self.stages.module.parameters()):
+            raise ValueError(f"schedule {self.config.schedule!r} updates weights inside the "
+                             "pipeline: pass your optimizer, pipe.step(x, y, optimizer=opt)")
+        self._update.optimizer = optimizer
+        per_step = self.config.microbatches_per_step
+        first = self.admitted * per_step
+        self._require(inputs, self.is_first, "inputs")
+        self._require(targets, self.is_last, "targets")
+        inputs_by_microbatch: Dict[int, List[torch.Tensor]] = {}
+        if self.is_first:
+            chunks = self._split(inputs, "inputs", per_step)
+            inputs_by_microbatch = {first + i: list(c) for i, c in enumerate(chunks)}
+        if self.is_last:
+            self.stage_fn.targets.add(targets, per_step, first, self.device)
+        self.executor.append_actions(self.stream.step_actions(self.groups.rank, self.admitted))
+        losses = self.executor.run_until(self.executor.size, inputs_by_microbatch)
+        self.admitted += 1
+        self._finish_step()
+        # Targets stay until their backward (a recomputed forward needs them):
+        # at most 2 pipeline depths of steps behind.
+        self.stage_fn.targets.drop_before(first - 2 * (self.groups.world_size + 1) * per_step)
+        return self._step_loss(losses, per_step) if self.is_last else None
+
+    def _step_loss(self, losses: Dict[int, torch.Tensor], per_step: int) -> Optional[float]:
+        total = float(sum(float(l) for l in losses.values()))
+        last_group = self.groups.replica_groups.get(self.num_stages - 1)
+        if per_step > 1 and last_group is not None:
+            # The step's microbatches are split over the last stage's replicas.
+            return _collectives.all_reduce([total], last_group)[0]
+        return total if losses else None
+
+    def flush(self) -> None:
+        """Drains the pipeline: every admitted minibatch finishes its backward and update.
+
+        Raises:
+            ValueError: replicated stages whose round of minibatches is incomplete.
+        """
+        if self.admitted == 0:
+            return
+        period = self.stream.period
+        if self.admitted % period:
+            raise ValueError(
+                f"replicated stages {self.schedule.replicas} take minibatches in rounds of "
+                f"{period}; flush after a multiple of {period} steps (now {self.admitted})")
+        self.executor.append_actions(self.stream.drain_actions(self.groups.rank, self.admitted))
+        self.executor.run_until(self.executor.size, {})
+        self.executor.wait_sends()
+        self._peak_weight_versions = dict(self.executor.stats().as_dict()["peak_weight_versions"])
+        # A new stream starts from version 0 = the current live weights.
+        self.stage_fn.targets.clear()
+        self.admitted = 0
+        self.observer.retire(self.executor)
+        self.executor = self._make_executor(self.schedule._lowered)
+
+
+def make_runner(config: PipelineConfig, schedule: "schedules.Schedule",
+                stream: Optional["_C.AsyncStream"], *args: Any) -> Runner:
+    """The runner of ``config``'s schedule family (``stream`` for streaming schedules)."""
+    if config.traits.streaming:
+        return StreamRunner(stream, config, schedule, *args)
+    return FlushRunner(config, schedule, *args)

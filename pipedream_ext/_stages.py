@@ -1,0 +1,168 @@
+"""Model -> this rank's stages: ``LocalStages`` and the partition arithmetic.
+
+Owns how an ``nn.Sequential`` is cut into stages (``resolve_partition``: layer
+counts and replica counts per stage, checked against the model and the world)
+and which of those stages this rank keeps (``LocalStages``: the modules, their
+parameters and the original model's names). Pure apart from moving the kept
+layers to the device: tested in one process.
+
+Index legend: ``j`` stage, ``l`` layer (child of the ``nn.Sequential``).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+__all__ = ["even_balance", "Partition", "resolve_partition", "LocalStages"]
+
+
+def even_balance(num_layers: int, num_stages: int) -> List[int]:
+    """Splits ``num_layers`` into ``num_stages`` contiguous parts differing by at most one."""
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if j < extra else 0) for j in range(num_stages)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """Layers and replicas per stage.
+
+    Attributes:
+        balance: layers per stage, in model order.
+        replicas: ranks per stage (all 1 without data parallelism).
+        replicated: whether ``replicas`` was given (the schedule is then built
+            with a replicated layout, even if every count is 1).
+    """
+
+    balance: List[int]
+    replicas: List[int]
+    replicated: bool
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.balance)
+
+    def bounds(self) -> List[int]:
+        """``[0, end of stage 0, end of stage 1, ...]`` in layers."""
+        out = [0]
+        for count in self.balance:
+            out.append(out[-1] + count)
+        return out
+
+    def layer_range(self, stage: int) -> str:
+        """``"first-last"`` layer indices of ``stage`` (inclusive), for messages."""
+        start = sum(self.balance[:stage])
+        return f"{start}-{start + self.balance[stage] - 1}"
+
+
+def _check_replicas(replicas: Sequence[int], chunks: int, world_size: int) -> List[int]:
+    replicas = [int(r) for r in replicas]
+    if chunks != 1:
+        raise ValueError("replicas cannot be combined with chunks > 1 (interleaved stages)")
+    if any(r < 1 for r in replicas):
+        raise ValueError(f"replicas {replicas} has a count below 1; every stage needs >= 1")
+    if sum(replicas) != world_size:
+        raise ValueError(f"replicas {replicas} need {sum(replicas)} ranks but the world has "
+                         f"{world_size}; launch {sum(replicas)} ranks or change replicas")
+    return replicas
+
+
+def resolve_partition(num_layers: int, world_size: int, chunks: int = 1,
+                      balance: Optional[Sequence[int]] = None,
+                      replicas: Optional[Sequence[int]] = None) -> Partition:
+    """Checks and completes a partition of ``num_layers`` over ``world_size`` ranks.
+
+    Args:
+        num_layers: children of the ``nn.Sequential``.
+        world_size: ranks of the pipeline's group.
+        chunks: stages per rank (interleaved schedules).
+        balance: layers per stage, or ``None`` for an even split.
+        replicas: ranks per stage, or ``None`` for one each.
+
+    Returns:
+        The partition.
+
+    Raises:
+        ValueError: counts that do not fit the model or the world (the message
+            names the value and the fix).
+    """
+    num_stages = world_size * chunks
+    stage_replicas = [1] * num_stages
+    if replicas is not None:
+        stage_replicas = _check_replicas(replicas, chunks, world_size)
+        num_stages = len(stage_replicas)
+    if balance is None:
+        if num_layers < num_stages:
+            raise ValueError(
+                f"the model has {num_layers} layers but {num_stages} stages are needed "
+                f"({world_size} ranks x {chunks} chunks); use fewer ranks or chunks")
+        balance = even_balance(num_layers, num_stages)
+    balance = [int(b) for b in balance]
+    if len(balance) != num_stages:
+        fix = (f"launch {len(balance) // chunks} ranks" if len(balance) % chunks == 0
+               else f"give a multiple of chunks={chunks} counts")
+        raise ValueError(
+            f"balance lists {len(balance)} stages but the world has {world_size} ranks "
+            f"x {chunks} chunks = {num_stages} stages; give one layer count per stage or {fix}")
+    if any(b < 1 for b in balance):
+        raise ValueError(f"balance {balance} has a stage with no layers; every stage needs >= 1")
+    if sum(balance) != num_layers:
+        raise ValueError(f"balance {balance} sums to {sum(balance)} but the model has "
+                         f"{num_layers} layers; make the counts add up to {num_layers}")
+    return Partition(balance, stage_replicas, replicas is not None)
+
+
+class LocalStages:
+    """The stages one rank keeps, each an ``nn.Sequential`` of the original children.
+
+    Layers keep their child names, so parameter names (``"3.weight"``) match the
+    unsplit model's in ``named_parameters()``, ``state_dict()`` and checkpoints.
+
+    Args:
+        module: the whole model.
+        partition: the stages of the whole model.
+        indices: the stages this rank keeps, ascending.
+        device: where the kept layers go.
+    """
+
+    def __init__(self, module: nn.Sequential, partition: Partition, indices: Sequence[int],
+                 device: torch.device) -> None:
+        bounds = partition.bounds()
+        children = list(module.named_children())
+        self.partition = partition
+        #: Stage indices of this rank, ascending.
+        self.indices: List[int] = list(indices)
+        #: Layer range ``[start, end)`` of each local stage.
+        self.layers: Dict[int, Tuple[int, int]] = {j: (bounds[j], bounds[j + 1]) for j in indices}
+        self._modules: Dict[int, nn.Sequential] = {
+            j: nn.Sequential(collections.OrderedDict(children[bounds[j]:bounds[j + 1]])).to(device)
+            for j in indices}
+        merged: "collections.OrderedDict[str, nn.Module]" = collections.OrderedDict()
+        for j in indices:
+            merged.update(self._modules[j].named_children())
+        #: This rank's layers as one module, named as in the original model.
+        self.module: nn.Module = (self._modules[self.indices[0]] if len(self.indices) == 1
+                                  else nn.Sequential(merged))
+
+    def __getitem__(self, stage: int) -> nn.Sequential:
+        return self._modules[stage]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __contains__(self, stage: object) -> bool:
+        return stage in self._modules
+
+    def parameters_of(self, stage: int) -> List[torch.Tensor]:
+        """The parameters of ``stage`` in ``named_parameters`` order (what the executor sees)."""
+        return list(self._modules[stage].parameters())
+
+    def parameter_names(self, stage: int) -> List[str]:
+        """Names of :meth:`parameters_of` within the stage's module."""
+        return [name for name, _ in self._modules[stage].named_parameters()]
+
+    def parameters_by_stage(self) -> Dict[int, List[torch.Tensor]]:
+        return {j: self.parameters_of(j) for j in self.indices}

@@ -1,0 +1,118 @@
+"""Planning at start-up: ``balance="auto"`` and saved plans.
+
+Owns turning a plan into the runtime's partition (``partition_from_plan``) and
+``balance="auto"`` (``auto_plan``): rank 0 profiles the model on the sample,
+plans for the torchrun world (one or two topology levels, bandwidths given or
+measured) with the schedule's planner assumptions, and every rank gets the same
+plan as JSON bytes (no pickle).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _collectives
+from .planner import Plan
+
+__all__ = ["cluster_shape", "auto_plan", "partition_from_plan"]
+
+
+def cluster_shape(world_size: int, per_node: Optional[int] = None) -> List[int]:
+    """Workers per topology level, innermost first: ``[per_node]`` or ``[per_node, nodes]``.
+
+    Args:
+        world_size: ranks in the pipeline.
+        per_node: ranks per node (default: torchrun's ``LOCAL_WORLD_SIZE``); a
+            value that does not divide the world means one node.
+    """
+    if per_node is None:
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if per_node < 1 or world_size % per_node:
+        per_node = world_size
+    nodes = world_size // per_node
+    return [per_node] if nodes == 1 else [per_node, nodes]
+
+
+def _bandwidths(group: dist.ProcessGroup, workers: List[int],
+                bandwidth: Optional[Sequence[float]]) -> List[float]:
+    if bandwidth is None:
+        per_node = workers[0]
+        measured = [_collectives.measure_bandwidth(group, 0, 1) if per_node > 1 else 1e10]
+        if len(workers) > 1:
+            measured.append(_collectives.measure_bandwidth(group, 0, per_node))
+        bandwidth = measured
+    bandwidth = [float(b) for b in bandwidth]
+    if len(bandwidth) != len(workers):
+        raise ValueError(f"bandwidth lists {len(bandwidth)} levels but the cluster has "
+                         f"{len(workers)} ({workers}); give one bytes/s value per level")
+    return bandwidth
+
+
+def auto_plan(module: nn.Sequential, loss_fn: Callable[..., torch.Tensor],
+              sample: Optional[Tuple[Any, Any]], bandwidth: Optional[Sequence[float]],
+              traits: Any, group: dist.ProcessGroup) -> Plan:
+    """Profiles on rank 0, plans for this world, and gives every rank the same plan.
+
+    Collective: every rank of ``group`` calls it.
+
+    Args:
+        module: the whole model.
+        loss_fn: the pipeline's loss.
+        sample: ``(inputs, targets)`` of one batch.
+        bandwidth: bytes/s per level, or ``None`` to measure.
+        traits: the schedule's traits (what the planner must assume).
+        group: the pipeline's group.
+
+    Raises:
+        ValueError: no sample, or bandwidths that do not match the levels.
+    """
+    from ._profiler import profile
+    from .planner import plan as make_plan
+
+    if sample is None:
+        raise ValueError('balance="auto" profiles the model: pass sample=(inputs, targets) '
+                         "with one batch")
+    world_size = dist.get_world_size(group)
+    workers = cluster_shape(world_size)
+    bandwidths = _bandwidths(group, workers, bandwidth)
+    payload = None
+    if dist.get_rank(group) == 0:
+        inputs, targets = sample
+        graph = profile(module, inputs, loss_fn=loss_fn, target=targets, steps=10, warmup=3)
+        chosen = make_plan(graph, workers=workers, bandwidth=bandwidths, cost_model="default",
+                           straight=bool(traits.planner_straight),
+                           two_bw=bool(traits.planner_two_versions))
+        payload = chosen.to_json(indent=None).encode()
+    return Plan.from_json(_collectives.broadcast_bytes(payload, 0, group).decode())
+
+
+def partition_from_plan(plan: Plan, num_layers: int,
+                        world_size: int) -> Tuple[List[int], Optional[List[int]]]:
+    """Balance and replicas (``None`` when none is above 1) of a plan for this model
+    and world.
+
+    Raises:
+        ValueError: the plan is for another model, world or a branching graph.
+    """
+    layers = plan.layers
+    if layers is None:
+        raise ValueError("the plan is for a branching graph (no layer ranges); plan a "
+                         "profile of this nn.Sequential (pipedream_ext.profile)")
+    if plan.used_workers != world_size or sum(plan.replicas) != world_size:
+        raise ValueError(f"the plan uses {plan.used_workers} workers but the world has "
+                         f"{world_size} ranks; re-plan for {world_size} workers")
+    bounds = [0]
+    for start, end in layers:
+        if start != bounds[-1] or end <= start:
+            raise ValueError(f"the plan's layer ranges {layers} are not contiguous")
+        bounds.append(end)
+    if bounds[-1] != num_layers:
+        raise ValueError(f"the plan covers {bounds[-1]} layers but the model has {num_layers}; "
+                         "was it made for another model?")
+    replicas = list(plan.replicas)
+    return [end - start for start, end in layers], (None if all(r == 1 for r in replicas)
+                                                     else replicas)
