@@ -1,0 +1,180 @@
+"""Single-process tests of the pipeline's pure parts: partitioning, local stages,
+argument checks, schedule traits, targets, the stage function, plans -> stages
+(stats merging: tests/cpp/test_runtime_stats.cpp). No process group: a change to these is checked in seconds."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipedream_ext import _C, schedules
+from pipedream_ext._config import PipelineConfig
+from pipedream_ext._stage_fn import NonFiniteError, StageFunction, Targets, split_microbatches
+from pipedream_ext._stages import LocalStages, even_balance, resolve_partition
+from pipedream_ext._startup_plan import cluster_shape, partition_from_plan
+from pipedream_ext.planner import plan
+
+
+# -- partitioning -----------------------------------------------------------------------
+@pytest.mark.parametrize("layers,stages,expected", [
+    (10, 4, [3, 3, 2, 2]), (4, 4, [1, 1, 1, 1]), (7, 2, [4, 3]), (5, 1, [5])])
+def test_even_balance(layers: int, stages: int, expected: list) -> None:
+    assert even_balance(layers, stages) == expected
+
+
+def test_resolve_partition_defaults_and_bounds() -> None:
+    p = resolve_partition(10, 4)
+    assert (p.balance, p.replicas, p.replicated) == ([3, 3, 2, 2], [1, 1, 1, 1], False)
+    assert p.bounds() == [0, 3, 6, 8, 10]
+    assert [p.layer_range(j) for j in range(4)] == ["0-2", "3-5", "6-7", "8-9"]
+    interleaved = resolve_partition(8, 2, chunks=2)
+    assert interleaved.balance == [2, 2, 2, 2] and interleaved.num_stages == 4
+    replicated = resolve_partition(6, 4, balance=[2, 2, 2], replicas=[2, 1, 1])
+    assert (replicated.replicas, replicated.replicated) == ([2, 1, 1], True)
+    # Replicas of all 1 still mean a replicated layout was asked for.
+    assert resolve_partition(4, 2, replicas=[1, 1]).replicated
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(num_layers=3, world_size=4), "the model has 3 layers but 4 stages are needed"),
+    (dict(num_layers=6, world_size=2, balance=[2, 2, 2]), "balance lists 3 stages but the world has 2"),
+    (dict(num_layers=6, world_size=2, balance=[6, 0]), "has a stage with no layers"),
+    (dict(num_layers=6, world_size=2, balance=[2, 3]), "sums to 5 but the model has 6 layers"),
+    (dict(num_layers=6, world_size=3, replicas=[2, 2]), "need 4 ranks but the world has 3"),
+    (dict(num_layers=6, world_size=2, replicas=[2, 0]), "has a count below 1"),
+    (dict(num_layers=6, world_size=2, chunks=2, replicas=[1, 1]), "cannot be combined with chunks"),
+])
+def test_resolve_partition_errors(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        resolve_partition(**kwargs)
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def test_local_stages_keep_original_names_and_parameters() -> None:
+    model = _model()
+    partition = resolve_partition(5, 2, balance=[2, 3])
+    stages = LocalStages(model, partition, [1], torch.device("cpu"))
+    assert list(stages) == [1] and 1 in stages and 0 not in stages
+    assert stages.layers == {1: (2, 5)}
+    assert stages.parameter_names(1) == ["2.weight", "2.bias", "4.weight", "4.bias"]
+    assert [n for n, _ in stages.module.named_parameters()] == ["2.weight", "2.bias", "4.weight",
+                                                                 "4.bias"]
+    # The kept layers are the model's own modules (same tensors), not copies.
+    assert stages.parameters_of(1)[0] is model[2].weight
+    both = LocalStages(model, resolve_partition(5, 1, chunks=2, balance=[2, 3]), [0, 1],
+                       torch.device("cpu"))
+    assert list(both.module.state_dict()) == list(model.state_dict())
+    assert set(both.parameters_by_stage()) == {0, 1}
+
+
+# -- arguments and traits ------------------------------------------------------------
+def test_schedule_families_come_from_the_traits_table() -> None:
+    assert schedules.synchronous_names() == ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
+    assert schedules.asynchronous_names() == ["pipedream", "pipedream-2bw"]
+    assert [t.name for t in _C.all_schedule_traits()] == schedules.names()
+    pd, bw, zb = (schedules.traits(n) for n in ("pipedream", "pipedream-2bw", "zb-h1"))
+    assert (pd.microbatches_per_step(8), bw.microbatches_per_step(8)) == (1, 8)
+    assert (pd.replica_reduction, bw.replica_reduction) == ("mean", "sum")
+    assert pd.stash_weights and pd.streaming and pd.supports_vertical_sync
+    assert zb.split_backward and zb.planner_straight and not zb.supports_replicas
+    assert bw.planner_two_versions and not bw.supports_vertical_sync
+    with pytest.raises(ValueError, match="gpipe"):
+        schedules.traits("nope")
+
+
+def test_config_checks_name_the_value_and_the_fix() -> None:
+    c = PipelineConfig.checked("pipedream-2bw", 4)
+    assert c.asynchronous and c.microbatches_per_step == 4
+    assert PipelineConfig.checked("pipedream", 4).microbatches_per_step == 1
+    cases = [
+        (dict(schedule="nope", microbatches=2), "schedule 'nope' is not supported by the runtime"),
+        (dict(schedule="1f1b", microbatches=2, vertical_sync=True),
+         "vertical_sync=True needs schedule='pipedream'"),
+        (dict(schedule="1f1b", microbatches=2, chunks=2),
+         "chunks=2 needs schedule='interleaved-1f1b'"),
+        (dict(schedule="pipedream", microbatches=2, autocast=torch.float16), "needs loss scaling"),
+        (dict(schedule="1f1b", microbatches=2, autocast=torch.float32), "not a reduced-precision"),
+        (dict(schedule="pipedream", microbatches=2, check_finite="skip"), "needs a flush schedule"),
+        (dict(schedule="1f1b", microbatches=2, check_finite="maybe"), "check_finite='maybe'"),
+        (dict(schedule="1f1b", microbatches=0), "microbatches must be a positive integer"),
+        (dict(schedule="1f1b", microbatches=2, timeout=0), "timeout must be > 0"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            PipelineConfig.checked(**kwargs)
+
+
+# -- targets and the stage function -----------------------------------------------------
+def test_split_microbatches_and_targets() -> None:
+    x = torch.arange(10.0).reshape(5, 2)
+    parts = split_microbatches((x, x + 1), 2, torch.device("cpu"), "inputs")
+    assert [p[0].shape[0] for p in parts] == [3, 2] and torch.equal(parts[1][1], x[3:] + 1)
+    with pytest.raises(ValueError, match="inputs has batch size 5, smaller than microbatches=6"):
+        split_microbatches(x, 6, torch.device("cpu"), "inputs")
+    t = Targets()
+    t.add(torch.arange(5), 2, 4, torch.device("cpu"))
+    assert len(t) == 2 and t[4][1] == pytest.approx(3 / 5) and t[5][1] == pytest.approx(2 / 5)
+    t.drop_before(5)
+    assert len(t) == 1 and torch.equal(t[5][0], torch.tensor([3, 4]))
+
+
+def _stage_fn(model: nn.Sequential, check: str = None, at_once: bool = False) -> StageFunction:
+    stages = LocalStages(model, resolve_partition(5, 1, chunks=2, balance=[2, 3]), [0, 1],
+                         torch.device("cpu"))
+    return StageFunction(stages, F.cross_entropy, 2, torch.device("cpu"), None, check,
+                         raise_at_once=at_once, rank=0)
+
+
+def test_stage_function_loss_is_the_unsplit_models_share() -> None:
+    model = _model()
+    fn = _stage_fn(model)
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    fn.targets.add(y, 2, 0, torch.device("cpu"))
+    hidden = fn(0, 0, [x[:3]], [])
+    loss0 = fn(1, 0, hidden, [])[0]
+    loss1 = fn(1, 1, fn(0, 1, [x[3:]], []), [])[0]
+    assert torch.allclose(loss0 + loss1, F.cross_entropy(model(x), y))
+    # On a stashed weight version the stage runs functionally on those tensors.
+    zeros = [torch.zeros_like(t) for t in fn.stages.parameters_of(0)]
+    assert torch.equal(fn(0, 0, [x[:3]], zeros)[0], torch.zeros(3, 5))
+    fn.evaluating = True
+    assert fn(1, 0, hidden, [])[0].shape == (3, 3)
+
+
+def test_stage_function_finds_the_first_non_finite_stage() -> None:
+    model = _model()
+    fn = _stage_fn(model, check="raise")
+    fn.targets.add(torch.zeros(2, dtype=torch.long), 1, 0, torch.device("cpu"))
+    nan = torch.full((2, 4), math.nan)
+    out = fn(0, 0, [nan], [])
+    fn(1, 0, out, [])
+    assert fn.nonfinite_forward == 0
+    eager = _stage_fn(model, check="raise", at_once=True)
+    with pytest.raises(NonFiniteError, match=r"forward output of stage 0 \(layers 0-1\)"):
+        eager(0, 0, [nan], [])
+
+
+# -- plans -> stages ----------------------------------------------------------------------
+def test_partition_from_plan(tmp_path) -> None:
+    from pipedream_ext import profile
+    graph = profile(_model(), torch.randn(8, 4), steps=1, warmup=0)
+    chosen = plan(graph, workers=2, bandwidth=1e9, straight=True)
+    balance, replicas = partition_from_plan(chosen, 5, 2)
+    assert sum(balance) == 5 and len(balance) == 2 and replicas is None
+    with pytest.raises(ValueError, match="re-plan for 3 workers"):
+        partition_from_plan(chosen, 5, 3)
+    with pytest.raises(ValueError, match="the plan covers 5 layers but the model has 6"):
+        partition_from_plan(chosen, 6, 2)
+
+
+def test_cluster_shape() -> None:
+    assert cluster_shape(4, per_node=4) == [4]
+    assert cluster_shape(4, per_node=2) == [2, 2]
+    assert cluster_shape(6, per_node=4) == [6]  # does not divide: one node
