@@ -182,10 +182,6 @@ void bindSchedules(py::module_& m) {
   m.def("simulate", &simulate, py::arg("schedule"), py::arg("costs"),
         py::call_guard<py::gil_scoped_release>());
   m.def("to_chrome_trace", &toChromeTrace, py::arg("schedule"), py::arg("result"));
-  m.def("num_optimal_active_minibatches", &numOptimalActiveMinibatches, py::arg("replicas"),
-        py::arg("stage"));
-  m.def("parse_actions", [](const std::string& text) { return parseActions(text); },
-        py::arg("text"));
 }
 
 // ---- planner (csrc/core/profile_graph.h, csrc/core/planner.h) -------------
