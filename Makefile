@@ -5,7 +5,7 @@ BUILD_DIR ?= build/cmake
 SAN_BUILD_DIR ?= build/cmake-asan
 FUZZ_SECONDS ?= 60
 
-.PHONY: setup build test cpp-test cpp-test-sanitized fuzz py-test run bench bench-network soak clean
+.PHONY: setup build test cpp-test cpp-test-sanitized fuzz py-test gpu-test run bench bench-network soak clean
 
 setup:
 	PYTHON=$(PY) bash .ci/bootstrap.sh
@@ -37,6 +37,12 @@ fuzz: setup
 
 py-test:
 	$(PY) -m pytest tests -q
+
+# On a GPU machine with its own torch (no network, no pin): build against the
+# installed torch and run the CUDA tests (tests/test_gpu.py skips without a GPU).
+gpu-test:
+	MAX_JOBS=8 $(PY) setup.py -q build_ext --inplace
+	$(PY) -m pytest tests/test_gpu.py tests/test_units.py -v
 
 # The README's test command: GoogleTest (ctest, plain and sanitized) then pytest.
 test: setup

@@ -14,6 +14,7 @@ import logging
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+import torch
 import torch.distributed as dist
 
 from . import _C, _collectives
@@ -38,11 +39,14 @@ class Observer:
         group: the pipeline's group (trace merging).
         schedule: the schedule's name (recorded in the trace).
         trace_path: where :meth:`write_trace` writes, or ``None`` (not tracing).
+        device: this rank's device; on CUDA, :meth:`stats` adds its memory.
     """
 
     def __init__(self, rank: int, stages: Sequence[int], group: dist.ProcessGroup,
-                 schedule: str, trace_path: Optional[str]) -> None:
+                 schedule: str, trace_path: Optional[str],
+                 device: torch.device = torch.device("cpu")) -> None:
         self.rank = rank
+        self.device = device
         self.stages = list(stages)
         self.group = group
         self.schedule = schedule
@@ -78,11 +82,17 @@ class Observer:
         merged = self._retired.merge(executor.stats()).as_dict()
         merged["rank"] = self.rank
         merged["stages"] = list(self.stages)
+        if self.device.type == "cuda":
+            # This rank's stages together: what the caching allocator holds for tensors.
+            merged["cuda_memory_allocated"] = torch.cuda.memory_allocated(self.device)
+            merged["cuda_peak_memory_allocated"] = torch.cuda.max_memory_allocated(self.device)
         return merged
 
     def reset(self, executor: Any) -> None:
         self._retired = _C.RuntimeStats()
         executor.reset_stats()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def write_trace(self, executor: Any, path: Optional[Union[str, os.PathLike]]) -> Optional[str]:
         """Merges every rank's spans into one Chrome trace on rank 0 (collective).

@@ -84,8 +84,8 @@ class PipeDream:
         bandwidth: bytes/s per topology level (within a node, then between
             nodes) for ``balance="auto"``; measured with a short probe if omitted.
         recompute: keep only each stage's inputs during the forward and recompute
-            its activations in the backward (same result, with the CPU RNG state
-            restored so dropout draws the same masks).
+            its activations in the backward (same result, with the CPU and CUDA RNG
+            states restored so dropout draws the same masks).
         trace: record every action each rank runs (F/B/I/W, waits on receives,
             sends, updates, all-reduces) and write them, merged by rank 0, as one
             Chrome trace at this path (open it in Perfetto) when :meth:`write_trace`
@@ -149,7 +149,7 @@ class PipeDream:
         if trace is None:
             trace = os.environ.get("PIPEDREAM_TRACE") or None
         self._observer = Observer(self.rank, self.local_stages, self.group, schedule,
-                                  os.fspath(trace) if trace is not None else None)
+                                  os.fspath(trace) if trace is not None else None, self.device)
         self._stage_fn = StageFunction(self._stages, loss_fn, self.num_stages, self.device,
                                        self.config.autocast, self.config.check_finite,
                                        raise_at_once=self.asynchronous, rank=self.rank)
@@ -443,6 +443,9 @@ class PipeDream:
             ``seconds_by_kind`` (``F``, ``B``, ``RECV_F`` waits, ...), and the transfer
             counts ``sends``, ``receives``, ``preposted_receives`` (data buffers
             posted before the peer sent; see docs/runtime.md) and ``redirected_sends``.
+            On a CUDA device also ``cuda_memory_allocated`` and
+            ``cuda_peak_memory_allocated`` (bytes held by this rank's stages, now and
+            at most since construction or :meth:`reset_stats`).
             Local to this rank: no communication.
         """
         return self._observer.stats(self._runner.executor)

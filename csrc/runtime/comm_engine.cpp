@@ -257,11 +257,25 @@ std::vector<TensorMeta> decodeHeader(const at::Tensor& header, const std::string
   return metas;
 }
 
+namespace {
+
+// The backend that carries `device`'s tensors: a group created as
+// "cpu:gloo,cuda:nccl" reports no single name, so ask per device type.
+std::string backendNameFor(c10d::ProcessGroup& group, const at::Device& device) {
+  try {
+    return group.getBackend(device.type())->getBackendName();
+  } catch (const std::exception&) {
+    return group.getBackendName();
+  }
+}
+
+}  // namespace
+
 CommEngine::CommEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, std::chrono::milliseconds timeout,
                        at::Device device)
     : group_(std::move(group)), timeout_(timeout), device_(device) {
   TORCH_CHECK(group_, "CommEngine needs a process group");
-  stageThroughHost_ = !device_.is_cpu() && group_->getBackendName() != "nccl";
+  stageThroughHost_ = !device_.is_cpu() && backendNameFor(*group_, device_) != "nccl";
   TORCH_CHECK(timeout_.count() > 0, "communication timeout must be > 0 ms (got ", timeout_.count(), ")");
   rank_ = group_->getRank();
   worldSize_ = group_->getSize();

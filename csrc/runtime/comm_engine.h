@@ -29,10 +29,15 @@
 // throw a c10::Error naming this rank, the peer, and the action (e.g.
 // "RECV_F of microbatch 3 for stage 2").
 //
-// Devices: tensors live on `device`. With NCCL on CUDA, headers and data go
-// device to device (c10d's NCCL group runs them on its own stream and makes
-// the compute stream wait in wait()). With Gloo and a CUDA device, data is
-// staged through pinned host memory. On CPU nothing is copied.
+// Devices: tensors live on `device`. When the group's backend for that
+// device is NCCL (a "nccl" or "cpu:gloo,cuda:nccl" group), headers and data
+// go device to device: c10d's NCCL group orders its stream after the compute
+// stream when a send or receive is posted, keeps the tensors of a transfer
+// until it is waited for (as the Transfer does), and makes the compute stream
+// wait in wait(), so a consumer's kernels see the received data and a sent
+// tensor is neither freed nor overwritten before NCCL read it. With Gloo and
+// a CUDA device, data is staged through pinned host memory (synchronous
+// copies). On CPU nothing is copied.
 //
 // Threading: a CommEngine and its transfers are used from one thread (the
 // executor's); the process group does the actual I/O on its own threads.

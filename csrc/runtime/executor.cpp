@@ -3,8 +3,6 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 
-#include <ATen/CPUGeneratorImpl.h>
-#include <ATen/core/Generator.h>
 
 #include <algorithm>
 #include <climits>
@@ -172,22 +170,13 @@ std::vector<at::Tensor> PipelineExecutor::receive(const Key& key, int direction)
 void PipelineExecutor::recomputeForward(const Action& a, Stash& s) {
   // Re-run the forward on the stashed inputs and weight version with the
   // RNG state the first forward saw (dropout draws the same masks).
-  auto generator = at::detail::getDefaultCPUGenerator();
-  at::Tensor now;
-  {
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    now = generator.get_state();
-    generator.set_state(s.rngState);
-  }
+  const RngState now = s.rngState.swapIn();
   std::vector<at::Tensor> weights;
   if (traits_.stashWeights) weights = stores_.at(a.stage).acquire(s.version);
   s.outputs = forward_(a.stage, a.microbatch, s.inputs, weights);
   if (traits_.stashWeights) stores_.at(a.stage).release(s.version);
-  {
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    generator.set_state(now);
-  }
-  s.rngState = at::Tensor();
+  now.swapIn();
+  s.rngState = RngState();
 }
 
 void PipelineExecutor::gradientRoots(const Action& a, const Stash& s, std::vector<at::Tensor>& roots,
@@ -578,14 +567,10 @@ void PipelineExecutor::forwardAction(const Action& a, const InputFn& inputOf, bo
   std::vector<at::Tensor> in = forwardInputs(a, inputOf, forwardOnly, start);
   std::vector<at::Tensor> weights;
   if (traits_.stashWeights && !forwardOnly) weights = stores_.at(a.stage).acquire(a.version);
-  at::Tensor rngState;
+  RngState rngState;
   std::vector<at::Tensor> out;
   if (recompute_ && !forwardOnly) {
-    auto generator = at::detail::getDefaultCPUGenerator();
-    {
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      rngState = generator.get_state();
-    }
+    rngState = RngState::capture(engine_->device());
     at::NoGradGuard noGrad;
     out = forward_(a.stage, a.microbatch, in, weights);
   } else {
@@ -607,7 +592,7 @@ void PipelineExecutor::forwardAction(const Action& a, const InputFn& inputOf, bo
     localActivations_[key] = std::move(handOver);
   }
   if (forwardOnly) {
-    if (sendsLater) stash_[key] = Stash{{}, std::move(out), {}, 0, at::Tensor()};  // until SEND_F
+    if (sendsLater) stash_[key] = Stash{{}, std::move(out), {}, 0, RngState()};  // until SEND_F
     return;
   }
   // With recompute, keep the outputs only until they are sent; the backward

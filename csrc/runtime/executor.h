@@ -62,6 +62,7 @@
 #include "core/traits.h"
 #include "core/transfer_ledger.h"
 #include "runtime/comm_engine.h"
+#include "runtime/rng_state.h"
 #include "runtime/weight_store.h"
 
 namespace pipedream {
@@ -134,7 +135,7 @@ class PipelineExecutor {
     std::vector<at::Tensor> outputs;      // forward outputs (or {loss})
     std::vector<at::Tensor> gradOutputs;  // kept between I and W
     int version = 0;                      // weight version read (stashing)
-    at::Tensor rngState;                  // recompute: CPU RNG state before F
+    RngState rngState;                    // recompute: RNG states before F (CPU, device)
   };
   using Key = std::pair<int, int>;  // (stage, microbatch)
 

@@ -1,0 +1,187 @@
+"""The runtime on a CUDA device (skipped without a GPU).
+
+One GPU cannot hold two NCCL ranks, so on one GPU these run:
+
+* 2 ranks on the same GPU, Gloo carrying CUDA tensors (staged through pinned
+  host memory): every flush schedule equals the unsplit model on the GPU (loss
+  and weights after SGD-momentum and Adam steps), recompute with dropout is
+  bit-identical (the CUDA RNG state is restored), bf16 autocast sends bf16,
+  ``pipedream`` trains and flushes, a checkpoint round trip restores the weights,
+  and ``stats()`` reports CUDA memory;
+* 1 rank with ``cpu:gloo,cuda:nccl`` (the group PipeDream creates on GPUs):
+  interleaved chunks on that rank, metadata collectives on the CPU, equal to the
+  unsplit model.
+
+Several NCCL ranks need one GPU each; that is not run here.
+
+    torchrun --standalone --nproc-per-node 2 tests/test_gpu.py
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _multiprocess import assert_every_rank_passed, launch_torchrun  # noqa: E402
+
+MARKER = "ALL GPU CHECKS PASSED"
+RTOL, ATOL = 1e-5, 1e-6
+FLUSH = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def make_model(dropout: float = 0.0) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(dropout), nn.Linear(16, 16),
+                         nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def batch(step: int, device: torch.device):
+    g = torch.Generator().manual_seed(100 + step)
+    return (torch.randn(8, 6, generator=g).to(device),
+            torch.randint(0, 3, (8,), generator=g).to(device))
+
+
+def check_flush_equals_unsplit(schedule: str, device: torch.device, optimizer: str) -> None:
+    import pipedream_ext as pd
+
+    chunks = 2 if schedule == "interleaved-1f1b" else 1
+    ref = make_model().to(device)
+    pipe = pd.PipeDream(make_model(), F.cross_entropy, schedule=schedule, microbatches=4,
+                        chunks=chunks, device=device, timeout=120)
+    make_opt = (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)) if optimizer == "sgd" \
+        else (lambda ps: torch.optim.Adam(ps, lr=0.01))
+    ref_opt, opt = make_opt(ref.parameters()), make_opt(pipe.parameters())
+    for step in range(4):
+        x, y = batch(step, device)
+        loss = pipe.step(x, y)
+        ref_loss = F.cross_entropy(ref(x), y)
+        ref_loss.backward()
+        torch.testing.assert_close(torch.tensor(loss, dtype=torch.float64),
+                                   ref_loss.detach().cpu().double(),
+                                   rtol=RTOL, atol=ATOL)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    reference = ref.state_dict()
+    for name, value in pipe.state_dict().items():
+        assert value.device.type == "cuda", (name, value.device)
+        torch.testing.assert_close(value, reference[name], rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"{schedule} {optimizer} {name}: {m}")
+
+
+def check_recompute_restores_cuda_rng(device: torch.device) -> None:
+    import pipedream_ext as pd
+
+    weights = []
+    for recompute in (False, True):
+        torch.cuda.manual_seed(7)
+        pipe = pd.PipeDream(make_model(dropout=0.5), F.cross_entropy, schedule="1f1b",
+                            microbatches=4, device=device, recompute=recompute, timeout=120)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        for step in range(3):
+            pipe.step(*batch(step, device))
+            opt.step()
+            opt.zero_grad()
+        weights.append({k: v.clone() for k, v in pipe.state_dict().items()})
+    for name in weights[0]:
+        assert torch.equal(weights[0][name], weights[1][name]), name
+
+
+def check_bf16_and_stats(device: torch.device) -> None:
+    import pipedream_ext as pd
+
+    pipe = pd.PipeDream(make_model(), F.cross_entropy, schedule="1f1b", microbatches=4,
+                        device=device, autocast=torch.bfloat16, timeout=120)
+    loss = pipe.step(*batch(0, device))
+    assert loss == loss, loss  # finite
+    stats = pipe.stats()
+    assert stats["cuda_peak_memory_allocated"] >= stats["cuda_memory_allocated"] > 0, stats
+    assert stats["bytes_sent"] > 0, stats
+
+
+def check_async_and_checkpoint(device: torch.device, directory: str) -> None:
+    import pipedream_ext as pd
+
+    pipe = pd.PipeDream(make_model(), F.cross_entropy, schedule="pipedream", microbatches=1,
+                        device=device, timeout=120)
+    opt = torch.optim.Adam(pipe.parameters(), lr=0.01)
+    for step in range(6):
+        pipe.step(*batch(step, device), optimizer=opt)
+    pipe.flush()
+    saved = {k: v.clone() for k, v in pipe.state_dict().items()}
+    pd.save_checkpoint(directory, pipe, opt, step=6)
+    with torch.no_grad():
+        for p in pipe.parameters():
+            p.zero_()
+    pd.load_checkpoint(directory, pipe, opt)
+    for name, value in pipe.state_dict().items():
+        assert value.device.type == "cuda" and torch.equal(value, saved[name]), name
+    full = pd.consolidate(directory)
+    unsplit = copy.deepcopy(make_model())
+    unsplit.load_state_dict(full)
+
+
+def run_gloo_checks() -> None:
+    device = torch.device("cuda", 0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    for schedule in FLUSH:
+        for optimizer in ("sgd", "adam"):
+            check_flush_equals_unsplit(schedule, device, optimizer)
+    check_recompute_restores_cuda_rng(device)
+    check_bf16_and_stats(device)
+    # Every rank must see the same directory (the pytest side makes one).
+    directory = os.environ.get("PDGPU_DIR") or os.path.join(
+        tempfile.gettempdir(), f"pipedream_gpu_{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
+    check_async_and_checkpoint(device, os.path.join(directory, "ckpt"))
+
+
+def run_nccl_checks() -> None:
+    device = torch.device("cuda", 0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    check_flush_equals_unsplit("interleaved-1f1b", device, "adam")
+    check_flush_equals_unsplit("1f1b", device, "sgd")
+
+
+@needs_gpu
+def test_gloo_ranks_carry_cuda_tensors() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["PDGPU_DIR"] = tmp
+        try:
+            result = launch_torchrun(os.path.abspath(__file__), world=2, timeout=600)
+        finally:
+            del os.environ["PDGPU_DIR"]
+    assert_every_rank_passed(result, 2, MARKER)
+
+
+@needs_gpu
+def test_one_nccl_rank_with_interleaved_chunks() -> None:
+    os.environ["PDGPU_NCCL"] = "1"
+    try:
+        result = launch_torchrun(os.path.abspath(__file__), world=1, timeout=600)
+    finally:
+        del os.environ["PDGPU_NCCL"]
+    assert_every_rank_passed(result, 1, MARKER)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    nccl = os.environ.get("PDGPU_NCCL") == "1"
+    # PipeDream creates the default group itself (cpu:gloo,cuda:nccl on a GPU) for the
+    # NCCL run; the Gloo run creates a Gloo group first, which PipeDream then uses.
+    if not nccl:
+        dist.init_process_group("gloo")
+    (run_nccl_checks if nccl else run_gloo_checks)()
+    assert not nccl or "nccl" in str(dist.get_backend()), dist.get_backend()
+    print(f"rank {dist.get_rank()}: {MARKER}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
