@@ -140,11 +140,11 @@ class PipeDream:
         #: The plan the stages come from (balance="auto" or a saved plan), else None.
         self.plan: Optional[Plan] = None
         partition = self._partition(module, group, balance, replicas, sample, bandwidth)
-        self._check_same_config_everywhere(group, len(module), partition)
         #: Parameters used by layers of several stages (tied weights), each kept by
         #: every stage that uses it; see _shared.
         self.shared_parameters = find_shared(module, partition)
         self._refuse_shared_if_asynchronous()
+        self._check_same_config_everywhere(group, len(module), partition)
         self._stream, self._schedule = self._build_schedule(partition)
         stage_ranks = [self._schedule.stage_ranks(j) for j in range(self._schedule.num_stages)]
         self._groups = PipelineGroups.create(group, stage_ranks, self.config.timeout)
@@ -206,15 +206,16 @@ class PipeDream:
 
     def _check_same_config_everywhere(self, group: dist.ProcessGroup, num_layers: int,
                                       partition: Any) -> None:
-        """Fails on every rank if ranks disagree on schedule, balance or model size."""
+        """Fails on every rank if ranks disagree on schedule, balance, model size or ties."""
         c = self.config
+        # Shared parameters too: ranks that disagree would create different groups.
         text = (f"{c.schedule}|{c.microbatches}|{partition.balance}|{num_layers}|"
-                f"{partition.replicas}")
+                f"{partition.replicas}|{[sp.names for sp in self.shared_parameters]}")
         if not _collectives.check_same_everywhere(text, group):
             raise ValueError(f"rank {dist.get_rank(group)}: ranks disagree on the pipeline "
-                             f"configuration (this rank: schedule, microbatches, balance, layers "
-                             f"= {text}); every rank must build PipeDream with the same arguments "
-                             "and model")
+                             f"configuration (this rank: schedule, microbatches, balance, layers, "
+                             f"replicas, shared parameters = {text}); every rank must build "
+                             "PipeDream with the same arguments and model")
 
     def _build_schedule(self, partition: Any) -> Tuple[Optional["_C.AsyncStream"],
                                                        "schedules.Schedule"]:
