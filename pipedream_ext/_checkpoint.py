@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Dict, List, Mapping, Optional, 
 import torch
 
 from . import _collectives
+from ._shared import alias_names, canonical_names
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._pipe import PipeDream
@@ -445,7 +446,10 @@ def _optimizer_by_stage(pipe: "PipeDream", optimizer: torch.optim.Optimizer) -> 
         ValueError: the optimizer holds a tensor that is not a parameter of this
             rank's stages.
     """
-    names = {id(p): n for n, p in pipe.named_parameters()}
+    # A parameter shared by stages is saved once, under its canonical name, by the
+    # canonical name's stage: the other stages' copies hold the same state.
+    canonical = canonical_names(pipe.shared_parameters)
+    names = {id(p): canonical.get(n, n) for n, p in pipe.named_parameters()}
     stage_of_name = {n: j for j, module in _local_stage_modules(pipe).items()
                      for n, _ in module.named_parameters()}
     packed = optimizer.state_dict()  # runs the optimizer's state_dict hooks; tensors are not copied
@@ -465,15 +469,17 @@ def _optimizer_by_stage(pipe: "PipeDream", optimizer: torch.optim.Optimizer) -> 
         # "param_names" (optimizers built from named_parameters) describes the group's
         # composition, which loading may change; the names kept here replace it.
         hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-        for j in sorted({stage_of_name[index_to_name[i]] for i in group["params"]}):
+        kept = [i for i in group["params"] if index_to_name[i] in stage_of_name]
+        for j in sorted({stage_of_name[index_to_name[i]] for i in kept}):
             entry = result.setdefault(j, {"format": "pipedream_ext-optimizer",
                                           "class": _class_name(optimizer), "state": {},
                                           "param_groups": []})
             entry["param_groups"].append(dict(hyper, params=[
-                index_to_name[i] for i in group["params"] if stage_of_name[index_to_name[i]] == j]))
+                index_to_name[i] for i in kept if stage_of_name[index_to_name[i]] == j]))
     for i, value in packed["state"].items():
         name = index_to_name[int(i)]
-        result[stage_of_name[name]]["state"][name] = value
+        if name in stage_of_name:
+            result[stage_of_name[name]]["state"][name] = value
     return result
 
 
@@ -558,6 +564,7 @@ def save_checkpoint(path: PathLike, pipe: "PipeDream", optimizer: Optional[torch
     error = None
     records: List[Dict[str, Any]] = []
     extra_record: Optional[Dict[str, Any]] = None
+    aliases = alias_names(pipe.shared_parameters)
     try:
         os.makedirs(directory, exist_ok=True)
         for j, module in _local_stage_modules(pipe).items():
@@ -566,8 +573,12 @@ def save_checkpoint(path: PathLike, pipe: "PipeDream", optimizer: Optional[torch
                 continue  # replicas hold the leader's weights
             start, stop = pipe.stage_layers[j]
             state = module.state_dict()  # detached views, no copies
-            model = _atomic_torch_save(state, directory, f"g{generation:06d}-stage{j:03d}-model.pt")
-            model["tensors"] = {k: _describe(v) for k, v in state.items()}
+            # A name of a parameter shared with an earlier stage is listed with the
+            # name it is stored under ("same_as"), not stored again.
+            stored = collections.OrderedDict((k, v) for k, v in state.items() if k not in aliases)
+            model = _atomic_torch_save(stored, directory, f"g{generation:06d}-stage{j:03d}-model.pt")
+            model["tensors"] = {k: dict(_describe(v), same_as=aliases[k]) if k in aliases
+                                else _describe(v) for k, v in state.items()}
             optim = None
             if j in optimizer_parts:
                 part = optimizer_parts[j]
@@ -647,6 +658,7 @@ def _prepare_weights(directory: str, manifest: Mapping[str, Any], pipe: "PipeDre
             f"({', '.join(l['name'] + ':' + l['type'] for l in layers[:12])}"
             f"{', ...' if len(layers) > 12 else ''}) but this pipeline's model has {num_layers}")
     owner = _stage_of_layer(manifest)
+    layer_index = {layer["name"]: i for i, layer in enumerate(layers)}
     result: Dict[int, "collections.OrderedDict[str, torch.Tensor]"] = {}
     for j, module in _local_stage_modules(pipe).items():
         start, stop = pipe.stage_layers[j]
@@ -664,13 +676,18 @@ def _prepare_weights(directory: str, manifest: Mapping[str, Any], pipe: "PipeDre
         loaded: "collections.OrderedDict[str, torch.Tensor]" = collections.OrderedDict()
         for key, current in expected.items():
             stage = owner[index_of[key.split(".", 1)[0]]]
+            # A parameter shared with an earlier stage is stored under that stage's name.
+            same_as = stage["model"].get("tensors", {}).get(key, {}).get("same_as")
+            if same_as is not None:
+                stage = owner[layer_index[same_as.split(".", 1)[0]]]
             what = _stage_what(stage, "weights")
             data = _load_verified(directory, stage["model"], what, pipe.device, cache)
             full = os.path.join(directory, stage["model"]["file"])
-            if key not in data:
-                raise CheckpointError(f"{full} ({what}) has no entry for {key!r}, which this model has "
-                                      "(missing parameter or buffer)")
-            value = data[key]
+            source = key if same_as is None else same_as
+            if source not in data:
+                raise CheckpointError(f"{full} ({what}) has no entry for {source!r}, which this model "
+                                      "has (missing parameter or buffer)")
+            value = data[source]
             if not isinstance(value, torch.Tensor):
                 raise CheckpointError(f"{full} ({what}): {key!r} is a {type(value).__name__}, not a tensor")
             if value.shape != current.shape:
@@ -697,7 +714,8 @@ def _prepare_optimizer(directory: str, manifest: Mapping[str, Any], pipe: "PipeD
                               "optimizer=); load it without optimizer=")
     layer_index = {layer["name"]: i for i, layer in enumerate(manifest["layers"])}
     owner = _stage_of_layer(manifest)
-    names = {id(p): n for n, p in pipe.named_parameters()}
+    canonical = canonical_names(pipe.shared_parameters)
+    names = {id(p): canonical.get(n, n) for n, p in pipe.named_parameters()}
     group_of: Dict[str, Dict[str, Any]] = {}  # file -> {name: saved group}
     state: Dict[int, Any] = {}
     groups: List[Dict[str, Any]] = []
@@ -852,14 +870,21 @@ def consolidate(path: PathLike) -> "collections.OrderedDict[str, torch.Tensor]":
         data = _load_verified(directory, stage["model"], what, "cpu")
         full = os.path.join(directory, stage["model"]["file"])
         listed = stage["model"].get("tensors", {})
-        missing = [k for k in listed if k not in data]
-        unexpected = [k for k in data if k not in listed]
+        stored = [k for k, v in listed.items() if "same_as" not in v]
+        missing = [k for k in stored if k not in data]
+        unexpected = [k for k in data if k not in stored]
         if missing or unexpected:
             raise CheckpointError(f"{full} ({what}) does not hold what the manifest lists: "
                                   f"missing {missing}, unexpected {unexpected}")
-        for key, value in data.items():
-            if list(value.shape) != listed[key]["shape"]:
+        for key, record in listed.items():
+            # A parameter shared with an earlier stage: the same tensor under both
+            # names, as in the tied model's own state_dict.
+            value = data[key] if "same_as" not in record else result.get(record["same_as"])
+            if value is None:
+                raise CheckpointError(f"{full} ({what}): {key!r} is the same tensor as "
+                                      f"{record['same_as']!r}, which no earlier stage holds")
+            if list(value.shape) != record["shape"]:
                 raise CheckpointError(f"{full} ({what}): {key!r} has shape {list(value.shape)} but "
-                                      f"the manifest says {listed[key]['shape']}")
+                                      f"the manifest says {record['shape']}")
             result[key] = value
     return result

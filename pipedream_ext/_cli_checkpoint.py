@@ -25,7 +25,8 @@ def _run_consolidate(args: argparse.Namespace) -> int:
         _atomic_torch_save(state, directory, name)  # never leaves a half-written model.pt
     except OSError as exc:
         raise RuntimeError(f"cannot write {args.output}: {exc}") from exc
-    numel = sum(t.numel() for t in state.values())
+    # A tied parameter is one tensor under several names (and stored once).
+    numel = sum(t.numel() for t in {id(t): t for t in state.values()}.values())
     step = manifest.get("step")
     print(f"wrote {args.output}: {len(state)} tensors ({numel:,} values) of "
           f"{manifest['num_layers']} layers, generation {manifest['generation']}"

@@ -23,7 +23,7 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["metadata_device", "all_reduce", "broadcast_bytes", "gather_bytes",
+__all__ = ["metadata_device", "all_reduce", "all_reduce_data", "broadcast_bytes", "gather_bytes",
            "all_gather_json", "check_same_everywhere", "measure_bandwidth", "barrier"]
 
 
@@ -57,6 +57,23 @@ def all_reduce(values: List[float], group: dist.ProcessGroup, op: Any = dist.Red
     t = torch.tensor(values, dtype=dtype, device=metadata_device(group))
     dist.all_reduce(t, op=op, group=group)
     return t.cpu().tolist()
+
+
+def all_reduce_data(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Sums a data tensor (gradients) over ``group`` in place, on the tensor's own device.
+
+    Unlike metadata, data stays where the parameters are: the group must have a
+    backend for that device (PipeDream's default group has one for CPU and CUDA).
+
+    Raises:
+        ValueError: the group has no backend for the tensor's device.
+    """
+    types = {t.type if isinstance(t, torch.device) else str(t) for t in group._device_types}
+    if tensor.device.type not in types:
+        raise ValueError(f"process group {group} has no backend for {tensor.device.type} tensors "
+                         f"(it has {sorted(types)}); create the default group with a backend for "
+                         "the parameters' device, e.g. 'cpu:gloo,cuda:nccl'")
+    dist.all_reduce(tensor, group=group)
 
 
 def _to_tensor(payload: bytes, size: int, device: torch.device) -> torch.Tensor:

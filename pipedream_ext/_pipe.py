@@ -23,6 +23,7 @@ from ._config import PipelineConfig
 from ._groups import PipelineGroups, init_default_group
 from ._observe import Observer
 from ._runners import make_runner
+from ._shared import SharedGradients, describe, find_shared
 from ._stage_fn import NonFiniteError, StageFunction, Tensors
 from ._stages import LocalStages, even_balance, resolve_partition
 from ._startup_plan import auto_plan, partition_from_plan
@@ -139,13 +140,18 @@ class PipeDream:
         #: The plan the stages come from (balance="auto" or a saved plan), else None.
         self.plan: Optional[Plan] = None
         partition = self._partition(module, group, balance, replicas, sample, bandwidth)
+        #: Parameters used by layers of several stages (tied weights), each kept by
+        #: every stage that uses it; see _shared.
+        self.shared_parameters = find_shared(module, partition)
+        self._refuse_shared_if_asynchronous()
         self._check_same_config_everywhere(group, len(module), partition)
         self._stream, self._schedule = self._build_schedule(partition)
-        self._groups = PipelineGroups.create(group, [self._schedule.stage_ranks(j) for j in
-                                                     range(self._schedule.num_stages)],
-                                             self.config.timeout)
+        stage_ranks = [self._schedule.stage_ranks(j) for j in range(self._schedule.num_stages)]
+        self._groups = PipelineGroups.create(group, stage_ranks, self.config.timeout)
         self._stages = LocalStages(module, partition, self._schedule.stages_of_rank(self.rank),
                                    self.device)
+        shared_gradients = SharedGradients(self.shared_parameters, self._stages, stage_ranks,
+                                           self._groups.group, self.config.timeout)
         if trace is None:
             trace = os.environ.get("PIPEDREAM_TRACE") or None
         self._observer = Observer(self.rank, self.local_stages, self.group, schedule,
@@ -154,7 +160,8 @@ class PipeDream:
                                        self.config.autocast, self.config.check_finite,
                                        raise_at_once=self.asynchronous, rank=self.rank)
         self._runner = make_runner(self.config, self._schedule, self._stream, self._stages,
-                                   self._groups, self._stage_fn, self._observer, self.device)
+                                   self._groups, self._stage_fn, self._observer, self.device,
+                                   shared_gradients=shared_gradients)
         _log.info("rank %d: stages %s (layers %s) of %d, schedule %s, %d microbatches",
                   self.rank, self.local_stages, [self.stage_layers[j] for j in self.local_stages],
                   self.num_stages, schedule, microbatches)
@@ -181,17 +188,34 @@ class PipeDream:
                           "\n%s", self.plan.cost_model, self.plan.speedup_over_dp, self.plan.table())
         return resolve_partition(len(module), world, self.config.chunks, balance, replicas)
 
+    def _refuse_shared_if_asynchronous(self) -> None:
+        """Shared parameters need one update of all their copies per step.
+
+        Raises:
+            ValueError: an asynchronous schedule and a parameter shared by stages.
+        """
+        if not self.asynchronous or not self.shared_parameters:
+            return
+        sp = self.shared_parameters[0]
+        raise ValueError(
+            f"parameter {describe(sp)} is shared by layers on different stages, but schedule "
+            f"{self.config.schedule!r} updates each stage's weights inside the pipeline at "
+            "different times, so its copies would drift apart; shared parameters need a flush "
+            f"schedule ({', '.join(SYNCHRONOUS_SCHEDULES)}), or put every layer using it on "
+            "one stage with balance=...")
+
     def _check_same_config_everywhere(self, group: dist.ProcessGroup, num_layers: int,
                                       partition: Any) -> None:
-        """Fails on every rank if ranks disagree on schedule, balance or model size."""
+        """Fails on every rank if ranks disagree on schedule, balance, model size or ties."""
         c = self.config
+        # Shared parameters too: ranks that disagree would create different groups.
         text = (f"{c.schedule}|{c.microbatches}|{partition.balance}|{num_layers}|"
-                f"{partition.replicas}")
+                f"{partition.replicas}|{[sp.names for sp in self.shared_parameters]}")
         if not _collectives.check_same_everywhere(text, group):
             raise ValueError(f"rank {dist.get_rank(group)}: ranks disagree on the pipeline "
-                             f"configuration (this rank: schedule, microbatches, balance, layers "
-                             f"= {text}); every rank must build PipeDream with the same arguments "
-                             "and model")
+                             f"configuration (this rank: schedule, microbatches, balance, layers, "
+                             f"replicas, shared parameters = {text}); every rank must build "
+                             "PipeDream with the same arguments and model")
 
     def _build_schedule(self, partition: Any) -> Tuple[Optional["_C.AsyncStream"],
                                                        "schedules.Schedule"]:

@@ -4,7 +4,8 @@ One runner per family, chosen by the schedule's traits:
 
 * :class:`FlushRunner` (``gpipe``, ``1f1b``, ``interleaved-1f1b``, ``zb-h1``): every
   ``step`` runs the rank's whole action list once (one batch, then a flush); the
-  user steps the optimizer; the batch loss is all-reduced to every rank.
+  gradients of parameters shared by stages are summed over them (``_shared``);
+  the user steps the optimizer; the batch loss is all-reduced to every rank.
 * :class:`StreamRunner` (``pipedream``, ``pipedream-2bw``): every ``step`` appends
   one minibatch's actions (``AsyncStream``) to a long-lived executor and runs up
   to its forward; the runtime steps the optimizer at every ``U``; ``flush``
@@ -29,6 +30,7 @@ from . import _C, _collectives, schedules
 from ._config import PipelineConfig
 from ._groups import PipelineGroups
 from ._observe import Observer
+from ._shared import SharedGradients
 from ._stage_fn import NonFiniteError, StageFunction, Tensors, split_microbatches
 from ._stages import LocalStages
 
@@ -79,11 +81,14 @@ class Runner:
         stage_fn: the executor's forward callback.
         observer: stats and trace.
         device: the stages' device.
+        shared_gradients: sums the gradients of parameters shared by stages
+            (flush schedules; ``None`` or empty: none).
     """
 
     def __init__(self, config: PipelineConfig, schedule: "schedules.Schedule",
                  stages: LocalStages, groups: PipelineGroups, stage_fn: StageFunction,
-                 observer: Observer, device: torch.device) -> None:
+                 observer: Observer, device: torch.device,
+                 shared_gradients: Optional[SharedGradients] = None) -> None:
         self.config = config
         self.schedule = schedule
         self.stages = stages
@@ -91,6 +96,7 @@ class Runner:
         self.stage_fn = stage_fn
         self.observer = observer
         self.device = device
+        self.shared_gradients = shared_gradients
         self.num_stages = schedule.num_stages
         self.steps_run = 0  # steps run (flush) or admitted (stream), for messages
         self._update = _OptimizerStep()
@@ -222,6 +228,14 @@ class FlushRunner(Runner):
         scaler = self.stage_fn.grad_scaler
         loss_scale = float(scaler.get_scale()) if scaler is not None else 1.0
         losses = self.executor.run([list(c) for c in chunks])
+        if self.shared_gradients:
+            # After the replicas' all-reduce inside run(), before the user's opt.step().
+            try:
+                self.shared_gradients.reduce()
+            except RuntimeError as exc:
+                raise RuntimeError(f"rank {self.groups.rank}: the gradient all-reduce of shared "
+                                   f"parameters in step {self.steps_run} failed or timed out: "
+                                   f"{exc}") from exc
         self._finish_step()
         # Each last-stage replica holds the scaled losses of its microbatches.
         local = sum(float(l) for l in losses if l is not None) / loss_scale if self.is_last else 0.0
@@ -378,8 +392,8 @@ class StreamRunner(Runner):
 
 
 def make_runner(config: PipelineConfig, schedule: "schedules.Schedule",
-                stream: Optional["_C.AsyncStream"], *args: Any) -> Runner:
+                stream: Optional["_C.AsyncStream"], *args: Any, **kwargs: Any) -> Runner:
     """The runner of ``config``'s schedule family (``stream`` for streaming schedules)."""
     if config.traits.streaming:
-        return StreamRunner(stream, config, schedule, *args)
-    return FlushRunner(config, schedule, *args)
+        return StreamRunner(stream, config, schedule, *args, **kwargs)
+    return FlushRunner(config, schedule, *args, **kwargs)

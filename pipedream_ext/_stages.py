@@ -120,6 +120,8 @@ class LocalStages:
 
     Layers keep their child names, so parameter names (``"3.weight"``) match the
     unsplit model's in ``named_parameters()``, ``state_dict()`` and checkpoints.
+    A parameter tied across stages stays one object in every kept stage that uses
+    it (``_shared`` keeps the ranks' copies equal).
 
     Args:
         module: the whole model.

@@ -52,6 +52,10 @@ ROWS: List[Tuple[str, str, str, str]] = [
     ("replicas-zero", "`replicas=[0, 2]`", r"replicas \[0, 2\] has a count below 1", "here"),
     ("too-few-layers", "more stages than layers", r"the model has 1 layers but 2 stages are needed", "here"),
     ("config-mismatch", "ranks built with different arguments", r"ranks disagree on the pipeline configuration", "here"),
+    ("shared-async", "a parameter shared by stages (tied weights) with `pipedream` or `pipedream-2bw`",
+     r"parameter 0\.weight and 4\.weight \(stages 0 and 1\) is shared by layers on different stages, "
+     r"but schedule 'pipedream(-2bw)?' .* need a flush schedule \(gpipe, 1f1b, interleaved-1f1b, zb-h1\)",
+     "tests/test_shared_params.py::test_tied_lm_matches_the_unsplit_model"),
     ("plan-file", "`balance=` a file that is not a plan",
      r"notaplan0.json: not a pipedream_ext.plan v1 object|notaplan1.json: not a pipedream_ext.plan v1 object", "here"),
     # -- data

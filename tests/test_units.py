@@ -13,6 +13,7 @@ from torch import nn
 from pipedream_ext import _C, schedules
 from pipedream_ext._config import PipelineConfig
 from pipedream_ext._stage_fn import NonFiniteError, StageFunction, Targets, split_microbatches
+from pipedream_ext._shared import alias_names, canonical_names, describe, find_shared
 from pipedream_ext._stages import LocalStages, even_balance, resolve_partition
 from pipedream_ext._startup_plan import cluster_shape, partition_from_plan
 from pipedream_ext.planner import plan
@@ -72,6 +73,37 @@ def test_local_stages_keep_original_names_and_parameters() -> None:
                        torch.device("cpu"))
     assert list(both.module.state_dict()) == list(model.state_dict())
     assert set(both.parameters_by_stage()) == {0, 1}
+
+
+def _tied_model() -> nn.Sequential:
+    """0 Embedding, 1 Linear, 2 Linear tied to 1 (same stage or not), 3 head tied to 0."""
+    emb, a, b, head = nn.Embedding(7, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 7)
+    b.weight = a.weight
+    head.weight = emb.weight
+    return nn.Sequential(emb, a, b, head)
+
+
+def test_find_shared_lists_parameters_of_several_stages() -> None:
+    model = _tied_model()
+    # Stages [0, 1] [2] [3]: both ties cross stages.
+    shared = find_shared(model, resolve_partition(4, 3, balance=[2, 1, 1]))
+    assert [(sp.names, sp.stages) for sp in shared] == [
+        (("0.weight", "3.weight"), (0, 2)), (("1.weight", "2.weight"), (0, 1))]
+    assert describe(shared[0]) == "0.weight and 3.weight (stages 0 and 2)"
+    assert alias_names(shared) == {"3.weight": "0.weight", "2.weight": "1.weight"}
+    assert canonical_names(shared)["3.weight"] == "0.weight"
+    # Stages [0] [1, 2] [3]: 1/2 are tied within one stage, as in the unsplit model.
+    shared = find_shared(model, resolve_partition(4, 3, balance=[1, 2, 1]))
+    assert [(sp.names, sp.stages) for sp in shared] == [(("0.weight", "3.weight"), (0, 2))]
+    # Interleaved: stages 0 and 2 are on one rank, still two stages.
+    shared = find_shared(model, resolve_partition(4, 2, chunks=2, balance=[1, 1, 1, 1]))
+    assert [sp.stages for sp in shared] == [(0, 3), (1, 2)]
+    assert find_shared(model, resolve_partition(4, 1)) == []
+    # Every stage keeps the same Parameter object; a rank holding two of them lists it once.
+    stages = LocalStages(model, resolve_partition(4, 2, chunks=2, balance=[1, 1, 1, 1]), [0, 3],
+                         torch.device("cpu"))
+    assert stages[0][0].weight is stages[3][0].weight is model[0].weight
+    assert [n for n, _ in stages.module.named_parameters()] == ["0.weight", "3.bias"]
 
 
 # -- arguments and traits ------------------------------------------------------------
