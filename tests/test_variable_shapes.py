@@ -5,8 +5,9 @@ does not divide into the microbatches, so the last microbatch is smaller) and a
 tiny CNN whose image size changes, under every flush schedule against the unsplit
 model (loss of every step, weights after SGD with momentum), and under
 ``pipedream`` / ``pipedream-2bw`` against a sequential simulation of their
-weight-version rules. The last step repeats the shapes of the one before it: its
-receives are all pre-posted and no send redirects. Then two one-sided bad peers (a
+weight-version rules (zb-h1 also with recompute; 1f1b then evaluates yet another
+shape). The last step repeats the shapes of the one before it: its receives are
+all pre-posted and no send redirects. Then two one-sided bad peers (a
 wrong number of tensors, a gradient of the wrong shape): both ranks fail with an
 error, none hangs.
 
@@ -103,16 +104,18 @@ def assert_loss(loss: float, expected: float, what: str) -> None:
 
 
 # --------------------------------------------------------------------------- flush schedules
-def check_flush(case: str, schedule: str) -> None:
+def check_flush(case: str, schedule: str, recompute: bool = False, evaluate: bool = False) -> None:
     """Every step's loss and the final weights equal the unsplit model's; the steady
-    last step pre-posts every receive and redirects no send."""
+    last step pre-posts every receive and redirects no send. ``evaluate``: then
+    ``forward_only`` on yet another shape equals the unsplit model's output."""
     import pipedream_ext as pd
 
     make, loss_fn, make_batch, steps = CASES[case]
     ref = make()
     ref_opt = sgd(ref.parameters())
     pipe = pd.PipeDream(make(), loss_fn, schedule=schedule, microbatches=MICROBATCHES,
-                        chunks=2 if schedule == "interleaved-1f1b" else 1, timeout=60)
+                        chunks=2 if schedule == "interleaved-1f1b" else 1, timeout=60,
+                        recompute=recompute)
     opt = sgd(pipe.parameters())
     for step, (rows, size) in enumerate(steps):
         if step == len(steps) - 1:
@@ -133,6 +136,14 @@ def check_flush(case: str, schedule: str) -> None:
     for name, param in pipe.named_parameters():
         torch.testing.assert_close(param.detach(), expected_weights[name].detach(), rtol=RTOL,
                                    atol=ATOL, msg=lambda m: f"{case} {schedule} weight {name}: {m}")
+    if evaluate:
+        x, _ = make_batch(99, 5, 9)
+        pipe.eval()
+        out = pipe.forward_only(x)
+        if pipe.is_last:
+            torch.testing.assert_close(out, ref(x).detach(), rtol=RTOL, atol=ATOL)
+        else:
+            assert out is None
 
 
 # --------------------------------------------------------------------------- asynchronous
@@ -200,7 +211,8 @@ def check_async(schedule: str, streams: Sequence[int] = (4, 2)) -> None:
 def run_all_checks() -> None:
     assert dist.get_world_size() == 2, "written for 2 ranks"
     for schedule in FLUSH_SCHEDULES:
-        check_flush("lm", schedule)
+        check_flush("lm", schedule, evaluate=schedule == "1f1b")
+    check_flush("lm", "zb-h1", recompute=True)
     for schedule in ("1f1b", "zb-h1"):
         check_flush("cnn", schedule)
     for schedule in ("pipedream", "pipedream-2bw"):
