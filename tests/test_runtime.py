@@ -253,15 +253,9 @@ def fault_case(case: str) -> None:
 
     rank = dist.get_rank()
     model = make_model()
-    if case == "shape-change":  # stage 0 passes its input through unchanged
-        model = nn.Sequential(nn.Identity(), nn.Linear(6, 3))
     pipe = pd.PipeDream(model, F.cross_entropy, schedule="1f1b", microbatches=2, timeout=5)
     x, y = batch()
     pipe.step(x, y)  # one good step first
-    if case == "shape-change":
-        if 1 in pipe.local_stages:  # a stage-1 layer that would accept the new width
-            pipe._stages[1][0] = nn.Linear(5, 3)  # noqa: SLF001 - test only
-        x = x[:, :5]
     if case == "kill" and rank == 1:
         os.kill(os.getpid(), 9)
     if case == "missing-targets":
@@ -331,8 +325,6 @@ def test_killed_rank_makes_the_others_fail_naming_it() -> None:
 @pytest.mark.parametrize("case, bad_rank, needle", [
     ("missing-targets", 1, "needs the targets"),
     ("small-batch", 0, "smaller than microbatches=2"),
-    ("shape-change", 1, "stage 1 microbatch 0: input activations changed shape or dtype: "
-                        "expected (Float[4, 6]) (first step) but got (Float[4, 5])"),
 ])
 def test_one_sided_bad_input_fails_everywhere(case: str, bad_rank: int, needle: str) -> None:
     results = _launch_raw(2, case, timeout=120)

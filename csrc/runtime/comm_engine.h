@@ -18,8 +18,11 @@
 // pre-posted: if its shapes are the same it sends as usual; if not it sets
 // kRedirected in the header, sends zeros of the predicted shapes to fill the
 // pre-posted buffers and the real tensors under parts 16 + k, which the
-// receiver posts when the header arrives. Flush schedules repeat their tags
-// every step, so from the second step on every receive is pre-posted.
+// receiver posts when the header arrives. The prediction is a guess, not a
+// rule: any dimension (and the count and dtypes) may differ from one transfer
+// to the next; what a stage accepts is the executor's to check. Flush
+// schedules repeat their tags every step, so from the second step on every
+// receive is pre-posted and only the first step after a change redirects.
 // Requirement: a slot's transfers complete in order at the receiver before
 // its next receive is posted (true for run()/runForward(); streaming
 // executors, whose tags do not repeat, leave prediction off).

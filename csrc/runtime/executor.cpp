@@ -109,39 +109,35 @@ std::vector<TraceEvent> PipelineExecutor::takeTrace() {
   return out;
 }
 
-void PipelineExecutor::checkSignature(int direction, int stage, int microbatch,
+void PipelineExecutor::checkSignature(int stage, int microbatch,
                                       const std::vector<at::Tensor>& received) {
-  std::vector<TensorMeta> metas;
-  for (const auto& t : received) metas.push_back(TensorMeta{t.scalar_type(), t.sizes().vec()});
-  auto key = std::make_pair(direction, stage);
-  auto it = signatures_.find(key);
+  // Shapes are free: any dimension may change between microbatches and steps
+  // (the header carries them; the engine's prediction is only a guess). What
+  // the stage's forward is written against stays a rule: how many tensors it
+  // gets and, per position, the dtype (a floating dtype may become another
+  // one: autocast switched on or off, evaluation in another precision).
+  const auto metas = metasOf(received);
+  auto it = signatures_.find(stage);
   if (it == signatures_.end()) {
-    signatures_.emplace(key, metas);
+    signatures_.emplace(stage, metas);
     return;
   }
   auto describeAll = [](const std::vector<TensorMeta>& list) {
     std::string out;
     for (const auto& m : list) out += (out.empty() ? "" : ", ") + m.toString();
-    return "(" + out + ")";
+    return std::to_string(list.size()) + (list.size() == 1 ? " tensor (" : " tensors (") + out + ")";
   };
   bool same = it->second.size() == metas.size();
   for (size_t k = 0; same && k < metas.size(); ++k) {
-    const auto& a = it->second[k];
-    const auto& b = metas[k];
-    // The batch dimension may differ (uneven microbatches, a smaller last batch);
-    // a floating dtype may change (autocast switched on or off, evaluation in
-    // another precision): the header carries it, receivers allocate from it.
-    const bool dtypeOk = a.dtype == b.dtype ||
-                         (at::isFloatingType(a.dtype) && at::isFloatingType(b.dtype));
-    same = dtypeOk && a.shape.size() == b.shape.size() &&
-           std::equal(a.shape.begin() + (a.shape.empty() ? 0 : 1), a.shape.end(),
-                      b.shape.begin() + (b.shape.empty() ? 0 : 1));
+    const auto a = it->second[k].dtype;
+    const auto b = metas[k].dtype;
+    same = a == b || (at::isFloatingType(a) && at::isFloatingType(b));
   }
-  TORCH_CHECK(same, "stage ", stage, " microbatch ", microbatch, ": ",
-              direction == kForwardDir ? "input activations" : "output gradients",
-              " changed shape or dtype: expected ", describeAll(it->second), " (first step) but got ",
-              describeAll(metas),
-              "; every microbatch must give a stage the same shapes apart from the batch dimension");
+  TORCH_CHECK(same, "rank ", rank_, ": ", describe("RECV_F", stage, microbatch), ": rank ",
+              schedule_.layout().rankFor(stage - 1, microbatch), " sent ", describeAll(metas),
+              " but stage ", stage, " was first given ", describeAll(it->second),
+              "; shapes may change from step to step, but the number of tensors a stage passes "
+              "and their dtypes may not");
 }
 
 std::vector<at::Tensor> PipelineExecutor::receive(const Key& key, int direction) {
@@ -163,7 +159,8 @@ std::vector<at::Tensor> PipelineExecutor::receive(const Key& key, int direction)
   const char* what = direction == kForwardDir ? "RECV_F" : "RECV_B";
   account(what, commName(key.first, what, key.second), "wait", start, true);
   auto tensors = transfer->tensors();
-  checkSignature(direction, key.first, key.second, tensors);
+  // Gradients are checked against the stashed outputs they are for, at B.
+  if (direction == kForwardDir) checkSignature(key.first, key.second, tensors);
   return tensors;
 }
 
@@ -186,10 +183,18 @@ void PipelineExecutor::gradientRoots(const Action& a, const Stash& s, std::vecto
     grads = {at::Tensor()};
     return;
   }
+  // The gradient of an activation must have that activation's shape, whatever
+  // shapes this step uses: checked here against the stash, so a peer running
+  // another model or split is named instead of failing inside autograd.
+  TORCH_CHECK(s.gradOutputs.size() == s.outputs.size(), "rank ", rank_, ": ",
+              describe("RECV_B", a.stage, a.microbatch), ": rank ",
+              schedule_.layout().rankFor(a.stage + 1, a.microbatch), " sent ",
+              s.gradOutputs.size(), " gradients for the ", s.outputs.size(), " outputs of stage ",
+              a.stage, "; every rank must run the same model, balance and schedule");
   for (size_t k = 0; k < s.outputs.size(); ++k) {
     if (!s.outputs[k].requires_grad()) continue;
-    TORCH_CHECK(k < s.gradOutputs.size() && s.gradOutputs[k].defined(), "stage ", a.stage,
-                " microbatch ", a.microbatch, ": missing gradient for output ", k);
+    TORCH_CHECK(s.gradOutputs[k].defined(), "stage ", a.stage, " microbatch ", a.microbatch,
+                ": missing gradient for output ", k);
     const auto& out = s.outputs[k];
     const auto& grad = s.gradOutputs[k];
     // A peer running another split or model would otherwise surface as an

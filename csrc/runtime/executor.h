@@ -170,8 +170,9 @@ class PipelineExecutor {
   void inputGradients(const Action& a, Stash& s, const std::vector<at::Tensor>& roots,
                       const std::vector<at::Tensor>& grads, bool inputOnly);
   int oldestFutureRead(int stage, size_t from) const;
-  void checkSignature(int direction, int stage, int microbatch,
-                      const std::vector<at::Tensor>& received);
+  // Received activations of `stage`: the number of tensors and their dtypes
+  // (not their shapes) must be those of the stage's first input.
+  void checkSignature(int stage, int microbatch, const std::vector<at::Tensor>& received);
   int tag(int direction, int boundary, int microbatch) const;
   std::string describe(const char* what, int stage, int microbatch) const;
   // The ledger's id of list position `index`: absolute over a stream.
@@ -208,9 +209,9 @@ class PipelineExecutor {
   TransferLedger ledger_;
   std::map<TransferId, std::shared_ptr<Transfer>> unposted_;  // receives waiting for the window
   std::map<TransferId, std::shared_ptr<Transfer>> sends_;     // sends in flight
-  // (direction, stage) -> metadata learned on the first step; the batch
-  // dimension may change, nothing else may.
-  std::map<std::pair<int, int>, std::vector<TensorMeta>> signatures_;
+  // stage -> its first received input's metadata; only the count and the
+  // dtypes are checked against it (shapes may change at every microbatch).
+  std::map<int, std::vector<TensorMeta>> signatures_;
 
   RuntimeStats stats_;  // own counters; stats() adds the engine's and the stores'
   bool tracing_ = false;
