@@ -56,6 +56,7 @@ bench: setup
 	$(PY) benchmarks/plan_accuracy.py
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/deferred_init.py
 	$(PY) benchmarks/update_readme.py
 
 # Time to accuracy on an emulated 4-host cluster (network namespaces, tc-limited

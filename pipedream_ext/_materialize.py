@@ -163,9 +163,14 @@ def _sentinel_fill(t: torch.Tensor) -> bool:
 
 
 def _is_sentinel(t: torch.Tensor) -> bool:
-    if t.is_floating_point() or t.is_complex():
-        return bool(torch.isnan(t).all())
-    return bool((t.reshape(-1).view(torch.uint8) == _SENTINEL_BYTE).all())
+    """Whether ``t`` still holds only the sentinel, in chunks: a set tensor is told
+    by its first chunk, and no temporary as large as the tensor is made."""
+    floating = t.is_floating_point() or t.is_complex()
+    flat = t.reshape(-1) if floating else t.reshape(-1).view(torch.uint8)
+    for chunk in flat.split(1 << 16):
+        if not bool(torch.isnan(chunk).all() if floating else (chunk == _SENTINEL_BYTE).all()):
+            return False
+    return True
 
 
 def _to_empty(layer: nn.Module, device: torch.device,
