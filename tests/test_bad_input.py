@@ -44,6 +44,8 @@ ROWS: List[Tuple[str, str, str, str]] = [
     ("no-launcher", "no process group and no torchrun environment",
      r"no torch\.distributed process group and no torchrun environment", "here"),
     ("init-seed", "`init_seed=-1`", r"init_seed=-1 is not an integer in \[0, 2\*\*16\)", "here"),
+    ("meta-auto-balance", "`balance='auto'` with a model on the meta device",
+     r"balance='auto' profiles the model, which cannot run on the meta device", "here"),
     # -- deferred initialisation and load_state_dict (every rank raises the same error)
     ("meta-no-reset", "a module on the meta device without `reset_parameters()`, no `init_fn`",
      r"module '1\.1' \(Scale: gain\) has parameters or buffers on the meta device but no "
@@ -112,6 +114,11 @@ def model(layers: int = 4) -> nn.Sequential:
     return nn.Sequential(*([nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Linear(12, 3)][:layers]))
 
 
+def _meta_model() -> nn.Sequential:
+    with torch.device("meta"):
+        return model()
+
+
 def pipe_kwargs(**kwargs: Any) -> Dict[str, Any]:
     base = dict(loss_fn=F.cross_entropy, schedule="1f1b", microbatches=2, timeout=30)
     base.update(kwargs)
@@ -131,6 +138,7 @@ IN_PROCESS: Dict[str, Callable[[], Any]] = {
         model(), **pipe_kwargs(schedule="pipedream", autocast=torch.float16)),
     "check-finite": lambda: _pd().PipeDream(model(), **pipe_kwargs(check_finite="warn")),
     "init-seed": lambda: _pd().PipeDream(model(), **pipe_kwargs(init_seed=-1)),
+    "meta-auto-balance": lambda: _pd().PipeDream(_meta_model(), balance="auto", **pipe_kwargs()),
     "no-launcher": lambda: _pd().PipeDream(model(), **pipe_kwargs()),
     "schedule-text": lambda: _pd().schedules.build("1f1b", stages=2, microbatches=2).with_actions(
         "rank 0: 0F0 0Q0\nrank 1: 1F0"),

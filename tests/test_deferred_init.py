@@ -201,10 +201,12 @@ def save_reset_parameters_checkpoint() -> None:
     import pipedream_ext as pd
 
     rng = torch.get_rng_state()
-    pipe = pd.PipeDream(meta_model(), F.cross_entropy, schedule="1f1b", microbatches=2,
-                        timeout=60, init_seed=3)
-    assert torch.equal(rng, torch.get_rng_state()), "deferred init changed the global RNG"
     world = dist.get_world_size()
+    # 2 ranks: interleaved, so a rank keeps layers 0-1 and 4-5 (not one contiguous slice).
+    schedule, chunks = ("interleaved-1f1b", 2) if world == 2 else ("1f1b", 1)
+    pipe = pd.PipeDream(meta_model(), F.cross_entropy, schedule=schedule, chunks=chunks,
+                        microbatches=2, timeout=60, init_seed=3)
+    assert torch.equal(rng, torch.get_rng_state()), "deferred init changed the global RNG"
     pd.save_checkpoint(os.path.join(os.environ["PDMETA_DIR"], f"reset-{world}"), pipe)
 
 
