@@ -12,12 +12,12 @@ is the collective that agrees on errors and copies in place.
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
-from . import _checkpoint
+from . import _collectives
 
 if TYPE_CHECKING:
     from ._pipe import PipeDream
@@ -126,10 +126,12 @@ def load_state_dict(pipe: "PipeDream", state_dict: Mapping[str, Any],
     Raises:
         ValueError: on every rank, if any rank found missing keys for its stages,
             keys the model does not have, or a shape that differs (naming them).
+        RuntimeError: on every rank, if a rank failed otherwise or a peer did not
+            arrive within the pipeline's timeout.
     """
     if pipe.asynchronous:
         pipe.flush()
-    error = None
+    error: Optional[BaseException] = None
     parts: Dict[int, "collections.OrderedDict[str, torch.Tensor]"] = {}
     missing: List[str] = []
     unexpected: List[str] = []
@@ -138,9 +140,8 @@ def load_state_dict(pipe: "PipeDream", state_dict: Mapping[str, Any],
         parts, missing, unexpected = split_state_dict(state_dict, pipe._model_shapes,  # noqa: SLF001
                                                       stages, pipe.stage_layers, strict)
     except Exception as exc:  # noqa: BLE001 - reported to every rank
-        error = _checkpoint._error_entry(exc)  # noqa: SLF001 - the same exchange as loading
-    what = "load_state_dict"
-    _checkpoint._raise_if_failed(_checkpoint._exchange(pipe, {"error": error}, what), what)  # noqa: SLF001
+        error = exc
+    _collectives.raise_if_any_failed(error, pipe.group, pipe.timeout, "load_state_dict")
     with torch.no_grad():
         for j, part in parts.items():
             # In place (param.copy_): the executor and weight store keep the same tensors.

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C, _checkpoint, _collectives, _faults, _load_state, _materialize, _signals, schedules
+from . import _C, _collectives, _faults, _load_state, _materialize, _signals, schedules
 from ._config import PipelineConfig
 from ._groups import PipelineGroups, init_default_group
 from ._observe import Observer
@@ -224,13 +224,14 @@ class PipeDream:
 
         if not deferred:
             return build()
-        stages, error = None, None
+        stages: Optional[LocalStages] = None
+        error: Optional[BaseException] = None
         try:
             stages = build()
         except Exception as exc:  # noqa: BLE001 - reported to every rank
-            error = _checkpoint._error_entry(exc)  # noqa: SLF001 - the same exchange
-        what = "initialising the meta-device layers"
-        _checkpoint._raise_if_failed(_checkpoint._exchange(self, {"error": error}, what), what)  # noqa: SLF001
+            error = exc
+        _collectives.raise_if_any_failed(error, self.group, self.timeout,
+                                         "initialising the meta-device layers")
         assert stages is not None
         return stages
 

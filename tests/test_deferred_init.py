@@ -70,6 +70,11 @@ class Masked(nn.Linear):
         return F.linear(x, self.weight * self.mask, self.bias)
 
 
+def meta_model_masked() -> nn.Sequential:
+    with torch.device("meta"):
+        return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), Masked(), nn.Linear(12, 3))
+
+
 def pretrained() -> Dict[str, torch.Tensor]:
     """A full state dict unlike any initialisation (trained BatchNorm statistics too)."""
     torch.manual_seed(7)
@@ -176,8 +181,7 @@ def check_bad_input() -> None:
     _expect(ValueError, r"module '1\.1' \(Scale: gain\) has parameters or buffers on the meta device "
             r"but no reset_parameters\(\).*pass PipeDream\(\.\.\., init_fn=fn\)",
             lambda: pd.PipeDream(no_reset, F.cross_entropy, microbatches=2, timeout=60))
-    with torch.device("meta"):
-        masked = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), Masked(), nn.Linear(12, 3))
+    masked = meta_model_masked()
     _expect(ValueError, r"initialising the meta-device layers failed on rank 1: layer 2 \('2'\): "
             r"'2\.mask' on the meta device were not set by reset_parameters\(\)",
             lambda: pd.PipeDream(masked, F.cross_entropy, microbatches=2, timeout=60))
@@ -194,6 +198,15 @@ def check_bad_input() -> None:
     for model in (no_reset, masked):
         pipe = pd.PipeDream(model, F.cross_entropy, microbatches=2, timeout=60, init_fn=init_fn)
         pipe.step(*batch(0))
+    # A bug in init_fn on one rank: every rank raises, naming it (no rank waits on a dead peer).
+    def broken(layer: nn.Module) -> None:
+        if isinstance(layer, Masked):
+            raise TypeError("init_fn bug")
+        init_fn(layer)
+
+    _expect(RuntimeError, r"initialising the meta-device layers failed on rank 1: TypeError: init_fn bug",
+            lambda: pd.PipeDream(meta_model_masked(), F.cross_entropy, microbatches=2, timeout=60,
+                                 init_fn=broken))
 
 
 def save_reset_parameters_checkpoint() -> None:
