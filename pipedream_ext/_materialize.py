@@ -193,7 +193,8 @@ def _to_empty(layer: nn.Module, device: torch.device,
                 continue
             new = memo.get(id(t))
             if new is None:
-                data = torch.empty_like(t, device=device)
+                # Not empty_like: on a meta tensor it imports sympy (~36 MiB of RSS).
+                data = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
                 new = nn.Parameter(data, requires_grad=t.requires_grad) if is_param else data
                 memo[id(t)] = new
                 with torch.no_grad():
