@@ -173,7 +173,8 @@ class PipeDream:
         #: The plan the stages come from (balance="auto" or a saved plan), else None.
         self.plan: Optional[Plan] = None
         partition = self._partition(module, group, balance, replicas, sample, bandwidth)
-        self._check_same_config_everywhere(group, len(module), partition)
+        self._check_same_config_everywhere(group, len(module), partition,
+                                           init_seed if deferred else None)
         self._stream, self._schedule = self._build_schedule(partition)
         self._groups = PipelineGroups.create(group, [self._schedule.stage_ranks(j) for j in
                                                      range(self._schedule.num_stages)],
@@ -236,16 +237,20 @@ class PipeDream:
         return stages
 
     def _check_same_config_everywhere(self, group: dist.ProcessGroup, num_layers: int,
-                                      partition: Any) -> None:
-        """Fails on every rank if ranks disagree on schedule, balance or model size."""
+                                      partition: Any, init_seed: Optional[int] = None) -> None:
+        """Fails on every rank if ranks disagree on schedule, balance or model size (or,
+        for a meta model, the seed, which would give replicas different weights)."""
         c = self.config
         text = (f"{c.schedule}|{c.microbatches}|{partition.balance}|{num_layers}|"
                 f"{partition.replicas}")
+        names = "schedule, microbatches, balance, layers, replicas"
+        if init_seed is not None:
+            text += f"|{init_seed}"
+            names += ", init_seed"
         if not _collectives.check_same_everywhere(text, group):
             raise ValueError(f"rank {dist.get_rank(group)}: ranks disagree on the pipeline "
-                             f"configuration (this rank: schedule, microbatches, balance, layers "
-                             f"= {text}); every rank must build PipeDream with the same arguments "
-                             "and model")
+                             f"configuration (this rank: {names} = {text}); every rank must "
+                             "build PipeDream with the same arguments and model")
 
     def _build_schedule(self, partition: Any) -> Tuple[Optional["_C.AsyncStream"],
                                                        "schedules.Schedule"]:
