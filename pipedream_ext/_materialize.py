@@ -36,13 +36,16 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Un
 import torch
 from torch import nn
 
-__all__ = ["DEFAULT_INIT_SEED", "InitFn", "layer_seed", "has_meta_tensors", "check_seed",
+__all__ = ["DEFAULT_INIT_SEED", "InitFn", "Memo", "layer_seed", "has_meta_tensors", "check_seed",
            "check_initialisable", "materialize_layer", "materialize"]
 
 #: The base seed of deferred initialisation when none is given.
 DEFAULT_INIT_SEED = 0
 #: ``init_fn(layer)``: initialises every parameter and buffer of one top-level layer in place.
 InitFn = Callable[[nn.Module], None]
+#: Shared tensors: the meta tensor's id -> (the meta tensor, its replacement). The meta
+#: tensor is kept so that its id cannot be reused by another tensor meanwhile.
+Memo = Dict[int, Tuple[torch.Tensor, torch.Tensor]]
 
 # The CPU generator (mt19937) uses the low 32 bits of a seed only: 16 bits each for
 # the base seed and the layer keep every (seed, layer) pair's stream distinct.
@@ -174,12 +177,11 @@ def _is_sentinel(t: torch.Tensor) -> bool:
 
 
 def _to_empty(layer: nn.Module, device: torch.device,
-              memo: Dict[int, torch.Tensor]) -> List[Tuple[str, torch.Tensor, bool, bool]]:
+              memo: Memo) -> List[Tuple[str, torch.Tensor, bool, bool]]:
     """Replaces every meta tensor of ``layer`` with uninitialised storage on ``device``.
 
     Unlike ``Module.to_empty`` only meta tensors are replaced, and a tensor shared
-    by several modules (tied weights) stays shared (``memo`` maps the meta tensor's
-    id to its replacement).
+    by several modules (tied weights) stays shared (through ``memo``).
 
     Returns:
         ``(qualified name in layer, new tensor, is_parameter, persistent)`` of each
@@ -191,12 +193,12 @@ def _to_empty(layer: nn.Module, device: torch.device,
         for name, t, is_param in list(_direct_tensors(module)):
             if not t.is_meta:
                 continue
-            new = memo.get(id(t))
+            new = memo[id(t)][1] if id(t) in memo else None
             if new is None:
                 # Not empty_like: on a meta tensor it imports sympy (~36 MiB of RSS).
                 data = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
                 new = nn.Parameter(data, requires_grad=t.requires_grad) if is_param else data
-                memo[id(t)] = new
+                memo[id(t)] = (t, new)
                 with torch.no_grad():
                     detectable = _sentinel_fill(data)
                 if detectable:
@@ -223,7 +225,7 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
 
 def materialize_layer(layer: nn.Module, index: int, name: str, device: Union[str, torch.device],
                       seed: int = DEFAULT_INIT_SEED, init_fn: Optional[InitFn] = None,
-                      memo: Optional[Dict[int, torch.Tensor]] = None) -> None:
+                      memo: Optional[Memo] = None) -> None:
     """Gives one top-level layer's meta tensors real values on ``device``, in place.
 
     Args:
@@ -233,7 +235,7 @@ def materialize_layer(layer: nn.Module, index: int, name: str, device: Union[str
         device: where the new tensors live.
         seed: the base seed.
         init_fn: called as ``init_fn(layer)`` instead of the modules' ``reset_parameters()``.
-        memo: meta tensor id -> replacement, shared across layers to keep ties.
+        memo: replacements so far, shared across layers to keep ties.
 
     Raises:
         ValueError: a tensor that ``reset_parameters()`` did not set (or, with
@@ -292,7 +294,7 @@ def materialize(model: nn.Sequential, device: Union[str, torch.device] = "cpu",
     seed = check_seed(seed)
     check_initialisable(model, init_fn)
     children = list(model.named_children())
-    memo: Dict[int, torch.Tensor] = {}
+    memo: Memo = {}
     for l in (range(len(children)) if layers is None else layers):
         name, layer = children[l]
         materialize_layer(layer, l, name, device, seed, init_fn, memo)

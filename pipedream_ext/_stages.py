@@ -17,7 +17,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ._materialize import DEFAULT_INIT_SEED, InitFn, materialize_layer
+from ._materialize import DEFAULT_INIT_SEED, InitFn, Memo, materialize_layer
 
 __all__ = ["even_balance", "Partition", "resolve_partition", "LocalStages"]
 
@@ -138,7 +138,7 @@ class LocalStages:
         bounds = partition.bounds()
         children = list(module.named_children())
         # Meta layers get storage here, only those this rank keeps (deferred initialisation).
-        memo: Dict[int, torch.Tensor] = {}
+        memo: Memo = {}
         for l in sorted({l for j in indices for l in range(bounds[j], bounds[j + 1])}):
             materialize_layer(children[l][1], l, children[l][0], device, init_seed, init_fn, memo)
         self.partition = partition

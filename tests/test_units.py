@@ -270,6 +270,11 @@ def test_materialize_keeps_ties_and_tensors_not_on_meta() -> None:
     materialize(model)
     assert model[0].a.weight is model[0].b.weight and isinstance(model[0].a.weight, nn.Parameter)
     assert torch.equal(model[1].weight, kept)
+    # Tied across layers (an embedding and its output head) on one rank: still one tensor.
+    across = _meta(lambda: nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)))
+    across[1].weight = across[0].weight
+    materialize(across)
+    assert across[0].weight is across[1].weight
 
 
 def test_state_dict_split_keeps_this_ranks_keys_and_names_the_wrong_ones() -> None:
