@@ -63,6 +63,7 @@ bench: setup
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/shape_change.py
+	$(PY) benchmarks/deferred_init.py
 	$(PY) benchmarks/update_readme.py
 
 # Time to accuracy on an emulated 4-host cluster (network namespaces, tc-limited

@@ -4,6 +4,7 @@ import torch  # noqa: F401  (loads libc10/libtorch that _C links against)
 from . import _C  # noqa: F401  (fail early if the extension is not built)
 from . import schedules
 from ._checkpoint import CheckpointError, CheckpointInfo, consolidate, load_checkpoint, save_checkpoint
+from ._materialize import layer_seed, materialize
 from ._pipe import NonFiniteError, PipeDream
 from ._profiler import profile
 from .planner import Plan, ProfileGraph, Stage, Topology, load_profile, plan
@@ -24,6 +25,8 @@ __all__ = [
     "consolidate",
     "CheckpointError",
     "CheckpointInfo",
+    "materialize",
+    "layer_seed",
 ]
 __version__ = "0.1.0"
 

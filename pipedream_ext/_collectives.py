@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["metadata_device", "all_reduce", "all_reduce_data", "broadcast_bytes", "gather_bytes",
-           "all_gather_json", "check_same_everywhere", "measure_bandwidth", "barrier"]
+           "all_gather_json", "check_same_everywhere", "measure_bandwidth", "barrier",
+           "raise_if_any_failed"]
 
 
 def metadata_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
@@ -153,6 +154,52 @@ def barrier(group: dist.ProcessGroup, timeout: float) -> None:
                                wait_all_ranks=True)
     else:
         dist.barrier(group=group)
+
+
+def raise_if_any_failed(error: Optional[BaseException], group: dist.ProcessGroup, timeout: float,
+                        what: str) -> None:
+    """Every rank reports whether its part of ``what`` failed; if any did, every rank raises.
+
+    Lets a step that runs on each rank separately (and may run user code) fail on
+    all of them together, instead of leaving the others to time out on a peer.
+
+    Args:
+        error: this rank's exception, or ``None``.
+        group: the ranks that agree.
+        timeout: seconds the barrier before the exchange may wait (Gloo names a
+            rank that does not arrive).
+        what: the operation, for the message (``"load_state_dict"``).
+
+    Raises:
+        ValueError: every failed rank raised a ``ValueError`` (bad input).
+        RuntimeError: any other failure, with the original type named; or a peer
+            did not arrive. The message names the failed ranks and each distinct
+            message once: ``"{what} failed on rank 1: ..."``.
+    """
+    entry = None if error is None else {
+        "value": isinstance(error, ValueError),
+        "message": str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"}
+    if dist.get_world_size(group) == 1:
+        gathered = [entry]
+    else:
+        try:
+            barrier(group, timeout)
+            gathered = all_gather_json(entry, group)
+        except Exception as exc:  # noqa: BLE001 - a dead or stuck peer
+            raise RuntimeError(f"rank {dist.get_rank(group)}: {what}: waiting for the other ranks "
+                               f"failed: {type(exc).__name__}: {exc}") from exc
+    failed = [(rank, e) for rank, e in enumerate(gathered) if e is not None]
+    if not failed:
+        return
+    messages: List[str] = []
+    for _, e in failed:
+        if e["message"] not in messages:
+            messages.append(e["message"])
+    text = (f"{what} failed on rank{'s' if len(failed) > 1 else ''} "
+            f"{', '.join(str(r) for r, _ in failed)}: " + "; ".join(messages))
+    if all(e["value"] for _, e in failed):
+        raise ValueError(text) from error
+    raise RuntimeError(text) from error
 
 
 def check_same_everywhere(text: str, group: dist.ProcessGroup) -> bool:

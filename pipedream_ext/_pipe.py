@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C, _collectives, _faults, _signals, schedules
+from . import _C, _collectives, _faults, _load_state, _materialize, _signals, schedules
 from ._config import PipelineConfig
 from ._groups import PipelineGroups, init_default_group
 from ._observe import Observer
@@ -51,8 +51,17 @@ class PipeDream:
             loss = pipe.step(x, y)
             opt.step(); opt.zero_grad()
 
+    Big models: build the model on the meta device and every rank allocates and
+    initialises only its own layers (deferred initialisation, ``_materialize``)::
+
+        with torch.device("meta"):
+            model = make_model()
+        pipe = PipeDream(model, loss_fn=F.cross_entropy)   # reset_parameters(), seeded per layer
+        pipe.load_state_dict(torch.load("model.pt", mmap=True))   # optional: pretrained weights
+
     Args:
-        module: the whole model, identically initialised on every rank.
+        module: the whole model, identically initialised on every rank, or built
+            on the meta device (then see ``init_seed`` and ``init_fn``).
         loss_fn: ``loss_fn(output, target)`` with mean reduction over the batch.
         schedule: one of :data:`SYNCHRONOUS_SCHEDULES` or :data:`ASYNCHRONOUS_SCHEDULES`
             (what each means: ``schedules.traits(name)``).
@@ -106,10 +115,23 @@ class PipeDream:
             Costs one ``isfinite`` per stage output and one small all-reduce per
             step. Asynchronous schedules support ``"raise"`` only (the rank that
             finds it raises; the others fail naming it).
+        init_seed: base seed of deferred initialisation (default 0), an integer in
+            ``[0, 2**16)``: top-level layer ``l`` built on the meta device is
+            initialised under a forked RNG seeded with ``init_seed * 2**16 + l``,
+            so it gets the same weights on any partition or world size; your
+            global RNG state is left as it was. ``pd.materialize(model, seed=...)``
+            gives the same weights to a whole model in one process.
+        init_fn: ``init_fn(layer)`` initialises one top-level layer built on the
+            meta device in place (called once per layer this rank keeps, after its
+            storage is allocated, under the seeded RNG and ``no_grad``), instead of
+            each module's ``reset_parameters()``. Needed for modules with meta
+            tensors and no ``reset_parameters()``, and for buffers computed in
+            ``__init__`` (a causal mask) that ``reset_parameters()`` does not set.
 
     Raises:
-        ValueError: bad schedule, balance, chunks or world size (the message names
-            the value and the fix).
+        ValueError: bad schedule, balance, chunks or world size; a meta module that
+            cannot be initialised (no ``reset_parameters()`` and no ``init_fn``), or
+            a tensor left unset (the message names the value and the fix).
         RuntimeError: no process group and no torchrun environment.
     """
 
@@ -124,10 +146,22 @@ class PipeDream:
                  bandwidth: Optional[Sequence[float]] = None,
                  trace: Optional[Union[str, os.PathLike]] = None,
                  autocast: Optional[torch.dtype] = None,
-                 check_finite: Optional[str] = None) -> None:
+                 check_finite: Optional[str] = None,
+                 init_seed: int = _materialize.DEFAULT_INIT_SEED,
+                 init_fn: Optional[_materialize.InitFn] = None) -> None:
         if not isinstance(module, nn.Sequential):
             raise ValueError(f"module must be an nn.Sequential (got {type(module).__name__}); "
                              "wrap your layers in torch.nn.Sequential")
+        init_seed = _materialize.check_seed(init_seed)
+        deferred = _materialize.has_meta_tensors(module)
+        if deferred:
+            _materialize.check_initialisable(module, init_fn)
+            if isinstance(balance, str) and balance == "auto":
+                raise ValueError("balance='auto' profiles the model, which cannot run on the meta "
+                                 "device; plan once from a real model (python -m pipedream_ext "
+                                 "plan) and pass balance='plan.json', or give layer counts")
+        #: Every state_dict key of the whole model and its shape (for load_state_dict).
+        self._model_shapes = _load_state.key_shapes(module)
         self.config = PipelineConfig.checked(schedule, microbatches, chunks, timeout,
                                              vertical_sync, recompute, autocast, check_finite)
         self.device = _default_device() if device is None else torch.device(device)
@@ -144,14 +178,17 @@ class PipeDream:
         #: every stage that uses it; see _shared.
         self.shared_parameters = find_shared(module, partition)
         self._refuse_shared_if_asynchronous()
-        self._check_same_config_everywhere(group, len(module), partition)
+        self._check_same_config_everywhere(group, len(module), partition,
+                                           init_seed if deferred else None)
         self._stream, self._schedule = self._build_schedule(partition)
         stage_ranks = [self._schedule.stage_ranks(j) for j in range(self._schedule.num_stages)]
         self._groups = PipelineGroups.create(group, stage_ranks, self.config.timeout)
-        self._stages = LocalStages(module, partition, self._schedule.stages_of_rank(self.rank),
-                                   self.device)
+        self._stages = self._local_stages(module, partition, deferred, init_seed, init_fn)
         shared_gradients = SharedGradients(self.shared_parameters, self._stages, stage_ranks,
                                            self._groups.group, self.config.timeout)
+        # Every copy starts as the first use's stage has it (meta layers are
+        # initialised per rank, each from its own layer's seed).
+        shared_gradients.synchronize_values()
         if trace is None:
             trace = os.environ.get("PIPEDREAM_TRACE") or None
         self._observer = Observer(self.rank, self.local_stages, self.group, schedule,
@@ -204,18 +241,43 @@ class PipeDream:
             f"schedule ({', '.join(SYNCHRONOUS_SCHEDULES)}), or put every layer using it on "
             "one stage with balance=...")
 
+    def _local_stages(self, module: nn.Sequential, partition: Any, deferred: bool,
+                      init_seed: int, init_fn: Optional[_materialize.InitFn]) -> LocalStages:
+        """This rank's layers; with meta layers, every rank raises if any rank's
+        initialisation failed (it runs user code), so no rank waits on a dead peer."""
+        def build() -> LocalStages:
+            return LocalStages(module, partition, self._schedule.stages_of_rank(self.rank),
+                               self.device, init_seed, init_fn)
+
+        if not deferred:
+            return build()
+        stages: Optional[LocalStages] = None
+        error: Optional[BaseException] = None
+        try:
+            stages = build()
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            error = exc
+        _collectives.raise_if_any_failed(error, self.group, self.timeout,
+                                         "initialising the meta-device layers")
+        assert stages is not None
+        return stages
+
     def _check_same_config_everywhere(self, group: dist.ProcessGroup, num_layers: int,
-                                      partition: Any) -> None:
-        """Fails on every rank if ranks disagree on schedule, balance, model size or ties."""
+                                      partition: Any, init_seed: Optional[int] = None) -> None:
+        """Fails on every rank if ranks disagree on schedule, balance, model size or ties
+        (or, for a meta model, the seed, which would give replicas different weights)."""
         c = self.config
         # Shared parameters too: ranks that disagree would create different groups.
         text = (f"{c.schedule}|{c.microbatches}|{partition.balance}|{num_layers}|"
                 f"{partition.replicas}|{[sp.names for sp in self.shared_parameters]}")
+        names = "schedule, microbatches, balance, layers, replicas, shared parameters"
+        if init_seed is not None:
+            text += f"|{init_seed}"
+            names += ", init_seed"
         if not _collectives.check_same_everywhere(text, group):
             raise ValueError(f"rank {dist.get_rank(group)}: ranks disagree on the pipeline "
-                             f"configuration (this rank: schedule, microbatches, balance, layers, "
-                             f"replicas, shared parameters = {text}); every rank must build "
-                             "PipeDream with the same arguments and model")
+                             f"configuration (this rank: {names} = {text}); every rank must "
+                             "build PipeDream with the same arguments and model")
 
     def _build_schedule(self, partition: Any) -> Tuple[Optional["_C.AsyncStream"],
                                                        "schedules.Schedule"]:
@@ -354,6 +416,30 @@ class PipeDream:
     def state_dict(self) -> Dict[str, torch.Tensor]:
         """This rank's weights keyed by the original model's names."""
         return self.module.state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, torch.Tensor],
+                        strict: bool = True) -> "_load_state.IncompatibleKeys":
+        """Loads this rank's entries of the whole model's state dict, in place.
+
+        Collective: call it on every rank with the full (unsplit) state dict, e.g.
+        ``torch.load("model.pt", mmap=True)`` or ``pd.consolidate("ckpt")``; each
+        rank keeps the keys of its own stages' layers and ignores the others'. An
+        asynchronous pipeline is flushed first; gradients are cleared; nothing
+        changes unless every rank succeeded.
+
+        Args:
+            state_dict: keyed by the original model's names (``"3.weight"``).
+            strict: refuse keys the model does not have and keys this rank's
+                stages need that the dict lacks (shapes are always checked).
+
+        Returns:
+            ``(missing_keys, unexpected_keys)`` of this rank (empty when strict).
+
+        Raises:
+            ValueError: on every rank: unexpected keys, missing keys (naming the
+                stage), or a shape that differs (naming the key and both shapes).
+        """
+        return _load_state.load_state_dict(self, state_dict, strict)
 
     def train(self, mode: bool = True) -> "PipeDream":
         self.module.train(mode)

@@ -149,6 +149,8 @@ class SharedGradients:
         by_ranks: Dict[Tuple[int, ...], Optional[dist.ProcessGroup]] = {}
         # (group, tensors, whether this rank contributes) per set of ranks this rank is in.
         self._work: List[Tuple[dist.ProcessGroup, List[nn.Parameter], bool]] = []
+        # (group, parameter, whether this rank holds the value every copy takes).
+        self._values: List[Tuple[dist.ProcessGroup, nn.Parameter, bool]] = []
         local_params = dict(stages.module.named_parameters(remove_duplicate=False))
         for sp in shared:
             ranks = tuple(sorted({r for j in sp.stages for r in stage_ranks[j]}))
@@ -161,6 +163,8 @@ class SharedGradients:
             if rank not in ranks:
                 continue
             param = next(local_params[n] for n in sp.names if n in local_params)
+            source = stage_ranks[sp.name_stages[0]][0] == rank  # the first use's leader
+            self._values.append((by_ranks[ranks], param, source))
             if not param.requires_grad:
                 continue  # frozen: no gradient to sum (the group exists anyway, on every rank)
             leader = any(stage_ranks[j][0] == rank for j in sp.stages if j in stages)
@@ -171,6 +175,20 @@ class SharedGradients:
                 # With replicas a rank holds one stage, so its role is the same
                 # for every parameter of the set.
                 entry[1].append(param)
+
+    @torch.no_grad()
+    def synchronize_values(self) -> None:
+        """Makes every copy of each shared parameter equal to the copy of the stage
+        of its first use (its leader rank's). Collective over the sharing ranks.
+
+        Copies of a model built whole with the same seed are equal already; layers
+        materialised from the meta device are initialised per rank, each from its
+        own layer's seed, so a tied weight's copies start different without this.
+        """
+        for group, param, source in self._values:
+            value = param.detach().clone() if source else torch.zeros_like(param)
+            _collectives.all_reduce_data(value, group)
+            param.copy_(value)
 
     def __bool__(self) -> bool:
         return bool(self._work)

@@ -17,6 +17,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ._materialize import DEFAULT_INIT_SEED, InitFn, Memo, materialize_layer
+
 __all__ = ["even_balance", "Partition", "resolve_partition", "LocalStages"]
 
 
@@ -128,12 +130,19 @@ class LocalStages:
         partition: the stages of the whole model.
         indices: the stages this rank keeps, ascending.
         device: where the kept layers go.
+        init_seed: base seed of kept layers built on the meta device (``_materialize``).
+        init_fn: their initialiser instead of ``reset_parameters()`` (``_materialize``).
     """
 
     def __init__(self, module: nn.Sequential, partition: Partition, indices: Sequence[int],
-                 device: torch.device) -> None:
+                 device: torch.device, init_seed: int = DEFAULT_INIT_SEED,
+                 init_fn: Optional[InitFn] = None) -> None:
         bounds = partition.bounds()
         children = list(module.named_children())
+        # Meta layers get storage here, only those this rank keeps (deferred initialisation).
+        memo: Memo = {}
+        for l in sorted({l for j in indices for l in range(bounds[j], bounds[j + 1])}):
+            materialize_layer(children[l][1], l, children[l][0], device, init_seed, init_fn, memo)
         self.partition = partition
         #: Stage indices of this rank, ascending.
         self.indices: List[int] = list(indices)

@@ -43,6 +43,22 @@ ROWS: List[Tuple[str, str, str, str]] = [
     ("check-finite", "`check_finite='warn'`", r"check_finite='warn'; use None, 'raise' or 'skip'", "here"),
     ("no-launcher", "no process group and no torchrun environment",
      r"no torch\.distributed process group and no torchrun environment", "here"),
+    ("init-seed", "`init_seed=-1`", r"init_seed=-1 is not an integer in \[0, 2\*\*16\)", "here"),
+    ("meta-auto-balance", "`balance='auto'` with a model on the meta device",
+     r"balance='auto' profiles the model, which cannot run on the meta device", "here"),
+    # -- deferred initialisation and load_state_dict (every rank raises the same error)
+    ("meta-no-reset", "a module on the meta device without `reset_parameters()`, no `init_fn`",
+     r"module '1\.1' \(Scale: gain\) has parameters or buffers on the meta device but no "
+     r"reset_parameters\(\)", "tests/test_deferred_init.py::test_meta_pipelines_train_like_the_unsplit_model_and_refuse_bad_input"),
+    ("meta-unset-buffer", "a buffer computed in `__init__` (a causal mask) on the meta device",
+     r"'2\.mask' on the meta device were not set by reset_parameters\(\)", "tests/test_deferred_init.py::test_meta_pipelines_train_like_the_unsplit_model_and_refuse_bad_input"),
+    ("state-dict-unexpected", "`load_state_dict` with another model's state dict",
+     r"the state dict has 3 key\(s\) this model does not have: '1\.weight', '1\.bias', 'head\.bias'",
+     "tests/test_deferred_init.py::test_meta_pipelines_train_like_the_unsplit_model_and_refuse_bad_input"),
+    ("state-dict-missing", "`load_state_dict` without a key of a stage",
+     r"the state dict lacks 1 key\(s\) of stage 1 \(layers 4-7\): '6\.bias' \(missing keys\)", "tests/test_deferred_init.py::test_meta_pipelines_train_like_the_unsplit_model_and_refuse_bad_input"),
+    ("state-dict-shape", "`load_state_dict` with a tensor of another shape",
+     r"'7\.weight' has shape \[4, 12\] but this model's is \[3, 12\]", "tests/test_deferred_init.py::test_meta_pipelines_train_like_the_unsplit_model_and_refuse_bad_input"),
     # -- world, balance, replicas (2 ranks)
     ("balance-count", "`balance` lists 3 stages on 2 ranks",
      r"balance lists 3 stages but the world has 2 ranks x 1 chunks = 2 stages", "here"),
@@ -103,6 +119,11 @@ def model(layers: int = 4) -> nn.Sequential:
     return nn.Sequential(*([nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Linear(12, 3)][:layers]))
 
 
+def _meta_model() -> nn.Sequential:
+    with torch.device("meta"):
+        return model()
+
+
 def pipe_kwargs(**kwargs: Any) -> Dict[str, Any]:
     base = dict(loss_fn=F.cross_entropy, schedule="1f1b", microbatches=2, timeout=30)
     base.update(kwargs)
@@ -121,6 +142,8 @@ IN_PROCESS: Dict[str, Callable[[], Any]] = {
     "autocast-async-fp16": lambda: _pd().PipeDream(
         model(), **pipe_kwargs(schedule="pipedream", autocast=torch.float16)),
     "check-finite": lambda: _pd().PipeDream(model(), **pipe_kwargs(check_finite="warn")),
+    "init-seed": lambda: _pd().PipeDream(model(), **pipe_kwargs(init_seed=-1)),
+    "meta-auto-balance": lambda: _pd().PipeDream(_meta_model(), balance="auto", **pipe_kwargs()),
     "no-launcher": lambda: _pd().PipeDream(model(), **pipe_kwargs()),
     "schedule-text": lambda: _pd().schedules.build("1f1b", stages=2, microbatches=2).with_actions(
         "rank 0: 0F0 0Q0\nrank 1: 1F0"),

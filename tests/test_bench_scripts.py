@@ -1,4 +1,5 @@
-"""The benchmark scripts' pure helpers (benchmarks/plan_accuracy.py, memory.py, soak.py)
+"""The benchmark scripts' pure helpers (benchmarks/plan_accuracy.py, memory.py, soak.py,
+deferred_init.py)
 and the harness they stand on (benchmarks/_harness.py).
 
 Fast: the scripts import torch only inside functions, so nothing here starts a process
@@ -30,11 +31,13 @@ def _load(name: str):
 plan_accuracy = _load("plan_accuracy")
 memory = _load("memory")
 soak = _load("soak")
+deferred_init = _load("deferred_init")
 util = _load("_harness")
 
 
 def test_scripts_do_not_import_torch_at_module_level():
-    assert "torch" not in vars(plan_accuracy) and "torch" not in vars(memory) and "torch" not in vars(soak)
+    for script in (plan_accuracy, memory, soak, deferred_init):
+        assert "torch" not in vars(script), script.__name__
 
 
 # ----------------------------------------------------------------------------- memory
@@ -334,3 +337,24 @@ def test_a_failed_launch_keeps_what_rank_0_reported(monkeypatch, tmp_path):
     with pytest.raises(util.CommandFailed):
         util.launch_torchrun(Path("bench.py"), 2, [], "TAG ", timeout=5, check=True)
     assert not util.launch_failed({"error": "rank 1: ValueError: reported as data", "launch_s": 1.0})
+
+
+# ----------------------------------------------------------------------------- deferred_init
+def test_deferred_init_report_puts_whole_and_meta_side_by_side():
+    mib = 1 << 20
+
+    def rank(r, scale):
+        return dict(rank=r, params=67.1e6, baseline=225 * mib, built=scale * 1251 * mib,
+                    pipeline=scale * 1253 * mib, stepped=scale * 1584 * mib,
+                    peak_built=scale * 1253 * mib, peak_stepped=scale * 1650 * mib,
+                    build_s=1.0, pipeline_s=0.5, step_s=0.1)
+
+    results = {"whole": {"model_params": 268e6, "ranks": [rank(0, 1.0), rank(1, 1.0)], "launch_s": 9},
+               "meta": {"model_params": 268e6, "ranks": [rank(0, 0.5), rank(1, 0.5)], "launch_s": 8}}
+    info = dict(cpu_count="2", cpu_model="x", torch="2.13.0", python="3.11", platform="Linux",
+                cuda="none", loadavg_at_start="0 0 0")
+    text = deferred_init.report(results, info, "python3 benchmarks/deferred_init.py", 17.0)
+    assert "| 0 | 67.1M | 1,251 / 626 | 1,253 / 626 | 1,253 / 626 | 1,584 / 792 | 1,650 / 825 | 1.50 / 1.50 |" in text
+    assert "Largest peak of a rank: 1,650 MiB built whole, 825 MiB built on meta (2.0x less)" in text
+    assert "torchrun launches: whole 9 s, meta 8 s" in text
+    assert deferred_init.rss_bytes() > 0 and deferred_init.peak_rss_bytes() >= deferred_init.rss_bytes() // 2

@@ -210,3 +210,124 @@ def test_cluster_shape() -> None:
     assert cluster_shape(4, per_node=4) == [4]
     assert cluster_shape(4, per_node=2) == [2, 2]
     assert cluster_shape(6, per_node=4) == [6]  # does not divide: one node
+
+
+# -- deferred initialisation (pipedream_ext/_materialize.py, _load_state.py) ---------------
+def _meta(make):
+    with torch.device("meta"):
+        return make()
+
+
+def _mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 3))
+
+
+def test_seeding_rule_gives_each_layer_its_own_seed_wherever_it_lands() -> None:
+    from pipedream_ext._materialize import layer_seed, materialize
+
+    assert layer_seed(0, 3) == 3 and layer_seed(2, 3) == 2 * 2**16 + 3
+    rng = torch.get_rng_state()
+    whole = materialize(_meta(_mlp), seed=5)
+    assert torch.equal(rng, torch.get_rng_state()), "the caller's RNG state changed"
+    by_hand = _mlp()
+    for l, layer in enumerate(by_hand):
+        torch.manual_seed(5 * 2**16 + l)
+        for module in layer.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+    # Layer by layer, in any order and any subset: a layer's weights depend only on (seed, l).
+    pieces = _meta(_mlp)
+    materialize(pieces, seed=5, layers=[3])
+    materialize(pieces, seed=5, layers=[1, 0, 2])
+    for name, value in by_hand.state_dict().items():
+        assert torch.equal(whole.state_dict()[name], value), name
+        assert torch.equal(pieces.state_dict()[name], value), name
+    assert not torch.equal(materialize(_meta(_mlp), seed=6)[0].weight, by_hand[0].weight)
+    # LocalStages materialises only the layers it keeps.
+    model = _meta(_mlp)
+    stages = LocalStages(model, resolve_partition(4, 2), [1], torch.device("cpu"), init_seed=5)
+    assert model[0].weight.is_meta and not model[3].weight.is_meta
+    assert torch.equal(stages.module.state_dict()["3.weight"], by_hand[3].weight)
+
+
+class _Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(3))
+
+
+class _Masked(nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(3, 3)
+        self.register_buffer("mask", torch.ones(3, 3).tril(), persistent=False)
+
+
+def test_meta_modules_without_reset_parameters_or_with_unset_buffers_are_named() -> None:
+    from pipedream_ext._materialize import check_initialisable, check_seed, materialize
+
+    model = _meta(lambda: nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.ReLU(), _Scale())))
+    with pytest.raises(ValueError, match=r"module '1\.1' \(_Scale: gain\) has parameters or buffers "
+                                         r"on the meta device but no reset_parameters\(\).*init_fn"):
+        check_initialisable(model, None)
+    check_initialisable(model, lambda layer: None)                 # init_fn takes over
+    check_initialisable(nn.Sequential(_Scale()), None)             # not on meta: nothing to do
+    with pytest.raises(ValueError, match=r"init_fn=3 is not callable"):
+        check_initialisable(model, 3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"layer 0 \('0'\): '0\.mask' on the meta device were not "
+                                         r"set by reset_parameters\(\)"):
+        materialize(_meta(lambda: nn.Sequential(_Masked())))
+    with pytest.raises(ValueError, match=r"init_fn left the non-persistent buffer\(s\) '0\.mask' unset"):
+        materialize(_meta(lambda: nn.Sequential(_Masked())), init_fn=lambda layer: None)
+    # init_fn runs under no_grad and the layer's seed; parameters it skips stay NaN until loaded.
+    done = materialize(_meta(lambda: nn.Sequential(_Masked())),
+                       init_fn=lambda layer: layer.mask.copy_(torch.ones(3, 3).tril()))
+    assert torch.equal(done[0].mask, torch.ones(3, 3).tril()) and torch.isnan(done[0].weight).all()
+    for bad in (-1, 2**16, 1.5, True):
+        with pytest.raises(ValueError, match=r"init_seed=.* is not an integer in \[0, 2\*\*16\)"):
+            check_seed(bad)
+
+
+def test_materialize_keeps_ties_and_tensors_not_on_meta() -> None:
+    from pipedream_ext._materialize import materialize
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+            self.b.weight = self.a.weight
+
+    model = _meta(lambda: nn.Sequential(Tied()))
+    model.add_module("1", nn.Linear(3, 2))  # a real layer beside the meta one
+    kept = model[1].weight.detach().clone()
+    materialize(model)
+    assert model[0].a.weight is model[0].b.weight and isinstance(model[0].a.weight, nn.Parameter)
+    assert torch.equal(model[1].weight, kept)
+    # Tied across layers (an embedding and its output head) on one rank: still one tensor.
+    across = _meta(lambda: nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)))
+    across[1].weight = across[0].weight
+    materialize(across)
+    assert across[0].weight is across[1].weight
+
+
+def test_state_dict_split_keeps_this_ranks_keys_and_names_the_wrong_ones() -> None:
+    from pipedream_ext._load_state import key_shapes, split_state_dict
+
+    shapes = key_shapes(_meta(_mlp))
+    full = _mlp().state_dict()
+    model = _mlp()
+    stages = LocalStages(model, resolve_partition(4, 2), [1], torch.device("cpu"))
+    layers = {1: (2, 4)}
+    parts, missing, unexpected = split_state_dict(full, shapes, {1: stages[1]}, layers)
+    assert list(parts[1]) == ["3.weight", "3.bias"] and missing == unexpected == []
+    # Keys of other ranks' stages may be absent; this rank's may not.
+    own_only = {k: v for k, v in full.items() if k.startswith("3.")}
+    assert list(split_state_dict(own_only, shapes, {1: stages[1]}, layers)[0][1]) == ["3.weight", "3.bias"]
+    with pytest.raises(ValueError, match=r"lacks 1 key\(s\) of stage 1 \(layers 2-3\): '3\.bias' "
+                                         r"\(missing keys\)"):
+        split_state_dict({"3.weight": full["3.weight"]}, shapes, {1: stages[1]}, layers)
+    with pytest.raises(ValueError, match=r"has 1 key\(s\) this model does not have: 'fc\.weight'"):
+        split_state_dict(dict(full, **{"fc.weight": torch.zeros(1)}), shapes, {1: stages[1]}, layers)
+    with pytest.raises(ValueError, match=r"'0\.weight' has shape \[5, 5\] but this model's is \[5, 4\]"):
+        split_state_dict(dict(full, **{"0.weight": torch.zeros(5, 5)}), shapes, {1: stages[1]}, layers)
+    loose = split_state_dict({"fc": torch.zeros(1)}, shapes, {1: stages[1]}, layers, strict=False)
+    assert loose[1:] == (["3.weight", "3.bias"], ["fc"])

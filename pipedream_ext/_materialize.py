@@ -1,0 +1,301 @@
+"""Deferred initialisation: meta-device layers -> real tensors, only for the layers kept.
+
+A model built under ``with torch.device("meta"):`` has shapes but no storage. Each
+rank materialises only the top-level layers (children of the ``nn.Sequential``) of
+its own stages, so a rank's peak memory follows its stage, not the model.
+
+**The seeding rule.** Layer ``l`` (its index among the model's children) is
+initialised with the CPU generator (and, on CUDA, the pipeline device's generator)
+seeded with ``layer_seed(seed, l) = seed * 2**16 + l``, inside
+``torch.random.fork_rng``: layer ``l`` gets the same weights whichever stage, rank
+or world size holds it, and the caller's global RNG state is left as it was.
+Within a layer, every module that directly owns meta tensors calls its own
+``reset_parameters()``, in ``named_modules()`` order; with ``init_fn`` given,
+``init_fn(layer)`` is called once per layer instead. :func:`materialize` applies
+the same rule to a whole model in one process (a reference for tests and for
+comparing with a pipeline). Generators differ per device type, so a CUDA
+pipeline's weights equal ``materialize(model, "cuda")``'s, not the CPU's.
+
+**What must be initialised.** Every materialised tensor starts filled with a
+sentinel (NaN, or the byte ``0xA5`` for integer and bool dtypes). After
+``reset_parameters()`` a tensor still holding the sentinel was not reset (e.g. a
+causal mask registered in ``__init__``: its values cannot be recovered from the
+meta device) and is an error naming it. With ``init_fn``, non-persistent buffers
+must be set (no state dict brings them); parameters and persistent buffers it
+leaves alone keep the sentinel until ``pipe.load_state_dict`` overwrites them.
+
+Pure apart from allocating on the device: tested in one process.
+
+Index legend: ``l`` layer (child of the ``nn.Sequential``).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+__all__ = ["DEFAULT_INIT_SEED", "InitFn", "Memo", "layer_seed", "has_meta_tensors", "check_seed",
+           "check_initialisable", "materialize_layer", "materialize"]
+
+#: The base seed of deferred initialisation when none is given.
+DEFAULT_INIT_SEED = 0
+#: ``init_fn(layer)``: initialises every parameter and buffer of one top-level layer in place.
+InitFn = Callable[[nn.Module], None]
+#: Shared tensors: the meta tensor's id -> (the meta tensor, its replacement). The meta
+#: tensor is kept so that its id cannot be reused by another tensor meanwhile.
+Memo = Dict[int, Tuple[torch.Tensor, torch.Tensor]]
+
+# The CPU generator (mt19937) uses the low 32 bits of a seed only: 16 bits each for
+# the base seed and the layer keep every (seed, layer) pair's stream distinct.
+_SEED_LIMIT = 1 << 16
+_SENTINEL_BYTE = 0xA5
+
+
+def layer_seed(seed: int, layer: int) -> int:
+    """The RNG seed of top-level layer ``layer``: ``seed * 2**16 + layer``.
+
+    Distinct for every (seed, layer) pair with ``0 <= seed, layer < 2**16`` and
+    below 2**32 (the bits the CPU generator uses), so two base seeds never share
+    a layer's weights.
+
+    Args:
+        seed: the base seed (``PipeDream(..., init_seed=)``), in ``[0, 2**16)``.
+        layer: the layer's index among the model's children.
+
+    Returns:
+        The value given to ``manual_seed`` before initialising that layer.
+
+    Raises:
+        ValueError: a model of more than 2**16 top-level layers.
+    """
+    if not 0 <= layer < _SEED_LIMIT:
+        raise ValueError(f"layer index {layer} is outside [0, 2**16), which deferred "
+                         "initialisation seeds; group layers into fewer top-level children")
+    return seed * _SEED_LIMIT + layer
+
+
+def check_seed(seed: object) -> int:
+    """Checks a base seed.
+
+    Args:
+        seed: the value given as ``init_seed``.
+
+    Returns:
+        The seed as an ``int``.
+
+    Raises:
+        ValueError: not an integer in ``[0, 2**16)``.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _SEED_LIMIT:
+        raise ValueError(f"init_seed={seed!r} is not an integer in [0, 2**16); pass e.g. "
+                         f"init_seed={DEFAULT_INIT_SEED}")
+    return seed
+
+
+def _direct_tensors(module: nn.Module) -> Iterator[Tuple[str, torch.Tensor, bool]]:
+    """``(name, tensor, is_parameter)`` of what ``module`` owns itself (not its children)."""
+    for name, p in module._parameters.items():  # noqa: SLF001 - direct ownership only
+        if p is not None:
+            yield name, p, True
+    for name, b in module._buffers.items():  # noqa: SLF001
+        if b is not None:
+            yield name, b, False
+
+
+def _meta_names(module: nn.Module) -> List[str]:
+    return [name for name, t, _ in _direct_tensors(module) if t.is_meta]
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` (recursively) is on the meta device."""
+    return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
+
+
+def _qualified(prefix: str, name: str) -> str:
+    return ".".join(part for part in (prefix, name) if part)
+
+
+def check_initialisable(model: nn.Sequential, init_fn: Optional[InitFn]) -> None:
+    """Checks, before anything is allocated, that every meta layer can be initialised.
+
+    Every module that directly owns meta parameters or buffers needs its own
+    ``reset_parameters()`` unless ``init_fn`` is given. Runs over the whole model
+    (meta tensors cost nothing), so every rank raises the same error.
+
+    Args:
+        model: the whole model.
+        init_fn: the user's per-layer initialiser, or ``None``.
+
+    Raises:
+        ValueError: names each such module by its qualified name in ``model``,
+            its class and its meta tensors, and says to pass ``init_fn`` or give
+            the class a ``reset_parameters()``.
+    """
+    if init_fn is not None:
+        if not callable(init_fn):
+            raise ValueError(f"init_fn={init_fn!r} is not callable; pass a function "
+                             "init_fn(layer) that initialises one top-level layer in place")
+        return
+    bad = []
+    for qualname, module in model.named_modules():
+        names = _meta_names(module)
+        if names and not callable(getattr(module, "reset_parameters", None)):
+            bad.append(f"'{qualname}' ({type(module).__name__}: {', '.join(names)})")
+    if bad:
+        raise ValueError(
+            f"module{'s' if len(bad) > 1 else ''} {', '.join(bad)} "
+            f"{'have' if len(bad) > 1 else 'has'} parameters or buffers on the meta device but no "
+            "reset_parameters() to initialise them; pass PipeDream(..., init_fn=fn), where "
+            "fn(layer) initialises one top-level layer in place, or give the module a "
+            "reset_parameters()")
+
+
+def _sentinel_fill(t: torch.Tensor) -> bool:
+    """Fills ``t`` with the sentinel; returns whether :func:`_is_sentinel` can detect it."""
+    if t.numel() == 0:
+        return False
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+        return True
+    if not t.is_contiguous():
+        return False
+    t.reshape(-1).view(torch.uint8).fill_(_SENTINEL_BYTE)
+    return True
+
+
+def _is_sentinel(t: torch.Tensor) -> bool:
+    """Whether ``t`` still holds only the sentinel, in chunks: a set tensor is told
+    by its first chunk, and no temporary as large as the tensor is made."""
+    floating = t.is_floating_point() or t.is_complex()
+    flat = t.reshape(-1) if floating else t.reshape(-1).view(torch.uint8)
+    for chunk in flat.split(1 << 16):
+        if not bool(torch.isnan(chunk).all() if floating else (chunk == _SENTINEL_BYTE).all()):
+            return False
+    return True
+
+
+def _to_empty(layer: nn.Module, device: torch.device,
+              memo: Memo) -> List[Tuple[str, torch.Tensor, bool, bool]]:
+    """Replaces every meta tensor of ``layer`` with uninitialised storage on ``device``.
+
+    Unlike ``Module.to_empty`` only meta tensors are replaced, and a tensor shared
+    by several modules (tied weights) stays shared (through ``memo``).
+
+    Returns:
+        ``(qualified name in layer, new tensor, is_parameter, persistent)`` of each
+        newly allocated tensor whose sentinel can be detected.
+    """
+    fresh: List[Tuple[str, torch.Tensor, bool, bool]] = []
+    for qualname, module in layer.named_modules():
+        non_persistent = module._non_persistent_buffers_set  # noqa: SLF001
+        for name, t, is_param in list(_direct_tensors(module)):
+            if not t.is_meta:
+                continue
+            new = memo[id(t)][1] if id(t) in memo else None
+            if new is None:
+                # Not empty_like: on a meta tensor it imports sympy (~36 MiB of RSS).
+                data = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
+                new = nn.Parameter(data, requires_grad=t.requires_grad) if is_param else data
+                memo[id(t)] = (t, new)
+                with torch.no_grad():
+                    detectable = _sentinel_fill(data)
+                if detectable:
+                    fresh.append((_qualified(qualname, name), new, is_param,
+                                  is_param or name not in non_persistent))
+            if is_param:
+                module._parameters[name] = new  # noqa: SLF001
+            else:
+                module._buffers[name] = new  # noqa: SLF001
+    return fresh
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """The CPU generator (and ``device``'s, if CUDA) seeded with ``seed``; restored after."""
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+        if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+        torch.default_generator.manual_seed(seed)
+        for index in devices:
+            torch.cuda.default_generators[index].manual_seed(seed)
+        yield
+
+
+def materialize_layer(layer: nn.Module, index: int, name: str, device: Union[str, torch.device],
+                      seed: int = DEFAULT_INIT_SEED, init_fn: Optional[InitFn] = None,
+                      memo: Optional[Memo] = None) -> None:
+    """Gives one top-level layer's meta tensors real values on ``device``, in place.
+
+    Args:
+        layer: the layer (a child of the model); tensors not on meta stay as they are.
+        index: the layer's index among the model's children (its seed: :func:`layer_seed`).
+        name: the layer's child name, for messages.
+        device: where the new tensors live.
+        seed: the base seed.
+        init_fn: called as ``init_fn(layer)`` instead of the modules' ``reset_parameters()``.
+        memo: replacements so far, shared across layers to keep ties.
+
+    Raises:
+        ValueError: a tensor that ``reset_parameters()`` did not set (or, with
+            ``init_fn``, a non-persistent buffer it did not set), named by its
+            qualified name in the model.
+    """
+    device = torch.device(device)
+    owners = [module for _, module in layer.named_modules() if _meta_names(module)]
+    if not owners:
+        return
+    fresh = _to_empty(layer, device, {} if memo is None else memo)
+    with _seeded(layer_seed(seed, index), device), torch.no_grad():
+        if init_fn is not None:
+            init_fn(layer)
+        else:
+            for module in owners:
+                module.reset_parameters()
+    unset = [(qualname, is_param) for qualname, t, is_param, persistent in fresh
+             if (init_fn is None or not persistent) and _is_sentinel(t)]
+    if unset:
+        names = ", ".join(f"'{_qualified(name, q)}'" for q, _ in unset)
+        if init_fn is None:
+            raise ValueError(
+                f"layer {index} ('{name}'): {names} on the meta device were not set by "
+                "reset_parameters() (values computed in __init__, such as a registered mask, "
+                "cannot be recovered from the meta device); pass PipeDream(..., init_fn=fn) "
+                "that sets them, or build those tensors in reset_parameters()")
+        raise ValueError(
+            f"layer {index} ('{name}'): init_fn left the non-persistent buffer(s) {names} "
+            "unset, and no state dict can bring them; set them in init_fn")
+
+
+def materialize(model: nn.Sequential, device: Union[str, torch.device] = "cpu",
+                seed: int = DEFAULT_INIT_SEED, init_fn: Optional[InitFn] = None,
+                layers: Optional[Sequence[int]] = None) -> nn.Sequential:
+    """Materialises a meta-built ``nn.Sequential`` in place with the pipeline's seeding rule.
+
+    The whole model (or the given layers) gets exactly the weights a pipeline
+    built with ``PipeDream(model, ..., init_seed=seed, init_fn=init_fn)`` gives
+    its layers on any partition: use it for an unsplit reference.
+
+    Args:
+        model: the model; only meta tensors are replaced.
+        device: where the new tensors live.
+        seed: the base seed (see :func:`layer_seed`).
+        init_fn: ``init_fn(layer)`` per layer instead of ``reset_parameters()``.
+        layers: indices of the children to materialise (default: all).
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: a bad seed, a module that cannot be initialised (see
+            :func:`check_initialisable`), or a tensor left unset.
+    """
+    seed = check_seed(seed)
+    check_initialisable(model, init_fn)
+    children = list(model.named_children())
+    memo: Memo = {}
+    for l in (range(len(children)) if layers is None else layers):
+        name, layer = children[l]
+        materialize_layer(layer, l, name, device, seed, init_fn, memo)
+    return model

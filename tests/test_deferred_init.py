@@ -1,0 +1,298 @@
+"""Deferred initialisation (a model built on the meta device) and ``pipe.load_state_dict``.
+
+Two torchrun launches, both under the ``meta`` fixture:
+
+* 2 ranks: a meta-built pipeline loaded with a full state dict trains like the
+  unsplit model loaded with it (``1f1b``: loss every step and weights after 3
+  SGD-momentum steps; ``pipedream``: like the same pipeline built whole, also
+  after loading with minibatches in flight); bad input (missing / unexpected
+  keys, wrong shape, a module without ``reset_parameters()``, a mask that
+  ``reset_parameters()`` does not set) raises on every rank naming it; a
+  meta-built pipeline with ``reset_parameters()`` saves a checkpoint.
+* 4 ranks: the same with 4 stages saves another checkpoint, and the 2-rank
+  checkpoint, consolidated, loads into a meta-built 4-rank pipeline.
+
+In this process: both checkpoints hold identical weights, equal to
+``pd.materialize`` and to a CPU model seeded layer by layer by hand.
+
+    PDMETA_DIR=/tmp/x torchrun --standalone --nproc-per-node 2 tests/test_deferred_init.py
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Callable, Dict, Type
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
+
+MARKER = "ALL DEFERRED INIT CHECKS PASSED"
+HERE = os.path.abspath(__file__)
+RTOL, ATOL = 1e-5, 1e-6
+
+
+# --------------------------------------------------------------------------- models
+def make_model() -> nn.Sequential:
+    """8 layers (4 ranks x 2), with BatchNorm buffers (compared in eval mode)."""
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.BatchNorm1d(12),
+                         nn.Linear(12, 12), nn.ReLU(), nn.Linear(12, 12), nn.Linear(12, 3))
+
+
+def meta_model() -> nn.Sequential:
+    with torch.device("meta"):
+        return make_model()
+
+
+class Scale(nn.Module):
+    """Owns a parameter but has no ``reset_parameters()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(12))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+class Masked(nn.Linear):
+    """A causal mask registered in ``__init__``: ``reset_parameters()`` does not set it."""
+
+    def __init__(self) -> None:
+        super().__init__(12, 12)
+        self.register_buffer("mask", torch.ones(12, 12).tril(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight * self.mask, self.bias)
+
+
+def meta_model_masked() -> nn.Sequential:
+    with torch.device("meta"):
+        return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), Masked(), nn.Linear(12, 3))
+
+
+def pretrained() -> Dict[str, torch.Tensor]:
+    """A full state dict unlike any initialisation (trained BatchNorm statistics too)."""
+    torch.manual_seed(7)
+    model = make_model()
+    model[3].running_mean.uniform_(-1, 1)
+    model[3].running_var.uniform_(0.5, 2)
+    model[3].num_batches_tracked.fill_(5)
+    return model.state_dict()
+
+
+def batch(step: int, n: int = 8):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _expect(error: Type[Exception], pattern: str, fn: Callable[[], object]) -> None:
+    with pytest.raises(error) as info:
+        fn()
+    assert re.search(pattern, str(info.value)), str(info.value)
+
+
+# --------------------------------------------------------------------------- worker checks
+def check_flush_schedule_matches_unsplit() -> None:
+    import pipedream_ext as pd
+
+    state = pretrained()
+    ref = make_model()
+    ref.load_state_dict(state)
+    pipe = pd.PipeDream(meta_model(), F.cross_entropy, schedule="1f1b", microbatches=2, timeout=60)
+    assert all(not p.is_meta for p in pipe.parameters())
+    rng = torch.get_rng_state()
+    pipe.load_state_dict(state)
+    assert torch.equal(rng, torch.get_rng_state())
+    # BatchNorm on its loaded statistics: batch statistics would differ per microbatch.
+    ref.eval(); pipe.eval()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        x, y = batch(step)
+        ref_loss = F.cross_entropy(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step(); ref_opt.zero_grad()
+        loss = pipe.step(x, y)
+        opt.step(); opt.zero_grad()
+        assert abs(loss - ref_loss.item()) <= RTOL * max(1.0, abs(ref_loss.item())), (step, loss)
+    expected = ref.state_dict()
+    for name, value in pipe.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"1f1b meta + load_state_dict: {name}: {m}")
+
+
+def check_async_schedule_matches_whole_built() -> None:
+    """``pipedream``: meta + load equals built whole + load; loading with minibatches in
+    flight flushes them first and leaves exactly the loaded weights."""
+    import pipedream_ext as pd
+
+    state = pretrained()
+    runs = []
+    for meta in (False, True):
+        model = meta_model() if meta else make_model()
+        pipe = pd.PipeDream(model, F.cross_entropy, schedule="pipedream", microbatches=2,
+                            timeout=60)
+        if meta:  # minibatches in flight over uninitialised-then-reset weights
+            opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+            for step in range(2):
+                pipe.step(*batch(50 + step), optimizer=opt)
+        pipe.load_state_dict(state)
+        for name, value in pipe.state_dict().items():
+            assert torch.equal(value, state[name]), f"pipedream: {name} not loaded exactly"
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.05)
+        losses = [pipe.step(*batch(step), optimizer=opt) for step in range(4)]
+        pipe.flush()
+        runs.append((losses, pipe.state_dict()))
+    assert runs[0][0] == runs[1][0], runs
+    for name, value in runs[0][1].items():
+        torch.testing.assert_close(runs[1][1][name], value, rtol=RTOL, atol=ATOL)
+
+
+def check_bad_input() -> None:
+    import pipedream_ext as pd
+
+    pipe = pd.PipeDream(meta_model(), F.cross_entropy, schedule="1f1b", microbatches=2, timeout=60)
+    before = {k: v.clone() for k, v in pipe.state_dict().items()}
+    state = pretrained()
+    missing = {k: v for k, v in state.items() if k != "6.bias"}  # stage 1 (layers 4-7) on 2 ranks
+    _expect(ValueError, r"load_state_dict failed on rank 1: the state dict lacks 1 key\(s\) of "
+            r"stage 1 \(layers 4-7\): '6\.bias' \(missing keys\)", lambda: pipe.load_state_dict(missing))
+    other = nn.Sequential(nn.Linear(6, 12), nn.Linear(12, 3)).state_dict()  # another model
+    other["head.bias"] = torch.zeros(3)
+    _expect(ValueError, r"failed on ranks 0, 1: the state dict has 3 key\(s\) this model does not "
+            r"have: '1\.weight', '1\.bias', 'head\.bias' \(unexpected keys",
+            lambda: pipe.load_state_dict(other))
+    wrong = dict(state, **{"7.weight": torch.zeros(4, 12)})
+    _expect(ValueError, r"'7\.weight' has shape \[4, 12\] but this model's is \[3, 12\]",
+            lambda: pipe.load_state_dict(wrong))
+    for name, value in pipe.state_dict().items():
+        assert torch.equal(value, before[name]), f"a failed load changed {name}"
+    # Only what exists is loaded with strict=False; this rank's missing keys come back.
+    result = pipe.load_state_dict(missing, strict=False)
+    assert result.missing_keys == (["6.bias"] if pipe.rank == 1 else [])
+    # Construction: every rank raises, naming the module by its name in the model.
+    with torch.device("meta"):
+        no_reset = nn.Sequential(nn.Linear(6, 12), nn.Sequential(nn.Tanh(), Scale()), nn.Linear(12, 3))
+    _expect(ValueError, r"module '1\.1' \(Scale: gain\) has parameters or buffers on the meta device "
+            r"but no reset_parameters\(\).*pass PipeDream\(\.\.\., init_fn=fn\)",
+            lambda: pd.PipeDream(no_reset, F.cross_entropy, microbatches=2, timeout=60))
+    masked = meta_model_masked()
+    _expect(ValueError, r"initialising the meta-device layers failed on rank 1: layer 2 \('2'\): "
+            r"'2\.mask' on the meta device were not set by reset_parameters\(\)",
+            lambda: pd.PipeDream(masked, F.cross_entropy, microbatches=2, timeout=60))
+    # init_fn handles both: fn(layer) under the layer's seeded RNG.
+    def init_fn(layer: nn.Module) -> None:
+        for module in layer.modules():
+            if isinstance(module, Scale):
+                module.gain.fill_(2.0)
+            elif isinstance(module, Masked):
+                module.mask.copy_(torch.ones(12, 12).tril())
+            if callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+
+    for model in (no_reset, masked):
+        pipe = pd.PipeDream(model, F.cross_entropy, microbatches=2, timeout=60, init_fn=init_fn)
+        pipe.step(*batch(0))
+    seed = dist.get_rank()  # a model that no single init_seed gives
+    _expect(ValueError, r"ranks disagree on the pipeline configuration \(this rank: schedule, "
+            r"microbatches, balance, layers, replicas, init_seed = ",
+            lambda: pd.PipeDream(meta_model(), F.cross_entropy, microbatches=2, timeout=60,
+                                 init_seed=seed))
+    # A bug in init_fn on one rank: every rank raises, naming it (no rank waits on a dead peer).
+    def broken(layer: nn.Module) -> None:
+        if isinstance(layer, Masked):
+            raise TypeError("init_fn bug")
+        init_fn(layer)
+
+    _expect(RuntimeError, r"initialising the meta-device layers failed on rank 1: TypeError: init_fn bug",
+            lambda: pd.PipeDream(meta_model_masked(), F.cross_entropy, microbatches=2, timeout=60,
+                                 init_fn=broken))
+
+
+def save_reset_parameters_checkpoint() -> None:
+    """Meta-built, initialised by reset_parameters(): saved for the test process to compare."""
+    import pipedream_ext as pd
+
+    rng = torch.get_rng_state()
+    world = dist.get_world_size()
+    # 2 ranks: interleaved, so a rank keeps layers 0-1 and 4-5 (not one contiguous slice).
+    schedule, chunks = ("interleaved-1f1b", 2) if world == 2 else ("1f1b", 1)
+    pipe = pd.PipeDream(meta_model(), F.cross_entropy, schedule=schedule, chunks=chunks,
+                        microbatches=2, timeout=60, init_seed=3)
+    assert torch.equal(rng, torch.get_rng_state()), "deferred init changed the global RNG"
+    pd.save_checkpoint(os.path.join(os.environ["PDMETA_DIR"], f"reset-{world}"), pipe)
+
+
+def load_consolidated_checkpoint() -> None:
+    """The 2-rank checkpoint, consolidated, into a meta-built 4-rank pipeline."""
+    import pipedream_ext as pd
+
+    state = pd.consolidate(os.path.join(os.environ["PDMETA_DIR"], "reset-2"))
+    pipe = pd.PipeDream(meta_model(), F.cross_entropy, schedule="gpipe", microbatches=2, timeout=60)
+    pipe.load_state_dict(state)
+    own = pipe.state_dict()
+    assert own and all(torch.equal(value, state[name]) for name, value in own.items())
+    ref = make_model()
+    ref.load_state_dict(state)
+    ref.eval(); pipe.eval()
+    x, y = batch(0)
+    expected = F.cross_entropy(ref(x), y).item()
+    assert abs(pipe.step(x, y) - expected) <= RTOL * max(1.0, abs(expected))
+
+
+def run_checks() -> None:
+    if dist.get_world_size() == 2:
+        check_flush_schedule_matches_unsplit()
+        check_async_schedule_matches_whole_built()
+        check_bad_input()
+        save_reset_parameters_checkpoint()
+    else:
+        save_reset_parameters_checkpoint()
+        load_consolidated_checkpoint()
+
+
+# --------------------------------------------------------------------------- pytest side
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = str(tmp_path_factory.mktemp("deferred"))
+    os.environ["PDMETA_DIR"] = root
+    try:
+        for world in (2, 4):
+            assert_every_rank_passed(launch_torchrun(HERE, world, timeout=300), world, MARKER)
+    finally:
+        del os.environ["PDMETA_DIR"]
+    return root
+
+
+def test_meta_pipelines_train_like_the_unsplit_model_and_refuse_bad_input(saved: str) -> None:
+    """Both launches passed: 1f1b and pipedream after load_state_dict, the errors,
+    and a consolidated checkpoint loading into a meta-built pipeline."""
+    assert os.path.exists(os.path.join(saved, "reset-4", "manifest.json"))
+
+
+def test_weights_do_not_depend_on_the_world_size(saved: str) -> None:
+    import pipedream_ext as pd
+
+    two = pd.consolidate(os.path.join(saved, "reset-2"))
+    four = pd.consolidate(os.path.join(saved, "reset-4"))
+    reference = pd.materialize(meta_model(), "cpu", seed=3).state_dict()
+    by_hand = make_model()
+    for l, layer in enumerate(by_hand):  # the documented rule, spelled out
+        torch.manual_seed(3 * 2**16 + l)
+        for module in layer.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+    assert list(two) == list(four) == list(reference) == list(by_hand.state_dict())
+    for name, value in by_hand.state_dict().items():
+        for what, other in (("2 ranks", two), ("4 ranks", four), ("pd.materialize", reference)):
+            assert torch.equal(other[name], value), f"{what}: {name} differs from the seeding rule"
+    assert not torch.equal(two["0.weight"], pd.materialize(meta_model(), seed=4)[0].weight)
+
+
+if __name__ == "__main__":
+    worker_main(run_checks, MARKER)
