@@ -11,7 +11,10 @@ seeded with ``layer_seed(seed, l) = seed * 2**16 + l``, inside
 or world size holds it, and the caller's global RNG state is left as it was.
 Within a layer, every module that directly owns meta tensors calls its own
 ``reset_parameters()``, in ``named_modules()`` order; with ``init_fn`` given,
-``init_fn(layer)`` is called once per layer instead. :func:`materialize` applies
+``init_fn(layer)`` is called once per layer instead. A tensor tied across layers
+(a head sharing the embedding's weight) takes the values of its first layer: a
+later layer's initialisation leaves it alone (and across ranks the pipeline copies
+the first use's values, ``_shared.SharedGradients.synchronize_values``). :func:`materialize` applies
 the same rule to a whole model in one process (a reference for tests and for
 comparing with a pipeline). Generators differ per device type, so a CUDA
 pipeline's weights equal ``materialize(model, "cuda")``'s, not the CPU's.
@@ -176,24 +179,31 @@ def _is_sentinel(t: torch.Tensor) -> bool:
     return True
 
 
-def _to_empty(layer: nn.Module, device: torch.device,
-              memo: Memo) -> List[Tuple[str, torch.Tensor, bool, bool]]:
+def _to_empty(layer: nn.Module, device: torch.device, memo: Memo,
+              reused: Optional[List[torch.Tensor]] = None) -> List[Tuple[str, torch.Tensor, bool, bool]]:
     """Replaces every meta tensor of ``layer`` with uninitialised storage on ``device``.
 
     Unlike ``Module.to_empty`` only meta tensors are replaced, and a tensor shared
     by several modules (tied weights) stays shared (through ``memo``).
+
+    Args:
+        reused: receives the tensors an earlier layer already materialised (ties).
 
     Returns:
         ``(qualified name in layer, new tensor, is_parameter, persistent)`` of each
         newly allocated tensor whose sentinel can be detected.
     """
     fresh: List[Tuple[str, torch.Tensor, bool, bool]] = []
+    earlier = set(memo)  # meta tensors an earlier layer materialised
     for qualname, module in layer.named_modules():
         non_persistent = module._non_persistent_buffers_set  # noqa: SLF001
         for name, t, is_param in list(_direct_tensors(module)):
             if not t.is_meta:
                 continue
             new = memo[id(t)][1] if id(t) in memo else None
+            if new is not None and reused is not None and id(t) in earlier \
+                    and all(r is not new for r in reused):
+                reused.append(new)
             if new is None:
                 # Not empty_like: on a meta tensor it imports sympy (~36 MiB of RSS).
                 data = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
@@ -246,13 +256,19 @@ def materialize_layer(layer: nn.Module, index: int, name: str, device: Union[str
     owners = [module for _, module in layer.named_modules() if _meta_names(module)]
     if not owners:
         return
-    fresh = _to_empty(layer, device, {} if memo is None else memo)
+    reused: List[torch.Tensor] = []
+    fresh = _to_empty(layer, device, {} if memo is None else memo, reused)
+    # A tensor tied to an earlier layer keeps that layer's values (the first use
+    # initialises it, as `head.weight = emb.weight` after building keeps emb's).
+    kept = [(t, t.detach().clone()) for t in reused]
     with _seeded(layer_seed(seed, index), device), torch.no_grad():
         if init_fn is not None:
             init_fn(layer)
         else:
             for module in owners:
                 module.reset_parameters()
+        for t, value in kept:
+            t.copy_(value)
     unset = [(qualname, is_param) for qualname, t, is_param, persistent in fresh
              if (init_fn is None or not persistent) and _is_sentinel(t)]
     if unset:

@@ -122,6 +122,25 @@ def check_matches_unsplit(schedule: str, balance: List[int], replicas: Optional[
         assert_weights_equal(pipe, ref, f"{what} after {STEPS} {opt_name} steps")
 
 
+def check_meta_built(schedule: str, balance: List[int],
+                     replicas: Optional[List[int]] = None) -> None:
+    """A tied model built on the meta device: every copy of the tied weight starts
+    from its first use's initialisation (pd.materialize's rule), then trains equal to
+    the unsplit model materialised the same way."""
+    import pipedream_ext as pd
+
+    what = f"meta-built {schedule} balance={balance} replicas={replicas}"
+    with torch.device("meta"):
+        model, reference = tied_lm(), tied_lm()
+    ref = pd.materialize(reference)
+    pipe = pd.PipeDream(model, lm_loss, schedule=schedule, microbatches=4, balance=balance,
+                        replicas=replicas, timeout=60)
+    assert_weights_equal(pipe, ref, f"{what}: right after construction")
+    opt, ref_opt = OPTIMIZERS["adam"](pipe.parameters()), OPTIMIZERS["adam"](ref.parameters())
+    train_both(pipe, ref, opt, ref_opt, STEPS, 300, what)
+    assert_weights_equal(pipe, ref, f"{what} after {STEPS} adam steps")
+
+
 def check_asynchronous_refused() -> None:
     """docs/bad_input.md row ``shared-async``: refused at construction, naming the parameter."""
     import pipedream_ext as pd
@@ -177,6 +196,7 @@ def run_checks() -> None:
         check_matches_unsplit("interleaved-1f1b", [1, 2, 2, 1])
         check_matches_unsplit("interleaved-1f1b", [1, 2, 1, 2])
         check_asynchronous_refused()
+        check_meta_built("1f1b", [2, 4])
         check_checkpoint(dict(schedule="interleaved-1f1b", chunks=2, balance=[1, 2, 2, 1]),
                          dict(schedule="1f1b", balance=[3, 3]), os.path.join(directory, "ckpt2"))
     elif world == 3:
@@ -185,6 +205,7 @@ def run_checks() -> None:
         for replicas in ([2, 1], [1, 2]):
             check_matches_unsplit("1f1b", [3, 3], replicas=replicas)
             check_matches_unsplit("gpipe", [3, 3], replicas=replicas)
+        check_meta_built("gpipe", [3, 3], replicas=[1, 2])
         check_checkpoint(dict(schedule="1f1b", balance=[3, 3], replicas=[2, 1]),
                          dict(schedule="zb-h1", balance=[1, 2, 3]), os.path.join(directory, "ckpt3"))
     elif world == 4:
@@ -200,7 +221,6 @@ def test_tied_lm_matches_the_unsplit_model(world: int, tmp_path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SHARED_PARAMS_DIR", str(tmp_path))
     assert_every_rank_passed(launch_torchrun(HERE, world), world, MARKER)
-
 
 
 if __name__ == "__main__":
