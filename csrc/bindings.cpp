@@ -326,6 +326,19 @@ void bindPlanner(py::module_& m) {
 }
 
 // ---- runtime (csrc/runtime) --------------------------------------------------
+// Deletes an executor from Python (the GIL held): its process group handles go
+// first with the GIL released (see PipelineExecutor::releaseCommunication), the
+// rest, which holds Python callbacks, with it.
+struct ExecutorDeleter {
+  void operator()(PipelineExecutor* executor) const {
+    {
+      py::gil_scoped_release noGil;
+      executor->releaseCommunication();
+    }
+    delete executor;
+  }
+};
+
 py::dict statsToDict(const RuntimeStats& s) {
   py::dict d;
   d["compute_s"] = s.computeSeconds;
@@ -386,7 +399,8 @@ void bindRuntime(py::module_& m) {
                ", bytes_sent=" + std::to_string(s.bytesSent) + ")";
       });
 
-  py::class_<PipelineExecutor>(m, "PipelineExecutor")
+  py::class_<PipelineExecutor, std::unique_ptr<PipelineExecutor, ExecutorDeleter>>(m,
+                                                                          "PipelineExecutor")
       .def(py::init([](const Schedule& lowered, int rank,
                        const c10::intrusive_ptr<c10d::ProcessGroup>& group, double timeoutSeconds,
                        py::function forward, std::map<int, std::vector<at::Tensor>> parameters,
@@ -409,9 +423,9 @@ void bindRuntime(py::module_& m) {
                  update(stage, version);
                };
              }
-             return std::make_unique<PipelineExecutor>(lowered, rank, std::move(engine), std::move(fn),
-                                                       std::move(parameters), std::move(updateFn),
-                                                       std::move(replicaGroups), recompute);
+             return std::unique_ptr<PipelineExecutor, ExecutorDeleter>(new PipelineExecutor(
+                 lowered, rank, std::move(engine), std::move(fn), std::move(parameters),
+                 std::move(updateFn), std::move(replicaGroups), recompute));
            }),
            py::arg("lowered_schedule"), py::arg("rank"), py::arg("group"), py::arg("timeout_seconds"),
            py::arg("forward"), py::arg("stage_parameters"), py::arg("device") = "cpu",

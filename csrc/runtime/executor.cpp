@@ -363,6 +363,15 @@ void PipelineExecutor::reset() {
   recvB_.clear();
 }
 
+void PipelineExecutor::releaseCommunication() {
+  recvF_.clear();
+  recvB_.clear();
+  unposted_.clear();
+  sends_.clear();
+  replicaGroups_.clear();
+  engine_.reset();
+}
+
 void PipelineExecutor::waitSends() {
   if (ledger_.sendsInFlight() == 0) return;
   const auto start = Clock::now();

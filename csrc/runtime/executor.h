@@ -114,6 +114,12 @@ class PipelineExecutor {
   void appendActions(const std::vector<Action>& actions);
   // Waits for every outstanding send (end of a stream or of the program).
   void waitSends();
+  // Drops every handle on the process groups: posted transfers, the engine and
+  // the replica groups. The executor is unusable afterwards. Runs no Python, so
+  // the bindings call it without the GIL before deleting the executor: the last
+  // reference to a Gloo group joins its worker threads, and a worker freeing a
+  // tensor Python created (the user's own broadcast, say) needs the GIL.
+  void releaseCommunication();
 
   const ScheduleTraits& traits() const { return traits_; }
 
