@@ -332,7 +332,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         init_seed=args.seed)
     rank = dist.get_rank()
     show = rank == pipe.last_rank  # it knows the losses; one rank speaks
-    opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr, weight_decay=0.01)
+    # torch's optimizers refuse an empty parameter list (a stage of only FlattenLogits).
+    has_weights = any(True for _ in pipe.parameters())
+    opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr, weight_decay=0.01) if has_weights else None
 
     total_steps = args.epochs * args.steps_per_epoch
     start_epoch = 0
@@ -362,11 +364,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                    leave=False, file=sys.stdout)
         for step in bar:
             x, y = train_batch(train_data, step, args.batch_size, args.lengths, args.seed)
-            for group in opt.param_groups:
-                group["lr"] = learning_rate(step, total_steps, args.lr, args.warmup)
             loss = pipe.step(x, y)  # flush schedules: the batch's loss on every rank
-            opt.step()
-            opt.zero_grad()
+            if opt is not None:
+                for group in opt.param_groups:
+                    group["lr"] = learning_rate(step, total_steps, args.lr, args.warmup)
+                opt.step()
+                opt.zero_grad()
             total += loss * y.numel()
             count += y.numel()
             bar.set_postfix(loss=f"{loss:.3f}", T=x.shape[1], refresh=False)
