@@ -85,3 +85,7 @@ def test_gpt_example_refuses_asynchronous_schedules():
     assert result.returncode == 0, result.stderr
     assert "refuse the tied" in " ".join(result.stdout.split())
     assert "pipedream-2bw" in result.stdout
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"),
+                             "--schedule", "pipedream"], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT)
+    assert result.returncode == 2 and "invalid choice: 'pipedream'" in result.stderr, result.stderr
