@@ -1,4 +1,4 @@
-"""The README's main job: the digits example must train to >= 95% test accuracy."""
+"""The examples: the README's main job (digits, >= 95% test accuracy) and the GPT example."""
 from __future__ import annotations
 
 import os
@@ -45,3 +45,47 @@ def test_digits_example_replicas_and_auto_balance():
     result = _train("--balance", "auto", "--epochs", "2", "--min-accuracy", "0")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert "speedup over data parallelism" in result.stdout + result.stderr
+
+
+def _train_gpt(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "examples", "train_gpt.py"), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+
+
+def test_gpt_example_tiny_run_trains_evaluates_generates_and_resumes(tmp_path):
+    """The GPT example in a tiny configuration (1 block of width 32, a few steps; the
+    default run's goal is not checked here): it prints the baseline, the validation
+    loss and generated text, saves a checkpoint per epoch and resumes from it."""
+    ckpt = str(tmp_path / "ckpt")
+    tiny = ("--layers", "1", "--width", "32", "--steps-per-epoch", "4", "--generate", "8",
+            "--data-bytes", "200000", "--val-bytes", "8192", "--no-goal", "--checkpoint", ckpt)
+    result = _train_gpt(*tiny, "--epochs", "1")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    baseline = float(re.search(r"UNIGRAM BASELINE ([0-9.]+) nats", result.stdout).group(1))
+    assert 2.0 < baseline < 5.6  # source code bytes: well below log(256)
+    assert re.search(r"VALIDATION LOSS [0-9.]+ PERPLEXITY [0-9.]+", result.stdout)
+    assert "GENERATED TEXT" in result.stdout
+    assert "epoch 1: train loss" in result.stderr  # logged per epoch
+    assert os.path.exists(os.path.join(ckpt, "manifest.json"))
+
+    # Resume into another flush schedule for a second epoch.
+    result = _train_gpt(*tiny, "--epochs", "2", "--resume", "--schedule", "zb-h1")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert "resumed from" in result.stderr and "after epoch 1" in result.stderr
+    assert "epoch 2: train loss" in result.stderr and "epoch 1: train loss" not in result.stderr
+    assert "GENERATED TEXT" in result.stdout
+
+
+def test_gpt_example_refuses_asynchronous_schedules():
+    """Tied weights need a flush schedule: --schedule offers only those, and says why."""
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"),
+                             "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert "refuse the tied" in " ".join(result.stdout.split())
+    assert "pipedream-2bw" in result.stdout
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"),
+                             "--schedule", "pipedream"], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT)
+    assert result.returncode == 2 and "invalid choice: 'pipedream'" in result.stderr, result.stderr
