@@ -68,7 +68,8 @@ class PipeDream:
 
     Args:
         module: the whole model, identically initialised on every rank, or built
-            on the meta device (then see ``init_seed`` and ``init_fn``).
+            on the meta device (then see ``init_seed`` and ``init_fn``): an
+            ``nn.Sequential``, or any ``nn.Module`` with ``split_points``.
         loss_fn: ``loss_fn(output, target)`` with mean reduction over the batch.
         schedule: one of :data:`SYNCHRONOUS_SCHEDULES` or :data:`ASYNCHRONOUS_SCHEDULES`
             (what each means: ``schedules.traits(name)``).
@@ -154,7 +155,7 @@ class PipeDream:
         RuntimeError: no process group and no torchrun environment.
     """
 
-    def __init__(self, module: nn.Sequential, loss_fn: Callable[..., torch.Tensor],
+    def __init__(self, module: nn.Module, loss_fn: Callable[..., torch.Tensor],
                  schedule: str = "1f1b", microbatches: int = 4,
                  balance: Optional[Union[Sequence[int], str, os.PathLike, Plan]] = None,
                  chunks: int = 1, process_group: Optional[dist.ProcessGroup] = None,

@@ -255,11 +255,16 @@ def build_stages(gm: fx.GraphModule, starts: Sequence[int],
         original paths (``GraphModule(gm, graph)``).
 
     Raises:
-        ValueError: a value that is not a tensor would cross a cut (naming the node).
+        ValueError: a value that is not a tensor would cross a cut (naming the node),
+            or nothing crosses one.
     """
     stage_of = _stage_of(gm, starts)
     num_stages = len(starts) + 1
     for k, values in enumerate(live, start=1):
+        if not values:
+            raise ValueError(f"stage {k} uses nothing stage {k - 1} or the inputs produce (it "
+                             "computes from constants only); move the split point starting "
+                             f"stage {k} to a module that takes data")
         for v in values:
             kind = (kinds or {}).get(v, "Tensor")
             if kind != "Tensor":

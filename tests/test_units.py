@@ -441,6 +441,17 @@ def test_tracing_errors_name_the_value_and_the_fix() -> None:
 
     with pytest.raises(ValueError, match="'a.bias' is used by stage 0 and stage 1"):
         split_model(Reused(), ["b"], (torch.randn(2, 4),))
+    class Disconnected(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.a(x)
+            return self.b(torch.zeros(2, 4))
+
+    with pytest.raises(ValueError, match="stage 1 uses nothing stage 0 or the inputs produce"):
+        split_model(Disconnected(), ["b"], (torch.randn(2, 4),))
     # A flag left symbolic: the error names the module, the line and concrete_args.
     with pytest.raises(ValueError, match=r"module '\(the root\)' \(_SkipNet.forward, "
                                          r"test_units.py:\d+: if flag:\).*concrete_args"):
