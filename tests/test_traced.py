@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -206,17 +206,18 @@ def optimizers(params: List[nn.Parameter]) -> List[torch.optim.Optimizer]:
     return [torch.optim.SGD(params, lr=0.05, momentum=0.9), torch.optim.Adam(params, lr=0.01)]
 
 
-def check_schedule(kind: str, schedule: str) -> None:
+def check_schedule(kind: str, schedule: str, replicas: Optional[List[int]] = None) -> None:
     """Two SGD-momentum steps then two Adam steps: every loss, weight and buffer exact."""
     import pipedream_ext as pd
 
     world = dist.get_world_size()
     chunks = 2 if schedule == "interleaved-1f1b" else 1
+    stages = len(replicas) if replicas is not None else world * chunks
     _, loss_fn, splits, _, kwargs = MODELS[kind]
     sample = make_batch(kind, 8, 99)
     pipe = pd.PipeDream(make_model(kind), loss_fn, schedule=schedule, microbatches=MICROBATCHES,
-                        chunks=chunks, timeout=60, split_points=splits[world * chunks],
-                        sample=sample, **kwargs)
+                        chunks=chunks, timeout=60, split_points=splits[stages],
+                        sample=sample, replicas=replicas, **kwargs)
     ref = make_model(kind)
     names = {n for n, _ in pipe.named_parameters()}
     assert names <= set(dict(ref.named_parameters(remove_duplicate=False))), names
@@ -349,6 +350,8 @@ def run_checks() -> None:
         check_checkpoint(kind, root)
     for schedule in ("pipedream", "pipedream-2bw"):
         check_asynchronous_equals_sequential(schedule)
+    if world > 2:  # hybrid: stage 0 on two ranks (no BatchNorm: replicas see other microbatches)
+        check_schedule("unet", "1f1b", replicas=[2] + [1] * (world - 2))
 
 
 # --------------------------------------------------------------------------- pytest side
