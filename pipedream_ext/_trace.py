@@ -31,7 +31,9 @@ from torch import nn
 __all__ = ["TracedSplit", "trace_model", "stage_starts", "live_sets", "build_stages",
            "split_model", "merge_stage_modules"]
 
-# Nodes that produce no value a stage computes: created again by every stage using them.
+# Attribute reads never cross a cut: every stage using one reads it itself (a parameter
+# or buffer of the model, or a tensor fx computed while tracing, such as
+# ``torch.full((8,), 0.1)`` in a forward, which it stores on the root).
 _CONSTANT_OPS = ("get_attr",)
 
 
@@ -209,7 +211,8 @@ def live_sets(gm: fx.GraphModule, starts: Sequence[int]) -> List[List[fx.Node]]:
         starts: from :func:`stage_starts`.
 
     Returns:
-        ``S - 1`` lists of nodes (placeholders and computing nodes; never ``get_attr``).
+        ``S - 1`` lists of nodes (placeholders and computing nodes; never attribute
+        reads, which every stage makes itself).
     """
     stage_of = _stage_of(gm, starts)
     producers = [n for n in gm.graph.nodes if n.op != "output" and n.op not in _CONSTANT_OPS]
@@ -324,7 +327,8 @@ def _install(source: nn.Module, target: nn.Module, path: str) -> None:
         source, target = src, dst
     value = getattr(source, field)
     if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-        target.register_buffer(field, value)
+        target.register_buffer(field, value,
+                               persistent=field not in source._non_persistent_buffers_set)
     else:
         setattr(target, field, value)
 
@@ -350,6 +354,32 @@ def merge_stage_modules(stages: Sequence[fx.GraphModule]) -> nn.Module:
         for name in sorted(_tensor_paths(stage) - held):  # tensors the forward never reads
             _install(stage, merged, name)
     return merged
+
+
+def _check_one_stage_per_state(stages: Sequence[fx.GraphModule]) -> None:
+    """Refuses a parameter, or a buffer of a called module, held by two stages.
+
+    A parameter gets one gradient and one update, and a called module's buffers
+    (BatchNorm's running statistics) change as it runs, so either needs one stage
+    (ties across different modules are ``_shared``'s). A buffer only read as an
+    attribute (a constant mask) may be read by several stages.
+
+    Raises:
+        ValueError: naming the tensor and both stages.
+    """
+    holder: Dict[str, int] = {}
+    for j, stage in enumerate(stages):
+        names = {n for n, _ in stage.named_parameters(remove_duplicate=False)}
+        for node in stage.graph.nodes:
+            if node.op == "call_module":
+                names.update(f"{node.target}.{n}" for n, _ in
+                             stage.get_submodule(str(node.target)).named_buffers())
+        for name in sorted(names):
+            if holder.setdefault(name, j) != j:
+                raise ValueError(
+                    f"{name!r} is used by stage {holder[name]} and stage {j} (its module is "
+                    "called on both sides of a split point); move the split points so every "
+                    "call is in one stage, or tie separate modules' parameters instead")
 
 
 def split_model(model: nn.Module, split_points: Sequence[str],
@@ -379,16 +409,20 @@ def split_model(model: nn.Module, split_points: Sequence[str],
     starts = stage_starts(gm, model, split_points)
     live = live_sets(gm, starts)
     stages = build_stages(gm, starts, live, _value_kinds(gm, inputs))
-    holder: Dict[str, int] = {}
-    for j, stage in enumerate(stages):
-        for name in sorted(_tensor_paths(stage)):
-            if holder.setdefault(name, j) != j:
-                raise ValueError(
-                    f"{name!r} is used by stage {holder[name]} and stage {j} (a module or "
-                    "tensor called on both sides of a split point); move the split points so "
-                    "every use is in one stage, or tie separate modules' parameters instead")
+    _check_one_stage_per_state(stages)
+    # Tensors fx computed while tracing (``torch.full((8,), 0.1)``) are attributes of the
+    # traced root (``_tensor_constant0``), not of the model: kept out of state dicts.
+    own = _tensor_paths(model)
+    for stage in stages:
+        for node in stage.graph.nodes:
+            if node.op == "get_attr" and str(node.target) not in own:
+                *prefix, field = str(node.target).split(".")
+                owner = stage.get_submodule(".".join(prefix))
+                if field in owner._buffers:
+                    owner.register_buffer(field, owner._buffers[field], persistent=False)
     # Parameters and buffers the forward never reads still belong to the model (its
     # state_dict): the last stage keeps them so checkpoints hold the whole model.
-    for name in sorted(_tensor_paths(model) - set(holder)):
+    held = set().union(*(_tensor_paths(stage) for stage in stages))
+    for name in sorted(_tensor_paths(model) - held):
         _install(model, stages[-1], name)
     return TracedSplit(stages, [[n.name for n in values] for values in live], split_points)

@@ -96,7 +96,9 @@ class UNet(nn.Module):
 
 
 class TwoInputs(nn.Module):
-    """forward(x, mask, use_cache=...) -> (logits, aux); the mask is used by every block."""
+    """forward(x, mask, use_cache=...) -> (logits, aux); the mask is used by every block,
+    and so are a constant buffer and a tensor made in the forward (both made by every
+    stage using them, not sent)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -104,11 +106,13 @@ class TwoInputs(nn.Module):
         self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
         self.head = nn.Linear(8, 3)
         self.aux = nn.Linear(8, 1)
+        self.register_buffer("gain", torch.linspace(0.5, 1.5, 8))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, use_cache: bool = True):
         h = self.embed(x)
+        offset = torch.full((8,), 0.1)
         for block in self.blocks:
-            h = h + torch.tanh(block(h)) * mask
+            h = h + torch.tanh(block(h)) * mask * self.gain + offset
         if use_cache:  # a branch fixed by concrete_args when tracing
             h = h * 2
         return self.head(h), self.aux(h).squeeze(1)

@@ -458,6 +458,43 @@ def test_tracing_errors_name_the_value_and_the_fix() -> None:
         split_model(_SkipNet(), ["out"], (torch.randn(2, 3), torch.ones(2, 4)))
 
 
+def test_constants_are_made_by_each_stage_and_called_buffers_kept_in_one() -> None:
+    from pipedream_ext._trace import split_model
+
+    class Constants(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.register_buffer("gain", torch.full((4,), 2.0))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            offset = torch.ones(4)  # fx computes it while tracing: "_tensor_constant0"
+            h = self.a(x) * self.gain + offset
+            return self.b(h) * self.gain + offset
+
+    model = Constants()
+    split = split_model(model, ["b"], (torch.randn(2, 4),))
+    assert split.live == [["add"]]  # neither the buffer nor the tensor made in forward travels
+    assert all("gain" in stage.state_dict() for stage in split.stages)
+    # The traced constant is a buffer of the stages but not part of the model's state.
+    assert all("_tensor_constant0" in dict(stage.named_buffers()) and
+               "_tensor_constant0" not in stage.state_dict() for stage in split.stages)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(split.stages[1](split.stages[0](x)), model(x))
+
+    class StatsTwice(nn.Module):  # running statistics updated on both sides of the cut
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.b = nn.BatchNorm1d(4, affine=False), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(self.b(self.norm(x)))
+
+    with pytest.raises(ValueError, match="'norm.num_batches_tracked' is used by stage 0 and "
+                                         "stage 1 \\(its module is called on both sides"):
+        split_model(StatsTwice(), ["b"], (torch.randn(2, 4),))
+
+
 def test_find_shared_in_stages_of_a_traced_model() -> None:
     from pipedream_ext._shared import find_shared_in_stages
     from pipedream_ext._trace import split_model
