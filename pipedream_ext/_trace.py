@@ -399,7 +399,8 @@ def split_model(model: nn.Module, split_points: Sequence[str],
 
     Raises:
         ValueError: an untraceable forward, bad split points, a non-tensor value
-            crossing a cut, or a parameter or buffer used by two stages (naming it).
+            crossing a cut, or a parameter or a called module's buffer used by two
+            stages (naming it).
     """
     if isinstance(split_points, str) or not split_points:
         raise ValueError(f"split_points must be a non-empty list of module names (got "
