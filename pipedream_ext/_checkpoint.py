@@ -297,6 +297,28 @@ def _stage_of_layer(manifest: Mapping[str, Any]) -> List[Dict[str, Any]]:
     return owner
 
 
+def _owner_of_key(manifest: Mapping[str, Any]) -> Any:
+    """``key -> the manifest's record of the stage whose weights file lists key``.
+
+    An ``nn.Sequential``'s key belongs to the stage of its layer (its first name
+    component); a traced model's (``split_points`` in the manifest) to the stage
+    whose file lists it, so it loads into any other split by name.
+    """
+    if "split_points" in manifest:
+        listed = {key: stage for stage in manifest["stages"]
+                  for key in stage["model"].get("tensors", {})}
+
+        def traced_owner(key: str) -> Dict[str, Any]:
+            if key not in listed:
+                raise CheckpointError(f"the checkpoint has no entry for {key!r}, which this model "
+                                      "has (missing parameter or buffer)")
+            return listed[key]
+        return traced_owner
+    owner = _stage_of_layer(manifest)
+    layer_index = {layer["name"]: i for i, layer in enumerate(manifest["layers"])}
+    return lambda key: owner[layer_index[key.split(".", 1)[0]]]
+
+
 def _stage_what(stage: Mapping[str, Any], kind: str) -> str:
     start, stop = stage["layers"]
     return f"{kind} of stage {stage['stage']}, layers {start}..{stop - 1}"
@@ -586,10 +608,14 @@ def save_checkpoint(path: PathLike, pipe: "PipeDream", optimizer: Optional[torch
                 optim["class"] = part["class"]
                 held = {n for g in part["param_groups"] for n in g["params"]}
                 optim["params"] = [n for n, _ in module.named_parameters() if n in held]
+            # A traced stage is one "layer" whose tensors are matched by name alone
+            # (its children are partial copies of the model's, not layers).
+            children = [(f"stage{j}", "GraphModule")] if pipe.split_points is not None else \
+                [(name, type(child).__qualname__) for name, child in module.named_children()]
             records.append({
                 "stage": j, "layers": [start, stop], "ranks": ranks,
-                "layer_names": [name for name, _ in module.named_children()],
-                "layer_types": [type(child).__qualname__ for _, child in module.named_children()],
+                "layer_names": [name for name, _ in children],
+                "layer_types": [kind for _, kind in children],
                 "model": model, "optimizer": optim,
             })
         if pipe.rank == 0 and extra is not None:
@@ -624,6 +650,8 @@ def save_checkpoint(path: PathLike, pipe: "PipeDream", optimizer: Optional[torch
         "stages": stages,
         "extra": extra_record,
     }
+    if pipe.split_points is not None:
+        manifest["split_points"] = pipe.split_points
     error = None
     if pipe.rank == 0:
         try:
@@ -649,9 +677,18 @@ def save_checkpoint(path: PathLike, pipe: "PipeDream", optimizer: Optional[torch
 def _prepare_weights(directory: str, manifest: Mapping[str, Any], pipe: "PipeDream",
                      cache: Dict[str, Any]) -> Dict[int, "collections.OrderedDict[str, torch.Tensor]"]:
     """For each local stage, its state_dict gathered from the checkpoint's stage files."""
+    manifest_path = os.path.join(directory, MANIFEST)
+    if ("split_points" in manifest) != (pipe.split_points is not None):
+        saved, here = (("a traced model (split_points)", "an nn.Sequential")
+                       if "split_points" in manifest else
+                       ("an nn.Sequential", "a traced model (split_points)"))
+        raise CheckpointError(f"{manifest_path} was saved from {saved} but this pipeline runs "
+                              f"{here}; load it into a pipeline built the same way, or load "
+                              "pd.consolidate(path) with pipe.load_state_dict")
+    if pipe.split_points is not None:
+        return _prepare_traced_weights(directory, manifest, pipe, cache)
     layers = manifest["layers"]
     num_layers = sum(pipe.balance)
-    manifest_path = os.path.join(directory, MANIFEST)
     if len(layers) != num_layers:
         raise CheckpointError(
             f"{manifest_path}: the checkpoint's model has {len(layers)} layers "
@@ -706,14 +743,47 @@ def _prepare_weights(directory: str, manifest: Mapping[str, Any], pipe: "PipeDre
     return result
 
 
+def _prepare_traced_weights(directory: str, manifest: Mapping[str, Any], pipe: "PipeDream",
+                            cache: Dict[str, Any]) -> Dict[int, "collections.OrderedDict[str, torch.Tensor]"]:
+    """:func:`_prepare_weights` for a traced model: every key found by name in the
+    stage file listing it (any split of the same model)."""
+    owner_of = _owner_of_key(manifest)
+    model_keys = set(pipe._model_shapes)  # noqa: SLF001 - same package
+    listed = {key for stage in manifest["stages"] for key in stage["model"].get("tensors", {})}
+    if listed - model_keys:
+        raise CheckpointError(f"{os.path.join(directory, MANIFEST)} lists "
+                              f"{sorted(listed - model_keys)[:8]}, which this model does not have "
+                              "(unexpected parameters or buffers: saved from another model)")
+    result: Dict[int, "collections.OrderedDict[str, torch.Tensor]"] = {}
+    for j, module in _local_stage_modules(pipe).items():
+        loaded: "collections.OrderedDict[str, torch.Tensor]" = collections.OrderedDict()
+        for key, current in module.state_dict().items():
+            stage = owner_of(key)
+            same_as = stage["model"]["tensors"][key].get("same_as")
+            if same_as is not None:
+                stage = owner_of(same_as)
+            what = _stage_what(stage, "weights")
+            data = _load_verified(directory, stage["model"], what, pipe.device, cache)
+            full = os.path.join(directory, stage["model"]["file"])
+            source = key if same_as is None else same_as
+            if source not in data or not isinstance(data[source], torch.Tensor):
+                raise CheckpointError(f"{full} ({what}) has no tensor for {source!r}, which this "
+                                      "model has (missing parameter or buffer)")
+            if data[source].shape != current.shape:
+                raise CheckpointError(f"{full} ({what}): {key!r} has shape {list(data[source].shape)} "
+                                      f"in the checkpoint but {list(current.shape)} in this model")
+            loaded[key] = data[source]
+        result[j] = loaded
+    return result
+
+
 def _prepare_optimizer(directory: str, manifest: Mapping[str, Any], pipe: "PipeDream",
                        optimizer: torch.optim.Optimizer, cache: Dict[str, Any]) -> Dict[str, Any]:
     """The optimizer's ``state_dict`` for this rank's parameter order, from per-name state."""
     if not manifest.get("optimizer"):
         raise CheckpointError(f"{directory} holds no optimizer state (it was saved without "
                               "optimizer=); load it without optimizer=")
-    layer_index = {layer["name"]: i for i, layer in enumerate(manifest["layers"])}
-    owner = _stage_of_layer(manifest)
+    owner_of = _owner_of_key(manifest)
     canonical = canonical_names(pipe.shared_parameters)
     names = {id(p): canonical.get(n, n) for n, p in pipe.named_parameters()}
     group_of: Dict[str, Dict[str, Any]] = {}  # file -> {name: saved group}
@@ -730,7 +800,7 @@ def _prepare_optimizer(directory: str, manifest: Mapping[str, Any], pipe: "PipeD
                 raise ValueError(f"rank {pipe.rank}: optimizer param group {g} holds a tensor of shape "
                                  f"{tuple(p.shape)} that is not a parameter of this rank's stages; "
                                  "build the optimizer from pipe.parameters()")
-            stage = owner[layer_index[name.split(".", 1)[0]]]
+            stage = owner_of(name)
             what = _stage_what(stage, "optimizer state")
             record = stage.get("optimizer")
             if not record:

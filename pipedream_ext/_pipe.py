@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -23,10 +23,11 @@ from ._config import PipelineConfig
 from ._groups import PipelineGroups, init_default_group
 from ._observe import Observer
 from ._runners import make_runner
-from ._shared import SharedGradients, describe, find_shared
+from ._shared import SharedGradients, describe, find_shared, find_shared_in_stages
 from ._stage_fn import NonFiniteError, StageFunction, Tensors
 from ._stages import LocalStages, even_balance, resolve_partition
 from ._startup_plan import auto_plan, partition_from_plan
+from ._trace import TracedSplit, split_model
 from .planner import Plan
 
 __all__ = ["PipeDream", "NonFiniteError", "SYNCHRONOUS_SCHEDULES", "ASYNCHRONOUS_SCHEDULES",
@@ -41,7 +42,13 @@ ASYNCHRONOUS_SCHEDULES = tuple(schedules.asynchronous_names())
 
 
 class PipeDream:
-    """Pipeline-parallel training of an ``nn.Sequential`` over the ranks of a process group.
+    """Pipeline-parallel training of a model over the ranks of a process group.
+
+    An ``nn.Sequential`` is cut between its children (``balance``); any other
+    ``nn.Module`` is traced with torch.fx on ``sample`` and cut where the modules
+    named by ``split_points`` start (docs/tracing.md)::
+
+        pipe = PipeDream(resnet, F.cross_entropy, split_points=["layer3"], sample=(x, y))
 
     Example (under ``torchrun --nproc-per-node 4``)::
 
@@ -61,7 +68,8 @@ class PipeDream:
 
     Args:
         module: the whole model, identically initialised on every rank, or built
-            on the meta device (then see ``init_seed`` and ``init_fn``).
+            on the meta device (then see ``init_seed`` and ``init_fn``): an
+            ``nn.Sequential``, or any ``nn.Module`` with ``split_points``.
         loss_fn: ``loss_fn(output, target)`` with mean reduction over the batch.
         schedule: one of :data:`SYNCHRONOUS_SCHEDULES` or :data:`ASYNCHRONOUS_SCHEDULES`
             (what each means: ``schedules.traits(name)``).
@@ -90,7 +98,8 @@ class PipeDream:
             replica ``i mod replicas[j]``; replicas all-reduce gradients before each
             update (summed for flush schedules and 2bw, where they are parts of one
             batch; averaged for ``pipedream``, where each replica ran its own minibatch).
-        sample: ``(inputs, targets)`` of one batch, for ``balance="auto"``.
+        sample: ``(inputs, targets)`` of one batch, for ``balance="auto"`` and for
+            tracing with ``split_points``.
         bandwidth: bytes/s per topology level (within a node, then between
             nodes) for ``balance="auto"``; measured with a short probe if omitted.
         recompute: keep only each stage's inputs during the forward and recompute
@@ -128,14 +137,25 @@ class PipeDream:
             tensors and no ``reset_parameters()``, and for buffers computed in
             ``__init__`` (a causal mask) that ``reset_parameters()`` does not set.
 
+        split_points: for a model that is not an ``nn.Sequential``: qualified module
+            names (``["layer3", "decoder.up1"]``); the model is traced with torch.fx on
+            ``sample`` and stage ``j + 1`` starts at the first operation running in
+            ``split_points[j]``. Tensors live across a cut (inputs, skip connections)
+            travel as a tuple; names stay the original model's. One fewer than the
+            stages (ranks x chunks, or ``len(replicas)``). See docs/tracing.md.
+        concrete_args: with ``split_points``: non-tensor ``forward`` arguments fixed
+            for tracing, e.g. ``{"use_cache": False}``; tensor inputs go in ``sample``
+            (a tuple, positionally) and in every ``step``.
+
     Raises:
-        ValueError: bad schedule, balance, chunks or world size; a meta module that
+        ValueError: bad schedule, balance, chunks or world size; a model that cannot
+            be traced or bad split points (naming the module or operation); a meta module that
             cannot be initialised (no ``reset_parameters()`` and no ``init_fn``), or
             a tensor left unset (the message names the value and the fix).
         RuntimeError: no process group and no torchrun environment.
     """
 
-    def __init__(self, module: nn.Sequential, loss_fn: Callable[..., torch.Tensor],
+    def __init__(self, module: nn.Module, loss_fn: Callable[..., torch.Tensor],
                  schedule: str = "1f1b", microbatches: int = 4,
                  balance: Optional[Union[Sequence[int], str, os.PathLike, Plan]] = None,
                  chunks: int = 1, process_group: Optional[dist.ProcessGroup] = None,
@@ -148,10 +168,21 @@ class PipeDream:
                  autocast: Optional[torch.dtype] = None,
                  check_finite: Optional[str] = None,
                  init_seed: int = _materialize.DEFAULT_INIT_SEED,
-                 init_fn: Optional[_materialize.InitFn] = None) -> None:
-        if not isinstance(module, nn.Sequential):
+                 init_fn: Optional[_materialize.InitFn] = None,
+                 split_points: Optional[Sequence[str]] = None,
+                 concrete_args: Optional[Mapping[str, Any]] = None) -> None:
+        #: The traced model's stages (``split_points``), else None (an nn.Sequential).
+        self.traced: Optional[TracedSplit] = None
+        if split_points is not None:
+            self.traced = _trace_stages(module, split_points, sample, balance, concrete_args)
+        elif not isinstance(module, nn.Sequential):
             raise ValueError(f"module must be an nn.Sequential (got {type(module).__name__}); "
-                             "wrap your layers in torch.nn.Sequential")
+                             "wrap your layers in torch.nn.Sequential, or give "
+                             "split_points=[module names] and sample=(inputs, targets) to trace "
+                             "it with torch.fx (docs/tracing.md)")
+        elif concrete_args is not None:
+            raise ValueError("concrete_args fixes forward arguments for tracing, which only "
+                             "happens with split_points=[...]; drop concrete_args")
         init_seed = _materialize.check_seed(init_seed)
         deferred = _materialize.has_meta_tensors(module)
         if deferred:
@@ -173,12 +204,18 @@ class PipeDream:
         self.loss_fn = loss_fn
         #: The plan the stages come from (balance="auto" or a saved plan), else None.
         self.plan: Optional[Plan] = None
-        partition = self._partition(module, group, balance, replicas, sample, bandwidth)
+        if self.traced is not None:
+            partition = self._traced_partition(group, replicas)
+            num_layers = partition.num_stages
+        else:
+            partition = self._partition(module, group, balance, replicas, sample, bandwidth)
+            num_layers = len(module)
         #: Parameters used by layers of several stages (tied weights), each kept by
         #: every stage that uses it; see _shared.
-        self.shared_parameters = find_shared(module, partition)
+        self.shared_parameters = (find_shared(module, partition) if self.traced is None
+                                  else find_shared_in_stages(module, self.traced.stages))
         self._refuse_shared_if_asynchronous()
-        self._check_same_config_everywhere(group, len(module), partition,
+        self._check_same_config_everywhere(group, num_layers, partition,
                                            init_seed if deferred else None)
         self._stream, self._schedule = self._build_schedule(partition)
         stage_ranks = [self._schedule.stage_ranks(j) for j in range(self._schedule.num_stages)]
@@ -204,6 +241,21 @@ class PipeDream:
                   self.num_stages, schedule, microbatches)
 
     # -- construction ---------------------------------------------------------------
+    def _traced_partition(self, group: dist.ProcessGroup,
+                          replicas: Optional[Sequence[int]]) -> Any:
+        """One "layer" per traced stage; the split points fix the stage count."""
+        assert self.traced is not None
+        world = dist.get_world_size(group)
+        stages = len(self.traced.stages)
+        needed = len(replicas) if replicas is not None else world * self.config.chunks
+        if stages != needed:
+            raise ValueError(
+                f"split_points {self.traced.split_points} make {stages} stages but "
+                + (f"replicas {list(replicas)} list {needed}" if replicas is not None else
+                   f"the world has {world} ranks x {self.config.chunks} chunks = {needed} stages")
+                + f"; give {needed - 1} split points")
+        return resolve_partition(stages, world, self.config.chunks, [1] * stages, replicas)
+
     def _partition(self, module: nn.Sequential, group: dist.ProcessGroup, balance: Any,
                    replicas: Optional[Sequence[int]], sample: Optional[Tuple[Tensors, Any]],
                    bandwidth: Optional[Sequence[float]]) -> Any:
@@ -247,7 +299,8 @@ class PipeDream:
         initialisation failed (it runs user code), so no rank waits on a dead peer."""
         def build() -> LocalStages:
             return LocalStages(module, partition, self._schedule.stages_of_rank(self.rank),
-                               self.device, init_seed, init_fn)
+                               self.device, init_seed, init_fn,
+                               traced=self.traced.stages if self.traced is not None else None)
 
         if not deferred:
             return build()
@@ -269,8 +322,9 @@ class PipeDream:
         c = self.config
         # Shared parameters too: ranks that disagree would create different groups.
         text = (f"{c.schedule}|{c.microbatches}|{partition.balance}|{num_layers}|"
-                f"{partition.replicas}|{[sp.names for sp in self.shared_parameters]}")
-        names = "schedule, microbatches, balance, layers, replicas, shared parameters"
+                f"{partition.replicas}|{[sp.names for sp in self.shared_parameters]}|"
+                f"{self.split_points}")
+        names = "schedule, microbatches, balance, layers, replicas, shared parameters, split_points"
         if init_seed is not None:
             text += f"|{init_seed}"
             names += ", init_seed"
@@ -359,6 +413,11 @@ class PipeDream:
     @property
     def num_stages(self) -> int:
         return self._schedule.num_stages
+
+    @property
+    def split_points(self) -> Optional[List[str]]:
+        """The module names a traced model's stages start at (None: an nn.Sequential)."""
+        return None if self.traced is None else list(self.traced.split_points)
 
     @property
     def local_stages(self) -> List[int]:
@@ -599,6 +658,29 @@ class PipeDream:
     def __exit__(self, exc_type: Any, *_: Any) -> None:
         if exc_type is None:
             self.close()
+
+
+def _trace_stages(module: nn.Module, split_points: Sequence[str],
+                  sample: Optional[Tuple[Tensors, Any]], balance: Any,
+                  concrete_args: Optional[Mapping[str, Any]]) -> TracedSplit:
+    """Checks the arguments of a traced pipeline and traces ``module`` on ``sample``.
+
+    Raises:
+        ValueError: no sample, a balance, a meta-device model, or what
+            ``_trace.split_model`` refuses.
+    """
+    if balance is not None:
+        raise ValueError(f"balance={balance!r} cannot be combined with split_points: the split "
+                         "points fix the stages (balance='auto' for traced models is not "
+                         "supported yet); drop balance")
+    if sample is None or not isinstance(sample, (tuple, list)) or len(sample) != 2:
+        raise ValueError("split_points needs sample=(inputs, targets), one batch to trace the "
+                         "model on (inputs: a tensor or a tuple of tensors)")
+    if _materialize.has_meta_tensors(module):
+        raise ValueError("split_points traces the model by running it on sample, which the meta "
+                         "device cannot; build the model on a real device")
+    inputs = tuple(sample[0]) if isinstance(sample[0], (tuple, list)) else (sample[0],)
+    return split_model(module, split_points, inputs, concrete_args)
 
 
 def _default_device() -> torch.device:

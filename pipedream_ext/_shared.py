@@ -31,7 +31,7 @@ from torch import nn
 from . import _collectives
 from ._stages import LocalStages, Partition
 
-__all__ = ["SharedParameter", "find_shared", "alias_names", "canonical_names", "describe",
+__all__ = ["SharedParameter", "find_shared", "find_shared_in_stages", "alias_names", "canonical_names", "describe",
            "SharedGradients"]
 
 
@@ -87,6 +87,31 @@ def find_shared(module: nn.Sequential, partition: Partition) -> List[SharedParam
         stages = tuple(stage_of[layer_index[n.split(".", 1)[0]]] for n in uses)
         if len(set(stages)) > 1:
             shared.append(SharedParameter(tuple(uses), stages))
+    return shared
+
+
+def find_shared_in_stages(module: nn.Module,
+                          stages: Sequence[nn.Module]) -> List[SharedParameter]:
+    """:func:`find_shared` for a traced model, whose stages are modules holding the
+    original submodules at their original paths (``_trace``).
+
+    Args:
+        module: the whole model.
+        stages: every stage's module; each parameter name is held by one stage.
+
+    Returns:
+        One entry per parameter whose names are held by different stages.
+    """
+    stage_of_name = {n: j for j, stage in enumerate(stages)
+                     for n, _ in stage.named_parameters(remove_duplicate=False)}
+    names: Dict[int, List[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    shared = []
+    for uses in names.values():
+        stages_of = tuple(stage_of_name[n] for n in uses)
+        if len(set(stages_of)) > 1:
+            shared.append(SharedParameter(tuple(uses), stages_of))
     return shared
 
 

@@ -125,6 +125,11 @@ class LocalStages:
     A parameter tied across stages stays one object in every kept stage that uses
     it (``_shared`` keeps the ranks' copies equal).
 
+    A traced model (``split_points``, ``_trace``) gives its stage modules instead:
+    layer ``j`` is stage ``j``, a ``GraphModule`` holding the original submodules at
+    their original paths, and this rank's module merges them by path, so names are
+    the original model's there too (no stage-index prefix).
+
     Args:
         module: the whole model.
         partition: the stages of the whole model.
@@ -132,33 +137,44 @@ class LocalStages:
         device: where the kept layers go.
         init_seed: base seed of kept layers built on the meta device (``_materialize``).
         init_fn: their initialiser instead of ``reset_parameters()`` (``_materialize``).
+        traced: the stage modules of a traced model (``partition.balance`` all ones).
     """
 
-    def __init__(self, module: nn.Sequential, partition: Partition, indices: Sequence[int],
+    def __init__(self, module: nn.Module, partition: Partition, indices: Sequence[int],
                  device: torch.device, init_seed: int = DEFAULT_INIT_SEED,
-                 init_fn: Optional[InitFn] = None) -> None:
+                 init_fn: Optional[InitFn] = None,
+                 traced: Optional[Sequence[nn.Module]] = None) -> None:
+        self.partition = partition
+        #: Stage indices of this rank, ascending.
+        self.indices: List[int] = list(indices)
+        #: Whether the stages come from a traced model (``_trace``).
+        self.traced = traced is not None
+        if traced is not None:
+            from ._trace import merge_stage_modules  # torch.fx only for traced models
+
+            self.layers: Dict[int, Tuple[int, int]] = {j: (j, j + 1) for j in indices}
+            self._modules: Dict[int, nn.Module] = {j: traced[j].to(device) for j in indices}
+            self.module: nn.Module = merge_stage_modules([self._modules[j] for j in indices])
+            return
         bounds = partition.bounds()
         children = list(module.named_children())
         # Meta layers get storage here, only those this rank keeps (deferred initialisation).
         memo: Memo = {}
         for l in sorted({l for j in indices for l in range(bounds[j], bounds[j + 1])}):
             materialize_layer(children[l][1], l, children[l][0], device, init_seed, init_fn, memo)
-        self.partition = partition
-        #: Stage indices of this rank, ascending.
-        self.indices: List[int] = list(indices)
         #: Layer range ``[start, end)`` of each local stage.
-        self.layers: Dict[int, Tuple[int, int]] = {j: (bounds[j], bounds[j + 1]) for j in indices}
-        self._modules: Dict[int, nn.Sequential] = {
+        self.layers = {j: (bounds[j], bounds[j + 1]) for j in indices}
+        self._modules = {
             j: nn.Sequential(collections.OrderedDict(children[bounds[j]:bounds[j + 1]])).to(device)
             for j in indices}
         merged: "collections.OrderedDict[str, nn.Module]" = collections.OrderedDict()
         for j in indices:
             merged.update(self._modules[j].named_children())
         #: This rank's layers as one module, named as in the original model.
-        self.module: nn.Module = (self._modules[self.indices[0]] if len(self.indices) == 1
-                                  else nn.Sequential(merged))
+        self.module = (self._modules[self.indices[0]] if len(self.indices) == 1
+                       else nn.Sequential(merged))
 
-    def __getitem__(self, stage: int) -> nn.Sequential:
+    def __getitem__(self, stage: int) -> nn.Module:
         return self._modules[stage]
 
     def __iter__(self) -> Iterator[int]:

@@ -331,3 +331,186 @@ def test_state_dict_split_keeps_this_ranks_keys_and_names_the_wrong_ones() -> No
         split_state_dict(dict(full, **{"0.weight": torch.zeros(5, 5)}), shapes, {1: stages[1]}, layers)
     loose = split_state_dict({"fc": torch.zeros(1)}, shapes, {1: stages[1]}, layers, strict=False)
     assert loose[1:] == (["3.weight", "3.bias"], ["fc"])
+
+
+# -- traced models (split_points) ---------------------------------------------------
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.norm(self.lin(h))) * mask
+
+
+class _SkipNet(nn.Module):
+    """A skip from ``inp`` to ``out`` over every block; ``mask`` used by every block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, 4)
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+        self.out = nn.Linear(8, 2)
+        self.unused = nn.Linear(2, 2)  # in the state_dict, never called
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, flag: bool = True) -> torch.Tensor:
+        skip = self.inp(x)
+        h = skip
+        for block in self.blocks:
+            h = block(h, mask)
+        if flag:
+            h = h * 2
+        return self.out(torch.cat([h, skip], dim=1))
+
+
+def _split(points, **kwargs):
+    from pipedream_ext._trace import split_model
+
+    torch.manual_seed(0)
+    model = _SkipNet()
+    inputs = (torch.randn(5, 3), torch.ones(5, 4))
+    return model, inputs, split_model(model, points, inputs, **kwargs)
+
+
+def test_live_sets_relay_skips_and_inputs_used_by_every_stage() -> None:
+    _, _, split = _split(["blocks.1", "blocks.2", "out"], concrete_args={"flag": False})
+    # The mask (an input) and the skip cross every cut up to their last use; the
+    # blocks' output only the next; "cat" runs before "out", in the stage before it.
+    assert split.live == [["mask", "inp", "add"], ["mask", "inp", "add_1"], ["cat"]]
+    # A relayed value is returned unchanged (the stage's placeholder unpacked from its tuple).
+    code = split.stages[1].code
+    assert "return (mask, inp, add_1)" in code and "inputs[0]" in code
+
+
+def test_stage_graphs_chained_equal_the_model_and_keep_original_names() -> None:
+    model, inputs, split = _split(["blocks.1", "out"], concrete_args={"flag": True})
+    model.eval()
+    value = inputs
+    for stage in split.stages:
+        value = stage(value if isinstance(value, tuple) and len(value) > 1 else value)
+    torch.testing.assert_close(value, model(*inputs))
+    names = [[n for n, _ in stage.named_parameters()] for stage in split.stages]
+    assert names[0] == ["inp.weight", "inp.bias", "blocks.0.lin.weight", "blocks.0.lin.bias",
+                        "blocks.0.norm.weight", "blocks.0.norm.bias"]
+    # The never-called module is kept by the last stage, so every key has a stage.
+    assert {"unused.weight", "out.weight"} <= set(names[2])
+    keys = [k for stage in split.stages for k in stage.state_dict()]
+    assert sorted(keys) == sorted(model.state_dict()) and len(keys) == len(set(keys))
+    # Stages hold the model's own modules (same tensors), not copies.
+    assert split.stages[1].get_submodule("blocks.1.lin") is model.blocks[1].lin
+
+
+def test_local_stages_of_a_traced_model_merge_by_original_path() -> None:
+    model, _, split = _split(["blocks.1", "blocks.2", "out"], concrete_args={"flag": True})
+    stages = LocalStages(model, resolve_partition(4, 2, chunks=2, balance=[1] * 4), [0, 2],
+                         torch.device("cpu"), traced=split.stages)
+    assert stages.layers == {0: (0, 1), 2: (2, 3)}
+    names = [n for n, _ in stages.module.named_parameters()]
+    assert names == ["inp.weight", "inp.bias", "blocks.0.lin.weight", "blocks.0.lin.bias",
+                     "blocks.0.norm.weight", "blocks.0.norm.bias", "blocks.2.lin.weight",
+                     "blocks.2.lin.bias", "blocks.2.norm.weight", "blocks.2.norm.bias"]
+    assert stages.parameter_names(2) == names[6:]
+    assert "blocks.2.norm.running_mean" in stages.module.state_dict()
+    stages.module.eval()  # reaches the model's own BatchNorm through the merged paths
+    assert not model.blocks[2].norm.training and model.blocks[1].norm.training
+
+
+def test_tracing_errors_name_the_value_and_the_fix() -> None:
+    from pipedream_ext._trace import split_model
+
+    class Sizes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            n = x.size(0)
+            return self.b(self.a(x)).view(n, -1)
+
+    with pytest.raises(ValueError, match=r"value 'size' .* is a int.*only tensors can cross"):
+        split_model(Sizes(), ["b"], (torch.randn(2, 4),))
+
+    class Reused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(self.b(self.a(x)))
+
+    with pytest.raises(ValueError, match="'a.bias' is used by stage 0 and stage 1"):
+        split_model(Reused(), ["b"], (torch.randn(2, 4),))
+    class Disconnected(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.a(x)
+            return self.b(torch.zeros(2, 4))
+
+    with pytest.raises(ValueError, match="stage 1 uses nothing stage 0 or the inputs produce"):
+        split_model(Disconnected(), ["b"], (torch.randn(2, 4),))
+    # A flag left symbolic: the error names the module, the line and concrete_args.
+    with pytest.raises(ValueError, match=r"module '\(the root\)' \(_SkipNet.forward, "
+                                         r"test_units.py:\d+: if flag:\).*concrete_args"):
+        split_model(_SkipNet(), ["out"], (torch.randn(2, 3), torch.ones(2, 4)))
+
+
+def test_constants_are_made_by_each_stage_and_called_buffers_kept_in_one() -> None:
+    from pipedream_ext._trace import split_model
+
+    class Constants(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.register_buffer("gain", torch.full((4,), 2.0))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            offset = torch.ones(4)  # fx computes it while tracing: "_tensor_constant0"
+            h = self.a(x) * self.gain + offset
+            return self.b(h) * self.gain + offset
+
+    model = Constants()
+    split = split_model(model, ["b"], (torch.randn(2, 4),))
+    assert split.live == [["add"]]  # neither the buffer nor the tensor made in forward travels
+    assert all("gain" in stage.state_dict() for stage in split.stages)
+    # The traced constant is a buffer of the stages but not part of the model's state.
+    assert all("_tensor_constant0" in dict(stage.named_buffers()) and
+               "_tensor_constant0" not in stage.state_dict() for stage in split.stages)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(split.stages[1](split.stages[0](x)), model(x))
+
+    class StatsTwice(nn.Module):  # running statistics updated on both sides of the cut
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.b = nn.BatchNorm1d(4, affine=False), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(self.b(self.norm(x)))
+
+    with pytest.raises(ValueError, match="'norm.num_batches_tracked' is used by stage 0 and "
+                                         "stage 1 \\(its module is called on both sides"):
+        split_model(StatsTwice(), ["b"], (torch.randn(2, 4),))
+
+
+def test_find_shared_in_stages_of_a_traced_model() -> None:
+    from pipedream_ext._shared import find_shared_in_stages
+    from pipedream_ext._trace import split_model
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.mid, self.head = nn.Embedding(7, 4), nn.Linear(4, 4), nn.Linear(4, 7)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.mid(self.emb(ids)))
+
+    model = Tied()
+    split = split_model(model, ["head"], (torch.tensor([[1, 2]]),))
+    shared = find_shared_in_stages(model, split.stages)
+    assert [(sp.names, sp.stages) for sp in shared] == [(("emb.weight", "head.weight"), (0, 1))]
+    assert find_shared_in_stages(model, split_model(model, ["mid"], (torch.tensor([[1]]),))
+                                 .stages)[0].name_stages == (0, 1)

@@ -1,0 +1,429 @@
+"""Any ``nn.Module`` -> pipeline stages: trace with torch.fx, cut at named modules.
+
+Owns turning a model that is not an ``nn.Sequential`` into a list of stage
+modules the runtime runs like layers (``split_model``): the model is traced
+with ``torch.fx.symbolic_trace`` into one graph of module calls and operations,
+cut where each split point's module is first called, and every value produced
+before a cut and used at or after it (the cut's *live set*: the model's
+inputs, skip connections, masks) travels across it as one tuple of tensors.
+A value that jumps over several stages is relayed through the stages between
+(they return it unchanged), so autograd sends its gradient back along the same
+edges. Stage ``j`` is a ``torch.fx.GraphModule`` built from the traced root, so
+it holds the original submodules at their original paths and its parameter
+names are the unsplit model's. Design and limits: docs/tracing.md.
+
+Index legend: ``j`` stage, ``k`` cut (between stage ``k - 1`` and stage ``k``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import linecache
+import operator
+import os
+import traceback
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+__all__ = ["TracedSplit", "trace_model", "stage_starts", "live_sets", "build_stages",
+           "split_model", "merge_stage_modules"]
+
+# Attribute reads never cross a cut: every stage using one reads it itself (a parameter
+# or buffer of the model, or a tensor fx computed while tracing, such as
+# ``torch.full((8,), 0.1)`` in a forward, which it stores on the root).
+_CONSTANT_OPS = ("get_attr",)
+
+
+@dataclasses.dataclass
+class TracedSplit:
+    """A model traced and cut into stages.
+
+    Attributes:
+        stages: one ``GraphModule`` per stage; stage ``j`` takes the live set of
+            cut ``j`` (stage 0: the model's tensor inputs), one tensor as itself and
+            several as one tuple, and returns the live set of cut ``j + 1`` the same
+            way (the last stage: the model's output).
+        live: for each cut ``k = 1 .. S-1``, the names of the graph values crossing it.
+        split_points: the module names the stages start at (stage ``j + 1`` at ``split_points[j]``).
+    """
+
+    stages: List[fx.GraphModule]
+    live: List[List[str]]
+    split_points: List[str]
+
+
+def trace_model(model: nn.Module, num_inputs: int,
+                concrete_args: Optional[Mapping[str, Any]] = None) -> fx.GraphModule:
+    """``torch.fx.symbolic_trace`` with the guards of ``concrete_args`` removed.
+
+    Args:
+        model: the whole model.
+        num_inputs: how many leading parameters of ``forward`` are tensors given per batch.
+        concrete_args: non-tensor arguments of ``forward`` fixed for tracing
+            (``{"use_cache": False}``); fx bakes their branch into the graph.
+
+    Returns:
+        A graph module whose placeholders are the ``num_inputs`` tensor inputs.
+
+    Raises:
+        ValueError: the forward cannot be traced (data-dependent control flow,
+            naming the operation), or a parameter of ``forward`` is neither
+            among the inputs nor in ``concrete_args``.
+    """
+    concrete = dict(concrete_args or {})
+    try:
+        gm = fx.symbolic_trace(model, concrete_args=concrete or None)
+    except (fx.proxy.TraceError, TypeError, RuntimeError, AttributeError) as exc:
+        raise ValueError(
+            f"{type(model).__name__} cannot be traced with torch.fx{_where(exc, model)}: {exc}. "
+            "Python control flow on a tensor's value (if/while on it, bool(), int()) has no "
+            "graph: fix non-tensor flags with concrete_args={...}, write the branch with "
+            "tensor operations (torch.where), or wrap the model's layers in an nn.Sequential "
+            "and use balance= (docs/tracing.md)") from exc
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) < num_inputs:
+        raise ValueError(f"sample gives {num_inputs} inputs but {type(model).__name__}.forward "
+                         f"takes {len(placeholders)}; pass one tensor per positional parameter")
+    # Placeholders past the tensor inputs are concrete arguments (or unused defaults):
+    # fx guards them with eq/_assert nodes that only check the value traced with.
+    derived: Set[fx.Node] = set(placeholders[num_inputs:])
+    for node in graph.nodes:
+        if node.op != "placeholder" and node.all_input_nodes and \
+                all(a in derived for a in node.all_input_nodes):
+            derived.add(node)
+    for node in reversed(list(graph.nodes)):
+        if node not in derived:
+            continue
+        outside = [u for u in node.users if u not in derived]
+        if outside:
+            raise ValueError(
+                f"forward parameter {node.name!r} of {type(model).__name__} is used by "
+                f"{outside[0].format_node()}; give it as a tensor input (in sample) or fix "
+                "its value with concrete_args={...}")
+        graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _where(exc: BaseException, model: nn.Module) -> str:
+    """`` in module 'blocks.0' (Block.forward, file.py:12: if h.sum() > 0:)`` for the
+    innermost forward of ``model``'s modules in ``exc``'s traceback, else ``""``."""
+    names = {id(m): name for name, m in model.named_modules()}
+    found = ""
+    for frame, line in traceback.walk_tb(exc.__traceback__):
+        owner = frame.f_locals.get("self")
+        if frame.f_code.co_name == "forward" and id(owner) in names:
+            code = linecache.getline(frame.f_code.co_filename, line).strip()
+            found = (f" in module {names[id(owner)] or '(the root)'!r} "
+                     f"({type(owner).__name__}.forward, {os.path.basename(frame.f_code.co_filename)}"
+                     f":{line}: {code})")
+    return found
+
+
+def _paths_of(node: fx.Node) -> List[str]:
+    """The module paths ``node`` runs in (its call stack of modules, and its target)."""
+    paths = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
+    if node.op == "call_module":
+        paths.append(str(node.target))
+    elif node.op == "get_attr":
+        paths.append(str(node.target).rsplit(".", 1)[0] if "." in str(node.target) else "")
+    return paths
+
+
+def _compute_nodes(graph: fx.Graph) -> List[fx.Node]:
+    return [n for n in graph.nodes if n.op not in ("placeholder", "output") + _CONSTANT_OPS]
+
+
+def stage_starts(gm: fx.GraphModule, model: nn.Module, split_points: Sequence[str]) -> List[int]:
+    """Position (among the graph's computing nodes) of the first node of each split point.
+
+    Args:
+        gm: the traced model (from :func:`trace_model`).
+        model: the model it was traced from (to resolve names).
+        split_points: qualified module names, in the order their stages run.
+
+    Returns:
+        One position per split point, strictly increasing, each above 0.
+
+    Raises:
+        ValueError: a name that is no submodule (with the closest names), one the
+            forward never calls, names out of graph order or repeated, or one
+            that leaves a stage without operations.
+    """
+    modules = dict(model.named_modules())
+    nodes = _compute_nodes(gm.graph)
+    starts: List[int] = []
+    for k, point in enumerate(split_points):
+        if not isinstance(point, str) or point == "" or point not in modules:
+            close = difflib.get_close_matches(str(point), [m for m in modules if m], n=3)
+            raise ValueError(f"split point {point!r} names no submodule of "
+                             f"{type(model).__name__}; give a qualified name from "
+                             f"model.named_modules(){' such as ' + ', '.join(close) if close else ''}")
+        first = next((i for i, n in enumerate(nodes)
+                      if any(p == point or p.startswith(point + ".") for p in _paths_of(n))), None)
+        if first is None:
+            raise ValueError(f"split point {point!r} is never called by "
+                             f"{type(model).__name__}.forward (no operation of the traced graph "
+                             "runs in it); split at a module the forward uses")
+        if first == 0:
+            raise ValueError(f"split point {point!r} starts at the forward's first operation, "
+                             "which leaves stage 0 empty; drop it or split at a later module")
+        if starts and first < starts[-1]:
+            raise ValueError(f"split point {point!r} runs before {split_points[k - 1]!r} "
+                             f"(operation {nodes[first].name!r} before {nodes[starts[-1]].name!r});"
+                             " list split points in the order the forward runs them")
+        if starts and first == starts[-1]:
+            raise ValueError(f"split points {split_points[k - 1]!r} and {point!r} start at the "
+                             f"same operation {nodes[first].name!r}, which leaves stage {k} empty; "
+                             "drop one of them")
+        starts.append(first)
+    return starts
+
+
+def _stage_of(gm: fx.GraphModule, starts: Sequence[int]) -> Dict[fx.Node, int]:
+    """Stage of every placeholder (0), computing node and the output (last stage)."""
+    stage_of: Dict[fx.Node, int] = {}
+    j = 0
+    for i, node in enumerate(_compute_nodes(gm.graph)):
+        while j < len(starts) and i >= starts[j]:
+            j += 1
+        stage_of[node] = j
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            stage_of[node] = 0
+        elif node.op == "output":
+            stage_of[node] = len(starts)
+    return stage_of
+
+
+def live_sets(gm: fx.GraphModule, starts: Sequence[int]) -> List[List[fx.Node]]:
+    """For each cut ``k = 1 .. S-1``: the values produced before it and used at or after it.
+
+    A value used two stages later is in both cuts' sets (relayed), in graph order.
+
+    Args:
+        gm: the traced model.
+        starts: from :func:`stage_starts`.
+
+    Returns:
+        ``S - 1`` lists of nodes (placeholders and computing nodes; never attribute
+        reads, which every stage makes itself).
+    """
+    stage_of = _stage_of(gm, starts)
+    producers = [n for n in gm.graph.nodes if n.op != "output" and n.op not in _CONSTANT_OPS]
+    last_use = {n: max((stage_of[u] for u in n.users), default=-1) for n in producers}
+    return [[n for n in producers if stage_of[n] < k <= last_use[n]]
+            for k in range(1, len(starts) + 1)]
+
+
+def _value_kinds(gm: fx.GraphModule, inputs: Tuple[torch.Tensor, ...]) -> Dict[fx.Node, str]:
+    """The type of each node's value on the sample (modules in eval mode: no state changes)."""
+    kinds: Dict[fx.Node, str] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            value = super().run_node(n)
+            kinds[n] = "Tensor" if isinstance(value, torch.Tensor) else type(value).__name__
+            return value
+
+    modes = {m: m.training for m in gm.modules()}
+    gm.eval()  # BatchNorm would update its running statistics on the sample
+    try:
+        with torch.no_grad():
+            Recorder(gm).run(*inputs)
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    return kinds
+
+
+def build_stages(gm: fx.GraphModule, starts: Sequence[int],
+                 live: Sequence[Sequence[fx.Node]],
+                 kinds: Optional[Mapping[fx.Node, str]] = None) -> List[fx.GraphModule]:
+    """One ``GraphModule`` per stage: live-in tuple -> its operations -> live-out tuple.
+
+    Args:
+        gm: the traced model.
+        starts: from :func:`stage_starts`.
+        live: from :func:`live_sets`.
+        kinds: each node's value type on the sample (checked: only tensors cross a cut).
+
+    Returns:
+        The stages; each holds the submodules and attributes it uses at their
+        original paths (``GraphModule(gm, graph)``).
+
+    Raises:
+        ValueError: a value that is not a tensor would cross a cut (naming the node),
+            or nothing crosses one.
+    """
+    stage_of = _stage_of(gm, starts)
+    num_stages = len(starts) + 1
+    for k, values in enumerate(live, start=1):
+        if not values:
+            raise ValueError(f"stage {k} uses nothing stage {k - 1} or the inputs produce (it "
+                             "computes from constants only); move the split point starting "
+                             f"stage {k} to a module that takes data")
+        for v in values:
+            kind = (kinds or {}).get(v, "Tensor")
+            if kind != "Tensor":
+                user = min((u for u in v.users if stage_of[u] >= k), key=lambda u: stage_of[u])
+                raise ValueError(
+                    f"value {v.name!r} ({v.format_node()}) is a {kind}, produced in stage "
+                    f"{stage_of[v] if v.op != 'placeholder' else 0} and used by {user.name!r} in "
+                    f"stage {stage_of[user]}; only tensors can cross a stage boundary: move the "
+                    "split point so both are in one stage")
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    stages = []
+    for j in range(num_stages):
+        ins = inputs if j == 0 else list(live[j - 1])
+        graph = fx.Graph()
+        env: Dict[fx.Node, fx.Node] = {}
+        if len(ins) == 1:
+            env[ins[0]] = graph.placeholder(ins[0].name)
+        else:  # the runtime passes several tensors as one tuple (nn.Sequential semantics)
+            packed = graph.placeholder("inputs")
+            for i, v in enumerate(ins):
+                env[v] = graph.call_function(operator.getitem, (packed, i))
+                env[v].name = v.name
+
+        def lookup(a: fx.Node) -> fx.Node:
+            if a not in env:
+                if a.op in _CONSTANT_OPS:  # an attribute: every stage using it reads its own
+                    env[a] = graph.node_copy(a)
+                else:
+                    raise AssertionError(f"stage {j}: {a.name} is not live (bug in live_sets)")
+            return env[a]
+
+        for node in _compute_nodes(gm.graph):
+            if stage_of[node] == j:
+                env[node] = graph.node_copy(node, lookup)
+        if j == num_stages - 1:
+            graph.output(fx.map_arg(output.args[0], lookup))
+        else:
+            outs = [lookup(v) for v in live[j]]
+            graph.output(outs[0] if len(outs) == 1 else tuple(outs))
+        graph.lint()
+        stages.append(fx.GraphModule(gm, graph, class_name=f"Stage{j}"))
+    return stages
+
+
+def _install(source: nn.Module, target: nn.Module, path: str) -> None:
+    """Puts ``source``'s attribute at ``path`` into ``target`` at the same path, creating
+    empty containers on the way (as ``GraphModule`` does), and sharing the object."""
+    *prefix, field = path.split(".")
+    for item in prefix:
+        src, dst = getattr(source, item), getattr(target, item, None)
+        if src is dst:
+            return  # an ancestor is installed whole: the attribute is in it
+        if dst is None:
+            dst = nn.Module()
+            setattr(target, item, dst)
+        source, target = src, dst
+    value = getattr(source, field)
+    if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+        target.register_buffer(field, value,
+                               persistent=field not in source._non_persistent_buffers_set)
+    else:
+        setattr(target, field, value)
+
+
+def _tensor_paths(module: nn.Module) -> Set[str]:
+    return {n for n, _ in module.named_parameters(remove_duplicate=False)} | \
+        {n for n, _ in module.named_buffers(remove_duplicate=False)}
+
+
+def merge_stage_modules(stages: Sequence[fx.GraphModule]) -> nn.Module:
+    """One module holding every submodule, parameter and buffer of ``stages`` at their
+    paths (this rank's stages as one module, named as in the original model).
+
+    Modules are installed whole, as the stages hold them, so ``train()`` / ``eval()``
+    of the merged module reaches the same BatchNorm or Dropout objects.
+    """
+    merged = nn.Module()
+    for stage in stages:
+        for node in stage.graph.nodes:
+            if node.op in ("call_module", "get_attr"):
+                _install(stage, merged, str(node.target))
+        held = _tensor_paths(merged)
+        for name in sorted(_tensor_paths(stage) - held):  # tensors the forward never reads
+            _install(stage, merged, name)
+    return merged
+
+
+def _check_one_stage_per_state(stages: Sequence[fx.GraphModule]) -> None:
+    """Refuses a parameter, or a buffer of a called module, held by two stages.
+
+    A parameter gets one gradient and one update, and a called module's buffers
+    (BatchNorm's running statistics) change as it runs, so either needs one stage
+    (ties across different modules are ``_shared``'s). A buffer only read as an
+    attribute (a constant mask) may be read by several stages.
+
+    Raises:
+        ValueError: naming the tensor and both stages.
+    """
+    holder: Dict[str, int] = {}
+    for j, stage in enumerate(stages):
+        names = {n for n, _ in stage.named_parameters(remove_duplicate=False)}
+        for node in stage.graph.nodes:
+            if node.op == "call_module":
+                names.update(f"{node.target}.{n}" for n, _ in
+                             stage.get_submodule(str(node.target)).named_buffers())
+        for name in sorted(names):
+            if holder.setdefault(name, j) != j:
+                raise ValueError(
+                    f"{name!r} is used by stage {holder[name]} and stage {j} (its module is "
+                    "called on both sides of a split point); move the split points so every "
+                    "call is in one stage, or tie separate modules' parameters instead")
+
+
+def split_model(model: nn.Module, split_points: Sequence[str],
+                inputs: Tuple[torch.Tensor, ...],
+                concrete_args: Optional[Mapping[str, Any]] = None) -> TracedSplit:
+    """Traces ``model`` on ``inputs`` and cuts it at ``split_points``.
+
+    Args:
+        model: any module whose forward torch.fx can trace.
+        split_points: qualified module names; stage ``j + 1`` starts at the first
+            operation running in ``split_points[j]`` or a submodule of it.
+        inputs: one batch of the model's tensor inputs (positional).
+        concrete_args: non-tensor ``forward`` arguments to fix while tracing.
+
+    Returns:
+        The stages and the live set of every cut.
+
+    Raises:
+        ValueError: an untraceable forward, bad split points, a non-tensor value
+            crossing a cut, or a parameter or a called module's buffer used by two
+            stages (naming it).
+    """
+    if isinstance(split_points, str) or not split_points:
+        raise ValueError(f"split_points must be a non-empty list of module names (got "
+                         f"{split_points!r}); e.g. split_points=['layer3'] for 2 stages")
+    split_points = list(split_points)
+    gm = trace_model(model, len(inputs), concrete_args)
+    starts = stage_starts(gm, model, split_points)
+    live = live_sets(gm, starts)
+    stages = build_stages(gm, starts, live, _value_kinds(gm, inputs))
+    _check_one_stage_per_state(stages)
+    # Tensors fx computed while tracing (``torch.full((8,), 0.1)``) are attributes of the
+    # traced root (``_tensor_constant0``), not of the model: kept out of state dicts.
+    own = _tensor_paths(model)
+    for stage in stages:
+        for node in stage.graph.nodes:
+            if node.op == "get_attr" and str(node.target) not in own:
+                *prefix, field = str(node.target).split(".")
+                owner = stage.get_submodule(".".join(prefix))
+                if field in owner._buffers:
+                    owner.register_buffer(field, owner._buffers[field], persistent=False)
+    # Parameters and buffers the forward never reads still belong to the model (its
+    # state_dict): the last stage keeps them so checkpoints hold the whole model.
+    held = set().union(*(_tensor_paths(stage) for stage in stages))
+    for name in sorted(_tensor_paths(model) - held):
+        _install(model, stages[-1], name)
+    return TracedSplit(stages, [[n.name for n in values] for values in live], split_points)

@@ -1,0 +1,418 @@
+"""Traced models (``split_points``): any nn.Module, cut by module names, exact.
+
+Runs under pytest, which launches the worker side with torchrun, or standalone:
+
+    PDTRACE_DIR=/tmp/t torchrun --standalone --nproc-per-node 3 tests/test_traced.py
+
+Three models written here: a ResNet-style CNN (BatchNorm in train mode, residual
+adds, ``torch.flatten``), a U-Net-style model whose first skip connection jumps
+over several stages, and a model with two tensor inputs, a keyword flag fixed by
+``concrete_args`` and a tuple output. Each runs every flush schedule and is
+compared with the unsplit model after SGD-momentum and Adam steps: every loss,
+weight and BatchNorm buffer. BatchNorm normalises each microbatch by its own
+statistics in a pipeline, so the reference runs the unsplit model microbatch by
+microbatch (the loss is the batch-share-weighted sum, the running statistics are
+updated per microbatch in the same order). Then a checkpoint is saved, loaded
+into another split of the same model and consolidated into the unmodified model.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main  # noqa: E402
+
+RTOL, ATOL = 1e-5, 1e-6
+MARKER = "ALL TRACED CHECKS PASSED"
+HERE = os.path.abspath(__file__)
+MICROBATCHES = 4
+
+
+# --------------------------------------------------------------------------- models
+class Residual(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = nn.Conv2d(cin, cout, 1, stride) if stride != 1 or cin != cout else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = x if self.down is None else self.down(x)
+        return F.relu(self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))) + skip)
+
+
+class ResNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, 1, 1)
+        self.layer1 = nn.Sequential(Residual(4, 4), Residual(4, 4))
+        self.layer2 = nn.Sequential(Residual(4, 6, stride=2), Residual(6, 6))
+        self.fc = nn.Linear(6 * 2 * 2, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layer2(self.layer1(F.relu(self.stem(x))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 2), 1))
+
+
+class Decoder(nn.Module):
+    """Joins the upsampled path with the skip connection (inside the module, so the
+    skip crosses every cut between the encoder and here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(8, 4, 3, 1, 1)
+        self.norm = nn.GroupNorm(2, 4)
+
+    def forward(self, up: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.norm(self.conv(torch.cat([up, skip], dim=1))))
+
+
+class UNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc1 = nn.Sequential(nn.Conv2d(2, 4, 3, 1, 1), nn.GroupNorm(2, 4), nn.ReLU())
+        self.enc2 = nn.Sequential(nn.Conv2d(4, 6, 3, 2, 1), nn.GroupNorm(2, 6), nn.ReLU())
+        self.mid = nn.Sequential(nn.Conv2d(6, 6, 3, 1, 1), nn.Tanh())
+        self.up = nn.ConvTranspose2d(6, 4, 2, 2)
+        self.dec1 = Decoder()
+        self.head = nn.Conv2d(4, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e1 = self.enc1(x)                      # the skip: used again by dec1
+        e2 = self.enc2(e1)
+        m = self.mid(e2) + e2
+        return self.head(self.dec1(self.up(m), e1))
+
+
+class TwoInputs(nn.Module):
+    """forward(x, mask, use_cache=...) -> (logits, aux); the mask is used by every block,
+    and so are a constant buffer and a tensor made in the forward (both made by every
+    stage using them, not sent)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.head = nn.Linear(8, 3)
+        self.aux = nn.Linear(8, 1)
+        self.register_buffer("gain", torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, use_cache: bool = True):
+        h = self.embed(x)
+        offset = torch.full((8,), 0.1)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h)) * mask * self.gain + offset
+        if use_cache:  # a branch fixed by concrete_args when tracing
+            h = h * 2
+        return self.head(h), self.aux(h).squeeze(1)
+
+
+class TiedLM(nn.Module):
+    """A language model whose head is tied to its embedding (stages 0 and last)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = h + torch.relu(layer(h))
+        return self.head(h)
+
+
+def two_input_loss(out: Tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+    logits, aux = out
+    return F.cross_entropy(logits, y) + 0.1 * aux.pow(2).mean()
+
+
+def seg_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, y)
+
+
+#: name -> (builder, loss, split points by stage count, other split by count, kwargs)
+MODELS: Dict[str, Tuple[Callable[[], nn.Module], Callable, Dict[int, List[str]],
+                        Dict[int, List[str]], Dict[str, Any]]] = {
+    "resnet": (ResNet, F.cross_entropy,
+               {2: ["layer2"], 3: ["layer1.1", "layer2"], 4: ["layer1", "layer2", "layer2.1"]},
+               {2: ["layer1.1"], 3: ["layer1", "layer2.1"], 4: ["layer1.1", "layer2", "fc"]}, {}),
+    "unet": (UNet, seg_loss,
+             {2: ["mid"], 3: ["enc2", "dec1"], 4: ["enc2", "mid", "dec1"]},
+             {2: ["up"], 3: ["mid", "dec1"], 4: ["enc2", "up", "head"]}, {}),
+    "two_inputs": (TwoInputs, two_input_loss,
+                   {2: ["blocks.2"], 3: ["blocks.1", "blocks.3"],
+                    4: ["blocks.1", "blocks.2", "head"]},
+                   {2: ["blocks.1"], 3: ["blocks.2", "head"], 4: ["blocks.0", "blocks.3", "aux"]},
+                   {"concrete_args": {"use_cache": False}}),
+    "tied": (TiedLM, lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
+             {2: ["layers.1"], 3: ["layers.1", "head"], 4: ["layers.0", "layers.2", "head"]},
+             {2: ["head"], 3: ["layers.0", "layers.2"], 4: ["layers.1", "layers.2", "head"]}, {}),
+}
+
+
+def make_model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    return MODELS[kind][0]().train()
+
+
+def make_batch(kind: str, n: int, seed: int) -> Tuple[Any, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "resnet":
+        return torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 5, (n,), generator=g)
+    if kind == "unet":
+        return torch.randn(n, 2, 8, 8, generator=g), torch.randint(0, 3, (n, 8, 8), generator=g)
+    if kind == "tied":
+        ids = torch.randint(0, 11, (n, 3), generator=g)
+        return ids, torch.roll(ids, 1, dims=1)
+    x = torch.randn(n, 6, generator=g)
+    mask = (torch.rand(n, 8, generator=g) > 0.3).float()
+    return (x, mask), torch.randint(0, 3, (n,), generator=g)
+
+
+def reference_step(kind: str, model: nn.Module, inputs: Any, y: torch.Tensor) -> float:
+    """The unsplit model on the pipeline's microbatches: share-weighted loss, backward."""
+    loss_fn = MODELS[kind][1]
+    kwargs = {"use_cache": False} if kind == "two_inputs" else {}
+    xs = inputs if isinstance(inputs, tuple) else (inputs,)
+    parts = [torch.tensor_split(t, MICROBATCHES) for t in xs]
+    ys = torch.tensor_split(y, MICROBATCHES)
+    total = 0.0
+    for i in range(MICROBATCHES):
+        loss = loss_fn(model(*[p[i] for p in parts], **kwargs), ys[i]) * (ys[i].shape[0] / y.shape[0])
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+def assert_same_state(pipe_state: Dict[str, torch.Tensor], ref: nn.Module, what: str) -> None:
+    expected = ref.state_dict()
+    for name, value in pipe_state.items():
+        torch.testing.assert_close(value, expected[name], rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, n=name: f"{what}: {n}: {m}")
+
+
+# --------------------------------------------------------------------------- worker checks
+def optimizers(params: List[nn.Parameter]) -> List[torch.optim.Optimizer]:
+    return [torch.optim.SGD(params, lr=0.05, momentum=0.9), torch.optim.Adam(params, lr=0.01)]
+
+
+def check_schedule(kind: str, schedule: str, replicas: Optional[List[int]] = None) -> None:
+    """Two SGD-momentum steps then two Adam steps: every loss, weight and buffer exact."""
+    import pipedream_ext as pd
+
+    world = dist.get_world_size()
+    chunks = 2 if schedule == "interleaved-1f1b" else 1
+    stages = len(replicas) if replicas is not None else world * chunks
+    _, loss_fn, splits, _, kwargs = MODELS[kind]
+    sample = make_batch(kind, 8, 99)
+    pipe = pd.PipeDream(make_model(kind), loss_fn, schedule=schedule, microbatches=MICROBATCHES,
+                        chunks=chunks, timeout=60, split_points=splits[stages],
+                        sample=sample, replicas=replicas, **kwargs)
+    ref = make_model(kind)
+    names = {n for n, _ in pipe.named_parameters()}
+    assert names <= set(dict(ref.named_parameters(remove_duplicate=False))), names
+    step = 0
+    for ref_opt, opt in zip(optimizers(list(ref.parameters())),
+                            optimizers(list(pipe.parameters()))):
+        for _ in range(2):
+            x, y = make_batch(kind, 8 + step % 2, 10 + step)
+            expected = reference_step(kind, ref, x, y)
+            loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+            assert abs(loss - expected) <= 1e-5 * max(1.0, abs(expected)), \
+                f"{kind} {schedule} step {step}: loss {loss} != {expected}"
+            ref_opt.step(); ref_opt.zero_grad()
+            opt.step(); opt.zero_grad()
+            step += 1
+    assert_same_state(pipe.state_dict(), ref, f"{kind} {schedule} after {step} steps")
+
+
+def check_checkpoint(kind: str, root: str) -> None:
+    """Save from one split, load into another (weights and Adam state), consolidate."""
+    import pipedream_ext as pd
+
+    world = dist.get_world_size()
+    _, loss_fn, splits, other, kwargs = MODELS[kind]
+    sample = make_batch(kind, 8, 99)
+    path = os.path.join(root, f"{kind}-{world}")
+    ref = make_model(kind)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    pipe = pd.PipeDream(make_model(kind), loss_fn, schedule="1f1b", microbatches=MICROBATCHES,
+                        timeout=60, split_points=splits[world], sample=sample, **kwargs)
+    opt = torch.optim.Adam(pipe.parameters(), lr=0.01)
+    for step in range(2):
+        x, y = make_batch(kind, 8, 20 + step)
+        reference_step(kind, ref, x, y)
+        pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+        ref_opt.step(); ref_opt.zero_grad()
+        opt.step(); opt.zero_grad()
+    pd.save_checkpoint(path, pipe, opt, step=2)
+    if dist.get_rank() == 0:
+        whole = make_model(kind)
+        whole.load_state_dict(pd.consolidate(path), strict=True)  # the unmodified model
+        assert_same_state(whole.state_dict(), ref, f"{kind}: consolidated")
+    # Another split of the same model (e.g. other stage boundaries inside layer1).
+    other_pipe = pd.PipeDream(make_model(kind), loss_fn, schedule="gpipe",
+                              microbatches=MICROBATCHES, timeout=60, split_points=other[world],
+                              sample=sample, **kwargs)
+    other_opt = torch.optim.Adam(other_pipe.parameters(), lr=0.01)
+    other_pipe.load_state_dict(pd.consolidate(path))  # a full state dict, by original names
+    assert_same_state(other_pipe.state_dict(), ref, f"{kind}: load_state_dict into {other[world]}")
+    with torch.no_grad():
+        for p in other_pipe.parameters():
+            p.zero_()  # the checkpoint must restore every weight again
+    info = pd.load_checkpoint(path, other_pipe, other_opt)
+    assert info.step == 2
+    assert_same_state(other_pipe.state_dict(), ref, f"{kind}: loaded into {other[world]}")
+    x, y = make_batch(kind, 8, 30)
+    expected = reference_step(kind, ref, x, y)
+    loss = other_pipe.step(x if other_pipe.is_first else None, y if other_pipe.is_last else None)
+    assert abs(loss - expected) <= 1e-5 * max(1.0, abs(expected)), (kind, loss, expected)
+    ref_opt.step(); other_opt.step()
+    assert_same_state(other_pipe.state_dict(), ref, f"{kind}: Adam step after loading")
+    if kind in ("unet", "two_inputs"):  # no BatchNorm: the batch's outputs equal the model's
+        out = other_pipe.forward_only(x if other_pipe.is_first else None)
+        if other_pipe.is_last:
+            with torch.no_grad():
+                expected_out = ref(*(x if isinstance(x, tuple) else (x,)), **kwargs.get(
+                    "concrete_args", {}))
+            for got, want in zip(out if isinstance(out, (tuple, list)) else (out,),
+                                 expected_out if isinstance(expected_out, tuple) else (expected_out,)):
+                torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
+class Chain(nn.Module):
+    """The layers of an nn.Sequential under the same names, in a plain module."""
+
+    def __init__(self, layers: List[nn.Module]) -> None:
+        super().__init__()
+        for i, layer in enumerate(layers):
+            self.add_module(str(i), layer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.children():
+            x = layer(x)
+        return x
+
+
+def chain_layers() -> List[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Linear(6, 8), nn.Sequential(nn.Tanh(), nn.Linear(8, 8)),
+            nn.Sequential(nn.ReLU(), nn.Linear(8, 8)), nn.Linear(8, 3)]
+
+
+def check_asynchronous_equals_sequential(schedule: str) -> None:
+    """Asynchronous schedules (weight stashing) on a traced model run exactly as on the
+    same layers given as an nn.Sequential with the same stage boundaries."""
+    import pipedream_ext as pd
+
+    world = dist.get_world_size()
+    points = {2: ["2"], 3: ["1", "3"], 4: ["1", "2", "3"]}[world]
+    balance = [b - a for a, b in zip([0] + [int(p) for p in points],
+                                     [int(p) for p in points] + [4])]
+    (x0, _), y0 = make_batch("two_inputs", 8, 1)
+    pipes = [pd.PipeDream(nn.Sequential(*chain_layers()), F.cross_entropy, schedule=schedule,
+                          microbatches=4, balance=balance, timeout=60),
+             pd.PipeDream(Chain(chain_layers()), F.cross_entropy, schedule=schedule,
+                          microbatches=4, split_points=points, sample=(x0, y0), timeout=60)]
+    losses: List[List[Any]] = []
+    for pipe in pipes:
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+        losses.append([])
+        for step in range(4):
+            (x, _), y = make_batch("two_inputs", 8, 40 + step)
+            losses[-1].append(pipe.step(x if pipe.is_first else None,
+                                        y if pipe.is_last else None, optimizer=opt))
+        pipe.flush()
+    assert losses[0] == losses[1], (schedule, losses)
+    seq, traced = pipes[0].state_dict(), pipes[1].state_dict()
+    assert list(seq) == list(traced), (list(seq), list(traced))
+    for name in seq:
+        assert torch.equal(seq[name], traced[name]), f"{schedule}: {name}"
+
+
+def run_checks() -> None:
+    world = dist.get_world_size()
+    root = os.environ.get("PDTRACE_DIR", f"/tmp/pdtrace-{os.environ.get('MASTER_PORT', 'x')}")
+    schedules = ["gpipe", "1f1b", "zb-h1"] + (["interleaved-1f1b"] if world == 2 else [])
+    for kind in MODELS:
+        for schedule in schedules:
+            check_schedule(kind, schedule)
+        check_checkpoint(kind, root)
+    for schedule in ("pipedream", "pipedream-2bw"):
+        check_asynchronous_equals_sequential(schedule)
+    if world > 2:  # hybrid: stage 0 on two ranks (no BatchNorm: replicas see other microbatches)
+        check_schedule("unet", "1f1b", replicas=[2] + [1] * (world - 2))
+
+
+# --------------------------------------------------------------------------- pytest side
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_traced_models_match_the_unsplit_model(world: int, tmp_path) -> None:
+    """ResNet, U-Net, two-input and tied models: every flush schedule exact; checkpoints
+    across splits; asynchronous schedules equal to the nn.Sequential path."""
+    old = os.environ.get("PDTRACE_DIR")
+    os.environ["PDTRACE_DIR"] = str(tmp_path)
+    try:
+        result = launch_torchrun(HERE, world)
+    finally:
+        if old is None:
+            os.environ.pop("PDTRACE_DIR")
+        else:
+            os.environ["PDTRACE_DIR"] = old
+    assert_every_rank_passed(result, world, MARKER)
+
+
+class Untraceable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.sum() > 0:  # data-dependent: no graph
+            h = -h
+        return self.b(h)
+
+
+@pytest.mark.parametrize("model, points, needle", [
+    (Untraceable, ["b"], "Untraceable cannot be traced with torch.fx in module '(the root)' "
+                         "(Untraceable.forward, test_traced.py:"),
+    (ResNet, ["layer9"], "'layer9' names no submodule of ResNet"),
+    (ResNet, ["layer1.2"], "names no submodule"),
+    (ResNet, ["stem"], "leaves stage 0 empty"),
+    (ResNet, ["layer2", "layer1"], "runs before 'layer2'"),
+    (ResNet, ["layer2", "layer2.0"], "leaves stage 1 empty"),
+    (UNet, ["mid", "enc2.0"], "runs before"),
+])
+def test_bad_split_points_are_named(model: Callable[[], nn.Module], points: List[str],
+                                    needle: str) -> None:
+    import pipedream_ext as pd
+
+    x = torch.randn(4, 4) if model is Untraceable else torch.randn(4, 3 if model is ResNet else 2, 8, 8)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        pd.PipeDream(model(), F.cross_entropy, split_points=points, sample=(x, None))
+
+
+def test_a_module_without_split_points_must_be_sequential() -> None:
+    import pipedream_ext as pd
+
+    with pytest.raises(ValueError, match="split_points"):
+        pd.PipeDream(ResNet(), F.cross_entropy)
+
+
+if __name__ == "__main__":
+    worker_main(run_checks, MARKER)
