@@ -200,7 +200,7 @@ def check_bad_input() -> None:
         pipe.step(*batch(0))
     seed = dist.get_rank()  # a model that no single init_seed gives
     _expect(ValueError, r"ranks disagree on the pipeline configuration \(this rank: schedule, "
-            r"microbatches, balance, layers, replicas, shared parameters, init_seed = ",
+            r"microbatches, .*init_seed = ",
             lambda: pd.PipeDream(meta_model(), F.cross_entropy, microbatches=2, timeout=60,
                                  init_seed=seed))
     # A bug in init_fn on one rank: every rank raises, naming it (no rank waits on a dead peer).
