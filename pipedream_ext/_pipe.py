@@ -172,25 +172,9 @@ class PipeDream:
                  split_points: Optional[Sequence[str]] = None,
                  concrete_args: Optional[Mapping[str, Any]] = None) -> None:
         #: The traced model's stages (``split_points``), else None (an nn.Sequential).
-        self.traced: Optional[TracedSplit] = None
-        if split_points is not None:
-            self.traced = _trace_stages(module, split_points, sample, balance, concrete_args)
-        elif not isinstance(module, nn.Sequential):
-            raise ValueError(f"module must be an nn.Sequential (got {type(module).__name__}); "
-                             "wrap your layers in torch.nn.Sequential, or give "
-                             "split_points=[module names] and sample=(inputs, targets) to trace "
-                             "it with torch.fx (docs/tracing.md)")
-        elif concrete_args is not None:
-            raise ValueError("concrete_args fixes forward arguments for tracing, which only "
-                             "happens with split_points=[...]; drop concrete_args")
-        init_seed = _materialize.check_seed(init_seed)
-        deferred = _materialize.has_meta_tensors(module)
-        if deferred:
-            _materialize.check_initialisable(module, init_fn)
-            if isinstance(balance, str) and balance == "auto":
-                raise ValueError("balance='auto' profiles the model, which cannot run on the meta "
-                                 "device; plan once from a real model (python -m pipedream_ext "
-                                 "plan) and pass balance='plan.json', or give layer counts")
+        self.traced: Optional[TracedSplit]
+        self.traced, deferred, init_seed = _prepare_model(module, split_points, sample, balance,
+                                                          concrete_args, init_seed, init_fn)
         #: Every state_dict key of the whole model and its shape (for load_state_dict).
         self._model_shapes = _load_state.key_shapes(module)
         self.config = PipelineConfig.checked(schedule, microbatches, chunks, timeout,
@@ -682,6 +666,43 @@ def _trace_stages(module: nn.Module, split_points: Sequence[str],
     inputs = tuple(sample[0]) if isinstance(sample[0], (tuple, list)) else (sample[0],)
     return split_model(module, split_points, inputs, concrete_args)
 
+
+
+def _prepare_model(module: nn.Module, split_points: Optional[Sequence[str]],
+                   sample: Optional[Tuple[Tensors, Any]], balance: Any,
+                   concrete_args: Optional[Mapping[str, Any]], init_seed: int,
+                   init_fn: Optional[_materialize.InitFn]) -> Tuple[Optional[TracedSplit], bool, int]:
+    """Checks what kind of model this is before any communication.
+
+    Returns:
+        The traced stages (``split_points``) or None, whether the model is on the
+        meta device (deferred initialisation), and the checked ``init_seed``.
+
+    Raises:
+        ValueError: not an ``nn.Sequential`` without split points, ``concrete_args``
+            without split points, a bad seed, a meta module that cannot be
+            initialised, or ``balance="auto"`` on the meta device.
+    """
+    traced = None
+    if split_points is not None:
+        traced = _trace_stages(module, split_points, sample, balance, concrete_args)
+    elif not isinstance(module, nn.Sequential):
+        raise ValueError(f"module must be an nn.Sequential (got {type(module).__name__}); "
+                         "wrap your layers in torch.nn.Sequential, or give "
+                         "split_points=[module names] and sample=(inputs, targets) to trace "
+                         "it with torch.fx (docs/tracing.md)")
+    elif concrete_args is not None:
+        raise ValueError("concrete_args fixes forward arguments for tracing, which only "
+                         "happens with split_points=[...]; drop concrete_args")
+    init_seed = _materialize.check_seed(init_seed)
+    deferred = _materialize.has_meta_tensors(module)
+    if deferred:
+        _materialize.check_initialisable(module, init_fn)
+        if isinstance(balance, str) and balance == "auto":
+            raise ValueError("balance='auto' profiles the model, which cannot run on the meta "
+                             "device; plan once from a real model (python -m pipedream_ext "
+                             "plan) and pass balance='plan.json', or give layer counts")
+    return traced, deferred, init_seed
 
 def _default_device() -> torch.device:
     """``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
