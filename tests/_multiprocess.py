@@ -3,9 +3,13 @@ starts them with torchrun, or directly under torchrun)."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
-from typing import Callable
+import time
+from typing import Callable, List
+
+import pytest
 
 import torch
 import torch.distributed as dist
@@ -20,6 +24,42 @@ def launch_torchrun(script: str, world: int, timeout: float = 600) -> subprocess
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago (for MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_raw(script: str, world: int, case: str,
+               timeout: float = 120) -> List[subprocess.CompletedProcess]:
+    """Runs ``script --fault case`` on ``world`` plain rank processes (no torchrun, which
+    would kill the survivors of a failing rank); fails the test if a rank hangs.
+
+    Returns:
+        One result per rank (stdout and stderr together in ``stdout``).
+    """
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        procs.append(subprocess.Popen([sys.executable, script, "--fault", case], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    results = []
+    deadline = time.time() + timeout
+    for rank, proc in enumerate(procs):
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail(f"rank {rank} hung in fault case {case!r}")
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, ""))
+    return results
 
 
 def assert_every_rank_passed(result: subprocess.CompletedProcess, world: int, marker: str) -> None:

@@ -24,7 +24,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from _multiprocess import ROOT, assert_every_rank_passed, launch_torchrun, worker_main
+from _multiprocess import ROOT, assert_every_rank_passed, free_port, launch_torchrun, worker_main
 
 HERE = os.path.abspath(__file__)
 MARKER = "ALL CHECKPOINT CHECKS PASSED"
@@ -471,12 +470,6 @@ def test_consolidate_gives_the_unsplit_models_state_dict(saved: str, tmp_path) -
         pd.consolidate(str(tmp_path / "nowhere"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_killed_save_leaves_a_loadable_checkpoint(tmp_path) -> None:
     """SIGKILL at a random moment of a save loop: the directory always holds one
     complete checkpoint, all of one generation."""
@@ -484,7 +477,7 @@ def test_killed_save_leaves_a_loadable_checkpoint(tmp_path) -> None:
 
     root = str(tmp_path / "ckpt")
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1", PDCKPT_DIR=root,
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", PDCKPT_DIR=root,
                PDCKPT_PHASE="kill-loop", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, HERE], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

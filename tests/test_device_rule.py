@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import tempfile
 from typing import Any, List
 
 import torch
@@ -133,14 +132,10 @@ def run_checks() -> None:
         violations
 
 
-def test_library_collectives_follow_the_device_rule() -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ["DEVRULE_DIR"] = tmp
-        try:
-            result = launch_torchrun(os.path.abspath(__file__), world=3, timeout=300)
-        finally:
-            del os.environ["DEVRULE_DIR"]
-        assert_every_rank_passed(result, 3, MARKER)
+def test_library_collectives_follow_the_device_rule(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("DEVRULE_DIR", str(tmp_path))
+    result = launch_torchrun(os.path.abspath(__file__), world=3, timeout=300)
+    assert_every_rank_passed(result, 3, MARKER)
 
 
 if __name__ == "__main__":

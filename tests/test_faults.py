@@ -28,7 +28,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,9 @@ from typing import Dict, List, Optional, Sequence
 
 import pytest
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _multiprocess import free_port  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -112,12 +114,6 @@ def worker_elastic() -> None:
 
 
 # --------------------------------------------------------------------------- process helpers
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _marked_pids(marker: str) -> List[int]:
     """Live processes (not zombies) whose environment holds PDFAULT_JOB=marker."""
     needle = f"PDFAULT_JOB={marker}".encode()
@@ -159,7 +155,7 @@ class Job:
 
     def start_raw(self, world: int, cmd: Sequence[str], **env: str) -> List[subprocess.Popen]:
         """Ranks as plain processes (no torchrun), all in one new process group."""
-        port = str(_free_port())
+        port = str(free_port())
         procs: List[subprocess.Popen] = []
         for r in range(world):
             rank_env = dict(env, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
@@ -386,7 +382,7 @@ def test_sigterm_during_saves_keeps_the_previous_checkpoint(tmp_path) -> None:
     code = ("import runpy, sys; from pipedream_ext import _signals; _signals.install(); "
             f"sys.argv = [{loop!r}]; runpy.run_path({loop!r}, run_name='__main__')")
     with Job(str(tmp_path), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-             MASTER_PORT=str(_free_port()), PDCKPT_DIR=root, PDCKPT_PHASE="kill-loop") as job:
+             MASTER_PORT=str(free_port()), PDCKPT_DIR=root, PDCKPT_PHASE="kill-loop") as job:
         proc = job.start([sys.executable, "-c", code], "saver")
         job.wait_for("saver", r"^saved 2$")
         time.sleep(random.uniform(0.0, 0.5))

@@ -153,23 +153,16 @@ def run_nccl_checks() -> None:
 
 
 @needs_gpu
-def test_gloo_ranks_carry_cuda_tensors() -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ["PDGPU_DIR"] = tmp
-        try:
-            result = launch_torchrun(os.path.abspath(__file__), world=2, timeout=600)
-        finally:
-            del os.environ["PDGPU_DIR"]
+def test_gloo_ranks_carry_cuda_tensors(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PDGPU_DIR", str(tmp_path))
+    result = launch_torchrun(os.path.abspath(__file__), world=2, timeout=600)
     assert_every_rank_passed(result, 2, MARKER)
 
 
 @needs_gpu
-def test_one_nccl_rank_with_interleaved_chunks() -> None:
-    os.environ["PDGPU_NCCL"] = "1"
-    try:
-        result = launch_torchrun(os.path.abspath(__file__), world=1, timeout=600)
-    finally:
-        del os.environ["PDGPU_NCCL"]
+def test_one_nccl_rank_with_interleaved_chunks(monkeypatch) -> None:
+    monkeypatch.setenv("PDGPU_NCCL", "1")
+    result = launch_torchrun(os.path.abspath(__file__), world=1, timeout=600)
     assert_every_rank_passed(result, 1, MARKER)
 
 

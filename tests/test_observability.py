@@ -138,14 +138,10 @@ def check_reset_stats(rank: int) -> None:
     gc.collect()
 
 
-def test_stats_and_merged_trace() -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ["OBS_DIR"] = tmp
-        try:
-            result = launch_torchrun(os.path.abspath(__file__), world=2, timeout=300)
-        finally:
-            del os.environ["OBS_DIR"]
-        assert_every_rank_passed(result, 2, MARKER)
+def test_stats_and_merged_trace(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("OBS_DIR", str(tmp_path))
+    result = launch_torchrun(os.path.abspath(__file__), world=2, timeout=300)
+    assert_every_rank_passed(result, 2, MARKER)
 
 
 def test_pipedream_log_debug_shows_every_action() -> None:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
 import sys
 import time
 from typing import Callable, Dict, List, Optional
@@ -23,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
+from _multiprocess import assert_every_rank_passed, launch_raw, launch_torchrun, worker_main
 
 RTOL, ATOL = 1e-5, 1e-6
 MARKER = "ALL RUNTIME CHECKS PASSED"
@@ -274,38 +272,6 @@ def fault_case(case: str) -> None:
     os._exit(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(world: int, rank: int, port: int) -> Dict[str, str]:
-    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return env
-
-
-def _launch_raw(world: int, case: str, timeout: float) -> List[subprocess.CompletedProcess]:
-    """Starts the ranks as plain processes (no torchrun, so nobody kills the survivors)."""
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, HERE, "--fault", case], env=_env(world, r, port),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    results = []
-    deadline = time.time() + timeout
-    for r, proc in enumerate(procs):
-        try:
-            out, _ = proc.communicate(timeout=max(1.0, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail(f"rank {r} hung in fault case {case!r}")
-        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, ""))
-    return results
-
-
 # --------------------------------------------------------------------------- pytest side
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_flush_schedules_match_the_unsplit_model(world: int) -> None:
@@ -314,7 +280,7 @@ def test_flush_schedules_match_the_unsplit_model(world: int) -> None:
 
 def test_killed_rank_makes_the_others_fail_naming_it() -> None:
     start = time.time()
-    results = _launch_raw(2, "kill", timeout=120)
+    results = launch_raw(HERE, 2, "kill", timeout=120)
     assert results[1].returncode == -9
     assert results[0].returncode == 3, results[0].stdout
     assert "rank 1" in results[0].stdout, results[0].stdout
@@ -327,7 +293,7 @@ def test_killed_rank_makes_the_others_fail_naming_it() -> None:
     ("small-batch", 0, "smaller than microbatches=2"),
 ])
 def test_one_sided_bad_input_fails_everywhere(case: str, bad_rank: int, needle: str) -> None:
-    results = _launch_raw(2, case, timeout=120)
+    results = launch_raw(HERE, 2, case, timeout=120)
     assert all(r.returncode == 3 for r in results), [r.stdout for r in results]
     assert needle in results[bad_rank].stdout
     other = results[1 - bad_rank].stdout

@@ -20,8 +20,6 @@ from __future__ import annotations
 import collections
 import copy
 import os
-import socket
-import subprocess
 import sys
 import time
 from typing import Callable, Dict, List, Sequence, Tuple
@@ -33,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
+from _multiprocess import assert_every_rank_passed, launch_raw, launch_torchrun, worker_main
 
 RTOL, ATOL = 1e-5, 1e-6
 MARKER = "ALL VARIABLE-SHAPE CHECKS PASSED"
@@ -259,35 +257,6 @@ def fault_case(case: str) -> None:
     os._exit(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch_raw(case: str, timeout: float = 120) -> List[str]:
-    """Two plain rank processes (no torchrun, which would kill the survivor); their output."""
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        procs.append(subprocess.Popen([sys.executable, HERE, "--fault", case], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs, deadline = [], time.time() + timeout
-    for rank, proc in enumerate(procs):
-        try:
-            out, _ = proc.communicate(timeout=max(1.0, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail(f"rank {rank} hung in fault case {case!r}")
-        assert proc.returncode == 3, f"rank {rank} in {case!r} did not fail:\n{out[-3000:]}"
-        outputs.append(out)
-    return outputs
-
-
 # --------------------------------------------------------------------------- pytest side
 def test_shapes_that_change_every_step_match_the_references() -> None:
     assert_every_rank_passed(launch_torchrun(HERE, 2), 2, MARKER)
@@ -302,7 +271,11 @@ def test_shapes_that_change_every_step_match_the_references() -> None:
 ])
 def test_a_peer_sending_what_the_stage_cannot_use_fails_both_ranks(case: str, bad_rank: int,
                                                                    needle: str) -> None:
-    outputs = _launch_raw(case)
+    results = launch_raw(HERE, 2, case)
+    for rank, result in enumerate(results):
+        assert result.returncode == 3, \
+            f"rank {rank} in {case!r} did not fail:\n{result.stdout[-3000:]}"
+    outputs = [result.stdout for result in results]
     assert needle in outputs[bad_rank], outputs[bad_rank][-3000:]
     assert f"rank {bad_rank}" in outputs[1 - bad_rank], outputs[1 - bad_rank][-3000:]
 
