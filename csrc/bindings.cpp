@@ -339,25 +339,14 @@ struct ExecutorDeleter {
   }
 };
 
-py::dict statsToDict(const RuntimeStats& s) {
+// RuntimeStats.as_dict(): every read-only property of the class, by its name, so
+// the schema is spelled once (the properties below).
+py::dict statsToDict(const py::object& self) {
   py::dict d;
-  d["compute_s"] = s.computeSeconds;
-  d["wait_s"] = s.waitSeconds;
-  d["busy_s"] = s.busySeconds;
-  d["actions"] = s.actions;
-  d["steps"] = s.steps;
-  d["seconds_by_kind"] = s.secondsByKind;
-  d["bytes_sent"] = s.bytesSent;
-  d["bytes_received"] = s.bytesReceived;
-  d["sends"] = s.sends;
-  d["receives"] = s.receives;
-  d["preposted_receives"] = s.prePostedReceives;
-  d["redirected_sends"] = s.redirectedSends;
-  d["peak_activations"] = s.peakActivations;
-  d["peak_sends_in_flight"] = s.peakSendsInFlight;
-  d["peak_weight_versions"] = s.peakWeightVersions;
-  d["weight_bytes_copied"] = s.weightBytesCopied;
-  d["bubble_fraction"] = s.bubbleFraction();
+  const py::object property = py::module_::import("builtins").attr("property");
+  for (auto item : py::type::of(self).attr("__dict__").cast<py::dict>()) {
+    if (py::isinstance(item.second, property)) d[item.first] = self.attr(item.first);
+  }
   return d;
 }
 

@@ -28,6 +28,11 @@ __all__ = ["metadata_device", "all_reduce", "all_reduce_data", "broadcast_bytes"
            "raise_if_any_failed"]
 
 
+def _backend_device_types(group: dist.ProcessGroup) -> set:
+    """The device types ("cpu", "cuda") ``group`` has a backend for."""
+    return {t.type if isinstance(t, torch.device) else str(t) for t in group._device_types}
+
+
 def metadata_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
     """The device metadata tensors of ``group`` live on: CPU when the group has a
     CPU backend, else the current CUDA device.
@@ -42,7 +47,7 @@ def metadata_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
         RuntimeError: the group has neither a CPU nor a CUDA backend.
     """
     group = group if group is not None else dist.group.WORLD
-    types = {t.type if isinstance(t, torch.device) else str(t) for t in group._device_types}
+    types = _backend_device_types(group)
     if "cpu" in types:
         return torch.device("cpu")
     if "cuda" in types:
@@ -69,7 +74,7 @@ def all_reduce_data(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     Raises:
         ValueError: the group has no backend for the tensor's device.
     """
-    types = {t.type if isinstance(t, torch.device) else str(t) for t in group._device_types}
+    types = _backend_device_types(group)
     if tensor.device.type not in types:
         raise ValueError(f"process group {group} has no backend for {tensor.device.type} tensors "
                          f"(it has {sorted(types)}); create the default group with a backend for "

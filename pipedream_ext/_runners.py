@@ -383,7 +383,7 @@ class StreamRunner(Runner):
         self.executor.append_actions(self.stream.drain_actions(self.groups.rank, self.admitted))
         self.executor.run_until(self.executor.size, {})
         self.executor.wait_sends()
-        self._peak_weight_versions = dict(self.executor.stats().as_dict()["peak_weight_versions"])
+        self._peak_weight_versions = dict(self.executor.stats().peak_weight_versions)
         # A new stream starts from version 0 = the current live weights.
         self.stage_fn.targets.clear()
         self.admitted = 0
