@@ -108,6 +108,11 @@ class _HashingWriter:
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
+        if self._file.closed:
+            # torch.save's C++ writer ends its archive in its destructor; after an
+            # interrupted save (SIGTERM) that runs once `with open` closed the file, and
+            # an exception there aborts the process. The save failed and its .tmp goes.
+            return view.nbytes
         self._hash.update(view)
         self.size += view.nbytes
         return self._file.write(view)
