@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Dict, List, Mapping, Optional, 
 
 import torch
 
-from . import _collectives
+from . import _collectives, _signals
 from ._shared import alias_names, canonical_names
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -148,7 +148,8 @@ def _atomic_torch_save(obj: Any, directory: str, name: str) -> Dict[str, Any]:
     try:
         with open(tmp, "wb") as f:
             writer = _HashingWriter(f)
-            torch.save(obj, writer)  # type: ignore[arg-type]
+            with _signals.deferred():  # a signal inside torch.save's writer breaks it
+                torch.save(obj, writer)  # type: ignore[arg-type]
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)

@@ -24,29 +24,38 @@ group exists) makes the first SIGTERM or SIGINT:
 * restore the default actions, so a second SIGTERM or Ctrl-C ends the process
   at once.
 
+Code that must not be cut in the middle (``torch.save`` calls back into Python
+for every write, and an exception there leaves its C++ writer broken: it then
+raises a ``RuntimeError`` that hides the signal) runs inside :func:`deferred`:
+a signal arriving there is announced and arms the deadline at once, but raises
+only when the block ends.
+
 Handlers the program installed itself are left alone (only the default SIGTERM
 action and Python's default SIGINT handler are replaced), as is a wakeup fd set
 by someone else (asyncio): then the deadline is armed when the handler runs.
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
 import sys
 import threading
 from types import FrameType, TracebackType
-from typing import Any, Callable, Dict, Optional, Type
+from typing import Any, Callable, Dict, Iterator, Optional, Type
 
-__all__ = ["install", "installed", "DEFAULT_GRACE"]
+__all__ = ["install", "installed", "deferred", "DEFAULT_GRACE"]
 
 #: Seconds a rank has after SIGTERM / SIGINT before it is ended (``PIPEDREAM_SHUTDOWN_GRACE``).
 DEFAULT_GRACE = 10.0
 
 _lock = threading.Lock()
 _installed: Dict[int, Any] = {}  # signal number -> the handler it replaced
+# Main thread only (signal handlers run there): "defer_depth" counts nested
+# deferred() blocks, "pending" the signal one of them holds back.
 _state: Dict[str, Any] = {"grace": DEFAULT_GRACE, "announced": False, "armed": False,
-                          "wakeup_read": -1, "excepthook": None}
+                          "wakeup_read": -1, "excepthook": None, "defer_depth": 0, "pending": None}
 
 
 def installed() -> bool:
@@ -108,6 +117,13 @@ def _handler(signum: int, frame: Optional[FrameType]) -> None:
     del frame
     _announce(signum)
     _restore_defaults()
+    if _state["defer_depth"] > 0:
+        _state["pending"] = signum
+        return
+    _raise_for(signum)
+
+
+def _raise_for(signum: int) -> None:
     if signum == signal.SIGINT:
         # A plain KeyboardInterrupt (Python ends the process by SIGINT only for
         # that exact type), marked for the excepthook.
@@ -115,6 +131,33 @@ def _handler(signum: int, frame: Optional[FrameType]) -> None:
         exc.pipedream_stopped = f"stopped by {signal.Signals(signum).name}"  # type: ignore[attr-defined]
         raise exc
     raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Holds back the exception of a SIGTERM / SIGINT arriving inside the block
+    until the block ends (it is announced and the deadline armed at once).
+
+    For work an exception would break rather than stop, such as ``torch.save``
+    into a Python writer. Nests; outside the main thread it does nothing (signals
+    are handled in the main thread).
+
+    Raises:
+        SystemExit: 143 at the end of the block if SIGTERM arrived inside it.
+        KeyboardInterrupt: likewise for SIGINT.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _state["defer_depth"] += 1
+    try:
+        yield
+    finally:
+        _state["defer_depth"] -= 1
+        signum = _state["pending"]
+        if _state["defer_depth"] == 0 and signum is not None:
+            _state["pending"] = None
+            _raise_for(signum)
 
 
 def _watch(fd: int) -> None:

@@ -200,7 +200,7 @@ class Job:
         parts = []
         for p in self.procs:
             name = p.name  # type: ignore[attr-defined]
-            parts.append(f"--- {name} (exit {p.poll()}) stdout:\n{self.output(name)[-2000:]}"
+            parts.append(f"--- {name} (exit {p.poll()}) stdout:\n{self.output(name)[-600:]}"
                          f"\n--- {name} stderr:\n{self.output(name, 'err')[-4000:]}")
         return "\n".join(parts)
 
@@ -400,6 +400,39 @@ def test_sigterm_during_saves_keeps_the_previous_checkpoint(tmp_path) -> None:
     assert not [f for f in os.listdir(root) if f.endswith(".tmp")], os.listdir(root)
 
 
+SIGNAL_IN_WRITER = r"""
+import os, signal, sys, torch
+from pipedream_ext import _signals, _checkpoint
+_signals.install()
+write, calls = _checkpoint._HashingWriter.write, []
+def write_then_signal(self, data):
+    calls.append(1)
+    if len(calls) == 3:  # inside torch.save, between two of its writes
+        os.kill(os.getpid(), signal.SIGTERM)
+    return write(self, data)
+_checkpoint._HashingWriter.write = write_then_signal
+try:
+    _checkpoint._atomic_torch_save({"a": torch.zeros(1000)}, sys.argv[1], "x.pt")
+finally:
+    print("left", sorted(os.listdir(sys.argv[1])), "after", len(calls), "writes", flush=True)
+"""
+
+
+def test_sigterm_inside_torch_save_exits_143(tmp_path) -> None:
+    """A signal while torch.save calls back into Python: raised inside the writer it
+    broke torch's C++ writer, whose RuntimeError hid it (exit 1); now the save ends,
+    the exception comes after it, the .tmp file goes and the status is 143."""
+    script, out = tmp_path / "case.py", tmp_path / "out"
+    script.write_text(SIGNAL_IN_WRITER)
+    out.mkdir()
+    with Job(str(tmp_path)) as job:
+        proc = job.start([sys.executable, str(script), str(out)], "case")
+        assert proc.wait(timeout=60) == 143, job.dump()
+        text = job.output("case")
+        assert "left [] after" in text and "after 3 writes" not in text, job.dump()
+        assert "Traceback" not in job.output("case", "err"), job.dump()
+
+
 SIGNALS_CASE = r"""
 import ctypes, importlib.util, signal, sys, time
 spec = importlib.util.spec_from_file_location("pd_signals", sys.argv[1])
@@ -414,6 +447,14 @@ if case == "custom":  # the program's own handlers stay
 assert signals.install(grace=2.0)
 print("ready", flush=True)
 try:
+    if case == "deferred":  # the block ends its work, then the signal raises
+        with signals.deferred():
+            with signals.deferred():
+                print("in block", flush=True)
+                time.sleep(1.0)
+                print("block done", flush=True)
+            print("inner done", flush=True)
+        print("not reached", flush=True)
     if case == "blocked":  # the main thread stuck in C without the GIL, deaf to signals
         libc, mutex = ctypes.CDLL(None), ctypes.create_string_buffer(64)
         libc.pthread_mutex_init(mutex, None)
@@ -432,9 +473,10 @@ finally:
     ("loop", [signal.SIGTERM], 143, ["got SIGTERM: shutting down", "finally"]),
     ("loop", [signal.SIGINT], -signal.SIGINT, ["finally", "stopped by SIGINT at case.py:"]),
     ("blocked", [signal.SIGTERM], 1, ["got SIGTERM", "Timeout (0:00:02)!"]),
+    ("deferred", [signal.SIGTERM], 143, ["got SIGTERM", "block done\ninner done\nfinally"]),
     ("slow-finally", [signal.SIGTERM, signal.SIGTERM], -signal.SIGTERM, ["finally"]),
     ("custom", [], 0, ["installed False 1"]),  # 1: SIG_IGN
-], ids=["sigterm", "sigint", "deadline", "second-signal", "program-handlers"])
+], ids=["sigterm", "sigint", "deadline", "deferred", "second-signal", "program-handlers"])
 def test_signal_handlers(tmp_path, case: str, signals: List[int], status: int,
                          needles: List[str]) -> None:
     """pipedream_ext/_signals.py alone: SystemExit(143) with finally blocks, one line for
@@ -445,13 +487,13 @@ def test_signal_handlers(tmp_path, case: str, signals: List[int], status: int,
         proc = job.start([sys.executable, str(script),
                           os.path.join(ROOT, "pipedream_ext", "_signals.py"), case], "case")
         for i, sig in enumerate(signals):
-            job.wait_for("case", "^finally$" if i else "^ready$")
+            job.wait_for("case", "^finally$" if i else ("^in block$" if case == "deferred" else "^ready$"))
             proc.send_signal(sig)
         assert proc.wait(timeout=30) == status, job.dump()
         text = job.output("case") + job.output("case", "err")
         for needle in needles:
             assert needle in text, job.dump()
-        assert "Traceback" not in text, job.dump()
+        assert "Traceback" not in text and "not reached" not in text, job.dump()
 
 
 # --------------------------------------------------------------------------- _elastic
