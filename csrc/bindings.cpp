@@ -14,6 +14,7 @@
 #include "core/validate.h"
 #include "runtime/comm_engine.h"
 #include "runtime/executor.h"
+#include "runtime/split_backward.h"
 
 namespace py = pybind11;
 
@@ -387,6 +388,35 @@ void bindRuntime(py::module_& m) {
                std::to_string(s.actions) + ", busy_s=" + std::to_string(s.busySeconds) +
                ", bytes_sent=" + std::to_string(s.bytesSent) + ")";
       });
+
+  py::class_<SplitBackward>(m, "SplitBackward",
+                            "A backward split into I (input gradients) and W (weight gradients)\n"
+                            "that does no work twice (csrc/runtime/split_backward.h); the executor's\n"
+                            "I and W actions, bound for single-process tests.")
+      .def(py::init<>())
+      .def(
+          "input_pass",
+          [](SplitBackward& self, const std::vector<at::Tensor>& roots,
+             std::vector<std::optional<at::Tensor>> grads, const std::vector<at::Tensor>& inputs,
+             const std::vector<at::Tensor>& weights) {
+            TORCH_CHECK(grads.size() == roots.size(), "input_pass: ", grads.size(),
+                        " gradients for ", roots.size(), " roots");
+            std::vector<at::Tensor> g;
+            for (auto& t : grads) g.push_back(t.has_value() ? *t : at::Tensor());
+            py::gil_scoped_release noGil;
+            return SplitBackward::inputPass(roots, g, inputs, weights, self);
+          },
+          py::arg("roots"), py::arg("grads"), py::arg("inputs"), py::arg("weights"),
+          "I: gradients of `inputs` (None where none); grads[k] is roots[k]'s (None: ones).")
+      .def(
+          "weight_pass",
+          [](SplitBackward& self) {
+            py::gil_scoped_release noGil;
+            self.weightPass();
+          },
+          "W: accumulates the weights' gradients into .grad.")
+      .def_property_readonly("num_frontier_nodes", &SplitBackward::numFrontierNodes,
+                             "Nodes where weight branches leave the input path (W starts there).");
 
   py::class_<PipelineExecutor, std::unique_ptr<PipelineExecutor, ExecutorDeleter>>(m,
                                                                           "PipelineExecutor")

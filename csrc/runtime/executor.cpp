@@ -222,11 +222,11 @@ void PipelineExecutor::inputGradients(const Action& a, Stash& s, const std::vect
     }
   }
   if (inputOnly) {
-    if (!roots.empty() && !needInputs.empty()) {
-      auto result = torch::autograd::grad(roots, needInputs, grads, /*retain_graph=*/true,
-                                          /*create_graph=*/false, /*allow_unused=*/true);
-      for (size_t n = 0; n < needIndex.size(); ++n) gradInputs[needIndex[n]] = result[n];
-    }
+    static const std::vector<at::Tensor> kNoWeights;
+    auto params = stageParameters_.find(a.stage);
+    gradInputs = SplitBackward::inputPass(
+        roots, grads, s.inputs, params != stageParameters_.end() ? params->second : kNoWeights,
+        s.split);
   } else if (!roots.empty()) {
     torch::autograd::backward(roots, grads);
     for (size_t n = 0; n < needIndex.size(); ++n) {
@@ -254,24 +254,15 @@ void PipelineExecutor::differentiate(const Action& a, bool inputOnly, bool weigh
   TORCH_CHECK(it != stash_.end(), "rank ", rank_, ": ", a.toString(),
               " has no stashed forward (schedule bug)");
   Stash& s = it->second;
-  if (recompute_ && s.rngState.defined()) recomputeForward(a, s);
-  // Roots: outputs that require grad, with their gradients.
-  std::vector<at::Tensor> roots, grads;
-  gradientRoots(a, s, roots, grads);
-  if (!weightOnly) inputGradients(a, s, roots, grads, inputOnly);
-  if (inputOnly) return;  // keep the stash (graph retained) for W
-
-  if (weightOnly && !roots.empty()) {
-    auto params = stageParameters_.find(a.stage);
-    std::vector<at::Tensor> weights;
-    if (params != stageParameters_.end()) {
-      for (const auto& p : params->second) {
-        if (p.requires_grad()) weights.push_back(p);
-      }
-    }
-    if (!weights.empty()) {
-      torch::autograd::backward(roots, grads, /*keep_graph=*/false, /*create_graph=*/false, weights);
-    }
+  if (weightOnly) {
+    s.split.weightPass();  // from the gradients I captured: no input path again
+  } else {
+    if (recompute_ && s.rngState.defined()) recomputeForward(a, s);
+    // Roots: outputs that require grad, with their gradients.
+    std::vector<at::Tensor> roots, grads;
+    gradientRoots(a, s, roots, grads);
+    inputGradients(a, s, roots, grads, inputOnly);
+    if (inputOnly) return;  // keep the stash (graph retained) for W
   }
   if (traits_.stashWeights) {
     auto& store = stores_.at(a.stage);

@@ -58,6 +58,7 @@
 
 #include "core/receipt.h"
 #include "core/runtime_stats.h"
+#include "runtime/split_backward.h"
 #include "core/schedule.h"
 #include "core/traits.h"
 #include "core/transfer_ledger.h"
@@ -139,9 +140,10 @@ class PipelineExecutor {
   struct Stash {
     std::vector<at::Tensor> inputs;       // leaves (requires_grad for floats)
     std::vector<at::Tensor> outputs;      // forward outputs (or {loss})
-    std::vector<at::Tensor> gradOutputs;  // kept between I and W
+    std::vector<at::Tensor> gradOutputs;  // the outputs' gradients (B, I)
     int version = 0;                      // weight version read (stashing)
     RngState rngState;                    // recompute: RNG states before F (CPU, device)
+    SplitBackward split;                  // what W needs from I (frontier gradients)
   };
   using Key = std::pair<int, int>;  // (stage, microbatch)
 

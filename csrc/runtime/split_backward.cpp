@@ -1,0 +1,238 @@
+#include "split_backward.h"
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <deque>
+#include <unordered_map>
+#include <unordered_set>
+#include <tuple>
+#include <utility>
+
+namespace pipedream {
+
+using torch::autograd::Edge;
+using torch::autograd::edge_list;
+using torch::autograd::FunctionPreHook;
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+// std::shared_ptr<Node> before torch 2.12, c10::intrusive_ptr<Node> after.
+using NodePtr = decltype(std::declval<Edge>().function);
+
+namespace {
+
+// I: records the gradient arriving at a frontier node, unchanged.
+class CaptureHook : public FunctionPreHook {
+ public:
+  explicit CaptureHook(variable_list* slot) : slot_(slot) {}
+  variable_list operator()(const variable_list& grads) override {
+    *slot_ = grads;
+    return grads;
+  }
+
+ private:
+  variable_list* slot_;  // owned by the SplitBackward, which outlives the hook
+};
+
+// Installed pre-hooks, removed when the scope ends (also on an exception), so
+// the graph never keeps a hook pointing at freed state.
+class HookScope {
+ public:
+  HookScope() = default;
+  HookScope(const HookScope&) = delete;
+  HookScope& operator=(const HookScope&) = delete;
+  ~HookScope() {
+    for (auto& entry : installed_) {
+      FunctionPreHook* hook = entry.second;
+      auto& hooks = entry.first->pre_hooks();
+      hooks.erase(std::remove_if(hooks.begin(), hooks.end(),
+                                 [hook](const auto& h) { return h.get() == hook; }),
+                  hooks.end());
+    }
+  }
+  void add(const NodePtr& node, std::unique_ptr<FunctionPreHook> hook) {
+    installed_.emplace_back(node, hook.get());
+    node->add_pre_hook(std::move(hook));
+  }
+
+ private:
+  std::vector<std::pair<NodePtr, FunctionPreHook*>> installed_;
+};
+
+// W: the frontier nodes' edges into the input path, cut for one engine call and
+// restored when the scope ends (also on an exception).
+class EdgeCut {
+ public:
+  EdgeCut() = default;
+  EdgeCut(const EdgeCut&) = delete;
+  EdgeCut& operator=(const EdgeCut&) = delete;
+  ~EdgeCut() {
+    for (auto& [node, index, edge] : cut_) node->next_edges()[index] = std::move(edge);
+  }
+  void cut(const NodePtr& node, uint32_t index) {
+    cut_.emplace_back(node, index, std::move(node->next_edges()[index]));
+    node->next_edges()[index] = Edge();
+  }
+
+ private:
+  std::vector<std::tuple<NodePtr, uint32_t, Edge>> cut_;
+};
+
+// Parents of every node reachable from the roots (the reverse of next_edges).
+using Parents = std::unordered_map<Node*, std::vector<NodePtr>>;
+
+Parents reverseGraph(const edge_list& roots) {
+  Parents parents;
+  std::unordered_set<Node*> seen;
+  std::deque<NodePtr> queue;
+  for (const auto& e : roots) {
+    if (e.function && seen.insert(e.function.get()).second) queue.push_back(e.function);
+  }
+  while (!queue.empty()) {
+    NodePtr node = queue.front();
+    queue.pop_front();
+    parents.try_emplace(node.get());
+    for (const auto& next : node->next_edges()) {
+      if (!next.function) continue;
+      parents[next.function.get()].push_back(node);
+      if (seen.insert(next.function.get()).second) queue.push_back(next.function);
+    }
+  }
+  return parents;
+}
+
+// Nodes from which one of `starts` is reachable (the input-gradient path).
+std::unordered_set<Node*> upwardClosure(const std::vector<Node*>& starts, const Parents& parents) {
+  std::unordered_set<Node*> closure;
+  std::deque<Node*> queue;
+  for (Node* n : starts) {
+    if (parents.count(n) && closure.insert(n).second) queue.push_back(n);
+  }
+  while (!queue.empty()) {
+    Node* node = queue.front();
+    queue.pop_front();
+    for (const auto& p : parents.at(node)) {
+      if (closure.insert(p.get()).second) queue.push_back(p.get());
+    }
+  }
+  return closure;
+}
+
+}  // namespace
+
+SplitBackward::~SplitBackward() = default;
+
+std::vector<at::Tensor> SplitBackward::inputPass(const std::vector<at::Tensor>& roots,
+                                                 const std::vector<at::Tensor>& grads,
+                                                 const std::vector<at::Tensor>& inputs,
+                                                 const std::vector<at::Tensor>& weights,
+                                                 SplitBackward& state) {
+  namespace impl = torch::autograd::impl;
+  state = SplitBackward();
+  edge_list rootEdges;
+  variable_list rootGrads;
+  for (size_t k = 0; k < roots.size(); ++k) {
+    if (!roots[k].requires_grad()) continue;
+    rootEdges.push_back(impl::gradient_edge(roots[k]));
+    rootGrads.push_back(grads[k].defined() ? grads[k] : at::ones_like(roots[k]));
+  }
+  const Parents parents = reverseGraph(rootEdges);
+  edge_list inputEdges;
+  std::vector<size_t> inputIndex;
+  std::vector<Node*> inputNodes;
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    if (!inputs[k].requires_grad()) continue;
+    inputEdges.push_back(impl::gradient_edge(inputs[k]));
+    inputIndex.push_back(k);
+    inputNodes.push_back(inputEdges.back().function.get());
+  }
+  const std::unordered_set<Node*> inputPath = upwardClosure(inputNodes, parents);
+  for (size_t k = 0; k < rootEdges.size(); ++k) {
+    if (!inputPath.count(rootEdges[k].function.get())) {
+      state.rootEdges_.push_back(rootEdges[k]);
+      state.rootGrads_.push_back(rootGrads[k]);
+    }
+  }
+
+  // The weight branches: nodes off the input path from which a weight is
+  // reachable, found upwards from the weights; where they meet the input path
+  // is the frontier.
+  std::unordered_set<Node*> branch;
+  std::deque<Node*> queue;
+  std::unordered_map<Node*, Frontier*> frontierOf;
+  for (const auto& w : weights) {
+    if (!w.requires_grad()) continue;
+    Edge edge = impl::gradient_edge(w);
+    Node* accumulator = edge.function.get();
+    if (!accumulator || !parents.count(accumulator)) continue;  // unused by this microbatch
+    state.weightEdges_.push_back(std::move(edge));
+    if (branch.insert(accumulator).second) queue.push_back(accumulator);
+  }
+  while (!queue.empty()) {
+    Node* node = queue.front();
+    queue.pop_front();
+    for (const auto& p : parents.at(node)) {
+      if (!inputPath.count(p.get())) {
+        if (branch.insert(p.get()).second) queue.push_back(p.get());
+      } else if (!frontierOf.count(p.get())) {
+        auto f = std::make_unique<Frontier>();
+        f->node = Edge(p, 0);
+        const auto& next = p->next_edges();
+        for (uint32_t i = 0; i < next.size(); ++i) {
+          if (next[i].function && inputPath.count(next[i].function.get())) {
+            f->inputPathEdges.push_back(i);
+          }
+        }
+        frontierOf[p.get()] = f.get();
+        state.frontier_.push_back(std::move(f));
+      }
+    }
+  }
+
+  std::vector<at::Tensor> gradInputs(inputs.size());
+  HookScope hooks;
+  for (auto& f : state.frontier_) {
+    hooks.add(f->node.function, std::make_unique<CaptureHook>(&f->captured));
+  }
+  if (!rootEdges.empty() && !inputEdges.empty()) {
+    // torch::autograd::grad(roots, inputs, retain_graph=true, allow_unused=true),
+    // on the engine directly: the same graph task, with our hooks in it.
+    variable_list result = torch::autograd::Engine::get_default_engine().execute(
+        rootEdges, rootGrads, /*keep_graph=*/true, /*create_graph=*/false,
+        /*accumulate_grad=*/false, inputEdges);
+    for (size_t n = 0; n < inputIndex.size(); ++n) gradInputs[inputIndex[n]] = result[n];
+  }
+  return gradInputs;
+}
+
+void SplitBackward::weightPass() {
+  edge_list edges;
+  variable_list grads;
+  EdgeCut cut;
+  for (const auto& f : frontier_) {
+    for (uint32_t slot = 0; slot < f->captured.size(); ++slot) {
+      if (!f->captured[slot].defined()) continue;
+      edges.emplace_back(f->node.function, slot);
+      grads.push_back(f->captured[slot]);
+    }
+    for (uint32_t index : f->inputPathEdges) cut.cut(f->node.function, index);
+  }
+  edges.insert(edges.end(), rootEdges_.begin(), rootEdges_.end());
+  grads.insert(grads.end(), rootGrads_.begin(), rootGrads_.end());
+  if (!edges.empty() && !weightEdges_.empty()) {
+    // Like backward(inputs=weights): only the weight branches run, and the
+    // gradients accumulate into .grad.
+    torch::autograd::Engine::get_default_engine().execute(
+        edges, grads, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true,
+        weightEdges_);
+  }
+  frontier_.clear();
+  rootEdges_.clear();
+  rootGrads_.clear();
+  weightEdges_.clear();
+}
+
+}  // namespace pipedream
