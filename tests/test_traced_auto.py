@@ -89,8 +89,9 @@ def assert_same_as_reference(pipe: Any, ref: nn.Module, what: str) -> None:
                                    msg=lambda m, n=name: f"{what}: {n}: {m}")
 
 
-def run_and_compare(kind: str, schedule: str, balance: Any, **kwargs: Any) -> Any:
-    """Two SGD-momentum then two Adam steps of the pipeline and the unsplit model."""
+def run_and_compare(kind: str, schedule: str, balance: Any, **kwargs: Any) -> Tuple[Any, nn.Module]:
+    """Two SGD-momentum then two Adam steps of the pipeline and the unsplit model
+    (both returned)."""
     import pipedream_ext as pd
 
     loss_fn = MODELS[kind][1]
@@ -111,7 +112,7 @@ def run_and_compare(kind: str, schedule: str, balance: Any, **kwargs: Any) -> An
             opt.step(); opt.zero_grad()
             step += 1
     assert_same_as_reference(pipe, ref, f"{kind} {schedule} after {step} steps")
-    return pipe
+    return pipe, ref
 
 
 def broadcast_plan(make: Any) -> Any:
@@ -151,13 +152,15 @@ def uniform_plan(kind: str) -> Any:
 
 
 def run_checks() -> None:
+    import pipedream_ext as pd
+
     world = dist.get_world_size()
     root = os.environ.get("PDTRACE_DIR", f"/tmp/pdtrace-auto-{os.environ.get('MASTER_PORT', 'x')}")
     os.makedirs(root, exist_ok=True)
     # balance="auto": rank 0 profiles the traced ResNet and plans for the schedule.
     for schedule in ("gpipe", "1f1b", "zb-h1"):
-        pipe = run_and_compare("resnet", schedule, "auto",
-                               bandwidth=None if schedule == "1f1b" else BANDWIDTH)
+        pipe, _ = run_and_compare("resnet", schedule, "auto",
+                                  bandwidth=None if schedule == "1f1b" else BANDWIDTH)
         if schedule == "zb-h1":  # straight (the schedule's planner assumption)
             assert pipe.num_stages == world and pipe.replicas == [1] * world, pipe.plan.table()
     # A straight plan of the same kind of profile, as a Plan and as a plan.json file.
@@ -167,17 +170,23 @@ def run_checks() -> None:
     if dist.get_rank() == 0:
         plan.save(path)
     dist.barrier()
-    run_and_compare("resnet", "1f1b", plan)
+    pipe, ref = run_and_compare("resnet", "1f1b", plan)
     run_and_compare("resnet", "gpipe", path)
+    # Its checkpoint holds the whole model under the original names.
+    ckpt = os.path.join(root, f"resnet-ckpt-{world}")
+    pd.save_checkpoint(ckpt, pipe, step=4)
+    if dist.get_rank() == 0:
+        whole = make_model("resnet")
+        whole.load_state_dict(pd.consolidate(ckpt), strict=True)
+        for name, value in whole.state_dict().items():
+            torch.testing.assert_close(value, ref.state_dict()[name], rtol=RTOL, atol=ATOL)
     # U-Net: the planner's own choice, then a deterministic plan whose skip crosses two cuts.
     run_and_compare("unet", "1f1b", "auto", bandwidth=BANDWIDTH)
     plan = broadcast_plan(lambda: uniform_plan("unet"))
-    pipe = run_and_compare("unet", "1f1b", plan)
+    pipe, _ = run_and_compare("unet", "1f1b", plan)
     crossings = sum("enc1_2" in live for live in pipe.traced.live)  # enc1's output, cat's input
     assert crossings == min(2, world - 1), (crossings, pipe.traced.live, plan.table())
     # A plan sets the stages itself: interleaved chunks are refused on every rank.
-    import pipedream_ext as pd
-
     with pytest.raises(ValueError, match="a plan sets balance and replicas itself"):
         pd.PipeDream(make_model("resnet"), F.cross_entropy, schedule="interleaved-1f1b",
                      chunks=2, balance=plan, sample=make_batch("resnet", 8, 99))
