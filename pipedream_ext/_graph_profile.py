@@ -16,7 +16,7 @@ Groups (docs/tracing.md, "Planning a traced model"):
    ``layer1.0`` depth 2, ...) together with the functional operations that follow
    it in the same or an enclosing module (``torch.flatten`` after ``layer2``,
    ``out + skip`` and ``relu`` after a block's last convolution). ``d`` is the
-   deepest at which the model has at most ``max_groups`` groups (default 64; the
+   deepest at which the model has at most ``max_groups`` groups (default 128; the
    leaf modules, ``Conv2d``, ``BatchNorm2d``, ..., when they fit), so the planner
    has every cut it can use and stays fast.
 2. Groups are contiguous runs of the graph's order, so their graph is a DAG.
@@ -54,7 +54,7 @@ __all__ = ["Group", "GraphGroups", "group_graph", "trace_groups", "profile_group
 log = logging.getLogger(__name__)
 
 #: Default bound on the number of groups (profile nodes) the depth is chosen for.
-MAX_GROUPS = 64
+MAX_GROUPS = 128
 
 # (key, path) of each module call a node runs in, outermost first; the key tells
 # two calls of one module apart (torch.fx names the second ``path@1``).
