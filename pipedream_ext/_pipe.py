@@ -69,7 +69,8 @@ class PipeDream:
     Args:
         module: the whole model, identically initialised on every rank, or built
             on the meta device (then see ``init_seed`` and ``init_fn``): an
-            ``nn.Sequential``, or any ``nn.Module`` with ``split_points``.
+            ``nn.Sequential``, or any ``nn.Module`` with ``split_points`` or with
+            ``balance="auto"`` / a plan (traced, cut as the plan's stages say).
         loss_fn: ``loss_fn(output, target)`` with mean reduction over the batch.
         schedule: one of :data:`SYNCHRONOUS_SCHEDULES` or :data:`ASYNCHRONOUS_SCHEDULES`
             (what each means: ``schedules.traits(name)``).
@@ -83,7 +84,10 @@ class PipeDream:
             world with the planner; or a saved plan (a ``plan.json`` path or a
             :class:`~pipedream_ext.Plan`). Stages are ordered as in the module; stage
             ``j`` runs on rank ``j`` (``j mod world`` for interleaved schedules), or on
-            consecutive ranks when replicated.
+            consecutive ranks when replicated. For a model that is not an
+            ``nn.Sequential`` (no ``split_points``), ``"auto"`` traces it, profiles its
+            graph on rank 0 (groups of operations, real edges) and plans; a plan must
+            come from that model's graph profile (docs/tracing.md).
         chunks: model chunks per rank (``interleaved-1f1b``).
         process_group: the group to run on (default: the default group, which is
             created from the torchrun environment if needed: Gloo on CPU, NCCL on GPU).
@@ -99,7 +103,7 @@ class PipeDream:
             update (summed for flush schedules and 2bw, where they are parts of one
             batch; averaged for ``pipedream``, where each replica ran its own minibatch).
         sample: ``(inputs, targets)`` of one batch, for ``balance="auto"`` and for
-            tracing with ``split_points``.
+            tracing a model that is not an ``nn.Sequential``.
         bandwidth: bytes/s per topology level (within a node, then between
             nodes) for ``balance="auto"``; measured with a short probe if omitted.
         recompute: keep only each stage's inputs during the forward and recompute
@@ -143,7 +147,7 @@ class PipeDream:
             ``split_points[j]``. Tensors live across a cut (inputs, skip connections)
             travel as a tuple; names stay the original model's. One fewer than the
             stages (ranks x chunks, or ``len(replicas)``). See docs/tracing.md.
-        concrete_args: with ``split_points``: non-tensor ``forward`` arguments fixed
+        concrete_args: for a traced model: non-tensor ``forward`` arguments fixed
             for tracing, e.g. ``{"use_cache": False}``; tensor inputs go in ``sample``
             (a tuple, positionally) and in every ``step``.
 
@@ -416,7 +420,8 @@ class PipeDream:
 
     @property
     def split_points(self) -> Optional[List[str]]:
-        """The module names a traced model's stages start at (None: an nn.Sequential)."""
+        """The module names a traced model's stages start at (None: an nn.Sequential); for
+        a plan's stages, the module each later stage's first operation runs in."""
         return None if self.traced is None else list(self.traced.split_points)
 
     @property
@@ -671,8 +676,8 @@ def _trace_stages(module: nn.Module, split_points: Sequence[str],
     """
     if balance is not None:
         raise ValueError(f"balance={balance!r} cannot be combined with split_points: the split "
-                         "points fix the stages (balance='auto' for traced models is not "
-                         "supported yet); drop balance")
+                         "points fix the stages; drop balance, or drop split_points and give "
+                         "balance='auto' to let the planner cut the model")
     if sample is None or not isinstance(sample, (tuple, list)) or len(sample) != 2:
         raise ValueError("split_points needs sample=(inputs, targets), one batch to trace the "
                          "model on (inputs: a tensor or a tuple of tensors)")

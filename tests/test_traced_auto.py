@@ -13,7 +13,8 @@ model's, and each rank's stage holds exactly the modules and parameters of the p
 nodes for it. ``gpipe`` and ``1f1b`` may be planned as replicated stages (on this
 tiny model the planner often picks data parallelism), so a straight plan of the same
 profile is also run (``balance=Plan`` and a ``plan.json``), and a U-Net plan of a
-profile with equal times per node (deterministic) whose skip crosses two cuts.
+profile with equal times per node (deterministic) whose skip crosses two cuts. A
+planned pipeline's checkpoint consolidates into the unmodified model.
 ``interleaved-1f1b`` needs ``world x chunks`` stages, which the planner does not plan
 (it plans one stage per worker or replicated stages): a plan with chunks is refused.
 """
