@@ -175,7 +175,7 @@ class PipeDream:
                  init_fn: Optional[_materialize.InitFn] = None,
                  split_points: Optional[Sequence[str]] = None,
                  concrete_args: Optional[Mapping[str, Any]] = None) -> None:
-        #: The traced model's stages (``split_points``), else None (an nn.Sequential).
+        #: The traced model's stages (``split_points`` or a plan), else None (an nn.Sequential).
         self.traced: Optional[TracedSplit]
         self.traced, planned, deferred, init_seed = _prepare_model(
             module, split_points, sample, balance, concrete_args, init_seed, init_fn)
@@ -731,6 +731,7 @@ def _prepare_model(module: nn.Module, split_points: Optional[Sequence[str]],
                              "plan) and pass balance='plan.json', or give layer counts")
     return traced, planned, deferred, init_seed
 
+
 def _is_plan(balance: Any) -> bool:
     """``balance`` names a plan: ``"auto"``, a plan file or a :class:`Plan`."""
     return isinstance(balance, (Plan, str, os.PathLike))
@@ -753,8 +754,11 @@ class _PlannedTrace:
     @classmethod
     def trace(cls, module: nn.Module, sample: Optional[Tuple[Tensors, Any]],
               concrete_args: Optional[Mapping[str, Any]]) -> "_PlannedTrace":
-        """Raises:
-            ValueError: no sample, a meta-device model, or an untraceable one."""
+        """Traces and groups ``module`` on the inputs of ``sample`` (no communication).
+
+        Raises:
+            ValueError: no sample, a meta-device model, or an untraceable one.
+        """
         from ._graph_profile import trace_groups
 
         if sample is None or not isinstance(sample, (tuple, list)) or len(sample) != 2:
