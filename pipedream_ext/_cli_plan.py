@@ -1,6 +1,7 @@
 """CLI commands ``profile`` and ``plan``.
 
     python -m pipedream_ext profile --model MODULE:FACTORY --input-shape 64,1,8,8 -o graph.txt
+      (an nn.Sequential: one node per layer; any other nn.Module: its traced graph)
     python -m pipedream_ext plan --profile graph.txt --workers 4,4 --bandwidth 16e9,1.25e9
 """
 from __future__ import annotations
@@ -58,20 +59,25 @@ def _run_profile(args: argparse.Namespace) -> int:
     from ._profiler import profile
 
     model = _load_factory(args.model)()
-    if not isinstance(model, nn.Sequential):
-        raise ValueError(f"{args.model} returned {type(model).__name__}; the factory must return nn.Sequential")
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{args.model} returned {type(model).__name__}; the factory must return "
+                         "an nn.Module")
     device = torch.device(args.device)
     model = model.to(device)
     if args.input_dtype == "int64":
         sample = torch.randint(0, args.input_high, tuple(args.input_shape), device=device)
     else:
         sample = torch.randn(tuple(args.input_shape), device=device)
+    # An nn.Sequential is a chain of its layers; any other model its traced graph.
     graph = profile(model, sample, steps=args.steps, warmup=args.warmup, output=args.output,
                     progress=args.progress)
     total_f = sum(n["forward_ms"] for n in graph.nodes())
     total_b = sum(n["backward_ms"] for n in graph.nodes())
-    print(f"profiled {len(graph) - 1} layers: forward {total_f:.3f} ms, backward {total_b:.3f} ms"
-          + (f"; wrote {args.output}" if args.output else ""))
+    inputs = sum(1 for n in graph.nodes() if n["description"].startswith("Input"))
+    what = "layers" if isinstance(model, nn.Sequential) else \
+        f"groups of the traced graph, {len(graph.edges())} edges"
+    print(f"profiled {len(graph) - inputs} {what}: forward {total_f:.3f} ms, backward "
+          f"{total_b:.3f} ms" + (f"; wrote {args.output}" if args.output else ""))
     if not args.output:
         print(graph.to_string())
     return 0
@@ -108,11 +114,15 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     """Adds the ``profile`` and ``plan`` commands."""
     p = subparsers.add_parser(
         "profile",
-        help="time every layer of an nn.Sequential and write PipeDream's graph.txt",
-        description="Profiles forward/backward time, activation and weight bytes per layer.",
+        help="time every layer of a model and write PipeDream's graph.txt",
+        description="Profiles forward/backward time, activation and weight bytes per layer: "
+        "the layers of an nn.Sequential (a chain), or for any other nn.Module the groups of "
+        "operations of its torch.fx graph, with an edge for every value one group passes "
+        "another (skip connections included; docs/tracing.md).",
     )
     p.add_argument("--model", required=True, metavar="MODULE:FACTORY",
-                   help="a factory returning an nn.Sequential, e.g. mypkg.models:make_mlp")
+                   help="a factory returning an nn.Module (an nn.Sequential or any model "
+                        "torch.fx can trace), e.g. mypkg.models:make_resnet")
     p.add_argument("--input-shape", required=True, type=_int_list, metavar="N,C,...",
                    help="shape of one minibatch, e.g. 64,1,8,8")
     p.add_argument("--input-dtype", choices=["float32", "int64"], default="float32",

@@ -26,7 +26,7 @@ from ._runners import make_runner
 from ._shared import SharedGradients, describe, find_shared, find_shared_in_stages
 from ._stage_fn import NonFiniteError, StageFunction, Tensors
 from ._stages import LocalStages, even_balance, resolve_partition
-from ._startup_plan import auto_plan, partition_from_plan
+from ._startup_plan import auto_plan, check_plan_world, partition_from_plan
 from ._trace import TracedSplit, split_model
 from .planner import Plan
 
@@ -69,7 +69,8 @@ class PipeDream:
     Args:
         module: the whole model, identically initialised on every rank, or built
             on the meta device (then see ``init_seed`` and ``init_fn``): an
-            ``nn.Sequential``, or any ``nn.Module`` with ``split_points``.
+            ``nn.Sequential``, or any ``nn.Module`` with ``split_points`` or with
+            ``balance="auto"`` / a plan (traced, cut as the plan's stages say).
         loss_fn: ``loss_fn(output, target)`` with mean reduction over the batch.
         schedule: one of :data:`SYNCHRONOUS_SCHEDULES` or :data:`ASYNCHRONOUS_SCHEDULES`
             (what each means: ``schedules.traits(name)``).
@@ -83,7 +84,10 @@ class PipeDream:
             world with the planner; or a saved plan (a ``plan.json`` path or a
             :class:`~pipedream_ext.Plan`). Stages are ordered as in the module; stage
             ``j`` runs on rank ``j`` (``j mod world`` for interleaved schedules), or on
-            consecutive ranks when replicated.
+            consecutive ranks when replicated. For a model that is not an
+            ``nn.Sequential`` (no ``split_points``), ``"auto"`` traces it, profiles its
+            graph on rank 0 (groups of operations, real edges) and plans; a plan must
+            come from that model's graph profile (docs/tracing.md).
         chunks: model chunks per rank (``interleaved-1f1b``).
         process_group: the group to run on (default: the default group, which is
             created from the torchrun environment if needed: Gloo on CPU, NCCL on GPU).
@@ -99,7 +103,7 @@ class PipeDream:
             update (summed for flush schedules and 2bw, where they are parts of one
             batch; averaged for ``pipedream``, where each replica ran its own minibatch).
         sample: ``(inputs, targets)`` of one batch, for ``balance="auto"`` and for
-            tracing with ``split_points``.
+            tracing a model that is not an ``nn.Sequential``.
         bandwidth: bytes/s per topology level (within a node, then between
             nodes) for ``balance="auto"``; measured with a short probe if omitted.
         recompute: keep only each stage's inputs during the forward and recompute
@@ -143,7 +147,7 @@ class PipeDream:
             ``split_points[j]``. Tensors live across a cut (inputs, skip connections)
             travel as a tuple; names stay the original model's. One fewer than the
             stages (ranks x chunks, or ``len(replicas)``). See docs/tracing.md.
-        concrete_args: with ``split_points``: non-tensor ``forward`` arguments fixed
+        concrete_args: for a traced model: non-tensor ``forward`` arguments fixed
             for tracing, e.g. ``{"use_cache": False}``; tensor inputs go in ``sample``
             (a tuple, positionally) and in every ``step``.
 
@@ -171,10 +175,10 @@ class PipeDream:
                  init_fn: Optional[_materialize.InitFn] = None,
                  split_points: Optional[Sequence[str]] = None,
                  concrete_args: Optional[Mapping[str, Any]] = None) -> None:
-        #: The traced model's stages (``split_points``), else None (an nn.Sequential).
+        #: The traced model's stages (``split_points`` or a plan), else None (an nn.Sequential).
         self.traced: Optional[TracedSplit]
-        self.traced, deferred, init_seed = _prepare_model(module, split_points, sample, balance,
-                                                          concrete_args, init_seed, init_fn)
+        self.traced, planned, deferred, init_seed = _prepare_model(
+            module, split_points, sample, balance, concrete_args, init_seed, init_fn)
         #: Every state_dict key of the whole model and its shape (for load_state_dict).
         self._model_shapes = _load_state.key_shapes(module)
         self.config = PipelineConfig.checked(schedule, microbatches, chunks, timeout,
@@ -188,6 +192,10 @@ class PipeDream:
         self.loss_fn = loss_fn
         #: The plan the stages come from (balance="auto" or a saved plan), else None.
         self.plan: Optional[Plan] = None
+        if planned is not None:  # a traced model cut as a plan of its graph profile says
+            self.plan = self._load_plan(module, group, balance, replicas, sample, bandwidth,
+                                        planned.profile_fn(loss_fn))
+            self.traced = planned.split(self.plan)
         if self.traced is not None:
             partition = self._traced_partition(group, replicas)
             num_layers = partition.num_stages
@@ -227,10 +235,13 @@ class PipeDream:
     # -- construction ---------------------------------------------------------------
     def _traced_partition(self, group: dist.ProcessGroup,
                           replicas: Optional[Sequence[int]]) -> Any:
-        """One "layer" per traced stage; the split points fix the stage count."""
+        """One "layer" per traced stage; the split points (or the plan) fix the stage count."""
         assert self.traced is not None
         world = dist.get_world_size(group)
         stages = len(self.traced.stages)
+        if self.plan is not None:
+            return resolve_partition(stages, world, 1, [1] * stages,
+                                     check_plan_world(self.plan, world))
         needed = len(replicas) if replicas is not None else world * self.config.chunks
         if stages != needed:
             raise ValueError(
@@ -245,21 +256,30 @@ class PipeDream:
                    bandwidth: Optional[Sequence[float]]) -> Any:
         """Layers and replicas per stage, from ``balance`` (counts, a plan, or "auto")."""
         world = dist.get_world_size(group)
-        if isinstance(balance, (Plan, str, os.PathLike)):
-            if self.config.chunks != 1 or replicas is not None:
-                raise ValueError("a plan sets balance and replicas itself; drop chunks/replicas")
-            if isinstance(balance, Plan):
-                self.plan = balance
-            elif str(balance) == "auto":
-                self.plan = auto_plan(module, self.loss_fn, sample, bandwidth, self.config.traits,
-                                      group)
-            else:
-                self.plan = Plan.load(balance)
+        if _is_plan(balance):
+            self.plan = self._load_plan(module, group, balance, replicas, sample, bandwidth)
             balance, replicas = partition_from_plan(self.plan, len(module), world)
-            if dist.get_rank(group) == 0:
-                _log.info("pipeline plan (%s cost model, predicted %.2fx over data parallelism):"
-                          "\n%s", self.plan.cost_model, self.plan.speedup_over_dp, self.plan.table())
         return resolve_partition(len(module), world, self.config.chunks, balance, replicas)
+
+    def _load_plan(self, module: nn.Module, group: dist.ProcessGroup, balance: Any,
+                   replicas: Optional[Sequence[int]], sample: Optional[Tuple[Tensors, Any]],
+                   bandwidth: Optional[Sequence[float]],
+                   profile_fn: Optional[Callable[[], Any]] = None) -> Plan:
+        """The plan ``balance`` names: given, read from a file, or made at start-up
+        (``"auto"``: rank 0 profiles, with ``profile_fn`` for a traced model, and plans)."""
+        if self.config.chunks != 1 or replicas is not None:
+            raise ValueError("a plan sets balance and replicas itself; drop chunks/replicas")
+        if isinstance(balance, Plan):
+            plan = balance
+        elif str(balance) == "auto":
+            plan = auto_plan(module, self.loss_fn, sample, bandwidth, self.config.traits, group,
+                             profile_fn)
+        else:
+            plan = Plan.load(balance)
+        if dist.get_rank(group) == 0:
+            _log.info("pipeline plan (%s cost model, predicted %.2fx over data parallelism):"
+                      "\n%s", plan.cost_model, plan.speedup_over_dp, plan.table())
+        return plan
 
     def _refuse_shared_if_asynchronous(self) -> None:
         """Shared parameters need one update of all their copies per step.
@@ -400,7 +420,8 @@ class PipeDream:
 
     @property
     def split_points(self) -> Optional[List[str]]:
-        """The module names a traced model's stages start at (None: an nn.Sequential)."""
+        """The module names a traced model's stages start at (None: an nn.Sequential); for
+        a plan's stages, the module each later stage's first operation runs in."""
         return None if self.traced is None else list(self.traced.split_points)
 
     @property
@@ -655,8 +676,8 @@ def _trace_stages(module: nn.Module, split_points: Sequence[str],
     """
     if balance is not None:
         raise ValueError(f"balance={balance!r} cannot be combined with split_points: the split "
-                         "points fix the stages (balance='auto' for traced models is not "
-                         "supported yet); drop balance")
+                         "points fix the stages; drop balance, or drop split_points and give "
+                         "balance='auto' to let the planner cut the model")
     if sample is None or not isinstance(sample, (tuple, list)) or len(sample) != 2:
         raise ValueError("split_points needs sample=(inputs, targets), one batch to trace the "
                          "model on (inputs: a tensor or a tuple of tensors)")
@@ -671,29 +692,35 @@ def _trace_stages(module: nn.Module, split_points: Sequence[str],
 def _prepare_model(module: nn.Module, split_points: Optional[Sequence[str]],
                    sample: Optional[Tuple[Tensors, Any]], balance: Any,
                    concrete_args: Optional[Mapping[str, Any]], init_seed: int,
-                   init_fn: Optional[_materialize.InitFn]) -> Tuple[Optional[TracedSplit], bool, int]:
+                   init_fn: Optional[_materialize.InitFn]
+                   ) -> Tuple[Optional[TracedSplit], Optional["_PlannedTrace"], bool, int]:
     """Checks what kind of model this is before any communication.
 
     Returns:
-        The traced stages (``split_points``) or None, whether the model is on the
-        meta device (deferred initialisation), and the checked ``init_seed``.
+        The traced stages (``split_points``) or None, the traced and grouped model
+        waiting for its plan (a model that is not an ``nn.Sequential`` with
+        ``balance="auto"`` or a plan) or None, whether the model is on the meta device
+        (deferred initialisation), and the checked ``init_seed``.
 
     Raises:
         ValueError: not an ``nn.Sequential`` without split points, ``concrete_args``
             without split points, a bad seed, a meta module that cannot be
             initialised, or ``balance="auto"`` on the meta device.
     """
-    traced = None
+    traced = planned = None
     if split_points is not None:
         traced = _trace_stages(module, split_points, sample, balance, concrete_args)
+    elif not isinstance(module, nn.Sequential) and _is_plan(balance):
+        planned = _PlannedTrace.trace(module, sample, concrete_args)
     elif not isinstance(module, nn.Sequential):
         raise ValueError(f"module must be an nn.Sequential (got {type(module).__name__}); "
                          "wrap your layers in torch.nn.Sequential, or give "
                          "split_points=[module names] and sample=(inputs, targets) to trace "
-                         "it with torch.fx (docs/tracing.md)")
+                         "it with torch.fx, or balance='auto' and sample=(inputs, targets) to "
+                         "trace, profile and plan it (docs/tracing.md)")
     elif concrete_args is not None:
-        raise ValueError("concrete_args fixes forward arguments for tracing, which only "
-                         "happens with split_points=[...]; drop concrete_args")
+        raise ValueError("concrete_args fixes forward arguments for tracing, which an "
+                         "nn.Sequential never needs; drop concrete_args")
     init_seed = _materialize.check_seed(init_seed)
     deferred = _materialize.has_meta_tensors(module)
     if deferred:
@@ -702,7 +729,70 @@ def _prepare_model(module: nn.Module, split_points: Optional[Sequence[str]],
             raise ValueError("balance='auto' profiles the model, which cannot run on the meta "
                              "device; plan once from a real model (python -m pipedream_ext "
                              "plan) and pass balance='plan.json', or give layer counts")
-    return traced, deferred, init_seed
+    return traced, planned, deferred, init_seed
+
+
+def _is_plan(balance: Any) -> bool:
+    """``balance`` names a plan: ``"auto"``, a plan file or a :class:`Plan`."""
+    return isinstance(balance, (Plan, str, os.PathLike))
+
+
+class _PlannedTrace:
+    """A traced model grouped for the planner (``_graph_profile``), waiting for its plan.
+
+    Tracing and grouping run on every rank before any communication (they are
+    deterministic: the same groups and profile node ids everywhere); rank 0 also
+    profiles the groups for ``balance="auto"``; every rank then cuts the model as
+    the plan's stages say.
+    """
+
+    def __init__(self, module: nn.Module, grouped: Any, inputs: Tuple[torch.Tensor, ...],
+                 targets: Any, concrete_args: Optional[Mapping[str, Any]]) -> None:
+        self.module, self.grouped = module, grouped
+        self.inputs, self.targets, self.concrete_args = inputs, targets, concrete_args
+
+    @classmethod
+    def trace(cls, module: nn.Module, sample: Optional[Tuple[Tensors, Any]],
+              concrete_args: Optional[Mapping[str, Any]]) -> "_PlannedTrace":
+        """Traces and groups ``module`` on the inputs of ``sample`` (no communication).
+
+        Raises:
+            ValueError: no sample, a meta-device model, or an untraceable one.
+        """
+        from ._graph_profile import trace_groups
+
+        if sample is None or not isinstance(sample, (tuple, list)) or len(sample) != 2:
+            raise ValueError(f"{type(module).__name__} is not an nn.Sequential, so a plan runs on "
+                             "its traced graph: pass sample=(inputs, targets), one batch to trace "
+                             "(and profile) it on (inputs: a tensor or a tuple of tensors)")
+        if _materialize.has_meta_tensors(module):
+            raise ValueError("a plan for a model that is not an nn.Sequential needs its traced "
+                             "graph, which runs the sample, which the meta device cannot; build "
+                             "the model on a real device")
+        inputs = tuple(sample[0]) if isinstance(sample[0], (tuple, list)) else (sample[0],)
+        return cls(module, trace_groups(module, inputs, concrete_args), inputs, sample[1],
+                   concrete_args)
+
+    def profile_fn(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[[], Any]:
+        """Rank 0's profile for ``balance="auto"``: the groups timed on the sample."""
+        from ._graph_profile import profile_groups
+
+        return lambda: profile_groups(self.grouped, self.inputs, loss_fn, self.targets,
+                                      steps=10, warmup=3)
+
+    def split(self, plan: Plan) -> TracedSplit:
+        """The stages of ``plan`` (every rank, the same plan).
+
+        Raises:
+            ValueError: a plan of another model or grouping, or one that cannot run
+                (a value flowing backwards, an empty stage, a non-tensor crossing).
+        """
+        from ._graph_profile import plan_split_labels, plan_stage_of
+
+        stage_of = plan_stage_of(self.grouped, plan)
+        return split_model(self.module, plan_split_labels(self.grouped, stage_of), self.inputs,
+                           self.concrete_args, stage_of=stage_of)
+
 
 def _default_device() -> torch.device:
     """``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""

@@ -10,11 +10,12 @@ Input, ``node{i+2}`` is layer ``i``.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import statistics
 import time
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -83,8 +84,35 @@ class _Timer:
             torch.cuda.synchronize()
 
 
+@contextlib.contextmanager
+def _preserved(modules: Sequence[nn.Module], device: torch.device) -> Iterator[None]:
+    """Runs the body with ``modules`` in train mode and puts back every module's mode,
+    buffers (BatchNorm's running statistics), gradients and the RNG state (dropout), so
+    profiling on rank 0 leaves its model as every other rank has it."""
+    mods = list({id(m): m for root in modules for m in root.modules()}.values())
+    modes = [(m, m.training) for m in mods]
+    buffers = {id(b): (b, b.detach().clone()) for m in mods for b in m.buffers(recurse=False)}
+    params = {id(p): p for m in mods for p in m.parameters(recurse=False)}.values()
+    grads = [(p, p.grad) for p in params]
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+        if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            for m in mods:
+                m.training = True
+            yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers.values():
+                b.copy_(saved)
+        for m, mode in modes:
+            m.training = mode
+        for p, g in grads:
+            p.grad = g
+
+
 def profile(
-    module: nn.Sequential,
+    module: nn.Module,
     sample_input: Tensors,
     loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
     target: Any = None,
@@ -92,11 +120,17 @@ def profile(
     warmup: int = 5,
     output: Optional[Union[str, "os.PathLike[str]"]] = None,
     progress: bool = False,
+    **traced: Any,
 ) -> "_C.ProfileGraph":
     """Measures every layer of ``module`` and returns its profile graph.
 
+    An ``nn.Sequential`` is profiled child by child (a chain). Any other module is
+    traced with torch.fx and profiled as a DAG of groups of operations, with an edge
+    for every value one group passes another (skip connections included):
+    ``_graph_profile.profile_traced``, docs/tracing.md.
+
     Args:
-        module: the model, an ``nn.Sequential`` already on its device.
+        module: the model, already on its device.
         sample_input: one minibatch (a tensor or tuple of tensors) on that device.
         loss_fn: ``loss_fn(output, target)``; ``None`` backpropagates
             ``output.sum()``. Its time is added to the last layer.
@@ -105,19 +139,25 @@ def profile(
         warmup: unmeasured iterations first.
         output: where to write ``graph.txt`` (optional).
         progress: show a tqdm progress bar.
+        **traced: for a traced model only: ``concrete_args``, ``max_groups``, ``depth``.
 
     Returns:
-        The profile: an Input node then one node per layer with forward and
-        backward milliseconds, output activation bytes and weight bytes.
+        The profile: an Input node then one node per layer (or group) with forward
+        and backward milliseconds, output activation bytes and weight bytes. The
+        model's modes, buffers (BatchNorm statistics), gradients and RNG state are
+        left as they were.
 
     Raises:
-        ValueError: bad arguments or a layer output that is not tensors.
+        ValueError: bad arguments, a layer output that is not tensors, or a model
+            torch.fx cannot trace.
     """
     if not isinstance(module, nn.Sequential):
-        raise ValueError(
-            f"profile needs an nn.Sequential, got {type(module).__name__}; wrap the model's "
-            "layers in nn.Sequential"
-        )
+        from ._graph_profile import profile_traced
+
+        return profile_traced(module, sample_input, loss_fn, target, steps, warmup, output,
+                              progress, **traced)
+    if traced:
+        raise ValueError(f"{sorted(traced)} only apply to traced models (not an nn.Sequential)")
     if len(module) == 0:
         raise ValueError("the nn.Sequential is empty; give it at least one layer")
     if steps < 1 or warmup < 0:
@@ -129,14 +169,12 @@ def profile(
     fwd: List[List[float]] = [[] for _ in layers]
     bwd: List[List[float]] = [[] for _ in layers]
     act_bytes = [0.0] * len(layers)
-    was_training = module.training
-    module.train()
     iterator: Any = range(warmup + steps)
     if progress:
         from tqdm import tqdm
 
         iterator = tqdm(iterator, desc="profile", unit="step")
-    try:
+    with _preserved([module], device):
         for step in iterator:
             measure = step >= warmup
             for p in module.parameters():
@@ -178,10 +216,6 @@ def profile(
                 for i in range(len(layers)):
                     fwd[i].append(f_thunks[i]())
                     bwd[i].append(b_thunks[i]() if b_thunks[i] is not None else 0.0)
-    finally:
-        module.train(was_training)
-        for p in module.parameters():
-            p.grad = None
 
     graph = _C.ProfileGraph()
     graph.add_node("node1", "Input", 0.0, 0.0, _bytes(sample_input), 0.0)

@@ -1,14 +1,18 @@
 """Planning at start-up: ``balance="auto"`` and saved plans.
 
-Owns turning a plan into the runtime's partition (``partition_from_plan``) and
-``balance="auto"`` (``auto_plan``): rank 0 profiles the model on the sample,
+Owns turning a plan into the runtime's partition (``partition_from_plan``; a
+traced model's plan becomes a stage per fx node in ``_graph_profile``) and
+``balance="auto"`` (``auto_plan``): rank 0 profiles the model on the sample
+(an ``nn.Sequential`` layer by layer, any other model as its traced graph),
 plans for the torchrun world (one or two topology levels, bandwidths given or
 measured) with the schedule's planner assumptions, and every rank gets the same
 plan as JSON bytes (no pickle).
 """
 from __future__ import annotations
 
+import logging
 import os
+import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -18,7 +22,9 @@ from torch import nn
 from . import _collectives
 from .planner import Plan
 
-__all__ = ["cluster_shape", "auto_plan", "partition_from_plan"]
+__all__ = ["cluster_shape", "auto_plan", "check_plan_world", "partition_from_plan"]
+
+_log = logging.getLogger(__name__)
 
 
 def cluster_shape(world_size: int, per_node: Optional[int] = None) -> List[int]:
@@ -52,23 +58,28 @@ def _bandwidths(group: dist.ProcessGroup, workers: List[int],
     return bandwidth
 
 
-def auto_plan(module: nn.Sequential, loss_fn: Callable[..., torch.Tensor],
+def auto_plan(module: nn.Module, loss_fn: Callable[..., torch.Tensor],
               sample: Optional[Tuple[Any, Any]], bandwidth: Optional[Sequence[float]],
-              traits: Any, group: dist.ProcessGroup) -> Plan:
+              traits: Any, group: dist.ProcessGroup,
+              profile_fn: Optional[Callable[[], Any]] = None) -> Plan:
     """Profiles on rank 0, plans for this world, and gives every rank the same plan.
 
-    Collective: every rank of ``group`` calls it.
+    Collective: every rank of ``group`` calls it. If profiling or planning fails on
+    rank 0, every rank raises (the others are told instead of waiting).
 
     Args:
-        module: the whole model.
+        module: the whole model (an ``nn.Sequential``, profiled layer by layer).
         loss_fn: the pipeline's loss.
         sample: ``(inputs, targets)`` of one batch.
         bandwidth: bytes/s per level, or ``None`` to measure.
         traits: the schedule's traits (what the planner must assume).
         group: the pipeline's group.
+        profile_fn: makes the profile graph instead (rank 0 only; a traced model's
+            graph profile, ``_graph_profile.profile_groups``).
 
     Raises:
-        ValueError: no sample, or bandwidths that do not match the levels.
+        ValueError: no sample, bandwidths that do not match the levels, or what
+            profiling or planning raised on rank 0.
     """
     from ._profiler import profile
     from .planner import plan as make_plan
@@ -80,14 +91,44 @@ def auto_plan(module: nn.Sequential, loss_fn: Callable[..., torch.Tensor],
     workers = cluster_shape(world_size)
     bandwidths = _bandwidths(group, workers, bandwidth)
     payload = None
+    error: Optional[BaseException] = None
     if dist.get_rank(group) == 0:
-        inputs, targets = sample
-        graph = profile(module, inputs, loss_fn=loss_fn, target=targets, steps=10, warmup=3)
-        chosen = make_plan(graph, workers=workers, bandwidth=bandwidths, cost_model="default",
-                           straight=bool(traits.planner_straight),
-                           two_bw=bool(traits.planner_two_versions))
-        payload = chosen.to_json(indent=None).encode()
-    return Plan.from_json(_collectives.broadcast_bytes(payload, 0, group).decode())
+        try:
+            inputs, targets = sample
+            started = time.perf_counter()
+            graph = profile_fn() if profile_fn is not None else \
+                profile(module, inputs, loss_fn=loss_fn, target=targets, steps=10, warmup=3)
+            profiled = time.perf_counter()
+            chosen = make_plan(graph, workers=workers, bandwidth=bandwidths, cost_model="default",
+                               straight=bool(traits.planner_straight),
+                               two_bw=bool(traits.planner_two_versions))
+            _log.info("profiled %d nodes in %.2f s, planned over %d %s states in %.3f s",
+                      len(graph), profiled - started, chosen.num_states, chosen.state_kind,
+                      time.perf_counter() - profiled)
+            payload = b"P" + chosen.to_json(indent=None).encode()
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            error = exc
+            payload = b"E" + f"{type(exc).__name__}: {exc}".encode()
+    data = _collectives.broadcast_bytes(payload, 0, group)
+    if data[:1] == b"E":
+        if error is not None:
+            raise error
+        raise ValueError(f'balance="auto": rank 0 could not profile and plan the model: '
+                         f"{data[1:].decode()}")
+    return Plan.from_json(data[1:].decode())
+
+
+def check_plan_world(plan: Plan, world_size: int) -> Optional[List[int]]:
+    """The plan's replicas (``None`` when none is above 1), checked against the world.
+
+    Raises:
+        ValueError: the plan uses another number of workers.
+    """
+    if plan.used_workers != world_size or sum(plan.replicas) != world_size:
+        raise ValueError(f"the plan uses {plan.used_workers} workers but the world has "
+                         f"{world_size} ranks; re-plan for {world_size} workers")
+    replicas = list(plan.replicas)
+    return None if all(r == 1 for r in replicas) else replicas
 
 
 def partition_from_plan(plan: Plan, num_layers: int,
@@ -102,9 +143,7 @@ def partition_from_plan(plan: Plan, num_layers: int,
     if layers is None:
         raise ValueError("the plan is for a branching graph (no layer ranges); plan a "
                          "profile of this nn.Sequential (pipedream_ext.profile)")
-    if plan.used_workers != world_size or sum(plan.replicas) != world_size:
-        raise ValueError(f"the plan uses {plan.used_workers} workers but the world has "
-                         f"{world_size} ranks; re-plan for {world_size} workers")
+    replicas = check_plan_world(plan, world_size)
     bounds = [0]
     for start, end in layers:
         if start != bounds[-1] or end <= start:
@@ -113,6 +152,4 @@ def partition_from_plan(plan: Plan, num_layers: int,
     if bounds[-1] != num_layers:
         raise ValueError(f"the plan covers {bounds[-1]} layers but the model has {num_layers}; "
                          "was it made for another model?")
-    replicas = list(plan.replicas)
-    return [end - start for start, end in layers], (None if all(r == 1 for r in replicas)
-                                                     else replicas)
+    return [end - start for start, end in layers], replicas

@@ -22,14 +22,14 @@ import linecache
 import operator
 import os
 import traceback
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.fx as fx
 from torch import nn
 
-__all__ = ["TracedSplit", "trace_model", "stage_starts", "live_sets", "build_stages",
-           "split_model", "merge_stage_modules"]
+__all__ = ["TracedSplit", "trace_model", "stage_starts", "stage_assignment", "live_sets",
+           "build_stages", "split_model", "merge_stage_modules"]
 
 # Attribute reads never cross a cut: every stage using one reads it itself (a parameter
 # or buffer of the model, or a tensor fx computed while tracing, such as
@@ -47,7 +47,9 @@ class TracedSplit:
             several as one tuple, and returns the live set of cut ``j + 1`` the same
             way (the last stage: the model's output).
         live: for each cut ``k = 1 .. S-1``, the names of the graph values crossing it.
-        split_points: the module names the stages start at (stage ``j + 1`` at ``split_points[j]``).
+        split_points: the module names the stages start at (stage ``j + 1`` at
+            ``split_points[j]``); for a plan's stages (``balance="auto"``), where each
+            later stage's first operation runs, for messages and checkpoints only.
     """
 
     stages: List[fx.GraphModule]
@@ -185,30 +187,93 @@ def stage_starts(gm: fx.GraphModule, model: nn.Module, split_points: Sequence[st
     return starts
 
 
-def _stage_of(gm: fx.GraphModule, starts: Sequence[int]) -> Dict[fx.Node, int]:
+#: Where stages come from: the positions of split points among the computing nodes
+#: (:func:`stage_starts`), or a stage per computing node (:func:`stage_assignment`).
+Stages = Union[Sequence[int], Mapping[fx.Node, int]]
+
+
+def _num_stages(starts: Stages) -> int:
+    if isinstance(starts, Mapping):
+        return max(starts.values(), default=0) + 1
+    return len(starts) + 1
+
+
+def _stage_of(gm: fx.GraphModule, starts: Stages) -> Dict[fx.Node, int]:
     """Stage of every placeholder (0), computing node and the output (last stage)."""
     stage_of: Dict[fx.Node, int] = {}
-    j = 0
-    for i, node in enumerate(_compute_nodes(gm.graph)):
-        while j < len(starts) and i >= starts[j]:
-            j += 1
-        stage_of[node] = j
+    if isinstance(starts, Mapping):  # a stage per computing node (a plan)
+        stage_of.update((node, starts[node]) for node in _compute_nodes(gm.graph))
+    else:
+        j = 0
+        for i, node in enumerate(_compute_nodes(gm.graph)):
+            while j < len(starts) and i >= starts[j]:
+                j += 1
+            stage_of[node] = j
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             stage_of[node] = 0
         elif node.op == "output":
-            stage_of[node] = len(starts)
+            stage_of[node] = _num_stages(starts) - 1
     return stage_of
 
 
-def live_sets(gm: fx.GraphModule, starts: Sequence[int]) -> List[List[fx.Node]]:
+def stage_assignment(gm: fx.GraphModule, stage_of: Mapping[str, int]) -> Dict[fx.Node, int]:
+    """A stage for every computing node of ``gm``, by node name, checked to be runnable.
+
+    The generalisation of split points (which give each stage a contiguous run of
+    the graph's order): any assignment where every value flows forward
+    (a producer's stage <= each user's stage) and every stage has an operation.
+    Placeholders are in stage 0 and the output in the last stage; attribute reads
+    are made by every stage using them.
+
+    Args:
+        gm: the traced model.
+        stage_of: fx node name -> stage, for every computing node (e.g. from a plan:
+            ``_graph_profile.plan_stage_of``).
+
+    Returns:
+        Node -> stage, for :func:`live_sets` and :func:`build_stages`.
+
+    Raises:
+        ValueError: a computing node without a stage, a name that is no node, a stage
+            number out of range or without operations, or a value used in an
+            earlier stage than the one producing it (naming both nodes).
+    """
+    nodes = _compute_nodes(gm.graph)
+    by_name = {n.name: n for n in nodes}
+    unknown = sorted(set(stage_of) - set(by_name))
+    if unknown:
+        raise ValueError(f"the stage assignment names {unknown[:5]}, which are no operations of "
+                         "the traced graph; was it made for another model?")
+    missing = [n.name for n in nodes if n.name not in stage_of]
+    if missing:
+        raise ValueError(f"operations {missing[:5]}{' ...' if len(missing) > 5 else ''} have no "
+                         "stage; every operation of the traced graph needs one")
+    result = {n: int(stage_of[n.name]) for n in nodes}
+    num_stages = _num_stages(result)
+    used = set(result.values())
+    empty = [j for j in range(num_stages) if j not in used]
+    if min(used, default=0) < 0 or empty:
+        raise ValueError(f"stage {empty[0] if empty else min(used)} has no operations; every "
+                         f"stage 0..{num_stages - 1} needs at least one (stages {sorted(used)})")
+    for node in nodes:
+        for a in node.all_input_nodes:
+            if a in result and result[a] > result[node]:
+                raise ValueError(
+                    f"operation {node.name!r} (stage {result[node]}) uses {a.name!r}, which "
+                    f"stage {result[a]} computes later; stages must follow the data flow "
+                    "(every producer in the same or an earlier stage than its users)")
+    return result
+
+
+def live_sets(gm: fx.GraphModule, starts: Stages) -> List[List[fx.Node]]:
     """For each cut ``k = 1 .. S-1``: the values produced before it and used at or after it.
 
     A value used two stages later is in both cuts' sets (relayed), in graph order.
 
     Args:
         gm: the traced model.
-        starts: from :func:`stage_starts`.
+        starts: from :func:`stage_starts` or :func:`stage_assignment`.
 
     Returns:
         ``S - 1`` lists of nodes (placeholders and computing nodes; never attribute
@@ -218,7 +283,7 @@ def live_sets(gm: fx.GraphModule, starts: Sequence[int]) -> List[List[fx.Node]]:
     producers = [n for n in gm.graph.nodes if n.op != "output" and n.op not in _CONSTANT_OPS]
     last_use = {n: max((stage_of[u] for u in n.users), default=-1) for n in producers}
     return [[n for n in producers if stage_of[n] < k <= last_use[n]]
-            for k in range(1, len(starts) + 1)]
+            for k in range(1, _num_stages(starts))]
 
 
 def _value_kinds(gm: fx.GraphModule, inputs: Tuple[torch.Tensor, ...]) -> Dict[fx.Node, str]:
@@ -242,14 +307,14 @@ def _value_kinds(gm: fx.GraphModule, inputs: Tuple[torch.Tensor, ...]) -> Dict[f
     return kinds
 
 
-def build_stages(gm: fx.GraphModule, starts: Sequence[int],
+def build_stages(gm: fx.GraphModule, starts: Stages,
                  live: Sequence[Sequence[fx.Node]],
                  kinds: Optional[Mapping[fx.Node, str]] = None) -> List[fx.GraphModule]:
     """One ``GraphModule`` per stage: live-in tuple -> its operations -> live-out tuple.
 
     Args:
         gm: the traced model.
-        starts: from :func:`stage_starts`.
+        starts: from :func:`stage_starts` or :func:`stage_assignment`.
         live: from :func:`live_sets`.
         kinds: each node's value type on the sample (checked: only tensors cross a cut).
 
@@ -262,7 +327,7 @@ def build_stages(gm: fx.GraphModule, starts: Sequence[int],
             or nothing crosses one.
     """
     stage_of = _stage_of(gm, starts)
-    num_stages = len(starts) + 1
+    num_stages = _num_stages(starts)
     for k, values in enumerate(live, start=1):
         if not values:
             raise ValueError(f"stage {k} uses nothing stage {k - 1} or the inputs produce (it "
@@ -384,30 +449,36 @@ def _check_one_stage_per_state(stages: Sequence[fx.GraphModule]) -> None:
 
 def split_model(model: nn.Module, split_points: Sequence[str],
                 inputs: Tuple[torch.Tensor, ...],
-                concrete_args: Optional[Mapping[str, Any]] = None) -> TracedSplit:
-    """Traces ``model`` on ``inputs`` and cuts it at ``split_points``.
+                concrete_args: Optional[Mapping[str, Any]] = None,
+                stage_of: Optional[Mapping[str, int]] = None) -> TracedSplit:
+    """Traces ``model`` on ``inputs`` and cuts it at ``split_points`` (or as ``stage_of`` says).
 
     Args:
         model: any module whose forward torch.fx can trace.
         split_points: qualified module names; stage ``j + 1`` starts at the first
-            operation running in ``split_points[j]`` or a submodule of it.
+            operation running in ``split_points[j]`` or a submodule of it. With
+            ``stage_of``: only recorded (where each later stage's first operation runs).
         inputs: one batch of the model's tensor inputs (positional).
         concrete_args: non-tensor ``forward`` arguments to fix while tracing.
+        stage_of: instead of split points, the stage of every computing node by fx
+            name (a plan's stages: ``_graph_profile.plan_stage_of``), checked by
+            :func:`stage_assignment`.
 
     Returns:
         The stages and the live set of every cut.
 
     Raises:
-        ValueError: an untraceable forward, bad split points, a non-tensor value
-            crossing a cut, or a parameter or a called module's buffer used by two
-            stages (naming it).
+        ValueError: an untraceable forward, bad split points or a stage assignment
+            that cannot run, a non-tensor value crossing a cut, or a parameter or a
+            called module's buffer used by two stages (naming it).
     """
-    if isinstance(split_points, str) or not split_points:
+    if stage_of is None and (isinstance(split_points, str) or not split_points):
         raise ValueError(f"split_points must be a non-empty list of module names (got "
                          f"{split_points!r}); e.g. split_points=['layer3'] for 2 stages")
     split_points = list(split_points)
     gm = trace_model(model, len(inputs), concrete_args)
-    starts = stage_starts(gm, model, split_points)
+    starts = stage_starts(gm, model, split_points) if stage_of is None else \
+        stage_assignment(gm, stage_of)
     live = live_sets(gm, starts)
     stages = build_stages(gm, starts, live, _value_kinds(gm, inputs))
     _check_one_stage_per_state(stages)

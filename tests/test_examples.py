@@ -1,4 +1,5 @@
-"""The examples: the README's main job (digits, >= 95% test accuracy) and the GPT example."""
+"""The examples: the README's main job (digits, >= 95% test accuracy), the traced ResNet
+with balance="auto", and the GPT example."""
 from __future__ import annotations
 
 import os
@@ -45,6 +46,21 @@ def test_digits_example_replicas_and_auto_balance():
     result = _train("--balance", "auto", "--epochs", "2", "--min-accuracy", "0")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert "speedup over data parallelism" in result.stdout + result.stderr
+
+
+def test_resnet_example_plans_a_traced_model_and_trains():
+    """examples/train_resnet.py (short run): balance="auto" on a plain nn.Module, two
+    stages planned from its traced graph on 2 ranks."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "examples", "train_resnet.py"), "--epochs", "2", "--min-accuracy",
+           "0.8"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert "2 stage(s) on 2/2 workers" in result.stderr  # the plan's table, logged on rank 0
+    assert re.search(r"stage 0 \(ranks \[0\]\): stem, .*\nstage 1 \(ranks \[1\]\): .*fc",
+                     result.stdout), result.stdout
+    assert float(re.search(r"TEST ACCURACY ([0-9.]+)", result.stdout).group(1)) >= 0.8
 
 
 def _train_gpt(*args: str) -> subprocess.CompletedProcess:

@@ -54,8 +54,8 @@ def test_profile_with_loss_and_integer_inputs() -> None:
 
 
 def test_profile_rejects_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="nn.Sequential"):
-        pe.profile(nn.Linear(2, 2), torch.randn(1, 2))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="only apply to traced models"):
+        pe.profile(_mlp(), torch.randn(1, 64), depth=1)
     with pytest.raises(ValueError, match="empty"):
         pe.profile(nn.Sequential(), torch.randn(1, 2))
     with pytest.raises(ValueError, match="steps"):
@@ -68,8 +68,13 @@ def test_cli_profile_then_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         from torch import nn
         def make():
             return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 4))
-        def not_sequential():
-            return nn.Linear(2, 2)
+        class Untraceable(nn.Module):
+            def forward(self, x):
+                return x if x.sum() > 0 else -x
+        def untraceable():
+            return Untraceable()
+        def not_a_module():
+            return 3
     """))
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -80,7 +85,46 @@ def test_cli_profile_then_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     rc = main(["plan", "--profile", "graph.txt", "--workers", "2", "--bandwidth", "1e9", "-o", "plan.json"])
     assert rc == 0 and pe.Plan.load(tmp_path / "plan.json").layers is not None
     capsys.readouterr()
-    assert main(["profile", "--model", "tiny_models:not_sequential", "--input-shape", "1,2"]) == 2
-    assert "nn.Sequential" in capsys.readouterr().err
+    assert main(["profile", "--model", "tiny_models:untraceable", "--input-shape", "1,2"]) == 2
+    assert "Untraceable cannot be traced with torch.fx" in capsys.readouterr().err
+    assert main(["profile", "--model", "tiny_models:not_a_module", "--input-shape", "1,2"]) == 2
+    assert "must return an nn.Module" in capsys.readouterr().err
     assert main(["profile", "--model", "tiny_models", "--input-shape", "1,2"]) == 2
     sys.modules.pop("tiny_models", None)
+
+
+def test_cli_profile_of_a_traced_model_writes_its_edges_then_plans(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """A factory returning any nn.Module: its traced graph, one node per group of
+    operations, with the skip connection as an edge; `plan` partitions that DAG."""
+    (tmp_path / "skip_models.py").write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        class Skip(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+            def forward(self, x):
+                h = torch.relu(self.a(x))
+                return self.c(self.b(h)) + h  # h skips b and c
+        def make():
+            return Skip()
+    """))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rc = main(["profile", "--model", "skip_models:make", "--input-shape", "4,8", "--steps", "2",
+               "--warmup", "0", "-o", "graph.txt"])
+    assert rc == 0
+    assert "profiled 3 groups of the traced graph, 4 edges" in capsys.readouterr().out
+    graph = pe.load_profile(tmp_path / "graph.txt")
+    assert [n["description"] for n in graph.nodes()] == [
+        "Input0 x", "a [a, relu]", "b (Linear)", "c [c, add]"]
+    assert sorted(graph.edges()) == [("node1", "node2"), ("node2", "node3"),
+                                     ("node2", "node4"), ("node3", "node4")]  # the skip: 2 -> 4
+    rc = main(["plan", "--profile", "graph.txt", "--workers", "2", "--bandwidth", "1e9",
+               "--straight", "-o", "plan.json"])
+    assert rc == 0
+    plan = pe.Plan.load(tmp_path / "plan.json")
+    assert len(plan.stages) == 2 and not plan.chain
+    assert sorted(n for s in plan.stages for n in s.nodes) == ["node1", "node2", "node3", "node4"]
+    sys.modules.pop("skip_models", None)
