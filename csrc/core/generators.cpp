@@ -264,10 +264,10 @@ class Counters {
 
 // ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", section 6; torch's
 // ScheduleZBVZeroBubble): p ranks, 2p stages in a V, rank r holds chunk 0 =
-// stage r and chunk 1 = stage 2p-1-r. With tF = tI = tW every rank is busy
-// from its first forward to its last W at 1F1B's activation memory (p
-// microbatches of a whole rank's layers, counted in chunks: 2p - ... see
-// docs/schedules.md). Rank r:
+// stage r and chunk 1 = stage 2p-1-r. With tF = tI = tW (m >= 2p-1) every
+// rank is busy without a gap from its first forward to its last W, and holds
+// at most 2p chunk activations: p microbatches of a whole stage, 1F1B's
+// memory (tests/cpp/test_simulate.cpp). Rank r:
 //   warm-up   2(p-r)-1 x F0;  r x (F1 F0);  p-r x (F1 I1 W1)
 //   steady    (F0) I0 W0 F1 I1 W1   until every forward ran
 //   cool-down r x (I0 I1);  p-r x (I0 W0);  the W1s left, the W0s left
