@@ -57,6 +57,7 @@ run: setup
 # Every benchmark (tables and plots under benchmarks/results/; see benchmarks/README.md).
 bench: setup
 	$(PY) benchmarks/schedules_sweep.py
+	$(PY) benchmarks/schedule_bubbles.py
 	$(PY) benchmarks/planner_speed.py --clusters 4,16,4x4,64 > benchmarks/results/planner_speed.md
 	$(PY) benchmarks/comm_volume.py
 	$(PY) benchmarks/plan_accuracy.py

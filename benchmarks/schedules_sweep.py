@@ -1,7 +1,8 @@
 """Simulated bubble fraction and memory of every pipeline schedule over a (p, m) grid.
 
 Builds every schedule of ``pipedream_ext.schedules`` (gpipe, 1f1b,
-interleaved-1f1b, zb-h1, pipedream, pipedream-2bw) for p in {2, 4, 8, 16}
+interleaved-1f1b, zb-h1, zbv, dualpipev, interleaved-zb, pipedream,
+pipedream-2bw) for p in {2, 4, 8, 16}
 ranks and m in {1, 2, 4, 8, 16, 32, 64} microbatches and runs the
 discrete-event simulator (no real compute, no communication: t_comm=0). It
 measures, per schedule and (p, m):
@@ -13,7 +14,8 @@ measures, per schedule and (p, m):
 * for zb-h1 against 1f1b, the bubble fraction with a split backward,
   tF=1, tB(=tI)=1, tW=1.
 
-Conventions: ``stages`` is the number of ranks. interleaved-1f1b uses
+Conventions: ``stages`` is the number of ranks. The schedules with several
+chunks per rank (interleaved-1f1b, zbv, dualpipev, interleaved-zb) use
 chunks=2 and each virtual stage costs 1/chunks of a rank's per-stage cost
 (tF=1/2, tB=2/2), so it models the same network; its activation count is
 summed over the rank's chunks (each chunk activation is 1/chunks the size).
@@ -63,8 +65,9 @@ Key = Tuple[str, str, int, int]  # (setting, schedule, p, m)
 
 def build_kwargs(name: str) -> Dict[str, int]:
     """Schedule-specific build arguments (chunks, batches)."""
-    if name == "interleaved-1f1b":
-        return {"chunks": CHUNKS}
+    traits = schedules.traits(name)
+    if traits.multi_chunk:  # interleaved-1f1b, interleaved-zb: CHUNKS; zbv, dualpipev: their 2
+        return {"chunks": traits.fixed_chunks or CHUNKS}
     if name == "pipedream-2bw":
         return {"batches": BATCHES_2BW}
     return {}
@@ -101,7 +104,8 @@ def write_markdown(path: Path, results: Dict[Key, object], stages: Sequence[int]
              "no real compute; t_comm=0.", "",
              f"{h.machine_line(h.machine_info())} Sweep time: {elapsed:.1f} s.", "",
              "## Bubble fraction, tF=1, tB=2 (backward not split)", "",
-             f"interleaved-1f1b: chunks={CHUNKS}, each virtual stage tF=1/{CHUNKS}, tB=2/{CHUNKS}; "
+             f"interleaved-1f1b, zbv, dualpipev, interleaved-zb: chunks={CHUNKS}, each virtual stage "
+             f"tF=1/{CHUNKS}, tB=2/{CHUNKS}; "
              f"pipedream-2bw: batches={BATCHES_2BW}; pipedream: m minibatches; others: one batch. "
              "Reference row: (p-1)/(m+p-1).", ""]
     rows = []
@@ -116,7 +120,7 @@ def write_markdown(path: Path, results: Dict[Key, object], stages: Sequence[int]
         lines += ["", f"## {title}, m={mem_m}, tF=1, tB=2", ""]
         if attr == "peak_activations":
             lines += ["In microbatches held between F and the end of their backward. "
-                      "interleaved-1f1b: rank 0, summed over its "
+                      "Several chunks per rank: rank 0, summed over its "
                       f"{CHUNKS} chunks (each 1/{CHUNKS} of a stage's activation size).", ""]
         rows = []
         for name in names:

@@ -131,6 +131,10 @@ void bindSchedules(py::module_& m) {
           [](const ScheduleTraits& t) { return replicaReductionName(t.replicaReduction); })
       .def("microbatches_per_step", &ScheduleTraits::microbatchesPerStep, py::arg("m"))
       .def_property_readonly("multi_chunk", [](const ScheduleTraits& t) { return t.multiChunk; })
+      .def_property_readonly("fixed_chunks", [](const ScheduleTraits& t) { return t.fixedChunks; })
+      .def_property_readonly(
+          "chunk_placement",
+          [](const ScheduleTraits& t) { return chunkPlacementName(t.chunkPlacement); })
       .def_property_readonly("supports_replicas",
                              [](const ScheduleTraits& t) { return t.supportsReplicas; })
       .def_property_readonly("split_backward", [](const ScheduleTraits& t) { return t.splitBackward; })
@@ -147,7 +151,8 @@ void bindSchedules(py::module_& m) {
         return "ScheduleTraits(name='" + t.name + "', asynchronous=" + flag(t.asynchronous) +
                ", update_rule='" + updateRuleName(t.updateRule) + "', replica_reduction='" +
                replicaReductionName(t.replicaReduction) + "', multi_chunk=" + flag(t.multiChunk) +
-               ", supports_replicas=" + flag(t.supportsReplicas) + ", split_backward=" +
+               ", fixed_chunks=" + std::to_string(t.fixedChunks) + ", chunk_placement='" +
+               chunkPlacementName(t.chunkPlacement) + "', supports_replicas=" + flag(t.supportsReplicas) + ", split_backward=" +
                flag(t.splitBackward) + ", stash_weights=" + flag(t.stashWeights) +
                ", streaming=" + flag(t.streaming) + ", supports_vertical_sync=" +
                flag(t.supportsVerticalSync) + ", planner_straight=" + flag(t.plannerStraight) +

@@ -62,7 +62,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--vertical-sync", action="store_true", help="pipedream: vertical sync")
     p.add_argument("--recompute", action="store_true", help="recompute activations in the backward")
     p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--chunks", type=int, default=1, help="chunks per rank (interleaved-1f1b)")
+    p.add_argument("--chunks", type=int, default=1,
+                   help="chunks per rank (interleaved-1f1b, interleaved-zb; 2 for zbv, dualpipev)")
     p.add_argument("--balance", default=None,
                    help="layers per stage, e.g. 3,3,2,2 (default: even); 'auto' to profile and plan "
                         "on rank 0; or a plan.json")

@@ -42,10 +42,13 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
                     "(makespan, bubble fraction, peak activations and weight versions per stage).",
     )
     p.add_argument("--name", required=True, help="one of: " + ", ".join(schedules.names()))
-    p.add_argument("--stages", type=int, required=True, help="pipeline stages p (ranks for interleaved)")
+    p.add_argument("--stages", type=int, required=True,
+                   help="pipeline stages p (ranks, for schedules with several chunks per rank)")
     p.add_argument("--microbatches", type=int, required=True,
                    help="microbatches per batch m (minibatches for pipedream)")
-    p.add_argument("--chunks", type=int, default=1, help="model chunks per rank v (interleaved-1f1b)")
+    p.add_argument("--chunks", type=int, default=None,
+                   help="model chunks per rank v (interleaved-1f1b, interleaved-zb; default 1; "
+                        "zbv and dualpipev: 2, their default)")
     p.add_argument("--replicas", type=_int_list, default=None,
                    help="replicas per stage, e.g. 2,1,1 (gpipe, 1f1b, pipedream, pipedream-2bw)")
     p.add_argument("--batches", type=int, default=1, help="consecutive batches (default 1)")
@@ -78,7 +81,10 @@ def _run(args: argparse.Namespace) -> int:
 
         _plot.check_png_path(args.plot)
         _plot.image_size(1, args.plot_width)
-    schedule = schedules.build(args.name, args.stages, args.microbatches, chunks=args.chunks,
+    chunks = args.chunks
+    if chunks is None:  # the schedule's own number (zbv, dualpipev: 2 in a V), else 1
+        chunks = schedules.traits(args.name).fixed_chunks or 1
+    schedule = schedules.build(args.name, args.stages, args.microbatches, chunks=chunks,
                                replicas=args.replicas, batches=args.batches,
                                vertical_sync=args.vertical_sync)
     costs = dict(t_f=args.t_f, t_b=args.t_b, t_w=args.t_w, t_comm=args.t_comm,

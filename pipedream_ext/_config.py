@@ -80,6 +80,10 @@ class PipelineConfig:
         if chunks != 1 and not traits.multi_chunk:
             raise ValueError(f"chunks={chunks} needs {_names_with('multi_chunk')} "
                              f"(got {schedule!r})")
+        if traits.fixed_chunks and chunks != traits.fixed_chunks:
+            raise ValueError(f"schedule {schedule!r} places exactly {traits.fixed_chunks} chunks "
+                             f"per rank in a V (rank r holds stages r and 2p-1-r; got "
+                             f"chunks={chunks}); use chunks={traits.fixed_chunks}")
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive integer (got {microbatches!r})")
         if timeout <= 0:

@@ -83,12 +83,15 @@ class PipeDream:
             the model on rank 0 with ``sample`` and plan stages and replicas for this
             world with the planner; or a saved plan (a ``plan.json`` path or a
             :class:`~pipedream_ext.Plan`). Stages are ordered as in the module; stage
-            ``j`` runs on rank ``j`` (``j mod world`` for interleaved schedules), or on
-            consecutive ranks when replicated. For a model that is not an
-            ``nn.Sequential`` (no ``split_points``), ``"auto"`` traces it, profiles its
-            graph on rank 0 (groups of operations, real edges) and plans; a plan must
-            come from that model's graph profile (docs/tracing.md).
-        chunks: model chunks per rank (``interleaved-1f1b``).
+            ``j`` runs on rank ``j``, or on consecutive ranks when replicated; with
+            several chunks per rank the schedule's layout places them: ``j mod world``
+            (``interleaved-1f1b``, ``interleaved-zb``) or a V (``zbv``, ``dualpipev``:
+            rank ``r`` holds stages ``r`` and ``2 * world - 1 - r``). For a model that
+            is not an ``nn.Sequential`` (no ``split_points``), ``"auto"`` traces it,
+            profiles its graph on rank 0 (groups of operations, real edges) and plans;
+            a plan must come from that model's graph profile (docs/tracing.md).
+        chunks: model chunks per rank (``interleaved-1f1b``, ``interleaved-zb``;
+            exactly 2 for ``zbv`` and ``dualpipev``).
         process_group: the group to run on (default: the default group, which is
             created from the torchrun environment if needed: Gloo on CPU, NCCL on GPU).
         device: where this rank's layers live (default: ``cuda:LOCAL_RANK`` if CUDA
@@ -518,7 +521,8 @@ class PipeDream:
              optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[float]:
         """Runs one batch (flush schedules) or admits one minibatch (asynchronous ones).
 
-        Flush schedules (``gpipe``, ``1f1b``, ``interleaved-1f1b``, ``zb-h1``): runs
+        Flush schedules (``gpipe``, ``1f1b``, ``interleaved-1f1b``, ``zb-h1``, ``zbv``,
+        ``dualpipev``, ``interleaved-zb``): runs
         forward and backward of the whole batch and leaves on every local parameter
         the unsplit model's gradient; returns the batch's mean loss on every rank;
         you step your optimizer afterwards. Asynchronous schedules (``pipedream``,

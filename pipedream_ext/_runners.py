@@ -2,7 +2,8 @@
 
 One runner per family, chosen by the schedule's traits:
 
-* :class:`FlushRunner` (``gpipe``, ``1f1b``, ``interleaved-1f1b``, ``zb-h1``): every
+* :class:`FlushRunner` (``gpipe``, ``1f1b``, ``interleaved-1f1b``, ``zb-h1``, ``zbv``,
+  ``dualpipev``, ``interleaved-zb``): every
   ``step`` runs the rank's whole action list once (one batch, then a flush); the
   gradients of parameters shared by stages are summed over them (``_shared``);
   the user steps the optimizer; the batch loss is all-reduced to every rank.

@@ -63,7 +63,7 @@ class Partition:
 def _check_replicas(replicas: Sequence[int], chunks: int, world_size: int) -> List[int]:
     replicas = [int(r) for r in replicas]
     if chunks != 1:
-        raise ValueError("replicas cannot be combined with chunks > 1 (interleaved stages)")
+        raise ValueError("replicas cannot be combined with chunks > 1 (several stages per rank)")
     if any(r < 1 for r in replicas):
         raise ValueError(f"replicas {replicas} has a count below 1; every stage needs >= 1")
     if sum(replicas) != world_size:
@@ -80,7 +80,8 @@ def resolve_partition(num_layers: int, world_size: int, chunks: int = 1,
     Args:
         num_layers: children of the ``nn.Sequential``.
         world_size: ranks of the pipeline's group.
-        chunks: stages per rank (interleaved schedules).
+        chunks: stages per rank (which stages a rank holds is the schedule's layout,
+            ``schedules.Schedule.stages_of_rank``; nothing here assumes a placement).
         balance: layers per stage, or ``None`` for an even split.
         replicas: ranks per stage, or ``None`` for one each.
 

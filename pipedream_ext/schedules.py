@@ -40,8 +40,9 @@ def traits(name: str) -> "_C.ScheduleTraits":
     Fields: ``asynchronous``, ``update_rule`` (``"caller_per_batch"``: the user
     steps after each flushed batch; ``"per_minibatch"`` / ``"per_batch"``: the
     runtime steps inside the pipeline), ``replica_reduction`` (``"sum"`` or
-    ``"mean"``), ``microbatches_per_step(m)``, ``multi_chunk``,
-    ``supports_replicas``, ``split_backward``, ``stash_weights``, ``streaming``,
+    ``"mean"``), ``microbatches_per_step(m)``, ``multi_chunk``, ``fixed_chunks`` (0, or
+    the chunks per rank a schedule requires), ``chunk_placement`` (``"round_robin"`` or
+    ``"v"``), ``supports_replicas``, ``split_backward``, ``stash_weights``, ``streaming``,
     ``supports_vertical_sync``, ``planner_straight``, ``planner_two_versions``.
 
     Raises:
@@ -177,6 +178,7 @@ class Schedule:
         return list(self._compute.layout.stage_ranks(stage))
 
     def stages_of_rank(self, rank: int) -> List[int]:
+        """Stages ``rank`` holds, ascending, from the layout (``zbv``: ``[r, 2p-1-r]``)."""
         return list(self._compute.layout.stages_of_rank(rank))
 
     # -- views --------------------------------------------------------------
@@ -321,11 +323,14 @@ def build(name: str, stages: int, microbatches: int, chunks: int = 1,
 
     Args:
         name: one of :func:`names`: ``gpipe``, ``1f1b``, ``interleaved-1f1b``,
-            ``zb-h1``, ``pipedream``, ``pipedream-2bw``.
-        stages: pipeline stages p (ranks, for ``interleaved-1f1b``).
+            ``zb-h1``, ``zbv``, ``dualpipev``, ``interleaved-zb``, ``pipedream``,
+            ``pipedream-2bw``.
+        stages: pipeline stages p (ranks, for schedules with several chunks per rank).
         microbatches: microbatches per batch m (for ``pipedream``: minibatches,
             each followed by an update).
-        chunks: model chunks per rank v (``interleaved-1f1b`` only).
+        chunks: model chunks per rank v (``interleaved-1f1b``, ``interleaved-zb``; exactly
+            2 for ``zbv`` and ``dualpipev``, whose layout puts rank r's chunks on stages
+            r and 2p-1-r: :meth:`Schedule.stages_of_rank`).
         replicas: replica count per stage, e.g. ``[2, 1, 1]`` (gpipe, 1f1b,
             pipedream, pipedream-2bw); microbatch i runs on replica i mod r.
         batches: consecutive batches in the schedule (not for ``pipedream``).

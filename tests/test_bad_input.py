@@ -36,6 +36,9 @@ ROWS: List[Tuple[str, str, str, str]] = [
      r"schedule '1f1c' is not supported by the runtime; choose one of gpipe, 1f1b", "here"),
     ("microbatches", "`microbatches=0`", r"microbatches must be a positive integer \(got 0\)", "here"),
     ("chunks", "`chunks=2` with `1f1b`", r"chunks=2 needs schedule='interleaved-1f1b'", "here"),
+    ("v-chunks", "`schedule='zbv'` (or `dualpipev`) without `chunks=2`",
+     r"schedule 'zbv' places exactly 2 chunks per rank in a V \(rank r holds stages r and 2p-1-r; "
+     r"got chunks=1\); use chunks=2", "here"),
     ("vertical-sync", "`vertical_sync=True` with `1f1b`", r"vertical_sync=True needs schedule='pipedream'", "here"),
     ("timeout", "`timeout=0`", r"timeout must be > 0 seconds \(got 0\)", "here"),
     ("autocast-dtype", "`autocast=torch.float64`", r"autocast=torch\.float64 is not a reduced-precision dtype", "here"),
@@ -70,7 +73,8 @@ ROWS: List[Tuple[str, str, str, str]] = [
     ("config-mismatch", "ranks built with different arguments", r"ranks disagree on the pipeline configuration", "here"),
     ("shared-async", "a parameter shared by stages (tied weights) with `pipedream` or `pipedream-2bw`",
      r"parameter 0\.weight and 4\.weight \(stages 0 and 1\) is shared by layers on different stages, "
-     r"but schedule 'pipedream(-2bw)?' .* need a flush schedule \(gpipe, 1f1b, interleaved-1f1b, zb-h1\)",
+     r"but schedule 'pipedream(-2bw)?' .* need a flush schedule \(gpipe, 1f1b, interleaved-1f1b, zb-h1, "
+     r"zbv, dualpipev, interleaved-zb\)",
      "tests/test_shared_params.py::test_tied_lm_matches_the_unsplit_model"),
     ("plan-file", "`balance=` a file that is not a plan",
      r"notaplan0.json: not a pipedream_ext.plan v1 object|notaplan1.json: not a pipedream_ext.plan v1 object", "here"),
@@ -145,6 +149,7 @@ IN_PROCESS: Dict[str, Callable[[], Any]] = {
     "schedule-name": lambda: _pd().PipeDream(model(), **pipe_kwargs(schedule="1f1c")),
     "microbatches": lambda: _pd().PipeDream(model(), **pipe_kwargs(microbatches=0)),
     "chunks": lambda: _pd().PipeDream(model(), **pipe_kwargs(chunks=2)),
+    "v-chunks": lambda: _pd().PipeDream(model(), **pipe_kwargs(schedule="zbv")),
     "vertical-sync": lambda: _pd().PipeDream(model(), **pipe_kwargs(vertical_sync=True)),
     "timeout": lambda: _pd().PipeDream(model(), **pipe_kwargs(timeout=0)),
     "autocast-dtype": lambda: _pd().PipeDream(model(), **pipe_kwargs(autocast=torch.float64)),

@@ -34,7 +34,7 @@ from _multiprocess import assert_every_rank_passed, launch_torchrun  # noqa: E40
 
 MARKER = "ALL GPU CHECKS PASSED"
 RTOL, ATOL = 1e-5, 1e-6
-FLUSH = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+FLUSH = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -54,7 +54,7 @@ def batch(step: int, device: torch.device):
 def check_flush_equals_unsplit(schedule: str, device: torch.device, optimizer: str) -> None:
     import pipedream_ext as pd
 
-    chunks = 2 if schedule == "interleaved-1f1b" else 1
+    chunks = 2 if pd.schedules.traits(schedule).multi_chunk else 1
     ref = make_model().to(device)
     pipe = pd.PipeDream(make_model(), F.cross_entropy, schedule=schedule, microbatches=4,
                         chunks=chunks, device=device, timeout=120)

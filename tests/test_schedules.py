@@ -156,3 +156,161 @@ def test_schedule_traits_binding():
     assert "name='pipedream'" in repr(pd_)
     with pytest.raises(ValueError, match="unknown schedule '1f1c'; choose one of: gpipe, 1f1b"):
         _C.schedule_traits("1f1c")
+
+
+# --------------------------------------------------------------------------- zero bubble, chunks
+ZB_CHUNKED = ("zbv", "dualpipev", "interleaved-zb")
+
+
+def _torch_reference_order(name: str, p: int, m: int, v: int) -> list:
+    """Rank-by-rank compute order from torch.distributed.pipelining's own generator (private
+    API of torch 2.13), empty slots dropped; an OVERLAP_F_B stays one entry (a tuple)."""
+    import types
+
+    ts = pytest.importorskip("torch.distributed.pipelining.schedules")
+    classes = {"zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV",
+               "interleaved-zb": "ScheduleInterleavedZeroBubble"}
+    cls = getattr(ts, classes[name], None)
+    if cls is None or not hasattr(cls, "_calculate_single_rank_operations"):
+        pytest.skip(f"this torch has no {classes[name]}._calculate_single_rank_operations")
+    rounds = max(1, m // p)
+    fake = types.SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=p * v,
+                                 _num_stages=p * v, n_local_stages=v,
+                                 microbatches_per_round=m // rounds)
+    order = []
+    for r in range(p):
+        ops = []
+        for a in cls._calculate_single_rank_operations(fake, r):
+            if a is None:
+                continue
+            subs = getattr(a, "sub_actions", None)
+            ops.append(tuple(str(s) for s in subs) if subs else str(a))
+        order.append(ops)
+    return order
+
+
+def _flat(ops: list) -> list:
+    return [x for op in ops for x in (op if isinstance(op, tuple) else (op,))]
+
+
+def test_zero_bubble_orders_are_torchs_action_for_action():
+    """zbv, dualpipev and interleaved-zb equal torch's generators for every p <= 6, m <= 24
+    that both accept (an overlapped F&B of dualpipev is its F then its B)."""
+    compared = 0
+    for name in ZB_CHUNKED:
+        for p in range(1, 7):
+            for m in range(1, 25):
+                for v in ((2,) if name != "interleaved-zb" else (1, 2, 3)):
+                    try:
+                        s = schedules.build(name, stages=p, microbatches=m, chunks=v)
+                    except ValueError:
+                        continue  # dualpipev m < 2p, interleaved-zb unequal rounds: torch refuses too
+                    ours = [[a for a in s.actions(r, comm=False) if "U" not in a] for r in range(p)]
+                    reference = _torch_reference_order(name, p, m, v)
+                    assert ours == [_flat(ops) for ops in reference], (name, p, m, v)
+                    compared += 1
+    assert compared > 500
+
+
+def _busy_and_makespan_with_overlapped_pairs(order: list, stages: int) -> tuple:
+    """Unit-time simulation (F = I = W = 1, B = 2) where an overlapped F&B pair is one action
+    of time F + B = 3 that needs both inputs before it starts and delivers both outputs at its
+    end: the model of DeepSeek's formula. Returns (makespan, busy time per rank)."""
+    import re
+
+    cost = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}
+    done: dict = {}
+
+    def parse(text: str) -> tuple:
+        stage, kind, i = re.fullmatch(r"(\d+)([FIWB])(\d+)", text).groups()
+        return int(stage), kind, int(i)
+
+    def needs(stage: int, kind: str, i: int):
+        if kind == "F":
+            return (stage - 1, "F", i) if stage > 0 else None
+        if kind == "W":
+            return (stage, "G", i)
+        return (stage + 1, "G", i) if stage < stages - 1 else (stage, "F", i)
+
+    nxt, free, busy = [0] * len(order), [0.0] * len(order), [0.0] * len(order)
+    while any(nxt[r] < len(order[r]) for r in range(len(order))):
+        progress = False
+        for r, ops in enumerate(order):
+            while nxt[r] < len(ops):
+                group = [parse(t) for t in (ops[nxt[r]] if isinstance(ops[nxt[r]], tuple)
+                                            else (ops[nxt[r]],))]
+                deps = [d for d in (needs(*a) for a in group) if d is not None]
+                if any(d not in done for d in deps):
+                    break
+                start = max([free[r]] + [done[d] for d in deps])
+                work = sum(cost[k] for _, k, _ in group)
+                for stage, kind, i in group:
+                    done[(stage, "F" if kind == "F" else "G" if kind in "IB" else "W", i)] = start + work
+                free[r], busy[r] = start + work, busy[r] + work
+                nxt[r] += 1
+                progress = True
+        assert progress, "deadlock"
+    return max(free), busy
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5])
+def test_dualpipev_has_deepseeks_bubble_when_pairs_are_one_action(p):
+    """DualPipe README: (PP/2 - 1)(F&B + B - 3W) per rank with PP = 2p stages. Treating each
+    F&B pair as one action (F&B = F + B = 3, no overlap gain) the order gives exactly that,
+    2(p-1) at unit times; our executor runs the pair's F and B separately and gets p - 1
+    (tests/cpp/test_simulate.cpp)."""
+    m = 4 * p
+    order = _torch_reference_order("dualpipev", p, m, 2)
+    makespan, busy = _busy_and_makespan_with_overlapped_pairs(order, 2 * p)
+    assert all(makespan - b == pytest.approx((p - 1) * (3 + 2 - 3 * 1)) for b in busy)
+    ours = schedules.build("dualpipev", stages=p, microbatches=m, chunks=2)
+    result = ours.simulate(t_f=1, t_b=1, t_w=1)
+    assert result.makespan - 6 * m == pytest.approx(p - 1)
+
+
+def test_v_layout_from_python():
+    s = schedules.build("zbv", stages=3, microbatches=5, chunks=2)
+    assert (s.num_ranks, s.num_stages) == (3, 6)
+    assert [s.stage_ranks(j) for j in range(6)] == [[0], [1], [2], [2], [1], [0]]
+    assert [s.stages_of_rank(r) for r in range(3)] == [[0, 5], [1, 4], [2, 3]]
+    # The turn (2 -> 3 on rank 2) and stage 5 -> the loss on rank 0 exchange nothing.
+    assert not any("SEND_F" in a for a in s.actions(2) if a.startswith("2"))
+    assert "3RECV_F0" not in s.actions(2)
+    t = schedules.traits("zbv")
+    assert (t.fixed_chunks, t.chunk_placement, t.split_backward, t.multi_chunk) == (2, "v", True, True)
+    assert schedules.traits("interleaved-zb").chunk_placement == "round_robin"
+    assert [s.stages_of_rank(r) for r in range(2)] != \
+        [schedules.build("interleaved-zb", stages=2, microbatches=2, chunks=2).stages_of_rank(r)
+         for r in range(2)]
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(name="zbv", stages=2, microbatches=4), "exactly 2 chunks per rank in a V"),
+    (dict(name="dualpipev", stages=2, microbatches=3, chunks=2), "(2p = 4 for p=2 ranks, got m=3); use m=4"),
+    (dict(name="interleaved-zb", stages=3, microbatches=7, chunks=2), "use m=8"),
+])
+def test_zero_bubble_bad_parameters(kwargs, needle):
+    with pytest.raises(ValueError) as info:
+        schedules.build(**kwargs)
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("name", ZB_CHUNKED)
+def test_cli_prints_and_plots_the_zero_bubble_schedules(name, tmp_path):
+    """Default chunks: 2 for the V schedules (their only choice), 1 otherwise; --plot
+    writes the chart (a PNG of 1200 x (116 + 40 * ranks) pixels)."""
+    pytest.importorskip("matplotlib")
+    import struct
+
+    plot = tmp_path / f"{name}.png"
+    chunks = () if name != "interleaved-zb" else ("--chunks", "2")
+    out = _cli("schedule", "--name", name, "--stages", "4", "--microbatches", "8", *chunks,
+               "--t-f", "1", "--t-b", "1", "--t-w", "1", "--plot", str(plot))
+    assert out.returncode == 0, out.stderr
+    assert "stages=8, ranks=4" in out.stdout and "bubble fraction" in out.stdout
+    assert "rank 3" in out.stdout and "I0" in out.stdout and "W0" in out.stdout
+    assert "makespan                        51" in out.stdout  # 6m + p - 1 at unit times
+    with open(plot, "rb") as handle:
+        head = handle.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    assert struct.unpack(">II", head[16:24]) == (1200, 116 + 40 * 4)

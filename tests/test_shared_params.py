@@ -103,7 +103,7 @@ def check_matches_unsplit(schedule: str, balance: List[int], replicas: Optional[
     """Losses and weights after STEPS SGD-momentum and STEPS Adam steps equal the unsplit model's."""
     import pipedream_ext as pd
 
-    chunks = 2 if schedule == "interleaved-1f1b" else 1
+    chunks = 2 if pd.schedules.traits(schedule).multi_chunk else 1
     what = f"{schedule} balance={balance} replicas={replicas}"
     for opt_name, make_opt in OPTIMIZERS.items():
         ref = tied_lm()
@@ -195,6 +195,7 @@ def run_checks() -> None:
         # Embedding and head on the same rank (stages 0 and 2), then on both ranks.
         check_matches_unsplit("interleaved-1f1b", [1, 2, 2, 1])
         check_matches_unsplit("interleaved-1f1b", [1, 2, 1, 2])
+        check_matches_unsplit("zbv", [1, 1, 1, 3])  # the V: stages 0 and 3 on rank 0
         check_asynchronous_refused()
         check_meta_built("1f1b", [2, 4])
         check_checkpoint(dict(schedule="interleaved-1f1b", chunks=2, balance=[1, 2, 2, 1]),

@@ -106,9 +106,23 @@ def test_find_shared_lists_parameters_of_several_stages() -> None:
     assert [n for n, _ in stages.module.named_parameters()] == ["0.weight", "3.bias"]
 
 
+def test_a_v_layout_keeps_the_first_and_last_stage_on_rank_0() -> None:
+    """The stages a rank keeps come from the schedule's layout (zbv: r and 2p-1-r), not
+    from a formula; LocalStages keeps them in model order under the original names."""
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    partition = resolve_partition(4, 2, chunks=2)
+    v = schedules.build("zbv", stages=2, microbatches=2, chunks=2)
+    assert [v.stages_of_rank(r) for r in range(2)] == [[0, 3], [1, 2]]
+    stages = LocalStages(model, partition, v.stages_of_rank(0), torch.device("cpu"))
+    assert list(stages) == [0, 3] and stages.layers == {0: (0, 1), 3: (3, 4)}
+    assert [n for n, _ in stages.module.named_parameters()] == ["0.weight", "0.bias", "3.weight",
+                                                                 "3.bias"]
+
+
 # -- arguments and traits ------------------------------------------------------------
 def test_schedule_families_come_from_the_traits_table() -> None:
-    assert schedules.synchronous_names() == ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
+    assert schedules.synchronous_names() == ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv",
+                                             "dualpipev", "interleaved-zb"]
     assert schedules.asynchronous_names() == ["pipedream", "pipedream-2bw"]
     assert [t.name for t in _C.all_schedule_traits()] == schedules.names()
     pd, bw, zb = (schedules.traits(n) for n in ("pipedream", "pipedream-2bw", "zb-h1"))
@@ -137,6 +151,8 @@ def test_config_checks_name_the_value_and_the_fix() -> None:
         (dict(schedule="1f1b", microbatches=2, check_finite="maybe"), "check_finite='maybe'"),
         (dict(schedule="1f1b", microbatches=0), "microbatches must be a positive integer"),
         (dict(schedule="1f1b", microbatches=2, timeout=0), "timeout must be > 0"),
+        (dict(schedule="zbv", microbatches=2), r"exactly 2 chunks per rank in a V .*use chunks=2"),
+        (dict(schedule="dualpipev", microbatches=4, chunks=3), r"got chunks=3\); use chunks=2"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):

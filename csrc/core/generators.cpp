@@ -1,7 +1,9 @@
 #include "generators.h"
 
 #include <algorithm>
+#include <deque>
 #include <functional>
+#include <map>
 #include <numeric>
 #include <stdexcept>
 
@@ -222,6 +224,212 @@ void zbH1Batch(int p, int m, int batch, RankLists& lists) {
   for (int j = 0; j < p; ++j) lists[j].push_back(Action::update(j, batch + 1));
 }
 
+// --- zero-bubble schedules with several chunks per rank ----------------------
+//
+// These follow torch.distributed.pipelining's generators action for action
+// (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV in
+// torch/distributed/pipelining/schedules.py, torch 2.13): each rank's order
+// is computed on its own from (p, m, r), in local microbatch numbers; the
+// empty slots torch pads with (None) carry no meaning in a list. Emitted per
+// batch with the batch's microbatch offset and version, and one UPDATE per
+// local stage at the end.
+
+// One compute action of a rank's order, microbatch local to the batch.
+struct Op {
+  int stage;
+  ActionKind kind;
+  int i;
+};
+using RankOps = std::vector<Op>;
+
+void emitBatch(const std::vector<RankOps>& order, const Layout& layout, int m, int batch,
+               RankLists& lists) {
+  for (int r = 0; r < static_cast<int>(order.size()); ++r) {
+    for (const Op& op : order[r]) {
+      lists[r].push_back(Action::compute(op.stage, op.kind, batch * m + op.i, batch));
+    }
+    for (int j : layout.stagesOfRank(r)) lists[r].push_back(Action::update(j, batch + 1));
+  }
+}
+
+// Per-stage microbatch counters: the next microbatch of (stage, kind).
+class Counters {
+ public:
+  int take(int stage, ActionKind kind) { return next_[{stage, static_cast<int>(kind)}]++; }
+  int peek(int stage, ActionKind kind) { return next_[{stage, static_cast<int>(kind)}]; }
+
+ private:
+  std::map<std::pair<int, int>, int> next_;
+};
+
+// ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", section 6; torch's
+// ScheduleZBVZeroBubble): p ranks, 2p stages in a V, rank r holds chunk 0 =
+// stage r and chunk 1 = stage 2p-1-r. With tF = tI = tW (m >= 2p-1) every
+// rank is busy without a gap from its first forward to its last W, and holds
+// at most 2p chunk activations: p microbatches of a whole stage, 1F1B's
+// memory (tests/cpp/test_simulate.cpp). Rank r:
+//   warm-up   2(p-r)-1 x F0;  r x (F1 F0);  p-r x (F1 I1 W1)
+//   steady    (F0) I0 W0 F1 I1 W1   until every forward ran
+//   cool-down r x (I0 I1);  p-r x (I0 W0);  the W1s left, the W0s left
+// computed for max(m, 2p-1) microbatches and the ones >= m dropped (torch's
+// rule for small m).
+RankOps zbvRank(int p, int m, int r) {
+  const int n = std::max(2 * p - 1, m);
+  const int s0 = r, s1 = 2 * p - 1 - r;
+  RankOps ops;
+  int f0 = 0, f1 = 0, b0 = 0, b1 = 0;
+  auto add = [&](int stage, ActionKind kind, int i) { ops.push_back({stage, kind, i}); };
+  using K = ActionKind;
+  for (int k = 0; k < 2 * (p - r) - 1; ++k) add(s0, K::kForward, f0++);
+  for (int k = 0; k < r; ++k) {
+    add(s1, K::kForward, f1++);
+    add(s0, K::kForward, f0++);
+  }
+  for (int k = 0; k < p - r; ++k) {
+    add(s1, K::kForward, f1++);
+    add(s1, K::kBackwardInput, b1);
+    add(s1, K::kBackwardWeight, b1++);
+  }
+  while (f1 < f0 || f0 < n) {
+    if (f0 < n) add(s0, K::kForward, f0++);
+    add(s0, K::kBackwardInput, b0);
+    add(s0, K::kBackwardWeight, b0++);
+    add(s1, K::kForward, f1++);
+    add(s1, K::kBackwardInput, b1);
+    add(s1, K::kBackwardWeight, b1++);
+  }
+  int w0 = b0, w1 = b1;
+  for (int k = 0; k < r; ++k) {
+    add(s0, K::kBackwardInput, b0++);
+    add(s1, K::kBackwardInput, b1++);
+  }
+  for (int k = 0; k < p - r; ++k) {
+    add(s0, K::kBackwardInput, b0++);
+    add(s0, K::kBackwardWeight, w0++);
+  }
+  while (w1 < b1) add(s1, K::kBackwardWeight, w1++);
+  while (w0 < b0) add(s0, K::kBackwardWeight, w0++);
+  if (!(f0 == n && b0 == n && w0 == n && f1 == n && b1 == n && w1 == n)) {
+    throw std::logic_error("zbv generator: unbalanced counts on rank " + str(r));
+  }
+  RankOps kept;
+  for (const Op& op : ops) {
+    if (op.i < m) kept.push_back(op);
+  }
+  return kept;
+}
+
+// DualPipeV (DeepSeek-V3 report; github.com/deepseek-ai/DualPipe; torch's
+// ScheduleDualPipeV): the V placement of zbv, with the steady state pairing
+// the forward of one chunk with the full backward of the other ("F&B": DualPipe
+// overlaps the two on the device). Our executor runs one action at a time, so
+// an F&B pair is the two actions F then B, adjacent in the list; the bubble
+// measured is the one without overlap. Rank r (chunk 0 = stage r, chunk 1 =
+// stage 2p-1-r, m >= 2p):
+//   1  2(p-r-1) x F0
+//   2  r+1 x (F0 F1)
+//   3  p-r-1 x (I1 W F1)                 W: the oldest pending W, if any
+//   4  m-2p+r+1 x (F0&B1  F1&B0)
+//   5  p-r-1 x (B1  F1&B0)
+//   6  r+1 x (B1 B0), from the middle on as I1 I0 (zero bubble for the drain)
+//   7  p-r-1 x (W  B0|I0)
+//   8  r+1 x W
+RankOps dualPipeVRank(int p, int m, int r) {
+  const int s0 = r, s1 = 2 * p - 1 - r;
+  using K = ActionKind;
+  RankOps ops;
+  Counters counters;                     // F and backward (B or I) per stage
+  std::deque<std::pair<int, int>> wQueue;  // (stage, microbatch) of I's awaiting their W
+  auto add = [&](int stage, K kind) {
+    const K counted = kind == K::kForward ? K::kForward : K::kBackwardInput;
+    const int i = counters.take(stage, counted);
+    ops.push_back({stage, kind, i});
+    if (kind == K::kBackwardInput) wQueue.push_back({stage, i});
+  };
+  auto addW = [&]() {
+    if (wQueue.empty()) return;
+    ops.push_back({wQueue.front().first, K::kBackwardWeight, wQueue.front().second});
+    wQueue.pop_front();
+  };
+  auto forwardAndBackward = [&](int forwardStage, int backwardStage) {
+    add(forwardStage, K::kForward);
+    add(backwardStage, K::kBackward);
+  };
+  for (int k = 0; k < 2 * (p - r - 1); ++k) add(s0, K::kForward);
+  for (int k = 0; k < r + 1; ++k) {
+    add(s0, K::kForward);
+    add(s1, K::kForward);
+  }
+  for (int k = 0; k < p - r - 1; ++k) {
+    add(s1, K::kBackwardInput);
+    addW();
+    add(s1, K::kForward);
+  }
+  for (int k = 0; k < m - 2 * p + r + 1; ++k) {
+    forwardAndBackward(s0, s1);  // torch does not overlap the first pair of rank p-1
+    forwardAndBackward(s1, s0);
+  }
+  for (int k = 0; k < p - r - 1; ++k) {
+    add(s1, K::kBackward);
+    forwardAndBackward(s1, s0);
+  }
+  const int step6 = r + 1;
+  bool split = false;
+  for (int k = 0; k < step6; ++k) {
+    if (k == step6 / 2 && r % 2 == 1) split = true;
+    add(s1, split ? K::kBackwardInput : K::kBackward);
+    if (k == step6 / 2 && r % 2 == 0) split = true;
+    add(s0, split ? K::kBackwardInput : K::kBackward);
+  }
+  for (int k = 0; k < p - r - 1; ++k) {
+    addW();
+    add(s0, split ? K::kBackwardInput : K::kBackward);
+  }
+  for (int k = 0; k < r + 1; ++k) addW();
+  if (!wQueue.empty() || counters.peek(s0, K::kForward) != m ||
+      counters.peek(s1, K::kForward) != m || counters.peek(s0, K::kBackwardInput) != m ||
+      counters.peek(s1, K::kBackwardInput) != m) {
+    throw std::logic_error("dualpipev generator: unbalanced counts on rank " + str(r));
+  }
+  return ops;
+}
+
+// Interleaved zero bubble (torch's ScheduleInterleavedZeroBubble, the ZB1P
+// schedule of the zero-bubble paper over v round-robin chunks): the
+// forward/backward order of interleaved-1f1b (rounds of s microbatches,
+// chunks 0..v-1 forward, v-1..0 backward) with B split into I and W, a
+// warm-up of (v-1)s + (p-1-r) forwards instead of (v-1)s + 2(p-1-r), and
+// rank r deferring its W's by r backwards: F I ... then F I W ... in the
+// steady state, I W in the drain, the W's left at the end.
+RankOps interleavedZbRank(int p, int v, int m, int r) {
+  using K = ActionKind;
+  const int s = interleavedRoundSize(p, m);
+  const int total = m * v;
+  const int warmup = std::min((v - 1) * s + (p - 1 - r), total);
+  auto forwardStage = [&](int k) { return ((k / s) % v) * p + r; };
+  auto backwardStage = [&](int k) { return (v - 1 - ((k - warmup) / s) % v) * p + r; };
+  RankOps ops;
+  Counters counters;
+  std::vector<int> backwardSteps;  // the op index of every backward, in order
+  int weights = 0;
+  auto add = [&](int stage, K kind) { ops.push_back({stage, kind, counters.take(stage, kind)}); };
+  auto backward = [&](int k) {
+    add(backwardStage(k), K::kBackwardInput);
+    backwardSteps.push_back(k);
+    if (k - warmup >= r) add(backwardStage(backwardSteps[weights++]), K::kBackwardWeight);
+  };
+  for (int k = 0; k < warmup; ++k) add(forwardStage(k), K::kForward);
+  for (int k = warmup; k < total; ++k) {
+    add(forwardStage(k), K::kForward);
+    backward(k);
+  }
+  for (int k = total; k < total + warmup; ++k) backward(k);
+  while (weights < static_cast<int>(backwardSteps.size())) {
+    add(backwardStage(backwardSteps[weights++]), K::kBackwardWeight);
+  }
+  return ops;
+}
+
 // --- asynchronous schedules ------------------------------------------------
 
 // PipeDream: 1F1B without flushes; an UPDATE (after an ALLREDUCE for a
@@ -345,18 +553,43 @@ Schedule buildSchedule(const ScheduleOptions& o) {
          str(o.batches) + "); use batches=1 and give the number of minibatches as microbatches");
   }
 
-  if (o.name == "interleaved-1f1b") {
-    const int roundSize = interleavedRoundSize(p, m);
-    if (m % roundSize != 0) {
-      int suggestion = m + 1;
-      while (suggestion % interleavedRoundSize(p, suggestion) != 0) ++suggestion;
-      fail("interleaved-1f1b splits microbatches into equal rounds of at least p (got m=" +
-           str(m) + ", p=" + str(p) + ": rounds of " + str(roundSize) + " leave " +
-           str(m % roundSize) + " over); use m=" + str(suggestion));
+  if (traits.fixedChunks > 0 && o.chunks != traits.fixedChunks) {
+    fail("schedule '" + o.name + "' places exactly " + str(traits.fixedChunks) +
+         " chunks per rank in a V (rank r holds stages r and 2p-1-r; got chunks=" + str(o.chunks) +
+         "); use chunks=" + str(traits.fixedChunks));
+  }
+  if (traits.multiChunk) {
+    const int v = o.chunks;
+    if (o.name == "interleaved-1f1b" || o.name == "interleaved-zb") {
+      const int roundSize = interleavedRoundSize(p, m);
+      if (m % roundSize != 0) {
+        int suggestion = m + 1;
+        while (suggestion % interleavedRoundSize(p, suggestion) != 0) ++suggestion;
+        fail(o.name + " splits microbatches into equal rounds of at least p (got m=" + str(m) +
+             ", p=" + str(p) + ": rounds of " + str(roundSize) + " leave " + str(m % roundSize) +
+             " over); use m=" + str(suggestion));
+      }
     }
-    Layout layout = Layout::interleaved(p, o.chunks);
+    if (o.name == "dualpipev" && m < 2 * p) {
+      fail("dualpipev needs at least as many microbatches as stages (2p = " + str(2 * p) +
+           " for p=" + str(p) + " ranks, got m=" + str(m) + "); use m=" + str(2 * p) +
+           " or schedule 'zbv'");
+    }
+    Layout layout = Layout::chunked(p, v, traits.chunkPlacement);
     RankLists lists(p);
-    for (int t = 0; t < o.batches; ++t) interleavedBatch(p, o.chunks, m, t, lists);
+    for (int t = 0; t < o.batches; ++t) {
+      if (o.name == "interleaved-1f1b") {
+        interleavedBatch(p, v, m, t, lists);
+        continue;
+      }
+      std::vector<RankOps> order(p);
+      for (int r = 0; r < p; ++r) {
+        order[r] = o.name == "zbv"         ? zbvRank(p, m, r)
+                   : o.name == "dualpipev" ? dualPipeVRank(p, m, r)
+                                           : interleavedZbRank(p, v, m, r);
+      }
+      emitBatch(order, layout, m, t, lists);
+    }
     return Schedule(o.name, layout, m, std::move(lists), o.batches);
   }
 

@@ -28,9 +28,9 @@ namespace pipedream {
 
 struct ScheduleOptions {
   std::string name;          // one of scheduleNames()
-  int stages = 1;            // p: pipeline stages (ranks for interleaved-1f1b)
+  int stages = 1;            // p: pipeline stages (ranks when chunks per rank > 1)
   int microbatches = 1;      // m: microbatches per batch (minibatches for pipedream)
-  int chunks = 1;            // v: model chunks per rank (interleaved-1f1b)
+  int chunks = 1;            // v: model chunks per rank (multi-chunk schedules; 2 for zbv, dualpipev)
   std::vector<int> replicas; // per-stage replica counts (empty: all 1)
   int batches = 1;           // batches in the schedule (not for pipedream)
   // pipedream only: every stage reads, for minibatch i, the version stage 0
@@ -38,8 +38,8 @@ struct ScheduleOptions {
   bool verticalSync = false;
 };
 
-// "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "pipedream", "pipedream-2bw":
-// the names of allScheduleTraits() (traits.h), in its order.
+// "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev",
+// "interleaved-zb", "pipedream", "pipedream-2bw": the names of allScheduleTraits() (traits.h), in its order.
 std::vector<std::string> scheduleNames();
 
 // Builds the compute-only schedule. Throws std::invalid_argument naming the

@@ -33,7 +33,15 @@ Layout Layout::straight(int stages, const std::vector<int>& replicas) {
   return layout;
 }
 
+const char* chunkPlacementName(ChunkPlacement placement) {
+  return placement == ChunkPlacement::kV ? "v" : "round_robin";
+}
+
 Layout Layout::interleaved(int ranks, int chunks) {
+  return chunked(ranks, chunks, ChunkPlacement::kRoundRobin);
+}
+
+Layout Layout::chunked(int ranks, int chunks, ChunkPlacement placement) {
   if (ranks < 1) {
     throw std::invalid_argument("stages must be >= 1 (got " + std::to_string(ranks) + ")");
   }
@@ -42,7 +50,11 @@ Layout Layout::interleaved(int ranks, int chunks) {
   }
   Layout layout;
   layout.numRanks_ = ranks;
-  for (int j = 0; j < ranks * chunks; ++j) layout.stageRanks_.push_back({j % ranks});
+  for (int j = 0; j < ranks * chunks; ++j) {
+    const int c = j / ranks;  // chunk
+    const bool up = placement == ChunkPlacement::kV && c % 2 == 1;
+    layout.stageRanks_.push_back({up ? ranks - 1 - j % ranks : j % ranks});
+  }
   return layout;
 }
 

@@ -5,6 +5,11 @@
 //   - straight pipeline: stage j lives on rank j;
 //   - interleaved (v chunks per rank, p ranks): virtual stage j lives on rank
 //     j mod p, so rank r holds stages r, r+p, ..., r+(v-1)p;
+//   - V (zero-bubble ZB-V, DualPipeV; 2 chunks per rank, 2p stages): chunk 0
+//     goes down the ranks and chunk 1 comes back up, stage j on rank j for
+//     j < p and on rank 2p-1-j otherwise, so rank r holds r and 2p-1-r (rank
+//     p-1 holds the turn, p-1 and p; rank 0 the first and the last stage).
+//     More chunks zigzag the same way (chunk c goes up when c is odd);
 //   - replicated stages (replica counts R = r_0, r_1, ...): stage j occupies
 //     r_j consecutive ranks, and microbatch i runs on replica i mod r_j of
 //     stage j (round robin), forward and backward alike.
@@ -17,6 +22,18 @@
 
 namespace pipedream {
 
+// How chunks (virtual stages) are placed on ranks: chunk c of p ranks holds
+// stages c*p .. c*p + p-1, on ranks 0..p-1 (round robin) or, for odd c under
+// kV, on ranks p-1..0.
+enum class ChunkPlacement {
+  kRoundRobin,  // stage j on rank j mod p (Megatron-LM's interleaving)
+  kV,           // ZB-V / DualPipeV: stage j on rank j mod p for even chunks,
+                // p-1 - (j mod p) for odd ones
+};
+
+// "round_robin" / "v".
+const char* chunkPlacementName(ChunkPlacement placement);
+
 class Layout {
  public:
   // One stage per rank, or replicated stages when `replicas` is non-empty
@@ -24,6 +41,8 @@ class Layout {
   static Layout straight(int stages, const std::vector<int>& replicas = {});
   // `ranks` ranks, `chunks` virtual stages per rank, stage j on rank j % ranks.
   static Layout interleaved(int ranks, int chunks);
+  // `ranks` ranks, `chunks` virtual stages per rank, placed as `placement` says.
+  static Layout chunked(int ranks, int chunks, ChunkPlacement placement);
 
   int numRanks() const { return numRanks_; }
   int numStages() const { return static_cast<int>(stageRanks_.size()); }

@@ -30,6 +30,24 @@ std::vector<ScheduleTraits> makeTable() {
   zb.plannerStraight = true;
   table.push_back(zb);
 
+  // Zero-bubble schedules with several chunks per rank (I/W split): ZB-V and
+  // DualPipeV place exactly 2 chunks per rank in a V, interleaved-zb round robin.
+  ScheduleTraits zbv = zb;
+  zbv.name = "zbv";
+  zbv.multiChunk = true;
+  zbv.fixedChunks = 2;
+  zbv.chunkPlacement = ChunkPlacement::kV;
+  table.push_back(zbv);
+
+  ScheduleTraits dualPipeV = zbv;
+  dualPipeV.name = "dualpipev";
+  table.push_back(dualPipeV);
+
+  ScheduleTraits interleavedZb = zb;
+  interleavedZb.name = "interleaved-zb";
+  interleavedZb.multiChunk = true;
+  table.push_back(interleavedZb);
+
   ScheduleTraits pipedream;
   pipedream.name = "pipedream";
   pipedream.asynchronous = true;

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "schedule.h"
+
 namespace pipedream {
 
 // When and by whom a stage's optimizer steps.
@@ -27,7 +29,9 @@ struct ScheduleTraits {
   bool asynchronous = false;  // no flush: the runtime steps the optimizer
   UpdateRule updateRule = UpdateRule::kCallerPerBatch;
   ReplicaReduction replicaReduction = ReplicaReduction::kSum;
-  bool multiChunk = false;          // chunks > 1 allowed (interleaved layout)
+  bool multiChunk = false;          // chunks > 1 allowed (several stages per rank)
+  int fixedChunks = 0;              // > 0: exactly this many chunks per rank (V schedules)
+  ChunkPlacement chunkPlacement = ChunkPlacement::kRoundRobin;  // with chunks: the layout
   bool supportsReplicas = false;    // replicated stages allowed
   bool splitBackward = false;       // backward split into I and W
   bool stashWeights = false;        // forwards read stashed weight versions

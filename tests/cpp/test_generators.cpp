@@ -64,6 +64,87 @@ TEST(GeneratorGolden, ZeroBubbleH1) {
   });
 }
 
+// The zero-bubble schedules with two chunks per rank follow
+// torch.distributed.pipelining's generators (torch 2.13) action for action
+// (tests/test_schedules.py compares every p <= 6, m <= 24 with torch's own
+// code); these small cases were also walked through by hand from the phase
+// rules in generators.cpp. Chunk 0 of rank r is stage r; chunk 1 is stage
+// 2p-1-r (zbv, dualpipev) or r+p (interleaved-zb).
+TEST(GeneratorGolden, ZeroBubbleV) {
+  // p = 2 (stages 0,3 on rank 0; 1,2 on rank 1), m = 4. Rank 0: warm-up 3 x F0, 2 x (F1 I1
+  // W1); steady F0 I0 W0 F1 I1 W1; drain I0 W0. Rank 1: F0, (F1 F0), (F1 I1 W1), steady,
+  // then I0 I1, I0 W0, the W1 left, the W0 left. The turn (1F0 -> 2F0) is on rank 1.
+  expectActions(make("zbv", 2, 4, 2), {
+      "0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2 3I2 3W2 0I1 0W1 3F3 3I3 3W3 0I2 0W2 "
+      "0I3 0W3 0U1 3U1",
+      "1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1F3 1I1 1W1 2F3 2I2 2W2 1I2 2I3 1I3 1W2 "
+      "2W3 1W3 1U1 2U1",
+  });
+}
+
+TEST(GeneratorGolden, ZeroBubbleVFewerMicrobatchesThanRanks) {
+  // m = 2 < p = 3: the order of max(m, 2p-1) = 5 microbatches with microbatches >= 2 dropped.
+  expectActions(make("zbv", 3, 2, 2), {
+      "0F0 0F1 5F0 5I0 5W0 5F1 5I1 5W1 0I0 0W0 0I1 0W1 0U1 5U1",
+      "1F0 1F1 4F0 4F1 4I0 4W0 4I1 4W1 1I0 1W0 1I1 1W1 1U1 4U1",
+      "2F0 3F0 2F1 3F1 3I0 3W0 2I0 2W0 3I1 3W1 2I1 2W1 2U1 3U1",
+  });
+}
+
+TEST(GeneratorGolden, DualPipeV) {
+  // p = 2, m = 4 (= 2p, the fewest). "F&B" pairs are an F and a full B of the other chunk,
+  // adjacent (rank 0: 0F3 3B1, 3F2 0B0, ...); the drain splits the second half into I and W.
+  expectActions(make("dualpipev", 2, 4, 2), {
+      "0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0I2 0W2 0I3 0W3 0U1 3U1",
+      "1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2I3 1I3 2W3 1W3 1U1 2U1",
+  });
+  expectActions(make("dualpipev", 3, 6, 2), {
+      "0F0 0F1 0F2 0F3 0F4 5F0 5I0 5W0 5F1 5I1 5W1 5F2 0F5 5B2 5F3 0B0 5B3 5F4 0B1 5B4 5F5 0B2 "
+      "5B5 0I3 0W3 0I4 0W4 0I5 0W5 0U1 5U1",
+      "1F0 1F1 1F2 4F0 1F3 4F1 4I0 4W0 4F2 1F4 4B1 4F3 1B0 1F5 4B2 4F4 1B1 4B3 4F5 1B2 4B4 1B3 "
+      "4I5 1I4 4W5 1I5 1W4 1W5 1U1 4U1",
+      "2F0 3F0 2F1 3F1 2F2 3F2 2F3 3B0 3F3 2B0 2F4 3B1 3F4 2B1 2F5 3B2 3F5 2B2 3B3 2B3 3B4 2I4 "
+      "3I5 2I5 2W4 3W5 2W5 2U1 3U1",
+  });
+}
+
+TEST(GeneratorGolden, InterleavedZeroBubble) {
+  // p = 2, v = 2 (stages 0,2 on rank 0; 1,3 on rank 1), m = 4: rounds of 2; rank r warms up
+  // with (v-1)*2 + (p-1-r) forwards and defers its W's by r backwards.
+  expectActions(make("interleaved-zb", 2, 4, 2), {
+      "0F0 0F1 2F0 2F1 2I0 2W0 0F2 2I1 2W1 0F3 0I0 0W0 2F2 0I1 0W1 2F3 2I2 2W2 2I3 2W3 0I2 0W2 "
+      "0I3 0W3 0U1 2U1",
+      "1F0 1F1 3F0 3I0 3F1 3I1 3W0 1F2 1I0 3W1 1F3 1I1 1W0 3F2 3I2 1W1 3F3 3I3 3W2 1I2 3W3 1I3 "
+      "1W2 1W3 1U1 3U1",
+  });
+}
+
+TEST(GeneratorGolden, VLayoutTwoBatches) {
+  // The second batch reads version 1, after each local stage's U1.
+  const Schedule s = make("zbv", 1, 1, 2, {}, 2);
+  expectActions(s, {"0F0 1F0 1I0 1W0 0I0 0W0 0U1 1U1 0F1v1 1F1v1 1I1v1 1W1v1 0I1v1 0W1v1 0U2 1U2"});
+}
+
+TEST(Layout, VPlacementAndItsLowering) {
+  const Layout v = Layout::chunked(3, 2, ChunkPlacement::kV);
+  std::vector<int> ranks;
+  for (int j = 0; j < v.numStages(); ++j) ranks.push_back(v.stageRanks(j)[0]);
+  EXPECT_EQ(ranks, (std::vector<int>{0, 1, 2, 2, 1, 0}));
+  EXPECT_EQ(v.stagesOfRank(0), (std::vector<int>{0, 5}));
+  EXPECT_EQ(v.stagesOfRank(2), (std::vector<int>{2, 3}));
+  const Layout w = Layout::chunked(2, 3, ChunkPlacement::kV);  // more chunks zigzag
+  ranks.clear();
+  for (int j = 0; j < w.numStages(); ++j) ranks.push_back(w.stageRanks(j)[0]);
+  EXPECT_EQ(ranks, (std::vector<int>{0, 1, 1, 0, 0, 1}));
+  EXPECT_EQ(Layout::chunked(3, 2, ChunkPlacement::kRoundRobin), Layout::interleaved(3, 2));
+  // The turn of the V (stage p-1 -> p, both on rank p-1) and the last stage on rank 0
+  // exchange nothing; every other boundary sends. p = 2, m = 1:
+  expectActions(lower(make("zbv", 2, 1, 2)), {
+      "0F0 0SEND_F0 3RECV_F0 3F0 3I0 3SEND_B0 3W0 0RECV_B0 0I0 0W0 0U1 3U1",
+      "1RECV_F0 1F0 2F0 2SEND_F0 2RECV_B0 2I0 2W0 1I0 1SEND_B0 1W0 1U1 2U1",
+  });
+}
+
 TEST(GeneratorGolden, PipeDream) {
   // F(i) on stage j reads version max(0, i - (p-1-j)); an update after every B.
   expectActions(make("pipedream", 4, 8), {
@@ -147,6 +228,12 @@ TEST(GeneratorErrors, NamesTheBadValue) {
   expectError([] { make("interleaved-1f1b", 3, 7, 2); }, "got m=7, p=3: rounds of 3 leave 1 over); use m=8");
   expectError([] { make("interleaved-1f1b", 4, 8, 0); }, "chunks must be >= 1 (got 0)");
   expectError([] { make("1f1b", 4, 8, 2); }, "got chunks=2");
+  expectError([] { make("zbv", 4, 8); }, "exactly 2 chunks per rank in a V (rank r holds stages r "
+                                         "and 2p-1-r; got chunks=1); use chunks=2");
+  expectError([] { make("dualpipev", 4, 8, 3); }, "got chunks=3); use chunks=2");
+  expectError([] { make("dualpipev", 4, 7, 2); }, "(2p = 8 for p=4 ranks, got m=7); use m=8");
+  expectError([] { make("interleaved-zb", 3, 7, 2); }, "got m=7, p=3: rounds of 3 leave 1 over); use m=8");
+  expectError([] { make("zbv", 2, 4, 2, {2, 1, 1, 1}); }, "does not support replicated stages");
   expectError([] { make("zb-h1", 2, 4, 1, {2, 1}); }, "does not support replicated stages");
   expectError([] { make("pipedream", 2, 5, 1, {2, 1}); }, "multiple of 2");
   expectError([] { make("pipedream", 2, 4, 1, {2}); }, "1 counts for 2 stages");

@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <utility>
+#include <vector>
 
 #include "lower.h"
 #include "simulate.h"
@@ -90,6 +92,85 @@ TEST(SimulatorFormula, ZeroBubbleH1HasAThirdOfOneFOneBsBubble) {
       for (int s = 0; s < p; ++s) {
         EXPECT_EQ(zb.peakActivations[s], p - s);
         EXPECT_LE(zb.peakDeferredWeightGrads[s], p);
+      }
+    }
+  }
+}
+
+// The schedules with two chunks per rank below: every chunk costs 1 per F, I
+// and W (tF = tI = tW, the zero-bubble paper's design point), so a rank's
+// work per microbatch is 6 and a whole-rank stage costs T = 2 per pass.
+
+// Each rank's first compute start and last compute end.
+std::vector<std::pair<double, double>> spans(const SimulationResult& r, int ranks) {
+  std::vector<std::pair<double, double>> out(ranks, {1e300, 0.0});
+  for (const auto& e : r.timeline) {
+    if (!isCompute(e.action.kind)) continue;
+    out[e.rank].first = std::min(out[e.rank].first, e.start);
+    out[e.rank].second = std::max(out[e.rank].second, e.end);
+  }
+  return out;
+}
+
+TEST(SimulatorFormula, ZeroBubbleVHasNoBubbleAtOneFOneBActivationMemory) {
+  // Published (zero-bubble paper, ZB-V): no bubble when T_F = T_B = T_W. Simulated: rank r
+  // computes without a gap from r to 6m + r (the parallelogram); the only idle time is the
+  // fill of a flushed batch, r before and p-1-r after, p-1 per rank. Activations: 2p chunks
+  // per rank, i.e. p whole-rank microbatches like 1F1B's first stage.
+  for (int p = 1; p <= 6; ++p) {
+    for (int m = std::max(1, 2 * p - 1); m <= 24; ++m) {
+      SCOPED_TRACE("p=" + std::to_string(p) + " m=" + std::to_string(m));
+      const auto r = run(make("zbv", p, m, 2), 1.0, 1.0, 1.0);
+      const auto span = spans(r, p);
+      for (int rank = 0; rank < p; ++rank) {
+        EXPECT_DOUBLE_EQ(span[rank].first, rank);
+        EXPECT_DOUBLE_EQ(span[rank].second, 6.0 * m + rank);
+        EXPECT_DOUBLE_EQ(r.busyTimePerRank[rank], 6.0 * m);
+        EXPECT_EQ(r.peakActivationsPerRank[rank], 2 * p);
+      }
+      EXPECT_DOUBLE_EQ(r.makespan, 6.0 * m + p - 1);
+      EXPECT_NEAR(bubbleTime(r), p - 1.0, 1e-9);
+    }
+  }
+}
+
+TEST(SimulatorFormula, DualPipeVBubbleAgainstDeepSeeksFormula) {
+  // Published (DualPipe README, PP = 2p stages): (PP/2-1)(F&B + B - 3W) per rank, F&B the
+  // time of an overlapped forward/backward pair, B = I + W. Our executor runs the pair's F
+  // and B one after the other, so F&B = F + B = 3 and the formula gives 2(p-1). Simulated:
+  // p-1 (the pair's F need not wait for the B's gradient and its output leaves first),
+  // from m = 2p on; activations 2p + 1 chunks per rank (published: PP + 1).
+  for (int p = 1; p <= 6; ++p) {
+    for (int m = 2 * p; m <= 24; ++m) {
+      SCOPED_TRACE("p=" + std::to_string(p) + " m=" + std::to_string(m));
+      const auto r = run(make("dualpipev", p, m, 2), 1.0, 1.0, 1.0);
+      const double F = 1, B = 2, W = 1, FandB = F + B;
+      const double published = (p - 1) * (FandB + B - 3 * W);
+      for (int rank = 0; rank < p; ++rank) {
+        EXPECT_NEAR(r.makespan - r.busyTimePerRank[rank], p - 1.0, 1e-9);
+        EXPECT_LE(r.makespan - r.busyTimePerRank[rank], published + 1e-9);
+        EXPECT_EQ(r.peakActivationsPerRank[rank], 2 * p + 1);
+      }
+    }
+  }
+}
+
+TEST(SimulatorFormula, InterleavedZeroBubbleHasZB1PsBubblePerChunk) {
+  // Published ZB1P (zero-bubble paper's ZB-H1; DualPipe README): (p-1)(F + B - 2W) per rank,
+  // here with chunk times (B = I + W): p-1 at unit costs, a third of interleaved-1f1b's
+  // (p-1)(F + B) on the same chunks, and 2(p-1) with F = 2.
+  for (int p = 2; p <= 6; ++p) {
+    for (int v : {1, 2, 3}) {
+      for (int m = p; m <= 24; m += p) {
+        SCOPED_TRACE("p=" + std::to_string(p) + " v=" + std::to_string(v) + " m=" + std::to_string(m));
+        const auto zb = run(make("interleaved-zb", p, m, v), 1.0, 1.0, 1.0);
+        const auto inter = run(make("interleaved-1f1b", p, m, v), 1.0, 1.0, 1.0);
+        for (int rank = 0; rank < p; ++rank) {
+          EXPECT_NEAR(zb.makespan - zb.busyTimePerRank[rank], (p - 1) * (1.0 + 2.0 - 2.0), 1e-9);
+        }
+        EXPECT_NEAR(bubbleTime(inter), (p - 1) * (1.0 + 2.0), 1e-9);
+        EXPECT_NEAR(bubbleTime(run(make("interleaved-zb", p, m, v), 2.0, 1.0, 1.0)),
+                    (p - 1) * (2.0 + 2.0 - 2.0), 1e-9);
       }
     }
   }

@@ -18,19 +18,26 @@ struct Expected {
   int perStepOf4;  // microbatchesPerStep(4)
   bool multiChunk, supportsReplicas, splitBackward, stashWeights, streaming,
       supportsVerticalSync, plannerStraight, plannerTwoVersions;
+  int fixedChunks;
+  ChunkPlacement placement;
 };
 
 constexpr auto kCaller = UpdateRule::kCallerPerBatch;
 constexpr auto kSum = ReplicaReduction::kSum;
+constexpr auto kRR = ChunkPlacement::kRoundRobin;
+constexpr auto kV = ChunkPlacement::kV;
 
 const Expected kTable[] = {
-    // name               async  update                     reduce                  m/step chunk  repl   split  stash  stream vsync  straight 2v
-    {"gpipe",             false, kCaller,                   kSum,                   4,     false, true,  false, false, false, false, false, false},
-    {"1f1b",              false, kCaller,                   kSum,                   4,     false, true,  false, false, false, false, false, false},
-    {"interleaved-1f1b",  false, kCaller,                   kSum,                   4,     true,  false, false, false, false, false, true,  false},
-    {"zb-h1",             false, kCaller,                   kSum,                   4,     false, false, true,  false, false, false, true,  false},
-    {"pipedream",         true,  UpdateRule::kPerMinibatch, ReplicaReduction::kMean, 1,    false, true,  false, true,  true,  true,  false, false},
-    {"pipedream-2bw",     true,  UpdateRule::kPerBatch,     kSum,                   4,     false, true,  false, true,  true,  false, false, true},
+    // name               async  update                     reduce                  m/step chunk  repl   split  stash  stream vsync  straight 2v    fixed place
+    {"gpipe",             false, kCaller,                   kSum,                   4,     false, true,  false, false, false, false, false, false, 0,    kRR},
+    {"1f1b",              false, kCaller,                   kSum,                   4,     false, true,  false, false, false, false, false, false, 0,    kRR},
+    {"interleaved-1f1b",  false, kCaller,                   kSum,                   4,     true,  false, false, false, false, false, true,  false, 0,    kRR},
+    {"zb-h1",             false, kCaller,                   kSum,                   4,     false, false, true,  false, false, false, true,  false, 0,    kRR},
+    {"zbv",               false, kCaller,                   kSum,                   4,     true,  false, true,  false, false, false, true,  false, 2,    kV},
+    {"dualpipev",         false, kCaller,                   kSum,                   4,     true,  false, true,  false, false, false, true,  false, 2,    kV},
+    {"interleaved-zb",    false, kCaller,                   kSum,                   4,     true,  false, true,  false, false, false, true,  false, 0,    kRR},
+    {"pipedream",         true,  UpdateRule::kPerMinibatch, ReplicaReduction::kMean, 1,    false, true,  false, true,  true,  true,  false, false, 0,    kRR},
+    {"pipedream-2bw",     true,  UpdateRule::kPerBatch,     kSum,                   4,     false, true,  false, true,  true,  false, false, true,  0,    kRR},
 };
 
 TEST(ScheduleTraits, TableIsExact) {
@@ -54,11 +61,14 @@ TEST(ScheduleTraits, TableIsExact) {
     EXPECT_EQ(t.supportsVerticalSync, e.supportsVerticalSync);
     EXPECT_EQ(t.plannerStraight, e.plannerStraight);
     EXPECT_EQ(t.plannerTwoVersions, e.plannerTwoVersions);
+    EXPECT_EQ(t.fixedChunks, e.fixedChunks);
+    EXPECT_EQ(t.chunkPlacement, e.placement);
   }
 }
 
 TEST(ScheduleTraits, NamesComeFromTheTable) {
   EXPECT_EQ(scheduleNames(), (std::vector<std::string>{"gpipe", "1f1b", "interleaved-1f1b", "zb-h1",
+                                                       "zbv", "dualpipev", "interleaved-zb",
                                                        "pipedream", "pipedream-2bw"}));
 }
 
@@ -68,6 +78,8 @@ TEST(ScheduleTraits, EnumNames) {
   EXPECT_STREQ(updateRuleName(UpdateRule::kPerBatch), "per_batch");
   EXPECT_STREQ(replicaReductionName(ReplicaReduction::kSum), "sum");
   EXPECT_STREQ(replicaReductionName(ReplicaReduction::kMean), "mean");
+  EXPECT_STREQ(chunkPlacementName(ChunkPlacement::kRoundRobin), "round_robin");
+  EXPECT_STREQ(chunkPlacementName(ChunkPlacement::kV), "v");
 }
 
 TEST(ScheduleTraits, UnknownNameListsTheChoices) {
@@ -77,7 +89,7 @@ TEST(ScheduleTraits, UnknownNameListsTheChoices) {
   } catch (const std::invalid_argument& e) {
     EXPECT_EQ(std::string(e.what()),
               "unknown schedule '1f1c'; choose one of: gpipe, 1f1b, interleaved-1f1b, zb-h1, "
-              "pipedream, pipedream-2bw");
+              "zbv, dualpipev, interleaved-zb, pipedream, pipedream-2bw");
   }
 }
 

@@ -1,0 +1,252 @@
+"""Zero-bubble schedules with several chunks per rank (zbv, dualpipev, interleaved-zb)
+run by the runtime: equal to the unsplit model, and checkpoints re-shard between
+their layouts and straight ones (CPU, Gloo, processes on localhost).
+
+One torchrun launch per world size runs every case:
+
+* 2 ranks: every schedule against the unsplit model (loss of every step, gradients
+  of the first, every weight after SGD-momentum and Adam steps), evaluation with
+  ``forward_only``; then a ``zbv`` run that saves a checkpoint after N steps and goes
+  on for M (the reference), and a ``1f1b`` pipeline (straight, 2 stages, another
+  balance) that loads the ``zbv`` checkpoint and must end where the reference did;
+* 4 ranks: every schedule against the unsplit model; the 2-rank ``zbv`` checkpoint
+  loaded into ``1f1b`` on 4 straight stages and into ``zbv`` on 4 ranks (8 stages in
+  a V), trained M steps, compared with the 2-rank reference.
+
+The model passes a tuple between the stages at the turn of the V (stage p-1 -> p,
+both on rank p-1: handed over in memory) and, for interleaved-zb, between ranks.
+Standalone: ``PDZB_DIR=/tmp/zb torchrun --standalone --nproc-per-node 2
+tests/test_zero_bubble.py`` (then ``--nproc-per-node 4``).
+"""
+from __future__ import annotations
+
+import glob
+import os
+from typing import Dict, List, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
+
+HERE = os.path.abspath(__file__)
+MARKER = "ALL ZERO-BUBBLE CHECKS PASSED"
+RTOL, ATOL = 1e-5, 1e-6
+STEPS = 4  # per optimizer
+N, M = 2, 3  # checkpoint: steps before saving, steps after
+
+
+# --------------------------------------------------------------------------- model
+class Dense(nn.Module):
+    """Linear + tanh; with ``fork`` it returns ``(h, tanh(h))``: a tuple activation."""
+
+    def __init__(self, width_in: int, width: int, fork: bool = False) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width_in, width)
+        self.fork = fork
+
+    def forward(self, x: torch.Tensor):
+        h = torch.tanh(self.linear(x))
+        return (h, torch.tanh(h)) if self.fork else h
+
+
+class Join(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+
+    def forward(self, pair):
+        x, y = pair
+        return torch.relu(self.a(x) + self.b(y))
+
+
+def make_model(seed: int = 0) -> nn.Sequential:
+    """9 layers, each with parameters (every stage of 8 has some); layer 3 returns a tuple."""
+    torch.manual_seed(seed)
+    return nn.Sequential(Dense(6, 12), Dense(12, 12), Dense(12, 12), Dense(12, 12, fork=True),
+                         Join(12), Dense(12, 12), Dense(12, 12), Dense(12, 12), nn.Linear(12, 3))
+
+
+def balance_for(stages: int) -> List[int]:
+    """Layers per stage with the tuple (layer 3 -> 4) crossing the middle boundary
+    (stage stages/2 - 1 -> stages/2: the turn of the V)."""
+    return {4: [2, 2, 2, 3], 8: [1, 1, 1, 1, 1, 1, 1, 2]}[stages]
+
+
+def batch(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+def make_optimizer(kind: str, params) -> torch.optim.Optimizer:  # type: ignore[no-untyped-def]
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def build(schedule: str, microbatches: int, chunks: int, seed: int = 0):  # type: ignore[no-untyped-def]
+    import pipedream_ext as pd
+
+    stages = dist.get_world_size() * chunks
+    return pd.PipeDream(make_model(seed), F.cross_entropy, schedule=schedule,
+                        microbatches=microbatches, chunks=chunks, balance=balance_for(stages),
+                        timeout=60)
+
+
+# --------------------------------------------------------------------------- equality
+def check_matches_unsplit_model(schedule: str, microbatches: int) -> None:
+    """Every step's loss, the first step's gradients and every weight after STEPS steps of
+    SGD with momentum and of Adam equal the unsplit model's; forward_only its outputs."""
+    world = dist.get_world_size()
+    what = f"{schedule} p={world} m={microbatches}"
+    for opt_name in ("sgd", "adam"):
+        ref = make_model()
+        pipe = build(schedule, microbatches, chunks=2)
+        r = dist.get_rank()
+        v_shape = schedule in ("zbv", "dualpipev")  # rank r: stages r and 2p-1-r; else r, r+p
+        assert list(pipe.local_stages) == sorted({r, 2 * world - 1 - r} if v_shape else {r, r + world}), \
+            (what, pipe.local_stages)
+        ref_opt = make_optimizer(opt_name, ref.parameters())
+        opt = make_optimizer(opt_name, pipe.parameters())
+        ref_params: Dict[str, nn.Parameter] = dict(ref.named_parameters())
+        for step in range(STEPS):
+            # Batch sizes change between steps (and the last microbatch may be smaller).
+            x, y = batch(n=2 * microbatches + step % 3, seed=10 + step)
+            ref_loss = F.cross_entropy(ref(x), y)
+            ref_loss.backward()
+            loss = pipe.step(x, y)
+            assert abs(loss - ref_loss.item()) <= RTOL * max(1.0, abs(ref_loss.item())), \
+                f"{what} {opt_name} step {step}: loss {loss} != {ref_loss.item()}"
+            if step == 0:
+                for name, p in pipe.named_parameters():
+                    assert_close(p.grad, ref_params[name].grad, f"{what} grad of {name}")
+            ref_opt.step(); ref_opt.zero_grad()
+            opt.step(); opt.zero_grad()
+        for name, p in pipe.named_parameters():
+            assert_close(p.detach(), ref_params[name].detach(),
+                         f"{what} {opt_name}: weight {name} after {STEPS} steps")
+        pipe.eval()
+        x, _ = batch(n=2 * microbatches + 1, seed=99)
+        out = pipe.forward_only(x)
+        if pipe.is_last:
+            assert_close(out, ref(x).detach(), f"{what} forward_only")
+        else:
+            assert out is None
+        pipe.close()
+
+
+# --------------------------------------------------------------------------- checkpoints
+def train(pipe, opt, steps: range) -> None:  # type: ignore[no-untyped-def]
+    for t in steps:
+        x, y = batch(n=8, seed=1000 + t)
+        pipe.step(x, y)
+        opt.step()
+        opt.zero_grad()
+
+
+def save_state(pipe, path: str) -> None:  # type: ignore[no-untyped-def]
+    """This rank's parameters, into a per-rank file (merged by the loading side)."""
+    torch.save({k: v.detach().clone() for k, v in pipe.named_parameters()},
+               f"{path}-rank{dist.get_rank()}.pt")
+
+
+def merged(prefix: str) -> Dict[str, torch.Tensor]:
+    state: Dict[str, torch.Tensor] = {}
+    for path in sorted(glob.glob(f"{prefix}-rank*.pt")):
+        state.update(torch.load(path, weights_only=True))
+    assert state, f"no {prefix}-rank*.pt"
+    return state
+
+
+def save_zbv_checkpoint(root: str) -> None:
+    """2 ranks: zbv, N steps, checkpoint, M more steps: the reference at N and N + M."""
+    import pipedream_ext as pd
+
+    pipe = build("zbv", microbatches=4, chunks=2)
+    opt = torch.optim.Adam(pipe.parameters(), lr=0.01)
+    train(pipe, opt, range(N))
+    pd.save_checkpoint(os.path.join(root, "ckpt"), pipe, opt, step=N)
+    save_state(pipe, os.path.join(root, "at-n"))
+    train(pipe, opt, range(N, N + M))
+    save_state(pipe, os.path.join(root, "at-n-plus-m"))
+    pipe.close()
+    dist.barrier()
+
+
+def check_resume(root: str, schedule: str, chunks: int, balance: Optional[List[int]]) -> None:
+    """Another layout loads the zbv checkpoint (weights and Adam state by name) and,
+    after M steps, holds the weights of the uninterrupted zbv run."""
+    import pipedream_ext as pd
+
+    what = f"zbv checkpoint -> {schedule} p={dist.get_world_size()} chunks={chunks}"
+    pipe = pd.PipeDream(make_model(seed=7), F.cross_entropy, schedule=schedule, microbatches=4,
+                        chunks=chunks, balance=balance, timeout=60)
+    opt = torch.optim.Adam(pipe.parameters(), lr=0.01)
+    info = pd.load_checkpoint(os.path.join(root, "ckpt"), pipe, opt)
+    assert info.step == N, what
+    at_n = merged(os.path.join(root, "at-n"))
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.detach(), at_n[name], rtol=0, atol=0,
+                                   msg=lambda m: f"{what}: loaded {name}: {m}")
+    train(pipe, opt, range(N, N + M))
+    final = merged(os.path.join(root, "at-n-plus-m"))
+    for name, p in pipe.named_parameters():
+        assert_close(p.detach(), final[name], f"{what}: {name} after {M} more steps")
+    pipe.close()
+
+
+# --------------------------------------------------------------------------- worker
+CASES: Dict[int, List[tuple]] = {
+    # (schedule, microbatches): zbv also with m < 2p - 1 (and m < p), dualpipev from m = 2p.
+    2: [("zbv", 4), ("zbv", 1), ("dualpipev", 4), ("dualpipev", 5), ("interleaved-zb", 2),
+        ("interleaved-zb", 4)],
+    4: [("zbv", 8), ("zbv", 3), ("dualpipev", 8), ("interleaved-zb", 4), ("interleaved-zb", 8)],
+}
+
+
+def run_all_checks() -> None:
+    world = dist.get_world_size()
+    for schedule, m in CASES[world]:
+        check_matches_unsplit_model(schedule, m)
+    root = os.environ["PDZB_DIR"]
+    if world == 2:
+        save_zbv_checkpoint(root)
+        check_resume(root, "1f1b", chunks=1, balance=[3, 6])
+    else:
+        check_resume(root, "1f1b", chunks=1, balance=None)
+        check_resume(root, "zbv", chunks=2, balance=balance_for(8))
+
+
+# --------------------------------------------------------------------------- pytest side
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("zero_bubble"))
+
+
+def _launch(world: int, root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDZB_DIR", root)
+    assert_every_rank_passed(launch_torchrun(HERE, world), world, MARKER)
+
+
+def test_two_ranks_match_the_unsplit_model_and_save_a_v_checkpoint(
+        checkpoint_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _launch(2, checkpoint_dir, monkeypatch)
+
+
+def test_four_ranks_match_the_unsplit_model_and_reshard_the_v_checkpoint(
+        checkpoint_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not os.path.exists(os.path.join(checkpoint_dir, "ckpt", "manifest.json")):
+        _launch(2, checkpoint_dir, monkeypatch)  # run alone (pytest -k four): checkpoint first
+    _launch(4, checkpoint_dir, monkeypatch)
+
+
+if __name__ == "__main__":
+    worker_main(run_all_checks, MARKER)
