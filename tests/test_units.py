@@ -439,8 +439,23 @@ def test_tracing_errors_name_the_value_and_the_fix() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.a(self.b(self.a(x)))
 
-    with pytest.raises(ValueError, match="'a.bias' is used by stage 0 and stage 1"):
-        split_model(Reused(), ["b"], (torch.randn(2, 4),))
+    # A module with parameters called on both sides of a cut: its parameters are
+    # shared by both stages (the shared-parameter rule, _shared), under one name.
+    from pipedream_ext._shared import alias_names, describe, find_shared_in_stages
+
+    reused = Reused()
+    split = split_model(reused, ["b"], (torch.randn(2, 4),))
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(split.stages[1](split.stages[0](x)), reused(x))
+    assert split.stages[1].get_submodule("a") is reused.a
+    shared = find_shared_in_stages(reused, split.stages)
+    assert [(sp.names, sp.name_stages) for sp in shared] == [
+        (("a.weight", "a.weight"), (0, 1)), (("a.bias", "a.bias"), (0, 1))]
+    assert describe(shared[0]) == "a.weight (stages 0 and 1)"
+    # Stored by stage 0; stage 1's checkpoint file lists it as the same tensor.
+    assert alias_names(shared, stage=0) == {}
+    assert alias_names(shared, stage=1) == {"a.weight": "a.weight", "a.bias": "a.bias"}
+
     class Disconnected(nn.Module):
         def __init__(self) -> None:
             super().__init__()
