@@ -4,6 +4,7 @@ argument checks, schedule traits, targets, the stage function, plans -> stages
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import pytest
 import torch
@@ -508,6 +509,42 @@ def test_constants_are_made_by_each_stage_and_called_buffers_kept_in_one() -> No
     with pytest.raises(ValueError, match="'norm.num_batches_tracked' is used by stage 0 and "
                                          "stage 1 \\(its module is called on both sides"):
         split_model(StatsTwice(), ["b"], (torch.randn(2, 4),))
+
+
+def test_named_inputs_are_traced_by_parameter_name_and_the_rest_take_defaults() -> None:
+    from pipedream_ext._trace import split_model
+
+    class Keywords(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                    bias: Optional[torch.Tensor] = None, double: bool = False) -> torch.Tensor:
+            h = self.a(x) if bias is None else self.a(x) + bias
+            h = self.b(h * mask if mask is not None else h)
+            return h * 2 if double else h
+
+    model = Keywords()
+    x, mask = torch.randn(3, 4), torch.ones(3, 4)
+    split = split_model(model, ["b"], {"mask": mask, "x": x}, concrete_args={"double": True})
+    assert split.tracer == "fx" and split.input_names == ["x", "mask"]  # forward's order
+    assert split.live == [["mul"]]  # the mask is used before b, in stage 0
+    torch.testing.assert_close(split.stages[1](split.stages[0]((x, mask))),
+                               model(x, mask=mask, double=True))
+    with pytest.raises(ValueError, match=r"inputs \['nope'\] name no parameter of Keywords.forward"):
+        split_model(model, ["b"], {"x": x, "nope": mask})
+
+    class Required(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x) + y)
+
+    with pytest.raises(ValueError, match=r"Required.forward parameter 'y' has no default"):
+        split_model(Required(), ["b"], {"x": x})
 
 
 def test_find_shared_in_stages_of_a_traced_model() -> None:
