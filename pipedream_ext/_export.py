@@ -24,6 +24,9 @@ ways this module handles:
   where it has one), which follow ``pipe.train()`` / ``pipe.eval()``; a graph that
   changes a buffer or an input in place (BatchNorm in training mode) is refused,
   fx handles such models (BatchNorm stays a module call there);
+* tensors the forward creates (``torch.arange``, masks) are created on the device
+  the model was exported on, a constant of the graph: :func:`retarget_devices`
+  points them at the stage's device;
 * sizes are symbolic integers (``sym_size``) computed once, near the inputs, and
   used everywhere: :func:`localize_sizes` recomputes them in every stage that
   uses them from a tensor available there, so only tensors cross a cut.
@@ -40,7 +43,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-__all__ = ["ExportRefused", "export_model", "localize_sizes"]
+__all__ = ["ExportRefused", "export_model", "localize_sizes", "retarget_devices"]
 
 
 class ExportRefused(ValueError):
@@ -403,3 +406,27 @@ def localize_sizes(gm: fx.GraphModule, starts: Sequence[int]) -> List[int]:
     position = {n: i for i, n in enumerate(_compute_nodes(graph))}
     return [min([position[first_nodes[k]]] + [position[n] for n in added.get(k + 1, [])])
             for k in range(len(starts))]
+
+
+def retarget_devices(gm: fx.GraphModule, device: torch.device) -> None:
+    """Points the device constants of an exported stage at ``device``.
+
+    The export records ``torch.arange(n, device=x.device)`` with the sample's device
+    written in; a stage moved to another device (``cuda:LOCAL_RANK``) creates those
+    tensors there instead.
+    """
+    changed = False
+
+    def swap(value: Any) -> Any:
+        nonlocal changed
+        if isinstance(value, torch.device) and value != device:
+            changed = True
+            return device
+        return value
+
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            node.args = fx.node.map_aggregate(node.args, swap)
+            node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+    if changed:
+        gm.recompile()

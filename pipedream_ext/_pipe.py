@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C, _collectives, _faults, _load_state, _materialize, _model_io, _signals, schedules
+from . import (_C, _collectives, _export, _faults, _load_state, _materialize, _model_io,
+               _signals, schedules)
 from ._config import PipelineConfig
 from ._groups import PipelineGroups, init_default_group
 from ._observe import Observer
@@ -211,6 +212,9 @@ class PipeDream:
         stage_ranks = [self._schedule.stage_ranks(j) for j in range(self._schedule.num_stages)]
         self._groups = PipelineGroups.create(group, stage_ranks, self.config.timeout)
         self._stages = self._local_stages(module, partition, deferred, init_seed, init_fn)
+        if self.traced is not None and self.traced.tracer == "export":
+            for j in self._stages:  # tensors the graph creates: on this rank's device
+                _export.retarget_devices(self._stages[j], self.device)
         shared_gradients = SharedGradients(self.shared_parameters, self._stages, stage_ranks,
                                            self._groups.group, self.config.timeout)
         # Every copy starts as the first use's stage has it (meta layers are

@@ -310,6 +310,14 @@ def test_export_path_keeps_parameters_names_and_runs_at_other_shapes() -> None:
             want = model(**batch, **NO_CACHE)
         assert type(got).__name__ == "CausalLMOutputWithCrossAttentions"
         torch.testing.assert_close(got.logits, want.logits, rtol=RTOL, atol=ATOL)
+    # Tensors the graph creates (positions, masks) follow the stage to its device.
+    from pipedream_ext._export import retarget_devices
+
+    devices = lambda stage: {a for n in stage.graph.nodes for a in n.kwargs.values()  # noqa: E731
+                             if isinstance(a, torch.device)}
+    assert devices(split.stages[0]) == {torch.device("cpu")}
+    retarget_devices(split.stages[0], torch.device("meta"))
+    assert devices(split.stages[0]) == {torch.device("meta")}
 
 
 def test_export_dropout_follows_train_and_eval() -> None:

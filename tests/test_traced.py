@@ -379,6 +379,16 @@ class Chain(nn.Module):
         return x
 
 
+class ExportedChain(Chain):
+    """The same, with a check torch.fx cannot trace (a branch on a shape), so the
+    pipeline takes the torch.export path."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != 6:
+            raise ValueError("expected 6 features")
+        return super().forward(x)
+
+
 def chain_layers() -> List[nn.Module]:
     torch.manual_seed(0)
     return [nn.Linear(6, 8), nn.Sequential(nn.Tanh(), nn.Linear(8, 8)),
@@ -387,7 +397,8 @@ def chain_layers() -> List[nn.Module]:
 
 def check_asynchronous_equals_sequential(schedule: str) -> None:
     """Asynchronous schedules (weight stashing) on a traced model run exactly as on the
-    same layers given as an nn.Sequential with the same stage boundaries."""
+    same layers given as an nn.Sequential with the same stage boundaries (fx, and
+    torch.export for a forward fx cannot trace)."""
     import pipedream_ext as pd
 
     world = dist.get_world_size()
@@ -398,7 +409,10 @@ def check_asynchronous_equals_sequential(schedule: str) -> None:
     pipes = [pd.PipeDream(nn.Sequential(*chain_layers()), F.cross_entropy, schedule=schedule,
                           microbatches=4, balance=balance, timeout=60),
              pd.PipeDream(Chain(chain_layers()), F.cross_entropy, schedule=schedule,
+                          microbatches=4, split_points=points, sample=(x0, y0), timeout=60),
+             pd.PipeDream(ExportedChain(chain_layers()), F.cross_entropy, schedule=schedule,
                           microbatches=4, split_points=points, sample=(x0, y0), timeout=60)]
+    assert [p.traced.tracer for p in pipes[1:]] == ["fx", "export"]
     losses: List[List[Any]] = []
     for pipe in pipes:
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
@@ -408,11 +422,13 @@ def check_asynchronous_equals_sequential(schedule: str) -> None:
             losses[-1].append(pipe.step(x if pipe.is_first else None,
                                         y if pipe.is_last else None, optimizer=opt))
         pipe.flush()
-    assert losses[0] == losses[1], (schedule, losses)
-    seq, traced = pipes[0].state_dict(), pipes[1].state_dict()
-    assert list(seq) == list(traced), (list(seq), list(traced))
-    for name in seq:
-        assert torch.equal(seq[name], traced[name]), f"{schedule}: {name}"
+    assert losses[0] == losses[1] == losses[2], (schedule, losses)
+    seq = pipes[0].state_dict()
+    for pipe in pipes[1:]:
+        traced = pipe.state_dict()
+        assert list(seq) == list(traced), (list(seq), list(traced))
+        for name in seq:
+            assert torch.equal(seq[name], traced[name]), f"{schedule}: {name}"
 
 
 def run_checks() -> None:
