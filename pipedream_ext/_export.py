@@ -361,7 +361,8 @@ def localize_sizes(gm: fx.GraphModule, starts: Sequence[int]) -> List[int]:
     last_use = {n: max((stage_of[u] for u in n.users), default=-1) for n in graph.nodes
                 if n.op not in ("output", "get_attr")}
     added: Dict[int, List[fx.Node]] = {}
-    made: Dict[Tuple[fx.Node, int], fx.Node] = {}
+    # Keyed by the node it is made before too, so a copy always precedes its users.
+    made: Dict[Tuple[fx.Node, int, fx.Node], fx.Node] = {}
 
     def is_size(n: fx.Node) -> bool:
         return isinstance(n.meta.get("val"), torch.SymInt)
@@ -375,8 +376,8 @@ def localize_sizes(gm: fx.GraphModule, starts: Sequence[int]) -> List[int]:
                 if isinstance(n.meta.get("val"), torch.Tensor)]
 
     def remake(value: fx.Node, j: int, before: fx.Node) -> fx.Node:
-        if (value, j) in made:
-            return made[(value, j)]
+        if (value, j, before) in made:
+            return made[(value, j, before)]
         expr = value.meta["val"].node.expr
         found = next(((t, d) for t in sources(j, before)
                       for d, size in enumerate(t.meta["val"].shape)
@@ -392,7 +393,7 @@ def localize_sizes(gm: fx.GraphModule, starts: Sequence[int]) -> List[int]:
         stage_of[new] = j
         order[new] = order[before] - 0.5  # between the nodes around it, for later lookups
         added.setdefault(j, []).append(new)
-        made[(value, j)] = new
+        made[(value, j, before)] = new
         return new
 
     for value in [n for n in nodes if is_size(n)]:
@@ -401,6 +402,9 @@ def localize_sizes(gm: fx.GraphModule, starts: Sequence[int]) -> List[int]:
             j = stage_of[user]
             first_use = min((u for u in later if stage_of[u] == j), key=order.get)
             user.replace_input_with(value, remake(value, j, first_use))
+    for node in reversed(nodes):  # sizes now only computed again where they are used
+        if is_size(node) and not node.users and node not in first_nodes:
+            graph.erase_node(node)
     graph.lint()
     gm.recompile()
     position = {n: i for i, n in enumerate(_compute_nodes(graph))}

@@ -547,6 +547,39 @@ def test_named_inputs_are_traced_by_parameter_name_and_the_rest_take_defaults() 
         split_model(Required(), ["b"], {"x": x})
 
 
+def test_export_path_recomputes_sizes_in_the_stages_using_them() -> None:
+    """A forward fx cannot trace (a branch on a shape) goes through torch.export, whose
+    sizes are symbolic integers: each stage computes the sizes it uses from a tensor it
+    has (``b * t`` from its own activation), or the tensor carrying them travels."""
+    from pipedream_ext._trace import split_model
+
+    class Sizes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[-1] != 4:
+                raise ValueError("4 features")
+            b, t = x.shape[0], x.shape[1]
+            h = self.b(self.a(x).reshape(b * t, 4))
+            return self.c(h.reshape(b, t, 4)).reshape(b * t, 4)
+
+    model = Sizes()
+    split = split_model(model, ["b", "c"], (torch.randn(4, 6, 4),))
+    assert split.tracer == "export" and split.output_spec is not None
+    # Stage 1 reshapes to (b, t, 4): only x carries b and t alone, so x travels; stage 2
+    # takes b * t from its own activation's (b, t) dimensions.
+    assert split.live == [["x", "reshape"], ["reshape_1"]], split.live
+    assert "sym_size.int(linear_2, 0)" in split.stages[2].code
+    for shape in [(4, 6), (2, 6), (3, 5), (1, 9)]:
+        x = torch.randn(*shape, 4)
+        value: object = x
+        for stage in split.stages:
+            value = stage(value)
+        torch.testing.assert_close(value[0], model(x))
+
+
 def test_find_shared_in_stages_of_a_traced_model() -> None:
     from pipedream_ext._shared import find_shared_in_stages
     from pipedream_ext._trace import split_model
