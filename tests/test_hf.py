@@ -7,9 +7,10 @@ worker side with torchrun, or standalone:
     PDHF_DIR=/tmp/h torchrun --standalone --nproc-per-node 3 tests/test_hf.py
 
 A small random GPT-2 (no download) whose head is tied to its token embedding, built
-from a config. On 2, 3 and 4 ranks, every flush schedule (``interleaved-1f1b`` with 2
-chunks) is compared with the unsplit model after SGD-momentum and Adam steps: every
-step's loss and every weight (rtol 1e-5; see ``make_reference`` for the tied weight). Inputs are a dict of named tensors
+from a config. On 2, 3 and 4 ranks, every flush schedule (``synchronous_names()``;
+those with several chunks per rank with 2) is compared with the unsplit model after
+SGD-momentum and Adam steps: every step's loss and every weight (rtol 1e-5; see
+``make_reference`` for the tied weight). Inputs are a dict of named tensors
 (``input_ids`` and a right-padding ``attention_mask``) or one tensor given
 positionally; the batch size and the sequence length change between steps;
 ``loss_fn`` gets the model's own ``CausalLMOutputWithCrossAttentions``. Then
@@ -149,8 +150,10 @@ def check_schedule(schedule: str, mask: bool, positional: bool = False) -> Tuple
     Returns:
         The pipeline, its Adam optimizer, the reference and its Adam optimizer.
     """
+    import pipedream_ext as pd
+
     world = dist.get_world_size()
-    stages = world * (2 if schedule == "interleaved-1f1b" else 1)
+    stages = world * (2 if pd.schedules.traits(schedule).multi_chunk else 1)
     pipe, model = build(schedule, stages, mask, positional)
     assert pipe.traced.tracer == "export", pipe.traced.tracer
     ref, tied = make_reference(), make_gpt2()
