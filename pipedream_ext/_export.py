@@ -234,14 +234,16 @@ def _refuse_updates(model: nn.Module, names: Sequence[str]) -> None:
 @torch.no_grad()
 def _updated_in_place(gm: fx.GraphModule, model: nn.Module,
                       inputs: Sequence[torch.Tensor]) -> List[str]:
-    """The model's tensors (and inputs) one run of ``gm`` on ``inputs`` changes; put back.
+    """The model's buffers (and inputs) one run of ``gm`` on ``inputs`` changes; put back.
 
     Export's training graph keeps in-place updates (``add_`` on a counter,
     ``aten.batch_norm(..., training=True, ...)`` on the running statistics) on the
     model's own buffers, whatever ``pipe.eval()`` says. Run in eval mode (dropout
-    off) with the RNG state restored afterwards.
+    off) with the RNG state restored afterwards. (Parameters are not copied: a
+    forward changing its weights in place is not something to check for at the
+    cost of a second copy of the model.)
     """
-    own = {id(t): (name, t) for name, t in _tensor_of(model).items()}
+    own = {id(t): (name, t) for name, t in model.named_buffers(remove_duplicate=False)}
     tensors = [(name, t) for name, t in own.values()] + \
         [(f"input {i}", t) for i, t in enumerate(inputs)]
     before = [t.detach().clone() for _, t in tensors]
