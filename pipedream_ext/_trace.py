@@ -10,7 +10,9 @@ A value that jumps over several stages is relayed through the stages between
 (they return it unchanged), so autograd sends its gradient back along the same
 edges. Stage ``j`` is a ``torch.fx.GraphModule`` built from the traced root, so
 it holds the original submodules at their original paths and its parameter
-names are the unsplit model's. Design and limits: docs/tracing.md.
+names are the unsplit model's. A forward fx cannot trace (a Hugging Face model) is
+exported with ``torch.export`` instead (``_export``) into the same kind of graph.
+Design and limits: docs/tracing.md.
 
 Index legend: ``j`` stage, ``k`` cut (between stage ``k - 1`` and stage ``k``).
 """
@@ -29,8 +31,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-__all__ = ["TracedSplit", "UntraceableError", "trace_model", "stage_starts", "live_sets", "build_stages",
-           "split_model", "merge_stage_modules"]
+__all__ = ["TracedSplit", "UntraceableError", "trace_model", "stage_starts", "live_sets",
+           "build_stages", "split_model", "merge_stage_modules"]
 
 # Attribute reads never cross a cut: every stage using one reads it itself (a parameter
 # or buffer of the model, or a tensor fx computed while tracing, such as
