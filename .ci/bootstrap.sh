@@ -3,7 +3,7 @@
 # the extension. Idempotent: a second run only rebuilds what changed.
 #   - GoogleTest + cmake (apt; needs root or sudo)
 #   - torch==2.13.0 (the CPU wheel; never unpinned: that pulls CUDA packages)
-#   - Python tools (ninja, pytest, tqdm, ...)
+#   - Python tools (ninja, pytest, tqdm, ...) and transformers==5.23.0 (the [hf] extra)
 #   - pipedream_ext._C (pip install --no-build-isolation -e .)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +25,12 @@ if ! $PY -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13
   $PY -m pip install -q torch==2.13.0
 fi
 $PY -m pip install -q ninja pytest pytest-timeout tqdm numpy matplotlib scikit-learn 2>&1 | grep -v "Running pip as the 'root' user" || true
+# The [hf] extra, for tests/test_hf.py and examples/train_hf_gpt2.py: transformers has
+# no torch requirement, so the pinned CPU torch stays (checked with pip --dry-run).
+if ! $PY -c "import transformers, sys; sys.exit(transformers.__version__ != '5.23.0')" 2>/dev/null; then
+  log "installing transformers==5.23.0"
+  $PY -m pip install -q transformers==5.23.0 2>&1 | grep -v "Running pip as the 'root' user" || true
+fi
 
 # Build (or rebuild) the extension when it is missing or older than csrc/.
 so=$(ls pipedream_ext/_C*.so 2>/dev/null | head -n1 || true)

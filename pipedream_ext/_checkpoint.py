@@ -311,8 +311,13 @@ def _owner_of_key(manifest: Mapping[str, Any]) -> Any:
     whose file lists it, so it loads into any other split by name.
     """
     if "split_points" in manifest:
+        # A name several stages list (a parameter read on both sides of a cut) is
+        # stored by one and listed "same_as" itself by the others: that one owns it.
         listed = {key: stage for stage in manifest["stages"]
-                  for key in stage["model"].get("tensors", {})}
+                  for key, record in stage["model"].get("tensors", {}).items()
+                  if "same_as" not in record}
+        listed.update({key: stage for stage in manifest["stages"]
+                       for key in stage["model"].get("tensors", {}) if key not in listed})
 
         def traced_owner(key: str) -> Dict[str, Any]:
             if key not in listed:
@@ -478,8 +483,10 @@ def _optimizer_by_stage(pipe: "PipeDream", optimizer: torch.optim.Optimizer) -> 
     # canonical name's stage: the other stages' copies hold the same state.
     canonical = canonical_names(pipe.shared_parameters)
     names = {id(p): canonical.get(n, n) for n, p in pipe.named_parameters()}
-    stage_of_name = {n: j for j, module in _local_stage_modules(pipe).items()
-                     for n, _ in module.named_parameters()}
+    stage_of_name: Dict[str, int] = {}
+    for j, module in sorted(_local_stage_modules(pipe).items()):
+        for n, _ in module.named_parameters():
+            stage_of_name.setdefault(n, j)  # a name two local stages hold: the first stores it
     packed = optimizer.state_dict()  # runs the optimizer's state_dict hooks; tensors are not copied
     index_to_name: Dict[int, str] = {}
     index = 0
@@ -592,13 +599,13 @@ def save_checkpoint(path: PathLike, pipe: "PipeDream", optimizer: Optional[torch
     error = None
     records: List[Dict[str, Any]] = []
     extra_record: Optional[Dict[str, Any]] = None
-    aliases = alias_names(pipe.shared_parameters)
     try:
         os.makedirs(directory, exist_ok=True)
         for j, module in _local_stage_modules(pipe).items():
             ranks = _stage_ranks(pipe, j)
             if ranks[0] != pipe.rank:
                 continue  # replicas hold the leader's weights
+            aliases = alias_names(pipe.shared_parameters, stage=j)
             start, stop = pipe.stage_layers[j]
             state = module.state_dict()  # detached views, no copies
             # A name of a parameter shared with an earlier stage is listed with the

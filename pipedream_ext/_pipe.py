@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C, _collectives, _faults, _load_state, _materialize, _signals, schedules
+from . import (_C, _collectives, _export, _faults, _load_state, _materialize, _model_io,
+               _signals, schedules)
 from ._config import PipelineConfig
 from ._groups import PipelineGroups, init_default_group
 from ._observe import Observer
@@ -45,10 +46,14 @@ class PipeDream:
     """Pipeline-parallel training of a model over the ranks of a process group.
 
     An ``nn.Sequential`` is cut between its children (``balance``); any other
-    ``nn.Module`` is traced with torch.fx on ``sample`` and cut where the modules
-    named by ``split_points`` start (docs/tracing.md)::
+    ``nn.Module`` is traced with torch.fx (or, where fx cannot, ``torch.export``) on
+    ``sample`` and cut where the modules named by ``split_points`` start
+    (docs/tracing.md)::
 
         pipe = PipeDream(resnet, F.cross_entropy, split_points=["layer3"], sample=(x, y))
+        pipe = PipeDream(gpt2, loss_fn, split_points=["transformer.h.6"],
+                         sample=({"input_ids": x, "attention_mask": m}, y),
+                         concrete_args={"use_cache": False})
 
     Example (under ``torchrun --nproc-per-node 4``)::
 
@@ -146,13 +151,15 @@ class PipeDream:
 
         split_points: for a model that is not an ``nn.Sequential``: qualified module
             names (``["layer3", "decoder.up1"]``); the model is traced with torch.fx on
-            ``sample`` and stage ``j + 1`` starts at the first operation running in
+            ``sample`` (``torch.export``, non-strict with dynamic shapes, where fx
+            cannot) and stage ``j + 1`` starts at the first operation running in
             ``split_points[j]``. Tensors live across a cut (inputs, skip connections)
             travel as a tuple; names stay the original model's. One fewer than the
             stages (ranks x chunks, or ``len(replicas)``). See docs/tracing.md.
         concrete_args: for a traced model: non-tensor ``forward`` arguments fixed
             for tracing, e.g. ``{"use_cache": False}``; tensor inputs go in ``sample``
-            (a tuple, positionally) and in every ``step``.
+            and in every ``step``: a tuple (positionally) or a dict of named tensors
+            (keyword arguments; every other argument then takes its default).
 
     Raises:
         ValueError: bad schedule, balance, chunks or world size; a model that cannot
@@ -216,6 +223,9 @@ class PipeDream:
         stage_ranks = [self._schedule.stage_ranks(j) for j in range(self._schedule.num_stages)]
         self._groups = PipelineGroups.create(group, stage_ranks, self.config.timeout)
         self._stages = self._local_stages(module, partition, deferred, init_seed, init_fn)
+        if self.traced is not None and self.traced.tracer == "export":
+            for j in self._stages:  # tensors the graph creates: on this rank's device
+                _export.retarget_devices(self._stages[j], self.device)
         shared_gradients = SharedGradients(self.shared_parameters, self._stages, stage_ranks,
                                            self._groups.group, self.config.timeout)
         # Every copy starts as the first use's stage has it (meta layers are
@@ -225,7 +235,11 @@ class PipeDream:
             trace = os.environ.get("PIPEDREAM_TRACE") or None
         self._observer = Observer(self.rank, self.local_stages, self.group, schedule,
                                   os.fspath(trace) if trace is not None else None, self.device)
-        self._stage_fn = StageFunction(self._stages, loss_fn, self.num_stages, self.device,
+        # An exported model's last stage returns its output's tensors flat; loss_fn gets
+        # the model's own structure (a ModelOutput) back.
+        spec = self.traced.output_spec if self.traced is not None else None
+        stage_loss = loss_fn if spec is None else _model_io.RestoredLoss(loss_fn, spec)
+        self._stage_fn = StageFunction(self._stages, stage_loss, self.num_stages, self.device,
                                        self.config.autocast, self.config.check_finite,
                                        raise_at_once=self.asynchronous, rank=self.rank)
         self._runner = make_runner(self.config, self._schedule, self._stream, self._stages,
@@ -532,7 +546,8 @@ class PipeDream:
         pipeline fills). Details: ``_runners.FlushRunner`` / ``StreamRunner``.
 
         Args:
-            inputs: the batch (tensor or tuple of tensors), needed on stage 0's rank.
+            inputs: the batch (tensor or tuple of tensors; a dict of named tensors for
+                a model traced on one), needed on stage 0's rank.
             targets: the targets, needed on the last stage's rank.
             optimizer: asynchronous schedules only: the optimizer of this rank's stage.
 
@@ -540,7 +555,7 @@ class PipeDream:
             ValueError: inputs or targets missing where needed, a batch smaller than
                 ``microbatches``, or an optimizer missing (asynchronous) or passed (flush).
         """
-        return self._runner.step(inputs, targets, optimizer)
+        return self._runner.step(self._positional(inputs, "step()"), targets, optimizer)
 
     @_faults.names_first_failure
     def flush(self) -> None:
@@ -556,13 +571,21 @@ class PipeDream:
 
         Returns:
             The model's outputs for the whole batch on the rank of the last stage
-            (concatenated over microbatches), ``None`` elsewhere.
+            (concatenated over microbatches; an exported model's own structure, e.g.
+            a ``ModelOutput``), ``None`` elsewhere.
 
         Raises:
             ValueError: no inputs on stage 0's rank.
             RuntimeError: an asynchronous pipeline that was not flushed.
         """
-        return self._runner.forward_only(inputs)
+        out = self._runner.forward_only(self._positional(inputs, "forward_only()"))
+        return out if self.traced is None else _model_io.restore_output(self.traced.output_spec, out)
+
+    def _positional(self, inputs: Any, call: str) -> Optional[Tensors]:
+        """A traced model's dict of named inputs as its graph's tuple (else unchanged)."""
+        if self.traced is None:
+            return inputs
+        return _model_io.positional_inputs(self.traced.input_names, inputs, call)
 
     def grad_scaler(self, **kwargs: Any) -> Any:
         """A loss scaler for ``autocast=torch.float16`` on a flush schedule.
@@ -684,11 +707,16 @@ def _trace_stages(module: nn.Module, split_points: Sequence[str],
                          "balance='auto' to let the planner cut the model")
     if sample is None or not isinstance(sample, (tuple, list)) or len(sample) != 2:
         raise ValueError("split_points needs sample=(inputs, targets), one batch to trace the "
-                         "model on (inputs: a tensor or a tuple of tensors)")
+                         "model on (inputs: a tensor, a tuple of tensors or a dict of named "
+                         "tensors)")
     if _materialize.has_meta_tensors(module):
         raise ValueError("split_points traces the model by running it on sample, which the meta "
                          "device cannot; build the model on a real device")
-    inputs = tuple(sample[0]) if isinstance(sample[0], (tuple, list)) else (sample[0],)
+    first = sample[0]
+    if isinstance(first, Mapping):  # keyword inputs: traced by name, passed by name
+        _model_io.positional_inputs(list(first), first, "sample")  # tensors only
+        return split_model(module, split_points, dict(first), concrete_args)
+    inputs = tuple(first) if isinstance(first, (tuple, list)) else (first,)
     return split_model(module, split_points, inputs, concrete_args)
 
 

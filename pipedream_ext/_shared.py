@@ -41,7 +41,9 @@ class SharedParameter:
 
     Attributes:
         names: every name of it in the unsplit model (``named_parameters`` with
-            duplicates), in model order; ``names[0]`` is its canonical name.
+            duplicates), in model order; ``names[0]`` is its canonical name. In a
+            traced model a name read by several stages (a module called on both
+            sides of a cut) is listed once per stage.
         name_stages: the stage of each of ``names``.
     """
 
@@ -97,25 +99,29 @@ def find_shared_in_stages(module: nn.Module,
 
     Args:
         module: the whole model.
-        stages: every stage's module; each parameter name is held by one stage.
+        stages: every stage's module; a parameter name may be held by several
+            (a module called, or a tensor read, on both sides of a cut).
 
     Returns:
-        One entry per parameter whose names are held by different stages.
+        One entry per parameter held by different stages (under one name or several),
+        each (name, stage) pair once, names in model order, stages ascending.
     """
-    stage_of_name = {n: j for j, stage in enumerate(stages)
-                     for n, _ in stage.named_parameters(remove_duplicate=False)}
+    stages_of_name: Dict[str, List[int]] = {}
+    for j, stage in enumerate(stages):
+        for n in dict(stage.named_parameters(remove_duplicate=False)):
+            stages_of_name.setdefault(n, []).append(j)
     names: Dict[int, List[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
     shared = []
     for uses in names.values():
-        stages_of = tuple(stage_of_name[n] for n in uses)
-        if len(set(stages_of)) > 1:
-            shared.append(SharedParameter(tuple(uses), stages_of))
+        pairs = [(n, j) for n in uses for j in stages_of_name.get(n, [])]
+        if len({j for _, j in pairs}) > 1:
+            shared.append(SharedParameter(tuple(n for n, _ in pairs), tuple(j for _, j in pairs)))
     return shared
 
 
-def alias_names(shared: Sequence[SharedParameter]) -> Dict[str, str]:
+def alias_names(shared: Sequence[SharedParameter], stage: Optional[int] = None) -> Dict[str, str]:
     """Names of a shared parameter outside its canonical name's stage -> canonical name.
 
     Those are the names a checkpoint does not store again (the canonical stage's
@@ -124,12 +130,15 @@ def alias_names(shared: Sequence[SharedParameter]) -> Dict[str, str]:
 
     Args:
         shared: from :func:`find_shared`.
+        stage: only the names held by this stage (needed when one name is held by
+            several stages: it is an alias in all but the canonical one).
 
     Returns:
-        ``{"4.weight": "0.weight", ...}``.
+        ``{"4.weight": "0.weight", ...}`` (a name read by two stages: ``{"a.weight":
+        "a.weight"}`` for the later stage).
     """
     return {n: sp.canonical for sp in shared for n, j in zip(sp.names[1:], sp.name_stages[1:])
-            if j != sp.name_stages[0]}
+            if j != sp.name_stages[0] and (stage is None or j == stage)}
 
 
 def canonical_names(shared: Sequence[SharedParameter]) -> Dict[str, str]:
@@ -147,7 +156,7 @@ def canonical_names(shared: Sequence[SharedParameter]) -> Dict[str, str]:
 
 def describe(sp: SharedParameter) -> str:
     """``"0.weight and 4.weight (stages 0 and 2)"``, for messages."""
-    return (f"{' and '.join(sp.names)} (stages "
+    return (f"{' and '.join(dict.fromkeys(sp.names))} (stages "
             f"{' and '.join(str(j) for j in sp.stages)})")
 
 

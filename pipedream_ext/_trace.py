@@ -10,7 +10,9 @@ A value that jumps over several stages is relayed through the stages between
 (they return it unchanged), so autograd sends its gradient back along the same
 edges. Stage ``j`` is a ``torch.fx.GraphModule`` built from the traced root, so
 it holds the original submodules at their original paths and its parameter
-names are the unsplit model's. Design and limits: docs/tracing.md.
+names are the unsplit model's. A forward fx cannot trace (a Hugging Face model) is
+exported with ``torch.export`` instead (``_export``) into the same kind of graph.
+Design and limits: docs/tracing.md.
 
 Index legend: ``j`` stage, ``k`` cut (between stage ``k - 1`` and stage ``k``).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import linecache
 import operator
 import os
@@ -28,7 +31,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-__all__ = ["TracedSplit", "trace_model", "stage_starts", "stage_assignment", "live_sets",
+__all__ = ["TracedSplit", "UntraceableError", "trace_model", "stage_starts", "stage_assignment",
+           "live_sets",
            "build_stages", "split_model", "merge_stage_modules"]
 
 # Attribute reads never cross a cut: every stage using one reads it itself (a parameter
@@ -50,15 +54,39 @@ class TracedSplit:
         split_points: the module names the stages start at (stage ``j + 1`` at
             ``split_points[j]``); for a plan's stages (``balance="auto"``), where each
             later stage's first operation runs, for messages and checkpoints only.
+        input_names: for a model traced on a dict of named inputs, their names in the
+            graph's input order (``_model_io.positional_inputs``); ``None``: positional.
+        output_spec: for an exported model (``torch.export``), the pytree structure of
+            its output, whose leaves the last stage returns flat
+            (``_model_io.restore_output``); ``None``: the last stage returns the output.
+        tracer: ``"fx"`` or ``"export"``.
     """
 
     stages: List[fx.GraphModule]
     live: List[List[str]]
     split_points: List[str]
+    input_names: Optional[List[str]] = None
+    output_spec: Optional[Any] = None
+    tracer: str = "fx"
+
+
+class UntraceableError(ValueError):
+    """torch.fx cannot trace the forward (``split_model`` then tries ``torch.export``).
+
+    Attributes:
+        reason: what failed where.
+        advice: what to do about it.
+    """
+
+    def __init__(self, reason: str, advice: str) -> None:
+        super().__init__(f"{reason}. {advice}")
+        self.reason = reason
+        self.advice = advice
 
 
 def trace_model(model: nn.Module, num_inputs: int,
-                concrete_args: Optional[Mapping[str, Any]] = None) -> fx.GraphModule:
+                concrete_args: Optional[Mapping[str, Any]] = None,
+                input_names: Optional[Sequence[str]] = None) -> fx.GraphModule:
     """``torch.fx.symbolic_trace`` with the guards of ``concrete_args`` removed.
 
     Args:
@@ -66,33 +94,47 @@ def trace_model(model: nn.Module, num_inputs: int,
         num_inputs: how many leading parameters of ``forward`` are tensors given per batch.
         concrete_args: non-tensor arguments of ``forward`` fixed for tracing
             (``{"use_cache": False}``); fx bakes their branch into the graph.
+        input_names: the tensor inputs by parameter name instead (a dict of named
+            inputs); every other parameter is then fixed to its value in
+            ``concrete_args`` or to its default, as ``model(**inputs)`` would.
 
     Returns:
-        A graph module whose placeholders are the ``num_inputs`` tensor inputs.
+        A graph module whose placeholders are the tensor inputs (in ``forward``'s order).
 
     Raises:
-        ValueError: the forward cannot be traced (data-dependent control flow,
-            naming the operation), or a parameter of ``forward`` is neither
-            among the inputs nor in ``concrete_args``.
+        UntraceableError: the forward cannot be traced (data-dependent control flow,
+            naming the operation).
+        ValueError: a parameter of ``forward`` is neither among the inputs nor in
+            ``concrete_args`` (nor has a default, for named inputs).
     """
     concrete = dict(concrete_args or {})
+    if input_names is not None:
+        concrete.update(_defaults(model, input_names, concrete))
     try:
         gm = fx.symbolic_trace(model, concrete_args=concrete or None)
-    except (fx.proxy.TraceError, TypeError, RuntimeError, AttributeError) as exc:
-        raise ValueError(
-            f"{type(model).__name__} cannot be traced with torch.fx{_where(exc, model)}: {exc}. "
+    except Exception as exc:  # noqa: BLE001 - any failure means fx has no graph of it
+        raise UntraceableError(
+            f"{type(model).__name__} cannot be traced with torch.fx{_where(exc, model)}: {exc}",
             "Python control flow on a tensor's value (if/while on it, bool(), int()) has no "
             "graph: fix non-tensor flags with concrete_args={...}, write the branch with "
             "tensor operations (torch.where), or wrap the model's layers in an nn.Sequential "
             "and use balance= (docs/tracing.md)") from exc
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    if len(placeholders) < num_inputs:
+    if input_names is not None:
+        given = [n for n in placeholders if n.target in input_names]
+        absent = [name for name in input_names if name not in {str(n.target) for n in given}]
+        if absent:
+            raise ValueError(f"inputs {absent} name no parameter of {type(model).__name__}.forward "
+                             f"(its parameters: {[str(n.target) for n in placeholders]})")
+    elif len(placeholders) < num_inputs:
         raise ValueError(f"sample gives {num_inputs} inputs but {type(model).__name__}.forward "
                          f"takes {len(placeholders)}; pass one tensor per positional parameter")
-    # Placeholders past the tensor inputs are concrete arguments (or unused defaults):
-    # fx guards them with eq/_assert nodes that only check the value traced with.
-    derived: Set[fx.Node] = set(placeholders[num_inputs:])
+    else:
+        given = placeholders[:num_inputs]
+    # Other placeholders are concrete arguments (or unused defaults): fx guards them
+    # with eq/_assert nodes that only check the value traced with.
+    derived: Set[fx.Node] = set(placeholders) - set(given)
     for node in graph.nodes:
         if node.op != "placeholder" and node.all_input_nodes and \
                 all(a in derived for a in node.all_input_nodes):
@@ -110,6 +152,22 @@ def trace_model(model: nn.Module, num_inputs: int,
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _defaults(model: nn.Module, input_names: Sequence[str],
+              concrete: Mapping[str, Any]) -> Dict[str, Any]:
+    """The defaults of ``forward``'s parameters that are neither inputs nor fixed."""
+    fixed: Dict[str, Any] = {}
+    for name, param in inspect.signature(model.forward).parameters.items():
+        if name in input_names or name in concrete or \
+                param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if param.default is param.empty:
+            raise ValueError(f"{type(model).__name__}.forward parameter {name!r} has no default "
+                             "and is not among the inputs; add it to the inputs dict (a tensor) "
+                             "or fix it with concrete_args={...}")
+        fixed[name] = param.default
+    return fixed
 
 
 def _where(exc: BaseException, model: nn.Module) -> str:
@@ -422,19 +480,20 @@ def merge_stage_modules(stages: Sequence[fx.GraphModule]) -> nn.Module:
 
 
 def _check_one_stage_per_state(stages: Sequence[fx.GraphModule]) -> None:
-    """Refuses a parameter, or a buffer of a called module, held by two stages.
+    """Refuses a buffer of a called module held by two stages.
 
-    A parameter gets one gradient and one update, and a called module's buffers
-    (BatchNorm's running statistics) change as it runs, so either needs one stage
-    (ties across different modules are ``_shared``'s). A buffer only read as an
-    attribute (a constant mask) may be read by several stages.
+    A called module's buffers (BatchNorm's running statistics) change as it runs, so
+    they need one stage. A parameter used by several stages (a module called on both
+    sides of a cut, or a tensor read by several: a tied weight) is a shared parameter
+    (``_shared``: every stage keeps it, gradients summed before the update). A buffer
+    only read as an attribute (a constant mask) may be read by several stages.
 
     Raises:
-        ValueError: naming the tensor and both stages.
+        ValueError: naming the buffer and both stages.
     """
     holder: Dict[str, int] = {}
     for j, stage in enumerate(stages):
-        names = {n for n, _ in stage.named_parameters(remove_duplicate=False)}
+        names = set()
         for node in stage.graph.nodes:
             if node.op == "call_module":
                 names.update(f"{node.target}.{n}" for n, _ in
@@ -443,22 +502,27 @@ def _check_one_stage_per_state(stages: Sequence[fx.GraphModule]) -> None:
             if holder.setdefault(name, j) != j:
                 raise ValueError(
                     f"{name!r} is used by stage {holder[name]} and stage {j} (its module is "
-                    "called on both sides of a split point); move the split points so every "
-                    "call is in one stage, or tie separate modules' parameters instead")
+                    "called on both sides of a split point and updates it); move the split "
+                    "points so every call is in one stage")
 
 
 def split_model(model: nn.Module, split_points: Sequence[str],
-                inputs: Tuple[torch.Tensor, ...],
+                inputs: Union[Tuple[torch.Tensor, ...], Mapping[str, torch.Tensor]],
                 concrete_args: Optional[Mapping[str, Any]] = None,
                 stage_of: Optional[Mapping[str, int]] = None) -> TracedSplit:
     """Traces ``model`` on ``inputs`` and cuts it at ``split_points`` (or as ``stage_of`` says).
 
+    torch.fx first (module calls stay calls: BatchNorm keeps its running statistics,
+    the graph is the model's own autograd); if fx cannot trace the forward,
+    ``torch.export`` (non-strict, dynamic shapes: ``_export``).
+
     Args:
-        model: any module whose forward torch.fx can trace.
+        model: any module whose forward torch.fx or torch.export can trace.
         split_points: qualified module names; stage ``j + 1`` starts at the first
             operation running in ``split_points[j]`` or a submodule of it. With
             ``stage_of``: only recorded (where each later stage's first operation runs).
-        inputs: one batch of the model's tensor inputs (positional).
+        inputs: one batch of the model's tensor inputs: a tuple (positional) or a
+            dict of named tensors (keyword arguments).
         concrete_args: non-tensor ``forward`` arguments to fix while tracing.
         stage_of: instead of split points, the stage of every computing node by fx
             name (a plan's stages: ``_graph_profile.plan_stage_of``), checked by
@@ -468,23 +532,36 @@ def split_model(model: nn.Module, split_points: Sequence[str],
         The stages and the live set of every cut.
 
     Raises:
-        ValueError: an untraceable forward, bad split points or a stage assignment
-            that cannot run, a non-tensor value crossing a cut, or a parameter or a
-            called module's buffer used by two stages (naming it).
+        ValueError: a forward neither can trace, bad split points or a stage
+            assignment that cannot run, a non-tensor value crossing a cut, or a called
+            module's buffer used by two stages (naming it).
     """
     if stage_of is None and (isinstance(split_points, str) or not split_points):
         raise ValueError(f"split_points must be a non-empty list of module names (got "
                          f"{split_points!r}); e.g. split_points=['layer3'] for 2 stages")
     split_points = list(split_points)
-    gm = trace_model(model, len(inputs), concrete_args)
-    starts = stage_starts(gm, model, split_points) if stage_of is None else \
-        stage_assignment(gm, stage_of)
+    named = isinstance(inputs, Mapping)
+    gm, input_names, output_spec, tracer = _trace_or_export(model, inputs, concrete_args)
+    positional = tuple(inputs[n] for n in input_names) if named else tuple(inputs)
+    if stage_of is not None:
+        if tracer != "fx":
+            raise ValueError(f"{type(model).__name__} traces only with torch.export, and plans "
+                             "(balance='auto' or a plan file) cut torch.fx graphs; give "
+                             "split_points=[module names] instead")
+        starts: Any = stage_assignment(gm, stage_of)
+    else:
+        starts = stage_starts(gm, model, split_points)
+    if tracer == "export":  # sizes are symbolic integers there: each stage makes its own
+        from ._export import localize_sizes
+
+        starts = localize_sizes(gm, starts)
     live = live_sets(gm, starts)
-    stages = build_stages(gm, starts, live, _value_kinds(gm, inputs))
+    stages = build_stages(gm, starts, live, _value_kinds(gm, positional))
     _check_one_stage_per_state(stages)
     # Tensors fx computed while tracing (``torch.full((8,), 0.1)``) are attributes of the
-    # traced root (``_tensor_constant0``), not of the model: kept out of state dicts.
-    own = _tensor_paths(model)
+    # traced root (``_tensor_constant0``), not of the model, and so are the model's
+    # non-persistent buffers: kept out of state dicts.
+    own = set(model.state_dict())
     for stage in stages:
         for node in stage.graph.nodes:
             if node.op == "get_attr" and str(node.target) not in own:
@@ -497,4 +574,45 @@ def split_model(model: nn.Module, split_points: Sequence[str],
     held = set().union(*(_tensor_paths(stage) for stage in stages))
     for name in sorted(_tensor_paths(model) - held):
         _install(model, stages[-1], name)
-    return TracedSplit(stages, [[n.name for n in values] for values in live], split_points)
+    return TracedSplit(stages, [[n.name for n in values] for values in live], split_points,
+                       input_names if named else None, output_spec, tracer)
+
+
+def _trace_or_export(model: nn.Module, inputs: Union[Tuple[torch.Tensor, ...], Mapping[str, Any]],
+                     concrete_args: Optional[Mapping[str, Any]]
+                     ) -> Tuple[fx.GraphModule, List[str], Optional[Any], str]:
+    """The model's graph: torch.fx, else torch.export.
+
+    Returns:
+        The graph, the input names in its order (named inputs), the output structure
+        (export: the last stage returns its leaves flat), and ``"fx"`` or ``"export"``.
+
+    Raises:
+        ValueError: neither can trace it (both reasons, with the module and line).
+    """
+    named = isinstance(inputs, Mapping)
+    try:
+        gm = trace_model(model, len(inputs), concrete_args,
+                         input_names=list(inputs) if named else None)
+        names = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
+        return gm, names, None, "fx"
+    except UntraceableError as fx_error:
+        from . import _export
+
+        try:
+            gm, export_names, spec = _export.export_model(model, inputs, concrete_args)
+        except _export.ExportRefused as exc:
+            raise ValueError(f"{fx_error.reason}; torch.export (non-strict) exports it, but "
+                             f"{exc}. To trace it with torch.fx: {fx_error.advice}") from exc
+        except Exception as exc:  # noqa: BLE001 - reported with fx's reason
+            raise ValueError(
+                f"{fx_error.reason}; torch.export (non-strict) cannot export it either: "
+                f"{type(exc).__name__}{_where(exc, model)}: {_first_line(exc).rstrip('.')}. "
+                f"{fx_error.advice} (the whole forward is traced, whatever the split "
+                "points)") from exc
+        return gm, export_names or [], spec, "export"
+
+
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(exc).strip().split("\n")[0].split())
+    return (text[:limit] + "...") if len(text) > limit else text

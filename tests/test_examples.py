@@ -1,5 +1,5 @@
 """The examples: the README's main job (digits, >= 95% test accuracy), the traced ResNet
-with balance="auto", and the GPT example."""
+with balance="auto", the GPT example and the Hugging Face GPT-2 example."""
 from __future__ import annotations
 
 import os
@@ -105,3 +105,28 @@ def test_gpt_example_refuses_asynchronous_schedules():
                              "--schedule", "pipedream"], capture_output=True, text=True,
                             timeout=120, cwd=ROOT)
     assert result.returncode == 2 and "invalid choice: 'pipedream'" in result.stderr, result.stderr
+
+
+def test_hf_gpt2_example_tiny_run_trains_evaluates_generates_and_consolidates(tmp_path):
+    """The Hugging Face GPT-2 example in a tiny configuration (2 blocks of width 32, a few
+    steps, zb-h1; the default run's goal is not checked here): the baseline, the
+    validation loss, generated text, and the consolidated checkpoint evaluated in an
+    unmodified GPT2LMHeadModel gives the pipeline's validation loss."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "examples", "train_hf_gpt2.py"), "--layers", "2", "--width", "32",
+           "--heads", "2", "--steps", "4", "--generate", "4", "--data-bytes", "200000",
+           "--val-bytes", "8192", "--schedule", "zb-h1", "--no-goal",
+           "--checkpoint", str(tmp_path / "ckpt")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    baseline = float(re.search(r"UNIGRAM BASELINE ([0-9.]+) nats", result.stdout).group(1))
+    assert 2.0 < baseline < 5.6
+    val = re.search(r"VALIDATION LOSS ([0-9.]+) PERPLEXITY [0-9.]+", result.stdout).group(1)
+    assert "GENERATED TEXT" in result.stdout
+    assert "traced with export" in result.stderr
+    consolidated = re.search(r"CONSOLIDATED VALIDATION LOSS ([0-9.]+)", result.stdout).group(1)
+    assert consolidated == val, (consolidated, val)

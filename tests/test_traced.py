@@ -4,10 +4,13 @@ Runs under pytest, which launches the worker side with torchrun, or standalone:
 
     PDTRACE_DIR=/tmp/t torchrun --standalone --nproc-per-node 3 tests/test_traced.py
 
-Three models written here: a ResNet-style CNN (BatchNorm in train mode, residual
+Models written here: a ResNet-style CNN (BatchNorm in train mode, residual
 adds, ``torch.flatten``), a U-Net-style model whose first skip connection jumps
-over several stages, and a model with two tensor inputs, a keyword flag fixed by
-``concrete_args`` and a tuple output. Each runs every flush schedule and is
+over several stages, a model with two tensor inputs, a keyword flag fixed by
+``concrete_args`` and a tuple output, a tied-embedding language model, a model whose
+tensor inputs are keyword arguments given as a dict of named tensors (one used only
+by the last stage, one left to its default), and a model calling one Linear in its
+first and its last stage (its parameters shared by both, under one name). Each runs every flush schedule and is
 compared with the unsplit model after SGD-momentum and Adam steps: every loss,
 weight and BatchNorm buffer. BatchNorm normalises each microbatch by its own
 statistics in a pipeline, so the reference runs the unsplit model microbatch by
@@ -135,6 +138,49 @@ class TiedLM(nn.Module):
         return self.head(h)
 
 
+class KeywordInputs(nn.Module):
+    """forward(x, mask=None, scale=None, bias=None, return_aux=False) -> (logits, aux):
+    tensor keyword arguments, given by name (``scale`` reaches only the last stage;
+    ``bias`` keeps its default), a flag fixed by concrete_args."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 3)
+        self.aux = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                scale: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+                return_aux: bool = False):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+            if mask is not None:
+                h = h * mask
+        if bias is not None:
+            h = h + bias
+        logits = self.head(h) * (scale if scale is not None else 1.0)
+        return (logits, self.aux(h).squeeze(1)) if return_aux else logits
+
+
+class ReusedLinear(nn.Module):
+    """One Linear called at the start and at the end: its parameters are used by the
+    first and the last stage under one name (shared, gradients summed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+        self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(3))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.proj(x))
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.head(torch.tanh(self.proj(h)))
+
+
 def two_input_loss(out: Tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
     logits, aux = out
     return F.cross_entropy(logits, y) + 0.1 * aux.pow(2).mean()
@@ -161,6 +207,13 @@ MODELS: Dict[str, Tuple[Callable[[], nn.Module], Callable, Dict[int, List[str]],
     "tied": (TiedLM, lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
              {2: ["layers.1"], 3: ["layers.1", "head"], 4: ["layers.0", "layers.2", "head"]},
              {2: ["head"], 3: ["layers.0", "layers.2"], 4: ["layers.1", "layers.2", "head"]}, {}),
+    "kwargs": (KeywordInputs, two_input_loss,
+               {2: ["blocks.1"], 3: ["blocks.1", "head"], 4: ["blocks.0", "blocks.2", "head"]},
+               {2: ["blocks.2"], 3: ["blocks.0", "aux"], 4: ["blocks.1", "head", "aux"]},
+               {"concrete_args": {"return_aux": True}}),
+    "reused": (ReusedLinear, F.cross_entropy,
+               {2: ["blocks.1"], 3: ["blocks.0", "blocks.2"], 4: ["blocks.0", "blocks.1", "blocks.2"]},
+               {2: ["blocks.2"], 3: ["blocks.1", "head"], 4: ["blocks.0", "blocks.2", "head"]}, {}),
 }
 
 
@@ -178,6 +231,13 @@ def make_batch(kind: str, n: int, seed: int) -> Tuple[Any, torch.Tensor]:
     if kind == "tied":
         ids = torch.randint(0, 11, (n, 3), generator=g)
         return ids, torch.roll(ids, 1, dims=1)
+    if kind == "reused":
+        return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+    if kind == "kwargs":  # named, in another order than forward's parameters
+        x = torch.randn(n, 6, generator=g)
+        mask = (torch.rand(n, 8, generator=g) > 0.3).float()
+        scale = torch.rand(n, 1, generator=g) + 0.5
+        return {"scale": scale, "x": x, "mask": mask}, torch.randint(0, 3, (n,), generator=g)
     x = torch.randn(n, 6, generator=g)
     mask = (torch.rand(n, 8, generator=g) > 0.3).float()
     return (x, mask), torch.randint(0, 3, (n,), generator=g)
@@ -186,13 +246,16 @@ def make_batch(kind: str, n: int, seed: int) -> Tuple[Any, torch.Tensor]:
 def reference_step(kind: str, model: nn.Module, inputs: Any, y: torch.Tensor) -> float:
     """The unsplit model on the pipeline's microbatches: share-weighted loss, backward."""
     loss_fn = MODELS[kind][1]
-    kwargs = {"use_cache": False} if kind == "two_inputs" else {}
-    xs = inputs if isinstance(inputs, tuple) else (inputs,)
+    kwargs = dict(MODELS[kind][4].get("concrete_args", {}))
+    named = inputs if isinstance(inputs, dict) else {}
+    xs = () if named else inputs if isinstance(inputs, tuple) else (inputs,)
     parts = [torch.tensor_split(t, MICROBATCHES) for t in xs]
+    named_parts = {k: torch.tensor_split(t, MICROBATCHES) for k, t in named.items()}
     ys = torch.tensor_split(y, MICROBATCHES)
     total = 0.0
     for i in range(MICROBATCHES):
-        loss = loss_fn(model(*[p[i] for p in parts], **kwargs), ys[i]) * (ys[i].shape[0] / y.shape[0])
+        out = model(*[p[i] for p in parts], **{k: p[i] for k, p in named_parts.items()}, **kwargs)
+        loss = loss_fn(out, ys[i]) * (ys[i].shape[0] / y.shape[0])
         loss.backward()
         total += loss.item()
     return total
@@ -225,6 +288,13 @@ def check_schedule(kind: str, schedule: str, replicas: Optional[List[int]] = Non
     ref = make_model(kind)
     names = {n for n, _ in pipe.named_parameters()}
     assert names <= set(dict(ref.named_parameters(remove_duplicate=False))), names
+    assert pipe.traced.tracer == "fx"
+    if kind == "kwargs":  # forward's order; scale travels to the last stage, bias defaults
+        assert pipe.traced.input_names == ["x", "mask", "scale"], pipe.traced.input_names
+        assert all("scale" in live for live in pipe.traced.live), pipe.traced.live
+    if kind == "reused":  # proj is called by the first and the last stage: shared
+        assert [(sp.names, sp.stages) for sp in pipe.shared_parameters] == [
+            (("proj.weight",) * 2, (0, stages - 1)), (("proj.bias",) * 2, (0, stages - 1))]
     step = 0
     for ref_opt, opt in zip(optimizers(list(ref.parameters())),
                             optimizers(list(pipe.parameters()))):
@@ -283,12 +353,13 @@ def check_checkpoint(kind: str, root: str) -> None:
     assert abs(loss - expected) <= 1e-5 * max(1.0, abs(expected)), (kind, loss, expected)
     ref_opt.step(); other_opt.step()
     assert_same_state(other_pipe.state_dict(), ref, f"{kind}: Adam step after loading")
-    if kind in ("unet", "two_inputs"):  # no BatchNorm: the batch's outputs equal the model's
+    if kind in ("unet", "two_inputs", "kwargs"):  # no BatchNorm: outputs equal the model's
         out = other_pipe.forward_only(x if other_pipe.is_first else None)
         if other_pipe.is_last:
             with torch.no_grad():
-                expected_out = ref(*(x if isinstance(x, tuple) else (x,)), **kwargs.get(
-                    "concrete_args", {}))
+                fixed = kwargs.get("concrete_args", {})
+                expected_out = ref(**x, **fixed) if isinstance(x, dict) else \
+                    ref(*(x if isinstance(x, tuple) else (x,)), **fixed)
             for got, want in zip(out if isinstance(out, (tuple, list)) else (out,),
                                  expected_out if isinstance(expected_out, tuple) else (expected_out,)):
                 torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
@@ -308,6 +379,16 @@ class Chain(nn.Module):
         return x
 
 
+class ExportedChain(Chain):
+    """The same, with a check torch.fx cannot trace (a branch on a shape), so the
+    pipeline takes the torch.export path."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != 6:
+            raise ValueError("expected 6 features")
+        return super().forward(x)
+
+
 def chain_layers() -> List[nn.Module]:
     torch.manual_seed(0)
     return [nn.Linear(6, 8), nn.Sequential(nn.Tanh(), nn.Linear(8, 8)),
@@ -316,7 +397,8 @@ def chain_layers() -> List[nn.Module]:
 
 def check_asynchronous_equals_sequential(schedule: str) -> None:
     """Asynchronous schedules (weight stashing) on a traced model run exactly as on the
-    same layers given as an nn.Sequential with the same stage boundaries."""
+    same layers given as an nn.Sequential with the same stage boundaries (fx, and
+    torch.export for a forward fx cannot trace)."""
     import pipedream_ext as pd
 
     world = dist.get_world_size()
@@ -327,7 +409,10 @@ def check_asynchronous_equals_sequential(schedule: str) -> None:
     pipes = [pd.PipeDream(nn.Sequential(*chain_layers()), F.cross_entropy, schedule=schedule,
                           microbatches=4, balance=balance, timeout=60),
              pd.PipeDream(Chain(chain_layers()), F.cross_entropy, schedule=schedule,
+                          microbatches=4, split_points=points, sample=(x0, y0), timeout=60),
+             pd.PipeDream(ExportedChain(chain_layers()), F.cross_entropy, schedule=schedule,
                           microbatches=4, split_points=points, sample=(x0, y0), timeout=60)]
+    assert [p.traced.tracer for p in pipes[1:]] == ["fx", "export"]
     losses: List[List[Any]] = []
     for pipe in pipes:
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
@@ -337,11 +422,13 @@ def check_asynchronous_equals_sequential(schedule: str) -> None:
             losses[-1].append(pipe.step(x if pipe.is_first else None,
                                         y if pipe.is_last else None, optimizer=opt))
         pipe.flush()
-    assert losses[0] == losses[1], (schedule, losses)
-    seq, traced = pipes[0].state_dict(), pipes[1].state_dict()
-    assert list(seq) == list(traced), (list(seq), list(traced))
-    for name in seq:
-        assert torch.equal(seq[name], traced[name]), f"{schedule}: {name}"
+    assert losses[0] == losses[1] == losses[2], (schedule, losses)
+    seq = pipes[0].state_dict()
+    for pipe in pipes[1:]:
+        traced = pipe.state_dict()
+        assert list(seq) == list(traced), (list(seq), list(traced))
+        for name in seq:
+            assert torch.equal(seq[name], traced[name]), f"{schedule}: {name}"
 
 
 def run_checks() -> None:

@@ -4,6 +4,7 @@ argument checks, schedule traits, targets, the stage function, plans -> stages
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import pytest
 import torch
@@ -455,8 +456,23 @@ def test_tracing_errors_name_the_value_and_the_fix() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.a(self.b(self.a(x)))
 
-    with pytest.raises(ValueError, match="'a.bias' is used by stage 0 and stage 1"):
-        split_model(Reused(), ["b"], (torch.randn(2, 4),))
+    # A module with parameters called on both sides of a cut: its parameters are
+    # shared by both stages (the shared-parameter rule, _shared), under one name.
+    from pipedream_ext._shared import alias_names, describe, find_shared_in_stages
+
+    reused = Reused()
+    split = split_model(reused, ["b"], (torch.randn(2, 4),))
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(split.stages[1](split.stages[0](x)), reused(x))
+    assert split.stages[1].get_submodule("a") is reused.a
+    shared = find_shared_in_stages(reused, split.stages)
+    assert [(sp.names, sp.name_stages) for sp in shared] == [
+        (("a.weight", "a.weight"), (0, 1)), (("a.bias", "a.bias"), (0, 1))]
+    assert describe(shared[0]) == "a.weight (stages 0 and 1)"
+    # Stored by stage 0; stage 1's checkpoint file lists it as the same tensor.
+    assert alias_names(shared, stage=0) == {}
+    assert alias_names(shared, stage=1) == {"a.weight": "a.weight", "a.bias": "a.bias"}
+
     class Disconnected(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -509,6 +525,75 @@ def test_constants_are_made_by_each_stage_and_called_buffers_kept_in_one() -> No
     with pytest.raises(ValueError, match="'norm.num_batches_tracked' is used by stage 0 and "
                                          "stage 1 \\(its module is called on both sides"):
         split_model(StatsTwice(), ["b"], (torch.randn(2, 4),))
+
+
+def test_named_inputs_are_traced_by_parameter_name_and_the_rest_take_defaults() -> None:
+    from pipedream_ext._trace import split_model
+
+    class Keywords(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                    bias: Optional[torch.Tensor] = None, double: bool = False) -> torch.Tensor:
+            h = self.a(x) if bias is None else self.a(x) + bias
+            h = self.b(h * mask if mask is not None else h)
+            return h * 2 if double else h
+
+    model = Keywords()
+    x, mask = torch.randn(3, 4), torch.ones(3, 4)
+    split = split_model(model, ["b"], {"mask": mask, "x": x}, concrete_args={"double": True})
+    assert split.tracer == "fx" and split.input_names == ["x", "mask"]  # forward's order
+    assert split.live == [["mul"]]  # the mask is used before b, in stage 0
+    torch.testing.assert_close(split.stages[1](split.stages[0]((x, mask))),
+                               model(x, mask=mask, double=True))
+    with pytest.raises(ValueError, match=r"inputs \['nope'\] name no parameter of Keywords.forward"):
+        split_model(model, ["b"], {"x": x, "nope": mask})
+
+    class Required(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x) + y)
+
+    with pytest.raises(ValueError, match=r"Required.forward parameter 'y' has no default"):
+        split_model(Required(), ["b"], {"x": x})
+
+
+def test_export_path_recomputes_sizes_in_the_stages_using_them() -> None:
+    """A forward fx cannot trace (a branch on a shape) goes through torch.export, whose
+    sizes are symbolic integers: each stage computes the sizes it uses from a tensor it
+    has (``b * t`` from its own activation), or the tensor carrying them travels."""
+    from pipedream_ext._trace import split_model
+
+    class Sizes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[-1] != 4:
+                raise ValueError("4 features")
+            b, t = x.shape[0], x.shape[1]
+            h = self.b(self.a(x).reshape(b * t, 4))
+            return self.c(h.reshape(b, t, 4)).reshape(b * t, 4)
+
+    model = Sizes()
+    split = split_model(model, ["b", "c"], (torch.randn(4, 6, 4),))
+    assert split.tracer == "export" and split.output_spec is not None
+    # Stage 1 reshapes to (b, t, 4): only x carries b and t alone, so x travels; stage 2
+    # takes b * t from its own activation's (b, t) dimensions.
+    assert split.live == [["x", "reshape"], ["reshape_1"]], split.live
+    assert "sym_size.int(linear_2, 0)" in split.stages[2].code
+    for shape in [(4, 6), (2, 6), (3, 5), (1, 9)]:
+        x = torch.randn(*shape, 4)
+        value: object = x
+        for stage in split.stages:
+            value = stage(value)
+        torch.testing.assert_close(value[0], model(x))
 
 
 def test_find_shared_in_stages_of_a_traced_model() -> None:

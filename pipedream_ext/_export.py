@@ -1,0 +1,438 @@
+"""The ``torch.export`` path of tracing: models torch.fx cannot trace.
+
+Owns turning a model that ``torch.fx.symbolic_trace`` refuses (a Hugging Face
+transformer, whose forward inspects its arguments, builds masks and returns a
+``ModelOutput``) into the same kind of graph ``_trace`` cuts: an fx
+``GraphModule`` whose placeholders are the tensor inputs, whose attribute reads
+(``get_attr``) are the model's *own* ``Parameter`` and buffer objects at their
+original names, and whose output is a flat tuple of tensors (the structure is
+returned separately, for ``_model_io.restore_output``).
+
+``torch.export.export(..., strict=False)`` runs the forward in Python on fake
+tensors and records ATen operations, with every dimension of every tensor input
+dynamic (``Dim.AUTO``: microbatches have a smaller batch than the sample, and the
+sequence length may change between steps). Its graph differs from fx's in three
+ways this module handles:
+
+* tied parameters are one tensor read under one of its names: each read is
+  renamed to the name of the module that uses it (``transformer.wte.weight`` in
+  the embedding, ``lm_head.weight`` in the head), so the stages hold the names
+  fx stages would and the shared-parameter rule (``_shared``) applies;
+* the graph is fixed in the mode the model had (``aten.dropout(x, p, True)``,
+  ``aten.batch_norm(..., training=True, ...)`` updating the running statistics in
+  place): dropout is turned back into ``nn.Dropout`` module calls (the model's own
+  where it has one), which follow ``pipe.train()`` / ``pipe.eval()``; a graph that
+  changes a buffer or an input in place (BatchNorm in training mode) is refused,
+  fx handles such models (BatchNorm stays a module call there);
+* tensors the forward creates (``torch.arange``, masks) are created on the device
+  the model was exported on, a constant of the graph: :func:`retarget_devices`
+  points them at the stage's device;
+* sizes are symbolic integers (``sym_size``) computed once, near the inputs, and
+  used everywhere: :func:`localize_sizes` recomputes them in every stage that
+  uses them from a tensor available there, so only tensors cross a cut.
+
+Design and limits: docs/tracing.md. Index legend: ``j`` stage.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+__all__ = ["ExportRefused", "export_model", "localize_sizes", "retarget_devices"]
+
+
+class ExportRefused(ValueError):
+    """The model exports, but its graph is one the pipeline cannot run right."""
+
+# Nodes that only check what the export assumed (dtypes, devices, value ranges):
+# dropped with the input guards; the stages run on the shapes they are given.
+_ASSERTIONS = {
+    torch.ops.aten._assert_tensor_metadata.default,
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+    torch.ops.aten.sym_constrain_range.default,
+}
+# The stand-in export writes into nn_module_stack for nodes it created outside any module.
+_NO_MODULE = "_empty_nn_module_stack_from_metadata_hook"
+
+
+def _dynamic_shapes(model: nn.Module, args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Dict[str, Any]:
+    """``Dim.AUTO`` for every dimension of every tensor argument, by parameter name."""
+    from torch.export import Dim
+
+    def auto(value: Any) -> Any:
+        return tuple(Dim.AUTO for _ in value.shape) if isinstance(value, torch.Tensor) else None
+
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    return {name: pytree.tree_map(auto, value) for name, value in bound.arguments.items()}
+
+
+def _tensor_of(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``model`` by every name (ties under each)."""
+    own = dict(model.named_parameters(remove_duplicate=False))
+    own.update(model.named_buffers(remove_duplicate=False))
+    return own
+
+
+def _set_tensor(root: nn.Module, path: str, value: torch.Tensor) -> None:
+    """Puts ``value`` itself at ``path`` in ``root`` (as a parameter or a buffer)."""
+    *prefix, field = path.split(".")
+    owner = root.get_submodule(".".join(prefix))
+    if isinstance(value, nn.Parameter):
+        owner._parameters[field] = value
+    else:
+        owner._buffers[field] = value
+
+
+def _owner_path(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def _rename_tied_reads(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Each read of a tensor that has several names in ``model`` uses the name of the
+    module using it (the innermost one in the user's ``nn_module_stack``)."""
+    from ._trace import _install, _paths_of  # noqa: PLC0415 - _trace imports this module lazily
+
+    own = _tensor_of(model)
+    names: Dict[int, List[str]] = {}
+    for name, tensor in own.items():
+        names.setdefault(id(tensor), []).append(name)
+    graph = gm.graph
+    for node in [n for n in graph.nodes if n.op == "get_attr"]:
+        tensor = own.get(str(node.target))
+        aliases = names.get(id(tensor), []) if tensor is not None else []
+        if len(aliases) < 2:
+            continue
+        for user in list(node.users):
+            stack = _paths_of(user)
+            best = max((a for a in aliases if _owner_path(a) in stack),
+                       key=lambda a: len(_owner_path(a)), default=str(node.target))
+            if best == str(node.target):
+                continue
+            _install(model, gm, best)
+            with graph.inserting_after(node):
+                read = graph.get_attr(best)
+            read.meta = dict(node.meta)
+            user.replace_input_with(node, read)
+
+
+def _clean(gm: fx.GraphModule, inputs: Sequence[fx.Node]) -> None:
+    """Drops the input guards, assertions, non-tensor input placeholders and unused
+    attribute reads; the output becomes the flat tuple of leaves, plain codegen."""
+    graph = gm.graph
+    keep = set(inputs)
+    for node in reversed(list(graph.nodes)):
+        if node.users:
+            continue
+        if (node.op == "call_module" and str(node.target) == "_guards_fn") or \
+                (node.op == "call_function" and node.target in _ASSERTIONS) or \
+                node.op == "get_attr" or (node.op == "placeholder" and node not in keep):
+            graph.erase_node(node)
+    for node in graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if stack and any(path == _NO_MODULE for path, _ in stack.values()):
+            node.meta["nn_module_stack"] = {}
+    leftover = [n for n in graph.nodes if n.op == "placeholder" and n not in keep]
+    if leftover:
+        raise ExportRefused(f"the exported graph uses the non-tensor argument {leftover[0].name!r} "
+                         "as a value; give it as a tensor input or fix it with concrete_args")
+    output = next(n for n in graph.nodes if n.op == "output")
+    flat = output.args[0]
+    output.args = (tuple(flat) if isinstance(flat, (list, tuple)) else (flat,),)
+    graph._codegen = fx.graph.CodeGen()  # plain positional inputs, flat outputs
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    for name in ("train", "eval"):  # ep.module() refuses them (the graph's modes are fixed)
+        gm.__dict__.pop(name, None)
+    gm._forward_pre_hooks.clear()  # ep.module()'s check of the (args, kwargs) structure
+    gm._forward_pre_hooks_with_kwargs.clear()
+    graph.lint()
+    gm.recompile()
+
+
+def export_model(model: nn.Module, inputs: Any, concrete_args: Optional[Mapping[str, Any]],
+                 ) -> Tuple[fx.GraphModule, Optional[List[str]], pytree.TreeSpec]:
+    """``torch.export`` (non-strict, dynamic shapes) -> a graph ``_trace`` can cut.
+
+    Args:
+        model: the whole model (not modified).
+        inputs: a tuple of tensors (positional) or a dict of named tensors (keywords).
+        concrete_args: non-tensor keyword arguments, fixed for every step.
+
+    Returns:
+        The graph module (placeholders: the tensor inputs; get_attr: the model's own
+        tensors under the names of the modules using them; output: a flat tuple of
+        tensors), the input names in placeholder order (``None`` for positional
+        inputs), and the output's pytree structure.
+
+    Raises:
+        ExportRefused: the graph updates a buffer or an input in place (BatchNorm's
+            running statistics: naming them), or the batch dimension of an input was
+            fixed while exporting.
+        Exception: what torch.export raises when it cannot export the forward.
+    """
+    named = isinstance(inputs, Mapping)
+    args: Tuple[Any, ...] = () if named else tuple(inputs)
+    kwargs: Dict[str, Any] = dict(inputs) if named else {}
+    clash = sorted(set(kwargs) & set(concrete_args or {}))
+    if clash:
+        raise ExportRefused(f"{clash} given both as inputs and in concrete_args; give each once")
+    kwargs.update(concrete_args or {})
+    ep = torch.export.export(model, args, kwargs, dynamic_shapes=_dynamic_shapes(model, args, kwargs),
+                             strict=False)
+    signature = ep.graph_signature
+    _refuse_updates(model, sorted(set(signature.buffers_to_mutate.values()) |
+                                  set(signature.user_inputs_to_mutate.values())))
+    gm = ep.module()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    by_argument = pytree.tree_unflatten(placeholders, gm._in_spec)
+    graph_args, graph_kwargs = by_argument if len(by_argument) == 2 and \
+        isinstance(by_argument[1], dict) else (by_argument, {})
+    if named:
+        name_of = {graph_kwargs[k]: k for k in inputs}
+    else:
+        name_of = {graph_args[i]: str(i) for i in range(len(args))}
+    tensor_inputs = [p for p in placeholders if p in name_of]
+    # The stages must hold the model's own tensors (optimizers, state_dict, checkpoints).
+    own = _tensor_of(model)
+    for node in gm.graph.nodes:
+        target = str(node.target)
+        if node.op == "get_attr" and target in own and \
+                _get_attr(gm, target) is not own[target]:
+            _set_tensor(gm, target, own[target])
+    _rename_tied_reads(gm, model)
+    _clean(gm, tensor_inputs)
+    _dropout_as_modules(gm, model)
+    positional = tuple(inputs[name_of[p]] for p in tensor_inputs) if named else args
+    _refuse_updates(model, _updated_in_place(gm, model, positional))
+    for p in tensor_inputs:
+        value = p.meta.get("val")
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and \
+                not isinstance(value.shape[0], torch.SymInt):
+            raise ExportRefused(
+                f"torch.export fixed dimension 0 (the batch) of input {name_of[p]!r} to "
+                f"{value.shape[0]}, but microbatches have other batch sizes; give a sample whose "
+                "batch is at least 2 and make the forward independent of the batch size")
+    return gm, ([name_of[p] for p in tensor_inputs] if named else None), gm._out_spec
+
+
+def _refuse_updates(model: nn.Module, names: Sequence[str]) -> None:
+    if names:
+        raise ExportRefused(
+            f"its graph changes {', '.join(map(repr, names[:4]))}"
+            f"{' and more' if len(names) > 4 else ''} in place (running statistics such as "
+            "BatchNorm's in training mode), which the torch.export path cannot keep right (its "
+            "graph is fixed in one mode); make the forward traceable by torch.fx, which keeps "
+            "BatchNorm a module call, or give the layers as an nn.Sequential (docs/tracing.md)")
+
+
+@torch.no_grad()
+def _updated_in_place(gm: fx.GraphModule, model: nn.Module,
+                      inputs: Sequence[torch.Tensor]) -> List[str]:
+    """The model's buffers (and inputs) one run of ``gm`` on ``inputs`` changes; put back.
+
+    Export's training graph keeps in-place updates (``add_`` on a counter,
+    ``aten.batch_norm(..., training=True, ...)`` on the running statistics) on the
+    model's own buffers, whatever ``pipe.eval()`` says. Run in eval mode (dropout
+    off) with the RNG state restored afterwards. (Parameters are not copied: a
+    forward changing its weights in place is not something to check for at the
+    cost of a second copy of the model.)
+    """
+    own = {id(t): (name, t) for name, t in model.named_buffers(remove_duplicate=False)}
+    tensors = [(name, t) for name, t in own.values()] + \
+        [(f"input {i}", t) for i, t in enumerate(inputs)]
+    before = [t.detach().clone() for _, t in tensors]
+    modes = {m: m.training for m in gm.modules()}
+    gm.eval()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            gm(*inputs)
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    changed = []
+    for (name, t), old in zip(tensors, before):
+        if not torch.equal(t, old):
+            changed.append(name)
+            t.copy_(old)
+    return changed
+
+
+class DropoutRate(nn.Module):
+    """``p`` in training mode, ``0.0`` in eval mode: the ``dropout_p`` of an exported
+    attention call (``dropout_p=self.p if self.training else 0.0`` in the model's code,
+    fixed to ``p`` while exporting in training mode)."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self) -> float:
+        return self.p if self.training else 0.0
+
+
+def _dropout_as_modules(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Makes the graph's dropout follow ``train()`` / ``eval()``, as module calls do.
+
+    ``aten.dropout(x, p, train)`` -> a call of an ``nn.Dropout(p)`` module: the model's
+    own where the operation runs in one (``transformer.h.0.attn.resid_dropout``), else
+    a new one on the root (``_dropout0``, functional dropout), starting in the mode the
+    graph had. The ``dropout_p`` of ``scaled_dot_product_attention`` comes from a
+    :class:`DropoutRate` module (``_dropout_rate0``).
+    """
+    from ._trace import _install  # noqa: PLC0415
+
+    modules = dict(model.named_modules())
+    graph = gm.graph
+    count = 0
+    for node in [n for n in graph.nodes if n.op == "call_function" and
+                 n.target is torch.ops.aten.dropout.default]:
+        x, p, train = (list(node.args) + [node.kwargs.get("p"), node.kwargs.get("train")])[:3]
+        stack = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
+        owner = modules.get(stack[-1]) if stack else None
+        if isinstance(owner, nn.Dropout) and type(owner) is nn.Dropout and owner.p == p and \
+                owner.training == bool(train):
+            path = stack[-1]
+            _install(model, gm, path)
+        else:
+            path = f"_dropout{count}"
+            count += 1
+            gm.add_module(path, nn.Dropout(float(p)).train(bool(train)))
+        with graph.inserting_before(node):
+            call = graph.call_module(path, (x,))
+        call.meta = dict(node.meta)
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    for k, node in enumerate(n for n in list(graph.nodes)
+                             if n.op == "call_function" and n.target is sdpa):
+        positional = len(node.args) > 4
+        p = node.args[4] if positional else node.kwargs.get("dropout_p", 0.0)
+        if not isinstance(p, float) or p == 0.0:
+            continue
+        path = f"_dropout_rate{k}"
+        gm.add_module(path, DropoutRate(p))
+        with graph.inserting_before(node):
+            rate = graph.call_module(path, ())
+        rate.meta = {"nn_module_stack": dict(node.meta.get("nn_module_stack") or {})}
+        if positional:
+            node.args = node.args[:4] + (rate,) + node.args[5:]
+        else:
+            node.kwargs = dict(node.kwargs, dropout_p=rate)
+    graph.lint()
+    gm.recompile()
+
+
+def _get_attr(root: nn.Module, path: str) -> Any:
+    value: Any = root
+    for item in path.split("."):
+        value = getattr(value, item)
+    return value
+
+
+def localize_sizes(gm: fx.GraphModule, starts: Sequence[int]) -> List[int]:
+    """Recomputes, in every stage that uses it, a symbolic size computed in an earlier one.
+
+    ``torch.export`` computes ``sym_size(input, 1)`` (the sequence length) once and
+    every layer's reshapes use it; an integer cannot cross a cut, so each stage
+    using one gets its own ``sym_size`` of a tensor it has (one crossing into it or
+    computed in it) whose dimension has the same symbolic value. Arithmetic on sizes
+    is copied the same way. A size no such tensor carries is read from the tensor it
+    came from, which then travels to that stage like any other live value.
+
+    Args:
+        gm: the exported graph (modified in place).
+        starts: from ``_trace.stage_starts``.
+
+    Returns:
+        The stage starts in the modified graph (the same first nodes, or a size
+        computed just before a stage's first node).
+    """
+    from ._trace import _compute_nodes, _stage_of  # noqa: PLC0415
+
+    graph = gm.graph
+    nodes = _compute_nodes(graph)
+    first_nodes = [nodes[s] for s in starts]
+    stage_of = _stage_of(gm, starts)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last_use = {n: max((stage_of[u] for u in n.users), default=-1) for n in graph.nodes
+                if n.op not in ("output", "get_attr")}
+    added: Dict[int, List[fx.Node]] = {}
+    # Keyed by the node it is made before too, so a copy always precedes its users.
+    made: Dict[Tuple[fx.Node, int, fx.Node], fx.Node] = {}
+
+    def is_size(n: fx.Node) -> bool:
+        return isinstance(n.meta.get("val"), torch.SymInt)
+
+    def sources(j: int, before: fx.Node) -> List[fx.Node]:
+        """Tensors stage ``j`` has at ``before``: its own (latest first), then those crossing into it."""
+        mine = [n for n in graph.nodes if stage_of.get(n) == j and n.op != "output" and
+                order[n] < order[before]]
+        crossing = [n for n in graph.nodes if n in last_use and stage_of[n] < j <= last_use[n]]
+        return [n for n in mine[::-1] + crossing
+                if isinstance(n.meta.get("val"), torch.Tensor)]
+
+    def remake(value: fx.Node, j: int, before: fx.Node) -> fx.Node:
+        if (value, j, before) in made:
+            return made[(value, j, before)]
+        expr = value.meta["val"].node.expr
+        found = next(((t, d) for t in sources(j, before)
+                      for d, size in enumerate(t.meta["val"].shape)
+                      if isinstance(size, torch.SymInt) and size.node.expr == expr), None)
+        with graph.inserting_before(before):
+            if found is not None:
+                new = graph.call_function(torch.ops.aten.sym_size.int, found)
+            elif value.op == "call_function" and all(is_size(a) for a in value.all_input_nodes):
+                new = graph.node_copy(value, lambda a: remake(a, j, before))
+            else:  # read it from where it came from: that tensor travels
+                new = graph.node_copy(value)
+        new.meta = {"val": value.meta["val"]}
+        stage_of[new] = j
+        order[new] = order[before] - 0.5  # between the nodes around it, for later lookups
+        added.setdefault(j, []).append(new)
+        made[(value, j, before)] = new
+        return new
+
+    for value in [n for n in nodes if is_size(n)]:
+        later = sorted((u for u in value.users if stage_of[u] > stage_of[value]), key=order.get)
+        for user in later:
+            j = stage_of[user]
+            first_use = min((u for u in later if stage_of[u] == j), key=order.get)
+            user.replace_input_with(value, remake(value, j, first_use))
+    for node in reversed(nodes):  # sizes now only computed again where they are used
+        if is_size(node) and not node.users and node not in first_nodes:
+            graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+    position = {n: i for i, n in enumerate(_compute_nodes(graph))}
+    return [min([position[first_nodes[k]]] + [position[n] for n in added.get(k + 1, [])])
+            for k in range(len(starts))]
+
+
+def retarget_devices(gm: fx.GraphModule, device: torch.device) -> None:
+    """Points the device constants of an exported stage at ``device``.
+
+    The export records ``torch.arange(n, device=x.device)`` with the sample's device
+    written in; a stage moved to another device (``cuda:LOCAL_RANK``) creates those
+    tensors there instead.
+    """
+    changed = False
+
+    def swap(value: Any) -> Any:
+        nonlocal changed
+        if isinstance(value, torch.device) and value != device:
+            changed = True
+            return device
+        return value
+
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            node.args = fx.node.map_aggregate(node.args, swap)
+            node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+    if changed:
+        gm.recompile()
