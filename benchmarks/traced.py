@@ -40,11 +40,13 @@ Parts of a run:
    global batch, same ``--microbatches``, same loss, SGD. First each configuration runs
    one step on a check batch from the initial weights: its loss and every gradient are
    compared with the unsplit model's (run microbatch by microbatch, as a pipeline runs
-   BatchNorm). Then ``--reps`` rounds of ``--steps`` steps per configuration, the
-   order reversed every other round (A B C ... C B A), samples/s from the slower rank's
-   wall time; the ratios traced / ``nn.Sequential`` and ours / torch are taken per
-   round (median, min, max). pipedream_ext's per-rank compute time (``stats()``: F and B
-   actions) is recorded beside it.
+   BatchNorm). Then ``--reps`` rounds of ``--steps`` steps per configuration,
+   interleaved step by step (the six in turn, A B C ... then ... C B A, every step
+   between two barriers), so that the load of other jobs falls on all of them alike;
+   samples/s from the wall time between the barriers (the slower rank's), CPU time of
+   both ranks per sample, and pipedream_ext's compute time (``stats()``: F and B
+   actions, the busier rank). The ratios traced / ``nn.Sequential`` and ours / torch
+   are taken per round (median, min, max).
 4. **A skip connection across several cuts**: the U-Net cut so that its first skip
    connection crosses more than one cut, "fan-out" (the stage making it also feeds it to
    the next stage: two later stages use one value) and "jump" (it goes over the stages
@@ -113,7 +115,7 @@ TRACE_SIZES: Dict[str, List[Dict[str, Any]]] = {
 THROUGHPUT_SIZES: Dict[str, Dict[str, Any]] = {
     "resnet": dict(label="8 blocks (2,2,2,2), width 16, 32x32", blocks=(2, 2, 2, 2), width=16, image=32),
     "unet": dict(label="depth 4, width 8, 64x64", depth=4, width=8, image=64),
-    "gpt": dict(label="8 blocks, width 128, 64 tokens", blocks=8, width=128, heads=4, context=64),
+    "gpt": dict(label="8 blocks, width 128, 32 tokens", blocks=8, width=128, heads=4, context=32),
 }
 #: --smoke: every part on tiny sizes.
 SMOKE_TRACE_SIZES: Dict[str, List[Dict[str, Any]]] = {
@@ -661,28 +663,33 @@ def run_throughput(args: argparse.Namespace, result: Dict[str, Any]) -> None:
             step()
     result["loadavg"] = [list(os.getloadavg())]
     for r in range(args.reps):
-        for cfg in config_order(r):
-            info = result["configs"][cfg]
-            if cfg in pipes:
-                pipes[cfg].reset_stats()
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(args.steps):
+        # Interleaved step by step (A B C ... then ... C B A), each step between two
+        # barriers: load from other jobs on the machine falls on every configuration alike.
+        wall = {cfg: 0.0 for cfg in CONFIGS}
+        cpu = {cfg: 0.0 for cfg in CONFIGS}
+        for pipe in pipes.values():
+            pipe.reset_stats()
+        for k in range(args.steps):
+            for cfg in config_order(r * args.steps + k):
+                dist.barrier()
+                t0, c0 = time.perf_counter(), time.process_time()
                 steps[cfg]()
-            cpu = time.process_time() - c0
-            elapsed = time.perf_counter() - t0
-            compute = 0.0
+                dist.barrier()
+                wall[cfg] += time.perf_counter() - t0
+                cpu[cfg] += time.process_time() - c0
+        compute = {cfg: sum(v for kind_, v in pipe.stats()["seconds_by_kind"].items() if kind_ in ("F", "B", "I", "W"))
+                   for cfg, pipe in pipes.items()}
+        t = torch.tensor([wall[c] for c in CONFIGS] + [compute.get(c, 0.0) for c in CONFIGS], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        c = torch.tensor([cpu[c] for c in CONFIGS], dtype=torch.float64)
+        dist.all_reduce(c)  # CPU seconds of both ranks together (Gloo's threads included)
+        samples = args.steps * B
+        for i, cfg in enumerate(CONFIGS):
+            info = result["configs"][cfg]
+            info.setdefault("samples_per_s", []).append(samples / float(t[i]))
+            info.setdefault("cpu_us_per_sample", []).append(float(c[i]) / samples * 1e6)
             if cfg in pipes:
-                by_kind = pipes[cfg].stats()["seconds_by_kind"]
-                compute = sum(v for k, v in by_kind.items() if k in ("F", "B", "I", "W"))
-            t = torch.tensor([elapsed, compute], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            c = torch.tensor([cpu], dtype=torch.float64)
-            dist.all_reduce(c)
-            info.setdefault("samples_per_s", []).append(args.steps * B / float(t[0]))
-            info.setdefault("cpu_us_per_sample", []).append(float(c[0]) / (args.steps * B) * 1e6)
-            if cfg in pipes:
-                info.setdefault("compute_ms_per_step", []).append(float(t[1]) / args.steps * 1e3)
+                info.setdefault("compute_ms_per_step", []).append(float(t[len(CONFIGS) + i]) / args.steps * 1e3)
         result["loadavg"].append(list(os.getloadavg()))
         LOG.info("rank %d: round %d done", rank, r)
 
@@ -831,7 +838,8 @@ def report(data: Dict[str, Any], info: Dict[str, str], command: str) -> str:
     # Part 3
     lines += ["", "## Throughput, 2 ranks", "",
               f"Global batch {a['batch']}, {a['microbatches']} microbatches, SGD; {a['reps']} rounds of {a['steps']} "
-              f"steps per configuration after {a['warmup']} warm-up steps, the order reversed every other round; "
+              f"steps per configuration after {a['warmup']} warm-up steps, interleaved step by step (the six "
+              "configurations in turn, the order reversed every other step, each step between two barriers); "
               "samples/s from the slower rank (median [min-max] over rounds). 'first step' compares the first "
               "step's loss and every gradient with the unsplit model on the same microbatches (max abs "
               "difference; max |gradient| in brackets). 'compute' is pipedream_ext's F and B time per step on "
@@ -867,16 +875,26 @@ def report(data: Dict[str, Any], info: Dict[str, str], command: str) -> str:
         def cmp_of(cfg: str) -> List[Optional[float]]:
             return list(cfgs.get(cfg, {}).get("compute_ms_per_step") or [])
 
-        lines += [""] + h.table(["ratio per round", "1f1b", "gpipe"], [
-            ["traced / nn.Sequential (samples/s)"] + [fmt_ratio(ratio_stats(sps_of(f"pd-traced-{s}"),
-                                                                             sps_of(f"pd-sequential-{s}")))
-                                                      for s in ("1f1b", "gpipe")],
-            ["traced / nn.Sequential (compute time)"] + [fmt_ratio(ratio_stats(cmp_of(f"pd-traced-{s}"),
-                                                                               cmp_of(f"pd-sequential-{s}")))
-                                                         for s in ("1f1b", "gpipe")],
-            ["pipedream_ext traced / torch (samples/s)"] + [fmt_ratio(ratio_stats(sps_of(f"pd-traced-{s}"),
-                                                                                   sps_of(f"torch-{s}")))
-                                                            for s in ("1f1b", "gpipe")]]) + [""]
+        def inv(values: List[Optional[float]]) -> List[Optional[float]]:
+            return [1.0 / v if v else None for v in values]
+
+        def cpu_of(cfg: str) -> List[Optional[float]]:
+            return list(cfgs.get(cfg, {}).get("cpu_us_per_sample") or [])
+
+        ratio_rows = [
+            ("samples/s, traced / nn.Sequential", sps_of, "pd-traced", "pd-sequential", False),
+            ("CPU time per sample, nn.Sequential / traced", cpu_of, "pd-traced", "pd-sequential", True),
+            ("compute time per step, nn.Sequential / traced", cmp_of, "pd-traced", "pd-sequential", True),
+            ("samples/s, pipedream_ext traced / torch", sps_of, "pd-traced", "torch", False),
+            ("CPU time per sample, torch / pipedream_ext traced", cpu_of, "pd-traced", "torch", True)]
+        rows = []
+        for title, get, a_cfg, b_cfg, invert in ratio_rows:
+            cells = []
+            for sched in ("1f1b", "gpipe"):
+                x_, y_ = get(f"{a_cfg}-{sched}"), get(f"{b_cfg}-{sched}")
+                cells.append(fmt_ratio(ratio_stats(inv(x_), inv(y_)) if invert else ratio_stats(x_, y_)))
+            rows.append([title] + cells)
+        lines += [""] + h.table(["ratio per round (> 1: the first named is faster)", "1f1b", "gpipe"], rows) + [""]
     # Part 4
     lines += ["## A skip connection across several cuts", "",
               f"The U-Net ({PROBE_SIZE['label']}) cut so that the first level's skip connection crosses "
@@ -967,8 +985,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    "with --smoke: unet)")
     p.add_argument("--batch", type=int, default=32, help="global batch of the throughput part")
     p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--reps", type=int, default=5, help="rounds of every throughput configuration")
-    p.add_argument("--steps", type=int, default=5, help="steps per configuration and round")
+    p.add_argument("--reps", type=int, default=10, help="rounds of the throughput part")
+    p.add_argument("--steps", type=int, default=3, help="steps per configuration and round")
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps per configuration")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--trace-batch", type=int, default=8, help="sample batch for the trace part")
