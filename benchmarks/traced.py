@@ -29,6 +29,8 @@ Parts of a run:
    check, the rest), the graph's node count and the cost per node; beside it
    ``torch.distributed.pipelining.pipeline`` (torch.export) on the same model, split
    point and one microbatch. Median of ``--trace-reps``, ours and torch's interleaved.
+   Then ``split_model`` of the middle ResNet and GPT sizes against the sample's batch
+   size (``--sample-batches``): the value check runs the whole sample.
 2. **Stage calls** (this process): forward+backward of each stage alone on one
    microbatch (no communication), the traced ``GraphModule`` against the
    ``nn.Sequential`` stage, interleaved, median of ``--call-reps``.
@@ -393,9 +395,10 @@ def _median(values: Sequence[float]) -> Optional[float]:
 
 
 # ----------------------------------------------------------------------------- part 1: tracing
-def time_split(kind: str, size: Dict[str, Any], batch: int, microbatches: int) -> Dict[str, Any]:
-    """One ``split_model`` call with its phases timed, then torch's ``pipeline()`` on the
-    same model and split point (one microbatch as ``mb_args``)."""
+def time_split(kind: str, size: Dict[str, Any], batch: int, microbatches: int,
+               with_torch: bool = True) -> Dict[str, Any]:
+    """One ``split_model`` call with its phases timed, then (``with_torch``) torch's
+    ``pipeline()`` on the same model and split point (one microbatch as ``mb_args``)."""
     import torch
 
     from pipedream_ext import _trace
@@ -441,6 +444,8 @@ def time_split(kind: str, size: Dict[str, Any], batch: int, microbatches: int) -
         model(x)
         out["forward_s"] = time.perf_counter() - t0
     model.train()
+    if not with_torch:
+        return out
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     mb = x[: max(1, batch // microbatches)]
@@ -478,6 +483,23 @@ def trace_part(args: argparse.Namespace, sizes: Dict[str, List[Dict[str, Any]]])
             LOG.info("trace %s %s: %d nodes, split_model %.3f s, torch pipeline() %s s", kind, size["label"],
                      row["nodes"] or 0, row["total_s"], h.fmt(row["torch_s"], 3))
             rows.append(row)
+    return rows
+
+
+def sample_part(args: argparse.Namespace, sizes: Dict[str, List[Dict[str, Any]]]) -> List[Dict[str, Any]]:
+    """Part 1b: ``split_model`` against the sample's batch size (the value check runs the
+    sample), for the middle ResNet and GPT sizes."""
+    rows = []
+    for kind in ("resnet", "gpt"):
+        size = sizes[kind][len(sizes[kind]) // 2]
+        for batch in args.sample_batches:
+            runs = [time_split(kind, size, batch, args.microbatches, with_torch=False)
+                    for _ in range(args.trace_reps)]
+            rows.append({"model": kind, "size": size["label"], "batch": batch,
+                         "total_s": _median([r["total_s"] for r in runs]),
+                         "value_check_s": _median([r["phases_s"].get("_value_kinds", 0.0) for r in runs]),
+                         "forward_s": _median([r["forward_s"] for r in runs])})
+            LOG.info("sample batch %d, %s %s: split_model %.3f s", batch, kind, size["label"], rows[-1]["total_s"])
     return rows
 
 
@@ -824,6 +846,12 @@ def report(data: Dict[str, Any], info: Dict[str, str], command: str) -> str:
                       "symbolic_trace (ms)", "cut (ms)", "value check (ms)", "build (ms)", "ownership (ms)",
                       "other (ms)", "forward (ms)", "us per node", "us per node without value check",
                       "torch pipeline() (s)", "torch / ours"], rows)
+    if data.get("sample_batches"):
+        lines += ["", "`split_model` against the sample's batch size (the value check runs the whole sample "
+                  "through the model once; `PipeDream(sample=(x, y))` passes the batch it is given):", ""]
+        lines += h.table(["model", "size", "sample batch", "split_model (s)", "value check (s)", "forward (s)"],
+                         [[r["model"], r["size"], r["batch"], h.fmt(r["total_s"], 3), h.fmt(r["value_check_s"], 3),
+                           h.fmt(r["forward_s"], 3)] for r in data["sample_batches"]])
     # Part 2
     lines += ["", "## Stage calls: traced GraphModule against nn.Sequential stage", "",
               f"Forward+backward of one stage alone on one microbatch of {max(1, a['batch'] // a['microbatches'])} "
@@ -950,6 +978,7 @@ def run_driver(args: argparse.Namespace) -> int:
     tp_sizes = SMOKE_THROUGHPUT_SIZES if args.smoke else THROUGHPUT_SIZES
     data: Dict[str, Any] = {"machine": info, "command": command, "args": vars(args)}
     data["trace"] = trace_part(args, trace_sizes)
+    data["sample_batches"] = sample_part(args, trace_sizes)
     data["stage_calls"] = stage_call_part(args, {k: tp_sizes[k] for k in args.models})
     common = ["--batch", args.batch, "--microbatches", args.microbatches] + h.forward(
         args, "reps", "steps", "warmup", "lr", "pipe_timeout", "probe_timeout") + (["--smoke"] if args.smoke else [])
@@ -991,6 +1020,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--trace-batch", type=int, default=8, help="sample batch for the trace part")
     p.add_argument("--trace-reps", type=int, default=3)
+    p.add_argument("--sample-batches", type=lambda v: [int(b) for b in v.split(",")], default=[1, 8, 64],
+                   help="sample batch sizes of the split_model-against-sample table (comma-separated)")
     p.add_argument("--call-reps", type=int, default=20, help="interleaved pairs of the stage-call part")
     p.add_argument("--pipe-timeout", type=float, default=120.0, help="pipedream_ext's timeout (s)")
     p.add_argument("--probe-timeout", type=float, default=10.0,
@@ -1008,7 +1039,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.smoke:
         args.reps, args.steps, args.warmup, args.trace_reps, args.call_reps = 1, 1, 0, 1, 2
         args.batch, args.trace_batch, args.probe_timeout = min(args.batch, 8), min(args.trace_batch, 4), 3.0
-        args.probe_ranks = 2
+        args.probe_ranks, args.sample_batches = 2, [1, 4]
     if args.models is None:
         args.models = ["unet"] if args.smoke else list(MODELS)
     bad = [m for m in args.models if m not in MODELS]
