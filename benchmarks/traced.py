@@ -31,9 +31,11 @@ Parts of a run:
    point and one microbatch. Median of ``--trace-reps``, ours and torch's interleaved.
    Then ``split_model`` of the middle ResNet and GPT sizes against the sample's batch
    size (``--sample-batches``): the value check runs the whole sample.
-2. **Stage calls** (this process): forward+backward of each stage alone on one
-   microbatch (no communication), the traced ``GraphModule`` against the
-   ``nn.Sequential`` stage, interleaved, median of ``--call-reps``.
+2. **Stage calls** (this process): forward (no grad) and forward+backward of each
+   stage alone on one microbatch (no communication), the traced ``GraphModule`` against
+   the ``nn.Sequential`` stage, interleaved, median of ``--call-reps``; at the throughput
+   sizes and at tiny sizes with a microbatch of 1, where a call is nearly all Python
+   overhead.
 3. **Throughput** (one ``torchrun`` launch per model, 2 ranks, Gloo, one thread per
    rank): six configurations in one process pair, each on its own copy of the same
    weights: pipedream_ext traced and ``nn.Sequential`` with 1f1b and gpipe, and
@@ -515,16 +517,24 @@ def _fwd_bwd(stage, inp, last: bool, lossf, y) -> None:
         torch.autograd.backward(list(outs), [torch.ones_like(o) for o in outs])
 
 
-def stage_call_part(args: argparse.Namespace, sizes: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """Part 2: each stage alone, traced vs nn.Sequential, forward+backward on one microbatch."""
+def _fwd(stage, inp, last: bool, lossf, y) -> None:
+    import torch
+
+    with torch.no_grad():
+        stage(inp)
+
+
+def stage_call_part(args: argparse.Namespace, cases: Sequence[Tuple[str, str, Dict[str, Any], int]]
+                    ) -> List[Dict[str, Any]]:
+    """Part 2: each stage alone, traced vs nn.Sequential, forward (no grad) and
+    forward+backward on one microbatch; ``cases``: (label, kind, size, microbatch size)."""
     import torch
     from torch import nn
 
     from pipedream_ext._trace import split_model
 
     rows = []
-    for kind, size in sizes.items():
-        mb = max(1, args.batch // args.microbatches)
+    for label, kind, size, mb in cases:
         x, y = make_batch(kind, size, mb, seed=5)
         traced = split_model(build(kind, size), [split_point(kind, size)], (x,)).stages
         twin, balance = sequential_twin(kind, build(kind, size))
@@ -536,24 +546,26 @@ def stage_call_part(args: argparse.Namespace, sizes: Dict[str, Dict[str, Any]]) 
         inputs = [x, tuple(t.detach().requires_grad_() for t in mid) if isinstance(mid, tuple)
                   else mid.detach().requires_grad_()]
         for j in range(2):
-            times: Dict[str, List[float]] = {"traced": [], "sequential": []}
             mods = {"traced": traced[j], "sequential": seq[j]}
-            for name in mods:
-                _fwd_bwd(mods[name], inputs[j], j == 1, lossf, y)  # warm-up
-            for r in range(args.call_reps):
-                for name in (("traced", "sequential") if r % 2 == 0 else ("sequential", "traced")):
-                    t0 = time.perf_counter()
-                    _fwd_bwd(mods[name], inputs[j], j == 1, lossf, y)
-                    times[name].append(time.perf_counter() - t0)
+            row: Dict[str, Any] = {"case": label, "model": kind, "size": size["label"], "microbatch": mb, "stage": j,
+                                   "traced_calls": sum(n.op == "call_module" for n in traced[j].graph.nodes),
+                                   "traced_nodes": len(traced[j].graph.nodes)}
+            for what, fn in (("fwd", _fwd), ("fwd_bwd", _fwd_bwd)):
+                times: Dict[str, List[float]] = {"traced": [], "sequential": []}
+                for name in mods:
+                    fn(mods[name], inputs[j], j == 1, lossf, y)  # warm-up
+                for r in range(args.call_reps):
+                    for name in (("traced", "sequential") if r % 2 == 0 else ("sequential", "traced")):
+                        t0 = time.perf_counter()
+                        fn(mods[name], inputs[j], j == 1, lossf, y)
+                        times[name].append(time.perf_counter() - t0)
+                row[f"{what}_traced_ms"] = _median(times["traced"]) * 1e3
+                row[f"{what}_sequential_ms"] = _median(times["sequential"]) * 1e3
+                row[f"{what}_ratio"] = ratio_stats(times["traced"], times["sequential"])
             for m in mods.values():
                 m.zero_grad(set_to_none=True)
-            row = {"model": kind, "stage": j, "traced_ms": _median(times["traced"]) * 1e3,
-                   "sequential_ms": _median(times["sequential"]) * 1e3,
-                   "ratio": ratio_stats(times["traced"], times["sequential"]),
-                   "traced_calls": sum(n.op == "call_module" for n in traced[j].graph.nodes),
-                   "traced_nodes": len(traced[j].graph.nodes)}
-            LOG.info("stage call %s stage %d: traced %.2f ms, sequential %.2f ms", kind, j, row["traced_ms"],
-                     row["sequential_ms"])
+            LOG.info("stage call %s %s stage %d: fwd+bwd traced %.3f ms, sequential %.3f ms", label, kind, j,
+                     row["fwd_bwd_traced_ms"], row["fwd_bwd_sequential_ms"])
             rows.append(row)
     return rows
 
@@ -854,15 +866,22 @@ def report(data: Dict[str, Any], info: Dict[str, str], command: str) -> str:
                            h.fmt(r["forward_s"], 3)] for r in data["sample_batches"]])
     # Part 2
     lines += ["", "## Stage calls: traced GraphModule against nn.Sequential stage", "",
-              f"Forward+backward of one stage alone on one microbatch of {max(1, a['batch'] // a['microbatches'])} "
-              f"(no communication), {a['call_reps']} interleaved pairs; ratio = traced / nn.Sequential per pair "
-              "(median [min-max], pairs where the traced stage was slower or equal).", ""]
+              "Each stage alone on one microbatch (no communication): forward under no_grad, and "
+              f"forward+backward, {a['call_reps']} interleaved pairs each, median ms; ratio = traced / "
+              "nn.Sequential per pair (median [min-max], pairs where the traced stage was slower or equal). "
+              "'extra per call' = (traced - nn.Sequential forward) / module calls. The tiny sizes have almost "
+              "no compute, so they show the Python cost of a call.", ""]
     rows = []
     for r in data["stage_calls"]:
-        rows.append([r["model"], r["stage"], r["traced_nodes"], r["traced_calls"], h.fmt(r["traced_ms"], 2),
-                     h.fmt(r["sequential_ms"], 2), fmt_ratio(r["ratio"])])
-    lines += h.table(["model", "stage", "GraphModule nodes", "module calls", "traced (ms)", "nn.Sequential (ms)",
-                      "traced / nn.Sequential"], rows)
+        extra = (r["fwd_traced_ms"] - r["fwd_sequential_ms"]) * 1e3 / r["traced_calls"] if r["traced_calls"] else None
+        rows.append([r["case"], r["model"], f"{r['size']}, microbatch {r['microbatch']}", r["stage"],
+                     r["traced_nodes"], r["traced_calls"],
+                     f"{r['fwd_traced_ms']:.3f} / {r['fwd_sequential_ms']:.3f}", fmt_ratio(r["fwd_ratio"]),
+                     h.fmt(extra, 1), f"{r['fwd_bwd_traced_ms']:.3f} / {r['fwd_bwd_sequential_ms']:.3f}",
+                     fmt_ratio(r["fwd_bwd_ratio"])])
+    lines += h.table(["case", "model", "size", "stage", "GraphModule nodes", "module calls",
+                      "forward ms (traced / nn.Sequential)", "forward ratio", "extra per call (us)",
+                      "forward+backward ms (traced / nn.Sequential)", "forward+backward ratio"], rows)
     # Part 3
     lines += ["", "## Throughput, 2 ranks", "",
               f"Global batch {a['batch']}, {a['microbatches']} microbatches, SGD; {a['reps']} rounds of {a['steps']} "
@@ -979,7 +998,10 @@ def run_driver(args: argparse.Namespace) -> int:
     data: Dict[str, Any] = {"machine": info, "command": command, "args": vars(args)}
     data["trace"] = trace_part(args, trace_sizes)
     data["sample_batches"] = sample_part(args, trace_sizes)
-    data["stage_calls"] = stage_call_part(args, {k: tp_sizes[k] for k in args.models})
+    mb = max(1, args.batch // args.microbatches)
+    cases = [("throughput size", k, tp_sizes[k], mb) for k in args.models]
+    cases += [("tiny, overhead-bound", k, SMOKE_TRACE_SIZES[k][0], 1) for k in args.models]
+    data["stage_calls"] = stage_call_part(args, cases)
     common = ["--batch", args.batch, "--microbatches", args.microbatches] + h.forward(
         args, "reps", "steps", "warmup", "lr", "pipe_timeout", "probe_timeout") + (["--smoke"] if args.smoke else [])
     data["throughput"] = {}
@@ -1022,7 +1044,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--trace-reps", type=int, default=3)
     p.add_argument("--sample-batches", type=lambda v: [int(b) for b in v.split(",")], default=[1, 8, 64],
                    help="sample batch sizes of the split_model-against-sample table (comma-separated)")
-    p.add_argument("--call-reps", type=int, default=20, help="interleaved pairs of the stage-call part")
+    p.add_argument("--call-reps", type=int, default=40, help="interleaved pairs of the stage-call part")
     p.add_argument("--pipe-timeout", type=float, default=120.0, help="pipedream_ext's timeout (s)")
     p.add_argument("--probe-timeout", type=float, default=10.0,
                    help="seconds the peers of a failing torch.distributed.pipelining rank wait")
