@@ -869,15 +869,17 @@ def report(data: Dict[str, Any], info: Dict[str, str], command: str) -> str:
               "Each stage alone on one microbatch (no communication): forward under no_grad, and "
               f"forward+backward, {a['call_reps']} interleaved pairs each, median ms; ratio = traced / "
               "nn.Sequential per pair (median [min-max], pairs where the traced stage was slower or equal). "
-              "'extra per call' = (traced - nn.Sequential forward) / module calls. The tiny sizes have almost "
-              "no compute, so they show the Python cost of a call.", ""]
+              "'extra per call' = (traced - nn.Sequential forward) / module calls, at the tiny sizes: they have "
+              "almost no compute, so they show the Python cost of a call (at the throughput sizes that "
+              "difference is below the noise).", ""]
     rows = []
     for r in data["stage_calls"]:
-        extra = (r["fwd_traced_ms"] - r["fwd_sequential_ms"]) * 1e3 / r["traced_calls"] if r["traced_calls"] else None
+        extra = ((r["fwd_traced_ms"] - r["fwd_sequential_ms"]) * 1e3 / r["traced_calls"]
+                 if r["traced_calls"] and r["case"].startswith("tiny") else None)
         rows.append([r["case"], r["model"], f"{r['size']}, microbatch {r['microbatch']}", r["stage"],
                      r["traced_nodes"], r["traced_calls"],
                      f"{r['fwd_traced_ms']:.3f} / {r['fwd_sequential_ms']:.3f}", fmt_ratio(r["fwd_ratio"]),
-                     h.fmt(extra, 1), f"{r['fwd_bwd_traced_ms']:.3f} / {r['fwd_bwd_sequential_ms']:.3f}",
+                     h.fmt(extra, 1, ""), f"{r['fwd_bwd_traced_ms']:.3f} / {r['fwd_bwd_sequential_ms']:.3f}",
                      fmt_ratio(r["fwd_bwd_ratio"])])
     lines += h.table(["case", "model", "size", "stage", "GraphModule nodes", "module calls",
                       "forward ms (traced / nn.Sequential)", "forward ratio", "extra per call (us)",
