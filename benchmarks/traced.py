@@ -65,7 +65,7 @@ Results: ``<out-dir>/traced.md`` and ``traced.json``. ``--smoke`` runs every par
 tiny sizes, with one throughput launch (the U-Net, 1 round of 1 step) that also runs
 part 4 on 2 ranks: about 25 s on a quiet 2-core machine (tests/test_bench_scripts.py).
 
-Command, from the repository root (about 5 minutes on 2 cores):
+Command, from the repository root (2.5 minutes at load 2-3 on 2 cores, 5 at load 6):
 
     python3 benchmarks/traced.py
 """
