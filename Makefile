@@ -65,6 +65,7 @@ bench: setup
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/shape_change.py
 	$(PY) benchmarks/deferred_init.py
+	$(PY) benchmarks/traced.py
 	$(PY) benchmarks/update_readme.py
 
 # Time to accuracy on an emulated 4-host cluster (network namespaces, tc-limited

@@ -198,10 +198,10 @@ def torchrun_commands(hosts: Sequence[_netns.Host], prefixes: Sequence[Sequence[
     if len(prefixes) != len(hosts):
         raise ValueError(f"{len(prefixes)} command prefixes for {len(hosts)} hosts")
     cmds = []
-    for k, h in enumerate(hosts):
+    for k, host in enumerate(hosts):
         cmds.append([
             *prefixes[k],
-            "env", f"GLOO_SOCKET_IFNAME={h.ifname}", "OMP_NUM_THREADS=1",
+            "env", f"GLOO_SOCKET_IFNAME={host.ifname}", "OMP_NUM_THREADS=1",
             python, "-m", "torch.distributed.run",
             "--nnodes", str(len(hosts)), "--nproc-per-node", "1", "--node-rank", str(k),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0].address}:{port}",
@@ -210,7 +210,7 @@ def torchrun_commands(hosts: Sequence[_netns.Host], prefixes: Sequence[Sequence[
                            f"read_timeout={join_timeout}",
             # Without it rank 0's agent advertises its hostname (unreachable from
             # the other namespaces) as MASTER_ADDR.
-            "--local-addr", h.address,
+            "--local-addr", host.address,
             "--max-restarts", "0",
             script, *worker_args,
         ])

@@ -171,7 +171,6 @@ def run_worker(args: argparse.Namespace) -> int:
         if distributed:
             dist.barrier()
 
-    step_fn = None
     stage_module = None  # this rank's pipeline stage, for --profile
     samples_per_step = B
     steps = args.steps

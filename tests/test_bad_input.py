@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -248,7 +247,7 @@ def check_hostile_peer_rows() -> None:
     ]
     for row_id, header in cases:
         pipe = pd.PipeDream(model(), **pipe_kwargs(microbatches=1, timeout=20))
-        x, y = torch.randn(2, 6), torch.randint(0, 3, (2,))
+        x, _ = torch.randn(2, 6), torch.randint(0, 3, (2,))
         if dist.get_rank() == 0:
             _expect(row_id, lambda: pipe.step(x, None))
         else:

@@ -1,14 +1,17 @@
 """The benchmark scripts' pure helpers (benchmarks/plan_accuracy.py, memory.py, soak.py,
-deferred_init.py)
+deferred_init.py, traced.py)
 and the harness they stand on (benchmarks/_harness.py).
 
 Fast: the scripts import torch only inside functions, so nothing here starts a process
-group or imports torch.
+group or imports torch, except the one smoke run of benchmarks/traced.py (a subprocess,
+about 25 s).
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -32,11 +35,12 @@ plan_accuracy = _load("plan_accuracy")
 memory = _load("memory")
 soak = _load("soak")
 deferred_init = _load("deferred_init")
+traced = _load("traced")
 util = _load("_harness")
 
 
 def test_scripts_do_not_import_torch_at_module_level():
-    for script in (plan_accuracy, memory, soak, deferred_init):
+    for script in (plan_accuracy, memory, soak, deferred_init, traced):
         assert "torch" not in vars(script), script.__name__
 
 
@@ -358,3 +362,52 @@ def test_deferred_init_report_puts_whole_and_meta_side_by_side():
     assert "Largest peak of a rank: 1,650 MiB built whole, 825 MiB built on meta (2.0x less)" in text
     assert "torchrun launches: whole 9 s, meta 8 s" in text
     assert deferred_init.rss_bytes() > 0 and deferred_init.peak_rss_bytes() >= deferred_init.rss_bytes() // 2
+
+
+# ----------------------------------------------------------------------------- traced
+def test_traced_rounds_alternate_the_order_and_ratios_are_per_round():
+    assert traced.config_order(0) == list(traced.CONFIGS)
+    assert traced.config_order(1) == list(reversed(traced.CONFIGS))
+    assert traced.config_order(2, ["a", "b"]) == ["a", "b"]
+    stats = traced.ratio_stats([10.0, 9.0, None, 12.0], [10.0, 10.0, 5.0, 0.0])
+    assert stats == {"median": 0.95, "min": 0.9, "max": 1.0, "n": 2, "at_least_1": 1}
+    assert traced.ratio_stats([None], [1.0]) is None
+    assert traced.fmt_ratio(stats) == "0.95 [0.90-1.00], 1/2 >= 1" and traced.fmt_ratio(None) == "n/a"
+
+
+def test_traced_report_names_failed_launches():
+    info = dict(cpu_count="2", cpu_model="x", torch="2.13.0", python="3.11", platform="Linux", cuda="none",
+                loadavg_at_start="1.00 1.00 1.00")
+    args = traced.parse_args(["--smoke"])
+    data = {"args": vars(args), "total_s": 3.0, "trace": [], "stage_calls": [],
+            "throughput": {"unet": {"error": "exit 1: RuntimeError: boom", "log": "/tmp/x.log", "launch_s": 1.0}},
+            "probe2": {"error": "exit 1: RuntimeError: boom"}}
+    text = traced.report(data, info, "python3 benchmarks/traced.py --smoke")
+    assert "Failed: exit 1: RuntimeError: boom (log: /tmp/x.log)" in text
+    assert "| 2 | | | | failed: exit 1: RuntimeError: boom | | | |" in text
+    assert "load average at start 1.00 1.00 1.00" in text
+
+
+def test_traced_smoke_run(tmp_path):
+    """benchmarks/traced.py --smoke end to end (tiny models, one 2-rank launch): every part
+    reports, and pipedream_ext's first steps equal the unsplit model's."""
+    env = dict(os.environ, PYTHONPATH=str(BENCH.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, str(BENCH / "traced.py"), "--smoke", "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    text = (tmp_path / "traced.md").read_text()
+    for heading in ("## Trace and split", "## Stage calls", "## Throughput, 2 ranks",
+                    "## A skip connection across several cuts"):
+        assert heading in text
+    data = json.loads((tmp_path / "traced.json").read_text())
+    assert {r["model"] for r in data["trace"]} == {"resnet", "unet", "gpt"}
+    assert all(r["nodes"] > 0 and r["total_s"] > 0 for r in data["trace"])
+    configs = data["throughput"]["unet"]["configs"]
+    assert set(configs) == set(traced.CONFIGS)
+    for cfg, c in configs.items():
+        assert len(c["samples_per_s"]) == 1, cfg
+        if cfg.startswith("pd-"):
+            assert c["loss_diff"] < 1e-5 and c["grad_max_diff"] < 1e-6, (cfg, c)
+    split = data["probe2"]["splits"]["fan-out"]
+    assert split["pipedream_ext"]["loss_diff"] < 1e-5 and split["pipedream_ext"]["grad_max_diff"] < 1e-6
+    assert len(split["torch"]["ScheduleInterleaved1F1B"]) == 2  # both ranks' outcome recorded
