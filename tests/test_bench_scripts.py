@@ -1,14 +1,17 @@
 """The benchmark scripts' pure helpers (benchmarks/plan_accuracy.py, memory.py, soak.py,
-deferred_init.py)
+deferred_init.py, zero_bubble.py, split_backward.py)
 and the harness they stand on (benchmarks/_harness.py).
 
-Fast: the scripts import torch only inside functions, so nothing here starts a process
-group or imports torch.
+Fast: the scripts import torch only inside functions, so loading them imports no torch;
+only the two smoke runs at the end (zero_bubble.py and split_backward.py with
+``--smoke``: a tiny model on 2 ranks, a few seconds each) start processes.
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -32,11 +35,13 @@ plan_accuracy = _load("plan_accuracy")
 memory = _load("memory")
 soak = _load("soak")
 deferred_init = _load("deferred_init")
+zero_bubble = _load("zero_bubble")
+split_backward = _load("split_backward")
 util = _load("_harness")
 
 
 def test_scripts_do_not_import_torch_at_module_level():
-    for script in (plan_accuracy, memory, soak, deferred_init):
+    for script in (plan_accuracy, memory, soak, deferred_init, zero_bubble, split_backward):
         assert "torch" not in vars(script), script.__name__
 
 
@@ -358,3 +363,107 @@ def test_deferred_init_report_puts_whole_and_meta_side_by_side():
     assert "Largest peak of a rank: 1,650 MiB built whole, 825 MiB built on meta (2.0x less)" in text
     assert "torchrun launches: whole 9 s, meta 8 s" in text
     assert deferred_init.rss_bytes() > 0 and deferred_init.peak_rss_bytes() >= deferred_init.rss_bytes() // 2
+
+
+# ----------------------------------------------------------------------------- zero_bubble
+def test_zero_bubble_balance_and_placement():
+    assert zero_bubble.balance(8, 2) == [8, 9]
+    assert zero_bubble.balance(8, 4) == [4, 4, 4, 5]
+    with pytest.raises(ValueError):
+        zero_bubble.balance(6, 4)
+    # V (zbv, dualpipev): rank r holds r and 2p-1-r; round robin: r and r+p.
+    assert [zero_bubble.placement("zbv", r, 2, 2) for r in range(2)] == [[0, 3], [1, 2]]
+    assert [zero_bubble.placement("torch-dualpipev", r, 2, 2) for r in range(2)] == [[0, 3], [1, 2]]
+    assert [zero_bubble.placement("torch-interleaved-zb", r, 2, 2) for r in range(2)] == [[0, 2], [1, 3]]
+    assert zero_bubble.placement("zb-h1", 1, 2, 1) == [1]
+
+
+def test_zero_bubble_placement_is_the_schedules():
+    from pipedream_ext import schedules
+
+    for name in ("zbv", "dualpipev", "interleaved-zb"):
+        s = schedules.build(name, stages=2, microbatches=8, chunks=2)
+        assert [s.stages_of_rank(r) for r in range(2)] == [zero_bubble.placement(name, r, 2, 2) for r in range(2)]
+
+
+def test_zero_bubble_pairs_ratio_candidate_over_baseline():
+    rounds = [{"pair": 0, "config": "torch-zbv", "samples_per_s": 100.0},
+              {"pair": 0, "config": "zbv", "samples_per_s": 120.0},
+              {"pair": 1, "config": "torch-zbv", "samples_per_s": 200.0},
+              {"pair": 1, "config": "zbv", "samples_per_s": 180.0},
+              {"pair": 2, "config": "torch-zbv", "samples_per_s": 100.0},
+              {"pair": 2, "config": "zbv", "samples_per_s": 110.0}]
+    s = zero_bubble.comparison_summary(rounds, "torch-zbv", "zbv")
+    assert s["ratios"] == pytest.approx([1.2, 0.9, 1.1])
+    assert s["ratio"] == pytest.approx({"median": 1.1, "min": 0.9, "max": 1.2})
+    assert s["baseline"]["median"] == 100.0 and s["candidate"]["max"] == 180.0
+    assert s["candidate_ahead"] == 2
+    assert zero_bubble.ratio_stats([]) == {}
+
+
+def test_zero_bubble_stage_costs_from_a_trace():
+    events = [{"name": "0F0", "cat": "compute", "ph": "X", "dur": 1000},
+              {"name": "0F1", "cat": "compute", "ph": "X", "dur": 3000},
+              {"name": "0F2", "cat": "compute", "ph": "X", "dur": 2000},
+              {"name": "3I1", "cat": "compute", "ph": "X", "dur": 500},
+              {"name": "3W1", "cat": "compute", "ph": "X", "dur": 700},
+              {"name": "1RECV_F0", "cat": "wait", "ph": "X", "dur": 9000},
+              {"name": "process_name", "ph": "M"}]
+    assert zero_bubble.stage_costs_from_trace(events) == {
+        "F": {0: pytest.approx(0.002)}, "I": {3: pytest.approx(0.0005)}, "W": {3: pytest.approx(0.0007)}}
+
+
+def test_zero_bubble_simulated_bubbles():
+    # Unit times F = I = W = 1 on 2 ranks, m = 8: 1f1b (p-1)/(m+p-1), zb-h1 and the V lower.
+    assert zero_bubble.simulate("1f1b", 2, 8, 1) == pytest.approx(1 / 9)
+    assert zero_bubble.simulate("zb-h1", 2, 8, 1) == pytest.approx(0.04, abs=1e-3)
+    assert zero_bubble.simulate("zbv", 2, 8, 2) == pytest.approx(0.02, abs=1e-3)
+    # Measured costs: the same numbers per stage give the same bubble; a missing kind: None.
+    unit = {"F": {j: 1.0 for j in range(4)}, "I": {j: 1.0 for j in range(4)}, "W": {j: 1.0 for j in range(4)}}
+    assert zero_bubble.simulate("zbv", 2, 8, 2, unit) == pytest.approx(zero_bubble.simulate("zbv", 2, 8, 2))
+    assert zero_bubble.simulate("zbv", 2, 8, 2, {"F": unit["F"]}) is None
+    assert zero_bubble.simulate("1f1b", 2, 8, 1, {"F": {0: 1.0, 1: 1.0}, "B": {0: 2.0}}) == pytest.approx(1 / 9)
+
+
+def test_zero_bubble_smoke_mode_and_argument_checks():
+    args = zero_bubble.parse_args(["--smoke"])
+    assert (args.hidden, args.pairs, args.steps) == (32, 1, 1)
+    assert zero_bubble.parse_args(["--comparisons", "zbv"]).comparisons == ["zbv"]
+    for bad in (["--comparisons", "1f1b"], ["--layers", "6"], ["--batch", "10"], ["--warmup", "0"]):
+        with pytest.raises(SystemExit):
+            zero_bubble.parse_args(bad)
+
+
+# ----------------------------------------------------------------------------- smoke runs
+def _smoke(script: str, out_dir: Path) -> "subprocess.CompletedProcess[str]":
+    env = dict(os.environ, PYTHONPATH=str(BENCH.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, str(BENCH / script), "--smoke", "--out-dir", str(out_dir)],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_zero_bubble_smoke_run(tmp_path):
+    proc = _smoke("zero_bubble.py", tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "zero_bubble.json").read_text())
+    configs = data["result"]["configs"]
+    assert set(configs) == {"1f1b", "zb-h1", "zbv", "torch-zbv", "dualpipev", "torch-dualpipev",
+                            "interleaved-zb", "torch-interleaved-zb"}
+    for name, entry in configs.items():
+        assert "error" not in entry, (name, entry["error"])
+        # The same work: every configuration's first loss and gradients are the unsplit model's.
+        assert entry["same_work"]["loss_diff"] < 1e-5, name
+        assert entry["same_work"]["grad_max_abs_diff"] < 1e-5, name
+        assert entry["same_work"]["grad_tensors"] == entry["same_work"]["ref_tensors"], name
+        assert len(entry["ranks"]) == 2 and all(r["wall_s"] > 0 for r in entry["ranks"]), name
+    assert set(data["summary"]["comparisons"]) == {"zb-h1", "zbv", "dualpipev", "interleaved-zb"}
+    text = (tmp_path / "zero_bubble.md").read_text()
+    assert "| ours zbv / torch ScheduleZBVZeroBubble |" in text and "Load average (1 min)" in text
+
+
+def test_split_backward_smoke_run(tmp_path):
+    proc = _smoke("split_backward.py", tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "split_backward.json").read_text())
+    assert len(data["result"]["ms_per_microbatch"]) == 2
+    assert set(data["result"]["step_ms"]) == {"1f1b", "zb-h1"}
+    assert "Median ratio zb-h1 / 1f1b" in (tmp_path / "split_backward.md").read_text()
