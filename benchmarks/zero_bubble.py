@@ -23,8 +23,8 @@ Per configuration it reports each rank's seconds by kind (ours: the executor's
 ``stats()["seconds_by_kind"]``; torch: wrappers around each stage's
 ``forward_one_chunk``, ``backward_one_chunk`` (B, or I when split) and
 ``backward_weight_one_chunk``; its ``_batch_p2p`` / ``_wait_batch_p2p`` for the
-waits), the measured idle fraction (1 - compute / wall,
-mean over ranks, wall = the timed rounds), our executor's own
+waits), the measured idle fraction (1 - compute / wall: the median over the
+rounds, the mean over the ranks), our executor's own
 ``bubble_fraction``, and beside it the simulated bubble of the same schedule
 (``pipedream_ext.schedules``: at unit times F = I = W = 1, and with the measured
 per-stage, per-kind costs; t_comm = 0). Torch's orders are the same as ours
@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h  # noqa: E402
 
 __all__ = ["COMPARISONS", "KINDS", "TORCH_CLASSES", "balance", "comparison_summary", "main", "parse_args",
-           "placement", "ratio_stats", "report", "run_driver", "run_worker", "simulate", "stage_costs_from_trace"]
+           "placement", "rank_figures", "ratio_stats", "report", "run_driver", "run_worker", "simulate", "stage_costs_from_trace"]
 
 JSON_TAG = "ZERO_BUBBLE_JSON "
 LOG = logging.getLogger("zero_bubble")
@@ -383,6 +383,16 @@ def _time_torch_p2p() -> None:
     ts._zero_bubble_timed = True
 
 
+def _snapshot(runner: _Runner) -> Dict[str, float]:
+    """The runner's cumulative seconds by kind; ours also ``compute_s`` and ``busy_s``
+    (the executor's compute and time inside the runtime)."""
+    out = dict(runner.kinds())
+    if runner.stats is not None:
+        stats = runner.stats()
+        out.update(compute_s=stats["compute_s"], busy_s=stats["busy_s"])
+    return out
+
+
 def _same_work(runner: _Runner, ref_loss: float, ref_grads: Dict[str, Any], group: Any) -> Dict[str, Any]:
     """The first step's loss and gradients against the unsplit model's (max over ranks)."""
     import torch
@@ -455,19 +465,21 @@ def run_worker(args: argparse.Namespace) -> int:
                     del runners[name]
                     entry["error"] = "the peer rank failed (its error is in its log)"
             live = [name for name in (base, cand) if name in runners]
-            wall = {name: 0.0 for name in live}
-            cpu = {name: 0.0 for name in live}
+            per_round: Dict[str, List[Dict[str, Any]]] = {name: [] for name in live}
             for pair in range(args.pairs):
                 for name in live:
                     runner = runners[name]
+                    before = _snapshot(runner)
                     dist.barrier()
                     t0, c0 = time.perf_counter(), time.process_time()
                     for _ in range(args.steps):
                         runner.step()
                     dist.barrier()
                     local = time.perf_counter() - t0
-                    wall[name] += local
-                    cpu[name] += time.process_time() - c0
+                    cpu = time.process_time() - c0
+                    after = _snapshot(runner)
+                    per_round[name].append({"wall_s": local, "cpu_s": cpu, "steps": args.steps,
+                                            "seconds": {k: v - before.get(k, 0.0) for k, v in after.items()}})
                     t = torch.tensor([local], dtype=torch.float64)
                     dist.all_reduce(t, op=dist.ReduceOp.MAX)
                     result["rounds"].append({"pair": pair, "config": name, "seconds": float(t.item()),
@@ -475,10 +487,12 @@ def run_worker(args: argparse.Namespace) -> int:
                                              "loadavg_1min": os.getloadavg()[0]})
             for name in live:
                 runner = runners[name]
-                stats = runner.stats() if runner.stats is not None else None
-                mine = {"rank": rank, "stages": runner.stages, "wall_s": wall[name], "cpu_s": cpu[name],
-                        "steps": args.pairs * args.steps, "seconds_by_kind": runner.kinds()}
-                if stats is not None:
+                rounds = per_round[name]
+                mine = {"rank": rank, "stages": runner.stages, "rounds": rounds,
+                        "wall_s": sum(r["wall_s"] for r in rounds), "cpu_s": sum(r["cpu_s"] for r in rounds),
+                        "steps": sum(r["steps"] for r in rounds), "seconds_by_kind": runner.kinds()}
+                if runner.stats is not None:
+                    stats = runner.stats()
                     mine.update({k: stats[k] for k in ("compute_s", "wait_s", "busy_s", "bubble_fraction")})
                 else:
                     mine["stage_costs"] = runner.stage_costs()
@@ -519,23 +533,39 @@ def _stage_costs(entry: Dict[str, Any]) -> Optional[Dict[str, Dict[int, float]]]
     return out or None
 
 
-def _idle(entry: Dict[str, Any]) -> Optional[float]:
-    """Mean over ranks of 1 - compute / wall of the timed rounds."""
-    ranks = entry.get("ranks", [])
-    if not ranks:
-        return None
-    return statistics.mean(1 - _compute(r) / r["wall_s"] for r in ranks)
+def rank_figures(rank: Dict[str, Any]) -> Dict[str, Any]:
+    """One rank's figures of one configuration, each the median over its rounds.
+
+    Returns:
+        ``ms``: ms per step of every kind (F, I, W, B and the waits and sends);
+        ``compute`` and ``wall`` (ms per step); ``cpu_wall`` (CPU / wall); ``idle``
+        (1 - compute / wall); ``bubble_fraction`` (ours: 1 - the executor's compute
+        over its time inside the runtime, else None).
+    """
+    rounds = rank["rounds"]
+    kinds = sorted({k for r in rounds for k in r["seconds"]} - {"compute_s", "busy_s"})
+
+    def med(fn: Callable[[Dict[str, Any]], float]) -> float:
+        return statistics.median(fn(r) for r in rounds)
+
+    def compute(r: Dict[str, Any]) -> float:
+        return sum(v for k, v in r["seconds"].items() if k in KINDS)
+
+    bubble = None
+    if all("busy_s" in r["seconds"] for r in rounds):
+        bubble = med(lambda r: 1 - r["seconds"]["compute_s"] / r["seconds"]["busy_s"])
+    return {"ms": {k: med(lambda r, k=k: 1e3 * r["seconds"].get(k, 0.0) / r["steps"]) for k in kinds},
+            "compute": med(lambda r: 1e3 * compute(r) / r["steps"]),
+            "wall": med(lambda r: 1e3 * r["wall_s"] / r["steps"]),
+            "cpu_wall": med(lambda r: r["cpu_s"] / r["wall_s"]),
+            "idle": med(lambda r: 1 - compute(r) / r["wall_s"]),
+            "bubble_fraction": bubble}
 
 
-def _compute(rank: Dict[str, Any]) -> float:
-    """Seconds of compute (F, I, W, B) of one rank's timed rounds."""
-    return sum(v for k, v in rank["seconds_by_kind"].items() if k in KINDS)
-
-
-def _waits(rank: Dict[str, Any], steps: int) -> str:
-    """The rank's other kinds (waits on receives and sends), ms per step, largest first."""
-    other = sorted(((v, k) for k, v in rank["seconds_by_kind"].items() if k not in KINDS), reverse=True)
-    return ", ".join(f"{k} {1e3 * v / steps:.1f}" for v, k in other if 1e3 * v / steps >= 0.05) or "-"
+def _waits(ms: Dict[str, float]) -> str:
+    """The kinds other than compute (waits on receives, sends), ms per step, largest first."""
+    other = sorted(((v, k) for k, v in ms.items() if k not in KINDS), reverse=True)
+    return ", ".join(f"{k} {v:.1f}" for v, k in other if v >= 0.05) or "-"
 
 
 def _fmt_range(s: Dict[str, float], digits: int = 0) -> str:
@@ -591,13 +621,14 @@ def report(result: Dict[str, Any], info: Dict[str, str], command: str, args: arg
                       "max abs gradient difference (largest gradient)", "gradient tensors compared"], rows)
 
     lines += ["", "## Where the time goes", "",
-              "Per rank, ms per step over the timed rounds: seconds by kind (ours: the executor's "
+              "Per rank, ms per step, each figure the median over the timed rounds (a burst of "
+              "other work on the machine moves a few rounds, not the median): seconds by kind (ours: the executor's "
               "`seconds_by_kind`; torch: the stage's forward / backward / weight-backward calls); CPU / wall: "
               "the process's CPU time (all its threads, Gloo's included) over the wall time; idle = "
               "1 - compute / wall; ours also the executor's own `bubble_fraction` (1 - compute / time "
               "inside the runtime). Simulated: `pipedream_ext.schedules` on the same schedule at unit "
-              "times (F = I = W = 1) and with the measured per-stage medians (ours: a traced pipeline "
-              "after the timing; torch: its wrappers), t_comm = 0; the measured idle is the mean over "
+              "times (F = I = W = 1) and with the measured per-stage costs (ours: medians over a traced "
+              "pipeline after the timing; torch: means over the timed rounds from its wrappers), t_comm = 0; the measured idle is the mean over "
               "ranks, as the simulator's bubble fraction is. Waits and sends, ms per step: ours "
               "RECV_F / RECV_B (blocked on a receive), SEND_F / SEND_B (posting a send; Gloo writes "
               "the data on the caller's thread once the peer has posted its receive) and SEND_WAIT; "
@@ -613,23 +644,20 @@ def report(result: Dict[str, Any], info: Dict[str, str], command: str, args: arg
         unit = simulate(schedule, 2, args.microbatches, chunks)
         costs = _stage_costs(entry)
         measured_sim = simulate(schedule, 2, args.microbatches, chunks, costs) if costs else None
-        idle = _idle(entry)
+        ranks = [rank_figures(r) for r in entry["ranks"]]
+        idle = statistics.mean(f["idle"] for f in ranks)
         figures[name] = {"idle": idle, "simulated_unit": unit, "simulated_measured": measured_sim,
-                         "stage_costs": costs}
-        for r in entry["ranks"]:
-            steps = r["steps"]
-            kinds = r["seconds_by_kind"]
-            compute = _compute(r)
+                         "stage_costs": costs, "ranks": ranks}
+        for r, f in zip(entry["ranks"], ranks):
             rows.append([label(name), r["rank"], ",".join(map(str, r["stages"]))]
-                        + [h.fmt(1e3 * kinds[k] / steps, 1) if k in kinds else "-" for k in KINDS]
-                        + [h.fmt(1e3 * compute / steps, 1), h.fmt(1e3 * r["wall_s"] / steps, 1),
-                           h.fmt(r["cpu_s"] / r["wall_s"], 2),
-                           h.fmt(1 - compute / r["wall_s"], 3), h.fmt(r.get("bubble_fraction"), 3, "-"),
-                           h.fmt(idle, 3), h.fmt(unit, 3), h.fmt(measured_sim, 3), _waits(r, steps)])
+                        + [h.fmt(f["ms"][k], 1) if k in f["ms"] else "-" for k in KINDS]
+                        + [h.fmt(f["compute"], 1), h.fmt(f["wall"], 1), h.fmt(f["cpu_wall"], 2),
+                           h.fmt(f["idle"], 3), h.fmt(f["bubble_fraction"], 3, "-"),
+                           h.fmt(idle, 3), h.fmt(unit, 3), h.fmt(measured_sim, 3), _waits(f["ms"])])
     lines += h.table(["configuration", "rank", "stages", "F", "I", "W", "B", "compute", "wall",
                       "CPU / wall", "idle", "executor bubble_fraction", "idle, mean of ranks", "simulated, unit times",
                       "simulated, measured costs", "waits and sends by kind"], rows)
-    lines += ["", "Per-stage medians used for the measured simulation (ms per microbatch):", ""]
+    lines += ["", "Per-stage costs used for the measured simulation (ms per microbatch):", ""]
     rows = []
     for name, fig in figures.items():
         costs = fig["stage_costs"] or {}

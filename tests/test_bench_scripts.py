@@ -425,6 +425,25 @@ def test_zero_bubble_simulated_bubbles():
     assert zero_bubble.simulate("1f1b", 2, 8, 1, {"F": {0: 1.0, 1: 1.0}, "B": {0: 2.0}}) == pytest.approx(1 / 9)
 
 
+def test_zero_bubble_rank_figures_are_medians_over_rounds():
+    def rnd(wall, f, w, recv, busy=None):
+        seconds = {"F": f, "W": w, "RECV_B": recv}
+        if busy is not None:
+            seconds.update(compute_s=f + w, busy_s=busy)
+        return {"wall_s": wall, "cpu_s": wall / 2, "steps": 2, "seconds": seconds}
+
+    # Three rounds, the last one slowed down by other work: the medians ignore it.
+    rank = {"rounds": [rnd(1.0, 0.3, 0.5, 0.1, busy=0.9), rnd(1.2, 0.4, 0.6, 0.1, busy=1.1),
+                       rnd(9.0, 3.0, 3.0, 2.0, busy=8.0)]}
+    f = zero_bubble.rank_figures(rank)
+    assert f["ms"] == pytest.approx({"F": 200.0, "W": 300.0, "RECV_B": 50.0})
+    assert f["compute"] == pytest.approx(500.0) and f["wall"] == pytest.approx(600.0)
+    assert f["idle"] == pytest.approx(1 - 0.8 / 1.0) and f["cpu_wall"] == pytest.approx(0.5)
+    assert f["bubble_fraction"] == pytest.approx(1 - 0.8 / 0.9)
+    rank["rounds"][0]["seconds"].pop("busy_s")
+    assert zero_bubble.rank_figures(rank)["bubble_fraction"] is None
+
+
 def test_zero_bubble_smoke_mode_and_argument_checks():
     args = zero_bubble.parse_args(["--smoke"])
     assert (args.hidden, args.pairs, args.steps) == (32, 1, 1)
