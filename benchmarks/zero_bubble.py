@@ -29,14 +29,15 @@ rounds, the mean over the ranks), our executor's own
 (``pipedream_ext.schedules``: at unit times F = I = W = 1, and with the measured
 per-stage, per-kind costs; t_comm = 0). Torch's orders are the same as ours
 (tests/test_schedules.py), so its simulated rows use our generator with torch's
-measured costs. Per-stage costs of ours come from a few more steps of a second,
-traced pipeline (``PipeDream(trace=...)``), after the timed rounds.
+measured costs. A rank's measured seconds of a kind are divided among its two
+stages as a second, traced pipeline of ours (``PipeDream(trace=...)``, a few
+steps after the timed rounds) or torch's wrappers divide them.
 
 Writes ``<out-dir>/zero_bubble.md`` and ``zero_bubble.json``. Command, from the
-repository root (about 2-3 minutes on 2 cores; ``--smoke``: a tiny model, one
-pair, a few seconds of work):
+repository root (about a minute on 2 cores; ``--smoke``: a tiny model, one pair,
+a few seconds of work):
 
-    python3 benchmarks/zero_bubble.py [--pairs 6] [--steps 4] [--smoke]
+    python3 benchmarks/zero_bubble.py [--pairs 10] [--steps 4] [--smoke]
 """
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h  # noqa: E402
 
 __all__ = ["COMPARISONS", "KINDS", "TORCH_CLASSES", "balance", "comparison_summary", "main", "parse_args",
-           "placement", "rank_figures", "ratio_stats", "report", "run_driver", "run_worker", "simulate", "stage_costs_from_trace"]
+           "placement", "rank_figures", "ratio_stats", "report", "run_driver", "run_worker", "simulate",
+           "stage_costs", "stage_costs_from_trace"]
 
 JSON_TAG = "ZERO_BUBBLE_JSON "
 LOG = logging.getLogger("zero_bubble")
@@ -520,16 +522,34 @@ def run_worker(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------- report
-def _stage_costs(entry: Dict[str, Any]) -> Optional[Dict[str, Dict[int, float]]]:
-    """``{kind: {stage: seconds}}`` of one configuration (ours: from the trace; torch:
-    from its ranks' wrappers)."""
-    if "stage_costs" in entry:
-        return {k: {int(s): v for s, v in per.items()} for k, per in entry["stage_costs"].items()}
+def stage_costs(entry: Dict[str, Any], microbatches: int) -> Optional[Dict[str, Dict[int, float]]]:
+    """``{kind: {stage: seconds per microbatch}}`` of one configuration.
+
+    Each rank's median ms per step of a kind over the timed rounds
+    (:func:`rank_figures`), divided among the rank's stages in the proportions of
+    their per-stage costs (ours: the traced pipeline's medians; torch: its
+    wrappers' means) and by the microbatches. A short trace taken during a burst of
+    other work would skew the costs; its proportions between two stages of one
+    rank hardly move.
+    """
+    shares: Dict[str, Dict[int, float]] = {}
+    if "stage_costs" in entry:  # ours: from the trace, every stage
+        shares = {k: {int(j): v for j, v in per.items()} for k, per in entry["stage_costs"].items()}
+    for r in entry.get("ranks", []):  # torch: each rank its own stages
+        for j, per in r.get("stage_costs", {}).items():
+            for k, v in per.items():
+                shares.setdefault(k, {})[int(j)] = v
     out: Dict[str, Dict[int, float]] = {}
     for r in entry.get("ranks", []):
-        for stage, per in r.get("stage_costs", {}).items():
-            for k, v in per.items():
-                out.setdefault(k, {})[int(stage)] = v
+        ms = rank_figures(r)["ms"]
+        for k in KINDS:
+            mine = {j: shares.get(k, {}).get(j) for j in r["stages"]}
+            if k not in ms or any(v is None for v in mine.values()):
+                continue
+            total = sum(mine.values())
+            for j, v in mine.items():
+                share = v / total if total > 0 else 1 / len(mine)
+                out.setdefault(k, {})[j] = ms[k] / 1e3 * share / microbatches
     return out or None
 
 
@@ -627,8 +647,9 @@ def report(result: Dict[str, Any], info: Dict[str, str], command: str, args: arg
               "the process's CPU time (all its threads, Gloo's included) over the wall time; idle = "
               "1 - compute / wall; ours also the executor's own `bubble_fraction` (1 - compute / time "
               "inside the runtime). Simulated: `pipedream_ext.schedules` on the same schedule at unit "
-              "times (F = I = W = 1) and with the measured per-stage costs (ours: medians over a traced "
-              "pipeline after the timing; torch: means over the timed rounds from its wrappers), t_comm = 0; the measured idle is the mean over "
+              "times (F = I = W = 1) and with the measured per-stage costs (each rank's median per kind, "
+              "divided among its stages as a traced pipeline after the timing (ours) or the wrappers "
+              "(torch) divide it), t_comm = 0; the measured idle is the mean over "
               "ranks, as the simulator's bubble fraction is. Waits and sends, ms per step: ours "
               "RECV_F / RECV_B (blocked on a receive), SEND_F / SEND_B (posting a send; Gloo writes "
               "the data on the caller's thread once the peer has posted its receive) and SEND_WAIT; "
@@ -642,7 +663,7 @@ def report(result: Dict[str, Any], info: Dict[str, str], command: str, args: arg
         chunks = entry["chunks"]
         schedule = SAME_ORDER.get(name, name)
         unit = simulate(schedule, 2, args.microbatches, chunks)
-        costs = _stage_costs(entry)
+        costs = stage_costs(entry, args.microbatches)
         measured_sim = simulate(schedule, 2, args.microbatches, chunks, costs) if costs else None
         ranks = [rank_figures(r) for r in entry["ranks"]]
         idle = statistics.mean(f["idle"] for f in ranks)
