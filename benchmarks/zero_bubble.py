@@ -34,10 +34,10 @@ stages as a second, traced pipeline of ours (``PipeDream(trace=...)``, a few
 steps after the timed rounds) or torch's wrappers divide them.
 
 Writes ``<out-dir>/zero_bubble.md`` and ``zero_bubble.json``. Command, from the
-repository root (about a minute on 2 cores; ``--smoke``: a tiny model, one pair,
+repository root (about 1.5-2 minutes on 2 cores; ``--smoke``: a tiny model, one pair,
 a few seconds of work):
 
-    python3 benchmarks/zero_bubble.py [--pairs 10] [--steps 4] [--smoke]
+    python3 benchmarks/zero_bubble.py [--pairs 16] [--steps 4] [--smoke]
 """
 from __future__ import annotations
 
@@ -560,7 +560,9 @@ def rank_figures(rank: Dict[str, Any]) -> Dict[str, Any]:
         ``ms``: ms per step of every kind (F, I, W, B and the waits and sends);
         ``compute`` and ``wall`` (ms per step); ``cpu_wall`` (CPU / wall); ``idle``
         (1 - compute / wall); ``bubble_fraction`` (ours: 1 - the executor's compute
-        over its time inside the runtime, else None).
+        over its time inside the runtime, else None); ``quiet``: ms per step over
+        the rounds at or below the median wall time, ``wall`` = ``compute`` +
+        ``comm`` (waits and sends) + ``rest``.
     """
     rounds = rank["rounds"]
     kinds = sorted({k for r in rounds for k in r["seconds"]} - {"compute_s", "busy_s"})
@@ -571,6 +573,15 @@ def rank_figures(rank: Dict[str, Any]) -> Dict[str, Any]:
     def compute(r: Dict[str, Any]) -> float:
         return sum(v for k, v in r["seconds"].items() if k in KINDS)
 
+    # The quieter half (rounds at or below the median wall time), summed so that
+    # wall = compute + communication + rest holds exactly.
+    middle = statistics.median(r["wall_s"] for r in rounds)
+    quiet = [r for r in rounds if r["wall_s"] <= middle]
+    steps = sum(r["steps"] for r in quiet)
+    q_wall = 1e3 * sum(r["wall_s"] for r in quiet) / steps
+    q_compute = 1e3 * sum(compute(r) for r in quiet) / steps
+    q_comm = 1e3 * sum(v for r in quiet for k, v in r["seconds"].items()
+                       if k not in KINDS and k not in ("compute_s", "busy_s")) / steps
     bubble = None
     if all("busy_s" in r["seconds"] for r in rounds):
         bubble = med(lambda r: 1 - r["seconds"]["compute_s"] / r["seconds"]["busy_s"])
@@ -579,7 +590,9 @@ def rank_figures(rank: Dict[str, Any]) -> Dict[str, Any]:
             "wall": med(lambda r: 1e3 * r["wall_s"] / r["steps"]),
             "cpu_wall": med(lambda r: r["cpu_s"] / r["wall_s"]),
             "idle": med(lambda r: 1 - compute(r) / r["wall_s"]),
-            "bubble_fraction": bubble}
+            "bubble_fraction": bubble,
+            "quiet": {"wall": q_wall, "compute": q_compute, "comm": q_comm,
+                      "rest": q_wall - q_compute - q_comm, "rounds": len(quiet)}}
 
 
 def _waits(ms: Dict[str, float]) -> str:
@@ -678,6 +691,24 @@ def report(result: Dict[str, Any], info: Dict[str, str], command: str, args: arg
     lines += h.table(["configuration", "rank", "stages", "F", "I", "W", "B", "compute", "wall",
                       "CPU / wall", "idle", "executor bubble_fraction", "idle, mean of ranks", "simulated, unit times",
                       "simulated, measured costs", "waits and sends by kind"], rows)
+    lines += ["", "Where a step's wall time goes, ms per step over each rank's quieter half of the "
+              "rounds (at or below its median wall time; sums, so wall = compute + waits and sends + "
+              "rest, where rest is everything else: the optimizer step, the framework's own work "
+              "between actions, our loss all-reduce), both ranks added:", ""]
+    rows = []
+    for base, cand, _chunks in COMPARISONS:
+        pair = [n for n in (base, cand) if n in figures]
+        if len(pair) < 2:
+            continue
+        tot = {n: {k: sum(f["quiet"][k] for f in figures[n]["ranks"]) for k in ("wall", "compute", "comm", "rest")}
+               for n in pair}
+        for n in pair:
+            t = tot[n]
+            rows.append([label(n)] + [h.fmt(t[k], 1) for k in ("wall", "compute", "comm", "rest")]
+                        + ([h.fmt(t[k] / tot[base][k], 2) if tot[base][k] > 0 else "n/a"
+                            for k in ("wall", "compute", "comm")] if n == cand else ["", "", ""]))
+    lines += h.table(["configuration", "wall", "compute", "waits and sends", "rest", "wall, ours / baseline",
+                      "compute, ours / baseline", "waits and sends, ours / baseline"], rows)
     lines += ["", "Per-stage costs used for the measured simulation (ms per microbatch):", ""]
     rows = []
     for name, fig in figures.items():
@@ -726,7 +757,7 @@ def run_driver(args: argparse.Namespace) -> int:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = h.make_parser(__doc__, worker=True)
-    p.add_argument("--pairs", type=int, default=10, help="interleaved A/B pairs per comparison")
+    p.add_argument("--pairs", type=int, default=16, help="interleaved A/B pairs per comparison")
     p.add_argument("--steps", type=int, default=4, help="steps per round")
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps (the first checks the same work)")
     p.add_argument("--trace-steps", type=int, default=3, help="steps of the traced pipeline (per-stage costs)")

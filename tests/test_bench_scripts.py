@@ -440,6 +440,8 @@ def test_zero_bubble_rank_figures_are_medians_over_rounds():
     assert f["compute"] == pytest.approx(500.0) and f["wall"] == pytest.approx(600.0)
     assert f["idle"] == pytest.approx(1 - 0.8 / 1.0) and f["cpu_wall"] == pytest.approx(0.5)
     assert f["bubble_fraction"] == pytest.approx(1 - 0.8 / 0.9)
+    # The quieter half (walls 1.0 and 1.2 of 1.0, 1.2, 9.0), summed: wall = compute + comm + rest.
+    assert f["quiet"] == pytest.approx({"wall": 550.0, "compute": 450.0, "comm": 50.0, "rest": 50.0, "rounds": 2})
     rank["rounds"][0]["seconds"].pop("busy_s")
     assert zero_bubble.rank_figures(rank)["bubble_fraction"] is None
 
