@@ -55,7 +55,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h  # noqa: E402
 
-__all__ = ["COMPARISONS", "KINDS", "TORCH_CLASSES", "balance", "comparison_summary", "main", "parse_args",
+__all__ = ["COMPARISONS", "KINDS", "TORCH_CLASSES", "action_counts", "balance", "comparison_summary", "main", "parse_args",
            "placement", "rank_figures", "ratio_stats", "report", "run_driver", "run_worker", "simulate",
            "stage_costs", "stage_costs_from_trace"]
 
@@ -138,9 +138,10 @@ def simulate(schedule: str, ranks: int, microbatches: int, chunks: int,
     """The simulated bubble fraction of ``schedule`` (pipedream_ext.schedules), t_comm = 0.
 
     Args:
-        costs: ``{kind: {stage: seconds}}``; None: unit times F = I = W = 1 (B = 2).
-            A schedule that splits the backward takes I and W (B = I + W); one that
-            does not takes B. A stage missing a kind takes the mean of the others.
+        costs: ``{kind: {stage: seconds per action}}``; None: unit times F = I = W = 1
+            (B = 2). A schedule that splits the backward takes I and W (its B actions,
+            dualpipev's, cost I + W); one that does not takes B. A stage missing a kind
+            takes the mean of the others.
 
     Returns:
         ``bubble_fraction`` (1 - compute / (ranks x makespan)), or None when the
@@ -522,15 +523,32 @@ def run_worker(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------- report
-def stage_costs(entry: Dict[str, Any], microbatches: int) -> Optional[Dict[str, Dict[int, float]]]:
-    """``{kind: {stage: seconds per microbatch}}`` of one configuration.
+def action_counts(schedule: str, ranks: int, microbatches: int, chunks: int) -> Dict[str, Dict[int, int]]:
+    """How many actions of each compute kind every stage runs per step (``{kind:
+    {stage: count}}``): M of each for most schedules; dualpipev runs most backwards
+    whole (B) and splits only a few into I and W."""
+    from pipedream_ext import schedules
+
+    s = schedules.build(schedule, stages=ranks, microbatches=microbatches, chunks=chunks)
+    counts: Dict[str, Dict[int, int]] = {}
+    for rank in range(ranks):
+        for text in s.actions(rank, comm=False):
+            a = schedules.parse_action(text)
+            if a["kind"] in KINDS:
+                per = counts.setdefault(a["kind"], {})
+                per[a["stage"]] = per.get(a["stage"], 0) + 1
+    return counts
+
+
+def stage_costs(entry: Dict[str, Any], counts: Dict[str, Dict[int, int]]) -> Optional[Dict[str, Dict[int, float]]]:
+    """``{kind: {stage: seconds per action}}`` of one configuration.
 
     Each rank's median ms per step of a kind over the timed rounds
-    (:func:`rank_figures`), divided among the rank's stages in the proportions of
-    their per-stage costs (ours: the traced pipeline's medians; torch: its
-    wrappers' means) and by the microbatches. A short trace taken during a burst of
-    other work would skew the costs; its proportions between two stages of one
-    rank hardly move.
+    (:func:`rank_figures`) is divided among the actions of that kind its stages run
+    per step (``counts``, :func:`action_counts`), in the proportions of their
+    per-action costs (ours: the traced pipeline's medians; torch: its wrappers'
+    means). A short trace taken during a burst of other work would skew the costs;
+    its proportions between two stages of one rank hardly move.
     """
     shares: Dict[str, Dict[int, float]] = {}
     if "stage_costs" in entry:  # ours: from the trace, every stage
@@ -543,13 +561,14 @@ def stage_costs(entry: Dict[str, Any], microbatches: int) -> Optional[Dict[str, 
     for r in entry.get("ranks", []):
         ms = rank_figures(r)["ms"]
         for k in KINDS:
-            mine = {j: shares.get(k, {}).get(j) for j in r["stages"]}
-            if k not in ms or any(v is None for v in mine.values()):
+            stages = [j for j in r["stages"] if counts.get(k, {}).get(j)]
+            mine = {j: shares.get(k, {}).get(j) for j in stages}
+            if k not in ms or not stages or any(v is None for v in mine.values()):
                 continue
-            total = sum(mine.values())
-            for j, v in mine.items():
-                share = v / total if total > 0 else 1 / len(mine)
-                out.setdefault(k, {})[j] = ms[k] / 1e3 * share / microbatches
+            weighted = sum(counts[k][j] * mine[j] for j in stages)  # the trace's seconds per step
+            for j in stages:
+                share = mine[j] / weighted if weighted > 0 else 1 / sum(counts[k][i] for i in stages)
+                out.setdefault(k, {})[j] = ms[k] / 1e3 * share
     return out or None
 
 
@@ -676,7 +695,7 @@ def report(result: Dict[str, Any], info: Dict[str, str], command: str, args: arg
         chunks = entry["chunks"]
         schedule = SAME_ORDER.get(name, name)
         unit = simulate(schedule, 2, args.microbatches, chunks)
-        costs = stage_costs(entry, args.microbatches)
+        costs = stage_costs(entry, action_counts(schedule, 2, args.microbatches, chunks))
         measured_sim = simulate(schedule, 2, args.microbatches, chunks, costs) if costs else None
         ranks = [rank_figures(r) for r in entry["ranks"]]
         idle = statistics.mean(f["idle"] for f in ranks)
@@ -709,7 +728,7 @@ def report(result: Dict[str, Any], info: Dict[str, str], command: str, args: arg
                             for k in ("wall", "compute", "comm")] if n == cand else ["", "", ""]))
     lines += h.table(["configuration", "wall", "compute", "waits and sends", "rest", "wall, ours / baseline",
                       "compute, ours / baseline", "waits and sends, ours / baseline"], rows)
-    lines += ["", "Per-stage costs used for the measured simulation (ms per microbatch):", ""]
+    lines += ["", "Per-stage costs used for the measured simulation (ms per action):", ""]
     rows = []
     for name, fig in figures.items():
         costs = fig["stage_costs"] or {}

@@ -446,23 +446,36 @@ def test_zero_bubble_rank_figures_are_medians_over_rounds():
     assert zero_bubble.rank_figures(rank)["bubble_fraction"] is None
 
 
+def test_zero_bubble_action_counts():
+    assert zero_bubble.action_counts("zbv", 2, 8, 2) == {k: {j: 8 for j in range(4)} for k in ("F", "I", "W")}
+    assert zero_bubble.action_counts("1f1b", 2, 8, 1) == {"F": {0: 8, 1: 8}, "B": {0: 8, 1: 8}}
+    # dualpipev runs most backwards whole and splits a few; every microbatch's backward once.
+    c = zero_bubble.action_counts("dualpipev", 2, 8, 2)
+    assert c["F"] == {j: 8 for j in range(4)}
+    assert all(c["B"][j] + c["I"][j] == 8 and c["I"][j] == c["W"][j] >= 1 for j in range(4))
+
+
 def test_zero_bubble_stage_costs_scale_the_trace_to_the_timed_rounds():
     def rnd(f):
         return {"wall_s": 1.0, "cpu_s": 1.0, "steps": 1, "seconds": {"F": f, "I": f / 2}}
 
     # Rank 0 holds stages 0 and 3 (a V); the trace says stage 3's F costs 3x stage 0's,
-    # the timed rounds that rank 0's F takes 0.8 s per step (median): 8 microbatches.
+    # the timed rounds that rank 0's F takes 0.8 s per step (median): 8 actions each.
+    counts = {"F": {j: 8 for j in range(4)}, "I": {j: 8 for j in range(4)}}
     entry = {"stage_costs": {"F": {"0": 0.001, "1": 0.002, "2": 0.002, "3": 0.003},
                              "I": {"0": 0.001, "1": 0.001, "2": 0.001, "3": 0.001}},
              "ranks": [{"stages": [0, 3], "rounds": [rnd(0.8), rnd(0.8), rnd(5.0)]},
                        {"stages": [1, 2], "rounds": [rnd(0.4)]}]}
-    costs = zero_bubble.stage_costs(entry, 8)
+    costs = zero_bubble.stage_costs(entry, counts)
     assert costs["F"] == pytest.approx({0: 0.025, 3: 0.075, 1: 0.025, 2: 0.025})
     assert costs["I"] == pytest.approx({0: 0.025, 3: 0.025, 1: 0.0125, 2: 0.0125})
+    # Fewer actions of a kind (dualpipev's I): the same seconds over fewer actions.
+    few = dict(counts, I={0: 2, 3: 1, 1: 1, 2: 1})
+    assert zero_bubble.stage_costs(entry, few)["I"] == pytest.approx({0: 0.4 / 3, 3: 0.4 / 3, 1: 0.1, 2: 0.1})
     # Torch: each rank reports its own stages' means.
     torch_entry = {"ranks": [{"stages": [0, 2], "rounds": [rnd(0.8)], "stage_costs": {"0": {"F": 1.0}, "2": {"F": 1.0}}},
                              {"stages": [1, 3], "rounds": [rnd(0.8)], "stage_costs": {"1": {"F": 1.0}, "3": {"F": 3.0}}}]}
-    assert zero_bubble.stage_costs(torch_entry, 8)["F"] == pytest.approx({0: 0.05, 2: 0.05, 1: 0.025, 3: 0.075})
+    assert zero_bubble.stage_costs(torch_entry, counts)["F"] == pytest.approx({0: 0.05, 2: 0.05, 1: 0.025, 3: 0.075})
 
 
 def test_zero_bubble_smoke_mode_and_argument_checks():
