@@ -34,7 +34,7 @@ stages as a second, traced pipeline of ours (``PipeDream(trace=...)``, a few
 steps after the timed rounds) or torch's wrappers divide them.
 
 Writes ``<out-dir>/zero_bubble.md`` and ``zero_bubble.json``. Command, from the
-repository root (about 1.5-2 minutes on 2 cores; ``--smoke``: a tiny model, one pair,
+repository root (1-2 minutes on 2 cores; ``--smoke``: a tiny model, one pair,
 a few seconds of work):
 
     python3 benchmarks/zero_bubble.py [--pairs 16] [--steps 4] [--smoke]
