@@ -63,6 +63,8 @@ bench: setup
 	$(PY) benchmarks/plan_accuracy.py
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/split_backward.py
+	$(PY) benchmarks/zero_bubble.py
 	$(PY) benchmarks/shape_change.py
 	$(PY) benchmarks/deferred_init.py
 	$(PY) benchmarks/traced.py

@@ -11,14 +11,15 @@ before it) and reading the executor's own per-kind seconds
 I and W and the ratio (I + W) / B; and the step time of both schedules with their
 ratio, pair by pair.
 
-Command (about 40 s on 2 cores):
+Command (about 15-40 s on 2 cores; ``--smoke``: a tiny model, one round):
 
-    python benchmarks/split_backward.py
+    python benchmarks/split_backward.py [--smoke]
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import statistics
 import sys
 import time
@@ -33,6 +34,7 @@ __all__ = ["main", "parse_args", "report", "run_driver", "run_worker"]
 JSON_TAG = "SPLIT_BACKWARD_JSON "
 SCHEDULES = ("1f1b", "zb-h1")
 _log = logging.getLogger("split_backward")
+SMOKE = {"rounds": 1, "steps": 1, "hidden": 32, "blocks": 2, "single_repeats": 3}
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -44,7 +46,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--blocks", type=int, default=4, help="residual blocks (split evenly)")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--single-repeats", type=int, default=300, help="one-process B / I + W repeats")
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true",
+                   help="a tiny model, one round of one step: checks that everything runs")
+    args = p.parse_args(argv)
+    if args.smoke:
+        for k, v in SMOKE.items():
+            setattr(args, k, v)
+    return args
 
 
 def _model(args: argparse.Namespace) -> Any:
@@ -176,7 +184,9 @@ def report(result: Dict[str, Any], info: Dict[str, str], command: str, args: arg
                      [[case, h.fmt(t["B"], 3), h.fmt(t["I"], 3), h.fmt(t["W"], 3),
                        h.fmt((t["I"] + t["W"]) / t["B"], 3)] for case, t in result["single"].items()])
     lines += ["",
-              h.machine_line(info), "", h.command_sentence(command, total_s, {2: result["launch_s"]}), ""]
+              h.machine_line(info) + " Load average at the end: "
+              + " ".join(f"{v:.2f}" for v in result.get("loadavg_end", [])) + ".", "",
+              h.command_sentence(command, total_s, {2: result["launch_s"]}), ""]
     return "\n".join(lines)
 
 
@@ -191,6 +201,7 @@ def run_driver(args: argparse.Namespace) -> int:
         return 1
     result["single_repeats"] = args.single_repeats
     result["single"] = single_process(args, args.single_repeats)
+    result["loadavg_end"] = list(os.getloadavg())
     text = report(result, info, command, args, time.perf_counter() - start)
     h.write_results(Path(args.out_dir), "split_backward", text,
                     {"machine": info, "command": command,

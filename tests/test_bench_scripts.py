@@ -1,10 +1,11 @@
 """The benchmark scripts' pure helpers (benchmarks/plan_accuracy.py, memory.py, soak.py,
-deferred_init.py, traced.py)
+deferred_init.py, traced.py, zero_bubble.py, split_backward.py)
 and the harness they stand on (benchmarks/_harness.py).
 
-Fast: the scripts import torch only inside functions, so nothing here starts a process
-group or imports torch, except the one smoke run of benchmarks/traced.py (a subprocess,
-about 25 s).
+Fast: the scripts import torch only inside functions, so loading them imports no torch;
+only the smoke runs at the end (traced.py, about 25 s; zero_bubble.py and
+split_backward.py with ``--smoke``: a tiny model on 2 ranks, a few seconds each) start
+processes.
 """
 from __future__ import annotations
 
@@ -36,11 +37,13 @@ memory = _load("memory")
 soak = _load("soak")
 deferred_init = _load("deferred_init")
 traced = _load("traced")
+zero_bubble = _load("zero_bubble")
+split_backward = _load("split_backward")
 util = _load("_harness")
 
 
 def test_scripts_do_not_import_torch_at_module_level():
-    for script in (plan_accuracy, memory, soak, deferred_init, traced):
+    for script in (plan_accuracy, memory, soak, deferred_init, traced, zero_bubble, split_backward):
         assert "torch" not in vars(script), script.__name__
 
 
@@ -411,3 +414,160 @@ def test_traced_smoke_run(tmp_path):
     split = data["probe2"]["splits"]["fan-out"]
     assert split["pipedream_ext"]["loss_diff"] < 1e-5 and split["pipedream_ext"]["grad_max_diff"] < 1e-6
     assert len(split["torch"]["ScheduleInterleaved1F1B"]) == 2  # both ranks' outcome recorded
+
+
+# ----------------------------------------------------------------------------- zero_bubble
+def test_zero_bubble_balance_and_placement():
+    assert zero_bubble.balance(8, 2) == [8, 9]
+    assert zero_bubble.balance(8, 4) == [4, 4, 4, 5]
+    with pytest.raises(ValueError):
+        zero_bubble.balance(6, 4)
+    # V (zbv, dualpipev): rank r holds r and 2p-1-r; round robin: r and r+p.
+    assert [zero_bubble.placement("zbv", r, 2, 2) for r in range(2)] == [[0, 3], [1, 2]]
+    assert [zero_bubble.placement("torch-dualpipev", r, 2, 2) for r in range(2)] == [[0, 3], [1, 2]]
+    assert [zero_bubble.placement("torch-interleaved-zb", r, 2, 2) for r in range(2)] == [[0, 2], [1, 3]]
+    assert zero_bubble.placement("zb-h1", 1, 2, 1) == [1]
+
+
+def test_zero_bubble_placement_is_the_schedules():
+    from pipedream_ext import schedules
+
+    for name in ("zbv", "dualpipev", "interleaved-zb"):
+        s = schedules.build(name, stages=2, microbatches=8, chunks=2)
+        assert [s.stages_of_rank(r) for r in range(2)] == [zero_bubble.placement(name, r, 2, 2) for r in range(2)]
+
+
+def test_zero_bubble_pairs_ratio_candidate_over_baseline():
+    rounds = [{"pair": 0, "config": "torch-zbv", "samples_per_s": 100.0},
+              {"pair": 0, "config": "zbv", "samples_per_s": 120.0},
+              {"pair": 1, "config": "torch-zbv", "samples_per_s": 200.0},
+              {"pair": 1, "config": "zbv", "samples_per_s": 180.0},
+              {"pair": 2, "config": "torch-zbv", "samples_per_s": 100.0},
+              {"pair": 2, "config": "zbv", "samples_per_s": 110.0}]
+    s = zero_bubble.comparison_summary(rounds, "torch-zbv", "zbv")
+    assert s["ratios"] == pytest.approx([1.2, 0.9, 1.1])
+    assert s["ratio"] == pytest.approx({"median": 1.1, "min": 0.9, "max": 1.2})
+    assert s["baseline"]["median"] == 100.0 and s["candidate"]["max"] == 180.0
+    assert s["candidate_ahead"] == 2
+    assert zero_bubble.ratio_stats([]) == {}
+
+
+def test_zero_bubble_stage_costs_from_a_trace():
+    events = [{"name": "0F0", "cat": "compute", "ph": "X", "dur": 1000},
+              {"name": "0F1", "cat": "compute", "ph": "X", "dur": 3000},
+              {"name": "0F2", "cat": "compute", "ph": "X", "dur": 2000},
+              {"name": "3I1", "cat": "compute", "ph": "X", "dur": 500},
+              {"name": "3W1", "cat": "compute", "ph": "X", "dur": 700},
+              {"name": "1RECV_F0", "cat": "wait", "ph": "X", "dur": 9000},
+              {"name": "process_name", "ph": "M"}]
+    assert zero_bubble.stage_costs_from_trace(events) == {
+        "F": {0: pytest.approx(0.002)}, "I": {3: pytest.approx(0.0005)}, "W": {3: pytest.approx(0.0007)}}
+
+
+def test_zero_bubble_simulated_bubbles():
+    # Unit times F = I = W = 1 on 2 ranks, m = 8: 1f1b (p-1)/(m+p-1), zb-h1 and the V lower.
+    assert zero_bubble.simulate("1f1b", 2, 8, 1) == pytest.approx(1 / 9)
+    assert zero_bubble.simulate("zb-h1", 2, 8, 1) == pytest.approx(0.04, abs=1e-3)
+    assert zero_bubble.simulate("zbv", 2, 8, 2) == pytest.approx(0.02, abs=1e-3)
+    # Measured costs: the same numbers per stage give the same bubble; a missing kind: None.
+    unit = {"F": {j: 1.0 for j in range(4)}, "I": {j: 1.0 for j in range(4)}, "W": {j: 1.0 for j in range(4)}}
+    assert zero_bubble.simulate("zbv", 2, 8, 2, unit) == pytest.approx(zero_bubble.simulate("zbv", 2, 8, 2))
+    assert zero_bubble.simulate("zbv", 2, 8, 2, {"F": unit["F"]}) is None
+    assert zero_bubble.simulate("1f1b", 2, 8, 1, {"F": {0: 1.0, 1: 1.0}, "B": {0: 2.0}}) == pytest.approx(1 / 9)
+
+
+def test_zero_bubble_rank_figures_are_medians_over_rounds():
+    def rnd(wall, f, w, recv, busy=None):
+        seconds = {"F": f, "W": w, "RECV_B": recv}
+        if busy is not None:
+            seconds.update(compute_s=f + w, busy_s=busy)
+        return {"wall_s": wall, "cpu_s": wall / 2, "steps": 2, "seconds": seconds}
+
+    # Three rounds, the last one slowed down by other work: the medians ignore it.
+    rank = {"rounds": [rnd(1.0, 0.3, 0.5, 0.1, busy=0.9), rnd(1.2, 0.4, 0.6, 0.1, busy=1.1),
+                       rnd(9.0, 3.0, 3.0, 2.0, busy=8.0)]}
+    f = zero_bubble.rank_figures(rank)
+    assert f["ms"] == pytest.approx({"F": 200.0, "W": 300.0, "RECV_B": 50.0})
+    assert f["compute"] == pytest.approx(500.0) and f["wall"] == pytest.approx(600.0)
+    assert f["idle"] == pytest.approx(1 - 0.8 / 1.0) and f["cpu_wall"] == pytest.approx(0.5)
+    assert f["bubble_fraction"] == pytest.approx(1 - 0.8 / 0.9)
+    # The quieter half (walls 1.0 and 1.2 of 1.0, 1.2, 9.0), summed: wall = compute + comm + rest.
+    assert f["quiet"] == pytest.approx({"wall": 550.0, "compute": 450.0, "comm": 50.0, "rest": 50.0, "rounds": 2})
+    rank["rounds"][0]["seconds"].pop("busy_s")
+    assert zero_bubble.rank_figures(rank)["bubble_fraction"] is None
+
+
+def test_zero_bubble_action_counts():
+    assert zero_bubble.action_counts("zbv", 2, 8, 2) == {k: {j: 8 for j in range(4)} for k in ("F", "I", "W")}
+    assert zero_bubble.action_counts("1f1b", 2, 8, 1) == {"F": {0: 8, 1: 8}, "B": {0: 8, 1: 8}}
+    # dualpipev runs most backwards whole and splits a few; every microbatch's backward once.
+    c = zero_bubble.action_counts("dualpipev", 2, 8, 2)
+    assert c["F"] == {j: 8 for j in range(4)}
+    assert all(c["B"][j] + c["I"][j] == 8 and c["I"][j] == c["W"][j] >= 1 for j in range(4))
+
+
+def test_zero_bubble_stage_costs_scale_the_trace_to_the_timed_rounds():
+    def rnd(f):
+        return {"wall_s": 1.0, "cpu_s": 1.0, "steps": 1, "seconds": {"F": f, "I": f / 2}}
+
+    # Rank 0 holds stages 0 and 3 (a V); the trace says stage 3's F costs 3x stage 0's,
+    # the timed rounds that rank 0's F takes 0.8 s per step (median): 8 actions each.
+    counts = {"F": {j: 8 for j in range(4)}, "I": {j: 8 for j in range(4)}}
+    entry = {"stage_costs": {"F": {"0": 0.001, "1": 0.002, "2": 0.002, "3": 0.003},
+                             "I": {"0": 0.001, "1": 0.001, "2": 0.001, "3": 0.001}},
+             "ranks": [{"stages": [0, 3], "rounds": [rnd(0.8), rnd(0.8), rnd(5.0)]},
+                       {"stages": [1, 2], "rounds": [rnd(0.4)]}]}
+    costs = zero_bubble.stage_costs(entry, counts)
+    assert costs["F"] == pytest.approx({0: 0.025, 3: 0.075, 1: 0.025, 2: 0.025})
+    assert costs["I"] == pytest.approx({0: 0.025, 3: 0.025, 1: 0.0125, 2: 0.0125})
+    # Fewer actions of a kind (dualpipev's I): the same seconds over fewer actions.
+    few = dict(counts, I={0: 2, 3: 1, 1: 1, 2: 1})
+    assert zero_bubble.stage_costs(entry, few)["I"] == pytest.approx({0: 0.4 / 3, 3: 0.4 / 3, 1: 0.1, 2: 0.1})
+    # Torch: each rank reports its own stages' means.
+    torch_entry = {"ranks": [{"stages": [0, 2], "rounds": [rnd(0.8)], "stage_costs": {"0": {"F": 1.0}, "2": {"F": 1.0}}},
+                             {"stages": [1, 3], "rounds": [rnd(0.8)], "stage_costs": {"1": {"F": 1.0}, "3": {"F": 3.0}}}]}
+    assert zero_bubble.stage_costs(torch_entry, counts)["F"] == pytest.approx({0: 0.05, 2: 0.05, 1: 0.025, 3: 0.075})
+
+
+def test_zero_bubble_smoke_mode_and_argument_checks():
+    args = zero_bubble.parse_args(["--smoke"])
+    assert (args.hidden, args.pairs, args.steps) == (32, 1, 1)
+    assert zero_bubble.parse_args(["--comparisons", "zbv"]).comparisons == ["zbv"]
+    for bad in (["--comparisons", "1f1b"], ["--layers", "6"], ["--batch", "10"], ["--warmup", "0"]):
+        with pytest.raises(SystemExit):
+            zero_bubble.parse_args(bad)
+
+
+# ----------------------------------------------------------------------------- smoke runs
+def _smoke(script: str, out_dir: Path) -> "subprocess.CompletedProcess[str]":
+    env = dict(os.environ, PYTHONPATH=str(BENCH.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, str(BENCH / script), "--smoke", "--out-dir", str(out_dir)],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_zero_bubble_smoke_run(tmp_path):
+    proc = _smoke("zero_bubble.py", tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "zero_bubble.json").read_text())
+    configs = data["result"]["configs"]
+    assert set(configs) == {"1f1b", "zb-h1", "zbv", "torch-zbv", "dualpipev", "torch-dualpipev",
+                            "interleaved-zb", "torch-interleaved-zb"}
+    for name, entry in configs.items():
+        assert "error" not in entry, (name, entry["error"])
+        # The same work: every configuration's first loss and gradients are the unsplit model's.
+        assert entry["same_work"]["loss_diff"] < 1e-5, name
+        assert entry["same_work"]["grad_max_abs_diff"] < 1e-5, name
+        assert entry["same_work"]["grad_tensors"] == entry["same_work"]["ref_tensors"], name
+        assert len(entry["ranks"]) == 2 and all(r["wall_s"] > 0 for r in entry["ranks"]), name
+    assert set(data["summary"]["comparisons"]) == {"zb-h1", "zbv", "dualpipev", "interleaved-zb"}
+    text = (tmp_path / "zero_bubble.md").read_text()
+    assert "| ours zbv / torch ScheduleZBVZeroBubble |" in text and "Load average (1 min)" in text
+
+
+def test_split_backward_smoke_run(tmp_path):
+    proc = _smoke("split_backward.py", tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "split_backward.json").read_text())
+    assert len(data["result"]["ms_per_microbatch"]) == 2
+    assert set(data["result"]["step_ms"]) == {"1f1b", "zb-h1"}
+    assert "Median ratio zb-h1 / 1f1b" in (tmp_path / "split_backward.md").read_text()
