@@ -241,7 +241,8 @@ class PipeDream:
         stage_loss = loss_fn if spec is None else _model_io.RestoredLoss(loss_fn, spec)
         self._stage_fn = StageFunction(self._stages, stage_loss, self.num_stages, self.device,
                                        self.config.autocast, self.config.check_finite,
-                                       raise_at_once=self.asynchronous, rank=self.rank)
+                                       raise_at_once=self.asynchronous, rank=self.rank,
+                                       recompute=self.config.recompute)
         self._runner = make_runner(self.config, self._schedule, self._stream, self._stages,
                                    self._groups, self._stage_fn, self._observer, self.device,
                                    shared_gradients=shared_gradients)

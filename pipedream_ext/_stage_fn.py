@@ -13,6 +13,7 @@ import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+from torch import nn
 
 from ._stages import LocalStages
 
@@ -92,11 +93,15 @@ class StageFunction:
             not finite; ``raise_at_once`` raises :class:`NonFiniteError` right there.
         raise_at_once: raise in the callback instead of after the step
             (asynchronous schedules, which have no end of step to agree at).
+        recompute: the executor runs each training forward twice, first without
+            autograd, then again (with it) before the backward; the second run must
+            not update running statistics a second time (see :meth:`_run_again`).
     """
 
     def __init__(self, stages: LocalStages, loss_fn: Callable[..., torch.Tensor],
                  num_stages: int, device: torch.device, autocast: Optional[torch.dtype],
-                 check_finite: Optional[str], raise_at_once: bool, rank: int) -> None:
+                 check_finite: Optional[str], raise_at_once: bool, rank: int,
+                 recompute: bool = False) -> None:
         self.stages = stages
         self.loss_fn = loss_fn
         self.num_stages = num_stages
@@ -105,6 +110,7 @@ class StageFunction:
         self.check_finite = check_finite
         self.raise_at_once = raise_at_once
         self.rank = rank
+        self.recompute = recompute
         self.targets = Targets()
         #: Scales the loss (``autocast=torch.float16``), set by ``PipeDream.grad_scaler``.
         self.grad_scaler: Optional[Any] = None
@@ -117,11 +123,15 @@ class StageFunction:
 
     def __call__(self, stage: int, microbatch: int, inputs: List[torch.Tensor],
                  weights: List[torch.Tensor]) -> List[torch.Tensor]:
+        # With recompute the first forward runs without autograd; a forward with it
+        # in training is the recomputation before the backward.
+        again = self.recompute and torch.is_grad_enabled() and not self.evaluating
+        run = self._run_again if again else self._run
         if self.autocast is None:
-            outputs = self._run(stage, microbatch, inputs, weights)
+            outputs = run(stage, microbatch, inputs, weights)
         else:
             with torch.autocast(device_type=self.device.type, dtype=self.autocast):
-                outputs = self._run(stage, microbatch, inputs, weights)
+                outputs = run(stage, microbatch, inputs, weights)
         if self.check_finite and not self.evaluating:
             self._check_finite(stage, microbatch, outputs)
         return outputs
@@ -150,6 +160,43 @@ class StageFunction:
         if stage == self.num_stages - 1 and not self.evaluating:
             return [self._loss(out, microbatch)]
         return list(as_tuple(out))
+
+    def _run_again(self, stage: int, microbatch: int, inputs: List[torch.Tensor],
+                   weights: List[torch.Tensor]) -> List[torch.Tensor]:
+        """A recomputed forward: BatchNorm layers in training mode normalise with the
+        batch's statistics as before but do not move their running statistics again
+        (momentum 0 for this call, ``num_batches_tracked`` put back), so those advance
+        once per microbatch, as in the unsplit model.
+
+        Raises:
+            ValueError: another buffer changed in the recomputed forward (it would
+                change twice per microbatch), naming it.
+        """
+        module = self.stages[stage]
+        norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
+                 and m.training and m.track_running_stats]
+        held = {id(b) for m in norms for b in m.buffers(recurse=False) if b is not None}
+        versions = [(name, b, b._version) for name, b in module.named_buffers()
+                    if id(b) not in held]
+        momenta = [m.momentum for m in norms]
+        try:
+            for m in norms:
+                m.momentum = 0.0  # running = running * 1 + batch * 0: unchanged, exactly
+            outputs = self._run(stage, microbatch, inputs, weights)
+        finally:
+            for m, momentum in zip(norms, momenta):
+                m.momentum = momentum
+        with torch.no_grad():
+            for m in norms:
+                if m.num_batches_tracked is not None:
+                    m.num_batches_tracked.sub_(1)
+        changed = [name for name, b, version in versions if b._version != version]
+        if changed:
+            raise ValueError(
+                f"recompute=True runs stage {stage}'s forward twice per microbatch, and it "
+                f"updates buffer {changed[0]!r} in place, which would then change twice "
+                "(BatchNorm statistics are handled; this buffer is not): use recompute=False")
+        return outputs
 
     def _loss(self, out: Any, microbatch: int) -> torch.Tensor:
         target, share = self.targets[microbatch]

@@ -273,7 +273,8 @@ def optimizers(params: List[nn.Parameter]) -> List[torch.optim.Optimizer]:
     return [torch.optim.SGD(params, lr=0.05, momentum=0.9), torch.optim.Adam(params, lr=0.01)]
 
 
-def check_schedule(kind: str, schedule: str, replicas: Optional[List[int]] = None) -> None:
+def check_schedule(kind: str, schedule: str, replicas: Optional[List[int]] = None,
+                   recompute: bool = False) -> None:
     """Two SGD-momentum steps then two Adam steps: every loss, weight and buffer exact."""
     import pipedream_ext as pd
 
@@ -284,7 +285,7 @@ def check_schedule(kind: str, schedule: str, replicas: Optional[List[int]] = Non
     sample = make_batch(kind, 8, 99)
     pipe = pd.PipeDream(make_model(kind), loss_fn, schedule=schedule, microbatches=MICROBATCHES,
                         chunks=chunks, timeout=60, split_points=splits[stages],
-                        sample=sample, replicas=replicas, **kwargs)
+                        sample=sample, replicas=replicas, recompute=recompute, **kwargs)
     ref = make_model(kind)
     names = {n for n, _ in pipe.named_parameters()}
     assert names <= set(dict(ref.named_parameters(remove_duplicate=False))), names
@@ -443,6 +444,9 @@ def run_checks() -> None:
         check_asynchronous_equals_sequential(schedule)
     if world > 2:  # hybrid: stage 0 on two ranks (no BatchNorm: replicas see other microbatches)
         check_schedule("unet", "1f1b", replicas=[2] + [1] * (world - 2))
+    # Recompute: BatchNorm's running statistics still advance once per microbatch.
+    check_schedule("resnet", "1f1b", recompute=True)
+    check_schedule("kwargs", "zb-h1", recompute=True)
 
 
 # --------------------------------------------------------------------------- pytest side
