@@ -236,6 +236,9 @@ def run_all_checks() -> None:
     for layout in {2: [[1, 1]], 3: [[2, 1], [1, 2]], 4: [[2, 1, 1], [1, 1, 2], [2, 2]]}.get(world, []):
         check_gradients_and_training("1f1b", 4, replicas=layout)
         check_gradients_and_training("gpipe", 6, replicas=layout)
+        check_gradients_and_training("zb-h1", 5, replicas=layout)  # split backward, replicated
+    if world == 3:
+        check_gradients_and_training("zb-h1", 4, replicas=[2, 1], recompute=True)
     check_gradients_and_training("1f1b", 4, recompute=True)
     check_gradients_and_training("zb-h1", 4, recompute=True)
     check_recompute_with_dropout()

@@ -130,7 +130,8 @@ def test_schedule_families_come_from_the_traits_table() -> None:
     assert (pd.microbatches_per_step(8), bw.microbatches_per_step(8)) == (1, 8)
     assert (pd.replica_reduction, bw.replica_reduction) == ("mean", "sum")
     assert pd.stash_weights and pd.streaming and pd.supports_vertical_sync
-    assert zb.split_backward and zb.planner_straight and not zb.supports_replicas
+    assert zb.split_backward and zb.planner_straight and zb.supports_replicas
+    assert not schedules.traits("zbv").supports_replicas
     assert bw.planner_two_versions and not bw.supports_vertical_sync
     with pytest.raises(ValueError, match="gpipe"):
         schedules.traits("nope")

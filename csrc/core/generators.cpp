@@ -147,25 +147,50 @@ void interleavedBatch(int p, int v, int m, int batch, RankLists& lists) {
 //   p = 4, m = 8 (one clock per action):
 //   rank 0: F0 F1 F2 F3 .. .. .. I0 F4 I1 F5 I2 F6 I3 F7 I4 W0 I5 W1 ...
 //   rank 3:          F0 I0 F1 I1 F2 I2 ...                  ... I7 W4 W5 W6 W7
-void zbH1Batch(int p, int m, int batch, RankLists& lists) {
+//
+// A replicated stage (r replicas) runs as r lanes, one per rank, replica k
+// taking microbatches i with i mod r == k (as 1F1B's replicas do); a lane keeps
+// at most NOAM_j microbatches between F and I (p - j without replicas), and
+// its gradients are all-reduced after its last W.
+void zbH1Batch(const Layout& layout, int m, int batch, RankLists& lists) {
   const int kNotYet = -1;
+  const int p = layout.numStages();
+  const auto replicas = layout.replicaCounts();
+  struct Lane {
+    int stage, rank, replicas, limit;
+    std::vector<int> local;  // its microbatches, in order
+    size_t nextForward = 0;
+    int activations = 0;  // F done, I not yet
+    int deferred = 0;     // I done, W not yet
+  };
+  std::vector<Lane> lanes;
+  for (int j = 0; j < p; ++j) {
+    const auto& ranks = layout.stageRanks(j);
+    const int r = static_cast<int>(ranks.size());
+    for (int k = 0; k < r; ++k) {
+      std::vector<int> local;  // the replica's microbatches (global i mod r == k), batch-local
+      for (int i : localMicrobatches(batch * m, m, k, r)) local.push_back(i - batch * m);
+      lanes.push_back(Lane{j, ranks[k], r, numOptimalActiveMinibatches(replicas, j),
+                           std::move(local)});
+    }
+  }
   // *End[j][i]: clock at which the action's result is available.
   std::vector<std::vector<int>> fEnd(p, std::vector<int>(m, kNotYet));
   std::vector<std::vector<int>> iEnd(p, std::vector<int>(m, kNotYet));
   std::vector<std::vector<bool>> wDone(p, std::vector<bool>(m, false));
-  // activations[j]: F done, I not yet; deferred[j]: I done, W not yet.
-  std::vector<int> nextForward(p, 0), activations(p, 0), deferred(p, 0), done(p, 0);
+  int done = 0;
   auto ready = [](int end, int clock) { return end != kNotYet && end <= clock; };
-  for (int clock = 0; std::accumulate(done.begin(), done.end(), 0) < p * m; ++clock) {
+  for (int clock = 0; done < p * m; ++clock) {
     bool acted = false;
-    for (int j = 0; j < p; ++j) {
-      auto& out = lists[j];
+    for (auto& lane : lanes) {
+      const int j = lane.stage;
+      auto& out = lists[lane.rank];
       auto doW = [&]() {
-        for (int i = 0; i < m; ++i) {
+        for (int i : lane.local) {
           if (!wDone[j][i] && ready(iEnd[j][i], clock)) {
             wDone[j][i] = true;
-            --deferred[j];
-            ++done[j];
+            --lane.deferred;
+            ++done;
             out.push_back(Action::compute(j, ActionKind::kBackwardWeight, batch * m + i, batch));
             return true;
           }
@@ -174,35 +199,38 @@ void zbH1Batch(int p, int m, int batch, RankLists& lists) {
       };
       // I: the oldest microbatch whose gradient has arrived.
       int pick = -1;
-      for (int i = 0; i < m && pick < 0; ++i) {
+      for (int i : lane.local) {
         if (iEnd[j][i] == kNotYet && ready(fEnd[j][i], clock) &&
             (j == p - 1 || ready(iEnd[j + 1][i], clock))) {
           pick = i;
+          break;
         }
       }
       if (pick >= 0) {
         iEnd[j][pick] = clock + 1;
-        --activations[j];
-        ++deferred[j];
+        --lane.activations;
+        ++lane.deferred;
         out.push_back(Action::compute(j, ActionKind::kBackwardInput, batch * m + pick, batch));
         acted = true;
         continue;
       }
       // With p deferred W's waiting, a W goes first: p is what the drain needs
       // to be gap-free (p - 1 costs one clock; see the simulator tests).
-      if (deferred[j] > p - 1 && doW()) {
+      if (lane.deferred > p - 1 && doW()) {
         acted = true;
         continue;
       }
       // F: the next microbatch, if its input is there and memory allows.
-      const int f = nextForward[j];
-      if (f < m && activations[j] < p - j && (j == 0 || ready(fEnd[j - 1][f], clock))) {
-        fEnd[j][f] = clock + 1;
-        ++nextForward[j];
-        ++activations[j];
-        out.push_back(Action::compute(j, ActionKind::kForward, batch * m + f, batch));
-        acted = true;
-        continue;
+      if (lane.nextForward < lane.local.size() && lane.activations < lane.limit) {
+        const int f = lane.local[lane.nextForward];
+        if (j == 0 || ready(fEnd[j - 1][f], clock)) {
+          fEnd[j][f] = clock + 1;
+          ++lane.nextForward;
+          ++lane.activations;
+          out.push_back(Action::compute(j, ActionKind::kForward, batch * m + f, batch));
+          acted = true;
+          continue;
+        }
       }
       if (doW()) acted = true;
     }
@@ -221,7 +249,7 @@ void zbH1Batch(int p, int m, int batch, RankLists& lists) {
       if (!anythingPending) throw std::logic_error("zb-h1 generator made no progress");
     }
   }
-  for (int j = 0; j < p; ++j) lists[j].push_back(Action::update(j, batch + 1));
+  for (const auto& lane : lanes) appendUpdate(lists[lane.rank], lane.stage, lane.replicas, batch + 1);
 }
 
 // --- zero-bubble schedules with several chunks per rank ----------------------
@@ -611,7 +639,7 @@ Schedule buildSchedule(const ScheduleOptions& o) {
   } else if (o.name == "1f1b") {
     for (int t = 0; t < o.batches; ++t) oneFOneBBatch(layout, m, t, lists);
   } else if (o.name == "zb-h1") {
-    for (int t = 0; t < o.batches; ++t) zbH1Batch(p, m, t, lists);
+    for (int t = 0; t < o.batches; ++t) zbH1Batch(layout, m, t, lists);
   } else if (o.name == "pipedream") {
     pipedreamAll(layout, m, o.verticalSync, lists);
   } else {  // pipedream-2bw

@@ -27,6 +27,7 @@ std::vector<ScheduleTraits> makeTable() {
   ScheduleTraits zb;
   zb.name = "zb-h1";
   zb.splitBackward = true;
+  zb.supportsReplicas = true;  // one lane per replica (generators.cpp zbH1Batch)
   zb.plannerStraight = true;
   table.push_back(zb);
 
@@ -37,6 +38,7 @@ std::vector<ScheduleTraits> makeTable() {
   zbv.multiChunk = true;
   zbv.fixedChunks = 2;
   zbv.chunkPlacement = ChunkPlacement::kV;
+  zbv.supportsReplicas = false;
   table.push_back(zbv);
 
   ScheduleTraits dualPipeV = zbv;
@@ -46,6 +48,7 @@ std::vector<ScheduleTraits> makeTable() {
   ScheduleTraits interleavedZb = zb;
   interleavedZb.name = "interleaved-zb";
   interleavedZb.multiChunk = true;
+  interleavedZb.supportsReplicas = false;
   table.push_back(interleavedZb);
 
   ScheduleTraits pipedream;

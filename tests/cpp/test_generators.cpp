@@ -234,7 +234,8 @@ TEST(GeneratorErrors, NamesTheBadValue) {
   expectError([] { make("dualpipev", 4, 7, 2); }, "(2p = 8 for p=4 ranks, got m=7); use m=8");
   expectError([] { make("interleaved-zb", 3, 7, 2); }, "got m=7, p=3: rounds of 3 leave 1 over); use m=8");
   expectError([] { make("zbv", 2, 4, 2, {2, 1, 1, 1}); }, "does not support replicated stages");
-  expectError([] { make("zb-h1", 2, 4, 1, {2, 1}); }, "does not support replicated stages");
+  expectError([] { make("interleaved-zb", 2, 4, 2, {2, 1, 1, 1}); }, "does not support replicated stages");
+  expectError([] { make("zb-h1", 2, 1, 1, {2, 1}); }, "needs microbatches >= 2");
   expectError([] { make("pipedream", 2, 5, 1, {2, 1}); }, "multiple of 2");
   expectError([] { make("pipedream", 2, 4, 1, {2}); }, "1 counts for 2 stages");
   expectError([] { make("pipedream", 2, 4, 1, {0, 1}); }, "replica count of stage 0 must be >= 1");

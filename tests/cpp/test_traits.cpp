@@ -32,7 +32,7 @@ const Expected kTable[] = {
     {"gpipe",             false, kCaller,                   kSum,                   4,     false, true,  false, false, false, false, false, false, 0,    kRR},
     {"1f1b",              false, kCaller,                   kSum,                   4,     false, true,  false, false, false, false, false, false, 0,    kRR},
     {"interleaved-1f1b",  false, kCaller,                   kSum,                   4,     true,  false, false, false, false, false, true,  false, 0,    kRR},
-    {"zb-h1",             false, kCaller,                   kSum,                   4,     false, false, true,  false, false, false, true,  false, 0,    kRR},
+    {"zb-h1",             false, kCaller,                   kSum,                   4,     false, true,  true,  false, false, false, true,  false, 0,    kRR},
     {"zbv",               false, kCaller,                   kSum,                   4,     true,  false, true,  false, false, false, true,  false, 2,    kV},
     {"dualpipev",         false, kCaller,                   kSum,                   4,     true,  false, true,  false, false, false, true,  false, 2,    kV},
     {"interleaved-zb",    false, kCaller,                   kSum,                   4,     true,  false, true,  false, false, false, true,  false, 0,    kRR},

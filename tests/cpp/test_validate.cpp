@@ -83,10 +83,11 @@ std::vector<Case> gridCases() {
   for (const auto& layout : layouts) {
     const int p = static_cast<int>(layout.size());
     for (int m = 1; m <= 24; ++m) {
-      for (const std::string name : {"gpipe", "1f1b", "pipedream", "pipedream-vs"}) {
+      for (const std::string name : {"gpipe", "1f1b", "zb-h1", "pipedream", "pipedream-vs"}) {
         cases.push_back({name, p, m, 1, layout, 1});
       }
       cases.push_back({"1f1b", p, m, 1, layout, 2});
+      cases.push_back({"zb-h1", p, m, 1, layout, 2});
       cases.push_back({"pipedream-2bw", p, m, 1, layout, 3});
     }
   }
