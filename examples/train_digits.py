@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import sys
 import time
 from typing import List, Optional, Tuple
