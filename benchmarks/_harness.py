@@ -332,6 +332,13 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]] = ()) -> List[str
     return [table_row(header), "|" + "---|" * len(header)] + [table_row(r) for r in rows]
 
 
+def run_options(args: argparse.Namespace, *skip: str) -> Dict[str, Any]:
+    """The options a run used, for its JSON record: ``args`` without the parser's own
+    (``out_dir``, ``worker``, ``verbose``) and ``skip``."""
+    left_out = {"out_dir", "worker", "verbose", *skip}
+    return {k: v for k, v in vars(args).items() if k not in left_out}
+
+
 def write_results(out_dir: Path, name: str, text: str, data: Optional[Dict[str, Any]] = None,
                   echo: bool = True) -> Path:
     """Writes ``<out_dir>/<name>.md`` (and ``<name>.json`` from ``data``).

@@ -205,7 +205,7 @@ def run_driver(args: argparse.Namespace) -> int:
     text = report(result, info, command, args, time.perf_counter() - start)
     h.write_results(Path(args.out_dir), "split_backward", text,
                     {"machine": info, "command": command,
-                     "args": {k: v for k, v in vars(args).items() if k not in ("out_dir", "worker", "verbose")},
+                     "args": h.run_options(args),
                      "result": result})
     return 0
 

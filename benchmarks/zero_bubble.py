@@ -765,8 +765,7 @@ def run_driver(args: argparse.Namespace) -> int:
     text, summary = report(result, info, command, args, time.perf_counter() - start)
     h.write_results(Path(args.out_dir), "zero_bubble", text,
                     {"machine": info, "command": command,
-                     "args": {k: v for k, v in vars(args).items()
-                              if k not in ("out_dir", "worker", "verbose", "trace_dir")},
+                     "args": h.run_options(args, "trace_dir"),
                      "result": result, "summary": summary})
     errors = [n for n, e in result["configs"].items() if "error" in e]
     if "error" in result:
