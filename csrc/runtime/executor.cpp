@@ -213,14 +213,6 @@ void PipelineExecutor::gradientRoots(const Action& a, const Stash& s, std::vecto
 void PipelineExecutor::inputGradients(const Action& a, Stash& s, const std::vector<at::Tensor>& roots,
                                       const std::vector<at::Tensor>& grads, bool inputOnly) {
   std::vector<at::Tensor> gradInputs(s.inputs.size());
-  std::vector<at::Tensor> needInputs;
-  std::vector<size_t> needIndex;
-  for (size_t k = 0; k < s.inputs.size(); ++k) {
-    if (s.inputs[k].requires_grad()) {
-      needInputs.push_back(s.inputs[k]);
-      needIndex.push_back(k);
-    }
-  }
   if (inputOnly) {
     static const std::vector<at::Tensor> kNoWeights;
     auto params = stageParameters_.find(a.stage);
@@ -229,8 +221,8 @@ void PipelineExecutor::inputGradients(const Action& a, Stash& s, const std::vect
         s.split);
   } else if (!roots.empty()) {
     torch::autograd::backward(roots, grads);
-    for (size_t n = 0; n < needIndex.size(); ++n) {
-      gradInputs[needIndex[n]] = s.inputs[needIndex[n]].grad();
+    for (size_t k = 0; k < s.inputs.size(); ++k) {
+      if (s.inputs[k].requires_grad()) gradInputs[k] = s.inputs[k].grad();
     }
   }
   if (a.stage == 0) return;  // nobody upstream

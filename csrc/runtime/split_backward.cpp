@@ -19,8 +19,7 @@ using torch::autograd::edge_list;
 using torch::autograd::FunctionPreHook;
 using torch::autograd::Node;
 using torch::autograd::variable_list;
-// std::shared_ptr<Node> before torch 2.12, c10::intrusive_ptr<Node> after.
-using NodePtr = decltype(std::declval<Edge>().function);
+using NodePtr = SplitBackward::NodePtr;
 
 namespace {
 
@@ -179,7 +178,7 @@ std::vector<at::Tensor> SplitBackward::inputPass(const std::vector<at::Tensor>& 
         if (branch.insert(p.get()).second) queue.push_back(p.get());
       } else if (!frontierOf.count(p.get())) {
         auto f = std::make_unique<Frontier>();
-        f->node = Edge(p, 0);
+        f->node = p;
         const auto& next = p->next_edges();
         for (uint32_t i = 0; i < next.size(); ++i) {
           if (next[i].function && inputPath.count(next[i].function.get())) {
@@ -195,7 +194,7 @@ std::vector<at::Tensor> SplitBackward::inputPass(const std::vector<at::Tensor>& 
   std::vector<at::Tensor> gradInputs(inputs.size());
   HookScope hooks;
   for (auto& f : state.frontier_) {
-    hooks.add(f->node.function, std::make_unique<CaptureHook>(&f->captured));
+    hooks.add(f->node, std::make_unique<CaptureHook>(&f->captured));
   }
   if (!rootEdges.empty() && !inputEdges.empty()) {
     // torch::autograd::grad(roots, inputs, retain_graph=true, allow_unused=true),
@@ -215,10 +214,10 @@ void SplitBackward::weightPass() {
   for (const auto& f : frontier_) {
     for (uint32_t slot = 0; slot < f->captured.size(); ++slot) {
       if (!f->captured[slot].defined()) continue;
-      edges.emplace_back(f->node.function, slot);
+      edges.emplace_back(f->node, slot);
       grads.push_back(f->captured[slot]);
     }
-    for (uint32_t index : f->inputPathEdges) cut.cut(f->node.function, index);
+    for (uint32_t index : f->inputPathEdges) cut.cut(f->node, index);
   }
   edges.insert(edges.end(), rootEdges_.begin(), rootEdges_.end());
   grads.insert(grads.end(), rootGrads_.begin(), rootGrads_.end());

@@ -32,12 +32,16 @@
 #include <torch/csrc/autograd/node.h>
 
 #include <memory>
+#include <utility>
 #include <vector>
 
 namespace pipedream {
 
 class SplitBackward {
  public:
+  // std::shared_ptr<Node> before torch 2.12, c10::intrusive_ptr<Node> after.
+  using NodePtr = decltype(std::declval<torch::autograd::Edge>().function);
+
   SplitBackward() = default;
   SplitBackward(SplitBackward&&) noexcept = default;
   SplitBackward& operator=(SplitBackward&&) noexcept = default;
@@ -61,9 +65,9 @@ class SplitBackward {
 
  private:
   struct Frontier {
-    torch::autograd::Edge node;                  // input_nr unused: the node itself
-    std::vector<at::Tensor> captured;            // the gradient arriving at it in I
-    std::vector<uint32_t> inputPathEdges;        // its next edges into the input path
+    NodePtr node;
+    std::vector<at::Tensor> captured;      // the gradient arriving at it in I
+    std::vector<uint32_t> inputPathEdges;  // its next edges into the input path
   };
   std::vector<std::unique_ptr<Frontier>> frontier_;  // stable addresses for the hooks
   // Roots off the input path and their gradients.
