@@ -96,6 +96,8 @@ class GraphGroups:
             profile nodes, without repeats.
         depth: the module depth of the groups (``None``: the leaf modules).
         group_of: computing node -> index into ``groups``.
+        kinds: each node's value type on the sample (``_trace._value_kinds``), kept so
+            the model is not run again when the plan's stages are cut from ``gm``.
     """
 
     gm: fx.GraphModule
@@ -105,6 +107,7 @@ class GraphGroups:
     edges: List[Tuple[str, str]]
     depth: Optional[int]
     group_of: Dict[fx.Node, int]
+    kinds: Mapping[fx.Node, str]
 
 
 def _calls(node: fx.Node) -> Calls:
@@ -256,7 +259,7 @@ def group_graph(gm: fx.GraphModule, kinds: Mapping[fx.Node, str],
                     edges[(source[a], groups[g].id)] = None
                 elif a in group_of and group_of[a] != g:
                     edges[(groups[group_of[a]].id, groups[g].id)] = None
-    return GraphGroups(gm, inputs, input_ids, groups, list(edges), depth, group_of)
+    return GraphGroups(gm, inputs, input_ids, groups, list(edges), depth, group_of, kinds)
 
 
 def trace_groups(model: nn.Module, inputs: Tuple[torch.Tensor, ...],

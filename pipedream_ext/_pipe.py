@@ -824,7 +824,8 @@ class _PlannedTrace:
 
         stage_of = plan_stage_of(self.grouped, plan)
         return split_model(self.module, plan_split_labels(self.grouped, stage_of), self.inputs,
-                           self.concrete_args, stage_of=stage_of)
+                           self.concrete_args, stage_of=stage_of,
+                           traced=(self.grouped.gm, self.grouped.kinds))
 
 
 def _default_device() -> torch.device:

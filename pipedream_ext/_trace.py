@@ -509,7 +509,9 @@ def _check_one_stage_per_state(stages: Sequence[fx.GraphModule]) -> None:
 def split_model(model: nn.Module, split_points: Sequence[str],
                 inputs: Union[Tuple[torch.Tensor, ...], Mapping[str, torch.Tensor]],
                 concrete_args: Optional[Mapping[str, Any]] = None,
-                stage_of: Optional[Mapping[str, int]] = None) -> TracedSplit:
+                stage_of: Optional[Mapping[str, int]] = None,
+                traced: Optional[Tuple[fx.GraphModule, Mapping[fx.Node, str]]] = None
+                ) -> TracedSplit:
     """Traces ``model`` on ``inputs`` and cuts it at ``split_points`` (or as ``stage_of`` says).
 
     torch.fx first (module calls stay calls: BatchNorm keeps its running statistics,
@@ -527,6 +529,9 @@ def split_model(model: nn.Module, split_points: Sequence[str],
         stage_of: instead of split points, the stage of every computing node by fx
             name (a plan's stages: ``_graph_profile.plan_stage_of``), checked by
             :func:`stage_assignment`.
+        traced: the fx graph of ``model`` already traced on these (positional)
+            ``inputs`` and its value types (``_graph_profile.trace_groups`` made them
+            for a plan): neither traced nor run again.
 
     Returns:
         The stages and the live set of every cut.
@@ -541,8 +546,11 @@ def split_model(model: nn.Module, split_points: Sequence[str],
                          f"{split_points!r}); e.g. split_points=['layer3'] for 2 stages")
     split_points = list(split_points)
     named = isinstance(inputs, Mapping)
-    gm, input_names, output_spec, tracer = _trace_or_export(model, inputs, concrete_args)
-    positional = tuple(inputs[n] for n in input_names) if named else tuple(inputs)
+    if traced is not None:
+        (gm, kinds), input_names, output_spec, tracer = traced, None, None, "fx"
+    else:
+        gm, input_names, output_spec, tracer = _trace_or_export(model, inputs, concrete_args)
+        kinds = None
     if stage_of is not None:
         if tracer != "fx":
             raise ValueError(f"{type(model).__name__} traces only with torch.export, and plans "
@@ -556,7 +564,10 @@ def split_model(model: nn.Module, split_points: Sequence[str],
 
         starts = localize_sizes(gm, starts)
     live = live_sets(gm, starts)
-    stages = build_stages(gm, starts, live, _value_kinds(gm, positional))
+    if kinds is None:
+        positional = tuple(inputs[n] for n in input_names) if named else tuple(inputs)
+        kinds = _value_kinds(gm, positional)
+    stages = build_stages(gm, starts, live, kinds)
     _check_one_stage_per_state(stages)
     # Tensors fx computed while tracing (``torch.full((8,), 0.1)``) are attributes of the
     # traced root (``_tensor_constant0``), not of the model, and so are the model's
