@@ -29,7 +29,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/edge.h>
-#include <torch/csrc/autograd/node.h>
+#include <torch/csrc/autograd/function.h>  // Node; torch 2.11 ships no node.h
 
 #include <memory>
 #include <utility>
