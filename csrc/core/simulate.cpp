@@ -177,28 +177,29 @@ SimulationResult simulate(const Schedule& schedule, const StageCosts& costs) {
     double t = freeAt[r];
     const int j = a.stage;
     const int i = a.microbatch;
-    // Input from a neighbour stage: same rank (no transfer), explicit RECV
-    // (lowered) or an implicit transfer (compute-only).
-    auto needNeighbour = [&](int neighbour, const EventTable& produced, const EventTable& received,
-                             double latency) -> double {
+    // The data of transfer (neighbour -> j): the same rank hands it over; a
+    // lowered schedule needs its RECV posted and waits for the data's arrival
+    // (sent + latency); a compute-only one applies the latency directly.
+    auto needNeighbour = [&](int neighbour, const EventTable& produced, const EventTable& sent,
+                             const EventTable& posted, double latency) -> double {
       if (layout.rankFor(neighbour, i) == r || !lowered) {
         if (!produced.has(neighbour, i)) return kUnset;
         const double extra = layout.rankFor(neighbour, i) == r ? 0.0 : latency;
         return std::max(t, produced.get(neighbour, i) + extra);
       }
-      if (!received.has(j, i)) return kUnset;
-      return std::max(t, received.get(j, i));
+      if (!posted.has(j, i) || !sent.has(neighbour, i)) return kUnset;
+      return std::max(t, sent.get(neighbour, i) + latency);
     };
     switch (a.kind) {
       case ActionKind::kForward:
         if (j == 0) return t;
-        return needNeighbour(j - 1, forwardDone, recvForward, costs.comm[j - 1]);
+        return needNeighbour(j - 1, forwardDone, sentForward, recvForward, costs.comm[j - 1]);
       case ActionKind::kBackward:
       case ActionKind::kBackwardInput:
         if (!forwardDone.has(j, i)) return kUnset;
         t = std::max(t, forwardDone.get(j, i));
         if (j == stages - 1) return t;
-        return needNeighbour(j + 1, gradDone, recvBackward, costs.comm[j]);
+        return needNeighbour(j + 1, gradDone, sentBackward, recvBackward, costs.comm[j]);
       case ActionKind::kBackwardWeight:
         if (!gradDone.has(j, i)) return kUnset;
         return std::max(t, gradDone.get(j, i));
@@ -209,11 +210,8 @@ SimulationResult simulate(const Schedule& schedule, const StageCosts& costs) {
         if (!gradDone.has(j, i)) return kUnset;
         return std::max(t, gradDone.get(j, i));
       case ActionKind::kRecvForward:
-        if (j == 0 || !sentForward.has(j - 1, i)) return kUnset;
-        return std::max(t, sentForward.get(j - 1, i) + costs.comm[j - 1]);
       case ActionKind::kRecvBackward:
-        if (j == stages - 1 || !sentBackward.has(j + 1, i)) return kUnset;
-        return std::max(t, sentBackward.get(j + 1, i) + costs.comm[j]);
+        return t;  // posting takes no time; the consumer waits for the data
       case ActionKind::kUpdate:
       case ActionKind::kAllReduce:
         return t;

@@ -4,7 +4,8 @@
 //   - each rank runs its list strictly in order, one action at a time;
 //   - F/B/I/W take the stage's cost; U takes no time;
 //   - SEND_* takes no rank time (asynchronous); its data reaches the peer
-//     t_comm(boundary) later, and the matching RECV_* waits until then;
+//     t_comm(boundary) later; RECV_* only posts the receive (no time, no
+//     wait) and the consumer (F, B or I) waits until the data is there;
 //   - an un-lowered (compute-only) schedule is simulated with the same
 //     latencies applied directly between producer and consumer;
 //   - ALLREDUCE is a collective of all replicas of a stage: it starts when

@@ -1,8 +1,11 @@
 #include "stream.h"
 
 #include <numeric>
+#include <set>
+#include <tuple>
 #include <stdexcept>
 
+#include "channels.h"
 #include "lower.h"
 #include "traits.h"
 
@@ -53,7 +56,7 @@ Schedule AsyncStream::lowered(int steps) const {
   } else {
     o.batches = steps;
   }
-  return lower(buildSchedule(o));
+  return orderTransfers(lower(buildSchedule(o)), perStep_);
 }
 
 std::vector<std::pair<size_t, size_t>> AsyncStream::slices(const Schedule& schedule, int rank,
@@ -67,8 +70,16 @@ std::vector<std::pair<size_t, size_t>> AsyncStream::slices(const Schedule& sched
     const Action& a = list[k];
     if (a.kind != ActionKind::kForward) continue;
     const int t = a.microbatch / perStep_;
+    // Its sends, and receives posted between the forward and them.
     size_t e = k + 1;
-    while (e < list.size() && list[e].kind == ActionKind::kSendForward && list[e].microbatch == a.microbatch) ++e;
+    for (size_t n = k + 1; n < list.size(); ++n) {
+      const Action& b = list[n];
+      if (b.kind == ActionKind::kSendForward && b.microbatch == a.microbatch) {
+        e = n + 1;
+      } else if (b.kind != ActionKind::kRecvForward && b.kind != ActionKind::kRecvBackward) {
+        break;
+      }
+    }
     end[t] = std::max(end[t], e);
     has[t] = true;
   }
@@ -115,10 +126,21 @@ std::vector<Action> AsyncStream::drainActions(int rank, int64_t steps) const {
     source = warmup_ + period_ + (steps - warmup_ - period_) % period_;
     periods = (steps - source) / period_;
   }
+  // The rest of a stream of `source` steps: what its lowered list holds beyond
+  // the steps already served. Not simply the list's tail: where a stream posts
+  // a receive depends on the sends after it (channels.h), so the served steps
+  // (cut from the unbounded stream) may leave a receive the finite list posts
+  // earlier; each pair's operations still come in the finite list's order.
   const Schedule s = lowered(static_cast<int>(source));
-  const auto& list = s.actions(rank);
-  const size_t begin = slices(s, rank, static_cast<int>(source)).back().second;
-  return shifted(std::vector<Action>(list.begin() + begin, list.end()), periods);
+  std::set<std::tuple<ActionKind, int, int, int>> served;
+  for (int64_t t = 0; t < source; ++t) {
+    for (const Action& a : stepActions(rank, t)) served.insert({a.kind, a.stage, a.microbatch, a.version});
+  }
+  std::vector<Action> rest;
+  for (const Action& a : s.actions(rank)) {
+    if (!served.count({a.kind, a.stage, a.microbatch, a.version})) rest.push_back(a);
+  }
+  return shifted(std::move(rest), periods);
 }
 
 }  // namespace pipedream

@@ -2,8 +2,9 @@
 //
 // A `pipedream` stream admits one minibatch per step and a `pipedream-2bw`
 // stream one batch of m microbatches; the runtime runs, at step t, the
-// actions of its rank's lowered list from just after the forward of step
-// t-1 up to and including the forward of step t, and at the end the drain.
+// actions of its rank's lowered list (in transfer order, channels.h) from
+// just after the forward of step t-1 up to and including the forward of step
+// t and its sends, and at the end the drain.
 // Generating the list for the whole run would cost memory proportional to
 // its length. After warm-up these lists are periodic: with P steps per
 // period (the lcm of the replica counts for pipedream, 1 for 2bw), step

@@ -1,0 +1,542 @@
+#include "channels.h"
+
+#include <algorithm>
+#include <map>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+#include <tuple>
+
+#include "lower.h"
+#include "receipt.h"
+#include "simulate.h"
+
+namespace pipedream {
+
+namespace {
+
+std::string str(int value) { return std::to_string(value); }
+
+bool isSend(ActionKind kind) {
+  return kind == ActionKind::kSendForward || kind == ActionKind::kSendBackward;
+}
+bool isRecv(ActionKind kind) {
+  return kind == ActionKind::kRecvForward || kind == ActionKind::kRecvBackward;
+}
+
+// Whether compute action `a` consumes the receive `recv` (same stage and
+// microbatch: F for RECV_F, B or I for RECV_B).
+bool consumes(const Action& a, const Action& recv) {
+  if (a.stage != recv.stage || a.microbatch != recv.microbatch) return false;
+  if (recv.kind == ActionKind::kRecvForward) return a.kind == ActionKind::kForward;
+  return a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput;
+}
+
+// Every RECV of `list` moved to right before its consumer (the form lower()
+// produces), so the simulator's send times do not depend on where a previous
+// pass put the receives.
+std::vector<Action> recvsBeforeConsumers(const std::vector<Action>& list) {
+  std::vector<Action> recvs, out;
+  for (const Action& a : list) {
+    if (isRecv(a.kind)) recvs.push_back(a);
+  }
+  for (const Action& a : list) {
+    if (isRecv(a.kind)) continue;
+    if (isCompute(a.kind)) {
+      for (auto it = recvs.begin(); it != recvs.end();) {
+        if (consumes(a, *it)) {
+          out.push_back(*it);
+          it = recvs.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    out.push_back(a);
+  }
+  if (!recvs.empty()) {
+    throw std::invalid_argument("invalid schedule: " + recvs.front().toString() +
+                                " has no consumer (F, B or I of its stage and microbatch) after it");
+  }
+  return out;
+}
+
+// A send in the pair order: when it happens in the unit-cost simulation.
+struct TimedSend {
+  double time = 0.0;
+  TransferKey key;
+  int sender = 0;
+  bool operator<(const TimedSend& other) const {
+    if (time != other.time) return time < other.time;
+    if (key.forward != other.key.forward) return key.forward;  // forward first
+    if (key.microbatch != other.key.microbatch) return key.microbatch < other.key.microbatch;
+    return key.boundary < other.key.boundary;
+  }
+};
+
+// For every unordered pair (low, high): its transfers in the order their sends
+// happen when `normalized` runs with unit costs and no latency.
+std::map<std::pair<int, int>, std::vector<TimedSend>> pairOrders(const Schedule& normalized) {
+  SimulationResult sim;
+  try {
+    sim = simulate(normalized, StageCosts::uniform(normalized.numStages(), 1.0, 2.0, -1.0, 0.0, 0.0));
+  } catch (const DeadlockError& e) {
+    throw std::invalid_argument("cannot order the transfers of schedule '" + normalized.name() +
+                                "': it deadlocks (" + e.what() + ")");
+  }
+  const Layout& layout = normalized.layout();
+  std::map<std::pair<int, int>, std::vector<TimedSend>> orders;
+  for (const TimedAction& event : sim.timeline) {
+    if (!isSend(event.action.kind)) continue;
+    const int peer = peerOf(layout, event.action);
+    const auto pair = std::minmax(event.rank, peer);
+    orders[{pair.first, pair.second}].push_back(
+        TimedSend{event.end, TransferKey::of(event.action), event.rank});
+  }
+  for (auto& [pair, sends] : orders) std::stable_sort(sends.begin(), sends.end());
+  return orders;
+}
+
+// Streams: the first position of `base` (a list without RECVs) in the slice
+// of each step, as AsyncStream::slices() cuts it (a step ends just after its
+// last forward and the sends that follow it).
+std::vector<size_t> stepBegins(const std::vector<Action>& base, int perStep) {
+  int steps = 0;
+  for (const Action& a : base) {
+    if (a.kind == ActionKind::kForward) steps = std::max(steps, a.microbatch / perStep + 1);
+  }
+  std::vector<size_t> end(steps, 0);
+  std::vector<bool> has(steps, false);
+  for (size_t k = 0; k < base.size(); ++k) {
+    const Action& a = base[k];
+    if (a.kind != ActionKind::kForward) continue;
+    size_t e = k + 1;
+    while (e < base.size() && base[e].kind == ActionKind::kSendForward &&
+           base[e].microbatch == a.microbatch) {
+      ++e;
+    }
+    const int t = a.microbatch / perStep;
+    end[t] = std::max(end[t], e);
+    has[t] = true;
+  }
+  std::vector<size_t> begins(steps + 1, 0);
+  for (int t = 0; t < steps; ++t) {
+    begins[t + 1] = has[t] ? std::max(begins[t], end[t]) : begins[t];
+  }
+  return begins;
+}
+
+// Where a RECV of a rank goes: before base[index].
+struct Placement {
+  size_t index = 0;
+  int peer = 0;
+  size_t order = 0;  // position in the pair's order (ties at one index)
+  Action recv;
+};
+
+// One rank's list without its RECVs, and where each RECV may go.
+struct RankPlan {
+  std::vector<Action> base;
+  std::map<TransferKey, size_t> sendAt;      // this rank's sends: base index
+  std::map<TransferKey, size_t> consumerAt;  // this rank's receives: base index of the consumer
+  std::map<TransferKey, Action> recvOf;
+  std::vector<size_t> begins;                // streams: first base index of each step
+  std::vector<Placement> placements;
+
+  RankPlan(const std::vector<Action>& normalized, int perStep) {
+    for (const Action& a : normalized) {
+      if (isRecv(a.kind)) {
+        // normalized: the consumer is the next action that is not a RECV
+        consumerAt[TransferKey::of(a)] = base.size();
+        recvOf[TransferKey::of(a)] = a;
+        continue;
+      }
+      if (isSend(a.kind)) sendAt[TransferKey::of(a)] = base.size();
+      base.push_back(a);
+    }
+    if (perStep > 0) begins = stepBegins(base, perStep);
+  }
+  // The earliest index a receive of `key` may take: streams post none before
+  // the step that admits its microbatch.
+  size_t floorOf(const TransferKey& key, int perStep) const {
+    if (perStep <= 0) return 0;
+    const size_t step = static_cast<size_t>(key.microbatch / perStep);
+    return begins[std::min(step, begins.size() - 1)];
+  }
+  std::vector<Action> list() {
+    std::stable_sort(placements.begin(), placements.end(), [](const Placement& a, const Placement& b) {
+      return std::tie(a.index, a.peer, a.order) < std::tie(b.index, b.peer, b.order);
+    });
+    std::vector<Action> out;
+    size_t next = 0;
+    for (size_t b = 0; b <= base.size(); ++b) {
+      while (next < placements.size() && placements[next].index == b) out.push_back(placements[next++].recv);
+      if (b < base.size()) out.push_back(base[b]);
+    }
+    return out;
+  }
+};
+
+// Merges the sends of a pair's two ranks into the pair's order and places each
+// receive. The order follows the simulated send times where it can; it takes
+// the other end's next send first when the earlier one cannot be received in
+// time there (a stream's receive may not move into an earlier step).
+void orderPair(const std::string& name, int low, int high, const std::vector<TimedSend>& sends,
+               std::vector<RankPlan>& plans, int perStep) {
+  std::vector<TimedSend> queue[2];  // each end's sends, in its list order
+  for (const TimedSend& s : sends) queue[s.sender == low ? 0 : 1].push_back(s);
+  for (int e = 0; e < 2; ++e) {
+    const RankPlan& plan = plans[e == 0 ? low : high];
+    std::stable_sort(queue[e].begin(), queue[e].end(), [&](const TimedSend& a, const TimedSend& b) {
+      return plan.sendAt.at(a.key) < plan.sendAt.at(b.key);
+    });
+  }
+  size_t head[2] = {0, 0};
+  size_t lower[2] = {0, 0};  // per end: no receive before this base index
+  size_t order = 0;
+  // Where end `e` would post the receive of the other end's next send (or none).
+  auto slot = [&](int e) -> std::optional<size_t> {
+    const TimedSend& s = queue[1 - e][head[1 - e]];
+    const RankPlan& plan = plans[e == 0 ? low : high];
+    auto consumer = plan.consumerAt.find(s.key);
+    if (consumer == plan.consumerAt.end()) {
+      throw std::invalid_argument("invalid schedule '" + name + "': rank " + str(e == 0 ? low : high) +
+                                  " never receives transfer " + s.key.toString() + " from rank " +
+                                  str(s.sender));
+    }
+    const size_t index = std::max(lower[e], plan.floorOf(s.key, perStep));
+    size_t latest = consumer->second;
+    if (head[e] < queue[e].size()) latest = std::min(latest, plan.sendAt.at(queue[e][head[e]].key));
+    if (index > latest) return std::nullopt;
+    return index;
+  };
+  while (head[0] < queue[0].size() || head[1] < queue[1].size()) {
+    // The sender whose send comes next: the earlier one, else the only one.
+    int first = head[0] < queue[0].size() ? 0 : 1;
+    if (head[0] < queue[0].size() && head[1] < queue[1].size() &&
+        queue[1][head[1]] < queue[0][head[0]]) {
+      first = 1;
+    }
+    std::optional<size_t> index = slot(1 - first);
+    if (!index && head[1 - first] < queue[1 - first].size()) {
+      first = 1 - first;
+      index = slot(1 - first);
+    }
+    if (!index) {
+      const TimedSend& s = queue[first][head[first]];
+      throw std::logic_error("no mirrored transfer order for schedule '" + name + "': rank " +
+                             str(first == 0 ? high : low) + " cannot post the receive of " +
+                             s.key.toString() + " from rank " + str(s.sender) +
+                             " before its consumer or its own next send" +
+                             (perStep > 0 ? " (a stream posts no receive before its step)" : ""));
+    }
+    const int receiver = 1 - first;
+    const TimedSend& s = queue[first][head[first]++];
+    RankPlan& senderPlan = plans[first == 0 ? low : high];
+    RankPlan& receiverPlan = plans[receiver == 0 ? low : high];
+    lower[first] = std::max(lower[first], senderPlan.sendAt.at(s.key) + 1);
+    lower[receiver] = *index;
+    receiverPlan.placements.push_back(
+        Placement{*index, first == 0 ? low : high, order++, receiverPlan.recvOf.at(s.key)});
+  }
+}
+
+}  // namespace
+
+TransferKey TransferKey::of(const Action& comm) {
+  switch (comm.kind) {
+    case ActionKind::kSendForward: return TransferKey{true, comm.stage, comm.microbatch};
+    case ActionKind::kRecvForward: return TransferKey{true, comm.stage - 1, comm.microbatch};
+    case ActionKind::kSendBackward: return TransferKey{false, comm.stage - 1, comm.microbatch};
+    case ActionKind::kRecvBackward: return TransferKey{false, comm.stage, comm.microbatch};
+    default:
+      throw std::invalid_argument("TransferKey::of: " + comm.toString() +
+                                  " is not a SEND or RECV action");
+  }
+}
+
+bool TransferKey::operator<(const TransferKey& other) const {
+  return std::tie(forward, boundary, microbatch) <
+         std::tie(other.forward, other.boundary, other.microbatch);
+}
+
+std::string TransferKey::toString() const {
+  return std::string(forward ? "F" : "B") + str(boundary) + ":" + str(microbatch);
+}
+
+int peerOf(const Layout& layout, const Action& comm) {
+  switch (comm.kind) {
+    case ActionKind::kSendForward: return layout.rankFor(comm.stage + 1, comm.microbatch);
+    case ActionKind::kRecvForward: return layout.rankFor(comm.stage - 1, comm.microbatch);
+    case ActionKind::kSendBackward: return layout.rankFor(comm.stage - 1, comm.microbatch);
+    case ActionKind::kRecvBackward: return layout.rankFor(comm.stage + 1, comm.microbatch);
+    default:
+      throw std::invalid_argument("peerOf: " + comm.toString() + " is not a SEND or RECV action");
+  }
+}
+
+std::vector<ChannelOp> channelOps(const Schedule& schedule, int rank, int peer) {
+  std::vector<ChannelOp> ops;
+  const auto& list = schedule.actions(rank);
+  for (size_t k = 0; k < list.size(); ++k) {
+    const Action& a = list[k];
+    if (!isComm(a.kind) || peerOf(schedule.layout(), a) != peer) continue;
+    ops.push_back(ChannelOp{isSend(a.kind), TransferKey::of(a), static_cast<int>(k)});
+  }
+  return ops;
+}
+
+Schedule orderTransfers(const Schedule& lowered, int microbatchesPerStep) {
+  if (!lowered.isLowered()) {
+    // Nothing crosses a rank (one rank, or one stage): nothing to order.
+    if (!lower(lowered).isLowered()) return lowered;
+    throw std::invalid_argument("orderTransfers needs a lowered schedule (lower() first); '" +
+                                lowered.name() + "' has no SEND/RECV actions");
+  }
+  std::vector<std::vector<Action>> normalizedLists;
+  for (int r = 0; r < lowered.numRanks(); ++r) {
+    normalizedLists.push_back(recvsBeforeConsumers(lowered.actions(r)));
+  }
+  const Schedule normalized = lowered.withActions(normalizedLists);
+  const auto orders = pairOrders(normalized);
+  std::vector<RankPlan> plans;
+  for (int r = 0; r < lowered.numRanks(); ++r) plans.emplace_back(normalized.actions(r), microbatchesPerStep);
+  for (const auto& [pair, sends] : orders) {
+    orderPair(lowered.name(), pair.first, pair.second, sends, plans, microbatchesPerStep);
+  }
+  std::vector<std::vector<Action>> lists;
+  for (auto& plan : plans) lists.push_back(plan.list());
+  return lowered.withActions(std::move(lists));
+}
+
+namespace {
+
+// The F / SEND_F / RECV_F actions alone: what forward-only evaluation runs.
+Schedule forwardProjection(const Schedule& schedule) {
+  std::vector<std::vector<Action>> lists(schedule.numRanks());
+  for (int r = 0; r < schedule.numRanks(); ++r) {
+    for (const Action& a : schedule.actions(r)) {
+      if (a.kind == ActionKind::kForward || a.kind == ActionKind::kSendForward ||
+          a.kind == ActionKind::kRecvForward) {
+        lists[r].push_back(a);
+      }
+    }
+  }
+  return schedule.withActions(std::move(lists));
+}
+
+[[noreturn]] void channelProblem(const Schedule& schedule, const std::string& what) {
+  throw std::invalid_argument("transfer order of schedule '" + schedule.name() + "': " + what +
+                              "\n" + channelsToText(schedule));
+}
+
+void checkMirrors(const Schedule& schedule) {
+  for (int a = 0; a < schedule.numRanks(); ++a) {
+    for (int b = a + 1; b < schedule.numRanks(); ++b) {
+      const auto mine = channelOps(schedule, a, b);
+      const auto theirs = channelOps(schedule, b, a);
+      const size_t common = std::min(mine.size(), theirs.size());
+      for (size_t k = 0; k < common; ++k) {
+        if (mine[k].send != theirs[k].send && mine[k].key == theirs[k].key) continue;
+        channelProblem(schedule, "ranks " + str(a) + " and " + str(b) + " do not mirror at operation " +
+                                     str(static_cast<int>(k)) + ": rank " + str(a) + " issues " +
+                                     schedule.actions(a)[mine[k].position].toString() + ", rank " +
+                                     str(b) + " issues " +
+                                     schedule.actions(b)[theirs[k].position].toString() +
+                                     " (NCCL matches the k-th send with the k-th receive)");
+      }
+      if (mine.size() != theirs.size()) {
+        channelProblem(schedule, "rank " + str(a) + " has " + str(static_cast<int>(mine.size())) +
+                                     " operations with rank " + str(b) + " but rank " + str(b) +
+                                     " has " + str(static_cast<int>(theirs.size())) + " with rank " +
+                                     str(a));
+      }
+    }
+  }
+}
+
+// The channel simulator of validateChannels(): every pair one in-order stream.
+class ChannelSimulation {
+ public:
+  ChannelSimulation(const Schedule& schedule, bool forwardOnly)
+      : schedule_(schedule), layout_(schedule.layout()), ranks_(schedule.numRanks()) {
+    next_.assign(ranks_, 0);
+    done_.assign(ranks_, false);
+    opIndex_.resize(ranks_);
+    releases_.resize(ranks_);
+    for (int r = 0; r < ranks_; ++r) {
+      for (int q = 0; q < ranks_; ++q) {
+        if (q == r) continue;
+        const auto ops = channelOps(schedule, r, q);
+        for (size_t k = 0; k < ops.size(); ++k) opIndex_[r][ops[k].position] = {q, k};
+        auto& flags = pairs_[{std::min(r, q), std::max(r, q)}].isSend[side(r, q)];
+        for (const auto& op : ops) flags.push_back(op.send);
+      }
+      if (!forwardOnly) releases_[r] = sendReleasePoints(schedule, r);
+    }
+  }
+
+  void run() {
+    for (bool progress = true; progress;) {
+      progress = false;
+      for (int r = 0; r < ranks_; ++r) {
+        while (!done_[r] && step(r)) progress = true;
+      }
+    }
+    std::ostringstream blocked;
+    for (int r = 0; r < ranks_; ++r) {
+      if (!done_[r]) blocked << "\n  " << whyBlocked(r);
+    }
+    if (!blocked.str().empty()) {
+      channelProblem(schedule_, "deadlock under NCCL's rules (one in-order stream per pair of "
+                                "ranks; a receive issued once its sender sent):" + blocked.str());
+    }
+  }
+
+ private:
+  struct Pair {
+    std::vector<bool> isSend[2];  // per end: whether each operation is a send
+    size_t reached[2] = {0, 0};  // operations each end's list has reached (queued)
+    size_t issued[2] = {0, 0};   // ... issued to the stream
+    size_t completed = 0;
+  };
+
+  Pair& pairOf(int r, int q) { return pairs_.at({std::min(r, q), std::max(r, q)}); }
+  static int side(int r, int q) { return r < q ? 0 : 1; }
+
+  // Issues what each end may issue, then completes what both ends issued.
+  void advance(Pair& p) {
+    for (bool moved = true; moved;) {
+      moved = false;
+      for (int s = 0; s < 2; ++s) {
+        // A receive (same index on the other end is its send) waits for the send.
+        while (p.issued[s] < p.reached[s] &&
+               (p.isSend[s][p.issued[s]] || p.reached[1 - s] > p.issued[s])) {
+          ++p.issued[s];
+          moved = true;
+        }
+      }
+      while (p.completed < std::min(p.issued[0], p.issued[1])) {
+        ++p.completed;
+        moved = true;
+      }
+    }
+  }
+
+  // Completed: operation `index` of rank r's channel with q.
+  bool completed(int r, int q, size_t index) { return pairOf(r, q).completed > index; }
+
+  bool inputReady(int r, const Action& a) {
+    for (const auto& [position, op] : opIndex_[r]) {
+      const Action& c = schedule_.actions(r)[position];
+      if (!isRecv(c.kind) || !consumes(a, c)) continue;
+      if (!completed(r, op.first, op.second)) return false;
+    }
+    return true;
+  }
+
+  bool sendsDone(int r, const std::vector<int>& positions) {
+    for (int position : positions) {
+      const auto& op = opIndex_[r].at(position);
+      if (!completed(r, op.first, op.second)) return false;
+    }
+    return true;
+  }
+
+  bool allSendsDone(int r) {
+    for (const auto& [position, op] : opIndex_[r]) {
+      if (isSend(schedule_.actions(r)[position].kind) && !completed(r, op.first, op.second)) return false;
+    }
+    return true;
+  }
+
+  // Runs rank r's next action if it can; false when blocked or finished.
+  bool step(int r) {
+    const auto& list = schedule_.actions(r);
+    if (next_[r] >= list.size()) {
+      if (!allSendsDone(r)) return false;
+      done_[r] = true;
+      return true;
+    }
+    const Action& a = list[next_[r]];
+    if (isComm(a.kind)) {
+      const auto& op = opIndex_[r].at(static_cast<int>(next_[r]));
+      Pair& p = pairOf(r, op.first);
+      ++p.reached[side(r, op.first)];
+      advance(p);
+    } else if (a.kind == ActionKind::kAllReduce) {
+      for (int q : layout_.stageRanks(a.stage)) {
+        const auto& theirs = schedule_.actions(q);
+        if (next_[q] >= theirs.size() || theirs[next_[q]] != a) return false;
+      }
+      for (int q : layout_.stageRanks(a.stage)) {
+        if (q != r) ++next_[q];
+      }
+    } else if (isCompute(a.kind)) {
+      if (!inputReady(r, a)) return false;
+      if (!releases_[r].empty() && !sendsDone(r, releases_[r][next_[r]])) return false;
+    }
+    ++next_[r];
+    return true;
+  }
+
+  std::string whyBlocked(int r) {
+    const auto& list = schedule_.actions(r);
+    std::ostringstream out;
+    out << "rank " << r << " at step " << next_[r];
+    if (next_[r] >= list.size()) {
+      out << " (end): waits for its sends";
+    } else {
+      const Action& a = list[next_[r]];
+      out << " (" << a.toString() << ")";
+      if (a.kind == ActionKind::kAllReduce) out << ": waits for the other replicas";
+      else if (isCompute(a.kind)) out << ": waits for its input or for a send to be received";
+    }
+    for (const auto& [pair, p] : pairs_) {
+      if (pair.first != r && pair.second != r) continue;
+      out << "; pair " << pair.first << "-" << pair.second << ": rank " << pair.first << " issued "
+          << p.issued[0] << "/" << p.reached[0] << ", rank " << pair.second << " issued "
+          << p.issued[1] << "/" << p.reached[1] << ", completed " << p.completed;
+    }
+    return out.str();
+  }
+
+ private:
+  const Schedule& schedule_;
+  const Layout& layout_;
+  int ranks_;
+  std::vector<size_t> next_;
+  std::vector<bool> done_;
+  std::vector<std::map<int, std::pair<int, size_t>>> opIndex_;  // position -> (peer, op index)
+  std::vector<std::vector<std::vector<int>>> releases_;         // receipt points per rank
+  std::map<std::pair<int, int>, Pair> pairs_;
+};
+
+}  // namespace
+
+void validateChannels(const Schedule& ordered, bool forwardOnly) {
+  if (forwardOnly) {
+    validateChannels(forwardProjection(ordered), false);
+    return;
+  }
+  checkMirrors(ordered);
+  ChannelSimulation(ordered, forwardOnly).run();
+}
+
+std::string channelsToText(const Schedule& ordered) {
+  std::ostringstream out;
+  for (int r = 0; r < ordered.numRanks(); ++r) {
+    for (int q = 0; q < ordered.numRanks(); ++q) {
+      if (q == r) continue;
+      const auto ops = channelOps(ordered, r, q);
+      if (ops.empty()) continue;
+      out << "rank " << r << " -> " << q << ":";
+      for (const auto& op : ops) out << " " << ordered.actions(r)[op.position].toString();
+      out << "\n";
+    }
+  }
+  return out.str();
+}
+
+}  // namespace pipedream
