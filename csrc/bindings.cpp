@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include "core/action.h"
+#include "core/channels.h"
 #include "core/generators.h"
 #include "core/lower.h"
 #include "core/schedule.h"
@@ -14,6 +15,7 @@
 #include "core/validate.h"
 #include "runtime/comm_engine.h"
 #include "runtime/executor.h"
+#include "runtime/nccl_rules_backend.h"
 #include "runtime/split_backward.h"
 
 namespace py = pybind11;
@@ -183,6 +185,14 @@ void bindSchedules(py::module_& m) {
       "Builds the compute-only schedule (F/B/I/W, UPDATE, ALLREDUCE).");
   m.def("lower", &lower, py::arg("schedule"), "Inserts SEND/RECV actions.");
   m.def("strip_communication", &stripCommunication, py::arg("schedule"));
+  m.def("order_transfers", &orderTransfers, py::arg("lowered"), py::arg("microbatches_per_step") = 0,
+        "Moves RECVs to where they are issued so both ends of every pair of ranks issue the pair's "
+        "transfers in one mirrored order (csrc/core/channels.h).");
+  m.def("validate_channels", &validateChannels, py::arg("ordered"), py::arg("forward_only") = false,
+        "Raises ValueError unless every pair's sequences mirror each other and the schedule cannot "
+        "deadlock under NCCL's rules.");
+  m.def("channels_to_text", &channelsToText, py::arg("ordered"),
+        "One line per rank and peer: the operations it issues with that peer, in order.");
   m.def("validate", &validate, py::arg("schedule"),
         "Raises ValueError with a marked rank-by-step grid if the schedule is invalid.");
   m.def("simulate", &simulate, py::arg("schedule"), py::arg("costs"),
@@ -422,6 +432,19 @@ void bindRuntime(py::module_& m) {
           "W: accumulates the weights' gradients into .grad.")
       .def_property_readonly("num_frontier_nodes", &SplitBackward::numFrontierNodes,
                              "Nodes where weight branches leave the input path (W starts there).");
+
+  py::class_<NcclRulesBackend, c10d::Backend, c10::intrusive_ptr<NcclRulesBackend>>(
+      m, "NcclRulesBackend",
+      "A CPU backend with NCCL's point-to-point rules (csrc/runtime/nccl_rules_backend.h); made\n"
+      "by pipedream_ext.testing.register_nccl_rules_backend().")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Backend>& gloo, int rank, int size,
+                       double timeoutSeconds) {
+             return c10::make_intrusive<NcclRulesBackend>(
+                 gloo, rank, size,
+                 std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000.0)));
+           }),
+           py::arg("gloo"), py::arg("rank"), py::arg("size"), py::arg("timeout_seconds"),
+           py::call_guard<py::gil_scoped_release>());
 
   py::class_<PipelineExecutor, std::unique_ptr<PipelineExecutor, ExecutorDeleter>>(m,
                                                                           "PipelineExecutor")
