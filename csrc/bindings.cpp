@@ -385,8 +385,15 @@ void bindRuntime(py::module_& m) {
       .def_property_readonly("bytes_received", [](const RuntimeStats& s) { return s.bytesReceived; })
       .def_property_readonly("sends", [](const RuntimeStats& s) { return s.sends; })
       .def_property_readonly("receives", [](const RuntimeStats& s) { return s.receives; })
-      .def_property_readonly("preposted_receives", [](const RuntimeStats& s) { return s.prePostedReceives; })
-      .def_property_readonly("redirected_sends", [](const RuntimeStats& s) { return s.redirectedSends; })
+      .def_property_readonly("messages_sent", [](const RuntimeStats& s) { return s.messagesSent; },
+                             "Messages on the wire, data and side channel.")
+      .def_property_readonly("preposted_receives", [](const RuntimeStats& s) { return s.prePostedReceives; },
+                             "Receives whose data was posted before their consumer waited.")
+      .def_property_readonly("redirected_sends", [](const RuntimeStats& s) { return s.redirectedSends; },
+                             "Sends larger than their slot's capacity (payload on the side channel).")
+      .def_property_readonly("padding_bytes", [](const RuntimeStats& s) { return s.paddingBytes; })
+      .def_property_readonly("host_syncs", [](const RuntimeStats& s) { return s.hostSyncs; },
+                             "Device-to-host copies the communication made (Gloo carrying CUDA tensors).")
       .def_property_readonly("peak_activations", [](const RuntimeStats& s) { return s.peakActivations; })
       .def_property_readonly("peak_sends_in_flight", [](const RuntimeStats& s) { return s.peakSendsInFlight; })
       .def_property_readonly("peak_weight_versions", [](const RuntimeStats& s) { return s.peakWeightVersions; },
@@ -449,14 +456,15 @@ void bindRuntime(py::module_& m) {
   py::class_<PipelineExecutor, std::unique_ptr<PipelineExecutor, ExecutorDeleter>>(m,
                                                                           "PipelineExecutor")
       .def(py::init([](const Schedule& lowered, int rank,
-                       const c10::intrusive_ptr<c10d::ProcessGroup>& group, double timeoutSeconds,
+                       const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                       const c10::intrusive_ptr<c10d::ProcessGroup>& side, double timeoutSeconds,
                        py::function forward, std::map<int, std::vector<at::Tensor>> parameters,
                        const std::string& device, py::object update,
                        std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>> replicaGroups,
-                       bool recompute) {
+                       bool recompute, const std::string& protocol) {
              auto engine = std::make_shared<CommEngine>(
-                 group, std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000.0)),
-                 at::Device(device));
+                 group, side, std::chrono::milliseconds(static_cast<int64_t>(timeoutSeconds * 1000.0)),
+                 at::Device(device), parseProtocol(protocol));
              // The only calls into Python: re-acquire the GIL around them.
              auto fn = [forward](int stage, int microbatch, const std::vector<at::Tensor>& inputs,
                                  const std::vector<at::Tensor>& weights) {
@@ -474,14 +482,16 @@ void bindRuntime(py::module_& m) {
                  lowered, rank, std::move(engine), std::move(fn), std::move(parameters),
                  std::move(updateFn), std::move(replicaGroups), recompute));
            }),
-           py::arg("lowered_schedule"), py::arg("rank"), py::arg("group"), py::arg("timeout_seconds"),
-           py::arg("forward"), py::arg("stage_parameters"), py::arg("device") = "cpu",
-           py::arg("update") = py::none(),
+           py::arg("lowered_schedule"), py::arg("rank"), py::arg("group"), py::arg("side_group"),
+           py::arg("timeout_seconds"), py::arg("forward"), py::arg("stage_parameters"),
+           py::arg("device") = "cpu", py::arg("update") = py::none(),
            py::arg("replica_groups") = std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>>{},
-           py::arg("recompute") = false,
-           "Executes `lowered_schedule` for `rank`; stashing, streaming and replica reduction "
-           "follow the schedule's traits (schedule_traits(name)). `update(stage, version)` steps "
-           "the optimizer and is required when the traits stash weights.")
+           py::arg("recompute") = false, py::arg("protocol") = "fused",
+           "Executes `lowered_schedule` (in transfer order: order_transfers) for `rank`; stashing, "
+           "streaming and replica reduction follow the schedule's traits (schedule_traits(name)). "
+           "`side_group`: a Gloo group over the same ranks (csrc/runtime/comm_engine.h); "
+           "`protocol`: 'fused' or 'split'. `update(stage, version)` steps the optimizer and is "
+           "required when the traits stash weights.")
       .def("run", &PipelineExecutor::run, py::arg("inputs"), py::call_guard<py::gil_scoped_release>(),
            "Runs one step; returns the scaled loss of each microbatch whose last stage ran here.")
       .def("run_forward", &PipelineExecutor::runForward, py::arg("inputs"),
@@ -492,6 +502,8 @@ void bindRuntime(py::module_& m) {
       .def("wait_sends", &PipelineExecutor::waitSends, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("position", &PipelineExecutor::position)
       .def_property_readonly("size", &PipelineExecutor::size)
+      .def_property_readonly("protocol",
+                             [](const PipelineExecutor& e) { return std::string(protocolName(e.protocol())); })
       .def("stats", &PipelineExecutor::stats,
            "A RuntimeStats snapshot since construction or reset_stats().")
       .def("reset_stats", &PipelineExecutor::resetStats,

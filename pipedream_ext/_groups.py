@@ -3,14 +3,18 @@
 Owns creating the default group from the torchrun environment (Gloo on CPU;
 ``cpu:gloo,cuda:nccl`` on GPU, so that metadata collectives stay on the CPU:
 see ``_collectives``) and the groups a pipeline adds: one per replicated stage
-(its gradient all-reduce) and one of the stage leaders (evaluation runs on one
-replica per stage).
+(its gradient all-reduce), one of the stage leaders (evaluation runs on one
+replica per stage), and a Gloo *side group* beside each group the executor
+sends on (its metadata and the payloads the data channel cannot size in
+advance: ``csrc/runtime/comm_engine.h``), plus which point-to-point protocol
+the executor speaks on a group.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
 import os
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -18,7 +22,19 @@ import torch.distributed as dist
 
 from . import _elastic
 
-__all__ = ["init_default_group", "default_backend", "PipelineGroups"]
+__all__ = ["init_default_group", "default_backend", "PipelineGroups", "side_group",
+           "p2p_protocol", "PROTOCOL_ENV"]
+
+# Forces the executor's point-to-point protocol ("fused" or "split"): for tests
+# and benchmarks; by default it follows the data backend (see p2p_protocol).
+PROTOCOL_ENV = "PIPEDREAM_P2P_PROTOCOL"
+# A side group's receives may wait for a peer as long as the user's loop takes
+# between steps; the executor's own waits carry the pipeline's timeout.
+_SIDE_TIMEOUT = datetime.timedelta(days=7)
+# Side groups by their ranks, with the default group they were made under:
+# pipelines over the same ranks share one, so constructing many does not pile
+# up groups (each Gloo group holds sockets and threads).
+_SIDE_GROUPS: Dict[tuple, tuple] = {}
 
 
 def default_backend(device: torch.device) -> str:
@@ -42,6 +58,59 @@ def init_default_group(device: torch.device, timeout: datetime.timedelta) -> Non
     _elastic.init_process_group(default_backend(device), timeout)
 
 
+def data_backend(group: dist.ProcessGroup, device: torch.device) -> str:
+    """The name of the backend that carries ``device``'s tensors on ``group``."""
+    backend = str(dist.get_backend(group))
+    if ":" not in backend:
+        return backend
+    for part in backend.split(","):
+        device_type, _, name = part.partition(":")
+        if device_type == device.type:
+            return name
+    return backend
+
+
+def p2p_protocol(group: dist.ProcessGroup, device: torch.device, streaming: bool) -> str:
+    """The executor's point-to-point protocol on ``group``.
+
+    ``"fused"`` (one packed message per transfer; slot capacities agreed per step)
+    for flush schedules on host memory; ``"split"`` (metadata on the side group,
+    tensors alone on the data channel) for NCCL-like data backends, where the host
+    must not read device memory, and for asynchronous streams, whose slots do not
+    repeat in step with their receives. ``PIPEDREAM_P2P_PROTOCOL`` forces one.
+
+    Raises:
+        ValueError: the variable names another protocol, or "fused" for a stream.
+    """
+    forced = os.environ.get(PROTOCOL_ENV, "")
+    if forced:
+        if forced not in ("fused", "split"):
+            raise ValueError(f"{PROTOCOL_ENV}={forced!r}: use 'fused' or 'split'")
+        if forced == "fused" and streaming:
+            raise ValueError(f"{PROTOCOL_ENV}=fused: asynchronous schedules need 'split' (their "
+                             "receives do not repeat per step); unset it or use 'split'")
+        return forced
+    if streaming or data_backend(group, device).startswith("nccl"):
+        return "split"
+    return "fused"
+
+
+def side_group(ranks: List[int]) -> dist.ProcessGroup:
+    """A Gloo group over the global ``ranks`` for an executor's side channel.
+
+    Every rank of the default group must call it, in the same order (as for any
+    ``new_group``; non-members get ``GroupMember.NON_GROUP_MEMBER``); pipelines over
+    the same ranks share one, for as long as the default group lives.
+    """
+    key = tuple(ranks)
+    cached = _SIDE_GROUPS.get(key)
+    if cached is not None and cached[0]() is dist.group.WORLD:
+        return cached[1]
+    side = dist.new_group(list(ranks), backend="gloo", timeout=_SIDE_TIMEOUT)
+    _SIDE_GROUPS[key] = (weakref.ref(dist.group.WORLD), side)
+    return side
+
+
 @dataclasses.dataclass
 class PipelineGroups:
     """The groups one pipeline runs on.
@@ -54,6 +123,8 @@ class PipelineGroups:
             stages this rank holds.
         leaders: the first replica's rank of every stage, in stage order.
         leader_group: the group of ``leaders`` (``group`` when nothing is replicated).
+        side: the Gloo side group of ``group`` (see :func:`side_group`).
+        leader_side: the side group of ``leader_group``.
     """
 
     group: dist.ProcessGroup
@@ -62,6 +133,8 @@ class PipelineGroups:
     replica_groups: Dict[int, dist.ProcessGroup]
     leaders: List[int]
     leader_group: dist.ProcessGroup
+    side: dist.ProcessGroup
+    leader_side: dist.ProcessGroup
 
     @classmethod
     def create(cls, group: Optional[dist.ProcessGroup], stage_ranks: List[List[int]],
@@ -86,4 +159,8 @@ class PipelineGroups:
                     if rank in ranks:
                         replica_groups[j] = new
             leader_group = dist.new_group(leaders, timeout=span)
-        return cls(group, rank, dist.get_world_size(group), replica_groups, leaders, leader_group)
+        global_ranks = dist.get_process_group_ranks(group)
+        side = side_group(global_ranks)
+        leader_side = side if leader_group is group else side_group([global_ranks[r] for r in leaders])
+        return cls(group, rank, dist.get_world_size(group), replica_groups, leaders, leader_group,
+                   side, leader_side)

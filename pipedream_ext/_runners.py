@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from . import _C, _collectives, schedules
 from ._config import PipelineConfig
-from ._groups import PipelineGroups
+from ._groups import PipelineGroups, p2p_protocol
 from ._observe import Observer
 from ._shared import SharedGradients
 from ._stage_fn import NonFiniteError, StageFunction, Tensors, split_microbatches
@@ -107,14 +107,17 @@ class Runner:
 
     # -- executors ----------------------------------------------------------------
     def _make_executor(self, lowered: "_C.Schedule", rank: Optional[int] = None,
-                       group: Optional[dist.ProcessGroup] = None) -> "_C.PipelineExecutor":
+                       group: Optional[dist.ProcessGroup] = None,
+                       side: Optional[dist.ProcessGroup] = None) -> "_C.PipelineExecutor":
         traits = schedules.traits(lowered.name)
+        group = self.groups.group if group is None else group
         executor = _C.PipelineExecutor(
-            lowered, self.groups.rank if rank is None else rank,
-            self.groups.group if group is None else group, self.config.timeout,
+            lowered, self.groups.rank if rank is None else rank, group,
+            self.groups.side if side is None else side, self.config.timeout,
             self.stage_fn, self.stages.parameters_by_stage(), str(self.device),
             update=self._update if traits.stash_weights else None,
-            replica_groups=self.groups.replica_groups, recompute=self.config.recompute)
+            replica_groups=self.groups.replica_groups, recompute=self.config.recompute,
+            protocol=p2p_protocol(group, self.device, traits.streaming))
         # PIPEDREAM_LOG=debug (or a DEBUG level on this logger) logs every action.
         executor.tracing = self.observer.tracing
         return executor
@@ -163,7 +166,7 @@ class Runner:
                                          microbatches=self.config.microbatches)
             self._eval_executor = self._make_executor(
                 evaluation._lowered, rank=leaders.index(self.groups.rank),
-                group=self.groups.leader_group)
+                group=self.groups.leader_group, side=self.groups.leader_side)
         return self._eval_executor
 
     def forward_only(self, inputs: Optional[Tensors]) -> Optional[Tensors]:

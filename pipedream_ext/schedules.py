@@ -138,12 +138,18 @@ class Schedule:
     """Per-rank action lists of one pipeline schedule (see :func:`build`).
 
     Holds the compute-only form (F/B/I/W, U, ALLREDUCE) and the lowered form
-    (with SEND/RECV), which is what the runtime executes.
+    (with SEND/RECV), which is what the runtime executes: every SEND right after
+    its producer, every RECV where the receive is posted, in an order both ends
+    of each pair of ranks share (no tags needed, safe under NCCL's rules:
+    :meth:`channels`, docs/runtime.md).
     """
 
     def __init__(self, compute: "_C.Schedule", lowered: Optional["_C.Schedule"] = None) -> None:
         self._compute = compute
-        self._lowered = lowered if lowered is not None else _C.lower(compute)
+        traits = _C.schedule_traits(compute.name)
+        per_step = traits.microbatches_per_step(compute.microbatches) if traits.streaming else 0
+        self._lowered = _C.order_transfers(lowered if lowered is not None else _C.lower(compute),
+                                           per_step)
 
     # -- metadata ---------------------------------------------------------
     @property
@@ -208,7 +214,9 @@ class Schedule:
 
         Args:
             text: actions in the :meth:`to_text` form, or CSV when ``fmt="csv"``;
-                lowered (with SEND/RECV) or compute-only.
+                lowered (with SEND/RECV) or compute-only. The SENDs stay where the
+                text puts them; every RECV is moved to where the transfer order
+                posts it (:meth:`channels`).
             fmt: ``"text"`` or ``"csv"``.
 
         Raises:
@@ -222,18 +230,32 @@ class Schedule:
         else:
             raise ValueError(f"fmt must be 'text' or 'csv' (got {fmt!r})")
         _C.validate(parsed)
-        if parsed.is_lowered:
-            return Schedule(_C.strip_communication(parsed), parsed)
-        return Schedule(parsed)
+        schedule = Schedule(_C.strip_communication(parsed), parsed) if parsed.is_lowered else Schedule(parsed)
+        schedule.validate()
+        return schedule
 
     def validate(self) -> None:
-        """Checks both forms.
+        """Checks both forms, and that the transfer order is safe under NCCL's rules
+        (every pair of ranks issues its transfers in one mirrored order; no deadlock).
 
         Raises:
-            ValueError: naming the problem, with the grid marked at the action.
+            ValueError: naming the problem, with the grid marked at the action (or
+                the pair's sequences).
         """
         _C.validate(self._compute)
         _C.validate(self._lowered)
+        _C.validate_channels(self._lowered)
+        _C.validate_channels(self._lowered, forward_only=True)
+
+    def channels(self) -> str:
+        """Each rank's operations with each peer, in the order it issues them.
+
+        Returns:
+            One line per rank and peer (``rank 0 -> 1: 0SEND_F0 0SEND_F1 0RECV_B0 ...``);
+            the two lines of a pair mirror each other position by position: the k-th
+            send of one end is the k-th receive of the other, as NCCL matches them.
+        """
+        return _C.channels_to_text(self._lowered)
 
     # -- simulation -----------------------------------------------------------
     def _costs(self, t_f: Costs, t_b: Costs, t_w: Optional[Costs], t_comm: Costs,

@@ -16,8 +16,11 @@ RuntimeStats RuntimeStats::merge(const RuntimeStats& other) const {
   out.bytesReceived += other.bytesReceived;
   out.sends += other.sends;
   out.receives += other.receives;
+  out.messagesSent += other.messagesSent;
   out.prePostedReceives += other.prePostedReceives;
   out.redirectedSends += other.redirectedSends;
+  out.paddingBytes += other.paddingBytes;
+  out.hostSyncs += other.hostSyncs;
   out.peakActivations = std::max(out.peakActivations, other.peakActivations);
   out.peakSendsInFlight = std::max(out.peakSendsInFlight, other.peakSendsInFlight);
   for (const auto& [stage, versions] : other.peakWeightVersions) {

@@ -16,12 +16,15 @@ struct RuntimeStats {
   int64_t actions = 0;        // actions executed
   int64_t steps = 0;          // run*() calls
   std::map<std::string, double> secondsByKind;  // "F", "B", "RECV_F" (waits), "SEND_WAIT", ...
-  int64_t bytesSent = 0;      // payload and header bytes
+  int64_t bytesSent = 0;      // tensor bytes (not headers or padding)
   int64_t bytesReceived = 0;
-  int64_t sends = 0;
+  int64_t sends = 0;          // transfers
   int64_t receives = 0;
-  int64_t prePostedReceives = 0;  // receives posted with predicted data buffers
-  int64_t redirectedSends = 0;    // sends whose shapes differed from the prediction
+  int64_t messagesSent = 0;       // messages on the wire (data and side channel)
+  int64_t prePostedReceives = 0;  // receives whose data was posted before their consumer waited
+  int64_t redirectedSends = 0;    // sends too large for the slot's capacity (payload on the side)
+  int64_t paddingBytes = 0;       // capacity sent beyond what transfers needed
+  int64_t hostSyncs = 0;          // device-to-host copies the communication made
   int64_t peakActivations = 0;    // most microbatches stashed at once
   int64_t peakSendsInFlight = 0;  // most sends held at once (their buffers live)
   std::map<int, int64_t> peakWeightVersions;  // per local stage (weight stashing only)

@@ -2,40 +2,18 @@
 
 namespace pipedream {
 
-TransferLedger::TransferLedger(size_t receiveWindow, size_t maxSendsInFlight,
-                               std::vector<std::vector<int>> receiptPoints)
-    : receiveWindow_(receiveWindow),
-      maxSendsInFlight_(maxSendsInFlight),
+TransferLedger::TransferLedger(size_t maxSendsInFlight, std::vector<std::vector<int>> receiptPoints)
+    : maxSendsInFlight_(maxSendsInFlight),
       receiptPoints_(std::move(receiptPoints)) {}
 
-TransferLedger TransferLedger::forFlush(int numRanks, std::vector<std::vector<int>> receiptPoints) {
-  // O(ranks) receive buffers: enough for the sends a peer can be ahead by.
-  return TransferLedger(2 * static_cast<size_t>(numRanks) + 2, 0, std::move(receiptPoints));
+TransferLedger TransferLedger::forFlush(std::vector<std::vector<int>> receiptPoints) {
+  return TransferLedger(0, std::move(receiptPoints));
 }
 
 TransferLedger TransferLedger::forStreaming(int numRanks) {
   // The oldest of this many sends have long been received (their peers are
   // steps further), so waiting for them costs nothing.
-  return TransferLedger(2 * static_cast<size_t>(numRanks) + 2, 4 * static_cast<size_t>(numRanks) + 16,
-                        {});
-}
-
-void TransferLedger::beginReceives() {
-  admitted_ = 0;
-  waiting_.clear();
-}
-
-bool TransferLedger::admitReceive(Id id) {
-  if (admitted_++ < receiveWindow_) return true;
-  waiting_.push_back(id);
-  return false;
-}
-
-std::optional<TransferLedger::Id> TransferLedger::onReceiveConsumed() {
-  if (waiting_.empty()) return std::nullopt;
-  const Id next = waiting_.front();
-  waiting_.pop_front();
-  return next;
+  return TransferLedger(4 * static_cast<size_t>(numRanks) + 16, {});
 }
 
 void TransferLedger::sendIssued(Id id, std::optional<std::pair<int, int>> forwardKey) {
@@ -93,9 +71,6 @@ std::vector<TransferLedger::Id> TransferLedger::releaseAll() {
   return released;
 }
 
-void TransferLedger::clear() {
-  beginReceives();
-  releaseAll();
-}
+void TransferLedger::clear() { releaseAll(); }
 
 }  // namespace pipedream

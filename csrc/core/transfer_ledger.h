@@ -1,11 +1,8 @@
-// Which transfers an executor posts and releases when: the bookkeeping of
+// Which sends an executor releases when: the bookkeeping of
 // csrc/runtime/executor.cpp, apart from the Transfer handles it holds, on
 // opaque ids (the executor uses absolute positions in its action list).
-//
-// Receive window. Gloo moves a message only once both ends posted it, so a
-// receive's data buffers are best posted early; posting all of a step's
-// would hold O(M) buffers. The first `receiveWindow` receives of a range get
-// theirs at once; each consumed receive lets the next waiting one post.
+// (Receives need none: a RECV action posts its receive where orderTransfers()
+// put it, csrc/core/channels.h.)
 //
 // Send release. A send's buffer lives until it is released (waited for);
 // Gloo reports a send complete only when waited for, and a blind wait could
@@ -26,7 +23,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <map>
 #include <optional>
 #include <set>
@@ -42,22 +38,11 @@ class TransferLedger {
   // Flush executor of `numRanks` ranks: receiptPoints[k] = positions of the
   // sends released once the compute action at position k has its inputs
   // (sendReleasePoints() of receipt.h); no bound on sends in flight.
-  static TransferLedger forFlush(int numRanks, std::vector<std::vector<int>> receiptPoints);
+  static TransferLedger forFlush(std::vector<std::vector<int>> receiptPoints);
   // Streaming executor: no receipt points; at most 4 * numRanks + 16 sends.
   static TransferLedger forStreaming(int numRanks);
 
-  size_t receiveWindow() const { return receiveWindow_; }
   size_t maxSendsInFlight() const { return maxSendsInFlight_; }  // 0: unbounded
-
-  // ---- receives ----
-  // Starts a range: forgets receives still waiting to post.
-  void beginReceives();
-  // Registers the range's next receive in list order; true: post its data
-  // buffers now, false: it waits for a consumed receive.
-  bool admitReceive(Id id);
-  // A receive was consumed: the waiting receive to post now, if any.
-  std::optional<Id> onReceiveConsumed();
-  size_t waitingReceives() const { return waiting_.size(); }
 
   // ---- sends ----
   // A send was issued (ids ascend in issue order). `forwardKey`: the
@@ -76,19 +61,15 @@ class TransferLedger {
   std::vector<Id> releaseAll();
   size_t sendsInFlight() const { return inFlight_.size(); }
 
-  // Forgets every receive and send (a new step).
+  // Forgets every send (a new step).
   void clear();
 
  private:
-  TransferLedger(size_t receiveWindow, size_t maxSendsInFlight,
-                 std::vector<std::vector<int>> receiptPoints);
+  TransferLedger(size_t maxSendsInFlight, std::vector<std::vector<int>> receiptPoints);
   void forget(Id id);
 
-  size_t receiveWindow_;
   size_t maxSendsInFlight_;
   std::vector<std::vector<int>> receiptPoints_;
-  size_t admitted_ = 0;        // receives admitted since beginReceives()
-  std::deque<Id> waiting_;     // admitted receives not yet told to post, in order
   std::set<Id> inFlight_;      // sends not released, ascending = issue order
   std::map<std::pair<int, int>, Id> forwardSends_;  // (stage, microbatch) -> SEND_F id
   std::map<Id, std::pair<int, int>> forwardKeyOf_;

@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <cstring>
 #include <sstream>
 
 namespace pipedream {
@@ -9,191 +11,82 @@ namespace pipedream {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+constexpr int kTag = 0;  // every message: nothing is matched by tag
+constexpr int kFixedWords = 7;  // magic, forward, boundary, microbatch, redirected, packed bytes, count
 
 std::chrono::milliseconds remaining(Clock::time_point deadline) {
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
   return std::max(left, std::chrono::milliseconds(1));
 }
 
+int64_t alignUp(int64_t bytes) { return (bytes + kWireAlignment - 1) / kWireAlignment * kWireAlignment; }
+
 // Waits for one c10d work item; rethrows failures with context.
-void waitWork(const c10::intrusive_ptr<c10d::Work>& work, Clock::time_point deadline, int self,
-              int peer, const std::string& description, std::chrono::milliseconds timeout) {
+void waitWork(const c10::intrusive_ptr<c10d::Work>& work, Clock::time_point deadline, int self, int peer,
+              const std::string& description, std::chrono::milliseconds timeout) {
   try {
     work->wait(remaining(deadline));
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "rank ", self, ": ", description, " with rank ", peer,
-                " failed or timed out after ", timeout.count(),
-                " ms (is rank ", peer, " alive?): ", e.what());
+                " failed or timed out after ", timeout.count(), " ms (is rank ", peer, " alive?): ",
+                e.what());
   }
 }
 
-int messageTag(int tag, int part) { return tag * kPartsPerTag + part; }
+c10::intrusive_ptr<c10d::Work> post(c10d::ProcessGroup& group, bool send, const at::Tensor& tensor,
+                                    int peer) {
+  std::vector<at::Tensor> one{tensor};
+  return send ? group.send(one, peer, kTag) : group.recv(one, peer, kTag);
+}
 
-class SendTransfer : public Transfer {
- public:
-  SendTransfer(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::vector<at::Tensor> keepAlive,
-               int self, int peer, std::string description, std::chrono::milliseconds timeout)
-      : works_(std::move(works)),
-        keepAlive_(std::move(keepAlive)),
-        self_(self),
-        peer_(peer),
-        description_(std::move(description)),
-        timeout_(timeout) {}
+// Views of `metas` in a packed buffer (header first).
+std::vector<at::Tensor> unpack(const at::Tensor& buffer, const std::vector<TensorMeta>& metas) {
+  std::vector<at::Tensor> out;
+  int64_t offset = headerBytes(metas);
+  for (const auto& m : metas) {
+    const int64_t bytes = m.bytes();
+    out.push_back(buffer.narrow(0, offset, bytes).view(m.dtype).view(m.shape));
+    offset += alignUp(bytes);
+  }
+  return out;
+}
 
-  // Idempotent: Gloo's SendWork::wait waits for one more completion of its
-  // buffer each call, so a second wait would block until the timeout. The
-  // works hold the sent tensors too: both go once the send is done.
-  bool wait(std::chrono::milliseconds timeout) override {
-    if (error_) std::rethrow_exception(error_);
-    if (done_) return true;
-    const auto deadline = Clock::now() + timeout;
-    try {
-      for (auto& work : works_) waitWork(work, deadline, self_, peer_, description_, timeout);
-    } catch (...) {
-      error_ = std::current_exception();
-      throw;
+// Packs `tensors` after `header` into `buffer` (host memory); returns the
+// number of device-to-host copies that made the host wait.
+int64_t pack(const WireHeader& header, const std::vector<at::Tensor>& tensors, at::Tensor& buffer) {
+  writeHeader(header, buffer.data_ptr<uint8_t>());
+  int64_t syncs = 0;
+  int64_t offset = headerBytes(header.metas);
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const int64_t bytes = header.metas[k].bytes();
+    if (bytes > 0) {
+      buffer.narrow(0, offset, bytes).view(header.metas[k].dtype).view(header.metas[k].shape).copy_(tensors[k]);
+      syncs += tensors[k].device().is_cpu() ? 0 : 1;
     }
-    works_.clear();
-    keepAlive_.clear();
-    done_ = true;
-    return true;
+    offset += alignUp(bytes);
   }
-  bool isCompleted() override {
-    if (done_) return true;
-    for (auto& work : works_) {
-      if (!work->isCompleted()) return false;
-    }
-    return true;
-  }
-  std::exception_ptr exception() const override { return error_; }
-  const std::vector<at::Tensor>& tensors() const override { return keepAlive_; }
-  const std::string& description() const override { return description_; }
-
- private:
-  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
-  std::vector<at::Tensor> keepAlive_;  // buffers must outlive the sends
-  int self_;
-  int peer_;
-  std::string description_;
-  std::chrono::milliseconds timeout_;
-  std::exception_ptr error_;
-  bool done_ = false;  // waited successfully: works_ and keepAlive_ released
-};
-
-class RecvTransfer : public Transfer {
- public:
-  // `predicted`: the slot's shapes from its last transfer (pre-posted now),
-  // or nullptr to post the data when the header arrives.
-  RecvTransfer(CommEngine& engine, int peer, int tag, std::string description,
-               const std::vector<TensorMeta>* predicted, bool eager)
-      : engine_(engine), peer_(peer), tag_(tag), description_(std::move(description)) {
-    header_ = at::empty({kHeaderWords}, engine_.wireOptions(at::kLong));
-    std::vector<at::Tensor> buffers{header_};
-    headerWork_ = engine_.group().recv(buffers, peer_, messageTag(tag_, 0));
-    if (predicted != nullptr) {
-      prePosted_ = true;
-      predicted_ = *predicted;
-      if (eager) post();
-    }
-  }
-
-  void post() override {
-    if (!prePosted_ || predictedPosted_) return;
-    postData(predicted_, 1);
-    predictedPosted_ = true;
-  }
-
-  void poll() override {
-    if (headerDone_ || done_ || !headerWork_->isCompleted()) return;
-    try {
-      headerWork_->wait(std::chrono::milliseconds(1));  // completed: surfaces errors only
-      onHeader();
-    } catch (...) {
-      // Leave it to wait(), which reports failures with their context.
-    }
-  }
-
-  bool wait(std::chrono::milliseconds timeout) override {
-    if (done_) return true;
-    const auto deadline = Clock::now() + timeout;
-    try {
-      if (!headerDone_) {
-        waitWork(headerWork_, deadline, engine_.rank(), peer_, description_, timeout);
-        onHeader();
-      }
-      for (auto& work : dataWorks_) waitWork(work, deadline, engine_.rank(), peer_, description_, timeout);
-      // Redirected: the first buffers only took the sender's filler.
-      tensors_.erase(tensors_.begin(), tensors_.begin() + static_cast<std::ptrdiff_t>(skip_));
-      for (auto& t : tensors_) {
-        engine_.addBytesReceived(t.numel() * t.element_size());
-        t = engine_.fromWire(t);
-      }
-    } catch (...) {
-      error_ = std::current_exception();
-      throw;
-    }
-    done_ = true;
-    return true;
-  }
-
- private:
-  void postData(const std::vector<TensorMeta>& metas, int firstPart) {
-    for (size_t k = 0; k < metas.size(); ++k) {
-      at::Tensor buffer = at::empty(metas[k].shape, engine_.wireOptions(metas[k].dtype));
-      std::vector<at::Tensor> one{buffer};
-      dataWorks_.push_back(
-          engine_.group().recv(one, peer_, messageTag(tag_, firstPart + static_cast<int>(k))));
-      tensors_.push_back(buffer);
-    }
-  }
-
-  void onHeader() {
-    bool redirected = false;
-    const auto metas = decodeHeader(header_.to(at::kCPU), description_, &redirected);
-    if (redirected) {
-      TORCH_CHECK(prePosted_, description_, ": rank ", peer_,
-                  " redirected a transfer this rank did not pre-post (the two ranks disagree on "
-                  "the transfer history; are both running the same schedule?)");
-      post();  // the buffers the sender's filler goes to
-      skip_ = tensors_.size();
-      postData(metas, kRedirectedPart + 1);
-    } else if (prePosted_) {
-      TORCH_CHECK(metas == predicted_, description_, ": rank ", peer_,
-                  " sent shapes that differ from the pre-posted ones without redirecting (the two "
-                  "ranks disagree on the transfer history)");
-      post();
-    } else {
-      postData(metas, 1);
-    }
-    if (engine_.shapePrediction()) engine_.receivedShapes_[{peer_, tag_}] = metas;
-    headerDone_ = true;
-  }
-
- public:
-  bool isCompleted() override { return done_; }
-  std::exception_ptr exception() const override { return error_; }
-  const std::vector<at::Tensor>& tensors() const override { return tensors_; }
-  const std::string& description() const override { return description_; }
-
- private:
-  CommEngine& engine_;
-  int peer_;
-  int tag_;
-  std::string description_;
-  at::Tensor header_;
-  c10::intrusive_ptr<c10d::Work> headerWork_;
-  bool prePosted_ = false;             // committed to the predicted shapes
-  bool predictedPosted_ = false;       // ... and their buffers are posted
-  std::vector<TensorMeta> predicted_;  // their shapes
-  std::vector<c10::intrusive_ptr<c10d::Work>> dataWorks_;
-  std::vector<at::Tensor> tensors_;
-  size_t skip_ = 0;  // leading filler buffers of a redirected transfer
-  bool headerDone_ = false;
-  bool done_ = false;
-  std::exception_ptr error_;
-};
+  return syncs;
+}
 
 }  // namespace
+
+// ---------------------------------------------------------------------------- wire format
+
+const char* protocolName(P2PProtocol protocol) {
+  return protocol == P2PProtocol::kFused ? "fused" : "split";
+}
+
+P2PProtocol parseProtocol(const std::string& name) {
+  if (name == "fused") return P2PProtocol::kFused;
+  if (name == "split") return P2PProtocol::kSplit;
+  TORCH_CHECK(false, "unknown point-to-point protocol '", name, "' (use 'fused' or 'split')");
+}
+
+int64_t TensorMeta::bytes() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n * static_cast<int64_t>(c10::elementSize(dtype));
+}
 
 std::string TensorMeta::toString() const {
   std::ostringstream out;
@@ -210,52 +103,440 @@ std::vector<TensorMeta> metasOf(const std::vector<at::Tensor>& tensors) {
   return metas;
 }
 
-at::Tensor encodeHeader(const std::vector<TensorMeta>& metas, bool redirected) {
-  TORCH_CHECK(metas.size() <= kMaxTensorsPerTransfer, "a stage boundary carries ",
-              metas.size(), " tensors but at most ", kMaxTensorsPerTransfer,
+int64_t headerBytes(const std::vector<TensorMeta>& metas) {
+  int64_t words = kFixedWords;
+  for (const auto& m : metas) words += 2 + static_cast<int64_t>(m.shape.size());
+  return alignUp(words * 8);
+}
+
+int64_t packedBytes(const std::vector<TensorMeta>& metas) {
+  int64_t total = headerBytes(metas);
+  for (const auto& m : metas) total += alignUp(m.bytes());
+  return total;
+}
+
+void writeHeader(const WireHeader& header, uint8_t* out) {
+  TORCH_CHECK(header.metas.size() <= kMaxTensorsPerTransfer, "a stage boundary carries ",
+              header.metas.size(), " tensors but at most ", kMaxTensorsPerTransfer,
               " are supported; pack them into fewer tensors");
-  at::Tensor header = at::zeros({kHeaderWords}, at::TensorOptions().dtype(at::kLong));
-  auto* words = header.data_ptr<int64_t>();
-  words[0] = kHeaderMagic;
-  words[1] = static_cast<int64_t>(metas.size()) | (redirected ? kRedirectedFlag : 0);
-  for (size_t k = 0; k < metas.size(); ++k) {
-    const auto& m = metas[k];
-    TORCH_CHECK(m.shape.size() <= kMaxDims, "tensor ", k, " at a stage boundary has ",
-                m.shape.size(), " dimensions; at most ", kMaxDims, " are supported");
-    int64_t* slot = words + 2 + k * (2 + kMaxDims);
-    slot[0] = static_cast<int64_t>(m.dtype);
-    slot[1] = static_cast<int64_t>(m.shape.size());
-    for (size_t d = 0; d < m.shape.size(); ++d) slot[2 + d] = m.shape[d];
+  std::vector<int64_t> words{kHeaderMagic,
+                             header.key.forward ? 1 : 0,
+                             header.key.boundary,
+                             header.key.microbatch,
+                             header.redirected ? 1 : 0,
+                             header.packedBytes,
+                             static_cast<int64_t>(header.metas.size())};
+  for (size_t k = 0; k < header.metas.size(); ++k) {
+    const auto& m = header.metas[k];
+    TORCH_CHECK(m.shape.size() <= kMaxDims, "tensor ", k, " at a stage boundary has ", m.shape.size(),
+                " dimensions; at most ", kMaxDims, " are supported");
+    words.push_back(static_cast<int64_t>(m.dtype));
+    words.push_back(static_cast<int64_t>(m.shape.size()));
+    words.insert(words.end(), m.shape.begin(), m.shape.end());
   }
+  std::memcpy(out, words.data(), words.size() * sizeof(int64_t));
+}
+
+WireHeader readHeader(const uint8_t* data, int64_t available, const std::string& description) {
+  const int64_t count = available / 8;
+  std::vector<int64_t> words(static_cast<size_t>(count));
+  std::memcpy(words.data(), data, static_cast<size_t>(count) * sizeof(int64_t));
+  TORCH_CHECK(count >= kFixedWords, description, ": received a message of ", available,
+              " bytes, too short for a header");
+  TORCH_CHECK(words[0] == kHeaderMagic, description, ": received a header with a bad magic number (",
+              words[0], "); the peer is not running the same pipedream_ext schedule");
+  WireHeader header;
+  header.key = TransferKey{words[1] != 0, static_cast<int>(words[2]), static_cast<int>(words[3])};
+  header.redirected = words[4] != 0;
+  header.packedBytes = words[5];
+  const int64_t n = words[6];
+  TORCH_CHECK(n >= 0 && n <= kMaxTensorsPerTransfer, description, ": header announces ", n, " tensors");
+  int64_t at = kFixedWords;
+  for (int64_t k = 0; k < n; ++k) {
+    TORCH_CHECK(at + 2 <= count, description, ": header cut short at tensor ", k);
+    TensorMeta meta;
+    TORCH_CHECK(words[at] >= 0 && words[at] < static_cast<int64_t>(at::ScalarType::NumOptions),
+                description, ": header announces an unknown dtype ", words[at]);
+    meta.dtype = static_cast<at::ScalarType>(words[at]);
+    const int64_t ndim = words[at + 1];
+    TORCH_CHECK(ndim >= 0 && ndim <= kMaxDims && at + 2 + ndim <= count, description, ": bad rank ", ndim);
+    for (int64_t d = 0; d < ndim; ++d) {
+      TORCH_CHECK(words[at + 2 + d] >= 0, description, ": header announces a negative size ",
+                  words[at + 2 + d]);
+    }
+    meta.shape.assign(words.begin() + at + 2, words.begin() + at + 2 + ndim);
+    header.metas.push_back(std::move(meta));
+    at += 2 + ndim;
+  }
+  const int64_t expected = packedBytes(header.metas);
+  TORCH_CHECK(header.redirected ? header.packedBytes >= kMinCapacity : header.packedBytes == expected,
+              description, ": header announces ", header.packedBytes, " bytes for ", n,
+              " tensors that need ", expected);
   return header;
 }
 
-std::vector<TensorMeta> decodeHeader(const at::Tensor& header, const std::string& description,
-                                     bool* redirected) {
-  const auto* words = header.data_ptr<int64_t>();
-  TORCH_CHECK(words[0] == kHeaderMagic, description,
-              ": received a header with a bad magic number (", words[0],
-              "); the peer is not running the same pipedream_ext schedule");
-  if (redirected != nullptr) *redirected = (words[1] & kRedirectedFlag) != 0;
-  const int64_t count = words[1] & ~kRedirectedFlag;
-  TORCH_CHECK(count >= 0 && count <= kMaxTensorsPerTransfer, description,
-              ": header announces ", count, " tensors");
-  std::vector<TensorMeta> metas;
-  for (int64_t k = 0; k < count; ++k) {
-    const int64_t* slot = words + 2 + k * (2 + kMaxDims);
-    TensorMeta meta;
-    TORCH_CHECK(slot[0] >= 0 && slot[0] < static_cast<int64_t>(at::ScalarType::NumOptions),
-                description, ": header announces an unknown dtype ", slot[0]);
-    meta.dtype = static_cast<at::ScalarType>(slot[0]);
-    TORCH_CHECK(slot[1] >= 0 && slot[1] <= kMaxDims, description, ": bad rank ", slot[1]);
-    for (int64_t d = 0; d < slot[1]; ++d) {
-      TORCH_CHECK(slot[2 + d] >= 0, description, ": header announces a negative size ", slot[2 + d]);
-    }
-    meta.shape.assign(slot + 2, slot + 2 + slot[1]);
-    metas.push_back(std::move(meta));
-  }
-  return metas;
+int64_t nextCapacity(int64_t capacity, int64_t needed) {
+  if (needed > capacity || needed * 4 < capacity) return std::max(needed, kMinCapacity);
+  return capacity;
 }
+
+// ---------------------------------------------------------------------------- per-peer state
+
+class SplitRecv;
+
+// One peer's order keeping. `pending`/`unread`: executor thread. The reader
+// (split) waits for metadata receives in order; `toRead`, `current` and `stop`
+// are guarded by the engine's mutex_.
+class CommEngine::PeerQueue {
+ public:
+  std::deque<std::shared_ptr<SplitOp>> pending;   // split: not yet on the data channel
+  std::deque<std::shared_ptr<FusedRecv>> unread;  // fused: headers not yet read
+  std::deque<std::shared_ptr<SplitRecv>> toRead;  // split: metadata to wait for
+  c10::intrusive_ptr<c10d::Work> current;         // the metadata receive being waited for
+  bool stop = false;
+  std::thread reader;
+};
+
+// ---------------------------------------------------------------------------- fused transfers
+
+class FusedSend : public Transfer {
+ public:
+  FusedSend(CommEngine& engine, const std::vector<at::Tensor>& tensors, int peer, const TransferKey& key,
+            std::string description)
+      : engine_(engine), peer_(peer), description_(std::move(description)) {
+    WireHeader header;
+    header.key = key;
+    header.metas = metasOf(tensors);
+    const int64_t needed = packedBytes(header.metas);
+    const int64_t capacity = engine.capacity(peer, key, true);
+    auto& counters = engine.mutableCounters();
+    header.packedBytes = needed;
+    at::Tensor packed = at::empty({std::max(needed, capacity)}, engine.hostOptions().dtype(at::kByte));
+    std::vector<at::Tensor> contiguous;
+    for (const auto& t : tensors) contiguous.push_back(t.detach().contiguous());
+    counters.hostSyncs += pack(header, contiguous, packed);
+    if (needed <= capacity) {
+      send(engine.group(), packed.narrow(0, 0, capacity));
+      counters.paddingBytes += capacity - needed;
+    } else {
+      // The receiver posted `capacity` bytes: a header saying where the rest goes.
+      WireHeader redirect = header;
+      redirect.redirected = true;
+      redirect.metas.clear();
+      at::Tensor small = at::empty({capacity}, engine.hostOptions().dtype(at::kByte));
+      writeHeader(redirect, small.data_ptr<uint8_t>());
+      send(engine.group(), small);
+      send(engine.side(), packed);
+      ++counters.redirectedSends;
+    }
+    engine.setCapacity(peer, key, true, nextCapacity(capacity, needed));
+    ++counters.sends;
+    for (const auto& m : header.metas) counters.bytesSent += m.bytes();
+  }
+
+  // Idempotent: Gloo's SendWork::wait waits for one more completion each call.
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (error_) std::rethrow_exception(error_);
+    if (done_) return true;
+    const auto deadline = Clock::now() + timeout;
+    try {
+      for (auto& work : works_) waitWork(work, deadline, engine_.rank(), peer_, description_, timeout);
+    } catch (...) {
+      error_ = std::current_exception();
+      throw;
+    }
+    works_.clear();
+    keepAlive_.clear();
+    done_ = true;
+    return true;
+  }
+  bool isCompleted() override { return done_; }
+  std::exception_ptr exception() const override { return error_; }
+  const std::vector<at::Tensor>& tensors() const override { return keepAlive_; }
+  const std::string& description() const override { return description_; }
+
+ private:
+  void send(c10d::ProcessGroup& group, const at::Tensor& buffer) {
+    keepAlive_.push_back(buffer);
+    works_.push_back(post(group, true, buffer, peer_));
+    ++engine_.mutableCounters().messagesSent;
+  }
+
+  CommEngine& engine_;
+  int peer_;
+  std::string description_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  std::vector<at::Tensor> keepAlive_;  // buffers must outlive the sends
+  std::exception_ptr error_;
+  bool done_ = false;
+};
+
+class FusedRecv : public Transfer {
+ public:
+  FusedRecv(CommEngine& engine, int peer, const TransferKey& key, std::string description)
+      : engine_(engine), peer_(peer), key_(key), description_(std::move(description)) {
+    capacity_ = engine.capacity(peer, key, false);
+    buffer_ = at::empty({capacity_}, engine.hostOptions().dtype(at::kByte));
+    dataWork_ = post(engine.group(), false, buffer_, peer);
+    ++engine.mutableCounters().receives;
+  }
+
+  // Reads the header (in the pair's order: CommEngine::readHeaders) and posts
+  // the side receive of a redirected payload.
+  void readHeader(Clock::time_point deadline) {
+    if (headerRead_) return;
+    try {
+      waitWork(dataWork_, deadline, engine_.rank(), peer_, description_, engine_.timeout());
+      header_ = pipedream::readHeader(buffer_.data_ptr<uint8_t>(), capacity_, description_);
+      checkKey(header_.key);
+      if (header_.redirected) {
+        side_ = at::empty({header_.packedBytes}, engine_.hostOptions().dtype(at::kByte));
+        sideWork_ = post(engine_.side(), false, side_, peer_);
+      }
+      engine_.setCapacity(peer_, key_, false, nextCapacity(capacity_, header_.packedBytes));
+    } catch (...) {
+      error_ = std::current_exception();
+    }
+    headerRead_ = true;
+  }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (error_) std::rethrow_exception(error_);
+    if (done_) return true;
+    const auto deadline = Clock::now() + timeout;
+    engine_.readHeaders(peer_, this, deadline);
+    if (error_) std::rethrow_exception(error_);
+    try {
+      at::Tensor packed = buffer_;
+      if (header_.redirected) {
+        waitWork(sideWork_, deadline, engine_.rank(), peer_, description_, timeout);
+        header_ = pipedream::readHeader(side_.data_ptr<uint8_t>(), side_.numel(), description_);
+        TORCH_CHECK(!header_.redirected, description_, ": a redirected payload redirects again");
+        checkKey(header_.key);
+        packed = side_;
+      }
+      tensors_ = unpack(packed, header_.metas);
+      auto& counters = engine_.mutableCounters();
+      for (auto& t : tensors_) {
+        counters.bytesReceived += t.numel() * t.element_size();
+        if (engine_.staged()) t = t.to(engine_.device(), /*non_blocking=*/true);
+      }
+    } catch (...) {
+      error_ = std::current_exception();
+      throw;
+    }
+    buffer_ = at::Tensor();
+    side_ = at::Tensor();
+    done_ = true;
+    return true;
+  }
+  bool isCompleted() override { return done_; }
+  std::exception_ptr exception() const override { return error_; }
+  const std::vector<at::Tensor>& tensors() const override { return tensors_; }
+  const std::string& description() const override { return description_; }
+  bool headerRead() const { return headerRead_; }
+
+ private:
+  void checkKey(const TransferKey& got) const {
+    TORCH_CHECK(got == key_, "rank ", engine_.rank(), ": ", description_, ": rank ", peer_,
+                " sent transfer ", got.toString(), " where this rank expected ", key_.toString(),
+                " (the two ranks issue this pair's transfers in different orders: do both run the "
+                "same schedule, balance and pipedream_ext version?)");
+  }
+
+  CommEngine& engine_;
+  int peer_;
+  TransferKey key_;
+  std::string description_;
+  int64_t capacity_ = 0;
+  at::Tensor buffer_;  // the data-channel message (capacity_ bytes)
+  c10::intrusive_ptr<c10d::Work> dataWork_;
+  bool headerRead_ = false;
+  WireHeader header_;
+  at::Tensor side_;  // a redirected payload
+  c10::intrusive_ptr<c10d::Work> sideWork_;
+  std::vector<at::Tensor> tensors_;
+  std::exception_ptr error_;
+  bool done_ = false;
+};
+
+// ---------------------------------------------------------------------------- split transfers
+
+// A split-protocol transfer's data-channel part, queued in the pair's order.
+class SplitOp : public Transfer {
+ public:
+  bool issued() const { return issued_; }
+  // Posts the data operations (executor thread); receives need their metadata.
+  virtual void issue() = 0;
+  // Whether issue() may run now (receives: their metadata, or its error, is
+  // in). The caller holds the engine's mutex_.
+  virtual bool readyLocked() const { return true; }
+
+ protected:
+  bool issued_ = false;
+};
+
+class SplitSend : public SplitOp {
+ public:
+  SplitSend(CommEngine& engine, const std::vector<at::Tensor>& tensors, int peer, const TransferKey& key,
+            std::string description)
+      : engine_(engine), peer_(peer), description_(std::move(description)) {
+    WireHeader header;
+    header.key = key;
+    header.metas = metasOf(tensors);
+    header.packedBytes = packedBytes(header.metas);
+    at::Tensor metadata = at::zeros({kMetadataBytes}, at::TensorOptions().dtype(at::kByte));
+    TORCH_CHECK(headerBytes(header.metas) <= kMetadataBytes, "transfer header too large");
+    writeHeader(header, metadata.data_ptr<uint8_t>());
+    keepAlive_.push_back(metadata);
+    works_.push_back(post(engine.side(), true, metadata, peer));
+    auto& counters = engine.mutableCounters();
+    ++counters.messagesSent;
+    ++counters.sends;
+    for (const auto& t : tensors) {
+      if (t.numel() == 0) continue;  // both ends know from the metadata: nothing to move
+      at::Tensor data = t.detach().contiguous();
+      if (engine.staged()) {
+        data = at::empty(data.sizes(), engine.hostOptions().dtype(data.scalar_type())).copy_(data);
+        ++counters.hostSyncs;
+      }
+      data_.push_back(data);
+      counters.bytesSent += data.numel() * data.element_size();
+    }
+  }
+
+  void issue() override {
+    for (const auto& data : data_) {
+      keepAlive_.push_back(data);
+      works_.push_back(post(engine_.group(), true, data, peer_));
+      ++engine_.mutableCounters().messagesSent;
+    }
+    data_.clear();
+    issued_ = true;
+  }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (error_) std::rethrow_exception(error_);
+    if (done_) return true;
+    const auto deadline = Clock::now() + timeout;
+    try {
+      if (!issued_) engine_.waitIssued(peer_, *this, deadline, description_);
+      for (auto& work : works_) waitWork(work, deadline, engine_.rank(), peer_, description_, timeout);
+    } catch (...) {
+      error_ = std::current_exception();
+      throw;
+    }
+    works_.clear();
+    keepAlive_.clear();
+    done_ = true;
+    return true;
+  }
+  bool isCompleted() override { return done_; }
+  std::exception_ptr exception() const override { return error_; }
+  const std::vector<at::Tensor>& tensors() const override { return keepAlive_; }
+  const std::string& description() const override { return description_; }
+
+ private:
+  CommEngine& engine_;
+  int peer_;
+  std::string description_;
+  std::vector<at::Tensor> data_;  // until issued
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  std::vector<at::Tensor> keepAlive_;
+  std::exception_ptr error_;
+  bool done_ = false;
+};
+
+class SplitRecv : public SplitOp {
+ public:
+  SplitRecv(CommEngine& engine, int peer, const TransferKey& key, std::string description)
+      : engine_(engine), peer_(peer), key_(key), description_(std::move(description)) {
+    metadata_ = at::empty({kMetadataBytes}, at::TensorOptions().dtype(at::kByte));
+    metadataWork_ = post(engine.side(), false, metadata_, peer);
+    ++engine.mutableCounters().receives;
+  }
+
+  // Reader thread: waits for the metadata (no deadline: a step's receives may
+  // wait for a peer as long as the user's loop takes; the executor's waits
+  // carry the timeout). Publishes under the engine's mutex_.
+  void readMetadata(std::mutex& mutex) {
+    WireHeader header;
+    std::exception_ptr error;
+    try {
+      metadataWork_->wait();
+      header = pipedream::readHeader(metadata_.data_ptr<uint8_t>(), kMetadataBytes, description_);
+      TORCH_CHECK(header.key == key_, "rank ", engine_.rank(), ": ", description_, ": rank ", peer_,
+                  " sent transfer ", header.key.toString(), " where this rank expected ",
+                  key_.toString(), " (the two ranks issue this pair's transfers in different "
+                  "orders: do both run the same schedule, balance and pipedream_ext version?)");
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    metas_ = std::move(header.metas);
+    metadataError_ = error;
+    arrived_ = true;
+  }
+
+  bool readyLocked() const override { return arrived_; }
+
+  void issue() override {
+    issued_ = true;
+    if (metadataError_) return;  // wait() reports it
+    const auto options = engine_.staged() ? engine_.hostOptions() : at::TensorOptions().device(engine_.device());
+    for (const auto& m : metas_) {
+      at::Tensor buffer = at::empty(m.shape, options.dtype(m.dtype));
+      tensors_.push_back(buffer);
+      if (m.bytes() > 0) dataWorks_.push_back(post(engine_.group(), false, buffer, peer_));
+    }
+  }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (error_) std::rethrow_exception(error_);
+    if (done_) return true;
+    const auto deadline = Clock::now() + timeout;
+    try {
+      if (issued_) ++engine_.mutableCounters().prePostedReceives;
+      if (!issued_) engine_.waitIssued(peer_, *this, deadline, description_);
+      if (metadataError_) std::rethrow_exception(metadataError_);
+      for (auto& work : dataWorks_) waitWork(work, deadline, engine_.rank(), peer_, description_, timeout);
+      auto& counters = engine_.mutableCounters();
+      for (auto& t : tensors_) {
+        counters.bytesReceived += t.numel() * t.element_size();
+        if (engine_.staged()) t = t.to(engine_.device(), /*non_blocking=*/true);
+      }
+    } catch (...) {
+      error_ = std::current_exception();
+      throw;
+    }
+    dataWorks_.clear();
+    done_ = true;
+    return true;
+  }
+  bool isCompleted() override { return done_; }
+  std::exception_ptr exception() const override { return error_; }
+  const std::vector<at::Tensor>& tensors() const override { return tensors_; }
+  const std::string& description() const override { return description_; }
+  c10::intrusive_ptr<c10d::Work> metadataWork() const { return metadataWork_; }
+
+ private:
+  CommEngine& engine_;
+  int peer_;
+  TransferKey key_;
+  std::string description_;
+  at::Tensor metadata_;
+  c10::intrusive_ptr<c10d::Work> metadataWork_;
+  // Published by the reader under engine_.mutex_; read by the executor after ready().
+  bool arrived_ = false;
+  std::vector<TensorMeta> metas_;
+  std::exception_ptr metadataError_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> dataWorks_;
+  std::vector<at::Tensor> tensors_;
+  std::exception_ptr error_;
+  bool done_ = false;
+};
+
+// ---------------------------------------------------------------------------- engine
 
 namespace {
 
@@ -271,78 +552,169 @@ std::string backendNameFor(c10d::ProcessGroup& group, const at::Device& device) 
 
 }  // namespace
 
-CommEngine::CommEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, std::chrono::milliseconds timeout,
-                       at::Device device)
-    : group_(std::move(group)), timeout_(timeout), device_(device) {
+CommEngine::CommEngine(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                       c10::intrusive_ptr<c10d::ProcessGroup> side, std::chrono::milliseconds timeout,
+                       at::Device device, P2PProtocol protocol)
+    : group_(std::move(group)), side_(std::move(side)), timeout_(timeout), device_(device), protocol_(protocol) {
   TORCH_CHECK(group_, "CommEngine needs a process group");
-  stageThroughHost_ = !device_.is_cpu() && backendNameFor(*group_, device_) != "nccl";
+  TORCH_CHECK(side_, "CommEngine needs a side group (Gloo, the same ranks)");
   TORCH_CHECK(timeout_.count() > 0, "communication timeout must be > 0 ms (got ", timeout_.count(), ")");
+  const std::string data = backendNameFor(*group_, device_);
+  stageThroughHost_ = !device_.is_cpu() && data != "nccl";
+  TORCH_CHECK(side_->getSize() == group_->getSize() && side_->getRank() == group_->getRank(),
+              "the side group is rank ", side_->getRank(), " of ", side_->getSize(),
+              " but the pipeline's group is rank ", group_->getRank(), " of ", group_->getSize(),
+              "; it must hold the same ranks in the same order");
+  TORCH_CHECK(side_.get() != group_.get() || (!device_.is_cpu() && !stageThroughHost_),
+              "the side group must not be the group whose Gloo backend carries the data");
   rank_ = group_->getRank();
   worldSize_ = group_->getSize();
 }
 
-at::TensorOptions CommEngine::wireOptions(at::ScalarType dtype) const {
-  auto options = at::TensorOptions().dtype(dtype);
+CommEngine::~CommEngine() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [peer, queue] : peers_) {
+      queue->stop = true;
+      if (queue->current) queue->current->abort();  // a metadata receive nobody will send now
+    }
+  }
+  arrived_.notify_all();
+  for (auto& [peer, queue] : peers_) {
+    if (queue->reader.joinable()) queue->reader.join();
+  }
+}
+
+at::TensorOptions CommEngine::hostOptions() const {
+  auto options = at::TensorOptions();
   if (device_.is_cpu()) return options;
-  if (stageThroughHost_) return options.device(at::kCPU).pinned_memory(true);
-  return options.device(device_);
+  return options.device(at::kCPU).pinned_memory(true);
 }
 
-at::Tensor CommEngine::fromWire(const at::Tensor& buffer) const {
-  return stageThroughHost_ ? buffer.to(device_) : buffer;
+int64_t CommEngine::capacity(int peer, const TransferKey& key, bool sending) const {
+  auto it = capacities_.find({peer, sending, key});
+  return it == capacities_.end() ? kMinCapacity : it->second;
 }
 
-std::shared_ptr<Transfer> CommEngine::send(const std::vector<at::Tensor>& tensors, int peer, int tag,
-                                           const std::string& description) {
+void CommEngine::setCapacity(int peer, const TransferKey& key, bool sending, int64_t capacity) {
+  capacities_[{peer, sending, key}] = capacity;
+}
+
+void CommEngine::checkPeer(int peer, const std::string& description) const {
   TORCH_CHECK(peer >= 0 && peer < worldSize_ && peer != rank_, description, ": bad peer rank ", peer);
-  std::vector<at::Tensor> keepAlive;
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  auto post = [&](at::Tensor data, int part) {
-    if (!device_.is_cpu() && data.device() != wireOptions(data.scalar_type()).device()) {
-      data = at::empty(data.sizes(), wireOptions(data.scalar_type())).copy_(data);
+}
+
+CommEngine::PeerQueue& CommEngine::peerQueue(int peer) {
+  auto it = peers_.find(peer);
+  if (it != peers_.end()) return *it->second;
+  auto queue = std::make_unique<PeerQueue>();
+  PeerQueue* raw = queue.get();
+  if (protocol_ == P2PProtocol::kSplit) {
+    raw->reader = std::thread([this, raw] {
+      for (;;) {
+        std::shared_ptr<SplitRecv> next;
+        {
+          std::unique_lock<std::mutex> lock(mutex_);
+          arrived_.wait(lock, [&] { return raw->stop || !raw->toRead.empty(); });
+          if (raw->stop) return;
+          next = raw->toRead.front();
+          raw->toRead.pop_front();
+          raw->current = next->metadataWork();
+        }
+        next->readMetadata(mutex_);
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          raw->current.reset();
+        }
+        arrived_.notify_all();
+      }
+    });
+  }
+  return *peers_.emplace(peer, std::move(queue)).first->second;
+}
+
+std::shared_ptr<Transfer> CommEngine::send(const std::vector<at::Tensor>& tensors, int peer,
+                                           const TransferKey& key, const std::string& description) {
+  checkPeer(peer, description);
+  PeerQueue& queue = peerQueue(peer);
+  if (protocol_ == P2PProtocol::kFused) {
+    return std::make_shared<FusedSend>(*this, tensors, peer, key, description);
+  }
+  auto transfer = std::make_shared<SplitSend>(*this, tensors, peer, key, description);
+  queue.pending.push_back(transfer);
+  issuePending(peer);
+  return transfer;
+}
+
+std::shared_ptr<Transfer> CommEngine::recv(int peer, const TransferKey& key, const std::string& description) {
+  checkPeer(peer, description);
+  PeerQueue& queue = peerQueue(peer);
+  if (protocol_ == P2PProtocol::kFused) {
+    auto transfer = std::make_shared<FusedRecv>(*this, peer, key, description);
+    queue.unread.push_back(transfer);
+    ++counters_.prePostedReceives;  // its buffer is posted now, ahead of the consumer
+    return transfer;
+  }
+  auto transfer = std::make_shared<SplitRecv>(*this, peer, key, description);
+  queue.pending.push_back(transfer);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue.toRead.push_back(transfer);
+  }
+  arrived_.notify_all();
+  return transfer;
+}
+
+void CommEngine::issuePending(int peer) {
+  PeerQueue& queue = peerQueue(peer);
+  while (!queue.pending.empty()) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!queue.pending.front()->readyLocked()) return;
     }
-    keepAlive.push_back(data);
-    std::vector<at::Tensor> one{data};
-    works.push_back(group_->send(one, peer, messageTag(tag, part)));
-    bytesSent_ += data.numel() * data.element_size();
+    queue.pending.front()->issue();
+    queue.pending.pop_front();
+  }
+}
+
+void CommEngine::progress() {
+  if (protocol_ != P2PProtocol::kSplit) return;
+  for (auto& [peer, queue] : peers_) issuePending(peer);
+}
+
+void CommEngine::waitIssued(int peer, const SplitOp& op, Clock::time_point deadline,
+                            const std::string& description) {
+  // Every pair progresses while this one waits: a peer whose data queues behind
+  // one of this rank's receives must not wait for this wait.
+  auto anyReady = [&] {
+    for (const auto& [q, queue] : peers_) {
+      if (!queue->pending.empty() && queue->pending.front()->readyLocked()) return true;
+    }
+    return false;
   };
-  const auto metas = metasOf(tensors);
-  // What the receiver pre-posted for this slot (see the file comment).
-  const std::vector<TensorMeta>* predicted = nullptr;
-  if (predictShapes_) {
-    auto it = sentShapes_.find({peer, tag});
-    if (it != sentShapes_.end()) predicted = &it->second;
-  }
-  const bool redirected = predicted != nullptr && !(*predicted == metas);
-  ++sends_;
-  redirectedSends_ += redirected ? 1 : 0;
-  post(encodeHeader(metas, redirected), 0);
-  if (redirected) {
-    for (size_t k = 0; k < predicted->size(); ++k) {
-      post(at::zeros((*predicted)[k].shape, at::TensorOptions().dtype((*predicted)[k].dtype)),
-           static_cast<int>(k) + 1);
+  for (;;) {
+    progress();
+    if (op.issued()) return;
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (!arrived_.wait_until(lock, deadline, anyReady)) {
+      PeerQueue& queue = *peers_.at(peer);
+      const std::string head = queue.pending.empty() ? "nothing" : queue.pending.front()->description();
+      lock.unlock();
+      TORCH_CHECK(false, "rank ", rank_, ": ", description, " with rank ", peer, " timed out after ",
+                  timeout_.count(), " ms waiting for the metadata of ", head, " from rank ", peer,
+                  " (is rank ", peer, " alive, and does it run the same schedule?)");
     }
   }
-  const int firstPart = redirected ? kRedirectedPart + 1 : 1;
-  for (size_t k = 0; k < tensors.size(); ++k) {
-    post(tensors[k].detach().contiguous(), firstPart + static_cast<int>(k));
-  }
-  if (predictShapes_) sentShapes_[{peer, tag}] = metas;
-  return std::make_shared<SendTransfer>(std::move(works), std::move(keepAlive), rank_, peer,
-                                        description, timeout_);
 }
 
-std::shared_ptr<Transfer> CommEngine::recv(int peer, int tag, const std::string& description,
-                                           bool eager) {
-  TORCH_CHECK(peer >= 0 && peer < worldSize_ && peer != rank_, description, ": bad peer rank ", peer);
-  const std::vector<TensorMeta>* predicted = nullptr;
-  if (predictShapes_) {
-    auto it = receivedShapes_.find({peer, tag});
-    if (it != receivedShapes_.end()) predicted = &it->second;
+void CommEngine::readHeaders(int peer, const FusedRecv* upTo, Clock::time_point deadline) {
+  PeerQueue& queue = peerQueue(peer);
+  while (!queue.unread.empty()) {
+    auto front = queue.unread.front();
+    front->readHeader(deadline);
+    queue.unread.pop_front();
+    if (front.get() == upTo) return;
   }
-  ++receives_;
-  prePostedReceives_ += predicted != nullptr ? 1 : 0;
-  return std::make_shared<RecvTransfer>(*this, peer, tag, description, predicted, eager);
 }
 
 }  // namespace pipedream

@@ -1,71 +1,100 @@
 // Point-to-point transfers of activations and gradients between pipeline
-// stages, on top of a c10d ProcessGroup (Gloo on CPU, NCCL on GPU).
+// stages over c10d, correct under NCCL's rules on every backend.
 //
-// Wire format of one transfer of n tensors to a peer under tag T:
-//   message T*32 + 0     : header, int64[kHeaderWords]:
-//                          [magic, n | flags, (dtype, ndim, d0 .. d7) x n]
-//   message T*32 + k     : tensor k-1 (contiguous, k = 1..n)
-//   message T*32 + 16 + k: tensor k-1 when redirected (see below)
-// No pickle: the receiver allocates from the header and receives in place.
+// The rules (csrc/core/channels.h): no tags, so the k-th send from rank a to
+// rank b meets the k-th receive at b from a with the same size and dtype; one
+// in-order stream per pair of ranks. The executor issues each pair's transfers
+// in the order orderTransfers() gave both ends (a RECV action posts, the
+// consumer waits), and this engine keeps that order on the wire: every transfer
+// is a fixed number of data-channel operations whose sizes both ends know before
+// either issues them. Nothing is matched by tag (every message uses tag 0).
 //
-// Pre-posted receives (shape prediction, enabled per engine): a slot is a
-// (peer, tag) pair. Both ends remember the shapes of the slot's last
-// transfer (the sender what it sent, the receiver what it received: the same
-// transfer, so the same shapes). A receive on a slot seen before posts its
-// data buffers with those shapes at once, together with the header, so the
-// data lands while this rank computes instead of after it asks (Gloo moves a
-// message only once both ends have posted). The sender knows what was
-// pre-posted: if its shapes are the same it sends as usual; if not it sets
-// kRedirected in the header, sends zeros of the predicted shapes to fill the
-// pre-posted buffers and the real tensors under parts 16 + k, which the
-// receiver posts when the header arrives. The prediction is a guess, not a
-// rule: any dimension (and the count and dtypes) may differ from one transfer
-// to the next; what a stage accepts is the executor's to check. Flush
-// schedules repeat their tags every step, so from the second step on every
-// receive is pre-posted and only the first step after a change redirects.
-// Requirement: a slot's transfers complete in order at the receiver before
-// its next receive is posted (true for run()/runForward(); streaming
-// executors, whose tags do not repeat, leave prediction off).
+// Two channels per engine:
+//   data  the pipeline's group: Gloo on CPU, NCCL on GPU (or any backend);
+//   side  a Gloo group over the same ranks that PipeDream creates, for what
+//         the data channel cannot carry: metadata that the host must read
+//         without touching the GPU, and payloads whose size the receiver could
+//         not know in advance. It is only ever used in one direction per
+//         message kind and in each pair's order, so Gloo's per-direction FIFO
+//         is all it relies on.
 //
-// Handles follow c10d::Work: wait(timeout), isCompleted(), exception().
-// Every wait has a deadline; a peer that dies or never sends makes wait()
-// throw a c10::Error naming this rank, the peer, and the action (e.g.
-// "RECV_F of microbatch 3 for stage 2").
+// Two protocols (chosen per engine; both ends of a pair always agree, since
+// every rank builds the same pipeline):
 //
-// Devices: tensors live on `device`. When the group's backend for that
-// device is NCCL (a "nccl" or "cpu:gloo,cuda:nccl" group), headers and data
-// go device to device: c10d's NCCL group orders its stream after the compute
-// stream when a send or receive is posted, keeps the tensors of a transfer
-// until it is waited for (as the Transfer does), and makes the compute stream
-// wait in wait(), so a consumer's kernels see the received data and a sent
-// tensor is neither freed nor overwritten before NCCL read it. With Gloo and
-// a CUDA device, data is staged through pinned host memory (synchronous
-// copies). On CPU nothing is copied.
+// kFused (flush schedules on host memory: Gloo, or Gloo carrying CUDA tensors
+// through pinned buffers): a transfer is ONE data-channel message, a packed
+// buffer [header | tensor 0 | tensor 1 | ...] (64-byte aligned; the header
+// names the transfer and every tensor's dtype and shape). Its size is the
+// slot's capacity, which both ends derive from the slot's history (a slot is a
+// transfer key: flush schedules repeat them every step, and every receive of a
+// step is waited for before the next step posts): the first transfer of a slot
+// has 64 bytes, a slot grows to what a transfer needs and shrinks when one
+// needs less than a quarter. A transfer that fits is sent in place (smaller
+// shapes are padded); one that does not sends a header-only message flagged
+// "redirected" with its real size, and the packed message follows on the side
+// channel; both ends then take the new capacity. Receives are posted (their
+// buffers) at the RECV action, so data lands while the receiver computes. The
+// receiver reads headers in each pair's order, so redirected payloads are
+// posted on the side channel in the order they were sent.
 //
-// Threading: a CommEngine and its transfers are used from one thread (the
-// executor's); the process group does the actual I/O on its own threads.
+// kSplit (NCCL data channels, and the asynchronous streams on every backend,
+// whose slots do not repeat in step with their receives): the sender writes a
+// fixed 704-byte metadata message on the side channel (CPU) and then the
+// tensors themselves on the data channel, one operation per non-empty tensor
+// (no copy, no header). The receiver posts the metadata receive at the RECV
+// action; a reader thread per peer waits for them in order and hands them over;
+// the executor's thread issues the data receives (exact shapes) when it next
+// calls progress() or waits. A pair's later operations queue behind a receive
+// whose metadata has not arrived, so the data channel always sees the agreed
+// order. The receive path never reads GPU memory from the host: no host
+// synchronisation per transfer.
+//
+// Handles follow c10d::Work: wait(timeout), isCompleted(), exception(). Every
+// wait has a deadline; a peer that dies or never sends makes wait() throw a
+// c10::Error naming this rank, the peer and the action. A transfer announcing
+// another key than the one expected (two ranks running different schedules)
+// fails naming both.
+//
+// Devices: tensors live on `device`. NCCL: device to device (c10d orders its
+// stream after the compute stream and makes the compute stream wait in wait());
+// Gloo with CUDA tensors: packed on the host in pinned memory (the send copies
+// synchronously, the receive copies to the device without blocking).
+//
+// Threading: an engine and its transfers are used from one thread (the
+// executor's), except the split protocol's reader threads, which only wait for
+// metadata receives and publish them under `mutex_`.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
-#include <map>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <tuple>
 #include <vector>
+
+#include "core/channels.h"
 
 namespace pipedream {
 
 constexpr int kMaxTensorsPerTransfer = 8;
 constexpr int kMaxDims = 8;
 constexpr int64_t kHeaderMagic = 0x50495045;  // "PIPE"
-constexpr int kHeaderWords = 2 + kMaxTensorsPerTransfer * (2 + kMaxDims);
-// Message parts per transfer tag: header, data, redirected data.
-constexpr int kPartsPerTag = 32;
-constexpr int kRedirectedPart = 16;
-constexpr int64_t kRedirectedFlag = int64_t{1} << 16;  // in header word 1
+constexpr int64_t kWireAlignment = 64;        // header and every tensor start here
+constexpr int64_t kMinCapacity = 64;          // a slot's first message: a header alone
+// The split protocol's metadata message: the header of the largest transfer.
+constexpr int64_t kMetadataBytes = 704;
+
+enum class P2PProtocol { kFused, kSplit };
+const char* protocolName(P2PProtocol protocol);  // "fused", "split"
+P2PProtocol parseProtocol(const std::string& name);
 
 struct TensorMeta {
   at::ScalarType dtype = at::kFloat;
@@ -73,8 +102,28 @@ struct TensorMeta {
   bool operator==(const TensorMeta& other) const {
     return dtype == other.dtype && shape == other.shape;
   }
+  int64_t bytes() const;
   std::string toString() const;  // "Float[4, 16]"
 };
+std::vector<TensorMeta> metasOf(const std::vector<at::Tensor>& tensors);
+
+// What a header says: which transfer, whether the payload follows on the side
+// channel (and its size), and every tensor's dtype and shape.
+struct WireHeader {
+  TransferKey key;
+  bool redirected = false;
+  int64_t packedBytes = 0;  // the whole packed message (header + payload)
+  std::vector<TensorMeta> metas;
+};
+// Bytes of a header for `metas` (aligned) and of the packed message.
+int64_t headerBytes(const std::vector<TensorMeta>& metas);
+int64_t packedBytes(const std::vector<TensorMeta>& metas);
+// Writes `header` at `out` (which has at least headerBytes(header.metas) bytes).
+void writeHeader(const WireHeader& header, uint8_t* out);
+// Reads and checks a header from `available` bytes; errors name `description`.
+WireHeader readHeader(const uint8_t* data, int64_t available, const std::string& description);
+// The capacity a slot has after a transfer that needed `needed` bytes.
+int64_t nextCapacity(int64_t capacity, int64_t needed);
 
 // An in-flight send or receive. Owned by the thread that created it.
 class Transfer {
@@ -83,93 +132,105 @@ class Transfer {
   // Blocks until done or `timeout` passes. Returns true when done; throws
   // c10::Error (with peer and action) on failure or timeout.
   virtual bool wait(std::chrono::milliseconds timeout) = 0;
-  // Non-blocking: whether every message of the transfer completed.
+  // Non-blocking: whether the transfer is known to be done (without waiting,
+  // Gloo reports nothing; a false may be stale).
   virtual bool isCompleted() = 0;
-  // The failure, if one was observed (nullptr otherwise).
   virtual std::exception_ptr exception() const = 0;
-  // Non-blocking progress: a receive whose header has arrived posts its data
-  // receives now, so the data flows while this thread computes (Gloo sends
-  // only once the receiver has posted). A no-op for sends.
-  virtual void poll() {}
-  // A receive with predicted shapes that was created lazy (see recv()): posts
-  // its data buffers now. A no-op otherwise (sends, already posted).
-  virtual void post() {}
   // Received tensors (receives only; valid after wait() returned true).
   virtual const std::vector<at::Tensor>& tensors() const = 0;
   virtual const std::string& description() const = 0;
 };
 
+class FusedRecv;
+class SplitOp;
+
 class CommEngine {
  public:
-  CommEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, std::chrono::milliseconds timeout,
-             at::Device device = at::kCPU);
+  // `side`: a Gloo group over the same ranks, never `group` itself when
+  // `group` carries `device`'s tensors with Gloo (see the file comment).
+  CommEngine(c10::intrusive_ptr<c10d::ProcessGroup> group,
+             c10::intrusive_ptr<c10d::ProcessGroup> side, std::chrono::milliseconds timeout,
+             at::Device device, P2PProtocol protocol);
+  ~CommEngine();
+  CommEngine(const CommEngine&) = delete;
+  CommEngine& operator=(const CommEngine&) = delete;
 
-  // Starts sending `tensors` (made contiguous, on their device) to `peer`.
-  std::shared_ptr<Transfer> send(const std::vector<at::Tensor>& tensors, int peer, int tag,
-                                 const std::string& description);
-  // Posts the header receive now, and the data receives too when the slot's
-  // shapes are predicted and `eager` (otherwise when post() is called or the
-  // header arrives: poll() or wait(), whichever comes first). A lazy receive
-  // is still committed to the predicted shapes (the sender relies on it);
-  // laziness only bounds how many buffers exist at once.
-  std::shared_ptr<Transfer> recv(int peer, int tag, const std::string& description,
-                                 bool eager = true);
+  // Starts sending `tensors` (transfer `key`) to `peer`; in the split protocol
+  // its data may queue behind a receive of the same pair (progress() issues it).
+  std::shared_ptr<Transfer> send(const std::vector<at::Tensor>& tensors, int peer,
+                                 const TransferKey& key, const std::string& description);
+  // Posts the receive of `key` from `peer`. Never blocks.
+  std::shared_ptr<Transfer> recv(int peer, const TransferKey& key, const std::string& description);
+  // Issues the queued operations that may go now (split: receives whose
+  // metadata arrived, and what queued behind them). Never blocks.
+  void progress();
 
-  // Turns pre-posted receives on or off (see the file comment). Both ends of
-  // every slot must agree; call it before the first transfer.
-  void setShapePrediction(bool enabled) { predictShapes_ = enabled; }
-  bool shapePrediction() const { return predictShapes_; }
-
+  P2PProtocol protocol() const { return protocol_; }
   int rank() const { return rank_; }
   int worldSize() const { return worldSize_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
-  // Payload and header bytes this engine has sent (for benchmarks).
-  int64_t bytesSent() const { return bytesSent_; }
-  int64_t bytesReceived() const { return bytesReceived_; }
-  void addBytesReceived(int64_t bytes) { bytesReceived_ += bytes; }
-  // Receives posted with their data buffers (predicted) / sends that had to
-  // redirect because their shapes changed; all receives / sends.
-  int64_t prePostedReceives() const { return prePostedReceives_; }
-  int64_t redirectedSends() const { return redirectedSends_; }
-  int64_t receives() const { return receives_; }
-  int64_t sends() const { return sends_; }
-  // Zeroes the byte and transfer counters above (stats start over).
-  void resetCounters() {
-    bytesSent_ = bytesReceived_ = 0;
-    prePostedReceives_ = redirectedSends_ = receives_ = sends_ = 0;
-  }
-
-  c10d::ProcessGroup& group() { return *group_; }
   const at::Device& device() const { return device_; }
-  // Where headers and received data land before they reach `device()`.
-  at::TensorOptions wireOptions(at::ScalarType dtype) const;
-  // Moves a received buffer to `device()` (a no-op unless staged).
-  at::Tensor fromWire(const at::Tensor& buffer) const;
+  c10d::ProcessGroup& group() { return *group_; }
+  c10d::ProcessGroup& side() { return *side_; }
+
+  // Counters since construction or resetCounters() (executor thread only).
+  struct Counters {
+    int64_t bytesSent = 0;         // tensor bytes
+    int64_t bytesReceived = 0;
+    int64_t sends = 0;             // transfers
+    int64_t receives = 0;
+    int64_t messagesSent = 0;      // messages on the wire, data and side channel
+    int64_t prePostedReceives = 0; // data receives posted before their consumer waited
+    int64_t redirectedSends = 0;   // fused: payload on the side channel (capacity exceeded)
+    int64_t paddingBytes = 0;      // fused: capacity beyond what a transfer needed
+    int64_t hostSyncs = 0;         // device-to-host copies the engine made (Gloo staging)
+  };
+  const Counters& counters() const { return counters_; }
+  Counters& mutableCounters() { return counters_; }
+  void resetCounters() { counters_ = Counters{}; }
+
+  // Where received bytes land before they reach `device()`, and the move there.
+  at::TensorOptions hostOptions() const;
+  bool staged() const { return stageThroughHost_; }
+
+  // Used by the transfers (executor thread).
+  int64_t capacity(int peer, const TransferKey& key, bool sending) const;
+  void setCapacity(int peer, const TransferKey& key, bool sending, int64_t capacity);
 
  private:
+  friend class FusedRecv;
+  friend class SplitRecv;
+  friend class SplitSend;
+  friend class SplitOp;
+  class PeerQueue;
+
+  PeerQueue& peerQueue(int peer);
+  // Split: issues `peer`'s queued operations from the front while they may go.
+  void issuePending(int peer);
+  // Split: blocks until `op` is issued (its metadata arrived), issuing what it can.
+  void waitIssued(int peer, const SplitOp& op, std::chrono::steady_clock::time_point deadline,
+                  const std::string& description);
+  // Fused: reads the headers of `peer`'s receives up to and including `upTo`, in order.
+  void readHeaders(int peer, const FusedRecv* upTo, std::chrono::steady_clock::time_point deadline);
+  void checkPeer(int peer, const std::string& description) const;
+
   c10::intrusive_ptr<c10d::ProcessGroup> group_;  // immutable after construction
+  c10::intrusive_ptr<c10d::ProcessGroup> side_;   // immutable after construction
   std::chrono::milliseconds timeout_;
   at::Device device_;
+  P2PProtocol protocol_;
   bool stageThroughHost_;  // CUDA tensors over a CPU-only backend (Gloo)
   int rank_;
   int worldSize_;
-  int64_t bytesSent_ = 0;      // executor thread only
-  int64_t bytesReceived_ = 0;  // executor thread only
-  bool predictShapes_ = false;  // executor thread only
-  int64_t prePostedReceives_ = 0, redirectedSends_ = 0, receives_ = 0, sends_ = 0;  // executor thread
-
- public:
-  // Slot memory for pre-posted receives, keyed by (peer, tag). Executor
-  // thread only; used by the transfers this engine creates.
-  using Slot = std::pair<int, int>;
-  std::map<Slot, std::vector<TensorMeta>> sentShapes_;
-  std::map<Slot, std::vector<TensorMeta>> receivedShapes_;
+  Counters counters_;  // executor thread
+  // Fused slot capacities, per (peer, direction of use, key): executor thread.
+  std::map<std::tuple<int, bool, TransferKey>, int64_t> capacities_;
+  // Per-peer order keeping (and, split, the metadata reader): by peer rank.
+  std::map<int, std::unique_ptr<PeerQueue>> peers_;  // executor thread creates; see PeerQueue
+  // Split: guards what reader threads publish (a receive's metadata or error);
+  // notified whenever one arrives.
+  std::mutex mutex_;
+  std::condition_variable arrived_;
 };
-
-// Encodes / decodes the fixed header (exposed for tests).
-at::Tensor encodeHeader(const std::vector<TensorMeta>& metas, bool redirected = false);
-std::vector<TensorMeta> decodeHeader(const at::Tensor& header, const std::string& description,
-                                     bool* redirected = nullptr);
-std::vector<TensorMeta> metasOf(const std::vector<at::Tensor>& tensors);
 
 }  // namespace pipedream

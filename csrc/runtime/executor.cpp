@@ -3,7 +3,6 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 
-
 #include <algorithm>
 #include <climits>
 #include <optional>
@@ -14,12 +13,6 @@ namespace {
 
 constexpr int kForwardDir = 0;   // activations j -> j+1, keyed by j
 constexpr int kBackwardDir = 1;  // gradients j+1 -> j, keyed by j
-// Microbatch ids in tags wrap here: far more than can be in flight at once,
-// and independent of how long the (growing) list is. Bounded so that
-// tag * kPartsPerTag fits an int for 1023 stages.
-constexpr int kTagMicrobatches = 1 << 15;
-static_assert(int64_t{2 * 1023} * kTagMicrobatches * kPartsPerTag - 1 <= INT_MAX,
-              "transfer tags must fit an int");
 
 using Clock = std::chrono::steady_clock;
 
@@ -36,7 +29,7 @@ TransferLedger makeLedger(const Schedule& schedule, int rank, const ScheduleTrai
   TORCH_CHECK(rank >= 0 && rank < schedule.numRanks(), "rank ", rank,
               " is out of range for a schedule of ", schedule.numRanks(), " ranks");
   if (traits.streaming) return TransferLedger::forStreaming(schedule.numRanks());
-  return TransferLedger::forFlush(schedule.numRanks(), sendReleasePoints(schedule, rank));
+  return TransferLedger::forFlush(sendReleasePoints(schedule, rank));
 }
 
 }  // namespace
@@ -63,18 +56,22 @@ PipelineExecutor::PipelineExecutor(Schedule schedule, int rank, std::shared_ptr<
               schedule_.numStages(), ")");
   TORCH_CHECK(!traits_.stashWeights || update_, "schedule '", traits_.name,
               "' stashes weights and steps the optimizer itself: it needs an update callback");
-  if (!traits_.streaming) list_ = schedule_.actions(rank_);
-  // Flush schedules repeat their transfer tags every step: pre-post receives.
-  engine_->setShapePrediction(!traits_.streaming);
+  TORCH_CHECK(!traits_.streaming || engine_->protocol() == P2PProtocol::kSplit,
+              "schedule '", traits_.name, "' streams: its transfers need the split protocol (got '",
+              protocolName(engine_->protocol()), "')");
+  if (!traits_.streaming) {
+    list_ = schedule_.actions(rank_);
+    try {  // both ends of every pair must issue its transfers in one order
+      validateChannels(schedule_);
+    } catch (const std::invalid_argument& e) {
+      TORCH_CHECK(false, "rank ", rank_, ": the schedule's transfer order is not safe: ", e.what(),
+                  "; order_transfers() gives one that is");
+    }
+  }
   lastStage_ = schedule_.numStages() - 1;
   if (traits_.stashWeights) {
     for (const auto& [stage, params] : stageParameters_) stores_.emplace(stage, WeightStore(params));
   }
-}
-
-int PipelineExecutor::tag(int direction, int boundary, int microbatch) const {
-  return (direction * schedule_.numStages() + boundary) * kTagMicrobatches +
-         microbatch % kTagMicrobatches;
 }
 
 std::string PipelineExecutor::describe(const char* what, int stage, int microbatch) const {
@@ -147,13 +144,6 @@ std::vector<at::Tensor> PipelineExecutor::receive(const Key& key, int direction)
               describe(direction == kForwardDir ? "RECV_F" : "RECV_B", key.first, key.second));
   auto transfer = it->second;
   posted.erase(it);
-  if (auto next = ledger_.onReceiveConsumed()) {  // one buffer taken, one more posted
-    auto waiting = unposted_.find(*next);
-    if (waiting != unposted_.end()) {
-      waiting->second->post();
-      unposted_.erase(waiting);
-    }
-  }
   const auto start = Clock::now();
   transfer->wait(engine_->timeout());
   const char* what = direction == kForwardDir ? "RECV_F" : "RECV_B";
@@ -336,7 +326,6 @@ void PipelineExecutor::releaseSends(const std::vector<TransferId>& ids) {
 void PipelineExecutor::reset() {
   next_ = 0;
   ledger_.clear();
-  unposted_.clear();
   sends_.clear();
   stash_.clear();
   inputGrads_.clear();
@@ -349,7 +338,6 @@ void PipelineExecutor::reset() {
 void PipelineExecutor::releaseCommunication() {
   recvF_.clear();
   recvB_.clear();
-  unposted_.clear();
   sends_.clear();
   replicaGroups_.clear();
   engine_.reset();
@@ -436,12 +424,16 @@ void PipelineExecutor::appendActions(const std::vector<Action>& actions) {
 
 RuntimeStats PipelineExecutor::stats() const {
   RuntimeStats out = stats_;
-  out.bytesSent = engine_->bytesSent();
-  out.bytesReceived = engine_->bytesReceived();
-  out.sends = engine_->sends();
-  out.receives = engine_->receives();
-  out.prePostedReceives = engine_->prePostedReceives();
-  out.redirectedSends = engine_->redirectedSends();
+  const auto& c = engine_->counters();
+  out.bytesSent = c.bytesSent;
+  out.bytesReceived = c.bytesReceived;
+  out.sends = c.sends;
+  out.receives = c.receives;
+  out.messagesSent = c.messagesSent;
+  out.prePostedReceives = c.prePostedReceives;
+  out.redirectedSends = c.redirectedSends;
+  out.paddingBytes = c.paddingBytes;
+  out.hostSyncs = c.hostSyncs;
   for (const auto& [stage, store] : stores_) {
     out.peakWeightVersions[stage] = store.peakLiveVersions();
     out.weightBytesCopied += store.bytesCopied();
@@ -458,45 +450,25 @@ void PipelineExecutor::resetStats() {
   }
 }
 
-void PipelineExecutor::postReceives(size_t begin, size_t end, bool forwardOnly) {
-  // Headers of every receive of the range go now (cheap); the ledger says
-  // which also post their predicted data buffers now and which wait until a
-  // receive is consumed, so buffers stay O(ranks), not O(M).
+void PipelineExecutor::postReceive(const Action& a) {
+  // Where orderTransfers() put it: the pair's order, ahead of the consumer.
   const Layout& layout = schedule_.layout();
-  ledger_.beginReceives();
-  unposted_.clear();
-  for (size_t k = begin; k < end; ++k) {
-    const Action& a = list_[k];
-    const bool forward = a.kind == ActionKind::kRecvForward;
-    if (!forward && (a.kind != ActionKind::kRecvBackward || forwardOnly)) continue;
-    const bool eager = ledger_.admitReceive(idOf(k));
-    std::shared_ptr<Transfer> transfer;
-    if (forward) {
-      transfer = recvF_[{a.stage, a.microbatch}] =
-          engine_->recv(layout.rankFor(a.stage - 1, a.microbatch), tag(kForwardDir, a.stage - 1, a.microbatch),
-                        describe("RECV_F", a.stage, a.microbatch), eager);
-    } else {
-      transfer = recvB_[{a.stage, a.microbatch}] =
-          engine_->recv(layout.rankFor(a.stage + 1, a.microbatch), tag(kBackwardDir, a.stage, a.microbatch),
-                        describe("RECV_B", a.stage, a.microbatch), eager);
-    }
-    if (!eager) unposted_[idOf(k)] = transfer;
-  }
+  const bool forward = a.kind == ActionKind::kRecvForward;
+  const int peer = layout.rankFor(forward ? a.stage - 1 : a.stage + 1, a.microbatch);
+  auto& posted = forward ? recvF_ : recvB_;
+  posted[{a.stage, a.microbatch}] =
+      engine_->recv(peer, TransferKey::of(a), describe(forward ? "RECV_F" : "RECV_B", a.stage, a.microbatch));
 }
 
 void PipelineExecutor::execute(size_t begin, size_t end, const InputFn& inputOf, bool forwardOnly,
                                Results& results) {
-  postReceives(begin, end, forwardOnly);
   for (size_t index = begin; index < end; ++index) {
     const Action& a = list_[index];
     if (forwardOnly && a.kind != ActionKind::kForward && a.kind != ActionKind::kSendForward &&
         a.kind != ActionKind::kRecvForward) {
       continue;
     }
-    if (isCompute(a.kind)) {  // let arrived headers post their data receives first
-      for (auto& [k, transfer] : recvF_) transfer->poll();
-      for (auto& [k, transfer] : recvB_) transfer->poll();
-    }
+    if (isCompute(a.kind)) engine_->progress();  // data whose metadata arrived goes now
     auto start = Clock::now();
     switch (a.kind) {
       case ActionKind::kForward: forwardAction(a, inputOf, forwardOnly, results, start); break;
@@ -508,7 +480,7 @@ void PipelineExecutor::execute(size_t begin, size_t end, const InputFn& inputOf,
       case ActionKind::kUpdate: updateAction(a, index); break;
       case ActionKind::kAllReduce: allReduceAction(a); break;
       case ActionKind::kRecvForward:
-      case ActionKind::kRecvBackward: break;  // posted above; consumers wait for them
+      case ActionKind::kRecvBackward: postReceive(a); break;  // consumers wait for them
     }
     accountAction(a, start);
     if (ledger_.isReceiptPoint(static_cast<size_t>(idOf(index)))) {
@@ -604,8 +576,7 @@ void PipelineExecutor::sendForwardAction(const Action& a, size_t index, bool for
   const auto& out = stash_.at(key).outputs;
   const TransferId id = idOf(index);
   sends_[id] = engine_->send(out, schedule_.layout().rankFor(a.stage + 1, a.microbatch),
-                             tag(kForwardDir, a.stage, a.microbatch),
-                             describe("SEND_F", a.stage, a.microbatch));
+                             TransferKey::of(a), describe("SEND_F", a.stage, a.microbatch));
   // Training: the microbatch's gradient coming back releases this send.
   ledger_.sendIssued(id, forwardOnly ? std::nullopt : std::optional<std::pair<int, int>>(key));
   if (forwardOnly) {
@@ -651,8 +622,7 @@ void PipelineExecutor::sendBackwardAction(const Action& a, size_t index) {
   TORCH_CHECK(it != inputGrads_.end(), "rank ", rank_, ": ", a.toString(), " before its backward");
   const TransferId id = idOf(index);
   sends_[id] = engine_->send(it->second, schedule_.layout().rankFor(a.stage - 1, a.microbatch),
-                             tag(kBackwardDir, a.stage - 1, a.microbatch),
-                             describe("SEND_B", a.stage, a.microbatch));
+                             TransferKey::of(a), describe("SEND_B", a.stage, a.microbatch));
   ledger_.sendIssued(id);
   inputGrads_.erase(it);
 }

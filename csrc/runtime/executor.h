@@ -14,8 +14,9 @@
 //                (graph retained), W the weight gradients (graph freed)
 //   SEND_*       asynchronous send; released as TransferLedger decides
 //                (csrc/core/transfer_ledger.h)
-//   RECV_*       posted when the range that contains it starts; F/B wait for
-//                theirs (with the engine's timeout) when they need it
+//   RECV_*       posts the receive (never blocks): orderTransfers() put it
+//                where the pair's order allows (csrc/core/channels.h); F/B/I
+//                wait for theirs (with the engine's timeout) when they need it
 //   recompute    F runs under no_grad and keeps only inputs (and the RNG
 //                state); B re-runs the forward with the same RNG state first
 //   U            with stashing (asynchronous schedules): the update callback
@@ -56,6 +57,7 @@
 #include <string>
 #include <vector>
 
+#include "core/channels.h"
 #include "core/receipt.h"
 #include "core/runtime_stats.h"
 #include "runtime/split_backward.h"
@@ -123,6 +125,7 @@ class PipelineExecutor {
   void releaseCommunication();
 
   const ScheduleTraits& traits() const { return traits_; }
+  P2PProtocol protocol() const { return engine_->protocol(); }
 
   // Everything this executor did since construction or resetStats().
   RuntimeStats stats() const;
@@ -156,7 +159,7 @@ class PipelineExecutor {
   void execute(size_t begin, size_t end, const InputFn& inputOf, bool forwardOnly, Results& results);
   // One method per action kind. `start` is when the action's compute began;
   // an action that waits for a receive moves it past the wait.
-  void postReceives(size_t begin, size_t end, bool forwardOnly);
+  void postReceive(const Action& a);
   void forwardAction(const Action& a, const InputFn& inputOf, bool forwardOnly, Results& results,
                      TimePoint& start);
   std::vector<at::Tensor> forwardInputs(const Action& a, const InputFn& inputOf, bool forwardOnly,
@@ -181,7 +184,6 @@ class PipelineExecutor {
   // Received activations of `stage`: the number of tensors and their dtypes
   // (not their shapes) must be those of the stage's first input.
   void checkSignature(int stage, int microbatch, const std::vector<at::Tensor>& received);
-  int tag(int direction, int boundary, int microbatch) const;
   std::string describe(const char* what, int stage, int microbatch) const;
   // The ledger's id of list position `index`: absolute over a stream.
   TransferId idOf(size_t index) const { return static_cast<TransferId>(dropped_ + index); }
@@ -212,11 +214,9 @@ class PipelineExecutor {
   std::map<Key, std::vector<at::Tensor>> localActivations_; // stage j -> j+1 on this rank
   std::map<Key, std::vector<at::Tensor>> localGrads_;       // stage j+1 -> j on this rank
   std::map<Key, std::shared_ptr<Transfer>> recvF_, recvB_;  // posted receives
-  // Which receives post their data when, and which sends may be released:
-  // the ledger decides on ids; the handles stay here.
+  // Which sends may be released: the ledger decides on ids; the handles stay here.
   TransferLedger ledger_;
-  std::map<TransferId, std::shared_ptr<Transfer>> unposted_;  // receives waiting for the window
-  std::map<TransferId, std::shared_ptr<Transfer>> sends_;     // sends in flight
+  std::map<TransferId, std::shared_ptr<Transfer>> sends_;  // sends in flight
   // stage -> its first received input's metadata; only the count and the
   // dtypes are checked against it (shapes may change at every microbatch).
   std::map<int, std::vector<TensorMeta>> signatures_;

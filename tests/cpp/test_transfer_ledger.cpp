@@ -1,4 +1,4 @@
-// TransferLedger: the receive window and the three send-release policies.
+// TransferLedger: the three send-release policies.
 #include <gtest/gtest.h>
 
 #include <optional>
@@ -12,37 +12,8 @@ namespace {
 using Ids = std::vector<TransferLedger::Id>;
 
 TEST(TransferLedger, SizesFollowTheRankCount) {
-  const auto flush = TransferLedger::forFlush(3, {});
-  EXPECT_EQ(flush.receiveWindow(), 8u);     // 2p + 2
-  EXPECT_EQ(flush.maxSendsInFlight(), 0u);  // unbounded
-  const auto streaming = TransferLedger::forStreaming(3);
-  EXPECT_EQ(streaming.receiveWindow(), 8u);
-  EXPECT_EQ(streaming.maxSendsInFlight(), 28u);  // 4p + 16
-}
-
-TEST(TransferLedger, ReceiveWindowPostsTheFirstAndOneMorePerConsumption) {
-  auto ledger = TransferLedger::forFlush(1, {});  // window 4
-  ledger.beginReceives();
-  std::vector<bool> eager;
-  for (TransferLedger::Id id = 10; id < 17; ++id) eager.push_back(ledger.admitReceive(id));
-  EXPECT_EQ(eager, (std::vector<bool>{true, true, true, true, false, false, false}));
-  EXPECT_EQ(ledger.waitingReceives(), 3u);
-  EXPECT_EQ(ledger.onReceiveConsumed(), std::optional<TransferLedger::Id>(14));
-  EXPECT_EQ(ledger.onReceiveConsumed(), std::optional<TransferLedger::Id>(15));
-  EXPECT_EQ(ledger.onReceiveConsumed(), std::optional<TransferLedger::Id>(16));
-  EXPECT_EQ(ledger.onReceiveConsumed(), std::nullopt);
-  EXPECT_EQ(ledger.onReceiveConsumed(), std::nullopt);
-}
-
-TEST(TransferLedger, BeginReceivesStartsANewWindow) {
-  auto ledger = TransferLedger::forFlush(1, {});
-  ledger.beginReceives();
-  for (TransferLedger::Id id = 0; id < 6; ++id) ledger.admitReceive(id);
-  EXPECT_EQ(ledger.waitingReceives(), 2u);
-  ledger.beginReceives();
-  EXPECT_EQ(ledger.waitingReceives(), 0u);
-  EXPECT_TRUE(ledger.admitReceive(100));
-  EXPECT_EQ(ledger.onReceiveConsumed(), std::nullopt);
+  EXPECT_EQ(TransferLedger::forFlush({}).maxSendsInFlight(), 0u);       // unbounded
+  EXPECT_EQ(TransferLedger::forStreaming(3).maxSendsInFlight(), 28u);      // 4p + 16
 }
 
 TEST(TransferLedger, ReceiptPointsReleaseOnlySendsInFlightOnce) {
@@ -50,7 +21,7 @@ TEST(TransferLedger, ReceiptPointsReleaseOnlySendsInFlightOnce) {
   std::vector<std::vector<int>> points(8);
   points[5] = {1, 3};
   points[7] = {4};
-  auto ledger = TransferLedger::forFlush(2, points);
+  auto ledger = TransferLedger::forFlush(points);
   EXPECT_TRUE(ledger.isReceiptPoint(5));
   EXPECT_FALSE(ledger.isReceiptPoint(4));
   EXPECT_FALSE(ledger.isReceiptPoint(99));
@@ -65,7 +36,7 @@ TEST(TransferLedger, ReceiptPointsReleaseOnlySendsInFlightOnce) {
 }
 
 TEST(TransferLedger, GradientReleasesItsForwardSend) {
-  auto ledger = TransferLedger::forFlush(2, {});
+  auto ledger = TransferLedger::forFlush({});
   ledger.sendIssued(0, std::make_pair(0, 7));
   ledger.sendIssued(2);  // a SEND_B: no gradient releases it
   EXPECT_EQ(ledger.releaseByGradient(0, 6), std::nullopt);
@@ -78,7 +49,7 @@ TEST(TransferLedger, GradientReleasesItsForwardSend) {
 TEST(TransferLedger, ReceiptPointForgetsTheForwardSend) {
   std::vector<std::vector<int>> points(4);
   points[3] = {0};
-  auto ledger = TransferLedger::forFlush(2, points);
+  auto ledger = TransferLedger::forFlush(points);
   ledger.sendIssued(0, std::make_pair(1, 2));
   EXPECT_EQ(ledger.releaseAtReceiptPoint(3), Ids{0});
   EXPECT_EQ(ledger.releaseByGradient(1, 2), std::nullopt);
@@ -96,25 +67,22 @@ TEST(TransferLedger, BoundReleasesTheOldest) {
 }
 
 TEST(TransferLedger, FlushHasNoBound) {
-  auto ledger = TransferLedger::forFlush(1, {});
+  auto ledger = TransferLedger::forFlush({});
   for (TransferLedger::Id id = 0; id < 50; ++id) ledger.sendIssued(id);
   EXPECT_EQ(ledger.releaseBeyondBound(), Ids{});
   EXPECT_EQ(ledger.sendsInFlight(), 50u);
 }
 
 TEST(TransferLedger, ReleaseAllAndClear) {
-  auto ledger = TransferLedger::forFlush(1, {});
+  auto ledger = TransferLedger::forFlush({});
   ledger.sendIssued(5);
   ledger.sendIssued(2, std::make_pair(0, 0));
   EXPECT_EQ(ledger.releaseAll(), (Ids{2, 5}));
   EXPECT_EQ(ledger.releaseAll(), Ids{});
   EXPECT_EQ(ledger.releaseByGradient(0, 0), std::nullopt);
   ledger.sendIssued(1);
-  ledger.beginReceives();
-  for (TransferLedger::Id id = 0; id < 6; ++id) ledger.admitReceive(id);
   ledger.clear();
   EXPECT_EQ(ledger.sendsInFlight(), 0u);
-  EXPECT_EQ(ledger.waitingReceives(), 0u);
 }
 
 }  // namespace
