@@ -643,8 +643,12 @@ class PipeDream:
             ``peak_sends_in_flight`` (most sends whose buffers were held at once),
             ``peak_weight_versions`` (per stage; asynchronous schedules),
             ``seconds_by_kind`` (``F``, ``B``, ``RECV_F`` waits, ...), and the transfer
-            counts ``sends``, ``receives``, ``preposted_receives`` (data buffers
-            posted before the peer sent; see docs/runtime.md) and ``redirected_sends``.
+            counts ``sends``, ``receives``, ``messages_sent`` (on the wire, data and
+            side channel), ``preposted_receives`` (receives whose data was posted
+            before their consumer waited), ``redirected_sends`` (larger than their
+            slot's capacity: payload on the side channel), ``padding_bytes`` and
+            ``host_syncs`` (device-to-host copies of Gloo carrying CUDA tensors); see
+            docs/runtime.md, "Communication engine".
             On a CUDA device also ``cuda_memory_allocated`` and
             ``cuda_peak_memory_allocated`` (bytes held by this rank's stages, now and
             at most since construction or :meth:`reset_stats`).

@@ -104,6 +104,9 @@ ROWS: List[Tuple[str, str, str, str]] = [
     ("peer-count", "a peer announces 99 tensors", r"header announces 99 tensors", "here"),
     ("peer-negative-size", "a peer announces a negative size", r"header announces a negative size -3", "here"),
     ("peer-dtype", "a peer announces an unknown dtype", r"header announces an unknown dtype 999", "here"),
+    ("peer-order", "a peer sends another transfer than the one due (a different schedule or order)",
+     r"rank 1 sent transfer F0:0 where this rank expected B0:0 \(the two ranks issue this pair's "
+     r"transfers in different orders", "here"),
     ("peer-gradient-shape", "a peer sends a gradient of the wrong shape",
      r"rank 1 sent a gradient Float\[2, 99\] for output 0 of Float\[2, 12\]; every rank must run the same model", "here"),
     ("peer-dead", "a peer dies mid-step", r"failed or timed out .*is rank 1 alive",
@@ -190,12 +193,36 @@ def _expect(row_id: str, fn: Callable[[], Any]) -> None:
     assert re.search(_message(row_id), str(info.value)), (row_id, str(info.value))
 
 
-def _header(words: Dict[int, int]) -> torch.Tensor:
-    header = torch.zeros(82, dtype=torch.int64)
-    header[0] = 0x50495045  # "PIPE"
+# The fused wire format (csrc/runtime/comm_engine.h): int64 words magic, forward,
+# boundary, microbatch, redirected, packed bytes, tensor count, then per tensor
+# dtype, ndim and its sizes; the payload follows at 64-byte aligned offsets.
+MAGIC, FLOAT = 0x50495045, 6  # "PIPE", at::kFloat
+GRADIENT_0 = {1: 0, 2: 0, 3: 0}  # the gradient of microbatch 0 across boundary 0
+
+
+def _header(words: Dict[int, int], size: int = 64) -> torch.Tensor:
+    """A ``size``-byte message whose header has the given words (the rest zero)."""
+    header = torch.zeros(size // 8, dtype=torch.int64)
+    header[0] = MAGIC
     for index, value in words.items():
         header[index] = value
-    return header
+    return header.view(torch.uint8)
+
+
+def _redirected(full: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The 64-byte message the receiver posted for a slot it has not seen (a header
+    redirecting to the side channel) and ``full``, the packed message that follows there."""
+    return _header({**GRADIENT_0, 4: 1, 5: full.numel()}), full
+
+
+def _gradient(shape: Tuple[int, int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A well-formed gradient transfer of ``shape``, redirected (see :func:`_redirected`)."""
+    payload = torch.zeros(shape)
+    packed = 128 + -(-payload.numel() * 4 // 64) * 64
+    words = {**GRADIENT_0, 5: packed, 6: 1, 7: FLOAT, 8: 2, 9: shape[0], 10: shape[1]}
+    full = _header(words, packed)
+    full[128:128 + payload.numel() * 4] = payload.view(-1).view(torch.uint8)
+    return _redirected(full)
 
 
 def check_world_rows() -> None:
@@ -235,29 +262,36 @@ def check_loss_shape_row() -> None:
 def check_hostile_peer_rows() -> None:
     """Rank 1 builds the pipeline, then plays stage 1 by hand with malformed headers."""
     import pipedream_ext as pd
+    from pipedream_ext import _groups
 
-    # RECV_B of stage 0, microbatch 0, 2 stages: tag ((1 * 2 + 0) * 2^15 + 0) * 32 + part.
-    recv_b_tag = (1 * 2 + 0) * (1 << 15) * 32
+    # (the message on the pipeline's group, the one on the side group or None)
     cases = [
-        ("peer-magic", _header({0: 12345, 1: 1})),
-        ("peer-count", _header({1: 99})),
-        ("peer-negative-size", _header({1: 1, 2: 6, 3: 2, 4: 2, 5: -3})),
-        ("peer-dtype", _header({1: 1, 2: 999, 3: 2, 4: 2, 5: 12})),
-        ("peer-gradient-shape", _header({1: 1, 2: 6, 3: 2, 4: 2, 5: 99})),  # 6 = at::kFloat
+        ("peer-magic", (_header({0: 12345}), None)),
+        ("peer-count", (_header({**GRADIENT_0, 6: 99}), None)),
+        ("peer-negative-size", _redirected(_header({**GRADIENT_0, 5: 128, 6: 1, 7: FLOAT, 8: 2, 9: 2,
+                                                    10: -3}, 128))),
+        ("peer-dtype", _redirected(_header({**GRADIENT_0, 5: 128, 6: 1, 7: 999, 8: 2, 9: 2, 10: 12},
+                                           128))),
+        ("peer-order", (_header({1: 1, 2: 0, 3: 0, 5: 64}), None)),  # an activation, not the gradient
+        ("peer-gradient-shape", _gradient((2, 99))),
     ]
-    for row_id, header in cases:
+    for row_id, (message, side_message) in cases:
         pipe = pd.PipeDream(model(), **pipe_kwargs(microbatches=1, timeout=20))
         x, _ = torch.randn(2, 6), torch.randint(0, 3, (2,))
         if dist.get_rank() == 0:
             _expect(row_id, lambda: pipe.step(x, None))
         else:
-            # Take stage 0's activation (header + data) so nothing is left pending.
-            got = torch.zeros(82, dtype=torch.int64)
-            dist.recv(got, src=0, tag=0)
-            dist.recv(torch.zeros(2, 12), src=0, tag=1)
-            dist.send(header, dst=0, tag=recv_b_tag)
-            if row_id == "peer-gradient-shape":
-                dist.send(torch.zeros(2, 99), dst=0, tag=recv_b_tag + 1)
+            # Take stage 0's activation (the first of a slot: a 64-byte header on the
+            # pipeline's group, the packed message on the side group) so nothing is left
+            # pending, then answer with the malformed gradient.
+            side = _groups.side_group([0, 1])
+            got = torch.zeros(64, dtype=torch.uint8)
+            dist.recv(got, src=0)
+            packed = int(got.view(torch.int64)[5])
+            dist.recv(torch.zeros(packed, dtype=torch.uint8), src=0, group=side)
+            dist.send(message, dst=0)
+            if side_message is not None:
+                dist.send(side_message, dst=0, group=side)
         dist.barrier()
 
 
@@ -281,7 +315,7 @@ def test_every_row_is_tested_here_or_names_an_existing_test() -> None:
     here = set(IN_PROCESS) | {"balance-count", "balance-sum", "balance-empty", "world-size",
                               "replicas-zero", "too-few-layers", "config-mismatch", "plan-file",
                               "loss-shape", "peer-magic", "peer-count", "peer-negative-size",
-                              "peer-dtype", "peer-gradient-shape"}
+                              "peer-dtype", "peer-order", "peer-gradient-shape"}
     for row_id, _what, _message_re, where in ROWS:
         if where == "here":
             assert row_id in here, f"row {row_id} says it is tested here but is not"

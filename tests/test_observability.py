@@ -24,7 +24,6 @@ from _multiprocess import ROOT, assert_every_rank_passed, launch_torchrun, worke
 
 MARKER = "ALL OBSERVABILITY CHECKS PASSED"
 M, STEPS, WIDTH, BATCH = 4, 3, 12, 8
-HEADER_BYTES = 82 * 8  # int64[kHeaderWords] per transfer (csrc/runtime/comm_engine.h)
 
 
 def make_model() -> nn.Sequential:
@@ -48,12 +47,15 @@ def run_checks() -> None:
 
     stats = pipe.stats()
     # Exact bytes: every microbatch's activation (rank 0) or gradient (rank 1), each
-    # (BATCH / M) x WIDTH float32 plus the header, every step.
-    per_transfer = HEADER_BYTES + (BATCH // M) * WIDTH * 4
-    assert stats["bytes_sent"] == STEPS * M * per_transfer, stats
+    # (BATCH / M) x WIDTH float32, every step (headers and padding not counted).
+    assert stats["bytes_sent"] == STEPS * M * (BATCH // M) * WIDTH * 4, stats
     assert stats["sends"] == stats["receives"] == STEPS * M, stats
-    # From the second step on, every receive was pre-posted; shapes never changed.
-    assert stats["preposted_receives"] == (STEPS - 1) * M and stats["redirected_sends"] == 0, stats
+    # One message per transfer (csrc/runtime/comm_engine.h, fused protocol), but in the
+    # first step, which learns each slot's size: a header, then the payload on the side
+    # channel. Every receive is posted at its RECV action, ahead of its consumer.
+    assert stats["messages_sent"] == STEPS * M + M and stats["redirected_sends"] == M, stats
+    assert stats["preposted_receives"] == STEPS * M and stats["padding_bytes"] == 0, stats
+    assert stats["host_syncs"] == 0, stats
     assert stats["steps"] == STEPS and stats["peak_activations"] == (2 if rank == 0 else 1), stats
     assert 0 < stats["compute_s"] <= stats["busy_s"] and 0 <= stats["bubble_fraction"] < 1, stats
     assert set(stats["seconds_by_kind"]) >= {"F", "B"}, stats
@@ -97,7 +99,8 @@ def run_checks() -> None:
 
 
 STATS_KEYS = {"compute_s", "wait_s", "busy_s", "actions", "steps", "seconds_by_kind", "bytes_sent",
-              "bytes_received", "sends", "receives", "preposted_receives", "redirected_sends",
+              "bytes_received", "sends", "receives", "messages_sent", "preposted_receives",
+              "redirected_sends", "padding_bytes", "host_syncs",
               "peak_activations", "peak_sends_in_flight", "peak_weight_versions",
               "weight_bytes_copied", "bubble_fraction"}
 

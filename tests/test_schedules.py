@@ -16,7 +16,14 @@ def test_build_exposes_actions_grid_and_figures():
     assert s.actions(3, comm=False) == [
         "3F0", "3B0", "3F1", "3B1", "3F2", "3B2", "3F3", "3B3",
         "3F4", "3B4", "3F5", "3B5", "3F6", "3B6", "3F7", "3B7", "3U1"]
-    assert s.actions(1)[:4] == ["1RECV_F0", "1F0", "1SEND_F0", "1RECV_F1"]
+    # Receives are posted ahead, as far as the pair's transfer order allows:
+    # rank 1 sends B0 to rank 0 only after rank 0's F3 arrived.
+    assert s.actions(1)[:6] == ["1RECV_F0", "1RECV_F1", "1RECV_F2", "1RECV_F3", "1F0", "1SEND_F0"]
+    pairs = dict(line.split(": ", 1) for line in s.channels().splitlines())
+    assert pairs["rank 0 -> 1"].split()[:6] == [
+        "0SEND_F0", "0SEND_F1", "0SEND_F2", "0SEND_F3", "0RECV_B0", "0SEND_F4"]
+    assert pairs["rank 1 -> 0"].split()[:6] == [
+        "1RECV_F0", "1RECV_F1", "1RECV_F2", "1RECV_F3", "1SEND_B0", "1RECV_F4"]
     grid = s.grid()
     assert grid.splitlines()[1].split()[:4] == ["rank", "0", "0F0", "0F1"]
     result = s.simulate(t_f=1.0, t_b=2.0)

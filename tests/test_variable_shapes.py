@@ -252,6 +252,12 @@ def fault_case(case: str) -> None:
     except Exception as exc:  # noqa: BLE001 - report any failure type
         print(f"RANK{rank} ERROR after {time.time() - start:.1f}s: {type(exc).__name__}: {exc}",
               flush=True)
+        if rank == 0:
+            # Rank 0 hosts the job's store in a plain launch; under torchrun the agent's
+            # store outlives a failed worker. Keep it up past the peer's timeout, so a
+            # peer that finished its part of the step (its sends were all received)
+            # learns from it which rank failed first.
+            time.sleep(8)
         os._exit(3)
     print(f"RANK{rank} NO ERROR", flush=True)
     os._exit(0)
