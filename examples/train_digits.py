@@ -73,6 +73,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-accuracy", type=float, default=0.95,
                    help="exit with status 1 below this test accuracy (default 0.95)")
+    p.add_argument("--device", default=None,
+                   help="where the stages live, e.g. cpu or cuda:0 (default: cuda:LOCAL_RANK if "
+                        "CUDA is available, else cpu)")
+    p.add_argument("--backend", default=None,
+                   help="process group backend, e.g. gloo (default: gloo on CPU, "
+                        "cpu:gloo,cuda:nccl on GPU; NCCL needs one GPU per rank)")
     return p.parse_args(argv)
 
 
@@ -86,10 +92,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         balance = [int(b) for b in balance.split(",")]
     replicas = [int(r) for r in args.replicas.split(",")] if args.replicas else None
     sample = (train_set.tensors[0][:args.batch_size], train_set.tensors[1][:args.batch_size])
+    if args.backend:  # else PipeDream creates the default group for its device
+        dist.init_process_group(args.backend)
     pipe = pd.PipeDream(make_model(args.seed), loss_fn=F.cross_entropy, schedule=args.schedule,
                         microbatches=args.microbatches, chunks=args.chunks, balance=balance,
                         vertical_sync=args.vertical_sync, recompute=args.recompute,
-                        replicas=replicas, sample=sample if balance == "auto" else None)
+                        replicas=replicas, sample=sample if balance == "auto" else None,
+                        device=args.device)
     rank = dist.get_rank()
     show = rank == 0
     # Asynchronous replicated stages take minibatches in rounds (lcm of the replica
@@ -141,7 +150,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     out = pipe.forward_only(x_test)
     correct = torch.zeros(1)
     if out is not None:  # the last stage (its first replica when replicated)
-        correct += (out.argmax(dim=1) == y_test).sum()
+        correct += (out.argmax(dim=1).cpu() == y_test).sum()
     dist.broadcast(correct, src=pipe.last_rank)
     accuracy = correct.item() / len(y_test)
     if show:

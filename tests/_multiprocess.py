@@ -67,10 +67,27 @@ def assert_every_rank_passed(result: subprocess.CompletedProcess, world: int, ma
     assert result.stdout.count(marker) == world, result.stdout[-4000:]
 
 
+# The backend the worker side runs on: "gloo" (default), or "nccl_rules" to run a
+# suite under NCCL's point-to-point rules on the CPU (tests/test_nccl_rules.py).
+BACKEND_ENV = "PIPEDREAM_TEST_BACKEND"
+
+
+def init_test_group() -> None:
+    """The default group of a test worker, on the backend ``PIPEDREAM_TEST_BACKEND`` names."""
+    backend = os.environ.get(BACKEND_ENV, "gloo")
+    if backend == "nccl_rules":
+        import pipedream_ext.testing as pdt
+
+        pdt.register_nccl_rules_backend()
+    elif backend != "gloo":
+        raise ValueError(f"{BACKEND_ENV}={backend!r}: use 'gloo' or 'nccl_rules'")
+    dist.init_process_group(backend)
+
+
 def worker_main(run_checks: Callable[[], None], marker: str) -> None:
-    """The torchrun side: Gloo group, the checks, then ``marker`` printed by every rank."""
+    """The torchrun side: the test group, the checks, then ``marker`` printed by every rank."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    init_test_group()
     run_checks()
     print(f"rank {dist.get_rank()}: {marker}", flush=True)
     dist.barrier()

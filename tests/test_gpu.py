@@ -8,11 +8,16 @@ One GPU cannot hold two NCCL ranks, so on one GPU these run:
   bit-identical (the CUDA RNG state is restored), bf16 autocast sends bf16,
   ``pipedream`` trains and flushes, a checkpoint round trip restores the weights,
   and ``stats()`` reports CUDA memory;
+* the same over the split protocol (``PIPEDREAM_P2P_PROTOCOL=split``: metadata on
+  the side group, the tensors alone on the data channel), which NCCL groups use;
 * 1 rank with ``cpu:gloo,cuda:nccl`` (the group PipeDream creates on GPUs):
-  interleaved chunks on that rank, metadata collectives on the CPU, equal to the
-  unsplit model.
+  interleaved chunks on that rank, metadata collectives on the CPU, the split
+  protocol chosen for the NCCL data channel, equal to the unsplit model;
+* the main job (examples/train_digits.py) on the GPU: one NCCL rank holding 4 stages,
+  and 2 ranks over Gloo carrying CUDA tensors.
 
-Several NCCL ranks need one GPU each; that is not run here.
+Several NCCL ranks need one GPU each; that is not run here (the ``nccl_rules``
+backend proves the protocol under NCCL's rules on the CPU: tests/test_nccl_rules.py).
 
     torchrun --standalone --nproc-per-node 2 tests/test_gpu.py
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
 import sys
 import tempfile
 
@@ -58,6 +64,9 @@ def check_flush_equals_unsplit(schedule: str, device: torch.device, optimizer: s
     ref = make_model().to(device)
     pipe = pd.PipeDream(make_model(), F.cross_entropy, schedule=schedule, microbatches=4,
                         chunks=chunks, device=device, timeout=120)
+    expected = os.environ.get("PIPEDREAM_P2P_PROTOCOL") or (
+        "split" if "nccl" in str(dist.get_backend()) else "fused")
+    assert pipe._runner.executor.protocol == expected, pipe._runner.executor.protocol  # noqa: SLF001
     make_opt = (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)) if optimizer == "sgd" \
         else (lambda ps: torch.optim.Adam(ps, lr=0.01))
     ref_opt, opt = make_opt(ref.parameters()), make_opt(pipe.parameters())
@@ -106,6 +115,9 @@ def check_bf16_and_stats(device: torch.device) -> None:
     stats = pipe.stats()
     assert stats["cuda_peak_memory_allocated"] >= stats["cuda_memory_allocated"] > 0, stats
     assert stats["bytes_sent"] > 0, stats
+    # Gloo carries CUDA tensors through pinned host buffers: one device-to-host copy per
+    # tensor sent (one per transfer here), none on the receive side.
+    assert stats["host_syncs"] == stats["sends"] > 0, stats
 
 
 def check_async_and_checkpoint(device: torch.device, directory: str) -> None:
@@ -137,6 +149,12 @@ def run_gloo_checks() -> None:
     for schedule in FLUSH:
         for optimizer in ("sgd", "adam"):
             check_flush_equals_unsplit(schedule, device, optimizer)
+    os.environ["PIPEDREAM_P2P_PROTOCOL"] = "split"  # what NCCL groups speak
+    try:
+        for schedule in ("1f1b", "zbv"):
+            check_flush_equals_unsplit(schedule, device, "adam")
+    finally:
+        del os.environ["PIPEDREAM_P2P_PROTOCOL"]
     check_recompute_restores_cuda_rng(device)
     check_bf16_and_stats(device)
     # Every rank must see the same directory (the pytest side makes one).
@@ -164,6 +182,26 @@ def test_one_nccl_rank_with_interleaved_chunks(monkeypatch) -> None:
     monkeypatch.setenv("PDGPU_NCCL", "1")
     result = launch_torchrun(os.path.abspath(__file__), world=1, timeout=600)
     assert_every_rank_passed(result, 1, MARKER)
+
+
+DIGITS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                      "train_digits.py")
+
+
+@needs_gpu
+@pytest.mark.parametrize("world, args", [
+    (1, ["--schedule", "interleaved-1f1b", "--chunks", "4"]),       # one NCCL rank, 4 stages
+    (2, ["--backend", "gloo", "--device", "cuda:0", "--schedule", "zbv", "--chunks", "2"]),
+])
+def test_digits_example_trains_on_the_gpu(world: int, args: list) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.path.dirname(DIGITS) + "/.." + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             f"--nproc-per-node={world}", DIGITS, "--epochs", "8",
+                             "--min-accuracy", "0.9", *args],
+                            capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "TEST ACCURACY" in result.stdout, result.stdout[-2000:]
 
 
 if __name__ == "__main__":

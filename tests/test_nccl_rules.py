@@ -1,0 +1,230 @@
+"""The runtime under NCCL's point-to-point rules, proven on the CPU.
+
+NCCL has no message tags (the k-th send from rank a to rank b meets the k-th
+receive at b from a) and runs each pair's operations one at a time in issue
+order. One GPU cannot host two NCCL ranks, so no lent GPU can show a protocol
+that breaks those rules; the ``nccl_rules`` backend (``pipedream_ext.testing``,
+``csrc/runtime/nccl_rules_backend.h``) keeps them on the CPU, and:
+
+* it bites: the tag-matched exchange of the engine before this one (headers on
+  tag 32T, data on 32T+k, receives pre-posted in another order than the sends)
+  and a crossing send/send order both run on Gloo and fail on it within the
+  timeout, with an error that names the operations (not a hang, not an abort);
+  the same crossing issued as a coalesced group (``batch_isend_irecv``) passes;
+* the pipeline speaks the split protocol on it (metadata on the side group, the
+  tensors alone on the data channel) and the fused one when forced, with exact
+  message counts;
+* the runtime's own suites pass on it, unchanged, as on Gloo: every schedule,
+  replicas, tied weights, variable shapes, forward_only, checkpoints, recompute,
+  2-4 ranks (each suite re-run in a pytest subprocess with
+  ``PIPEDREAM_TEST_BACKEND=nccl_rules``).
+
+    torchrun --standalone --nproc-per-node 2 tests/test_nccl_rules.py --case tagged --backend nccl_rules
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from _multiprocess import BACKEND_ENV, ROOT, launch_raw
+
+HERE = os.path.abspath(__file__)
+WAIT = datetime.timedelta(seconds=3)
+
+
+# --------------------------------------------------------------------------- exchanges
+def old_tagged_exchange(rank: int) -> None:
+    """The engine before this one: per transfer a 656-byte header on tag 32T and the data
+    on tag 32T+1; the receiver pre-posted every header first, then the data."""
+    header = torch.zeros(82, dtype=torch.int64)
+    data = torch.zeros(2, 48)  # 384 bytes
+    if rank == 0:
+        for t in (1, 2):
+            dist.send(header, 1, tag=32 * t)
+            dist.send(data, 1, tag=32 * t + 1)
+    else:
+        works = [dist.irecv(torch.zeros(82, dtype=torch.int64), 0, tag=32 * t) for t in (1, 2)]
+        works += [dist.irecv(torch.zeros(2, 48), 0, tag=32 * t + 1) for t in (1, 2)]
+        for work in works:
+            work.wait(timeout=WAIT)
+
+
+def crossing(rank: int, coalesced: bool) -> None:
+    """Both ranks send first, then receive: fine where sends are buffered, a deadlock on
+    one in-order stream per pair unless issued as one group."""
+    mine, theirs = torch.full((4,), float(rank)), torch.zeros(4)
+    peer = 1 - rank
+    if coalesced:
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer),
+                                        dist.P2POp(dist.irecv, theirs, peer)])
+    else:
+        works = [dist.isend(mine, peer), dist.irecv(theirs, peer)]
+    for work in works:
+        work.wait(timeout=WAIT)
+    assert theirs.tolist() == [float(peer)] * 4, theirs
+
+
+def pipeline_messages(protocol: str) -> None:
+    """A 2-rank 1F1B pipeline on the current group: its protocol and message counts."""
+    import pipedream_ext as pd
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    pipe = pd.PipeDream(model, F.cross_entropy, schedule="1f1b", microbatches=4, timeout=30)
+    assert pipe._runner.executor.protocol == protocol, pipe._runner.executor.protocol  # noqa: SLF001
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        pipe.step(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g))
+        if step == 0:
+            pipe.reset_stats()
+    stats = pipe.stats()
+    transfers = 2 * 4  # two steps of 4 microbatches, one transfer each way per microbatch
+    assert stats["sends"] == stats["receives"] == transfers, stats
+    # split: the metadata on the side group, then the tensor; fused: the packed message.
+    per_transfer = 2 if protocol == "split" else 1
+    assert stats["messages_sent"] == per_transfer * transfers, stats
+    assert stats["redirected_sends"] == 0 and stats["host_syncs"] == 0, stats
+
+
+def run_case(case: str, backend: str) -> None:
+    if backend == "nccl_rules":
+        import pipedream_ext.testing as pdt
+
+        pdt.register_nccl_rules_backend()
+    dist.init_process_group(backend)
+    rank = dist.get_rank()
+    start = time.time()
+    try:
+        if case == "tagged":
+            old_tagged_exchange(rank)
+        elif case in ("crossing", "coalesced"):
+            crossing(rank, coalesced=case == "coalesced")
+        else:
+            pipeline_messages(case)
+    except Exception as exc:  # noqa: BLE001 - report any failure type
+        print(f"RANK{rank} ERROR after {time.time() - start:.1f}s: {type(exc).__name__}: {exc}",
+              flush=True)
+        os._exit(3)
+    print(f"RANK{rank} PASSED", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- it bites
+@pytest.mark.parametrize("case", ["tagged", "crossing", "coalesced"])
+def test_gloo_runs_every_exchange(case: str) -> None:
+    results = launch_raw(HERE, 2, f"{case}:gloo", timeout=120)
+    assert all(r.returncode == 0 and "PASSED" in r.stdout for r in results), [r.stdout for r in results]
+
+
+def test_the_old_tagged_exchange_fails_under_nccl_rules_naming_both_sizes() -> None:
+    start = time.time()
+    results = launch_raw(HERE, 2, "tagged:nccl_rules", timeout=120)
+    receiver = results[1].stdout
+    # The second receive (a header, 656 bytes) met the second send (data, 384 bytes):
+    # with tags gone, the k-th receive takes the k-th send, whatever it is.
+    assert results[1].returncode == 3, receiver
+    assert ("receive #1 from rank 0 (656 bytes of Long) met rank 0's send #1 of 384 bytes of Float"
+            in receiver), receiver
+    assert time.time() - start < 90
+
+
+def test_a_crossing_send_send_order_times_out_under_nccl_rules_naming_the_head() -> None:
+    results = launch_raw(HERE, 2, "crossing:nccl_rules", timeout=120)
+    for rank, result in enumerate(results):
+        assert result.returncode == 3, result.stdout
+        assert (f"send #0 to rank {1 - rank} (16 bytes of Float) did not complete within 3000 ms"
+                in result.stdout), result.stdout
+        assert "is at this operation: the peer has not issued the matching receive" in result.stdout
+        assert "ERROR after 3." in result.stdout or "ERROR after 4." in result.stdout, result.stdout
+
+
+def test_the_same_crossing_as_a_coalesced_group_passes_under_nccl_rules() -> None:
+    results = launch_raw(HERE, 2, "coalesced:nccl_rules", timeout=120)
+    assert all(r.returncode == 0 and "PASSED" in r.stdout for r in results), [r.stdout for r in results]
+
+
+@pytest.mark.parametrize("backend, protocol, forced", [
+    ("nccl_rules", "split", None),   # the default on an NCCL-like data channel
+    ("nccl_rules", "fused", "fused"),
+    ("gloo", "fused", None),         # the default on Gloo
+    ("gloo", "split", "split"),
+])
+def test_the_pipeline_speaks_the_protocol_of_its_backend(backend: str, protocol: str,
+                                                         forced: str, monkeypatch) -> None:
+    if forced:
+        monkeypatch.setenv("PIPEDREAM_P2P_PROTOCOL", forced)
+    else:
+        monkeypatch.delenv("PIPEDREAM_P2P_PROTOCOL", raising=False)
+    results = launch_raw(HERE, 2, f"{protocol}:{backend}", timeout=120)
+    assert all(r.returncode == 0 and "PASSED" in r.stdout for r in results), [r.stdout for r in results]
+
+
+# --------------------------------------------------------------------------- the suites
+SUITES = {
+    # gpipe, 1f1b, interleaved-1f1b, zb-h1 on 2-4 ranks, replicas, recompute, forward_only,
+    # balance="auto", uneven batches
+    "runtime": ["tests/test_runtime.py::test_flush_schedules_match_the_unsplit_model"],
+    # zbv, dualpipev, interleaved-zb (2 and 4 ranks) and V checkpoints
+    "zero-bubble": ["tests/test_zero_bubble.py"],
+    # pipedream, pipedream-2bw (streams: always the split protocol)
+    "async": ["tests/test_async.py"],
+    # tied weights; sequence length and batch size changing every step
+    "tied-and-shapes": ["tests/test_shared_params.py",
+                        "tests/test_variable_shapes.py::test_shapes_that_change_every_step_match_the_references"],
+    # save, resume in other processes, consolidate
+    "checkpoints": ["tests/test_checkpoint.py::test_resume_in_other_processes_equals_an_uninterrupted_run",
+                    "tests/test_checkpoint.py::test_consolidate_gives_the_unsplit_models_state_dict"],
+}
+
+
+def run_suite(targets: list, protocol: str = "") -> subprocess.CompletedProcess:
+    env = dict(os.environ, **{BACKEND_ENV: "nccl_rules"})
+    env.pop("PIPEDREAM_P2P_PROTOCOL", None)
+    if protocol:
+        env["PIPEDREAM_P2P_PROTOCOL"] = protocol
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *targets],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+
+
+@pytest.mark.parametrize("suite", sorted(SUITES))
+def test_runtime_suites_pass_under_nccl_rules(suite: str) -> None:
+    result = run_suite(SUITES[suite])
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
+
+
+def test_the_fused_protocol_keeps_nccl_rules_too() -> None:
+    # One packed message per transfer at the slot's agreed capacity: sizes known to
+    # both ends in advance, so it is NCCL-safe as well (3 ranks: replicas, chunks).
+    result = run_suite(["tests/test_runtime.py::test_flush_schedules_match_the_unsplit_model[3]"],
+                       protocol="fused")
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fault", default=None, help="CASE:BACKEND (launch_raw's argument)")
+    parser.add_argument("--case", default=None)
+    parser.add_argument("--backend", default="nccl_rules")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.fault:
+        case, _, backend = args.fault.partition(":")
+        run_case(case, backend)
+    else:
+        run_case(args.case, args.backend)
+
+
+if __name__ == "__main__":
+    main()
