@@ -115,10 +115,13 @@ def check_flush(case: str, schedule: str, recompute: bool = False, evaluate: boo
                         chunks=2 if schedule == "interleaved-1f1b" else 1, timeout=60,
                         recompute=recompute)
     opt = sgd(pipe.parameters())
+    # fused (Gloo): a slot too small for a new shape sends its payload on the side
+    # channel once; split (NCCL-like backends): the metadata says the shape every time.
+    fused = pipe._runner.executor.protocol == "fused"  # noqa: SLF001 - test only
     for step, (rows, size) in enumerate(steps):
         if step == len(steps) - 1:
             changed = pipe.stats()
-            assert changed["redirected_sends"] > 0, (case, schedule, changed)
+            assert (changed["redirected_sends"] > 0) == fused, (case, schedule, changed)
             pipe.reset_stats()
         x, y = make_batch(step, rows, size)
         expected = loss_fn(ref(x), y)
@@ -129,7 +132,10 @@ def check_flush(case: str, schedule: str, recompute: bool = False, evaluate: boo
         opt.step(); opt.zero_grad()
     steady = pipe.stats()
     assert steady["redirected_sends"] == 0, (case, schedule, steady)
-    assert steady["preposted_receives"] == steady["receives"] > 0, (case, schedule, steady)
+    if fused:
+        assert steady["preposted_receives"] == steady["receives"] > 0, (case, schedule, steady)
+    else:
+        assert steady["messages_sent"] == 2 * steady["sends"] > 0, (case, schedule, steady)
     expected_weights = dict(ref.named_parameters())
     for name, param in pipe.named_parameters():
         torch.testing.assert_close(param.detach(), expected_weights[name].detach(), rtol=RTOL,
