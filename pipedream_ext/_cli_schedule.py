@@ -64,6 +64,9 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--t-allreduce", type=_cost, default=0.0,
                    help="all-reduce time of a replicated stage (default 0)")
     p.add_argument("--comm", action="store_true", help="show SEND/RECV in the grid")
+    p.add_argument("--channels", action="store_true",
+                   help="also print each rank's operations with each peer, in the order it issues "
+                        "them (the two lines of a pair mirror each other, as NCCL matches them)")
     p.add_argument("--trace", metavar="PATH", help="write a Chrome trace (chrome://tracing, Perfetto)")
     p.add_argument("--csv", metavar="PATH", help="write the lowered schedule as CSV")
     p.add_argument("--plot", metavar="PATH.png",
@@ -122,4 +125,6 @@ def _run(args: argparse.Namespace) -> int:
     width = max(len(label) for label, _ in rows)
     for label, value in rows:
         print(f"{label.ljust(width)}  {value}")
+    if args.channels:
+        print("\ntransfer order per pair of ranks:\n" + schedule.channels(), end="")
     return 0

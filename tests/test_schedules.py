@@ -137,6 +137,17 @@ def test_cli_grid_trace_and_csv(tmp_path):
     assert len(csv.read_text().splitlines()) == 4
 
 
+def test_cli_channels_print_the_mirrored_transfer_order():
+    out = _cli("schedule", "--name", "zbv", "--stages", "2", "--microbatches", "4", "--chunks", "2",
+               "--channels")
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(": ", 1) for line in out.stdout.splitlines() if line.startswith("rank "))
+    mine, theirs = lines["rank 0 -> 1"].split(), lines["rank 1 -> 0"].split()
+    assert len(mine) == len(theirs) == 16  # 4 microbatches x 2 boundaries x 2 directions
+    for a, b in zip(mine, theirs):  # the k-th send of one end is the k-th receive of the other
+        assert ("SEND" in a) != ("SEND" in b), (a, b)
+
+
 def test_cli_errors_exit_nonzero_with_the_value():
     out = _cli("schedule", "--name", "interleaved-1f1b", "--stages", "3", "--microbatches", "7",
                "--chunks", "2")
