@@ -141,7 +141,7 @@ def test_cli_channels_print_the_mirrored_transfer_order():
     out = _cli("schedule", "--name", "zbv", "--stages", "2", "--microbatches", "4", "--chunks", "2",
                "--channels")
     assert out.returncode == 0, out.stderr
-    lines = dict(line.split(": ", 1) for line in out.stdout.splitlines() if line.startswith("rank "))
+    lines = dict(line.split(": ", 1) for line in out.stdout.splitlines() if " -> " in line)
     mine, theirs = lines["rank 0 -> 1"].split(), lines["rank 1 -> 0"].split()
     assert len(mine) == len(theirs) == 16  # 4 microbatches x 2 boundaries x 2 directions
     for a, b in zip(mine, theirs):  # the k-th send of one end is the k-th receive of the other
