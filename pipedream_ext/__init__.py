@@ -6,6 +6,7 @@ from . import schedules
 from ._checkpoint import CheckpointError, CheckpointInfo, consolidate, load_checkpoint, save_checkpoint
 from ._materialize import layer_seed, materialize
 from ._pipe import NonFiniteError, PipeDream
+from ._step_loss import StepLoss
 from ._profiler import profile
 from .planner import Plan, ProfileGraph, Stage, Topology, load_profile, plan
 
@@ -13,6 +14,7 @@ __all__ = [
     "schedules",
     "PipeDream",
     "NonFiniteError",
+    "StepLoss",
     "Plan",
     "ProfileGraph",
     "Stage",

@@ -18,12 +18,12 @@ import datetime
 import json
 import time
 import zlib
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["metadata_device", "all_reduce", "all_reduce_data", "broadcast_bytes", "gather_bytes",
+__all__ = ["metadata_device", "all_reduce", "all_reduce_start", "all_reduce_data", "broadcast_bytes", "gather_bytes",
            "all_gather_json", "check_same_everywhere", "measure_bandwidth", "barrier",
            "raise_if_any_failed"]
 
@@ -63,6 +63,16 @@ def all_reduce(values: List[float], group: dist.ProcessGroup, op: Any = dist.Red
     t = torch.tensor(values, dtype=dtype, device=metadata_device(group))
     dist.all_reduce(t, op=op, group=group)
     return t.cpu().tolist()
+
+
+def all_reduce_start(value: float, group: dist.ProcessGroup) -> Tuple[torch.Tensor, Any]:
+    """Starts summing one number over ``group`` (float64, on the metadata device).
+
+    Returns:
+        The tensor being reduced and the all-reduce's handle (``wait()`` before reading).
+    """
+    t = torch.tensor([value], dtype=torch.float64, device=metadata_device(group))
+    return t, dist.all_reduce(t, group=group, async_op=True)
 
 
 def all_reduce_data(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:

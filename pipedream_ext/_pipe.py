@@ -25,6 +25,7 @@ from ._groups import PipelineGroups, init_default_group
 from ._observe import Observer
 from ._runners import make_runner
 from ._shared import SharedGradients, describe, find_shared, find_shared_in_stages
+from ._step_loss import StepLoss
 from ._stage_fn import NonFiniteError, StageFunction, Tensors
 from ._stages import LocalStages, even_balance, resolve_partition
 from ._startup_plan import auto_plan, check_plan_world, partition_from_plan
@@ -533,14 +534,16 @@ class PipeDream:
     # -- training -----------------------------------------------------------------------
     @_faults.names_first_failure
     def step(self, inputs: Optional[Tensors], targets: Optional[Any],
-             optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[float]:
+             optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[Union[StepLoss, float]]:
         """Runs one batch (flush schedules) or admits one minibatch (asynchronous ones).
 
         Flush schedules (``gpipe``, ``1f1b``, ``interleaved-1f1b``, ``zb-h1``, ``zbv``,
         ``dualpipev``, ``interleaved-zb``): runs
         forward and backward of the whole batch and leaves on every local parameter
-        the unsplit model's gradient; returns the batch's mean loss on every rank;
-        you step your optimizer afterwards. Asynchronous schedules (``pipedream``,
+        the unsplit model's gradient; returns the batch's mean loss on every rank as a
+        :class:`StepLoss`, a number whose all-reduce finishes in the background
+        (reading it, ``float(loss)`` or ``loss.item()``, waits; a loop that never reads
+        it never waits); you step your optimizer afterwards. Asynchronous schedules (``pipedream``,
         ``pipedream-2bw``): admits one minibatch (2bw: a batch of ``microbatches``),
         the runtime steps ``optimizer`` at every weight update, and the loss comes
         back on the last stage's rank only (``None`` elsewhere and while the

@@ -22,7 +22,7 @@ import atexit
 import gc
 import logging
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ from ._config import PipelineConfig
 from ._groups import PipelineGroups, p2p_protocol
 from ._observe import Observer
 from ._shared import SharedGradients
+from ._step_loss import StepLoss
 from ._stage_fn import NonFiniteError, StageFunction, Tensors, split_microbatches
 from ._stages import LocalStages
 
@@ -205,14 +206,15 @@ class FlushRunner(Runner):
     """One batch per ``step``, flushed; the user steps the optimizer afterwards."""
 
     def step(self, inputs: Optional[Tensors], targets: Optional[Any],
-             optimizer: Optional[torch.optim.Optimizer]) -> float:
+             optimizer: Optional[torch.optim.Optimizer]) -> Union[StepLoss, float]:
         """Runs forward and backward of one batch through the pipeline.
 
         Leaves on every local parameter the gradient of ``loss_fn(model(inputs),
         targets)`` of the unsplit model over the whole batch.
 
         Returns:
-            The batch's mean loss, on every rank (``nan`` for a skipped step).
+            The batch's mean loss, on every rank, as a :class:`StepLoss` whose all-reduce
+            finishes in the background (``nan`` for a skipped step).
 
         Raises:
             ValueError: an optimizer passed, inputs or targets missing where needed,
@@ -241,16 +243,18 @@ class FlushRunner(Runner):
                                    f"parameters in step {self.steps_run} failed or timed out: "
                                    f"{exc}") from exc
         self._finish_step()
-        # Each last-stage replica holds the scaled losses of its microbatches.
+        # Each last-stage replica holds the scaled losses of its microbatches. The sum
+        # over ranks finishes in the background; reading the loss waits for it.
         local = sum(float(l) for l in losses if l is not None) / loss_scale if self.is_last else 0.0
+        rank, step = self.groups.rank, self.steps_run - 1
+        describe = lambda: f"rank {rank}: the all-reduce of the batch loss after step {step}"  # noqa: E731
         try:
-            loss = _collectives.all_reduce([local], self.groups.group)[0]
-        except RuntimeError as exc:  # Gloo names an address; say which rank and step
-            raise RuntimeError(f"rank {self.groups.rank}: the all-reduce of the batch loss after "
-                               f"step {self.steps_run - 1} failed or timed out: {exc}") from exc
+            total, work = _collectives.all_reduce_start(local, self.groups.group)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{describe()} failed: {exc}") from exc
         if self.config.check_finite and self._check_finite_step():
             return float("nan")
-        return loss
+        return StepLoss(total, work, self.config.timeout, describe)
 
     def flush(self) -> None:
         """Nothing to drain: every step ends flushed."""

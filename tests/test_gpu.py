@@ -75,7 +75,7 @@ def check_flush_equals_unsplit(schedule: str, device: torch.device, optimizer: s
         loss = pipe.step(x, y)
         ref_loss = F.cross_entropy(ref(x), y)
         ref_loss.backward()
-        torch.testing.assert_close(torch.tensor(loss, dtype=torch.float64),
+        torch.testing.assert_close(torch.tensor(float(loss), dtype=torch.float64),
                                    ref_loss.detach().cpu().double(),
                                    rtol=RTOL, atol=ATOL)
         opt.step(), ref_opt.step()

@@ -1,0 +1,136 @@
+"""The loss ``PipeDream.step`` returns: a number whose all-reduce finishes in the background.
+
+Only the last stage's ranks know a batch's loss; every rank gets it through one
+all-reduce over the pipeline's group. Waiting for that all-reduce at the end of every
+step would hold every rank at the slowest one even when nobody reads the loss (a
+loop that logs every hundred steps). So ``step`` starts the all-reduce and returns a
+:class:`StepLoss`: reading it (``float(loss)``, ``loss.item()``, arithmetic,
+comparisons, formatting, ``print``) waits for the all-reduce, once; a loss nobody
+reads is never waited for.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import numbers
+import operator
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["StepLoss"]
+
+
+class StepLoss:
+    """A batch's mean loss, on every rank, read lazily.
+
+    Behaves as the float it holds (a registered ``numbers.Real``): ``float()``, ``.item()``
+    (as a tensor's, so a DDP loop's ``loss.item()`` keeps working), arithmetic,
+    comparisons, ``round``/``math.floor``, formatting. The first read waits for the
+    loss all-reduce (within the pipeline's timeout). ``torch.tensor`` needs a float:
+    ``torch.tensor(float(loss))``.
+
+    Args:
+        total: the all-reduced tensor (one element; being summed in the background).
+        work: the all-reduce's handle, or None when ``total`` is final.
+        timeout: seconds a read waits for the all-reduce.
+        describe: what failed, for the error of a read (``"rank 1: the all-reduce of
+            the batch loss after step 3"``).
+    """
+
+    __slots__ = ("_total", "_work", "_timeout", "_describe", "_value")
+
+    def __init__(self, total: torch.Tensor, work: Optional[dist.Work], timeout: float,
+                 describe: Callable[[], str]) -> None:
+        self._total = total
+        self._work = work
+        self._timeout = timeout
+        self._describe = describe
+        self._value: Optional[float] = None
+
+    def wait(self) -> float:
+        """Waits for the all-reduce (once) and returns the loss.
+
+        Raises:
+            RuntimeError: the all-reduce failed or timed out, naming the rank and step.
+        """
+        if self._value is None:
+            if self._work is not None:
+                try:
+                    self._work.wait(timeout=datetime.timedelta(seconds=self._timeout))
+                except RuntimeError as exc:  # Gloo names an address; say which rank and step
+                    raise RuntimeError(f"{self._describe()} failed or timed out: {exc}") from exc
+                self._work = None
+            self._value = float(self._total.item())
+            self._total = None
+        return self._value
+
+    def item(self) -> float:
+        """The loss as a Python float (as ``Tensor.item``)."""
+        return self.wait()
+
+    # -- the number: everything reads the float ------------------------------------------
+    def __float__(self) -> float:
+        return self.wait()
+
+    def __repr__(self) -> str:
+        return repr(self.wait())
+
+    def __str__(self) -> str:
+        return str(self.wait())
+
+    def __format__(self, spec: str) -> str:
+        return format(self.wait(), spec)
+
+    def __hash__(self) -> int:
+        return hash(self.wait())
+
+    def __bool__(self) -> bool:
+        return bool(self.wait())
+
+    def __trunc__(self) -> int:
+        return math.trunc(self.wait())
+
+    def __floor__(self) -> int:
+        return math.floor(self.wait())
+
+    def __ceil__(self) -> int:
+        return math.ceil(self.wait())
+
+    def __round__(self, ndigits: Optional[int] = None) -> Any:
+        return round(self.wait(), ndigits)
+
+    def __neg__(self) -> float:
+        return -self.wait()
+
+    def __pos__(self) -> float:
+        return +self.wait()
+
+    def __abs__(self) -> float:
+        return abs(self.wait())
+
+
+def _binary(op: Callable[[Any, Any], Any]) -> Callable[[StepLoss, Any], Any]:
+    def forward(self: StepLoss, other: Any) -> Any:
+        return op(self.wait(), float(other) if isinstance(other, StepLoss) else other)
+
+    return forward
+
+
+def _reflected(op: Callable[[Any, Any], Any]) -> Callable[[StepLoss, Any], Any]:
+    def reverse(self: StepLoss, other: Any) -> Any:
+        return op(other, self.wait())
+
+    return reverse
+
+
+for _name, _op in (("add", operator.add), ("sub", operator.sub), ("mul", operator.mul),
+                   ("truediv", operator.truediv), ("floordiv", operator.floordiv),
+                   ("mod", operator.mod), ("pow", operator.pow)):
+    setattr(StepLoss, f"__{_name}__", _binary(_op))
+    setattr(StepLoss, f"__r{_name}__", _reflected(_op))
+for _name, _op in (("eq", operator.eq), ("ne", operator.ne), ("lt", operator.lt),
+                   ("le", operator.le), ("gt", operator.gt), ("ge", operator.ge)):
+    setattr(StepLoss, f"__{_name}__", _binary(_op))
+numbers.Real.register(StepLoss)
