@@ -99,7 +99,7 @@ def run_worker(args: argparse.Namespace) -> int:
         mine = torch.tensor([float(values[f]) for f in FIELDS], dtype=torch.float64)
         everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
-        result.update(mode=args.worker, loss=loss, model_params=sum(
+        result.update(mode=args.worker, loss=float(loss), model_params=sum(
             p.numel() for p in model.parameters()),
             ranks=[dict(zip(FIELDS, t.tolist()), rank=r) for r, t in enumerate(everyone)])
 

@@ -102,7 +102,7 @@ def _ours_step(args: argparse.Namespace) -> Any:
         loss = pipe.step(x, y)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
+        return loss  # read only where used: reading waits for its all-reduce
 
     step.pipe = pipe
     return step
@@ -167,7 +167,7 @@ def run_worker(args: argparse.Namespace) -> int:
         make = {"torch": _torch_step, "sequential": _sequential_step}.get(args.runtime, _ours_step)
         step = make(args)
         first = step()
-        result["first_loss"] = first
+        result["first_loss"] = float(first)
         result["reference_loss"] = _reference_loss(args.width)
         for _ in range(args.warmup - 1):
             step()

@@ -643,7 +643,7 @@ def run_throughput(args: argparse.Namespace, result: Dict[str, Any]) -> None:
                     pipe = pd.PipeDream(twin, lossf, schedule=schedule, microbatches=M, balance=balance,
                                         timeout=args.pipe_timeout)
                 info["build_s"] = time.perf_counter() - t0
-                loss = pipe.step(cx, cy)
+                loss = float(pipe.step(cx, cy))
                 diff, scale, missing = _grad_check([(names[n], p.grad) for n, p in pipe.named_parameters()],
                                                    ref_grads)
                 params = list(pipe.parameters())
@@ -776,7 +776,7 @@ def run_probe(args: argparse.Namespace) -> Dict[str, Any]:
         diff, scale, _ = _grad_check([(n, p.grad) for n, p in pipe.named_parameters()], ref_grads)
         t = torch.tensor([diff, scale], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out["pipedream_ext"] = {"loss": loss, "loss_diff": abs(loss - ref_loss), "grad_max_diff": float(t[0]),
+        out["pipedream_ext"] = {"loss": float(loss), "loss_diff": abs(loss - ref_loss), "grad_max_diff": float(t[0]),
                                 "grad_max": float(t[1]), "live": pipe.traced.live}
         out["torch"] = {}
         for name in probe["torch"][:1 if args.smoke else None]:

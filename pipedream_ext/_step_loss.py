@@ -27,9 +27,10 @@ class StepLoss:
 
     Behaves as the float it holds (a registered ``numbers.Real``): ``float()``, ``.item()``
     (as a tensor's, so a DDP loop's ``loss.item()`` keeps working), arithmetic,
-    comparisons, ``round``/``math.floor``, formatting. The first read waits for the
-    loss all-reduce (within the pipeline's timeout). ``torch.tensor`` needs a float:
-    ``torch.tensor(float(loss))``.
+    comparisons, ``round``/``math.floor``, formatting, ``numpy.asarray``, pickling (as
+    the float). The first read waits for the loss all-reduce (within the pipeline's
+    timeout). What accepts only ``float`` itself (``json``, ``torch.tensor``, some
+    loggers) takes ``float(loss)``.
 
     Args:
         total: the all-reduced tensor (one element; being summed in the background).
@@ -69,6 +70,14 @@ class StepLoss:
     def item(self) -> float:
         """The loss as a Python float (as ``Tensor.item``)."""
         return self.wait()
+
+    def __reduce__(self) -> Any:
+        return float, (self.wait(),)  # pickled (torch.save, queues) as the float
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        import numpy as np
+
+        return np.asarray(self.wait(), dtype=dtype)
 
     # -- the number: everything reads the float ------------------------------------------
     def __float__(self) -> float:
