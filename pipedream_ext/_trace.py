@@ -550,8 +550,8 @@ def split_model(model: nn.Module, split_points: Sequence[str],
         stage_of: instead of split points, the stage of every computing node by fx
             name (a plan's stages: ``_graph_profile.plan_stage_of``), checked by
             :func:`stage_assignment`.
-        traced: the fx graph of ``model`` already traced on these (positional)
-            ``inputs`` and its value types (``_graph_profile.trace_groups`` made them
+        traced: the fx graph of ``model`` already traced on these ``inputs`` and its
+            value types (``_graph_profile.trace_groups`` made them
             for a plan): neither traced nor run again.
 
     Returns:
@@ -568,7 +568,8 @@ def split_model(model: nn.Module, split_points: Sequence[str],
     split_points = list(split_points)
     named = isinstance(inputs, Mapping)
     if traced is not None:
-        (gm, kinds), input_names, output_spec, tracer = traced, None, None, "fx"
+        (gm, kinds), output_spec, tracer = traced, None, "fx"
+        input_names = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
     else:
         gm, input_names, output_spec, tracer = _trace_or_export(model, inputs, concrete_args)
         kinds = None
