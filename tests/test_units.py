@@ -152,7 +152,7 @@ def test_config_checks_name_the_value_and_the_fix() -> None:
         (dict(schedule="pipedream", microbatches=2, check_finite="skip"), "needs a flush schedule"),
         (dict(schedule="1f1b", microbatches=2, check_finite="maybe"), "check_finite='maybe'"),
         (dict(schedule="1f1b", microbatches=0), "microbatches must be a positive integer"),
-        (dict(schedule="1f1b", microbatches=2, timeout=0), "timeout must be > 0"),
+        (dict(schedule="1f1b", microbatches=2, timeout=0), "timeout must be a finite number of seconds > 0"),
         (dict(schedule="zbv", microbatches=2), r"exactly 2 chunks per rank in a V .*use chunks=2"),
         (dict(schedule="dualpipev", microbatches=4, chunks=3), r"got chunks=3\); use chunks=2"),
     ]
