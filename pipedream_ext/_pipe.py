@@ -819,6 +819,11 @@ def _prepare_model(module: nn.Module, split_points: Optional[Sequence[str]],
     elif concrete_args is not None:
         raise ValueError("concrete_args fixes forward arguments for tracing, which an "
                          "nn.Sequential never needs; drop concrete_args")
+    if isinstance(balance, (str, os.PathLike)) and str(balance) != "auto" and \
+            not os.path.isfile(balance):
+        raise ValueError(f"balance={os.fspath(balance)!r} is neither 'auto' nor a plan file (no such "
+                         "file); give layer counts as a list (balance=[4, 4]), 'auto' to plan at "
+                         "start-up, or the path of a plan.json")
     init_seed = _materialize.check_seed(init_seed)
     deferred = _materialize.has_meta_tensors(module)
     if deferred:

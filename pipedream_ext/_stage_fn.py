@@ -26,6 +26,10 @@ _log = logging.getLogger(__name__)
 Tensors = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
 
 
+#: Where a tensor leaf of an evaluation output was (the executor returns the tensors).
+_TENSOR = object()
+
+
 class NonFiniteError(RuntimeError):
     """NaN or inf appeared in a stage's output or gradients (``check_finite="raise"``)."""
 
@@ -244,7 +248,7 @@ class StageFunction:
         """The last stage's evaluation output as its tensors; its structure and other
         leaves are kept for :meth:`take_eval_outputs`."""
         leaves, spec = pytree.tree_flatten(out)
-        self.eval_structure[microbatch] = (spec, [None if isinstance(v, torch.Tensor) else v
+        self.eval_structure[microbatch] = (spec, [_TENSOR if isinstance(v, torch.Tensor) else v
                                                   for v in leaves])
         return [v for v in leaves if isinstance(v, torch.Tensor)]
 
@@ -272,7 +276,7 @@ class StageFunction:
         per_microbatch = []
         for i, (_, leaves) in zip(microbatches, structures):
             tensors = iter(outputs[i])
-            per_microbatch.append([next(tensors) if v is None else v for v in leaves])
+            per_microbatch.append([next(tensors) if v is _TENSOR else v for v in leaves])
         first_batched = next((k for k, v in enumerate(per_microbatch[0])
                               if isinstance(v, torch.Tensor) and v.dim() > 0), None)
         rows = [float(p[first_batched].shape[0]) if first_batched is not None else 1.0
