@@ -711,3 +711,31 @@ def test_find_shared_in_stages_of_a_traced_model() -> None:
     assert [(sp.names, sp.stages) for sp in shared] == [(("emb.weight", "head.weight"), (0, 1))]
     assert find_shared_in_stages(model, split_model(model, ["mid"], (torch.tensor([[1]]),))
                                  .stages)[0].name_stages == (0, 1)
+
+
+# -- the torch _C was built against ------------------------------------------------------
+def test_an_extension_built_for_another_torch_names_both_versions(monkeypatch) -> None:
+    import importlib
+
+    from pipedream_ext import _torch_check
+
+    monkeypatch.setattr(_torch_check, "required_torch", lambda: "2.13.0")
+    monkeypatch.setattr(_torch_check.torch, "__version__", "2.14.0+cpu")
+    real = importlib.import_module
+
+    def fake(name: str, *args, **kwargs):
+        if name == "pipedream_ext._C":
+            raise ImportError("_C.so: undefined symbol: _ZN3c1017RegisterOperatorsD1Ev")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(_torch_check.importlib, "import_module", fake)
+    with pytest.raises(ImportError, match=r"pipedream_ext\._C cannot be used with the installed "
+                                          r"torch 2\.14\.0: it was built against torch 2\.13\.0 "
+                                          r"\(_C\.so: undefined symbol: .*\); rebuild it against "
+                                          r"this torch \(pip install --no-build-isolation -e \. .*"
+                                          r"or install torch==2\.13\.0"):
+        _torch_check.load_extension()
+    monkeypatch.setattr(_torch_check.importlib, "import_module", real)
+    with pytest.warns(RuntimeWarning, match="installed torch 2.14.0: it was built against torch "
+                                            "2.13.0"):
+        assert _torch_check.load_extension() is _C
