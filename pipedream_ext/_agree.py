@@ -40,10 +40,11 @@ _log = logging.getLogger("pipedream_ext._pipe")
 
 _GRAPH_ADVICE = (
     "every rank traces the model itself, so its forward must compute the same thing on every "
-    "rank: no rank-dependent values, the same model code, arguments and weights-independent "
-    "constants, and no Python whose result depends on the process (a set's order decides more "
-    "than the order of independent operations; run with the same PYTHONHASHSEED to confirm); "
-    "see docs/tracing.md#one-graph-on-every-rank")
+    "rank: build the model the same way everywhere (code, config, buffers), and let nothing "
+    "that differs between processes decide what the forward computes (the rank, an "
+    "environment variable, a set's iteration order beyond the order of independent "
+    "operations: run every rank with the same PYTHONHASHSEED to check); see "
+    "docs/tracing.md#one-graph-on-every-rank")
 _LAYERS_ADVICE = ("every rank must build the same model (same code, arguments and dtypes; "
                   "buffers equal: seed and load it the same way everywhere)")
 

@@ -151,17 +151,22 @@ def node_digests(gm: fx.GraphModule, own_tensors: Optional[Set[str]] = None,
     own_tensors = own_tensors if own_tensors is not None else set()
     own_modules = own_modules if own_modules is not None else set()
     digests: Dict[fx.Node, str] = {}
+    described: Dict[Tuple[str, str], str] = {}  # a module called several times: hashed once
     index = 0
     for node in gm.graph.nodes:
+        path = str(node.target)
         if node.op == "placeholder":
             head = f"input {index} {node.target}"
             index += 1
         elif node.op == "get_attr":
-            head = "attr " + _attr_text(gm, str(node.target), own_tensors | own_modules)
+            if ("attr", path) not in described:
+                described[("attr", path)] = "attr " + _attr_text(gm, path, own_tensors | own_modules)
+            head = described[("attr", path)]
         elif node.op == "call_module":
-            path = str(node.target)
-            head = "module " + _module_text(gm.get_submodule(path),
-                                            path if path in own_modules else "")
+            if ("module", path) not in described:
+                described[("module", path)] = "module " + _module_text(
+                    gm.get_submodule(path), path if path in own_modules else "")
+            head = described[("module", path)]
         elif node.op == "call_function":
             head = "call " + _qualname(node.target)
         elif node.op == "call_method":

@@ -234,11 +234,12 @@ class StageFunction:
         bad = next((v for v in values if not isinstance(v, torch.Tensor)), None) \
             if isinstance(out, (tuple, list, torch.Tensor)) else out
         if bad is not None or out is None:
-            kind = type(out).__name__ if not isinstance(out, (tuple, list)) else \
-                f"{type(out).__name__} holding a {type(bad).__name__}"
+            kind = "None" if out is None else f"a {type(out).__name__}" \
+                if not isinstance(out, (tuple, list)) else \
+                f"a {type(out).__name__} holding a {type(bad).__name__}"
             raise ValueError(
                 f"rank {self.rank}: stage {stage} (layers {self.stages.partition.layer_range(stage)})"
-                f" returned a {kind}; a stage before the last must return a tensor or a tuple of "
+                f" returned {kind}; a stage before the last must return a tensor or a tuple of "
                 "tensors (they are sent to the next stage): return the tensors (e.g. "
                 "out['hidden'] instead of the dict), or give the model as a traced module "
                 "(split_points=...), which passes any values between its stages")
