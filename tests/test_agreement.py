@@ -393,9 +393,47 @@ def run_checks() -> None:
 
 
 # --------------------------------------------------------------------------- Gemma 3
+class SetOrder(nn.Module):
+    """fx's Gemma 3: two branches computed in set order, both crossing the cut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.branch = nn.ModuleDict({name: nn.Linear(6, 8) for name in eval(_LAYER_TYPES)})
+        self.sliding, self.full = nn.Linear(8, 3), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = {}
+        for name in set(self.branch):
+            h[name] = torch.tanh(self.branch[name](x))
+        return self.sliding(h["sliding_attention"]) - self.full(h["full_attention"])
+
+
+def check_set_order_on_the_fx_path() -> None:
+    import pipedream_ext as pd
+    from pipedream_ext import _collectives
+
+    x, y = batch(8)
+    pipe = pd.PipeDream(SetOrder(), **_kwargs(split_points=["sliding"], sample=(x, y)))
+    lives = _collectives.all_gather_json(pipe.traced.live, dist.group.WORLD)
+    assert lives[0] != lives[1], lives  # each rank's own names, in rank 0's order
+    ref = SetOrder()
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        x, y = batch(8, seed=30 + step)
+        loss = pipe.step(x, y)
+        want = F.cross_entropy(ref(x), y)
+        want.backward()
+        assert abs(loss - float(want)) < 1e-5, (step, loss, float(want))
+        opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
+    expected = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p, expected[name], rtol=1e-5, atol=1e-6)
+
+
 def gemma_with_other_hash_seeds() -> None:
     """Runs on 2 raw ranks whose PYTHONHASHSEED differ (see the test)."""
-    import pipedream_ext as pd
     from pipedream_ext import _collectives
     from _zoo import ZOO, check_exact
 
@@ -406,7 +444,7 @@ def gemma_with_other_hash_seeds() -> None:
     # the values crossing the cut in rank 0's order instead of its own graph order.
     lives = _collectives.all_gather_json(pipe.traced.live, dist.group.WORLD)
     assert lives[0] != lives[1], lives
-    del pd
+    check_set_order_on_the_fx_path()
 
 
 def _seeds_with_different_set_orders() -> List[str]:
@@ -424,7 +462,8 @@ def _seeds_with_different_set_orders() -> List[str]:
 
 def test_gemma3_ranks_with_other_hash_seeds_train_like_the_unsplit_model() -> None:
     """The reproduction: without the agreement, rank 1 runs its stage on the RoPE tables in
-    the other order and the first step's gradients are wrong."""
+    the other order and the first step's gradients are wrong (export path); the same with
+    a small fx model whose two branches run in set order."""
     pytest.importorskip("transformers")
     seeds = _seeds_with_different_set_orders()
     results = launch_raw(HERE, 2, "gemma", timeout=600,
