@@ -289,7 +289,8 @@ ZOO: Dict[str, ZooModel] = {m.name: m for m in [
              "two RoPE tables built in set order (PYTHONHASHSEED), local and global attention"),
 ]}
 
-#: Run by `make test`; the others are marked slow (`make test-all` runs every one).
+#: Run by `make test` on 2 ranks; the other cases are marked slow, but for one a week
+#: (`make test-all` runs every one).
 REPRESENTATIVE = ("gemma3", "llama", "t5", "bert")
 
 
