@@ -98,20 +98,9 @@ def agree_at_construction(group: dist.ProcessGroup, config: Mapping[str, Any],
     stages = [g["stages"] for g in gathered]
     for j in range(len(stages[0])):
         digests = [s[j] for s in stages]
-        if _same(digests):
-            continue
-        other = next(r for r, d in enumerate(digests) if d != digests[0])
-        details = _collectives.all_gather_json([e.to_json() for e in fingerprint.entries(j)],
-                                               group)
-        theirs, ours = (first_difference([Entry.from_json(e) for e in details[other]],
-                                         [Entry.from_json(e) for e in details[0]]))
-        what = "traced different graphs" if fingerprint.kind == "graph" else "built different models"
-        there = f"`{theirs.text}`" if theirs else "nothing in its place"
-        here = f"`{ours.text}`" if ours else "nothing in its place"
-        raise ValueError(
-            f"rank {rank}: ranks {what}: stage {j} differs between rank 0 and rank {other}: rank "
-            f"{other} has {there} where rank 0 has {here}; "
-            + (_GRAPH_ADVICE if fingerprint.kind == "graph" else _LAYERS_ADVICE))
+        if not _same(digests):
+            other = next(r for r, d in enumerate(digests) if d != digests[0])
+            raise _stage_difference(group, fingerprint, j, other)
     if fingerprint.kind == "graph" and gathered[rank]["cuts"] != gathered[0]["cuts"]:
         moved = [k + 1 for k, (a, b) in enumerate(zip(gathered[rank]["cuts"], gathered[0]["cuts"]))
                  if a != b]
@@ -120,6 +109,23 @@ def agree_at_construction(group: dist.ProcessGroup, config: Mapping[str, Any],
                   "in rank 0's order", rank, "s" if len(moved) > 1 else "", moved)
         return gathered[0]["cuts"]
     return None
+
+
+def _stage_difference(group: dist.ProcessGroup, fingerprint: StagesFingerprint, stage: int,
+                      other: int) -> ValueError:
+    """The error naming where ``stage`` first differs between rank 0 and rank ``other``:
+    every rank gathers every rank's entries of that stage (collective) and words it alike."""
+    details = _collectives.all_gather_json([e.to_json() for e in fingerprint.entries(stage)],
+                                           group)
+    theirs, ours = first_difference([Entry.from_json(e) for e in details[other]],
+                                    [Entry.from_json(e) for e in details[0]])
+    what = "traced different graphs" if fingerprint.kind == "graph" else "built different models"
+    there = f"`{theirs.text}`" if theirs else "nothing in its place"
+    here = f"`{ours.text}`" if ours else "nothing in its place"
+    return ValueError(
+        f"rank {dist.get_rank(group)}: ranks {what}: stage {stage} differs between rank 0 and "
+        f"rank {other}: rank {other} has {there} where rank 0 has {here}; "
+        + (_GRAPH_ADVICE if fingerprint.kind == "graph" else _LAYERS_ADVICE))
 
 
 def _describe_value(value: Any) -> Dict[str, Any]:
