@@ -45,8 +45,8 @@ _GRAPH_ADVICE = (
     "environment variable, a set's iteration order beyond the order of independent "
     "operations: run every rank with the same PYTHONHASHSEED to check); see "
     "docs/tracing.md#one-graph-on-every-rank")
-_LAYERS_ADVICE = ("every rank must build the same model (same code, arguments and dtypes; "
-                  "buffers equal: seed and load it the same way everywhere)")
+_LAYERS_ADVICE = ("every rank must build the same model (the same code, arguments and "
+                  "dtypes)")
 
 
 def _same(values: Sequence[Any]) -> bool:
@@ -122,6 +122,8 @@ def _stage_difference(group: dist.ProcessGroup, fingerprint: StagesFingerprint, 
     what = "traced different graphs" if fingerprint.kind == "graph" else "built different models"
     there = f"`{theirs.text}`" if theirs else "nothing in its place"
     here = f"`{ours.text}`" if ours else "nothing in its place"
+    if theirs and ours and theirs.text == ours.text:
+        here += " (written alike: they differ in a value, a buffer of that module)"
     return ValueError(
         f"rank {dist.get_rank(group)}: ranks {what}: stage {stage} differs between rank 0 and "
         f"rank {other}: rank {other} has {there} where rank 0 has {here}; "

@@ -18,7 +18,7 @@ depends on everything that decides what a stage computes:
   computes the same values from the same inputs, in whatever order their Python
   happened to trace independent operations;
 * an ``nn.Sequential``'s layers are described module by module (type,
-  ``extra_repr()``, parameter shapes, buffer values), position included.
+  ``extra_repr()``, tensor shapes and dtypes), position included.
 
 :class:`StagesFingerprint` holds, per stage, the digest and (on demand, for the
 error message) one readable entry per node or module, so that the first
@@ -313,17 +313,17 @@ def _layer_entries(l: int, name: str, layer: nn.Module) -> List[Entry]:
         text = f"layer {l}, module {path!r}: {type(sub).__name__}({sub.extra_repr()})"
         if tensors or values:
             text += " with " + ", ".join(tensors + values)
-        exact = [tensor_digest(b) for _, b in sub.named_buffers(recurse=False)]
         kind = f"{type(sub).__module__}.{type(sub).__qualname__}"
-        out.append(Entry(digest_text(f"{text} {kind} {exact}"), text))
+        out.append(Entry(digest_text(f"{text} {kind}"), text))
     return out
 
 
 def layers_fingerprint(module: nn.Sequential, bounds: Sequence[int]) -> StagesFingerprint:
     """The fingerprint of an ``nn.Sequential`` cut at ``bounds`` (``[0, end0, end1, ...]``):
-    every module of every layer by position, type, configuration, parameter shapes and
-    buffer values (meta tensors: shapes only). Parameter values are not compared: a
-    stage's weights live on its own ranks (replicas get their leader's)."""
+    every module of every layer by position, type, configuration and tensor shapes and
+    dtypes. Values are not compared: a stage's tensors live on its own ranks (replicas
+    get their leader's), and with deferred initialisation a rank holds real tensors
+    only for its own layers (the others stay on the meta device)."""
     children = list(module.named_children())
     by_stage = [[e for l in range(bounds[j], bounds[j + 1])
                  for e in _layer_entries(l, *children[l])] for j in range(len(bounds) - 1)]

@@ -290,8 +290,9 @@ ZOO: Dict[str, ZooModel] = {m.name: m for m in [
 ]}
 
 #: Run by `make test` on 2 ranks; the other cases are marked slow, but for one a week
-#: (`make test-all` runs every one).
-REPRESENTATIVE = ("gemma3", "llama", "t5", "bert")
+#: (`make test-all` runs every one). Gemma 3 is not among them: `make test` runs it in
+#: tests/test_agreement.py (1f1b, ranks with different hash seeds).
+REPRESENTATIVE = ("llama", "t5", "bert")
 
 
 # --------------------------------------------------------------------------- exactness

@@ -13,9 +13,10 @@ The ranks start with different ``PYTHONHASHSEED`` values, as torchrun's do: Gemm
 and ModernBERT build their two RoPE tables in ``set`` order, so their ranks trace
 them in different orders (the pipeline sends them in rank 0's order, ``_agree``).
 
-Time: `make test` runs the representative models on 2 ranks (``_zoo.REPRESENTATIVE``)
-and one of the other cases, another each ISO week; the rest are marked ``slow`` and
-run under `make test-all` (``PIPEDREAM_TEST_ALL=1``). Each run prints one line per model,
+Time: `make test` runs the representative models on 2 ranks (``_zoo.REPRESENTATIVE``;
+Gemma 3's 1f1b runs in tests/test_agreement.py) and one of the other cases, another
+each ISO week; the rest are marked ``slow`` and run under `make test-all`
+(``PIPEDREAM_TEST_ALL=1``). Each run prints one line per model,
 schedule and world with its seconds (``ZOO <model> ...``); the table in
 docs/tracing.md#the-transformers-zoo comes from them.
 
