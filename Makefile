@@ -5,7 +5,7 @@ BUILD_DIR ?= build/cmake
 SAN_BUILD_DIR ?= build/cmake-asan
 FUZZ_SECONDS ?= 60
 
-.PHONY: setup build test cpp-test cpp-test-sanitized fuzz py-test gpu-test run bench bench-network soak clean
+.PHONY: setup build test test-all cpp-test cpp-test-sanitized fuzz py-test gpu-test run bench bench-network soak clean
 
 setup:
 	PYTHON=$(PY) bash .ci/bootstrap.sh
@@ -50,6 +50,13 @@ test: setup
 	$(MAKE) cpp-test-sanitized
 	$(MAKE) py-test
 
+# Everything `make test` runs, plus the tests marked slow (the whole transformers zoo of
+# tests/test_zoo.py; `make test` runs a representative part of it): see tests/conftest.py.
+test-all: setup
+	$(MAKE) cpp-test
+	$(MAKE) cpp-test-sanitized
+	PIPEDREAM_TEST_ALL=1 $(MAKE) py-test
+
 # The README's main job: 4-stage pipeline training of a CNN on digits (CPU).
 run: setup
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc-per-node 4 examples/train_digits.py
@@ -68,6 +75,7 @@ bench: setup
 	$(PY) benchmarks/shape_change.py
 	$(PY) benchmarks/deferred_init.py
 	$(PY) benchmarks/traced.py
+	$(PY) benchmarks/agreement.py
 	$(PY) benchmarks/update_readme.py
 
 # Time to accuracy on an emulated 4-host cluster (network namespaces, tc-limited

@@ -2,14 +2,21 @@
 
 Install against the already installed torch (CPU wheel here):
     pip install --no-build-isolation -e .
+
+_C links against that torch's C++ library, whose ABI changes between releases, so
+the package requires exactly that torch release (``torch==2.13.0``: the local
+version label, ``+cpu`` or ``+cu128``, is dropped so either build satisfies it);
+``pipedream_ext/__init__.py`` names both versions if _C cannot load.
 """
 import glob
 import os
 
+import torch
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+TORCH_RELEASE = torch.__version__.split("+", 1)[0]
 
 
 def _sources() -> list:
@@ -20,6 +27,7 @@ def _sources() -> list:
 
 setup(
     packages=find_packages(include=["pipedream_ext", "pipedream_ext.*"]),
+    install_requires=[f"torch=={TORCH_RELEASE}", "tqdm", "numpy"],
     ext_modules=[
         CppExtension(
             name="pipedream_ext._C",

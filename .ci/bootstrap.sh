@@ -12,6 +12,24 @@ export MAX_JOBS=${MAX_JOBS:-2}
 
 log() { echo "[bootstrap] $*"; }
 
+# pip install, quiet, without its root-user warning, failing the bootstrap when pip
+# fails (a pipe into grep would report grep's status instead of pip's).
+pip_install() {
+  local out status=0
+  out=$($PY -m pip install -q "$@" 2>&1) || status=$?
+  printf '%s\n' "$out" | grep -v -e "Running pip as the 'root' user" -e '^$' >&2 || true
+  if [ "$status" -ne 0 ]; then
+    echo "[bootstrap] pip install $* failed (exit status $status)" >&2
+    exit "$status"
+  fi
+}
+
+# Where python imports pipedream_ext from, run from / so that the current directory
+# does not hide an install of another checkout; empty if the import fails.
+imported_from() {
+  (cd / && $PY -c "import pipedream_ext; print(pipedream_ext.__file__)" 2>/dev/null) || true
+}
+
 if [ ! -f /usr/include/gtest/gtest.h ] || ! command -v cmake >/dev/null; then
   SUDO=""
   if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; fi
@@ -22,23 +40,32 @@ fi
 
 if ! $PY -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null; then
   log "installing torch==2.13.0 (CPU)"
-  $PY -m pip install -q torch==2.13.0
+  pip_install torch==2.13.0
 fi
-$PY -m pip install -q ninja pytest pytest-timeout tqdm numpy matplotlib scikit-learn 2>&1 | grep -v "Running pip as the 'root' user" || true
-# The [hf] extra, for tests/test_hf.py and examples/train_hf_gpt2.py: transformers has
-# no torch requirement, so the pinned CPU torch stays (checked with pip --dry-run).
+pip_install ninja pytest pytest-timeout tqdm numpy matplotlib scikit-learn
+# The [hf] extra, for tests/test_hf.py, tests/test_zoo.py and examples/train_hf_gpt2.py:
+# transformers has no torch requirement, so the pinned CPU torch stays (checked with
+# pip --dry-run).
 if ! $PY -c "import transformers, sys; sys.exit(transformers.__version__ != '5.23.0')" 2>/dev/null; then
   log "installing transformers==5.23.0"
-  $PY -m pip install -q transformers==5.23.0 2>&1 | grep -v "Running pip as the 'root' user" || true
+  pip_install transformers==5.23.0
 fi
 
-# Build (or rebuild) the extension when it is missing or older than csrc/.
+# Build (or rebuild) the extension when it is missing or older than csrc/, or when
+# python imports pipedream_ext from anywhere but this checkout.
+here="$PWD/pipedream_ext/__init__.py"
 so=$(ls pipedream_ext/_C*.so 2>/dev/null | head -n1 || true)
 if [ -z "$so" ] || [ -n "$(find csrc setup.py -newer "$so" -type f 2>/dev/null | head -n1)" ] \
-   || ! (cd / && $PY -c "import pipedream_ext, sys; sys.exit(pipedream_ext.__file__ != '$PWD/pipedream_ext/__init__.py')") 2>/dev/null; then
-  # (imported from / so that an editable install of another checkout is caught)
+   || [ "$(imported_from)" != "$here" ]; then
   log "building pipedream_ext._C (pip install --no-build-isolation -e .)"
-  $PY -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "Running pip as the 'root' user" || true
-  $PY -c "import pipedream_ext" || { echo "[bootstrap] build failed" >&2; exit 1; }
+  pip_install --no-build-isolation --no-deps -e .
 fi
-log "ready"
+found=$(imported_from)
+if [ "$found" != "$here" ]; then
+  echo "[bootstrap] python ($PY) imports pipedream_ext from ${found:-nowhere (the import fails)}," \
+       "not from this checkout ($here); a virtual environment with system site-packages or" \
+       "an editable install of another checkout can shadow it: use a clean venv" >&2
+  (cd / && $PY -c "import pipedream_ext") >&2 || true  # the import's own error, if any
+  exit 1
+fi
+log "ready: pipedream_ext from $here"

@@ -22,6 +22,8 @@ from typing import List, Optional
 __all__ = ["fill_blocks", "main"]
 
 LOG = logging.getLogger("update_readme")
+# A relative link target: no scheme, no leading "/" or "#", not already "../".
+LINK = re.compile(r"\]\((?![a-z][a-z0-9+.-]*:|/|#|\.\./)([^)\s]+)\)")
 BLOCK = re.compile(r"(<!-- begin (?P<name>[\w./-]+) -->\n)(?P<body>.*?)(<!-- end (?P=name) -->)",
                    re.DOTALL)
 
@@ -30,7 +32,9 @@ def fill_blocks(text: str, root: Path) -> str:
     """Returns ``text`` with every block's body replaced by ``root / name``'s content.
 
     A leading ``# Title`` line of the result file is dropped (the README has its own
-    headings) and the file's other headings go one level down.
+    headings), the file's other headings go one level down, and its relative links
+    (``![plot](throughput.png)``, relative to the result file) are made relative to
+    the README (``results/throughput.png``).
 
     Raises:
         FileNotFoundError: a block names a result file that does not exist.
@@ -46,6 +50,9 @@ def fill_blocks(text: str, root: Path) -> str:
             lines = lines[1:]
         # The README's section is "##": the file's own headings go one level down.
         body = "\n".join("#" + l if l.startswith("#") else l for l in lines).lstrip("\n")
+        folder = Path(match.group("name")).parent.as_posix()
+        if folder not in ("", "."):
+            body = LINK.sub(lambda m: f"]({folder}/{m.group(1)})", body)
         if not body.endswith("\n"):
             body += "\n"
         return match.group(1) + body + match.group(4)

@@ -86,6 +86,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-accuracy", type=float, default=0.95,
                    help="exit with status 1 below this test accuracy (default 0.95)")
+    p.add_argument("--save", default=None,
+                   help="save the trained model's whole state_dict here (torch.save), as "
+                        "make_model() loads it; a pipeline also leaves its checkpoint at SAVE.ckpt")
     return p.parse_args(argv)
 
 
@@ -176,12 +179,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.parallel == "ddp":
         with torch.no_grad():  # DDP
             out = model(x_test)  # DDP: every rank runs the whole model
+        accuracy = (out.argmax(dim=1) == y_test).double().mean().reshape(1)  # DDP: on every rank
     else:
         out = model.forward_only(x_test)  # PIPELINE: outputs on the last stage's rank, None elsewhere
-    accuracy = torch.zeros(1, dtype=torch.float64)
-    if out is not None:
-        accuracy += (out.argmax(dim=1) == y_test).double().mean()
-    dist.broadcast(accuracy, src=world - 1)  # the last rank has the outputs in both cases
+        accuracy = torch.zeros(1, dtype=torch.float64)  # PIPELINE: `out` is None on the other ranks
+        if out is not None:  # PIPELINE
+            accuracy += (out.argmax(dim=1) == y_test).double().mean()  # PIPELINE
+        dist.broadcast(accuracy, src=model.last_rank)  # PIPELINE: from the rank that has `out`
+    if args.save and args.parallel == "ddp":
+        if dist.get_rank() == 0:  # DDP
+            torch.save(model.module.state_dict(), args.save)  # DDP: rank 0 holds the whole model
+    elif args.save:
+        # model.module would be this rank's stage only: every rank saves its own stage.
+        pd.save_checkpoint(args.save + ".ckpt", model, opt)  # PIPELINE: every rank saves its stage
+        if dist.get_rank() == 0:  # PIPELINE
+            torch.save(pd.consolidate(args.save + ".ckpt"), args.save)  # PIPELINE: the whole model
     if show:
         log.info("test accuracy %.2f%% after %d epochs in %.1f s", 100 * accuracy.item(), args.epochs,
                  time.time() - start)

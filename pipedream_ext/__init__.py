@@ -1,7 +1,9 @@
 """pipedream_ext: pipeline-parallel training in the style of PipeDream."""
 import torch  # noqa: F401  (loads libc10/libtorch that _C links against)
 
-from . import _C  # noqa: F401  (fail early if the extension is not built)
+from ._torch_check import load_extension
+
+_C = load_extension()  # fails early, naming both torch versions, if _C does not fit
 from . import schedules
 from ._checkpoint import CheckpointError, CheckpointInfo, consolidate, load_checkpoint, save_checkpoint
 from ._materialize import layer_seed, materialize

@@ -289,6 +289,14 @@ def read_manifest(path: PathLike) -> Dict[str, Any]:
             end = stop
         if end != len(layers) or manifest["num_layers"] != len(layers):
             raise ValueError(f"the stages cover {end} layers but the model has {len(layers)}")
+        for field, optional in (("step", True), ("generation", False)):
+            value = manifest.get(field)
+            if (value is None and optional) or (isinstance(value, int) and
+                                                 not isinstance(value, bool) and value >= 0):
+                continue
+            raise ValueError(f"{field!r} is {value!r} ({type(value).__name__}); it must be a "
+                             f"non-negative integer{' or null' if optional else ''} (as "
+                             "save_checkpoint writes it)")
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{manifest_path} is inconsistent: {type(exc).__name__}: {exc}") from exc
     return manifest

@@ -1,8 +1,9 @@
 """The small collectives the Python layer runs, with one device rule.
 
-Owns every collective outside the C++ executor: configuration checks, plan
-broadcast, bandwidth probe, loss all-reduce, finite-check flags, trace and
-checkpoint metadata gathering. Boundary tensors, replica all-reduces and the
+Owns every collective outside the C++ executor: the agreement exchanges
+(``_agree``: arguments, stage fingerprints, batches), plan broadcast, bandwidth
+probe, loss all-reduce, finite-check flags, trace and checkpoint metadata
+gathering, and the broadcast of a replica leader's weights. Boundary tensors, replica all-reduces and the
 schedule's own traffic are the executor's (``csrc/runtime``).
 
 The device rule: a metadata tensor lives on the device the group has a backend
@@ -17,14 +18,13 @@ from __future__ import annotations
 import datetime
 import json
 import time
-import zlib
 from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["metadata_device", "all_reduce", "all_reduce_start", "all_reduce_data", "broadcast_bytes", "gather_bytes",
-           "all_gather_json", "check_same_everywhere", "measure_bandwidth", "barrier",
+__all__ = ["metadata_device", "all_reduce", "all_reduce_start", "all_reduce_data", "broadcast_data",
+           "broadcast_bytes", "gather_bytes", "all_gather_json", "measure_bandwidth", "barrier",
            "raise_if_any_failed"]
 
 
@@ -90,6 +90,21 @@ def all_reduce_data(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
                          f"(it has {sorted(types)}); create the default group with a backend for "
                          "the parameters' device, e.g. 'cpu:gloo,cuda:nccl'")
     dist.all_reduce(tensor, group=group)
+
+
+def broadcast_data(tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:
+    """Overwrites a data tensor (weights) with group rank ``src``'s, in place, on the
+    tensor's own device (the rule of :func:`all_reduce_data`).
+
+    Raises:
+        ValueError: the group has no backend for the tensor's device.
+    """
+    types = _backend_device_types(group)
+    if tensor.device.type not in types:
+        raise ValueError(f"process group {group} has no backend for {tensor.device.type} tensors "
+                         f"(it has {sorted(types)}); create the default group with a backend for "
+                         "the parameters' device, e.g. 'cpu:gloo,cuda:nccl'")
+    dist.broadcast(tensor, src=dist.get_global_rank(group, src), group=group)
 
 
 def _to_tensor(payload: bytes, size: int, device: torch.device) -> torch.Tensor:
@@ -215,15 +230,6 @@ def raise_if_any_failed(error: Optional[BaseException], group: dist.ProcessGroup
     if all(e["value"] for _, e in failed):
         raise ValueError(text) from error
     raise RuntimeError(text) from error
-
-
-def check_same_everywhere(text: str, group: dist.ProcessGroup) -> bool:
-    """Whether every rank of ``group`` passed the same ``text`` (a CRC32 min/max
-    all-reduce: two small collectives, no payload exchange)."""
-    digest = float(zlib.crc32(text.encode()))
-    low = all_reduce([digest], group, op=dist.ReduceOp.MIN)[0]
-    high = all_reduce([digest], group, op=dist.ReduceOp.MAX)[0]
-    return low == high
 
 
 def measure_bandwidth(group: dist.ProcessGroup, a: int, b: int, size: int = 4 << 20,

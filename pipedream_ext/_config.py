@@ -8,6 +8,7 @@ never from comparing names. Pure: tested in one process.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional
 
 import torch
@@ -36,6 +37,9 @@ class PipelineConfig:
         recompute: recompute activations in the backward.
         autocast: reduced-precision compute dtype, or ``None``.
         check_finite: ``None``, ``"raise"`` or ``"skip"``.
+        loss_reduction: ``"mean"`` or ``"sum"``: how ``loss_fn`` reduces over a batch.
+        check_agreement: the first calls of ``step()`` and ``forward_only()`` on which
+            every rank agrees on the call and the batch (``_agree.StepAgreement``).
     """
 
     schedule: str
@@ -47,12 +51,15 @@ class PipelineConfig:
     recompute: bool = False
     autocast: Optional[torch.dtype] = None
     check_finite: Optional[str] = None
+    loss_reduction: str = "mean"
+    check_agreement: int = 3
 
     @classmethod
     def checked(cls, schedule: str, microbatches: int, chunks: int = 1, timeout: float = 300.0,
                 vertical_sync: bool = False, recompute: bool = False,
                 autocast: Optional[torch.dtype] = None,
-                check_finite: Optional[str] = None) -> "PipelineConfig":
+                check_finite: Optional[str] = None, loss_reduction: str = "mean",
+                check_agreement: int = 3) -> "PipelineConfig":
         """Checks the arguments and returns the config.
 
         Raises:
@@ -86,10 +93,20 @@ class PipelineConfig:
                              f"chunks={chunks}); use chunks={traits.fixed_chunks}")
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive integer (got {microbatches!r})")
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds (got {timeout})")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+                not math.isfinite(timeout) or timeout <= 0:
+            raise ValueError(f"timeout must be a finite number of seconds > 0 (got {timeout!r}): "
+                             "every wait on another rank needs a bound so that a dead or stuck "
+                             "rank fails the others instead of hanging them; e.g. timeout=600")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction={loss_reduction!r}; use 'mean' (loss_fn averages over "
+                             "the batch, the default) or 'sum' (it adds)")
+        if isinstance(check_agreement, bool) or not isinstance(check_agreement, int) or \
+                check_agreement < 0:
+            raise ValueError(f"check_agreement must be a number of steps >= 0 (got "
+                             f"{check_agreement!r}); 0 turns the check of the first steps off")
         return cls(schedule, traits, microbatches, chunks, float(timeout), bool(vertical_sync),
-                   bool(recompute), autocast, check_finite)
+                   bool(recompute), autocast, check_finite, loss_reduction, check_agreement)
 
     @property
     def asynchronous(self) -> bool:

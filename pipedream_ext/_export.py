@@ -182,9 +182,18 @@ def export_model(model: nn.Module, inputs: Any, concrete_args: Optional[Mapping[
     clash = sorted(set(kwargs) & set(concrete_args or {}))
     if clash:
         raise ExportRefused(f"{clash} given both as inputs and in concrete_args; give each once")
-    kwargs.update(concrete_args or {})
-    ep = torch.export.export(model, args, kwargs, dynamic_shapes=_dynamic_shapes(model, args, kwargs),
-                             strict=False)
+    # A fixed argument that only **kwargs takes (``use_cache`` of a BERT) cannot be given to
+    # export as an input (its dynamic_shapes entry is refused): a pre-hook passes it instead.
+    explicit, hooked = _explicit_arguments(model, concrete_args or {})
+    kwargs.update(explicit)
+    hook = model.register_forward_pre_hook(lambda _m, a, k: (a, {**k, **hooked}),
+                                           with_kwargs=True) if hooked else None
+    try:
+        ep = torch.export.export(model, args, kwargs,
+                                 dynamic_shapes=_dynamic_shapes(model, args, kwargs), strict=False)
+    finally:
+        if hook is not None:
+            hook.remove()
     signature = ep.graph_signature
     _refuse_updates(model, sorted(set(signature.buffers_to_mutate.values()) |
                                   set(signature.user_inputs_to_mutate.values())))
@@ -219,6 +228,16 @@ def export_model(model: nn.Module, inputs: Any, concrete_args: Optional[Mapping[
                 f"{value.shape[0]}, but microbatches have other batch sizes; give a sample whose "
                 "batch is at least 2 and make the forward independent of the batch size")
     return gm, ([name_of[p] for p in tensor_inputs] if named else None), gm._out_spec
+
+
+def _explicit_arguments(model: nn.Module, fixed: Mapping[str, Any]
+                        ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """``fixed`` split into the arguments ``forward`` names and those only its
+    ``**kwargs`` takes."""
+    parameters = inspect.signature(model.forward).parameters
+    named = {k: v for k, v in fixed.items() if k in parameters and
+             parameters[k].kind is not inspect.Parameter.VAR_KEYWORD}
+    return named, {k: v for k, v in fixed.items() if k not in named}
 
 
 def _refuse_updates(model: nn.Module, names: Sequence[str]) -> None:

@@ -27,7 +27,15 @@ per-attempt prefix:
   time. A rank blocked in a wait still beats: it is not reported. The thread
   stops at exit (before the interpreter shuts down) and at the first store error;
 * **first failure**: every failing rank records its error (first writer wins);
-  a rank that is not the first appends it.
+  a rank that is not the first appends it;
+* **calls**: every rank's pipeline calls as it makes them (``step()`` number
+  ``k``, between calls, exited; and asynchronous minibatches left unflushed),
+  published by the heartbeat thread when they change (the main thread never
+  touches the store for it). A rank whose transfer fails compares its call
+  with its peers': a peer between calls, in another call, or exited is named
+  ("rank 0 is not in a pipeline call: it has made 3 step() calls; this rank is
+  in step() number 3"), so an extra call on one rank names that rank, not the
+  peer it waited for.
 
 Every failure is recorded (a one-sided ``ValueError``, such as missing targets,
 becomes the first failure its peers name), but only errors about a peer (a
@@ -47,13 +55,14 @@ from __future__ import annotations
 import atexit
 import functools
 import json
+import logging
 import os
 import re
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, TypeVar
 
-__all__ = ["names_first_failure", "BEAT_SECONDS", "SILENCE_SECONDS"]
+__all__ = ["names_first_failure", "watch_unflushed", "BEAT_SECONDS", "SILENCE_SECONDS"]
 
 #: Seconds between two heartbeats of a rank.
 BEAT_SECONDS = 0.5
@@ -113,27 +122,52 @@ class _Monitor:
         self.counts = {r: 0 for r in self.ranks}
         self.changed = {r: now for r in self.ranks}  # when each counter last moved
         self.failed: set = set()
+        #: Every rank's last published call status (``_Calls.status``), by rank.
+        self.statuses: Dict[int, dict] = {}
+        self.published = ""
         self.thread = threading.Thread(target=self._run, name="pipedream-heartbeat", daemon=True)
 
     def key(self, rank: int) -> str:
         return f"{self.prefix}/beat/{rank}"
 
+    def status_key(self, rank: int) -> str:
+        return f"{self.prefix}/calls/{rank}"
+
+    def publish(self) -> None:
+        """Writes this rank's call status if it changed (heartbeat thread, and at exit)."""
+        text = json.dumps(_calls.status())
+        if text != self.published:
+            self.store.set(self.status_key(self.rank), text)
+            self.published = text
+
     def _run(self) -> None:
         keys = [self.key(r) for r in self.ranks]
+        status_keys = [self.status_key(r) for r in self.ranks]
         failed_key, first_key = f"{self.prefix}/failed_ranks", f"{self.prefix}/first_failure"
         try:
             for k in keys:  # every key exists, so multi_get never waits
                 self.store.add(k, 0)
+            for k in status_keys:
+                self.store.compare_set(k, "", "{}")
             self.store.append(failed_key, "")
             self.store.compare_set(first_key, "", "")  # created empty unless a failure is in
             while not self.stop.is_set():
                 self.store.add(self.key(self.rank), 1)
-                *values, failed, first = self.store.multi_get(keys + [failed_key, first_key])
+                self.publish()
+                *values, failed, first = self.store.multi_get(
+                    keys + status_keys + [failed_key, first_key])
+                statuses = values[len(keys):]
+                values = values[:len(keys)]
                 now = time.monotonic()
                 with self._view_lock:
                     for r, v in zip(self.ranks, values):
                         if int(v) != self.counts[r]:
                             self.counts[r], self.changed[r] = int(v), now
+                    for r, v in zip(self.ranks, statuses):
+                        try:
+                            self.statuses[r] = json.loads(v.decode() or "{}")
+                        except ValueError:
+                            self.statuses[r] = {}
                     self.failed = {int(r) for r in failed.decode().split(",") if r}
                     self.first = first.decode()
                     self.rounds += 1
@@ -161,11 +195,13 @@ class _Monitor:
 
     def _silence(self) -> Dict[int, float]:
         """Seconds each other rank's counter has stood still (ranks that started
-        beating and reported no error), as of now or of the store's end."""
+        beating, reported no error and did not exit normally), as of now or of the
+        store's end."""
         with self._view_lock:
             now = time.monotonic() if self.store_ok else self.store_lost_at
             return {r: now - self.changed[r] for r in self.ranks
-                    if r != self.rank and self.counts[r] > 0 and r not in self.failed}
+                    if r != self.rank and self.counts[r] > 0 and r not in self.failed
+                    and not self.statuses.get(r, {}).get("exited")}
 
     def lost(self) -> List[int]:
         """Ranks silent for SILENCE_SECONDS that reported no error. Waits while a rank
@@ -205,6 +241,81 @@ def _stop_heartbeat() -> None:
     if monitor is not None:
         monitor.stop.set()
         monitor.thread.join(_STORE_SECONDS)
+        _calls.exiting()
+        left = sum(c[0] for c in _unflushed)
+        if left:
+            logging.getLogger("pipedream_ext._pipe").error(
+                "rank %d: the asynchronous pipeline ends with %d minibatches admitted and never "
+                "flushed: their backward passes and updates did not run, and peers still waiting "
+                "for them fail; call pipe.flush() (or pipe.close()) on every rank before the end",
+                monitor.rank, left)
+        if monitor.store_ok:  # the peers still waiting learn why (see _calls_note)
+            _in_thread(monitor.publish, _STORE_SECONDS)
+
+
+class _Calls:
+    """This rank's pipeline calls, for the peers' messages (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.current: Optional[str] = None
+        self.counts: Dict[str, int] = {}
+        self.exited = False
+
+    def enter(self, name: str) -> None:
+        number = self.counts.get(name, 0)
+        self.counts[name] = number + 1
+        self.current = f"{name}() number {number}"
+
+    def leave(self) -> None:
+        self.current = None
+
+    def exiting(self) -> None:
+        self.exited = True
+        self.current = None
+
+    def status(self) -> dict:
+        return {"in": self.current, "counts": dict(self.counts), "exited": self.exited,
+                "unflushed": sum(c[0] for c in _unflushed) if self.exited else 0}
+
+
+_calls = _Calls()
+
+
+def _made(counts: Dict[str, int]) -> str:
+    made = [f"{n} {name}() call{'s' if n != 1 else ''}" for name, n in sorted(counts.items())
+            if name != "flush"]
+    return ", ".join(made) if made else "no step() call"
+
+
+def _calls_note(monitor: "_Monitor", rank: int) -> Optional[str]:
+    """Names the peers whose pipeline call is not this rank's (between calls, in another,
+    exited), or ``None`` if every peer is in the same call."""
+    mine = _calls.current
+    if mine is None:
+        return None
+    with monitor._view_lock:  # noqa: SLF001 - the view is this module's
+        statuses = dict(monitor.statuses)
+    notes = []
+    for r in sorted(statuses):
+        status = statuses[r]
+        if r == rank or not status:
+            continue
+        made = _made(status.get("counts", {}))
+        if status.get("exited"):
+            left = status.get("unflushed", 0)
+            notes.append(f"rank {r} has ended (exited after {made}"
+                         + (f", with {left} asynchronous minibatches admitted and never flushed: "
+                            "call pipe.flush() or pipe.close() on every rank before the end"
+                            if left else "") + ")")
+        elif status.get("in") is None:
+            notes.append(f"rank {r} is not in a pipeline call (it has made {made})")
+        elif status.get("in") != mine:
+            notes.append(f"rank {r} is in {status['in']}")
+    if not notes:
+        return None
+    return (f"this rank is in {mine}, but " + "; ".join(notes) + ": every rank must call "
+            "step(), forward_only() and flush() the same number of times in the same order (a "
+            "call on one rank only, or an extra one, waits for peers that never come)")
 
 
 def _after_fork_in_child() -> None:  # a forked child (a DataLoader worker) does not beat
@@ -288,6 +399,9 @@ def _report(pipe: Any, exc: BaseException) -> None:
     if isinstance(exc, ValueError) or not _PEER_FAILURE.search(message):
         return  # a local error (the same on every rank, say): no notes
     notes = []
+    calls = _calls_note(monitor, rank) if monitor is not None else None
+    if calls:
+        notes.append(calls)
     lost = monitor.lost() if monitor is not None else []
     if lost:
         notes.append(f"lost rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}: no "
@@ -298,6 +412,18 @@ def _report(pipe: Any, exc: BaseException) -> None:
                      f"{first['rank']}: {first['error']}")
     if notes:
         exc.args = ("\n".join([message, *notes]),) + tuple(exc.args[1:])
+
+
+def watch_unflushed() -> List[int]:
+    """A counter an asynchronous runner keeps at the number of minibatches it admitted
+    and has not flushed (``counter[0]``); at exit, a non-zero total is logged as an
+    error and published for the peers' messages (the pipeline may be gone by then)."""
+    counter = [0]
+    _unflushed.append(counter)
+    return counter
+
+
+_unflushed: List[List[int]] = []
 
 
 def names_first_failure(method: F) -> F:
@@ -311,11 +437,14 @@ def names_first_failure(method: F) -> F:
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _heartbeat["monitor"] is None:
             _ensure_heartbeat()
+        _calls.enter(method.__name__)
         try:
             return method(self, *args, **kwargs)
         except BaseException as exc:
             _report(self, exc)
             raise
+        finally:
+            _calls.leave()
 
     wrapper._pipedream_names_first_failure = True  # type: ignore[attr-defined]
     return wrapper  # type: ignore[return-value]

@@ -264,15 +264,20 @@ def group_graph(gm: fx.GraphModule, kinds: Mapping[fx.Node, str],
 
 def trace_groups(model: nn.Module, inputs: Tuple[torch.Tensor, ...],
                  concrete_args: Optional[Mapping[str, Any]] = None,
-                 max_groups: int = MAX_GROUPS, depth: Optional[int] = None) -> GraphGroups:
+                 max_groups: int = MAX_GROUPS, depth: Optional[int] = None,
+                 input_names: Optional[Sequence[str]] = None) -> GraphGroups:
     """Traces ``model`` (``_trace.trace_model``) and groups its graph.
 
     The model runs once on ``inputs`` in eval mode (value types; no state changes).
 
+    Args:
+        inputs: the tensor inputs, positionally; with ``input_names``, in the graph's
+            input order (``forward``'s), each passed by that name.
+
     Raises:
         ValueError: what ``trace_model`` and :func:`group_graph` refuse.
     """
-    gm = trace_model(model, len(inputs), concrete_args)
+    gm = trace_model(model, len(inputs), concrete_args, input_names=input_names)
     return group_graph(gm, _value_kinds(gm, inputs), max_groups, depth)
 
 

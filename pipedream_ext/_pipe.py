@@ -10,6 +10,7 @@ of one step: docs/architecture.md.
 from __future__ import annotations
 
 import datetime
+import inspect
 import logging
 import os
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -20,7 +21,9 @@ from torch import nn
 
 from . import (_C, _collectives, _export, _faults, _load_state, _materialize, _model_io,
                _signals, schedules)
+from ._agree import StepAgreement, agree_at_construction
 from ._config import PipelineConfig
+from ._fingerprint import layers_fingerprint
 from ._groups import PipelineGroups, init_default_group
 from ._observe import Observer
 from ._runners import make_runner
@@ -29,7 +32,7 @@ from ._step_loss import StepLoss
 from ._stage_fn import NonFiniteError, StageFunction, Tensors
 from ._stages import LocalStages, even_balance, resolve_partition
 from ._startup_plan import auto_plan, check_plan_world, partition_from_plan
-from ._trace import TracedSplit, split_model
+from ._trace import TracedSplit, reorder_cuts, split_model
 from .planner import Plan
 
 __all__ = ["PipeDream", "NonFiniteError", "SYNCHRONOUS_SCHEDULES", "ASYNCHRONOUS_SCHEDULES",
@@ -77,7 +80,9 @@ class PipeDream:
             on the meta device (then see ``init_seed`` and ``init_fn``): an
             ``nn.Sequential``, or any ``nn.Module`` with ``split_points`` or with
             ``balance="auto"`` / a plan (traced, cut as the plan's stages say).
-        loss_fn: ``loss_fn(output, target)`` with mean reduction over the batch.
+        loss_fn: ``loss_fn(output, target)``, a scalar tensor: the mean over the batch
+            (or the sum, with ``loss_reduction="sum"``; checked once, on the first
+            microbatch).
         schedule: one of :data:`SYNCHRONOUS_SCHEDULES` or :data:`ASYNCHRONOUS_SCHEDULES`
             (what each means: ``schedules.traits(name)``).
             With ``pipedream`` every ``step`` is one minibatch and one weight update
@@ -161,12 +166,28 @@ class PipeDream:
             for tracing, e.g. ``{"use_cache": False}``; tensor inputs go in ``sample``
             and in every ``step``: a tuple (positionally) or a dict of named tensors
             (keyword arguments; every other argument then takes its default).
+        loss_reduction: ``"mean"`` (default): ``loss_fn`` averages over the batch and
+            each microbatch's loss is scaled by its share of the batch; ``"sum"``: it
+            adds, and microbatch losses are added unscaled. Either way the gradients
+            are the unsplit model's. A ``loss_fn`` that reduces otherwise than said is
+            refused at the first step, on every rank.
+        check_agreement: the first ``check_agreement`` calls of ``step()`` and of
+            ``forward_only()`` start with one small exchange in which every rank says
+            which call it is in and fingerprints the batch it was given: ranks in
+            different calls, or a first and a last stage given different batches (a
+            ``DistributedSampler`` kept from a DDP script) fail on every rank before
+            anything is sent. ``0`` turns it off; later calls cost nothing.
+
+    Every rank compares, at construction, the arguments above and a fingerprint of
+    every stage (its graph or layers; docs/tracing.md#one-graph-on-every-rank), and
+    replicas of a stage start from their leader's weights (broadcast, as DDP does).
 
     Raises:
         ValueError: bad schedule, balance, chunks or world size; a model that cannot
             be traced or bad split points (naming the module or operation); a meta module that
             cannot be initialised (no ``reset_parameters()`` and no ``init_fn``), or
-            a tensor left unset (the message names the value and the fix).
+            a tensor left unset (the message names the value and the fix); ranks that
+            disagree on an argument or built a different stage (naming it, every rank).
         RuntimeError: no process group and no torchrun environment.
     """
 
@@ -185,7 +206,8 @@ class PipeDream:
                  init_seed: int = _materialize.DEFAULT_INIT_SEED,
                  init_fn: Optional[_materialize.InitFn] = None,
                  split_points: Optional[Sequence[str]] = None,
-                 concrete_args: Optional[Mapping[str, Any]] = None) -> None:
+                 concrete_args: Optional[Mapping[str, Any]] = None,
+                 loss_reduction: str = "mean", check_agreement: int = 3) -> None:
         #: The traced model's stages (``split_points`` or a plan), else None (an nn.Sequential).
         self.traced: Optional[TracedSplit]
         self.traced, planned, deferred, init_seed = _prepare_model(
@@ -193,7 +215,8 @@ class PipeDream:
         #: Every state_dict key of the whole model and its shape (for load_state_dict).
         self._model_shapes = _load_state.key_shapes(module)
         self.config = PipelineConfig.checked(schedule, microbatches, chunks, timeout,
-                                             vertical_sync, recompute, autocast, check_finite)
+                                             vertical_sync, recompute, autocast, check_finite,
+                                             loss_reduction, check_agreement)
         self.device = _default_device() if device is None else torch.device(device)
         if self.device.type == "cuda":  # NCCL and metadata on NCCL-only groups use it
             torch.cuda.set_device(self.device)
@@ -218,12 +241,13 @@ class PipeDream:
         self.shared_parameters = (find_shared(module, partition) if self.traced is None
                                   else find_shared_in_stages(module, self.traced.stages))
         self._refuse_shared_if_asynchronous()
-        self._check_same_config_everywhere(group, num_layers, partition,
-                                           init_seed if deferred else None)
+        self._agree_everywhere(module, group, num_layers, partition,
+                               init_seed if deferred else None)
         self._stream, self._schedule = self._build_schedule(partition)
         stage_ranks = [self._schedule.stage_ranks(j) for j in range(self._schedule.num_stages)]
         self._groups = PipelineGroups.create(group, stage_ranks, self.config.timeout)
         self._stages = self._local_stages(module, partition, deferred, init_seed, init_fn)
+        self._broadcast_replicas()
         if self.traced is not None and self.traced.tracer == "export":
             for j in self._stages:  # tensors the graph creates: on this rank's device
                 _export.retarget_devices(self._stages[j], self.device)
@@ -243,10 +267,15 @@ class PipeDream:
         self._stage_fn = StageFunction(self._stages, stage_loss, self.num_stages, self.device,
                                        self.config.autocast, self.config.check_finite,
                                        raise_at_once=self.asynchronous, rank=self.rank,
-                                       recompute=self.config.recompute)
+                                       recompute=self.config.recompute,
+                                       loss_reduction=self.config.loss_reduction)
         self._runner = make_runner(self.config, self._schedule, self._stream, self._stages,
                                    self._groups, self._stage_fn, self._observer, self.device,
                                    shared_gradients=shared_gradients)
+        if self.traced is not None and self.traced.input_names is not None:
+            self._runner.input_names = list(self.traced.input_names)
+        self._agreement = StepAgreement(self.group, stage_ranks[0], stage_ranks[-1],
+                                        self.config.check_agreement)
         _log.info("rank %d: stages %s (layers %s) of %d, schedule %s, %d microbatches",
                   self.rank, self.local_stages, [self.stage_layers[j] for j in self.local_stages],
                   self.num_stages, schedule, microbatches)
@@ -338,23 +367,53 @@ class PipeDream:
         assert stages is not None
         return stages
 
-    def _check_same_config_everywhere(self, group: dist.ProcessGroup, num_layers: int,
-                                      partition: Any, init_seed: Optional[int] = None) -> None:
-        """Fails on every rank if ranks disagree on schedule, balance, model size or ties
-        (or, for a meta model, the seed, which would give replicas different weights)."""
+    def _broadcast_replicas(self) -> None:
+        """Every replica of a stage starts from its leader's weights and buffers, as DDP
+        broadcasts rank 0's at construction: models built from other seeds would otherwise
+        train different weights under one stage. One broadcast per tensor, once."""
+        for j in self._stages:
+            group = self._groups.replica_groups.get(j)
+            if group is None:
+                continue
+            module = self._stages[j]
+            tensors = [t for _, t in module.named_parameters()] + \
+                [t for _, t in module.named_buffers()]
+            with torch.no_grad():
+                for t in tensors:
+                    _collectives.broadcast_data(t.detach(), 0, group)
+
+    def _agree_everywhere(self, module: nn.Module, group: dist.ProcessGroup, num_layers: int,
+                          partition: Any, init_seed: Optional[int] = None) -> None:
+        """Fails on every rank if ranks disagree on the arguments or on what any stage
+        computes (``_agree``); a traced model whose ranks list the values crossing a cut in
+        another order takes rank 0's order.
+
+        Raises:
+            ValueError: naming the argument, or the first operation (module) that differs.
+        """
         c = self.config
-        # Shared parameters too: ranks that disagree would create different groups.
-        text = (f"{c.schedule}|{c.microbatches}|{partition.balance}|{num_layers}|"
-                f"{partition.replicas}|{[sp.names for sp in self.shared_parameters]}|"
-                f"{self.split_points}")
-        names = "schedule, microbatches, balance, layers, replicas, shared parameters, split_points"
-        if init_seed is not None:
-            text += f"|{init_seed}"
-            names += ", init_seed"
-        if not _collectives.check_same_everywhere(text, group):
-            raise ValueError(f"rank {dist.get_rank(group)}: ranks disagree on the pipeline "
-                             f"configuration (this rank: {names} = {text}); every rank must "
-                             "build PipeDream with the same arguments and model")
+        config: Dict[str, Any] = {
+            "schedule": c.schedule, "microbatches": c.microbatches, "chunks": c.chunks,
+            "balance": list(partition.balance), "layers": num_layers,
+            "replicas": list(partition.replicas),
+            # Shared parameters too: ranks that disagree would create different groups.
+            "shared parameters": [list(sp.names) for sp in self.shared_parameters],
+            "split_points": self.split_points, "vertical_sync": c.vertical_sync,
+            "recompute": c.recompute, "autocast": str(c.autocast),
+            "check_finite": c.check_finite, "loss_reduction": c.loss_reduction,
+            "check_agreement": c.check_agreement,
+            "tracer": None if self.traced is None else self.traced.tracer,
+            "input names": None if self.traced is None else self.traced.input_names}
+        if init_seed is not None:  # a meta model: replicas would get different weights
+            config["init_seed"] = init_seed
+        if self.traced is not None:
+            assert self.traced.fingerprint is not None
+            fingerprint = self.traced.fingerprint
+        else:
+            fingerprint = layers_fingerprint(module, partition.bounds())
+        orders = agree_at_construction(group, config, fingerprint)
+        if orders is not None and self.traced is not None:
+            self.traced = reorder_cuts(self.traced, orders)
 
     def _build_schedule(self, partition: Any) -> Tuple[Optional["_C.AsyncStream"],
                                                        "schedules.Schedule"]:
@@ -559,7 +618,10 @@ class PipeDream:
             ValueError: inputs or targets missing where needed, a batch smaller than
                 ``microbatches``, or an optimizer missing (asynchronous) or passed (flush).
         """
-        return self._runner.step(self._positional(inputs, "step()"), targets, optimizer)
+        given = self._positional(inputs, "step()")
+        self._agreement.check("step", given, targets,
+                              lambda: self._runner.validate("step", given, targets))
+        return self._runner.step(given, targets, optimizer)
 
     @_faults.names_first_failure
     def flush(self) -> None:
@@ -582,7 +644,10 @@ class PipeDream:
             ValueError: no inputs on stage 0's rank.
             RuntimeError: an asynchronous pipeline that was not flushed.
         """
-        out = self._runner.forward_only(self._positional(inputs, "forward_only()"))
+        given = self._positional(inputs, "forward_only()")
+        self._agreement.check("forward_only", given, None,
+                              lambda: self._runner.validate("forward_only", given, None))
+        out = self._runner.forward_only(given)
         return out if self.traced is None else _model_io.restore_output(self.traced.output_spec, out)
 
     def _positional(self, inputs: Any, call: str) -> Optional[Tensors]:
@@ -761,6 +826,11 @@ def _prepare_model(module: nn.Module, split_points: Optional[Sequence[str]],
     elif concrete_args is not None:
         raise ValueError("concrete_args fixes forward arguments for tracing, which an "
                          "nn.Sequential never needs; drop concrete_args")
+    if isinstance(balance, (str, os.PathLike)) and str(balance) != "auto" and \
+            not os.path.isfile(balance):
+        raise ValueError(f"balance={os.fspath(balance)!r} is neither 'auto' nor a plan file (no such "
+                         "file); give layer counts as a list (balance=[4, 4]), 'auto' to plan at "
+                         "start-up, or the path of a plan.json")
     init_seed = _materialize.check_seed(init_seed)
     deferred = _materialize.has_meta_tensors(module)
     if deferred:
@@ -780,38 +850,63 @@ def _is_plan(balance: Any) -> bool:
 class _PlannedTrace:
     """A traced model grouped for the planner (``_graph_profile``), waiting for its plan.
 
-    Tracing and grouping run on every rank before any communication (they are
-    deterministic: the same groups and profile node ids everywhere); rank 0 also
+    Tracing and grouping run on every rank before any communication; rank 0 also
     profiles the groups for ``balance="auto"``; every rank then cuts the model as
-    the plan's stages say.
+    the plan's stages say (and the ranks compare what they cut: ``_agree``).
+
+    Args:
+        inputs: the sample's tensor inputs in the graph's order.
+        named: the sample's inputs by name (a dict), or ``None`` (positional).
     """
 
     def __init__(self, module: nn.Module, grouped: Any, inputs: Tuple[torch.Tensor, ...],
-                 targets: Any, concrete_args: Optional[Mapping[str, Any]]) -> None:
+                 targets: Any, concrete_args: Optional[Mapping[str, Any]],
+                 named: Optional[Mapping[str, torch.Tensor]] = None) -> None:
         self.module, self.grouped = module, grouped
         self.inputs, self.targets, self.concrete_args = inputs, targets, concrete_args
+        self.named = named
 
     @classmethod
     def trace(cls, module: nn.Module, sample: Optional[Tuple[Tensors, Any]],
               concrete_args: Optional[Mapping[str, Any]]) -> "_PlannedTrace":
-        """Traces and groups ``module`` on the inputs of ``sample`` (no communication).
+        """Traces and groups ``module`` on the inputs of ``sample`` (no communication):
+        a tensor, a tuple of tensors (positional) or a dict of named tensors (keywords).
 
         Raises:
-            ValueError: no sample, a meta-device model, or an untraceable one.
+            ValueError: no sample, a meta-device model, or one torch.fx cannot trace
+                (naming split_points for a model only torch.export traces).
         """
         from ._graph_profile import trace_groups
+        from ._trace import UntraceableError
 
         if sample is None or not isinstance(sample, (tuple, list)) or len(sample) != 2:
             raise ValueError(f"{type(module).__name__} is not an nn.Sequential, so a plan runs on "
                              "its traced graph: pass sample=(inputs, targets), one batch to trace "
-                             "(and profile) it on (inputs: a tensor or a tuple of tensors)")
+                             "(and profile) it on (inputs: a tensor, a tuple of tensors or a dict "
+                             "of named tensors)")
         if _materialize.has_meta_tensors(module):
             raise ValueError("a plan for a model that is not an nn.Sequential needs its traced "
                              "graph, which runs the sample, which the meta device cannot; build "
                              "the model on a real device")
-        inputs = tuple(sample[0]) if isinstance(sample[0], (tuple, list)) else (sample[0],)
-        return cls(module, trace_groups(module, inputs, concrete_args), inputs, sample[1],
-                   concrete_args)
+        first, names = sample[0], None
+        if isinstance(first, Mapping):  # keyword tensors, in forward's order
+            _model_io.positional_inputs(list(first), first, "sample")  # tensors only
+            order = list(inspect.signature(module.forward).parameters)
+            names = sorted(first, key=lambda k: order.index(k) if k in order else len(order))
+            inputs = tuple(first[k] for k in names)
+        else:
+            inputs = tuple(first) if isinstance(first, (tuple, list)) else (first,)
+        try:
+            grouped = trace_groups(module, inputs, concrete_args, input_names=names)
+        except UntraceableError as exc:
+            raise ValueError(
+                f"{exc.reason}. balance='auto' and plan files cut torch.fx graphs (docs/tracing.md"
+                "#planning-a-traced-model-balanceauto); a model only torch.export traces (a "
+                "Hugging Face transformer) takes split_points=[module names] instead, e.g. a "
+                "decoder layer per stage boundary; for a forward that neither can trace: "
+                f"{exc.advice}") from exc
+        return cls(module, grouped, inputs, sample[1], concrete_args,
+                   dict(first) if names is not None else None)
 
     def profile_fn(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[[], Any]:
         """Rank 0's profile for ``balance="auto"``: the groups timed on the sample."""
@@ -830,7 +925,8 @@ class _PlannedTrace:
         from ._graph_profile import plan_split_labels, plan_stage_of
 
         stage_of = plan_stage_of(self.grouped, plan)
-        return split_model(self.module, plan_split_labels(self.grouped, stage_of), self.inputs,
+        return split_model(self.module, plan_split_labels(self.grouped, stage_of),
+                           self.named if self.named is not None else self.inputs,
                            self.concrete_args, stage_of=stage_of,
                            traced=(self.grouped.gm, self.grouped.kinds))
 

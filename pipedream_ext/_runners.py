@@ -27,13 +27,13 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _C, _collectives, schedules
+from . import _C, _collectives, _faults, schedules
 from ._config import PipelineConfig
 from ._groups import PipelineGroups, p2p_protocol
 from ._observe import Observer
 from ._shared import SharedGradients
+from ._stage_fn import NonFiniteError, StageFunction, Tensors, check_batch, split_microbatches
 from ._step_loss import StepLoss
-from ._stage_fn import NonFiniteError, StageFunction, Tensors, split_microbatches
 from ._stages import LocalStages
 
 __all__ = ["Runner", "FlushRunner", "StreamRunner", "make_runner"]
@@ -101,6 +101,8 @@ class Runner:
         self.shared_gradients = shared_gradients
         self.num_stages = schedule.num_stages
         self.steps_run = 0  # steps run (flush) or admitted (stream), for messages
+        #: A traced model's named inputs, in the order the runner gets them (for messages).
+        self.input_names: Optional[List[str]] = None
         self._update = _OptimizerStep()
         self.executor: Optional["_C.PipelineExecutor"] = self._make_executor(schedule._lowered)
         self._eval_executor: Optional["_C.PipelineExecutor"] = None
@@ -137,7 +139,25 @@ class Runner:
         return self.num_stages - 1 in self.stages
 
     def _split(self, value: Tensors, what: str, count: int) -> List[Tuple[torch.Tensor, ...]]:
-        return split_microbatches(value, count, self.device, what)
+        return split_microbatches(value, count, self.device, what, self.input_names)
+
+    def validate(self, call: str, inputs: Any, targets: Any) -> None:
+        """Checks a call's arguments on this rank without running anything (what the
+        call itself would refuse first), so the first calls can fail on every rank.
+
+        Raises:
+            ValueError: inputs or targets missing where needed, or a batch that cannot
+                be cut into microbatches (``_stage_fn.check_batch``).
+        """
+        per_call = self.config.microbatches if call == "forward_only" else \
+            self.config.microbatches_per_step
+        self._require(inputs, self.is_first, "inputs", f"{call}()")
+        if inputs is not None and self.is_first:
+            check_batch(inputs, per_call, "inputs", self.input_names)
+        if call == "step":
+            self._require(targets, self.is_last, "targets")
+            if targets is not None and self.is_last:
+                check_batch(targets, per_call, "targets")
 
     def _require(self, value: Any, needed: bool, what: str, call: str = "step()") -> None:
         if needed and value is None:
@@ -170,24 +190,39 @@ class Runner:
                 group=self.groups.leader_group, side=self.groups.leader_side)
         return self._eval_executor
 
-    def forward_only(self, inputs: Optional[Tensors]) -> Optional[Tensors]:
-        """Runs a batch forward without gradients; the outputs on the last stage's rank."""
+    def forward_only(self, inputs: Optional[Tensors]) -> Any:
+        """Runs a batch forward without gradients; the outputs on the last stage's rank.
+
+        The last stage's output is combined over microbatches leaf by leaf
+        (``StageFunction.take_eval_outputs``: tensors concatenated on dim 0, scalars
+        averaged by rows). A failure on one rank after its part ran (combining the
+        outputs) is raised on every rank: one flag all-reduce per call.
+        """
         self._require(inputs, self.is_first, "inputs", "forward_only()")
         executor = self._evaluation_executor()
-        if executor is None:
-            return None
-        chunks = self._split(inputs, "inputs", self.config.microbatches) if self.is_first else []
-        self.stage_fn.evaluating = True
-        try:
-            outputs = executor.run_forward([list(c) for c in chunks])
-        finally:
-            self.stage_fn.evaluating = False
-        if not self.is_last:
-            return None
-        parts = [o for o in outputs if o]
-        if len(parts[0]) == 1:
-            return torch.cat([p[0] for p in parts], dim=0)
-        return tuple(torch.cat([p[k] for p in parts], dim=0) for k in range(len(parts[0])))
+        result, error = None, None
+        if executor is not None:
+            chunks = self._split(inputs, "inputs", self.config.microbatches) \
+                if self.is_first else []
+            self.stage_fn.evaluating = True
+            try:
+                outputs = executor.run_forward([list(c) for c in chunks])
+            finally:
+                self.stage_fn.evaluating = False
+            if self.is_last:
+                try:
+                    result = self.stage_fn.take_eval_outputs(outputs)
+                except Exception as exc:  # noqa: BLE001 - reported to every rank
+                    error = exc
+        self._agree_on_error(error, "forward_only()")
+        return result
+
+    def _agree_on_error(self, error: Optional[BaseException], what: str) -> None:
+        """Raises ``error`` on every rank if any rank has one (one flag all-reduce)."""
+        failed = _collectives.all_reduce([1.0 if error is not None else 0.0],
+                                         self.groups.group)[0]
+        if failed:
+            _collectives.raise_if_any_failed(error, self.groups.group, self.config.timeout, what)
 
     # -- the family's contract -------------------------------------------------------------
     def step(self, inputs: Optional[Tensors], targets: Optional[Any],
@@ -231,6 +266,7 @@ class FlushRunner(Runner):
             self.stage_fn.targets.clear()
             self.stage_fn.targets.add(targets, m, 0, self.device)
         self.stage_fn.nonfinite_forward = None
+        self.stage_fn.deferred_error = None
         scaler = self.stage_fn.grad_scaler
         loss_scale = float(scaler.get_scale()) if scaler is not None else 1.0
         losses = self.executor.run([list(c) for c in chunks])
@@ -246,14 +282,42 @@ class FlushRunner(Runner):
         # Each last-stage replica holds the scaled losses of its microbatches. The sum
         # over ranks finishes in the background; reading the loss waits for it.
         local = sum(float(l) for l in losses if l is not None) / loss_scale if self.is_last else 0.0
+        return self._batch_loss(local)
+
+    def _batch_loss(self, local: float) -> Union[StepLoss, float]:
+        """The batch's mean loss on every rank: ``local`` summed over the group.
+
+        The first ``check_agreement`` steps (and every step with ``check_finite``) wait
+        for the all-reduce, which also carries a bad loss found on one rank (raised on
+        every rank before anybody's optimizer steps). Later steps only start it: a
+        :class:`StepLoss` waits when read; a bad loss then raises on its rank alone and
+        its peers fail naming that rank when they next need it.
+        """
         rank, step = self.groups.rank, self.steps_run - 1
         describe = lambda: f"rank {rank}: the all-reduce of the batch loss after step {step}"  # noqa: E731
+        deferred = self.stage_fn.deferred_error
+        if step < self.config.check_agreement or self.config.check_finite:
+            try:
+                loss, failed = _collectives.all_reduce([local, 1.0 if deferred else 0.0],
+                                                       self.groups.group)
+            except RuntimeError as exc:  # Gloo names an address; say which rank and step
+                raise RuntimeError(f"{describe()} failed or timed out: {exc}") from exc
+            if failed:
+                for t in self.stages.module.parameters():  # the zero loss's gradients: not the model's
+                    t.grad = None
+                _collectives.raise_if_any_failed(deferred, self.groups.group, self.config.timeout,
+                                                 f"step() number {step}")
+            if self.config.check_finite and self._check_finite_step():
+                return float("nan")
+            return StepLoss.of(loss)
+        if deferred is not None:
+            for t in self.stages.module.parameters():
+                t.grad = None
+            raise deferred
         try:
             total, work = _collectives.all_reduce_start(local, self.groups.group)
         except RuntimeError as exc:
             raise RuntimeError(f"{describe()} failed: {exc}") from exc
-        if self.config.check_finite and self._check_finite_step():
-            return float("nan")
         return StepLoss(total, work, self.config.timeout, describe)
 
     def flush(self) -> None:
@@ -310,6 +374,7 @@ class StreamRunner(Runner):
         self.admitted = 0  # minibatches (2bw: batches) admitted since the last flush
         self._peak_weight_versions: Dict[int, int] = {}
         super().__init__(*args, **kwargs)
+        self._unflushed = _faults.watch_unflushed()  # an exit without flush() is named
 
     @property
     def peak_weight_versions(self) -> Dict[int, int]:
@@ -361,6 +426,7 @@ class StreamRunner(Runner):
         self.executor.append_actions(self.stream.step_actions(self.groups.rank, self.admitted))
         losses = self.executor.run_until(self.executor.size, inputs_by_microbatch)
         self.admitted += 1
+        self._unflushed[0] = self.admitted
         self._finish_step()
         # Targets stay until their backward (a recomputed forward needs them):
         # at most 2 pipeline depths of steps behind.
@@ -395,6 +461,7 @@ class StreamRunner(Runner):
         # A new stream starts from version 0 = the current live weights.
         self.stage_fn.targets.clear()
         self.admitted = 0
+        self._unflushed[0] = 0
         self.observer.retire(self.executor)
         self.executor = self._make_executor(self.schedule._lowered)
 

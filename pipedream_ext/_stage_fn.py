@@ -13,16 +13,21 @@ import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from ._stages import LocalStages
 
-__all__ = ["NonFiniteError", "Tensors", "as_tuple", "split_microbatches", "Targets",
+__all__ = ["NonFiniteError", "Tensors", "as_tuple", "check_batch", "split_microbatches", "Targets",
            "StageFunction"]
 
 _log = logging.getLogger(__name__)
 
 Tensors = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
+
+
+#: Where a tensor leaf of an evaluation output was (the executor returns the tensors).
+_TENSOR = object()
 
 
 class NonFiniteError(RuntimeError):
@@ -33,35 +38,79 @@ def as_tuple(value: Tensors) -> Tuple[torch.Tensor, ...]:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
-def split_microbatches(value: Tensors, count: int, device: torch.device,
-                       what: str) -> List[Tuple[torch.Tensor, ...]]:
-    """Splits a batch (tensor or tuple of tensors) into ``count`` parts on dim 0.
+def check_batch(value: Tensors, count: int, what: str,
+                names: Optional[Sequence[str]] = None) -> None:
+    """Checks that a batch can be cut into ``count`` microbatches on dim 0.
+
+    Args:
+        value: the batch (tensor or tuple of tensors).
+        count: microbatches.
+        what: ``"inputs"`` or ``"targets"``, for messages.
+        names: the tensors' names (a traced model's named inputs), for messages.
 
     Raises:
-        ValueError: the batch is smaller than ``count``.
+        ValueError: a value that is not a tensor, a tensor without the batch dimension
+            (0-d, or a dim 0 other than the first tensor's: a memory bank the same for
+            every row), naming it; or a batch smaller than ``count``.
     """
-    batch = as_tuple(value)[0].shape[0]
+    tensors = as_tuple(value)
+
+    def label(k: int) -> str:
+        return f"{what} {k}" + (f" ({names[k]!r})" if names and k < len(names) else "")
+
+    for k, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{label(k)} is a {type(t).__name__}, not a tensor; a batch is a tensor "
+                             "or a tuple of tensors (fix other arguments with concrete_args)")
+    batch = tensors[0].shape[0] if tensors[0].dim() > 0 else None
+    for k, t in enumerate(tensors):
+        if t.dim() == 0 or t.shape[0] != batch:
+            rows = "is 0-dimensional" if t.dim() == 0 else f"has {t.shape[0]} rows in dim 0"
+            raise ValueError(
+                f"{label(k)} {rows} but the batch has {batch} rows ({label(0)}: "
+                f"{tuple(tensors[0].shape)}); every {what[:-1]} is cut into microbatches along dim "
+                "0, so each needs the batch dimension first. A tensor that is the same for every "
+                "row (a memory bank, a table) belongs in the model: register it as a buffer or "
+                "parameter, or expand it along a batch dimension")
     if batch < count:
         raise ValueError(f"{what} has batch size {batch}, smaller than microbatches="
                          f"{count}; use a batch of at least {count}")
+
+
+def split_microbatches(value: Tensors, count: int, device: torch.device,
+                       what: str, names: Optional[Sequence[str]] = None
+                       ) -> List[Tuple[torch.Tensor, ...]]:
+    """Splits a batch (tensor or tuple of tensors) into ``count`` parts on dim 0.
+
+    Raises:
+        ValueError: what :func:`check_batch` refuses.
+    """
+    check_batch(value, count, what, names)
     parts = [torch.tensor_split(t.to(device), count, dim=0) for t in as_tuple(value)]
     return [tuple(p[i] for p in parts) for i in range(count)]
 
 
 class Targets:
     """Targets and loss scales by microbatch id, kept until the backward that needs
-    them (a recomputed forward computes the loss again)."""
+    them (a recomputed forward computes the loss again).
 
-    def __init__(self) -> None:
+    Args:
+        loss_reduction: ``"mean"`` (a microbatch's loss is scaled by its share of the
+            batch) or ``"sum"`` (not scaled: the batch's loss is the sum).
+    """
+
+    def __init__(self, loss_reduction: str = "mean") -> None:
         self._by_microbatch: Dict[int, Tuple[Any, float]] = {}
+        self.loss_reduction = loss_reduction
 
     def add(self, targets: Any, count: int, first: int, device: torch.device) -> None:
         """Splits ``targets`` into ``count`` microbatches numbered from ``first``; each
-        one's scale is its share of the batch (the loss is a mean over the batch)."""
+        one's scale is its share of the batch (mean reduction) or 1 (sum)."""
         chunks = split_microbatches(targets, count, device, "targets")
         total = sum(c[0].shape[0] for c in chunks)
         for i, c in enumerate(chunks):
-            self._by_microbatch[first + i] = (c[0] if len(c) == 1 else c, c[0].shape[0] / total)
+            share = c[0].shape[0] / total if self.loss_reduction == "mean" else 1.0
+            self._by_microbatch[first + i] = (c[0] if len(c) == 1 else c, share)
 
     def __getitem__(self, microbatch: int) -> Tuple[Any, float]:
         return self._by_microbatch[microbatch]
@@ -96,12 +145,14 @@ class StageFunction:
         recompute: the executor runs each training forward twice, first without
             autograd, then again (with it) before the backward; the second run must
             not update running statistics a second time (see :meth:`_run_again`).
+        loss_reduction: ``"mean"`` or ``"sum"``: how ``loss_fn`` reduces over a batch
+            (checked on the first microbatch, :meth:`_check_reduction`).
     """
 
     def __init__(self, stages: LocalStages, loss_fn: Callable[..., torch.Tensor],
                  num_stages: int, device: torch.device, autocast: Optional[torch.dtype],
                  check_finite: Optional[str], raise_at_once: bool, rank: int,
-                 recompute: bool = False) -> None:
+                 recompute: bool = False, loss_reduction: str = "mean") -> None:
         self.stages = stages
         self.loss_fn = loss_fn
         self.num_stages = num_stages
@@ -111,7 +162,16 @@ class StageFunction:
         self.raise_at_once = raise_at_once
         self.rank = rank
         self.recompute = recompute
-        self.targets = Targets()
+        self.loss_reduction = loss_reduction
+        self.targets = Targets(loss_reduction)
+        #: A bad loss found in this step (flush schedules): the loss was replaced by a
+        #: zero connected to the graph so the step ends on every rank, which then raise it.
+        self.deferred_error: Optional[ValueError] = None
+        #: Whether the loss's reduction over the batch is still to be checked.
+        self.reduction_unchecked = True
+        #: Evaluation on the last stage: per microbatch, the output's structure and its
+        #: leaves that are not tensors (the executor returns the tensors).
+        self.eval_structure: Dict[int, Tuple[Any, List[Any]]] = {}
         #: Scales the loss (``autocast=torch.float16``), set by ``PipeDream.grad_scaler``.
         self.grad_scaler: Optional[Any] = None
         #: Evaluation: the last stage returns the model's outputs, not a loss.
@@ -157,9 +217,83 @@ class StageFunction:
             out = torch.func.functional_call(self.stages[stage], named, (arg,))
         else:
             out = self.stages[stage](arg)
-        if stage == self.num_stages - 1 and not self.evaluating:
-            return [self._loss(out, microbatch)]
-        return list(as_tuple(out))
+        if stage == self.num_stages - 1:
+            if not self.evaluating:
+                return [self._loss(out, microbatch)]
+            return self._flatten_output(out, microbatch)
+        return self._stage_output(stage, out)
+
+    def _stage_output(self, stage: int, out: Any) -> List[torch.Tensor]:
+        """A stage's output as the tensors sent to the next stage.
+
+        Raises:
+            ValueError: the stage returned something other than a tensor or a tuple
+                (list) of tensors, naming the stage and the type.
+        """
+        values = as_tuple(out)
+        bad = next((v for v in values if not isinstance(v, torch.Tensor)), None) \
+            if isinstance(out, (tuple, list, torch.Tensor)) else out
+        if bad is not None or out is None:
+            kind = "None" if out is None else f"a {type(out).__name__}" \
+                if not isinstance(out, (tuple, list)) else \
+                f"a {type(out).__name__} holding a {type(bad).__name__}"
+            raise ValueError(
+                f"rank {self.rank}: stage {stage} (layers {self.stages.partition.layer_range(stage)})"
+                f" returned {kind}; a stage before the last must return a tensor or a tuple of "
+                "tensors (they are sent to the next stage): return the tensors (e.g. "
+                "out['hidden'] instead of the dict), or give the model as a traced module "
+                "(split_points=...), which passes any values between its stages")
+        return list(values)
+
+    def _flatten_output(self, out: Any, microbatch: int) -> List[torch.Tensor]:
+        """The last stage's evaluation output as its tensors; its structure and other
+        leaves are kept for :meth:`take_eval_outputs`."""
+        leaves, spec = pytree.tree_flatten(out)
+        self.eval_structure[microbatch] = (spec, [_TENSOR if isinstance(v, torch.Tensor) else v
+                                                  for v in leaves])
+        return [v for v in leaves if isinstance(v, torch.Tensor)]
+
+    def take_eval_outputs(self, outputs: Sequence[Sequence[torch.Tensor]]) -> Any:
+        """The model's output for the whole batch from the last stage's per-microbatch
+        outputs (:meth:`_flatten_output`), combined leaf by leaf: tensors with a batch
+        dimension are concatenated on dim 0; a 0-d tensor (a loss, an auxiliary loss) is
+        the mean over microbatches weighted by their rows (the dim 0 of the output's first
+        tensor that has one), as ``step()`` combines the loss; any other value is the first
+        microbatch's.
+
+        Raises:
+            ValueError: microbatches returned different structures.
+        """
+        microbatches = sorted(i for i, o in enumerate(outputs) if i in self.eval_structure)
+        structures = [self.eval_structure.pop(i) for i in microbatches]
+        self.eval_structure.clear()
+        if not structures:
+            return None
+        spec, others = structures[0]
+        if any(s != spec for s, _ in structures):
+            raise ValueError(f"rank {self.rank}: the last stage returned different structures for "
+                             "the microbatches of one batch; its output's structure must not "
+                             "depend on the data")
+        per_microbatch = []
+        for i, (_, leaves) in zip(microbatches, structures):
+            tensors = iter(outputs[i])
+            per_microbatch.append([next(tensors) if v is _TENSOR else v for v in leaves])
+        first_batched = next((k for k, v in enumerate(per_microbatch[0])
+                              if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+        rows = [float(p[first_batched].shape[0]) if first_batched is not None else 1.0
+                for p in per_microbatch]
+        combined = []
+        for k, first in enumerate(per_microbatch[0]):
+            values = [p[k] for p in per_microbatch]
+            if not isinstance(first, torch.Tensor):
+                combined.append(first)
+            elif first.dim() == 0:
+                total = sum(rows)
+                combined.append(sum(v.double() * (r / total) for v, r in zip(values, rows))
+                                .to(first.dtype))
+            else:
+                combined.append(torch.cat(values, dim=0))
+        return pytree.tree_unflatten(combined, spec)
 
     def _run_again(self, stage: int, microbatch: int, inputs: List[torch.Tensor],
                    weights: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -201,10 +335,79 @@ class StageFunction:
     def _loss(self, out: Any, microbatch: int) -> torch.Tensor:
         target, share = self.targets[microbatch]
         loss = self.loss_fn(out, target)
-        if loss.numel() != 1:
-            raise ValueError(f"loss_fn returned a tensor of shape {tuple(loss.shape)}; it must "
-                             "return a scalar (use reduction='mean')")
+        problem = self._loss_problem(loss)
+        if problem is None and self.reduction_unchecked:
+            self.reduction_unchecked = False
+            problem = self._check_reduction(out, target, loss)
+        if problem is not None:
+            if self.raise_at_once:
+                raise ValueError(f"rank {self.rank}: step {self.step_index}: {problem}")
+            # Found on this rank only: the step ends with a zero loss (zero gradients) on
+            # every rank, which then raise it together (FlushRunner.step).
+            if self.deferred_error is None:
+                self.deferred_error = ValueError(problem)
+            return _zero_loss(out)
         loss = loss.float() * share
         if self.grad_scaler is not None:
             loss = self.grad_scaler.scale(loss)
         return loss
+
+    def _loss_problem(self, loss: Any) -> Optional[str]:
+        """What is wrong with what ``loss_fn`` returned, or ``None``."""
+        where = "loss_fn"
+        if not isinstance(loss, torch.Tensor):
+            value = f"{loss!r}"[:80]
+            return (f"{where} returned a {type(loss).__name__} ({value}); it must return a "
+                    "scalar tensor that autograd can differentiate (return the loss tensor, not "
+                    "loss.item() or a tuple of values)")
+        if loss.numel() != 1:
+            return (f"{where} returned a tensor of shape {tuple(loss.shape)}; it must return a "
+                    "scalar (use reduction='mean')")
+        return None
+
+    def _check_reduction(self, out: Any, target: Any, loss: torch.Tensor) -> Optional[str]:
+        """Whether ``loss_fn`` reduces as ``loss_reduction`` says, from its value on the
+        first microbatch repeated twice (a mean stays, a sum doubles); once, no grad.
+        Inconclusive (no tensor target, a loss of 0, another ratio): no verdict."""
+        rows = next((t.shape[0] for t in pytree.tree_leaves(target)
+                     if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+        if rows is None:
+            return None
+
+        def twice(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
+                return torch.cat([value, value])
+            return value
+
+        with torch.no_grad():
+            try:
+                doubled = self.loss_fn(pytree.tree_map(twice, out), pytree.tree_map(twice, target))
+            except Exception:  # noqa: BLE001 - a loss_fn that cannot take it: no verdict
+                return None
+        base = float(loss.detach())
+        if not isinstance(doubled, torch.Tensor) or doubled.numel() != 1 or abs(base) < 1e-12:
+            return None
+        ratio = float(doubled) / base
+        where = "loss_fn"
+        if abs(ratio - 2.0) < 1e-3 and self.loss_reduction == "mean":
+            return (f"{where} sums over the batch (its value on a microbatch repeated twice is "
+                    f"{ratio:.3f}x its value), but the pipeline takes a mean-reduced loss and "
+                    "scales each microbatch's loss by its share of the batch, which would give "
+                    "gradients 1/microbatches of the unsplit model's: use reduction='mean', or "
+                    "pass loss_reduction='sum' to PipeDream")
+        if abs(ratio - 1.0) < 1e-3 and self.loss_reduction == "sum":
+            return (f"{where} averages over the batch (its value on a microbatch repeated twice "
+                    "is its value), but loss_reduction='sum' adds the microbatches' losses "
+                    "unscaled, which would give gradients microbatches times the unsplit "
+                    "model's: drop loss_reduction='sum' (the default is 'mean')")
+        return None
+
+
+def _zero_loss(out: Any) -> torch.Tensor:
+    """A zero loss on the graph of ``out`` (every floating output, times 0): the backward
+    still runs and sends zero gradients, so the step ends on every rank."""
+    parts = [t.sum() * 0.0 for t in pytree.tree_leaves(out)
+             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    if not parts:
+        return torch.zeros((), requires_grad=True)
+    return torch.stack([p.float() for p in parts]).sum()

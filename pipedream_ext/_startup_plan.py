@@ -127,6 +127,15 @@ def check_plan_world(plan: Plan, world_size: int) -> Optional[List[int]]:
     if plan.used_workers != world_size or sum(plan.replicas) != world_size:
         raise ValueError(f"the plan uses {plan.used_workers} workers but the world has "
                          f"{world_size} ranks; re-plan for {world_size} workers")
+    start = 0
+    for j, stage in enumerate(plan.stages):  # the runtime's placement: consecutive ranks
+        placed = list(range(start, start + stage.replicas))
+        if list(stage.ranks) != placed:
+            raise ValueError(f"plan stage {j} lists ranks {list(stage.ranks)}, but PipeDream runs "
+                             f"stage j on the next replicas[j] ranks in stage order, so stage {j} "
+                             f"runs on ranks {placed}; a plan cannot move stages to other ranks: "
+                             "re-plan (python -m pipedream_ext plan) or list ranks in stage order")
+        start += stage.replicas
     replicas = list(plan.replicas)
     return None if all(r == 1 for r in replicas) else replicas
 

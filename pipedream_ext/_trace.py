@@ -31,9 +31,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from ._fingerprint import StagesFingerprint, graph_fingerprint
+
 __all__ = ["TracedSplit", "UntraceableError", "trace_model", "stage_starts", "stage_assignment",
-           "live_sets",
-           "build_stages", "split_model", "merge_stage_modules"]
+           "live_sets", "build_stages", "split_model", "reorder_cuts", "merge_stage_modules"]
 
 # Attribute reads never cross a cut: every stage using one reads it itself (a parameter
 # or buffer of the model, or a tensor fx computed while tracing, such as
@@ -60,6 +61,11 @@ class TracedSplit:
             its output, whose leaves the last stage returns flat
             (``_model_io.restore_output``); ``None``: the last stage returns the output.
         tracer: ``"fx"`` or ``"export"``.
+        fingerprint: what every stage computes, independent of node names and of the
+            order of independent operations (``_fingerprint``); ranks compare it at
+            construction (``_agree``).
+        cut: how the stages were cut (for :func:`reorder_cuts`); ``None`` when built
+            from parts.
     """
 
     stages: List[fx.GraphModule]
@@ -68,6 +74,21 @@ class TracedSplit:
     input_names: Optional[List[str]] = None
     output_spec: Optional[Any] = None
     tracer: str = "fx"
+    fingerprint: Optional[StagesFingerprint] = None
+    cut: Optional["_Cut"] = dataclasses.field(default=None, repr=False)
+
+
+@dataclasses.dataclass
+class _Cut:
+    """What :func:`split_model` cut, kept to build the stages again with the values
+    crossing each cut in another order (:func:`reorder_cuts`)."""
+
+    model: nn.Module
+    gm: fx.GraphModule
+    starts: Any
+    live: List[List[fx.Node]]
+    kinds: Mapping[fx.Node, str]
+    digests: Dict[fx.Node, str]
 
 
 class UntraceableError(ValueError):
@@ -529,8 +550,8 @@ def split_model(model: nn.Module, split_points: Sequence[str],
         stage_of: instead of split points, the stage of every computing node by fx
             name (a plan's stages: ``_graph_profile.plan_stage_of``), checked by
             :func:`stage_assignment`.
-        traced: the fx graph of ``model`` already traced on these (positional)
-            ``inputs`` and its value types (``_graph_profile.trace_groups`` made them
+        traced: the fx graph of ``model`` already traced on these ``inputs`` and its
+            value types (``_graph_profile.trace_groups`` made them
             for a plan): neither traced nor run again.
 
     Returns:
@@ -547,7 +568,8 @@ def split_model(model: nn.Module, split_points: Sequence[str],
     split_points = list(split_points)
     named = isinstance(inputs, Mapping)
     if traced is not None:
-        (gm, kinds), input_names, output_spec, tracer = traced, None, None, "fx"
+        (gm, kinds), output_spec, tracer = traced, None, "fx"
+        input_names = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
     else:
         gm, input_names, output_spec, tracer = _trace_or_export(model, inputs, concrete_args)
         kinds = None
@@ -567,6 +589,19 @@ def split_model(model: nn.Module, split_points: Sequence[str],
     if kinds is None:
         positional = tuple(inputs[n] for n in input_names) if named else tuple(inputs)
         kinds = _value_kinds(gm, positional)
+    stages = _finished_stages(model, gm, starts, live, kinds)
+    fingerprint = graph_fingerprint(gm, model, _stage_of(gm, starts), live, _num_stages(starts))
+    digests = {n: d for values, cut in zip(live, fingerprint.cuts) for n, d in zip(values, cut)}
+    return TracedSplit(stages, [[n.name for n in values] for values in live], split_points,
+                       input_names if named else None, output_spec, tracer, fingerprint,
+                       _Cut(model, gm, starts, live, kinds, digests))
+
+
+def _finished_stages(model: nn.Module, gm: fx.GraphModule, starts: Any,
+                     live: Sequence[Sequence[fx.Node]],
+                     kinds: Mapping[fx.Node, str]) -> List[fx.GraphModule]:
+    """:func:`build_stages`, checked, with the model's constants kept out of state dicts
+    and the tensors the forward never reads in the last stage."""
     stages = build_stages(gm, starts, live, kinds)
     _check_one_stage_per_state(stages)
     # Tensors fx computed while tracing (``torch.full((8,), 0.1)``) are attributes of the
@@ -585,8 +620,45 @@ def split_model(model: nn.Module, split_points: Sequence[str],
     held = set().union(*(_tensor_paths(stage) for stage in stages))
     for name in sorted(_tensor_paths(model) - held):
         _install(model, stages[-1], name)
-    return TracedSplit(stages, [[n.name for n in values] for values in live], split_points,
-                       input_names if named else None, output_spec, tracer)
+    return stages
+
+
+def reorder_cuts(split: TracedSplit, orders: Sequence[Sequence[str]]) -> TracedSplit:
+    """The same stages with the values crossing cut ``k`` in the order of ``orders[k - 1]``
+    (digests: another rank's ``fingerprint.cuts``), built again.
+
+    Two ranks whose Python traced independent operations in another order (a ``set``
+    iterated under another ``PYTHONHASHSEED``) compute the same values but list them
+    in another graph order; values travel by position, so every rank must send and
+    expect them in one order.
+
+    Raises:
+        ValueError: a cut's values are not those of ``orders`` (other computations).
+    """
+    cut = split.cut
+    assert cut is not None and split.fingerprint is not None
+    if [list(o) for o in orders] == split.fingerprint.cuts:
+        return split
+    live: List[List[fx.Node]] = []
+    for k, (values, order) in enumerate(zip(cut.live, orders), start=1):
+        pool = list(values)
+        chosen = []
+        for digest in order:
+            match = next((n for n in pool if cut.digests[n] == digest), None)
+            if match is None:
+                raise ValueError(f"cut {k}: no value of this rank's graph has fingerprint "
+                                 f"{digest} (its values: {[n.name for n in values]})")
+            pool.remove(match)
+            chosen.append(match)
+        if pool:
+            raise ValueError(f"cut {k}: {[n.name for n in pool]} cross it here but not there")
+        live.append(chosen)
+    stages = _finished_stages(cut.model, cut.gm, cut.starts, live, cut.kinds)
+    fingerprint = dataclasses.replace(split.fingerprint,
+                                      cuts=[[cut.digests[n] for n in values] for values in live])
+    return dataclasses.replace(split, stages=stages, live=[[n.name for n in v] for v in live],
+                               fingerprint=fingerprint,
+                               cut=dataclasses.replace(cut, live=live))
 
 
 def _trace_or_export(model: nn.Module, inputs: Union[Tuple[torch.Tensor, ...], Mapping[str, Any]],

@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Callable, List
+from typing import Callable, Dict, List, Optional, Sequence
 
 import pytest
 
@@ -33,10 +33,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_raw(script: str, world: int, case: str,
-               timeout: float = 120) -> List[subprocess.CompletedProcess]:
+def launch_raw(script: str, world: int, case: str, timeout: float = 120,
+               rank_env: Optional[Sequence[Dict[str, str]]] = None
+               ) -> List[subprocess.CompletedProcess]:
     """Runs ``script --fault case`` on ``world`` plain rank processes (no torchrun, which
     would kill the survivors of a failing rank); fails the test if a rank hangs.
+
+    Args:
+        rank_env: environment variables per rank (e.g. another ``PYTHONHASHSEED`` each).
 
     Returns:
         One result per rank (stdout and stderr together in ``stdout``).
@@ -47,6 +51,7 @@ def launch_raw(script: str, world: int, case: str,
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env.update(rank_env[rank] if rank_env else {})
         procs.append(subprocess.Popen([sys.executable, script, "--fault", case], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     results = []

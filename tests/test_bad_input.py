@@ -39,7 +39,14 @@ ROWS: List[Tuple[str, str, str, str]] = [
      r"schedule 'zbv' places exactly 2 chunks per rank in a V \(rank r holds stages r and 2p-1-r; "
      r"got chunks=1\); use chunks=2", "here"),
     ("vertical-sync", "`vertical_sync=True` with `1f1b`", r"vertical_sync=True needs schedule='pipedream'", "here"),
-    ("timeout", "`timeout=0`", r"timeout must be > 0 seconds \(got 0\)", "here"),
+    ("timeout", "`timeout=0`", r"timeout must be a finite number of seconds > 0 \(got 0\)", "here"),
+    ("timeout-inf", "`timeout=float('inf')`",
+     r"timeout must be a finite number of seconds > 0 \(got inf\): every wait on another rank "
+     r"needs a bound", "here"),
+    ("loss-reduction", "`loss_reduction='max'`", r"loss_reduction='max'; use 'mean'", "here"),
+    ("balance-string", "`balance='4,4'` (a string that is neither `'auto'` nor a plan file)",
+     r"balance='4,4' is neither 'auto' nor a plan file \(no such file\); give layer counts as a "
+     r"list \(balance=\[4, 4\]\)", "here"),
     ("autocast-dtype", "`autocast=torch.float64`", r"autocast=torch\.float64 is not a reduced-precision dtype", "here"),
     ("autocast-async-fp16", "`autocast=torch.float16` with `pipedream`", r"needs loss scaling", "here"),
     ("check-finite", "`check_finite='warn'`", r"check_finite='warn'; use None, 'raise' or 'skip'", "here"),
@@ -70,6 +77,66 @@ ROWS: List[Tuple[str, str, str, str]] = [
     ("replicas-zero", "`replicas=[0, 2]`", r"replicas \[0, 2\] has a count below 1", "here"),
     ("too-few-layers", "more stages than layers", r"the model has 1 layers but 2 stages are needed", "here"),
     ("config-mismatch", "ranks built with different arguments", r"ranks disagree on the pipeline configuration", "here"),
+    # -- every rank agrees: the same graph, model, calls and batch (tests/test_agreement.py)
+    ("graph-mismatch", "a traced forward that differs by rank (split points, chunks, replicas or `balance='auto'`)",
+     r"ranks traced different graphs: stage 0 differs between rank 0 and rank 1: rank 1 has "
+     r"`tanh = call_function tanh\(a\)` where rank 0 has `relu = call_function relu\(a\)`",
+     "tests/test_agreement.py::test_ranks_must_agree_on_graph_batch_and_loss"),
+    ("graph-constant-mismatch", "a config that differs by rank (another RoPE base: a buffer the graph reads)",
+     r"rank 1 has `model_rotary_emb_inv_freq = get_attr model.rotary_emb.inv_freq \(tensor "
+     r"torch.float32\[4\], value \w+\)\(\)",
+     "tests/test_agreement.py::test_ranks_must_agree_on_graph_batch_and_loss"),
+    ("model-mismatch", "an `nn.Sequential` with another layer on one rank (Tanh for ReLU)",
+     r"ranks built different models: stage 0 differs between rank 0 and rank 1: rank 1 has "
+     r"`layer 1, module '1': Tanh\(\)` where rank 0 has `layer 1, module '1': ReLU\(\)`",
+     "tests/test_agreement.py::test_ranks_must_agree_on_graph_batch_and_loss"),
+    ("model-wider", "a wider layer on one rank",
+     r"rank 1 has `layer 0, module '0': Linear\(in_features=6, out_features=16, bias=True\) with "
+     r"weight torch.float32\[16, 6\]",
+     "tests/test_agreement.py::test_ranks_must_agree_on_graph_batch_and_loss"),
+    ("batch-sampler", "a `DistributedSampler` kept from DDP: another batch on every rank",
+     r"stage 0 on rank 0 and the last stage on rank 1 were given different batches \(targets "
+     r"fingerprints \w+ and \w+\).*DistributedSampler\(dataset, num_replicas=1, rank=0",
+     "tests/test_agreement.py::test_ranks_must_agree_on_graph_batch_and_loss"),
+    ("batch-rows", "inputs and targets of different sizes on the first and last stage",
+     r"stage 0 on rank 0 was given inputs of 8 rows but the last stage on rank 1 targets of 12 rows",
+     "tests/test_agreement.py::test_ranks_must_agree_on_graph_batch_and_loss"),
+    ("different-calls", "ranks in different calls at the first steps (`forward_only` on one, `step` on the other)",
+     r'ranks are in different calls: "forward_only\(\) number 0" on rank 0; "step\(\) number 0" '
+     r'on rank 1', "tests/test_agreement.py::test_ranks_must_agree_on_graph_batch_and_loss"),
+    ("extra-step", "an extra `step()` on one rank later on (its peer between calls)",
+     r"this rank is in step\(\) number 2, but rank 0 is not in a pipeline call \(it has made 2 "
+     r"step\(\) calls\)",
+     "tests/test_agreement.py::test_an_extra_step_on_one_rank_names_the_other_ranks_calls"),
+    ("unflushed", "an asynchronous run ended without `flush()`",
+     r"the asynchronous pipeline ends with 3 minibatches admitted and never flushed.*call "
+     r"pipe\.flush\(\)",
+     "tests/test_agreement.py::test_an_asynchronous_run_ended_without_flush_is_named_on_every_rank"),
+    ("input-no-batch", "an input without the batch dimension (a memory bank)",
+     r"inputs 1 \('bank'\) has 5 rows in dim 0 but the batch has 8 rows.*register it as a buffer",
+     "tests/test_agreement.py::test_ranks_must_agree_on_graph_batch_and_loss"),
+    ("loss-sum", "`loss_fn` with `reduction='sum'`",
+     r"loss_fn sums over the batch.*pass loss_reduction='sum'",
+     "tests/test_agreement.py::test_ranks_must_agree_on_graph_batch_and_loss"),
+    ("loss-sum-mean", "`loss_reduction='sum'` with a mean-reduced `loss_fn`",
+     r"loss_fn averages over the batch.*drop loss_reduction='sum'",
+     "tests/test_agreement.py::test_ranks_must_agree_on_graph_batch_and_loss"),
+    ("loss-float", "`loss_fn` returns a float (`.item()`) or a tuple",
+     r"step\(\) number 0 failed on rank 1: loss_fn returned a (float|tuple) .*scalar tensor",
+     "tests/test_agreement.py::test_ranks_must_agree_on_graph_batch_and_loss"),
+    ("stage-dict", "a stage before the last returns a dict (or None)",
+     r"rank 0: stage 0 \(layers 0-1\) returned a dict; a stage before the last must return a "
+     r"tensor or a tuple of tensors",
+     "tests/test_agreement.py::test_ranks_must_agree_on_graph_batch_and_loss"),
+    ("auto-export-only", "`balance='auto'` on a model only torch.export traces (Llama)",
+     r"balance='auto' and plan files cut torch\.fx graphs.*takes split_points=\[module names\] instead",
+     "tests/test_agreement.py::test_auto_balance_of_an_export_only_model_names_split_points"),
+    ("plan-ranks", "a plan whose stage `ranks` are not the runtime's placement",
+     r"plan stage 0 lists ranks \[1\], but PipeDream runs stage j on the next replicas\[j\] ranks",
+     "tests/test_units.py::test_a_plan_that_moves_stages_to_other_ranks_is_refused"),
+    ("manifest-step", "a checkpoint manifest whose `step` is a string",
+     r"'step' is '100' \(str\); it must be a non-negative integer or null",
+     "tests/test_units.py::test_a_manifest_with_a_step_that_is_no_integer_is_refused"),
     ("shared-async", "a parameter shared by stages (tied weights) with `pipedream` or `pipedream-2bw`",
      r"parameter 0\.weight and 4\.weight \(stages 0 and 1\) is shared by layers on different stages, "
      r"but schedule 'pipedream(-2bw)?' .* need a flush schedule \(gpipe, 1f1b, interleaved-1f1b, zb-h1, "
@@ -95,7 +162,7 @@ ROWS: List[Tuple[str, str, str, str]] = [
      r"rank 0 sent 2 tensors \(Float\[2, 12, 8\], Float\[2, 12, 8\]\) but stage 1 was first given "
      r"1 tensor \(Float\[2, 16, 8\]\); shapes may change from step to step, but the number of tensors",
      "tests/test_variable_shapes.py::test_a_peer_sending_what_the_stage_cannot_use_fails_both_ranks"),
-    ("loss-shape", "`loss_fn` does not reduce to a scalar", r"loss_fn returned a tensor of shape \(4,\); it must return a scalar", "here"),
+    ("loss-shape", "`loss_fn` does not reduce to a scalar (raised on every rank at the step's end)", r"loss_fn returned a tensor of shape \(4,\); it must return a scalar", "here"),
     ("nan", "NaN or inf in a stage's output", r"NaN or inf first appeared in the forward output of stage 0",
      "tests/test_mixed_precision.py::test_mixed_precision_and_nonfinite_detection"),
     # -- peers that send the wrong metadata (a raw rank posing as stage 1)
@@ -154,6 +221,9 @@ IN_PROCESS: Dict[str, Callable[[], Any]] = {
     "v-chunks": lambda: _pd().PipeDream(model(), **pipe_kwargs(schedule="zbv")),
     "vertical-sync": lambda: _pd().PipeDream(model(), **pipe_kwargs(vertical_sync=True)),
     "timeout": lambda: _pd().PipeDream(model(), **pipe_kwargs(timeout=0)),
+    "timeout-inf": lambda: _pd().PipeDream(model(), **pipe_kwargs(timeout=float("inf"))),
+    "loss-reduction": lambda: _pd().PipeDream(model(), **pipe_kwargs(loss_reduction="max")),
+    "balance-string": lambda: _pd().PipeDream(model(), balance="4,4", **pipe_kwargs()),
     "autocast-dtype": lambda: _pd().PipeDream(model(), **pipe_kwargs(autocast=torch.float64)),
     "autocast-async-fp16": lambda: _pd().PipeDream(
         model(), **pipe_kwargs(schedule="pipedream", autocast=torch.float16)),
@@ -243,20 +313,16 @@ def check_world_rows() -> None:
 
 
 def check_loss_shape_row() -> None:
-    """Last: the failed step leaves rank 0's receive posted (its peer died to it)."""
+    """A bad loss is found on the last rank only; the step still ends (a zero loss) and
+    every rank raises the same error at its end, within seconds, naming the rank."""
     import pipedream_ext as pd
 
-    # Its own group: Gloo closes a pair after a timed-out receive, and the default
-    # group must stay usable for the final barrier.
-    group = dist.new_group([0, 1])
-    pipe = pd.PipeDream(model(), process_group=group, **pipe_kwargs(
-        timeout=5, loss_fn=lambda out, y: F.cross_entropy(out, y, reduction="none")))
+    pipe = pd.PipeDream(model(), **pipe_kwargs(
+        timeout=60, loss_fn=lambda out, y: F.cross_entropy(out, y, reduction="none")))
     x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
-    if pipe.is_last:
-        _expect("loss-shape", lambda: pipe.step(x, y))
-    else:  # the peer of a failed rank fails too (naming it), never hangs
-        with pytest.raises(RuntimeError, match="rank 1"):
-            pipe.step(x, y)
+    with pytest.raises(ValueError, match=r"step\(\) number 0 failed on rank 1: ") as info:
+        pipe.step(x, y)
+    assert re.search(_message("loss-shape"), str(info.value)), str(info.value)
 
 
 def check_hostile_peer_rows() -> None:
@@ -276,7 +342,8 @@ def check_hostile_peer_rows() -> None:
         ("peer-gradient-shape", _gradient((2, 99))),
     ]
     for row_id, (message, side_message) in cases:
-        pipe = pd.PipeDream(model(), **pipe_kwargs(microbatches=1, timeout=20))
+        # No agreement exchange: rank 1 is not running the pipeline.
+        pipe = pd.PipeDream(model(), **pipe_kwargs(microbatches=1, timeout=20, check_agreement=0))
         x, _ = torch.randn(2, 6), torch.randint(0, 3, (2,))
         if dist.get_rank() == 0:
             _expect(row_id, lambda: pipe.step(x, None))

@@ -39,11 +39,13 @@ deferred_init = _load("deferred_init")
 traced = _load("traced")
 zero_bubble = _load("zero_bubble")
 split_backward = _load("split_backward")
+agreement = _load("agreement")
 util = _load("_harness")
 
 
 def test_scripts_do_not_import_torch_at_module_level():
-    for script in (plan_accuracy, memory, soak, deferred_init, traced, zero_bubble, split_backward):
+    for script in (plan_accuracy, memory, soak, deferred_init, traced, zero_bubble, split_backward,
+                   agreement):
         assert "torch" not in vars(script), script.__name__
 
 
@@ -571,3 +573,22 @@ def test_split_backward_smoke_run(tmp_path):
     assert len(data["result"]["ms_per_microbatch"]) == 2
     assert set(data["result"]["step_ms"]) == {"1f1b", "zb-h1"}
     assert "Median ratio zb-h1 / 1f1b" in (tmp_path / "split_backward.md").read_text()
+
+
+# ----------------------------------------------------------------------------- agreement
+def test_agreement_report_lists_every_measurement():
+    args = agreement.parse_args(["--reps", "5", "--batches", "64,256", "--rows", "32"])
+    result = {"mlp_fingerprint_ms": 0.2, "gpt2_fingerprint_ms": 8.0, "gpt2_nodes": 282,
+              "construction_exchange_ms": 0.9, "gpt2_exchange_ms": 1.4, "mlp_pipeline_ms": 48.0,
+              "gpt2_split_ms": 5800.0, "check_ms": {"64": 2.2, "256": 9.8},
+              "step_ms": {"checked": 48.5, "unchecked": 46.5, "check alone": 1.5},
+              "flag_allreduce_ms": 0.4}
+    info = {"cpu_count": "2", "cpu_model": "x", "torch": "2.13.0", "python": "3.11", "platform": "p",
+            "cuda": "none", "loadavg_at_start": "1.00 1.00 1.00"}
+    text = agreement.report(result, args, info, "python benchmarks/agreement.py")
+    assert "| fingerprint of GPT-2 exported and cut in 2 (282 graph nodes; graph_fingerprint) " \
+           "| 8.00 |" in text
+    assert "| StepAgreement.check, batch of 256 x 3x32x32 float32 (3.0 MiB) + targets | 9.80 |" \
+        in text
+    assert "| difference | 2.00 |" in text
+    assert "medians of 5 repetitions" in text

@@ -86,9 +86,12 @@ def test_all_gather_json(group: dist.ProcessGroup) -> None:
         _collectives.all_gather_json({"bad": object()}, group)
 
 
-def test_check_same_everywhere(group: dist.ProcessGroup) -> None:
-    assert _collectives.check_same_everywhere("balance=[2, 2]", group)
-    assert _collectives.check_same_everywhere("", group)
+def test_broadcast_data_refuses_a_device_without_backend(group: dist.ProcessGroup) -> None:
+    t = torch.arange(3.0)
+    _collectives.broadcast_data(t, 0, group)  # one rank: unchanged
+    assert torch.equal(t, torch.arange(3.0))
+    with pytest.raises(ValueError, match="has no backend for meta tensors"):
+        _collectives.broadcast_data(torch.zeros(2, device="meta"), 0, group)
 
 
 def test_barrier_on_gloo_is_monitored(group: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,10 +18,10 @@ EPOCHS = "8"
 MIN_ACCURACY = 0.95
 
 
-def _train(parallel: str) -> Tuple[subprocess.CompletedProcess, float]:
+def _train(parallel: str, save: str) -> Tuple[subprocess.CompletedProcess, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            EXAMPLE, "--parallel", parallel, "--epochs", EPOCHS,
-           "--min-accuracy", str(MIN_ACCURACY)]
+           "--min-accuracy", str(MIN_ACCURACY), "--save", save]
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     start = time.time()
@@ -36,13 +36,41 @@ def _figure(result: subprocess.CompletedProcess, name: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def runs() -> Dict[str, subprocess.CompletedProcess]:
+def saved(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("ddp_vs_pipedream"))
+
+
+@pytest.fixture(scope="module")
+def runs(saved: str) -> Dict[str, subprocess.CompletedProcess]:
     out = {}
     for parallel in ("ddp", "1f1b"):
-        result, seconds = _train(parallel)
+        result, seconds = _train(parallel, os.path.join(saved, f"{parallel}.pt"))
         print(f"{parallel}: {seconds:.1f} s")
         out[parallel] = result
     return out
+
+
+def test_both_ways_save_the_whole_model(runs, saved):
+    """The README's last diff lines: DDP's rank-0 save of model.module and the pipeline's
+    consolidated checkpoint both load into the unsplit model, every layer, and give back
+    the test accuracy each run measured (the trained whole model, not one stage)."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("ddp_vs_pipedream", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    _, test_set = example.load_digits(0)
+    x_test, y_test = test_set.tensors
+    for parallel in ("ddp", "1f1b"):
+        assert runs[parallel].returncode == 0, runs[parallel].stderr[-3000:]
+        model = example.make_model(1)  # other weights: all must come from the file
+        state = torch.load(os.path.join(saved, f"{parallel}.pt"), weights_only=True)
+        model.load_state_dict(state, strict=True)  # the whole model, every layer
+        with torch.no_grad():
+            accuracy = (model.eval()(x_test).argmax(dim=1) == y_test).double().mean().item()
+        assert abs(accuracy - _figure(runs[parallel], "TEST ACCURACY")) < 1e-4, parallel
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "1f1b"])

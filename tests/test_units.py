@@ -4,6 +4,7 @@ argument checks, schedule traits, targets, the stage function, plans -> stages
 from __future__ import annotations
 
 import math
+import re
 from typing import Optional
 
 import pytest
@@ -13,7 +14,8 @@ from torch import nn
 
 from pipedream_ext import _C, schedules
 from pipedream_ext._config import PipelineConfig
-from pipedream_ext._stage_fn import NonFiniteError, StageFunction, Targets, split_microbatches
+from pipedream_ext._stage_fn import (NonFiniteError, StageFunction, Targets, check_batch,
+                                      split_microbatches)
 from pipedream_ext._shared import alias_names, canonical_names, describe, find_shared
 from pipedream_ext._stages import LocalStages, even_balance, resolve_partition
 from pipedream_ext._startup_plan import cluster_shape, partition_from_plan
@@ -152,7 +154,7 @@ def test_config_checks_name_the_value_and_the_fix() -> None:
         (dict(schedule="pipedream", microbatches=2, check_finite="skip"), "needs a flush schedule"),
         (dict(schedule="1f1b", microbatches=2, check_finite="maybe"), "check_finite='maybe'"),
         (dict(schedule="1f1b", microbatches=0), "microbatches must be a positive integer"),
-        (dict(schedule="1f1b", microbatches=2, timeout=0), "timeout must be > 0"),
+        (dict(schedule="1f1b", microbatches=2, timeout=0), "timeout must be a finite number of seconds > 0"),
         (dict(schedule="zbv", microbatches=2), r"exactly 2 chunks per rank in a V .*use chunks=2"),
         (dict(schedule="dualpipev", microbatches=4, chunks=3), r"got chunks=3\); use chunks=2"),
     ]
@@ -173,6 +175,19 @@ def test_split_microbatches_and_targets() -> None:
     assert len(t) == 2 and t[4][1] == pytest.approx(3 / 5) and t[5][1] == pytest.approx(2 / 5)
     t.drop_before(5)
     assert len(t) == 1 and torch.equal(t[5][0], torch.tensor([3, 4]))
+
+
+def test_inputs_without_the_batch_dimension_are_named() -> None:
+    x, bank = torch.zeros(6, 2), torch.zeros(5, 2)
+    with pytest.raises(ValueError, match=r"inputs 1 \('memory'\) has 5 rows in dim 0 but the batch "
+                                         r"has 6 rows \(inputs 0 \('x'\): \(6, 2\)\).*register it "
+                                         r"as a buffer"):
+        check_batch((x, bank), 2, "inputs", ["x", "memory"])
+    with pytest.raises(ValueError, match=r"inputs 1 is 0-dimensional"):
+        check_batch((x, torch.tensor(1.0)), 2, "inputs")
+    with pytest.raises(ValueError, match=r"inputs 1 is a dict, not a tensor"):
+        check_batch((x, {"a": x}), 2, "inputs")
+    check_batch((x, x), 2, "inputs")
 
 
 def _stage_fn(model: nn.Sequential, check: str = None, at_once: bool = False) -> StageFunction:
@@ -211,7 +226,87 @@ def test_stage_function_finds_the_first_non_finite_stage() -> None:
         eager(0, 0, [nan], [])
 
 
+def test_stage_function_refuses_bad_losses_and_checks_the_reduction() -> None:
+    model = _model()
+    y = torch.randint(0, 3, (6,))
+    cases = [(lambda out, t: F.cross_entropy(out, t).item(), "returned a float"),
+             (lambda out, t: (F.cross_entropy(out, t), out), "returned a tuple"),
+             (lambda out, t: F.cross_entropy(out, t, reduction="none"),
+              "returned a tensor of shape \\(3,\\)"),
+             (lambda out, t: F.cross_entropy(out, t, reduction="sum"), "sums over the batch")]
+    for loss_fn, message in cases:
+        fn = _stage_fn(model)
+        fn.loss_fn = loss_fn
+        fn.targets.add(y, 2, 0, torch.device("cpu"))
+        loss = fn(1, 0, fn(0, 0, [torch.randn(3, 4)], []), [])[0]
+        assert float(loss.detach()) == 0.0 and loss.requires_grad  # the step still ends
+        assert re.search(message, str(fn.deferred_error)), (message, fn.deferred_error)
+        eager = _stage_fn(model, at_once=True)
+        eager.loss_fn = loss_fn
+        eager.targets.add(y, 2, 0, torch.device("cpu"))
+        with pytest.raises(ValueError, match=r"rank 0: step 0: loss_fn " + message):
+            eager(1, 0, eager(0, 0, [torch.randn(3, 4)], []), [])
+    # A summed loss with loss_reduction="sum": unscaled shares, no complaint.
+    stages = LocalStages(model, resolve_partition(5, 1, chunks=2, balance=[2, 3]), [0, 1],
+                         torch.device("cpu"))
+    fn = StageFunction(stages, lambda out, t: F.cross_entropy(out, t, reduction="sum"), 2,
+                       torch.device("cpu"), None, None, raise_at_once=True, rank=0,
+                       loss_reduction="sum")
+    fn.targets.add(y, 2, 0, torch.device("cpu"))
+    x = torch.randn(6, 4)
+    total = sum(fn(1, i, fn(0, i, [x[3 * i:3 * i + 3]], []), [])[0] for i in range(2))
+    assert torch.allclose(total, F.cross_entropy(model(x), y, reduction="sum"))
+
+
+def test_evaluation_outputs_are_combined_leaf_by_leaf() -> None:
+    fn = _stage_fn(_model())
+    fn.evaluating = True
+    outs = []
+    for i, rows in enumerate([3, 2]):
+        h = torch.full((rows, 2), float(i))
+        outs.append(fn._flatten_output({"h": h, "loss": h.sum() / rows + i, "tag": "x", "no": None},
+                                       i))
+    combined = fn.take_eval_outputs(outs)
+    assert combined["tag"] == "x" and combined["no"] is None
+    assert torch.equal(combined["h"], torch.cat([torch.zeros(3, 2), torch.ones(2, 2)]))
+    # The rows-weighted mean: (3 * 0 + 2 * (2 + 1)) / 5.
+    assert combined["loss"].dim() == 0 and float(combined["loss"]) == pytest.approx(6 / 5)
+    assert fn.eval_structure == {}
+
+
 # -- plans -> stages ----------------------------------------------------------------------
+def test_a_plan_that_moves_stages_to_other_ranks_is_refused() -> None:
+    from pipedream_ext import profile
+    from pipedream_ext._startup_plan import check_plan_world
+
+    graph = profile(_model(), torch.randn(8, 4), steps=1, warmup=0)
+    chosen = plan(graph, workers=2, bandwidth=1e9, straight=True)
+    assert [list(s.ranks) for s in chosen.stages] == [[0], [1]]
+    chosen.stages[0].ranks, chosen.stages[1].ranks = [1], [0]
+    with pytest.raises(ValueError, match=r"plan stage 0 lists ranks \[1\], but PipeDream runs stage "
+                                         r"j on the next replicas\[j\] ranks in stage order, so "
+                                         r"stage 0 runs on ranks \[0\]"):
+        check_plan_world(chosen, 2)
+
+
+def test_a_manifest_with_a_step_that_is_no_integer_is_refused(tmp_path) -> None:
+    import json
+
+    from pipedream_ext._checkpoint import FORMAT, MANIFEST, CheckpointError, read_manifest
+
+    manifest = {"format": FORMAT, "version": 1, "generation": 0, "step": "100",
+                "layers": [{"name": "0", "type": "Linear"}], "num_layers": 1,
+                "stages": [{"stage": 0, "layers": [0, 1], "model": {}}]}
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"is inconsistent: ValueError: 'step' is '100' \(str\); "
+                                              r"it must be a non-negative integer or null"):
+        read_manifest(str(tmp_path))
+    manifest["step"] = 100
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
+    assert read_manifest(str(tmp_path))["step"] == 100
+
+
+
 def test_partition_from_plan(tmp_path) -> None:
     from pipedream_ext import profile
     graph = profile(_model(), torch.randn(8, 4), steps=1, warmup=0)
@@ -616,3 +711,31 @@ def test_find_shared_in_stages_of_a_traced_model() -> None:
     assert [(sp.names, sp.stages) for sp in shared] == [(("emb.weight", "head.weight"), (0, 1))]
     assert find_shared_in_stages(model, split_model(model, ["mid"], (torch.tensor([[1]]),))
                                  .stages)[0].name_stages == (0, 1)
+
+
+# -- the torch _C was built against ------------------------------------------------------
+def test_an_extension_built_for_another_torch_names_both_versions(monkeypatch) -> None:
+    import importlib
+
+    from pipedream_ext import _torch_check
+
+    monkeypatch.setattr(_torch_check, "required_torch", lambda: "2.13.0")
+    monkeypatch.setattr(_torch_check.torch, "__version__", "2.14.0+cpu")
+    real = importlib.import_module
+
+    def fake(name: str, *args, **kwargs):
+        if name == "pipedream_ext._C":
+            raise ImportError("_C.so: undefined symbol: _ZN3c1017RegisterOperatorsD1Ev")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(_torch_check.importlib, "import_module", fake)
+    with pytest.raises(ImportError, match=r"pipedream_ext\._C cannot be used with the installed "
+                                          r"torch 2\.14\.0: it was built against torch 2\.13\.0 "
+                                          r"\(_C\.so: undefined symbol: .*\); rebuild it against "
+                                          r"this torch \(pip install --no-build-isolation -e \. .*"
+                                          r"or install torch==2\.13\.0"):
+        _torch_check.load_extension()
+    monkeypatch.setattr(_torch_check.importlib, "import_module", real)
+    with pytest.warns(RuntimeWarning, match="installed torch 2.14.0: it was built against torch "
+                                            "2.13.0"):
+        assert _torch_check.load_extension() is _C

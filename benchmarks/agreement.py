@@ -1,0 +1,199 @@
+"""What the agreement checks cost (``pipedream_ext/_agree.py``; docs/runtime.md).
+
+One ``torch.distributed.run`` launch of 2 CPU ranks (Gloo on localhost) measures,
+as medians over ``--reps`` repetitions:
+
+* **construction**: fingerprinting the stages (``layers_fingerprint`` of an MLP of
+  ``--layers`` x ``Linear(--width, --width)``; ``graph_fingerprint`` of a small
+  GPT-2 exported and cut in 2, the export path), and the exchange that compares
+  them (``agree_at_construction``: one all-gather), beside building the pipeline
+  (``PipeDream(...)``, which includes them);
+* **the first steps**: one ``StepAgreement.check`` (fingerprints of the batch on both
+  ranks, one all-gather) for image batches of ``--batches`` rows of 3x32x32 floats,
+  beside a training step of the MLP pipeline (1f1b, 4 microbatches) on a batch of
+  ``--rows`` rows, and the same step with ``check_agreement=0``;
+* **evaluation**: the flag all-reduce ``forward_only`` ends with.
+
+Every step after the first ``check_agreement`` (default 3) costs nothing: the check
+is one ``if``. Command (about half a minute on 2 cores):
+
+    python benchmarks/agreement.py
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as h  # noqa: E402
+
+__all__ = ["main", "parse_args", "report", "run_driver", "run_worker"]
+
+LOG = logging.getLogger("agreement")
+JSON_TAG = "AGREEMENT_JSON "
+
+
+def _median_ms(fn: Callable[[], Any], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    def body(result: Dict[str, Any]) -> None:
+        import torch
+        import torch.distributed as dist
+        import torch.nn.functional as F
+
+        import pipedream_ext as pd
+        from pipedream_ext import _collectives
+        from pipedream_ext._agree import StepAgreement, agree_at_construction
+        from pipedream_ext._fingerprint import layers_fingerprint
+        from pipedream_ext._trace import split_model
+
+        group = dist.group.WORLD
+        mlp = h.mlp([args.width] * (args.layers + 1))
+        bounds = [0, len(mlp) // 2, len(mlp)]
+        fp = layers_fingerprint(mlp, bounds)
+        config = {"schedule": "1f1b", "microbatches": 4}
+        result["mlp_fingerprint_ms"] = _median_ms(lambda: layers_fingerprint(mlp, bounds), args.reps)
+        dist.barrier()
+        result["construction_exchange_ms"] = _median_ms(
+            lambda: agree_at_construction(group, config, fp), args.reps)
+        t0 = time.perf_counter()
+        pipe = pd.PipeDream(h.mlp([args.width] * (args.layers + 1)), F.cross_entropy,
+                            schedule="1f1b", microbatches=4, timeout=120)
+        result["mlp_pipeline_ms"] = 1e3 * (time.perf_counter() - t0)
+
+        from transformers import GPT2Config, GPT2LMHeadModel
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        torch.manual_seed(0)
+        gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=64, n_head=2, vocab_size=128,
+                                          n_positions=64, use_cache=False))
+        ids = torch.randint(0, 128, (8, 16))
+        t0 = time.perf_counter()
+        split = split_model(gpt2, ["transformer.h.2"], {"input_ids": ids}, {"use_cache": False})
+        result["gpt2_split_ms"] = 1e3 * (time.perf_counter() - t0)
+        from pipedream_ext._fingerprint import graph_fingerprint
+        from pipedream_ext._trace import _stage_of
+
+        cut = split.cut
+        result["gpt2_nodes"] = len(cut.gm.graph.nodes)
+        result["gpt2_fingerprint_ms"] = _median_ms(lambda: graph_fingerprint(
+            cut.gm, gpt2, _stage_of(cut.gm, cut.starts), cut.live, 2), args.reps)
+        dist.barrier()
+        result["gpt2_exchange_ms"] = _median_ms(
+            lambda: agree_at_construction(group, config, split.fingerprint), args.reps)
+
+        # The first steps: the check alone, per batch size.
+        checks = {}
+        for rows in args.batches:
+            x = torch.randn(rows, 3, 32, 32)
+            y = torch.randint(0, 10, (rows,))
+            agreement = StepAgreement(group, [0], [1], check_steps=10 ** 9)
+            dist.barrier()
+            checks[str(rows)] = _median_ms(lambda: agreement.check("step", x, y), args.reps)
+        result["check_ms"] = checks
+        # A training step with and without the check, alternating (same load for both).
+        x = torch.randn(args.rows, args.width)
+        y = torch.randint(0, args.width, (args.rows,))
+        runs = {}
+        for label, window in (("checked", 10 ** 9), ("unchecked", 0)):
+            pipe = pd.PipeDream(h.mlp([args.width] * (args.layers + 1)), F.cross_entropy,
+                                schedule="1f1b", microbatches=4, timeout=120,
+                                check_agreement=window)
+            runs[label] = (pipe, torch.optim.SGD(pipe.parameters(), lr=0.01))
+        times: Dict[str, List[float]] = {label: [] for label in runs}
+        for rep in range(args.reps + 3):
+            for label, (pipe, opt) in runs.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                pipe.step(x, y)
+                opt.step()
+                opt.zero_grad()
+                if rep >= 3:
+                    times[label].append(time.perf_counter() - t0)
+        steps = {label: 1e3 * statistics.median(t) for label, t in times.items()}
+        agreement = StepAgreement(group, [0], [1], check_steps=10 ** 9)
+        dist.barrier()
+        steps["check alone"] = _median_ms(lambda: agreement.check("step", x, y), args.reps)
+        result["step_ms"] = steps
+        dist.barrier()
+        result["flag_allreduce_ms"] = _median_ms(lambda: _collectives.all_reduce([0.0], group),
+                                                 args.reps)
+
+    return h.worker(JSON_TAG, body, backend="gloo")
+
+
+def report(result: Dict[str, Any], args: argparse.Namespace, info: Dict[str, str],
+           command: str) -> str:
+    step = result["step_ms"]
+    lines = ["# Agreement checks: what they cost", "",
+             f"{h.machine_line(info)} 2 ranks, Gloo on localhost; medians of {args.reps} "
+             f"repetitions. Command: `{command}`.", "",
+             "## Construction (once)", ""]
+    lines += h.table(["what", "ms"], [
+        [f"fingerprint of an MLP of {args.layers} x Linear({args.width}, {args.width}) "
+         "(layers_fingerprint)", h.fmt(result["mlp_fingerprint_ms"])],
+        [f"fingerprint of GPT-2 exported and cut in 2 ({result['gpt2_nodes']} graph nodes; "
+         "graph_fingerprint)", h.fmt(result["gpt2_fingerprint_ms"])],
+        ["the exchange comparing them, MLP (agree_at_construction: one all-gather)",
+         h.fmt(result["construction_exchange_ms"])],
+        ["the exchange, GPT-2", h.fmt(result["gpt2_exchange_ms"])],
+        ["for scale: PipeDream(...) of the MLP (includes both)", h.fmt(result["mlp_pipeline_ms"])],
+        ["for scale: split_model of GPT-2 (export, includes its fingerprint)",
+         h.fmt(result["gpt2_split_ms"])],
+    ])
+    lines += ["", f"## The first {3} steps (check_agreement=3, the default)", ""]
+    rows = [[f"StepAgreement.check, batch of {n} x 3x32x32 float32 "
+             f"({int(n) * 3 * 32 * 32 * 4 / 2 ** 20:.1f} MiB) + targets", h.fmt(ms)]
+            for n, ms in result["check_ms"].items()]
+    rows += [[f"training step of the MLP (1f1b, 4 microbatches, {args.rows} rows), checked",
+              h.fmt(step["checked"])],
+             ["the same step, check_agreement=0", h.fmt(step["unchecked"])],
+             ["difference", h.fmt(step["checked"] - step["unchecked"])],
+             [f"StepAgreement.check alone, that step's batch ({args.rows} x {args.width} "
+              "float32)", h.fmt(step["check alone"])],
+             ["forward_only's closing flag all-reduce (every call)",
+              h.fmt(result["flag_allreduce_ms"])]]
+    lines += h.table(["what", "ms"], rows)
+    lines += ["", "Steps after the first 3 run no check (one comparison of a counter).", ""]
+    return "\n".join(lines)
+
+
+def run_driver(args: argparse.Namespace) -> int:
+    info, command = h.start_report(LOG)
+    result = h.launch_torchrun(Path(__file__), 2, ["--worker"] + h.forward(
+        args, "layers", "width", "rows", "reps", "batches"), JSON_TAG, timeout=600)
+    if "error" in result:
+        LOG.error("failed: %s", result["error"])
+        return 1
+    h.write_results(Path(args.out_dir), "agreement", report(result, args, info, command), result)
+    return 0
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = h.make_parser(__doc__, worker=True)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--rows", type=int, default=64, help="rows of the training batch")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--batches", type=lambda s: [int(v) for v in s.split(",")], default=[64, 256],
+                   help="rows of the image batches the check fingerprints")
+    return p.parse_args(argv)
+
+
+main = h.main(parse_args, run_worker, run_driver)
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""Every rank agrees, or the run stops: at construction and at the first steps.
+
+Owns the checks that ranks built the same pipeline and feed it the same batch,
+as DDP checks (and broadcasts) what it needs. Every rank traces or slices the
+model itself, so nothing but a comparison proves the ranks agree:
+
+* **construction** (:func:`agree_at_construction`): one exchange of the
+  arguments that must match and of every stage's fingerprint (``_fingerprint``:
+  graph or layers, independent of node names and of the order of independent
+  operations). A difference raises the same ``ValueError`` on every rank, naming
+  the argument and its values per rank, or the first operation (module) of the
+  first stage that differs on each side. Ranks whose graphs compute the same
+  values but list those crossing a cut in another order (a ``set`` iterated
+  under another ``PYTHONHASHSEED``) take rank 0's order instead;
+* **the first steps** (:class:`StepAgreement`): for the first ``check_steps``
+  calls, every rank says which call it is in (``step()`` number ``k``,
+  ``forward_only()`` number ``k``) and fingerprints the batch it was given
+  before anything is sent: ranks in different calls, or a first stage and a last
+  stage given different batches (a ``DistributedSampler`` kept from a DDP script)
+  or batches of different sizes, raise on every rank at once.
+
+Payloads are JSON in uint8 tensors (``_collectives.all_gather_json``): no pickle.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from . import _collectives
+from ._fingerprint import Entry, StagesFingerprint, digest_text, first_difference, tensor_digest
+
+__all__ = ["agree_at_construction", "batch_fingerprint", "StepAgreement"]
+
+_log = logging.getLogger("pipedream_ext._pipe")
+
+_GRAPH_ADVICE = (
+    "every rank traces the model itself, so its forward must compute the same thing on every "
+    "rank: build the model the same way everywhere (code, config, buffers), and let nothing "
+    "that differs between processes decide what the forward computes (the rank, an "
+    "environment variable, a set's iteration order beyond the order of independent "
+    "operations: run every rank with the same PYTHONHASHSEED to check); see "
+    "docs/tracing.md#one-graph-on-every-rank")
+_LAYERS_ADVICE = ("every rank must build the same model (the same code, arguments and "
+                  "dtypes)")
+
+
+def _same(values: Sequence[Any]) -> bool:
+    texts = {json.dumps(v, sort_keys=True) for v in values}
+    return len(texts) == 1
+
+
+def _per_rank(values: Sequence[Any]) -> str:
+    groups: Dict[str, List[int]] = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(json.dumps(value, sort_keys=True), []).append(rank)
+    return "; ".join(f"{text} on rank{'s' if len(ranks) > 1 else ''} "
+                     f"{', '.join(map(str, ranks))}" for text, ranks in groups.items())
+
+
+def agree_at_construction(group: dist.ProcessGroup, config: Mapping[str, Any],
+                          fingerprint: StagesFingerprint) -> Optional[List[List[str]]]:
+    """Checks that every rank of ``group`` built the same pipeline.
+
+    Collective. Costs one all-gather of the arguments and of one 16-digit digest
+    per stage and per value crossing a cut; on a mismatch of stages, one more of
+    the first differing stage's entries (to name the difference).
+
+    Args:
+        group: the pipeline's group.
+        config: the arguments that must match (JSON values), by name.
+        fingerprint: this rank's fingerprint of every stage.
+
+    Returns:
+        Rank 0's order of the values crossing each cut (digests), where this rank's
+        differs from it (the caller rebuilds its stages so; ``_trace.reorder_cuts``),
+        else ``None``.
+
+    Raises:
+        ValueError: on every rank: the arguments, the number of stages or a stage
+            differ between ranks (naming the argument's values per rank, or the
+            first differing operation of the first differing stage on both sides).
+    """
+    rank = dist.get_rank(group)
+    payload = {"config": dict(config), "kind": fingerprint.kind, "stages": fingerprint.stages,
+               "cuts": fingerprint.cuts}
+    gathered = _collectives.all_gather_json(payload, group)
+    for key in config:
+        values = [g["config"].get(key) for g in gathered]
+        if not _same(values):
+            raise ValueError(f"rank {rank}: ranks disagree on the pipeline configuration: {key} "
+                             f"is {_per_rank(values)}; every rank must build PipeDream with the "
+                             "same arguments and model")
+    stages = [g["stages"] for g in gathered]
+    for j in range(len(stages[0])):
+        digests = [s[j] for s in stages]
+        if not _same(digests):
+            other = next(r for r, d in enumerate(digests) if d != digests[0])
+            raise _stage_difference(group, fingerprint, j, other)
+    if fingerprint.kind == "graph" and gathered[rank]["cuts"] != gathered[0]["cuts"]:
+        moved = [k + 1 for k, (a, b) in enumerate(zip(gathered[rank]["cuts"], gathered[0]["cuts"]))
+                 if a != b]
+        _log.info("rank %d traced the values crossing cut%s %s in another order than rank 0 "
+                  "(the same computations: a set or dict iterated in another order); they travel "
+                  "in rank 0's order", rank, "s" if len(moved) > 1 else "", moved)
+        return gathered[0]["cuts"]
+    return None
+
+
+def _stage_difference(group: dist.ProcessGroup, fingerprint: StagesFingerprint, stage: int,
+                      other: int) -> ValueError:
+    """The error naming where ``stage`` first differs between rank 0 and rank ``other``:
+    every rank gathers every rank's entries of that stage (collective) and words it alike."""
+    details = _collectives.all_gather_json([e.to_json() for e in fingerprint.entries(stage)],
+                                           group)
+    theirs, ours = first_difference([Entry.from_json(e) for e in details[other]],
+                                    [Entry.from_json(e) for e in details[0]])
+    what = "traced different graphs" if fingerprint.kind == "graph" else "built different models"
+    there = f"`{theirs.text}`" if theirs else "nothing in its place"
+    here = f"`{ours.text}`" if ours else "nothing in its place"
+    if theirs and ours and theirs.text == ours.text:
+        here += " (written alike: they differ in a value, a buffer of that module)"
+    return ValueError(
+        f"rank {dist.get_rank(group)}: ranks {what}: stage {stage} differs between rank 0 and "
+        f"rank {other}: rank {other} has {there} where rank 0 has {here}; "
+        + (_GRAPH_ADVICE if fingerprint.kind == "graph" else _LAYERS_ADVICE))
+
+
+def _describe_value(value: Any) -> Dict[str, Any]:
+    """Rows (dim 0 of the first tensor) and a digest of every leaf of a batch structure."""
+    leaves = pytree.tree_leaves(value)
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    rows = int(tensors[0].shape[0]) if tensors and tensors[0].dim() > 0 else None
+    parts = [tensor_digest(t) if isinstance(t, torch.Tensor) else repr(t) for t in leaves]
+    return {"rows": rows, "digest": digest_text(" ".join(parts))}
+
+
+def batch_fingerprint(inputs: Any, targets: Any) -> Dict[str, Any]:
+    """What a rank was given for one step: rows and digests of inputs and targets
+    (``None`` for what was not given)."""
+    return {"inputs": None if inputs is None else _describe_value(inputs),
+            "targets": None if targets is None else _describe_value(targets)}
+
+
+class StepAgreement:
+    """Checks, for the first calls, that every rank is in the same call with the same batch.
+
+    Args:
+        group: the pipeline's group.
+        first_ranks: the ranks holding stage 0 (its replicas).
+        last_ranks: the ranks holding the last stage (its replicas).
+        check_steps: how many ``step()`` (and ``forward_only()``) calls are checked
+            (0: none).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, first_ranks: Sequence[int],
+                 last_ranks: Sequence[int], check_steps: int) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.first_ranks, self.last_ranks = list(first_ranks), list(last_ranks)
+        self.check_steps = check_steps
+        self.calls: Dict[str, int] = {"step": 0, "forward_only": 0}
+
+    def check(self, call: str, inputs: Any, targets: Any,
+              validate: Optional[Callable[[], None]] = None) -> None:
+        """Agrees on call ``call`` (``"step"`` or ``"forward_only"``) before it runs.
+
+        Collective for the first ``check_steps`` calls of each kind; free after.
+
+        Args:
+            call: ``"step"`` or ``"forward_only"``.
+            inputs: what this rank was given (``None``: nothing).
+            targets: likewise.
+            validate: this rank's own checks of the arguments; what it raises is
+                raised on every rank.
+
+        Raises:
+            ValueError: on every rank: ranks in different calls, an argument a rank
+                refused, or a first and a last stage given different batches (naming
+                the ranks, the fingerprints and the fix).
+        """
+        index = self.calls[call]
+        self.calls[call] = index + 1
+        if index >= self.check_steps or dist.get_world_size(self.group) == 1:
+            return  # the call's own checks raise on this rank
+        error = None
+        if validate is not None:
+            try:
+                validate()
+            except ValueError as exc:
+                error = str(exc) if str(exc).startswith(f"rank {self.rank}") else \
+                    f"rank {self.rank}: {exc}"
+        mine = {"call": f"{call}() number {index}", "error": error,
+                **batch_fingerprint(inputs, targets)}
+        gathered = _collectives.all_gather_json(mine, self.group)
+        errors = [g["error"] for g in gathered if g["error"]]
+        if errors:
+            raise ValueError("; ".join(dict.fromkeys(errors)))
+        calls = [g["call"] for g in gathered]
+        if not _same(calls):
+            raise ValueError(
+                f"rank {self.rank}: ranks are in different calls: {_per_rank(calls)}; every rank "
+                "must call step() and forward_only() the same number of times, in the same "
+                "order (a call on one rank only, or an extra one, leaves its peers waiting)")
+        if call == "step":
+            self._check_batch(gathered, index)
+
+    def _check_batch(self, gathered: List[Dict[str, Any]], index: int) -> None:
+        for f in self.first_ranks:
+            for l in self.last_ranks:
+                a, b = gathered[f], gathered[l]
+                rows_in = (a["inputs"] or {}).get("rows")
+                rows_out = (b["targets"] or {}).get("rows")
+                if rows_in is not None and rows_out is not None and rows_in != rows_out:
+                    raise ValueError(
+                        f"rank {self.rank}: step() number {index}: stage 0 on rank {f} was given "
+                        f"inputs of {rows_in} rows but the last stage on rank {l} targets of "
+                        f"{rows_out} rows; give every rank the same batch (inputs and targets "
+                        "of one batch)")
+                if f == l:
+                    continue
+                for kind in ("targets", "inputs"):
+                    if a[kind] is not None and b[kind] is not None:
+                        if a[kind]["digest"] != b[kind]["digest"]:
+                            raise ValueError(
+                                f"rank {self.rank}: step() number {index}: stage 0 on rank {f} "
+                                f"and the last stage on rank {l} were given different batches "
+                                f"({kind} fingerprints {a[kind]['digest']} and "
+                                f"{b[kind]['digest']}): a pipeline needs the same batch on every "
+                                "rank (stage 0 uses its inputs, the last stage its targets). A "
+                                "DistributedSampler kept from a DDP script gives each rank other "
+                                "samples: use DistributedSampler(dataset, num_replicas=1, "
+                                "rank=0, seed=...) or the same sampler and seed on every rank")
+                        break
