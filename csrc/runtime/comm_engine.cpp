@@ -1,8 +1,12 @@
 #include "comm_engine.h"
 
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
+#include <optional>
 #include <cstring>
 #include <sstream>
 
@@ -17,6 +21,14 @@ constexpr int kFixedWords = 7;  // magic, forward, boundary, microbatch, redirec
 std::chrono::milliseconds remaining(Clock::time_point deadline) {
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
   return std::max(left, std::chrono::milliseconds(1));
+}
+
+// The calling thread's current stream on `device`; none for the CPU. Data
+// operations issued from a reader thread run on the executor's stream.
+std::optional<c10::Stream> currentStream(const at::Device& device) {
+  if (device.is_cpu()) return std::nullopt;
+  const auto* impl = c10::impl::getDeviceGuardImpl(device.type());
+  return impl->getStream(device.has_index() ? device : impl->getDevice());
 }
 
 int64_t alignUp(int64_t bytes) { return (bytes + kWireAlignment - 1) / kWireAlignment * kWireAlignment; }
@@ -184,9 +196,11 @@ int64_t nextCapacity(int64_t capacity, int64_t needed) {
 
 class SplitRecv;
 
-// One peer's order keeping. `pending`/`unread`: executor thread. The reader
-// (split) waits for metadata receives in order; `toRead`, `current` and `stop`
-// are guarded by the engine's mutex_.
+// One peer's order keeping. `unread`: executor thread. Split: `pending`,
+// `toRead`, `current` and `stop` are guarded by the engine's mutex_; the reader
+// waits for metadata receives in order and, when one arrives, issues what may
+// go of `pending` itself, so a pair progresses while the executor's thread is
+// busy elsewhere (the user's loop, a collective between steps).
 class CommEngine::PeerQueue {
  public:
   std::deque<std::shared_ptr<SplitOp>> pending;   // split: not yet on the data channel
@@ -365,15 +379,17 @@ class FusedRecv : public Transfer {
 // A split-protocol transfer's data-channel part, queued in the pair's order.
 class SplitOp : public Transfer {
  public:
-  bool issued() const { return issued_; }
-  // Posts the data operations (executor thread); receives need their metadata.
+  bool issued() const { return issued_.load(); }
+  // Posts the data operations. The caller holds the engine's mutex_ (the
+  // executor's thread, or the pair's reader when metadata arrives); sets
+  // issued() last, so a thread that sees it also sees the posted works.
   virtual void issue() = 0;
   // Whether issue() may run now (receives: their metadata, or its error, is
   // in). The caller holds the engine's mutex_.
   virtual bool readyLocked() const { return true; }
 
  protected:
-  bool issued_ = false;
+  std::atomic<bool> issued_{false};
 };
 
 class SplitSend : public SplitOp {
@@ -393,6 +409,9 @@ class SplitSend : public SplitOp {
     auto& counters = engine.mutableCounters();
     ++counters.messagesSent;
     ++counters.sends;
+    if (auto stream = currentStream(tensors.empty() ? engine.device() : tensors.front().device())) {
+      stream_ = *stream;
+    }
     for (const auto& t : tensors) {
       if (t.numel() == 0) continue;  // both ends know from the metadata: nothing to move
       at::Tensor data = t.detach().contiguous();
@@ -402,14 +421,15 @@ class SplitSend : public SplitOp {
       }
       data_.push_back(data);
       counters.bytesSent += data.numel() * data.element_size();
+      ++counters.messagesSent;  // counted here: issue() may run on the reader thread
     }
   }
 
   void issue() override {
+    c10::OptionalStreamGuard guard(stream_);  // the stream the tensors were made on
     for (const auto& data : data_) {
       keepAlive_.push_back(data);
       works_.push_back(post(engine_.group(), true, data, peer_));
-      ++engine_.mutableCounters().messagesSent;
     }
     data_.clear();
     issued_ = true;
@@ -440,6 +460,7 @@ class SplitSend : public SplitOp {
   CommEngine& engine_;
   int peer_;
   std::string description_;
+  std::optional<c10::Stream> stream_;  // the executor's current stream (non-CPU devices)
   std::vector<at::Tensor> data_;  // until issued
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   std::vector<at::Tensor> keepAlive_;
@@ -454,6 +475,7 @@ class SplitRecv : public SplitOp {
     metadata_ = at::empty({kMetadataBytes}, at::TensorOptions().dtype(at::kByte));
     metadataWork_ = post(engine.side(), false, metadata_, peer);
     ++engine.mutableCounters().receives;
+    stream_ = currentStream(engine.device());
   }
 
   // Reader thread: waits for the metadata (no deadline: a step's receives may
@@ -481,14 +503,17 @@ class SplitRecv : public SplitOp {
   bool readyLocked() const override { return arrived_; }
 
   void issue() override {
-    issued_ = true;
-    if (metadataError_) return;  // wait() reports it
-    const auto options = engine_.staged() ? engine_.hostOptions() : at::TensorOptions().device(engine_.device());
-    for (const auto& m : metas_) {
-      at::Tensor buffer = at::empty(m.shape, options.dtype(m.dtype));
-      tensors_.push_back(buffer);
-      if (m.bytes() > 0) dataWorks_.push_back(post(engine_.group(), false, buffer, peer_));
+    if (!metadataError_) {  // else wait() reports it
+      c10::OptionalStreamGuard guard(stream_);  // buffers belong to the consumer's stream
+      const auto options =
+          engine_.staged() ? engine_.hostOptions() : at::TensorOptions().device(engine_.device());
+      for (const auto& m : metas_) {
+        at::Tensor buffer = at::empty(m.shape, options.dtype(m.dtype));
+        tensors_.push_back(buffer);
+        if (m.bytes() > 0) dataWorks_.push_back(post(engine_.group(), false, buffer, peer_));
+      }
     }
+    issued_ = true;
   }
 
   bool wait(std::chrono::milliseconds timeout) override {
@@ -524,6 +549,7 @@ class SplitRecv : public SplitOp {
   int peer_;
   TransferKey key_;
   std::string description_;
+  std::optional<c10::Stream> stream_;  // the executor's current stream (non-CPU devices)
   at::Tensor metadata_;
   c10::intrusive_ptr<c10d::Work> metadataWork_;
   // Published by the reader under engine_.mutex_; read by the executor after ready().
@@ -625,6 +651,7 @@ CommEngine::PeerQueue& CommEngine::peerQueue(int peer) {
         {
           std::lock_guard<std::mutex> lock(mutex_);
           raw->current.reset();
+          issueReadyLocked(*raw);
         }
         arrived_.notify_all();
       }
@@ -641,8 +668,9 @@ std::shared_ptr<Transfer> CommEngine::send(const std::vector<at::Tensor>& tensor
     return std::make_shared<FusedSend>(*this, tensors, peer, key, description);
   }
   auto transfer = std::make_shared<SplitSend>(*this, tensors, peer, key, description);
+  std::lock_guard<std::mutex> lock(mutex_);
   queue.pending.push_back(transfer);
-  issuePending(peer);
+  issueReadyLocked(queue);
   return transfer;
 }
 
@@ -656,55 +684,33 @@ std::shared_ptr<Transfer> CommEngine::recv(int peer, const TransferKey& key, con
     return transfer;
   }
   auto transfer = std::make_shared<SplitRecv>(*this, peer, key, description);
-  queue.pending.push_back(transfer);
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    queue.pending.push_back(transfer);
     queue.toRead.push_back(transfer);
   }
   arrived_.notify_all();
   return transfer;
 }
 
-void CommEngine::issuePending(int peer) {
-  PeerQueue& queue = peerQueue(peer);
-  while (!queue.pending.empty()) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (!queue.pending.front()->readyLocked()) return;
-    }
+void CommEngine::issueReadyLocked(PeerQueue& queue) {
+  while (!queue.pending.empty() && queue.pending.front()->readyLocked()) {
     queue.pending.front()->issue();
     queue.pending.pop_front();
   }
 }
 
-void CommEngine::progress() {
-  if (protocol_ != P2PProtocol::kSplit) return;
-  for (auto& [peer, queue] : peers_) issuePending(peer);
-}
-
 void CommEngine::waitIssued(int peer, const SplitOp& op, Clock::time_point deadline,
                             const std::string& description) {
-  // Every pair progresses while this one waits: a peer whose data queues behind
-  // one of this rank's receives must not wait for this wait.
-  auto anyReady = [&] {
-    for (const auto& [q, queue] : peers_) {
-      if (!queue->pending.empty() && queue->pending.front()->readyLocked()) return true;
-    }
-    return false;
-  };
-  for (;;) {
-    progress();
-    if (op.issued()) return;
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (!arrived_.wait_until(lock, deadline, anyReady)) {
-      PeerQueue& queue = *peers_.at(peer);
-      const std::string head = queue.pending.empty() ? "nothing" : queue.pending.front()->description();
-      lock.unlock();
-      TORCH_CHECK(false, "rank ", rank_, ": ", description, " with rank ", peer, " timed out after ",
-                  timeout_.count(), " ms waiting for the metadata of ", head, " from rank ", peer,
-                  " (is rank ", peer, " alive, and does it run the same schedule?)");
-    }
-  }
+  // The pair's reader issues `op` when the metadata ahead of it arrives.
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (arrived_.wait_until(lock, deadline, [&] { return op.issued(); })) return;
+  PeerQueue& queue = *peers_.at(peer);
+  const std::string head = queue.pending.empty() ? "nothing" : queue.pending.front()->description();
+  lock.unlock();
+  TORCH_CHECK(false, "rank ", rank_, ": ", description, " with rank ", peer, " timed out after ",
+              timeout_.count(), " ms waiting for the metadata of ", head, " from rank ", peer,
+              " (is rank ", peer, " alive, and does it run the same schedule?)");
 }
 
 void CommEngine::readHeaders(int peer, const FusedRecv* upTo, Clock::time_point deadline) {

@@ -42,11 +42,13 @@
 // fixed 704-byte metadata message on the side channel (CPU) and then the
 // tensors themselves on the data channel, one operation per non-empty tensor
 // (no copy, no header). The receiver posts the metadata receive at the RECV
-// action; a reader thread per peer waits for them in order and hands them over;
-// the executor's thread issues the data receives (exact shapes) when it next
-// calls progress() or waits. A pair's later operations queue behind a receive
-// whose metadata has not arrived, so the data channel always sees the agreed
-// order. The receive path never reads GPU memory from the host: no host
+// action; a reader thread per peer waits for them in order and, as each
+// arrives, issues the data receive (exact shapes) and what queued behind it. A
+// pair's later operations queue behind a receive whose metadata has not
+// arrived, so the data channel always sees the agreed order, and the queue
+// drains without the executor's thread: a rank may leave a step with a send
+// queued behind such a receive and block in a collective of the user's loop
+// while its peer needs that send to finish its own step. The receive path never reads GPU memory from the host: no host
 // synchronisation per transfer.
 //
 // Handles follow c10d::Work: wait(timeout), isCompleted(), exception(). Every
@@ -61,8 +63,10 @@
 // synchronously, the receive copies to the device without blocking).
 //
 // Threading: an engine and its transfers are used from one thread (the
-// executor's), except the split protocol's reader threads, which only wait for
-// metadata receives and publish them under `mutex_`.
+// executor's), except the split protocol's reader threads, which wait for
+// metadata receives, publish them and issue the pair's ready data operations,
+// all under `mutex_` (on a CUDA device on the executor's stream at the time the
+// operation was queued).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -156,15 +160,11 @@ class CommEngine {
   CommEngine& operator=(const CommEngine&) = delete;
 
   // Starts sending `tensors` (transfer `key`) to `peer`; in the split protocol
-  // its data may queue behind a receive of the same pair (progress() issues it).
+  // its data may queue behind a receive of the same pair (the reader issues it).
   std::shared_ptr<Transfer> send(const std::vector<at::Tensor>& tensors, int peer,
                                  const TransferKey& key, const std::string& description);
   // Posts the receive of `key` from `peer`. Never blocks.
   std::shared_ptr<Transfer> recv(int peer, const TransferKey& key, const std::string& description);
-  // Issues the queued operations that may go now (split: receives whose
-  // metadata arrived, and what queued behind them). Never blocks.
-  void progress();
-
   P2PProtocol protocol() const { return protocol_; }
   int rank() const { return rank_; }
   int worldSize() const { return worldSize_; }
@@ -205,9 +205,10 @@ class CommEngine {
   class PeerQueue;
 
   PeerQueue& peerQueue(int peer);
-  // Split: issues `peer`'s queued operations from the front while they may go.
-  void issuePending(int peer);
-  // Split: blocks until `op` is issued (its metadata arrived), issuing what it can.
+  // Split: issues `queue`'s operations from the front while they may go. The
+  // caller holds mutex_.
+  void issueReadyLocked(PeerQueue& queue);
+  // Split: blocks until `op` is issued (the metadata ahead of it arrived).
   void waitIssued(int peer, const SplitOp& op, std::chrono::steady_clock::time_point deadline,
                   const std::string& description);
   // Fused: reads the headers of `peer`'s receives up to and including `upTo`, in order.
@@ -227,8 +228,8 @@ class CommEngine {
   std::map<std::tuple<int, bool, TransferKey>, int64_t> capacities_;
   // Per-peer order keeping (and, split, the metadata reader): by peer rank.
   std::map<int, std::unique_ptr<PeerQueue>> peers_;  // executor thread creates; see PeerQueue
-  // Split: guards what reader threads publish (a receive's metadata or error);
-  // notified whenever one arrives.
+  // Split: guards the peer queues' pending operations and what reader threads
+  // publish (a receive's metadata or error); notified whenever one arrives.
   std::mutex mutex_;
   std::condition_variable arrived_;
 };

@@ -468,7 +468,6 @@ void PipelineExecutor::execute(size_t begin, size_t end, const InputFn& inputOf,
         a.kind != ActionKind::kRecvForward) {
       continue;
     }
-    if (isCompute(a.kind)) engine_->progress();  // data whose metadata arrived goes now
     auto start = Clock::now();
     switch (a.kind) {
       case ActionKind::kForward: forwardAction(a, inputOf, forwardOnly, results, start); break;
