@@ -76,6 +76,7 @@ bench: setup
 	$(PY) benchmarks/deferred_init.py
 	$(PY) benchmarks/traced.py
 	$(PY) benchmarks/agreement.py
+	$(PY) benchmarks/p2p_engine.py
 	$(PY) benchmarks/update_readme.py
 
 # Time to accuracy on an emulated 4-host cluster (network namespaces, tc-limited

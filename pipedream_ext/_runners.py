@@ -433,12 +433,21 @@ class StreamRunner(Runner):
         self.stage_fn.targets.drop_before(first - 2 * (self.groups.world_size + 1) * per_step)
         return self._step_loss(losses, per_step) if self.is_last else None
 
-    def _step_loss(self, losses: Dict[int, torch.Tensor], per_step: int) -> Optional[float]:
+    def _step_loss(self, losses: Dict[int, torch.Tensor], per_step: int
+                   ) -> Union[StepLoss, float, None]:
         total = float(sum(float(l) for l in losses.values()))
         last_group = self.groups.replica_groups.get(self.num_stages - 1)
         if per_step > 1 and last_group is not None:
-            # The step's microbatches are split over the last stage's replicas.
-            return _collectives.all_reduce([total], last_group)[0]
+            # The step's microbatches are split over the last stage's replicas: their
+            # sum finishes in the background; reading the loss waits for it.
+            rank, step = self.groups.rank, self.admitted - 1
+            describe = lambda: (f"rank {rank}: the all-reduce of the batch loss among the last "  # noqa: E731
+                                f"stage's replicas after step {step}")
+            try:
+                reduced, work = _collectives.all_reduce_start(total, last_group)
+            except RuntimeError as exc:
+                raise RuntimeError(f"{describe()} failed: {exc}") from exc
+            return StepLoss(reduced, work, self.config.timeout, describe)
         return total if losses else None
 
     def flush(self) -> None:
