@@ -304,7 +304,8 @@ def run_checks() -> None:
 
 
 # --------------------------------------------------------------------------- pytest side
-@pytest.mark.parametrize("world", [2, 3, 4])
+# 3 ranks adds no feature 2 and 4 lack: `make test-all` runs it.
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow), 4])
 def test_gpt2_pipelines_match_the_unsplit_model(world: int, tmp_path, monkeypatch) -> None:
     """Every flush schedule exact against the unsplit GPT-2 (dict and positional inputs,
     padding mask, changing shapes), forward_only, bad input keys, checkpoints."""

@@ -450,7 +450,8 @@ def run_checks() -> None:
 
 
 # --------------------------------------------------------------------------- pytest side
-@pytest.mark.parametrize("world", [2, 3, 4])
+# 3 ranks adds no feature 2 and 4 lack (4 also has a replicated stage): `make test-all` runs it.
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow), 4])
 def test_traced_models_match_the_unsplit_model(world: int, tmp_path) -> None:
     """ResNet, U-Net, two-input and tied models: every flush schedule exact; checkpoints
     across splits; asynchronous schedules equal to the nn.Sequential path."""
