@@ -393,6 +393,7 @@ def test_traced_report_names_failed_launches():
     assert "load average at start 1.00 1.00 1.00" in text
 
 
+@pytest.mark.slow  # a whole benchmark launch: `make test-all`
 def test_traced_smoke_run(tmp_path):
     """benchmarks/traced.py --smoke end to end (tiny models, one 2-rank launch): every part
     reports, and pipedream_ext's first steps equal the unsplit model's."""
@@ -547,6 +548,7 @@ def _smoke(script: str, out_dir: Path) -> "subprocess.CompletedProcess[str]":
                           capture_output=True, text=True, timeout=300, env=env)
 
 
+@pytest.mark.slow  # a whole benchmark launch: `make test-all`
 def test_zero_bubble_smoke_run(tmp_path):
     proc = _smoke("zero_bubble.py", tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
