@@ -75,6 +75,15 @@ def all_reduce_start(value: float, group: dist.ProcessGroup) -> Tuple[torch.Tens
     return t, dist.all_reduce(t, group=group, async_op=True)
 
 
+def _require_data_backend(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Raises ValueError unless ``group`` has a backend for ``tensor``'s device type."""
+    types = _backend_device_types(group)
+    if tensor.device.type not in types:
+        raise ValueError(f"process group {group} has no backend for {tensor.device.type} tensors "
+                         f"(it has {sorted(types)}); create the default group with a backend for "
+                         "the parameters' device, e.g. 'cpu:gloo,cuda:nccl'")
+
+
 def all_reduce_data(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Sums a data tensor (gradients) over ``group`` in place, on the tensor's own device.
 
@@ -84,11 +93,7 @@ def all_reduce_data(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     Raises:
         ValueError: the group has no backend for the tensor's device.
     """
-    types = _backend_device_types(group)
-    if tensor.device.type not in types:
-        raise ValueError(f"process group {group} has no backend for {tensor.device.type} tensors "
-                         f"(it has {sorted(types)}); create the default group with a backend for "
-                         "the parameters' device, e.g. 'cpu:gloo,cuda:nccl'")
+    _require_data_backend(tensor, group)
     dist.all_reduce(tensor, group=group)
 
 
@@ -99,11 +104,7 @@ def broadcast_data(tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> 
     Raises:
         ValueError: the group has no backend for the tensor's device.
     """
-    types = _backend_device_types(group)
-    if tensor.device.type not in types:
-        raise ValueError(f"process group {group} has no backend for {tensor.device.type} tensors "
-                         f"(it has {sorted(types)}); create the default group with a backend for "
-                         "the parameters' device, e.g. 'cpu:gloo,cuda:nccl'")
+    _require_data_backend(tensor, group)
     dist.broadcast(tensor, src=dist.get_global_rank(group, src), group=group)
 
 

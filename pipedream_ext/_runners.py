@@ -22,7 +22,7 @@ import atexit
 import gc
 import logging
 import weakref
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -163,6 +163,19 @@ class Runner:
         if needed and value is None:
             where = "stage 0" if what == "inputs" else "the last stage"
             raise ValueError(f"rank {self.groups.rank} holds {where}: {call} needs the {what}")
+
+    def _loss_in_background(self, value: float, group: dist.ProcessGroup,
+                            describe: Callable[[], str]) -> StepLoss:
+        """Starts summing ``value`` over ``group``; the StepLoss waits when read.
+
+        Raises:
+            RuntimeError: the all-reduce could not start (``describe()`` says which).
+        """
+        try:
+            total, work = _collectives.all_reduce_start(value, group)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{describe()} failed: {exc}") from exc
+        return StepLoss(total, work, self.config.timeout, describe)
 
     def _finish_step(self) -> None:
         self.steps_run += 1
@@ -314,11 +327,7 @@ class FlushRunner(Runner):
             for t in self.stages.module.parameters():
                 t.grad = None
             raise deferred
-        try:
-            total, work = _collectives.all_reduce_start(local, self.groups.group)
-        except RuntimeError as exc:
-            raise RuntimeError(f"{describe()} failed: {exc}") from exc
-        return StepLoss(total, work, self.config.timeout, describe)
+        return self._loss_in_background(local, self.groups.group, describe)
 
     def flush(self) -> None:
         """Nothing to drain: every step ends flushed."""
@@ -443,11 +452,7 @@ class StreamRunner(Runner):
             rank, step = self.groups.rank, self.admitted - 1
             describe = lambda: (f"rank {rank}: the all-reduce of the batch loss among the last "  # noqa: E731
                                 f"stage's replicas after step {step}")
-            try:
-                reduced, work = _collectives.all_reduce_start(total, last_group)
-            except RuntimeError as exc:
-                raise RuntimeError(f"{describe()} failed: {exc}") from exc
-            return StepLoss(reduced, work, self.config.timeout, describe)
+            return self._loss_in_background(total, last_group, describe)
         return total if losses else None
 
     def flush(self) -> None:

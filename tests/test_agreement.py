@@ -98,6 +98,23 @@ def batch(n: int = 8, seed: int = 0) -> Any:
 
 
 # --------------------------------------------------------------------------- construction
+def train_like_the_reference(pipe: Any, ref: nn.Module, first_seed: int) -> None:
+    """3 SGD-momentum steps on the pipeline and on the unsplit ``ref``: every loss equal,
+    then every weight."""
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        x, y = batch(8, seed=first_seed + step)
+        loss = pipe.step(x, y)
+        want = F.cross_entropy(ref(x), y)
+        want.backward()
+        assert abs(loss - float(want)) < 1e-5, (step, loss, float(want))
+        opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
+    expected = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p, expected[name], rtol=1e-5, atol=1e-6)
+
+
 def check_different_graphs_are_refused() -> None:
     import pipedream_ext as pd
 
@@ -318,17 +335,7 @@ def check_replicas_start_from_the_leader() -> None:
     expected = dict(ref.named_parameters())
     for name, p in pipe.named_parameters():
         assert torch.equal(p, expected[name]), name
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    for step in range(3):
-        x, y = batch(8, seed=10 + step)
-        loss = pipe.step(x, y)
-        want = F.cross_entropy(ref(x), y)
-        want.backward()
-        assert abs(loss - float(want)) < 1e-5, (step, loss, float(want))
-        opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
-    for name, p in pipe.named_parameters():
-        torch.testing.assert_close(p, expected[name], rtol=1e-5, atol=1e-6)
+    train_like_the_reference(pipe, ref, first_seed=10)
     # A rank-dependent forward with replicas: refused too.
     x, y = batch()
     _expect(r"ranks traced different graphs: stage 0 differs between rank 0 and rank 1",
@@ -418,18 +425,7 @@ def check_set_order_on_the_fx_path() -> None:
     lives = _collectives.all_gather_json(pipe.traced.live, dist.group.WORLD)
     assert lives[0] != lives[1], lives  # each rank's own names, in rank 0's order
     ref = SetOrder()
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    for step in range(3):
-        x, y = batch(8, seed=30 + step)
-        loss = pipe.step(x, y)
-        want = F.cross_entropy(ref(x), y)
-        want.backward()
-        assert abs(loss - float(want)) < 1e-5, (step, loss, float(want))
-        opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
-    expected = dict(ref.named_parameters())
-    for name, p in pipe.named_parameters():
-        torch.testing.assert_close(p, expected[name], rtol=1e-5, atol=1e-6)
+    train_like_the_reference(pipe, ref, first_seed=30)
 
 
 def gemma_with_other_hash_seeds() -> None:
