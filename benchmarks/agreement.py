@@ -1,4 +1,4 @@
-"""What the agreement checks cost (``pipedream_ext/_agree.py``; docs/runtime.md).
+"""What the agreement checks cost (``pipedream_ext/_dist/agreement.py``; docs/runtime.md).
 
 One ``torch.distributed.run`` launch of 2 CPU ranks (Gloo on localhost) measures,
 as medians over ``--reps`` repetitions:
@@ -54,10 +54,10 @@ def run_worker(args: argparse.Namespace) -> int:
         import torch.nn.functional as F
 
         import pipedream_ext as pd
-        from pipedream_ext import _collectives
-        from pipedream_ext._agree import StepAgreement, agree_at_construction
-        from pipedream_ext._fingerprint import layers_fingerprint
-        from pipedream_ext._trace import split_model
+        import pipedream_ext._dist.collectives as _collectives
+        from pipedream_ext._dist.agreement import StepAgreement, agree_at_construction
+        from pipedream_ext._dist.fingerprint import layers_fingerprint
+        from pipedream_ext._frontend.graph_split import split_model
 
         group = dist.group.WORLD
         mlp = h.mlp([args.width] * (args.layers + 1))
@@ -84,8 +84,8 @@ def run_worker(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         split = split_model(gpt2, ["transformer.h.2"], {"input_ids": ids}, {"use_cache": False})
         result["gpt2_split_ms"] = 1e3 * (time.perf_counter() - t0)
-        from pipedream_ext._fingerprint import graph_fingerprint
-        from pipedream_ext._trace import _stage_of
+        from pipedream_ext._dist.fingerprint import graph_fingerprint
+        from pipedream_ext._frontend.graph_split import _stage_of
 
         cut = split.cut
         result["gpt2_nodes"] = len(cut.gm.graph.nodes)

@@ -269,7 +269,7 @@ def run_worker(args: argparse.Namespace) -> int:
     def body(result: Dict[str, Any]) -> None:
         import torch.distributed as dist
 
-        from pipedream_ext._collectives import measure_bandwidth
+        from pipedream_ext._dist.collectives import measure_bandwidth
 
         if args.worker == "bandwidth":
             result["bandwidth"] = measure_bandwidth(dist.group.WORLD, 0, 1, size=args.probe_bytes,
@@ -491,8 +491,9 @@ def plot(stage_rows: List[Dict[str, Any]], run_rows: List[Dict[str, Any]], path:
 
 
 def run_driver(args: argparse.Namespace) -> int:
-    import pipedream_ext as pd
     from tqdm import tqdm
+
+    import pipedream_ext as pd
 
     t_start = time.perf_counter()
     out_dir = Path(args.out_dir)

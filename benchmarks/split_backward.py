@@ -119,7 +119,7 @@ def run_worker(args: argparse.Namespace) -> int:
         import torch.nn.functional as F
 
         import pipedream_ext as pd
-        from pipedream_ext import _collectives
+        import pipedream_ext._dist.collectives as _collectives
 
         pipes = {s: pd.PipeDream(_model(args), F.cross_entropy, schedule=s,
                                  microbatches=args.microbatches, timeout=120) for s in SCHEDULES}

@@ -211,7 +211,11 @@ def run_worker(args: argparse.Namespace) -> int:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         elif cfg.startswith("torch-"):
-            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+            from torch.distributed.pipelining import (
+                PipelineStage,
+                Schedule1F1B,
+                ScheduleGPipe,
+            )
 
             if world != 2:
                 raise ValueError("torch pipelining configs use exactly 2 ranks")
@@ -351,7 +355,8 @@ def profile_steps(args, rank, world, stage_module, step_fn, finish, x, y, bounds
     wall = time.perf_counter() - t0
     dist.barrier()
     # Operator-level view (also sees the aten ops the C++ executor runs on this thread).
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CPU]) as tprof:
         for _ in range(n * steps_per_batch):

@@ -403,7 +403,7 @@ def time_split(kind: str, size: Dict[str, Any], batch: int, microbatches: int,
     ``pipeline()`` on the same model and split point (one microbatch as ``mb_args``)."""
     import torch
 
-    from pipedream_ext import _trace
+    import pipedream_ext._frontend.graph_split as _trace
 
     model = build(kind, size)
     x, _ = make_batch(kind, size, batch, seed=3)
@@ -531,7 +531,7 @@ def stage_call_part(args: argparse.Namespace, cases: Sequence[Tuple[str, str, Di
     import torch
     from torch import nn
 
-    from pipedream_ext._trace import split_model
+    from pipedream_ext._frontend.graph_split import split_model
 
     rows = []
     for label, kind, size, mb in cases:
@@ -606,7 +606,12 @@ def run_throughput(args: argparse.Namespace, result: Dict[str, Any]) -> None:
     """One model, 2 ranks: the six configurations, the first-step check, the rounds."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        SplitPoint,
+        pipeline,
+    )
 
     import pipedream_ext as pd
 

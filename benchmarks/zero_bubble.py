@@ -422,7 +422,7 @@ def run_worker(args: argparse.Namespace) -> int:
         import torch.distributed as dist
         import torch.nn.functional as F
 
-        from pipedream_ext import _collectives
+        import pipedream_ext._dist.collectives as _collectives
 
         if dist.get_world_size() != 2:
             raise ValueError("zero_bubble.py runs on exactly 2 ranks")

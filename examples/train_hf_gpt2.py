@@ -39,8 +39,16 @@ import torch.nn.functional as F
 import pipedream_ext as pd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_gpt import (PROMPTS, VOCAB, learning_rate, split_by_file, stdlib_sources,  # noqa: E402
-                       train_batch, unigram_entropy, validation_batches)
+from train_gpt import (  # noqa: E402
+    PROMPTS,
+    VOCAB,
+    learning_rate,
+    split_by_file,
+    stdlib_sources,
+    train_batch,
+    unigram_entropy,
+    validation_batches,
+)
 
 log = logging.getLogger("train_hf_gpt2")
 NO_CACHE = {"use_cache": False}

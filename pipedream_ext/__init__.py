@@ -5,11 +5,17 @@ from ._torch_check import load_extension
 
 _C = load_extension()  # fails early, naming both torch versions, if _C does not fit
 from . import schedules
-from ._checkpoint import CheckpointError, CheckpointInfo, consolidate, load_checkpoint, save_checkpoint
-from ._materialize import layer_seed, materialize
+from ._checkpoint.core import (
+    CheckpointError,
+    CheckpointInfo,
+    consolidate,
+    load_checkpoint,
+    save_checkpoint,
+)
+from ._frontend.deferred_init import layer_seed, materialize
 from ._pipe import NonFiniteError, PipeDream
-from ._step_loss import StepLoss
-from ._profiler import profile
+from ._planning.profiler import profile
+from ._runtime.step_loss import StepLoss
 from .planner import Plan, ProfileGraph, Stage, Topology, load_profile, plan
 
 __all__ = [

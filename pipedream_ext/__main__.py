@@ -14,17 +14,16 @@ __all__ = ["main"]
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from . import _cli_checkpoint, _cli_plan, _cli_schedule
-
+    from ._cli import checkpoint, plan, schedule
     parser = argparse.ArgumentParser(
         prog="python -m pipedream_ext",
         description="pipedream_ext: profile, plan and run pipeline-parallel training.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _cli_schedule.register(subparsers)
-    _cli_plan.register(subparsers)
-    _cli_checkpoint.register(subparsers)
+    schedule.register(subparsers)
+    plan.register(subparsers)
+    checkpoint.register(subparsers)
     return parser
 
 

@@ -13,26 +13,44 @@ import datetime
 import inspect
 import logging
 import os
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import (_C, _collectives, _export, _faults, _load_state, _materialize, _model_io,
-               _signals, schedules)
-from ._agree import StepAgreement, agree_at_construction
-from ._config import PipelineConfig
-from ._fingerprint import layers_fingerprint
-from ._groups import PipelineGroups, init_default_group
-from ._observe import Observer
-from ._runners import make_runner
-from ._shared import SharedGradients, describe, find_shared, find_shared_in_stages
-from ._step_loss import StepLoss
-from ._stage_fn import NonFiniteError, StageFunction, Tensors
-from ._stages import LocalStages, even_balance, resolve_partition
-from ._startup_plan import auto_plan, check_plan_world, partition_from_plan
-from ._trace import TracedSplit, reorder_cuts, split_model
+from . import _C, schedules
+from ._checkpoint import reshard
+from ._dist import collectives, faults, signals
+from ._dist.agreement import StepAgreement, agree_at_construction
+from ._dist.fingerprint import layers_fingerprint
+from ._dist.groups import PipelineGroups, init_default_group
+from ._frontend import deferred_init, export, model_io
+from ._frontend.graph_split import TracedSplit, reorder_cuts, split_model
+from ._frontend.tied_params import (
+    SharedGradients,
+    describe,
+    find_shared,
+    find_shared_in_stages,
+)
+from ._planning.startup import auto_plan, check_plan_world, partition_from_plan
+from ._runtime.config import PipelineConfig
+from ._runtime.local_stages import LocalStages, even_balance, resolve_partition
+from ._runtime.observe import Observer
+from ._runtime.runners import make_runner
+from ._runtime.stage_call import NonFiniteError, StageFunction, Tensors
+from ._runtime.step_loss import StepLoss
 from .planner import Plan
 
 __all__ = ["PipeDream", "NonFiniteError", "SYNCHRONOUS_SCHEDULES", "ASYNCHRONOUS_SCHEDULES",
@@ -203,8 +221,8 @@ class PipeDream:
                  trace: Optional[Union[str, os.PathLike]] = None,
                  autocast: Optional[torch.dtype] = None,
                  check_finite: Optional[str] = None,
-                 init_seed: int = _materialize.DEFAULT_INIT_SEED,
-                 init_fn: Optional[_materialize.InitFn] = None,
+                 init_seed: int = deferred_init.DEFAULT_INIT_SEED,
+                 init_fn: Optional[deferred_init.InitFn] = None,
                  split_points: Optional[Sequence[str]] = None,
                  concrete_args: Optional[Mapping[str, Any]] = None,
                  loss_reduction: str = "mean", check_agreement: int = 3) -> None:
@@ -213,7 +231,7 @@ class PipeDream:
         self.traced, planned, deferred, init_seed = _prepare_model(
             module, split_points, sample, balance, concrete_args, init_seed, init_fn)
         #: Every state_dict key of the whole model and its shape (for load_state_dict).
-        self._model_shapes = _load_state.key_shapes(module)
+        self._model_shapes = reshard.key_shapes(module)
         self.config = PipelineConfig.checked(schedule, microbatches, chunks, timeout,
                                              vertical_sync, recompute, autocast, check_finite,
                                              loss_reduction, check_agreement)
@@ -221,7 +239,7 @@ class PipeDream:
         if self.device.type == "cuda":  # NCCL and metadata on NCCL-only groups use it
             torch.cuda.set_device(self.device)
         init_default_group(self.device, datetime.timedelta(seconds=timeout))
-        _signals.install()  # SIGTERM / Ctrl-C: clean exit on every rank, with a deadline
+        signals.install()  # SIGTERM / Ctrl-C: clean exit on every rank, with a deadline
         group = process_group if process_group is not None else dist.group.WORLD
         self.loss_fn = loss_fn
         #: The plan the stages come from (balance="auto" or a saved plan), else None.
@@ -250,7 +268,7 @@ class PipeDream:
         self._broadcast_replicas()
         if self.traced is not None and self.traced.tracer == "export":
             for j in self._stages:  # tensors the graph creates: on this rank's device
-                _export.retarget_devices(self._stages[j], self.device)
+                export.retarget_devices(self._stages[j], self.device)
         shared_gradients = SharedGradients(self.shared_parameters, self._stages, stage_ranks,
                                            self._groups.group, self.config.timeout)
         # Every copy starts as the first use's stage has it (meta layers are
@@ -263,7 +281,7 @@ class PipeDream:
         # An exported model's last stage returns its output's tensors flat; loss_fn gets
         # the model's own structure (a ModelOutput) back.
         spec = self.traced.output_spec if self.traced is not None else None
-        stage_loss = loss_fn if spec is None else _model_io.RestoredLoss(loss_fn, spec)
+        stage_loss = loss_fn if spec is None else model_io.RestoredLoss(loss_fn, spec)
         self._stage_fn = StageFunction(self._stages, stage_loss, self.num_stages, self.device,
                                        self.config.autocast, self.config.check_finite,
                                        raise_at_once=self.asynchronous, rank=self.rank,
@@ -346,7 +364,7 @@ class PipeDream:
             "one stage with balance=...")
 
     def _local_stages(self, module: nn.Sequential, partition: Any, deferred: bool,
-                      init_seed: int, init_fn: Optional[_materialize.InitFn]) -> LocalStages:
+                      init_seed: int, init_fn: Optional[deferred_init.InitFn]) -> LocalStages:
         """This rank's layers; with meta layers, every rank raises if any rank's
         initialisation failed (it runs user code), so no rank waits on a dead peer."""
         def build() -> LocalStages:
@@ -362,7 +380,7 @@ class PipeDream:
             stages = build()
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             error = exc
-        _collectives.raise_if_any_failed(error, self.group, self.timeout,
+        collectives.raise_if_any_failed(error, self.group, self.timeout,
                                          "initialising the meta-device layers")
         assert stages is not None
         return stages
@@ -380,7 +398,7 @@ class PipeDream:
                 [t for _, t in module.named_buffers()]
             with torch.no_grad():
                 for t in tensors:
-                    _collectives.broadcast_data(t.detach(), 0, group)
+                    collectives.broadcast_data(t.detach(), 0, group)
 
     def _agree_everywhere(self, module: nn.Module, group: dist.ProcessGroup, num_layers: int,
                           partition: Any, init_seed: Optional[int] = None) -> None:
@@ -560,7 +578,7 @@ class PipeDream:
         return self.module.state_dict()
 
     def load_state_dict(self, state_dict: Dict[str, torch.Tensor],
-                        strict: bool = True) -> "_load_state.IncompatibleKeys":
+                        strict: bool = True) -> "reshard.IncompatibleKeys":
         """Loads this rank's entries of the whole model's state dict, in place.
 
         Collective: call it on every rank with the full (unsplit) state dict, e.g.
@@ -581,7 +599,7 @@ class PipeDream:
             ValueError: on every rank: unexpected keys, missing keys (naming the
                 stage), or a shape that differs (naming the key and both shapes).
         """
-        return _load_state.load_state_dict(self, state_dict, strict)
+        return reshard.load_state_dict(self, state_dict, strict)
 
     def train(self, mode: bool = True) -> "PipeDream":
         self.module.train(mode)
@@ -591,7 +609,7 @@ class PipeDream:
         return self.train(False)
 
     # -- training -----------------------------------------------------------------------
-    @_faults.names_first_failure
+    @faults.names_first_failure
     def step(self, inputs: Optional[Tensors], targets: Optional[Any],
              optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[Union[StepLoss, float]]:
         """Runs one batch (flush schedules) or admits one minibatch (asynchronous ones).
@@ -623,14 +641,14 @@ class PipeDream:
                               lambda: self._runner.validate("step", given, targets))
         return self._runner.step(given, targets, optimizer)
 
-    @_faults.names_first_failure
+    @faults.names_first_failure
     def flush(self) -> None:
         """Drains an asynchronous pipeline: every admitted minibatch finishes its
         backward and update. Call it before evaluation, checkpointing and at the end.
         A no-op for flush schedules."""
         self._runner.flush()
 
-    @_faults.names_first_failure
+    @faults.names_first_failure
     @torch.no_grad()
     def forward_only(self, inputs: Optional[Tensors]) -> Optional[Tensors]:
         """Runs the batch forward through the pipeline without gradients.
@@ -648,13 +666,13 @@ class PipeDream:
         self._agreement.check("forward_only", given, None,
                               lambda: self._runner.validate("forward_only", given, None))
         out = self._runner.forward_only(given)
-        return out if self.traced is None else _model_io.restore_output(self.traced.output_spec, out)
+        return out if self.traced is None else model_io.restore_output(self.traced.output_spec, out)
 
     def _positional(self, inputs: Any, call: str) -> Optional[Tensors]:
         """A traced model's dict of named inputs as its graph's tuple (else unchanged)."""
         if self.traced is None:
             return inputs
-        return _model_io.positional_inputs(self.traced.input_names, inputs, call)
+        return model_io.positional_inputs(self.traced.input_names, inputs, call)
 
     def grad_scaler(self, **kwargs: Any) -> Any:
         """A loss scaler for ``autocast=torch.float16`` on a flush schedule.
@@ -782,12 +800,12 @@ def _trace_stages(module: nn.Module, split_points: Sequence[str],
         raise ValueError("split_points needs sample=(inputs, targets), one batch to trace the "
                          "model on (inputs: a tensor, a tuple of tensors or a dict of named "
                          "tensors)")
-    if _materialize.has_meta_tensors(module):
+    if deferred_init.has_meta_tensors(module):
         raise ValueError("split_points traces the model by running it on sample, which the meta "
                          "device cannot; build the model on a real device")
     first = sample[0]
     if isinstance(first, Mapping):  # keyword inputs: traced by name, passed by name
-        _model_io.positional_inputs(list(first), first, "sample")  # tensors only
+        model_io.positional_inputs(list(first), first, "sample")  # tensors only
         return split_model(module, split_points, dict(first), concrete_args)
     inputs = tuple(first) if isinstance(first, (tuple, list)) else (first,)
     return split_model(module, split_points, inputs, concrete_args)
@@ -797,7 +815,7 @@ def _trace_stages(module: nn.Module, split_points: Sequence[str],
 def _prepare_model(module: nn.Module, split_points: Optional[Sequence[str]],
                    sample: Optional[Tuple[Tensors, Any]], balance: Any,
                    concrete_args: Optional[Mapping[str, Any]], init_seed: int,
-                   init_fn: Optional[_materialize.InitFn]
+                   init_fn: Optional[deferred_init.InitFn]
                    ) -> Tuple[Optional[TracedSplit], Optional["_PlannedTrace"], bool, int]:
     """Checks what kind of model this is before any communication.
 
@@ -831,10 +849,10 @@ def _prepare_model(module: nn.Module, split_points: Optional[Sequence[str]],
         raise ValueError(f"balance={os.fspath(balance)!r} is neither 'auto' nor a plan file (no such "
                          "file); give layer counts as a list (balance=[4, 4]), 'auto' to plan at "
                          "start-up, or the path of a plan.json")
-    init_seed = _materialize.check_seed(init_seed)
-    deferred = _materialize.has_meta_tensors(module)
+    init_seed = deferred_init.check_seed(init_seed)
+    deferred = deferred_init.has_meta_tensors(module)
     if deferred:
-        _materialize.check_initialisable(module, init_fn)
+        deferred_init.check_initialisable(module, init_fn)
         if isinstance(balance, str) and balance == "auto":
             raise ValueError("balance='auto' profiles the model, which cannot run on the meta "
                              "device; plan once from a real model (python -m pipedream_ext "
@@ -876,21 +894,21 @@ class _PlannedTrace:
             ValueError: no sample, a meta-device model, or one torch.fx cannot trace
                 (naming split_points for a model only torch.export traces).
         """
-        from ._graph_profile import trace_groups
-        from ._trace import UntraceableError
+        from ._frontend.graph_split import UntraceableError
+        from ._planning.graph_profile import trace_groups
 
         if sample is None or not isinstance(sample, (tuple, list)) or len(sample) != 2:
             raise ValueError(f"{type(module).__name__} is not an nn.Sequential, so a plan runs on "
                              "its traced graph: pass sample=(inputs, targets), one batch to trace "
                              "(and profile) it on (inputs: a tensor, a tuple of tensors or a dict "
                              "of named tensors)")
-        if _materialize.has_meta_tensors(module):
+        if deferred_init.has_meta_tensors(module):
             raise ValueError("a plan for a model that is not an nn.Sequential needs its traced "
                              "graph, which runs the sample, which the meta device cannot; build "
                              "the model on a real device")
         first, names = sample[0], None
         if isinstance(first, Mapping):  # keyword tensors, in forward's order
-            _model_io.positional_inputs(list(first), first, "sample")  # tensors only
+            model_io.positional_inputs(list(first), first, "sample")  # tensors only
             order = list(inspect.signature(module.forward).parameters)
             names = sorted(first, key=lambda k: order.index(k) if k in order else len(order))
             inputs = tuple(first[k] for k in names)
@@ -910,7 +928,7 @@ class _PlannedTrace:
 
     def profile_fn(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[[], Any]:
         """Rank 0's profile for ``balance="auto"``: the groups timed on the sample."""
-        from ._graph_profile import profile_groups
+        from ._planning.graph_profile import profile_groups
 
         return lambda: profile_groups(self.grouped, self.inputs, loss_fn, self.targets,
                                       steps=10, warmup=3)
@@ -922,7 +940,7 @@ class _PlannedTrace:
             ValueError: a plan of another model or grouping, or one that cannot run
                 (a value flowing backwards, an empty stage, a non-tensor crossing).
         """
-        from ._graph_profile import plan_split_labels, plan_stage_of
+        from ._planning.graph_profile import plan_split_labels, plan_stage_of
 
         stage_of = plan_stage_of(self.grouped, plan)
         return split_model(self.module, plan_split_labels(self.grouped, stage_of),

@@ -327,9 +327,8 @@ class Schedule:
                 or not writable; bad costs or width.
             RuntimeError: matplotlib is not installed.
         """
-        from . import _plot
-
-        return _plot.plot_schedule(self, path, t_f=t_f, t_b=t_b, t_w=t_w, t_comm=t_comm,
+        from . import _viz
+        return _viz.plot_schedule(self, path, t_f=t_f, t_b=t_b, t_w=t_w, t_comm=t_comm,
                                    t_allreduce=t_allreduce, comm=comm, title=title, width=width)
 
     def __repr__(self) -> str:

@@ -10,7 +10,6 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import pytest
-
 import torch
 import torch.distributed as dist
 

@@ -339,8 +339,9 @@ def check_exact(zm: ZooModel, schedule: str, chunks: int, steps: int = 3,
     Returns:
         The pipeline.
     """
-    import pipedream_ext as pd
     import torch.distributed as dist
+
+    import pipedream_ext as pd
 
     world = dist.get_world_size()
     stages = world * chunks

@@ -38,8 +38,12 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import (assert_every_rank_passed, launch_raw, launch_torchrun,  # noqa: E402
-                           worker_main)
+from _multiprocess import (  # noqa: E402
+    assert_every_rank_passed,
+    launch_raw,
+    launch_torchrun,
+    worker_main,
+)
 
 HERE = os.path.abspath(__file__)
 MARKER = "ALL AGREEMENT CHECKS PASSED"
@@ -147,9 +151,10 @@ def check_different_graphs_are_refused() -> None:
 def check_export_config_difference_is_refused() -> None:
     """The export path: a config that differs by rank (another RoPE base) changes a buffer
     the graph reads; named by its path."""
-    import pipedream_ext as pd
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
+
+    import pipedream_ext as pd
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
@@ -418,7 +423,7 @@ class SetOrder(nn.Module):
 
 def check_set_order_on_the_fx_path() -> None:
     import pipedream_ext as pd
-    from pipedream_ext import _collectives
+    import pipedream_ext._dist.collectives as _collectives
 
     x, y = batch(8)
     pipe = pd.PipeDream(SetOrder(), **_kwargs(split_points=["sliding"], sample=(x, y)))
@@ -430,8 +435,9 @@ def check_set_order_on_the_fx_path() -> None:
 
 def gemma_with_other_hash_seeds() -> None:
     """Runs on 2 raw ranks whose PYTHONHASHSEED differ (see the test)."""
-    from pipedream_ext import _collectives
     from _zoo import ZOO, check_exact
+
+    import pipedream_ext._dist.collectives as _collectives
 
     orders = _collectives.all_gather_json(list(set(eval(_LAYER_TYPES))), dist.group.WORLD)
     assert orders[0] != orders[1], f"the hash seeds give one set order: {orders}"
@@ -471,8 +477,9 @@ def test_gemma3_ranks_with_other_hash_seeds_train_like_the_unsplit_model() -> No
 def test_auto_balance_of_an_export_only_model_names_split_points(monkeypatch) -> None:
     """Refused before any communication, naming split_points (not blaming control flow)."""
     pytest.importorskip("transformers")
-    import pipedream_ext as pd
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    import pipedream_ext as pd
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
         monkeypatch.delenv(var, raising=False)

@@ -20,10 +20,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
 from torch import nn
 from torch.func import functional_call
-
-from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
 
 RTOL, ATOL = 1e-5, 1e-6
 MARKER = "ALL ASYNC CHECKS PASSED"

@@ -328,7 +328,7 @@ def check_loss_shape_row() -> None:
 def check_hostile_peer_rows() -> None:
     """Rank 1 builds the pipeline, then plays stage 1 by hand with malformed headers."""
     import pipedream_ext as pd
-    from pipedream_ext import _groups
+    import pipedream_ext._dist.groups as _groups
 
     # (the message on the pipeline's group, the one on the side group or None)
     cases = [

@@ -33,9 +33,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _multiprocess import (
+    ROOT,
+    assert_every_rank_passed,
+    free_port,
+    launch_torchrun,
+    worker_main,
+)
 from torch import nn
-
-from _multiprocess import ROOT, assert_every_rank_passed, free_port, launch_torchrun, worker_main
 
 HERE = os.path.abspath(__file__)
 MARKER = "ALL CHECKPOINT CHECKS PASSED"
@@ -284,7 +289,8 @@ def check_interrupted_saves(root: str) -> None:
     """A save that fails before its manifest leaves the previous checkpoint loadable;
     the next successful save replaces it and removes the leftovers."""
     import pipedream_ext as pd
-    from pipedream_ext import CheckpointError, _checkpoint
+    import pipedream_ext._checkpoint.core as _checkpoint
+    from pipedream_ext import CheckpointError
 
     rank = dist.get_rank()
     path = os.path.join(root, f"interrupted-{os.environ.get('MASTER_PORT', 'x')}")

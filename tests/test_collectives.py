@@ -1,4 +1,4 @@
-"""The Python layer's small collectives (pipedream_ext/_collectives.py) and the
+"""The Python layer's small collectives (pipedream_ext/_dist/collectives.py) and the
 checkpoint exchange built on them, in this process on a 1-rank Gloo group.
 
 Several ranks exchanging real payloads are covered by tests/test_checkpoint.py,
@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipedream_ext import _checkpoint, _collectives
-from pipedream_ext._checkpoint import CheckpointError
+import pipedream_ext._checkpoint.core as _checkpoint
+import pipedream_ext._dist.collectives as _collectives
+from pipedream_ext._checkpoint.core import CheckpointError
 
 
 @pytest.fixture(scope="module")

@@ -27,9 +27,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-
 from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
+from torch import nn
 
 MARKER = "ALL DEFERRED INIT CHECKS PASSED"
 HERE = os.path.abspath(__file__)

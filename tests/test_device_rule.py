@@ -67,7 +67,7 @@ def install_guard(violations: List[str]) -> None:
             caller = _library_caller()
             if caller and objects:
                 violations.append(f"{caller} pickles through dist.{name}")
-            elif caller and caller != "pipedream_ext._collectives":
+            elif caller and caller != "pipedream_ext._dist.collectives":
                 violations.append(f"{caller} calls dist.{name} around the device rule")
             group = kwargs.get("group") or dist.group.WORLD
             backends = {t.type if isinstance(t, torch.device) else str(t)
@@ -125,10 +125,10 @@ def run_checks() -> None:
     pipe.forward_only(x)
     assert not violations, "\n".join(violations)
     # The guard itself bites: a CPU-tensor collective from the library is caught.
-    from pipedream_ext import _observe
+    import pipedream_ext._runtime.observe as _observe
     exec("import torch.distributed as dist\ndist.all_reduce(__import__('torch').zeros(1))",
          vars(_observe))
-    assert violations == ["pipedream_ext._observe calls dist.all_reduce around the device rule"], \
+    assert violations == ["pipedream_ext._runtime.observe calls dist.all_reduce around the device rule"], \
         violations
 
 

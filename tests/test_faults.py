@@ -13,12 +13,12 @@
   tracebacks, every process gone promptly, the last checkpoint loads.
 * SIGTERM at a random moment of a save loop (tests/test_checkpoint.py's): the
   previous checkpoint stays loadable and no ``.tmp`` file is left.
-* ``pipedream_ext._elastic``: restarted workers on a long-lived agent store.
+* ``pipedream_ext._dist.elastic``: restarted workers on a long-lived agent store.
 
 Every process a test starts carries a unique ``PDFAULT_JOB`` value in its
 environment; the test checks in /proc that none is left and, in a ``finally``,
 kills by pid any that is. The worker side (``PDFAULT_ROLE=train``) is a plain
-training loop; it applies ``pipedream_ext._faults`` and ``_signals`` itself
+training loop; it applies ``pipedream_ext._dist.faults`` and ``_signals`` itself
 (no-ops once ``PipeDream`` does).
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ def worker_train() -> None:
     import torch.nn.functional as F
 
     import pipedream_ext as pd
-    from pipedream_ext import _signals
+    import pipedream_ext._dist.signals as _signals
 
     assert all(getattr(getattr(pd.PipeDream, name), "_pipedream_names_first_failure", False)
                for name in ("step", "flush", "forward_only"))
@@ -99,7 +99,7 @@ def worker_elastic() -> None:
 
     import torch.distributed as dist
 
-    from pipedream_ext import _elastic
+    import pipedream_ext._dist.elastic as _elastic
 
     _elastic.init_process_group("gloo", datetime.timedelta(seconds=TIMEOUT))
     dist.barrier()
@@ -295,7 +295,7 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path) -> None:
     args = ["--steps", "40", "--every", "10", "--timeout", str(TIMEOUT)]
     crashed, reference = str(tmp_path / "crashed"), str(tmp_path / "reference")
     # torch 2.13: Gloo workers restarted on torchrun's shared store can read the
-    # failed attempt's addresses (see pipedream_ext/_elastic.py); torch's switch:
+    # failed attempt's addresses (see pipedream_ext/_dist/elastic.py); torch's switch:
     with Job(str(tmp_path), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1") as job:
         # The uninterrupted run (same 3-rank layout) alongside, to overlap start-ups.
         ranks = job.start_raw(3, [sys.executable, EXAMPLE, "--checkpoint", reference, *args])
@@ -379,7 +379,7 @@ def test_sigterm_during_saves_keeps_the_previous_checkpoint(tmp_path) -> None:
 
     root = str(tmp_path / "ckpt")
     loop = os.path.join(ROOT, "tests", "test_checkpoint.py")
-    code = ("import runpy, sys; from pipedream_ext import _signals; _signals.install(); "
+    code = ("import runpy, sys; from pipedream_ext._dist import signals; signals.install(); "
             f"sys.argv = [{loop!r}]; runpy.run_path({loop!r}, run_name='__main__')")
     with Job(str(tmp_path), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
              MASTER_PORT=str(free_port()), PDCKPT_DIR=root, PDCKPT_PHASE="kill-loop") as job:
@@ -402,7 +402,8 @@ def test_sigterm_during_saves_keeps_the_previous_checkpoint(tmp_path) -> None:
 
 SIGNAL_IN_WRITER = r"""
 import os, signal, sys, torch
-from pipedream_ext import _signals, _checkpoint
+import pipedream_ext._dist.signals as _signals
+import pipedream_ext._checkpoint.core as _checkpoint
 _signals.install()
 write, calls = _checkpoint._HashingWriter.write, []
 def write_then_signal(self, data):
@@ -479,7 +480,7 @@ finally:
 ], ids=["sigterm", "sigint", "deadline", "deferred", "second-signal", "program-handlers"])
 def test_signal_handlers(tmp_path, case: str, signals: List[int], status: int,
                          needles: List[str]) -> None:
-    """pipedream_ext/_signals.py alone: SystemExit(143) with finally blocks, one line for
+    """pipedream_ext/_dist/signals.py alone: SystemExit(143) with finally blocks, one line for
     Ctrl-C, the deadline when the main thread is stuck in C, a second signal at once."""
     script = tmp_path / "case.py"
     script.write_text(SIGNALS_CASE)
@@ -500,7 +501,7 @@ def test_signal_handlers(tmp_path, case: str, signals: List[int], status: int,
 def test_elastic_init_survives_a_torchrun_restart(tmp_path) -> None:
     """torchrun's agent store outlives attempts: plain init_process_group in the
     restarted workers fails or hangs on the failed attempt's Gloo keys (3 of 3 tries
-    on torch 2.13); pipedream_ext._elastic puts each attempt under its own prefix."""
+    on torch 2.13); pipedream_ext._dist.elastic puts each attempt under its own prefix."""
     with Job(str(tmp_path), PDFAULT_ROLE="elastic") as job:
         agent = job.start(_torchrun(2, HERE, restarts=1), "torchrun")
         try:

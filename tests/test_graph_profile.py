@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipedream_ext as pd
-from pipedream_ext._graph_profile import plan_stage_of, trace_groups
-from pipedream_ext._trace import _value_kinds, split_model
+from pipedream_ext._frontend.graph_split import _value_kinds, split_model
+from pipedream_ext._planning.graph_profile import plan_stage_of, trace_groups
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_traced import ResNet, UNet  # noqa: E402

@@ -317,7 +317,7 @@ def test_gpt2_pipelines_match_the_unsplit_model(world: int, tmp_path, monkeypatc
 # --------------------------------------------------------------------------- one process
 def chain(split: Any, inputs: Any) -> Any:
     """Runs the stages one after another, as the runtime passes values between them."""
-    from pipedream_ext._model_io import positional_inputs, restore_output
+    from pipedream_ext._frontend.model_io import positional_inputs, restore_output
 
     value = positional_inputs(split.input_names, inputs, "test")
     for stage in split.stages:
@@ -328,7 +328,7 @@ def chain(split: Any, inputs: Any) -> Any:
 def test_export_path_keeps_parameters_names_and_runs_at_other_shapes() -> None:
     """fx cannot trace GPT-2; the exported stages hold the model's own tensors, cross
     cuts with tensors only, and run at other batch sizes and sequence lengths."""
-    from pipedream_ext._trace import split_model
+    from pipedream_ext._frontend.graph_split import split_model
 
     model = make_gpt2()
     inputs, _ = make_batch(8, 12, 0, True)
@@ -350,7 +350,7 @@ def test_export_path_keeps_parameters_names_and_runs_at_other_shapes() -> None:
         assert type(got).__name__ == "CausalLMOutputWithCrossAttentions"
         torch.testing.assert_close(got.logits, want.logits, rtol=RTOL, atol=ATOL)
     # Tensors the graph creates (positions, masks) follow the stage to its device.
-    from pipedream_ext._export import retarget_devices
+    from pipedream_ext._frontend.export import retarget_devices
 
     devices = lambda stage: {a for n in stage.graph.nodes for a in n.kwargs.values()  # noqa: E731
                              if isinstance(a, torch.device)}
@@ -362,8 +362,8 @@ def test_export_path_keeps_parameters_names_and_runs_at_other_shapes() -> None:
 def test_export_dropout_follows_train_and_eval() -> None:
     """The exported graph's dropout calls the model's own nn.Dropout modules, so
     pipe.eval() turns it off as in the unsplit model."""
-    from pipedream_ext._stages import LocalStages, resolve_partition
-    from pipedream_ext._trace import split_model
+    from pipedream_ext._frontend.graph_split import split_model
+    from pipedream_ext._runtime.local_stages import LocalStages, resolve_partition
 
     model = make_gpt2(dropout=0.3)
     inputs, _ = make_batch(4, 8, 0, False)
@@ -384,7 +384,7 @@ def test_export_dropout_follows_train_and_eval() -> None:
 
 
 def test_named_inputs_map_to_the_graph_order() -> None:
-    from pipedream_ext._model_io import positional_inputs
+    from pipedream_ext._frontend.model_io import positional_inputs
 
     x, m = torch.zeros(2, 3), torch.ones(2, 3)
     assert positional_inputs(["input_ids", "mask"], {"mask": m, "input_ids": x}, "step()") == (x, m)
@@ -428,7 +428,7 @@ class _Untraceable(nn.Module):
 
 
 def test_what_neither_path_can_run_is_refused_naming_it() -> None:
-    from pipedream_ext._trace import split_model
+    from pipedream_ext._frontend.graph_split import split_model
 
     model = _BatchNormBranch()
     before = {k: v.clone() for k, v in model.state_dict().items()}

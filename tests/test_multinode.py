@@ -56,9 +56,9 @@ def batches() -> List:
 def worker(out_dir: str) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
+    from train_digits import make_model as build_model
 
     import pipedream_ext as pd
-    from train_digits import make_model as build_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -34,9 +34,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-
 from _multiprocess import BACKEND_ENV, ROOT, launch_raw
+from torch import nn
 
 HERE = os.path.abspath(__file__)
 WAIT = datetime.timedelta(seconds=3)

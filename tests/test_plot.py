@@ -11,7 +11,8 @@ import pytest
 pytest.importorskip("matplotlib")
 from matplotlib import image as mpimg  # noqa: E402
 
-from pipedream_ext import _plot, schedules  # noqa: E402
+import pipedream_ext._viz as _plot  # noqa: E402
+from pipedream_ext import schedules  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -19,9 +19,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _multiprocess import (
+    assert_every_rank_passed,
+    launch_raw,
+    launch_torchrun,
+    worker_main,
+)
 from torch import nn
-
-from _multiprocess import assert_every_rank_passed, launch_raw, launch_torchrun, worker_main
 
 RTOL, ATOL = 1e-5, 1e-6
 MARKER = "ALL RUNTIME CHECKS PASSED"

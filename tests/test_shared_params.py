@@ -143,8 +143,9 @@ def check_meta_built(schedule: str, balance: List[int],
 
 def check_asynchronous_refused() -> None:
     """docs/bad_input.md row ``shared-async``: refused at construction, naming the parameter."""
-    import pipedream_ext as pd
     from test_bad_input import ROWS
+
+    import pipedream_ext as pd
 
     expected = next(r[2] for r in ROWS if r[0] == "shared-async")
     for schedule in ("pipedream", "pipedream-2bw"):

@@ -32,8 +32,14 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main  # noqa: E402
-from test_traced import MICROBATCHES, MODELS, make_batch, make_model, optimizers, \
-    reference_step  # noqa: E402
+from test_traced import (
+    MICROBATCHES,
+    MODELS,
+    make_batch,
+    make_model,
+    optimizers,
+    reference_step,  # noqa: E402
+)
 
 RTOL, ATOL = 1e-5, 1e-6
 MARKER = "ALL TRACED AUTO CHECKS PASSED"
@@ -44,7 +50,7 @@ BANDWIDTH = [1e9]  # fixed bytes/s, so plans differ only by the measured times
 def expected_stages(kind: str, plan: Any) -> List[Tuple[Set[str], Set[str]]]:
     """For each plan stage: the called modules and the parameter names of its nodes,
     from a fresh trace of the model (what the plan's profile nodes are)."""
-    from pipedream_ext._graph_profile import trace_groups
+    from pipedream_ext._planning.graph_profile import trace_groups
 
     sample, _ = make_batch(kind, 8, 99)
     grouped = trace_groups(make_model(kind), sample if isinstance(sample, tuple) else (sample,))

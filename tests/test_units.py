@@ -13,12 +13,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipedream_ext import _C, schedules
-from pipedream_ext._config import PipelineConfig
-from pipedream_ext._stage_fn import (NonFiniteError, StageFunction, Targets, check_batch,
-                                      split_microbatches)
-from pipedream_ext._shared import alias_names, canonical_names, describe, find_shared
-from pipedream_ext._stages import LocalStages, even_balance, resolve_partition
-from pipedream_ext._startup_plan import cluster_shape, partition_from_plan
+from pipedream_ext._frontend.tied_params import (
+    alias_names,
+    canonical_names,
+    describe,
+    find_shared,
+)
+from pipedream_ext._planning.startup import cluster_shape, partition_from_plan
+from pipedream_ext._runtime.config import PipelineConfig
+from pipedream_ext._runtime.local_stages import (
+    LocalStages,
+    even_balance,
+    resolve_partition,
+)
+from pipedream_ext._runtime.stage_call import (
+    NonFiniteError,
+    StageFunction,
+    Targets,
+    check_batch,
+    split_microbatches,
+)
 from pipedream_ext.planner import plan
 
 
@@ -277,7 +291,7 @@ def test_evaluation_outputs_are_combined_leaf_by_leaf() -> None:
 # -- plans -> stages ----------------------------------------------------------------------
 def test_a_plan_that_moves_stages_to_other_ranks_is_refused() -> None:
     from pipedream_ext import profile
-    from pipedream_ext._startup_plan import check_plan_world
+    from pipedream_ext._planning.startup import check_plan_world
 
     graph = profile(_model(), torch.randn(8, 4), steps=1, warmup=0)
     chosen = plan(graph, workers=2, bandwidth=1e9, straight=True)
@@ -292,7 +306,12 @@ def test_a_plan_that_moves_stages_to_other_ranks_is_refused() -> None:
 def test_a_manifest_with_a_step_that_is_no_integer_is_refused(tmp_path) -> None:
     import json
 
-    from pipedream_ext._checkpoint import FORMAT, MANIFEST, CheckpointError, read_manifest
+    from pipedream_ext._checkpoint.core import (
+        FORMAT,
+        MANIFEST,
+        CheckpointError,
+        read_manifest,
+    )
 
     manifest = {"format": FORMAT, "version": 1, "generation": 0, "step": "100",
                 "layers": [{"name": "0", "type": "Linear"}], "num_layers": 1,
@@ -325,7 +344,7 @@ def test_cluster_shape() -> None:
     assert cluster_shape(6, per_node=4) == [6]  # does not divide: one node
 
 
-# -- deferred initialisation (pipedream_ext/_materialize.py, _load_state.py) ---------------
+# -- deferred initialisation (pipedream_ext/_frontend/deferred_init.py, _load_state.py) ---------------
 def _meta(make):
     with torch.device("meta"):
         return make()
@@ -336,7 +355,7 @@ def _mlp() -> nn.Sequential:
 
 
 def test_seeding_rule_gives_each_layer_its_own_seed_wherever_it_lands() -> None:
-    from pipedream_ext._materialize import layer_seed, materialize
+    from pipedream_ext._frontend.deferred_init import layer_seed, materialize
 
     assert layer_seed(0, 3) == 3 and layer_seed(2, 3) == 2 * 2**16 + 3
     rng = torch.get_rng_state()
@@ -376,7 +395,11 @@ class _Masked(nn.Linear):
 
 
 def test_meta_modules_without_reset_parameters_or_with_unset_buffers_are_named() -> None:
-    from pipedream_ext._materialize import check_initialisable, check_seed, materialize
+    from pipedream_ext._frontend.deferred_init import (
+        check_initialisable,
+        check_seed,
+        materialize,
+    )
 
     model = _meta(lambda: nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.ReLU(), _Scale())))
     with pytest.raises(ValueError, match=r"module '1\.1' \(_Scale: gain\) has parameters or buffers "
@@ -401,7 +424,7 @@ def test_meta_modules_without_reset_parameters_or_with_unset_buffers_are_named()
 
 
 def test_materialize_keeps_ties_and_tensors_not_on_meta() -> None:
-    from pipedream_ext._materialize import materialize
+    from pipedream_ext._frontend.deferred_init import materialize
 
     class Tied(nn.Module):
         def __init__(self) -> None:
@@ -423,7 +446,7 @@ def test_materialize_keeps_ties_and_tensors_not_on_meta() -> None:
 
 
 def test_state_dict_split_keeps_this_ranks_keys_and_names_the_wrong_ones() -> None:
-    from pipedream_ext._load_state import key_shapes, split_state_dict
+    from pipedream_ext._checkpoint.reshard import key_shapes, split_state_dict
 
     shapes = key_shapes(_meta(_mlp))
     full = _mlp().state_dict()
@@ -478,7 +501,7 @@ class _SkipNet(nn.Module):
 
 
 def _split(points, **kwargs):
-    from pipedream_ext._trace import split_model
+    from pipedream_ext._frontend.graph_split import split_model
 
     torch.manual_seed(0)
     model = _SkipNet()
@@ -530,7 +553,7 @@ def test_local_stages_of_a_traced_model_merge_by_original_path() -> None:
 
 
 def test_tracing_errors_name_the_value_and_the_fix() -> None:
-    from pipedream_ext._trace import split_model
+    from pipedream_ext._frontend.graph_split import split_model
 
     class Sizes(nn.Module):
         def __init__(self) -> None:
@@ -554,7 +577,11 @@ def test_tracing_errors_name_the_value_and_the_fix() -> None:
 
     # A module with parameters called on both sides of a cut: its parameters are
     # shared by both stages (the shared-parameter rule, _shared), under one name.
-    from pipedream_ext._shared import alias_names, describe, find_shared_in_stages
+    from pipedream_ext._frontend.tied_params import (
+        alias_names,
+        describe,
+        find_shared_in_stages,
+    )
 
     reused = Reused()
     split = split_model(reused, ["b"], (torch.randn(2, 4),))
@@ -587,7 +614,7 @@ def test_tracing_errors_name_the_value_and_the_fix() -> None:
 
 
 def test_constants_are_made_by_each_stage_and_called_buffers_kept_in_one() -> None:
-    from pipedream_ext._trace import split_model
+    from pipedream_ext._frontend.graph_split import split_model
 
     class Constants(nn.Module):
         def __init__(self) -> None:
@@ -624,7 +651,7 @@ def test_constants_are_made_by_each_stage_and_called_buffers_kept_in_one() -> No
 
 
 def test_named_inputs_are_traced_by_parameter_name_and_the_rest_take_defaults() -> None:
-    from pipedream_ext._trace import split_model
+    from pipedream_ext._frontend.graph_split import split_model
 
     class Keywords(nn.Module):
         def __init__(self) -> None:
@@ -663,7 +690,7 @@ def test_export_path_recomputes_sizes_in_the_stages_using_them() -> None:
     """A forward fx cannot trace (a branch on a shape) goes through torch.export, whose
     sizes are symbolic integers: each stage computes the sizes it uses from a tensor it
     has (``b * t`` from its own activation), or the tensor carrying them travels."""
-    from pipedream_ext._trace import split_model
+    from pipedream_ext._frontend.graph_split import split_model
 
     class Sizes(nn.Module):
         def __init__(self) -> None:
@@ -693,8 +720,8 @@ def test_export_path_recomputes_sizes_in_the_stages_using_them() -> None:
 
 
 def test_find_shared_in_stages_of_a_traced_model() -> None:
-    from pipedream_ext._shared import find_shared_in_stages
-    from pipedream_ext._trace import split_model
+    from pipedream_ext._frontend.graph_split import split_model
+    from pipedream_ext._frontend.tied_params import find_shared_in_stages
 
     class Tied(nn.Module):
         def __init__(self) -> None:

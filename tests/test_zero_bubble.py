@@ -28,9 +28,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-
 from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
+from torch import nn
 
 HERE = os.path.abspath(__file__)
 MARKER = "ALL ZERO-BUBBLE CHECKS PASSED"

@@ -96,7 +96,7 @@ def _owner_path(name: str) -> str:
 def _rename_tied_reads(gm: fx.GraphModule, model: nn.Module) -> None:
     """Each read of a tensor that has several names in ``model`` uses the name of the
     module using it (the innermost one in the user's ``nn_module_stack``)."""
-    from ._trace import _install, _paths_of  # noqa: PLC0415 - _trace imports this module lazily
+    from .graph_split import _install, _paths_of  # noqa: PLC0415 - _trace imports this module lazily
 
     own = _tensor_of(model)
     names: Dict[int, List[str]] = {}
@@ -304,7 +304,7 @@ def _dropout_as_modules(gm: fx.GraphModule, model: nn.Module) -> None:
     graph had. The ``dropout_p`` of ``scaled_dot_product_attention`` comes from a
     :class:`DropoutRate` module (``_dropout_rate0``).
     """
-    from ._trace import _install  # noqa: PLC0415
+    from .graph_split import _install  # noqa: PLC0415
 
     modules = dict(model.named_modules())
     graph = gm.graph
@@ -372,7 +372,7 @@ def localize_sizes(gm: fx.GraphModule, starts: Sequence[int]) -> List[int]:
         The stage starts in the modified graph (the same first nodes, or a size
         computed just before a stage's first node).
     """
-    from ._trace import _compute_nodes, _stage_of  # noqa: PLC0415
+    from .graph_split import _compute_nodes, _stage_of  # noqa: PLC0415
 
     graph = gm.graph
     nodes = _compute_nodes(graph)

@@ -44,9 +44,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from . import _C
-from ._profiler import _preserved, _Timer
-from ._trace import _compute_nodes, _value_kinds, trace_model
+from .. import _C
+from .._frontend.graph_split import _compute_nodes, _value_kinds, trace_model
+from .profiler import _preserved, _Timer
 
 __all__ = ["Group", "GraphGroups", "group_graph", "trace_groups", "profile_groups",
            "profile_traced", "plan_stage_of", "plan_split_labels"]

@@ -17,7 +17,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ._materialize import DEFAULT_INIT_SEED, InitFn, Memo, materialize_layer
+from .._frontend.deferred_init import DEFAULT_INIT_SEED, InitFn, Memo, materialize_layer
 
 __all__ = ["even_balance", "Partition", "resolve_partition", "LocalStages"]
 
@@ -151,7 +151,9 @@ class LocalStages:
         #: Whether the stages come from a traced model (``_trace``).
         self.traced = traced is not None
         if traced is not None:
-            from ._trace import merge_stage_modules  # torch.fx only for traced models
+            from .._frontend.graph_split import (
+                merge_stage_modules,  # torch.fx only for traced models
+            )
 
             self.layers: Dict[int, Tuple[int, int]] = {j: (j, j + 1) for j in indices}
             self._modules: Dict[int, nn.Module] = {j: traced[j].to(device) for j in indices}

@@ -56,7 +56,7 @@ def _run_profile(args: argparse.Namespace) -> int:
     import torch
     from torch import nn
 
-    from ._profiler import profile
+    from .._planning.profiler import profile
 
     model = _load_factory(args.model)()
     if not isinstance(model, nn.Module):
@@ -84,7 +84,7 @@ def _run_profile(args: argparse.Namespace) -> int:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from .planner import plan
+    from ..planner import plan
 
     result = plan(
         args.profile,

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from . import _C
+from .. import _C
 
 __all__ = ["profile"]
 
@@ -152,7 +152,7 @@ def profile(
             torch.fx cannot trace.
     """
     if not isinstance(module, nn.Sequential):
-        from ._graph_profile import profile_traced
+        from .graph_profile import profile_traced
 
         return profile_traced(module, sample_input, loss_fn, target, steps, warmup, output,
                               progress, **traced)

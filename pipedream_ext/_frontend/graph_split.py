@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ._fingerprint import StagesFingerprint, graph_fingerprint
+from .._dist.fingerprint import StagesFingerprint, graph_fingerprint
 
 __all__ = ["TracedSplit", "UntraceableError", "trace_model", "stage_starts", "stage_assignment",
            "live_sets", "build_stages", "split_model", "reorder_cuts", "merge_stage_modules"]
@@ -582,7 +582,7 @@ def split_model(model: nn.Module, split_points: Sequence[str],
     else:
         starts = stage_starts(gm, model, split_points)
     if tracer == "export":  # sizes are symbolic integers there: each stage makes its own
-        from ._export import localize_sizes
+        from .export import localize_sizes
 
         starts = localize_sizes(gm, starts)
     live = live_sets(gm, starts)
@@ -680,11 +680,10 @@ def _trace_or_export(model: nn.Module, inputs: Union[Tuple[torch.Tensor, ...], M
         names = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
         return gm, names, None, "fx"
     except UntraceableError as fx_error:
-        from . import _export
-
+        from . import export
         try:
-            gm, export_names, spec = _export.export_model(model, inputs, concrete_args)
-        except _export.ExportRefused as exc:
+            gm, export_names, spec = export.export_model(model, inputs, concrete_args)
+        except export.ExportRefused as exc:
             raise ValueError(f"{fx_error.reason}; torch.export (non-strict) exports it, but "
                              f"{exc}. To trace it with torch.fx: {fx_error.advice}") from exc
         except Exception as exc:  # noqa: BLE001 - reported with fx's reason

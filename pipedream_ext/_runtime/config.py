@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _C, schedules
+from .. import _C, schedules
 
 __all__ = ["PipelineConfig"]
 

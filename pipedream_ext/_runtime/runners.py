@@ -27,14 +27,21 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _C, _collectives, _faults, schedules
-from ._config import PipelineConfig
-from ._groups import PipelineGroups, p2p_protocol
-from ._observe import Observer
-from ._shared import SharedGradients
-from ._stage_fn import NonFiniteError, StageFunction, Tensors, check_batch, split_microbatches
-from ._step_loss import StepLoss
-from ._stages import LocalStages
+from .. import _C, schedules
+from .._dist import collectives, faults
+from .._dist.groups import PipelineGroups, p2p_protocol
+from .._frontend.tied_params import SharedGradients
+from .config import PipelineConfig
+from .local_stages import LocalStages
+from .observe import Observer
+from .stage_call import (
+    NonFiniteError,
+    StageFunction,
+    Tensors,
+    check_batch,
+    split_microbatches,
+)
+from .step_loss import StepLoss
 
 __all__ = ["Runner", "FlushRunner", "StreamRunner", "make_runner"]
 
@@ -172,7 +179,7 @@ class Runner:
             RuntimeError: the all-reduce could not start (``describe()`` says which).
         """
         try:
-            total, work = _collectives.all_reduce_start(value, group)
+            total, work = collectives.all_reduce_start(value, group)
         except RuntimeError as exc:
             raise RuntimeError(f"{describe()} failed: {exc}") from exc
         return StepLoss(total, work, self.config.timeout, describe)
@@ -232,10 +239,10 @@ class Runner:
 
     def _agree_on_error(self, error: Optional[BaseException], what: str) -> None:
         """Raises ``error`` on every rank if any rank has one (one flag all-reduce)."""
-        failed = _collectives.all_reduce([1.0 if error is not None else 0.0],
+        failed = collectives.all_reduce([1.0 if error is not None else 0.0],
                                          self.groups.group)[0]
         if failed:
-            _collectives.raise_if_any_failed(error, self.groups.group, self.config.timeout, what)
+            collectives.raise_if_any_failed(error, self.groups.group, self.config.timeout, what)
 
     # -- the family's contract -------------------------------------------------------------
     def step(self, inputs: Optional[Tensors], targets: Optional[Any],
@@ -311,14 +318,14 @@ class FlushRunner(Runner):
         deferred = self.stage_fn.deferred_error
         if step < self.config.check_agreement or self.config.check_finite:
             try:
-                loss, failed = _collectives.all_reduce([local, 1.0 if deferred else 0.0],
+                loss, failed = collectives.all_reduce([local, 1.0 if deferred else 0.0],
                                                        self.groups.group)
             except RuntimeError as exc:  # Gloo names an address; say which rank and step
                 raise RuntimeError(f"{describe()} failed or timed out: {exc}") from exc
             if failed:
                 for t in self.stages.module.parameters():  # the zero loss's gradients: not the model's
                     t.grad = None
-                _collectives.raise_if_any_failed(deferred, self.groups.group, self.config.timeout,
+                collectives.raise_if_any_failed(deferred, self.groups.group, self.config.timeout,
                                                  f"step() number {step}")
             if self.config.check_finite and self._check_finite_step():
                 return float("nan")
@@ -350,7 +357,7 @@ class FlushRunner(Runner):
                 if any(t.grad is not None and not bool(torch.isfinite(t.grad).all())
                        for t in self.stages.parameters_of(j)):
                     backward = max(backward, j)
-        flags = _collectives.all_reduce([-forward, backward], self.groups.group,
+        flags = collectives.all_reduce([-forward, backward], self.groups.group,
                                         op=dist.ReduceOp.MAX, dtype=torch.int64)
         forward, backward = int(-flags[0]), int(flags[1])
         if forward == p and backward < 0:
@@ -383,7 +390,7 @@ class StreamRunner(Runner):
         self.admitted = 0  # minibatches (2bw: batches) admitted since the last flush
         self._peak_weight_versions: Dict[int, int] = {}
         super().__init__(*args, **kwargs)
-        self._unflushed = _faults.watch_unflushed()  # an exit without flush() is named
+        self._unflushed = faults.watch_unflushed()  # an exit without flush() is named
 
     @property
     def peak_weight_versions(self) -> Dict[int, int]:

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from . import _collectives
+from .._dist import collectives
 
 if TYPE_CHECKING:
-    from ._pipe import PipeDream
+    from .._pipe import PipeDream
 
 __all__ = ["key_shapes", "split_state_dict", "load_state_dict", "IncompatibleKeys"]
 
@@ -141,7 +141,7 @@ def load_state_dict(pipe: "PipeDream", state_dict: Mapping[str, Any],
                                                       stages, pipe.stage_layers, strict)
     except Exception as exc:  # noqa: BLE001 - reported to every rank
         error = exc
-    _collectives.raise_if_any_failed(error, pipe.group, pipe.timeout, "load_state_dict")
+    collectives.raise_if_any_failed(error, pipe.group, pipe.timeout, "load_state_dict")
     with torch.no_grad():
         for j, part in parts.items():
             # In place (param.copy_): the executor and weight store keep the same tensors.

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import _elastic
+from . import elastic
 
 __all__ = ["init_default_group", "default_backend", "PipelineGroups", "side_group",
            "p2p_protocol", "PROTOCOL_ENV"]
@@ -55,7 +55,7 @@ def init_default_group(device: torch.device, timeout: datetime.timedelta) -> Non
             "no torch.distributed process group and no torchrun environment (RANK, WORLD_SIZE); "
             "launch with `torchrun --nproc-per-node N script.py` or call "
             "torch.distributed.init_process_group() first")
-    _elastic.init_process_group(default_backend(device), timeout)
+    elastic.init_process_group(default_backend(device), timeout)
 
 
 def data_backend(group: dist.ProcessGroup, device: torch.device) -> str:

@@ -19,7 +19,7 @@ model itself, so nothing but a comparison proves the ranks agree:
   stage given different batches (a ``DistributedSampler`` kept from a DDP script)
   or batches of different sizes, raise on every rank at once.
 
-Payloads are JSON in uint8 tensors (``_collectives.all_gather_json``): no pickle.
+Payloads are JSON in uint8 tensors (``collectives.all_gather_json``): no pickle.
 """
 from __future__ import annotations
 
@@ -31,8 +31,14 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from . import _collectives
-from ._fingerprint import Entry, StagesFingerprint, digest_text, first_difference, tensor_digest
+from . import collectives
+from .fingerprint import (
+    Entry,
+    StagesFingerprint,
+    digest_text,
+    first_difference,
+    tensor_digest,
+)
 
 __all__ = ["agree_at_construction", "batch_fingerprint", "StepAgreement"]
 
@@ -88,7 +94,7 @@ def agree_at_construction(group: dist.ProcessGroup, config: Mapping[str, Any],
     rank = dist.get_rank(group)
     payload = {"config": dict(config), "kind": fingerprint.kind, "stages": fingerprint.stages,
                "cuts": fingerprint.cuts}
-    gathered = _collectives.all_gather_json(payload, group)
+    gathered = collectives.all_gather_json(payload, group)
     for key in config:
         values = [g["config"].get(key) for g in gathered]
         if not _same(values):
@@ -115,7 +121,7 @@ def _stage_difference(group: dist.ProcessGroup, fingerprint: StagesFingerprint, 
                       other: int) -> ValueError:
     """The error naming where ``stage`` first differs between rank 0 and rank ``other``:
     every rank gathers every rank's entries of that stage (collective) and words it alike."""
-    details = _collectives.all_gather_json([e.to_json() for e in fingerprint.entries(stage)],
+    details = collectives.all_gather_json([e.to_json() for e in fingerprint.entries(stage)],
                                            group)
     theirs, ours = first_difference([Entry.from_json(e) for e in details[other]],
                                     [Entry.from_json(e) for e in details[0]])
@@ -196,7 +202,7 @@ class StepAgreement:
                     f"rank {self.rank}: {exc}"
         mine = {"call": f"{call}() number {index}", "error": error,
                 **batch_fingerprint(inputs, targets)}
-        gathered = _collectives.all_gather_json(mine, self.group)
+        gathered = collectives.all_gather_json(mine, self.group)
         errors = [g["error"] for g in gathered if g["error"]]
         if errors:
             raise ValueError("; ".join(dict.fromkeys(errors)))

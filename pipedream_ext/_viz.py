@@ -170,8 +170,8 @@ def plot_schedule(schedule: "Schedule", path: Union[str, os.PathLike], t_f: "Cos
     result = schedule.simulate(t_f=t_f, t_b=t_b, t_w=t_w, t_comm=t_comm, t_allreduce=t_allreduce)
     comm_costs = _schedules._per(t_comm, max(0, schedule.num_stages - 1), "t_comm")
     matplotlib, Figure, FigureCanvasAgg = _import_matplotlib()
-    from matplotlib.patches import Patch, Rectangle
     from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch, Rectangle
 
     makespan = result.makespan if result.makespan > 0 else 1.0
     axes_px = img_w - _LEFT - _RIGHT

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _collectives
-from ._stages import LocalStages, Partition
+from .._dist import collectives
+from .._runtime.local_stages import LocalStages, Partition
 
 __all__ = ["SharedParameter", "find_shared", "find_shared_in_stages", "alias_names", "canonical_names", "describe",
            "SharedGradients"]
@@ -221,7 +221,7 @@ class SharedGradients:
         """
         for group, param, source in self._values:
             value = param.detach().clone() if source else torch.zeros_like(param)
-            _collectives.all_reduce_data(value, group)
+            collectives.all_reduce_data(value, group)
             param.copy_(value)
 
     def __bool__(self) -> bool:
@@ -242,7 +242,7 @@ class SharedGradients:
             flat = torch.cat([g.reshape(-1) for g in grads])
             if not leader:
                 flat.zero_()
-            _collectives.all_reduce_data(flat, group)
+            collectives.all_reduce_data(flat, group)
             offset = 0
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))

@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from ._stages import LocalStages
+from .local_stages import LocalStages
 
 __all__ = ["NonFiniteError", "Tensors", "as_tuple", "check_batch", "split_microbatches", "Targets",
            "StageFunction"]

@@ -17,7 +17,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _C, _collectives
+from .. import _C
+from .._dist import collectives
 
 __all__ = ["Observer"]
 
@@ -110,7 +111,7 @@ class Observer:
         self._spans.extend(executor.take_trace())
         events = self._events()
         self._spans = []
-        gathered = _collectives.gather_bytes(json.dumps(events).encode(), self.group)
+        gathered = collectives.gather_bytes(json.dumps(events).encode(), self.group)
         if gathered is None:
             return None
         merged = [e for blob in gathered for e in json.loads(blob.decode())]

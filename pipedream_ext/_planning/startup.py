@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _collectives
-from .planner import Plan
+from .._dist import collectives
+from ..planner import Plan
 
 __all__ = ["cluster_shape", "auto_plan", "check_plan_world", "partition_from_plan"]
 
@@ -47,9 +47,9 @@ def _bandwidths(group: dist.ProcessGroup, workers: List[int],
                 bandwidth: Optional[Sequence[float]]) -> List[float]:
     if bandwidth is None:
         per_node = workers[0]
-        measured = [_collectives.measure_bandwidth(group, 0, 1) if per_node > 1 else 1e10]
+        measured = [collectives.measure_bandwidth(group, 0, 1) if per_node > 1 else 1e10]
         if len(workers) > 1:
-            measured.append(_collectives.measure_bandwidth(group, 0, per_node))
+            measured.append(collectives.measure_bandwidth(group, 0, per_node))
         bandwidth = measured
     bandwidth = [float(b) for b in bandwidth]
     if len(bandwidth) != len(workers):
@@ -81,8 +81,8 @@ def auto_plan(module: nn.Module, loss_fn: Callable[..., torch.Tensor],
         ValueError: no sample, bandwidths that do not match the levels, or what
             profiling or planning raised on rank 0.
     """
-    from ._profiler import profile
-    from .planner import plan as make_plan
+    from ..planner import plan as make_plan
+    from .profiler import profile
 
     if sample is None:
         raise ValueError('balance="auto" profiles the model: pass sample=(inputs, targets) '
@@ -109,7 +109,7 @@ def auto_plan(module: nn.Module, loss_fn: Callable[..., torch.Tensor],
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             error = exc
             payload = b"E" + f"{type(exc).__name__}: {exc}".encode()
-    data = _collectives.broadcast_bytes(payload, 0, group)
+    data = collectives.broadcast_bytes(payload, 0, group)
     if data[:1] == b"E":
         if error is not None:
             raise error

@@ -6,7 +6,7 @@ import json
 import logging
 from typing import List, Optional
 
-from . import schedules
+from .. import schedules
 
 __all__ = ["register"]
 
@@ -80,10 +80,9 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
 
 def _run(args: argparse.Namespace) -> int:
     if args.plot:  # fail before any work on a path that cannot be written
-        from . import _plot
-
-        _plot.check_png_path(args.plot)
-        _plot.image_size(1, args.plot_width)
+        from .. import _viz
+        _viz.check_png_path(args.plot)
+        _viz.image_size(1, args.plot_width)
     chunks = args.chunks
     if chunks is None:  # the schedule's own number (zbv, dualpipev: 2 in a V), else 1
         chunks = schedules.traits(args.name).fixed_chunks or 1

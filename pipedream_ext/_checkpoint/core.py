@@ -32,15 +32,25 @@ import numbers
 import os
 import re
 import time
-from typing import TYPE_CHECKING, Any, BinaryIO, Dict, List, Mapping, Optional, Sequence, Union
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    BinaryIO,
+    Dict,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Union,
+)
 
 import torch
 
-from . import _collectives, _signals
-from ._shared import alias_names, canonical_names
+from .._dist import collectives, signals
+from .._frontend.tied_params import alias_names, canonical_names
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._pipe import PipeDream
+    from .._pipe import PipeDream
 
 __all__ = [
     "save_checkpoint",
@@ -148,7 +158,7 @@ def _atomic_torch_save(obj: Any, directory: str, name: str) -> Dict[str, Any]:
     try:
         with open(tmp, "wb") as f:
             writer = _HashingWriter(f)
-            with _signals.deferred():  # a signal inside torch.save's writer breaks it
+            with signals.deferred():  # a signal inside torch.save's writer breaks it
                 torch.save(obj, writer)  # type: ignore[arg-type]
             f.flush()
             os.fsync(f.fileno())
@@ -401,8 +411,8 @@ def _exchange(pipe: "PipeDream", payload: Mapping[str, Any], what: str) -> List[
     if pipe.world_size == 1:
         return [json.loads(json.dumps(payload))]
     try:
-        _collectives.barrier(pipe.group, pipe.timeout)
-        return _collectives.all_gather_json(payload, pipe.group)
+        collectives.barrier(pipe.group, pipe.timeout)
+        return collectives.all_gather_json(payload, pipe.group)
     except Exception as exc:  # noqa: BLE001 - a dead or stuck peer
         raise CheckpointError(f"rank {pipe.rank}: {what}: waiting for the other ranks failed: "
                               f"{type(exc).__name__}: {exc}") from exc

@@ -14,7 +14,7 @@ __all__ = ["register"]
 
 
 def _run_consolidate(args: argparse.Namespace) -> int:
-    from ._checkpoint import _atomic_torch_save, consolidate, read_manifest
+    from .._checkpoint.core import _atomic_torch_save, consolidate, read_manifest
 
     manifest = read_manifest(args.checkpoint)
     state = consolidate(args.checkpoint)
