@@ -40,7 +40,7 @@ import _harness as h  # noqa: E402
 __all__ = ["analytical", "digits_cnn", "main", "measured", "parse_args", "report", "run_driver", "run_worker",
            "vgg_like", "weight_bytes"]
 
-PROFILES = os.path.join(os.path.dirname(h.ROOT), "shared", "profiles", "pipedream")
+PROFILES = os.path.join(h.ROOT, "tests", "data", "profiles")  # PipeDream's profiles, shipped
 JSON_TAG = "COMM_VOLUME_JSON "
 _log = logging.getLogger("comm_volume")
 

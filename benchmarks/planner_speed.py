@@ -5,7 +5,7 @@ states or topological cuts), number of states, wall time of ``plan`` (median of
 ``--repeat`` runs, profile parsing excluded), predicted time per stage and
 speedup over data parallelism.
 
-    python benchmarks/planner_speed.py [--profiles ../shared/profiles/pipedream] [--repeat 3]
+    python benchmarks/planner_speed.py [--profiles tests/data/profiles] [--repeat 3]
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Runs the benchmark, printing its report; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = h.make_parser(__doc__, results=False)
-    parser.add_argument("--profiles", type=Path, default=h.ROOT.parent / "shared" / "profiles" / "pipedream")
+    parser.add_argument("--profiles", type=Path, default=h.ROOT / "tests" / "data" / "profiles")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--models", default="", help="comma-separated subset of profile names")
     parser.add_argument("--clusters", default=",".join(CLUSTERS),

@@ -13,8 +13,7 @@ from pipedream_ext.__main__ import main
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "profiles"
-SHARED = ROOT.parent / "shared" / "profiles" / "pipedream"
-SHARED_PROFILES = sorted(SHARED.glob("*.txt")) if SHARED.is_dir() else []
+SHIPPED_PROFILES = sorted(DATA.glob("*.txt"))
 
 
 def _two_layer_profile(path: Path) -> Path:
@@ -280,8 +279,7 @@ def test_cli_plan_errors(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     assert rc == 2 and "bandwidth" in err
 
 
-@pytest.mark.skipif(not SHARED_PROFILES, reason="../shared/profiles/pipedream not present")
-@pytest.mark.parametrize("path", SHARED_PROFILES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", SHIPPED_PROFILES, ids=lambda p: p.stem)
 def test_every_shipped_profile_plans_flat_and_hierarchical(path: Path) -> None:
     graph = pe.load_profile(path)
     for workers, bandwidth in (([16], [1.25e9]), ([4, 4], [16e9, 1.25e9])):

@@ -16,7 +16,6 @@ import pipedream_ext as pd
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHIPPED = os.path.join(HERE, "data", "profiles")
-SHARED = os.path.join(os.path.dirname(os.path.dirname(HERE)), "shared", "profiles", "pipedream")
 CASES = json.load(open(os.path.join(HERE, "data", "pipedream_optimizer_reference.json")))["cases"]
 OPTIONS = {
     "plain": {},
@@ -28,11 +27,9 @@ OPTIONS = {
 
 
 def _profile_path(name: str) -> str:
-    for folder in (SHIPPED, SHARED):
-        path = os.path.join(folder, name + ".txt")
-        if os.path.exists(path):
-            return path
-    pytest.skip(f"profile {name} is not shipped in tests/data and ../shared is absent")
+    path = os.path.join(SHIPPED, name + ".txt")
+    assert os.path.exists(path), f"profile {name} is not shipped in tests/data/profiles"
+    return path
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['profile']}-{'x'.join(map(str, c['workers']))}-{c['option']}")
