@@ -20,12 +20,11 @@ global state and the user's interactive backend are left alone.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .schedules import Costs, Schedule, SimulationResult
+from . import _C
 
-__all__ = ["COLORS", "DEFAULT_WIDTH", "image_size", "check_png_path", "plot_schedule"]
+__all__ = ["COLORS", "DEFAULT_WIDTH", "image_size", "check_png_path", "draw_schedule"]
 
 #: Pixels per inch of the written PNG.
 DPI = 100
@@ -127,7 +126,7 @@ def _transfer_time(kind: str, stage: int, t_comm: List[float]) -> float:
     return t_comm[boundary] if 0 <= boundary < len(t_comm) else 0.0
 
 
-def _default_title(schedule: "Schedule") -> str:
+def _default_title(schedule: Any) -> str:
     parts = [f"{schedule.name}: {schedule.num_stages} stages"]
     if schedule.num_ranks != schedule.num_stages:
         parts.append(f"{schedule.num_ranks} ranks")
@@ -139,50 +138,127 @@ def _default_title(schedule: "Schedule") -> str:
     return ", ".join(parts)
 
 
-def plot_schedule(schedule: "Schedule", path: Union[str, os.PathLike], t_f: "Costs" = 1.0,
-                  t_b: "Costs" = 2.0, t_w: Optional["Costs"] = None, t_comm: "Costs" = 0.0,
-                  t_allreduce: "Costs" = 0.0, comm: bool = False, title: Optional[str] = None,
-                  width: int = DEFAULT_WIDTH) -> "SimulationResult":
-    """Simulates ``schedule`` with the given costs and writes its rank-by-time chart.
+class _Chart:
+    """One chart being drawn: the axes, the scale and the legend entries seen so far."""
+
+    def __init__(self, ax: Any, schedule: Any, px_per_unit: float) -> None:
+        self.ax = ax
+        self.px_per_unit = px_per_unit
+        self.chunks = {r: list(schedule.stages_of_rank(r)) for r in range(schedule.num_ranks)}
+        self.most_chunks = max(len(s) for s in self.chunks.values())
+        self.seen: Dict[str, Tuple[float, float, float]] = {}
+        self.shaded: Dict[Tuple[str, int], Tuple[float, float, float]] = {}
+
+    def fill(self, kind: str, chunk: int) -> Tuple[float, float, float]:
+        # Later chunks of an interleaved rank are lighter shades of the kind's colour.
+        amount = 0.0 if self.most_chunks == 1 else 0.55 * chunk / (self.most_chunks - 1)
+        return _lighter(COLORS[kind], amount)
+
+    def box(self, kind: str, chunk: int, action: Any, rank: int, start: float, end: float) -> None:
+        from matplotlib.patches import Rectangle
+
+        color = self.fill(kind, chunk)
+        x0, w = start, max(end - start, _MIN_BOX_PX / self.px_per_unit)
+        self.ax.add_patch(Rectangle((x0, rank + 0.08), w, 0.84, facecolor=color,
+                                    edgecolor="white", linewidth=0.6))
+        self.seen.setdefault(kind, COLORS[kind])
+        if self.most_chunks > 1:
+            self.shaded[(kind, chunk)] = color
+        label = _label(kind, action.microbatch, action.version)
+        box_px = w * self.px_per_unit
+        for size in (_LABEL_FONT, 6.5):
+            if len(label) * 0.62 * size * DPI / 72 + 3 <= box_px:
+                self.ax.text(x0 + w / 2, rank + 0.5, label, ha="center", va="center",
+                             fontsize=size, color=_text_color(color))
+                break
+
+    def update_bar(self, rank: int, start: float) -> None:
+        self.ax.plot([start, start], [rank + 0.04, rank + 0.96], color=COLORS["UPDATE"],
+                     linewidth=2.0, solid_capstyle="butt", clip_on=False, zorder=3)
+        self.seen.setdefault("UPDATE", COLORS["UPDATE"])
+
+    def transfer(self, kind: str, stage: int, rank: int, start: float, end: float,
+                 comm_costs: List[float]) -> None:
+        from matplotlib.patches import Rectangle
+
+        if kind.startswith("SEND"):  # as long as the transfer it starts, at the row's bottom
+            w = max(end - start, _transfer_time(kind, stage, comm_costs))
+            y0 = rank + 0.80
+        else:
+            w = end - start
+            y0 = rank + 0.04
+        w = max(w, 2.0 / self.px_per_unit)
+        self.ax.add_patch(Rectangle((start, y0), w, 0.16, facecolor=COLORS[kind],
+                                    edgecolor="none", zorder=4))
+        self.seen.setdefault(kind.split("_")[0], COLORS[kind])
+
+    def draw_timeline(self, timeline: Any, comm: bool, comm_costs: List[float]) -> None:
+        for rank, _step, text, start, end in timeline:
+            action = _C.Action.parse(text)
+            kind, stage = action.kind.name, action.stage
+            chunk = self.chunks[rank].index(stage) if stage in self.chunks[rank] else 0
+            if kind in _BOXED:
+                self.box(kind, chunk, action, rank, start, end)
+            elif kind == "UPDATE":
+                self.update_bar(rank, start)
+            elif comm:  # SEND_*/RECV_*
+                self.transfer(kind, stage, rank, start, end, comm_costs)
+
+    def label_axes(self, ranks: int) -> None:
+        ax = self.ax
+        ax.set_yticks([r + 0.5 for r in range(ranks)])
+        ax.set_yticklabels([f"rank {r}\nstage{'s' if len(self.chunks[r]) > 1 else ''} "
+                            + ",".join(map(str, self.chunks[r])) for r in range(ranks)], fontsize=8)
+        ax.tick_params(axis="y", length=0)
+        for r in range(1, ranks):
+            ax.axhline(r, color="#dddddd", linewidth=0.6)
+        ax.set_xlabel("simulated time (cost units)", fontsize=9)
+        ax.tick_params(axis="x", labelsize=8)
+
+    def legend_handles(self) -> List[Any]:
+        from matplotlib.lines import Line2D
+        from matplotlib.patches import Patch
+
+        handles: List[Any] = []
+        for kind in ("F", "B", "I", "W", "ALLREDUCE", "UPDATE", "SEND", "RECV"):
+            if kind not in self.seen:
+                continue
+            if kind == "UPDATE":
+                handles.append(Line2D([], [], color=COLORS[kind], linewidth=2.0, label=_LEGEND[kind]))
+                continue
+            handles.append(Patch(facecolor=self.seen[kind], label=_LEGEND[kind]))
+            for (k, chunk), color in sorted(self.shaded.items()):
+                if k == kind and chunk > 0:
+                    handles.append(Patch(facecolor=color, label=f"{kind} chunk {chunk}"))
+        return handles
+
+
+def draw_schedule(schedule: Any, result: Any, comm_costs: List[float], path: str,
+                  comm: bool = False, title: Optional[str] = None,
+                  width: int = DEFAULT_WIDTH) -> None:
+    """Writes the rank-by-time chart of an already simulated schedule.
 
     Args:
-        schedule: a :class:`~pipedream_ext.schedules.Schedule`.
-        path: output file, must end in ``.png``.
-        t_f, t_b, t_w, t_comm, t_allreduce: costs, as for ``Schedule.simulate``.
+        schedule: a :class:`~pipedream_ext.schedules.Schedule` (read: its name, sizes,
+            replicas and ``stages_of_rank``).
+        result: its :class:`~pipedream_ext.schedules.SimulationResult` (``timeline``,
+            ``makespan``, ``bubble_fraction``).
+        comm_costs: the transfer time of every stage boundary (SEND strips' length).
+        path: output file, checked by :func:`check_png_path`.
         comm: also draw SEND and RECV (thin strips).
         title: replaces the default title (schedule name and sizes); the bubble
             fraction and makespan are appended either way.
-        width: image width in pixels (the height follows from the ranks, see
-            :func:`image_size`).
-
-    Returns:
-        The :class:`~pipedream_ext.schedules.SimulationResult` that was drawn.
+        width: image width in pixels (the height follows from the ranks).
 
     Raises:
-        ValueError: bad path, width or costs.
+        ValueError: bad width.
         RuntimeError: matplotlib is not installed.
     """
-    from . import schedules as _schedules
-
-    path = check_png_path(path)
     ranks = schedule.num_ranks
     img_w, img_h = image_size(ranks, width)
-    result = schedule.simulate(t_f=t_f, t_b=t_b, t_w=t_w, t_comm=t_comm, t_allreduce=t_allreduce)
-    comm_costs = _schedules._per(t_comm, max(0, schedule.num_stages - 1), "t_comm")
     matplotlib, Figure, FigureCanvasAgg = _import_matplotlib()
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch, Rectangle
-
     makespan = result.makespan if result.makespan > 0 else 1.0
     axes_px = img_w - _LEFT - _RIGHT
-    px_per_unit = axes_px / makespan
-    chunks = {r: schedule.stages_of_rank(r) for r in range(ranks)}
-    most_chunks = max(len(s) for s in chunks.values())
-
-    def fill(kind: str, chunk: int) -> Tuple[float, float, float]:
-        amount = 0.0 if most_chunks == 1 else 0.55 * chunk / (most_chunks - 1)
-        return _lighter(COLORS[kind], amount)
-
     # Only these settings shape the file; pin them against the user's matplotlibrc.
     rc = {"savefig.bbox": "standard", "savefig.transparent": False, "savefig.facecolor": "white",
           "figure.facecolor": "white", "axes.facecolor": "white", "font.family": "DejaVu Sans",
@@ -193,69 +269,14 @@ def plot_schedule(schedule: "Schedule", path: Union[str, os.PathLike], t_f: "Cos
         ax = fig.add_axes((_LEFT / img_w, _BOTTOM / img_h, axes_px / img_w, _ROW * ranks / img_h))
         ax.set_xlim(0, makespan)
         ax.set_ylim(ranks, 0)  # rank 0 on top
-        seen: Dict[str, Tuple[float, float, float]] = {}
-        shaded: Dict[Tuple[str, int], Tuple[float, float, float]] = {}
-        for rank, _step, text, start, end in result.timeline:
-            action = _schedules.parse_action(text)
-            kind, stage = action["kind"], action["stage"]
-            chunk = chunks[rank].index(stage) if stage in chunks[rank] else 0
-            color = fill(kind, chunk)
-            if kind in _BOXED:
-                x0, w = start, max(end - start, _MIN_BOX_PX / px_per_unit)
-                ax.add_patch(Rectangle((x0, rank + 0.08), w, 0.84, facecolor=color,
-                                       edgecolor="white", linewidth=0.6))
-                seen.setdefault(kind, COLORS[kind])
-                if most_chunks > 1:
-                    shaded[(kind, chunk)] = color
-                label = _label(kind, action["microbatch"], action["version"])
-                box_px = w * px_per_unit
-                for size in (_LABEL_FONT, 6.5):
-                    if len(label) * 0.62 * size * DPI / 72 + 3 <= box_px:
-                        ax.text(x0 + w / 2, rank + 0.5, label, ha="center", va="center",
-                                fontsize=size, color=_text_color(color))
-                        break
-            elif kind == "UPDATE":
-                ax.plot([start, start], [rank + 0.04, rank + 0.96], color=COLORS[kind],
-                        linewidth=2.0, solid_capstyle="butt", clip_on=False, zorder=3)
-                seen.setdefault(kind, COLORS[kind])
-            elif comm:  # SEND_*/RECV_*
-                if kind.startswith("SEND"):
-                    w = max(end - start, _transfer_time(kind, stage, comm_costs))
-                    y0 = rank + 0.80
-                else:
-                    w = end - start
-                    y0 = rank + 0.04
-                w = max(w, 2.0 / px_per_unit)
-                ax.add_patch(Rectangle((start, y0), w, 0.16, facecolor=COLORS[kind],
-                                       edgecolor="none", zorder=4))
-                seen.setdefault(kind.split("_")[0], COLORS[kind])
-
-        ax.set_yticks([r + 0.5 for r in range(ranks)])
-        ax.set_yticklabels([f"rank {r}\nstage{'s' if len(chunks[r]) > 1 else ''} "
-                            + ",".join(map(str, chunks[r])) for r in range(ranks)], fontsize=8)
-        ax.tick_params(axis="y", length=0)
-        for r in range(1, ranks):
-            ax.axhline(r, color="#dddddd", linewidth=0.6)
-        ax.set_xlabel("simulated time (cost units)", fontsize=9)
-        ax.tick_params(axis="x", labelsize=8)
-
-        handles = []
-        for kind in ("F", "B", "I", "W", "ALLREDUCE", "UPDATE", "SEND", "RECV"):
-            if kind not in seen:
-                continue
-            if kind == "UPDATE":
-                handles.append(Line2D([], [], color=COLORS[kind], linewidth=2.0, label=_LEGEND[kind]))
-                continue
-            handles.append(Patch(facecolor=seen[kind], label=_LEGEND[kind]))
-            for (k, chunk), color in sorted(shaded.items()):
-                if k == kind and chunk > 0:
-                    handles.append(Patch(facecolor=color, label=f"{kind} chunk {chunk}"))
+        chart = _Chart(ax, schedule, axes_px / makespan)
+        chart.draw_timeline(result.timeline, comm, comm_costs)
+        chart.label_axes(ranks)
+        handles = chart.legend_handles()
         ncol = max(1, min(len(handles), axes_px // 105))
         fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=8, frameon=False,
                    bbox_to_anchor=(0.5, 0.0), handlelength=1.4, columnspacing=1.2)
-
         heading = title if title is not None else _default_title(schedule)
         fig.suptitle(f"{heading}  |  bubble {result.bubble_fraction:.1%}, "
                      f"makespan {result.makespan:g}", fontsize=10, y=1 - 6 / img_h, va="top")
         fig.savefig(path, dpi=DPI, format="png")
-    return result

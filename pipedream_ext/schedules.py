@@ -22,7 +22,7 @@ import json
 import os
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-from . import _C
+from . import _C, _viz
 
 __all__ = ["Schedule", "SimulationResult", "build", "names", "parse_action", "traits",
            "synchronous_names", "asynchronous_names"]
@@ -327,9 +327,12 @@ class Schedule:
                 or not writable; bad costs or width.
             RuntimeError: matplotlib is not installed.
         """
-        from . import _viz
-        return _viz.plot_schedule(self, path, t_f=t_f, t_b=t_b, t_w=t_w, t_comm=t_comm,
-                                   t_allreduce=t_allreduce, comm=comm, title=title, width=width)
+        path = _viz.check_png_path(path)
+        _viz.image_size(self.num_ranks, width)
+        result = self.simulate(t_f=t_f, t_b=t_b, t_w=t_w, t_comm=t_comm, t_allreduce=t_allreduce)
+        comm_costs = _per(t_comm, max(0, self.num_stages - 1), "t_comm")
+        _viz.draw_schedule(self, result, comm_costs, path, comm=comm, title=title, width=width)
+        return result
 
     def __repr__(self) -> str:
         return (f"Schedule(name={self.name!r}, stages={self.num_stages}, ranks={self.num_ranks}, "
