@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipedream_ext as pd
-from pipedream_ext._frontend.graph_split import _value_kinds, split_model
+from pipedream_ext._frontend.fx_graph import value_kinds
+from pipedream_ext._frontend.graph_split import split_model
 from pipedream_ext._planning.graph_profile import plan_stage_of, trace_groups
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -109,7 +110,7 @@ class _Reuse(nn.Module):
 
 def _crossing_kinds(model: nn.Module, x: torch.Tensor) -> Dict[str, str]:
     grouped = trace_groups(model, (x,))
-    kinds = _value_kinds(grouped.gm, (x,))
+    kinds = value_kinds(grouped.gm, (x,))
     out = {}
     for g in grouped.groups:
         for n in g.nodes:

@@ -43,6 +43,8 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from .fx_graph import compute_nodes, install_attribute, node_stages, paths_of
+
 __all__ = ["ExportRefused", "export_model", "localize_sizes", "retarget_devices"]
 
 
@@ -96,7 +98,6 @@ def _owner_path(name: str) -> str:
 def _rename_tied_reads(gm: fx.GraphModule, model: nn.Module) -> None:
     """Each read of a tensor that has several names in ``model`` uses the name of the
     module using it (the innermost one in the user's ``nn_module_stack``)."""
-    from .graph_split import _install, _paths_of  # noqa: PLC0415 - _trace imports this module lazily
 
     own = _tensor_of(model)
     names: Dict[int, List[str]] = {}
@@ -109,12 +110,12 @@ def _rename_tied_reads(gm: fx.GraphModule, model: nn.Module) -> None:
         if len(aliases) < 2:
             continue
         for user in list(node.users):
-            stack = _paths_of(user)
+            stack = paths_of(user)
             best = max((a for a in aliases if _owner_path(a) in stack),
                        key=lambda a: len(_owner_path(a)), default=str(node.target))
             if best == str(node.target):
                 continue
-            _install(model, gm, best)
+            install_attribute(model, gm, best)
             with graph.inserting_after(node):
                 read = graph.get_attr(best)
             read.meta = dict(node.meta)
@@ -304,7 +305,6 @@ def _dropout_as_modules(gm: fx.GraphModule, model: nn.Module) -> None:
     graph had. The ``dropout_p`` of ``scaled_dot_product_attention`` comes from a
     :class:`DropoutRate` module (``_dropout_rate0``).
     """
-    from .graph_split import _install  # noqa: PLC0415
 
     modules = dict(model.named_modules())
     graph = gm.graph
@@ -317,7 +317,7 @@ def _dropout_as_modules(gm: fx.GraphModule, model: nn.Module) -> None:
         if isinstance(owner, nn.Dropout) and type(owner) is nn.Dropout and owner.p == p and \
                 owner.training == bool(train):
             path = stack[-1]
-            _install(model, gm, path)
+            install_attribute(model, gm, path)
         else:
             path = f"_dropout{count}"
             count += 1
@@ -372,12 +372,11 @@ def localize_sizes(gm: fx.GraphModule, starts: Sequence[int]) -> List[int]:
         The stage starts in the modified graph (the same first nodes, or a size
         computed just before a stage's first node).
     """
-    from .graph_split import _compute_nodes, _stage_of  # noqa: PLC0415
 
     graph = gm.graph
-    nodes = _compute_nodes(graph)
+    nodes = compute_nodes(graph)
     first_nodes = [nodes[s] for s in starts]
-    stage_of = _stage_of(gm, starts)
+    stage_of = node_stages(gm, starts)
     order = {n: i for i, n in enumerate(graph.nodes)}
     last_use = {n: max((stage_of[u] for u in n.users), default=-1) for n in graph.nodes
                 if n.op not in ("output", "get_attr")}
@@ -428,7 +427,7 @@ def localize_sizes(gm: fx.GraphModule, starts: Sequence[int]) -> List[int]:
             graph.erase_node(node)
     graph.lint()
     gm.recompile()
-    position = {n: i for i, n in enumerate(_compute_nodes(graph))}
+    position = {n: i for i, n in enumerate(compute_nodes(graph))}
     return [min([position[first_nodes[k]]] + [position[n] for n in added.get(k + 1, [])])
             for k in range(len(starts))]
 

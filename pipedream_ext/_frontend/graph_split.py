@@ -32,15 +32,21 @@ import torch.fx as fx
 from torch import nn
 
 from .._dist.fingerprint import StagesFingerprint, graph_fingerprint
+from . import export
+from .fx_graph import (
+    CONSTANT_OPS,
+    Stages,
+    compute_nodes,
+    count_stages,
+    install_attribute,
+    node_stages,
+    paths_of,
+    tensor_paths,
+    value_kinds,
+)
 
 __all__ = ["TracedSplit", "UntraceableError", "trace_model", "stage_starts", "stage_assignment",
            "live_sets", "build_stages", "split_model", "reorder_cuts", "merge_stage_modules"]
-
-# Attribute reads never cross a cut: every stage using one reads it itself (a parameter
-# or buffer of the model, or a tensor fx computed while tracing, such as
-# ``torch.full((8,), 0.1)`` in a forward, which it stores on the root).
-_CONSTANT_OPS = ("get_attr",)
-
 
 @dataclasses.dataclass
 class TracedSplit:
@@ -206,20 +212,6 @@ def _where(exc: BaseException, model: nn.Module) -> str:
     return found
 
 
-def _paths_of(node: fx.Node) -> List[str]:
-    """The module paths ``node`` runs in (its call stack of modules, and its target)."""
-    paths = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
-    if node.op == "call_module":
-        paths.append(str(node.target))
-    elif node.op == "get_attr":
-        paths.append(str(node.target).rsplit(".", 1)[0] if "." in str(node.target) else "")
-    return paths
-
-
-def _compute_nodes(graph: fx.Graph) -> List[fx.Node]:
-    return [n for n in graph.nodes if n.op not in ("placeholder", "output") + _CONSTANT_OPS]
-
-
 def stage_starts(gm: fx.GraphModule, model: nn.Module, split_points: Sequence[str]) -> List[int]:
     """Position (among the graph's computing nodes) of the first node of each split point.
 
@@ -237,7 +229,7 @@ def stage_starts(gm: fx.GraphModule, model: nn.Module, split_points: Sequence[st
             that leaves a stage without operations.
     """
     modules = dict(model.named_modules())
-    nodes = _compute_nodes(gm.graph)
+    nodes = compute_nodes(gm.graph)
     starts: List[int] = []
     for k, point in enumerate(split_points):
         if not isinstance(point, str) or point == "" or point not in modules:
@@ -246,7 +238,7 @@ def stage_starts(gm: fx.GraphModule, model: nn.Module, split_points: Sequence[st
                              f"{type(model).__name__}; give a qualified name from "
                              f"model.named_modules(){' such as ' + ', '.join(close) if close else ''}")
         first = next((i for i, n in enumerate(nodes)
-                      if any(p == point or p.startswith(point + ".") for p in _paths_of(n))), None)
+                      if any(p == point or p.startswith(point + ".") for p in paths_of(n))), None)
         if first is None:
             raise ValueError(f"split point {point!r} is never called by "
                              f"{type(model).__name__}.forward (no operation of the traced graph "
@@ -268,34 +260,6 @@ def stage_starts(gm: fx.GraphModule, model: nn.Module, split_points: Sequence[st
 
 #: Where stages come from: the positions of split points among the computing nodes
 #: (:func:`stage_starts`), or a stage per computing node (:func:`stage_assignment`).
-Stages = Union[Sequence[int], Mapping[fx.Node, int]]
-
-
-def _num_stages(starts: Stages) -> int:
-    if isinstance(starts, Mapping):
-        return max(starts.values(), default=0) + 1
-    return len(starts) + 1
-
-
-def _stage_of(gm: fx.GraphModule, starts: Stages) -> Dict[fx.Node, int]:
-    """Stage of every placeholder (0), computing node and the output (last stage)."""
-    stage_of: Dict[fx.Node, int] = {}
-    if isinstance(starts, Mapping):  # a stage per computing node (a plan)
-        stage_of.update((node, starts[node]) for node in _compute_nodes(gm.graph))
-    else:
-        j = 0
-        for i, node in enumerate(_compute_nodes(gm.graph)):
-            while j < len(starts) and i >= starts[j]:
-                j += 1
-            stage_of[node] = j
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            stage_of[node] = 0
-        elif node.op == "output":
-            stage_of[node] = _num_stages(starts) - 1
-    return stage_of
-
-
 def stage_assignment(gm: fx.GraphModule, stage_of: Mapping[str, int]) -> Dict[fx.Node, int]:
     """A stage for every computing node of ``gm``, by node name, checked to be runnable.
 
@@ -318,7 +282,7 @@ def stage_assignment(gm: fx.GraphModule, stage_of: Mapping[str, int]) -> Dict[fx
             number out of range or without operations, or a value used in an
             earlier stage than the one producing it (naming both nodes).
     """
-    nodes = _compute_nodes(gm.graph)
+    nodes = compute_nodes(gm.graph)
     by_name = {n.name: n for n in nodes}
     unknown = sorted(set(stage_of) - set(by_name))
     if unknown:
@@ -329,7 +293,7 @@ def stage_assignment(gm: fx.GraphModule, stage_of: Mapping[str, int]) -> Dict[fx
         raise ValueError(f"operations {missing[:5]}{' ...' if len(missing) > 5 else ''} have no "
                          "stage; every operation of the traced graph needs one")
     result = {n: int(stage_of[n.name]) for n in nodes}
-    num_stages = _num_stages(result)
+    num_stages = count_stages(result)
     used = set(result.values())
     empty = [j for j in range(num_stages) if j not in used]
     if min(used, default=0) < 0 or empty:
@@ -358,32 +322,11 @@ def live_sets(gm: fx.GraphModule, starts: Stages) -> List[List[fx.Node]]:
         ``S - 1`` lists of nodes (placeholders and computing nodes; never attribute
         reads, which every stage makes itself).
     """
-    stage_of = _stage_of(gm, starts)
-    producers = [n for n in gm.graph.nodes if n.op != "output" and n.op not in _CONSTANT_OPS]
+    stage_of = node_stages(gm, starts)
+    producers = [n for n in gm.graph.nodes if n.op != "output" and n.op not in CONSTANT_OPS]
     last_use = {n: max((stage_of[u] for u in n.users), default=-1) for n in producers}
     return [[n for n in producers if stage_of[n] < k <= last_use[n]]
-            for k in range(1, _num_stages(starts))]
-
-
-def _value_kinds(gm: fx.GraphModule, inputs: Tuple[torch.Tensor, ...]) -> Dict[fx.Node, str]:
-    """The type of each node's value on the sample (modules in eval mode: no state changes)."""
-    kinds: Dict[fx.Node, str] = {}
-
-    class Recorder(fx.Interpreter):
-        def run_node(self, n: fx.Node) -> Any:
-            value = super().run_node(n)
-            kinds[n] = "Tensor" if isinstance(value, torch.Tensor) else type(value).__name__
-            return value
-
-    modes = {m: m.training for m in gm.modules()}
-    gm.eval()  # BatchNorm would update its running statistics on the sample
-    try:
-        with torch.no_grad():
-            Recorder(gm).run(*inputs)
-    finally:
-        for m, mode in modes.items():
-            m.training = mode
-    return kinds
+            for k in range(1, count_stages(starts))]
 
 
 def build_stages(gm: fx.GraphModule, starts: Stages,
@@ -405,8 +348,8 @@ def build_stages(gm: fx.GraphModule, starts: Stages,
         ValueError: a value that is not a tensor would cross a cut (naming the node),
             or nothing crosses one.
     """
-    stage_of = _stage_of(gm, starts)
-    num_stages = _num_stages(starts)
+    stage_of = node_stages(gm, starts)
+    num_stages = count_stages(starts)
     for k, values in enumerate(live, start=1):
         if not values:
             raise ValueError(f"stage {k} uses nothing stage {k - 1} or the inputs produce (it "
@@ -438,13 +381,13 @@ def build_stages(gm: fx.GraphModule, starts: Stages,
 
         def lookup(a: fx.Node) -> fx.Node:
             if a not in env:
-                if a.op in _CONSTANT_OPS:  # an attribute: every stage using it reads its own
+                if a.op in CONSTANT_OPS:  # an attribute: every stage using it reads its own
                     env[a] = graph.node_copy(a)
                 else:
                     raise AssertionError(f"stage {j}: {a.name} is not live (bug in live_sets)")
             return env[a]
 
-        for node in _compute_nodes(gm.graph):
+        for node in compute_nodes(gm.graph):
             if stage_of[node] == j:
                 env[node] = graph.node_copy(node, lookup)
         if j == num_stages - 1:
@@ -455,31 +398,6 @@ def build_stages(gm: fx.GraphModule, starts: Stages,
         graph.lint()
         stages.append(fx.GraphModule(gm, graph, class_name=f"Stage{j}"))
     return stages
-
-
-def _install(source: nn.Module, target: nn.Module, path: str) -> None:
-    """Puts ``source``'s attribute at ``path`` into ``target`` at the same path, creating
-    empty containers on the way (as ``GraphModule`` does), and sharing the object."""
-    *prefix, field = path.split(".")
-    for item in prefix:
-        src, dst = getattr(source, item), getattr(target, item, None)
-        if src is dst:
-            return  # an ancestor is installed whole: the attribute is in it
-        if dst is None:
-            dst = nn.Module()
-            setattr(target, item, dst)
-        source, target = src, dst
-    value = getattr(source, field)
-    if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-        target.register_buffer(field, value,
-                               persistent=field not in source._non_persistent_buffers_set)
-    else:
-        setattr(target, field, value)
-
-
-def _tensor_paths(module: nn.Module) -> Set[str]:
-    return {n for n, _ in module.named_parameters(remove_duplicate=False)} | \
-        {n for n, _ in module.named_buffers(remove_duplicate=False)}
 
 
 def merge_stage_modules(stages: Sequence[fx.GraphModule]) -> nn.Module:
@@ -493,10 +411,10 @@ def merge_stage_modules(stages: Sequence[fx.GraphModule]) -> nn.Module:
     for stage in stages:
         for node in stage.graph.nodes:
             if node.op in ("call_module", "get_attr"):
-                _install(stage, merged, str(node.target))
-        held = _tensor_paths(merged)
-        for name in sorted(_tensor_paths(stage) - held):  # tensors the forward never reads
-            _install(stage, merged, name)
+                install_attribute(stage, merged, str(node.target))
+        held = tensor_paths(merged)
+        for name in sorted(tensor_paths(stage) - held):  # tensors the forward never reads
+            install_attribute(stage, merged, name)
     return merged
 
 
@@ -582,15 +500,13 @@ def split_model(model: nn.Module, split_points: Sequence[str],
     else:
         starts = stage_starts(gm, model, split_points)
     if tracer == "export":  # sizes are symbolic integers there: each stage makes its own
-        from .export import localize_sizes
-
-        starts = localize_sizes(gm, starts)
+        starts = export.localize_sizes(gm, starts)
     live = live_sets(gm, starts)
     if kinds is None:
         positional = tuple(inputs[n] for n in input_names) if named else tuple(inputs)
-        kinds = _value_kinds(gm, positional)
+        kinds = value_kinds(gm, positional)
     stages = _finished_stages(model, gm, starts, live, kinds)
-    fingerprint = graph_fingerprint(gm, model, _stage_of(gm, starts), live, _num_stages(starts))
+    fingerprint = graph_fingerprint(gm, model, node_stages(gm, starts), live, count_stages(starts))
     digests = {n: d for values, cut in zip(live, fingerprint.cuts) for n, d in zip(values, cut)}
     return TracedSplit(stages, [[n.name for n in values] for values in live], split_points,
                        input_names if named else None, output_spec, tracer, fingerprint,
@@ -617,9 +533,9 @@ def _finished_stages(model: nn.Module, gm: fx.GraphModule, starts: Any,
                     owner.register_buffer(field, owner._buffers[field], persistent=False)
     # Parameters and buffers the forward never reads still belong to the model (its
     # state_dict): the last stage keeps them so checkpoints hold the whole model.
-    held = set().union(*(_tensor_paths(stage) for stage in stages))
-    for name in sorted(_tensor_paths(model) - held):
-        _install(model, stages[-1], name)
+    held = set().union(*(tensor_paths(stage) for stage in stages))
+    for name in sorted(tensor_paths(model) - held):
+        install_attribute(model, stages[-1], name)
     return stages
 
 
@@ -680,7 +596,6 @@ def _trace_or_export(model: nn.Module, inputs: Union[Tuple[torch.Tensor, ...], M
         names = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
         return gm, names, None, "fx"
     except UntraceableError as fx_error:
-        from . import export
         try:
             gm, export_names, spec = export.export_model(model, inputs, concrete_args)
         except export.ExportRefused as exc:

@@ -45,7 +45,8 @@ import torch.fx as fx
 from torch import nn
 
 from .. import _C
-from .._frontend.graph_split import _compute_nodes, _value_kinds, trace_model
+from .._frontend.fx_graph import compute_nodes, value_kinds
+from .._frontend.graph_split import trace_model
 from .profiler import _preserved, _Timer
 
 __all__ = ["Group", "GraphGroups", "group_graph", "trace_groups", "profile_groups",
@@ -96,7 +97,7 @@ class GraphGroups:
             profile nodes, without repeats.
         depth: the module depth of the groups (``None``: the leaf modules).
         group_of: computing node -> index into ``groups``.
-        kinds: each node's value type on the sample (``_trace._value_kinds``), kept so
+        kinds: each node's value type on the sample (``fx_graph.value_kinds``), kept so
             the model is not run again when the plan's stages are cut from ``gm``.
     """
 
@@ -193,7 +194,7 @@ def group_graph(gm: fx.GraphModule, kinds: Mapping[fx.Node, str],
 
     Args:
         gm: the traced model (``_trace.trace_model``).
-        kinds: each node's value type on the sample (``_trace._value_kinds``).
+        kinds: each node's value type on the sample (``fx_graph.value_kinds``).
         max_groups: the most groups the automatic depth may give.
         depth: the module depth to group at (1: the model's children); ``None``
             chooses the deepest with at most ``max_groups`` groups.
@@ -207,7 +208,7 @@ def group_graph(gm: fx.GraphModule, kinds: Mapping[fx.Node, str],
     if max_groups < 1 or (depth is not None and depth < 1):
         raise ValueError(f"max_groups={max_groups} and depth={depth} must be >= 1 (depth "
                          "None: chosen automatically)")
-    nodes = _compute_nodes(gm.graph)
+    nodes = compute_nodes(gm.graph)
     if not nodes:
         raise ValueError("the traced model has no operations to profile")
     calls = [_calls(n) for n in nodes]
@@ -278,7 +279,7 @@ def trace_groups(model: nn.Module, inputs: Tuple[torch.Tensor, ...],
         ValueError: what ``trace_model`` and :func:`group_graph` refuse.
     """
     gm = trace_model(model, len(inputs), concrete_args, input_names=input_names)
-    return group_graph(gm, _value_kinds(gm, inputs), max_groups, depth)
+    return group_graph(gm, value_kinds(gm, inputs), max_groups, depth)
 
 
 def _group_module(gm: fx.GraphModule, nodes: Sequence[fx.Node], ins: Sequence[fx.Node],
