@@ -47,7 +47,7 @@ from torch import nn
 from .. import _C
 from .._frontend.fx_graph import compute_nodes, value_kinds
 from .._frontend.graph_split import trace_model
-from .profiler import _preserved, _Timer
+from .timing import Timer, preserved
 
 __all__ = ["Group", "GraphGroups", "group_graph", "trace_groups", "profile_groups",
            "profile_traced", "plan_stage_of", "plan_split_labels"]
@@ -322,7 +322,7 @@ def profile_groups(grouped: GraphGroups, inputs: Tuple[torch.Tensor, ...],
     ones) in graph order; the backward runs the groups in reverse order, each with
     the sum of the gradients its outputs got from their users. Times are the median
     over ``steps`` steps after ``warmup`` (wall clock on CPU, CUDA events on GPU:
-    ``_profiler._Timer``); the loss (or the output's sum) is timed with the last
+    ``timing.Timer``); the loss (or the output's sum) is timed with the last
     group. The model is left as it was (modes, buffers, gradients, RNG).
 
     Args:
@@ -351,7 +351,7 @@ def profile_groups(grouped: GraphGroups, inputs: Tuple[torch.Tensor, ...],
         outs.append([n for n in group.nodes if any(u not in members for u in n.users)])
     modules = [_group_module(gm, group.nodes, ins[g], outs[g]) for g, group in enumerate(groups)]
     device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    timer = _Timer(device)
+    timer = Timer(device)
     fwd: List[List[float]] = [[] for _ in groups]
     bwd: List[List[float]] = [[] for _ in groups]
     act_bytes = [0.0] * len(groups)
@@ -361,7 +361,7 @@ def profile_groups(grouped: GraphGroups, inputs: Tuple[torch.Tensor, ...],
         from tqdm import tqdm
 
         iterator = tqdm(iterator, desc="profile", unit="step")
-    with _preserved([gm], device):
+    with preserved([gm], device):
         for step in iterator:
             for p in params:
                 p.grad = None

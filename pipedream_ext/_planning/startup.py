@@ -21,6 +21,8 @@ from torch import nn
 
 from .._dist import collectives
 from ..planner import Plan
+from ..planner import plan as make_plan
+from .profiler import profile
 
 __all__ = ["cluster_shape", "auto_plan", "check_plan_world", "partition_from_plan"]
 
@@ -75,15 +77,12 @@ def auto_plan(module: nn.Module, loss_fn: Callable[..., torch.Tensor],
         traits: the schedule's traits (what the planner must assume).
         group: the pipeline's group.
         profile_fn: makes the profile graph instead (rank 0 only; a traced model's
-            graph profile, ``_graph_profile.profile_groups``).
+            graph profile, ``graph_profile.profile_groups``).
 
     Raises:
         ValueError: no sample, bandwidths that do not match the levels, or what
             profiling or planning raised on rank 0.
     """
-    from ..planner import plan as make_plan
-    from .profiler import profile
-
     if sample is None:
         raise ValueError('balance="auto" profiles the model: pass sample=(inputs, targets) '
                          "with one batch")
