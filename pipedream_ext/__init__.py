@@ -1,4 +1,7 @@
 """pipedream_ext: pipeline-parallel training in the style of PipeDream."""
+import logging
+import os
+
 import torch  # noqa: F401  (loads libc10/libtorch that _C links against)
 
 from ._torch_check import load_extension
@@ -44,9 +47,6 @@ __version__ = "0.1.0"
 def _configure_logging_from_env() -> None:
     """``PIPEDREAM_LOG=debug|info|warning`` sets this package's log level (and adds a
     stderr handler if logging is not configured): ``debug`` logs every action run."""
-    import logging
-    import os
-
     level = os.environ.get("PIPEDREAM_LOG")
     if not level:
         return

@@ -1,6 +1,6 @@
 """Command-line interface: ``python -m pipedream_ext <command> ...``.
 
-Each command lives in a private ``_cli_*`` module exposing
+Each command lives in a module of ``_cli/`` exposing
 ``register(subparsers)``; this file only assembles them.
 """
 from __future__ import annotations
@@ -10,11 +10,12 @@ import logging
 import sys
 from typing import List, Optional
 
+from ._cli import checkpoint, plan, schedule
+
 __all__ = ["main"]
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from ._cli import checkpoint, plan, schedule
     parser = argparse.ArgumentParser(
         prog="python -m pipedream_ext",
         description="pipedream_ext: profile, plan and run pipeline-parallel training.",

@@ -95,9 +95,9 @@ def check_png_path(path: Union[str, os.PathLike]) -> str:
 
 def _import_matplotlib():
     try:
-        import matplotlib
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        import matplotlib  # noqa: PLC0415 - optional dependency
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415 - optional dependency
+        from matplotlib.figure import Figure  # noqa: PLC0415 - optional dependency
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise RuntimeError("plotting a schedule needs matplotlib: pip install matplotlib") from exc
     return matplotlib, Figure, FigureCanvasAgg
@@ -155,7 +155,7 @@ class _Chart:
         return _lighter(COLORS[kind], amount)
 
     def box(self, kind: str, chunk: int, action: Any, rank: int, start: float, end: float) -> None:
-        from matplotlib.patches import Rectangle
+        from matplotlib.patches import Rectangle  # noqa: PLC0415 - optional dependency
 
         color = self.fill(kind, chunk)
         x0, w = start, max(end - start, _MIN_BOX_PX / self.px_per_unit)
@@ -179,7 +179,7 @@ class _Chart:
 
     def transfer(self, kind: str, stage: int, rank: int, start: float, end: float,
                  comm_costs: List[float]) -> None:
-        from matplotlib.patches import Rectangle
+        from matplotlib.patches import Rectangle  # noqa: PLC0415 - optional dependency
 
         if kind.startswith("SEND"):  # as long as the transfer it starts, at the row's bottom
             w = max(end - start, _transfer_time(kind, stage, comm_costs))
@@ -216,8 +216,8 @@ class _Chart:
         ax.tick_params(axis="x", labelsize=8)
 
     def legend_handles(self) -> List[Any]:
-        from matplotlib.lines import Line2D
-        from matplotlib.patches import Patch
+        from matplotlib.lines import Line2D  # noqa: PLC0415 - optional dependency
+        from matplotlib.patches import Patch  # noqa: PLC0415 - optional dependency
 
         handles: List[Any] = []
         for kind in ("F", "B", "I", "W", "ALLREDUCE", "UPDATE", "SEND", "RECV"):

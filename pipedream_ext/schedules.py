@@ -153,6 +153,11 @@ class Schedule:
 
     # -- metadata ---------------------------------------------------------
     @property
+    def lowered(self) -> "_C.Schedule":
+        """The C++ schedule with its transfers (SEND/RECV), in the order the executor runs it."""
+        return self._lowered
+
+    @property
     def name(self) -> str:
         return self._compute.name
 

@@ -13,6 +13,12 @@ import os
 import sys
 from typing import List
 
+import torch
+from torch import nn
+
+from .._planning.profiler import profile
+from ..planner import plan
+
 __all__ = ["register"]
 
 
@@ -20,7 +26,7 @@ def _int_list(text: str) -> List[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
     if not values:
         raise argparse.ArgumentTypeError("expected at least one integer, e.g. 4,4")
     return values
@@ -30,7 +36,7 @@ def _float_list(text: str) -> List[float]:
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
     if not values:
         raise argparse.ArgumentTypeError("expected at least one number, e.g. 16e9,1.25e9")
     return values
@@ -53,11 +59,6 @@ def _load_factory(spec: str):  # type: ignore[no-untyped-def]
 
 
 def _run_profile(args: argparse.Namespace) -> int:
-    import torch
-    from torch import nn
-
-    from .._planning.profiler import profile
-
     model = _load_factory(args.model)()
     if not isinstance(model, nn.Module):
         raise ValueError(f"{args.model} returned {type(model).__name__}; the factory must return "
@@ -84,8 +85,6 @@ def _run_profile(args: argparse.Namespace) -> int:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from ..planner import plan
-
     result = plan(
         args.profile,
         workers=args.workers,

@@ -6,7 +6,7 @@ import json
 import logging
 from typing import List, Optional
 
-from .. import schedules
+from .. import _viz, schedules
 
 __all__ = ["register"]
 
@@ -80,7 +80,6 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
 
 def _run(args: argparse.Namespace) -> int:
     if args.plot:  # fail before any work on a path that cannot be written
-        from .. import _viz
         _viz.check_png_path(args.plot)
         _viz.image_size(1, args.plot_width)
     chunks = args.chunks

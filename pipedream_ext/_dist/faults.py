@@ -62,6 +62,8 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, TypeVar
 
+import torch.distributed as dist
+
 __all__ = ["names_first_failure", "watch_unflushed", "BEAT_SECONDS", "SILENCE_SECONDS"]
 
 #: Seconds between two heartbeats of a rank.
@@ -85,8 +87,6 @@ def _prefix() -> str:
 
 
 def _store() -> Any:
-    import torch.distributed as dist
-
     return dist.distributed_c10d._get_default_store()  # noqa: SLF001 - no public accessor
 
 
@@ -222,8 +222,6 @@ class _Monitor:
 
 def _ensure_heartbeat() -> None:
     """Starts this process's heartbeat thread once the default group exists."""
-    import torch.distributed as dist
-
     with _lock:
         if _heartbeat["monitor"] is not None or not dist.is_available() or not dist.is_initialized():
             return
@@ -370,12 +368,10 @@ def _record_and_read(pipe: Any, exc: BaseException, rank: int, cached: str = "",
 
 
 def _report(pipe: Any, exc: BaseException) -> None:
-    import torch.distributed as dist
-
     if getattr(exc, "_pipedream_first_failure_seen", False):
         return
     try:
-        exc._pipedream_first_failure_seen = True  # type: ignore[attr-defined]
+        exc._pipedream_first_failure_seen = True  # type: ignore[attr-defined]  # noqa: SLF001 - our marker
     except AttributeError:  # pragma: no cover - exceptions without __dict__
         return
     if not dist.is_available() or not dist.is_initialized():
@@ -446,5 +442,5 @@ def names_first_failure(method: F) -> F:
         finally:
             _calls.leave()
 
-    wrapper._pipedream_names_first_failure = True  # type: ignore[attr-defined]
+    wrapper._pipedream_names_first_failure = True  # type: ignore[attr-defined]  # noqa: SLF001 - our marker
     return wrapper  # type: ignore[return-value]

@@ -42,6 +42,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.export import Dim
 
 from .fx_graph import compute_nodes, install_attribute, node_stages, paths_of
 
@@ -54,8 +55,8 @@ class ExportRefused(ValueError):
 # Nodes that only check what the export assumed (dtypes, devices, value ranges):
 # dropped with the input guards; the stages run on the shapes they are given.
 _ASSERTIONS = {
-    torch.ops.aten._assert_tensor_metadata.default,
-    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten._assert_tensor_metadata.default,  # noqa: SLF001 - torch internal
+    torch.ops.aten._assert_scalar.default,  # noqa: SLF001 - torch internal
     torch.ops.aten.sym_constrain_range_for_size.default,
     torch.ops.aten.sym_constrain_range.default,
 }
@@ -65,8 +66,6 @@ _NO_MODULE = "_empty_nn_module_stack_from_metadata_hook"
 
 def _dynamic_shapes(model: nn.Module, args: Tuple[Any, ...], kwargs: Mapping[str, Any]) -> Dict[str, Any]:
     """``Dim.AUTO`` for every dimension of every tensor argument, by parameter name."""
-    from torch.export import Dim
-
     def auto(value: Any) -> Any:
         return tuple(Dim.AUTO for _ in value.shape) if isinstance(value, torch.Tensor) else None
 
@@ -86,9 +85,9 @@ def _set_tensor(root: nn.Module, path: str, value: torch.Tensor) -> None:
     *prefix, field = path.split(".")
     owner = root.get_submodule(".".join(prefix))
     if isinstance(value, nn.Parameter):
-        owner._parameters[field] = value
+        owner._parameters[field] = value  # noqa: SLF001 - torch internal
     else:
-        owner._buffers[field] = value
+        owner._buffers[field] = value  # noqa: SLF001 - torch internal
 
 
 def _owner_path(name: str) -> str:
@@ -145,13 +144,13 @@ def _clean(gm: fx.GraphModule, inputs: Sequence[fx.Node]) -> None:
     output = next(n for n in graph.nodes if n.op == "output")
     flat = output.args[0]
     output.args = (tuple(flat) if isinstance(flat, (list, tuple)) else (flat,),)
-    graph._codegen = fx.graph.CodeGen()  # plain positional inputs, flat outputs
+    graph._codegen = fx.graph.CodeGen()  # plain positional inputs, flat outputs  # noqa: SLF001 - torch internal
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
     for name in ("train", "eval"):  # ep.module() refuses them (the graph's modes are fixed)
         gm.__dict__.pop(name, None)
-    gm._forward_pre_hooks.clear()  # ep.module()'s check of the (args, kwargs) structure
-    gm._forward_pre_hooks_with_kwargs.clear()
+    gm._forward_pre_hooks.clear()  # ep.module()'s check of the (args, kwargs) structure  # noqa: SLF001 - torch internal
+    gm._forward_pre_hooks_with_kwargs.clear()  # noqa: SLF001 - torch internal
     graph.lint()
     gm.recompile()
 
@@ -200,7 +199,7 @@ def export_model(model: nn.Module, inputs: Any, concrete_args: Optional[Mapping[
                                   set(signature.user_inputs_to_mutate.values())))
     gm = ep.module()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    by_argument = pytree.tree_unflatten(placeholders, gm._in_spec)
+    by_argument = pytree.tree_unflatten(placeholders, gm._in_spec)  # noqa: SLF001 - torch internal
     graph_args, graph_kwargs = by_argument if len(by_argument) == 2 and \
         isinstance(by_argument[1], dict) else (by_argument, {})
     if named:
@@ -228,7 +227,7 @@ def export_model(model: nn.Module, inputs: Any, concrete_args: Optional[Mapping[
                 f"torch.export fixed dimension 0 (the batch) of input {name_of[p]!r} to "
                 f"{value.shape[0]}, but microbatches have other batch sizes; give a sample whose "
                 "batch is at least 2 and make the forward independent of the batch size")
-    return gm, ([name_of[p] for p in tensor_inputs] if named else None), gm._out_spec
+    return gm, ([name_of[p] for p in tensor_inputs] if named else None), gm._out_spec  # noqa: SLF001 - torch internal
 
 
 def _explicit_arguments(model: nn.Module, fixed: Mapping[str, Any]

@@ -99,7 +99,7 @@ def install_attribute(source: nn.Module, target: nn.Module, path: str) -> None:
     value = getattr(source, field)
     if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
         target.register_buffer(field, value,
-                               persistent=field not in source._non_persistent_buffers_set)
+                               persistent=field not in source._non_persistent_buffers_set)  # noqa: SLF001 - torch internal
     else:
         setattr(target, field, value)
 

@@ -529,8 +529,8 @@ def _finished_stages(model: nn.Module, gm: fx.GraphModule, starts: Any,
             if node.op == "get_attr" and str(node.target) not in own:
                 *prefix, field = str(node.target).split(".")
                 owner = stage.get_submodule(".".join(prefix))
-                if field in owner._buffers:
-                    owner.register_buffer(field, owner._buffers[field], persistent=False)
+                if field in owner._buffers:  # noqa: SLF001 - torch internal
+                    owner.register_buffer(field, owner._buffers[field], persistent=False)  # noqa: SLF001 - torch internal
     # Parameters and buffers the forward never reads still belong to the model (its
     # state_dict): the last stage keeps them so checkpoints hold the whole model.
     held = set().union(*(tensor_paths(stage) for stage in stages))

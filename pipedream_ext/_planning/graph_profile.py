@@ -43,6 +43,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.fx as fx
 from torch import nn
+from tqdm import tqdm
 
 from .. import _C
 from .._frontend.fx_graph import compute_nodes, value_kinds
@@ -358,8 +359,6 @@ def profile_groups(grouped: GraphGroups, inputs: Tuple[torch.Tensor, ...],
     params = list(gm.parameters())
     iterator: Any = range(warmup + steps)
     if progress:
-        from tqdm import tqdm
-
         iterator = tqdm(iterator, desc="profile", unit="step")
     with preserved([gm], device):
         for step in iterator:

@@ -17,6 +17,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from .. import _C
 from .timing import Timer, preserved
@@ -139,8 +140,6 @@ def profile_sequential(module: nn.Sequential, sample_input: Tensors, loss_fn: Lo
     act_bytes = [0.0] * len(layers)
     iterator: Any = range(warmup + steps)
     if progress:
-        from tqdm import tqdm
-
         iterator = tqdm(iterator, desc="profile", unit="step")
     with preserved([module], device):
         for step in iterator:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .._frontend.deferred_init import DEFAULT_INIT_SEED, InitFn, Memo, materialize_layer
+from .._frontend.graph_split import merge_stage_modules
 
 __all__ = ["even_balance", "Partition", "resolve_partition", "LocalStages"]
 
@@ -148,13 +149,9 @@ class LocalStages:
         self.partition = partition
         #: Stage indices of this rank, ascending.
         self.indices: List[int] = list(indices)
-        #: Whether the stages come from a traced model (``_trace``).
+        #: Whether the stages come from a traced model (``_frontend.graph_split``).
         self.traced = traced is not None
         if traced is not None:
-            from .._frontend.graph_split import (
-                merge_stage_modules,  # torch.fx only for traced models
-            )
-
             self.layers: Dict[int, Tuple[int, int]] = {j: (j, j + 1) for j in indices}
             self._modules: Dict[int, nn.Module] = {j: traced[j].to(device) for j in indices}
             self.module: nn.Module = merge_stage_modules([self._modules[j] for j in indices])

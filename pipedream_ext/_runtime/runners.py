@@ -111,7 +111,7 @@ class Runner:
         #: A traced model's named inputs, in the order the runner gets them (for messages).
         self.input_names: Optional[List[str]] = None
         self._update = _OptimizerStep()
-        self.executor: Optional["_C.PipelineExecutor"] = self._make_executor(schedule._lowered)
+        self.executor: Optional["_C.PipelineExecutor"] = self._make_executor(schedule.lowered)
         self._eval_executor: Optional["_C.PipelineExecutor"] = None
         _LIVE.add(self)
 
@@ -206,7 +206,7 @@ class Runner:
             evaluation = schedules.build("gpipe", stages=self.num_stages,
                                          microbatches=self.config.microbatches)
             self._eval_executor = self._make_executor(
-                evaluation._lowered, rank=leaders.index(self.groups.rank),
+                evaluation.lowered, rank=leaders.index(self.groups.rank),
                 group=self.groups.leader_group, side=self.groups.leader_side)
         return self._eval_executor
 
@@ -484,7 +484,7 @@ class StreamRunner(Runner):
         self.admitted = 0
         self._unflushed[0] = 0
         self.observer.retire(self.executor)
-        self.executor = self._make_executor(self.schedule._lowered)
+        self.executor = self._make_executor(self.schedule.lowered)
 
 
 def make_runner(config: PipelineConfig, schedule: "schedules.Schedule",

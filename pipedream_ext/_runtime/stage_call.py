@@ -307,10 +307,10 @@ class StageFunction:
                 change twice per microbatch), naming it.
         """
         module = self.stages[stage]
-        norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
+        norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase)  # noqa: SLF001 - torch internal
                  and m.training and m.track_running_stats]
         held = {id(b) for m in norms for b in m.buffers(recurse=False) if b is not None}
-        versions = [(name, b, b._version) for name, b in module.named_buffers()
+        versions = [(name, b, b._version) for name, b in module.named_buffers()  # noqa: SLF001 - torch internal
                     if id(b) not in held]
         momenta = [m.momentum for m in norms]
         try:
@@ -324,7 +324,7 @@ class StageFunction:
             for m in norms:
                 if m.num_batches_tracked is not None:
                     m.num_batches_tracked.sub_(1)
-        changed = [name for name, b, version in versions if b._version != version]
+        changed = [name for name, b, version in versions if b._version != version]  # noqa: SLF001 - torch internal
         if changed:
             raise ValueError(
                 f"recompute=True runs stage {stage}'s forward twice per microbatch, and it "

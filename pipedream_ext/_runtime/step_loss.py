@@ -16,6 +16,7 @@ import numbers
 import operator
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -83,8 +84,6 @@ class StepLoss:
         return float, (self.wait(),)  # pickled (torch.save, queues) as the float
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
-        import numpy as np
-
         return np.asarray(self.wait(), dtype=dtype)
 
     # -- the number: everything reads the float ------------------------------------------
