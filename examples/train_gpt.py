@@ -43,9 +43,11 @@ from tqdm import tqdm
 
 import pipedream_ext as pd
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import VOCAB, gpt_sequential  # noqa: E402
+
 log = logging.getLogger("train_gpt")
 
-VOCAB = 256  # bytes
 # Prompts for the generated text at the end: the model has seen how Python files go on.
 PROMPTS = (b"def ", b"import ", b"class ", b"    return ", b"# ", b"    if ", b"for ", b"    self.")
 
@@ -125,72 +127,9 @@ def validation_batches(data: torch.Tensor, length: int, batch_size: int,
 
 # -- model -----------------------------------------------------------------------------------
 
-class SmallInitEmbedding(nn.Embedding):
-    """An embedding initialised N(0, 0.02) as in GPT-2, not N(0, 1): the head shares the
-    token embedding's weight, and unit-variance rows would make the first logits huge."""
-
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, std=0.02)
-
-
-class Embed(nn.Module):
-    """Token embedding plus learned positions; (batch, time) bytes -> (batch, time, width)."""
-
-    def __init__(self, width: int, context: int) -> None:
-        super().__init__()
-        self.tok = SmallInitEmbedding(VOCAB, width)
-        self.pos = SmallInitEmbedding(context, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
-
-
-class Block(nn.Module):
-    """A pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x)).
-
-    Causal attention goes through ``scaled_dot_product_attention(is_causal=True)``,
-    so there is no mask buffer (its values would not survive the meta device)."""
-
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        if width % heads:
-            raise ValueError(f"width {width} is not a multiple of heads {heads}")
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
-        self.ln2 = nn.LayerNorm(width)
-        self.fc = nn.Linear(width, 4 * width)
-        self.out = nn.Linear(4 * width, width)
-
-    def reset_parameters(self) -> None:
-        """Resets every Linear and LayerNorm child (the block owns no tensors itself)."""
-        for child in (self.ln1, self.qkv, self.proj, self.ln2, self.fc, self.out):
-            child.reset_parameters()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).unbind(2)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                           v.transpose(1, 2), is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class FlattenLogits(nn.Module):
-    """(batch, time, vocab) -> (batch * time, vocab), the shape cross entropy takes."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(-1, x.shape[-1])
-
-
 def make_model(layers: int, width: int, heads: int, context: int) -> nn.Sequential:
     """Embed, ``layers`` blocks, LayerNorm, tied head, flatten: ``layers + 4`` layers."""
-    embed = Embed(width, context)
-    head = nn.Linear(width, VOCAB, bias=False)
-    head.weight = embed.tok.weight  # tied: the pipeline keeps it on both stages
-    return nn.Sequential(embed, *[Block(width, heads) for _ in range(layers)],
-                         nn.LayerNorm(width), head, FlattenLogits())
+    return gpt_sequential(layers, width, heads, context, VOCAB)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

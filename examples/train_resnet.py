@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from typing import List, Optional, Tuple
@@ -25,51 +26,22 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import pipedream_ext as pd
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import ResNet  # noqa: E402
+
 log = logging.getLogger("train_resnet")
 
 
-class Residual(nn.Module):
-    """conv-BN-ReLU-conv-BN plus the input (a 1x1 convolution when the shape changes)."""
-
-    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.down = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-                     if stride != 1 or cin != cout else None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        skip = x if self.down is None else self.down(x)
-        return F.relu(self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))) + skip)
-
-
-class ResNet(nn.Module):
-    """1x8x8 digits -> 10 classes: a stem, two stages of two residual blocks, a linear head."""
-
-    def __init__(self, width: int = 32) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(1, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width))
-        self.layer1 = nn.Sequential(Residual(width, width), Residual(width, width))
-        self.layer2 = nn.Sequential(Residual(width, 2 * width, stride=2),
-                                    Residual(2 * width, 2 * width))
-        self.fc = nn.Linear(2 * width * 2 * 2, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.layer2(self.layer1(F.relu(self.stem(x))))
-        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 2), 1))
-
-
 def make_model(seed: int, width: int) -> ResNet:
-    """Identical on every rank for a given seed."""
+    """1x8x8 digits -> 10 classes: a stem, two stages of two residual blocks, a linear head;
+    identical on every rank for a given seed."""
     torch.manual_seed(seed)
-    return ResNet(width)
+    return ResNet((2, 2), (width, 2 * width), in_channels=1, classes=10, stem="conv_bn", projection="conv_bn",
+                  pool=2)
 
 
 def load_digits(seed: int) -> Tuple[TensorDataset, TensorDataset]:

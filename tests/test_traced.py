@@ -4,8 +4,9 @@ Runs under pytest, which launches the worker side with torchrun, or standalone:
 
     PDTRACE_DIR=/tmp/t torchrun --standalone --nproc-per-node 3 tests/test_traced.py
 
-Models written here: a ResNet-style CNN (BatchNorm in train mode, residual
-adds, ``torch.flatten``), a U-Net-style model whose first skip connection jumps
+Models: the shared ResNet-style CNN of examples/models.py at its smallest (BatchNorm in
+train mode, residual adds, ``torch.flatten``); written here, a U-Net-style model (with
+examples/models.py's decoder) whose first skip connection jumps
 over several stages, a model with two tensor inputs, a keyword flag fixed by
 ``concrete_args`` and a tuple output, a tied-embedding language model, a model whose
 tensor inputs are keyword arguments given as a dict of named tensors (one used only
@@ -34,6 +35,9 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import models  # noqa: E402
+
 RTOL, ATOL = 1e-5, 1e-6
 MARKER = "ALL TRACED CHECKS PASSED"
 HERE = os.path.abspath(__file__)
@@ -41,44 +45,10 @@ MICROBATCHES = 4
 
 
 # --------------------------------------------------------------------------- models
-class Residual(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.down = nn.Conv2d(cin, cout, 1, stride) if stride != 1 or cin != cout else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        skip = x if self.down is None else self.down(x)
-        return F.relu(self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))) + skip)
-
-
-class ResNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = nn.Conv2d(3, 4, 3, 1, 1)
-        self.layer1 = nn.Sequential(Residual(4, 4), Residual(4, 4))
-        self.layer2 = nn.Sequential(Residual(4, 6, stride=2), Residual(6, 6))
-        self.fc = nn.Linear(6 * 2 * 2, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.layer2(self.layer1(F.relu(self.stem(x))))
-        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 2), 1))
-
-
-class Decoder(nn.Module):
-    """Joins the upsampled path with the skip connection (inside the module, so the
-    skip crosses every cut between the encoder and here)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(8, 4, 3, 1, 1)
-        self.norm = nn.GroupNorm(2, 4)
-
-    def forward(self, up: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
-        return F.relu(self.norm(self.conv(torch.cat([up, skip], dim=1))))
+def ResNet() -> nn.Module:  # noqa: N802  (used where a model class goes)
+    """The shared ResNet at its smallest: 3x8x8 -> 5 classes, a biased conv stem (ReLU in
+    forward), layers of 2 blocks (4 and 6 channels) with biased 1x1 conv projections."""
+    return models.ResNet((2, 2), (4, 6), in_channels=3, classes=5, stem="conv", projection="conv", pool=2)
 
 
 class UNet(nn.Module):
@@ -88,7 +58,7 @@ class UNet(nn.Module):
         self.enc2 = nn.Sequential(nn.Conv2d(4, 6, 3, 2, 1), nn.GroupNorm(2, 6), nn.ReLU())
         self.mid = nn.Sequential(nn.Conv2d(6, 6, 3, 1, 1), nn.Tanh())
         self.up = nn.ConvTranspose2d(6, 4, 2, 2)
-        self.dec1 = Decoder()
+        self.dec1 = models.Decoder(4)  # its skip crosses every cut between enc1 and here
         self.head = nn.Conv2d(4, 3, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
