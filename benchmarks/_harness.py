@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-__all__ = ["RESULTS", "ROOT", "command_line", "command_sentence", "CommandFailed", "cpu_model", "digits",
+__all__ = ["RESULTS", "ROOT", "all_gather_json", "command_line", "command_sentence", "CommandFailed", "cpu_model", "digits",
            "failure_lines", "fmt", "forward", "launch_failed", "launch_torchrun", "machine_info",
-           "machine_line", "main", "make_parser", "mlp", "pct", "pyplot", "run_command", "save_figure",
+           "machine_line", "main", "make_parser", "measure_bandwidth", "mlp", "models", "pct", "pyplot", "run_command", "save_figure",
            "setup_logging", "start_report", "table", "table_row", "worker", "write_results"]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -492,11 +492,64 @@ def mlp(sizes: Sequence[int], seed: int = 0):
     return nn.Sequential(*mods)
 
 
-def digits():
-    """examples/train_digits.py (its ``make_model`` and ``load_digits``, unchanged)."""
+def _examples_on_path() -> None:
     examples = str(ROOT / "examples")
     if examples not in sys.path:
         sys.path.insert(0, examples)
+
+
+def digits():
+    """examples/train_digits.py (its ``make_model`` and ``load_digits``, unchanged)."""
+    _examples_on_path()
     import train_digits
 
     return train_digits
+
+
+def models():
+    """examples/models.py: the ResNet, U-Net and GPT models examples and tests share."""
+    _examples_on_path()
+    import models as shared_models
+
+    return shared_models
+
+
+# ----------------------------------------------------------------------------- collectives
+def all_gather_json(payload: Any) -> List[Any]:
+    """Every rank of the default group contributes a JSON-serialisable object; every rank
+    gets them all, in rank order (through JSON, as written to the result files)."""
+    import torch.distributed as dist
+
+    gathered: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, json.loads(json.dumps(payload)))
+    return gathered
+
+
+def measure_bandwidth(group: Any, a: int, b: int, size: int = 4 << 20, rounds: int = 3) -> float:
+    """Bytes/s between ranks ``a`` and ``b`` of ``group`` on the CPU: a ping-pong of
+    ``size`` bytes, ``rounds`` times each way. Every rank of ``group`` must call it.
+
+    Returns:
+        The measured bandwidth, the same on every rank (the pair's slower clock).
+    """
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank(group)
+    seconds = 0.0
+    if rank in (a, b):
+        buffer = torch.zeros(size // 4, dtype=torch.float32)
+        peer = dist.get_global_rank(group, b if rank == a else a)
+        start = time.perf_counter()
+        for _ in range(rounds):
+            if rank == a:
+                dist.send(buffer, peer, group=group)
+                dist.recv(buffer, peer, group=group)
+            else:
+                dist.recv(buffer, peer, group=group)
+                dist.send(buffer, peer, group=group)
+        seconds = time.perf_counter() - start
+    # Only a and b measured; the others contribute 0 and the maximum is theirs.
+    total = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+    return 2 * rounds * size / max(float(total), 1e-9)

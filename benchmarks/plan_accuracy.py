@@ -232,7 +232,7 @@ def run_config(cfg: Dict[str, Any], args: argparse.Namespace, batches) -> Dict[s
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
     st = pipe.stats()
     stage = pipe.stage_index
-    mine = {"rank": rank, "stage": stage, "replica": pipe._schedule.stage_ranks(stage).index(rank),
+    mine = {"rank": rank, "stage": stage, "replica": pipe.schedule.stage_ranks(stage).index(rank),
             "replicas": pipe.replicas[stage], "elapsed_s": elapsed,
             "seconds_by_kind": st["seconds_by_kind"], "compute_s": st["compute_s"], "wait_s": st["wait_s"],
             "busy_s": st["busy_s"], "bubble_fraction": st["bubble_fraction"]}
@@ -269,10 +269,8 @@ def run_worker(args: argparse.Namespace) -> int:
     def body(result: Dict[str, Any]) -> None:
         import torch.distributed as dist
 
-        from pipedream_ext._dist.collectives import measure_bandwidth
-
         if args.worker == "bandwidth":
-            result["bandwidth"] = measure_bandwidth(dist.group.WORLD, 0, 1, size=args.probe_bytes,
+            result["bandwidth"] = h.measure_bandwidth(dist.group.WORLD, 0, 1, size=args.probe_bytes,
                                                     rounds=args.probe_rounds)
             return
         _, load_digits = _digits()
@@ -390,14 +388,10 @@ def runtime_rejects(schedule: str, replicas: Sequence[int]) -> Optional[str]:
     """The runtime's own check of an asynchronous layout (None if it accepts it)."""
     if schedule not in ("pipedream", "pipedream-2bw"):
         return None
-    from pipedream_ext import _C
+    import pipedream_ext.testing as pdt
 
-    try:
-        _C.AsyncStream(schedule, stages=len(replicas), microbatches=1, replicas=list(replicas),
-                       vertical_sync=False)
-    except ValueError as exc:
-        return f"runtime rejects the layout: {exc}"
-    return None
+    error = pdt.asynchronous_layout_error(schedule, len(replicas), 1, replicas)
+    return None if error is None else f"runtime rejects the layout: {error}"
 
 
 def schedules_for(cost_model: str, args: argparse.Namespace) -> List[str]:

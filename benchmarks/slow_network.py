@@ -544,16 +544,14 @@ def microbatches_for(config: str, replicas: Sequence[int], requested: int) -> in
 
 def check_runnable(config: str, replicas: Sequence[int], microbatches: int) -> Optional[str]:
     """None if pipedream_ext accepts this schedule/replica layout, else its error."""
-    from pipedream_ext import _C, schedules
+    import pipedream_ext.testing as pdt
+    from pipedream_ext import schedules
 
     schedule = SCHEDULE[config]
+    if schedule in ("pipedream", "pipedream-2bw"):
+        return pdt.asynchronous_layout_error(schedule, len(replicas), microbatches, replicas)
     try:
-        if schedule in ("pipedream", "pipedream-2bw"):
-            _C.AsyncStream(schedule, stages=len(replicas), microbatches=microbatches,
-                           replicas=list(replicas), vertical_sync=False)
-        else:
-            schedules.build(schedule, stages=len(replicas), microbatches=microbatches,
-                            replicas=list(replicas))
+        schedules.build(schedule, stages=len(replicas), microbatches=microbatches, replicas=list(replicas))
     except (ValueError, RuntimeError) as exc:
         return str(exc)
     return None

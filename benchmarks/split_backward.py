@@ -76,11 +76,11 @@ def _model(args: argparse.Namespace) -> Any:
 # ----------------------------------------------------------------------------- one process
 def single_process(args: argparse.Namespace, repeats: int = 200) -> Dict[str, Dict[str, float]]:
     """The same stage's backward as B (one autograd.backward) and as I then W
-    (_C.SplitBackward), alternating, in this process: median ms of each, for a
+    (pipedream_ext.testing.SplitBackward), alternating, in this process: median ms of each, for a
     middle stage (its input needs a gradient) and a first stage (it does not)."""
     import torch
 
-    from pipedream_ext import _C
+    import pipedream_ext.testing as pdt
 
     torch.set_num_threads(1)
     stage = _model(args)[1:1 + max(1, args.blocks // 2)]
@@ -98,7 +98,7 @@ def single_process(args: argparse.Namespace, repeats: int = 200) -> Dict[str, Di
             stage.zero_grad(set_to_none=True)
             x.grad = None
             y = stage(x)
-            state = _C.SplitBackward()
+            state = pdt.SplitBackward()
             start = time.perf_counter()
             state.input_pass([y], [grad], [x], weights)
             middle = time.perf_counter()
@@ -119,7 +119,6 @@ def run_worker(args: argparse.Namespace) -> int:
         import torch.nn.functional as F
 
         import pipedream_ext as pd
-        import pipedream_ext._dist.collectives as _collectives
 
         pipes = {s: pd.PipeDream(_model(args), F.cross_entropy, schedule=s,
                                  microbatches=args.microbatches, timeout=120) for s in SCHEDULES}
@@ -149,7 +148,7 @@ def run_worker(args: argparse.Namespace) -> int:
                     kinds[s][kind] = kinds[s].get(kind, 0.0) + after.get(kind, 0.0) - before.get(kind, 0.0)
         microbatches = args.rounds * args.steps * args.microbatches
         mine = {s: {k: 1e3 * v / microbatches for k, v in kinds[s].items()} for s in SCHEDULES}
-        everyone = _collectives.all_gather_json(mine, dist.group.WORLD)
+        everyone = h.all_gather_json(mine)
         result.update(step_ms=step_ms, ms_per_microbatch=everyone)
 
     return h.worker(JSON_TAG, body, backend="gloo")

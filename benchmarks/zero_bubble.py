@@ -422,8 +422,6 @@ def run_worker(args: argparse.Namespace) -> int:
         import torch.distributed as dist
         import torch.nn.functional as F
 
-        import pipedream_ext._dist.collectives as _collectives
-
         if dist.get_world_size() != 2:
             raise ValueError("zero_bubble.py runs on exactly 2 ranks")
         rank = dist.get_rank()
@@ -499,7 +497,7 @@ def run_worker(args: argparse.Namespace) -> int:
                     mine.update({k: stats[k] for k in ("compute_s", "wait_s", "busy_s", "bubble_fraction")})
                 else:
                     mine["stage_costs"] = runner.stage_costs()
-                result["configs"][name]["ranks"] = _collectives.all_gather_json(mine, dist.group.WORLD)
+                result["configs"][name]["ranks"] = h.all_gather_json(mine)
             # Per-stage costs of ours: a second, traced pipeline, after the timing.
             for name in live:
                 if name in TORCH_CLASSES or args.trace_steps <= 0:

@@ -15,16 +15,24 @@ collectives go to an inner Gloo group unchanged::
 
 A pipeline on such a group exchanges its metadata over a Gloo group it creates
 itself, as it does on a group the user created with NCCL alone.
+
+Also a few looks at the C++ core for benchmarks and tests (public, so that they
+need no private import): :func:`asynchronous_layout_error` (the runtime's own check
+of a ``pipedream``/``pipedream-2bw`` layout), :func:`count_antichain_states` (the
+size of PipeDream's planning state space) and :class:`SplitBackward` (a backward
+run as its input pass then its weight pass, as zero-bubble schedules run it).
 """
 from __future__ import annotations
 
 import datetime
+from typing import Optional, Sequence
 
 import torch.distributed as dist
 
 from . import _C
 
-__all__ = ["NCCL_RULES", "register_nccl_rules_backend"]
+__all__ = ["NCCL_RULES", "SplitBackward", "asynchronous_layout_error", "count_antichain_states",
+           "register_nccl_rules_backend"]
 
 NCCL_RULES = "nccl_rules"
 
@@ -43,3 +51,47 @@ def register_nccl_rules_backend() -> str:
     if NCCL_RULES not in dist.Backend.backend_list:
         dist.Backend.register_backend(NCCL_RULES, _create, devices=["cpu"])
     return NCCL_RULES
+
+
+#: A backward in two passes: ``input_pass(outputs, grads, inputs, weights)`` computes
+#: the inputs' gradients (I), then ``weight_pass()`` the weights' (W). One object per
+#: backward.
+SplitBackward = _C.SplitBackward
+
+
+def asynchronous_layout_error(schedule: str, stages: int, microbatches: int, replicas: Sequence[int],
+                              vertical_sync: bool = False) -> Optional[str]:
+    """The runtime's own check of an asynchronous schedule's layout, without a process group.
+
+    ``PipeDream`` runs ``pipedream`` and ``pipedream-2bw`` as a stream whose construction
+    checks the layout; this builds that stream alone.
+
+    Args:
+        schedule: ``pipedream`` or ``pipedream-2bw``.
+        stages: pipeline stages.
+        microbatches: microbatches per step.
+        replicas: replica count per stage.
+        vertical_sync: ``pipedream`` only: vertical weight synchronisation.
+
+    Returns:
+        None if the runtime accepts the layout, else its error message.
+    """
+    try:
+        _C.AsyncStream(schedule, stages=stages, microbatches=microbatches, replicas=list(replicas),
+                       vertical_sync=vertical_sync)
+    except (ValueError, RuntimeError) as exc:
+        return str(exc)
+    return None
+
+
+def count_antichain_states(graph: "_C.ProfileGraph", limit: int) -> int:
+    """The number of antichain states PipeDream's planner would search on ``graph``.
+
+    Args:
+        graph: a profile, e.g. from :func:`pipedream_ext.load_profile`.
+        limit: stop counting past this many.
+
+    Returns:
+        The count, or a negative number when it exceeds ``limit``.
+    """
+    return int(_C.count_antichain_states(graph, limit))
