@@ -21,18 +21,13 @@ Index legend: ``j`` stage, ``l`` layer (child of the ``nn.Sequential``).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
-from .._dist import collectives
-from .._runtime.local_stages import LocalStages, Partition
+from .partition import Partition
 
-__all__ = ["SharedParameter", "find_shared", "find_shared_in_stages", "alias_names", "canonical_names", "describe",
-           "SharedGradients"]
+__all__ = ["SharedParameter", "find_shared", "find_shared_in_stages", "alias_names", "canonical_names", "describe"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,92 +153,3 @@ def describe(sp: SharedParameter) -> str:
     """``"0.weight and 4.weight (stages 0 and 2)"``, for messages."""
     return (f"{' and '.join(dict.fromkeys(sp.names))} (stages "
             f"{' and '.join(str(j) for j in sp.stages)})")
-
-
-class SharedGradients:
-    """Sums the gradients of this rank's shared parameters over the stages using them.
-
-    Every rank of the pipeline constructs it (collective: it creates one process
-    group per distinct set of ranks holding a shared parameter, in the same order
-    everywhere).
-
-    Args:
-        shared: from :func:`find_shared` (the same list on every rank).
-        stages: this rank's stages.
-        stage_ranks: the ranks (within ``group``) of every stage, replica order.
-        group: the pipeline's group.
-        timeout: seconds, for the new groups' operations.
-    """
-
-    def __init__(self, shared: Sequence[SharedParameter], stages: LocalStages,
-                 stage_ranks: Sequence[Sequence[int]], group: dist.ProcessGroup,
-                 timeout: float) -> None:
-        rank = dist.get_rank(group)
-        span = datetime.timedelta(seconds=timeout)
-        by_ranks: Dict[Tuple[int, ...], Optional[dist.ProcessGroup]] = {}
-        # (group, tensors, whether this rank contributes) per set of ranks this rank is in.
-        self._work: List[Tuple[dist.ProcessGroup, List[nn.Parameter], bool]] = []
-        # (group, parameter, whether this rank holds the value every copy takes).
-        self._values: List[Tuple[dist.ProcessGroup, nn.Parameter, bool]] = []
-        local_params = dict(stages.module.named_parameters(remove_duplicate=False))
-        for sp in shared:
-            ranks = tuple(sorted({r for j in sp.stages for r in stage_ranks[j]}))
-            if len(ranks) < 2:
-                continue  # every use on this rank: autograd sums into one .grad
-            if ranks not in by_ranks:
-                new = dist.new_group([dist.get_global_rank(group, r) for r in ranks],
-                                     timeout=span)
-                by_ranks[ranks] = new if rank in ranks else None
-            if rank not in ranks:
-                continue
-            param = next(local_params[n] for n in sp.names if n in local_params)
-            source = stage_ranks[sp.name_stages[0]][0] == rank  # the first use's leader
-            self._values.append((by_ranks[ranks], param, source))
-            if not param.requires_grad:
-                continue  # frozen: no gradient to sum (the group exists anyway, on every rank)
-            leader = any(stage_ranks[j][0] == rank for j in sp.stages if j in stages)
-            entry = next((w for w in self._work if w[0] is by_ranks[ranks]), None)
-            if entry is None:
-                self._work.append((by_ranks[ranks], [param], leader))
-            else:
-                # With replicas a rank holds one stage, so its role is the same
-                # for every parameter of the set.
-                entry[1].append(param)
-
-    @torch.no_grad()
-    def synchronize_values(self) -> None:
-        """Makes every copy of each shared parameter equal to the copy of the stage
-        of its first use (its leader rank's). Collective over the sharing ranks.
-
-        Copies of a model built whole with the same seed are equal already; layers
-        materialised from the meta device are initialised per rank, each from its
-        own layer's seed, so a tied weight's copies start different without this.
-        """
-        for group, param, source in self._values:
-            value = param.detach().clone() if source else torch.zeros_like(param)
-            collectives.all_reduce_data(value, group)
-            param.copy_(value)
-
-    def __bool__(self) -> bool:
-        return bool(self._work)
-
-    @torch.no_grad()
-    def reduce(self) -> None:
-        """Replaces each local shared parameter's gradient by the sum over its stages.
-
-        Call it after the executor's run (replicas already reduced) and before
-        the optimizer step; every rank holding a shared parameter must call it.
-        """
-        for group, params, leader in self._work:
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            grads = [p.grad for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            if not leader:
-                flat.zero_()
-            collectives.all_reduce_data(flat, group)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()

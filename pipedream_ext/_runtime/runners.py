@@ -30,7 +30,6 @@ import torch.distributed as dist
 from .. import _C, schedules
 from .._dist import collectives, faults
 from .._dist.groups import PipelineGroups, p2p_protocol
-from .._frontend.tied_params import SharedGradients
 from .config import PipelineConfig
 from .local_stages import LocalStages
 from .observe import Observer
@@ -42,6 +41,7 @@ from .stage_call import (
     split_microbatches,
 )
 from .step_loss import StepLoss
+from .tied_grads import SharedGradients
 
 __all__ = ["Runner", "FlushRunner", "StreamRunner", "make_runner"]
 
