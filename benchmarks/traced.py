@@ -1,7 +1,7 @@
 """Traced models (``split_points``): the cost of tracing, and training throughput against
 the same layers as an ``nn.Sequential`` and against torch.distributed.pipelining.
 
-Three models written here, each in a few sizes:
+Three models of examples/models.py, each in a few sizes:
 
 * ``resnet``: a ResNet-style CNN: a stem (conv, BatchNorm, ReLU), ``layer1``-``layer4``
   of basic residual blocks (BatchNorm, a 1x1 conv + BatchNorm on the skip path where
@@ -72,7 +72,6 @@ Command, from the repository root (2.5 minutes at load 2-3 on 2 cores, 5 at load
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import os
 import statistics
@@ -132,181 +131,19 @@ VOCAB = 256
 
 
 # ----------------------------------------------------------------------------- models
-@functools.lru_cache(maxsize=None)
-def _classes() -> Dict[str, Any]:
-    """The model classes (defined on first use: the script imports torch lazily)."""
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    class Residual(nn.Module):
-        """A basic residual block: conv-BN-ReLU-conv-BN plus the (projected) input."""
-
-        def __init__(self, cin: int, cout: int, stride: int) -> None:
-            super().__init__()
-            self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-            self.bn1 = nn.BatchNorm2d(cout)
-            self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-            self.bn2 = nn.BatchNorm2d(cout)
-            self.down = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-                         if stride != 1 or cin != cout else None)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            skip = x if self.down is None else self.down(x)
-            return F.relu(self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))) + skip)
-
-    class ResNet(nn.Module):
-        def __init__(self, blocks: Sequence[int], width: int, classes: int = 10) -> None:
-            super().__init__()
-            self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
-            cin = width
-            for i, count in enumerate(blocks):
-                cout = width * 2 ** i
-                setattr(self, f"layer{i + 1}", nn.Sequential(*[
-                    Residual(cin if b == 0 else cout, cout, 2 if b == 0 and i > 0 else 1) for b in range(count)]))
-                cin = cout
-            self.num_layers = len(blocks)
-            self.fc = nn.Linear(cin, classes)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            x = self.stem(x)
-            for i in range(self.num_layers):
-                x = getattr(self, f"layer{i + 1}")(x)
-            return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
-
-    def conv_block(cin: int, cout: int, stride: int) -> nn.Module:
-        return nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1), nn.GroupNorm(2, cout), nn.ReLU(),
-                             nn.Conv2d(cout, cout, 3, 1, 1), nn.GroupNorm(2, cout), nn.ReLU())
-
-    class Decoder(nn.Module):
-        """Concatenates the upsampled path with the skip connection, then convolves."""
-
-        def __init__(self, channels: int) -> None:
-            super().__init__()
-            self.conv = nn.Conv2d(2 * channels, channels, 3, 1, 1)
-            self.norm = nn.GroupNorm(2, channels)
-
-        def forward(self, up: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
-            return F.relu(self.norm(self.conv(torch.cat([up, skip], dim=1))))
-
-    class UNet(nn.Module):
-        def __init__(self, depth: int, width: int, classes: int = 3) -> None:
-            super().__init__()
-            chans = [width * 2 ** i for i in range(depth)]
-            self.encs = nn.ModuleList(conv_block(3 if i == 0 else chans[i - 1], chans[i], 1 if i == 0 else 2)
-                                      for i in range(depth))
-            self.mid = nn.Sequential(nn.Conv2d(chans[-1], chans[-1], 3, 1, 1), nn.Tanh())
-            # ups[k] / decs[k] bring level depth-1-k up to level depth-2-k.
-            self.ups = nn.ModuleList(nn.ConvTranspose2d(chans[i + 1], chans[i], 2, 2)
-                                     for i in reversed(range(depth - 1)))
-            self.decs = nn.ModuleList(Decoder(chans[i]) for i in reversed(range(depth - 1)))
-            self.head = nn.Conv2d(width, classes, 1)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            skips = []
-            for enc in self.encs:
-                x = enc(x)
-                skips.append(x)
-            x = self.mid(x) + x
-            for k in range(len(self.ups)):
-                x = self.decs[k](self.ups[k](x), skips[-2 - k])
-            return self.head(x)
-
-    class EncoderPath(nn.Module):
-        """The U-Net's encoders as one layer: x -> every level's output (a tuple)."""
-
-        def __init__(self, encs: nn.ModuleList) -> None:
-            super().__init__()
-            self.encs = encs
-
-        def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-            skips = []
-            for enc in self.encs:
-                x = enc(x)
-                skips.append(x)
-            return tuple(skips)
-
-    class DecoderPath(nn.Module):
-        """The U-Net's middle, decoders and head as one layer, taking that tuple."""
-
-        def __init__(self, unet: nn.Module) -> None:
-            super().__init__()
-            self.mid, self.ups, self.decs, self.head = unet.mid, unet.ups, unet.decs, unet.head
-
-        def forward(self, skips: Tuple[torch.Tensor, ...]) -> torch.Tensor:
-            x = skips[-1]
-            x = self.mid(x) + x
-            for k in range(len(self.ups)):
-                x = self.decs[k](self.ups[k](x), skips[-2 - k])
-            return self.head(x)
-
-    class Embed(nn.Module):
-        def __init__(self, width: int, context: int) -> None:
-            super().__init__()
-            self.tok = nn.Embedding(VOCAB, width)
-            self.pos = nn.Embedding(context, width)
-            nn.init.normal_(self.tok.weight, std=0.02)
-            nn.init.normal_(self.pos.weight, std=0.02)
-
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            return self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
-
-    class Block(nn.Module):
-        """Pre-norm transformer block with causal scaled_dot_product_attention."""
-
-        def __init__(self, width: int, heads: int) -> None:
-            super().__init__()
-            self.heads = heads
-            self.ln1 = nn.LayerNorm(width)
-            self.qkv = nn.Linear(width, 3 * width)
-            self.proj = nn.Linear(width, width)
-            self.ln2 = nn.LayerNorm(width)
-            self.fc = nn.Linear(width, 4 * width)
-            self.out = nn.Linear(4 * width, width)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            b, t, c = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).unbind(2)
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               is_causal=True)
-            x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-            return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-    class FlattenLogits(nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x.flatten(0, 1)
-
-    class GPT(nn.Module):
-        def __init__(self, blocks: int, width: int, heads: int, context: int) -> None:
-            super().__init__()
-            self.embed = Embed(width, context)
-            self.blocks = nn.ModuleList(Block(width, heads) for _ in range(blocks))
-            self.ln_f = nn.LayerNorm(width)
-            self.head = nn.Linear(width, VOCAB, bias=False)
-            self.head.weight = self.embed.tok.weight  # tied
-
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            x = self.embed(ids)
-            for block in self.blocks:
-                x = block(x)
-            return self.head(self.ln_f(x)).flatten(0, 1)
-
-    return dict(ResNet=ResNet, UNet=UNet, GPT=GPT, EncoderPath=EncoderPath, DecoderPath=DecoderPath,
-                FlattenLogits=FlattenLogits)
-
-
 def build(kind: str, size: Dict[str, Any], seed: int = 0):
     """The model ``kind`` of ``size`` in train mode, initialised from ``manual_seed(seed)``."""
     import torch
 
-    c = _classes()
+    m = h.models()
     torch.manual_seed(seed)
     if kind == "resnet":
-        return c["ResNet"](size["blocks"], size["width"]).train()
+        widths = [size["width"] * 2 ** i for i in range(len(size["blocks"]))]
+        return m.ResNet(size["blocks"], widths).train()
     if kind == "unet":
-        return c["UNet"](size["depth"], size["width"]).train()
+        return m.UNet(size["depth"], size["width"]).train()
     if kind == "gpt":
-        return c["GPT"](size["blocks"], size["width"], size["heads"], size["context"]).train()
+        return m.GPT(size["blocks"], size["width"], size["heads"], size["context"], VOCAB).train()
     raise ValueError(f"unknown model {kind!r}; choose from {MODELS}")
 
 
@@ -324,7 +161,7 @@ def sequential_twin(kind: str, model) -> Tuple[Any, List[int]]:
     puts its boundary where :func:`split_point` does."""
     from torch import nn
 
-    c = _classes()
+    m = h.models()
     if kind == "resnet":
         layers = [model.stem]
         first = 1
@@ -336,9 +173,9 @@ def sequential_twin(kind: str, model) -> Tuple[Any, List[int]]:
         layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), model.fc]
         return nn.Sequential(*layers), [first, len(layers) - first]
     if kind == "unet":
-        return nn.Sequential(c["EncoderPath"](model.encs), c["DecoderPath"](model)), [1, 1]
+        return nn.Sequential(m.EncoderPath(model.encs), m.DecoderPath(model)), [1, 1]
     n = len(model.blocks)
-    layers = [model.embed, *model.blocks, model.ln_f, model.head, c["FlattenLogits"]()]
+    layers = [model.embed, *model.blocks, model.ln_f, model.head, m.FlattenLogits()]
     return nn.Sequential(*layers), [1 + n // 2, len(layers) - 1 - n // 2]
 
 
