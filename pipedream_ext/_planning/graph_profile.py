@@ -341,15 +341,7 @@ def profile_groups(grouped: GraphGroups, inputs: Tuple[torch.Tensor, ...],
     if steps < 1 or warmup < 0:
         raise ValueError(f"steps={steps} must be >= 1 and warmup={warmup} >= 0")
     gm, groups = grouped.gm, grouped.groups
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    ins: List[List[fx.Node]] = []
-    outs: List[List[fx.Node]] = []
-    for g, group in enumerate(groups):
-        members = set(group.nodes)
-        used = {a: None for n in group.nodes for a in n.all_input_nodes
-                if a.op == "placeholder" or (a in grouped.group_of and a not in members)}
-        ins.append(list(used))
-        outs.append([n for n in group.nodes if any(u not in members for u in n.users)])
+    ins, outs = _group_boundaries(grouped)
     modules = [_group_module(gm, group.nodes, ins[g], outs[g]) for g, group in enumerate(groups)]
     device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
     timer = Timer(device)
@@ -365,47 +357,9 @@ def profile_groups(grouped: GraphGroups, inputs: Tuple[torch.Tensor, ...],
             for p in params:
                 p.grad = None
             values: Dict[fx.Node, Any] = dict(zip(grouped.inputs, inputs))
-            xs, ys, f_thunks = [], [], []
-            for g, module in enumerate(modules):
-                x = [_leaf(values[a]) for a in ins[g]]
-                t0 = timer.start()
-                y = module(*x)
-                f_thunks.append(timer.stop(t0))
-                values.update(zip(outs[g], y))
-                act_bytes[g] = _bytes(y)
-                xs.append(x)
-                ys.append(y)
-            leaves: Dict[fx.Node, Any] = {}
-
-            def leaf(n: fx.Node) -> Any:
-                if n not in leaves:
-                    leaves[n] = _leaf(values[n] if n in values else _attribute(gm, str(n.target)))
-                return leaves[n]
-
-            t0 = timer.start()
-            result = fx.map_arg(output.args[0], leaf)
-            root = loss_fn(result, target) if loss_fn is not None else sum(
-                t.float().sum() for t in leaves.values()
-                if isinstance(t, torch.Tensor) and t.requires_grad)
-            loss_f = timer.stop(t0)
-            t0 = timer.start()
-            if isinstance(root, torch.Tensor) and root.requires_grad:
-                root.backward()
-            loss_b = timer.stop(t0)
-            grads: Dict[fx.Node, torch.Tensor] = {
-                n: t.grad for n, t in leaves.items()
-                if isinstance(t, torch.Tensor) and t.grad is not None}
-            b_thunks: List[Callable[[], float]] = [loss_b] * len(groups)  # replaced below
-            for g in reversed(range(len(groups))):
-                pairs = [(y, grads[o]) for o, y in zip(outs[g], ys[g])
-                         if o in grads and isinstance(y, torch.Tensor) and y.requires_grad]
-                t0 = timer.start()
-                if pairs:
-                    torch.autograd.backward([y for y, _ in pairs], [d for _, d in pairs])
-                b_thunks[g] = timer.stop(t0)
-                for a, x in zip(ins[g], xs[g]):
-                    if a.op != "placeholder" and isinstance(x, torch.Tensor) and x.grad is not None:
-                        grads[a] = grads[a] + x.grad if a in grads else x.grad
+            xs, ys, f_thunks = _forward_groups(modules, ins, outs, values, timer, act_bytes)
+            grads, loss_f, loss_b = _loss_backward(gm, values, loss_fn, target, timer)
+            b_thunks = _backward_groups(ins, outs, xs, ys, grads, timer)
             timer.sync()
             if step >= warmup:
                 for g in range(len(groups)):
@@ -414,11 +368,98 @@ def profile_groups(grouped: GraphGroups, inputs: Tuple[torch.Tensor, ...],
                     bwd[g].append(b_thunks[g]() + extra[1])
         for p in params:
             p.grad = None
+    return _profile_graph(grouped, inputs, fwd, bwd, act_bytes)
 
+
+Nodes = List[List[fx.Node]]
+Thunks = List[Callable[[], float]]
+
+
+def _group_boundaries(grouped: GraphGroups) -> Tuple[Nodes, Nodes]:
+    """Each group's inputs (placeholders and other groups' values) and outputs (values a
+    node outside the group uses)."""
+    ins: Nodes = []
+    outs: Nodes = []
+    for group in grouped.groups:
+        members = set(group.nodes)
+        used = {a: None for n in group.nodes for a in n.all_input_nodes
+                if a.op == "placeholder" or (a in grouped.group_of and a not in members)}
+        ins.append(list(used))
+        outs.append([n for n in group.nodes if any(u not in members for u in n.users)])
+    return ins, outs
+
+
+def _forward_groups(modules: Sequence[nn.Module], ins: Nodes, outs: Nodes,
+                    values: Dict[fx.Node, Any], timer: Timer,
+                    act_bytes: List[float]) -> Tuple[List[Any], List[Any], Thunks]:
+    """Every group's forward on detached copies of its inputs, in graph order."""
+    xs, ys, f_thunks = [], [], []
+    for g, module in enumerate(modules):
+        x = [_leaf(values[a]) for a in ins[g]]
+        t0 = timer.start()
+        y = module(*x)
+        f_thunks.append(timer.stop(t0))
+        values.update(zip(outs[g], y))
+        act_bytes[g] = _bytes(y)
+        xs.append(x)
+        ys.append(y)
+    return xs, ys, f_thunks
+
+
+def _loss_backward(gm: fx.GraphModule, values: Dict[fx.Node, Any],
+                   loss_fn: Optional[Callable[[Any, Any], torch.Tensor]], target: Any,
+                   timer: Timer) -> Tuple[Dict[fx.Node, torch.Tensor], Callable[[], float],
+                                          Callable[[], float]]:
+    """The loss (or the output's sum) on detached outputs and its backward, timed; returns
+    the gradient of every output value and the two times."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    leaves: Dict[fx.Node, Any] = {}
+
+    def leaf(n: fx.Node) -> Any:
+        if n not in leaves:
+            leaves[n] = _leaf(values[n] if n in values else _attribute(gm, str(n.target)))
+        return leaves[n]
+
+    t0 = timer.start()
+    result = fx.map_arg(output.args[0], leaf)
+    root = loss_fn(result, target) if loss_fn is not None else sum(
+        t.float().sum() for t in leaves.values()
+        if isinstance(t, torch.Tensor) and t.requires_grad)
+    loss_f = timer.stop(t0)
+    t0 = timer.start()
+    if isinstance(root, torch.Tensor) and root.requires_grad:
+        root.backward()
+    loss_b = timer.stop(t0)
+    grads = {n: t.grad for n, t in leaves.items()
+             if isinstance(t, torch.Tensor) and t.grad is not None}
+    return grads, loss_f, loss_b
+
+
+def _backward_groups(ins: Nodes, outs: Nodes, xs: List[Any], ys: List[Any],
+                     grads: Dict[fx.Node, torch.Tensor], timer: Timer) -> Thunks:
+    """Every group's backward in reverse order, each fed the sum of the gradients its
+    outputs got from their users."""
+    b_thunks: Thunks = [lambda: 0.0] * len(ins)
+    for g in reversed(range(len(ins))):
+        pairs = [(y, grads[o]) for o, y in zip(outs[g], ys[g])
+                 if o in grads and isinstance(y, torch.Tensor) and y.requires_grad]
+        t0 = timer.start()
+        if pairs:
+            torch.autograd.backward([y for y, _ in pairs], [d for _, d in pairs])
+        b_thunks[g] = timer.stop(t0)
+        for a, x in zip(ins[g], xs[g]):
+            if a.op != "placeholder" and isinstance(x, torch.Tensor) and x.grad is not None:
+                grads[a] = grads[a] + x.grad if a in grads else x.grad
+    return b_thunks
+
+
+def _profile_graph(grouped: GraphGroups, inputs: Tuple[torch.Tensor, ...],
+                   fwd: List[List[float]], bwd: List[List[float]],
+                   act_bytes: List[float]) -> "_C.ProfileGraph":
     graph = _C.ProfileGraph()
     for i, (node, nid) in enumerate(zip(grouped.inputs, grouped.input_ids)):
         graph.add_node(nid, f"Input{i} {node.name}", 0.0, 0.0, _bytes([inputs[i]]), 0.0)
-    for g, group in enumerate(groups):
+    for g, group in enumerate(grouped.groups):
         graph.add_node(group.id, group.description, statistics.median(fwd[g]),
                        statistics.median(bwd[g]), act_bytes[g], group.parameter_bytes)
     for a, b in grouped.edges:
