@@ -8,7 +8,7 @@ from ._torch_check import load_extension
 
 _C = load_extension()  # fails early, naming both torch versions, if _C does not fit
 from . import schedules
-from ._checkpoint.core import (
+from ._checkpoint import (
     CheckpointError,
     CheckpointInfo,
     consolidate,

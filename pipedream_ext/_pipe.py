@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _C, schedules
-from ._checkpoint import reshard
+from ._checkpoint import PipelineView, reshard
 from ._dist import collectives, faults, signals
 from ._dist.agreement import StepAgreement, agree_at_construction
 from ._dist.fingerprint import layers_fingerprint
@@ -563,6 +563,22 @@ class PipeDream:
     @property
     def last_rank(self) -> int:
         return self._schedule.stage_ranks(self.num_stages - 1)[0]
+
+    @property
+    def checkpoint_view(self) -> PipelineView:
+        """A frozen, read-only snapshot of what checkpoints and :meth:`load_state_dict`
+        read of this pipeline: this rank's stage modules and layer ranges, every
+        stage's ranks, the whole model's key shapes, the shared parameters and the
+        layout (see ``pipedream_ext/_checkpoint/view.py``)."""
+        return PipelineView(
+            rank=self.rank, world_size=self.world_size, group=self.group, timeout=self.timeout,
+            device=self.device, module=self.module,
+            stages={j: self._stages[j] for j in self.local_stages}, stage_layers=self.stage_layers,
+            stage_ranks=[self._schedule.stage_ranks(j) for j in range(self.num_stages)],
+            model_shapes=self._model_shapes, shared_parameters=self.shared_parameters,
+            split_points=self.split_points, schedule_name=self.schedule_name,
+            microbatches=self.microbatches, chunks=self.chunks, balance=self.balance,
+            replicas=self.replicas, asynchronous=self.asynchronous)
 
     # -- module-like API ------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:

@@ -209,7 +209,7 @@ def resume(root: str, name: str, pre_steps: int = 0, atol: float = ATOL, **overr
     # Replicas of a stage each run part of the microbatches, so a replicated
     # BatchNorm's running statistics differ from an unreplicated one's: compare the
     # parameters there.
-    replicated_buffers = any(r > 1 and any(True for _ in pipe._stages[j].buffers())  # noqa: SLF001
+    replicated_buffers = any(r > 1 and any(True for _ in pipe._stages[j].buffers())
                              for j, r in enumerate(pipe.replicas) if j in pipe.local_stages)
     assert_state(pipe, merged(root, f"ref-{name}"), f"{what}: after {M} more steps", atol=atol,
                  parameters_only=replicated_buffers)
@@ -289,7 +289,8 @@ def check_interrupted_saves(root: str) -> None:
     """A save that fails before its manifest leaves the previous checkpoint loadable;
     the next successful save replaces it and removes the leftovers."""
     import pipedream_ext as pd
-    import pipedream_ext._checkpoint.core as _checkpoint
+    import pipedream_ext._checkpoint.durable_io as durable_io
+    import pipedream_ext._checkpoint.manifest as manifest_format
     from pipedream_ext import CheckpointError
 
     rank = dist.get_rank()
@@ -304,18 +305,18 @@ def check_interrupted_saves(root: str) -> None:
         assert_state(fresh, at_n, "previous checkpoint after an interrupted save", exact=True)
 
     # 1. rank 0 dies while writing the manifest (all stage files of generation 2 are in place).
-    real_manifest, real_save = _checkpoint._write_manifest, _checkpoint._atomic_torch_save
+    real_manifest, real_save = manifest_format.write_manifest, durable_io.atomic_torch_save
 
     def crash_in_manifest(directory: str, manifest: Any) -> None:
         with open(os.path.join(directory, "manifest.json.tmp"), "w") as f:
             f.write('{"format": "pipedream_ext-checkpoint", "genera')  # half written
         raise OSError("simulated crash while writing the manifest")
-    _checkpoint._write_manifest = crash_in_manifest
+    manifest_format.write_manifest = crash_in_manifest
     try:
         with pytest.raises(CheckpointError, match="simulated crash while writing the manifest"):
             pd.save_checkpoint(path, pipe, opt, step=99)
     finally:
-        _checkpoint._write_manifest = real_manifest
+        manifest_format.write_manifest = real_manifest
     assert os.path.exists(os.path.join(path, "g000002-stage001-model.pt"))
     still_previous()
 
@@ -326,13 +327,13 @@ def check_interrupted_saves(root: str) -> None:
                 f.write(b"PK\x03\x04 half a file")
             raise OSError(f"simulated crash while writing {name}")
         return real_save(obj, directory, name)
-    _checkpoint._atomic_torch_save = crash_in_stage_file
+    durable_io.atomic_torch_save = crash_in_stage_file
     try:
         with pytest.raises(CheckpointError, match=r"failed on rank 1: OSError: simulated crash while "
                                                   r"writing g000003-stage001-model\.pt"):
             pd.save_checkpoint(path, pipe, opt, step=99)
     finally:
-        _checkpoint._atomic_torch_save = real_save
+        durable_io.atomic_torch_save = real_save
     still_previous()
 
     # 3. A complete save replaces it and removes every superseded file.

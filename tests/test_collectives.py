@@ -2,11 +2,12 @@
 checkpoint exchange built on them, in this process on a 1-rank Gloo group.
 
 Several ranks exchanging real payloads are covered by tests/test_checkpoint.py,
-whose saves and loads go through ``_checkpoint._exchange``.
+whose saves and loads go through ``collectives.gather_outcomes``.
 """
 from __future__ import annotations
 
 import datetime
+import json
 import types
 from typing import Any, Iterator, List
 
@@ -14,9 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import pipedream_ext._checkpoint.core as _checkpoint
 import pipedream_ext._dist.collectives as _collectives
-from pipedream_ext._checkpoint.core import CheckpointError
+from pipedream_ext._checkpoint import CheckpointError
 
 
 @pytest.fixture(scope="module")
@@ -108,16 +108,20 @@ def test_barrier_on_gloo_is_monitored(group: dist.ProcessGroup, monkeypatch: pyt
     assert calls == [{"group": group, "timeout": datetime.timedelta(seconds=2.5), "wait_all_ranks": True}]
 
 
-def _pipe(group: dist.ProcessGroup, world_size: int) -> Any:
-    """What _checkpoint._exchange reads of a pipeline."""
-    return types.SimpleNamespace(group=group, world_size=world_size, rank=0, timeout=5.0,
-                                 device=torch.device("cpu"))
+def _exchange(group: dist.ProcessGroup, what: str) -> List[Any]:
+    """The exchange a checkpoint save or load runs (no rank failed, payload None)."""
+    return _collectives.gather_outcomes(None, group, 5.0, what, failure=CheckpointError)
+
+
+def _as_two_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exchange sees a pipeline of 2 ranks (the group here has 1)."""
+    monkeypatch.setattr(_collectives.dist, "get_world_size", lambda group=None: 2)
 
 
 def test_checkpoint_exchange_goes_through_collectives(group: dist.ProcessGroup,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     calls: List[str] = []
-    real_barrier, real_gather = _collectives.barrier, _collectives.all_gather_json
+    real_barrier = _collectives.barrier
 
     def barrier(g: dist.ProcessGroup, timeout: float) -> None:
         calls.append(f"barrier {timeout}")
@@ -125,16 +129,16 @@ def test_checkpoint_exchange_goes_through_collectives(group: dist.ProcessGroup,
 
     def all_gather_json(payload: Any, g: dist.ProcessGroup) -> List[Any]:
         calls.append("all_gather_json")
-        return real_gather(payload, g)
+        return [json.loads(json.dumps(payload))]  # the group's one rank
 
     monkeypatch.setattr(_collectives, "barrier", barrier)
     monkeypatch.setattr(_collectives, "all_gather_json", all_gather_json)
     # world_size 1: no collective at all, as a 1-rank pipeline has no peer to wait for.
-    assert _checkpoint._exchange(_pipe(group, 1), {"error": None}, "saving") == [{"error": None}]
+    assert _exchange(group, "saving") == [None]
     assert calls == []
-    # A pipeline of several ranks: the barrier first, then the gather (the group
-    # here has 1 rank, so the gathered list does too).
-    assert _checkpoint._exchange(_pipe(group, 2), {"error": None}, "saving") == [{"error": None}]
+    # A pipeline of several ranks: the barrier first, then the gather.
+    _as_two_ranks(monkeypatch)
+    assert _exchange(group, "saving") == [None]
     assert calls == ["barrier 5.0", "all_gather_json"]
 
 
@@ -143,7 +147,25 @@ def test_checkpoint_exchange_wraps_failures(group: dist.ProcessGroup, monkeypatc
         raise RuntimeError("Rank 1 failed to pass monitoredBarrier in 5000 ms")
 
     monkeypatch.setattr(_collectives, "barrier", stuck)
+    _as_two_ranks(monkeypatch)
     with pytest.raises(CheckpointError, match=r"^rank 0: saving checkpoint /x: waiting for the other ranks "
                        r"failed: RuntimeError: Rank 1 failed to pass monitoredBarrier") as info:
-        _checkpoint._exchange(_pipe(group, 2), {"error": None}, "saving checkpoint /x")
+        _exchange(group, "saving checkpoint /x")
     assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_failures_keep_their_message_or_name_their_type(group: dist.ProcessGroup) -> None:
+    # Bad input and the caller's own failure type say what failed; anything else is named.
+    assert _collectives.failure_entry(None) is None
+    assert _collectives.failure_entry(ValueError("bad step")) == {"value": True, "message": "bad step"}
+    assert _collectives.failure_entry(CheckpointError("x.pt is corrupt"), CheckpointError) == \
+        {"value": False, "message": "x.pt is corrupt"}
+    assert _collectives.failure_entry(OSError("disk full"), CheckpointError) == \
+        {"value": False, "message": "OSError: disk full"}
+    assert _collectives.failure_entry(RuntimeError("boom")) == {"value": False, "message": "RuntimeError: boom"}
+    with pytest.raises(ValueError, match=r"^saving failed on rank 0: bad step$"):
+        _collectives.gather_outcomes(ValueError("bad step"), group, 5.0, "saving", failure=CheckpointError)
+    with pytest.raises(CheckpointError, match=r"^saving failed on rank 0: OSError: disk full$"):
+        _collectives.gather_outcomes(OSError("disk full"), group, 5.0, "saving", failure=CheckpointError)
+    assert _collectives.gather_outcomes(None, group, 5.0, "saving", payload={"generation": 3}) == \
+        [{"generation": 3}]

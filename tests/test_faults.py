@@ -38,7 +38,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import free_port  # noqa: E402
+from _multiprocess import free_port
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -403,17 +403,17 @@ def test_sigterm_during_saves_keeps_the_previous_checkpoint(tmp_path) -> None:
 SIGNAL_IN_WRITER = r"""
 import os, signal, sys, torch
 import pipedream_ext._dist.signals as _signals
-import pipedream_ext._checkpoint.core as _checkpoint
+import pipedream_ext._checkpoint.durable_io as durable_io
 _signals.install()
-write, calls = _checkpoint._HashingWriter.write, []
+write, calls = durable_io.HashingWriter.write, []
 def write_then_signal(self, data):
     calls.append(1)
     if len(calls) == 3:  # inside torch.save, between two of its writes
         os.kill(os.getpid(), signal.SIGTERM)
     return write(self, data)
-_checkpoint._HashingWriter.write = write_then_signal
+durable_io.HashingWriter.write = write_then_signal
 try:
-    _checkpoint._atomic_torch_save({"a": torch.zeros(1000)}, sys.argv[1], "x.pt")
+    durable_io.atomic_torch_save({"a": torch.zeros(1000)}, sys.argv[1], "x.pt")
 finally:
     print("left", sorted(os.listdir(sys.argv[1])), "after", len(calls), "writes", flush=True)
 """

@@ -306,7 +306,7 @@ def test_a_plan_that_moves_stages_to_other_ranks_is_refused() -> None:
 def test_a_manifest_with_a_step_that_is_no_integer_is_refused(tmp_path) -> None:
     import json
 
-    from pipedream_ext._checkpoint.core import (
+    from pipedream_ext._checkpoint import (
         FORMAT,
         MANIFEST,
         CheckpointError,
@@ -344,7 +344,7 @@ def test_cluster_shape() -> None:
     assert cluster_shape(6, per_node=4) == [6]  # does not divide: one node
 
 
-# -- deferred initialisation (pipedream_ext/_frontend/deferred_init.py, _load_state.py) ---------------
+# -- deferred initialisation (pipedream_ext/_frontend/deferred_init.py, _checkpoint/reshard.py) ------------
 def _meta(make):
     with torch.device("meta"):
         return make()

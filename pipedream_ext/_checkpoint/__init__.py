@@ -1,0 +1,45 @@
+"""Distributed checkpoints of a :class:`~pipedream_ext.PipeDream` pipeline.
+
+``save_checkpoint(path, pipe, optimizer, step, extra)`` writes one weights file
+per stage (written by the stage leader, replica 0) and one optimizer file per
+stage, all keyed by the original model's names, then a ``manifest.json`` that
+rank 0 writes last, after every rank reported its files. ``load_checkpoint``
+restores into any balance, replica layout or world size (re-sharded by name);
+``consolidate`` returns the whole model's plain ``state_dict``.
+
+Layout of ``path/`` (generation ``g`` = one completed save)::
+
+    manifest.json                    the only entry point; replaced atomically
+    g000002-stage000-model.pt        stage 0's state_dict (parameters and buffers)
+    g000002-stage000-optim.pt        stage 0's optimizer state, keyed by parameter name
+    g000002-extra.pt                 the ``extra`` object given by rank 0
+
+Modules, one job each: ``durable_io`` (atomic writes, sha256, verified loads),
+``manifest`` (its format; which stage holds a key), ``generations`` (file names,
+clean-up), ``extra``, ``optimizer_state`` (by parameter name), ``save``,
+``load``, ``reshard`` (by name, shared with ``pipe.load_state_dict``),
+``consolidate``, and ``view`` (what they read of a pipeline). Design notes:
+docs/checkpoints.md.
+"""
+from .consolidate import consolidate
+from .durable_io import atomic_torch_save
+from .errors import CheckpointError
+from .load import load_checkpoint
+from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointInfo, read_manifest
+from .save import save_checkpoint
+from .view import Pipeline, PipelineView
+
+__all__ = [
+    "save_checkpoint",
+    "load_checkpoint",
+    "consolidate",
+    "read_manifest",
+    "atomic_torch_save",
+    "CheckpointError",
+    "CheckpointInfo",
+    "PipelineView",
+    "Pipeline",
+    "MANIFEST",
+    "FORMAT",
+    "FORMAT_VERSION",
+]

@@ -1,31 +1,36 @@
-"""A full (unsplit) state dict -> this rank's stages: ``pipe.load_state_dict``.
+"""Re-sharding by name: the whole model's tensors -> this rank's stages.
 
-Every rank is given the whole model's state dict (``model.state_dict()``, a
-``torch.load``-ed file, or ``pd.consolidate(ckpt)``) and keeps the entries of its
-own stages' layers, keyed by the original model's names. Keys of other ranks'
-stages are ignored; keys the model does not have at all, keys this rank's stages
-need but the dict lacks, and shapes that differ are errors.
+The one implementation behind ``load_checkpoint`` (tensors from the stage files
+of a checkpoint saved with any split) and ``pipe.load_state_dict`` (a full state
+dict: ``model.state_dict()``, a ``torch.load``-ed file, ``pd.consolidate(ckpt)``):
+:func:`gather_by_name` asks a source for each key of each local stage's
+``state_dict`` by the original model's name; once every rank agreed,
+:func:`copy_into_stages` copies the values into the live tensors.
 
-:func:`split_state_dict` is pure (tested in one process); :func:`load_state_dict`
-is the collective that agrees on errors and copies in place.
+For a full state dict, every rank keeps the entries of its own stages' layers;
+keys of other ranks' stages are ignored; keys the model does not have at all,
+keys this rank's stages need but the dict lacks, and shapes that differ are
+errors. :func:`split_state_dict` is pure (tested in one process);
+:func:`load_state_dict` is the collective that agrees on errors and copies in place.
 """
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
 from .._dist import collectives
+from .view import Pipeline
 
-if TYPE_CHECKING:
-    from .._pipe import PipeDream
-
-__all__ = ["key_shapes", "split_state_dict", "load_state_dict", "IncompatibleKeys"]
+__all__ = ["key_shapes", "gather_by_name", "copy_into_stages", "split_state_dict",
+           "load_state_dict", "IncompatibleKeys", "StageStates"]
 
 #: ``(missing_keys, unexpected_keys)``, as ``nn.Module.load_state_dict`` returns.
 IncompatibleKeys = nn.modules.module._IncompatibleKeys  # noqa: SLF001 - torch's own type
+#: Local stage index -> the state dict to load into it.
+StageStates = Dict[int, "collections.OrderedDict[str, torch.Tensor]"]
 
 _SHOWN = 8  # keys named in one message; the count says how many more
 
@@ -42,33 +47,60 @@ def key_shapes(model: nn.Module) -> Dict[str, Tuple[int, ...]]:
     return {key: tuple(value.shape) for key, value in model.state_dict().items()}
 
 
+def gather_by_name(stages: Mapping[int, nn.Module],
+                   fetch: Callable[[str, torch.Tensor], Optional[torch.Tensor]]
+                   ) -> Tuple[StageStates, Dict[int, List[str]]]:
+    """Each local stage's state dict, fetched key by key by the original model's name.
+
+    Args:
+        stages: this rank's stage modules (children named as in the model).
+        fetch: ``(key, current tensor) -> the value to load``, or ``None`` where the
+            source lacks the key; it raises for a value that does not fit.
+
+    Returns:
+        ``(per-stage state dicts in state_dict order, per-stage keys the source lacks)``.
+    """
+    parts: StageStates = {}
+    absent: Dict[int, List[str]] = {}
+    for j, module in stages.items():
+        parts[j] = collections.OrderedDict()
+        absent[j] = []
+        for key, current in module.state_dict().items():
+            value = fetch(key, current)
+            if value is None:
+                absent[j].append(key)
+            else:
+                parts[j][key] = value
+    return parts, absent
+
+
+def copy_into_stages(stages: Mapping[int, nn.Module], parts: StageStates, strict: bool) -> None:
+    """Copies each part into its stage's live tensors, in place, and clears gradients.
+
+    In place (``param.copy_`` under ``no_grad``): the executor and the weight store
+    of asynchronous schedules hold these tensors, so the next step uses the values.
+
+    Args:
+        stages: this rank's stage modules.
+        parts: :func:`gather_by_name`'s state dicts.
+        strict: every key of a stage must be in its part.
+    """
+    with torch.no_grad():
+        for j, part in parts.items():
+            stages[j].load_state_dict(part, strict=strict)
+            for p in stages[j].parameters():
+                p.grad = None
+
+
 def _listed(keys: List[str]) -> str:
     shown = ", ".join(repr(k) for k in keys[:_SHOWN])
     return shown + (f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
 
 
-def split_state_dict(state_dict: Mapping[str, Any], model_shapes: Mapping[str, Tuple[int, ...]],
-                     stages: Mapping[int, nn.Module], stage_layers: Mapping[int, Tuple[int, int]],
-                     strict: bool = True
-                     ) -> Tuple[Dict[int, "collections.OrderedDict[str, torch.Tensor]"], List[str],
-                                List[str]]:
-    """This rank's entries of a full state dict, per local stage.
-
-    Args:
-        state_dict: the whole model's state dict (original names).
-        model_shapes: :func:`key_shapes` of the whole model.
-        stages: this rank's stage modules (children named as in the model).
-        stage_layers: each local stage's layer range ``[start, stop)``, for messages.
-        strict: refuse missing and unexpected keys (shapes are always checked).
-
-    Returns:
-        ``(per-stage state dicts, missing keys of this rank, unexpected keys)``.
-
-    Raises:
-        ValueError: (strict) keys the model does not have, keys this rank's stages
-            need that the dict lacks (naming the stage); any shape that differs
-            (naming the key and both shapes); a value that is not a tensor.
-    """
+def _check_whole_dict(state_dict: Any, model_shapes: Mapping[str, Tuple[int, ...]],
+                      strict: bool) -> List[str]:
+    """The keys the model does not have; raises ValueError for any of them (strict),
+    a value that is not a tensor, or a shape that differs from the model's."""
     if not isinstance(state_dict, Mapping):
         raise ValueError(f"state_dict is a {type(state_dict).__name__}, not a mapping from "
                          "names to tensors; pass model.state_dict() or pd.consolidate(path)")
@@ -87,23 +119,44 @@ def split_state_dict(state_dict: Mapping[str, Any], model_shapes: Mapping[str, T
             raise ValueError(f"state dict entry {key!r} has shape {list(value.shape)} but this "
                              f"model's is {list(model_shapes[key])}; pass the state dict of a model "
                              "with the same layer sizes")
-    result: Dict[int, "collections.OrderedDict[str, torch.Tensor]"] = {}
+    return unexpected
+
+
+def split_state_dict(state_dict: Mapping[str, Any], model_shapes: Mapping[str, Tuple[int, ...]],
+                     stages: Mapping[int, nn.Module], stage_layers: Mapping[int, Tuple[int, int]],
+                     strict: bool = True) -> Tuple[StageStates, List[str], List[str]]:
+    """This rank's entries of a full state dict, per local stage.
+
+    Args:
+        state_dict: the whole model's state dict (original names).
+        model_shapes: :func:`key_shapes` of the whole model.
+        stages: this rank's stage modules (children named as in the model).
+        stage_layers: each local stage's layer range ``[start, stop)``, for messages.
+        strict: refuse missing and unexpected keys (shapes are always checked).
+
+    Returns:
+        ``(per-stage state dicts, missing keys of this rank, unexpected keys)``.
+
+    Raises:
+        ValueError: (strict) keys the model does not have, keys this rank's stages
+            need that the dict lacks (naming the stage); any shape that differs
+            (naming the key and both shapes); a value that is not a tensor.
+    """
+    unexpected = _check_whole_dict(state_dict, model_shapes, strict)
+    parts, absent = gather_by_name(stages, lambda key, _current: state_dict.get(key))
     missing: List[str] = []
-    for j, module in stages.items():
-        wanted = list(module.state_dict().keys())
-        absent = [k for k in wanted if k not in state_dict]
-        if absent and strict:
+    for j, keys in absent.items():
+        if keys and strict:
             start, stop = stage_layers[j]
             raise ValueError(
-                f"the state dict lacks {len(absent)} key(s) of stage {j} (layers {start}-{stop - 1}): "
-                f"{_listed(absent)} (missing keys); pass a complete state dict of this model, or "
+                f"the state dict lacks {len(keys)} key(s) of stage {j} (layers {start}-{stop - 1}): "
+                f"{_listed(keys)} (missing keys); pass a complete state dict of this model, or "
                 "strict=False to keep their current values")
-        missing.extend(absent)
-        result[j] = collections.OrderedDict((k, state_dict[k]) for k in wanted if k in state_dict)
-    return result, missing, unexpected
+        missing.extend(keys)
+    return parts, missing, unexpected
 
 
-def load_state_dict(pipe: "PipeDream", state_dict: Mapping[str, Any],
+def load_state_dict(pipe: Pipeline, state_dict: Mapping[str, Any],
                     strict: bool = True) -> IncompatibleKeys:
     """Loads this rank's entries of a full state dict into ``pipe``, in place.
 
@@ -112,8 +165,7 @@ def load_state_dict(pipe: "PipeDream", state_dict: Mapping[str, Any],
     the live weights are the only version). Each rank checks its part; an
     exchange reports every rank's outcome, and unless all succeeded every rank
     raises the same error and nothing changes. Then values are copied into the
-    live parameters and buffers under ``no_grad`` (the executor and the weight
-    store hold these tensors, so the next step uses them) and gradients are cleared.
+    live parameters and buffers (:func:`copy_into_stages`) and gradients are cleared.
 
     Args:
         pipe: the pipeline.
@@ -129,23 +181,19 @@ def load_state_dict(pipe: "PipeDream", state_dict: Mapping[str, Any],
         RuntimeError: on every rank, if a rank failed otherwise or a peer did not
             arrive within the pipeline's timeout.
     """
-    if pipe.asynchronous:
+    view = pipe.checkpoint_view
+    if view.asynchronous:
         pipe.flush()
     error: Optional[BaseException] = None
-    parts: Dict[int, "collections.OrderedDict[str, torch.Tensor]"] = {}
+    parts: StageStates = {}
     missing: List[str] = []
     unexpected: List[str] = []
-    stages = {j: pipe._stages[j] for j in pipe.local_stages}  # noqa: SLF001 - same package
     try:
-        parts, missing, unexpected = split_state_dict(state_dict, pipe._model_shapes,  # noqa: SLF001
-                                                      stages, pipe.stage_layers, strict)
+        parts, missing, unexpected = split_state_dict(state_dict, view.model_shapes, view.stages,
+                                                      view.stage_layers, strict)
     except Exception as exc:  # noqa: BLE001 - reported to every rank
         error = exc
-    collectives.raise_if_any_failed(error, pipe.group, pipe.timeout, "load_state_dict")
-    with torch.no_grad():
-        for j, part in parts.items():
-            # In place (param.copy_): the executor and weight store keep the same tensors.
-            stages[j].load_state_dict(part, strict=False)
-            for p in stages[j].parameters():
-                p.grad = None
+    collectives.raise_if_any_failed(error, view.group, view.timeout, "load_state_dict")
+    # strict=False: a non-strict load leaves the keys the dict lacks as they are.
+    copy_into_stages(view.stages, parts, strict=False)
     return IncompatibleKeys(missing, unexpected)

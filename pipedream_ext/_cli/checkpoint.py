@@ -10,19 +10,19 @@ from __future__ import annotations
 import argparse
 import os
 
+from .._checkpoint import atomic_torch_save, consolidate, read_manifest
+
 __all__ = ["register"]
 
 
 def _run_consolidate(args: argparse.Namespace) -> int:
-    from .._checkpoint.core import _atomic_torch_save, consolidate, read_manifest
-
     manifest = read_manifest(args.checkpoint)
     state = consolidate(args.checkpoint)
     output = os.path.abspath(args.output)
     directory, name = os.path.split(output)
     try:
         os.makedirs(directory, exist_ok=True)
-        _atomic_torch_save(state, directory, name)  # never leaves a half-written model.pt
+        atomic_torch_save(state, directory, name)  # never leaves a half-written model.pt
     except OSError as exc:
         raise RuntimeError(f"cannot write {args.output}: {exc}") from exc
     # A tied parameter is one tensor under several names (and stored once).

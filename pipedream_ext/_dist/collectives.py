@@ -18,19 +18,19 @@ from __future__ import annotations
 import datetime
 import json
 import time
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Type
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["metadata_device", "all_reduce", "all_reduce_start", "all_reduce_data", "broadcast_data",
            "broadcast_bytes", "gather_bytes", "all_gather_json", "measure_bandwidth", "barrier",
-           "raise_if_any_failed"]
+           "raise_if_any_failed", "gather_outcomes", "failure_entry"]
 
 
 def _backend_device_types(group: dist.ProcessGroup) -> set:
     """The device types ("cpu", "cuda") ``group`` has a backend for."""
-    return {t.type if isinstance(t, torch.device) else str(t) for t in group._device_types}
+    return {t.type if isinstance(t, torch.device) else str(t) for t in group._device_types}  # noqa: SLF001 - no public accessor
 
 
 def metadata_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
@@ -187,12 +187,49 @@ def barrier(group: dist.ProcessGroup, timeout: float) -> None:
         dist.barrier(group=group)
 
 
-def raise_if_any_failed(error: Optional[BaseException], group: dist.ProcessGroup, timeout: float,
-                        what: str) -> None:
-    """Every rank reports whether its part of ``what`` failed; if any did, every rank raises.
+def failure_entry(error: Optional[BaseException],
+                  failure: Type[Exception] = RuntimeError) -> Optional[Dict[str, Any]]:
+    """A rank's outcome as JSON for :func:`gather_outcomes` (``None``: it succeeded).
+
+    Args:
+        error: this rank's exception, or ``None``.
+        failure: the type the agreed error is raised as (see :func:`gather_outcomes`).
+
+    Returns:
+        ``{"value": is it a ValueError, "message": text}``; the text is the
+        exception's own message for a ``ValueError`` or an instance of a specific
+        ``failure`` type (one more precise than ``RuntimeError``, whose messages
+        already say what failed), else ``"TypeName: message"``.
+    """
+    if error is None:
+        return None
+    own = isinstance(error, ValueError) or (failure is not RuntimeError and isinstance(error, failure))
+    return {"value": isinstance(error, ValueError),
+            "message": str(error) if own else f"{type(error).__name__}: {error}"}
+
+
+def _exchange(entry: Any, group: dist.ProcessGroup, timeout: float, what: str,
+              failure: Type[Exception]) -> List[Any]:
+    """Barrier (bounded by ``timeout``), then :func:`all_gather_json`; none on 1 rank."""
+    if dist.get_world_size(group) == 1:
+        return [json.loads(json.dumps(entry))]
+    try:
+        barrier(group, timeout)
+        return all_gather_json(entry, group)
+    except Exception as exc:  # a dead or stuck peer
+        raise failure(f"rank {dist.get_rank(group)}: {what}: waiting for the other ranks "
+                      f"failed: {type(exc).__name__}: {exc}") from exc
+
+
+def gather_outcomes(error: Optional[BaseException], group: dist.ProcessGroup, timeout: float,
+                    what: str, payload: Any = None,
+                    failure: Type[Exception] = RuntimeError) -> List[Any]:
+    """Every rank reports whether its part of ``what`` failed, with a JSON payload;
+    if any rank failed, every rank raises the same error.
 
     Lets a step that runs on each rank separately (and may run user code) fail on
-    all of them together, instead of leaving the others to time out on a peer.
+    all of them together, instead of leaving the others to time out on a peer; the
+    payloads let the ranks share what they need next in the same exchange.
 
     Args:
         error: this rank's exception, or ``None``.
@@ -200,37 +237,54 @@ def raise_if_any_failed(error: Optional[BaseException], group: dist.ProcessGroup
         timeout: seconds the barrier before the exchange may wait (Gloo names a
             rank that does not arrive).
         what: the operation, for the message (``"load_state_dict"``).
+        payload: this rank's JSON-serialisable contribution (sent even on failure).
+        failure: the exception type raised for anything but bad input (e.g. the
+            checkpoint's ``CheckpointError``).
+
+    Returns:
+        Every rank's payload, in group rank order.
+
+    Raises:
+        ValueError: every failed rank raised a ``ValueError`` (bad input).
+        failure: any other failure, with the original type named; or a peer did not
+            arrive. The message names the failed ranks and each distinct message
+            once: ``"{what} failed on rank 1: ..."``.
+    """
+    entry = {"error": failure_entry(error, failure), "payload": payload}
+    gathered = _exchange(entry, group, timeout, what, failure)
+    failed = [(rank, e["error"]) for rank, e in enumerate(gathered) if e["error"] is not None]
+    if failed:
+        messages: List[str] = []
+        for _, e in failed:
+            if e["message"] not in messages:
+                messages.append(e["message"])
+        text = (f"{what} failed on rank{'s' if len(failed) > 1 else ''} "
+                f"{', '.join(str(r) for r, _ in failed)}: " + "; ".join(messages))
+        if all(e["value"] for _, e in failed):
+            raise ValueError(text) from error
+        raise failure(text) from error
+    return [e["payload"] for e in gathered]
+
+
+def raise_if_any_failed(error: Optional[BaseException], group: dist.ProcessGroup, timeout: float,
+                        what: str) -> None:
+    """Every rank reports whether its part of ``what`` failed; if any did, every rank raises.
+
+    :func:`gather_outcomes` without payloads, raising ``RuntimeError`` for
+    anything but bad input.
+
+    Args:
+        error: this rank's exception, or ``None``.
+        group: the ranks that agree.
+        timeout: seconds the barrier before the exchange may wait.
+        what: the operation, for the message (``"load_state_dict"``).
 
     Raises:
         ValueError: every failed rank raised a ``ValueError`` (bad input).
         RuntimeError: any other failure, with the original type named; or a peer
-            did not arrive. The message names the failed ranks and each distinct
-            message once: ``"{what} failed on rank 1: ..."``.
+            did not arrive.
     """
-    entry = None if error is None else {
-        "value": isinstance(error, ValueError),
-        "message": str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"}
-    if dist.get_world_size(group) == 1:
-        gathered = [entry]
-    else:
-        try:
-            barrier(group, timeout)
-            gathered = all_gather_json(entry, group)
-        except Exception as exc:  # noqa: BLE001 - a dead or stuck peer
-            raise RuntimeError(f"rank {dist.get_rank(group)}: {what}: waiting for the other ranks "
-                               f"failed: {type(exc).__name__}: {exc}") from exc
-    failed = [(rank, e) for rank, e in enumerate(gathered) if e is not None]
-    if not failed:
-        return
-    messages: List[str] = []
-    for _, e in failed:
-        if e["message"] not in messages:
-            messages.append(e["message"])
-    text = (f"{what} failed on rank{'s' if len(failed) > 1 else ''} "
-            f"{', '.join(str(r) for r, _ in failed)}: " + "; ".join(messages))
-    if all(e["value"] for _, e in failed):
-        raise ValueError(text) from error
-    raise RuntimeError(text) from error
+    gather_outcomes(error, group, timeout, what)
 
 
 def measure_bandwidth(group: dist.ProcessGroup, a: int, b: int, size: int = 4 << 20,

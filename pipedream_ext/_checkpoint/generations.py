@@ -1,0 +1,94 @@
+"""Generations: one number per completed save, in every file name it writes.
+
+A new save's files never take the name of a file the current manifest names, and
+superseded files are deleted only after the new manifest is in place, so a crash
+at any moment leaves the previous checkpoint loadable.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from typing import Sequence
+
+from .errors import CheckpointError
+from .manifest import FORMAT, MANIFEST
+
+__all__ = ["model_file", "optimizer_file", "extra_file", "next_generation", "remove_superseded"]
+
+_log = logging.getLogger(__name__)
+
+# Files this package owns inside a checkpoint directory (only these are ever deleted).
+_OWN_FILE = re.compile(r"^g(\d+)-(?:stage\d+-(?:model|optim)|extra)\.pt(?:\.tmp)?$")
+
+
+def model_file(generation: int, stage: int) -> str:
+    """The name of a stage's weights file."""
+    return f"g{generation:06d}-stage{stage:03d}-model.pt"
+
+
+def optimizer_file(generation: int, stage: int) -> str:
+    """The name of a stage's optimizer file."""
+    return f"g{generation:06d}-stage{stage:03d}-optim.pt"
+
+
+def extra_file(generation: int) -> str:
+    """The name of the file holding ``extra``."""
+    return f"g{generation:06d}-extra.pt"
+
+
+def _manifest_generation(directory: str) -> int:
+    """The generation ``directory``'s manifest names (0: none, or a damaged manifest).
+
+    Raises:
+        CheckpointError: ``manifest.json`` belongs to something else than a checkpoint.
+    """
+    manifest_path = os.path.join(directory, MANIFEST)
+    if not os.path.exists(manifest_path):
+        return 0
+    try:
+        with open(manifest_path, encoding="utf-8") as f:
+            old = json.load(f)
+    except ValueError:
+        return 0  # a damaged manifest: the new save replaces it
+    if not isinstance(old, dict):
+        return 0
+    if old.get("format") != FORMAT:
+        raise CheckpointError(f"{manifest_path} exists and is not a pipedream_ext checkpoint "
+                              "manifest; refusing to overwrite it (choose another path)")
+    generation = old.get("generation")
+    return generation if isinstance(generation, int) else 0
+
+
+def next_generation(directory: str) -> int:
+    """1 + the newest generation found in ``directory`` (manifest or leftover files).
+
+    Args:
+        directory: the checkpoint directory (it exists).
+
+    Returns:
+        The new save's generation.
+
+    Raises:
+        CheckpointError: ``directory`` has a ``manifest.json`` of something else.
+    """
+    generations = [0, _manifest_generation(directory)]
+    for name in os.listdir(directory):
+        match = _OWN_FILE.match(name)
+        if match:
+            generations.append(int(match.group(1)))
+    return max(generations) + 1
+
+
+def remove_superseded(directory: str, keep: Sequence[str]) -> None:
+    """Deletes this package's files in ``directory`` that ``keep`` (the current
+    manifest's files) does not name; a file that cannot be deleted is logged."""
+    keep_set = set(keep)
+    for name in os.listdir(directory):
+        if _OWN_FILE.match(name) and name not in keep_set:
+            try:
+                os.remove(os.path.join(directory, name))
+            except OSError as exc:  # the checkpoint is complete; leftovers are harmless
+                _log.warning("could not delete superseded checkpoint file %s: %s",
+                             os.path.join(directory, name), exc)

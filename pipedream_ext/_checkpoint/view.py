@@ -1,0 +1,106 @@
+"""What the checkpoint code reads of a pipeline: a frozen, read-only view.
+
+``PipeDream.checkpoint_view`` builds a :class:`PipelineView`; saving, loading and
+re-sharding read the pipeline only through it (and call ``pipe.flush()``), never
+through the pipeline's private fields.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any, Dict, Mapping, Optional, Protocol, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["PipelineView", "Pipeline"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineView:
+    """A read-only snapshot of one rank's pipeline, as the checkpoint code needs it.
+
+    Mappings are read-only (``MappingProxyType``) and sequences are tuples; the
+    modules are the live ones (loading copies into their tensors in place).
+
+    Attributes:
+        rank: this rank within ``group``.
+        world_size: ranks of the pipeline.
+        group: the pipeline's process group.
+        timeout: seconds an exchange among the ranks may wait for a peer.
+        device: where this rank's parameters live.
+        module: this rank's stages as one module, named as in the original model.
+        stages: local stage index -> that stage's module (children named as in the model).
+        stage_layers: local stage index -> its layer range ``(start, stop)``.
+        stage_ranks: for every stage, the ranks that run it (the leader, replica 0, first).
+        model_shapes: every ``state_dict`` key of the whole model -> its shape.
+        shared_parameters: parameters used by several stages (``find_shared``).
+        split_points: a traced model's split points (``None``: an ``nn.Sequential``).
+        schedule_name: the schedule's name.
+        microbatches: microbatches per step.
+        chunks: model chunks per rank (interleaved schedules).
+        balance: layers per stage.
+        replicas: ranks per stage.
+        asynchronous: whether the schedule updates weights asynchronously.
+    """
+
+    rank: int
+    world_size: int
+    group: dist.ProcessGroup
+    timeout: float
+    device: torch.device
+    module: nn.Module
+    stages: Mapping[int, nn.Module]
+    stage_layers: Mapping[int, Tuple[int, int]]
+    stage_ranks: Tuple[Tuple[int, ...], ...]
+    model_shapes: Mapping[str, Tuple[int, ...]]
+    shared_parameters: Tuple[Any, ...]
+    split_points: Optional[Tuple[str, ...]]
+    schedule_name: str
+    microbatches: int
+    chunks: int
+    balance: Tuple[int, ...]
+    replicas: Tuple[int, ...]
+    asynchronous: bool
+
+    def __post_init__(self) -> None:
+        # Frozen copies: the view cannot change the pipeline's own containers.
+        frozen: Dict[str, Any] = {
+            "stages": types.MappingProxyType(dict(self.stages)),
+            "stage_layers": types.MappingProxyType({j: tuple(r) for j, r in self.stage_layers.items()}),
+            "stage_ranks": tuple(tuple(r) for r in self.stage_ranks),
+            "model_shapes": types.MappingProxyType({k: tuple(s) for k, s in self.model_shapes.items()}),
+            "shared_parameters": tuple(self.shared_parameters),
+            "split_points": None if self.split_points is None else tuple(self.split_points),
+            "balance": tuple(self.balance),
+            "replicas": tuple(self.replicas),
+        }
+        for name, value in frozen.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def num_stages(self) -> int:
+        """Stages of the pipeline (all ranks)."""
+        return len(self.stage_ranks)
+
+    def is_leader(self, stage: int) -> bool:
+        """Whether this rank is ``stage``'s leader (replica 0), which writes its files."""
+        return self.stage_ranks[stage][0] == self.rank
+
+    def describe(self) -> Dict[str, Any]:
+        """The pipeline's layout as the manifest records it (JSON)."""
+        return {"schedule": self.schedule_name, "microbatches": self.microbatches,
+                "balance": list(self.balance), "replicas": list(self.replicas),
+                "chunks": self.chunks, "world_size": self.world_size}
+
+
+class Pipeline(Protocol):
+    """What the checkpoint functions need of the object they are given (a ``PipeDream``)."""
+
+    @property
+    def checkpoint_view(self) -> PipelineView:
+        """The pipeline's :class:`PipelineView`."""
+
+    def flush(self) -> None:
+        """Finishes every admitted minibatch (asynchronous schedules)."""
