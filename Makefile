@@ -5,7 +5,7 @@ BUILD_DIR ?= build/cmake
 SAN_BUILD_DIR ?= build/cmake-asan
 FUZZ_SECONDS ?= 60
 
-.PHONY: setup build test test-all cpp-test cpp-test-sanitized fuzz py-test gpu-test run bench bench-network soak clean
+.PHONY: setup build lint test test-all cpp-test cpp-test-sanitized fuzz py-test gpu-test run bench bench-network soak clean
 
 setup:
 	PYTHON=$(PY) bash .ci/bootstrap.sh
@@ -44,8 +44,15 @@ gpu-test:
 	MAX_JOBS=8 $(PY) setup.py -q build_ext --inplace
 	$(PY) -m pytest tests/test_gpu.py tests/test_units.py -v
 
-# The README's test command: GoogleTest (ctest, plain and sanitized) then pytest.
+# ruff (pyproject.toml's rules: noqa comments name rules that run) and the import-linter
+# contract (each package folder imports only the layers below it: docs/architecture.md).
+lint:
+	$(PY) -m ruff check .
+	lint-imports
+
+# The README's test command: the linters, GoogleTest (ctest, plain and sanitized), pytest.
 test: setup
+	$(MAKE) lint
 	$(MAKE) cpp-test
 	$(MAKE) cpp-test-sanitized
 	$(MAKE) py-test
@@ -53,6 +60,7 @@ test: setup
 # Everything `make test` runs, plus the tests marked slow (the whole transformers zoo of
 # tests/test_zoo.py; `make test` runs a representative part of it): see tests/conftest.py.
 test-all: setup
+	$(MAKE) lint
 	$(MAKE) cpp-test
 	$(MAKE) cpp-test-sanitized
 	PIPEDREAM_TEST_ALL=1 $(MAKE) py-test

@@ -43,6 +43,8 @@ if ! $PY -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13
   pip_install torch==2.13.0
 fi
 pip_install ninja pytest pytest-timeout tqdm numpy matplotlib scikit-learn
+# The linters `make lint` runs (pinned: a new release may add checks).
+pip_install ruff==0.17.6 import-linter==2.17
 # The [hf] extra, for tests/test_hf.py, tests/test_zoo.py and examples/train_hf_gpt2.py:
 # transformers has no torch requirement, so the pinned CPU torch stays (checked with
 # pip --dry-run).
