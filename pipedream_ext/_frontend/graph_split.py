@@ -46,7 +46,8 @@ from .fx_graph import (
 )
 
 __all__ = ["TracedSplit", "UntraceableError", "trace_model", "stage_starts", "stage_assignment",
-           "live_sets", "build_stages", "split_model", "reorder_cuts", "merge_stage_modules"]
+           "live_sets", "build_stages", "check_one_stage_per_state", "split_model", "reorder_cuts",
+           "merge_stage_modules"]
 
 @dataclasses.dataclass
 class TracedSplit:
@@ -418,7 +419,7 @@ def merge_stage_modules(stages: Sequence[fx.GraphModule]) -> nn.Module:
     return merged
 
 
-def _check_one_stage_per_state(stages: Sequence[fx.GraphModule]) -> None:
+def check_one_stage_per_state(stages: Sequence[fx.GraphModule]) -> None:
     """Refuses a buffer of a called module held by two stages.
 
     A called module's buffers (BatchNorm's running statistics) change as it runs, so
@@ -519,7 +520,7 @@ def _finished_stages(model: nn.Module, gm: fx.GraphModule, starts: Any,
     """:func:`build_stages`, checked, with the model's constants kept out of state dicts
     and the tensors the forward never reads in the last stage."""
     stages = build_stages(gm, starts, live, kinds)
-    _check_one_stage_per_state(stages)
+    check_one_stage_per_state(stages)
     # Tensors fx computed while tracing (``torch.full((8,), 0.1)``) are attributes of the
     # traced root (``_tensor_constant0``), not of the model, and so are the model's
     # non-persistent buffers: kept out of state dicts.
