@@ -1,0 +1,118 @@
+"""pipedream_ext.diagnostics: fingerprints, the agreement checks and the timed split, in
+this process (the checks on a 1-rank Gloo group; several ranks disagreeing are covered by
+tests/test_agreement.py through PipeDream)."""
+from __future__ import annotations
+
+from typing import Iterator, List
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import pipedream_ext.diagnostics as pdd
+
+
+class Chain(nn.Module):
+    """Layers called in turn: torch.fx traces it."""
+
+    def __init__(self, layers: List[nn.Module]) -> None:
+        super().__init__()
+        for i, layer in enumerate(layers):
+            self.add_module(str(i), layer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.children():
+            x = layer(x)
+        return x
+
+
+class ExportedChain(Chain):
+    """A branch on a shape, which torch.fx cannot trace: the torch.export path."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != 6:
+            raise ValueError("expected 6 features")
+        return super().forward(x)
+
+
+def layers(activation: type = nn.Tanh) -> List[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Linear(6, 8), activation(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)]
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dist.ProcessGroup]:
+    """The default group, 1 rank, Gloo; destroyed afterwards so that later tests in this
+    process still see no process group."""
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    store = tmp_path_factory.mktemp("store") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_time_split_times_every_phase_of_the_fx_path() -> None:
+    model = Chain(layers())
+    x = torch.randn(4, 6)
+    timing = pdd.time_split(model, ["2"], (x,))
+    assert set(timing.phases_s) == set(pdd.PHASES) - {"export"}, timing.phases_s
+    assert all(seconds > 0 for seconds in timing.phases_s.values()), timing.phases_s
+    assert timing.total_s >= sum(timing.phases_s.values()) and timing.other_s >= 0
+    assert timing.graph_nodes == 7  # x, five layers, output
+    assert timing.split.tracer == "fx" and len(timing.split.stages) == 2
+    plain = pdd.trace_split(Chain(layers()), ["2"], (x,))
+    assert timing.split.fingerprint.stages == plain.fingerprint.stages
+    with torch.no_grad():
+        out = timing.split.stages[1](timing.split.stages[0](x))
+        assert torch.equal(out, model(x))
+
+
+def test_time_split_times_the_export_path_and_restores_what_it_wrapped() -> None:
+    import pipedream_ext._frontend.export as export
+    import pipedream_ext._frontend.graph_split as graph_split
+
+    before = (graph_split.trace_model, graph_split.value_kinds, export.export_model)
+    timing = pdd.time_split(ExportedChain(layers()), ["2"], (torch.randn(4, 6),))
+    assert timing.split.tracer == "export"
+    assert {"trace", "export", "cut", "value_check", "build"} <= set(timing.phases_s)
+    assert (graph_split.trace_model, graph_split.value_kinds, export.export_model) == before
+    with pytest.raises(ValueError, match="split_points"):
+        pdd.time_split(Chain(layers()), [], (torch.randn(4, 6),))
+    assert (graph_split.trace_model, graph_split.value_kinds, export.export_model) == before
+
+
+def test_fingerprints_tell_what_differs() -> None:
+    x = torch.randn(4, 6)
+    split = pdd.trace_split(Chain(layers()), ["2"], (x,))
+    again = pdd.fingerprint_split(split)
+    assert again.stages == split.fingerprint.stages and again.cuts == split.fingerprint.cuts
+    other = pdd.fingerprint_split(pdd.trace_split(Chain(layers(nn.Sigmoid)), ["2"], (x,)))
+    # Digests are Merkle hashes: stage 1 differs too, through the value it receives.
+    assert other.stages[0] != again.stages[0] and other.cuts != again.cuts
+    ours, theirs = pdd.describe_stage(again, 0), pdd.describe_stage(other, 0)
+    assert any("tanh" in line.lower() for line in set(ours) - set(theirs)), ours
+    assert any("sigmoid" in line.lower() for line in set(theirs) - set(ours)), theirs
+    with pytest.raises(IndexError):
+        pdd.describe_stage(again, 2)
+
+    seq = pdd.fingerprint_layers(nn.Sequential(*layers()), [2, 3])
+    assert seq.kind == "layers" and len(seq.stages) == 2
+    assert pdd.fingerprint_layers(nn.Sequential(*layers()), [2, 3]).stages == seq.stages
+    assert pdd.fingerprint_layers(nn.Sequential(*layers()), [3, 2]).stages != seq.stages
+    assert any("Tanh" in line for line in pdd.describe_stage(seq, 0))
+    with pytest.raises(ValueError, match="summing to the model's 5 layers"):
+        pdd.fingerprint_layers(nn.Sequential(*layers()), [2, 2])
+
+
+def test_agreement_checks_on_one_rank(group: dist.ProcessGroup) -> None:
+    split = pdd.trace_split(Chain(layers()), ["2"], (torch.randn(4, 6),))
+    assert pdd.check_stages_agree(split.fingerprint, {"schedule": "1f1b"}) is None
+    seq = pdd.fingerprint_layers(nn.Sequential(*layers()), [2, 3])
+    assert pdd.check_stages_agree(seq, group=group) is None
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    pdd.check_batches_agree(x, y)
+    pdd.check_batches_agree(x, y, group=group, first_ranks=[0], last_ranks=[0])
