@@ -1,17 +1,14 @@
 """The user-facing pipeline: ``PipeDream(module, loss_fn, schedule, ...)``.
 
-A facade: it checks the arguments (``_config``), resolves the partition
-(``_stages``, ``_startup_plan``), creates the process groups (``_groups``),
-keeps this rank's stages (``_stages.LocalStages``) and hands the schedule's
-family to its runner (``_runners``), which drives the C++ executor with the
-stage function (``_stage_fn``) and reports through ``_observe``. The data flow
-of one step: docs/architecture.md.
+A facade: ``_build.build_pipeline`` checks the arguments, resolves the partition,
+creates the process groups, this rank's stages and the runner; ``PipeDream``
+holds what it built and hands each call to the runner (``_runtime/runners.py``),
+the observer (``_runtime/observe.py``) or the checkpoint code. The data flow of
+one step: docs/architecture.md.
 """
 from __future__ import annotations
 
-import datetime
-import inspect
-import logging
+import operator
 import os
 from typing import (
     Any,
@@ -30,38 +27,32 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C, schedules
+from . import schedules
+from ._build import PipelineArguments, build_pipeline
 from ._checkpoint import PipelineView, reshard
-from ._dist import collectives, faults, signals
-from ._dist.agreement import StepAgreement, agree_at_construction
-from ._dist.fingerprint import layers_fingerprint
-from ._dist.groups import PipelineGroups, init_default_group
-from ._frontend import deferred_init, export, model_io
-from ._frontend.graph_split import TracedSplit, reorder_cuts, split_model
-from ._frontend.tied_params import (
-    SharedGradients,
-    describe,
-    find_shared,
-    find_shared_in_stages,
-)
-from ._planning.startup import auto_plan, check_plan_world, partition_from_plan
-from ._runtime.config import PipelineConfig
-from ._runtime.local_stages import LocalStages, even_balance, resolve_partition
-from ._runtime.observe import Observer
-from ._runtime.runners import make_runner
-from ._runtime.stage_call import NonFiniteError, StageFunction, Tensors
+from ._dist import faults
+from ._frontend import deferred_init, model_io
+from ._frontend.graph_split import TracedSplit
+from ._frontend.partition import even_balance
+from ._runtime.loss_scaling import attach_grad_scaler
+from ._runtime.stage_call import NonFiniteError, Tensors
 from ._runtime.step_loss import StepLoss
 from .planner import Plan
 
-__all__ = ["PipeDream", "NonFiniteError", "SYNCHRONOUS_SCHEDULES", "ASYNCHRONOUS_SCHEDULES",
+__all__ = ["ASYNCHRONOUS_SCHEDULES", "SYNCHRONOUS_SCHEDULES", "NonFiniteError", "PipeDream",
            "even_balance"]
-
-_log = logging.getLogger(__name__)
 
 #: Flush schedules (gradients equal the unsplit model's; you step the optimizer).
 SYNCHRONOUS_SCHEDULES = tuple(schedules.synchronous_names())
 #: Asynchronous schedules (weight stashing; the runtime steps your optimizer).
 ASYNCHRONOUS_SCHEDULES = tuple(schedules.asynchronous_names())
+
+
+def _forward(path: str, doc: Optional[str] = None) -> Any:
+    """A read-only property answering ``self.<path>`` (``operator.attrgetter``): the
+    facade's attributes that only read what ``build_pipeline`` made. Typed ``Any`` so
+    that the class attribute's annotation is what users' type checkers see."""
+    return property(operator.attrgetter(path), doc=doc)
 
 
 class PipeDream:
@@ -209,284 +200,65 @@ class PipeDream:
         RuntimeError: no process group and no torchrun environment.
     """
 
-    def __init__(self, module: nn.Module, loss_fn: Callable[..., torch.Tensor],
-                 schedule: str = "1f1b", microbatches: int = 4,
-                 balance: Optional[Union[Sequence[int], str, os.PathLike, Plan]] = None,
+    def __init__(self, module: nn.Module, loss_fn: Callable[..., torch.Tensor], schedule: str = "1f1b",
+                 microbatches: int = 4, balance: Optional[Union[Sequence[int], str, os.PathLike, Plan]] = None,
                  chunks: int = 1, process_group: Optional[dist.ProcessGroup] = None,
-                 device: Optional[Union[str, torch.device]] = None,
-                 timeout: float = 300.0, vertical_sync: bool = False,
-                 recompute: bool = False, replicas: Optional[Sequence[int]] = None,
-                 sample: Optional[Tuple[Tensors, Any]] = None,
-                 bandwidth: Optional[Sequence[float]] = None,
-                 trace: Optional[Union[str, os.PathLike]] = None,
-                 autocast: Optional[torch.dtype] = None,
-                 check_finite: Optional[str] = None,
-                 init_seed: int = deferred_init.DEFAULT_INIT_SEED,
-                 init_fn: Optional[deferred_init.InitFn] = None,
-                 split_points: Optional[Sequence[str]] = None,
-                 concrete_args: Optional[Mapping[str, Any]] = None,
-                 loss_reduction: str = "mean", check_agreement: int = 3) -> None:
+                 device: Optional[Union[str, torch.device]] = None, timeout: float = 300.0,
+                 vertical_sync: bool = False, recompute: bool = False, replicas: Optional[Sequence[int]] = None,
+                 sample: Optional[Tuple[Tensors, Any]] = None, bandwidth: Optional[Sequence[float]] = None,
+                 trace: Optional[Union[str, os.PathLike]] = None, autocast: Optional[torch.dtype] = None,
+                 check_finite: Optional[str] = None, init_seed: int = deferred_init.DEFAULT_INIT_SEED,
+                 init_fn: Optional[deferred_init.InitFn] = None, split_points: Optional[Sequence[str]] = None,
+                 concrete_args: Optional[Mapping[str, Any]] = None, loss_reduction: str = "mean",
+                 check_agreement: int = 3) -> None:
+        # PipelineArguments lists its fields in this signature's order (tests/test_units.py).
+        built = build_pipeline(PipelineArguments(
+            module, loss_fn, schedule, microbatches, balance, chunks, process_group, device, timeout, vertical_sync,
+            recompute, replicas, sample, bandwidth, trace, autocast, check_finite, init_seed, init_fn, split_points,
+            concrete_args, loss_reduction, check_agreement))
+        self.config, self.device, self.loss_fn = built.config, built.device, loss_fn
         #: The traced model's stages (``split_points`` or a plan), else None (an nn.Sequential).
-        self.traced: Optional[TracedSplit]
-        self.traced, planned, deferred, init_seed = _prepare_model(
-            module, split_points, sample, balance, concrete_args, init_seed, init_fn)
-        #: Every state_dict key of the whole model and its shape (for load_state_dict).
-        self._model_shapes = reshard.key_shapes(module)
-        self.config = PipelineConfig.checked(schedule, microbatches, chunks, timeout,
-                                             vertical_sync, recompute, autocast, check_finite,
-                                             loss_reduction, check_agreement)
-        self.device = _default_device() if device is None else torch.device(device)
-        if self.device.type == "cuda":  # NCCL and metadata on NCCL-only groups use it
-            torch.cuda.set_device(self.device)
-        init_default_group(self.device, datetime.timedelta(seconds=timeout))
-        signals.install()  # SIGTERM / Ctrl-C: clean exit on every rank, with a deadline
-        group = process_group if process_group is not None else dist.group.WORLD
-        self.loss_fn = loss_fn
+        self.traced: Optional[TracedSplit] = built.traced
         #: The plan the stages come from (balance="auto" or a saved plan), else None.
-        self.plan: Optional[Plan] = None
-        if planned is not None:  # a traced model cut as a plan of its graph profile says
-            self.plan = self._load_plan(module, group, balance, replicas, sample, bandwidth,
-                                        planned.profile_fn(loss_fn))
-            self.traced = planned.split(self.plan)
-        if self.traced is not None:
-            partition = self._traced_partition(group, replicas)
-            num_layers = partition.num_stages
-        else:
-            partition = self._partition(module, group, balance, replicas, sample, bandwidth)
-            num_layers = len(module)
+        self.plan: Optional[Plan] = built.plan
         #: Parameters used by layers of several stages (tied weights), each kept by
-        #: every stage that uses it; see _shared.
-        self.shared_parameters = (find_shared(module, partition) if self.traced is None
-                                  else find_shared_in_stages(module, self.traced.stages))
-        self._refuse_shared_if_asynchronous()
-        self._agree_everywhere(module, group, num_layers, partition,
-                               init_seed if deferred else None)
-        self._stream, self._schedule = self._build_schedule(partition)
-        stage_ranks = [self._schedule.stage_ranks(j) for j in range(self._schedule.num_stages)]
-        self._groups = PipelineGroups.create(group, stage_ranks, self.config.timeout)
-        self._stages = self._local_stages(module, partition, deferred, init_seed, init_fn)
-        self._broadcast_replicas()
-        if self.traced is not None and self.traced.tracer == "export":
-            for j in self._stages:  # tensors the graph creates: on this rank's device
-                export.retarget_devices(self._stages[j], self.device)
-        shared_gradients = SharedGradients(self.shared_parameters, self._stages, stage_ranks,
-                                           self._groups.group, self.config.timeout)
-        # Every copy starts as the first use's stage has it (meta layers are
-        # initialised per rank, each from its own layer's seed).
-        shared_gradients.synchronize_values()
-        if trace is None:
-            trace = os.environ.get("PIPEDREAM_TRACE") or None
-        self._observer = Observer(self.rank, self.local_stages, self.group, schedule,
-                                  os.fspath(trace) if trace is not None else None, self.device)
-        # An exported model's last stage returns its output's tensors flat; loss_fn gets
-        # the model's own structure (a ModelOutput) back.
-        spec = self.traced.output_spec if self.traced is not None else None
-        stage_loss = loss_fn if spec is None else model_io.RestoredLoss(loss_fn, spec)
-        self._stage_fn = StageFunction(self._stages, stage_loss, self.num_stages, self.device,
-                                       self.config.autocast, self.config.check_finite,
-                                       raise_at_once=self.asynchronous, rank=self.rank,
-                                       recompute=self.config.recompute,
-                                       loss_reduction=self.config.loss_reduction)
-        self._runner = make_runner(self.config, self._schedule, self._stream, self._stages,
-                                   self._groups, self._stage_fn, self._observer, self.device,
-                                   shared_gradients=shared_gradients)
-        if self.traced is not None and self.traced.input_names is not None:
-            self._runner.input_names = list(self.traced.input_names)
-        self._agreement = StepAgreement(self.group, stage_ranks[0], stage_ranks[-1],
-                                        self.config.check_agreement)
-        _log.info("rank %d: stages %s (layers %s) of %d, schedule %s, %d microbatches",
-                  self.rank, self.local_stages, [self.stage_layers[j] for j in self.local_stages],
-                  self.num_stages, schedule, microbatches)
+        #: every stage that uses it; see _frontend/tied_params.py.
+        self.shared_parameters = built.shared_parameters
+        #: Every state_dict key of the whole model and its shape (for load_state_dict).
+        self._model_shapes = built.model_shapes
+        self._schedule, self._groups, self._stages = built.schedule, built.groups, built.stages
+        self._observer, self._stage_fn = built.observer, built.stage_fn
+        self._runner, self._agreement = built.runner, built.agreement
 
-    # -- construction ---------------------------------------------------------------
-    def _traced_partition(self, group: dist.ProcessGroup,
-                          replicas: Optional[Sequence[int]]) -> Any:
-        """One "layer" per traced stage; the split points (or the plan) fix the stage count."""
-        assert self.traced is not None
-        world = dist.get_world_size(group)
-        stages = len(self.traced.stages)
-        if self.plan is not None:
-            return resolve_partition(stages, world, 1, [1] * stages,
-                                     check_plan_world(self.plan, world))
-        needed = len(replicas) if replicas is not None else world * self.config.chunks
-        if stages != needed:
-            raise ValueError(
-                f"split_points {self.traced.split_points} make {stages} stages but "
-                + (f"replicas {list(replicas)} list {needed}" if replicas is not None else
-                   f"the world has {world} ranks x {self.config.chunks} chunks = {needed} stages")
-                + f"; give {needed - 1} split points")
-        return resolve_partition(stages, world, self.config.chunks, [1] * stages, replicas)
-
-    def _partition(self, module: nn.Sequential, group: dist.ProcessGroup, balance: Any,
-                   replicas: Optional[Sequence[int]], sample: Optional[Tuple[Tensors, Any]],
-                   bandwidth: Optional[Sequence[float]]) -> Any:
-        """Layers and replicas per stage, from ``balance`` (counts, a plan, or "auto")."""
-        world = dist.get_world_size(group)
-        if _is_plan(balance):
-            self.plan = self._load_plan(module, group, balance, replicas, sample, bandwidth)
-            balance, replicas = partition_from_plan(self.plan, len(module), world)
-        return resolve_partition(len(module), world, self.config.chunks, balance, replicas)
-
-    def _load_plan(self, module: nn.Module, group: dist.ProcessGroup, balance: Any,
-                   replicas: Optional[Sequence[int]], sample: Optional[Tuple[Tensors, Any]],
-                   bandwidth: Optional[Sequence[float]],
-                   profile_fn: Optional[Callable[[], Any]] = None) -> Plan:
-        """The plan ``balance`` names: given, read from a file, or made at start-up
-        (``"auto"``: rank 0 profiles, with ``profile_fn`` for a traced model, and plans)."""
-        if self.config.chunks != 1 or replicas is not None:
-            raise ValueError("a plan sets balance and replicas itself; drop chunks/replicas")
-        if isinstance(balance, Plan):
-            plan = balance
-        elif str(balance) == "auto":
-            plan = auto_plan(module, self.loss_fn, sample, bandwidth, self.config.traits, group,
-                             profile_fn)
-        else:
-            plan = Plan.load(balance)
-        if dist.get_rank(group) == 0:
-            _log.info("pipeline plan (%s cost model, predicted %.2fx over data parallelism):"
-                      "\n%s", plan.cost_model, plan.speedup_over_dp, plan.table())
-        return plan
-
-    def _refuse_shared_if_asynchronous(self) -> None:
-        """Shared parameters need one update of all their copies per step.
-
-        Raises:
-            ValueError: an asynchronous schedule and a parameter shared by stages.
-        """
-        if not self.asynchronous or not self.shared_parameters:
-            return
-        sp = self.shared_parameters[0]
-        raise ValueError(
-            f"parameter {describe(sp)} is shared by layers on different stages, but schedule "
-            f"{self.config.schedule!r} updates each stage's weights inside the pipeline at "
-            "different times, so its copies would drift apart; shared parameters need a flush "
-            f"schedule ({', '.join(SYNCHRONOUS_SCHEDULES)}), or put every layer using it on "
-            "one stage with balance=...")
-
-    def _local_stages(self, module: nn.Sequential, partition: Any, deferred: bool,
-                      init_seed: int, init_fn: Optional[deferred_init.InitFn]) -> LocalStages:
-        """This rank's layers; with meta layers, every rank raises if any rank's
-        initialisation failed (it runs user code), so no rank waits on a dead peer."""
-        def build() -> LocalStages:
-            return LocalStages(module, partition, self._schedule.stages_of_rank(self.rank),
-                               self.device, init_seed, init_fn,
-                               traced=self.traced.stages if self.traced is not None else None)
-
-        if not deferred:
-            return build()
-        stages: Optional[LocalStages] = None
-        error: Optional[BaseException] = None
-        try:
-            stages = build()
-        except Exception as exc:  # noqa: BLE001 - reported to every rank
-            error = exc
-        collectives.raise_if_any_failed(error, self.group, self.timeout,
-                                         "initialising the meta-device layers")
-        assert stages is not None
-        return stages
-
-    def _broadcast_replicas(self) -> None:
-        """Every replica of a stage starts from its leader's weights and buffers, as DDP
-        broadcasts rank 0's at construction: models built from other seeds would otherwise
-        train different weights under one stage. One broadcast per tensor, once."""
-        for j in self._stages:
-            group = self._groups.replica_groups.get(j)
-            if group is None:
-                continue
-            module = self._stages[j]
-            tensors = [t for _, t in module.named_parameters()] + \
-                [t for _, t in module.named_buffers()]
-            with torch.no_grad():
-                for t in tensors:
-                    collectives.broadcast_data(t.detach(), 0, group)
-
-    def _agree_everywhere(self, module: nn.Module, group: dist.ProcessGroup, num_layers: int,
-                          partition: Any, init_seed: Optional[int] = None) -> None:
-        """Fails on every rank if ranks disagree on the arguments or on what any stage
-        computes (``_agree``); a traced model whose ranks list the values crossing a cut in
-        another order takes rank 0's order.
-
-        Raises:
-            ValueError: naming the argument, or the first operation (module) that differs.
-        """
-        c = self.config
-        config: Dict[str, Any] = {
-            "schedule": c.schedule, "microbatches": c.microbatches, "chunks": c.chunks,
-            "balance": list(partition.balance), "layers": num_layers,
-            "replicas": list(partition.replicas),
-            # Shared parameters too: ranks that disagree would create different groups.
-            "shared parameters": [list(sp.names) for sp in self.shared_parameters],
-            "split_points": self.split_points, "vertical_sync": c.vertical_sync,
-            "recompute": c.recompute, "autocast": str(c.autocast),
-            "check_finite": c.check_finite, "loss_reduction": c.loss_reduction,
-            "check_agreement": c.check_agreement,
-            "tracer": None if self.traced is None else self.traced.tracer,
-            "input names": None if self.traced is None else self.traced.input_names}
-        if init_seed is not None:  # a meta model: replicas would get different weights
-            config["init_seed"] = init_seed
-        if self.traced is not None:
-            assert self.traced.fingerprint is not None
-            fingerprint = self.traced.fingerprint
-        else:
-            fingerprint = layers_fingerprint(module, partition.bounds())
-        orders = agree_at_construction(group, config, fingerprint)
-        if orders is not None and self.traced is not None:
-            self.traced = reorder_cuts(self.traced, orders)
-
-    def _build_schedule(self, partition: Any) -> Tuple[Optional["_C.AsyncStream"],
-                                                       "schedules.Schedule"]:
-        c = self.config
-        if c.traits.streaming:
-            # Steps are served one at a time in constant memory (csrc/core/stream.h).
-            stream = _C.AsyncStream(c.schedule, stages=partition.num_stages,
-                                    microbatches=c.microbatches_per_step,
-                                    replicas=partition.replicas, vertical_sync=c.vertical_sync)
-            return stream, schedules.Schedule(_C.strip_communication(stream.base), stream.base)
-        return None, schedules.build(
-            c.schedule, stages=partition.num_stages // c.chunks,
-            microbatches=c.microbatches, chunks=c.chunks,
-            replicas=partition.replicas if partition.replicated else None)
-
-    # -- what the pipeline is ----------------------------------------------------------
-    @property
-    def group(self) -> dist.ProcessGroup:
-        return self._groups.group
-
-    @property
-    def rank(self) -> int:
-        return self._groups.rank
-
-    @property
-    def world_size(self) -> int:
-        return self._groups.world_size
-
-    @property
-    def schedule_name(self) -> str:
-        return self.config.schedule
-
-    @property
-    def asynchronous(self) -> bool:
-        return self.config.asynchronous
-
-    @property
-    def microbatches(self) -> int:
-        return self.config.microbatches
-
-    @property
-    def chunks(self) -> int:
-        return self.config.chunks
-
-    @property
-    def timeout(self) -> float:
-        return self.config.timeout
-
-    @property
-    def vertical_sync(self) -> bool:
-        return self.config.vertical_sync
-
-    @property
-    def recompute(self) -> bool:
-        return self.config.recompute
+    # -- what the pipeline is: read from what build_pipeline made ----------------------
+    group: dist.ProcessGroup = _forward("_groups.group")
+    rank: int = _forward("_groups.rank")
+    world_size: int = _forward("_groups.world_size")
+    schedule_name: str = _forward("config.schedule")
+    asynchronous: bool = _forward("config.asynchronous")
+    microbatches: int = _forward("config.microbatches")
+    chunks: int = _forward("config.chunks")
+    timeout: float = _forward("config.timeout")
+    vertical_sync: bool = _forward("config.vertical_sync")
+    recompute: bool = _forward("config.recompute")
+    check_finite: Optional[str] = _forward("config.check_finite")
+    balance: List[int] = _forward("_stages.partition.balance")
+    replicas: List[int] = _forward("_stages.partition.replicas")
+    num_stages: int = _forward("_schedule.num_stages")
+    local_stages: List[int] = _forward("_stages.indices")
+    stage_layers: Dict[int, Tuple[int, int]] = _forward("_stages.layers")
+    module: nn.Module = _forward(
+        "_stages.module", "This rank's layers as one module, named as in the original model.")
+    schedule: "schedules.Schedule" = _forward(
+        "_schedule", "The schedule this pipeline runs (for asynchronous ones: one period of it).")
+    trace_path: Optional[str] = _forward(
+        "_observer.trace_path",
+        "Where :meth:`write_trace` writes the merged Chrome trace (None: not tracing).")
+    peak_weight_versions: Dict[int, int] = _forward(
+        "_runner.peak_weight_versions",
+        "Most weight versions held per local stage (asynchronous schedules, after a flush).")
+    is_first: bool = _forward("_runner.is_first")
+    is_last: bool = _forward("_runner.is_last")
 
     @property
     def autocast(self) -> Optional[torch.dtype]:
@@ -499,66 +271,14 @@ class PipeDream:
         self._stage_fn.autocast = dtype
 
     @property
-    def check_finite(self) -> Optional[str]:
-        return self.config.check_finite
-
-    @property
-    def balance(self) -> List[int]:
-        return self._stages.partition.balance
-
-    @property
-    def replicas(self) -> List[int]:
-        return self._stages.partition.replicas
-
-    @property
-    def num_stages(self) -> int:
-        return self._schedule.num_stages
-
-    @property
     def split_points(self) -> Optional[List[str]]:
         """The module names a traced model's stages start at (None: an nn.Sequential); for
         a plan's stages, the module each later stage's first operation runs in."""
         return None if self.traced is None else list(self.traced.split_points)
 
     @property
-    def local_stages(self) -> List[int]:
-        return self._stages.indices
-
-    @property
     def stage_index(self) -> int:
         return self._stages.indices[0]
-
-    @property
-    def stage_layers(self) -> Dict[int, Tuple[int, int]]:
-        return self._stages.layers
-
-    @property
-    def module(self) -> nn.Module:
-        """This rank's layers as one module, named as in the original model."""
-        return self._stages.module
-
-    @property
-    def schedule(self) -> "schedules.Schedule":
-        """The schedule this pipeline runs (for asynchronous ones: one period of it)."""
-        return self._schedule
-
-    @property
-    def trace_path(self) -> Optional[str]:
-        """Where :meth:`write_trace` writes the merged Chrome trace (None: not tracing)."""
-        return self._observer.trace_path
-
-    @property
-    def peak_weight_versions(self) -> Dict[int, int]:
-        """Most weight versions held per local stage (asynchronous schedules, after a flush)."""
-        return self._runner.peak_weight_versions
-
-    @property
-    def is_first(self) -> bool:
-        return self._runner.is_first
-
-    @property
-    def is_last(self) -> bool:
-        return self._runner.is_last
 
     @property
     def last_rank(self) -> int:
@@ -652,10 +372,7 @@ class PipeDream:
             ValueError: inputs or targets missing where needed, a batch smaller than
                 ``microbatches``, or an optimizer missing (asynchronous) or passed (flush).
         """
-        given = self._positional(inputs, "step()")
-        self._agreement.check("step", given, targets,
-                              lambda: self._runner.validate("step", given, targets))
-        return self._runner.step(given, targets, optimizer)
+        return self._runner.step(self._agreed("step", inputs, targets), targets, optimizer)
 
     @faults.names_first_failure
     def flush(self) -> None:
@@ -678,17 +395,17 @@ class PipeDream:
             ValueError: no inputs on stage 0's rank.
             RuntimeError: an asynchronous pipeline that was not flushed.
         """
-        given = self._positional(inputs, "forward_only()")
-        self._agreement.check("forward_only", given, None,
-                              lambda: self._runner.validate("forward_only", given, None))
-        out = self._runner.forward_only(given)
+        out = self._runner.forward_only(self._agreed("forward_only", inputs, None))
         return out if self.traced is None else model_io.restore_output(self.traced.output_spec, out)
 
-    def _positional(self, inputs: Any, call: str) -> Optional[Tensors]:
-        """A traced model's dict of named inputs as its graph's tuple (else unchanged)."""
-        if self.traced is None:
-            return inputs
-        return model_io.positional_inputs(self.traced.input_names, inputs, call)
+    def _agreed(self, call: str, inputs: Any, targets: Any) -> Optional[Tensors]:
+        """``inputs`` as the runner takes them (a traced model's dict of named inputs: its
+        graph's tuple), once the first calls' agreement check passed on every rank."""
+        given = inputs if self.traced is None else \
+            model_io.positional_inputs(self.traced.input_names, inputs, f"{call}()")
+        self._agreement.check(call, given, targets,
+                              lambda: self._runner.validate(call, given, targets))
+        return given
 
     def grad_scaler(self, **kwargs: Any) -> Any:
         """A loss scaler for ``autocast=torch.float16`` on a flush schedule.
@@ -711,20 +428,8 @@ class PipeDream:
         Raises:
             ValueError: an asynchronous schedule (their updates happen inside the pipeline).
         """
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        if self.asynchronous:
-            raise ValueError(f"schedule {self.schedule_name!r} updates inside the pipeline; loss "
-                             "scaling needs a flush schedule (or use autocast=torch.bfloat16)")
-        if not any(True for _ in self.parameters()):
-            raise ValueError(f"rank {self.rank}'s stages have no parameters, so it cannot step a "
-                             "scaler; give every stage parameters (balance=...)")
-        scaler = ShardedGradScaler(device=self.device.type, process_group=self.group, **kwargs)
-        # The scale is created lazily by scale(), which only the last stage calls;
-        # every rank's step()/update() needs it.
-        scaler.scale(torch.ones((), device=self.device))
-        self._stage_fn.grad_scaler = scaler
-        return scaler
+        return attach_grad_scaler(self.config, self._stage_fn, self.parameters(), self.group,
+                                  self.device, self.rank, **kwargs)
 
     # -- seeing what happens ----------------------------------------------------------
     @property
@@ -798,175 +503,3 @@ class PipeDream:
         if exc_type is None:
             self.close()
 
-
-def _trace_stages(module: nn.Module, split_points: Sequence[str],
-                  sample: Optional[Tuple[Tensors, Any]], balance: Any,
-                  concrete_args: Optional[Mapping[str, Any]]) -> TracedSplit:
-    """Checks the arguments of a traced pipeline and traces ``module`` on ``sample``.
-
-    Raises:
-        ValueError: no sample, a balance, a meta-device model, or what
-            ``_trace.split_model`` refuses.
-    """
-    if balance is not None:
-        raise ValueError(f"balance={balance!r} cannot be combined with split_points: the split "
-                         "points fix the stages; drop balance, or drop split_points and give "
-                         "balance='auto' to let the planner cut the model")
-    if sample is None or not isinstance(sample, (tuple, list)) or len(sample) != 2:
-        raise ValueError("split_points needs sample=(inputs, targets), one batch to trace the "
-                         "model on (inputs: a tensor, a tuple of tensors or a dict of named "
-                         "tensors)")
-    if deferred_init.has_meta_tensors(module):
-        raise ValueError("split_points traces the model by running it on sample, which the meta "
-                         "device cannot; build the model on a real device")
-    first = sample[0]
-    if isinstance(first, Mapping):  # keyword inputs: traced by name, passed by name
-        model_io.positional_inputs(list(first), first, "sample")  # tensors only
-        return split_model(module, split_points, dict(first), concrete_args)
-    inputs = tuple(first) if isinstance(first, (tuple, list)) else (first,)
-    return split_model(module, split_points, inputs, concrete_args)
-
-
-
-def _prepare_model(module: nn.Module, split_points: Optional[Sequence[str]],
-                   sample: Optional[Tuple[Tensors, Any]], balance: Any,
-                   concrete_args: Optional[Mapping[str, Any]], init_seed: int,
-                   init_fn: Optional[deferred_init.InitFn]
-                   ) -> Tuple[Optional[TracedSplit], Optional["_PlannedTrace"], bool, int]:
-    """Checks what kind of model this is before any communication.
-
-    Returns:
-        The traced stages (``split_points``) or None, the traced and grouped model
-        waiting for its plan (a model that is not an ``nn.Sequential`` with
-        ``balance="auto"`` or a plan) or None, whether the model is on the meta device
-        (deferred initialisation), and the checked ``init_seed``.
-
-    Raises:
-        ValueError: not an ``nn.Sequential`` without split points, ``concrete_args``
-            without split points, a bad seed, a meta module that cannot be
-            initialised, or ``balance="auto"`` on the meta device.
-    """
-    traced = planned = None
-    if split_points is not None:
-        traced = _trace_stages(module, split_points, sample, balance, concrete_args)
-    elif not isinstance(module, nn.Sequential) and _is_plan(balance):
-        planned = _PlannedTrace.trace(module, sample, concrete_args)
-    elif not isinstance(module, nn.Sequential):
-        raise ValueError(f"module must be an nn.Sequential (got {type(module).__name__}); "
-                         "wrap your layers in torch.nn.Sequential, or give "
-                         "split_points=[module names] and sample=(inputs, targets) to trace "
-                         "it with torch.fx, or balance='auto' and sample=(inputs, targets) to "
-                         "trace, profile and plan it (docs/tracing.md)")
-    elif concrete_args is not None:
-        raise ValueError("concrete_args fixes forward arguments for tracing, which an "
-                         "nn.Sequential never needs; drop concrete_args")
-    if isinstance(balance, (str, os.PathLike)) and str(balance) != "auto" and \
-            not os.path.isfile(balance):
-        raise ValueError(f"balance={os.fspath(balance)!r} is neither 'auto' nor a plan file (no such "
-                         "file); give layer counts as a list (balance=[4, 4]), 'auto' to plan at "
-                         "start-up, or the path of a plan.json")
-    init_seed = deferred_init.check_seed(init_seed)
-    deferred = deferred_init.has_meta_tensors(module)
-    if deferred:
-        deferred_init.check_initialisable(module, init_fn)
-        if isinstance(balance, str) and balance == "auto":
-            raise ValueError("balance='auto' profiles the model, which cannot run on the meta "
-                             "device; plan once from a real model (python -m pipedream_ext "
-                             "plan) and pass balance='plan.json', or give layer counts")
-    return traced, planned, deferred, init_seed
-
-
-def _is_plan(balance: Any) -> bool:
-    """``balance`` names a plan: ``"auto"``, a plan file or a :class:`Plan`."""
-    return isinstance(balance, (Plan, str, os.PathLike))
-
-
-class _PlannedTrace:
-    """A traced model grouped for the planner (``_graph_profile``), waiting for its plan.
-
-    Tracing and grouping run on every rank before any communication; rank 0 also
-    profiles the groups for ``balance="auto"``; every rank then cuts the model as
-    the plan's stages say (and the ranks compare what they cut: ``_agree``).
-
-    Args:
-        inputs: the sample's tensor inputs in the graph's order.
-        named: the sample's inputs by name (a dict), or ``None`` (positional).
-    """
-
-    def __init__(self, module: nn.Module, grouped: Any, inputs: Tuple[torch.Tensor, ...],
-                 targets: Any, concrete_args: Optional[Mapping[str, Any]],
-                 named: Optional[Mapping[str, torch.Tensor]] = None) -> None:
-        self.module, self.grouped = module, grouped
-        self.inputs, self.targets, self.concrete_args = inputs, targets, concrete_args
-        self.named = named
-
-    @classmethod
-    def trace(cls, module: nn.Module, sample: Optional[Tuple[Tensors, Any]],
-              concrete_args: Optional[Mapping[str, Any]]) -> "_PlannedTrace":
-        """Traces and groups ``module`` on the inputs of ``sample`` (no communication):
-        a tensor, a tuple of tensors (positional) or a dict of named tensors (keywords).
-
-        Raises:
-            ValueError: no sample, a meta-device model, or one torch.fx cannot trace
-                (naming split_points for a model only torch.export traces).
-        """
-        from ._frontend.graph_split import UntraceableError
-        from ._planning.graph_profile import trace_groups
-
-        if sample is None or not isinstance(sample, (tuple, list)) or len(sample) != 2:
-            raise ValueError(f"{type(module).__name__} is not an nn.Sequential, so a plan runs on "
-                             "its traced graph: pass sample=(inputs, targets), one batch to trace "
-                             "(and profile) it on (inputs: a tensor, a tuple of tensors or a dict "
-                             "of named tensors)")
-        if deferred_init.has_meta_tensors(module):
-            raise ValueError("a plan for a model that is not an nn.Sequential needs its traced "
-                             "graph, which runs the sample, which the meta device cannot; build "
-                             "the model on a real device")
-        first, names = sample[0], None
-        if isinstance(first, Mapping):  # keyword tensors, in forward's order
-            model_io.positional_inputs(list(first), first, "sample")  # tensors only
-            order = list(inspect.signature(module.forward).parameters)
-            names = sorted(first, key=lambda k: order.index(k) if k in order else len(order))
-            inputs = tuple(first[k] for k in names)
-        else:
-            inputs = tuple(first) if isinstance(first, (tuple, list)) else (first,)
-        try:
-            grouped = trace_groups(module, inputs, concrete_args, input_names=names)
-        except UntraceableError as exc:
-            raise ValueError(
-                f"{exc.reason}. balance='auto' and plan files cut torch.fx graphs (docs/tracing.md"
-                "#planning-a-traced-model-balanceauto); a model only torch.export traces (a "
-                "Hugging Face transformer) takes split_points=[module names] instead, e.g. a "
-                "decoder layer per stage boundary; for a forward that neither can trace: "
-                f"{exc.advice}") from exc
-        return cls(module, grouped, inputs, sample[1], concrete_args,
-                   dict(first) if names is not None else None)
-
-    def profile_fn(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[[], Any]:
-        """Rank 0's profile for ``balance="auto"``: the groups timed on the sample."""
-        from ._planning.graph_profile import profile_groups
-
-        return lambda: profile_groups(self.grouped, self.inputs, loss_fn, self.targets,
-                                      steps=10, warmup=3)
-
-    def split(self, plan: Plan) -> TracedSplit:
-        """The stages of ``plan`` (every rank, the same plan).
-
-        Raises:
-            ValueError: a plan of another model or grouping, or one that cannot run
-                (a value flowing backwards, an empty stage, a non-tensor crossing).
-        """
-        from ._planning.graph_profile import plan_split_labels, plan_stage_of
-
-        stage_of = plan_stage_of(self.grouped, plan)
-        return split_model(self.module, plan_split_labels(self.grouped, stage_of),
-                           self.named if self.named is not None else self.inputs,
-                           self.concrete_args, stage_of=stage_of,
-                           traced=(self.grouped.gm, self.grouped.kinds))
-
-
-def _default_device() -> torch.device:
-    """``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
-    return torch.device("cpu")

@@ -3,6 +3,8 @@ argument checks, schedule traits, targets, the stage function, plans -> stages
 (stats merging: tests/cpp/test_runtime_stats.cpp). No process group: a change to these is checked in seconds."""
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 import re
 from typing import Optional
@@ -12,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipedream_ext import _C, schedules
+from pipedream_ext import _C, PipeDream, schedules
+from pipedream_ext._build import PipelineArguments
+from pipedream_ext._frontend.partition import even_balance, resolve_partition
 from pipedream_ext._frontend.tied_params import (
     alias_names,
     canonical_names,
@@ -21,11 +25,7 @@ from pipedream_ext._frontend.tied_params import (
 )
 from pipedream_ext._planning.startup import cluster_shape, partition_from_plan
 from pipedream_ext._runtime.config import PipelineConfig
-from pipedream_ext._runtime.local_stages import (
-    LocalStages,
-    even_balance,
-    resolve_partition,
-)
+from pipedream_ext._runtime.local_stages import LocalStages
 from pipedream_ext._runtime.stage_call import (
     NonFiniteError,
     StageFunction,
@@ -175,6 +175,14 @@ def test_config_checks_name_the_value_and_the_fix() -> None:
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
             PipelineConfig.checked(**kwargs)
+
+
+def test_pipeline_arguments_follow_the_constructors_signature() -> None:
+    # PipeDream passes its arguments to PipelineArguments by position.
+    params = list(inspect.signature(PipeDream.__init__).parameters.values())[1:]
+    fields = dataclasses.fields(PipelineArguments)
+    assert [f.name for f in fields] == [p.name for p in params]
+    assert [f.default for f in fields[2:]] == [p.default for p in params[2:]]
 
 
 # -- targets and the stage function -----------------------------------------------------

@@ -1,0 +1,617 @@
+"""Building a pipeline: ``PipeDream``'s arguments -> this rank's runnable parts.
+
+Owns construction, in the order every rank runs it: the checks that need no
+process group (the kind of model, ``PipelineConfig``), the default group, the
+partition (an ``nn.Sequential``'s layer counts, a traced model's split points, or
+a plan: ``balance="auto"`` or a saved one, ``_planning``), the parameters shared
+by stages, every rank's agreement at construction (``_dist.agreement``), the
+schedule and the process groups, this rank's stages (deferred initialisation,
+replicas starting from their leader's weights) and the runner.
+:func:`build_pipeline` returns one :class:`BuiltPipeline`, which ``PipeDream`` holds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import inspect
+import logging
+import os
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _C, schedules
+from ._checkpoint import reshard
+from ._dist import collectives, signals
+from ._dist.agreement import StepAgreement, agree_at_construction
+from ._dist.fingerprint import layers_fingerprint
+from ._dist.groups import PipelineGroups, init_default_group
+from ._frontend import deferred_init, export, model_io
+from ._frontend.graph_split import (
+    TracedSplit,
+    UntraceableError,
+    reorder_cuts,
+    split_model,
+)
+from ._frontend.partition import Partition, resolve_partition
+from ._frontend.tied_params import (
+    SharedParameter,
+    describe,
+    find_shared,
+    find_shared_in_stages,
+)
+from ._planning.graph_profile import (
+    GraphGroups,
+    plan_split_labels,
+    plan_stage_of,
+    profile_groups,
+    trace_groups,
+)
+from ._planning.startup import auto_plan, check_plan_world, partition_from_plan
+from ._runtime.config import PipelineConfig
+from ._runtime.local_stages import LocalStages
+from ._runtime.observe import Observer
+from ._runtime.runners import Runner, make_runner
+from ._runtime.stage_call import StageFunction, Tensors
+from ._runtime.tied_grads import SharedGradients
+from .planner import Plan
+
+__all__ = ["BuiltPipeline", "CutModel", "PipelineArguments", "PlannedTrace", "PreparedModel",
+           "build_pipeline", "default_device", "prepare_model"]
+
+# The pipeline's messages, under the logger name the runners use too.
+_log = logging.getLogger("pipedream_ext._pipe")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineArguments:
+    """``PipeDream``'s arguments as the user gave them (each one: its docstring)."""
+
+    module: nn.Module
+    loss_fn: Callable[..., torch.Tensor]
+    schedule: str = "1f1b"
+    microbatches: int = 4
+    balance: Optional[Union[Sequence[int], str, os.PathLike, Plan]] = None
+    chunks: int = 1
+    process_group: Optional[dist.ProcessGroup] = None
+    device: Optional[Union[str, torch.device]] = None
+    timeout: float = 300.0
+    vertical_sync: bool = False
+    recompute: bool = False
+    replicas: Optional[Sequence[int]] = None
+    sample: Optional[Tuple[Tensors, Any]] = None
+    bandwidth: Optional[Sequence[float]] = None
+    trace: Optional[Union[str, os.PathLike]] = None
+    autocast: Optional[torch.dtype] = None
+    check_finite: Optional[str] = None
+    init_seed: int = deferred_init.DEFAULT_INIT_SEED
+    init_fn: Optional[deferred_init.InitFn] = None
+    split_points: Optional[Sequence[str]] = None
+    concrete_args: Optional[Mapping[str, Any]] = None
+    loss_reduction: str = "mean"
+    check_agreement: int = 3
+
+    def checked_config(self) -> PipelineConfig:
+        """The arguments that need no process group, checked (``PipelineConfig.checked``).
+
+        Raises:
+            ValueError: a bad value, named with its fix.
+        """
+        return PipelineConfig.checked(self.schedule, self.microbatches, self.chunks,
+                                      self.timeout, self.vertical_sync, self.recompute,
+                                      self.autocast, self.check_finite, self.loss_reduction,
+                                      self.check_agreement)
+
+
+@dataclasses.dataclass
+class BuiltPipeline:
+    """Everything one rank's ``PipeDream`` holds once built.
+
+    Attributes:
+        config: the checked arguments.
+        device: where this rank's layers live.
+        traced: a traced model's stages (``split_points`` or a plan), else ``None``.
+        plan: the plan the stages come from (``balance="auto"`` or saved), else ``None``.
+        shared_parameters: parameters used by layers of several stages (tied weights).
+        model_shapes: every ``state_dict`` key of the whole model and its shape.
+        stream: the asynchronous schedule's stream (streaming schedules), else ``None``.
+        schedule: the schedule run (for asynchronous ones: one period of it).
+        groups: the pipeline's process groups.
+        stages: this rank's stages.
+        observer: stats and trace.
+        stage_fn: the executor's forward callback.
+        runner: drives the executor step by step.
+        agreement: the check of the first calls' batches on every rank.
+    """
+
+    config: PipelineConfig
+    device: torch.device
+    traced: Optional[TracedSplit]
+    plan: Optional[Plan]
+    shared_parameters: List[SharedParameter]
+    model_shapes: Dict[str, Tuple[int, ...]]
+    stream: Optional["_C.AsyncStream"]
+    schedule: "schedules.Schedule"
+    groups: PipelineGroups
+    stages: LocalStages
+    observer: Observer
+    stage_fn: StageFunction
+    runner: Runner
+    agreement: StepAgreement
+
+
+def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
+    """Builds this rank's part of the pipeline. Collective: every rank of the group
+    calls it with the same arguments (which it checks: ``agree_at_construction``).
+
+    Args:
+        args: ``PipeDream``'s arguments.
+
+    Returns:
+        What ``PipeDream`` holds.
+
+    Raises:
+        ValueError: as ``PipeDream`` documents (every check names the value and the fix).
+        RuntimeError: no process group and no torchrun environment.
+    """
+    prepared = prepare_model(args)
+    model_shapes = reshard.key_shapes(args.module)
+    config = args.checked_config()
+    device = _join_default_group(args.device, config.timeout)
+    group = args.process_group if args.process_group is not None else dist.group.WORLD
+    cut = cut_model(args, prepared, config, group)
+    _refuse_shared_if_asynchronous(config, cut.shared_parameters)
+    cut.traced = _agree_everywhere(args.module, group, config, cut,
+                                   prepared.init_seed if prepared.deferred else None)
+    stream, schedule = _build_schedule(config, cut.partition)
+    stage_ranks = [schedule.stage_ranks(j) for j in range(schedule.num_stages)]
+    groups = PipelineGroups.create(group, stage_ranks, config.timeout)
+    stages = _local_stages(args, prepared, cut, schedule.stages_of_rank(groups.rank), device,
+                           groups, config.timeout)
+    _broadcast_replicas(stages, groups)
+    if cut.traced is not None and cut.traced.tracer == "export":
+        for j in stages:  # tensors the graph creates: on this rank's device
+            export.retarget_devices(stages[j], device)
+    shared_gradients = SharedGradients(cut.shared_parameters, stages, stage_ranks, groups.group,
+                                       config.timeout)
+    # Every copy starts as the first use's stage has it (meta layers are
+    # initialised per rank, each from its own layer's seed).
+    shared_gradients.synchronize_values()
+    observer = _observer(args.trace, groups, stages, config, device)
+    stage_fn = _stage_function(args.loss_fn, cut.traced, stages, schedule, groups, config, device)
+    runner = make_runner(config, schedule, stream, stages, groups, stage_fn, observer, device,
+                         shared_gradients=shared_gradients)
+    if cut.traced is not None and cut.traced.input_names is not None:
+        runner.input_names = list(cut.traced.input_names)
+    agreement = StepAgreement(groups.group, stage_ranks[0], stage_ranks[-1],
+                              config.check_agreement)
+    _log.info("rank %d: stages %s (layers %s) of %d, schedule %s, %d microbatches",
+              groups.rank, stages.indices, [stages.layers[j] for j in stages.indices],
+              schedule.num_stages, config.schedule, config.microbatches)
+    return BuiltPipeline(config, device, cut.traced, cut.plan, cut.shared_parameters,
+                         model_shapes, stream, schedule, groups, stages, observer, stage_fn,
+                         runner, agreement)
+
+
+# -- before any communication -----------------------------------------------------------
+class PlannedTrace:
+    """A traced model grouped for the planner (``graph_profile``), waiting for its plan.
+
+    Tracing and grouping run on every rank before any communication; rank 0 also
+    profiles the groups for ``balance="auto"``; every rank then cuts the model as
+    the plan's stages say (and the ranks compare what they cut: ``agreement``).
+
+    Args:
+        module: the whole model.
+        grouped: its traced graph cut into groups.
+        inputs: the sample's tensor inputs in the graph's order.
+        targets: the sample's targets.
+        concrete_args: the non-tensor ``forward`` arguments fixed for tracing.
+        named: the sample's inputs by name (a dict), or ``None`` (positional).
+    """
+
+    def __init__(self, module: nn.Module, grouped: GraphGroups, inputs: Tuple[torch.Tensor, ...],
+                 targets: Any, concrete_args: Optional[Mapping[str, Any]],
+                 named: Optional[Mapping[str, torch.Tensor]] = None) -> None:
+        self.module, self.grouped = module, grouped
+        self.inputs, self.targets, self.concrete_args = inputs, targets, concrete_args
+        self.named = named
+
+    @classmethod
+    def trace(cls, module: nn.Module, sample: Optional[Tuple[Tensors, Any]],
+              concrete_args: Optional[Mapping[str, Any]]) -> "PlannedTrace":
+        """Traces and groups ``module`` on the inputs of ``sample`` (no communication):
+        a tensor, a tuple of tensors (positional) or a dict of named tensors (keywords).
+
+        Raises:
+            ValueError: no sample, a meta-device model, or one torch.fx cannot trace
+                (naming split_points for a model only torch.export traces).
+        """
+        if sample is None or not isinstance(sample, (tuple, list)) or len(sample) != 2:
+            raise ValueError(f"{type(module).__name__} is not an nn.Sequential, so a plan runs on "
+                             "its traced graph: pass sample=(inputs, targets), one batch to trace "
+                             "(and profile) it on (inputs: a tensor, a tuple of tensors or a dict "
+                             "of named tensors)")
+        if deferred_init.has_meta_tensors(module):
+            raise ValueError("a plan for a model that is not an nn.Sequential needs its traced "
+                             "graph, which runs the sample, which the meta device cannot; build "
+                             "the model on a real device")
+        first, names = sample[0], None
+        if isinstance(first, Mapping):  # keyword tensors, in forward's order
+            model_io.positional_inputs(list(first), first, "sample")  # tensors only
+            order = list(inspect.signature(module.forward).parameters)
+            names = sorted(first, key=lambda k: order.index(k) if k in order else len(order))
+            inputs = tuple(first[k] for k in names)
+        else:
+            inputs = tuple(first) if isinstance(first, (tuple, list)) else (first,)
+        try:
+            grouped = trace_groups(module, inputs, concrete_args, input_names=names)
+        except UntraceableError as exc:
+            raise ValueError(
+                f"{exc.reason}. balance='auto' and plan files cut torch.fx graphs (docs/tracing.md"
+                "#planning-a-traced-model-balanceauto); a model only torch.export traces (a "
+                "Hugging Face transformer) takes split_points=[module names] instead, e.g. a "
+                "decoder layer per stage boundary; for a forward that neither can trace: "
+                f"{exc.advice}") from exc
+        return cls(module, grouped, inputs, sample[1], concrete_args,
+                   dict(first) if names is not None else None)
+
+    def profile_fn(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[[], Any]:
+        """Rank 0's profile for ``balance="auto"``: the groups timed on the sample."""
+        return lambda: profile_groups(self.grouped, self.inputs, loss_fn, self.targets,
+                                      steps=10, warmup=3)
+
+    def split(self, plan: Plan) -> TracedSplit:
+        """The stages of ``plan`` (every rank, the same plan).
+
+        Raises:
+            ValueError: a plan of another model or grouping, or one that cannot run
+                (a value flowing backwards, an empty stage, a non-tensor crossing).
+        """
+        stage_of = plan_stage_of(self.grouped, plan)
+        return split_model(self.module, plan_split_labels(self.grouped, stage_of),
+                           self.named if self.named is not None else self.inputs,
+                           self.concrete_args, stage_of=stage_of,
+                           traced=(self.grouped.gm, self.grouped.kinds))
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedModel:
+    """What kind of model this is, checked before any communication.
+
+    Attributes:
+        traced: the traced stages (``split_points``), else ``None``.
+        planned: the traced and grouped model waiting for its plan (not an
+            ``nn.Sequential``, with ``balance="auto"`` or a plan), else ``None``.
+        deferred: whether the model is on the meta device (deferred initialisation).
+        init_seed: the checked base seed of deferred initialisation.
+    """
+
+    traced: Optional[TracedSplit]
+    planned: Optional[PlannedTrace]
+    deferred: bool
+    init_seed: int
+
+
+def prepare_model(args: PipelineArguments) -> PreparedModel:
+    """Checks what kind of model this is and traces it if needed (no communication).
+
+    Args:
+        args: ``PipeDream``'s arguments.
+
+    Returns:
+        The model's kind, traced where it needs to be.
+
+    Raises:
+        ValueError: not an ``nn.Sequential`` without split points, ``concrete_args``
+            without split points, a balance that names no file, a bad seed, a meta
+            module that cannot be initialised, or ``balance="auto"`` on the meta device.
+    """
+    module, balance = args.module, args.balance
+    traced = planned = None
+    if args.split_points is not None:
+        traced = _trace_stages(args)
+    elif not isinstance(module, nn.Sequential) and _is_plan(balance):
+        planned = PlannedTrace.trace(module, args.sample, args.concrete_args)
+    elif not isinstance(module, nn.Sequential):
+        raise ValueError(f"module must be an nn.Sequential (got {type(module).__name__}); "
+                         "wrap your layers in torch.nn.Sequential, or give "
+                         "split_points=[module names] and sample=(inputs, targets) to trace "
+                         "it with torch.fx, or balance='auto' and sample=(inputs, targets) to "
+                         "trace, profile and plan it (docs/tracing.md)")
+    elif args.concrete_args is not None:
+        raise ValueError("concrete_args fixes forward arguments for tracing, which an "
+                         "nn.Sequential never needs; drop concrete_args")
+    if isinstance(balance, (str, os.PathLike)) and str(balance) != "auto" and \
+            not os.path.isfile(balance):
+        raise ValueError(f"balance={os.fspath(balance)!r} is neither 'auto' nor a plan file (no such "
+                         "file); give layer counts as a list (balance=[4, 4]), 'auto' to plan at "
+                         "start-up, or the path of a plan.json")
+    init_seed = deferred_init.check_seed(args.init_seed)
+    deferred = deferred_init.has_meta_tensors(module)
+    if deferred:
+        deferred_init.check_initialisable(module, args.init_fn)
+        if isinstance(balance, str) and balance == "auto":
+            raise ValueError("balance='auto' profiles the model, which cannot run on the meta "
+                             "device; plan once from a real model (python -m pipedream_ext "
+                             "plan) and pass balance='plan.json', or give layer counts")
+    return PreparedModel(traced, planned, deferred, init_seed)
+
+
+def _trace_stages(args: PipelineArguments) -> TracedSplit:
+    """Checks the arguments of a traced pipeline and traces the model on ``sample``.
+
+    Raises:
+        ValueError: no sample, a balance, a meta-device model, or what
+            ``graph_split.split_model`` refuses.
+    """
+    module, sample = args.module, args.sample
+    if args.balance is not None:
+        raise ValueError(f"balance={args.balance!r} cannot be combined with split_points: the "
+                         "split points fix the stages; drop balance, or drop split_points and "
+                         "give balance='auto' to let the planner cut the model")
+    if sample is None or not isinstance(sample, (tuple, list)) or len(sample) != 2:
+        raise ValueError("split_points needs sample=(inputs, targets), one batch to trace the "
+                         "model on (inputs: a tensor, a tuple of tensors or a dict of named "
+                         "tensors)")
+    if deferred_init.has_meta_tensors(module):
+        raise ValueError("split_points traces the model by running it on sample, which the meta "
+                         "device cannot; build the model on a real device")
+    assert args.split_points is not None
+    first = sample[0]
+    if isinstance(first, Mapping):  # keyword inputs: traced by name, passed by name
+        model_io.positional_inputs(list(first), first, "sample")  # tensors only
+        return split_model(module, args.split_points, dict(first), args.concrete_args)
+    inputs = tuple(first) if isinstance(first, (tuple, list)) else (first,)
+    return split_model(module, args.split_points, inputs, args.concrete_args)
+
+
+def _is_plan(balance: Any) -> bool:
+    """``balance`` names a plan: ``"auto"``, a plan file or a :class:`Plan`."""
+    return isinstance(balance, (Plan, str, os.PathLike))
+
+
+def default_device() -> torch.device:
+    """``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
+    return torch.device("cpu")
+
+
+def _join_default_group(device: Optional[Union[str, torch.device]],
+                        timeout: float) -> torch.device:
+    """This rank's device, made current (NCCL and metadata on NCCL-only groups use
+    it), the default group (from the torchrun environment if needed) and clean
+    exits on SIGTERM / Ctrl-C on every rank."""
+    chosen = default_device() if device is None else torch.device(device)
+    if chosen.type == "cuda":
+        torch.cuda.set_device(chosen)
+    init_default_group(chosen, datetime.timedelta(seconds=timeout))
+    signals.install()
+    return chosen
+
+
+# -- the partition, the same on every rank --------------------------------------------------
+@dataclasses.dataclass
+class CutModel:
+    """How the model is cut into stages (the same on every rank once agreed).
+
+    Attributes:
+        partition: layers and replicas per stage (a traced model: one "layer" per stage).
+        num_layers: layers of the model (a traced model: its stages).
+        traced: a traced model's stages, else ``None``.
+        plan: the plan the stages come from, else ``None``.
+        shared_parameters: parameters used by layers of several stages.
+    """
+
+    partition: Partition
+    num_layers: int
+    traced: Optional[TracedSplit]
+    plan: Optional[Plan]
+    shared_parameters: List[SharedParameter]
+
+
+def cut_model(args: PipelineArguments, prepared: PreparedModel, config: PipelineConfig,
+              group: dist.ProcessGroup) -> CutModel:
+    """Resolves the partition: layer counts, split points or a plan (collective when
+    ``balance="auto"``: rank 0 profiles and plans, every rank gets the plan).
+
+    Raises:
+        ValueError: counts, split points or a plan that do not fit the model or the world.
+    """
+    traced, plan = prepared.traced, None
+    if prepared.planned is not None:  # a traced model cut as a plan of its graph profile says
+        plan = _load_plan(args, config, group, prepared.planned.profile_fn(args.loss_fn))
+        traced = prepared.planned.split(plan)
+    world = dist.get_world_size(group)
+    if traced is not None:
+        partition = _traced_partition(traced, plan, world, args.replicas, config.chunks)
+        num_layers = partition.num_stages
+        shared = find_shared_in_stages(args.module, traced.stages)
+    else:
+        balance, replicas = args.balance, args.replicas
+        if _is_plan(balance):
+            plan = _load_plan(args, config, group)
+            balance, replicas = partition_from_plan(plan, len(args.module), world)
+        partition = resolve_partition(len(args.module), world, config.chunks, balance, replicas)
+        num_layers = len(args.module)
+        shared = find_shared(args.module, partition)
+    return CutModel(partition, num_layers, traced, plan, shared)
+
+
+def _traced_partition(traced: TracedSplit, plan: Optional[Plan], world: int,
+                      replicas: Optional[Sequence[int]], chunks: int) -> Partition:
+    """One "layer" per traced stage; the split points (or the plan) fix the stage count."""
+    stages = len(traced.stages)
+    if plan is not None:
+        return resolve_partition(stages, world, 1, [1] * stages, check_plan_world(plan, world))
+    needed = len(replicas) if replicas is not None else world * chunks
+    if stages != needed:
+        raise ValueError(
+            f"split_points {traced.split_points} make {stages} stages but "
+            + (f"replicas {list(replicas)} list {needed}" if replicas is not None else
+               f"the world has {world} ranks x {chunks} chunks = {needed} stages")
+            + f"; give {needed - 1} split points")
+    return resolve_partition(stages, world, chunks, [1] * stages, replicas)
+
+
+def _load_plan(args: PipelineArguments, config: PipelineConfig, group: dist.ProcessGroup,
+               profile_fn: Optional[Callable[[], Any]] = None) -> Plan:
+    """The plan ``balance`` names: given, read from a file, or made at start-up
+    (``"auto"``: rank 0 profiles, with ``profile_fn`` for a traced model, and plans)."""
+    if config.chunks != 1 or args.replicas is not None:
+        raise ValueError("a plan sets balance and replicas itself; drop chunks/replicas")
+    balance = args.balance
+    if isinstance(balance, Plan):
+        plan = balance
+    elif str(balance) == "auto":
+        plan = auto_plan(args.module, args.loss_fn, args.sample, args.bandwidth, config.traits,
+                         group, profile_fn)
+    else:
+        assert isinstance(balance, (str, os.PathLike))
+        plan = Plan.load(balance)
+    if dist.get_rank(group) == 0:
+        _log.info("pipeline plan (%s cost model, predicted %.2fx over data parallelism):"
+                  "\n%s", plan.cost_model, plan.speedup_over_dp, plan.table())
+    return plan
+
+
+def _refuse_shared_if_asynchronous(config: PipelineConfig,
+                                   shared: Sequence[SharedParameter]) -> None:
+    """Shared parameters need one update of all their copies per step.
+
+    Raises:
+        ValueError: an asynchronous schedule and a parameter shared by stages.
+    """
+    if not config.asynchronous or not shared:
+        return
+    raise ValueError(
+        f"parameter {describe(shared[0])} is shared by layers on different stages, but schedule "
+        f"{config.schedule!r} updates each stage's weights inside the pipeline at "
+        "different times, so its copies would drift apart; shared parameters need a flush "
+        f"schedule ({', '.join(schedules.synchronous_names())}), or put every layer using it "
+        "on one stage with balance=...")
+
+
+def _agree_everywhere(module: nn.Module, group: dist.ProcessGroup, config: PipelineConfig,
+                      cut: CutModel, init_seed: Optional[int]) -> Optional[TracedSplit]:
+    """Fails on every rank if ranks disagree on the arguments or on what any stage
+    computes (``agree_at_construction``).
+
+    Args:
+        init_seed: the seed of a meta model (replicas would get different weights), else
+            ``None``.
+
+    Returns:
+        The traced stages, with the values crossing each cut in rank 0's order when
+        ranks listed them in another; ``None`` for an ``nn.Sequential``.
+
+    Raises:
+        ValueError: naming the argument, or the first operation (module) that differs.
+    """
+    traced, partition = cut.traced, cut.partition
+    agreed: Dict[str, Any] = {
+        "schedule": config.schedule, "microbatches": config.microbatches,
+        "chunks": config.chunks, "balance": list(partition.balance), "layers": cut.num_layers,
+        "replicas": list(partition.replicas),
+        # Shared parameters too: ranks that disagree would create different groups.
+        "shared parameters": [list(sp.names) for sp in cut.shared_parameters],
+        "split_points": None if traced is None else list(traced.split_points),
+        "vertical_sync": config.vertical_sync, "recompute": config.recompute,
+        "autocast": str(config.autocast), "check_finite": config.check_finite,
+        "loss_reduction": config.loss_reduction, "check_agreement": config.check_agreement,
+        "tracer": None if traced is None else traced.tracer,
+        "input names": None if traced is None else traced.input_names}
+    if init_seed is not None:
+        agreed["init_seed"] = init_seed
+    if traced is not None:
+        assert traced.fingerprint is not None
+        fingerprint = traced.fingerprint
+    else:
+        fingerprint = layers_fingerprint(module, partition.bounds())
+    orders = agree_at_construction(group, agreed, fingerprint)
+    if orders is not None and traced is not None:
+        return reorder_cuts(traced, orders)
+    return traced
+
+
+# -- this rank's part ---------------------------------------------------------------------
+def _build_schedule(config: PipelineConfig, partition: Partition
+                    ) -> Tuple[Optional["_C.AsyncStream"], "schedules.Schedule"]:
+    """The schedule (and, for a streaming one, the stream serving its steps)."""
+    if config.traits.streaming:
+        # Steps are served one at a time in constant memory (csrc/core/stream.h).
+        stream = _C.AsyncStream(config.schedule, stages=partition.num_stages,
+                                microbatches=config.microbatches_per_step,
+                                replicas=partition.replicas, vertical_sync=config.vertical_sync)
+        return stream, schedules.Schedule(_C.strip_communication(stream.base), stream.base)
+    return None, schedules.build(
+        config.schedule, stages=partition.num_stages // config.chunks,
+        microbatches=config.microbatches, chunks=config.chunks,
+        replicas=partition.replicas if partition.replicated else None)
+
+
+def _local_stages(args: PipelineArguments, prepared: PreparedModel, cut: CutModel,
+                  indices: Sequence[int], device: torch.device, groups: PipelineGroups,
+                  timeout: float) -> LocalStages:
+    """This rank's layers; with meta layers, every rank raises if any rank's
+    initialisation failed (it runs user code), so no rank waits on a dead peer."""
+    def build() -> LocalStages:
+        return LocalStages(args.module, cut.partition, indices, device, prepared.init_seed,
+                           args.init_fn,
+                           traced=cut.traced.stages if cut.traced is not None else None)
+
+    if not prepared.deferred:
+        return build()
+    stages: Optional[LocalStages] = None
+    error: Optional[BaseException] = None
+    try:
+        stages = build()
+    except Exception as exc:  # noqa: BLE001 - reported to every rank
+        error = exc
+    collectives.raise_if_any_failed(error, groups.group, timeout,
+                                    "initialising the meta-device layers")
+    assert stages is not None
+    return stages
+
+
+def _broadcast_replicas(stages: LocalStages, groups: PipelineGroups) -> None:
+    """Every replica of a stage starts from its leader's weights and buffers, as DDP
+    broadcasts rank 0's at construction: models built from other seeds would otherwise
+    train different weights under one stage. One broadcast per tensor, once."""
+    for j in stages:
+        group = groups.replica_groups.get(j)
+        if group is None:
+            continue
+        module = stages[j]
+        tensors = [t for _, t in module.named_parameters()] + \
+            [t for _, t in module.named_buffers()]
+        with torch.no_grad():
+            for t in tensors:
+                collectives.broadcast_data(t.detach(), 0, group)
+
+
+def _observer(trace: Optional[Union[str, os.PathLike]], groups: PipelineGroups,
+              stages: LocalStages, config: PipelineConfig, device: torch.device) -> Observer:
+    """Stats and, with ``trace`` or ``PIPEDREAM_TRACE``, the Chrome trace."""
+    if trace is None:
+        trace = os.environ.get("PIPEDREAM_TRACE") or None
+    return Observer(groups.rank, stages.indices, groups.group, config.schedule,
+                    os.fspath(trace) if trace is not None else None, device)
+
+
+def _stage_function(loss_fn: Callable[..., torch.Tensor], traced: Optional[TracedSplit],
+                    stages: LocalStages, schedule: "schedules.Schedule",
+                    groups: PipelineGroups, config: PipelineConfig,
+                    device: torch.device) -> StageFunction:
+    """The executor's forward callback over this rank's stages."""
+    # An exported model's last stage returns its output's tensors flat; loss_fn gets
+    # the model's own structure (a ModelOutput) back.
+    spec = traced.output_spec if traced is not None else None
+    stage_loss = loss_fn if spec is None else model_io.RestoredLoss(loss_fn, spec)
+    return StageFunction(stages, stage_loss, schedule.num_stages, device, config.autocast,
+                         config.check_finite, raise_at_once=config.asynchronous,
+                         rank=groups.rank, recompute=config.recompute,
+                         loss_reduction=config.loss_reduction)
