@@ -1,17 +1,18 @@
-"""What the agreement checks cost (``pipedream_ext/_dist/agreement.py``; docs/runtime.md).
+"""What the agreement checks cost (measured with ``pipedream_ext.diagnostics``; docs/runtime.md).
 
 One ``torch.distributed.run`` launch of 2 CPU ranks (Gloo on localhost) measures,
 as medians over ``--reps`` repetitions:
 
-* **construction**: fingerprinting the stages (``layers_fingerprint`` of an MLP of
-  ``--layers`` x ``Linear(--width, --width)``; ``graph_fingerprint`` of a small
+* **construction**: fingerprinting the stages (``fingerprint_layers`` of an MLP of
+  ``--layers`` x ``Linear(--width, --width)``; ``fingerprint_split`` of a small
   GPT-2 exported and cut in 2, the export path), and the exchange that compares
-  them (``agree_at_construction``: one all-gather), beside building the pipeline
+  them (``check_stages_agree``: one all-gather), beside building the pipeline
   (``PipeDream(...)``, which includes them);
-* **the first steps**: one ``StepAgreement.check`` (fingerprints of the batch on both
-  ranks, one all-gather) for image batches of ``--batches`` rows of 3x32x32 floats,
-  beside a training step of the MLP pipeline (1f1b, 4 microbatches) on a batch of
-  ``--rows`` rows, and the same step with ``check_agreement=0``;
+* **the first steps**: one ``check_batches_agree`` (fingerprints of the batch on both
+  ranks, one all-gather: what ``step()`` runs for its first ``check_agreement`` calls)
+  for image batches of ``--batches`` rows of 3x32x32 floats, beside a training step of
+  the MLP pipeline (1f1b, 4 microbatches) on a batch of ``--rows`` rows, and the same
+  step with ``check_agreement=0``;
 * **evaluation**: the flag all-reduce ``forward_only`` ends with.
 
 Every step after the first ``check_agreement`` (default 3) costs nothing: the check
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as h  # noqa: E402
+import _harness as h
 
 __all__ = ["main", "parse_args", "report", "run_driver", "run_worker"]
 
@@ -47,90 +48,93 @@ def _median_ms(fn: Callable[[], Any], reps: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def _construction(args: argparse.Namespace, result: Dict[str, Any]) -> None:
+    """Fingerprints and the exchange comparing them: an MLP and a small GPT-2 (export path)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import pipedream_ext as pd
+    import pipedream_ext.diagnostics as pdd
+
+    mlp = h.mlp([args.width] * (args.layers + 1))
+    balance = [len(mlp) // 2, len(mlp) - len(mlp) // 2]
+    fp = pdd.fingerprint_layers(mlp, balance)
+    config = {"schedule": "1f1b", "microbatches": 4}
+    result["mlp_fingerprint_ms"] = _median_ms(lambda: pdd.fingerprint_layers(mlp, balance), args.reps)
+    dist.barrier()
+    result["construction_exchange_ms"] = _median_ms(lambda: pdd.check_stages_agree(fp, config), args.reps)
+    t0 = time.perf_counter()
+    pd.PipeDream(h.mlp([args.width] * (args.layers + 1)), F.cross_entropy,
+                 schedule="1f1b", microbatches=4, timeout=120)
+    result["mlp_pipeline_ms"] = 1e3 * (time.perf_counter() - t0)
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=64, n_head=2, vocab_size=128,
+                                      n_positions=64, use_cache=False))
+    ids = torch.randint(0, 128, (8, 16))
+    timing = pdd.time_split(gpt2, ["transformer.h.2"], {"input_ids": ids}, {"use_cache": False})
+    result["gpt2_split_ms"] = 1e3 * timing.total_s
+    result["gpt2_nodes"] = timing.graph_nodes
+    result["gpt2_fingerprint_ms"] = _median_ms(lambda: pdd.fingerprint_split(timing.split), args.reps)
+    dist.barrier()
+    result["gpt2_exchange_ms"] = _median_ms(
+        lambda: pdd.check_stages_agree(timing.split.fingerprint, config), args.reps)
+
+
+def _first_steps(args: argparse.Namespace, result: Dict[str, Any]) -> None:
+    """The batch check alone per batch size, a training step with and without it, and
+    forward_only's closing flag all-reduce."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import pipedream_ext as pd
+    import pipedream_ext.diagnostics as pdd
+
+    checks = {}
+    for rows in args.batches:
+        x = torch.randn(rows, 3, 32, 32)
+        y = torch.randint(0, 10, (rows,))
+        dist.barrier()
+        checks[str(rows)] = _median_ms(lambda: pdd.check_batches_agree(x, y), args.reps)
+    result["check_ms"] = checks
+    # A training step with and without the check, alternating (same load for both).
+    x = torch.randn(args.rows, args.width)
+    y = torch.randint(0, args.width, (args.rows,))
+    runs = {}
+    for label, window in (("checked", 10 ** 9), ("unchecked", 0)):
+        pipe = pd.PipeDream(h.mlp([args.width] * (args.layers + 1)), F.cross_entropy,
+                            schedule="1f1b", microbatches=4, timeout=120, check_agreement=window)
+        runs[label] = (pipe, torch.optim.SGD(pipe.parameters(), lr=0.01))
+    times: Dict[str, List[float]] = {label: [] for label in runs}
+    for rep in range(args.reps + 3):
+        for label, (pipe, opt) in runs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            pipe.step(x, y)
+            opt.step()
+            opt.zero_grad()
+            if rep >= 3:
+                times[label].append(time.perf_counter() - t0)
+    steps = {label: 1e3 * statistics.median(t) for label, t in times.items()}
+    dist.barrier()
+    steps["check alone"] = _median_ms(lambda: pdd.check_batches_agree(x, y), args.reps)
+    result["step_ms"] = steps
+    dist.barrier()
+    # What forward_only ends with: one float64 all-reduce on the (Gloo, CPU) group.
+    result["flag_allreduce_ms"] = _median_ms(
+        lambda: dist.all_reduce(torch.zeros(1, dtype=torch.float64)), args.reps)
+
+
 def run_worker(args: argparse.Namespace) -> int:
     def body(result: Dict[str, Any]) -> None:
-        import torch
-        import torch.distributed as dist
-        import torch.nn.functional as F
-
-        import pipedream_ext as pd
-        from pipedream_ext._dist.agreement import StepAgreement, agree_at_construction
-        from pipedream_ext._dist.fingerprint import layers_fingerprint
-        from pipedream_ext._frontend.graph_split import split_model
-
-        group = dist.group.WORLD
-        mlp = h.mlp([args.width] * (args.layers + 1))
-        bounds = [0, len(mlp) // 2, len(mlp)]
-        fp = layers_fingerprint(mlp, bounds)
-        config = {"schedule": "1f1b", "microbatches": 4}
-        result["mlp_fingerprint_ms"] = _median_ms(lambda: layers_fingerprint(mlp, bounds), args.reps)
-        dist.barrier()
-        result["construction_exchange_ms"] = _median_ms(
-            lambda: agree_at_construction(group, config, fp), args.reps)
-        t0 = time.perf_counter()
-        pipe = pd.PipeDream(h.mlp([args.width] * (args.layers + 1)), F.cross_entropy,
-                            schedule="1f1b", microbatches=4, timeout=120)
-        result["mlp_pipeline_ms"] = 1e3 * (time.perf_counter() - t0)
-
-        from transformers import GPT2Config, GPT2LMHeadModel
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        torch.manual_seed(0)
-        gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=64, n_head=2, vocab_size=128,
-                                          n_positions=64, use_cache=False))
-        ids = torch.randint(0, 128, (8, 16))
-        t0 = time.perf_counter()
-        split = split_model(gpt2, ["transformer.h.2"], {"input_ids": ids}, {"use_cache": False})
-        result["gpt2_split_ms"] = 1e3 * (time.perf_counter() - t0)
-        from pipedream_ext._dist.fingerprint import graph_fingerprint
-        from pipedream_ext._frontend.graph_split import _stage_of
-
-        cut = split.cut
-        result["gpt2_nodes"] = len(cut.gm.graph.nodes)
-        result["gpt2_fingerprint_ms"] = _median_ms(lambda: graph_fingerprint(
-            cut.gm, gpt2, _stage_of(cut.gm, cut.starts), cut.live, 2), args.reps)
-        dist.barrier()
-        result["gpt2_exchange_ms"] = _median_ms(
-            lambda: agree_at_construction(group, config, split.fingerprint), args.reps)
-
-        # The first steps: the check alone, per batch size.
-        checks = {}
-        for rows in args.batches:
-            x = torch.randn(rows, 3, 32, 32)
-            y = torch.randint(0, 10, (rows,))
-            agreement = StepAgreement(group, [0], [1], check_steps=10 ** 9)
-            dist.barrier()
-            checks[str(rows)] = _median_ms(lambda: agreement.check("step", x, y), args.reps)
-        result["check_ms"] = checks
-        # A training step with and without the check, alternating (same load for both).
-        x = torch.randn(args.rows, args.width)
-        y = torch.randint(0, args.width, (args.rows,))
-        runs = {}
-        for label, window in (("checked", 10 ** 9), ("unchecked", 0)):
-            pipe = pd.PipeDream(h.mlp([args.width] * (args.layers + 1)), F.cross_entropy,
-                                schedule="1f1b", microbatches=4, timeout=120,
-                                check_agreement=window)
-            runs[label] = (pipe, torch.optim.SGD(pipe.parameters(), lr=0.01))
-        times: Dict[str, List[float]] = {label: [] for label in runs}
-        for rep in range(args.reps + 3):
-            for label, (pipe, opt) in runs.items():
-                dist.barrier()
-                t0 = time.perf_counter()
-                pipe.step(x, y)
-                opt.step()
-                opt.zero_grad()
-                if rep >= 3:
-                    times[label].append(time.perf_counter() - t0)
-        steps = {label: 1e3 * statistics.median(t) for label, t in times.items()}
-        agreement = StepAgreement(group, [0], [1], check_steps=10 ** 9)
-        dist.barrier()
-        steps["check alone"] = _median_ms(lambda: agreement.check("step", x, y), args.reps)
-        result["step_ms"] = steps
-        dist.barrier()
-        # What forward_only ends with: one float64 all-reduce on the (Gloo, CPU) group.
-        result["flag_allreduce_ms"] = _median_ms(
-            lambda: dist.all_reduce(torch.zeros(1, dtype=torch.float64), group=group), args.reps)
+        _construction(args, result)
+        _first_steps(args, result)
 
     return h.worker(JSON_TAG, body, backend="gloo")
 
