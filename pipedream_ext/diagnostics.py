@@ -245,7 +245,8 @@ def check_batches_agree(inputs: Any, targets: Any, group: Optional[dist.ProcessG
                         last_ranks: Optional[Sequence[int]] = None) -> None:
     """Checks a batch as ``PipeDream.step()`` does for its first ``check_agreement``
     calls: the ranks of stage 0 and of the last stage were given the same batch
-    (fingerprints of inputs and targets, and their rows). One all-gather. Collective.
+    (fingerprints of inputs and targets, and their rows). One all-gather. Collective; on a
+    group of one rank it checks nothing.
 
     Args:
         inputs: what this rank was given as inputs (``None``: nothing).
