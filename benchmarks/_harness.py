@@ -29,10 +29,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-__all__ = ["RESULTS", "ROOT", "all_gather_json", "command_line", "command_sentence", "CommandFailed", "cpu_model", "digits",
-           "failure_lines", "fmt", "forward", "launch_failed", "launch_torchrun", "machine_info",
-           "machine_line", "main", "make_parser", "measure_bandwidth", "mlp", "models", "pct", "pyplot", "run_command", "save_figure",
-           "setup_logging", "start_report", "table", "table_row", "worker", "write_results"]
+__all__ = ["RESULTS", "ROOT", "all_gather_json", "command_line", "command_sentence", "CommandFailed", "cpu_model",
+           "digits", "failure_lines", "fmt", "forward", "launch_failed", "launch_torchrun", "machine_info",
+           "machine_line", "main", "make_parser", "measure_bandwidth", "mlp", "models", "pct", "pyplot", "run_command",
+           "save_figure", "setup_logging", "start_report", "table", "table_row", "worker", "write_results"]
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -297,7 +297,7 @@ def worker(tag: str, body: Callable[[Dict[str, Any]], None], backend: Optional[s
     result: Dict[str, Any] = {"world": dist.get_world_size()}
     try:
         body(result)
-    except Exception as exc:  # noqa: BLE001 - reported to the driver as data
+    except Exception as exc:  # reported to the driver as data
         LOG.exception("rank %d failed", rank)
         result["error"] = f"rank {rank}: {type(exc).__name__}: {exc}"
     if rank == 0:

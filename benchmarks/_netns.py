@@ -401,11 +401,11 @@ class NetnsCluster:
         self._lock_file = open(lock_path, "a+")
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except BlockingIOError as exc:
             self._lock_file.close()
             self._lock_file = None
             raise RuntimeError(f"another live process holds {lock_path}: a cluster with prefix "
-                               f"{self.prefix!r} is in use; wait for it or choose another prefix")
+                               f"{self.prefix!r} is in use; wait for it or choose another prefix") from exc
         try:
             self.cleanup_stale()
             self._up = True

@@ -6,9 +6,9 @@ Two parts, both written to ``benchmarks/results/comm_volume.md``:
    together) for a VGG-16-shaped small model (convolutions, then big
    fully-connected layers) and the digits CNN, trained for a few steps with the
    plan the planner makes for 2 workers (``pipedream`` cost model at 1.25e9 B/s,
-   i.e. 10 Gbit/s, with boundary transfers paid: compression ratio 1), beside data parallelism's ring all-reduce volume for the same
-   model (2 (N-1) / N weight bytes per worker and step, an exact count for DDP's
-   gradient bucket all-reduce).
+   i.e. 10 Gbit/s, with boundary transfers paid: compression ratio 1), beside data
+   parallelism's ring all-reduce volume for the same model (2 (N-1) / N weight bytes
+   per worker and step, an exact count for DDP's gradient bucket all-reduce).
 2. Analytical: for the shipped PipeDream profiles (VGG-16, AlexNet, ResNet-50,
    GNMT) and plans for 4 and 16 workers, bytes per minibatch crossing stage
    boundaries (activations forward and gradients back, a tensor counted once per
@@ -35,7 +35,7 @@ from torch import nn
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as h  # noqa: E402
+import _harness as h
 
 __all__ = ["analytical", "digits_cnn", "main", "measured", "parse_args", "report", "run_driver", "run_worker",
            "vgg_like", "weight_bytes"]

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as h  # noqa: E402
+import _harness as h
 
 __all__ = ["MODES", "main", "parse_args", "peak_rss_bytes", "report", "rss_bytes", "run_driver",
            "run_worker"]

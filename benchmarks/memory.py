@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as h  # noqa: E402
+import _harness as h
 
 __all__ = ["Window", "block_balance", "cumulative_peak", "expected_in_flight", "expected_peak", "main",
            "main_table", "make_model", "parse_args", "plot", "recompute_table", "rows_of", "run_config",
@@ -202,7 +202,7 @@ def stage_activation(pipe, x_mb, y_mb, device) -> Dict[str, float]:
         out_bytes = 0.0 if pipe.is_last else float(out.numel() * out.element_size())
         if pipe.is_last:
             out = F.cross_entropy(out, y_mb.to(device))
-        keep = out  # noqa: F841 - the graph stays alive until the window ends
+        keep = out
     retained = w.final
     del keep, out, inp
     stage.zero_grad(set_to_none=True)

@@ -35,7 +35,6 @@ step). Ours also reports messages per transfer.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -46,7 +45,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _harness as h  # noqa: E402
+import _harness as h
 
 LOG = logging.getLogger("p2p_engine")
 TAG = "P2P_RESULT "

@@ -49,8 +49,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as h  # noqa: E402
-from _harness import pct  # noqa: E402
+import _harness as h
+from _harness import pct
 
 __all__ = ["async_minibatches", "breakdown_table", "build_rows", "describe_plan", "main", "measured_stages",
            "merge_rows", "parse_args", "plot", "predictions", "profile_digits", "relative_error", "replica_share",
@@ -253,7 +253,7 @@ def run_config_safely(cfg: Dict[str, Any], args: argparse.Namespace, batches) ->
     try:
         out = run_config(cfg, args, batches)
         failed = torch.zeros(1)
-    except Exception as exc:  # noqa: BLE001 - reported as data
+    except Exception as exc:  # reported as data
         LOG.exception("rank %d: %s failed", dist.get_rank(), cfg["key"])
         out = {"key": cfg["key"], "error": f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"}
         failed = torch.ones(1)
@@ -343,8 +343,8 @@ def build_rows(plans: Dict[Tuple[int, str], Any], runs: Dict[Tuple[int, str, str
             label = run_label(w, cm, variant, schedule)
             plan_text = describe_plan([s["layers"] for s in pred["stages"]], plan.replicas)
             plan_name = f"{cm}{' (straight)' if variant == 'straight' else ''}"
-            base = {"label": label, "plan_name": plan_name, "workers": w, "cost_model": cm, "variant": variant, "schedule": schedule,
-                    "plan": plan_text, "speedup": plan.speedup_over_dp}
+            base = {"label": label, "plan_name": plan_name, "workers": w, "cost_model": cm, "variant": variant,
+                    "schedule": schedule, "plan": plan_text, "speedup": plan.speedup_over_dp}
             if run is None or "error" in run:
                 run_rows.append({**base, "error": (run or {}).get("error", "not run"),
                                  "rejected": bool((run or {}).get("rejected")), **pred})

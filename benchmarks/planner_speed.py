@@ -19,7 +19,7 @@ import pipedream_ext as pe
 import pipedream_ext.testing as pdt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as h  # noqa: E402
+import _harness as h
 
 __all__ = ["main"]
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as h  # noqa: E402
+import _harness as h
 
 __all__ = ["PUBLISHED", "measure", "main"]
 
@@ -72,7 +72,7 @@ def measure(name: str, p: int) -> Dict[str, float]:
     first: Dict[int, float] = {}
     last: Dict[int, float] = {}
     busy: Dict[int, float] = {}
-    for rank, _step, action, start, end in r.timeline:
+    for rank, _step, _action, start, end in r.timeline:
         if end > start:  # compute (SEND/RECV/U take no time here)
             first[rank] = min(first.get(rank, start), start)
             last[rank] = max(last.get(rank, end), end)

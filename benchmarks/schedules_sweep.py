@@ -45,7 +45,7 @@ from tqdm import tqdm
 from pipedream_ext import schedules
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as h  # noqa: E402
+import _harness as h
 
 __all__ = ["build_kwargs", "fmt", "main", "plot", "simulate", "write_markdown"]
 

@@ -9,8 +9,9 @@ pre-posted buffers, the real tensors follow on their own tags, posted by the
 receiver when the header arrives) and the one after it is steady (every receive
 pre-posted with the right shapes). Every step starts after a barrier; its time is
 the slower rank's. A control row times the same alternation on the unsplit model
-in one process (the part of the cost that is compute on new shapes). Reported per schedule: the median step time of each kind over
-the repeats, the redirected sends per step and the bytes sent per step.
+in one process (the part of the cost that is compute on new shapes). Reported per schedule:
+the median step time of each kind over the repeats, the redirected sends per step and the
+bytes sent per step.
 
 Command (about 20 s on 2 cores):
 
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as h  # noqa: E402
+import _harness as h
 
 __all__ = ["main", "parse_args", "report", "run_driver", "run_worker"]
 

@@ -68,8 +68,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as h  # noqa: E402
-import _netns  # noqa: E402
+import _harness as h
+import _netns
 
 __all__ = ["ModelSpec", "RunOutcome", "bandwidth_label", "build_model", "build_parser", "check_runnable",
            "configs_of", "driver_main", "lcm_all", "load_data", "main", "make_plans", "microbatches_for",

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as h  # noqa: E402
+import _harness as h
 
 __all__ = ["after_warmup", "assess", "cpu_per_step", "evaluate", "main", "parse_args", "plot", "quarters",
            "queue_growing", "rate", "rss_bytes", "rss_summary", "run_driver", "run_worker", "summary_table",

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as h  # noqa: E402
+import _harness as h
 
 __all__ = ["ForwardTimer", "launch", "main", "main_table", "make_batch", "make_model", "parse_args", "plot_main",
            "plot_sweep", "profile_section", "profile_steps", "run_driver", "run_worker", "stage_bounds",

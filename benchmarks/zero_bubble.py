@@ -53,10 +53,10 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _harness as h  # noqa: E402
+import _harness as h
 
-__all__ = ["COMPARISONS", "KINDS", "TORCH_CLASSES", "action_counts", "balance", "comparison_summary", "main", "parse_args",
-           "placement", "rank_figures", "ratio_stats", "report", "run_driver", "run_worker", "simulate",
+__all__ = ["COMPARISONS", "KINDS", "TORCH_CLASSES", "action_counts", "balance", "comparison_summary", "main",
+           "parse_args", "placement", "rank_figures", "ratio_stats", "report", "run_driver", "run_worker", "simulate",
            "stage_costs", "stage_costs_from_trace"]
 
 JSON_TAG = "ZERO_BUBBLE_JSON "
@@ -381,9 +381,9 @@ def _time_torch_p2p() -> None:
                     into[kind] = into.get(kind, 0.0) + time.perf_counter() - t0
         return wrapper
 
-    ts._batch_p2p = timed(ts._batch_p2p, "P2P_POST")
-    ts._wait_batch_p2p = timed(ts._wait_batch_p2p, "P2P_WAIT")
-    ts._zero_bubble_timed = True
+    ts._batch_p2p = timed(ts._batch_p2p, "P2P_POST")  # noqa: SLF001 - torch internal, timed on purpose
+    ts._wait_batch_p2p = timed(ts._wait_batch_p2p, "P2P_WAIT")  # noqa: SLF001 - torch internal, timed on purpose
+    ts._zero_bubble_timed = True  # noqa: SLF001 - our mark on torch's module: wrapped once
 
 
 def _snapshot(runner: _Runner) -> Dict[str, float]:
@@ -454,7 +454,7 @@ def run_worker(args: argparse.Namespace) -> int:
                     runner.reset()
                     runners[name] = runner
                     keep.append(runner)
-                except Exception as exc:  # noqa: BLE001 - a failing schedule is a result
+                except Exception as exc:  # a failing schedule is a result
                     # The peer, if it is waiting in this configuration's group, times
                     # out there (--pipe-timeout) and records its own error.
                     entry["error"] = f"rank {rank}: {type(exc).__name__}: {exc}".splitlines()[0][:400]
