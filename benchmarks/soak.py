@@ -12,10 +12,9 @@ steps). Every ``--sample-every`` steps each rank records: RSS (``/proc/self/stat
 resident pages x page size), the steps/s of the last window, ``pipe.stats()``
 counters (compute/wait/busy seconds, bytes and transfer counts, peak activations and
 weight versions, weight bytes copied), the number of Python objects the GC tracks,
-and read-only looks at private state: ``len(pipe._stage_fn.targets)`` (targets kept
-until their backward: ``pending_targets`` for asynchronous schedules,
-``flush_targets`` for flush ones) and ``pipe._runner.executor.size`` / ``position``
-(the executor's window of actions).
+and the queues ``pipe.stats()`` reports: ``held_targets`` (targets kept until their
+backward: ``pending_targets`` for asynchronous schedules, ``flush_targets`` for flush
+ones) and ``executor_actions`` / ``executor_position`` (the executor's window of actions).
 
 Verdict, after the warm-up (the first ``--warmup-frac`` of the steps):
 
@@ -223,10 +222,10 @@ def run_worker(args: argparse.Namespace) -> int:
                     "peak_activations": st["peak_activations"],
                     "peak_weight_versions": max(st["peak_weight_versions"].values(), default=0),
                     "weight_bytes_copied": st["weight_bytes_copied"], "gc_objects": len(gc.get_objects()),
-                    "pending_targets": len(pipe._stage_fn.targets) if pipe.asynchronous else None,
-                    "flush_targets": None if pipe.asynchronous else len(pipe._stage_fn.targets),
-                    "executor_size": pipe._runner.executor.size,
-                    "executor_position": pipe._runner.executor.position}
+                    "pending_targets": st["held_targets"] if pipe.asynchronous else None,
+                    "flush_targets": None if pipe.asynchronous else st["held_targets"],
+                    "executor_size": st["executor_actions"],
+                    "executor_position": st["executor_position"]}
 
         every = max(1, args.sample_every or args.steps // 100)
         dist.barrier()

@@ -459,9 +459,17 @@ class PipeDream:
             On a CUDA device also ``cuda_memory_allocated`` and
             ``cuda_peak_memory_allocated`` (bytes held by this rank's stages, now and
             at most since construction or :meth:`reset_stats`).
+            Queues, now: ``held_targets`` (microbatches whose targets this rank holds
+            until their backward), ``executor_actions`` (actions in the executor's
+            list; an asynchronous schedule's grows each step) and ``executor_position``
+            (the next action's index).
             Local to this rank: no communication.
         """
-        return self._observer.stats(self._runner.executor)
+        stats = self._observer.stats(self._runner.executor)
+        stats["held_targets"] = len(self._stage_fn.targets)
+        stats["executor_actions"] = self._runner.executor.size
+        stats["executor_position"] = self._runner.executor.position
+        return stats
 
     def reset_stats(self) -> None:
         """Starts :meth:`stats` from zero (e.g. after warm-up steps): times, counts,

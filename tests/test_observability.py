@@ -63,6 +63,10 @@ def run_checks() -> None:
     # rank 1's gradient of microbatch i when rank 0's forward of i + 2 arrives, so 1F1B
     # on 2 ranks holds 2 sends at most, not one per microbatch (M = 4).
     assert stats["peak_sends_in_flight"] == 2, stats
+    # A flushed step runs every action; the last stage keeps the step's M targets (only
+    # it computes a loss) until the next step replaces them.
+    assert stats["held_targets"] == (M if rank == 1 else 0), stats
+    assert 0 < stats["executor_actions"] == stats["executor_position"], stats
 
     written = pipe.write_trace()
     assert (written == path) == (rank == 0), written
@@ -122,7 +126,8 @@ def check_reset_stats(rank: int) -> None:
 
     steps(6)
     before = pipe.stats()
-    assert set(before) == STATS_KEYS | {"rank", "stages"}, sorted(before)
+    assert set(before) == STATS_KEYS | {"rank", "stages", "held_targets", "executor_actions",
+                                       "executor_position"}, sorted(before)
     assert before["bytes_sent"] > 0 and before["bytes_received"] > 0, before
     assert before["sends"] > 0 and before["receives"] > 0 and before["steps"] == 6, before
     if rank == 0:  # stage 0 of 2 keeps 2 versions: updating a needed one copies it
