@@ -459,17 +459,10 @@ class PipeDream:
             On a CUDA device also ``cuda_memory_allocated`` and
             ``cuda_peak_memory_allocated`` (bytes held by this rank's stages, now and
             at most since construction or :meth:`reset_stats`).
-            Queues, now: ``held_targets`` (microbatches whose targets this rank holds
-            until their backward), ``executor_actions`` (actions in the executor's
-            list; an asynchronous schedule's grows each step) and ``executor_position``
-            (the next action's index).
+            Queues, now: ``held_targets``, ``executor_actions``, ``executor_position``.
             Local to this rank: no communication.
         """
-        stats = self._observer.stats(self._runner.executor)
-        stats["held_targets"] = len(self._stage_fn.targets)
-        stats["executor_actions"] = self._runner.executor.size
-        stats["executor_position"] = self._runner.executor.position
-        return stats
+        return {**self._observer.stats(self._runner.executor), **self._runner.queue_sizes()}
 
     def reset_stats(self) -> None:
         """Starts :meth:`stats` from zero (e.g. after warm-up steps): times, counts,

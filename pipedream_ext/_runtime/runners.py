@@ -115,6 +115,12 @@ class Runner:
         self._eval_executor: Optional["_C.PipelineExecutor"] = None
         _LIVE.add(self)
 
+    def queue_sizes(self) -> Dict[str, int]:
+        """The queues ``PipeDream.stats`` reports: targets held for their backward, the
+        executor's list and its next action's index."""
+        return {"held_targets": len(self.stage_fn.targets), "executor_actions": self.executor.size,
+                "executor_position": self.executor.position}
+
     # -- executors ----------------------------------------------------------------
     def _make_executor(self, lowered: "_C.Schedule", rank: Optional[int] = None,
                        group: Optional[dist.ProcessGroup] = None,
