@@ -44,7 +44,7 @@ from tqdm import tqdm
 import pipedream_ext as pd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import VOCAB, gpt_sequential  # noqa: E402
+from models import VOCAB, gpt_sequential
 
 log = logging.getLogger("train_gpt")
 
@@ -85,7 +85,10 @@ def split_by_file(sources: Sequence[Tuple[str, bytes]], every: int,
     train = [data for i, (_, data) in enumerate(sources) if i not in chosen]
     val = [data for i, (_, data) in enumerate(sources) if i in chosen]
     val_bytes = b"\n\n".join(val)[:max_val_bytes]
-    as_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8).clone()
+
+    def as_tensor(b: bytes) -> torch.Tensor:
+        return torch.frombuffer(bytearray(b), dtype=torch.uint8).clone()
+
     return as_tensor(b"\n\n".join(train)), as_tensor(val_bytes), len(val)
 
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import pipedream_ext as pd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_gpt import (  # noqa: E402
+from train_gpt import (
     PROMPTS,
     VOCAB,
     learning_rate,

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import pipedream_ext as pd
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import ResNet  # noqa: E402
+from models import ResNet
 
 log = logging.getLogger("train_resnet")
 

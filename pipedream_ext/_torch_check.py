@@ -60,5 +60,5 @@ def load_extension() -> ModuleType:
         raise
     if required and required != installed:
         warnings.warn(mismatch_message(installed, required, "it loaded, but its C++ types may "
-                                                            "not match"), RuntimeWarning)
+                                                            "not match"), RuntimeWarning, stacklevel=2)
     return module

@@ -304,7 +304,8 @@ def _rows_shares(n: int) -> List[float]:
     return [float(len(r)) / n for r in torch.tensor_split(torch.arange(n), MICROBATCHES)]
 
 
-def _microbatches(inputs: Dict[str, torch.Tensor], y: torch.Tensor) -> List[Tuple[Dict[str, torch.Tensor], torch.Tensor]]:
+def _microbatches(inputs: Dict[str, torch.Tensor],
+                  y: torch.Tensor) -> List[Tuple[Dict[str, torch.Tensor], torch.Tensor]]:
     parts = {k: torch.tensor_split(v, MICROBATCHES) for k, v in inputs.items()}
     ys = torch.tensor_split(y, MICROBATCHES)
     return [({k: p[i] for k, p in parts.items()}, ys[i]) for i in range(MICROBATCHES)]

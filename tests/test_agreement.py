@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import (  # noqa: E402
+from _multiprocess import (
     assert_every_rank_passed,
     launch_raw,
     launch_torchrun,

@@ -138,7 +138,7 @@ def check(kind: str, opt_name: str, streams: Sequence[int] = (10, 4), recompute:
             loss = pipe.step(x, y, optimizer=opt)
             runs_it = pipe.is_last and (
                 not replicas or kind == "pipedream-2bw"
-                or step % replicas[-1] == pipe._schedule.stage_ranks(p - 1).index(pipe.rank))  # noqa: SLF001
+                or step % replicas[-1] == pipe._schedule.stage_ranks(p - 1).index(pipe.rank))
             if runs_it:
                 assert loss == pytest.approx(expected_losses[step], rel=1e-5), \
                     f"{kind} {opt_name} p={p} step {step}: loss {loss} != {expected_losses[step]}"
@@ -190,7 +190,7 @@ def check_long_run(steps: int = 1000) -> None:
     pipe.flush()
     p, stage = dist.get_world_size(), pipe.stage_index
     assert pipe.peak_weight_versions[stage] == p - stage
-    assert len(pipe._stage_fn.targets) == 0  # noqa: SLF001 - test only
+    assert len(pipe._stage_fn.targets) == 0
     # Copy on update: the last stage runs F and B back to back, so its weights are
     # never copied; other stages copy at most once per update.
     stats = pipe.stats()

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import ROOT, assert_every_rank_passed, launch_torchrun, worker_main  # noqa: E402
+from _multiprocess import ROOT, assert_every_rank_passed, launch_torchrun, worker_main
 
 MARKER = "ALL BAD INPUT CHECKS PASSED"
 DOC = os.path.join(ROOT, "docs", "bad_input.md")

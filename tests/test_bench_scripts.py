@@ -527,8 +527,9 @@ def test_zero_bubble_stage_costs_scale_the_trace_to_the_timed_rounds():
     few = dict(counts, I={0: 2, 3: 1, 1: 1, 2: 1})
     assert zero_bubble.stage_costs(entry, few)["I"] == pytest.approx({0: 0.4 / 3, 3: 0.4 / 3, 1: 0.1, 2: 0.1})
     # Torch: each rank reports its own stages' means.
-    torch_entry = {"ranks": [{"stages": [0, 2], "rounds": [rnd(0.8)], "stage_costs": {"0": {"F": 1.0}, "2": {"F": 1.0}}},
-                             {"stages": [1, 3], "rounds": [rnd(0.8)], "stage_costs": {"1": {"F": 1.0}, "3": {"F": 3.0}}}]}
+    torch_entry = {"ranks": [
+        {"stages": [0, 2], "rounds": [rnd(0.8)], "stage_costs": {"0": {"F": 1.0}, "2": {"F": 1.0}}},
+        {"stages": [1, 3], "rounds": [rnd(0.8)], "stage_costs": {"1": {"F": 1.0}, "3": {"F": 3.0}}}]}
     assert zero_bubble.stage_costs(torch_entry, counts)["F"] == pytest.approx({0: 0.05, 2: 0.05, 1: 0.025, 3: 0.075})
 
 

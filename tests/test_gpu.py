@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import assert_every_rank_passed, launch_torchrun  # noqa: E402
+from _multiprocess import assert_every_rank_passed, launch_torchrun
 
 MARKER = "ALL GPU CHECKS PASSED"
 RTOL, ATOL = 1e-5, 1e-6
@@ -66,7 +66,7 @@ def check_flush_equals_unsplit(schedule: str, device: torch.device, optimizer: s
                         chunks=chunks, device=device, timeout=120)
     expected = os.environ.get("PIPEDREAM_P2P_PROTOCOL") or (
         "split" if "nccl" in str(dist.get_backend()) else "fused")
-    assert pipe._runner.executor.protocol == expected, pipe._runner.executor.protocol  # noqa: SLF001
+    assert pipe._runner.executor.protocol == expected, pipe._runner.executor.protocol
     make_opt = (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)) if optimizer == "sgd" \
         else (lambda ps: torch.optim.Adam(ps, lr=0.01))
     ref_opt, opt = make_opt(ref.parameters()), make_opt(pipe.parameters())

@@ -23,7 +23,7 @@ from pipedream_ext._frontend.graph_split import split_model
 from pipedream_ext._planning.graph_profile import plan_stage_of, trace_groups
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_traced import ResNet, UNet  # noqa: E402
+from test_traced import ResNet, UNet
 
 
 def _resnet():

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main  # noqa: E402
+from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
 
 MARKER = "ALL MIXED PRECISION CHECKS PASSED"
 MICROBATCHES = 4

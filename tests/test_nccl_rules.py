@@ -80,7 +80,7 @@ def pipeline_messages(protocol: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     pipe = pd.PipeDream(model, F.cross_entropy, schedule="1f1b", microbatches=4, timeout=30)
-    assert pipe._runner.executor.protocol == protocol, pipe._runner.executor.protocol  # noqa: SLF001
+    assert pipe._runner.executor.protocol == protocol, pipe._runner.executor.protocol
     for step in range(3):
         g = torch.Generator().manual_seed(step)
         pipe.step(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g))

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import ROOT, assert_every_rank_passed, launch_torchrun, worker_main  # noqa: E402
+from _multiprocess import ROOT, assert_every_rank_passed, launch_torchrun, worker_main
 
 MARKER = "ALL OBSERVABILITY CHECKS PASSED"
 M, STEPS, WIDTH, BATCH = 4, 3, 12, 8

@@ -32,7 +32,11 @@ def _profile_path(name: str) -> str:
     return path
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['profile']}-{'x'.join(map(str, c['workers']))}-{c['option']}")
+def _case_id(c):
+    return f"{c['profile']}-{'x'.join(map(str, c['workers']))}-{c['option']}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_same_optimum_as_pipedreams_optimizer(case):
     plan = pd.plan(_profile_path(case["profile"]), workers=case["workers"], bandwidth=case["bandwidth"],
                    cost_model="pipedream", **OPTIONS[case["option"]])

@@ -9,10 +9,10 @@ import sys
 import pytest
 
 pytest.importorskip("matplotlib")
-from matplotlib import image as mpimg  # noqa: E402
+from matplotlib import image as mpimg
 
-import pipedream_ext._viz as _plot  # noqa: E402
-from pipedream_ext import schedules  # noqa: E402
+import pipedream_ext._viz as _plot
+from pipedream_ext import schedules
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main  # noqa: E402
+from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
 
 RTOL, ATOL = 1e-5, 1e-6
 MARKER = "ALL SHARED PARAMETER CHECKS PASSED"

@@ -33,10 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main  # noqa: E402
+from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-import models  # noqa: E402
+import models
 
 RTOL, ATOL = 1e-5, 1e-6
 MARKER = "ALL TRACED CHECKS PASSED"
@@ -45,7 +45,7 @@ MICROBATCHES = 4
 
 
 # --------------------------------------------------------------------------- models
-def ResNet() -> nn.Module:  # noqa: N802  (used where a model class goes)
+def ResNet() -> nn.Module:
     """The shared ResNet at its smallest: 3x8x8 -> 5 classes, a biased conv stem (ReLU in
     forward), layers of 2 blocks (4 and 6 channels) with biased 1x1 conv projections."""
     return models.ResNet((2, 2), (4, 6), in_channels=3, classes=5, stem="conv", projection="conv", pool=2)

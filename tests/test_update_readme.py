@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from update_readme import fill_blocks  # noqa: E402
+from update_readme import fill_blocks
 
 
 def test_blocks_take_the_result_files_without_their_title(tmp_path: Path) -> None:

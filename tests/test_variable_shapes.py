@@ -121,7 +121,7 @@ def check_flush(case: str, schedule: str, recompute: bool = False, evaluate: boo
     opt = sgd(pipe.parameters())
     # fused (Gloo): a slot too small for a new shape sends its payload on the side
     # channel once; split (NCCL-like backends): the metadata says the shape every time.
-    fused = pipe._runner.executor.protocol == "fused"  # noqa: SLF001 - test only
+    fused = pipe._runner.executor.protocol == "fused"
     for step, (rows, size) in enumerate(steps):
         if step == len(steps) - 1:
             changed = pipe.stats()
@@ -251,7 +251,7 @@ def fault_case(case: str) -> None:
     rank = dist.get_rank()
     pipe = pd.PipeDream(make_lm(), lm_loss, schedule="1f1b", microbatches=2, timeout=5)
     pipe.step(*lm_batch(0, 4, 16))
-    stages = pipe._stages  # noqa: SLF001 - test only
+    stages = pipe._stages
     if case == "count" and 0 in pipe.local_stages:
         stages[0][-1] = nn.Sequential(stages[0][-1], Pair())
     if case == "gradient" and 1 in pipe.local_stages:

@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import launch_raw  # noqa: E402
-from _zoo import REPRESENTATIVE, ZOO, check_exact  # noqa: E402
+from _multiprocess import launch_raw
+from _zoo import REPRESENTATIVE, ZOO, check_exact
 
 HERE = os.path.abspath(__file__)
 #: Two hash seeds under which set(["sliding_attention", "full_attention"]) iterates in

@@ -140,7 +140,7 @@ def trace_model(model: nn.Module, num_inputs: int,
         concrete.update(_defaults(model, input_names, concrete))
     try:
         gm = fx.symbolic_trace(model, concrete_args=concrete or None)
-    except Exception as exc:  # noqa: BLE001 - any failure means fx has no graph of it
+    except Exception as exc:  # any failure means fx has no graph of it
         raise UntraceableError(
             f"{type(model).__name__} cannot be traced with torch.fx{_where(exc, model)}: {exc}",
             "Python control flow on a tensor's value (if/while on it, bool(), int()) has no "
@@ -602,7 +602,7 @@ def _trace_or_export(model: nn.Module, inputs: Union[Tuple[torch.Tensor, ...], M
         except export.ExportRefused as exc:
             raise ValueError(f"{fx_error.reason}; torch.export (non-strict) exports it, but "
                              f"{exc}. To trace it with torch.fx: {fx_error.advice}") from exc
-        except Exception as exc:  # noqa: BLE001 - reported with fx's reason
+        except Exception as exc:  # reported with fx's reason
             raise ValueError(
                 f"{fx_error.reason}; torch.export (non-strict) cannot export it either: "
                 f"{type(exc).__name__}{_where(exc, model)}: {_first_line(exc).rstrip('.')}. "

@@ -45,9 +45,9 @@ class Observer:
 
     def __init__(self, rank: int, stages: Sequence[int], group: dist.ProcessGroup,
                  schedule: str, trace_path: Optional[str],
-                 device: torch.device = torch.device("cpu")) -> None:
+                 device: Optional[torch.device] = None) -> None:
         self.rank = rank
-        self.device = device
+        self.device = device if device is not None else torch.device("cpu")
         self.stages = list(stages)
         self.group = group
         self.schedule = schedule
