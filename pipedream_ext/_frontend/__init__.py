@@ -1,0 +1,6 @@
+"""The user's model -> stages: tracing (torch.fx, torch.export), partitions, model
+inputs and outputs, deferred initialisation, tied parameters.
+
+Imports only ``_dist`` (fingerprints) and ``_C`` below it; runs before any
+communication (docs/architecture.md).
+"""

@@ -1,9 +1,8 @@
-"""Model -> this rank's stages: ``LocalStages`` and the partition arithmetic.
+"""Model -> this rank's stages: ``LocalStages``.
 
-Owns how an ``nn.Sequential`` is cut into stages (``resolve_partition``: layer
-counts and replica counts per stage, checked against the model and the world)
-and which of those stages this rank keeps (``LocalStages``: the modules, their
-parameters and the original model's names). Pure apart from moving the kept
+Owns which stages of a partition (``_frontend.partition``) this rank keeps: the
+modules, their parameters and the original model's names, meta-device layers
+materialised as they are kept. Pure apart from moving the kept
 layers to the device: tested in one process.
 
 Index legend: ``j`` stage, ``l`` layer (child of the ``nn.Sequential``).
