@@ -393,8 +393,8 @@ def runtime_rejects(schedule: str, replicas: Sequence[int]) -> Optional[str]:
     from pipedream_ext import _C
 
     try:
-        _C.AsyncStream(schedule, stages=len(replicas), microbatches=1, replicas=list(replicas),
-                       vertical_sync=False)
+        _C.AsyncActionFeed(schedule, stages=len(replicas), microbatches=1, replicas=list(replicas),
+                             vertical_sync=False)
     except ValueError as exc:
         return f"runtime rejects the layout: {exc}"
     return None

@@ -549,8 +549,8 @@ def check_runnable(config: str, replicas: Sequence[int], microbatches: int) -> O
     schedule = SCHEDULE[config]
     try:
         if schedule in ("pipedream", "pipedream-2bw"):
-            _C.AsyncStream(schedule, stages=len(replicas), microbatches=microbatches,
-                           replicas=list(replicas), vertical_sync=False)
+            _C.AsyncActionFeed(schedule, stages=len(replicas), microbatches=microbatches,
+                                 replicas=list(replicas), vertical_sync=False)
         else:
             schedules.build(schedule, stages=len(replicas), microbatches=microbatches,
                             replicas=list(replicas))

@@ -261,7 +261,7 @@ class PipeDream:
         self._refuse_shared_if_asynchronous()
         self._agree_everywhere(module, group, num_layers, partition,
                                init_seed if deferred else None)
-        self._stream, self._schedule = self._build_schedule(partition)
+        self._action_feed, self._schedule = self._build_schedule(partition)
         stage_ranks = [self._schedule.stage_ranks(j) for j in range(self._schedule.num_stages)]
         self._groups = PipelineGroups.create(group, stage_ranks, self.config.timeout)
         self._stages = self._local_stages(module, partition, deferred, init_seed, init_fn)
@@ -287,7 +287,7 @@ class PipeDream:
                                        raise_at_once=self.asynchronous, rank=self.rank,
                                        recompute=self.config.recompute,
                                        loss_reduction=self.config.loss_reduction)
-        self._runner = make_runner(self.config, self._schedule, self._stream, self._stages,
+        self._runner = make_runner(self.config, self._schedule, self._action_feed, self._stages,
                                    self._groups, self._stage_fn, self._observer, self.device,
                                    shared_gradients=shared_gradients)
         if self.traced is not None and self.traced.input_names is not None:
@@ -433,15 +433,15 @@ class PipeDream:
         if orders is not None and self.traced is not None:
             self.traced = reorder_cuts(self.traced, orders)
 
-    def _build_schedule(self, partition: Any) -> Tuple[Optional["_C.AsyncStream"],
+    def _build_schedule(self, partition: Any) -> Tuple[Optional["_C.AsyncActionFeed"],
                                                        "schedules.Schedule"]:
         c = self.config
         if c.traits.streaming:
-            # Steps are served one at a time in constant memory (csrc/core/stream.h).
-            stream = _C.AsyncStream(c.schedule, stages=partition.num_stages,
-                                    microbatches=c.microbatches_per_step,
-                                    replicas=partition.replicas, vertical_sync=c.vertical_sync)
-            return stream, schedules.Schedule(_C.strip_communication(stream.base), stream.base)
+            # Steps are served one at a time in constant memory (csrc/core/action_feed.h).
+            feed = _C.AsyncActionFeed(c.schedule, stages=partition.num_stages,
+                                      microbatches=c.microbatches_per_step,
+                                      replicas=partition.replicas, vertical_sync=c.vertical_sync)
+            return feed, schedules.Schedule(_C.strip_communication(feed.base), feed.base)
         return None, schedules.build(
             c.schedule, stages=partition.num_stages // c.chunks,
             microbatches=c.microbatches, chunks=c.chunks,
@@ -624,7 +624,7 @@ class PipeDream:
         ``pipedream-2bw``): admits one minibatch (2bw: a batch of ``microbatches``),
         the runtime steps ``optimizer`` at every weight update, and the loss comes
         back on the last stage's rank only (``None`` elsewhere and while the
-        pipeline fills). Details: ``_runners.FlushRunner`` / ``StreamRunner``.
+        pipeline fills). Details: ``_runners.FlushRunner`` / ``AsyncRunner``.
 
         Args:
             inputs: the batch (tensor or tuple of tensors; a dict of named tensors for
