@@ -22,7 +22,8 @@ TORCH_RELEASE = torch.__version__.split("+", 1)[0]
 def _sources() -> list:
     core = sorted(glob.glob("csrc/core/*.cpp"))
     runtime = sorted(glob.glob("csrc/runtime/*.cpp"))
-    return core + runtime + ["csrc/bindings.cpp"]
+    bindings = sorted(glob.glob("csrc/bindings/*.cpp"))
+    return core + runtime + bindings
 
 
 setup(

@@ -116,7 +116,7 @@ class BuiltPipeline:
         plan: the plan the stages come from (``balance="auto"`` or saved), else ``None``.
         shared_parameters: parameters used by layers of several stages (tied weights).
         model_shapes: every ``state_dict`` key of the whole model and its shape.
-        stream: the asynchronous schedule's stream (streaming schedules), else ``None``.
+        action_feed: the asynchronous schedule's action feed (streaming schedules), else ``None``.
         schedule: the schedule run (for asynchronous ones: one period of it).
         groups: the pipeline's process groups.
         stages: this rank's stages.
@@ -132,7 +132,7 @@ class BuiltPipeline:
     plan: Optional[Plan]
     shared_parameters: List[SharedParameter]
     model_shapes: Dict[str, Tuple[int, ...]]
-    stream: Optional["_C.AsyncStream"]
+    action_feed: Optional["_C.AsyncActionFeed"]
     schedule: "schedules.Schedule"
     groups: PipelineGroups
     stages: LocalStages
@@ -165,7 +165,7 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     _refuse_shared_if_asynchronous(config, cut.shared_parameters)
     cut.traced = _agree_everywhere(args.module, group, config, cut,
                                    prepared.init_seed if prepared.deferred else None)
-    stream, schedule = _build_schedule(config, cut.partition)
+    action_feed, schedule = _build_schedule(config, cut.partition)
     stage_ranks = [schedule.stage_ranks(j) for j in range(schedule.num_stages)]
     groups = PipelineGroups.create(group, stage_ranks, config.timeout)
     stages = _local_stages(args, prepared, cut, schedule.stages_of_rank(groups.rank), device,
@@ -181,7 +181,7 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     shared_gradients.synchronize_values()
     observer = _observer(args.trace, groups, stages, config, device)
     stage_fn = _stage_function(args.loss_fn, cut.traced, stages, schedule, groups, config, device)
-    runner = make_runner(config, schedule, stream, stages, groups, stage_fn, observer, device,
+    runner = make_runner(config, schedule, action_feed, stages, groups, stage_fn, observer, device,
                          shared_gradients=shared_gradients)
     if cut.traced is not None and cut.traced.input_names is not None:
         runner.input_names = list(cut.traced.input_names)
@@ -191,7 +191,7 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
               groups.rank, stages.indices, [stages.layers[j] for j in stages.indices],
               schedule.num_stages, config.schedule, config.microbatches)
     return BuiltPipeline(config, device, cut.traced, cut.plan, cut.shared_parameters,
-                         model_shapes, stream, schedule, groups, stages, observer, stage_fn,
+                         model_shapes, action_feed, schedule, groups, stages, observer, stage_fn,
                          runner, agreement)
 
 
@@ -539,14 +539,14 @@ def _agree_everywhere(module: nn.Module, group: dist.ProcessGroup, config: Pipel
 
 # -- this rank's part ---------------------------------------------------------------------
 def _build_schedule(config: PipelineConfig, partition: Partition
-                    ) -> Tuple[Optional["_C.AsyncStream"], "schedules.Schedule"]:
-    """The schedule (and, for a streaming one, the stream serving its steps)."""
+                    ) -> Tuple[Optional["_C.AsyncActionFeed"], "schedules.Schedule"]:
+    """The schedule (and, for an asynchronous one, the action feed serving its steps)."""
     if config.traits.streaming:
-        # Steps are served one at a time in constant memory (csrc/core/stream.h).
-        stream = _C.AsyncStream(config.schedule, stages=partition.num_stages,
-                                microbatches=config.microbatches_per_step,
-                                replicas=partition.replicas, vertical_sync=config.vertical_sync)
-        return stream, schedules.Schedule(_C.strip_communication(stream.base), stream.base)
+        # Steps are served one at a time in constant memory (csrc/core/action_feed.h).
+        feed = _C.AsyncActionFeed(config.schedule, stages=partition.num_stages,
+                                  microbatches=config.microbatches_per_step,
+                                  replicas=partition.replicas, vertical_sync=config.vertical_sync)
+        return feed, schedules.Schedule(_C.strip_communication(feed.base), feed.base)
     return None, schedules.build(
         config.schedule, stages=partition.num_stages // config.chunks,
         microbatches=config.microbatches, chunks=config.chunks,

@@ -360,7 +360,7 @@ class PipeDream:
         ``pipedream-2bw``): admits one minibatch (2bw: a batch of ``microbatches``),
         the runtime steps ``optimizer`` at every weight update, and the loss comes
         back on the last stage's rank only (``None`` elsewhere and while the
-        pipeline fills). Details: ``_runners.FlushRunner`` / ``StreamRunner``.
+        pipeline fills). Details: ``_runtime.runners.FlushRunner`` / ``AsyncRunner``.
 
         Args:
             inputs: the batch (tensor or tuple of tensors; a dict of named tensors for

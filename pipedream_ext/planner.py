@@ -606,7 +606,7 @@ def plan(
         work_budget=work_budget,
     )
     log.debug("planned over %d %s states", raw["num_states"], raw["state_kind"])
-    # The planner's dict (csrc/bindings.cpp planToDict) is keyed by the field
+    # The planner's dict (csrc/bindings/planner.cpp planToDict) is keyed by the field
     # names; the topology and options are ours, not the planner's.
     return _from_dict(
         Plan, raw, "the C++ planner's result", from_planner=True,

@@ -63,8 +63,8 @@ def asynchronous_layout_error(schedule: str, stages: int, microbatches: int, rep
                               vertical_sync: bool = False) -> Optional[str]:
     """The runtime's own check of an asynchronous schedule's layout, without a process group.
 
-    ``PipeDream`` runs ``pipedream`` and ``pipedream-2bw`` as a stream whose construction
-    checks the layout; this builds that stream alone.
+    ``PipeDream`` runs ``pipedream`` and ``pipedream-2bw`` from an action feed whose
+    construction checks the layout; this builds that feed alone.
 
     Args:
         schedule: ``pipedream`` or ``pipedream-2bw``.
@@ -77,7 +77,7 @@ def asynchronous_layout_error(schedule: str, stages: int, microbatches: int, rep
         None if the runtime accepts the layout, else its error message.
     """
     try:
-        _C.AsyncStream(schedule, stages=stages, microbatches=microbatches, replicas=list(replicas),
+        _C.AsyncActionFeed(schedule, stages=stages, microbatches=microbatches, replicas=list(replicas),
                        vertical_sync=vertical_sync)
     except (ValueError, RuntimeError) as exc:
         return str(exc)

@@ -98,8 +98,8 @@ std::map<std::pair<int, int>, std::vector<TimedSend>> pairOrders(const Schedule&
   return orders;
 }
 
-// Streams: the first position of `base` (a list without RECVs) in the slice
-// of each step, as AsyncStream::slices() cuts it (a step ends just after its
+// Asynchronous feeds: the first position of `base` (a list without RECVs) in
+// the slice of each step, as AsyncActionFeed::slices() cuts it (a step ends just after its
 // last forward and the sends that follow it).
 std::vector<size_t> stepBegins(const std::vector<Action>& base, int perStep) {
   int steps = 0;

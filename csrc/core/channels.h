@@ -31,8 +31,8 @@
 //   rank 1 with rank 0:  1RECV_F0 1RECV_F1 1SEND_B0 ...   (1RECV_F1 moved up)
 //
 // A RECV action now means "post this receive" (it never blocks); its
-// consumer (F, B or I) waits for the data. For asynchronous streams
-// (stream.h), whose lists are served one step at a time, a RECV of a
+// consumer (F, B or I) waits for the data. For asynchronous action feeds
+// (action_feed.h), whose lists are served one step at a time, a RECV of a
 // microbatch is never moved into a step before the one that admits it.
 //
 // validateChannels() proves the result: (1) every pair's two sequences

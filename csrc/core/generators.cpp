@@ -152,10 +152,40 @@ void interleavedBatch(int p, int v, int m, int batch, RankLists& lists) {
 // taking microbatches i with i mod r == k (as 1F1B's replicas do); a lane keeps
 // at most NOAM_j microbatches between F and I (p - j without replicas), and
 // its gradients are all-reduced after its last W.
-void zbH1Batch(const Layout& layout, int m, int batch, RankLists& lists) {
-  const int kNotYet = -1;
-  const int p = layout.numStages();
-  const auto replicas = layout.replicaCounts();
+class ZbH1Scheduler {
+ public:
+  ZbH1Scheduler(const Layout& layout, int m, int batch, RankLists& lists)
+      : p_(layout.numStages()),
+        m_(m),
+        batch_(batch),
+        lists_(lists),
+        fEnd_(p_, std::vector<int>(m, kNotYet)),
+        iEnd_(p_, std::vector<int>(m, kNotYet)),
+        wDone_(p_, std::vector<bool>(m, false)) {
+    const auto replicas = layout.replicaCounts();
+    for (int j = 0; j < p_; ++j) {
+      const auto& ranks = layout.stageRanks(j);
+      const int r = static_cast<int>(ranks.size());
+      for (int k = 0; k < r; ++k) {
+        std::vector<int> local;  // the replica's microbatches (global i mod r == k), batch-local
+        for (int i : localMicrobatches(batch * m, m, k, r)) local.push_back(i - batch * m);
+        lanes_.push_back(Lane{j, ranks[k], r, numOptimalActiveMinibatches(replicas, j),
+                              std::move(local)});
+      }
+    }
+  }
+
+  void run() {
+    for (int clock = 0; done_ < p_ * m_; ++clock) {
+      bool acted = false;
+      for (auto& lane : lanes_) acted = stepLane(lane, clock) || acted;
+      if (!acted) checkSomethingPending(clock);
+    }
+    for (const auto& lane : lanes_) appendUpdate(lists_[lane.rank], lane.stage, lane.replicas, batch_ + 1);
+  }
+
+ private:
+  static constexpr int kNotYet = -1;
   struct Lane {
     int stage, rank, replicas, limit;
     std::vector<int> local;  // its microbatches, in order
@@ -163,93 +193,95 @@ void zbH1Batch(const Layout& layout, int m, int batch, RankLists& lists) {
     int activations = 0;  // F done, I not yet
     int deferred = 0;     // I done, W not yet
   };
-  std::vector<Lane> lanes;
-  for (int j = 0; j < p; ++j) {
-    const auto& ranks = layout.stageRanks(j);
-    const int r = static_cast<int>(ranks.size());
-    for (int k = 0; k < r; ++k) {
-      std::vector<int> local;  // the replica's microbatches (global i mod r == k), batch-local
-      for (int i : localMicrobatches(batch * m, m, k, r)) local.push_back(i - batch * m);
-      lanes.push_back(Lane{j, ranks[k], r, numOptimalActiveMinibatches(replicas, j),
-                           std::move(local)});
-    }
+
+  static bool ready(int end, int clock) { return end != kNotYet && end <= clock; }
+
+  void emit(const Lane& lane, ActionKind kind, int i) {
+    lists_[lane.rank].push_back(Action::compute(lane.stage, kind, batch_ * m_ + i, batch_));
   }
-  // *End[j][i]: clock at which the action's result is available.
-  std::vector<std::vector<int>> fEnd(p, std::vector<int>(m, kNotYet));
-  std::vector<std::vector<int>> iEnd(p, std::vector<int>(m, kNotYet));
-  std::vector<std::vector<bool>> wDone(p, std::vector<bool>(m, false));
-  int done = 0;
-  auto ready = [](int end, int clock) { return end != kNotYet && end <= clock; };
-  for (int clock = 0; done < p * m; ++clock) {
-    bool acted = false;
-    for (auto& lane : lanes) {
-      const int j = lane.stage;
-      auto& out = lists[lane.rank];
-      auto doW = [&]() {
-        for (int i : lane.local) {
-          if (!wDone[j][i] && ready(iEnd[j][i], clock)) {
-            wDone[j][i] = true;
-            --lane.deferred;
-            ++done;
-            out.push_back(Action::compute(j, ActionKind::kBackwardWeight, batch * m + i, batch));
-            return true;
-          }
-        }
-        return false;
-      };
-      // I: the oldest microbatch whose gradient has arrived.
-      int pick = -1;
-      for (int i : lane.local) {
-        if (iEnd[j][i] == kNotYet && ready(fEnd[j][i], clock) &&
-            (j == p - 1 || ready(iEnd[j + 1][i], clock))) {
-          pick = i;
-          break;
-        }
-      }
-      if (pick >= 0) {
-        iEnd[j][pick] = clock + 1;
+
+  // At most one action of `lane` at `clock`, by priority I > F > W (a W
+  // first with p deferred); true if one ran.
+  bool stepLane(Lane& lane, int clock) {
+    if (tryInput(lane, clock)) return true;
+    // With p deferred W's waiting, a W goes first: p is what the drain needs
+    // to be gap-free (p - 1 costs one clock; see the simulator tests).
+    if (lane.deferred > p_ - 1 && tryWeight(lane, clock)) return true;
+    if (tryForward(lane, clock)) return true;
+    return tryWeight(lane, clock);
+  }
+
+  // I: the oldest microbatch whose gradient has arrived.
+  bool tryInput(Lane& lane, int clock) {
+    const int j = lane.stage;
+    for (int i : lane.local) {
+      if (iEnd_[j][i] == kNotYet && ready(fEnd_[j][i], clock) &&
+          (j == p_ - 1 || ready(iEnd_[j + 1][i], clock))) {
+        iEnd_[j][i] = clock + 1;
         --lane.activations;
         ++lane.deferred;
-        out.push_back(Action::compute(j, ActionKind::kBackwardInput, batch * m + pick, batch));
-        acted = true;
-        continue;
+        emit(lane, ActionKind::kBackwardInput, i);
+        return true;
       }
-      // With p deferred W's waiting, a W goes first: p is what the drain needs
-      // to be gap-free (p - 1 costs one clock; see the simulator tests).
-      if (lane.deferred > p - 1 && doW()) {
-        acted = true;
-        continue;
-      }
-      // F: the next microbatch, if its input is there and memory allows.
-      if (lane.nextForward < lane.local.size() && lane.activations < lane.limit) {
-        const int f = lane.local[lane.nextForward];
-        if (j == 0 || ready(fEnd[j - 1][f], clock)) {
-          fEnd[j][f] = clock + 1;
-          ++lane.nextForward;
-          ++lane.activations;
-          out.push_back(Action::compute(j, ActionKind::kForward, batch * m + f, batch));
-          acted = true;
-          continue;
-        }
-      }
-      if (doW()) acted = true;
     }
-    // With unit costs every action ends by the next clock, so an idle clock
-    // with nothing in progress could only repeat forever.
-    if (!acted) {
-      bool anythingPending = false;
-      for (int j = 0; j < p; ++j) {
-        for (int i = 0; i < m; ++i) {
-          if ((fEnd[j][i] != kNotYet && fEnd[j][i] > clock) ||
-              (iEnd[j][i] != kNotYet && iEnd[j][i] > clock)) {
-            anythingPending = true;
-          }
-        }
-      }
-      if (!anythingPending) throw std::logic_error("zb-h1 generator made no progress");
-    }
+    return false;
   }
-  for (const auto& lane : lanes) appendUpdate(lists[lane.rank], lane.stage, lane.replicas, batch + 1);
+
+  // F: the next microbatch, if its input is there and memory allows.
+  bool tryForward(Lane& lane, int clock) {
+    const int j = lane.stage;
+    if (lane.nextForward >= lane.local.size() || lane.activations >= lane.limit) return false;
+    const int f = lane.local[lane.nextForward];
+    if (j != 0 && !ready(fEnd_[j - 1][f], clock)) return false;
+    fEnd_[j][f] = clock + 1;
+    ++lane.nextForward;
+    ++lane.activations;
+    emit(lane, ActionKind::kForward, f);
+    return true;
+  }
+
+  // W: the oldest microbatch whose I is done.
+  bool tryWeight(Lane& lane, int clock) {
+    const int j = lane.stage;
+    for (int i : lane.local) {
+      if (!wDone_[j][i] && ready(iEnd_[j][i], clock)) {
+        wDone_[j][i] = true;
+        --lane.deferred;
+        ++done_;
+        emit(lane, ActionKind::kBackwardWeight, i);
+        return true;
+      }
+    }
+    return false;
+  }
+
+  // With unit costs every action ends by the next clock, so an idle clock
+  // with nothing in progress could only repeat forever.
+  void checkSomethingPending(int clock) const {
+    for (int j = 0; j < p_; ++j) {
+      for (int i = 0; i < m_; ++i) {
+        if ((fEnd_[j][i] != kNotYet && fEnd_[j][i] > clock) ||
+            (iEnd_[j][i] != kNotYet && iEnd_[j][i] > clock)) {
+          return;
+        }
+      }
+    }
+    throw std::logic_error("zb-h1 generator made no progress");
+  }
+
+  const int p_;
+  const int m_;
+  const int batch_;
+  RankLists& lists_;
+  std::vector<Lane> lanes_;
+  // *End_[j][i]: clock at which the action's result is available.
+  std::vector<std::vector<int>> fEnd_, iEnd_;
+  std::vector<std::vector<bool>> wDone_;
+  int done_ = 0;  // W's emitted
+};
+
+void zbH1Batch(const Layout& layout, int m, int batch, RankLists& lists) {
+  ZbH1Scheduler(layout, m, batch, lists).run();
 }
 
 // --- zero-bubble schedules with several chunks per rank ----------------------
@@ -546,14 +578,10 @@ int numOptimalActiveMinibatches(const std::vector<int>& replicas, int stage) {
   return (downstream + replicas[stage] - 1) / replicas[stage];
 }
 
-Schedule buildSchedule(const ScheduleOptions& o) {
-  const ScheduleTraits& traits = scheduleTraits(o.name);
-  checkPositive("stages", o.stages);
-  checkPositive("microbatches", o.microbatches);
-  checkPositive("chunks", o.chunks);
-  checkPositive("batches", o.batches);
-  const int p = o.stages;
-  const int m = o.microbatches;
+namespace {
+
+// The options `traits` rule out, whatever the schedule family.
+void checkOptionsAgainstTraits(const ScheduleOptions& o, const ScheduleTraits& traits) {
   if (o.chunks != 1 && !traits.multiChunk) {
     fail("schedule '" + o.name + "' runs one chunk per rank (got chunks=" + str(o.chunks) +
          "); use chunks=1 or schedule " + namesWhere(&ScheduleTraits::multiChunk));
@@ -580,47 +608,55 @@ Schedule buildSchedule(const ScheduleOptions& o) {
     fail("schedule '" + o.name + "' updates after every minibatch, so batches does not apply (got batches=" +
          str(o.batches) + "); use batches=1 and give the number of minibatches as microbatches");
   }
-
   if (traits.fixedChunks > 0 && o.chunks != traits.fixedChunks) {
     fail("schedule '" + o.name + "' places exactly " + str(traits.fixedChunks) +
          " chunks per rank in a V (rank r holds stages r and 2p-1-r; got chunks=" + str(o.chunks) +
          "); use chunks=" + str(traits.fixedChunks));
   }
-  if (traits.multiChunk) {
-    const int v = o.chunks;
-    if (o.name == "interleaved-1f1b" || o.name == "interleaved-zb") {
-      const int roundSize = interleavedRoundSize(p, m);
-      if (m % roundSize != 0) {
-        int suggestion = m + 1;
-        while (suggestion % interleavedRoundSize(p, suggestion) != 0) ++suggestion;
-        fail(o.name + " splits microbatches into equal rounds of at least p (got m=" + str(m) +
-             ", p=" + str(p) + ": rounds of " + str(roundSize) + " leave " + str(m % roundSize) +
-             " over); use m=" + str(suggestion));
-      }
-    }
-    if (o.name == "dualpipev" && m < 2 * p) {
-      fail("dualpipev needs at least as many microbatches as stages (2p = " + str(2 * p) +
-           " for p=" + str(p) + " ranks, got m=" + str(m) + "); use m=" + str(2 * p) +
-           " or schedule 'zbv'");
-    }
-    Layout layout = Layout::chunked(p, v, traits.chunkPlacement);
-    RankLists lists(p);
-    for (int t = 0; t < o.batches; ++t) {
-      if (o.name == "interleaved-1f1b") {
-        interleavedBatch(p, v, m, t, lists);
-        continue;
-      }
-      std::vector<RankOps> order(p);
-      for (int r = 0; r < p; ++r) {
-        order[r] = o.name == "zbv"         ? zbvRank(p, m, r)
-                   : o.name == "dualpipev" ? dualPipeVRank(p, m, r)
-                                           : interleavedZbRank(p, v, m, r);
-      }
-      emitBatch(order, layout, m, t, lists);
-    }
-    return Schedule(o.name, layout, m, std::move(lists), o.batches);
-  }
+}
 
+// Multi-chunk schedules (interleaved-1f1b, zbv, dualpipev, interleaved-zb).
+Schedule buildMultiChunk(const ScheduleOptions& o, const ScheduleTraits& traits) {
+  const int p = o.stages;
+  const int m = o.microbatches;
+  const int v = o.chunks;
+  if (o.name == "interleaved-1f1b" || o.name == "interleaved-zb") {
+    const int roundSize = interleavedRoundSize(p, m);
+    if (m % roundSize != 0) {
+      int suggestion = m + 1;
+      while (suggestion % interleavedRoundSize(p, suggestion) != 0) ++suggestion;
+      fail(o.name + " splits microbatches into equal rounds of at least p (got m=" + str(m) +
+           ", p=" + str(p) + ": rounds of " + str(roundSize) + " leave " + str(m % roundSize) +
+           " over); use m=" + str(suggestion));
+    }
+  }
+  if (o.name == "dualpipev" && m < 2 * p) {
+    fail("dualpipev needs at least as many microbatches as stages (2p = " + str(2 * p) +
+         " for p=" + str(p) + " ranks, got m=" + str(m) + "); use m=" + str(2 * p) +
+         " or schedule 'zbv'");
+  }
+  Layout layout = Layout::chunked(p, v, traits.chunkPlacement);
+  RankLists lists(p);
+  for (int t = 0; t < o.batches; ++t) {
+    if (o.name == "interleaved-1f1b") {
+      interleavedBatch(p, v, m, t, lists);
+      continue;
+    }
+    std::vector<RankOps> order(p);
+    for (int r = 0; r < p; ++r) {
+      order[r] = o.name == "zbv"         ? zbvRank(p, m, r)
+                 : o.name == "dualpipev" ? dualPipeVRank(p, m, r)
+                                         : interleavedZbRank(p, v, m, r);
+    }
+    emitBatch(order, layout, m, t, lists);
+  }
+  return Schedule(o.name, layout, m, std::move(lists), o.batches);
+}
+
+// One chunk per rank on a straight (possibly replicated) pipeline.
+Schedule buildStraight(const ScheduleOptions& o, const ScheduleTraits& traits) {
+  const int p = o.stages;
+  const int m = o.microbatches;
   Layout layout = Layout::straight(p, o.replicas);
   const auto replicas = layout.replicaCounts();
   for (int j = 0; j < p; ++j) {
@@ -656,6 +692,18 @@ Schedule buildSchedule(const ScheduleOptions& o) {
     twoBwAll(layout, m, o.batches, lists);
   }
   return Schedule(o.name, layout, m, std::move(lists), o.batches);
+}
+
+}  // namespace
+
+Schedule buildSchedule(const ScheduleOptions& o) {
+  const ScheduleTraits& traits = scheduleTraits(o.name);
+  checkPositive("stages", o.stages);
+  checkPositive("microbatches", o.microbatches);
+  checkPositive("chunks", o.chunks);
+  checkPositive("batches", o.batches);
+  checkOptionsAgainstTraits(o, traits);
+  return traits.multiChunk ? buildMultiChunk(o, traits) : buildStraight(o, traits);
 }
 
 }  // namespace pipedream

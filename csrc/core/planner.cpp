@@ -297,6 +297,113 @@ double chainWork(double L, const Topology& topology, bool straight) {
   }
   return work;
 }
+// Data parallelism over every worker under the same cost model.
+double dataParallelTime(const PlanningStates& states, const Topology& topology, CostModel model) {
+  const int n = states.size();
+  const double totalP = states.parameterBytes[n - 1];
+  double dp = states.computeSeconds[n - 1], unit = 1.0;
+  for (const TopologyLevel& lv : topology.levels) {
+    const double N = lv.workers;
+    if (model == CostModel::PipeDream) {
+      dp = (dp + 4.0 * (N - 1) * totalP / (lv.bandwidth * N) / unit) / N;
+      unit = N;
+    } else {
+      dp = std::max(dp, 2.0 * (N - 1) * totalP / (N * lv.bandwidth * unit)) / N;
+      unit *= N;
+    }
+  }
+  return dp;
+}
+
+// The stage of every graph node: what a segment's end state adds
+// (PipeDream's assignment), then Input sources to stage 0 and dropped sinks
+// beside their producers.
+std::vector<int> stageOfNodes(const ProfileGraph& graph, const PlanningStates& states,
+                              const std::vector<Segment>& segs) {
+  const int p = static_cast<int>(states.planNodes.size());
+  std::vector<int> stageOf(graph.numNodes(), -1);
+  for (size_t s = 0; s < segs.size(); ++s) {
+    for (int q = 0; q < p; ++q) {
+      int v = states.planNodes[q];
+      if (stageOf[v] < 0 && states.contains(segs[s].end, q)) stageOf[v] = static_cast<int>(s);
+    }
+  }
+  for (int v : graph.topologicalOrder()) {
+    if (stageOf[v] >= 0) continue;
+    int st = 0;
+    for (int u : graph.predecessors(v)) st = std::max(st, stageOf[u]);
+    stageOf[v] = st;
+  }
+  return stageOf;
+}
+
+// One PlanStage per segment (ranks, replicas, time); returns the workers used.
+int makeStages(const std::vector<Segment>& segs, Plan& plan) {
+  plan.stages.resize(segs.size());
+  int used = 0;
+  for (size_t s = 0; s < segs.size(); ++s) {
+    PlanStage& st = plan.stages[s];
+    st.replicas = static_cast<int>(segs[s].ranks.size());
+    st.ranks = segs[s].ranks;
+    std::sort(st.ranks.begin(), st.ranks.end());
+    // Cross-unit replicas divide the in-unit time (see docs/planner.md).
+    st.time = segs[s].time * segs[s].level0Reps / st.replicas;
+    used += st.replicas;
+  }
+  return used;
+}
+
+// Each stage's nodes and their compute, parameter and activation totals
+// (Input sources count for nothing).
+void addNodes(const ProfileGraph& graph, const std::vector<int>& stageOf, Plan& plan) {
+  for (int v = 0; v < graph.numNodes(); ++v) {
+    PlanStage& st = plan.stages[stageOf[v]];
+    st.nodes.push_back(v);
+    const GraphNode& node = graph.node(v);
+    if (node.isInput() && graph.predecessors(v).empty()) continue;
+    st.computeSeconds += (node.forwardMs + node.backwardMs) / 1000.0;
+    st.parameterBytes += node.parameterBytes;
+    st.activationBytes += node.activationBytes;
+  }
+}
+
+// Each stage's memory: weight versions and activations of the microbatches
+// in flight from it to the end of the pipeline.
+void estimateStageMemory(Plan& plan, const PlannerOptions& options) {
+  long workersFrom = plan.usedWorkers;
+  for (PlanStage& st : plan.stages) {
+    long inflight = ceilDiv(workersFrom, st.replicas);
+    long versions = (options.costModel == CostModel::Default && options.twoBw)
+                        ? std::min<long>(2, inflight)
+                        : inflight;
+    st.memoryBytes = versions * st.parameterBytes + inflight * st.activationBytes;
+    workersFrom -= st.replicas;
+  }
+}
+
+// For a chain graph: each stage's [layerStart, layerEnd) (Input excluded);
+// a stage without layers gets an empty range where the previous one ended.
+void assignLayers(const ProfileGraph& graph, Plan& plan) {
+  std::vector<int> order;
+  if (!graph.isChain(&order)) return;
+  plan.chain = true;
+  const int skip = graph.node(order[0]).isInput() ? 1 : 0;
+  std::vector<int> layerOf(graph.numNodes(), -1);
+  for (size_t i = skip; i < order.size(); ++i) layerOf[order[i]] = static_cast<int>(i) - skip;
+  int next = 0;
+  for (PlanStage& st : plan.stages) {
+    int lo = -1, hi = -1;
+    for (int v : st.nodes) {
+      if (layerOf[v] < 0) continue;
+      lo = lo < 0 ? layerOf[v] : std::min(lo, layerOf[v]);
+      hi = std::max(hi, layerOf[v] + 1);
+    }
+    if (lo < 0) lo = hi = next;
+    st.layerStart = lo;
+    st.layerEnd = hi;
+    next = hi;
+  }
+}
 }  // namespace
 
 Plan planOnStates(const ProfileGraph& graph, const PlanningStates& states, const Topology& topology,
@@ -323,91 +430,15 @@ Plan planOnStates(const ProfileGraph& graph, const PlanningStates& states, const
   plan.numWorkers = topology.totalWorkers();
   plan.timePerStage = best;
 
-  // Data parallelism over every worker under the same model.
-  const double totalT = states.computeSeconds[n - 1], totalP = states.parameterBytes[n - 1];
-  double dp = totalT, unit = 1.0;
-  for (const TopologyLevel& lv : topology.levels) {
-    const double N = lv.workers;
-    if (options.costModel == CostModel::PipeDream) {
-      dp = (dp + 4.0 * (N - 1) * totalP / (lv.bandwidth * N) / unit) / N;
-      unit = N;
-    } else {
-      dp = std::max(dp, 2.0 * (N - 1) * totalP / (N * lv.bandwidth * unit)) / N;
-      unit *= N;
-    }
-  }
-  plan.dataParallelTime = dp;
-  plan.singleWorkerTime = totalT;
-  plan.speedupOverDp = best > 0 ? dp / best : kInf;
+  plan.dataParallelTime = dataParallelTime(states, topology, options.costModel);
+  plan.singleWorkerTime = states.computeSeconds[n - 1];
+  plan.speedupOverDp = best > 0 ? plan.dataParallelTime / best : kInf;
 
-  // Stages: state segments -> node sets (what the end state adds, PipeDream's
-  // assignment), then Input sources to stage 0 and dropped sinks beside
-  // their producers.
-  std::vector<Segment> segs = solver.segments();
-  const int p = static_cast<int>(states.planNodes.size());
-  std::vector<int> stageOf(graph.numNodes(), -1);
-  for (size_t s = 0; s < segs.size(); ++s) {
-    for (int q = 0; q < p; ++q) {
-      int v = states.planNodes[q];
-      if (stageOf[v] < 0 && states.contains(segs[s].end, q)) stageOf[v] = static_cast<int>(s);
-    }
-  }
-  for (int v : graph.topologicalOrder()) {
-    if (stageOf[v] >= 0) continue;
-    int st = 0;
-    for (int u : graph.predecessors(v)) st = std::max(st, stageOf[u]);
-    stageOf[v] = st;
-  }
-  plan.stages.resize(segs.size());
-  int used = 0;
-  for (size_t s = 0; s < segs.size(); ++s) {
-    PlanStage& st = plan.stages[s];
-    st.replicas = static_cast<int>(segs[s].ranks.size());
-    st.ranks = segs[s].ranks;
-    std::sort(st.ranks.begin(), st.ranks.end());
-    // Cross-unit replicas divide the in-unit time (see docs/planner.md).
-    st.time = segs[s].time * segs[s].level0Reps / st.replicas;
-    used += st.replicas;
-  }
-  plan.usedWorkers = used;
-  for (int v = 0; v < graph.numNodes(); ++v) {
-    PlanStage& st = plan.stages[stageOf[v]];
-    st.nodes.push_back(v);
-    const GraphNode& node = graph.node(v);
-    if (node.isInput() && graph.predecessors(v).empty()) continue;
-    st.computeSeconds += (node.forwardMs + node.backwardMs) / 1000.0;
-    st.parameterBytes += node.parameterBytes;
-    st.activationBytes += node.activationBytes;
-  }
-  long workersFrom = used;
-  for (PlanStage& st : plan.stages) {
-    long inflight = ceilDiv(workersFrom, st.replicas);
-    long versions = (options.costModel == CostModel::Default && options.twoBw)
-                        ? std::min<long>(2, inflight)
-                        : inflight;
-    st.memoryBytes = versions * st.parameterBytes + inflight * st.activationBytes;
-    workersFrom -= st.replicas;
-  }
-  std::vector<int> order;
-  if (graph.isChain(&order)) {
-    plan.chain = true;
-    const int skip = graph.node(order[0]).isInput() ? 1 : 0;
-    std::vector<int> layerOf(graph.numNodes(), -1);
-    for (size_t i = skip; i < order.size(); ++i) layerOf[order[i]] = static_cast<int>(i) - skip;
-    int next = 0;
-    for (PlanStage& st : plan.stages) {
-      int lo = -1, hi = -1;
-      for (int v : st.nodes) {
-        if (layerOf[v] < 0) continue;
-        lo = lo < 0 ? layerOf[v] : std::min(lo, layerOf[v]);
-        hi = std::max(hi, layerOf[v] + 1);
-      }
-      if (lo < 0) lo = hi = next;
-      st.layerStart = lo;
-      st.layerEnd = hi;
-      next = hi;
-    }
-  }
+  const std::vector<Segment> segs = solver.segments();
+  plan.usedWorkers = makeStages(segs, plan);
+  addNodes(graph, stageOfNodes(graph, states, segs), plan);
+  estimateStageMemory(plan, options);
+  assignLayers(graph, plan);
   return plan;
 }
 

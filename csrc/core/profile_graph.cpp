@@ -55,6 +55,81 @@ double parseNumber(const std::string& text, const std::string& field, const std:
   return v;
 }
 
+// activation_size: one number, or "[a; b; ...]" (one per output) summed.
+double parseActivationSize(const std::string& value, const char* key, const std::string& source,
+                           int lineNo) {
+  std::string v = strip(value);
+  if (v.empty() || v.front() != '[') return parseNumber(v, key, source, lineNo);
+  if (v.back() != ']') {
+    throw std::invalid_argument(where(source, lineNo) + "field 'activation_size': list '" + v +
+                                "' lacks its closing ']'");
+  }
+  double sum = 0.0;
+  for (const std::string& part : splitOn(v.substr(1, v.size() - 2), ";")) {
+    sum += parseNumber(part, key, source, lineNo);
+  }
+  return sum;
+}
+
+// "forward_compute_time=..., backward_compute_time=..., activation_size=...,
+// parameter_size=..." into `node`.
+void parseNodeFields(const std::string& list, GraphNode& node, const std::string& source, int lineNo) {
+  std::vector<std::string> fields = splitOn(list, ", ");
+  static const char* kKeys[4] = {"forward_compute_time", "backward_compute_time", "activation_size",
+                                 "parameter_size"};
+  if (fields.size() != 4) {
+    throw std::invalid_argument(where(source, lineNo) + "expected 4 comma-separated fields (" +
+                                "forward_compute_time, backward_compute_time, activation_size, " +
+                                "parameter_size) but got " + std::to_string(fields.size()) +
+                                " in '" + list + "'");
+  }
+  for (int f = 0; f < 4; ++f) {
+    size_t eq = fields[f].find('=');
+    std::string key = eq == std::string::npos ? strip(fields[f]) : strip(fields[f].substr(0, eq));
+    if (key != kKeys[f] || eq == std::string::npos) {
+      throw std::invalid_argument(where(source, lineNo) + "field " + std::to_string(f + 1) +
+                                  " should be '" + kKeys[f] + "=<value>' but is '" + fields[f] + "'");
+    }
+    std::string value = fields[f].substr(eq + 1);
+    if (f == 2) {
+      node.activationText = value;
+      node.activationBytes = parseActivationSize(value, kKeys[f], source, lineNo);
+      continue;
+    }
+    double x = parseNumber(value, kKeys[f], source, lineNo);
+    if (f == 0) node.forwardMs = x;
+    if (f == 1) node.backwardMs = x;
+    if (f == 3) node.parameterBytes = x;
+  }
+}
+
+// A node line: "nodeN -- <description> -- <fields>[ -- stage_id=K]"; the
+// description may itself contain " -- ".
+GraphNode parseNodeLine(const std::string& line, const std::string& source, int lineNo) {
+  std::vector<std::string> tok = splitOn(line, " -- ");
+  if (tok.size() < 3) {
+    throw std::invalid_argument(
+        where(source, lineNo) + "expected 'nodeN -- <description> -- forward_compute_time=..., "
+        "backward_compute_time=..., activation_size=..., parameter_size=...' but got '" + line + "'");
+  }
+  GraphNode node;
+  node.id = strip(tok[0]);
+  size_t last = tok.size() - 1;
+  if (tok[last].rfind("stage_id=", 0) == 0) {
+    node.stageId = static_cast<int>(parseNumber(tok[last].substr(9), "stage_id", source, lineNo));
+    --last;
+  }
+  if (last < 2) {
+    throw std::invalid_argument(where(source, lineNo) + "missing the metadata field list in '" + line +
+                                "'");
+  }
+  std::string desc = tok[1];
+  for (size_t t = 2; t < last; ++t) desc += " -- " + tok[t];
+  node.description = desc;
+  parseNodeFields(tok[last], node, source, lineNo);
+  return node;
+}
+
 std::string formatFixed3(double v) {
   // Sized from snprintf: "%.3f" of a large value runs to 300+ digits.
   std::string out(static_cast<size_t>(std::snprintf(nullptr, 0, "%.3f", v)), '\0');
@@ -263,68 +338,7 @@ ProfileGraph ProfileGraph::parse(const std::string& text, const std::string& sou
       pendingEdges.emplace_back(line, lineNo);
       continue;
     }
-    std::vector<std::string> tok = splitOn(line, " -- ");
-    if (tok.size() < 3) {
-      throw std::invalid_argument(
-          where(source, lineNo) + "expected 'nodeN -- <description> -- forward_compute_time=..., "
-          "backward_compute_time=..., activation_size=..., parameter_size=...' but got '" + line +
-          "'");
-    }
-    GraphNode node;
-    node.id = strip(tok[0]);
-    size_t last = tok.size() - 1;
-    if (tok[last].rfind("stage_id=", 0) == 0) {
-      node.stageId = static_cast<int>(parseNumber(tok[last].substr(9), "stage_id", source, lineNo));
-      --last;
-    }
-    if (last < 2) {
-      throw std::invalid_argument(where(source, lineNo) + "missing the metadata field list in '" +
-                                  line + "'");
-    }
-    std::string desc = tok[1];
-    for (size_t t = 2; t < last; ++t) desc += " -- " + tok[t];
-    node.description = desc;
-    std::vector<std::string> fields = splitOn(tok[last], ", ");
-    static const char* kKeys[4] = {"forward_compute_time", "backward_compute_time",
-                                   "activation_size", "parameter_size"};
-    if (fields.size() != 4) {
-      throw std::invalid_argument(where(source, lineNo) + "expected 4 comma-separated fields (" +
-                                  "forward_compute_time, backward_compute_time, activation_size, " +
-                                  "parameter_size) but got " + std::to_string(fields.size()) +
-                                  " in '" + tok[last] + "'");
-    }
-    for (int f = 0; f < 4; ++f) {
-      size_t eq = fields[f].find('=');
-      std::string key = eq == std::string::npos ? strip(fields[f]) : strip(fields[f].substr(0, eq));
-      if (key != kKeys[f] || eq == std::string::npos) {
-        throw std::invalid_argument(where(source, lineNo) + "field " + std::to_string(f + 1) +
-                                    " should be '" + kKeys[f] + "=<value>' but is '" + fields[f] +
-                                    "'");
-      }
-      std::string value = fields[f].substr(eq + 1);
-      if (f == 2) {
-        node.activationText = value;
-        std::string v = strip(value);
-        if (!v.empty() && v.front() == '[') {
-          if (v.back() != ']') {
-            throw std::invalid_argument(where(source, lineNo) + "field 'activation_size': list '" +
-                                        v + "' lacks its closing ']'");
-          }
-          double sum = 0.0;
-          for (const std::string& part : splitOn(v.substr(1, v.size() - 2), ";")) {
-            sum += parseNumber(part, kKeys[f], source, lineNo);
-          }
-          node.activationBytes = sum;
-        } else {
-          node.activationBytes = parseNumber(v, kKeys[f], source, lineNo);
-        }
-        continue;
-      }
-      double x = parseNumber(value, kKeys[f], source, lineNo);
-      if (f == 0) node.forwardMs = x;
-      if (f == 1) node.backwardMs = x;
-      if (f == 3) node.parameterBytes = x;
-    }
+    GraphNode node = parseNodeLine(line, source, lineNo);
     if (index.count(node.id)) {
       throw std::invalid_argument(where(source, lineNo) + "duplicate node id '" + node.id + "'");
     }

@@ -136,79 +136,147 @@ void computeMemoryFigures(const Schedule& schedule, SimulationResult& result) {
   }
 }
 
-SimulationResult simulate(const Schedule& schedule, const StageCosts& costs) {
-  const Layout& layout = schedule.layout();
-  const int stages = schedule.numStages();
-  const int ranks = schedule.numRanks();
-  const int total = schedule.totalMicrobatches();
-  costs.check(stages);
-  const bool lowered = schedule.isLowered();
-  const bool split = !costs.weight.empty();
+namespace {
 
-  auto costOf = [&](const Action& a) -> double {
+// One run of simulate(): the per-rank cursors, the event tables and the
+// result being filled. Each rank runs its list in order as far as its
+// dependencies allow; a sweep over all ranks that moves none deadlocks.
+class Simulator {
+ public:
+  Simulator(const Schedule& schedule, const StageCosts& costs)
+      : schedule_(schedule),
+        layout_(schedule.layout()),
+        costs_(costs),
+        stages_(schedule.numStages()),
+        ranks_(schedule.numRanks()),
+        total_(schedule.totalMicrobatches()),
+        lowered_(schedule.isLowered()),
+        split_(!costs.weight.empty()),
+        forwardDone_(stages_, total_),
+        gradDone_(stages_, total_),
+        sentForward_(stages_, total_),
+        sentBackward_(stages_, total_),
+        recvForward_(stages_, total_),
+        recvBackward_(stages_, total_),
+        next_(ranks_, 0),
+        freeAt_(ranks_, 0.0) {
+    result_.busyTimePerRank.assign(ranks_, 0.0);
+  }
+
+  SimulationResult run() {
+    for (;;) {
+      bool progress = false;
+      bool finished = true;
+      for (int r = 0; r < ranks_; ++r) {
+        progress = advanceRank(r) || progress;
+        if (next_[r] < schedule_.actions(r).size()) finished = false;
+      }
+      if (finished) break;
+      if (!progress) throwDeadlock();
+    }
+    summarize();
+    return std::move(result_);
+  }
+
+ private:
+  double costOf(const Action& a) const {
     switch (a.kind) {
-      case ActionKind::kForward: return costs.forward[a.stage];
+      case ActionKind::kForward: return costs_.forward[a.stage];
       case ActionKind::kBackward:
-        return split ? costs.backward[a.stage] + costs.weight[a.stage] : costs.backward[a.stage];
+        return split_ ? costs_.backward[a.stage] + costs_.weight[a.stage] : costs_.backward[a.stage];
       case ActionKind::kBackwardInput:
-        return split ? costs.backward[a.stage] : costs.backward[a.stage] / 2;
+        return split_ ? costs_.backward[a.stage] : costs_.backward[a.stage] / 2;
       case ActionKind::kBackwardWeight:
-        return split ? costs.weight[a.stage] : costs.backward[a.stage] / 2;
+        return split_ ? costs_.weight[a.stage] : costs_.backward[a.stage] / 2;
       default: return 0.0;
     }
-  };
+  }
 
-  EventTable forwardDone(stages, total), gradDone(stages, total);
-  EventTable sentForward(stages, total), sentBackward(stages, total);
-  EventTable recvForward(stages, total), recvBackward(stages, total);
-  std::vector<size_t> next(ranks, 0);
-  std::vector<double> freeAt(ranks, 0.0);
-  SimulationResult result;
-  result.busyTimePerRank.assign(ranks, 0.0);
+  bool inRange(const Action& a) const {
+    return a.stage >= 0 && a.stage < stages_ &&
+           (isVersionOnly(a.kind) || (a.microbatch >= 0 && a.microbatch < total_));
+  }
 
-  auto inRange = [&](const Action& a) {
-    return a.stage >= 0 && a.stage < stages &&
-           (isVersionOnly(a.kind) || (a.microbatch >= 0 && a.microbatch < total));
-  };
+  // Runs rank r's list as far as its dependencies allow; true if it moved.
+  bool advanceRank(int r) {
+    bool progress = false;
+    const auto& list = schedule_.actions(r);
+    while (next_[r] < list.size()) {
+      const Action& a = list[next_[r]];
+      if (!inRange(a)) {
+        throw std::invalid_argument("rank " + str(r) + " step " + str(static_cast<int>(next_[r])) +
+                                    ": action " + a.toString() + " is out of range");
+      }
+      if (a.kind == ActionKind::kAllReduce) {
+        if (!tryAllReduce(a)) break;
+        progress = true;
+        continue;
+      }
+      const double start = readyTime(r, a);
+      if (start == kUnset) break;
+      record(r, a, start, start + costOf(a));
+      progress = true;
+    }
+    return progress;
+  }
 
-  // Returns the earliest start of rank r's next action, or kUnset if a
+  // Collective: runs `a` on every replica of its stage once all of them are
+  // at this ALLREDUCE; false while one is not.
+  bool tryAllReduce(const Action& a) {
+    const auto& peers = layout_.stageRanks(a.stage);
+    double start = 0.0;
+    for (int q : peers) {
+      const auto& peerList = schedule_.actions(q);
+      if (next_[q] >= peerList.size() || peerList[next_[q]] != a) return false;
+      start = std::max(start, freeAt_[q]);
+    }
+    const double end = start + costs_.allReduce[a.stage];
+    for (int q : peers) record(q, a, start, end);
+    return true;
+  }
+
+  // When rank r, free at `t`, has the data of transfer (neighbour -> a.stage)
+  // for `a`'s microbatch, or kUnset: the same rank hands it over; a lowered
+  // schedule needs its RECV posted and waits for the data's arrival (sent +
+  // latency); a compute-only one applies the latency directly.
+  double neighbourReady(int r, double t, const Action& a, int neighbour, const EventTable& produced,
+                        const EventTable& sent, const EventTable& posted, double latency) const {
+    const int i = a.microbatch;
+    if (layout_.rankFor(neighbour, i) == r || !lowered_) {
+      if (!produced.has(neighbour, i)) return kUnset;
+      const double extra = layout_.rankFor(neighbour, i) == r ? 0.0 : latency;
+      return std::max(t, produced.get(neighbour, i) + extra);
+    }
+    if (!posted.has(a.stage, i) || !sent.has(neighbour, i)) return kUnset;
+    return std::max(t, sent.get(neighbour, i) + latency);
+  }
+
+  // The earliest start of rank r's next action `a`, or kUnset if a
   // dependency has not happened yet.
-  auto readyTime = [&](int r, const Action& a) -> double {
-    double t = freeAt[r];
+  double readyTime(int r, const Action& a) const {
+    double t = freeAt_[r];
     const int j = a.stage;
     const int i = a.microbatch;
-    // The data of transfer (neighbour -> j): the same rank hands it over; a
-    // lowered schedule needs its RECV posted and waits for the data's arrival
-    // (sent + latency); a compute-only one applies the latency directly.
-    auto needNeighbour = [&](int neighbour, const EventTable& produced, const EventTable& sent,
-                             const EventTable& posted, double latency) -> double {
-      if (layout.rankFor(neighbour, i) == r || !lowered) {
-        if (!produced.has(neighbour, i)) return kUnset;
-        const double extra = layout.rankFor(neighbour, i) == r ? 0.0 : latency;
-        return std::max(t, produced.get(neighbour, i) + extra);
-      }
-      if (!posted.has(j, i) || !sent.has(neighbour, i)) return kUnset;
-      return std::max(t, sent.get(neighbour, i) + latency);
-    };
     switch (a.kind) {
       case ActionKind::kForward:
         if (j == 0) return t;
-        return needNeighbour(j - 1, forwardDone, sentForward, recvForward, costs.comm[j - 1]);
+        return neighbourReady(r, t, a, j - 1, forwardDone_, sentForward_, recvForward_,
+                              costs_.comm[j - 1]);
       case ActionKind::kBackward:
       case ActionKind::kBackwardInput:
-        if (!forwardDone.has(j, i)) return kUnset;
-        t = std::max(t, forwardDone.get(j, i));
-        if (j == stages - 1) return t;
-        return needNeighbour(j + 1, gradDone, sentBackward, recvBackward, costs.comm[j]);
+        if (!forwardDone_.has(j, i)) return kUnset;
+        t = std::max(t, forwardDone_.get(j, i));
+        if (j == stages_ - 1) return t;
+        return neighbourReady(r, t, a, j + 1, gradDone_, sentBackward_, recvBackward_, costs_.comm[j]);
       case ActionKind::kBackwardWeight:
-        if (!gradDone.has(j, i)) return kUnset;
-        return std::max(t, gradDone.get(j, i));
+        if (!gradDone_.has(j, i)) return kUnset;
+        return std::max(t, gradDone_.get(j, i));
       case ActionKind::kSendForward:
-        if (!forwardDone.has(j, i)) return kUnset;
-        return std::max(t, forwardDone.get(j, i));
+        if (!forwardDone_.has(j, i)) return kUnset;
+        return std::max(t, forwardDone_.get(j, i));
       case ActionKind::kSendBackward:
-        if (!gradDone.has(j, i)) return kUnset;
-        return std::max(t, gradDone.get(j, i));
+        if (!gradDone_.has(j, i)) return kUnset;
+        return std::max(t, gradDone_.get(j, i));
       case ActionKind::kRecvForward:
       case ActionKind::kRecvBackward:
         return t;  // posting takes no time; the consumer waits for the data
@@ -217,94 +285,79 @@ SimulationResult simulate(const Schedule& schedule, const StageCosts& costs) {
         return t;
     }
     return kUnset;
-  };
+  }
 
-  auto record = [&](int r, const Action& a, double start, double end) {
+  void record(int r, const Action& a, double start, double end) {
     const int j = a.stage;
     const int i = a.microbatch;
     switch (a.kind) {
-      case ActionKind::kForward: forwardDone.set(j, i, end); break;
+      case ActionKind::kForward: forwardDone_.set(j, i, end); break;
       case ActionKind::kBackward:
-      case ActionKind::kBackwardInput: gradDone.set(j, i, end); break;
-      case ActionKind::kSendForward: sentForward.set(j, i, end); break;
-      case ActionKind::kSendBackward: sentBackward.set(j, i, end); break;
-      case ActionKind::kRecvForward: recvForward.set(j, i, end); break;
-      case ActionKind::kRecvBackward: recvBackward.set(j, i, end); break;
+      case ActionKind::kBackwardInput: gradDone_.set(j, i, end); break;
+      case ActionKind::kSendForward: sentForward_.set(j, i, end); break;
+      case ActionKind::kSendBackward: sentBackward_.set(j, i, end); break;
+      case ActionKind::kRecvForward: recvForward_.set(j, i, end); break;
+      case ActionKind::kRecvBackward: recvBackward_.set(j, i, end); break;
       default: break;
     }
-    if (isCompute(a.kind)) result.busyTimePerRank[r] += end - start;
-    result.timeline.push_back(TimedAction{r, static_cast<int>(next[r]), a, start, end});
-    freeAt[r] = end;
-    ++next[r];
-  };
-
-  for (;;) {
-    bool progress = false;
-    bool finished = true;
-    for (int r = 0; r < ranks; ++r) {
-      const auto& list = schedule.actions(r);
-      while (next[r] < list.size()) {
-        const Action& a = list[next[r]];
-        if (!inRange(a)) {
-          throw std::invalid_argument("rank " + str(r) + " step " + str(static_cast<int>(next[r])) +
-                                      ": action " + a.toString() + " is out of range");
-        }
-        if (a.kind == ActionKind::kAllReduce) {
-          // Collective: every replica of the stage must be at this ALLREDUCE.
-          const auto& peers = layout.stageRanks(a.stage);
-          double start = 0.0;
-          bool all = true;
-          for (int q : peers) {
-            const auto& peerList = schedule.actions(q);
-            if (next[q] >= peerList.size() || peerList[next[q]] != a) {
-              all = false;
-              break;
-            }
-            start = std::max(start, freeAt[q]);
-          }
-          if (!all) break;
-          const double end = start + costs.allReduce[a.stage];
-          for (int q : peers) record(q, a, start, end);
-          progress = true;
-          continue;
-        }
-        const double start = readyTime(r, a);
-        if (start == kUnset) break;
-        record(r, a, start, start + costOf(a));
-        progress = true;
-      }
-      if (next[r] < list.size()) finished = false;
-    }
-    if (finished) break;
-    if (!progress) {
-      std::ostringstream message;
-      message << "deadlock: no rank can make progress;";
-      int firstRank = -1;
-      int firstStep = -1;
-      for (int r = 0; r < ranks; ++r) {
-        const auto& list = schedule.actions(r);
-        if (next[r] >= list.size()) continue;
-        if (firstRank < 0) {
-          firstRank = r;
-          firstStep = static_cast<int>(next[r]);
-        }
-        message << " rank " << r << " waits at step " << next[r] << " (" << list[next[r]].toString()
-                << ");";
-      }
-      throw DeadlockError(message.str(), firstRank, firstStep);
-    }
+    if (isCompute(a.kind)) result_.busyTimePerRank[r] += end - start;
+    result_.timeline.push_back(TimedAction{r, static_cast<int>(next_[r]), a, start, end});
+    freeAt_[r] = end;
+    ++next_[r];
   }
 
-  for (double end : freeAt) result.makespan = std::max(result.makespan, end);
-  double busy = 0.0;
-  for (int r = 0; r < ranks; ++r) {
-    busy += result.busyTimePerRank[r];
-    result.bubbleFractionPerRank.push_back(
-        result.makespan > 0 ? 1.0 - result.busyTimePerRank[r] / result.makespan : 0.0);
+  [[noreturn]] void throwDeadlock() const {
+    std::ostringstream message;
+    message << "deadlock: no rank can make progress;";
+    int firstRank = -1;
+    int firstStep = -1;
+    for (int r = 0; r < ranks_; ++r) {
+      const auto& list = schedule_.actions(r);
+      if (next_[r] >= list.size()) continue;
+      if (firstRank < 0) {
+        firstRank = r;
+        firstStep = static_cast<int>(next_[r]);
+      }
+      message << " rank " << r << " waits at step " << next_[r] << " (" << list[next_[r]].toString()
+              << ");";
+    }
+    throw DeadlockError(message.str(), firstRank, firstStep);
   }
-  result.bubbleFraction = result.makespan > 0 ? 1.0 - busy / (ranks * result.makespan) : 0.0;
-  computeMemoryFigures(schedule, result);
-  return result;
+
+  // Makespan, bubble fractions and the memory figures.
+  void summarize() {
+    for (double end : freeAt_) result_.makespan = std::max(result_.makespan, end);
+    double busy = 0.0;
+    for (int r = 0; r < ranks_; ++r) {
+      busy += result_.busyTimePerRank[r];
+      result_.bubbleFractionPerRank.push_back(
+          result_.makespan > 0 ? 1.0 - result_.busyTimePerRank[r] / result_.makespan : 0.0);
+    }
+    result_.bubbleFraction = result_.makespan > 0 ? 1.0 - busy / (ranks_ * result_.makespan) : 0.0;
+    computeMemoryFigures(schedule_, result_);
+  }
+
+  const Schedule& schedule_;
+  const Layout& layout_;
+  const StageCosts& costs_;
+  const int stages_;
+  const int ranks_;
+  const int total_;
+  const bool lowered_;  // RECVs are in the lists (else latencies apply directly)
+  const bool split_;    // costs_.weight given: I and W have their own costs
+  EventTable forwardDone_, gradDone_;
+  EventTable sentForward_, sentBackward_;
+  EventTable recvForward_, recvBackward_;
+  std::vector<size_t> next_;     // per rank: position of its next action
+  std::vector<double> freeAt_;   // per rank: when its last action ended
+  SimulationResult result_;
+};
+
+}  // namespace
+
+SimulationResult simulate(const Schedule& schedule, const StageCosts& costs) {
+  costs.check(schedule.numStages());
+  return Simulator(schedule, costs).run();
 }
 
 std::string toChromeTrace(const Schedule& schedule, const SimulationResult& result) {

@@ -1,6 +1,6 @@
 // What each schedule means, as data: the one place that says which schedule
 // flushes, who steps the optimizer and when, how replicas combine gradients,
-// and what the planner may assume. Generators, AsyncStream, the executor and
+// and what the planner may assume. Generators, AsyncActionFeed, the executor and
 // the Python layer ask these traits instead of comparing schedule names.
 #pragma once
 
@@ -35,7 +35,7 @@ struct ScheduleTraits {
   bool supportsReplicas = false;    // replicated stages allowed
   bool splitBackward = false;       // backward split into I and W
   bool stashWeights = false;        // forwards read stashed weight versions
-  bool streaming = false;           // the executor is fed per step by AsyncStream
+  bool streaming = false;           // the executor is fed per step by AsyncActionFeed
   bool supportsVerticalSync = false;
   bool plannerStraight = false;     // the planner must not replicate stages
   bool plannerTwoVersions = false;  // the planner budgets two weight versions

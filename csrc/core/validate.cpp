@@ -28,150 +28,226 @@ struct MicrobatchRecord {
   int sendF = 0, recvF = 0, sendB = 0, recvB = 0;
 };
 
-void checkRank(const Schedule& schedule, int r, std::vector<std::vector<MicrobatchRecord>>& records) {
-  const Layout& layout = schedule.layout();
-  const int stages = schedule.numStages();
-  const int total = schedule.totalMicrobatches();
-  const bool lowered = schedule.isLowered();
-  const auto& list = schedule.actions(r);
+// Checks one rank's list in order, filling the per-(stage, microbatch)
+// records shared by all ranks; the first broken rule throws (problem()).
+class RankChecker {
+ public:
+  RankChecker(const Schedule& schedule, int rank, std::vector<std::vector<MicrobatchRecord>>& records)
+      : schedule_(schedule),
+        layout_(schedule.layout()),
+        rank_(rank),
+        stages_(schedule.numStages()),
+        total_(schedule.totalMicrobatches()),
+        lowered_(schedule.isLowered()),
+        records_(records),
+        updates_(stages_, 0),
+        gradientsSinceUpdate_(stages_, 0),
+        pendingAllReduce_(stages_, 0),
+        lastGradientStep_(stages_, -1) {}
 
-  // State of this rank, per (stage, microbatch): the step of each event.
-  std::map<std::pair<int, int>, int> forwardVersion, inputVersion;
-  std::map<std::pair<int, int>, bool> gradDone, recvF, recvB;
-  std::vector<int> updates(stages, 0), gradientsSinceUpdate(stages, 0);
-  std::vector<int> pendingAllReduce(stages, 0), lastGradientStep(stages, -1);
+  void run() {
+    const auto& list = schedule_.actions(rank_);
+    for (step_ = 0; step_ < static_cast<int>(list.size()); ++step_) {
+      const Action& a = list[step_];
+      checkPlacement(a);
+      auto& record = isVersionOnly(a.kind) ? records_[0][0] : records_[a.stage][a.microbatch];
+      checkAction(a, record);
+    }
+    for (int j = 0; j < stages_; ++j) {
+      if (gradientsSinceUpdate_[j] > 0) {
+        problem(schedule_, rank_, lastGradientStep_[j],
+                "gradient of stage " + str(j) + " is never applied (no UPDATE after it)");
+      }
+    }
+  }
 
-  for (int k = 0; k < static_cast<int>(list.size()); ++k) {
-    const Action& a = list[k];
+ private:
+  using Key = std::pair<int, int>;  // (stage, microbatch)
+
+  [[noreturn]] void fail(const std::string& what) const { problem(schedule_, rank_, step_, what); }
+  // Whether `stage`'s part of `a`'s microbatch runs on another rank.
+  bool remote(const Action& a, int stage) const { return layout_.rankFor(stage, a.microbatch) != rank_; }
+
+  // Stage and microbatch in range, and on this rank.
+  void checkPlacement(const Action& a) const {
     const int j = a.stage;
     const int i = a.microbatch;
-    auto fail = [&](const std::string& what) { problem(schedule, r, k, what); };
-    if (j < 0 || j >= stages) fail("stage " + str(j) + " is out of range [0, " + str(stages) + ")");
+    if (j < 0 || j >= stages_) fail("stage " + str(j) + " is out of range [0, " + str(stages_) + ")");
     if (isVersionOnly(a.kind)) {
-      if (layout.replicaIndex(j, r) < 0) fail("rank " + str(r) + " does not hold stage " + str(j));
-    } else {
-      if (i < 0 || i >= total) {
-        fail("microbatch " + str(i) + " is out of range [0, " + str(total) + ")");
-      }
-      const int owner = layout.rankFor(j, i);
-      if (owner != r) {
-        fail("microbatch " + str(i) + " of stage " + str(j) + " belongs on rank " + str(owner));
-      }
+      if (layout_.replicaIndex(j, rank_) < 0) fail("rank " + str(rank_) + " does not hold stage " + str(j));
+      return;
     }
-    const auto key = std::make_pair(j, i);
-    auto& record = isVersionOnly(a.kind) ? records[0][0] : records[j][i];
-    auto remote = [&](int stage) { return layout.rankFor(stage, i) != r; };
+    if (i < 0 || i >= total_) {
+      fail("microbatch " + str(i) + " is out of range [0, " + str(total_) + ")");
+    }
+    const int owner = layout_.rankFor(j, i);
+    if (owner != rank_) {
+      fail("microbatch " + str(i) + " of stage " + str(j) + " belongs on rank " + str(owner));
+    }
+  }
+
+  void checkAction(const Action& a, MicrobatchRecord& record) {
     switch (a.kind) {
-      case ActionKind::kForward:
-        if (forwardVersion.count(key)) fail("microbatch " + str(i) + " has a second forward");
-        if (lowered && j > 0 && remote(j - 1) && !recvF.count(key)) {
-          fail("forward before its RECV_F (its input comes from rank " +
-               str(layout.rankFor(j - 1, i)) + ")");
-        }
-        if (a.version > updates[j]) {
-          fail("reads version " + str(a.version) + " but only " + str(updates[j]) +
-               " updates of stage " + str(j) + " came before it");
-        }
-        forwardVersion[key] = a.version;
-        ++record.forwards;
-        break;
+      case ActionKind::kForward: checkForward(a, record); break;
       case ActionKind::kBackward:
-      case ActionKind::kBackwardInput: {
-        if (!forwardVersion.count(key)) fail("backward before its forward");
-        if (gradDone.count(key)) fail("microbatch " + str(i) + " has a second backward");
-        if (lowered && j < stages - 1 && remote(j + 1) && !recvB.count(key)) {
-          fail("backward before its RECV_B (its gradient comes from rank " +
-               str(layout.rankFor(j + 1, i)) + ")");
-        }
-        if (a.version != forwardVersion[key]) {
-          fail("backward reads version " + str(a.version) + " but its forward read version " +
-               str(forwardVersion[key]) + " (weight stashing needs the same version)");
-        }
-        gradDone[key] = true;
-        if (a.kind == ActionKind::kBackward) {
-          ++record.backwards;
-          ++gradientsSinceUpdate[j];
-          lastGradientStep[j] = k;
-          if (pendingAllReduce[j]) fail("gradient computed after the ALLREDUCE of its update");
-        } else {
-          ++record.inputs;
-          inputVersion[key] = a.version;
-        }
-        break;
-      }
-      case ActionKind::kBackwardWeight:
-        if (!inputVersion.count(key)) fail("W before its I (input gradient)");
-        if (a.version != inputVersion[key]) {
-          fail("W reads version " + str(a.version) + " but its I read version " +
-               str(inputVersion[key]));
-        }
-        inputVersion.erase(key);
-        ++record.weights;
-        ++gradientsSinceUpdate[j];
-        lastGradientStep[j] = k;
-        if (pendingAllReduce[j]) fail("gradient computed after the ALLREDUCE of its update");
-        break;
+      case ActionKind::kBackwardInput: checkBackward(a, record); break;
+      case ActionKind::kBackwardWeight: checkWeightGradient(a, record); break;
       case ActionKind::kSendForward:
-        if (j == stages - 1 || !remote(j + 1)) fail("nothing to send: stage " + str(j + 1) +
-                                                    " of this microbatch is not on another rank");
-        if (!forwardVersion.count(key)) fail("SEND_F before its forward");
-        ++record.sendF;
-        break;
-      case ActionKind::kSendBackward:
-        if (j == 0 || !remote(j - 1)) fail("nothing to send: stage " + str(j - 1) +
-                                           " of this microbatch is not on another rank");
-        if (!gradDone.count(key)) fail("SEND_B before its backward");
-        ++record.sendB;
-        break;
+      case ActionKind::kSendBackward: checkSend(a, record); break;
       case ActionKind::kRecvForward:
-        if (j == 0 || !remote(j - 1)) fail("nothing to receive: stage " + str(j - 1) +
-                                           " of this microbatch is not on another rank");
-        if (forwardVersion.count(key)) fail("RECV_F after its forward");
-        if (recvF.count(key)) fail("second RECV_F");
-        recvF[key] = true;
-        ++record.recvF;
-        break;
-      case ActionKind::kRecvBackward:
-        if (j == stages - 1 || !remote(j + 1)) fail("nothing to receive: stage " + str(j + 1) +
-                                                    " of this microbatch is not on another rank");
-        if (gradDone.count(key)) fail("RECV_B after its backward");
-        if (recvB.count(key)) fail("second RECV_B");
-        recvB[key] = true;
-        ++record.recvB;
-        break;
-      case ActionKind::kAllReduce:
-        if (layout.replicas(j) < 2) fail("stage " + str(j) + " has one replica: nothing to all-reduce");
-        if (a.version != updates[j] + 1) {
-          fail("ALLREDUCE for version " + str(a.version) + " but the next update of stage " +
-               str(j) + " creates version " + str(updates[j] + 1));
-        }
-        if (gradientsSinceUpdate[j] == 0) fail("ALLREDUCE with no gradient since the last update");
-        if (pendingAllReduce[j]) fail("second ALLREDUCE for the same update");
-        pendingAllReduce[j] = a.version;
-        break;
-      case ActionKind::kUpdate:
-        if (a.version != updates[j] + 1) {
-          fail("UPDATE creates version " + str(a.version) + " but stage " + str(j) +
-               " is at version " + str(updates[j]) + " (updates number 1, 2, 3, ...)");
-        }
-        if (gradientsSinceUpdate[j] == 0) fail("UPDATE with no gradient (B or W) since the last update");
-        if (layout.replicas(j) > 1 && pendingAllReduce[j] != a.version) {
-          fail("stage " + str(j) + " has " + str(layout.replicas(j)) +
-               " replicas but no ALLREDUCE precedes this update");
-        }
-        updates[j] = a.version;
-        gradientsSinceUpdate[j] = 0;
-        pendingAllReduce[j] = 0;
-        break;
+      case ActionKind::kRecvBackward: checkRecv(a, record); break;
+      case ActionKind::kAllReduce: checkAllReduce(a); break;
+      case ActionKind::kUpdate: checkUpdate(a); break;
     }
   }
-  for (int j = 0; j < stages; ++j) {
-    if (gradientsSinceUpdate[j] > 0) {
-      problem(schedule, r, lastGradientStep[j],
-              "gradient of stage " + str(j) + " is never applied (no UPDATE after it)");
+
+  void checkForward(const Action& a, MicrobatchRecord& record) {
+    const int j = a.stage;
+    const int i = a.microbatch;
+    const Key key{j, i};
+    if (forwardVersion_.count(key)) fail("microbatch " + str(i) + " has a second forward");
+    if (lowered_ && j > 0 && remote(a, j - 1) && !recvF_.count(key)) {
+      fail("forward before its RECV_F (its input comes from rank " + str(layout_.rankFor(j - 1, i)) +
+           ")");
+    }
+    if (a.version > updates_[j]) {
+      fail("reads version " + str(a.version) + " but only " + str(updates_[j]) +
+           " updates of stage " + str(j) + " came before it");
+    }
+    forwardVersion_[key] = a.version;
+    ++record.forwards;
+  }
+
+  // B or I.
+  void checkBackward(const Action& a, MicrobatchRecord& record) {
+    const int j = a.stage;
+    const int i = a.microbatch;
+    const Key key{j, i};
+    if (!forwardVersion_.count(key)) fail("backward before its forward");
+    if (gradDone_.count(key)) fail("microbatch " + str(i) + " has a second backward");
+    if (lowered_ && j < stages_ - 1 && remote(a, j + 1) && !recvB_.count(key)) {
+      fail("backward before its RECV_B (its gradient comes from rank " +
+           str(layout_.rankFor(j + 1, i)) + ")");
+    }
+    if (a.version != forwardVersion_[key]) {
+      fail("backward reads version " + str(a.version) + " but its forward read version " +
+           str(forwardVersion_[key]) + " (weight stashing needs the same version)");
+    }
+    gradDone_[key] = true;
+    if (a.kind == ActionKind::kBackward) {
+      ++record.backwards;
+      countGradient(j);
+    } else {
+      ++record.inputs;
+      inputVersion_[key] = a.version;
     }
   }
-}
+
+  void checkWeightGradient(const Action& a, MicrobatchRecord& record) {
+    const Key key{a.stage, a.microbatch};
+    if (!inputVersion_.count(key)) fail("W before its I (input gradient)");
+    if (a.version != inputVersion_[key]) {
+      fail("W reads version " + str(a.version) + " but its I read version " + str(inputVersion_[key]));
+    }
+    inputVersion_.erase(key);
+    ++record.weights;
+    countGradient(a.stage);
+  }
+
+  // A gradient (B or W) of `stage` at this step: it must precede the
+  // ALLREDUCE of the next update.
+  void countGradient(int stage) {
+    ++gradientsSinceUpdate_[stage];
+    lastGradientStep_[stage] = step_;
+    if (pendingAllReduce_[stage]) fail("gradient computed after the ALLREDUCE of its update");
+  }
+
+  // SEND_F or SEND_B.
+  void checkSend(const Action& a, MicrobatchRecord& record) {
+    const int j = a.stage;
+    const Key key{j, a.microbatch};
+    if (a.kind == ActionKind::kSendForward) {
+      if (j == stages_ - 1 || !remote(a, j + 1)) {
+        fail("nothing to send: stage " + str(j + 1) + " of this microbatch is not on another rank");
+      }
+      if (!forwardVersion_.count(key)) fail("SEND_F before its forward");
+      ++record.sendF;
+    } else {
+      if (j == 0 || !remote(a, j - 1)) {
+        fail("nothing to send: stage " + str(j - 1) + " of this microbatch is not on another rank");
+      }
+      if (!gradDone_.count(key)) fail("SEND_B before its backward");
+      ++record.sendB;
+    }
+  }
+
+  // RECV_F or RECV_B.
+  void checkRecv(const Action& a, MicrobatchRecord& record) {
+    const int j = a.stage;
+    const Key key{j, a.microbatch};
+    if (a.kind == ActionKind::kRecvForward) {
+      if (j == 0 || !remote(a, j - 1)) {
+        fail("nothing to receive: stage " + str(j - 1) + " of this microbatch is not on another rank");
+      }
+      if (forwardVersion_.count(key)) fail("RECV_F after its forward");
+      if (recvF_.count(key)) fail("second RECV_F");
+      recvF_[key] = true;
+      ++record.recvF;
+    } else {
+      if (j == stages_ - 1 || !remote(a, j + 1)) {
+        fail("nothing to receive: stage " + str(j + 1) + " of this microbatch is not on another rank");
+      }
+      if (gradDone_.count(key)) fail("RECV_B after its backward");
+      if (recvB_.count(key)) fail("second RECV_B");
+      recvB_[key] = true;
+      ++record.recvB;
+    }
+  }
+
+  void checkAllReduce(const Action& a) {
+    const int j = a.stage;
+    if (layout_.replicas(j) < 2) fail("stage " + str(j) + " has one replica: nothing to all-reduce");
+    if (a.version != updates_[j] + 1) {
+      fail("ALLREDUCE for version " + str(a.version) + " but the next update of stage " + str(j) +
+           " creates version " + str(updates_[j] + 1));
+    }
+    if (gradientsSinceUpdate_[j] == 0) fail("ALLREDUCE with no gradient since the last update");
+    if (pendingAllReduce_[j]) fail("second ALLREDUCE for the same update");
+    pendingAllReduce_[j] = a.version;
+  }
+
+  void checkUpdate(const Action& a) {
+    const int j = a.stage;
+    if (a.version != updates_[j] + 1) {
+      fail("UPDATE creates version " + str(a.version) + " but stage " + str(j) + " is at version " +
+           str(updates_[j]) + " (updates number 1, 2, 3, ...)");
+    }
+    if (gradientsSinceUpdate_[j] == 0) fail("UPDATE with no gradient (B or W) since the last update");
+    if (layout_.replicas(j) > 1 && pendingAllReduce_[j] != a.version) {
+      fail("stage " + str(j) + " has " + str(layout_.replicas(j)) +
+           " replicas but no ALLREDUCE precedes this update");
+    }
+    updates_[j] = a.version;
+    gradientsSinceUpdate_[j] = 0;
+    pendingAllReduce_[j] = 0;
+  }
+
+  const Schedule& schedule_;
+  const Layout& layout_;
+  const int rank_;
+  const int stages_;
+  const int total_;
+  const bool lowered_;
+  std::vector<std::vector<MicrobatchRecord>>& records_;
+  int step_ = 0;  // position of the action being checked
+  // Per (stage, microbatch) on this rank: the version its F (I) read, and
+  // whether its gradient, RECV_F, RECV_B happened.
+  std::map<Key, int> forwardVersion_, inputVersion_;
+  std::map<Key, bool> gradDone_, recvF_, recvB_;
+  // Per stage.
+  std::vector<int> updates_, gradientsSinceUpdate_;
+  std::vector<int> pendingAllReduce_, lastGradientStep_;
+};
 
 }  // namespace
 
@@ -180,7 +256,7 @@ void validate(const Schedule& schedule) {
   const int total = schedule.totalMicrobatches();
   std::vector<std::vector<MicrobatchRecord>> records(
       std::max(1, stages), std::vector<MicrobatchRecord>(std::max(1, total)));
-  for (int r = 0; r < schedule.numRanks(); ++r) checkRank(schedule, r, records);
+  for (int r = 0; r < schedule.numRanks(); ++r) RankChecker(schedule, r, records).run();
 
   const Layout& layout = schedule.layout();
   const bool lowered = schedule.isLowered();

@@ -89,20 +89,20 @@ void PipelineExecutor::account(const std::string& kind, const std::string& name,
   } else if (std::string(category) == "compute" || std::string(category) == "update") {
     stats_.computeSeconds += seconds;
   }
-  if (!tracing_) return;
-  if (trace_.size() >= kMaxTraceEvents) {
-    ++droppedTraceEvents_;
+  if (!actionLogging_) return;
+  if (actionLog_.size() >= kMaxActionLogEntries) {
+    ++droppedActionLogEntries_;
     return;
   }
   using namespace std::chrono;
   const auto wallEnd = duration_cast<microseconds>(system_clock::now().time_since_epoch()).count();
   const auto durationUs = duration_cast<microseconds>(end - start).count();
-  trace_.push_back(TraceEvent{name, category, wallEnd - durationUs, durationUs});
+  actionLog_.push_back(ActionLogEntry{name, category, wallEnd - durationUs, durationUs});
 }
 
-std::vector<TraceEvent> PipelineExecutor::takeTrace() {
-  std::vector<TraceEvent> out;
-  out.swap(trace_);
+std::vector<ActionLogEntry> PipelineExecutor::takeActionLog() {
+  std::vector<ActionLogEntry> out;
+  out.swap(actionLog_);
   return out;
 }
 

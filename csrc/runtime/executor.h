@@ -29,8 +29,8 @@
 //
 // Two ways to run: run() executes the whole list once per call (flush
 // schedules: one batch per step); a streaming executor starts with an empty
-// list, gets each step's actions with appendActions() (from AsyncStream,
-// csrc/core/stream.h) and runs them with runUntil(), keeping all state
+// list, gets each step's actions with appendActions() (from AsyncActionFeed,
+// csrc/core/action_feed.h) and runs them with runUntil(), keeping all state
 // between calls; actions already run are dropped, so memory stays constant.
 //
 // The forward and update callbacks are the only calls into Python; the
@@ -39,9 +39,10 @@
 // Observability: stats() is a RuntimeStats (csrc/core/runtime_stats.h)
 // snapshot since construction or resetStats(): time in compute actions,
 // time blocked on peers, wall time inside run*(), the engine's transfer
-// counters and the weight stores' copies; with tracing on, every action (and
-// every wait on a peer) is also recorded as a span with wall-clock
-// microseconds (takeTrace()).
+// counters and the weight stores' copies; with the action log on, every
+// action (and every wait on a peer) is also recorded as a span with
+// wall-clock microseconds (takeActionLog()); the Python side turns these
+// spans into the Chrome trace and the debug log.
 //
 // Threading: an executor is used by one thread at a time (the caller of
 // run*()); all members below are owned by that thread.
@@ -70,8 +71,9 @@
 
 namespace pipedream {
 
-// One span of the real execution (Chrome trace "X" event).
-struct TraceEvent {
+// One span of the real execution, an entry of the action log (a Chrome trace
+// "X" event once exported).
+struct ActionLogEntry {
   std::string name;      // the action's text, e.g. "1F3" or "0RECV_B2"
   std::string category;  // "compute", "wait", "send", "update", "allreduce"
   int64_t startUs = 0;   // microseconds since the Unix epoch (system clock)
@@ -131,13 +133,14 @@ class PipelineExecutor {
   RuntimeStats stats() const;
   // Starts stats() over, including the engine's and weight stores' counters.
   void resetStats();
-  // Records every action as a TraceEvent while on (at most kMaxTraceEvents
-  // are kept between takeTrace() calls; later ones are counted as dropped).
-  void setTracing(bool on) { tracing_ = on; }
-  bool tracing() const { return tracing_; }
-  std::vector<TraceEvent> takeTrace();
-  int64_t droppedTraceEvents() const { return droppedTraceEvents_; }
-  static constexpr size_t kMaxTraceEvents = 1 << 20;
+  // Records every action in the action log while on (at most
+  // kMaxActionLogEntries are kept between takeActionLog() calls; later ones
+  // are counted as dropped).
+  void setActionLogging(bool on) { actionLogging_ = on; }
+  bool actionLogging() const { return actionLogging_; }
+  std::vector<ActionLogEntry> takeActionLog();
+  int64_t droppedActionLogEntries() const { return droppedActionLogEntries_; }
+  static constexpr size_t kMaxActionLogEntries = 1 << 20;
 
  private:
   struct Stash {
@@ -189,7 +192,7 @@ class PipelineExecutor {
   TransferId idOf(size_t index) const { return static_cast<TransferId>(dropped_ + index); }
   // Waits for (releases) the sends `ids` and drops their handles.
   void releaseSends(const std::vector<TransferId>& ids);
-  // Accounts [start, now) to `kind` in stats_ and, when tracing, the trace.
+  // Accounts [start, now) to `kind` in stats_ and, when logging actions, the action log.
   void account(const std::string& kind, const std::string& name, const char* category,
                TimePoint start, bool isWait);
 
@@ -222,9 +225,9 @@ class PipelineExecutor {
   std::map<int, std::vector<TensorMeta>> signatures_;
 
   RuntimeStats stats_;  // own counters; stats() adds the engine's and the stores'
-  bool tracing_ = false;
-  std::vector<TraceEvent> trace_;
-  int64_t droppedTraceEvents_ = 0;
+  bool actionLogging_ = false;
+  std::vector<ActionLogEntry> actionLog_;
+  int64_t droppedActionLogEntries_ = 0;
 };
 
 }  // namespace pipedream

@@ -62,9 +62,9 @@ class Observer:
 
     def after_step(self, executor: Any, step: int) -> None:
         """Moves the step's spans to the trace and/or the debug log."""
-        if not executor.tracing:
+        if not executor.action_logging:
             return
-        spans = executor.take_trace()
+        spans = executor.take_action_log()
         if _log.isEnabledFor(logging.DEBUG):
             for name, category, _start, duration in spans:
                 _log.debug("rank %d step %d: %-14s %-9s %8.3f ms", self.rank, step, name,
@@ -76,7 +76,7 @@ class Observer:
         """Keeps the stats and spans of an executor about to be replaced."""
         self._retired = self._retired.merge(executor.stats())
         if self.trace_path is not None:
-            self._spans.extend(executor.take_trace())
+            self._spans.extend(executor.take_action_log())
 
     def stats(self, executor: Any) -> Dict[str, Any]:
         """This rank's stats since construction or :meth:`reset` (see ``PipeDream.stats``)."""
@@ -108,7 +108,7 @@ class Observer:
             raise ValueError("tracing is off: pass PipeDream(..., trace='run.json') or set "
                              "PIPEDREAM_TRACE=run.json before building the pipeline")
         target = os.fspath(path) if path is not None else self.trace_path
-        self._spans.extend(executor.take_trace())
+        self._spans.extend(executor.take_action_log())
         events = self._events()
         self._spans = []
         gathered = collectives.gather_bytes(json.dumps(events).encode(), self.group)

@@ -7,14 +7,14 @@ One runner per family, chosen by the schedule's traits:
   ``step`` runs the rank's whole action list once (one batch, then a flush); the
   gradients of parameters shared by stages are summed over them (``_shared``);
   the user steps the optimizer; the batch loss is all-reduced to every rank.
-* :class:`StreamRunner` (``pipedream``, ``pipedream-2bw``): every ``step`` appends
-  one minibatch's actions (``AsyncStream``) to a long-lived executor and runs up
+* :class:`AsyncRunner` (``pipedream``, ``pipedream-2bw``): every ``step`` appends
+  one minibatch's actions (``AsyncActionFeed``) to a long-lived executor and runs up
   to its forward; the runtime steps the optimizer at every ``U``; ``flush``
   drains the pipeline.
 
 Both own their C++ executors (and release them at interpreter exit, before the
 process group goes) and evaluate with ``forward_only`` on a GPipe list over one
-replica per stage where their own list cannot (replicas, streams).
+replica per stage where their own list cannot (replicas, asynchronous schedules).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from .stage_call import (
 from .step_loss import StepLoss
 from .tied_grads import SharedGradients
 
-__all__ = ["Runner", "FlushRunner", "StreamRunner", "make_runner"]
+__all__ = ["Runner", "FlushRunner", "AsyncRunner", "make_runner"]
 
 _log = logging.getLogger("pipedream_ext._pipe")
 
@@ -107,7 +107,7 @@ class Runner:
         self.device = device
         self.shared_gradients = shared_gradients
         self.num_stages = schedule.num_stages
-        self.steps_run = 0  # steps run (flush) or admitted (stream), for messages
+        self.steps_run = 0  # steps run (flush) or admitted (asynchronous), for messages
         #: A traced model's named inputs, in the order the runner gets them (for messages).
         self.input_names: Optional[List[str]] = None
         self._update = _OptimizerStep()
@@ -135,7 +135,7 @@ class Runner:
             replica_groups=self.groups.replica_groups, recompute=self.config.recompute,
             protocol=p2p_protocol(group, self.device, traits.streaming))
         # PIPEDREAM_LOG=debug (or a DEBUG level on this logger) logs every action.
-        executor.tracing = self.observer.tracing
+        executor.action_logging = self.observer.tracing
         return executor
 
     def release(self) -> None:
@@ -383,16 +383,16 @@ class FlushRunner(Runner):
         return True
 
 
-class StreamRunner(Runner):
-    """Asynchronous PipeDream: minibatches stream through one long-lived executor.
+class AsyncRunner(Runner):
+    """Asynchronous PipeDream: minibatches flow through one long-lived executor.
 
     Args:
-        stream: the schedule's per-step action source (``_C.AsyncStream``).
+        feed: the schedule's per-step action source (``_C.AsyncActionFeed``).
         (the rest as :class:`Runner`)
     """
 
-    def __init__(self, stream: "_C.AsyncStream", *args: Any, **kwargs: Any) -> None:
-        self.stream = stream
+    def __init__(self, feed: "_C.AsyncActionFeed", *args: Any, **kwargs: Any) -> None:
+        self.feed = feed
         self.admitted = 0  # minibatches (2bw: batches) admitted since the last flush
         self._peak_weight_versions: Dict[int, int] = {}
         super().__init__(*args, **kwargs)
@@ -404,7 +404,7 @@ class StreamRunner(Runner):
         return self._peak_weight_versions
 
     def _evaluates_on_leaders(self) -> bool:
-        return True  # the stream's list has no forward-only form
+        return True  # the feed's list has no forward-only form
 
     def forward_only(self, inputs: Optional[Tensors]) -> Optional[Tensors]:
         self._require(inputs, self.is_first, "inputs", "forward_only()")
@@ -445,7 +445,7 @@ class StreamRunner(Runner):
             inputs_by_microbatch = {first + i: list(c) for i, c in enumerate(chunks)}
         if self.is_last:
             self.stage_fn.targets.add(targets, per_step, first, self.device)
-        self.executor.append_actions(self.stream.step_actions(self.groups.rank, self.admitted))
+        self.executor.append_actions(self.feed.step_actions(self.groups.rank, self.admitted))
         losses = self.executor.run_until(self.executor.size, inputs_by_microbatch)
         self.admitted += 1
         self._unflushed[0] = self.admitted
@@ -476,16 +476,16 @@ class StreamRunner(Runner):
         """
         if self.admitted == 0:
             return
-        period = self.stream.period
+        period = self.feed.period
         if self.admitted % period:
             raise ValueError(
                 f"replicated stages {self.schedule.replicas} take minibatches in rounds of "
                 f"{period}; flush after a multiple of {period} steps (now {self.admitted})")
-        self.executor.append_actions(self.stream.drain_actions(self.groups.rank, self.admitted))
+        self.executor.append_actions(self.feed.drain_actions(self.groups.rank, self.admitted))
         self.executor.run_until(self.executor.size, {})
         self.executor.wait_sends()
         self._peak_weight_versions = dict(self.executor.stats().peak_weight_versions)
-        # A new stream starts from version 0 = the current live weights.
+        # The next admitted minibatch starts from version 0 = the current live weights.
         self.stage_fn.targets.clear()
         self.admitted = 0
         self._unflushed[0] = 0
@@ -494,8 +494,8 @@ class StreamRunner(Runner):
 
 
 def make_runner(config: PipelineConfig, schedule: "schedules.Schedule",
-                stream: Optional["_C.AsyncStream"], *args: Any, **kwargs: Any) -> Runner:
-    """The runner of ``config``'s schedule family (``stream`` for streaming schedules)."""
+                feed: Optional["_C.AsyncActionFeed"], *args: Any, **kwargs: Any) -> Runner:
+    """The runner of ``config``'s schedule family (``feed`` for streaming schedules)."""
     if config.traits.streaming:
-        return StreamRunner(stream, config, schedule, *args, **kwargs)
+        return AsyncRunner(feed, config, schedule, *args, **kwargs)
     return FlushRunner(config, schedule, *args, **kwargs)

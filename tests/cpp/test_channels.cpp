@@ -1,14 +1,14 @@
 // Point-to-point channels (csrc/core/channels.h): the order both ends of a pair
 // issue their transfers in, mirrored and deadlock-free under NCCL's rules, over
-// the whole validity grid and the asynchronous streams.
+// the whole validity grid and the asynchronous action feeds.
 #include <gtest/gtest.h>
 
 #include <numeric>
 
+#include "action_feed.h"
 #include "channels.h"
 #include "lower.h"
 #include "simulate.h"
-#include "stream.h"
 #include "test_helpers.h"
 #include "validate.h"
 
@@ -120,15 +120,15 @@ TEST(Channels, EveryGeneratorOfTheGridOrdersAndProvesItsTransfers) {
   EXPECT_GT(checked, 4000);
 }
 
-struct StreamCase {
+struct FeedCase {
   std::string name;
   int p, m;
   std::vector<int> replicas;
   bool verticalSync;
 };
 
-TEST(Channels, AsynchronousStreamsMirrorStepByStepAndInTheirDrains) {
-  const std::vector<StreamCase> cases = {
+TEST(Channels, AsyncActionFeedsMirrorStepByStepAndInTheirDrains) {
+  const std::vector<FeedCase> cases = {
       {"pipedream", 2, 1, {}, false},       {"pipedream", 4, 1, {}, false},
       {"pipedream", 3, 1, {}, true},        {"pipedream", 3, 1, {2, 1, 1}, false},
       {"pipedream", 2, 1, {2, 3}, false},   {"pipedream", 3, 1, {1, 2, 3}, false},
@@ -145,7 +145,7 @@ TEST(Channels, AsynchronousStreamsMirrorStepByStepAndInTheirDrains) {
     o.replicas = c.replicas;
     o.verticalSync = c.verticalSync;
     o.microbatches = c.m;
-    const AsyncStream stream(o);
+    const AsyncActionFeed feed(o);
     int unit = 1;
     for (int r : c.replicas) unit = c.name == "pipedream" ? std::lcm(unit, r) : unit;
     for (int steps : {1, 2, 5, 13, 34}) {
@@ -153,13 +153,13 @@ TEST(Channels, AsynchronousStreamsMirrorStepByStepAndInTheirDrains) {
       SCOPED_TRACE(c.name + " p=" + std::to_string(c.p) + " steps=" + std::to_string(steps));
       // What the executor runs: the steps' slices, then the drain.
       std::vector<std::vector<Action>> lists;
-      for (int r = 0; r < stream.base().numRanks(); ++r) {
+      for (int r = 0; r < feed.base().numRanks(); ++r) {
         std::vector<Action> joined;
         for (int t = 0; t < steps; ++t) {
-          const auto part = stream.stepActions(r, t);
+          const auto part = feed.stepActions(r, t);
           joined.insert(joined.end(), part.begin(), part.end());
         }
-        const auto drain = stream.drainActions(r, steps);
+        const auto drain = feed.drainActions(r, steps);
         joined.insert(joined.end(), drain.begin(), drain.end());
         lists.push_back(std::move(joined));
       }

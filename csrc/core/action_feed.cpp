@@ -1,4 +1,4 @@
-#include "stream.h"
+#include "action_feed.h"
 
 #include <numeric>
 #include <set>
@@ -11,14 +11,14 @@
 
 namespace pipedream {
 
-AsyncStream::AsyncStream(ScheduleOptions options) : options_(std::move(options)) {
+AsyncActionFeed::AsyncActionFeed(ScheduleOptions options) : options_(std::move(options)) {
   const ScheduleTraits& traits = scheduleTraits(options_.name);
   if (!traits.streaming) {
     std::string streaming;
     for (const auto& t : allScheduleTraits()) {
       if (t.streaming) streaming += (streaming.empty() ? "'" : " or '") + t.name + "'";
     }
-    throw std::invalid_argument("an asynchronous stream needs schedule " + streaming + " (got '" +
+    throw std::invalid_argument("AsyncActionFeed needs schedule " + streaming + " (got '" +
                                 options_.name + "')");
   }
   // pipedream: one minibatch and one update per step; 2bw: one batch of m.
@@ -48,7 +48,7 @@ AsyncStream::AsyncStream(ScheduleOptions options) : options_(std::move(options))
   }
 }
 
-Schedule AsyncStream::lowered(int steps) const {
+Schedule AsyncActionFeed::lowered(int steps) const {
   ScheduleOptions o = options_;
   if (scheduleTraits(o.name).updateRule == UpdateRule::kPerMinibatch) {
     o.microbatches = steps;
@@ -59,8 +59,8 @@ Schedule AsyncStream::lowered(int steps) const {
   return orderTransfers(lower(buildSchedule(o)), perStep_);
 }
 
-std::vector<std::pair<size_t, size_t>> AsyncStream::slices(const Schedule& schedule, int rank,
-                                                           int steps) const {
+std::vector<std::pair<size_t, size_t>> AsyncActionFeed::slices(const Schedule& schedule, int rank,
+                                                               int steps) const {
   const auto& list = schedule.actions(rank);
   // end[t]: just after the last forward of step t on this rank and the sends
   // that follow it (so a downstream rank never waits for our next step).
@@ -93,7 +93,7 @@ std::vector<std::pair<size_t, size_t>> AsyncStream::slices(const Schedule& sched
   return out;
 }
 
-std::vector<Action> AsyncStream::shifted(std::vector<Action> actions, int64_t periods) const {
+std::vector<Action> AsyncActionFeed::shifted(std::vector<Action> actions, int64_t periods) const {
   if (periods == 0) return actions;
   const int64_t microbatchShift = periods * period_ * perStep_;
   for (auto& a : actions) {
@@ -105,7 +105,7 @@ std::vector<Action> AsyncStream::shifted(std::vector<Action> actions, int64_t pe
   return actions;
 }
 
-std::vector<Action> AsyncStream::stepActions(int rank, int64_t step) const {
+std::vector<Action> AsyncActionFeed::stepActions(int rank, int64_t step) const {
   if (step < 0) throw std::invalid_argument("step must be >= 0 (got " + std::to_string(step) + ")");
   const auto& list = base_.actions(rank);
   int64_t source = step;
@@ -118,7 +118,7 @@ std::vector<Action> AsyncStream::stepActions(int rank, int64_t step) const {
   return shifted(std::vector<Action>(list.begin() + begin, list.begin() + end), periods);
 }
 
-std::vector<Action> AsyncStream::drainActions(int rank, int64_t steps) const {
+std::vector<Action> AsyncActionFeed::drainActions(int rank, int64_t steps) const {
   if (steps <= 0) return {};
   int64_t source = steps;
   int64_t periods = 0;
@@ -126,10 +126,10 @@ std::vector<Action> AsyncStream::drainActions(int rank, int64_t steps) const {
     source = warmup_ + period_ + (steps - warmup_ - period_) % period_;
     periods = (steps - source) / period_;
   }
-  // The rest of a stream of `source` steps: what its lowered list holds beyond
-  // the steps already served. Not simply the list's tail: where a stream posts
+  // The rest of a run of `source` steps: what its lowered list holds beyond
+  // the steps already served. Not simply the list's tail: where a run posts
   // a receive depends on the sends after it (channels.h), so the served steps
-  // (cut from the unbounded stream) may leave a receive the finite list posts
+  // (cut from the unbounded run) may leave a receive the finite list posts
   // earlier; each pair's operations still come in the finite list's order.
   const Schedule s = lowered(static_cast<int>(source));
   std::set<std::tuple<ActionKind, int, int, int>> served;

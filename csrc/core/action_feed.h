@@ -1,7 +1,7 @@
 // Unbounded asynchronous schedules, one step at a time, in constant memory.
 //
-// A `pipedream` stream admits one minibatch per step and a `pipedream-2bw`
-// stream one batch of m microbatches; the runtime runs, at step t, the
+// A `pipedream` run admits one minibatch per step and a `pipedream-2bw` run
+// one batch of m microbatches; the runtime runs, at step t, the
 // actions of its rank's lowered list (in transfer order, channels.h) from
 // just after the forward of step t-1 up to and including the forward of step
 // t and its sends, and at the end the drain.
@@ -10,7 +10,7 @@
 // period (the lcm of the replica counts for pipedream, 1 for 2bw), step
 // t + P does what step t did with microbatch ids shifted by P steps' worth
 // and each stage's versions shifted by its updates per period (P / r_j).
-// AsyncStream generates one short list and serves every step and every
+// AsyncActionFeed generates one short list and serves every step and every
 // drain from it by such shifts. The tests check the result against lists
 // generated in full, action for action.
 //
@@ -27,14 +27,14 @@
 
 namespace pipedream {
 
-class AsyncStream {
+class AsyncActionFeed {
  public:
   // `options.name` must be "pipedream" or "pipedream-2bw"; for pipedream
   // `options.microbatches` is ignored (one minibatch per step); for 2bw it
   // is the batch size in microbatches and `options.batches` is ignored.
-  explicit AsyncStream(ScheduleOptions options);
+  explicit AsyncActionFeed(ScheduleOptions options);
 
-  // Lowered actions `rank` runs at step `step` (>= 0) of an unbounded stream.
+  // Lowered actions `rank` runs at step `step` (>= 0) of an unbounded run.
   std::vector<Action> stepActions(int rank, int64_t step) const;
   // Lowered actions that drain `rank` after `steps` steps (then every
   // admitted microbatch has had its backward and update).
