@@ -130,6 +130,10 @@ def _marked_pids(marker: str) -> List[int]:
     return found
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Job:
     """Processes of one test job: a unique marker, output files, cleanup by pid."""
 
@@ -145,8 +149,10 @@ class Job:
               **popen: object) -> subprocess.Popen:
         out = open(os.path.join(self.tmp, f"{name}.out"), "w")
         err = open(os.path.join(self.tmp, f"{name}.err"), "w")
+        # As launched from a terminal: a shell's background job (`make test &`) ignores
+        # SIGINT, and the handlers keep an ignored signal ignored (the program's choice).
         proc = subprocess.Popen(list(cmd), env=dict(self.env, **(env or {})), stdout=out, stderr=err,
-                                cwd=ROOT, **popen)  # type: ignore[call-overload]
+                                cwd=ROOT, preexec_fn=_default_sigint, **popen)  # type: ignore[call-overload]
         proc.name = name  # type: ignore[attr-defined]
         out.close()
         err.close()
@@ -486,7 +492,7 @@ def test_signal_handlers(tmp_path, case: str, signals: List[int], status: int,
     script.write_text(SIGNALS_CASE)
     with Job(str(tmp_path)) as job:
         proc = job.start([sys.executable, str(script),
-                          os.path.join(ROOT, "pipedream_ext", "_signals.py"), case], "case")
+                          os.path.join(ROOT, "pipedream_ext", "_dist", "signals.py"), case], "case")
         for i, sig in enumerate(signals):
             job.wait_for("case", "^finally$" if i else ("^in block$" if case == "deferred" else "^ready$"))
             proc.send_signal(sig)
