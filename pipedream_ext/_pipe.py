@@ -29,7 +29,7 @@ from torch import nn
 
 from . import schedules
 from ._build import PipelineArguments, build_pipeline
-from ._checkpoint import PipelineView, reshard
+from ._checkpoint import PipelineView, finish_pending, reshard
 from ._dist import faults
 from ._frontend import deferred_init, model_io
 from ._frontend.graph_split import TracedSplit
@@ -491,8 +491,9 @@ class PipeDream:
         return self._observer.write_trace(self._runner.executor, path)
 
     def close(self) -> None:
-        """Ends the pipeline: drains an asynchronous one and writes the trace if on.
-        Collective (every rank calls it)."""
+        """Ends the pipeline: finishes an asynchronous checkpoint save (its manifest),
+        drains an asynchronous schedule and writes the trace if on. Collective."""
+        finish_pending(self.checkpoint_view)
         self.flush()
         if self.trace_path is not None:
             self.write_trace()

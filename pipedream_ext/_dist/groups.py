@@ -23,7 +23,7 @@ import torch.distributed as dist
 from . import elastic
 
 __all__ = ["init_default_group", "default_backend", "PipelineGroups", "side_group",
-           "p2p_protocol", "PROTOCOL_ENV"]
+           "checkpoint_group", "p2p_protocol", "PROTOCOL_ENV"]
 
 # Forces the executor's point-to-point protocol ("fused" or "split"): for tests
 # and benchmarks; by default it follows the data backend (see p2p_protocol).
@@ -35,6 +35,8 @@ _SIDE_TIMEOUT = datetime.timedelta(days=7)
 # pipelines over the same ranks share one, so constructing many does not pile
 # up groups (each Gloo group holds sockets and threads).
 _SIDE_GROUPS: Dict[tuple, tuple] = {}
+# Checkpoint groups by (ranks, timeout), with the default group they were made under.
+_CHECKPOINT_GROUPS: Dict[tuple, tuple] = {}
 
 
 def default_backend(device: torch.device) -> str:
@@ -109,6 +111,33 @@ def side_group(ranks: List[int]) -> dist.ProcessGroup:
     side = dist.new_group(list(ranks), backend="gloo", timeout=_SIDE_TIMEOUT)
     _SIDE_GROUPS[key] = (weakref.ref(dist.group.WORLD), side)
     return side
+
+
+def checkpoint_group(group: dist.ProcessGroup, timeout: float) -> dist.ProcessGroup:
+    """A Gloo group over ``group``'s ranks for torch.distributed.checkpoint (DCP).
+
+    DCP moves its plans as pickled objects (a CPU backend is what it needs) and an
+    asynchronous save runs its collectives in a background thread while training
+    goes on: on a group of their own they never interleave with the pipeline's.
+    Only the members call it (``use_local_synchronization``), together; groups
+    over the same ranks and timeout are shared while the default group lives.
+
+    Args:
+        group: the pipeline's group.
+        timeout: seconds any DCP collective may wait for a peer.
+
+    Returns:
+        The group (this rank is a member).
+    """
+    ranks = dist.get_process_group_ranks(group)
+    key = (tuple(ranks), float(timeout))
+    cached = _CHECKPOINT_GROUPS.get(key)
+    if cached is not None and cached[0]() is dist.group.WORLD:
+        return cached[1]
+    new = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout),
+                         use_local_synchronization=True)
+    _CHECKPOINT_GROUPS[key] = (weakref.ref(dist.group.WORLD), new)
+    return new
 
 
 @dataclasses.dataclass
