@@ -298,7 +298,7 @@ class PipeDream:
             model_shapes=self._model_shapes, shared_parameters=self.shared_parameters,
             split_points=self.split_points, schedule_name=self.schedule_name,
             microbatches=self.microbatches, chunks=self.chunks, balance=self.balance,
-            replicas=self.replicas, asynchronous=self.asynchronous)
+            replicas=self.replicas, asynchronous=self.asynchronous, checkpoint_group=self._groups.checkpoint)
 
     # -- module-like API ------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:

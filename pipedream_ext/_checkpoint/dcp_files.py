@@ -18,17 +18,29 @@ from typing import Any, Dict, List, Mapping
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, Metadata, TensorStorageMetadata
 
 from . import durable_io
 from .errors import CheckpointError
 
-__all__ = ["METADATA_FILE", "data_files", "hash_share", "verify_files", "read_metadata",
+__all__ = ["METADATA_FILE", "describe_failure", "data_files", "hash_share", "verify_files", "read_metadata",
            "consolidate_dcp"]
 
 #: DCP's metadata file inside a generation directory (written last by DCP's coordinator).
 METADATA_FILE = ".metadata"
 _WHAT = {METADATA_FILE: "DCP metadata"}
+
+
+def describe_failure(exc: BaseException) -> str:
+    """A DCP error in one line per failed rank (``CheckpointException`` carries every
+    rank's exception; its own text is their tracebacks)."""
+    if isinstance(exc, CheckpointException):
+        parts = []
+        for rank, failure in sorted(exc.failures.items()):
+            error = failure[0] if isinstance(failure, tuple) else failure
+            parts.append(f"rank {rank}: {type(error).__name__}: {error}")
+        return "; ".join(parts)
+    return f"{type(exc).__name__}: {exc}"
 
 
 def data_files(metadata: Metadata) -> List[str]:
@@ -135,9 +147,9 @@ def consolidate_dcp(directory: str, manifest: Mapping[str, Any], listed_in: str
         request[key] = torch.empty(md.size, dtype=md.properties.dtype)
     try:
         dcp.load({"model": request}, storage_reader=FileSystemReader(dcp_dir), no_dist=True)
-    except Exception as exc:  # DCP's read errors, reported with the directory
+    except (Exception, CheckpointException) as exc:  # DCP's read errors, reported with the directory
         raise CheckpointError(f"{dcp_dir}: reading the DCP checkpoint failed: "
-                              f"{type(exc).__name__}: {exc}") from exc
+                              f"{describe_failure(exc)}") from exc
     result: "collections.OrderedDict[str, torch.Tensor]" = collections.OrderedDict()
     for key, entry in listed.items():
         result[key] = request[entry.get("same_as", key)]

@@ -21,16 +21,22 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint import (
+    CheckpointException,
+    DefaultLoadPlanner,
+    FileSystemReader,
+    Metadata,
+    TensorStorageMetadata,
+)
 
-from .._dist import collectives, groups
+from .._dist import collectives
 from .._frontend.tied_params import alias_names
 from . import dcp_files, dcp_state
 from .errors import CheckpointError
 from .manifest import MANIFEST, check_layers, check_model_kind
 from .optimizer_state import class_name, state_dict_from_entries
 from .reshard import StageStates
-from .view import PipelineView
+from .view import PipelineView, dcp_group
 
 __all__ = ["DcpLoad", "prepare", "read"]
 
@@ -140,10 +146,10 @@ def read(job: DcpLoad, view: PipelineView) -> Tuple[StageStates, Optional[Dict[s
         try:
             dcp.load(job.request.state, storage_reader=FileSystemReader(job.dcp_dir),
                      planner=DefaultLoadPlanner(allow_partial_load=False),
-                     process_group=groups.checkpoint_group(view.group, view.timeout))
-        except Exception as exc:  # DCP raises a failure on any rank on every rank
+                     process_group=dcp_group(view))
+        except (Exception, CheckpointException) as exc:  # DCP raises a failure on any rank on every rank
             raise CheckpointError(f"{job.dcp_dir}: reading the DCP checkpoint failed: "
-                                  f"{type(exc).__name__}: {exc}") from exc
+                                  f"{dcp_files.describe_failure(exc)}") from exc
         weights = job.request.stage_states()
         if job.optimizer is not None:
             optimizer_state = state_dict_from_entries(job.request.optimizer_entry, view, job.optimizer)

@@ -27,15 +27,15 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter, Metadata
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter, Metadata
 
-from .._dist import collectives, groups
+from .._dist import collectives
 from .._frontend.tied_params import alias_names
 from . import dcp_files, dcp_state, durable_io, generations, phases
 from .errors import CheckpointError
 from .manifest import STORAGE_DCP, CheckpointInfo
 from .optimizer_state import class_name
-from .view import PipelineView
+from .view import PipelineView, dcp_group
 
 __all__ = ["PendingCheckpoint", "save_dcp", "finish_pending"]
 
@@ -178,8 +178,9 @@ class PendingCheckpoint:
         if self._future is not None and error is None:
             try:
                 metadata = self._future.result()  # DCP's own waits on peers carry the group's timeout
-            except Exception as exc:  # noqa: BLE001 - reported to every rank
-                error = exc
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported to every rank
+                error = CheckpointError(f"DCP's save into {self._job.dcp_dir} failed: "
+                                        f"{dcp_files.describe_failure(exc)}")
         try:
             self._info = _finish(self._job, metadata, error)
         except Exception as exc:
@@ -228,14 +229,15 @@ def _start_write(job: _Job, state: Dict[str, Any], async_save: bool
             error = exc
     metadata, future = None, None
     try:
-        group = groups.checkpoint_group(view.group, view.timeout)
+        group = dcp_group(view)
         writer = FileSystemWriter(job.dcp_dir, sync_files=True)
         if async_save:
             future = dcp.async_save(state, storage_writer=writer, process_group=group)
         else:
             metadata = dcp.save(state, storage_writer=writer, process_group=group)
-    except Exception as exc:  # noqa: BLE001 - DCP raises it on every rank
-        error = error or exc
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises it on every rank
+        error = error or CheckpointError(f"DCP's save into {job.dcp_dir} failed: "
+                                         f"{dcp_files.describe_failure(exc)}")
     return metadata, future, error  # type: ignore[return-value]
 
 
