@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import os
+import warnings
 from typing import Any, Dict, List, Mapping
 
 import torch
@@ -146,7 +147,9 @@ def consolidate_dcp(directory: str, manifest: Mapping[str, Any], listed_in: str
                                   f"{list(md.size) if isinstance(md, TensorStorageMetadata) else md}")
         request[key] = torch.empty(md.size, dtype=md.properties.dtype)
     try:
-        dcp.load({"model": request}, storage_reader=FileSystemReader(dcp_dir), no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            dcp.load({"model": request}, storage_reader=FileSystemReader(dcp_dir), no_dist=True)
     except (Exception, CheckpointException) as exc:  # DCP's read errors, reported with the directory
         raise CheckpointError(f"{dcp_dir}: reading the DCP checkpoint failed: "
                               f"{describe_failure(exc)}") from exc
