@@ -11,6 +11,7 @@ from . import schedules
 from ._checkpoint import (
     CheckpointError,
     CheckpointInfo,
+    PendingCheckpoint,
     consolidate,
     load_checkpoint,
     save_checkpoint,
@@ -38,6 +39,7 @@ __all__ = [
     "consolidate",
     "CheckpointError",
     "CheckpointInfo",
+    "PendingCheckpoint",
     "materialize",
     "layer_seed",
 ]

@@ -29,7 +29,7 @@ from torch import nn
 
 from . import schedules
 from ._build import PipelineArguments, build_pipeline
-from ._checkpoint import PipelineView, reshard
+from ._checkpoint import PipelineView, finish_pending, reshard
 from ._dist import faults
 from ._frontend import deferred_init, model_io
 from ._frontend.graph_split import TracedSplit
@@ -298,7 +298,7 @@ class PipeDream:
             model_shapes=self._model_shapes, shared_parameters=self.shared_parameters,
             split_points=self.split_points, schedule_name=self.schedule_name,
             microbatches=self.microbatches, chunks=self.chunks, balance=self.balance,
-            replicas=self.replicas, asynchronous=self.asynchronous)
+            replicas=self.replicas, asynchronous=self.asynchronous, checkpoint_group=self._groups.checkpoint)
 
     # -- module-like API ------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -491,8 +491,9 @@ class PipeDream:
         return self._observer.write_trace(self._runner.executor, path)
 
     def close(self) -> None:
-        """Ends the pipeline: drains an asynchronous one and writes the trace if on.
-        Collective (every rank calls it)."""
+        """Ends the pipeline: finishes an asynchronous checkpoint save (its manifest),
+        drains an asynchronous schedule and writes the trace if on. Collective."""
+        finish_pending(self.checkpoint_view)
         self.flush()
         if self.trace_path is not None:
             self.write_trace()

@@ -191,6 +191,21 @@ ROWS: List[Tuple[str, str, str, str]] = [
     ("checkpoint-corrupt", "a missing, truncated or altered checkpoint file",
      r"CKPT is not a complete checkpoint: ... is missing / FILE does not match the sha256 in the manifest",
      "tests/test_checkpoint.py::test_resume_in_other_processes_equals_an_uninterrupted_run"),
+    ("checkpoint-format", "`save_checkpoint(..., format='torch')`, or `async_save=True` without `format='dcp'`",
+     r"format='torch' is not a checkpoint format; use 'pipedream' or 'dcp' / async_save=True needs format='dcp'",
+     "tests/test_checkpoint_dcp.py::test_dcp_resume_on_other_world_sizes_and_failures"),
+    ("dcp-corrupt", "a DCP checkpoint with a missing, truncated or altered file",
+     r"DIR/__1_0.distcp (DCP data) has 100 bytes but the manifest says N: the file is truncated / "
+     r"does not match the sha256",
+     "tests/test_checkpoint_dcp.py::test_dcp_async_save_loads_into_another_balance_and_the_unsplit_model"),
+    ("dcp-mismatch", "loading a DCP checkpoint of another model or optimizer",
+     r"g000001-dcp has '2.bias', which this model does not have / '7.weight' has shape [3, 12] in the "
+     r"checkpoint but [4, 12] in this model / holds the state of a torch.optim.sgd.SGD, not of a "
+     r"torch.optim.adam.Adam",
+     "tests/test_checkpoint_dcp.py::test_dcp_resume_on_other_world_sizes_and_failures"),
+    ("dcp-async-failed", "the next save after an asynchronous save that failed",
+     r"the asynchronous save of CKPT (generation 3) failed: ...",
+     "tests/test_checkpoint_dcp.py::test_dcp_resume_on_other_world_sizes_and_failures"),
     ("plot-path", "`--plot` to a path that cannot be written", r"cannot write the plot ...: directory ... is not writable (exit 2)",
      "tests/test_plot.py::test_cli_plot_bad_path_exits_2_with_a_message"),
 ]

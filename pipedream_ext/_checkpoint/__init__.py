@@ -3,9 +3,11 @@
 ``save_checkpoint(path, pipe, optimizer, step, extra)`` writes one weights file
 per stage (written by the stage leader, replica 0) and one optimizer file per
 stage, all keyed by the original model's names, then a ``manifest.json`` that
-rank 0 writes last, after every rank reported its files. ``load_checkpoint``
-restores into any balance, replica layout or world size (re-sharded by name);
-``consolidate`` returns the whole model's plain ``state_dict``.
+rank 0 writes last, after every rank reported its files; with ``format="dcp"``
+one torch.distributed.checkpoint directory by the same names instead (also
+asynchronously). ``load_checkpoint`` restores either into any balance, replica
+layout or world size (re-sharded by name); ``consolidate`` returns the whole
+model's plain ``state_dict``.
 
 Layout of ``path/`` (generation ``g`` = one completed save)::
 
@@ -13,26 +15,34 @@ Layout of ``path/`` (generation ``g`` = one completed save)::
     g000002-stage000-model.pt        stage 0's state_dict (parameters and buffers)
     g000002-stage000-optim.pt        stage 0's optimizer state, keyed by parameter name
     g000002-extra.pt                 the ``extra`` object given by rank 0
+    g000003-dcp/                     format="dcp": DCP's .metadata and __{rank}_{i}.distcp
 
 Modules, one job each: ``durable_io`` (atomic writes, sha256, verified loads),
-``manifest`` (its format; which stage holds a key), ``generations`` (file names,
-clean-up), ``extra``, ``optimizer_state`` (by parameter name), ``save``,
+``manifest`` (its format; which stage holds a key; layer checks), ``generations``
+(file names, clean-up), ``extra``, ``optimizer_state`` (by parameter name),
+``phases`` (what every save shares: arguments, generation, commit), ``save``,
 ``load``, ``reshard`` (by name, shared with ``pipe.load_state_dict``),
-``consolidate``, and ``view`` (what they read of a pipeline). Design notes:
-docs/checkpoints.md.
+``consolidate``, ``view`` (what they read of a pipeline), and for DCP
+``dcp_state`` (names both ways), ``dcp_files`` (file records, checks,
+consolidation), ``dcp_save`` (synchronous and asynchronous) and ``dcp_load``.
+Design notes: docs/checkpoints.md.
 """
 from .consolidate import consolidate
+from .dcp_save import PendingCheckpoint, finish_pending
 from .durable_io import atomic_torch_save
 from .errors import CheckpointError
 from .load import load_checkpoint
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointInfo, read_manifest
-from .save import save_checkpoint
+from .save import FORMATS, save_checkpoint
 from .view import Pipeline, PipelineView
 
 __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "consolidate",
+    "finish_pending",
+    "PendingCheckpoint",
+    "FORMATS",
     "read_manifest",
     "atomic_torch_save",
     "CheckpointError",

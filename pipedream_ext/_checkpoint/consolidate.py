@@ -7,9 +7,10 @@ from typing import Any, Mapping
 
 import torch
 
+from .dcp_files import consolidate_dcp
 from .durable_io import PathLike
 from .errors import CheckpointError
-from .manifest import load_file, read_manifest, stage_what
+from .manifest import MANIFEST, STORAGE_DCP, load_file, read_manifest, stage_what, storage_of
 
 __all__ = ["consolidate"]
 
@@ -46,6 +47,8 @@ def consolidate(path: PathLike) -> "collections.OrderedDict[str, torch.Tensor]":
     Needs no process group: ``model.load_state_dict(consolidate(path))`` works on
     the unsplit ``nn.Sequential``, and ``torch.save`` of the result loads anywhere
     with plain PyTorch (``weights_only=True``). Tensors are loaded on the CPU.
+    Both formats: per-stage files, or a DCP directory (read with ``dcp.load`` in
+    this process, as ``format_utils.dcp_to_torch_save`` does).
 
     Args:
         path: the checkpoint directory.
@@ -60,6 +63,8 @@ def consolidate(path: PathLike) -> "collections.OrderedDict[str, torch.Tensor]":
     """
     directory = os.fspath(path)
     manifest = read_manifest(directory)
+    if storage_of(manifest) == STORAGE_DCP:
+        return consolidate_dcp(directory, manifest, os.path.join(directory, MANIFEST))
     result: "collections.OrderedDict[str, torch.Tensor]" = collections.OrderedDict()
     for stage in manifest["stages"]:
         _add_stage(directory, stage, result)

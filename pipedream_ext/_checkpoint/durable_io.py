@@ -133,7 +133,8 @@ def sha256_of(path: str) -> str:
     return digest.hexdigest()
 
 
-def verified_path(directory: str, record: Mapping[str, Any], what: str, listed_in: str) -> str:
+def verified_path(directory: str, record: Mapping[str, Any], what: str, listed_in: str,
+                  check_sha256: bool = True) -> str:
     """The full path of a file a record names, after checking it.
 
     Args:
@@ -141,6 +142,8 @@ def verified_path(directory: str, record: Mapping[str, Any], what: str, listed_i
         record: ``{"file", "bytes", "sha256"}`` as :func:`atomic_torch_save` returned it.
         what: what the file holds, for messages (``"weights of stage 0, layers 0..2"``).
         listed_in: the file holding the record (the manifest), for messages.
+        check_sha256: also hash the file (``False``: existence and size only, where
+            another rank hashes it).
 
     Returns:
         ``directory/record["file"]``.
@@ -150,7 +153,7 @@ def verified_path(directory: str, record: Mapping[str, Any], what: str, listed_i
             (truncated, overwritten) or another sha256 (corrupt).
     """
     name = record.get("file")
-    if not isinstance(name, str) or not name or os.path.basename(name) != name or name.startswith("."):
+    if not isinstance(name, str) or not name or os.path.basename(name) != name or name in (".", ".."):
         raise CheckpointError(f"{listed_in}: bad file name {name!r} for {what}")
     full = os.path.join(directory, name)
     if not os.path.isfile(full):
@@ -159,7 +162,7 @@ def verified_path(directory: str, record: Mapping[str, Any], what: str, listed_i
     if size != record.get("bytes"):
         raise CheckpointError(f"{full} ({what}) has {size} bytes but the manifest says "
                               f"{record.get('bytes')}: the file is truncated or was overwritten")
-    if sha256_of(full) != record.get("sha256"):
+    if check_sha256 and sha256_of(full) != record.get("sha256"):
         raise CheckpointError(f"{full} ({what}) does not match the sha256 in the manifest: "
                               "the file is corrupt")
     return full

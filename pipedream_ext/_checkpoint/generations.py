@@ -10,17 +10,20 @@ import json
 import logging
 import os
 import re
+import shutil
 from typing import Sequence
 
 from .errors import CheckpointError
 from .manifest import FORMAT, MANIFEST
 
-__all__ = ["model_file", "optimizer_file", "extra_file", "next_generation", "remove_superseded"]
+__all__ = ["model_file", "optimizer_file", "extra_file", "dcp_directory", "next_generation",
+           "remove_superseded"]
 
 _log = logging.getLogger(__name__)
 
-# Files this package owns inside a checkpoint directory (only these are ever deleted).
-_OWN_FILE = re.compile(r"^g(\d+)-(?:stage\d+-(?:model|optim)|extra)\.pt(?:\.tmp)?$")
+# Files and DCP directories this package owns inside a checkpoint directory (only
+# these are ever deleted).
+_OWN_FILE = re.compile(r"^g(\d+)-(?:(?:stage\d+-(?:model|optim)|extra)\.pt(?:\.tmp)?|dcp)$")
 
 
 def model_file(generation: int, stage: int) -> str:
@@ -36,6 +39,11 @@ def optimizer_file(generation: int, stage: int) -> str:
 def extra_file(generation: int) -> str:
     """The name of the file holding ``extra``."""
     return f"g{generation:06d}-extra.pt"
+
+
+def dcp_directory(generation: int) -> str:
+    """The name of the directory a DCP save writes (``save_checkpoint(format="dcp")``)."""
+    return f"g{generation:06d}-dcp"
 
 
 def _manifest_generation(directory: str) -> int:
@@ -82,13 +90,16 @@ def next_generation(directory: str) -> int:
 
 
 def remove_superseded(directory: str, keep: Sequence[str]) -> None:
-    """Deletes this package's files in ``directory`` that ``keep`` (the current
-    manifest's files) does not name; a file that cannot be deleted is logged."""
+    """Deletes this package's files and DCP directories in ``directory`` that ``keep``
+    (the current manifest's) does not name; one that cannot be deleted is logged."""
     keep_set = set(keep)
     for name in os.listdir(directory):
         if _OWN_FILE.match(name) and name not in keep_set:
+            full = os.path.join(directory, name)
             try:
-                os.remove(os.path.join(directory, name))
+                if os.path.isdir(full) and not os.path.islink(full):
+                    shutil.rmtree(full)
+                else:
+                    os.remove(full)
             except OSError as exc:  # the checkpoint is complete; leftovers are harmless
-                _log.warning("could not delete superseded checkpoint file %s: %s",
-                             os.path.join(directory, name), exc)
+                _log.warning("could not delete superseded checkpoint file %s: %s", full, exc)

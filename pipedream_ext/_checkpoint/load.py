@@ -2,7 +2,8 @@
 
 Each rank gathers its stages' tensors by name (:mod:`.reshard`) from whichever
 stage files of the checkpoint hold them, checking every file against the
-manifest; nothing changes unless every rank succeeded.
+manifest, or (a DCP checkpoint, :mod:`.dcp_load`) asks DCP for them by name;
+nothing changes unless every rank succeeded.
 """
 from __future__ import annotations
 
@@ -13,10 +14,21 @@ from typing import Any, Dict, Mapping, Optional
 import torch
 
 from .._dist import collectives
-from . import reshard
+from . import dcp_load, dcp_save, reshard
 from .durable_io import PathLike
 from .errors import CheckpointError
-from .manifest import MANIFEST, CheckpointInfo, load_file, owner_of_key, read_manifest, stage_what
+from .manifest import (
+    MANIFEST,
+    STORAGE_DCP,
+    CheckpointInfo,
+    check_layers,
+    check_model_kind,
+    load_file,
+    owner_of_key,
+    read_manifest,
+    stage_what,
+    storage_of,
+)
 from .optimizer_state import optimizer_state_for
 from .reshard import StageStates
 from .view import Pipeline, PipelineView
@@ -67,38 +79,6 @@ class _StageFiles:
         return value
 
 
-def _check_model_kind(manifest_path: str, manifest: Mapping[str, Any], view: PipelineView) -> None:
-    """Refuses a traced checkpoint for an ``nn.Sequential`` pipeline and the reverse."""
-    if ("split_points" in manifest) != (view.split_points is not None):
-        saved, here = (("a traced model (split_points)", "an nn.Sequential")
-                       if "split_points" in manifest else
-                       ("an nn.Sequential", "a traced model (split_points)"))
-        raise CheckpointError(f"{manifest_path} was saved from {saved} but this pipeline runs "
-                              f"{here}; load it into a pipeline built the same way, or load "
-                              "pd.consolidate(path) with pipe.load_state_dict")
-
-
-def _check_layers(manifest_path: str, manifest: Mapping[str, Any], view: PipelineView) -> None:
-    """An ``nn.Sequential``: the same number of layers, and every local layer has the
-    saved name and class."""
-    layers = manifest["layers"]
-    num_layers = sum(view.balance)
-    if len(layers) != num_layers:
-        raise CheckpointError(
-            f"{manifest_path}: the checkpoint's model has {len(layers)} layers "
-            f"({', '.join(l['name'] + ':' + l['type'] for l in layers[:12])}"
-            f"{', ...' if len(layers) > 12 else ''}) but this pipeline's model has {num_layers}")
-    for j, module in view.stages.items():
-        start = view.stage_layers[j][0]
-        for i, (name, child) in enumerate(module.named_children(), start):
-            saved = layers[i]
-            if saved["name"] != name or saved["type"] != type(child).__qualname__:
-                raise CheckpointError(
-                    f"{manifest_path}: layer {i} is {saved['name']!r} ({saved['type']}) in the "
-                    f"checkpoint but {name!r} ({type(child).__qualname__}) in this model; "
-                    "the checkpoint was saved from a different model")
-
-
 def _check_no_unexpected_keys(files: _StageFiles, view: PipelineView) -> None:
     """An ``nn.Sequential``: the files of the local layers' stages hold no key of
     those layers that the model lacks."""
@@ -130,9 +110,9 @@ def _prepare_weights(directory: str, manifest: Mapping[str, Any], view: Pipeline
     stage files: an ``nn.Sequential``'s keys from the stage of their layer, a traced
     model's from the stage file listing them (any split of the same model)."""
     manifest_path = os.path.join(directory, MANIFEST)
-    _check_model_kind(manifest_path, manifest, view)
+    check_model_kind(manifest_path, manifest, view)
     if view.split_points is None:
-        _check_layers(manifest_path, manifest, view)
+        check_layers(manifest_path, manifest, view)
     else:
         _check_no_foreign_keys(manifest_path, manifest, view)
     files = _StageFiles(directory, manifest, view.device, cache)
@@ -150,7 +130,9 @@ def load_checkpoint(path: PathLike, pipe: Pipeline,
     the one that saved: another balance, replica layout, schedule or world size;
     each rank gathers its layers' tensors by name from whichever stage files hold
     them. Every file is checked against the manifest (size, sha256) and loaded with
-    ``torch.load(..., weights_only=True)``. Nothing is changed unless every rank
+    ``torch.load(..., weights_only=True)``; a DCP checkpoint (the manifest says
+    which format) is read with ``dcp.load`` by name, after the same checks. An
+    asynchronous save in progress on these ranks is finished first. Nothing is changed unless every rank
     succeeded; then parameters and buffers are copied into the live tensors (so the
     executor and the weight store of asynchronous schedules see them; an
     asynchronous pipeline is flushed first), gradients are cleared, and the
@@ -176,25 +158,36 @@ def load_checkpoint(path: PathLike, pipe: Pipeline,
     """
     directory = os.fspath(path)
     view = pipe.checkpoint_view
+    dcp_save.finish_pending(view)
     if view.asynchronous:
         pipe.flush()
     error = None
     manifest: Dict[str, Any] = {}
     weights: StageStates = {}
     optimizer_state: Optional[Dict[str, Any]] = None
+    dcp_job: Optional[dcp_load.DcpLoad] = None
     extra: Any = None
     try:
         manifest = read_manifest(directory)
         cache: Dict[str, Any] = {}
-        weights = _prepare_weights(directory, manifest, view, cache)
-        if optimizer is not None:
-            optimizer_state = optimizer_state_for(directory, manifest, view, optimizer, cache)
+        if storage_of(manifest) == STORAGE_DCP:
+            dcp_job = dcp_load.prepare(directory, manifest, view, optimizer)
+        else:
+            weights = _prepare_weights(directory, manifest, view, cache)
+            if optimizer is not None:
+                optimizer_state = optimizer_state_for(directory, manifest, view, optimizer, cache)
         if manifest.get("extra"):
             extra = load_file(directory, manifest["extra"], "extra", "cpu")
     except Exception as exc:  # noqa: BLE001 - reported to every rank
         error = exc
-    collectives.gather_outcomes(error, view.group, view.timeout, f"loading checkpoint {directory}",
-                                failure=CheckpointError)
+    gathered = collectives.gather_outcomes(error, view.group, view.timeout,
+                                           f"loading checkpoint {directory}",
+                                           payload=storage_of(manifest), failure=CheckpointError)
+    if len(set(gathered)) > 1:  # a save replaced the manifest while the ranks read it
+        raise CheckpointError(f"loading checkpoint {directory}: the ranks read manifests of "
+                              f"different formats ({sorted(set(gathered))}); it changed while loading")
+    if dcp_job is not None:
+        weights, optimizer_state = dcp_load.read(dcp_job, view)
     reshard.copy_into_stages(view.stages, weights, strict=True)
     if optimizer is not None and optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)

@@ -2,8 +2,10 @@
 
 It lists the model's layers, the pipeline that saved it, and per stage its layer
 range, ranks and files (name, size, sha256, the tensors' names, shapes and
-dtypes). This module writes and checks it, and answers which stage's file holds a
-layer or a ``state_dict`` key. Layout and fields: docs/checkpoints.md.
+dtypes); a DCP checkpoint (``"storage": "dcp"``) lists its DCP directory and that
+directory's files instead. This module writes and checks it, answers which
+stage's file holds a layer or a ``state_dict`` key, and checks a pipeline's
+layers against it. Layout and fields: docs/checkpoints.md.
 """
 from __future__ import annotations
 
@@ -18,17 +20,27 @@ import torch
 from . import durable_io
 from .durable_io import PathLike
 from .errors import CheckpointError
+from .view import PipelineView
 
-__all__ = ["MANIFEST", "FORMAT", "FORMAT_VERSION", "CheckpointInfo", "read_manifest",
-           "write_manifest", "manifest_text", "stage_of_layer", "owner_of_key", "stage_what",
-           "load_file"]
+__all__ = ["MANIFEST", "FORMAT", "FORMAT_VERSION", "STORAGE_PIPEDREAM", "STORAGE_DCP",
+           "STORAGE_VERSION", "CheckpointInfo", "read_manifest", "write_manifest", "manifest_text",
+           "storage_of", "stage_of_layer", "owner_of_key", "stage_what", "load_file",
+           "check_model_kind", "check_layers"]
 
 #: Name of the manifest inside a checkpoint directory.
 MANIFEST = "manifest.json"
 #: Value of the manifest's ``format`` field.
 FORMAT = "pipedream_ext-checkpoint"
-#: Version of the on-disk layout this package writes (and the newest it reads).
-FORMAT_VERSION = 1
+#: The newest manifest version this package reads.
+FORMAT_VERSION = 2
+#: ``storage`` of a checkpoint of per-stage ``torch.save`` files (the default;
+#: manifests without the field).
+STORAGE_PIPEDREAM = "pipedream"
+#: ``storage`` of a checkpoint whose tensors are a torch.distributed.checkpoint directory.
+STORAGE_DCP = "dcp"
+#: The manifest version each storage writes: per-stage files stay readable by
+#: older pipedream_ext (1); they refuse a DCP checkpoint, naming the upgrade (2).
+STORAGE_VERSION = {STORAGE_PIPEDREAM: 1, STORAGE_DCP: 2}
 
 _INNERMOST = re.compile(r"[\[{][^\[\]{}]*[\]}]")
 _FLAT_DICT = re.compile(r"\{(?:[^{}\[\]]|\[[^\[\]\n]*\])*\}")
@@ -86,16 +98,39 @@ def _check_header(manifest: Any, manifest_path: str) -> None:
                               f"reads versions up to {FORMAT_VERSION} (upgrade pipedream_ext)")
 
 
+def storage_of(manifest: Mapping[str, Any]) -> str:
+    """``"pipedream"`` (per-stage files) or ``"dcp"``: how a checkpoint stores its tensors."""
+    return str(manifest.get("storage", STORAGE_PIPEDREAM))
+
+
+def _check_dcp_record(manifest: Mapping[str, Any]) -> None:
+    """Raises KeyError, TypeError or ValueError unless the ``dcp`` record names a
+    generation directory and its files, each with a plain name."""
+    record = manifest["dcp"]
+    names = [record["directory"], *record["files"]]
+    for name in names:
+        if not isinstance(name, str) or not name or os.path.basename(name) != name or name in ("..",):
+            raise ValueError(f"bad DCP file or directory name {name!r}")
+    if not isinstance(record["tensors"], dict):
+        raise ValueError("the DCP record lists no tensors")
+
+
 def _check_contents(manifest: Mapping[str, Any]) -> None:
     """Raises KeyError, TypeError or ValueError unless the stages cover every layer
-    once, in order, each with a weights file, and the counters are valid."""
+    once, in order, each with a weights file (or a DCP record), and the counters are valid."""
     layers = manifest["layers"]
+    storage = storage_of(manifest)
+    if storage not in STORAGE_VERSION:
+        raise ValueError(f"unknown storage {storage!r} (this pipedream_ext reads "
+                         f"{', '.join(STORAGE_VERSION)})")
+    if storage == STORAGE_DCP:
+        _check_dcp_record(manifest)
     end = 0
     for j, stage in enumerate(manifest["stages"]):
         start, stop = stage["layers"]
         if stage["stage"] != j or start != end or stop <= start:
             raise ValueError(f"stage {j} covers layers {start}..{stop}, expected to start at {end}")
-        if not isinstance(stage["model"], dict):
+        if storage == STORAGE_PIPEDREAM and not isinstance(stage["model"], dict):
             raise ValueError(f"stage {j} has no weights file")
         end = stop
     if end != len(layers) or manifest["num_layers"] != len(layers):
@@ -204,3 +239,43 @@ def stage_what(stage: Mapping[str, Any], kind: str) -> str:
     """A stage file's description for messages: ``"weights of stage 1, layers 3..5"``."""
     start, stop = stage["layers"]
     return f"{kind} of stage {stage['stage']}, layers {start}..{stop - 1}"
+
+
+def check_model_kind(manifest_path: str, manifest: Mapping[str, Any], view: PipelineView) -> None:
+    """Refuses a traced checkpoint for an ``nn.Sequential`` pipeline and the reverse.
+
+    Raises:
+        CheckpointError: the kinds differ.
+    """
+    if ("split_points" in manifest) != (view.split_points is not None):
+        saved, here = (("a traced model (split_points)", "an nn.Sequential")
+                       if "split_points" in manifest else
+                       ("an nn.Sequential", "a traced model (split_points)"))
+        raise CheckpointError(f"{manifest_path} was saved from {saved} but this pipeline runs "
+                              f"{here}; load it into a pipeline built the same way, or load "
+                              "pd.consolidate(path) with pipe.load_state_dict")
+
+
+def check_layers(manifest_path: str, manifest: Mapping[str, Any], view: PipelineView) -> None:
+    """An ``nn.Sequential``: the same number of layers, and every local layer has the
+    saved name and class.
+
+    Raises:
+        CheckpointError: another layer count, or a local layer with another name or class.
+    """
+    layers = manifest["layers"]
+    num_layers = sum(view.balance)
+    if len(layers) != num_layers:
+        raise CheckpointError(
+            f"{manifest_path}: the checkpoint's model has {len(layers)} layers "
+            f"({', '.join(l['name'] + ':' + l['type'] for l in layers[:12])}"
+            f"{', ...' if len(layers) > 12 else ''}) but this pipeline's model has {num_layers}")
+    for j, module in view.stages.items():
+        start = view.stage_layers[j][0]
+        for i, (name, child) in enumerate(module.named_children(), start):
+            saved = layers[i]
+            if saved["name"] != name or saved["type"] != type(child).__qualname__:
+                raise CheckpointError(
+                    f"{manifest_path}: layer {i} is {saved['name']!r} ({saved['type']}) in the "
+                    f"checkpoint but {name!r} ({type(child).__qualname__}) in this model; "
+                    "the checkpoint was saved from a different model")

@@ -18,7 +18,7 @@ from .manifest import load_file, owner_of_key, stage_what
 from .view import PipelineView
 
 __all__ = ["OPTIMIZER_FORMAT", "class_name", "parameter_names", "optimizer_by_stage",
-           "optimizer_state_for"]
+           "optimizer_state_for", "state_dict_from_entries", "hyperparameters", "SavedEntry"]
 
 #: Value of an optimizer file's ``format`` field.
 OPTIMIZER_FORMAT = "pipedream_ext-optimizer"
@@ -42,8 +42,15 @@ def _same_value(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _hyperparameters(group: Mapping[str, Any]) -> Dict[str, Any]:
+def hyperparameters(group: Mapping[str, Any]) -> Dict[str, Any]:
+    """A param group's hyperparameters: everything but ``params`` and ``param_names``
+    (which describe the group's composition, which loading may change)."""
     return {k: v for k, v in group.items() if k not in _NOT_HYPER}
+
+
+#: ``name -> (the file holding it, for messages; its saved hyperparameters; its saved
+#: state or None)``: how a saved optimizer is read by parameter name.
+SavedEntry = Callable[[str], Tuple[str, Dict[str, Any], Optional[Any]]]
 
 
 def parameter_names(view: PipelineView, optimizer: torch.optim.Optimizer) -> List[List[str]]:
@@ -104,7 +111,7 @@ def optimizer_by_stage(view: PipelineView, optimizer: torch.optim.Optimizer) -> 
         for j in sorted({stage_of_name[name] for name in kept}):
             entry = result.setdefault(j, {"format": OPTIMIZER_FORMAT, "class": class_name(optimizer),
                                           "state": {}, "param_groups": []})
-            entry["param_groups"].append(dict(_hyperparameters(group), params=[
+            entry["param_groups"].append(dict(hyperparameters(group), params=[
                 name for name in kept if stage_of_name[name] == j]))
     for i, value in packed["state"].items():
         name = index_to_name[int(i)]
@@ -151,13 +158,13 @@ class _SavedOptimizer:
             if saved_group is None:
                 raise CheckpointError(f"{full} ({what}) has no optimizer entry for parameter {name!r} "
                                       "(the saved optimizer did not hold it)")
-            return full, _hyperparameters(saved_group), payload["state"].get(name)
+            return full, hyperparameters(saved_group), payload["state"].get(name)
         except (KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"{full} ({what}) is not a pipedream_ext optimizer file: "
                                   f"{type(exc).__name__}: {exc}") from exc
 
 
-def _group_hyperparameters(saved: _SavedOptimizer, g: int, names: List[str],
+def _group_hyperparameters(entry: SavedEntry, g: int, names: List[str],
                            state: Dict[int, Any], first_index: int) -> Optional[Dict[str, Any]]:
     """The saved hyperparameters of the parameters ``names`` of param group ``g``
     (``None``: the group is empty); fills ``state`` from ``first_index`` on.
@@ -168,7 +175,7 @@ def _group_hyperparameters(saved: _SavedOptimizer, g: int, names: List[str],
     hyper: Optional[Dict[str, Any]] = None
     hyper_source = ""
     for offset, name in enumerate(names):
-        full, saved_hyper, saved_state = saved.entry(name)
+        full, saved_hyper, saved_state = entry(name)
         if hyper is None:
             hyper, hyper_source = saved_hyper, name
         else:
@@ -207,12 +214,34 @@ def optimizer_state_for(directory: str, manifest: Mapping[str, Any], view: Pipel
         raise CheckpointError(f"{directory} holds no optimizer state (it was saved without "
                               "optimizer=); load it without optimizer=")
     saved = _SavedOptimizer(directory, manifest, class_name(optimizer), cache)
+    return state_dict_from_entries(saved.entry, view, optimizer)
+
+
+def state_dict_from_entries(entry: SavedEntry, view: PipelineView,
+                            optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """The ``state_dict`` for this rank's optimizer from saved state read by name.
+
+    Args:
+        entry: a parameter's saved hyperparameters and state by name (raises
+            ``CheckpointError`` for a parameter the checkpoint lacks).
+        view: the loading pipeline.
+        optimizer: this rank's optimizer.
+
+    Returns:
+        ``{"state", "param_groups"}`` in this optimizer's parameter order, with the
+        saved hyperparameters (a group with no parameters keeps its own).
+
+    Raises:
+        CheckpointError: parameters grouped together were saved with different
+            hyperparameters, or ``entry`` raised.
+        ValueError: the optimizer holds tensors that are not this rank's parameters.
+    """
     state: Dict[int, Any] = {}
     groups: List[Dict[str, Any]] = []
     index = 0
     for g, (group, names) in enumerate(zip(optimizer.param_groups, parameter_names(view, optimizer))):
-        hyper = _group_hyperparameters(saved, g, names, state, index)
-        new_group = dict(hyper) if hyper is not None else _hyperparameters(group)
+        hyper = _group_hyperparameters(entry, g, names, state, index)
+        new_group = dict(hyper) if hyper is not None else hyperparameters(group)
         new_group["params"] = list(range(index, index + len(names)))
         groups.append(new_group)
         index += len(names)

@@ -1,9 +1,12 @@
 """``save_checkpoint``: three collective phases, the manifest written last.
 
-1. check: every rank checks its arguments, rank 0 picks the generation; an
-   exchange makes a bad argument anywhere fail everywhere before anything is written;
-2. write: stage leaders (replica 0) write their stages' files under new names;
-3. commit: rank 0 writes ``manifest.json`` atomically, then deletes superseded files.
+1. check (``phases.agree_to_start``): every rank checks its arguments, rank 0 picks
+   the generation; an exchange makes a bad argument anywhere fail everywhere
+   before anything is written;
+2. write: stage leaders (replica 0) write their stages' files under new names
+   (here), or every rank writes its part of one DCP directory (``dcp_save``);
+3. commit (``phases.commit``): rank 0 writes ``manifest.json`` atomically, then
+   deletes superseded files.
 
 A crash or error at any moment leaves the previous checkpoint loadable
 (docs/checkpoints.md, "Crash analysis").
@@ -11,93 +14,29 @@ A crash or error at any moment leaves the previous checkpoint loadable
 from __future__ import annotations
 
 import collections
-import datetime
 import logging
-import numbers
 import os
 import time
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from .._dist import collectives
 from .._frontend.tied_params import alias_names
-from . import durable_io, generations
-from . import manifest as manifest_format
+from . import dcp_save, durable_io, generations, phases
+from .dcp_save import PendingCheckpoint
 from .durable_io import PathLike
 from .errors import CheckpointError
-from .extra import check_extra
-from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointInfo
+from .manifest import STORAGE_DCP, STORAGE_PIPEDREAM, CheckpointInfo
 from .optimizer_state import optimizer_by_stage
 from .view import Pipeline, PipelineView
 
-__all__ = ["save_checkpoint"]
+__all__ = ["save_checkpoint", "FORMATS"]
 
 _log = logging.getLogger(__name__)
 
-
-def _checked_step(step: Any) -> Optional[int]:
-    if step is None:
-        return None
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-        raise ValueError(f"step must be a non-negative int or None (got {step!r})")
-    return int(step)
-
-
-def _prepare_directory(directory: str) -> int:
-    """Rank 0: creates ``directory`` if needed; returns the new save's generation."""
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise CheckpointError(f"{directory} exists and is not a directory")
-    os.makedirs(directory, exist_ok=True)
-    return generations.next_generation(directory)
-
-
-class _Start(NamedTuple):
-    """What phase 1 agreed on."""
-
-    generation: int
-    step: Optional[int]
-    optimizer_parts: Dict[int, Dict[str, Any]]  # this rank's optimizer state per local stage
-
-
-def _agree_to_start(view: PipelineView, directory: str, optimizer: Optional[torch.optim.Optimizer],
-                    step: Any, extra: Any) -> _Start:
-    """Phase 1: local checks and the generation number (nothing written yet).
-
-    Returns:
-        The generation (the same on every rank), the checked step and this rank's
-        optimizer state per local stage.
-
-    Raises:
-        ValueError: a bad argument on any rank, or an optimizer given on some ranks
-            with parameters but not on others.
-        CheckpointError: another failure on any rank.
-    """
-    error: Optional[BaseException] = None
-    generation = 0
-    optimizer_parts: Dict[int, Dict[str, Any]] = {}
-    try:
-        step = _checked_step(step)
-        if view.rank == 0:
-            check_extra(extra)
-        if optimizer is not None:
-            optimizer_parts = optimizer_by_stage(view, optimizer)
-        if view.rank == 0:
-            generation = _prepare_directory(directory)
-    except Exception as exc:  # noqa: BLE001 - reported to every rank
-        error = exc
-    has_params = any(True for _ in view.module.parameters())
-    gathered = collectives.gather_outcomes(
-        error, view.group, view.timeout, f"saving checkpoint {directory}",
-        payload={"generation": generation, "optimizer": optimizer is not None, "has_params": has_params},
-        failure=CheckpointError)
-    with_opt = [r for r, e in enumerate(gathered) if e["optimizer"]]
-    without_opt = [r for r, e in enumerate(gathered) if e["has_params"] and not e["optimizer"]]
-    if with_opt and without_opt:
-        raise ValueError(f"saving checkpoint {directory}: optimizer= was given on ranks {with_opt} but "
-                         f"not on ranks {without_opt}, whose stages have parameters; pass each rank's "
-                         "optimizer (None only on ranks without parameters)")
-    return _Start(int(gathered[0]["generation"]), step, optimizer_parts)
+#: The values of ``save_checkpoint(format=...)``.
+FORMATS = (STORAGE_PIPEDREAM, STORAGE_DCP)
 
 
 def _describe(t: torch.Tensor) -> Dict[str, Any]:
@@ -123,14 +62,7 @@ def _write_stage(view: PipelineView, j: int, directory: str, generation: int,
         optim["class"] = optimizer_part["class"]
         held = {n for g in optimizer_part["param_groups"] for n in g["params"]}
         optim["params"] = [n for n, _ in module.named_parameters() if n in held]
-    # A traced stage is one "layer" whose tensors are matched by name alone
-    # (its children are partial copies of the model's, not layers).
-    children = [(f"stage{j}", "GraphModule")] if view.split_points is not None else \
-        [(name, type(child).__qualname__) for name, child in module.named_children()]
-    return {"stage": j, "layers": list(view.stage_layers[j]), "ranks": list(view.stage_ranks[j]),
-            "layer_names": [name for name, _ in children],
-            "layer_types": [kind for _, kind in children],
-            "model": model, "optimizer": optim}
+    return dict(phases.stage_record(view, j), model=model, optimizer=optim)
 
 
 def _write_files(view: PipelineView, directory: str, generation: int,
@@ -166,68 +98,47 @@ def _write_files(view: PipelineView, directory: str, generation: int,
     return stages, gathered[0]["extra"]
 
 
-def _build_manifest(view: PipelineView, generation: int, step: Optional[int],
-                    stages: List[Dict[str, Any]], extra_record: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    """The manifest of a save from its stage records (their layer lists move to ``layers``)."""
-    layers = [{"name": n, "type": t} for s in stages for n, t in zip(s["layer_names"], s["layer_types"])]
-    for s in stages:
-        del s["layer_names"], s["layer_types"]
-    manifest: Dict[str, Any] = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "generation": generation,
-        "step": step,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch_version": torch.__version__,
-        "num_layers": len(layers),
-        "layers": layers,
-        "pipeline": view.describe(),
-        "optimizer": next((s["optimizer"]["class"] for s in stages if s["optimizer"]), None),
-        "stages": stages,
-        "extra": extra_record,
-    }
-    if view.split_points is not None:
-        manifest["split_points"] = list(view.split_points)
-    return manifest
+def _save_files(view: PipelineView, directory: str, optimizer: Optional[torch.optim.Optimizer],
+                step: Any, extra: Any) -> CheckpointInfo:
+    """The per-stage-files format: check, write, commit."""
+    start = phases.agree_to_start(view, directory, optimizer, step, extra,
+                                  lambda: optimizer_by_stage(view, optimizer) if optimizer is not None else {})
+    stages, extra_record = _write_files(view, directory, start.generation, start.prepared, extra)
+    manifest = phases.build_manifest(view, start.generation, start.step, stages, extra_record,
+                                     STORAGE_PIPEDREAM,
+                                     next((s["optimizer"]["class"] for s in stages if s["optimizer"]), None))
+    keep = [s["model"]["file"] for s in stages] + \
+        [s["optimizer"]["file"] for s in stages if s["optimizer"]] + \
+        ([manifest["extra"]["file"]] if manifest["extra"] else [])
+    phases.commit(view, directory, manifest, keep)
+    return CheckpointInfo(path=directory, generation=start.generation, step=start.step, extra=extra,
+                          manifest=manifest)
 
 
-def _commit(view: PipelineView, directory: str, manifest: Dict[str, Any]) -> None:
-    """Phase 3: rank 0 writes the manifest last, then removes superseded files.
-
-    Raises:
-        CheckpointError: the manifest could not be written (on every rank).
-    """
-    error: Optional[BaseException] = None
-    stages = manifest["stages"]
-    if view.rank == 0:
-        try:
-            if len(stages) != view.num_stages:
-                raise CheckpointError(f"{directory}: got files for {len(stages)} of "
-                                      f"{view.num_stages} stages")
-            manifest_format.write_manifest(directory, manifest)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank
-            error = exc
-        else:
-            keep = [s["model"]["file"] for s in stages] + \
-                [s["optimizer"]["file"] for s in stages if s["optimizer"]] + \
-                ([manifest["extra"]["file"]] if manifest["extra"] else [])
-            generations.remove_superseded(directory, keep)
-    collectives.gather_outcomes(error, view.group, view.timeout,
-                                f"saving checkpoint {directory} (writing {MANIFEST})",
-                                failure=CheckpointError)
+def _check_format(format: Any, async_save: Any) -> None:
+    if format not in FORMATS:
+        raise ValueError(f"format={format!r} is not a checkpoint format; use "
+                         f"{' or '.join(repr(f) for f in FORMATS)}")
+    if not isinstance(async_save, bool):
+        raise ValueError(f"async_save must be True or False (got {async_save!r})")
+    if async_save and format != STORAGE_DCP:
+        raise ValueError("async_save=True needs format='dcp' (torch.distributed.checkpoint's "
+                         "async_save); the 'pipedream' format saves synchronously")
 
 
 def save_checkpoint(path: PathLike, pipe: Pipeline, optimizer: Optional[torch.optim.Optimizer] = None,
-                    step: Optional[int] = None, extra: Any = None) -> CheckpointInfo:
+                    step: Optional[int] = None, extra: Any = None, format: str = STORAGE_PIPEDREAM,
+                    async_save: bool = False) -> Union[CheckpointInfo, PendingCheckpoint]:
     """Saves the pipeline's weights, buffers and optimizer state under ``path/``.
 
     Collective: every rank of the pipeline calls it with the same ``path`` (on a
-    file system all ranks share). Asynchronous schedules are flushed first
-    (``pipe.flush()``). Each stage's leader (replica 0) writes the stage's
-    ``state_dict`` and its optimizer state keyed by the original model's names;
-    once every rank reported its files, rank 0 writes ``manifest.json`` last and
-    atomically, then deletes the files of older saves. A crash or error at any
-    moment leaves the previous checkpoint in ``path`` loadable.
+    file system all ranks share). An asynchronous save still in progress on this
+    pipeline's ranks is finished first, and asynchronous schedules are flushed
+    (``pipe.flush()``). Everything is keyed by the original model's names and
+    written by one replica of each stage; once every rank reported its part,
+    rank 0 writes ``manifest.json`` last and atomically, then deletes the files of
+    older saves. A crash or error at any moment leaves the previous checkpoint in
+    ``path`` loadable.
 
     Args:
         path: the checkpoint directory (created if needed; an existing checkpoint
@@ -240,28 +151,40 @@ def save_checkpoint(path: PathLike, pipe: Pipeline, optimizer: Optional[torch.op
         step: a step counter to store in the manifest (e.g. the number of batches done).
         extra: anything else to keep, from rank 0: dicts, lists, tuples, str,
             numbers, ``None`` and tensors, e.g. ``{"scheduler": sched.state_dict()}``.
+        format: ``"pipedream"`` (one ``torch.save`` file per stage, sha256-checked)
+            or ``"dcp"`` (one torch.distributed.checkpoint directory, which DCP's
+            own tools read and re-shard; docs/checkpoints.md says when to choose which).
+        async_save: with ``format="dcp"``: copy the state to CPU memory, write it in
+            a background thread and return at once; the manifest is written by the
+            returned handle's ``result()`` (collective), by the next
+            ``save_checkpoint`` or ``load_checkpoint``, or by ``pipe.close()``.
 
     Returns:
-        The :class:`CheckpointInfo` of the new checkpoint (same on every rank).
+        The :class:`CheckpointInfo` of the new checkpoint (same on every rank), or
+        with ``async_save=True`` a :class:`PendingCheckpoint` whose ``result()``
+        returns it.
 
     Raises:
-        ValueError: a bad ``step`` or ``extra``, an optimizer holding foreign
-            tensors, or an optimizer given on some ranks with parameters but not on
-            others (raised on every rank, before anything is written).
-        CheckpointError: writing failed on some rank, or a rank did not arrive
-            within the pipeline's timeout (raised on every rank that can).
+        ValueError: a bad ``step``, ``extra``, ``format`` or ``async_save``, an
+            optimizer holding foreign tensors, or an optimizer given on some ranks
+            with parameters but not on others (raised on every rank, before
+            anything is written).
+        CheckpointError: writing failed on some rank, a rank did not arrive within
+            the pipeline's timeout, or the previous asynchronous save failed
+            (raised on every rank that can).
     """
+    _check_format(format, async_save)
     directory = os.fspath(path)
     started = time.perf_counter()
     view = pipe.checkpoint_view
+    dcp_save.finish_pending(view)
     if view.asynchronous:
         pipe.flush()
-    start = _agree_to_start(view, directory, optimizer, step, extra)
-    stages, extra_record = _write_files(view, directory, start.generation, start.optimizer_parts, extra)
-    manifest = _build_manifest(view, start.generation, start.step, stages, extra_record)
-    _commit(view, directory, manifest)
+    if format == STORAGE_DCP:
+        return dcp_save.save_dcp(view, directory, optimizer, step, extra, async_save)
+    info = _save_files(view, directory, optimizer, step, extra)
     if view.rank == 0:
         _log.info("saved checkpoint %s (generation %d, step %s, %d stages) in %.2f s",
-                  directory, start.generation, start.step, len(stages), time.perf_counter() - started)
-    return CheckpointInfo(path=directory, generation=start.generation, step=start.step, extra=extra,
-                          manifest=manifest)
+                  directory, info.generation, info.step, len(info.manifest["stages"]),
+                  time.perf_counter() - started)
+    return info

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["PipelineView", "Pipeline"]
+__all__ = ["PipelineView", "Pipeline", "dcp_group"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +43,8 @@ class PipelineView:
         balance: layers per stage.
         replicas: ranks per stage.
         asynchronous: whether the schedule updates weights asynchronously.
+        checkpoint_group: the Gloo group over ``group``'s ranks that DCP checkpoints
+            use (``None``: DCP checkpoints are refused).
     """
 
     rank: int
@@ -63,6 +65,7 @@ class PipelineView:
     balance: Tuple[int, ...]
     replicas: Tuple[int, ...]
     asynchronous: bool
+    checkpoint_group: Optional[dist.ProcessGroup] = None
 
     def __post_init__(self) -> None:
         # Frozen copies: the view cannot change the pipeline's own containers.
@@ -93,6 +96,18 @@ class PipelineView:
         return {"schedule": self.schedule_name, "microbatches": self.microbatches,
                 "balance": list(self.balance), "replicas": list(self.replicas),
                 "chunks": self.chunks, "world_size": self.world_size}
+
+
+def dcp_group(view: PipelineView) -> dist.ProcessGroup:
+    """The group DCP's collectives run on for ``view``'s pipeline.
+
+    Raises:
+        ValueError: the pipeline was built without one.
+    """
+    if view.checkpoint_group is None:
+        raise ValueError("this pipeline has no checkpoint group (PipelineView.checkpoint_group); "
+                         "DCP checkpoints need a pipeline built by pipedream_ext.PipeDream")
+    return view.checkpoint_group
 
 
 class Pipeline(Protocol):

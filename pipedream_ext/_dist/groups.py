@@ -23,7 +23,7 @@ import torch.distributed as dist
 from . import elastic
 
 __all__ = ["init_default_group", "default_backend", "PipelineGroups", "side_group",
-           "p2p_protocol", "PROTOCOL_ENV"]
+           "checkpoint_group", "p2p_protocol", "PROTOCOL_ENV"]
 
 # Forces the executor's point-to-point protocol ("fused" or "split"): for tests
 # and benchmarks; by default it follows the data backend (see p2p_protocol).
@@ -35,6 +35,8 @@ _SIDE_TIMEOUT = datetime.timedelta(days=7)
 # pipelines over the same ranks share one, so constructing many does not pile
 # up groups (each Gloo group holds sockets and threads).
 _SIDE_GROUPS: Dict[tuple, tuple] = {}
+# Checkpoint groups by their ranks, with the default group they were made under.
+_CHECKPOINT_GROUPS: Dict[tuple, tuple] = {}
 
 
 def default_backend(device: torch.device) -> str:
@@ -111,6 +113,33 @@ def side_group(ranks: List[int]) -> dist.ProcessGroup:
     return side
 
 
+def checkpoint_group(ranks: List[int], timeout: float) -> dist.ProcessGroup:
+    """A Gloo group over the global ``ranks`` for torch.distributed.checkpoint (DCP).
+
+    DCP moves its plans as pickled objects (a CPU backend is what it needs), and an
+    asynchronous save runs its collectives in a background thread while training
+    goes on: on a group of their own they never interleave with the pipeline's or
+    the executor's. Made with the pipeline's groups (:meth:`PipelineGroups.create`),
+    because ``new_group`` is collective over the default group, in order, which a
+    save on some ranks could not keep; pipelines over the same ranks share one while
+    the default group lives, with the timeout of the first.
+
+    Args:
+        ranks: the pipeline's global ranks.
+        timeout: seconds any DCP collective may wait for a peer.
+
+    Returns:
+        The group (``GroupMember.NON_GROUP_MEMBER`` on other ranks).
+    """
+    key = tuple(ranks)
+    cached = _CHECKPOINT_GROUPS.get(key)
+    if cached is not None and cached[0]() is dist.group.WORLD:
+        return cached[1]
+    new = dist.new_group(list(ranks), backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+    _CHECKPOINT_GROUPS[key] = (weakref.ref(dist.group.WORLD), new)
+    return new
+
+
 @dataclasses.dataclass
 class PipelineGroups:
     """The groups one pipeline runs on.
@@ -125,6 +154,7 @@ class PipelineGroups:
         leader_group: the group of ``leaders`` (``group`` when nothing is replicated).
         side: the Gloo side group of ``group`` (see :func:`side_group`).
         leader_side: the side group of ``leader_group``.
+        checkpoint: the Gloo group DCP checkpoints use (see :func:`checkpoint_group`).
     """
 
     group: dist.ProcessGroup
@@ -135,6 +165,7 @@ class PipelineGroups:
     leader_group: dist.ProcessGroup
     side: dist.ProcessGroup
     leader_side: dist.ProcessGroup
+    checkpoint: dist.ProcessGroup
 
     @classmethod
     def create(cls, group: Optional[dist.ProcessGroup], stage_ranks: List[List[int]],
@@ -163,4 +194,4 @@ class PipelineGroups:
         side = side_group(global_ranks)
         leader_side = side if leader_group is group else side_group([global_ranks[r] for r in leaders])
         return cls(group, rank, dist.get_world_size(group), replica_groups, leaders, leader_group,
-                   side, leader_side)
+                   side, leader_side, checkpoint_group(global_ranks, timeout))

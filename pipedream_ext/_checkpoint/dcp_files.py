@@ -1,0 +1,159 @@
+"""The files of a DCP generation directory: records, checks, metadata, consolidation.
+
+DCP itself keeps no checksums. The manifest records every file of the directory
+(``.metadata`` and the ``__{rank}_{i}.distcp`` files its ``storage_data`` names) with
+its size and sha256: after a save each rank hashes its share of the files
+(``files[rank::world]``; rank 0 also ``.metadata``), and before a load every rank
+checks every file's size and hashes its share again, so a truncated, missing or
+corrupt file is named (the exchange that follows raises it on every rank) before
+DCP reads anything; the total cost is one read of the checkpoint, spread over the
+ranks. :func:`consolidate_dcp` reads the model's tensors in one process, as
+``format_utils.dcp_to_torch_save`` does, after checking every file.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import warnings
+from typing import Any, Dict, List, Mapping
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, Metadata, TensorStorageMetadata
+
+from . import durable_io
+from .errors import CheckpointError
+
+__all__ = ["METADATA_FILE", "describe_failure", "data_files", "hash_share", "verify_files", "read_metadata",
+           "consolidate_dcp"]
+
+#: DCP's metadata file inside a generation directory (written last by DCP's coordinator).
+METADATA_FILE = ".metadata"
+_WHAT = {METADATA_FILE: "DCP metadata"}
+
+
+def describe_failure(exc: BaseException) -> str:
+    """A DCP error in one line per failed rank (``CheckpointException`` carries every
+    rank's exception; its own text is their tracebacks)."""
+    if isinstance(exc, CheckpointException):
+        parts = []
+        for rank, failure in sorted(exc.failures.items()):
+            error = failure[0] if isinstance(failure, tuple) else failure
+            parts.append(f"rank {rank}: {type(error).__name__}: {error}")
+        return "; ".join(parts)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def data_files(metadata: Metadata) -> List[str]:
+    """The data files a DCP checkpoint's metadata names, sorted."""
+    storage = metadata.storage_data or {}
+    return sorted({info.relative_path for info in storage.values()})
+
+
+def _record(dcp_dir: str, name: str) -> Dict[str, Any]:
+    full = os.path.join(dcp_dir, name)
+    return {"bytes": os.path.getsize(full), "sha256": durable_io.sha256_of(full)}
+
+
+def hash_share(dcp_dir: str, metadata: Metadata, rank: int, world_size: int) -> Dict[str, Dict[str, Any]]:
+    """This rank's share of the directory's file records (``files[rank::world]``; rank 0
+    also ``.metadata``).
+
+    Args:
+        dcp_dir: the generation directory ``dcp.save`` wrote.
+        metadata: what ``dcp.save`` returned.
+        rank: this rank in the pipeline's group.
+        world_size: ranks in it.
+
+    Returns:
+        ``{file name: {"bytes", "sha256"}}``.
+    """
+    names = data_files(metadata)[rank::world_size] + ([METADATA_FILE] if rank == 0 else [])
+    return {name: _record(dcp_dir, name) for name in names}
+
+
+def verify_files(dcp_dir: str, files: Mapping[str, Mapping[str, Any]], rank: int, world_size: int,
+                 listed_in: str) -> None:
+    """Checks every file the manifest lists: present and of its size; the sha256 of
+    ``.metadata`` and of this rank's share of the data files.
+
+    Args:
+        dcp_dir: the generation directory.
+        files: the manifest's ``dcp.files``.
+        rank: this rank (``0`` with ``world_size=1`` checks everything).
+        world_size: ranks sharing the hashing.
+        listed_in: the manifest's path, for messages.
+
+    Raises:
+        CheckpointError: a file is missing, has another size (truncated) or
+            another sha256 (corrupt), naming it.
+    """
+    data = sorted(name for name in files if name != METADATA_FILE)
+    if METADATA_FILE not in files:
+        raise CheckpointError(f"{listed_in} lists no {METADATA_FILE} for {dcp_dir}")
+    durable_io.verified_path(dcp_dir, dict(files[METADATA_FILE], file=METADATA_FILE),
+                             _WHAT[METADATA_FILE], listed_in)
+    for i, name in enumerate(data):
+        durable_io.verified_path(dcp_dir, dict(files[name], file=name), "DCP data", listed_in,
+                                 check_sha256=i % world_size == rank)
+
+
+def read_metadata(dcp_dir: str) -> Metadata:
+    """DCP's metadata of a generation directory (check it with :func:`verify_files` first).
+
+    Raises:
+        CheckpointError: it cannot be read.
+    """
+    try:
+        return FileSystemReader(dcp_dir).read_metadata()
+    except Exception as exc:  # any unpickling or I/O failure, reported with the file
+        raise CheckpointError(f"{os.path.join(dcp_dir, METADATA_FILE)} ({_WHAT[METADATA_FILE]}) cannot "
+                              f"be read: {type(exc).__name__}: {exc}") from exc
+
+
+def consolidate_dcp(directory: str, manifest: Mapping[str, Any], listed_in: str
+                    ) -> "collections.OrderedDict[str, torch.Tensor]":
+    """The whole model's ``state_dict`` from a DCP checkpoint, in one process.
+
+    Every file is checked first; the tensors of ``model`` are read into new CPU
+    tensors (``dcp.load`` with ``no_dist=True``); a shared parameter's other names
+    (``same_as``) become keys for the same tensor, as in a tied model's ``state_dict``.
+
+    Args:
+        directory: the checkpoint directory.
+        manifest: its manifest (``storage`` ``"dcp"``).
+        listed_in: the manifest's path, for messages.
+
+    Returns:
+        ``{original name: tensor}`` in the unsplit model's ``state_dict`` order.
+
+    Raises:
+        CheckpointError: a missing, truncated or corrupt file, or tensors that differ
+            from the manifest's list.
+    """
+    record = manifest["dcp"]
+    dcp_dir = os.path.join(directory, record["directory"])
+    verify_files(dcp_dir, record["files"], 0, 1, listed_in)
+    metadata = read_metadata(dcp_dir)
+    listed = record["tensors"]
+    request: Dict[str, torch.Tensor] = {}
+    for key, entry in listed.items():
+        if "same_as" in entry:
+            continue
+        md = metadata.state_dict_metadata.get(f"model.{key}")
+        if not isinstance(md, TensorStorageMetadata) or list(md.size) != entry["shape"]:
+            raise CheckpointError(f"{dcp_dir}: {key!r} is listed in the manifest with shape "
+                                  f"{entry['shape']} but DCP's metadata has "
+                                  f"{list(md.size) if isinstance(md, TensorStorageMetadata) else md}")
+        request[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            dcp.load({"model": request}, storage_reader=FileSystemReader(dcp_dir), no_dist=True)
+    except (Exception, CheckpointException) as exc:  # DCP's read errors, reported with the directory
+        raise CheckpointError(f"{dcp_dir}: reading the DCP checkpoint failed: "
+                              f"{describe_failure(exc)}") from exc
+    result: "collections.OrderedDict[str, torch.Tensor]" = collections.OrderedDict()
+    for key, entry in listed.items():
+        result[key] = request[entry.get("same_as", key)]
+    return result

@@ -1,0 +1,431 @@
+"""DCP checkpoints (``save_checkpoint(format="dcp")``): re-sharding into other layouts
+and the unsplit model, asynchronous saves, interrupted saves and errors (CPU, Gloo).
+
+* ``quick`` (2 ranks, in ``make test``): an asynchronous DCP save of a [3, 5]
+  pipeline while it trains on, loaded into [6, 2] with other initial weights:
+  bit-identical weights, then M steps equal to the uninterrupted run (losses and
+  weights); ``consolidate``, ``dcp_to_torch_save`` and ``dcp.load`` into the unsplit
+  model; a truncated file is named.
+* ``save`` (4 ranks, slow): SGD on 3 stages with stage 0 on 2 replicas, Adam on 4
+  stages saved asynchronously; the uninterrupted references.
+* ``resume`` (3 ranks, slow): 4 -> 3 ranks ([4, 2, 2]) and 4 -> 2 ranks (a pair of
+  ranks, [6, 2] and one data-parallel stage), train on and compare; mismatched
+  models and optimizers, missing / truncated / corrupt files, saves interrupted
+  in DCP's write and in the manifest, two asynchronous saves in a row, ``close()``.
+* a 1-rank DCP save loop killed with SIGKILL at a random moment (slow).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+from _multiprocess import ROOT, assert_every_rank_passed, free_port, launch_torchrun, worker_main
+from test_checkpoint import SCENARIOS, batch, build, make_model, merged, on_rank0, shared_copy
+
+HERE = os.path.abspath(__file__)
+MARKER = "ALL DCP CHECKPOINT CHECKS PASSED"
+N, M = 3, 3
+SGD = dict(SCENARIOS["sgd"], scheduler=False)
+ADAM = dict(schedule="1f1b", microbatches=4, opt="adam")
+
+
+# --------------------------------------------------------------------------- helpers (torchrun side)
+def train(pipe, opt, steps: range) -> List[float]:  # type: ignore[no-untyped-def]
+    """Trains ``steps`` batches; returns each step's loss."""
+    losses = []
+    for t in steps:
+        x, y = batch(t)
+        losses.append(float(pipe.step(x, y)))
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
+    return losses
+
+
+def whole_state(pipe, group: Optional[dist.ProcessGroup] = None) -> Dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """The whole model's state, gathered from the pipeline's ranks."""
+    parts: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, {k: v.clone() for k, v in pipe.state_dict().items()}, group=group)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def assert_state(pipe, expected: Dict[str, torch.Tensor], what: str, exact: bool = False,  # type: ignore[no-untyped-def]
+                 atol: float = 1e-7, parameters_only: bool = False) -> None:
+    local = {k: p.detach() for k, p in pipe.named_parameters()} if parameters_only else pipe.state_dict()
+    for key, value in local.items():
+        torch.testing.assert_close(value, expected[key], rtol=0 if exact else 1e-6, atol=0 if exact else atol,
+                                   msg=lambda m: f"{what}: {key}: {m}")
+
+
+def dcp_dir(path: str) -> str:
+    with open(os.path.join(path, "manifest.json")) as f:
+        return os.path.join(path, json.load(f)["dcp"]["directory"])
+
+
+def check_unsplit(path: str, expected: Dict[str, torch.Tensor]) -> None:
+    """No process group needed: consolidate, dcp_to_torch_save and dcp.load into the unsplit model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    import pipedream_ext as pd
+
+    state = pd.consolidate(path)
+    model = make_model(seed=3)
+    assert list(state) == list(model.state_dict())
+    model.load_state_dict(state)  # strict
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+    out = os.path.join(os.path.dirname(path), f"plain-{os.getpid()}.pt")
+    dcp_to_torch_save(dcp_dir(path), out)
+    plain = torch.load(out, weights_only=False)
+    os.remove(out)
+    model = make_model(seed=4)
+    model.load_state_dict(plain["model"])
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+    assert any(k.startswith("state.") for k in plain["optim"]), list(plain["optim"])[:5]
+    model = make_model(seed=5)
+    target = {"model": model.state_dict()}
+    dcp.load(target, checkpoint_id=dcp_dir(path), no_dist=True)
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+
+
+# --------------------------------------------------------------------------- quick (2 ranks)
+def phase_quick(root: str) -> None:
+    import pipedream_ext as pd
+    from pipedream_ext import CheckpointError
+
+    path = os.path.join(root, "quick")
+    scenario = dict(ADAM, balance=[3, 5])
+    pipe, opt, _ = build(scenario)
+    ref_losses = train(pipe, opt, range(N + M))
+    reference = whole_state(pipe)
+
+    pipe, opt, _ = build(scenario)
+    train(pipe, opt, range(N))
+    at_n = whole_state(pipe)
+    pending = pd.save_checkpoint(path, pipe, opt, step=N, extra={"note": "quick"}, format="dcp",
+                                 async_save=True)
+    assert isinstance(pending, pd.PendingCheckpoint)
+    losses = train(pipe, opt, range(N, N + M))  # the save holds the copy made at step N
+    info = pending.result()
+    assert info.generation == 1 and info.step == N and info.manifest["storage"] == "dcp"
+    assert pending.result() is info  # later calls return the same
+    assert losses == ref_losses[N:], (losses, ref_losses)  # saving did not change the run
+
+    fresh, fresh_opt, _ = build(dict(ADAM, balance=[6, 2]), seed=99)
+    loaded = pd.load_checkpoint(path, fresh, fresh_opt)
+    assert loaded.step == N and loaded.extra == {"note": "quick"}
+    assert_state(fresh, at_n, "[3, 5] -> [6, 2]: right after loading", exact=True)
+    resumed = train(fresh, fresh_opt, range(N, N + M))
+    torch.testing.assert_close(resumed, ref_losses[N:], rtol=1e-6, atol=1e-7)
+    assert_state(fresh, reference, f"[3, 5] -> [6, 2]: after {M} more steps")
+    if dist.get_rank() == 0:
+        check_unsplit(path, at_n)
+    dist.barrier()
+
+    # A truncated file is named, on every rank, and nothing changes.
+    bad = os.path.join(root, "quick-truncated")
+    shared_copy(path, bad)
+    data = sorted(n for n in os.listdir(dcp_dir(bad)) if n.endswith(".distcp"))[-1]
+    on_rank0(lambda: os.truncate(os.path.join(dcp_dir(bad), data), 100))
+    before = whole_state(fresh)
+    with pytest.raises(CheckpointError, match=rf"{data} \(DCP data\) has 100 bytes but the manifest "
+                                             r"says \d+: the file is truncated"):
+        pd.load_checkpoint(bad, fresh, fresh_opt)
+    assert_state(fresh, before, "a failed load changed nothing", exact=True)
+
+
+# --------------------------------------------------------------------------- save (4 ranks)
+def phase_save(root: str) -> None:
+    import pipedream_ext as pd
+
+    rank = dist.get_rank()
+    layouts = {"sgd": dict(SGD, balance=[3, 3, 2], replicas=[2, 1, 1]), "adam": ADAM}
+    for name, scenario in layouts.items():
+        pipe, opt, _ = build(scenario)
+        losses = train(pipe, opt, range(N + M))
+        torch.save({"state": pipe.state_dict(), "losses": losses}, os.path.join(root, f"ref-{name}-rank{rank}.pt"))
+        pipe, opt, _ = build(scenario)
+        train(pipe, opt, range(N))
+        torch.save(pipe.state_dict(), os.path.join(root, f"atN-{name}-rank{rank}.pt"))
+        path = os.path.join(root, f"ckpt-{name}")
+        if name == "adam":  # asynchronous; close() writes its manifest
+            pd.save_checkpoint(path, pipe, opt, step=N, extra={"note": name}, format="dcp", async_save=True)
+            train(pipe, opt, range(N, N + M))
+            pipe.close()
+            assert os.path.exists(os.path.join(path, "manifest.json"))
+        else:
+            info = pd.save_checkpoint(path, pipe, opt, step=N, extra={"note": name}, format="dcp")
+            assert info.manifest["pipeline"]["replicas"] == [2, 1, 1]
+    dist.barrier()
+
+
+def reference(root: str, name: str) -> Dict[str, Any]:
+    refs = [torch.load(os.path.join(root, f"ref-{name}-rank{r}.pt"), weights_only=True) for r in range(4)]
+    return {"state": {k: v for ref in refs for k, v in ref["state"].items()}, "losses": refs[0]["losses"]}
+
+
+# --------------------------------------------------------------------------- resume (3 ranks)
+def resume(root: str, name: str, scenario: Dict[str, Any], group: Optional[dist.ProcessGroup] = None,
+           atol: float = 1e-7, parameters_only: bool = False) -> None:
+    """A fresh pipeline loads checkpoint ``name``, trains M steps and must equal the
+    uninterrupted run (``parameters_only``: a replicated BatchNorm's statistics differ
+    from an unreplicated one's, as in DDP)."""
+    import pipedream_ext as pd
+
+    if group is not None and dist.get_rank() not in dist.get_process_group_ranks(group):
+        return
+    what = f"{name} -> {scenario.get('balance')} replicas {scenario.get('replicas')}"
+    pipe, opt, _ = build(scenario, seed=99, group=group)
+    info = pd.load_checkpoint(os.path.join(root, f"ckpt-{name}"), pipe, opt)
+    assert info.step == N and info.extra == {"note": name}
+    assert_state(pipe, merged(root, f"atN-{name}"), f"{what}: right after loading", exact=True)
+    ref = reference(root, name)
+    losses = train(pipe, opt, range(N, N + M))
+    torch.testing.assert_close(losses, ref["losses"][N:], rtol=1e-6, atol=atol)
+    assert_state(pipe, ref["state"], f"{what}: after {M} more steps", atol=atol,
+                 parameters_only=parameters_only)
+
+
+def check_errors(root: str) -> None:
+    import pipedream_ext as pd
+    from pipedream_ext import CheckpointError
+
+    src = os.path.join(root, "ckpt-sgd")
+    bad = os.path.join(root, "broken")
+
+    def load(variant: str = "", opt_kind: str = "sgd", path: str = bad):  # type: ignore[no-untyped-def]
+        pipe, opt, _ = build(dict(SGD, opt=opt_kind), seed=7, variant=variant)
+        before = {k: v.clone() for k, v in pipe.state_dict().items()}
+        try:
+            return pd.load_checkpoint(path, pipe, opt)
+        finally:  # a failed load changes nothing, on any rank
+            assert all(torch.equal(v, before[k]) for k, v in pipe.state_dict().items())
+
+    with pytest.raises(CheckpointError, match="checkpoint's model has 8 layers .* this pipeline's model has 7"):
+        load("short", path=src)
+    with pytest.raises(CheckpointError, match=r"g000001-dcp has '2\.bias', which this model does not have"):
+        load("nobias", path=src)
+    with pytest.raises(CheckpointError, match=r"g000001-dcp: '7\.weight' has shape \[3, 12\] in the "
+                                              r"checkpoint but \[4, 12\] in this model"):
+        load("wide-head", path=src)
+    with pytest.raises(CheckpointError, match=r"g000001-dcp holds the state of a torch\.optim\.sgd\.SGD, "
+                                              r"not of a torch\.optim\.adam\.Adam"):
+        load(opt_kind="adam", path=src)
+    pipe, _, _ = build(SGD, variant="nobias")
+    pd.save_checkpoint(bad, pipe, format="dcp")  # no optimizer, no '2.bias'
+    with pytest.raises(CheckpointError, match=r"has no entry for '2\.bias', which this model has"):
+        load()
+    with pytest.raises(CheckpointError, match="holds no optimizer state"):
+        load("nobias")
+    for damage, pattern in (("remove", r"not a complete checkpoint: __\d+_\d+\.distcp \(DCP data\) is missing"),
+                            ("flip", r"__\d+_\d+\.distcp \(DCP data\) does not match the sha256"),
+                            ("metadata", r"\.metadata \(DCP metadata\) has \d+ bytes but the manifest says")):
+        shared_copy(src, bad)
+        first_data = next(n for n in json.load(open(os.path.join(bad, "manifest.json")))["dcp"]["files"]
+                          if n.endswith(".distcp"))
+        target = os.path.join(dcp_dir(bad), ".metadata" if damage == "metadata" else first_data)
+        on_rank0(lambda: _damage(target, damage))
+        with pytest.raises(CheckpointError, match=pattern):
+            load()
+    on_rank0(lambda: shutil.rmtree(bad))
+
+
+def _damage(path: str, how: str) -> None:
+    if how == "remove":
+        os.remove(path)
+    elif how == "flip":
+        with open(path, "r+b") as f:
+            byte = f.read(1)
+            f.seek(0)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    else:
+        os.truncate(path, os.path.getsize(path) - 1)
+
+
+def check_interrupted_saves(root: str) -> None:
+    """A save that fails in DCP's write or in the manifest leaves the previous
+    checkpoint loadable; the next save replaces it and removes the leftovers."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    import pipedream_ext as pd
+    import pipedream_ext._checkpoint.manifest as manifest_format
+    from pipedream_ext import CheckpointError
+
+    path = os.path.join(root, "interrupted")
+    shared_copy(os.path.join(root, "ckpt-sgd"), path)
+    at_n = merged(root, "atN-sgd")
+    pipe, opt, _ = build(SGD, seed=99)
+
+    def still_previous() -> None:
+        fresh, fresh_opt, _ = build(SGD, seed=5)
+        assert pd.load_checkpoint(path, fresh, fresh_opt).generation == 1
+        assert_state(fresh, at_n, "previous checkpoint after an interrupted save", exact=True)
+
+    real_write = FileSystemWriter.write_data
+
+    def crash_in_write(self, plan, planner):  # type: ignore[no-untyped-def]
+        if dist.get_rank() == 1:
+            with open(os.path.join(str(self.path), "__1_0.distcp"), "wb") as f:
+                f.write(b"half a file")
+            raise OSError("simulated crash while writing DCP data")
+        return real_write(self, plan, planner)
+    FileSystemWriter.write_data = crash_in_write  # type: ignore[method-assign]
+    try:
+        with pytest.raises(CheckpointError, match="simulated crash while writing DCP data"):
+            pd.save_checkpoint(path, pipe, opt, step=99, format="dcp")
+    finally:
+        FileSystemWriter.write_data = real_write  # type: ignore[method-assign]
+    still_previous()
+
+    real_manifest = manifest_format.write_manifest
+
+    def crash_in_manifest(directory: str, manifest: Any) -> None:
+        raise OSError("simulated crash while writing the manifest")
+    manifest_format.write_manifest = crash_in_manifest
+    try:  # an asynchronous save whose manifest fails: the next save reports it
+        pending = pd.save_checkpoint(path, pipe, opt, step=99, format="dcp", async_save=True)
+        with pytest.raises(CheckpointError, match=r"the asynchronous save of .*interrupted \(generation 3\) "
+                                                  r"failed: .*simulated crash while writing the manifest"):
+            pd.save_checkpoint(path, pipe, opt, step=99, format="dcp")
+    finally:
+        manifest_format.write_manifest = real_manifest
+    with pytest.raises(CheckpointError, match="simulated crash while writing the manifest"):
+        pending.result()  # the same failure again
+    assert os.path.isdir(os.path.join(path, "g000003-dcp"))
+    still_previous()
+
+    # Two asynchronous saves in a row: the second finishes the first, then replaces it.
+    first = pd.save_checkpoint(path, pipe, opt, step=100, format="dcp", async_save=True)
+    second = pd.save_checkpoint(path, pipe, opt, step=101, format="dcp", async_save=True)
+    assert first.done() and first.result().generation == 4
+    assert second.result().generation == 5
+    assert sorted(os.listdir(path)) == ["g000005-dcp", "manifest.json"], sorted(os.listdir(path))
+    fresh, fresh_opt, _ = build(SGD, seed=5)
+    assert pd.load_checkpoint(path, fresh, fresh_opt).step == 101
+    for (key, saved), (_, loaded) in zip(pipe.state_dict().items(), fresh.state_dict().items()):
+        assert torch.equal(saved, loaded), key
+    with pytest.raises(ValueError, match="async_save=True needs format='dcp'"):
+        pd.save_checkpoint(path, pipe, opt, async_save=True)
+    with pytest.raises(ValueError, match="format='torch' is not a checkpoint format"):
+        pd.save_checkpoint(path, pipe, opt, format="torch")
+    on_rank0(lambda: shutil.rmtree(path))
+
+
+def phase_resume(root: str) -> None:
+    pair = dist.new_group([0, 1])
+    resume(root, "sgd", dict(SGD, balance=[4, 2, 2]), atol=1e-6)          # 4 -> 3 ranks
+    resume(root, "sgd", dict(SGD, balance=[6, 2]), group=pair, atol=1e-6)  # 4 -> 2 ranks
+    resume(root, "sgd", dict(SGD, balance=[8], replicas=[2]), group=pair, atol=1e-6, parameters_only=True)
+    resume(root, "adam", dict(ADAM, balance=[3, 3, 2]))                    # saved asynchronously
+    check_errors(root)
+    check_interrupted_saves(root)
+
+
+def phase_kill_loop(root: str) -> None:
+    """1 rank: DCP saves over and over, every tensor filled with the save's step."""
+    import pipedream_ext as pd
+
+    pipe, opt, _ = build(SGD)
+    train(pipe, opt, range(1))
+    for step in range(100000):
+        with torch.no_grad():
+            for value in pipe.state_dict().values():
+                value.fill_(step)
+        pd.save_checkpoint(root, pipe, opt, step=step, format="dcp")
+        print(f"saved {step}", flush=True)
+
+
+def run_phase() -> None:
+    root, phase = os.environ["PDDCP_DIR"], os.environ["PDDCP_PHASE"]
+    {"quick": phase_quick, "save": phase_save, "resume": phase_resume, "kill-loop": phase_kill_loop}[phase](root)
+
+
+# --------------------------------------------------------------------------- pytest side
+def _launch(root: str, phase: str, world: int) -> None:
+    old = {k: os.environ.get(k) for k in ("PDDCP_DIR", "PDDCP_PHASE")}
+    os.environ.update(PDDCP_DIR=root, PDDCP_PHASE=phase)
+    try:
+        result = launch_torchrun(HERE, world, timeout=300)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    assert_every_rank_passed(result, world, MARKER)
+
+
+def test_dcp_async_save_loads_into_another_balance_and_the_unsplit_model(tmp_path) -> None:
+    """2 ranks: async DCP save of [3, 5] while training on, load into [6, 2], train on
+    (equal to the uninterrupted run), unsplit model three ways, a truncated file."""
+    _launch(str(tmp_path), "quick", 2)
+
+
+@pytest.mark.slow
+def test_dcp_resume_on_other_world_sizes_and_failures(tmp_path) -> None:
+    """4 ranks (replicas; async) -> 3 ranks and -> 2 ranks; errors, interrupted saves."""
+    import pipedream_ext as pd
+
+    root = str(tmp_path)
+    _launch(root, "save", 4)
+    _launch(root, "resume", 3)
+    for name in ("sgd", "adam"):
+        state = pd.consolidate(os.path.join(root, f"ckpt-{name}"))
+        expected = merged(root, f"atN-{name}")
+        assert all(torch.equal(v, expected[k]) for k, v in state.items()) and set(state) == set(expected)
+    out = str(tmp_path / "model.pt")
+    result = subprocess.run([sys.executable, "-m", "pipedream_ext", "consolidate",
+                             os.path.join(root, "ckpt-sgd"), "-o", out],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0 and "step 3" in result.stdout, result.stdout + result.stderr
+    make_model().load_state_dict(torch.load(out, weights_only=True))
+
+
+@pytest.mark.slow
+def test_killed_dcp_save_leaves_a_loadable_checkpoint(tmp_path) -> None:
+    """SIGKILL at a random moment of a DCP save loop: one complete checkpoint remains."""
+    import pipedream_ext as pd
+
+    root = str(tmp_path / "ckpt")
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", PDDCP_DIR=root,
+               PDDCP_PHASE="kill-loop", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, HERE], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if line.startswith("saved"):
+                break
+        assert lines and lines[-1].startswith("saved"), "".join(lines)
+        time.sleep(random.uniform(0.2, 0.8))
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    step = json.load(open(os.path.join(root, "manifest.json")))["step"]
+    state = pd.consolidate(root)
+    assert set(state) == set(make_model().state_dict())
+    for key, value in state.items():
+        assert torch.equal(value, torch.full_like(value, step)), (key, step)
+
+
+if __name__ == "__main__":
+    if os.environ.get("PDDCP_PHASE") == "kill-loop":
+        torch.set_num_threads(1)
+        from _multiprocess import init_test_group
+
+        init_test_group()
+        run_phase()
+    else:
+        worker_main(run_phase, MARKER)
