@@ -294,7 +294,8 @@ class PipeDream:
             model_shapes=self._model_shapes, shared_parameters=self.shared_parameters,
             split_points=self.split_points, schedule_name=self.schedule_name,
             microbatches=self.microbatches, chunks=self.chunks, balance=self.balance,
-            replicas=self.replicas, asynchronous=self.asynchronous)
+            replicas=self.replicas, asynchronous=self.asynchronous,
+            data_parallel=self._runner.data_parallel and self._runner.data_parallel.plan.data_parallel)
 
     # -- module-like API ------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:

@@ -1,7 +1,7 @@
 """Pipeline + FSDP2 (2D): ``PipeDream(mesh=("pp", "dp"), data_parallel="fsdp"|"replicate")``.
 
 Runs under pytest, which launches the worker side with torchrun on 4 ranks, or
-standalone (``FSDP_CASES`` picks the configurations: ``fast``, ``full`` or ``refusals``):
+standalone (``FSDP_CASES`` picks the configurations: ``fast`` or ``full``):
 
     FSDP_CASES=full torchrun --standalone --nproc-per-node 4 tests/test_fsdp.py
 
@@ -159,8 +159,6 @@ FLUSH = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev", "inte
 def cases(kind: str) -> List[Case]:
     if kind == "fast":
         return [Case("zb-h1", 2, 2)]
-    if kind == "refusals":
-        return []
     full_cases = [Case(s, 2, 2, opt, reshard_after_forward=r)
                   for s in FLUSH for opt in OPTIMIZERS for r in (False, True)]
     full_cases += [Case(s, 2, 2, "adamw", "replicate") for s in ("1f1b", "zb-h1", "zbv")]
@@ -175,6 +173,13 @@ def cases(kind: str) -> List[Case]:
 
 
 # --------------------------------------------------------------------------- refusals
+def tied_mlp() -> nn.Sequential:
+    """mlp() with the last block's Linear tied to the first's (stages 0 and 1 on pp 2)."""
+    model = mlp()
+    model[LAYERS - 2][0].weight = model[0][0].weight
+    return model
+
+
 def check_refusals() -> None:
     """What a mesh does not take is refused on every rank, naming the value and the fix."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -182,50 +187,62 @@ def check_refusals() -> None:
     import pipedream_ext as pd
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    refused = {
-        "pipedream": dict(schedule="pipedream"),
-        "pipedream-2bw": dict(schedule="pipedream-2bw"),
-        r"replicas=\[1, 1\] and mesh=": dict(replicas=[1, 1]),
-        "data_parallel='ddp'": dict(data_parallel="ddp"),
-        "recompute=True with data_parallel='fsdp'": dict(recompute=True),
-    }
-    for match, kwargs in refused.items():
+    flat = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    x, y = global_batch(0)
+    refused = [
+        ("schedule 'pipedream' updates weights inside the pipeline, but mesh=",
+         mlp, dict(schedule="pipedream")),
+        ("schedule 'pipedream-2bw' updates weights inside the pipeline, but mesh=",
+         mlp, dict(schedule="pipedream-2bw")),
+        (r"replicas=\[1, 1\] and mesh= both ask for data parallelism; drop replicas",
+         mlp, dict(replicas=[1, 1])),
+        ("process_group= and mesh= both name the pipeline's ranks",
+         mlp, dict(process_group=dist.group.WORLD)),
+        ("data_parallel='ddp'; use 'fsdp'", mlp, dict(data_parallel="ddp")),
+        ("recompute=True with data_parallel='fsdp' is not supported", mlp, dict(recompute=True)),
+        (r"mesh has dimensions \('dp',\); PipeDream takes a 2-D mesh", mlp, dict(mesh=flat)),
+        ("is shared by layers on different stages, which mesh=", tied_mlp, {}),
+        ("a traced model \\(split_points\\) is not supported", mlp,
+         dict(split_points=["4"], sample=(x, y))),
+    ]
+    for match, make, kwargs in refused:
+        kwargs = {"mesh": mesh, **kwargs}
         with pytest.raises(ValueError, match=match):
-            pd.PipeDream(mlp(), F.cross_entropy, microbatches=4, mesh=mesh, timeout=60, **kwargs)
+            pd.PipeDream(make(), F.cross_entropy, microbatches=4, timeout=60, **kwargs)
     with pytest.raises(ValueError, match="mp_policy and reshard_after_forward configure FSDP"):
         pd.PipeDream(mlp(), F.cross_entropy, reshard_after_forward=True, timeout=60)
     pipe = pd.PipeDream(mlp(), F.cross_entropy, schedule="1f1b", microbatches=4, mesh=mesh,
                         timeout=60)
-    x, y = global_batch(0)
     with pytest.raises(ValueError, match="batch size 6, which does not split into "
                                          "microbatches=4"):
         pipe.step(x[:6] if pipe.is_first else None, y[:6] if pipe.is_last else None)
+    with pytest.raises(ValueError, match=r"save_checkpoint\(\) does not support pipelines built "
+                                         "with mesh="):
+        pd.save_checkpoint(os.path.join(os.environ.get("TMPDIR", "/tmp"), "fsdp-ckpt"), pipe)
 
 
 def run_checks() -> None:
     kind = os.environ.get(CASES_ENV, "fast")
-    if kind == "refusals":
+    if kind == "fast":
         check_refusals()
     for case in cases(kind):
         check_case(case)
 
 
-def test_zero_bubble_fsdp_matches_the_unsplit_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    """zb-h1, pp 2 x dp 2, AdamW: losses, weights and one reduce-scatter per unit per step."""
+def test_fsdp_representative_case_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """zb-h1, pp 2 x dp 2, AdamW: losses, weights and one reduce-scatter per unit per
+    step; and every refusal of a mesh (one launch)."""
     monkeypatch.setenv(CASES_ENV, "fast")
     assert_every_rank_passed(launch_torchrun(HERE, 4), 4, MARKER)
 
 
 @pytest.mark.slow
 def test_every_flush_schedule_with_fsdp_and_replicate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every flush schedule x SGD-momentum / AdamW x both reshard settings (fsdp, pp 2 x
+    dp 2), replicate, pp 1 x dp 4, pp 4 x dp 1, meta-device models, loss_reduction="sum",
+    bf16 parameters with fp32 reduction."""
     monkeypatch.setenv(CASES_ENV, "full")
-    assert_every_rank_passed(launch_torchrun(HERE, 4, timeout=1200), 4, MARKER)
-
-
-@pytest.mark.slow
-def test_mesh_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(CASES_ENV, "refusals")
-    assert_every_rank_passed(launch_torchrun(HERE, 4), 4, MARKER)
+    assert_every_rank_passed(launch_torchrun(HERE, 4, timeout=1800), 4, MARKER)
 
 
 if __name__ == "__main__":

@@ -176,6 +176,7 @@ def load_checkpoint(path: PathLike, pipe: Pipeline,
     """
     directory = os.fspath(path)
     view = pipe.checkpoint_view
+    view.refuse_mesh("load_checkpoint()")
     if view.asynchronous:
         pipe.flush()
     error = None

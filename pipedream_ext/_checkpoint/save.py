@@ -254,6 +254,7 @@ def save_checkpoint(path: PathLike, pipe: Pipeline, optimizer: Optional[torch.op
     directory = os.fspath(path)
     started = time.perf_counter()
     view = pipe.checkpoint_view
+    view.refuse_mesh("save_checkpoint()")
     if view.asynchronous:
         pipe.flush()
     start = _agree_to_start(view, directory, optimizer, step, extra)
