@@ -236,6 +236,8 @@ def run_checks() -> None:
     if kind == "fast":
         check_refusals()
     for case in cases(kind):
+        if dist.get_rank() == 0:
+            print(f"case {case}", flush=True)
         check_case(case)
 
 

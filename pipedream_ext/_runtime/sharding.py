@@ -287,6 +287,8 @@ class FsdpStages(DataParallel):
         sharded = fully_shard(module, **kwargs)
         if self.loss_reduction == "sum":  # dp ranks' gradients add up, as their losses do
             sharded.set_gradient_divide_factor(1.0)
+            # A plain SUM (then a division by 1): Gloo has no PREMUL_SUM.
+            sharded.set_force_sum_reduction_for_comms(True)
         return sharded
 
     @property
