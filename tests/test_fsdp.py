@@ -52,11 +52,30 @@ class Case(NamedTuple):
 
 
 # --------------------------------------------------------------------------- the model
+class Scaled(nn.Module):
+    """``x @ (weight * scale).T``: the weight's gradient reads ``scale``, so a W pass on
+    resharded (freed) parameters would read freed memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(WIDTH, WIDTH))
+        self.scale = nn.Parameter(torch.empty(WIDTH, 1))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.3)
+        nn.init.uniform_(self.scale, 0.5, 1.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ (self.weight * self.scale).T
+
+
 def mlp(seed: int = 0) -> nn.Sequential:
-    """LAYERS layers: Linear+Tanh blocks, a ReLU between (no parameters), a head."""
+    """LAYERS layers: Linear+Tanh blocks (one a Scaled+Tanh), a ReLU (no parameters), a head."""
     torch.manual_seed(seed)
     blocks: List[nn.Module] = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
                                for _ in range(LAYERS - 2)]
+    blocks[3] = nn.Sequential(Scaled(), nn.Tanh())
     blocks.insert(2, nn.ReLU())
     return nn.Sequential(*blocks, nn.Linear(WIDTH, CLASSES))
 

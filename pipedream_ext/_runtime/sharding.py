@@ -21,7 +21,9 @@ set and every parameter group's ``post_backward`` and the root's final callback 
 one reduce-scatter per unit per step. With ``reshard_after_forward=True`` and a
 split-backward schedule, a forward is not resharded when the next backward action
 of its stage is a ``W`` (:func:`keep_unsharded_after`): ``W`` runs from saved
-activations without the pre-backward hook that would all-gather the weights again.
+activations without the pre-backward hook that would all-gather the weights again
+(the built-in schedules never need it: each ``W`` follows an ``I`` of its stage
+after the stage's last forward; it guards other action lists).
 docs/runtime.md ("Pipeline + FSDP") has the details.
 """
 from __future__ import annotations
