@@ -54,6 +54,14 @@ from ._runtime.config import PipelineConfig
 from ._runtime.local_stages import LocalStages
 from ._runtime.observe import Observer
 from ._runtime.runners import Runner, make_runner
+from ._runtime.sharding import (
+    DataParallel,
+    MeshPlan,
+    check_schedule,
+    make_data_parallel,
+    refuse_shared,
+    resolve_mesh,
+)
 from ._runtime.stage_call import StageFunction, Tensors
 from ._runtime.tied_grads import SharedGradients
 from .planner import Plan
@@ -92,6 +100,10 @@ class PipelineArguments:
     concrete_args: Optional[Mapping[str, Any]] = None
     loss_reduction: str = "mean"
     check_agreement: int = 3
+    mesh: Optional[Any] = None
+    data_parallel: str = "fsdp"
+    reshard_after_forward: bool = False
+    mp_policy: Optional[Any] = None
 
     def checked_config(self) -> PipelineConfig:
         """The arguments that need no process group, checked (``PipelineConfig.checked``).
@@ -124,6 +136,7 @@ class BuiltPipeline:
         stage_fn: the executor's forward callback.
         runner: drives the executor step by step.
         agreement: the check of the first calls' batches on every rank.
+        data_parallel: data parallelism over a mesh's ``dp`` dimension, else ``None``.
     """
 
     config: PipelineConfig
@@ -140,6 +153,7 @@ class BuiltPipeline:
     stage_fn: StageFunction
     runner: Runner
     agreement: StepAgreement
+    data_parallel: Optional[DataParallel] = None
 
 
 def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
@@ -160,16 +174,24 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     model_shapes = reshard.key_shapes(args.module)
     config = args.checked_config()
     device = _join_default_group(args.device, config.timeout)
-    group = args.process_group if args.process_group is not None else dist.group.WORLD
+    mesh = _mesh_plan(args, prepared, config)
+    group = mesh.pp_group if mesh is not None else \
+        args.process_group if args.process_group is not None else dist.group.WORLD
     cut = cut_model(args, prepared, config, group)
     _refuse_shared_if_asynchronous(config, cut.shared_parameters)
+    refuse_shared(mesh, [sp.names for sp in cut.shared_parameters])
     cut.traced = _agree_everywhere(args.module, group, config, cut,
-                                   prepared.init_seed if prepared.deferred else None)
+                                   prepared.init_seed if prepared.deferred else None, mesh)
     action_feed, schedule = _build_schedule(config, cut.partition)
     stage_ranks = [schedule.stage_ranks(j) for j in range(schedule.num_stages)]
+    if mesh is not None:
+        mesh.create_side_groups(config.timeout)
     groups = PipelineGroups.create(group, stage_ranks, config.timeout)
+    data_parallel = make_data_parallel(
+        mesh, config.loss_reduction,
+        lambda: [schedules.parse_action(a) for a in schedule.actions(groups.rank, comm=False)])
     stages = _local_stages(args, prepared, cut, schedule.stages_of_rank(groups.rank), device,
-                           groups, config.timeout)
+                           groups, config.timeout, data_parallel)
     _broadcast_replicas(stages, groups)
     if cut.traced is not None and cut.traced.tracer == "export":
         for j in stages:  # tensors the graph creates: on this rank's device
@@ -181,8 +203,10 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     shared_gradients.synchronize_values()
     observer = _observer(args.trace, groups, stages, config, device)
     stage_fn = _stage_function(args.loss_fn, cut.traced, stages, schedule, groups, config, device)
+    if data_parallel is not None:
+        stage_fn.before_forward = data_parallel.before_forward
     runner = make_runner(config, schedule, action_feed, stages, groups, stage_fn, observer, device,
-                         shared_gradients=shared_gradients)
+                         shared_gradients=shared_gradients, data_parallel=data_parallel)
     if cut.traced is not None and cut.traced.input_names is not None:
         runner.input_names = list(cut.traced.input_names)
     agreement = StepAgreement(groups.group, stage_ranks[0], stage_ranks[-1],
@@ -192,7 +216,22 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
               schedule.num_stages, config.schedule, config.microbatches)
     return BuiltPipeline(config, device, cut.traced, cut.plan, cut.shared_parameters,
                          model_shapes, action_feed, schedule, groups, stages, observer, stage_fn,
-                         runner, agreement)
+                         runner, agreement, data_parallel)
+
+
+def _mesh_plan(args: PipelineArguments, prepared: "PreparedModel",
+               config: PipelineConfig) -> Optional[MeshPlan]:
+    """``mesh`` and the data-parallel arguments, checked (``_runtime.sharding``).
+
+    Raises:
+        ValueError: what ``resolve_mesh`` and ``check_schedule`` refuse.
+    """
+    mesh = resolve_mesh(args.mesh, args.data_parallel, args.process_group, args.replicas,
+                        args.reshard_after_forward, args.mp_policy)
+    if mesh is not None:
+        check_schedule(mesh, config, traced=prepared.traced is not None,
+                       planned=_is_plan(args.balance))
+    return mesh
 
 
 # -- before any communication -----------------------------------------------------------
@@ -496,13 +535,16 @@ def _refuse_shared_if_asynchronous(config: PipelineConfig,
 
 
 def _agree_everywhere(module: nn.Module, group: dist.ProcessGroup, config: PipelineConfig,
-                      cut: CutModel, init_seed: Optional[int]) -> Optional[TracedSplit]:
+                      cut: CutModel, init_seed: Optional[int],
+                      mesh: Optional[MeshPlan] = None) -> Optional[TracedSplit]:
     """Fails on every rank if ranks disagree on the arguments or on what any stage
     computes (``agree_at_construction``).
 
     Args:
         init_seed: the seed of a meta model (replicas would get different weights), else
             ``None``.
+        mesh: the mesh: its shape and data-parallel settings are agreed too, and the
+            ranks of each ``dp`` group (one stage's copies) compare the same values.
 
     Returns:
         The traced stages, with the values crossing each cut in rank 0's order when
@@ -526,12 +568,16 @@ def _agree_everywhere(module: nn.Module, group: dist.ProcessGroup, config: Pipel
         "input names": None if traced is None else traced.input_names}
     if init_seed is not None:
         agreed["init_seed"] = init_seed
+    if mesh is not None:
+        agreed.update(mesh.describe())
     if traced is not None:
         assert traced.fingerprint is not None
         fingerprint = traced.fingerprint
     else:
         fingerprint = layers_fingerprint(module, partition.bounds())
     orders = agree_at_construction(group, agreed, fingerprint)
+    if mesh is not None:  # the pipelines of the mesh are one pipeline's copies
+        agree_at_construction(mesh.dp_group, agreed, fingerprint)
     if orders is not None and traced is not None:
         return reorder_cuts(traced, orders)
     return traced
@@ -555,13 +601,18 @@ def _build_schedule(config: PipelineConfig, partition: Partition
 
 def _local_stages(args: PipelineArguments, prepared: PreparedModel, cut: CutModel,
                   indices: Sequence[int], device: torch.device, groups: PipelineGroups,
-                  timeout: float) -> LocalStages:
-    """This rank's layers; with meta layers, every rank raises if any rank's
+                  timeout: float, data_parallel: Optional[DataParallel] = None) -> LocalStages:
+    """This rank's layers (sharded or replicated over a mesh's ``dp`` with
+    ``data_parallel``); with meta layers, every rank raises if any rank's
     initialisation failed (it runs user code), so no rank waits on a dead peer."""
     def build() -> LocalStages:
-        return LocalStages(args.module, cut.partition, indices, device, prepared.init_seed,
-                           args.init_fn,
-                           traced=cut.traced.stages if cut.traced is not None else None)
+        built = LocalStages(args.module, cut.partition, indices, device, prepared.init_seed,
+                            args.init_fn,
+                            traced=cut.traced.stages if cut.traced is not None else None,
+                            after_layer=data_parallel.after_layer if data_parallel else None)
+        if data_parallel is not None:
+            data_parallel.attach(built)
+        return built
 
     if not prepared.deferred:
         return build()

@@ -68,21 +68,14 @@ class PipeDream:
                          sample=({"input_ids": x, "attention_mask": m}, y),
                          concrete_args={"use_cache": False})
 
-    Example (under ``torchrun --nproc-per-node 4``)::
+    Example (under ``torchrun --nproc-per-node 4``; a meta-device model: each rank
+    initialises only its own layers, see ``init_seed``)::
 
         pipe = PipeDream(model, loss_fn=F.cross_entropy, schedule="1f1b", microbatches=4)
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
         for x, y in loader:
             loss = pipe.step(x, y)
             opt.step(); opt.zero_grad()
-
-    Big models: build the model on the meta device and every rank allocates and
-    initialises only its own layers (deferred initialisation, ``_materialize``)::
-
-        with torch.device("meta"):
-            model = make_model()
-        pipe = PipeDream(model, loss_fn=F.cross_entropy)   # reset_parameters(), seeded per layer
-        pipe.load_state_dict(torch.load("model.pt", mmap=True))   # optional: pretrained weights
 
     Args:
         module: the whole model, identically initialised on every rank, or built
@@ -132,11 +125,9 @@ class PipeDream:
         recompute: keep only each stage's inputs during the forward and recompute
             its activations in the backward (same result, with the CPU and CUDA RNG
             states restored so dropout draws the same masks).
-        trace: record every action each rank runs (F/B/I/W, waits on receives,
-            sends, updates, all-reduces) and write them, merged by rank 0, as one
-            Chrome trace at this path (open it in Perfetto) when :meth:`write_trace`
-            or :meth:`close` is called. Default: the ``PIPEDREAM_TRACE``
-            environment variable, if set.
+        trace: record every action each rank runs and write them, merged by rank 0,
+            as one Chrome trace at this path (Perfetto) in :meth:`write_trace` or
+            :meth:`close`. Default: the ``PIPEDREAM_TRACE`` environment variable.
         autocast: run every stage's forward (and the loss) under
             ``torch.autocast(device_type, dtype=autocast)``, e.g. ``torch.bfloat16``;
             boundary tensors then travel in that dtype (half the bytes). With
@@ -177,15 +168,19 @@ class PipeDream:
             (keyword arguments; every other argument then takes its default).
         loss_reduction: ``"mean"`` (default): ``loss_fn`` averages over the batch and
             each microbatch's loss is scaled by its share of the batch; ``"sum"``: it
-            adds, and microbatch losses are added unscaled. Either way the gradients
-            are the unsplit model's. A ``loss_fn`` that reduces otherwise than said is
-            refused at the first step, on every rank.
+            adds, unscaled. A ``loss_fn`` that reduces otherwise is refused at once.
         check_agreement: the first ``check_agreement`` calls of ``step()`` and of
             ``forward_only()`` start with one small exchange in which every rank says
             which call it is in and fingerprints the batch it was given: ranks in
             different calls, or a first and a last stage given different batches (a
             ``DistributedSampler`` kept from a DDP script) fail on every rank before
             anything is sent. ``0`` turns it off; later calls cost nothing.
+        mesh: a ``("pp", "dp")`` DeviceMesh over every rank: the pipeline runs on
+            ``mesh["pp"]``, one copy per ``dp`` rank, each ``step`` given that rank's part.
+        data_parallel: with ``mesh``: ``"fsdp"`` (FSDP2 ``fully_shard`` of each layer over
+            ``mesh["dp"]``) or ``"replicate"`` (gradients averaged over it after each step).
+        reshard_after_forward: ``"fsdp"``: free the gathered weights after each forward.
+        mp_policy: ``"fsdp"``: FSDP's ``MixedPrecisionPolicy`` (README "Pipeline + FSDP").
 
     Every rank compares, at construction, the arguments above and a fingerprint of
     every stage (its graph or layers; docs/tracing.md#one-graph-on-every-rank), and
@@ -210,12 +205,13 @@ class PipeDream:
                  check_finite: Optional[str] = None, init_seed: int = deferred_init.DEFAULT_INIT_SEED,
                  init_fn: Optional[deferred_init.InitFn] = None, split_points: Optional[Sequence[str]] = None,
                  concrete_args: Optional[Mapping[str, Any]] = None, loss_reduction: str = "mean",
-                 check_agreement: int = 3) -> None:
+                 check_agreement: int = 3, mesh: Optional[Any] = None, data_parallel: str = "fsdp",
+                 reshard_after_forward: bool = False, mp_policy: Optional[Any] = None) -> None:
         # PipelineArguments lists its fields in this signature's order (tests/test_units.py).
         built = build_pipeline(PipelineArguments(
             module, loss_fn, schedule, microbatches, balance, chunks, process_group, device, timeout, vertical_sync,
             recompute, replicas, sample, bandwidth, trace, autocast, check_finite, init_seed, init_fn, split_points,
-            concrete_args, loss_reduction, check_agreement))
+            concrete_args, loss_reduction, check_agreement, mesh, data_parallel, reshard_after_forward, mp_policy))
         self.config, self.device, self.loss_fn = built.config, built.device, loss_fn
         #: The traced model's stages (``split_points`` or a plan), else None (an nn.Sequential).
         self.traced: Optional[TracedSplit] = built.traced
@@ -298,7 +294,8 @@ class PipeDream:
             model_shapes=self._model_shapes, shared_parameters=self.shared_parameters,
             split_points=self.split_points, schedule_name=self.schedule_name,
             microbatches=self.microbatches, chunks=self.chunks, balance=self.balance,
-            replicas=self.replicas, asynchronous=self.asynchronous, checkpoint_group=self._groups.checkpoint)
+            replicas=self.replicas, asynchronous=self.asynchronous, checkpoint_group=self._groups.checkpoint,
+            data_parallel=self._runner.data_parallel and self._runner.data_parallel.plan.data_parallel)
 
     # -- module-like API ------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:

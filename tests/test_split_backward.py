@@ -199,3 +199,23 @@ def test_w_starts_at_the_frontier() -> None:
     assert state.num_frontier_nodes == 3
     state.weight_pass()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_w_finds_the_weights_its_graph_used() -> None:
+    """Weights not passed to I (FSDP2 runs the forward on unsharded copies of the
+    parameters the executor holds) still get their gradients in W, equal to a full
+    backward's, and the input gradient is unchanged."""
+    torch.manual_seed(5)
+    model = Chain()
+    x = torch.randn(3, 6, requires_grad=True)
+    (out,) = model(x)
+    g = torch.randn_like(out)
+    full_dx, *full_dw = torch.autograd.grad(out, [x, *model.parameters()], g, retain_graph=True)
+    state = _C.SplitBackward()
+    (dx,) = state.input_pass([out], [g], [x], [])
+    assert all(p.grad is None for p in model.parameters())  # I accumulates nothing
+    state.weight_pass()
+    assert torch.equal(dx, full_dx)
+    for p, expected in zip(model.parameters(), full_dw):
+        assert torch.equal(p.grad, expected)
+    assert x.grad is None  # the input is not a weight

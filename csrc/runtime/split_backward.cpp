@@ -3,6 +3,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 
 namespace pipedream {
 
+using torch::autograd::AccumulateGrad;
 using torch::autograd::Edge;
 using torch::autograd::edge_list;
 using torch::autograd::FunctionPreHook;
@@ -83,7 +85,9 @@ class EdgeCut {
 // Parents of every node reachable from the roots (the reverse of next_edges).
 using Parents = std::unordered_map<Node*, std::vector<NodePtr>>;
 
-Parents reverseGraph(const edge_list& roots) {
+// Fills `leaves` with the gradient accumulators of the leaves the graph reaches,
+// in the order found.
+Parents reverseGraph(const edge_list& roots, std::vector<NodePtr>& leaves) {
   Parents parents;
   std::unordered_set<Node*> seen;
   std::deque<NodePtr> queue;
@@ -94,6 +98,7 @@ Parents reverseGraph(const edge_list& roots) {
     NodePtr node = queue.front();
     queue.pop_front();
     parents.try_emplace(node.get());
+    if (dynamic_cast<AccumulateGrad*>(node.get()) != nullptr) leaves.push_back(node);
     for (const auto& next : node->next_edges()) {
       if (!next.function) continue;
       parents[next.function.get()].push_back(node);
@@ -138,7 +143,8 @@ std::vector<at::Tensor> SplitBackward::inputPass(const std::vector<at::Tensor>& 
     rootEdges.push_back(impl::gradient_edge(roots[k]));
     rootGrads.push_back(grads[k].defined() ? grads[k] : at::ones_like(roots[k]));
   }
-  const Parents parents = reverseGraph(rootEdges);
+  std::vector<NodePtr> leaves;
+  const Parents parents = reverseGraph(rootEdges, leaves);
   edge_list inputEdges;
   std::vector<size_t> inputIndex;
   std::vector<Node*> inputNodes;
@@ -169,6 +175,14 @@ std::vector<at::Tensor> SplitBackward::inputPass(const std::vector<at::Tensor>& 
     if (!accumulator || !parents.count(accumulator)) continue;  // unused by this microbatch
     state.weightEdges_.push_back(std::move(edge));
     if (branch.insert(accumulator).second) queue.push_back(accumulator);
+  }
+  // Every other leaf off the input path is a weight too: the graph may use other
+  // tensors than those given (FSDP2 runs the forward on unsharded copies of the
+  // parameters it registered), and a full backward accumulates into all of them.
+  for (const auto& leaf : leaves) {
+    if (inputPath.count(leaf.get()) || !branch.insert(leaf.get()).second) continue;
+    state.weightEdges_.emplace_back(leaf, 0);
+    queue.push_back(leaf.get());
   }
   while (!queue.empty()) {
     Node* node = queue.front();

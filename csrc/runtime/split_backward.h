@@ -49,6 +49,10 @@ class SplitBackward {
 
   // I: the gradients of `inputs` (undefined where an input needs none or gets
   // none), keeping the graph and the frontier gradients for weightPass().
+  // The weights are `weights` and every other leaf the graph reaches off the
+  // input path (as a full backward would accumulate into), so a forward that
+  // ran on other tensors than the registered parameters (FSDP2's unsharded
+  // copies) still gets its weight gradients.
   // `grads[k]` is the gradient of `roots[k]` (undefined: ones, for a scalar loss).
   static std::vector<at::Tensor> inputPass(const std::vector<at::Tensor>& roots,
                                            const std::vector<at::Tensor>& grads,

@@ -158,6 +158,7 @@ def load_checkpoint(path: PathLike, pipe: Pipeline,
     """
     directory = os.fspath(path)
     view = pipe.checkpoint_view
+    view.refuse_mesh("load_checkpoint()")
     dcp_save.finish_pending(view)
     if view.asynchronous:
         pipe.flush()

@@ -182,6 +182,7 @@ def load_state_dict(pipe: Pipeline, state_dict: Mapping[str, Any],
             arrive within the pipeline's timeout.
     """
     view = pipe.checkpoint_view
+    view.refuse_mesh("load_state_dict()")
     if view.asynchronous:
         pipe.flush()
     error: Optional[BaseException] = None

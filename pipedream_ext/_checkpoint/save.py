@@ -177,6 +177,7 @@ def save_checkpoint(path: PathLike, pipe: Pipeline, optimizer: Optional[torch.op
     directory = os.fspath(path)
     started = time.perf_counter()
     view = pipe.checkpoint_view
+    view.refuse_mesh("save_checkpoint()")
     dcp_save.finish_pending(view)
     if view.asynchronous:
         pipe.flush()

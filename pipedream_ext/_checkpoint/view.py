@@ -45,6 +45,8 @@ class PipelineView:
         asynchronous: whether the schedule updates weights asynchronously.
         checkpoint_group: the Gloo group over ``group``'s ranks that DCP checkpoints
             use (``None``: DCP checkpoints are refused).
+        data_parallel: ``"fsdp"`` or ``"replicate"`` over a mesh's ``dp`` dimension
+            (copies of every stage that checkpoints do not handle yet), else ``None``.
     """
 
     rank: int
@@ -66,6 +68,7 @@ class PipelineView:
     replicas: Tuple[int, ...]
     asynchronous: bool
     checkpoint_group: Optional[dist.ProcessGroup] = None
+    data_parallel: Optional[str] = None
 
     def __post_init__(self) -> None:
         # Frozen copies: the view cannot change the pipeline's own containers.
@@ -90,6 +93,19 @@ class PipelineView:
     def is_leader(self, stage: int) -> bool:
         """Whether this rank is ``stage``'s leader (replica 0), which writes its files."""
         return self.stage_ranks[stage][0] == self.rank
+
+    def refuse_mesh(self, call: str) -> None:
+        """Checkpoints know one copy of each stage; a mesh's dp ranks hold several
+        (or shards of one).
+
+        Raises:
+            ValueError: ``call`` on a pipeline built with ``mesh=``.
+        """
+        if self.data_parallel is not None:
+            raise ValueError(f"{call} does not support pipelines built with mesh= "
+                             f"(data_parallel={self.data_parallel!r}) yet: each dp rank holds "
+                             "a copy or a shard of its stage; save the unsplit weights with "
+                             "torch.distributed.checkpoint instead")
 
     def describe(self) -> Dict[str, Any]:
         """The pipeline's layout as the manifest records it (JSON)."""

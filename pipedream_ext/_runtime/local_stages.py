@@ -10,7 +10,7 @@ Index legend: ``j`` stage, ``l`` layer (child of the ``nn.Sequential``).
 from __future__ import annotations
 
 import collections
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -43,12 +43,16 @@ class LocalStages:
         init_seed: base seed of kept layers built on the meta device (``_materialize``).
         init_fn: their initialiser instead of ``reset_parameters()`` (``_materialize``).
         traced: the stage modules of a traced model (``partition.balance`` all ones).
+        after_layer: called with each kept layer once it has real tensors, before the
+            next one is materialised (``sharding.FsdpStages.shard_layer``: a rank then
+            never holds more than one whole layer).
     """
 
     def __init__(self, module: nn.Module, partition: Partition, indices: Sequence[int],
                  device: torch.device, init_seed: int = DEFAULT_INIT_SEED,
                  init_fn: Optional[InitFn] = None,
-                 traced: Optional[Sequence[nn.Module]] = None) -> None:
+                 traced: Optional[Sequence[nn.Module]] = None,
+                 after_layer: Optional[Callable[[nn.Module], None]] = None) -> None:
         self.partition = partition
         #: Stage indices of this rank, ascending.
         self.indices: List[int] = list(indices)
@@ -65,6 +69,8 @@ class LocalStages:
         memo: Memo = {}
         for l in sorted({l for j in indices for l in range(bounds[j], bounds[j + 1])}):
             materialize_layer(children[l][1], l, children[l][0], device, init_seed, init_fn, memo)
+            if after_layer is not None:
+                after_layer(children[l][1])
         #: Layer range ``[start, end)`` of each local stage.
         self.layers = {j: (bounds[j], bounds[j + 1]) for j in indices}
         self._modules = {

@@ -33,6 +33,7 @@ from .._dist.groups import PipelineGroups, p2p_protocol
 from .config import PipelineConfig
 from .local_stages import LocalStages
 from .observe import Observer
+from .sharding import DataParallel
 from .stage_call import (
     NonFiniteError,
     StageFunction,
@@ -92,12 +93,15 @@ class Runner:
         device: the stages' device.
         shared_gradients: sums the gradients of parameters shared by stages
             (flush schedules; ``None`` or empty: none).
+        data_parallel: data parallelism over a mesh's ``dp`` dimension (``None``: none);
+            the batch loss is then reduced over every rank.
     """
 
     def __init__(self, config: PipelineConfig, schedule: "schedules.Schedule",
                  stages: LocalStages, groups: PipelineGroups, stage_fn: StageFunction,
                  observer: Observer, device: torch.device,
-                 shared_gradients: Optional[SharedGradients] = None) -> None:
+                 shared_gradients: Optional[SharedGradients] = None,
+                 data_parallel: Optional[DataParallel] = None) -> None:
         self.config = config
         self.schedule = schedule
         self.stages = stages
@@ -106,6 +110,11 @@ class Runner:
         self.observer = observer
         self.device = device
         self.shared_gradients = shared_gradients
+        self.data_parallel = data_parallel
+        # The batch loss (and the end-of-step checks) over every pipeline of a mesh:
+        # the dp ranks' losses, divided to the global batch's mean.
+        self.step_group = groups.group if data_parallel is None else dist.group.WORLD
+        self.loss_divisor = 1 if data_parallel is None else data_parallel.loss_divisor
         self.num_stages = schedule.num_stages
         self.steps_run = 0  # steps run (flush) or admitted (asynchronous), for messages
         #: A traced model's named inputs, in the order the runner gets them (for messages).
@@ -240,6 +249,8 @@ class Runner:
                     result = self.stage_fn.take_eval_outputs(outputs)
                 except Exception as exc:  # noqa: BLE001 - reported to every rank
                     error = exc
+        if self.data_parallel is not None:
+            self.data_parallel.after_evaluation()
         self._agree_on_error(error, "forward_only()")
         return result
 
@@ -287,6 +298,12 @@ class FlushRunner(Runner):
         m = self.config.microbatches
         self._require(inputs, self.is_first, "inputs")
         self._require(targets, self.is_last, "targets")
+        if self.data_parallel is not None:
+            if self.is_first:
+                self.data_parallel.check_batch(inputs, m, "inputs")
+            if self.is_last:
+                self.data_parallel.check_batch(targets, m, "targets")
+            self.data_parallel.before_step()
         chunks = self._split(inputs, "inputs", m) if self.is_first else []
         if self.is_last:
             self.stage_fn.targets.clear()
@@ -296,6 +313,9 @@ class FlushRunner(Runner):
         scaler = self.stage_fn.grad_scaler
         loss_scale = float(scaler.get_scale()) if scaler is not None else 1.0
         losses = self.executor.run([list(c) for c in chunks])
+        if self.data_parallel is not None:
+            # Every stage's last backward ran: gradients synchronised over dp once.
+            self.data_parallel.after_step()
         if self.shared_gradients:
             # After the replicas' all-reduce inside run(), before the user's opt.step().
             try:
@@ -308,7 +328,7 @@ class FlushRunner(Runner):
         # Each last-stage replica holds the scaled losses of its microbatches. The sum
         # over ranks finishes in the background; reading the loss waits for it.
         local = sum(float(l) for l in losses if l is not None) / loss_scale if self.is_last else 0.0
-        return self._batch_loss(local)
+        return self._batch_loss(local / self.loss_divisor)
 
     def _batch_loss(self, local: float) -> Union[StepLoss, float]:
         """The batch's mean loss on every rank: ``local`` summed over the group.
@@ -325,13 +345,13 @@ class FlushRunner(Runner):
         if step < self.config.check_agreement or self.config.check_finite:
             try:
                 loss, failed = collectives.all_reduce([local, 1.0 if deferred else 0.0],
-                                                       self.groups.group)
+                                                       self.step_group)
             except RuntimeError as exc:  # Gloo names an address; say which rank and step
                 raise RuntimeError(f"{describe()} failed or timed out: {exc}") from exc
             if failed:
                 for t in self.stages.module.parameters():  # the zero loss's gradients: not the model's
                     t.grad = None
-                collectives.raise_if_any_failed(deferred, self.groups.group, self.config.timeout,
+                collectives.raise_if_any_failed(deferred, self.step_group, self.config.timeout,
                                                  f"step() number {step}")
             if self.config.check_finite and self._check_finite_step():
                 return float("nan")
@@ -340,7 +360,7 @@ class FlushRunner(Runner):
             for t in self.stages.module.parameters():
                 t.grad = None
             raise deferred
-        return self._loss_in_background(local, self.groups.group, describe)
+        return self._loss_in_background(local, self.step_group, describe)
 
     def flush(self) -> None:
         """Nothing to drain: every step ends flushed."""
@@ -360,10 +380,10 @@ class FlushRunner(Runner):
         backward = -1
         if self.stage_fn.grad_scaler is None:  # with loss scaling, overflows are the scaler's
             for j in self.stages:
-                if any(t.grad is not None and not bool(torch.isfinite(t.grad).all())
+                if any(t.grad is not None and not bool(torch.isfinite(_local(t.grad)).all())
                        for t in self.stages.parameters_of(j)):
                     backward = max(backward, j)
-        flags = collectives.all_reduce([-forward, backward], self.groups.group,
+        flags = collectives.all_reduce([-forward, backward], self.step_group,
                                         op=dist.ReduceOp.MAX, dtype=torch.int64)
         forward, backward = int(-flags[0]), int(flags[1])
         if forward == p and backward < 0:
@@ -491,6 +511,11 @@ class AsyncRunner(Runner):
         self._unflushed[0] = 0
         self.observer.retire(self.executor)
         self.executor = self._make_executor(self.schedule.lowered)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient (a sharded DTensor's local shard under FSDP)."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def make_runner(config: PipelineConfig, schedule: "schedules.Schedule",

@@ -180,6 +180,9 @@ class StageFunction:
         self.nonfinite_forward: Optional[int] = None
         #: The step being run, for messages.
         self.step_index = 0
+        #: ``before_forward(stage, microbatch, training)`` before each forward (a mesh's
+        #: data parallelism: whether FSDP reshards after it, ``sharding.FsdpStages``).
+        self.before_forward: Optional[Callable[[int, int, bool], None]] = None
 
     def __call__(self, stage: int, microbatch: int, inputs: List[torch.Tensor],
                  weights: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -187,6 +190,8 @@ class StageFunction:
         # in training is the recomputation before the backward.
         again = self.recompute and torch.is_grad_enabled() and not self.evaluating
         run = self._run_again if again else self._run
+        if self.before_forward is not None:
+            self.before_forward(stage, microbatch, not self.evaluating)
         if self.autocast is None:
             outputs = run(stage, microbatch, inputs, weights)
         else:

@@ -1,0 +1,406 @@
+"""Data parallelism inside pipeline stages: a ``("pp", "dp")`` DeviceMesh.
+
+Owns ``PipeDream(mesh=..., data_parallel=...)``: the mesh's ``pp`` dimension is the
+pipeline's group, its ``dp`` dimension runs one copy of the pipeline per rank, each
+on its own part of the batch.
+
+* ``data_parallel="fsdp"`` (:class:`FsdpStages`): FSDP2's ``fully_shard`` over
+  ``mesh["dp"]``, one unit per top-level layer with parameters and one root per
+  stage, applied while the stages are built (``LocalStages(after_layer=...)``), so a
+  meta-device layer is sharded right after it is materialised and before the
+  executor (or the split backward) ever sees a parameter.
+* ``data_parallel="replicate"`` (:class:`ReplicatedStages`): every rank keeps whole
+  stages; gradients are all-reduced over ``dp`` at the end of each step.
+
+Gradient synchronisation waits for each stage's last backward, as torch's
+``torch/distributed/pipelining/stage.py`` does: during the step every unit runs
+without gradient sync, without resharding after backward and not as the last
+backward (its post-backward only accumulates the unsharded gradient); after the
+executor's run, which ends with every stage's last ``B`` or ``W``, the flags are
+set and every parameter group's ``post_backward`` and the root's final callback run:
+one reduce-scatter per unit per step. With ``reshard_after_forward=True`` and a
+split-backward schedule, a forward is not resharded when the next backward action
+of its stage is a ``W`` (:func:`keep_unsharded_after`): ``W`` runs from saved
+activations without the pre-backward hook that would all-gather the weights again
+(the built-in schedules never need it: each ``W`` follows an ``I`` of its stage
+after the stage's last forward; it guards other action lists).
+docs/runtime.md ("Pipeline + FSDP") has the details.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._dist import collectives
+from .._dist.groups import checkpoint_group, side_group
+from .config import PipelineConfig
+from .local_stages import LocalStages
+from .stage_call import as_tuple
+
+__all__ = ["DATA_PARALLEL", "MeshPlan", "resolve_mesh", "check_schedule", "DataParallel",
+           "FsdpStages", "ReplicatedStages", "keep_unsharded_after", "make_data_parallel"]
+
+#: The values of ``data_parallel``.
+DATA_PARALLEL = ("fsdp", "replicate")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshPlan:
+    """What a ``("pp", "dp")`` mesh means for this rank.
+
+    Attributes:
+        mesh: the 2-D mesh.
+        data_parallel: ``"fsdp"`` or ``"replicate"``.
+        reshard_after_forward: FSDP's ``reshard_after_forward``.
+        mp_policy: FSDP's ``MixedPrecisionPolicy``, or ``None``.
+        pipelines: the global ranks of every pipeline (the pp group of each dp index).
+    """
+
+    mesh: Any
+    data_parallel: str
+    reshard_after_forward: bool
+    mp_policy: Any
+    pipelines: List[List[int]]
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.mesh["pp"].get_group()
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.mesh["dp"].get_group()
+
+    @property
+    def dp_size(self) -> int:
+        return int(self.mesh.shape[1])
+
+    def describe(self) -> Dict[str, Any]:
+        """The mesh's shape and the data-parallel settings, for the construction agreement."""
+        return {"mesh": [list(self.mesh.mesh_dim_names), list(self.mesh.shape)],
+                "data_parallel": self.data_parallel,
+                "reshard_after_forward": self.reshard_after_forward,
+                "mp_policy": repr(self.mp_policy)}
+
+    def create_side_groups(self, timeout: float) -> None:
+        """Every pipeline's Gloo side group and checkpoint group, created on every rank
+        in one order.
+
+        ``new_group`` is collective over the default group: each pipeline creating only
+        its own would pair different groups on different ranks.
+
+        Args:
+            timeout: seconds, for the checkpoint groups' operations.
+        """
+        for ranks in self.pipelines:
+            side_group(ranks)
+            checkpoint_group(ranks, timeout)
+
+
+def resolve_mesh(mesh: Any, data_parallel: str, process_group: Optional[dist.ProcessGroup],
+                 replicas: Optional[Sequence[int]], reshard_after_forward: bool,
+                 mp_policy: Any) -> Optional[MeshPlan]:
+    """Checks ``mesh`` and the data-parallel arguments (needs the default group).
+
+    Returns:
+        The mesh's meaning, or ``None`` without a mesh.
+
+    Raises:
+        ValueError: a bad ``data_parallel``; ``mp_policy`` or ``reshard_after_forward``
+            without a mesh; a mesh that is not 2-D ``("pp", "dp")`` over every rank;
+            ``replicas`` or ``process_group`` together with a mesh.
+    """
+    if data_parallel not in DATA_PARALLEL:
+        raise ValueError(f"data_parallel={data_parallel!r}; use 'fsdp' (FSDP2 over mesh['dp']) "
+                         "or 'replicate' (gradients all-reduced over mesh['dp'])")
+    if mesh is None:
+        if mp_policy is not None or reshard_after_forward:
+            raise ValueError("mp_policy and reshard_after_forward configure FSDP over a mesh's "
+                             "'dp' dimension: pass mesh=init_device_mesh(device_type, (pp, dp), "
+                             "mesh_dim_names=('pp', 'dp')), or drop them")
+        return None
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim != 2 or names != ("pp", "dp"):
+        raise ValueError(f"mesh has dimensions {names or mesh.ndim}; PipeDream takes a 2-D mesh "
+                         "init_device_mesh(device_type, (pp, dp), mesh_dim_names=('pp', 'dp'))")
+    if mesh.size() != dist.get_world_size():
+        raise ValueError(f"mesh spans {mesh.size()} ranks but the world has "
+                         f"{dist.get_world_size()}; build the mesh over every rank")
+    if replicas is not None:
+        raise ValueError(f"replicas={list(replicas)} and mesh= both ask for data parallelism; "
+                         "drop replicas (mesh['dp'] runs every stage on dp ranks) or drop mesh")
+    if process_group is not None:
+        raise ValueError("process_group= and mesh= both name the pipeline's ranks; drop "
+                         "process_group (the pipeline runs on mesh['pp'])")
+    pipelines = [[int(r) for r in mesh.mesh[:, d].tolist()] for d in range(mesh.shape[1])]
+    return MeshPlan(mesh, data_parallel, bool(reshard_after_forward), mp_policy, pipelines)
+
+
+def check_schedule(plan: MeshPlan, config: PipelineConfig, traced: bool, planned: bool) -> None:
+    """Refuses what data parallelism over a mesh does not support, naming it.
+
+    Raises:
+        ValueError: an asynchronous schedule; ``recompute`` or a traced model with
+            ``"fsdp"``; a plan (which sets replicas itself).
+    """
+    how = f"mesh= with data_parallel={plan.data_parallel!r}"
+    if config.asynchronous:
+        raise ValueError(f"schedule {config.schedule!r} updates weights inside the pipeline, "
+                         f"but {how} synchronises gradients at the end of a flushed step; use a "
+                         "flush schedule (gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv, dualpipev, "
+                         "interleaved-zb) or replicas= without a mesh")
+    if planned:
+        raise ValueError(f"balance='auto' or a plan chooses replicas itself, which {how} does "
+                         "not take; give layer counts (balance=[...]) or drop mesh")
+    if plan.data_parallel == "fsdp" and config.recompute:
+        raise ValueError("recompute=True with data_parallel='fsdp' is not supported (the "
+                         "recomputed forward would run FSDP's hooks a second time); drop "
+                         "recompute or use data_parallel='replicate'")
+    if plan.data_parallel == "fsdp" and traced:
+        raise ValueError("data_parallel='fsdp' shards an nn.Sequential's layers; a traced model "
+                         "(split_points) is not supported: use data_parallel='replicate' or an "
+                         "nn.Sequential")
+
+
+def refuse_shared(plan: Optional[MeshPlan], shared_names: Sequence[Sequence[str]]) -> None:
+    """Tied parameters across stages are not supported with a mesh.
+
+    Each pipeline would sum a tied weight's gradients over its own stages' ranks
+    with groups that every rank must create (``new_group``), and FSDP shards each
+    stage's copy on its own; rather than risk copies that drift, this is refused.
+
+    Raises:
+        ValueError: naming the first shared parameter.
+    """
+    if plan is None or not shared_names:
+        return
+    raise ValueError(f"parameter {' = '.join(shared_names[0])} is shared by layers on different "
+                     f"stages, which mesh= (data_parallel={plan.data_parallel!r}) does not "
+                     "support; put every layer using it on one stage with balance=[...], or "
+                     "untie it, or drop mesh")
+
+
+def keep_unsharded_after(actions: Sequence[Dict[str, Any]]) -> Set[Tuple[int, int]]:
+    """The forwards ``(stage, microbatch)`` after which the stage must stay unsharded.
+
+    Those whose stage's next backward action in the rank's list is a ``W``: ``W``
+    runs the weight branches from saved activations and fires no pre-backward hook,
+    so the weights a later forward resharded would not be gathered again.
+
+    Args:
+        actions: this rank's compute actions in order (``schedules.parse_action``).
+    """
+    keep: Set[Tuple[int, int]] = set()
+    for k, a in enumerate(actions):
+        if a["kind"] != "F":
+            continue
+        after = next((b["kind"] for b in actions[k + 1:]
+                      if b["stage"] == a["stage"] and b["kind"] in ("B", "I", "W")), None)
+        if after == "W":
+            keep.add((a["stage"], a["microbatch"]))
+    return keep
+
+
+class DataParallel:
+    """What a runner calls around each step (both modes).
+
+    Args:
+        plan: the mesh.
+        stages: this rank's stages.
+        loss_reduction: ``"mean"`` or ``"sum"`` (how dp ranks' losses and gradients add up).
+    """
+
+    def __init__(self, plan: MeshPlan, stages: LocalStages, loss_reduction: str) -> None:
+        self.plan = plan
+        self.stages = stages
+        self.loss_reduction = loss_reduction
+
+    @property
+    def loss_divisor(self) -> int:
+        """What the sum of the dp ranks' losses is divided by: the global batch's mean."""
+        return self.plan.dp_size if self.loss_reduction == "mean" else 1
+
+    def check_batch(self, value: Any, microbatches: int, what: str) -> None:
+        """Each dp rank's batch must split evenly into microbatches: the global mean
+        weights every dp rank alike.
+
+        Raises:
+            ValueError: naming the batch size and the fix.
+        """
+        rows = as_tuple(value)[0].shape[0]
+        if rows % microbatches:
+            raise ValueError(f"{what} of this data-parallel rank have batch size {rows}, which "
+                             f"does not split into microbatches={microbatches} equal parts; "
+                             "with mesh= every dp rank's batch must be a multiple of "
+                             f"microbatches (e.g. {max(1, rows // microbatches) * microbatches})")
+
+    @property
+    def after_layer(self) -> Optional[Callable[[nn.Module], None]]:
+        """What ``LocalStages`` calls on each layer it materialises (``None``: nothing)."""
+        return None
+
+    def attach(self, stages: LocalStages) -> None:
+        """Takes this rank's built stages; replicas start from dp rank 0's weights (as
+        DDP broadcasts rank 0's), one broadcast per tensor, once."""
+        self.stages = stages
+        for j in stages:
+            self._broadcast(stages[j])
+
+    def _broadcast(self, module: nn.Module) -> None:
+        with torch.no_grad():
+            for t in list(module.parameters()) + list(module.buffers()):
+                collectives.broadcast_data(t.detach(), 0, self.plan.dp_group)
+
+    def before_forward(self, stage: int, microbatch: int, training: bool) -> None:
+        """Called before each forward of a stage (StageFunction.before_forward)."""
+
+    def before_step(self) -> None:
+        """Called before the executor runs a step."""
+
+    def after_step(self) -> None:
+        """Called after the executor's run: gradients synchronised over dp."""
+
+    def after_evaluation(self) -> None:
+        """Called after ``forward_only``."""
+
+
+class FsdpStages(DataParallel):
+    """FSDP2 over ``mesh["dp"]``: each top-level layer with parameters a unit, each
+    stage a root; gradient sync deferred to the end of the step.
+
+    Args:
+        keep_unsharded: :func:`keep_unsharded_after` of this rank's list.
+        (the rest as :class:`DataParallel`)
+    """
+
+    def __init__(self, plan: MeshPlan, stages: Optional[LocalStages], loss_reduction: str,
+                 keep_unsharded: Set[Tuple[int, int]]) -> None:
+        super().__init__(plan, stages, loss_reduction)  # type: ignore[arg-type]
+        self.keep_unsharded = keep_unsharded
+        self.units = 0
+
+    def _shard(self, module: nn.Module) -> Any:
+        # torch's fully_shard: imported at call time so that torch.distributed.fsdp (and
+        # its import cost) is only paid by pipelines that shard.
+        from torch.distributed.fsdp import fully_shard  # noqa: PLC0415 - optional, see above
+
+        kwargs: Dict[str, Any] = {"mesh": self.plan.mesh["dp"],
+                                  "reshard_after_forward": self.plan.reshard_after_forward}
+        if self.plan.mp_policy is not None:
+            kwargs["mp_policy"] = self.plan.mp_policy
+        sharded = fully_shard(module, **kwargs)
+        if self.loss_reduction == "sum":  # dp ranks' gradients add up, as their losses do
+            sharded.set_gradient_divide_factor(1.0)
+            # A plain SUM (then a division by 1): Gloo has no PREMUL_SUM.
+            sharded.set_force_sum_reduction_for_comms(True)
+        return sharded
+
+    @property
+    def after_layer(self) -> Optional[Callable[[nn.Module], None]]:
+        return self.shard_layer
+
+    def shard_layer(self, layer: nn.Module) -> None:
+        """Shards one top-level layer (``LocalStages(after_layer=...)``) right after it
+        is materialised, before the next one is, from dp rank 0's values."""
+        self._broadcast(layer)
+        if any(True for _ in layer.parameters()):
+            self._shard(layer)
+            self.units += 1
+
+    def attach(self, stages: LocalStages) -> None:
+        """Makes each stage module an FSDP root over its sharded layers."""
+        self.stages = stages
+        for j in stages:
+            self._shard(stages[j])
+            stages[j].set_reshard_after_forward(self.plan.reshard_after_forward)
+
+    def _roots(self) -> List[Any]:
+        return [self.stages[j] for j in self.stages]
+
+    def before_forward(self, stage: int, microbatch: int, training: bool) -> None:
+        if not self.plan.reshard_after_forward:
+            return
+        keep = training and (stage, microbatch) in self.keep_unsharded
+        self.stages[stage].set_reshard_after_forward(not keep)
+
+    def before_step(self) -> None:
+        for root in self._roots():
+            root.set_is_last_backward(False)
+            root.set_reshard_after_backward(False)
+            root.set_requires_gradient_sync(False)
+
+    def after_step(self) -> None:
+        """Every stage's last backward ran: one reduce-scatter per unit, as
+        ``_PipelineStageBase.perform_reduce_grad`` does in torch."""
+        from torch.distributed.fsdp import fully_shard  # noqa: PLC0415 - optional, see _shard
+
+        for root in self._roots():
+            root.set_is_last_backward(True)
+            root.set_reshard_after_backward(True)
+            root.set_requires_gradient_sync(True)
+            # torch offers no public call for this: stage.py's perform_reduce_grad makes
+            # the same private ones (each unit's post-backward, then the root's final
+            # callback, which waits on the reductions).
+            state = fully_shard.state(root)
+            for unit in state._state_ctx.all_states:  # noqa: SLF001 - see above
+                for group in _param_groups(unit):
+                    group.post_backward()
+            state._root_post_backward_final_callback()  # noqa: SLF001 - see above
+
+    def after_evaluation(self) -> None:
+        for root in self._roots():
+            root.reshard()
+
+
+def _param_groups(state: Any) -> List[Any]:
+    """An FSDP state's parameter groups (a list since torch 2.10, one group before)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
+
+
+class ReplicatedStages(DataParallel):
+    """Whole stages on every dp rank; gradients all-reduced over ``dp`` after each step
+    (averaged for ``loss_reduction="mean"``, summed for ``"sum"``), one flat
+    all-reduce per stage."""
+
+    def after_step(self) -> None:
+        group = self.plan.dp_group
+        for j in self.stages:
+            params = [p for p in self.stages.parameters_of(j) if p.requires_grad]
+            if not params:
+                continue
+            with torch.no_grad():
+                for p in params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                flat = torch.cat([p.grad.reshape(-1) for p in params])
+                collectives.all_reduce_data(flat, group)
+                if self.loss_reduction == "mean":
+                    flat /= self.plan.dp_size
+                offset = 0
+                for p in params:
+                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                    offset += p.numel()
+
+
+def make_data_parallel(plan: Optional[MeshPlan], loss_reduction: str,
+                       actions: Callable[[], Sequence[Dict[str, Any]]]
+                       ) -> Optional[DataParallel]:
+    """The data-parallel policy of ``plan`` before the stages exist (FSDP shards them
+    as they are built), or ``None`` without a mesh.
+
+    Args:
+        actions: this rank's compute actions (for :func:`keep_unsharded_after`).
+    """
+    if plan is None:
+        return None
+    if plan.data_parallel == "fsdp":
+        keep = keep_unsharded_after(actions()) if plan.reshard_after_forward else set()
+        return FsdpStages(plan, None, loss_reduction, keep)
+    return ReplicatedStages(plan, None, loss_reduction)  # type: ignore[arg-type]

@@ -1,0 +1,280 @@
+"""Pipeline + FSDP2 (2D): ``PipeDream(mesh=("pp", "dp"), data_parallel="fsdp"|"replicate")``.
+
+Runs under pytest, which launches the worker side with torchrun on 4 ranks, or
+standalone (``FSDP_CASES`` picks the configurations: ``fast`` or ``full``):
+
+    FSDP_CASES=full torchrun --standalone --nproc-per-node 4 tests/test_fsdp.py
+
+Every configuration trains the pipeline, each dp rank on its part of the global batch,
+next to the unsplit model trained on the whole global batch, and compares every step's
+loss and every weight (the sharded ones gathered) after SGD-momentum or AdamW steps;
+with ``"fsdp"`` it also counts the reduce-scatters (one per FSDP unit per step: the
+gradient sync waits for each stage's last backward). One launch runs many
+configurations (a worker loops over them).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable, Dict, List, NamedTuple
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
+
+RTOL, ATOL = 1e-5, 1e-6
+MARKER = "ALL FSDP CHECKS PASSED"
+HERE = os.path.abspath(__file__)
+WIDTH, CLASSES, LAYERS, BATCH, STEPS = 8, 4, 8, 16, 3
+CASES_ENV = "FSDP_CASES"
+
+OPTIMIZERS: Dict[str, Callable] = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01),
+}
+
+
+class Case(NamedTuple):
+    schedule: str
+    pp: int
+    dp: int
+    optimizer: str = "adamw"
+    data_parallel: str = "fsdp"
+    reshard_after_forward: bool = False
+    meta: bool = False
+    loss_reduction: str = "mean"
+    mixed_precision: bool = False
+
+
+# --------------------------------------------------------------------------- the model
+class Scaled(nn.Module):
+    """``x @ (weight * scale).T``: the weight's gradient reads ``scale``, so a W pass on
+    resharded (freed) parameters would read freed memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(WIDTH, WIDTH))
+        self.scale = nn.Parameter(torch.empty(WIDTH, 1))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.3)
+        nn.init.uniform_(self.scale, 0.5, 1.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ (self.weight * self.scale).T
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    """LAYERS layers: Linear+Tanh blocks (one a Scaled+Tanh), a ReLU (no parameters), a head."""
+    torch.manual_seed(seed)
+    blocks: List[nn.Module] = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+                               for _ in range(LAYERS - 2)]
+    blocks[3] = nn.Sequential(Scaled(), nn.Tanh())
+    blocks.insert(2, nn.ReLU())
+    return nn.Sequential(*blocks, nn.Linear(WIDTH, CLASSES))
+
+
+def global_batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(BATCH, WIDTH, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g)
+
+
+def sum_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, y, reduction="sum")
+
+
+class ReduceScatterCounter:
+    """Counts FSDP2's gradient reductions: calls of ``torch.distributed.reduce_scatter_single``
+    (what torch 2.13's FSDP calls) and ``reduce_scatter_tensor`` (earlier versions)."""
+
+    NAMES = ("reduce_scatter_single", "reduce_scatter_tensor")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._originals = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
+
+    def __enter__(self) -> "ReduceScatterCounter":
+        for name, original in self._originals.items():
+            setattr(dist, name, self._counted(original))
+        return self
+
+    def _counted(self, original: Callable) -> Callable:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return original(*args, **kwargs)
+        return counted
+
+    def __exit__(self, *_: Any) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A weight gathered over dp (a sharded DTensor), else itself. Collective on dp."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+# --------------------------------------------------------------------------- one configuration
+def build(case: Case, mesh: Any):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import pipedream_ext as pd
+
+    chunks = 2 if pd.schedules.traits(case.schedule).multi_chunk else 1
+    microbatches = 2 * case.pp if case.schedule == "dualpipev" else 4
+    if case.meta:
+        with torch.device("meta"):
+            model = mlp()
+        with torch.device("meta"):
+            ref = mlp()
+        pd.materialize(ref, seed=0)
+    else:
+        model, ref = mlp(), mlp()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if case.mixed_precision else None
+    loss_fn = sum_loss if case.loss_reduction == "sum" else F.cross_entropy
+    pipe = pd.PipeDream(model, loss_fn, schedule=case.schedule, microbatches=microbatches,
+                        chunks=chunks, timeout=60, loss_reduction=case.loss_reduction,
+                        mesh=mesh, data_parallel=case.data_parallel,
+                        reshard_after_forward=case.reshard_after_forward, mp_policy=policy)
+    return pipe, ref, loss_fn
+
+
+def check_case(case: Case) -> None:
+    """STEPS steps of the 2D pipeline equal the unsplit model on the global batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (case.pp, case.dp), mesh_dim_names=("pp", "dp"))
+    pipe, ref, loss_fn = build(case, mesh)
+    dp_rank, rows = mesh["dp"].get_local_rank(), BATCH // case.dp
+    params = list(pipe.parameters())  # a stage of one ReLU has none (torch refuses that)
+    opt = OPTIMIZERS[case.optimizer](params) if params else None
+    ref_opt = OPTIMIZERS[case.optimizer](ref.parameters())
+    rtol, atol = (2e-2, 2e-2) if case.mixed_precision else (RTOL, ATOL)
+    with ReduceScatterCounter() as counter:
+        for step in range(STEPS):
+            x, y = global_batch(100 + step)
+            ref_loss = loss_fn(ref(x), y)
+            ref_loss.backward()
+            part = slice(dp_rank * rows, (dp_rank + 1) * rows)
+            loss = float(pipe.step(x[part] if pipe.is_first else None,
+                                   y[part] if pipe.is_last else None))
+            assert abs(loss - ref_loss.item()) <= rtol * max(1.0, abs(ref_loss.item())), \
+                f"{case} step {step}: loss {loss} != {ref_loss.item()}"
+            ref_opt.step(); ref_opt.zero_grad()
+            if opt is not None:
+                opt.step(); opt.zero_grad()
+    ref_params = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(full(p.detach()).float(), ref_params[name].detach(),
+                                   rtol=rtol, atol=atol, msg=lambda m: f"{case} weight {name}: {m}")
+    if case.data_parallel == "fsdp" and case.dp > 1:
+        # One FSDP unit per layer with parameters on this rank.
+        units = sum(1 for start, stop in pipe.stage_layers.values() for layer in range(start, stop)
+                    if any(True for _ in ref[layer].parameters()))
+        assert counter.count == units * STEPS, \
+            f"{case}: {counter.count} reduce-scatters in {STEPS} steps, expected {units * STEPS}"
+
+
+FLUSH = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev", "interleaved-zb"]
+
+
+def cases(kind: str) -> List[Case]:
+    if kind == "fast":
+        return [Case("zb-h1", 2, 2)]
+    full_cases = [Case(s, 2, 2, opt, reshard_after_forward=r)
+                  for s in FLUSH for opt in OPTIMIZERS for r in (False, True)]
+    full_cases += [Case(s, 2, 2, "adamw", "replicate") for s in ("1f1b", "zb-h1", "zbv")]
+    full_cases += [Case(s, 1, 4) for s in ("1f1b", "zb-h1")]
+    full_cases += [Case(s, 4, 1) for s in ("1f1b", "zb-h1", "zbv")]
+    full_cases += [Case("zb-h1", 2, 2, meta=True), Case("zbv", 2, 2, meta=True,
+                                                        reshard_after_forward=True),
+                   Case("zb-h1", 2, 2, "sgd", loss_reduction="sum"),
+                   Case("1f1b", 2, 2, "sgd", "replicate", loss_reduction="sum"),
+                   Case("zb-h1", 2, 2, "sgd", mixed_precision=True)]
+    return full_cases
+
+
+# --------------------------------------------------------------------------- refusals
+def tied_mlp() -> nn.Sequential:
+    """mlp() with the last block's Linear tied to the first's (stages 0 and 1 on pp 2)."""
+    model = mlp()
+    model[LAYERS - 2][0].weight = model[0][0].weight
+    return model
+
+
+def check_refusals() -> None:
+    """What a mesh does not take is refused on every rank, naming the value and the fix."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pipedream_ext as pd
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    flat = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    x, y = global_batch(0)
+    refused = [
+        ("schedule 'pipedream' updates weights inside the pipeline, but mesh=",
+         mlp, dict(schedule="pipedream")),
+        ("schedule 'pipedream-2bw' updates weights inside the pipeline, but mesh=",
+         mlp, dict(schedule="pipedream-2bw")),
+        (r"replicas=\[1, 1\] and mesh= both ask for data parallelism; drop replicas",
+         mlp, dict(replicas=[1, 1])),
+        ("process_group= and mesh= both name the pipeline's ranks",
+         mlp, dict(process_group=dist.group.WORLD)),
+        ("data_parallel='ddp'; use 'fsdp'", mlp, dict(data_parallel="ddp")),
+        ("recompute=True with data_parallel='fsdp' is not supported", mlp, dict(recompute=True)),
+        (r"mesh has dimensions \('dp',\); PipeDream takes a 2-D mesh", mlp, dict(mesh=flat)),
+        ("is shared by layers on different stages, which mesh=", tied_mlp, {}),
+        ("a traced model \\(split_points\\) is not supported", mlp,
+         dict(split_points=["4"], sample=(x, y))),
+    ]
+    for match, make, kwargs in refused:
+        kwargs = {"mesh": mesh, **kwargs}
+        with pytest.raises(ValueError, match=match):
+            pd.PipeDream(make(), F.cross_entropy, microbatches=4, timeout=60, **kwargs)
+    with pytest.raises(ValueError, match="mp_policy and reshard_after_forward configure FSDP"):
+        pd.PipeDream(mlp(), F.cross_entropy, reshard_after_forward=True, timeout=60)
+    pipe = pd.PipeDream(mlp(), F.cross_entropy, schedule="1f1b", microbatches=4, mesh=mesh,
+                        timeout=60)
+    with pytest.raises(ValueError, match="batch size 6, which does not split into "
+                                         "microbatches=4"):
+        pipe.step(x[:6] if pipe.is_first else None, y[:6] if pipe.is_last else None)
+    with pytest.raises(ValueError, match=r"save_checkpoint\(\) does not support pipelines built "
+                                         "with mesh="):
+        pd.save_checkpoint(os.path.join(os.environ.get("TMPDIR", "/tmp"), "fsdp-ckpt"), pipe)
+
+
+def run_checks() -> None:
+    kind = os.environ.get(CASES_ENV, "fast")
+    if kind == "fast":
+        check_refusals()
+    for case in cases(kind):
+        if dist.get_rank() == 0:
+            print(f"case {case}", flush=True)
+        check_case(case)
+
+
+def test_fsdp_representative_case_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """zb-h1, pp 2 x dp 2, AdamW: losses, weights and one reduce-scatter per unit per
+    step; and every refusal of a mesh (one launch)."""
+    monkeypatch.setenv(CASES_ENV, "fast")
+    assert_every_rank_passed(launch_torchrun(HERE, 4), 4, MARKER)
+
+
+@pytest.mark.slow
+def test_every_flush_schedule_with_fsdp_and_replicate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every flush schedule x SGD-momentum / AdamW x both reshard settings (fsdp, pp 2 x
+    dp 2), replicate, pp 1 x dp 4, pp 4 x dp 1, meta-device models, loss_reduction="sum",
+    bf16 parameters with fp32 reduction."""
+    monkeypatch.setenv(CASES_ENV, "full")
+    assert_every_rank_passed(launch_torchrun(HERE, 4, timeout=1800), 4, MARKER)
+
+
+if __name__ == "__main__":
+    worker_main(run_checks, MARKER)
