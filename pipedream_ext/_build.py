@@ -92,6 +92,7 @@ class PipelineArguments:
     concrete_args: Optional[Mapping[str, Any]] = None
     loss_reduction: str = "mean"
     check_agreement: int = 3
+    clip_grad_norm: Optional[Union[float, Tuple[float, float]]] = None
 
     def checked_config(self) -> PipelineConfig:
         """The arguments that need no process group, checked (``PipelineConfig.checked``).
@@ -102,7 +103,7 @@ class PipelineArguments:
         return PipelineConfig.checked(self.schedule, self.microbatches, self.chunks,
                                       self.timeout, self.vertical_sync, self.recompute,
                                       self.autocast, self.check_finite, self.loss_reduction,
-                                      self.check_agreement)
+                                      self.check_agreement, self.clip_grad_norm)
 
 
 @dataclasses.dataclass
@@ -163,6 +164,7 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     group = args.process_group if args.process_group is not None else dist.group.WORLD
     cut = cut_model(args, prepared, config, group)
     _refuse_shared_if_asynchronous(config, cut.shared_parameters)
+    _refuse_uneven_clipping(config, cut.partition)
     cut.traced = _agree_everywhere(args.module, group, config, cut,
                                    prepared.init_seed if prepared.deferred else None)
     action_feed, schedule = _build_schedule(config, cut.partition)
@@ -495,6 +497,25 @@ def _refuse_shared_if_asynchronous(config: PipelineConfig,
         "on one stage with balance=...")
 
 
+def _refuse_uneven_clipping(config: PipelineConfig, partition: Partition) -> None:
+    """Clipping by the global norm inside an asynchronous pipeline needs every rank's
+    k-th update to be over the same minibatches (one all-reduce per update).
+
+    Raises:
+        ValueError: ``clip_grad_norm`` with ``pipedream`` and unequal replica counts
+            (a stage with r replicas updates once per r minibatches).
+    """
+    replicas = list(partition.replicas)
+    if config.clip_grad_norm is None or config.traits.update_rule != "per_minibatch" or \
+            len(set(replicas)) == 1:
+        return
+    raise ValueError(
+        f"clip_grad_norm with schedule {config.schedule!r} and replicas {replicas}: a stage with r "
+        "replicas updates once per r minibatches, so the stages' updates cover different "
+        "minibatches and have no common gradient norm; give every stage the same replica count, "
+        "or use schedule='pipedream-2bw' (every stage updates once per batch)")
+
+
 def _agree_everywhere(module: nn.Module, group: dist.ProcessGroup, config: PipelineConfig,
                       cut: CutModel, init_seed: Optional[int]) -> Optional[TracedSplit]:
     """Fails on every rank if ranks disagree on the arguments or on what any stage
@@ -522,6 +543,7 @@ def _agree_everywhere(module: nn.Module, group: dist.ProcessGroup, config: Pipel
         "vertical_sync": config.vertical_sync, "recompute": config.recompute,
         "autocast": str(config.autocast), "check_finite": config.check_finite,
         "loss_reduction": config.loss_reduction, "check_agreement": config.check_agreement,
+        "clip_grad_norm": None if config.clip_grad_norm is None else list(config.clip_grad_norm),
         "tracer": None if traced is None else traced.tracer,
         "input names": None if traced is None else traced.input_names}
     if init_seed is not None:

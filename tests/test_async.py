@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import copy
 import os
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
@@ -56,11 +56,14 @@ def split_stages(model: nn.Sequential, balance: Sequence[int]) -> List[nn.Sequen
 
 def simulate(rule: Callable[[int, int, int], int], p: int, streams: Sequence[int],
              make_opt: Callable, microbatches_per_step: int = 1, replicas: Sequence[int] = (),
+             clip: Optional[Tuple[float, float]] = None,
              ) -> Tuple[Dict[str, torch.Tensor], List[float]]:
     """Sequential reference. ``rule(stage, b, p)`` is the version stage reads for step b
     (of its stream); every step's gradient produces the next version of every stage, or,
     for a stage with r replicas, every r steps the average of their r gradients (replica
-    b mod r runs step b; all replicas apply the same averaged update).
+    b mod r runs step b; all replicas apply the same averaged update). ``clip=(max_norm,
+    norm_type)``: before the updates, torch's ``clip_grad_norm_`` over every updating
+    stage's gradients (every stage updates together: clipping needs equal replica counts).
 
     Returns the final weights (original names) and the loss of every step.
     """
@@ -87,7 +90,13 @@ def simulate(rule: Callable[[int, int, int], int], p: int, streams: Sequence[int
                 for n, t in st.named_parameters():
                     g = versions[s][n].grad / replicas[s]
                     t.grad = g.clone() if t.grad is None else t.grad + g
-                if (b + 1) % replicas[s] == 0:  # a round of the stage's replicas is complete
+            updating = [s for s in range(p) if (b + 1) % replicas[s] == 0]  # rounds complete
+            if clip is not None and updating:
+                assert len(updating) == p, "clipping needs every stage to update together"
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), *clip)
+                assert norm > clip[0], f"max_norm {clip[0]} does not clip (norm {norm})"
+            for s, st in enumerate(stages):
+                if s in updating:
                     opts[s].step()
                     opts[s].zero_grad()
                     history[s].append({n: t.detach().clone() for n, t in st.named_parameters()})
@@ -117,7 +126,7 @@ OPTIMIZERS = {
 
 
 def check(kind: str, opt_name: str, streams: Sequence[int] = (10, 4), recompute: bool = False,
-          replicas: Sequence[int] = ()) -> None:
+          replicas: Sequence[int] = (), clip: Optional[Tuple[float, float]] = None) -> None:
     import pipedream_ext as pd
 
     p = len(replicas) if replicas else dist.get_world_size()
@@ -126,11 +135,12 @@ def check(kind: str, opt_name: str, streams: Sequence[int] = (10, 4), recompute:
     # 2bw: batches of m = 4 microbatches of 8; pipedream: microbatches only split forward_only.
     pipe = pd.PipeDream(make_model(), F.cross_entropy, schedule=schedule, microbatches=max(m, 2),
                         vertical_sync=kind == "vertical", timeout=60, recompute=recompute,
-                        replicas=list(replicas) or None)
+                        replicas=list(replicas) or None, clip_grad_norm=clip)
     opt = OPTIMIZERS[opt_name](pipe.parameters())
     rule = replicated_rule(replicas) if replicas and kind == "pipedream" else RULES[kind]
     expected, expected_losses = simulate(rule, p, streams, OPTIMIZERS[opt_name],
-                                         microbatches_per_step=m, replicas=replicas if kind == "pipedream" else ())
+                                         microbatches_per_step=m, replicas=replicas if kind == "pipedream" else (),
+                                         clip=clip)
     step = 0
     for length in streams:
         for _ in range(length):
@@ -212,6 +222,9 @@ def run_all_checks() -> None:
     for kind in ("pipedream", "vertical", "pipedream-2bw"):
         for opt_name in ("sgd", "adam"):
             check(kind, opt_name)
+    # clip_grad_norm=: every update's gradients clipped by the whole model's norm (every step clips).
+    check("pipedream-2bw", "sgd", clip=(0.05, 2.0))
+    check("pipedream", "adam", clip=(0.05, float("inf")))
     # Recomputed activations give the same weights as stashed ones.
     check("pipedream", "adam", recompute=True)
     check("pipedream-2bw", "sgd", recompute=True)
@@ -220,6 +233,9 @@ def run_all_checks() -> None:
         check("pipedream", "sgd", replicas=layout)
         check("pipedream", "adam", replicas=layout)
         check("pipedream-2bw", "sgd", replicas=layout)
+        check("pipedream-2bw", "adam", replicas=layout, clip=(0.05, 2.0))
+    if dist.get_world_size() == 4:
+        check("pipedream", "sgd", replicas=[2, 2], clip=(0.05, 2.0))
 
 
 # `make test` runs 3 and 4 ranks on the stricter nccl_rules backend (tests/test_nccl_rules.py:
