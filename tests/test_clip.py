@@ -162,8 +162,9 @@ def check_dtensor_gradients() -> None:
     module = nn.Module()
     module.a = nn.Parameter(distribute_tensor(torch.zeros(2 * world, 3), mesh, [Shard(0)]))
     module.b = nn.Parameter(distribute_tensor(torch.zeros(4), mesh, [Replicate()]))
-    module.a.grad = distribute_tensor(full_sharded, mesh, [Shard(0)])
-    module.b.grad = distribute_tensor(full_replicated, mesh, [Replicate()])
+    # Clones: distribute_tensor may keep the given tensor as the local one, which clipping scales.
+    module.a.grad = distribute_tensor(full_sharded.clone(), mesh, [Shard(0)])
+    module.b.grad = distribute_tensor(full_replicated.clone(), mesh, [Replicate()])
 
     class Stages:  # LocalStages' surface the clipper reads: no plain parameters here
         def __init__(self) -> None:
