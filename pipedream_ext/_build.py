@@ -51,6 +51,7 @@ from ._planning.graph_profile import (
 )
 from ._planning.startup import auto_plan, check_plan_world, partition_from_plan
 from ._runtime.config import PipelineConfig
+from ._runtime.grad_clip import check_updates_aligned
 from ._runtime.local_stages import LocalStages
 from ._runtime.observe import Observer
 from ._runtime.runners import Runner, make_runner
@@ -164,10 +165,12 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     group = args.process_group if args.process_group is not None else dist.group.WORLD
     cut = cut_model(args, prepared, config, group)
     _refuse_shared_if_asynchronous(config, cut.shared_parameters)
-    _refuse_uneven_clipping(config, cut.partition)
     cut.traced = _agree_everywhere(args.module, group, config, cut,
                                    prepared.init_seed if prepared.deferred else None)
     action_feed, schedule = _build_schedule(config, cut.partition)
+    if config.clip_grad_norm is not None:
+        check_updates_aligned(action_feed, config.schedule, config.microbatches,
+                              list(cut.partition.replicas))
     stage_ranks = [schedule.stage_ranks(j) for j in range(schedule.num_stages)]
     groups = PipelineGroups.create(group, stage_ranks, config.timeout)
     stages = _local_stages(args, prepared, cut, schedule.stages_of_rank(groups.rank), device,
@@ -495,25 +498,6 @@ def _refuse_shared_if_asynchronous(config: PipelineConfig,
         "different times, so its copies would drift apart; shared parameters need a flush "
         f"schedule ({', '.join(schedules.synchronous_names())}), or put every layer using it "
         "on one stage with balance=...")
-
-
-def _refuse_uneven_clipping(config: PipelineConfig, partition: Partition) -> None:
-    """Clipping by the global norm inside an asynchronous pipeline needs every rank's
-    k-th update to be over the same minibatches (one all-reduce per update).
-
-    Raises:
-        ValueError: ``clip_grad_norm`` with ``pipedream`` and unequal replica counts
-            (a stage with r replicas updates once per r minibatches).
-    """
-    replicas = list(partition.replicas)
-    if config.clip_grad_norm is None or config.traits.update_rule != "per_minibatch" or \
-            len(set(replicas)) == 1:
-        return
-    raise ValueError(
-        f"clip_grad_norm with schedule {config.schedule!r} and replicas {replicas}: a stage with r "
-        "replicas updates once per r minibatches, so the stages' updates cover different "
-        "minibatches and have no common gradient norm; give every stage the same replica count, "
-        "or use schedule='pipedream-2bw' (every stage updates once per batch)")
 
 
 def _agree_everywhere(module: nn.Module, group: dist.ProcessGroup, config: PipelineConfig,

@@ -153,10 +153,11 @@ ROWS: List[Tuple[str, str, str, str]] = [
      r"schedule 'pipedream-2bw' steps the optimizer inside the pipeline, after pd\.clip_grad_norm_ could "
      r"run; clip there instead: PipeDream\(\.\.\., clip_grad_norm=1\.0\)",
      "tests/test_clip.py::test_clip_grad_norm_matches_torch_on_the_unsplit_model"),
-    ("clip-option-replicas", "`clip_grad_norm=` with `pipedream` and `replicas=[2, 1]`",
-     r"clip_grad_norm with schedule 'pipedream' and replicas \[2, 1\]: a stage with r replicas updates "
-     r"once per r minibatches",
-     "tests/test_clip.py::test_clip_grad_norm_on_more_schedules_and_ranks"),
+    ("clip-option-steps", "`clip_grad_norm=` with `pipedream` (or `pipedream-2bw` with fewer microbatches "
+     "than ranks)",
+     r"clip_grad_norm with schedule 'pipedream', microbatches=2 and replicas \[1, 1\]: the ranks make "
+     r"their k-th weight update in different step\(\) calls",
+     "tests/test_clip.py::test_clip_grad_norm_matches_torch_on_the_unsplit_model"),
     ("shared-async", "a parameter shared by stages (tied weights) with `pipedream` or `pipedream-2bw`",
      r"parameter 0\.weight and 4\.weight \(stages 0 and 1\) is shared by layers on different stages, "
      r"but schedule 'pipedream(-2bw)?' .* need a flush schedule \(gpipe, 1f1b, interleaved-1f1b, zb-h1, "

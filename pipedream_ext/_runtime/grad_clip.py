@@ -40,10 +40,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import _C
 from .._dist import collectives
 from .local_stages import LocalStages
 
-__all__ = ["GradientClipper", "check_max_norm", "check_norm_type", "parse_clip_option"]
+__all__ = ["GradientClipper", "check_max_norm", "check_norm_type", "check_updates_aligned",
+           "parse_clip_option"]
 
 # Gradient dtypes the all-reduce flags (the norm takes their promotion).
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -96,6 +98,36 @@ def parse_clip_option(value: Any) -> Optional[Tuple[float, float]]:
         return (check_max_norm(value[0], "clip_grad_norm max_norm"),
                 check_norm_type(value[1], "clip_grad_norm norm_type"))
     return check_max_norm(value, "clip_grad_norm"), 2.0
+
+
+def check_updates_aligned(feed: Any, schedule: str, microbatches: int,
+                          replicas: Sequence[int]) -> None:
+    """``clip_grad_norm=`` in an asynchronous pipeline: every rank's k-th update must
+    run inside the same ``step()`` call, since the k-th updates of all ranks meet in one
+    all-reduce. Otherwise the last stage's ``step()`` would wait inside an update for a
+    later ``step()`` of stage 0, and any exchange between the two calls (the first
+    steps' agreement check, a collective of the user's loop) would deadlock.
+
+    Args:
+        feed: the schedule's ``_C.AsyncActionFeed``.
+        schedule, microbatches, replicas: for the message.
+
+    Raises:
+        ValueError: ranks whose updates fall in different ``step()`` calls (``pipedream``
+            with more than one rank, ``pipedream-2bw`` with fewer microbatches than ranks).
+    """
+    world = sum(replicas)
+    steps = 2 * world + 2 * int(feed.period) + 2  # the fill, then whole periods
+    per_rank = {tuple(sum(a.kind == _C.ActionKind.UPDATE for a in feed.step_actions(r, t))
+                      for t in range(steps)) for r in range(world)}
+    if len(per_rank) == 1:
+        return
+    raise ValueError(
+        f"clip_grad_norm with schedule {schedule!r}, microbatches={microbatches} and replicas "
+        f"{list(replicas)}: the ranks make their k-th weight update in different step() calls "
+        "(the last stage first), but clipping by the whole model's norm joins every rank's k-th "
+        "update in one all-reduce; use schedule='pipedream-2bw' with microbatches >= the number "
+        f"of ranks ({world}), or a flush schedule and pd.clip_grad_norm_")
 
 
 def _is_dtensor(grad: torch.Tensor) -> bool:
