@@ -189,8 +189,8 @@ class PipeDream:
             different calls, or a first and a last stage given different batches (a
             ``DistributedSampler`` kept from a DDP script) fail on every rank before
             anything is sent. ``0`` turns it off; later calls cost nothing.
-        clip_grad_norm: asynchronous schedules: ``max_norm`` or ``(max_norm, norm_type)``: clip
-            each update's gradients by the whole model's norm (flush: :func:`clip_grad_norm_`).
+        clip_grad_norm: ``pipedream-2bw``: ``max_norm`` or ``(max_norm, norm_type)``: clip each
+            update's gradients by the whole model's norm (flush: :func:`clip_grad_norm_`).
 
     Every rank compares, at construction, the arguments above and a fingerprint of
     every stage (its graph or layers; docs/tracing.md#one-graph-on-every-rank), and
@@ -518,7 +518,7 @@ def clip_grad_norm_(pipe: PipeDream, max_norm: float, norm_type: float = 2.0,
     ``torch.nn.utils.clip_grad_norm_`` of the unsplit model.
 
     Collective: every rank of the pipeline calls it, after ``pipe.step(x, y)`` and
-    before ``opt.step()`` (flush schedules; asynchronous ones clip inside the pipeline:
+    before ``opt.step()`` (flush schedules; ``pipedream-2bw`` clips inside the pipeline:
     ``PipeDream(..., clip_grad_norm=max_norm)``)::
 
         loss = pipe.step(x, y)

@@ -41,8 +41,9 @@ class PipelineConfig:
         loss_reduction: ``"mean"`` or ``"sum"``: how ``loss_fn`` reduces over a batch.
         check_agreement: the first calls of ``step()`` and ``forward_only()`` on which
             every rank agrees on the call and the batch (``_agree.StepAgreement``).
-        clip_grad_norm: asynchronous schedules: ``(max_norm, norm_type)`` every update's
-            gradients are clipped to (``grad_clip.GradientClipper``), or ``None``.
+        clip_grad_norm: asynchronous schedules (``pipedream-2bw``; construction checks the
+            rest): ``(max_norm, norm_type)`` every update's gradients are clipped to
+            (``grad_clip.GradientClipper``), or ``None``.
     """
 
     schedule: str

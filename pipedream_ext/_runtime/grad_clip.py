@@ -1,8 +1,8 @@
 """Clipping gradients by their norm over the whole pipeline: ``GradientClipper``.
 
 Owns ``pd.clip_grad_norm_`` (flush schedules: after ``pipe.step``, before your
-``opt.step()``) and ``PipeDream(clip_grad_norm=...)`` (asynchronous schedules:
-before every weight update the runtime makes). Both equal
+``opt.step()``) and ``PipeDream(clip_grad_norm=...)`` (``pipedream-2bw``: before
+every weight update the runtime makes; ``check_updates_aligned``). Both equal
 ``torch.nn.utils.clip_grad_norm_`` on the unsplit model: the norm over every
 gradient of the model, each counted exactly once, then every gradient scaled by
 ``clamp(max_norm / (total + 1e-6), max=1)``.
