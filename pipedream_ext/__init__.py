@@ -17,7 +17,7 @@ from ._checkpoint import (
     save_checkpoint,
 )
 from ._frontend.deferred_init import layer_seed, materialize
-from ._pipe import NonFiniteError, PipeDream
+from ._pipe import NonFiniteError, PipeDream, clip_grad_norm_
 from ._planning.profiler import profile
 from ._runtime.step_loss import StepLoss
 from .planner import Plan, ProfileGraph, Stage, Topology, load_profile, plan
@@ -25,6 +25,7 @@ from .planner import Plan, ProfileGraph, Stage, Topology, load_profile, plan
 __all__ = [
     "schedules",
     "PipeDream",
+    "clip_grad_norm_",
     "NonFiniteError",
     "StepLoss",
     "Plan",

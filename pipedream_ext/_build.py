@@ -51,6 +51,7 @@ from ._planning.graph_profile import (
 )
 from ._planning.startup import auto_plan, check_plan_world, partition_from_plan
 from ._runtime.config import PipelineConfig
+from ._runtime.grad_clip import check_updates_aligned
 from ._runtime.local_stages import LocalStages
 from ._runtime.observe import Observer
 from ._runtime.runners import Runner, make_runner
@@ -104,6 +105,7 @@ class PipelineArguments:
     data_parallel: str = "fsdp"
     reshard_after_forward: bool = False
     mp_policy: Optional[Any] = None
+    clip_grad_norm: Optional[Union[float, Tuple[float, float]]] = None
 
     def checked_config(self) -> PipelineConfig:
         """The arguments that need no process group, checked (``PipelineConfig.checked``).
@@ -114,7 +116,7 @@ class PipelineArguments:
         return PipelineConfig.checked(self.schedule, self.microbatches, self.chunks,
                                       self.timeout, self.vertical_sync, self.recompute,
                                       self.autocast, self.check_finite, self.loss_reduction,
-                                      self.check_agreement)
+                                      self.check_agreement, self.clip_grad_norm)
 
 
 @dataclasses.dataclass
@@ -183,6 +185,9 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     cut.traced = _agree_everywhere(args.module, group, config, cut,
                                    prepared.init_seed if prepared.deferred else None, mesh)
     action_feed, schedule = _build_schedule(config, cut.partition)
+    if config.clip_grad_norm is not None:
+        check_updates_aligned(action_feed, config.schedule, config.microbatches,
+                              list(cut.partition.replicas))
     stage_ranks = [schedule.stage_ranks(j) for j in range(schedule.num_stages)]
     if mesh is not None:
         mesh.create_side_groups(config.timeout)
@@ -564,6 +569,7 @@ def _agree_everywhere(module: nn.Module, group: dist.ProcessGroup, config: Pipel
         "vertical_sync": config.vertical_sync, "recompute": config.recompute,
         "autocast": str(config.autocast), "check_finite": config.check_finite,
         "loss_reduction": config.loss_reduction, "check_agreement": config.check_agreement,
+        "clip_grad_norm": None if config.clip_grad_norm is None else list(config.clip_grad_norm),
         "tracer": None if traced is None else traced.tracer,
         "input names": None if traced is None else traced.input_names}
     if init_seed is not None:

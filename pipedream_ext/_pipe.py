@@ -39,13 +39,17 @@ from ._runtime.stage_call import NonFiniteError, Tensors
 from ._runtime.step_loss import StepLoss
 from .planner import Plan
 
-__all__ = ["ASYNCHRONOUS_SCHEDULES", "SYNCHRONOUS_SCHEDULES", "NonFiniteError", "PipeDream",
-           "even_balance"]
+__all__ = ["ASYNCHRONOUS_SCHEDULES", "SYNCHRONOUS_SCHEDULES", "ClipOption", "NonFiniteError", "PipeDream",
+           "clip_grad_norm_", "even_balance"]
 
 #: Flush schedules (gradients equal the unsplit model's; you step the optimizer).
 SYNCHRONOUS_SCHEDULES = tuple(schedules.synchronous_names())
 #: Asynchronous schedules (weight stashing; the runtime steps your optimizer).
 ASYNCHRONOUS_SCHEDULES = tuple(schedules.asynchronous_names())
+
+
+#: ``PipeDream(clip_grad_norm=...)``: ``max_norm`` or ``(max_norm, norm_type)``.
+ClipOption = Optional[Union[float, Tuple[float, float]]]
 
 
 def _forward(path: str, doc: Optional[str] = None) -> Any:
@@ -154,7 +158,6 @@ class PipeDream:
             each module's ``reset_parameters()``. Needed for modules with meta
             tensors and no ``reset_parameters()``, and for buffers computed in
             ``__init__`` (a causal mask) that ``reset_parameters()`` does not set.
-
         split_points: for a model that is not an ``nn.Sequential``: qualified module
             names (``["layer3", "decoder.up1"]``); the model is traced with torch.fx on
             ``sample`` (``torch.export``, non-strict with dynamic shapes, where fx
@@ -181,17 +184,19 @@ class PipeDream:
             ``mesh["dp"]``) or ``"replicate"`` (gradients averaged over it after each step).
         reshard_after_forward: ``"fsdp"``: free the gathered weights after each forward.
         mp_policy: ``"fsdp"``: FSDP's ``MixedPrecisionPolicy`` (README "Pipeline + FSDP").
+        clip_grad_norm: ``pipedream-2bw``: ``max_norm`` or ``(max_norm, norm_type)``: clip each
+            update's gradients by the whole model's norm (flush: :func:`clip_grad_norm_`).
 
     Every rank compares, at construction, the arguments above and a fingerprint of
     every stage (its graph or layers; docs/tracing.md#one-graph-on-every-rank), and
     replicas of a stage start from their leader's weights (broadcast, as DDP does).
 
     Raises:
-        ValueError: bad schedule, balance, chunks or world size; a model that cannot
-            be traced or bad split points (naming the module or operation); a meta module that
-            cannot be initialised (no ``reset_parameters()`` and no ``init_fn``), or
-            a tensor left unset (the message names the value and the fix); ranks that
-            disagree on an argument or built a different stage (naming it, every rank).
+        ValueError: bad schedule, balance, chunks or world size; a model that cannot be
+            traced or bad split points (naming the module or operation); a meta module that
+            cannot be initialised (no ``reset_parameters()`` and no ``init_fn``), or a tensor
+            left unset (naming the value and the fix); ranks that disagree on an argument
+            or built a different stage (naming it, every rank).
         RuntimeError: no process group and no torchrun environment.
     """
 
@@ -206,12 +211,14 @@ class PipeDream:
                  init_fn: Optional[deferred_init.InitFn] = None, split_points: Optional[Sequence[str]] = None,
                  concrete_args: Optional[Mapping[str, Any]] = None, loss_reduction: str = "mean",
                  check_agreement: int = 3, mesh: Optional[Any] = None, data_parallel: str = "fsdp",
-                 reshard_after_forward: bool = False, mp_policy: Optional[Any] = None) -> None:
+                 reshard_after_forward: bool = False, mp_policy: Optional[Any] = None,
+                 clip_grad_norm: ClipOption = None) -> None:
         # PipelineArguments lists its fields in this signature's order (tests/test_units.py).
         built = build_pipeline(PipelineArguments(
             module, loss_fn, schedule, microbatches, balance, chunks, process_group, device, timeout, vertical_sync,
             recompute, replicas, sample, bandwidth, trace, autocast, check_finite, init_seed, init_fn, split_points,
-            concrete_args, loss_reduction, check_agreement, mesh, data_parallel, reshard_after_forward, mp_policy))
+            concrete_args, loss_reduction, check_agreement, mesh, data_parallel, reshard_after_forward, mp_policy,
+            clip_grad_norm))
         self.config, self.device, self.loss_fn = built.config, built.device, loss_fn
         #: The traced model's stages (``split_points`` or a plan), else None (an nn.Sequential).
         self.traced: Optional[TracedSplit] = built.traced
@@ -348,12 +355,12 @@ class PipeDream:
         """Runs one batch (flush schedules) or admits one minibatch (asynchronous ones).
 
         Flush schedules (``gpipe``, ``1f1b``, ``interleaved-1f1b``, ``zb-h1``, ``zbv``,
-        ``dualpipev``, ``interleaved-zb``): runs
-        forward and backward of the whole batch and leaves on every local parameter
-        the unsplit model's gradient; returns the batch's mean loss on every rank as a
-        :class:`StepLoss`, a number whose all-reduce finishes in the background
-        (reading it, ``float(loss)`` or ``loss.item()``, waits; a loop that never reads
-        it never waits); you step your optimizer afterwards. Asynchronous schedules (``pipedream``,
+        ``dualpipev``, ``interleaved-zb``): runs forward and backward of the whole batch and
+        leaves on every local parameter the unsplit model's gradient; returns the batch's
+        mean loss on every rank as a :class:`StepLoss`, a number whose all-reduce finishes
+        in the background (reading it, ``float(loss)`` or ``loss.item()``, waits; a loop
+        that never reads it never waits); you step your optimizer afterwards (clip with
+        :func:`clip_grad_norm_` first). Asynchronous schedules (``pipedream``,
         ``pipedream-2bw``): admits one minibatch (2bw: a batch of ``microbatches``),
         the runtime steps ``optimizer`` at every weight update, and the loss comes
         back on the last stage's rank only (``None`` elsewhere and while the
@@ -502,3 +509,48 @@ class PipeDream:
         if exc_type is None:
             self.close()
 
+
+
+@faults.names_first_failure
+def clip_grad_norm_(pipe: PipeDream, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
+    """Clips the gradients of the whole pipeline by their total norm, in place:
+    ``torch.nn.utils.clip_grad_norm_`` of the unsplit model.
+
+    Collective: every rank of the pipeline calls it, after ``pipe.step(x, y)`` and
+    before ``opt.step()`` (flush schedules; ``pipedream-2bw`` clips inside the pipeline:
+    ``PipeDream(..., clip_grad_norm=max_norm)``)::
+
+        loss = pipe.step(x, y)
+        pd.clip_grad_norm_(pipe, 1.0)
+        opt.step(); opt.zero_grad()
+
+    The norm covers every stage's gradients, each once (a replicated stage's and a
+    tied parameter's copies count once), in one small all-reduce over the pipeline's
+    group; every local gradient is then scaled by ``min(max_norm / (total + 1e-6), 1)``
+    (docs/runtime.md, "Gradient clipping"). With fp16 loss scaling, call
+    ``scaler.unscale_(opt)`` first, as with torch.
+
+    Args:
+        pipe: the pipeline (a flush schedule).
+        max_norm: the largest total norm, a number > 0.
+        norm_type: ``p`` of the p-norm, > 0, or ``float('inf')`` (the largest
+            absolute value over every rank).
+        error_if_nonfinite: raise (on every rank, nothing scaled) if the total norm
+            is NaN or inf.
+        foreach: as in torch (``None``: foreach kernels where the device has them).
+
+    Returns:
+        The total norm before clipping, a scalar tensor on ``pipe.device`` in the
+        gradients' dtype, the same on every rank.
+
+    Raises:
+        ValueError: ``max_norm`` not a number > 0, a bad ``norm_type``, or an
+            asynchronous schedule (naming ``clip_grad_norm=``).
+        RuntimeError: a non-finite norm with ``error_if_nonfinite``, or the
+            all-reduce failed or timed out.
+    """
+    if not isinstance(pipe, PipeDream):
+        raise ValueError(f"pd.clip_grad_norm_ takes the PipeDream pipeline (got "
+                         f"{type(pipe).__name__}); for a plain model use torch.nn.utils.clip_grad_norm_")
+    return pipe._runner.clip_grad_norm(max_norm, norm_type, error_if_nonfinite, foreach)  # noqa: SLF001 - its own module's facade

@@ -14,13 +14,13 @@ from __future__ import annotations
 import collections
 import copy
 import os
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
+from _multiprocess import BACKEND_ENV, assert_every_rank_passed, launch_torchrun, worker_main
 from torch import nn
 from torch.func import functional_call
 
@@ -56,11 +56,14 @@ def split_stages(model: nn.Sequential, balance: Sequence[int]) -> List[nn.Sequen
 
 def simulate(rule: Callable[[int, int, int], int], p: int, streams: Sequence[int],
              make_opt: Callable, microbatches_per_step: int = 1, replicas: Sequence[int] = (),
+             clip: Optional[Tuple[float, float]] = None,
              ) -> Tuple[Dict[str, torch.Tensor], List[float]]:
     """Sequential reference. ``rule(stage, b, p)`` is the version stage reads for step b
     (of its stream); every step's gradient produces the next version of every stage, or,
     for a stage with r replicas, every r steps the average of their r gradients (replica
-    b mod r runs step b; all replicas apply the same averaged update).
+    b mod r runs step b; all replicas apply the same averaged update). ``clip=(max_norm,
+    norm_type)``: before the updates, torch's ``clip_grad_norm_`` over every updating
+    stage's gradients (every stage updates together: clipping needs equal replica counts).
 
     Returns the final weights (original names) and the loss of every step.
     """
@@ -69,7 +72,7 @@ def simulate(rule: Callable[[int, int, int], int], p: int, streams: Sequence[int
     stages = split_stages(model, even_balance(len(model), p))
     opts = [make_opt(st.parameters()) for st in stages]
     losses: List[float] = []
-    step = 0
+    step = clipped = 0
     for length in streams:
         history = [[{n: t.detach().clone() for n, t in st.named_parameters()}] for st in stages]
         for b in range(length):
@@ -87,11 +90,17 @@ def simulate(rule: Callable[[int, int, int], int], p: int, streams: Sequence[int
                 for n, t in st.named_parameters():
                     g = versions[s][n].grad / replicas[s]
                     t.grad = g.clone() if t.grad is None else t.grad + g
-                if (b + 1) % replicas[s] == 0:  # a round of the stage's replicas is complete
+            updating = [s for s in range(p) if (b + 1) % replicas[s] == 0]  # rounds complete
+            if clip is not None and updating:
+                assert len(updating) == p, "clipping needs every stage to update together"
+                clipped += bool(torch.nn.utils.clip_grad_norm_(model.parameters(), *clip) > clip[0])
+            for s, st in enumerate(stages):
+                if s in updating:
                     opts[s].step()
                     opts[s].zero_grad()
                     history[s].append({n: t.detach().clone() for n, t in st.named_parameters()})
             step += 1
+    assert clip is None or clipped >= step // 2, f"max_norm {clip} clipped only {clipped} of {step} updates"
     return {n: t.detach() for n, t in model.named_parameters()}, losses
 
 
@@ -117,7 +126,7 @@ OPTIMIZERS = {
 
 
 def check(kind: str, opt_name: str, streams: Sequence[int] = (10, 4), recompute: bool = False,
-          replicas: Sequence[int] = ()) -> None:
+          replicas: Sequence[int] = (), clip: Optional[Tuple[float, float]] = None) -> None:
     import pipedream_ext as pd
 
     p = len(replicas) if replicas else dist.get_world_size()
@@ -126,11 +135,12 @@ def check(kind: str, opt_name: str, streams: Sequence[int] = (10, 4), recompute:
     # 2bw: batches of m = 4 microbatches of 8; pipedream: microbatches only split forward_only.
     pipe = pd.PipeDream(make_model(), F.cross_entropy, schedule=schedule, microbatches=max(m, 2),
                         vertical_sync=kind == "vertical", timeout=60, recompute=recompute,
-                        replicas=list(replicas) or None)
+                        replicas=list(replicas) or None, clip_grad_norm=clip)
     opt = OPTIMIZERS[opt_name](pipe.parameters())
     rule = replicated_rule(replicas) if replicas and kind == "pipedream" else RULES[kind]
     expected, expected_losses = simulate(rule, p, streams, OPTIMIZERS[opt_name],
-                                         microbatches_per_step=m, replicas=replicas if kind == "pipedream" else ())
+                                         microbatches_per_step=m, replicas=replicas if kind == "pipedream" else (),
+                                         clip=clip)
     step = 0
     for length in streams:
         for _ in range(length):
@@ -206,12 +216,31 @@ def check_long_run(steps: int = 1000) -> None:
     assert growth < 2 * 1024 * 1024, f"RSS grew by {growth / 1024:.0f} KiB from step 200 to {steps}"
 
 
+def check_clipping() -> None:
+    """clip_grad_norm= (pipedream-2bw): every update's gradients clipped by the whole
+    model's norm (every update clips). `make test` runs 2 ranks on Gloo and one layout
+    each on 3 and 4 ranks under nccl_rules (the norm's all-reduce inside the update,
+    between in-order pair streams); `make test-all` every layout on Gloo."""
+    world = dist.get_world_size()
+    strict = os.environ.get(BACKEND_ENV, "gloo") == "nccl_rules"
+    if world == 2:
+        check("pipedream-2bw", "sgd", clip=(0.05, 2.0))
+        check("pipedream-2bw", "adam", clip=(0.02, float("inf")), recompute=True)
+        return
+    layouts = {3: [[2, 1], [1, 2]], 4: [[2, 1, 1], [1, 1, 2], [2, 2]]}[world]
+    for layout in layouts[:1] if strict else layouts:
+        check("pipedream-2bw", "adam", replicas=layout, clip=(0.05, 2.0))
+    if not strict:
+        check("pipedream-2bw", "sgd", clip=(0.05, 3.0))
+
+
 def run_all_checks() -> None:
     if dist.get_world_size() == 2:
         check_long_run()
     for kind in ("pipedream", "vertical", "pipedream-2bw"):
         for opt_name in ("sgd", "adam"):
             check(kind, opt_name)
+    check_clipping()
     # Recomputed activations give the same weights as stashed ones.
     check("pipedream", "adam", recompute=True)
     check("pipedream-2bw", "sgd", recompute=True)

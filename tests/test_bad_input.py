@@ -50,6 +50,12 @@ ROWS: List[Tuple[str, str, str, str]] = [
     ("autocast-dtype", "`autocast=torch.float64`", r"autocast=torch\.float64 is not a reduced-precision dtype", "here"),
     ("autocast-async-fp16", "`autocast=torch.float16` with `pipedream`", r"needs loss scaling", "here"),
     ("check-finite", "`check_finite='warn'`", r"check_finite='warn'; use None, 'raise' or 'skip'", "here"),
+    ("clip-option-flush", "`clip_grad_norm=1.0` with `1f1b` (a flush schedule)",
+     r"clip_grad_norm=1\.0 is for asynchronous schedules, which step the optimizer themselves; with "
+     r"schedule '1f1b' you step it: call pd\.clip_grad_norm_\(pipe, max_norm\) between pipe\.step\(x, y\) "
+     r"and opt\.step\(\)", "here"),
+    ("clip-option-value", "`clip_grad_norm=(1.0, 0)` with `pipedream` (a bad `norm_type`)",
+     r"clip_grad_norm norm_type=0: use a p-norm with p > 0", "here"),
     ("no-launcher", "no process group and no torchrun environment",
      r"no torch\.distributed process group and no torchrun environment", "here"),
     ("init-seed", "`init_seed=-1`", r"init_seed=-1 is not an integer in \[0, 2\*\*16\)", "here"),
@@ -137,6 +143,21 @@ ROWS: List[Tuple[str, str, str, str]] = [
     ("manifest-step", "a checkpoint manifest whose `step` is a string",
      r"'step' is '100' \(str\); it must be a non-negative integer or null",
      "tests/test_units.py::test_a_manifest_with_a_step_that_is_no_integer_is_refused"),
+    ("clip-max-norm", "`pd.clip_grad_norm_(pipe, 0)` (`max_norm` <= 0, NaN or not a number)",
+     r"max_norm=0: the largest gradient norm must be a number > 0",
+     "tests/test_clip.py::test_clip_grad_norm_matches_torch_on_the_unsplit_model"),
+    ("clip-norm-type", "`pd.clip_grad_norm_(pipe, 1.0, norm_type=0)` (or `-1`, `'two'`)",
+     r"norm_type=0: use a p-norm with p > 0 \(2\.0, the default, or 1\.0\) or float\('inf'\)",
+     "tests/test_clip.py::test_clip_grad_norm_matches_torch_on_the_unsplit_model"),
+    ("clip-async-call", "`pd.clip_grad_norm_` on a `pipedream` or `pipedream-2bw` pipeline",
+     r"schedule 'pipedream-2bw' steps the optimizer inside the pipeline, after pd\.clip_grad_norm_ could "
+     r"run; clip there instead: PipeDream\(\.\.\., clip_grad_norm=1\.0\)",
+     "tests/test_clip.py::test_clip_grad_norm_matches_torch_on_the_unsplit_model"),
+    ("clip-option-steps", "`clip_grad_norm=` with `pipedream` (or `pipedream-2bw` with fewer microbatches "
+     "than ranks)",
+     r"clip_grad_norm with schedule 'pipedream', microbatches=2 and replicas \[1, 1\]: the ranks make "
+     r"their k-th weight update in different step\(\) calls",
+     "tests/test_clip.py::test_clip_grad_norm_matches_torch_on_the_unsplit_model"),
     ("shared-async", "a parameter shared by stages (tied weights) with `pipedream` or `pipedream-2bw`",
      r"parameter 0\.weight and 4\.weight \(stages 0 and 1\) is shared by layers on different stages, "
      r"but schedule 'pipedream(-2bw)?' .* need a flush schedule \(gpipe, 1f1b, interleaved-1f1b, zb-h1, "
@@ -276,6 +297,9 @@ IN_PROCESS: Dict[str, Callable[[], Any]] = {
     "autocast-async-fp16": lambda: _pd().PipeDream(
         model(), **pipe_kwargs(schedule="pipedream", autocast=torch.float16)),
     "check-finite": lambda: _pd().PipeDream(model(), **pipe_kwargs(check_finite="warn")),
+    "clip-option-flush": lambda: _pd().PipeDream(model(), **pipe_kwargs(clip_grad_norm=1.0)),
+    "clip-option-value": lambda: _pd().PipeDream(model(), **pipe_kwargs(schedule="pipedream",
+                                                                        clip_grad_norm=(1.0, 0))),
     "init-seed": lambda: _pd().PipeDream(model(), **pipe_kwargs(init_seed=-1)),
     "meta-auto-balance": lambda: _pd().PipeDream(_meta_model(), balance="auto", **pipe_kwargs()),
     "no-launcher": lambda: _pd().PipeDream(model(), **pipe_kwargs()),

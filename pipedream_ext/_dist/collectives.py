@@ -23,8 +23,8 @@ from typing import Any, Dict, List, Optional, Tuple, Type
 import torch
 import torch.distributed as dist
 
-__all__ = ["metadata_device", "all_reduce", "all_reduce_start", "all_reduce_data", "broadcast_data",
-           "broadcast_bytes", "gather_bytes", "all_gather_json", "measure_bandwidth", "barrier",
+__all__ = ["metadata_device", "all_reduce", "all_reduce_start", "all_reduce_bounded", "all_reduce_data",
+           "broadcast_data", "broadcast_bytes", "gather_bytes", "all_gather_json", "measure_bandwidth", "barrier",
            "raise_if_any_failed", "gather_outcomes", "failure_entry"]
 
 
@@ -73,6 +73,29 @@ def all_reduce_start(value: float, group: dist.ProcessGroup) -> Tuple[torch.Tens
     """
     t = torch.tensor([value], dtype=torch.float64, device=metadata_device(group))
     return t, dist.all_reduce(t, group=group, async_op=True)
+
+
+def all_reduce_bounded(values: torch.Tensor, group: dist.ProcessGroup, op: Any,
+                       timeout: float) -> torch.Tensor:
+    """Reduces a small vector over ``group`` on the metadata device and waits at most
+    ``timeout`` seconds for it (a dead or stuck peer fails this rank instead of hanging it).
+
+    Args:
+        values: a few numbers (any device; copied to the metadata device).
+        group: the ranks that reduce.
+        op: ``dist.ReduceOp.SUM`` or ``MAX``.
+        timeout: seconds the wait may take.
+
+    Returns:
+        The reduced vector, on the CPU.
+
+    Raises:
+        RuntimeError: the all-reduce failed or timed out (the backend's message).
+    """
+    t = values.detach().to(metadata_device(group)).clone()
+    work = dist.all_reduce(t, op=op, group=group, async_op=True)
+    work.wait(timeout=datetime.timedelta(seconds=timeout))
+    return t.cpu()
 
 
 def _require_data_backend(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:

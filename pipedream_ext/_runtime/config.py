@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 
 from .. import _C, schedules
+from .grad_clip import parse_clip_option
 
 __all__ = ["PipelineConfig"]
 
@@ -40,6 +41,9 @@ class PipelineConfig:
         loss_reduction: ``"mean"`` or ``"sum"``: how ``loss_fn`` reduces over a batch.
         check_agreement: the first calls of ``step()`` and ``forward_only()`` on which
             every rank agrees on the call and the batch (``_agree.StepAgreement``).
+        clip_grad_norm: asynchronous schedules (``pipedream-2bw``; construction checks the
+            rest): ``(max_norm, norm_type)`` every update's gradients are clipped to
+            (``grad_clip.GradientClipper``), or ``None``.
     """
 
     schedule: str
@@ -53,13 +57,14 @@ class PipelineConfig:
     check_finite: Optional[str] = None
     loss_reduction: str = "mean"
     check_agreement: int = 3
+    clip_grad_norm: Optional[Tuple[float, float]] = None
 
     @classmethod
     def checked(cls, schedule: str, microbatches: int, chunks: int = 1, timeout: float = 300.0,
                 vertical_sync: bool = False, recompute: bool = False,
                 autocast: Optional[torch.dtype] = None,
                 check_finite: Optional[str] = None, loss_reduction: str = "mean",
-                check_agreement: int = 3) -> "PipelineConfig":
+                check_agreement: int = 3, clip_grad_norm: Any = None) -> "PipelineConfig":
         """Checks the arguments and returns the config.
 
         Raises:
@@ -105,8 +110,14 @@ class PipelineConfig:
                 check_agreement < 0:
             raise ValueError(f"check_agreement must be a number of steps >= 0 (got "
                              f"{check_agreement!r}); 0 turns the check of the first steps off")
+        clip = parse_clip_option(clip_grad_norm)
+        if clip is not None and not traits.asynchronous:
+            raise ValueError(f"clip_grad_norm={clip_grad_norm!r} is for asynchronous schedules, which "
+                             f"step the optimizer themselves; with schedule {schedule!r} you step it: "
+                             "call pd.clip_grad_norm_(pipe, max_norm) between pipe.step(x, y) and "
+                             "opt.step()")
         return cls(schedule, traits, microbatches, chunks, float(timeout), bool(vertical_sync),
-                   bool(recompute), autocast, check_finite, loss_reduction, check_agreement)
+                   bool(recompute), autocast, check_finite, loss_reduction, check_agreement, clip)
 
     @property
     def asynchronous(self) -> bool:

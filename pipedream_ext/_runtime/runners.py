@@ -19,6 +19,7 @@ replica per stage where their own list cannot (replicas, asynchronous schedules)
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import logging
 import weakref
@@ -31,6 +32,7 @@ from .. import _C, schedules
 from .._dist import collectives, faults
 from .._dist.groups import PipelineGroups, p2p_protocol
 from .config import PipelineConfig
+from .grad_clip import GradientClipper, check_max_norm, check_norm_type
 from .local_stages import LocalStages
 from .observe import Observer
 from .sharding import DataParallel
@@ -68,13 +70,20 @@ class _OptimizerStep:
     A separate object (not a bound method of the runner) so that the executor,
     which holds it, does not hold the runner: no reference cycle through C++,
     which the cycle collector cannot see.
+
+    Args:
+        clip: clips the update's gradients first (``clip_grad_norm=``; collective:
+            every rank updates as often, so every rank calls it); ``None``: no clipping.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clip: Optional[Callable[[], Any]] = None) -> None:
         self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.clip = clip
 
     def __call__(self, stage: int, version: int) -> None:
         del stage, version  # one stage per rank: the optimizer holds exactly its parameters
+        if self.clip is not None:  # after the replicas' all-reduce, before the step
+            self.clip()
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -119,7 +128,13 @@ class Runner:
         self.steps_run = 0  # steps run (flush) or admitted (asynchronous), for messages
         #: A traced model's named inputs, in the order the runner gets them (for messages).
         self.input_names: Optional[List[str]] = None
-        self._update = _OptimizerStep()
+        self.clipper = GradientClipper(
+            stages, [schedule.stage_ranks(j) for j in range(self.num_stages)], groups.rank,
+            groups.group, device, config.timeout,
+            shared_gradients.counted_elsewhere() if shared_gradients is not None else ())
+        # The clipper, not the runner: the executor holding the callback must not hold the runner.
+        self._update = _OptimizerStep(None if config.clip_grad_norm is None else
+                                      functools.partial(self.clipper.clip, *config.clip_grad_norm))
         self.executor: Optional["_C.PipelineExecutor"] = self._make_executor(schedule.lowered)
         self._eval_executor: Optional["_C.PipelineExecutor"] = None
         _LIVE.add(self)
@@ -262,6 +277,16 @@ class Runner:
             collectives.raise_if_any_failed(error, self.groups.group, self.config.timeout, what)
 
     # -- the family's contract -------------------------------------------------------------
+    def clip_grad_norm(self, max_norm: Any, norm_type: Any, error_if_nonfinite: bool,
+                       foreach: Optional[bool]) -> torch.Tensor:
+        """``pd.clip_grad_norm_``: this family's gradients clipped by the pipeline's norm.
+
+        Raises:
+            ValueError: bad ``max_norm`` / ``norm_type``, or an asynchronous schedule.
+        """
+        return self.clipper.clip(check_max_norm(max_norm), check_norm_type(norm_type),
+                                 bool(error_if_nonfinite), foreach)
+
     def step(self, inputs: Optional[Tensors], targets: Optional[Any],
              optimizer: Optional[torch.optim.Optimizer]) -> Optional[float]:
         raise NotImplementedError
@@ -425,6 +450,12 @@ class AsyncRunner(Runner):
 
     def _evaluates_on_leaders(self) -> bool:
         return True  # the feed's list has no forward-only form
+
+    def clip_grad_norm(self, max_norm: Any, norm_type: Any, error_if_nonfinite: bool,
+                       foreach: Optional[bool]) -> torch.Tensor:
+        raise ValueError(f"schedule {self.config.schedule!r} steps the optimizer inside the pipeline, "
+                         "after pd.clip_grad_norm_ could run; clip there instead: PipeDream(..., "
+                         f"clip_grad_norm={max_norm!r}) (or (max_norm, norm_type)) clips every update")
 
     def forward_only(self, inputs: Optional[Tensors]) -> Optional[Tensors]:
         self._require(inputs, self.is_first, "inputs", "forward_only()")

@@ -85,6 +85,11 @@ class SharedGradients:
             collectives.all_reduce_data(value, group)
             param.copy_(value)
 
+    def counted_elsewhere(self) -> List[nn.Parameter]:
+        """This rank's copies of shared parameters whose gradient another rank counts in a
+        global norm (``GradientClipper``): every copy but the first use's leader's."""
+        return [param for _, param, source in self._values if not source]
+
     def __bool__(self) -> bool:
         return bool(self._work)
 
