@@ -36,7 +36,7 @@ fuzz: setup
 	bash tests/fuzz/run_fuzzers.sh $(FUZZ_SECONDS)
 
 py-test:
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q --durations=25
 
 # On a GPU machine with its own torch (no network, no pin): build against the
 # installed torch and run the CUDA tests (tests/test_gpu.py skips without a GPU).
