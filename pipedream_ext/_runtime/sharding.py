@@ -75,6 +75,11 @@ class MeshPlan:
         return self.mesh["dp"].get_group()
 
     @property
+    def dp_rank(self) -> int:
+        """This rank's coordinate on ``dp``."""
+        return int(self.mesh["dp"].get_local_rank())
+
+    @property
     def dp_size(self) -> int:
         return int(self.mesh.shape[1])
 
