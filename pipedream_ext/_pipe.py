@@ -293,16 +293,19 @@ class PipeDream:
         read of this pipeline: this rank's stage modules and layer ranges, every
         stage's ranks, the whole model's key shapes, the shared parameters and the
         layout (see ``pipedream_ext/_checkpoint/view.py``)."""
+        stage_ranks = [self._schedule.stage_ranks(j) for j in range(self.num_stages)]
+        fields = dict(rank=self.rank, world_size=self.world_size, group=self.group, stage_ranks=stage_ranks,
+                      checkpoint_group=self._groups.checkpoint, data_parallel=None)
+        if self._runner.data_parallel is not None:  # a mesh: every pipeline's ranks (sharding.py)
+            plan = self._runner.data_parallel.plan
+            fields.update(plan.checkpoint_layout(stage_ranks, self.timeout), data_parallel=plan.data_parallel)
         return PipelineView(
-            rank=self.rank, world_size=self.world_size, group=self.group, timeout=self.timeout,
-            device=self.device, module=self.module,
+            timeout=self.timeout, device=self.device, module=self.module,
             stages={j: self._stages[j] for j in self.local_stages}, stage_layers=self.stage_layers,
-            stage_ranks=[self._schedule.stage_ranks(j) for j in range(self.num_stages)],
             model_shapes=self._model_shapes, shared_parameters=self.shared_parameters,
             split_points=self.split_points, schedule_name=self.schedule_name,
             microbatches=self.microbatches, chunks=self.chunks, balance=self.balance,
-            replicas=self.replicas, asynchronous=self.asynchronous, checkpoint_group=self._groups.checkpoint,
-            data_parallel=self._runner.data_parallel and self._runner.data_parallel.plan.data_parallel)
+            replicas=self.replicas, asynchronous=self.asynchronous, **fields)
 
     # -- module-like API ------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:

@@ -1,7 +1,8 @@
 """Pipeline + FSDP2 (2D): ``PipeDream(mesh=("pp", "dp"), data_parallel="fsdp"|"replicate")``.
 
 Runs under pytest, which launches the worker side with torchrun on 4 ranks, or
-standalone (``FSDP_CASES`` picks the configurations: ``fast`` or ``full``):
+standalone (``FSDP_CASES`` picks the configurations: ``fast``, ``full`` or ``clip``,
+the full set's clipping cases):
 
     FSDP_CASES=full torchrun --standalone --nproc-per-node 4 tests/test_fsdp.py
 
@@ -204,6 +205,8 @@ FLUSH = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev", "inte
 
 
 def cases(kind: str) -> List[Case]:
+    if kind == "clip":  # the full set's clipping cases only (standalone runs)
+        return [c for c in cases("full") if c.clip is not None]
     if kind == "fast":
         return [Case("zb-h1", 2, 2), Case("1f1b", 2, 2, data_parallel="replicate",
                                           clip=(CLIP_SMALL, INF)),
