@@ -33,6 +33,7 @@ MARKER = "ALL FSDP CHECKS PASSED"
 HERE = os.path.abspath(__file__)
 WIDTH, CLASSES, LAYERS, BATCH, STEPS = 8, 4, 8, 16, 3
 CASES_ENV = "FSDP_CASES"
+CKPT_ENV = "FSDP_CKPT_DIR"  # where the fast launch saves a DCP checkpoint (unset: no check)
 CLIP_SMALL, INF = 0.05, float("inf")  # every step clips
 
 OPTIMIZERS: Dict[str, Callable] = {
@@ -272,25 +273,35 @@ def check_refusals() -> None:
     with pytest.raises(ValueError, match="batch size 6, which does not split into "
                                          "microbatches=4"):
         pipe.step(x[:6] if pipe.is_first else None, y[:6] if pipe.is_last else None)
-    with pytest.raises(ValueError, match=r"save_checkpoint\(\) does not support pipelines built "
-                                         "with mesh="):
+    from test_bad_input import ROWS
+
+    with pytest.raises(ValueError, match=next(r[2] for r in ROWS if r[0] == "mesh-checkpoint")):
         pd.save_checkpoint(os.path.join(os.environ.get("TMPDIR", "/tmp"), "fsdp-ckpt"), pipe)
+    with pytest.raises(ValueError, match=r"load_state_dict\(\) does not support pipelines built "
+                                         "with mesh=.*format='dcp'"):
+        pipe.load_state_dict(mlp().state_dict())
 
 
 def run_checks() -> None:
     kind = os.environ.get(CASES_ENV, "fast")
     if kind == "fast":
         check_refusals()
+        if os.environ.get(CKPT_ENV):  # test_checkpoint_dcp.py's meshed save and resume, fsdp
+            from test_checkpoint_dcp import phase_mesh_save
+
+            phase_mesh_save(os.environ[CKPT_ENV], modes=("fsdp",))
     for case in cases(kind):
         if dist.get_rank() == 0:
             print(f"case {case}", flush=True)
         check_case(case)
 
 
-def test_fsdp_representative_case_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fsdp_representative_case_and_refusals(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """zb-h1, pp 2 x dp 2, AdamW: losses, weights and one reduce-scatter per unit per
-    step; and every refusal of a mesh (one launch)."""
+    step; pd.clip_grad_norm_ (fsdp p=2, replicate p=inf); an asynchronous DCP save of
+    the fsdp pipeline resumed on the same mesh; and every refusal of a mesh (one launch)."""
     monkeypatch.setenv(CASES_ENV, "fast")
+    monkeypatch.setenv(CKPT_ENV, str(tmp_path))
     assert_every_rank_passed(launch_torchrun(HERE, 4), 4, MARKER)
 
 
