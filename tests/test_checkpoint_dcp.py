@@ -373,7 +373,7 @@ def mesh_train(pipe, opt, where, steps: range) -> List[float]:  # type: ignore[n
     """Each dp rank trains on its part of test_fsdp.py's global batches."""
     from test_fsdp import BATCH, global_batch
 
-    (dp_rank, dp), rows, losses = where, BATCH // where[1], []
+    dp_rank, rows, losses = where[0], BATCH // where[1], []
     for t in steps:
         x, y = global_batch(100 + t)
         part = slice(dp_rank * rows, (dp_rank + 1) * rows)
