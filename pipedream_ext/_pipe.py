@@ -293,16 +293,16 @@ class PipeDream:
         read of this pipeline: this rank's stage modules and layer ranges, every
         stage's ranks, the whole model's key shapes, the shared parameters and the
         layout (see ``pipedream_ext/_checkpoint/view.py``)."""
+        fields = _view_ranks(self.rank, self.world_size, self.group, self._groups.checkpoint, self.timeout,
+                             [self._schedule.stage_ranks(j) for j in range(self.num_stages)],
+                             self._runner.data_parallel)
         return PipelineView(
-            rank=self.rank, world_size=self.world_size, group=self.group, timeout=self.timeout,
-            device=self.device, module=self.module,
+            timeout=self.timeout, device=self.device, module=self.module,
             stages={j: self._stages[j] for j in self.local_stages}, stage_layers=self.stage_layers,
-            stage_ranks=[self._schedule.stage_ranks(j) for j in range(self.num_stages)],
             model_shapes=self._model_shapes, shared_parameters=self.shared_parameters,
             split_points=self.split_points, schedule_name=self.schedule_name,
             microbatches=self.microbatches, chunks=self.chunks, balance=self.balance,
-            replicas=self.replicas, asynchronous=self.asynchronous, checkpoint_group=self._groups.checkpoint,
-            data_parallel=self._runner.data_parallel and self._runner.data_parallel.plan.data_parallel)
+            replicas=self.replicas, asynchronous=self.asynchronous, **fields)
 
     # -- module-like API ------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -511,6 +511,18 @@ class PipeDream:
 
 
 
+def _view_ranks(rank: int, world_size: int, group: Any, checkpoint: Any, timeout: float,
+                stage_ranks: List[List[int]], data_parallel: Any) -> Dict[str, Any]:
+    """``PipelineView``'s ranks and groups: the pipeline's, or with a mesh every
+    pipeline's (``MeshPlan.checkpoint_layout``)."""
+    fields = dict(rank=rank, world_size=world_size, group=group, stage_ranks=stage_ranks,
+                  checkpoint_group=checkpoint, data_parallel=None)
+    if data_parallel is not None:
+        plan = data_parallel.plan
+        fields.update(plan.checkpoint_layout(stage_ranks, timeout), data_parallel=plan.data_parallel)
+    return fields
+
+
 @faults.names_first_failure
 def clip_grad_norm_(pipe: PipeDream, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
@@ -527,7 +539,8 @@ def clip_grad_norm_(pipe: PipeDream, max_norm: float, norm_type: float = 2.0,
 
     The norm covers every stage's gradients, each once (a replicated stage's and a
     tied parameter's copies count once), in one small all-reduce over the pipeline's
-    group; every local gradient is then scaled by ``min(max_norm / (total + 1e-6), 1)``
+    group (``mesh=``: every rank, each FSDP shard and replicated gradient once); every
+    local gradient is then scaled by ``min(max_norm / (total + 1e-6), 1)``
     (docs/runtime.md, "Gradient clipping"). With fp16 loss scaling, call
     ``scaler.unscale_(opt)`` first, as with torch.
 

@@ -12,6 +12,10 @@ and the unsplit model, asynchronous saves, interrupted saves and errors (CPU, Gl
   ranks, [6, 2] and one data-parallel stage), train on and compare; mismatched
   models and optimizers, missing / truncated / corrupt files, saves interrupted
   in DCP's write and in the manifest, two asynchronous saves in a row, ``close()``.
+* ``mesh-save`` (4 ranks, slow; its fsdp half in test_fsdp.py's fast launch) and
+  ``mesh-load`` (2 ranks, slow): pipelines on a ``("pp", "dp")`` mesh, fsdp and
+  replicate, saved on pp 2 x dp 2, resumed there, on pp 1 x dp 2, pp 2 x dp 1 and
+  without a mesh, and read into the unsplit model; ``format="pipedream"`` refused.
 * a 1-rank DCP save loop killed with SIGKILL at a random moment (slow).
 """
 from __future__ import annotations
@@ -345,9 +349,150 @@ def phase_kill_loop(root: str) -> None:
         print(f"saved {step}", flush=True)
 
 
+# --------------------------------------------------------------------------- mesh (pp x dp)
+MESH_STEPS = 2  # steps before the save, and after it
+
+
+def mesh_pipe(pp: int, dp: int, mode: Optional[str], seed: int):  # type: ignore[no-untyped-def]
+    """test_fsdp.py's model on a ``(pp, dp)`` mesh (``mode`` ``"fsdp"``/``"replicate"``),
+    or without a mesh (``mode=None``: pp over every rank), with AdamW."""
+    import torch.nn.functional as F
+    from test_fsdp import mlp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pipedream_ext as pd
+
+    mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp")) if mode else None
+    pipe = pd.PipeDream(mlp(seed), F.cross_entropy, schedule="zb-h1" if pp > 1 else "1f1b",
+                        microbatches=4, timeout=60, mesh=mesh, data_parallel=mode or "fsdp")
+    dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
+    return pipe, torch.optim.AdamW(pipe.parameters(), lr=0.01), (dp_rank, dp)
+
+
+def mesh_train(pipe, opt, where, steps: range) -> List[float]:  # type: ignore[no-untyped-def]
+    """Each dp rank trains on its part of test_fsdp.py's global batches."""
+    from test_fsdp import BATCH, global_batch
+
+    dp_rank, rows, losses = where[0], BATCH // where[1], []
+    for t in steps:
+        x, y = global_batch(100 + t)
+        part = slice(dp_rank * rows, (dp_rank + 1) * rows)
+        losses.append(float(pipe.step(x[part] if pipe.is_first else None,
+                                      y[part] if pipe.is_last else None)))
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def mesh_weights(pipe) -> Dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Every parameter of the whole model, gathered (collective over the world)."""
+    from test_fsdp import full
+
+    mine = {name: full(p.detach()).clone() for name, p in pipe.named_parameters()}
+    parts: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def assert_weights(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], what: str,
+                   exact: bool = False) -> None:
+    assert set(actual) == set(expected), (what, sorted(actual), sorted(expected))
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value, rtol=0 if exact else 1e-5,
+                                   atol=0 if exact else 1e-6, msg=lambda m: f"{what}: {key}: {m}")
+
+
+def phase_mesh_save(root: str, modes: tuple = ("fsdp", "replicate")) -> None:
+    """4 ranks, pp 2 x dp 2: save (async for fsdp) after MESH_STEPS AdamW steps; the
+    uninterrupted run's next losses and weights; the format='pipedream' refusal; a
+    resume on the same mesh."""
+    import pipedream_ext as pd
+
+    plain, plain_opt, _ = mesh_pipe(4, 1, None, seed=0)
+    pd.save_checkpoint(os.path.join(root, "plain-pipedream"), plain, plain_opt)
+    for mode in modes:
+        path = os.path.join(root, f"mesh-{mode}")
+        pipe, opt, where = mesh_pipe(2, 2, mode, seed=0)
+        with pytest.raises(ValueError, match=r"load_checkpoint\(\) of a format='pipedream' "
+                                             r"checkpoint .* does not support pipelines built with mesh="):
+            pd.load_checkpoint(os.path.join(root, "plain-pipedream"), pipe, opt)
+        mesh_train(pipe, opt, where, range(MESH_STEPS))
+        at_save = mesh_weights(pipe)
+        with pytest.raises(ValueError, match=r"save_checkpoint\(format='pipedream'\) does not "
+                                             r"support pipelines built with mesh=.*format='dcp'"):
+            pd.save_checkpoint(path + "-pipedream", pipe, opt)
+        saved = pd.save_checkpoint(path, pipe, opt, step=MESH_STEPS, format="dcp",
+                                   async_save=mode == "fsdp")
+        losses = mesh_train(pipe, opt, where, range(MESH_STEPS, 2 * MESH_STEPS))
+        if mode == "fsdp":
+            saved = saved.result()
+        assert saved.step == MESH_STEPS, saved
+        after = mesh_weights(pipe)
+        if dist.get_rank() == 0:
+            torch.save({"at_save": at_save, "losses": losses, "after": after},
+                       os.path.join(root, f"mesh-ref-{mode}.pt"))
+        fresh, fresh_opt, fresh_where = mesh_pipe(2, 2, mode, seed=7)
+        pd.load_checkpoint(path, fresh, fresh_opt)
+        assert_weights(mesh_weights(fresh), at_save, f"{mode} 2x2 -> 2x2 loaded", exact=True)
+        resumed = mesh_train(fresh, fresh_opt, fresh_where, range(MESH_STEPS, 2 * MESH_STEPS))
+        torch.testing.assert_close(resumed, losses, rtol=1e-5, atol=1e-6)
+        assert_weights(mesh_weights(fresh), after, f"{mode} 2x2 -> 2x2 resumed")
+        dist.barrier()
+
+
+def phase_mesh_load(root: str) -> None:
+    """2 ranks: each 2x2 checkpoint into pp 1 x dp 2 and pp 2 x dp 1 (fsdp and
+    replicate) and a pipeline without a mesh; resume equals the uninterrupted run;
+    the unsplit model (consolidate, dcp_to_torch_save, dcp.load)."""
+    import pipedream_ext as pd
+
+    targets = [(1, 2, "fsdp"), (2, 1, "fsdp"), (1, 2, "replicate"), (2, 1, "replicate"), (2, 1, None)]
+    for saved_mode in ("fsdp", "replicate"):
+        path = os.path.join(root, f"mesh-{saved_mode}")
+        ref = torch.load(os.path.join(root, f"mesh-ref-{saved_mode}.pt"), weights_only=False)
+        for pp, dp, mode in targets:
+            what = f"{saved_mode} 2x2 -> {mode} {pp}x{dp}"
+            pipe, opt, where = mesh_pipe(pp, dp, mode, seed=5)
+            pd.load_checkpoint(path, pipe, opt)
+            assert_weights(mesh_weights(pipe), ref["at_save"], f"{what} loaded", exact=True)
+            losses = mesh_train(pipe, opt, where, range(MESH_STEPS, 2 * MESH_STEPS))
+            torch.testing.assert_close(losses, ref["losses"], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, what=what: f"{what} losses: {m}")
+            assert_weights(mesh_weights(pipe), ref["after"], f"{what} resumed")
+        if dist.get_rank() == 0:
+            check_mesh_unsplit(path, ref["at_save"])
+        dist.barrier()
+
+
+def check_mesh_unsplit(path: str, expected: Dict[str, torch.Tensor]) -> None:
+    """A meshed pipeline's DCP checkpoint in the unsplit model, without a process group."""
+    import torch.distributed.checkpoint as dcp
+    from test_fsdp import mlp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    import pipedream_ext as pd
+
+    model = mlp(seed=3)
+    model.load_state_dict(pd.consolidate(path))  # strict
+    assert_weights(dict(model.named_parameters()), expected, "consolidate", exact=True)
+    out = os.path.join(os.path.dirname(path), f"mesh-plain-{os.getpid()}.pt")
+    dcp_to_torch_save(dcp_dir(path), out)
+    plain = torch.load(out, weights_only=False)
+    os.remove(out)
+    assert_weights({k: v for k, v in plain["model"].items() if k in expected}, expected,
+                   "dcp_to_torch_save", exact=True)
+    assert any(k.endswith(".exp_avg") for k in plain["optim"]), list(plain["optim"])[:5]
+    model = mlp(seed=4)
+    target = {"model": model.state_dict()}
+    dcp.load(target, checkpoint_id=dcp_dir(path), no_dist=True)
+    model.load_state_dict(target["model"])
+    assert_weights(dict(model.named_parameters()), expected, "dcp.load", exact=True)
+
+
 def run_phase() -> None:
     root, phase = os.environ["PDDCP_DIR"], os.environ["PDDCP_PHASE"]
-    {"quick": phase_quick, "save": phase_save, "resume": phase_resume, "kill-loop": phase_kill_loop}[phase](root)
+    {"quick": phase_quick, "save": phase_save, "resume": phase_resume, "kill-loop": phase_kill_loop,
+     "mesh-save": phase_mesh_save, "mesh-load": phase_mesh_load}[phase](root)
 
 
 # --------------------------------------------------------------------------- pytest side
@@ -389,6 +534,16 @@ def test_dcp_resume_on_other_world_sizes_and_failures(tmp_path) -> None:
                             capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0 and "step 3" in result.stdout, result.stdout + result.stderr
     make_model().load_state_dict(torch.load(out, weights_only=True))
+
+
+@pytest.mark.slow
+def test_dcp_checkpoints_of_meshed_pipelines_reshard(tmp_path) -> None:
+    """pp 2 x dp 2 (fsdp: async, replicate) saved on 4 ranks, resumed on the same mesh;
+    on 2 ranks loaded into pp 1 x dp 2, pp 2 x dp 1 and a pipeline without a mesh, and
+    into the unsplit model: AdamW state round-trips (losses and weights)."""
+    root = str(tmp_path)
+    _launch(root, "mesh-save", 4)
+    _launch(root, "mesh-load", 2)
 
 
 @pytest.mark.slow

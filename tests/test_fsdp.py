@@ -1,7 +1,8 @@
 """Pipeline + FSDP2 (2D): ``PipeDream(mesh=("pp", "dp"), data_parallel="fsdp"|"replicate")``.
 
 Runs under pytest, which launches the worker side with torchrun on 4 ranks, or
-standalone (``FSDP_CASES`` picks the configurations: ``fast`` or ``full``):
+standalone (``FSDP_CASES`` picks the configurations: ``fast``, ``full`` or ``clip``,
+the full set's clipping cases):
 
     FSDP_CASES=full torchrun --standalone --nproc-per-node 4 tests/test_fsdp.py
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable, Dict, List, NamedTuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import pytest
 import torch
@@ -32,6 +33,8 @@ MARKER = "ALL FSDP CHECKS PASSED"
 HERE = os.path.abspath(__file__)
 WIDTH, CLASSES, LAYERS, BATCH, STEPS = 8, 4, 8, 16, 3
 CASES_ENV = "FSDP_CASES"
+CKPT_ENV = "FSDP_CKPT_DIR"  # where the fast launch saves a DCP checkpoint (unset: no check)
+CLIP_SMALL, INF = 0.05, float("inf")  # every step clips
 
 OPTIMIZERS: Dict[str, Callable] = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
@@ -49,6 +52,7 @@ class Case(NamedTuple):
     meta: bool = False
     loss_reduction: str = "mean"
     mixed_precision: bool = False
+    clip: Optional[Tuple[float, float]] = None  # (max_norm, norm_type): pd.clip_grad_norm_
 
 
 # --------------------------------------------------------------------------- the model
@@ -146,6 +150,20 @@ def build(case: Case, mesh: Any):
     return pipe, ref, loss_fn
 
 
+def check_clip(case: Case, pipe: Any, ref: nn.Module, step: int) -> None:
+    """``pd.clip_grad_norm_`` over pp x dp returns (every rank) and applies torch's
+    norm of the unsplit model's gradients on the global batch."""
+    import pipedream_ext as pd
+
+    max_norm, norm_type = case.clip  # type: ignore[misc]
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type)
+    assert expected > max_norm, f"{case}: the reference norm {expected} does not clip"
+    norm = pd.clip_grad_norm_(pipe, max_norm, norm_type)
+    assert norm.dtype == expected.dtype and norm.dim() == 0, (case, norm)
+    torch.testing.assert_close(norm, expected, rtol=RTOL, atol=ATOL,
+                               msg=lambda m: f"{case} step {step} norm: {m}")
+
+
 def check_case(case: Case) -> None:
     """STEPS steps of the 2D pipeline equal the unsplit model on the global batch."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -167,6 +185,8 @@ def check_case(case: Case) -> None:
                                    y[part] if pipe.is_last else None))
             assert abs(loss - ref_loss.item()) <= rtol * max(1.0, abs(ref_loss.item())), \
                 f"{case} step {step}: loss {loss} != {ref_loss.item()}"
+            if case.clip is not None:
+                check_clip(case, pipe, ref, step)
             ref_opt.step(); ref_opt.zero_grad()
             if opt is not None:
                 opt.step(); opt.zero_grad()
@@ -186,8 +206,12 @@ FLUSH = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev", "inte
 
 
 def cases(kind: str) -> List[Case]:
+    if kind == "clip":  # the full set's clipping cases only (standalone runs)
+        return [c for c in cases("full") if c.clip is not None]
     if kind == "fast":
-        return [Case("zb-h1", 2, 2)]
+        return [Case("zb-h1", 2, 2), Case("1f1b", 2, 2, data_parallel="replicate",
+                                          clip=(CLIP_SMALL, INF)),
+                Case("zb-h1", 2, 2, clip=(CLIP_SMALL, 2.0))]
     full_cases = [Case(s, 2, 2, opt, reshard_after_forward=r)
                   for s in FLUSH for opt in OPTIMIZERS for r in (False, True)]
     full_cases += [Case(s, 2, 2, "adamw", "replicate") for s in ("1f1b", "zb-h1", "zbv")]
@@ -198,6 +222,10 @@ def cases(kind: str) -> List[Case]:
                    Case("zb-h1", 2, 2, "sgd", loss_reduction="sum"),
                    Case("1f1b", 2, 2, "sgd", "replicate", loss_reduction="sum"),
                    Case("zb-h1", 2, 2, "sgd", mixed_precision=True)]
+    full_cases += [Case(s, 2, 2, "adamw", dp_mode, clip=(CLIP_SMALL, p)) for s in ("1f1b", "zb-h1")
+                   for dp_mode in ("fsdp", "replicate") for p in (2.0, INF)]
+    full_cases += [Case("zbv", 2, 2, "sgd", clip=(CLIP_SMALL, 1.0), reshard_after_forward=True),
+                   Case("1f1b", 1, 4, clip=(CLIP_SMALL, INF)), Case("zb-h1", 4, 1, clip=(CLIP_SMALL, 2.0))]
     return full_cases
 
 
@@ -245,25 +273,35 @@ def check_refusals() -> None:
     with pytest.raises(ValueError, match="batch size 6, which does not split into "
                                          "microbatches=4"):
         pipe.step(x[:6] if pipe.is_first else None, y[:6] if pipe.is_last else None)
-    with pytest.raises(ValueError, match=r"save_checkpoint\(\) does not support pipelines built "
-                                         "with mesh="):
+    from test_bad_input import ROWS
+
+    with pytest.raises(ValueError, match=next(r[2] for r in ROWS if r[0] == "mesh-checkpoint")):
         pd.save_checkpoint(os.path.join(os.environ.get("TMPDIR", "/tmp"), "fsdp-ckpt"), pipe)
+    with pytest.raises(ValueError, match=r"load_state_dict\(\) does not support pipelines built "
+                                         "with mesh=.*format='dcp'"):
+        pipe.load_state_dict(mlp().state_dict())
 
 
 def run_checks() -> None:
     kind = os.environ.get(CASES_ENV, "fast")
     if kind == "fast":
         check_refusals()
+        if os.environ.get(CKPT_ENV):  # test_checkpoint_dcp.py's meshed save and resume, fsdp
+            from test_checkpoint_dcp import phase_mesh_save
+
+            phase_mesh_save(os.environ[CKPT_ENV], modes=("fsdp",))
     for case in cases(kind):
         if dist.get_rank() == 0:
             print(f"case {case}", flush=True)
         check_case(case)
 
 
-def test_fsdp_representative_case_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fsdp_representative_case_and_refusals(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """zb-h1, pp 2 x dp 2, AdamW: losses, weights and one reduce-scatter per unit per
-    step; and every refusal of a mesh (one launch)."""
+    step; pd.clip_grad_norm_ (fsdp p=2, replicate p=inf); an asynchronous DCP save of
+    the fsdp pipeline resumed on the same mesh; and every refusal of a mesh (one launch)."""
     monkeypatch.setenv(CASES_ENV, "fast")
+    monkeypatch.setenv(CKPT_ENV, str(tmp_path))
     assert_every_rank_passed(launch_torchrun(HERE, 4), 4, MARKER)
 
 

@@ -5,7 +5,9 @@ keyed by the unsplit model's names, so it loads into any other split and into th
 unsplit model:
 
 * ``model``: ``get_model_state_dict`` of each stage this rank leads (replica 0;
-  the other replicas hold the same parameters); a parameter shared by stages is
+  the other replicas hold the same parameters), and with ``mesh=``,
+  ``data_parallel="fsdp"`` of every local stage (each dp rank gives its shards, as
+  DTensors, which DCP writes as one tensor); a parameter shared by stages is
   written once, under its canonical name (``_frontend/tied_params.py``).
 * ``optim``: torch's flattened optimizer state
   (``get_optimizer_state_dict(..., StateDictOptions(flatten_optimizer_state_dict=True))``):
@@ -63,7 +65,7 @@ def model_to_save(view: PipelineView) -> Dict[str, Any]:
     """
     result: Dict[str, Any] = {}
     for j, module in sorted(view.stages.items()):
-        if not view.is_leader(j):
+        if not view.writes(j):
             continue
         aliases = alias_names(view.shared_parameters, stage=j)
         for key, value in _model_state(module).items():
@@ -76,7 +78,7 @@ def _written_parameters(view: PipelineView) -> Set[str]:
     """The parameter names whose optimizer state this rank writes."""
     names: Set[str] = set()
     for j, module in view.stages.items():
-        if view.is_leader(j):
+        if view.writes(j):
             aliases = alias_names(view.shared_parameters, stage=j)
             names.update(n for n, _ in module.named_parameters() if n not in aliases)
     return names

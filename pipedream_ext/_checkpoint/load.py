@@ -158,7 +158,6 @@ def load_checkpoint(path: PathLike, pipe: Pipeline,
     """
     directory = os.fspath(path)
     view = pipe.checkpoint_view
-    view.refuse_mesh("load_checkpoint()")
     dcp_save.finish_pending(view)
     if view.asynchronous:
         pipe.flush()
@@ -174,6 +173,7 @@ def load_checkpoint(path: PathLike, pipe: Pipeline,
         if storage_of(manifest) == STORAGE_DCP:
             dcp_job = dcp_load.prepare(directory, manifest, view, optimizer)
         else:
+            view.refuse_mesh(f"load_checkpoint() of a format='pipedream' checkpoint ({directory})")
             weights = _prepare_weights(directory, manifest, view, cache)
             if optimizer is not None:
                 optimizer_state = optimizer_state_for(directory, manifest, view, optimizer, cache)

@@ -22,7 +22,7 @@ from .durable_io import PathLike
 from .errors import CheckpointError
 from .view import PipelineView
 
-__all__ = ["MANIFEST", "FORMAT", "FORMAT_VERSION", "STORAGE_PIPEDREAM", "STORAGE_DCP",
+__all__ = ["layer_type", "MANIFEST", "FORMAT", "FORMAT_VERSION", "STORAGE_PIPEDREAM", "STORAGE_DCP",
            "STORAGE_VERSION", "CheckpointInfo", "read_manifest", "write_manifest", "manifest_text",
            "storage_of", "stage_of_layer", "owner_of_key", "stage_what", "load_file",
            "check_model_kind", "check_layers"]
@@ -256,6 +256,17 @@ def check_model_kind(manifest_path: str, manifest: Mapping[str, Any], view: Pipe
                               "pd.consolidate(path) with pipe.load_state_dict")
 
 
+def layer_type(module: torch.nn.Module) -> str:
+    """A layer's class as the manifest records it: its ``__qualname__``, FSDP2's
+    ``fully_shard`` wrapper class (``FSDPLinear``, bases ``(FSDPModule, Linear)``)
+    unwrapped, so a sharded layer matches the plain one."""
+    cls = type(module)
+    bases = cls.__bases__
+    if len(bases) == 2 and bases[0].__name__ == "FSDPModule" and cls.__name__ == f"FSDP{bases[1].__name__}":
+        cls = bases[1]
+    return cls.__qualname__
+
+
 def check_layers(manifest_path: str, manifest: Mapping[str, Any], view: PipelineView) -> None:
     """An ``nn.Sequential``: the same number of layers, and every local layer has the
     saved name and class.
@@ -274,8 +285,8 @@ def check_layers(manifest_path: str, manifest: Mapping[str, Any], view: Pipeline
         start = view.stage_layers[j][0]
         for i, (name, child) in enumerate(module.named_children(), start):
             saved = layers[i]
-            if saved["name"] != name or saved["type"] != type(child).__qualname__:
+            if saved["name"] != name or saved["type"] != layer_type(child):
                 raise CheckpointError(
                     f"{manifest_path}: layer {i} is {saved['name']!r} ({saved['type']}) in the "
-                    f"checkpoint but {name!r} ({type(child).__qualname__}) in this model; "
+                    f"checkpoint but {name!r} ({layer_type(child)}) in this model; "
                     "the checkpoint was saved from a different model")

@@ -113,7 +113,7 @@ def stage_record(view: PipelineView, j: int) -> Dict[str, Any]:
     # A traced stage is one "layer" whose tensors are matched by name alone
     # (its children are partial copies of the model's, not layers).
     children = [(f"stage{j}", "GraphModule")] if view.split_points is not None else \
-        [(name, type(child).__qualname__) for name, child in module.named_children()]
+        [(name, manifest_format.layer_type(child)) for name, child in module.named_children()]
     return {"stage": j, "layers": list(view.stage_layers[j]), "ranks": list(view.stage_ranks[j]),
             "layer_names": [name for name, _ in children],
             "layer_types": [kind for _, kind in children]}

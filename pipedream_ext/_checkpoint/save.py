@@ -177,7 +177,8 @@ def save_checkpoint(path: PathLike, pipe: Pipeline, optimizer: Optional[torch.op
     directory = os.fspath(path)
     started = time.perf_counter()
     view = pipe.checkpoint_view
-    view.refuse_mesh("save_checkpoint()")
+    if format != STORAGE_DCP:
+        view.refuse_mesh("save_checkpoint(format='pipedream')")
     dcp_save.finish_pending(view)
     if view.asynchronous:
         pipe.flush()

@@ -45,8 +45,10 @@ class PipelineView:
         asynchronous: whether the schedule updates weights asynchronously.
         checkpoint_group: the Gloo group over ``group``'s ranks that DCP checkpoints
             use (``None``: DCP checkpoints are refused).
-        data_parallel: ``"fsdp"`` or ``"replicate"`` over a mesh's ``dp`` dimension
-            (copies of every stage that checkpoints do not handle yet), else ``None``.
+        data_parallel: ``"fsdp"`` or ``"replicate"`` over a mesh's ``dp`` dimension,
+            else ``None``. With a mesh, ``rank``, ``world_size``, ``group`` and
+            ``stage_ranks`` are the whole world's (every dp rank runs each stage: a
+            copy, or with ``"fsdp"`` a shard), ``checkpoint_group`` a Gloo group over it.
     """
 
     rank: int
@@ -94,18 +96,26 @@ class PipelineView:
         """Whether this rank is ``stage``'s leader (replica 0), which writes its files."""
         return self.stage_ranks[stage][0] == self.rank
 
+    def writes(self, stage: int) -> bool:
+        """Whether this rank writes ``stage``'s tensors to a DCP checkpoint: its leader,
+        or with ``data_parallel="fsdp"`` every rank (each holds a shard: DTensors that
+        DCP assembles; a plain tensor several ranks give, such as a step count, DCP
+        writes once)."""
+        return self.is_leader(stage) or self.data_parallel == "fsdp"
+
     def refuse_mesh(self, call: str) -> None:
-        """Checkpoints know one copy of each stage; a mesh's dp ranks hold several
-        (or shards of one).
+        """The pipedream format and ``load_state_dict`` know one whole copy of each stage;
+        a mesh's dp ranks hold several (or shards of one): DCP checkpoints handle them.
 
         Raises:
             ValueError: ``call`` on a pipeline built with ``mesh=``.
         """
         if self.data_parallel is not None:
             raise ValueError(f"{call} does not support pipelines built with mesh= "
-                             f"(data_parallel={self.data_parallel!r}) yet: each dp rank holds "
-                             "a copy or a shard of its stage; save the unsplit weights with "
-                             "torch.distributed.checkpoint instead")
+                             f"(data_parallel={self.data_parallel!r}): each dp rank holds a copy "
+                             "or a shard of its stage; use save_checkpoint(..., format='dcp') and "
+                             "load_checkpoint of that checkpoint (DCP re-shards), or "
+                             "pd.consolidate(path) for the unsplit state dict")
 
     def describe(self) -> Dict[str, Any]:
         """The pipeline's layout as the manifest records it (JSON)."""

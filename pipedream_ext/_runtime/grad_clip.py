@@ -14,14 +14,17 @@ Which rank counts which gradient:
 * a parameter tied across stages: the leader of the stage of its first use only
   (``SharedGradients`` has summed every copy's gradient into each copy);
 * a parameter of two stages on one rank (chunks): once (``parameters()``);
-* a ``DTensor`` gradient (FSDP2 ``fully_shard``; no stage makes one today): its
-  local shard (``to_local()``) on every rank holding one, once per replicated mesh
-  dimension (coordinate 0). Shards are disjoint, so their p-th powers add up to the
-  whole tensor's within the same all-reduce over the pipeline's group.
+* a ``DTensor`` gradient (``mesh=``, ``data_parallel="fsdp"``: FSDP2 ``fully_shard``
+  over ``mesh["dp"]``): its local shard (``to_local()``) on every rank holding one,
+  once per replicated mesh dimension (coordinate 0). Shards are disjoint, so their
+  p-th powers add up to the whole tensor's within the same all-reduce;
+* with a mesh, a plain gradient (``data_parallel="replicate"``: every dp rank holds
+  the same averaged gradient) on dp rank 0 only, as a replica's leader counts it.
 
 Each rank computes ``L = torch.nn.utils.get_total_norm`` of the gradients it counts
 (torch's own arithmetic: per-tensor norms, foreach, the norm of the norms); one
-all-reduce over the pipeline's group, of a 6-number float64 vector on the metadata
+all-reduce over the pipeline's group (with a mesh: the whole world, every
+pipeline's ranks, pp x dp), of a 6-number float64 vector on the metadata
 device (``_dist.collectives``' device rule, waited for within the pipeline's
 timeout), sums ``L ** p`` (max of ``L`` for ``p = inf``) and carries a NaN flag and
 which gradient dtypes exist anywhere (the norm takes their promoted dtype, as
@@ -166,15 +169,18 @@ class GradientClipper:
         timeout: seconds the all-reduce may take.
         counted_elsewhere: tied parameters whose gradient another rank counts
             (``SharedGradients.counted_elsewhere``).
+        count_plain: whether this rank counts its plain (not ``DTensor``) gradients at
+            all: ``False`` on a mesh's dp ranks other than 0, which hold the same
+            gradients as dp rank 0 (``group`` is then the whole world).
     """
 
     def __init__(self, stages: LocalStages, stage_ranks: Sequence[Sequence[int]], rank: int,
                  group: dist.ProcessGroup, device: torch.device, timeout: float,
-                 counted_elsewhere: Sequence[nn.Parameter] = ()) -> None:
+                 counted_elsewhere: Sequence[nn.Parameter] = (), count_plain: bool = True) -> None:
         self.module, self.group, self.device, self.timeout = stages.module, group, device, timeout
         self.rank = rank
         skip = {id(p) for p in counted_elsewhere}
-        self._counted = {id(p) for j in stages if stage_ranks[j][0] == rank
+        self._counted = {id(p) for j in stages if stage_ranks[j][0] == rank and count_plain
                          for p in stages.parameters_of(j) if id(p) not in skip}
 
     def local_gradients(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
@@ -234,8 +240,11 @@ class GradientClipper:
         """The pipeline's total norm from this rank's counted gradients (one all-reduce)."""
         infinite = math.isinf(norm_type)
         values = torch.zeros(2 + len(_DTYPES), dtype=torch.float64)
-        if counted:
-            norm = torch.nn.utils.get_total_norm(counted, norm_type, False, foreach)
+        # An FSDP shard may be empty (more dp ranks than rows): it adds nothing, and
+        # torch's inf norm refuses an empty tensor.
+        nonempty = [g for g in counted if g.numel()]
+        if nonempty:
+            norm = torch.nn.utils.get_total_norm(nonempty, norm_type, False, foreach)
             norm = norm.detach().to("cpu", torch.float64)
             if bool(norm.isnan()):
                 values[1] = 1.0

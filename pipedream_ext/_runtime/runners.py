@@ -128,10 +128,13 @@ class Runner:
         self.steps_run = 0  # steps run (flush) or admitted (asynchronous), for messages
         #: A traced model's named inputs, in the order the runner gets them (for messages).
         self.input_names: Optional[List[str]] = None
+        # With a mesh the norm covers every pipeline: the whole world, plain (replicated)
+        # gradients counted on dp rank 0 only, FSDP shards on every rank.
         self.clipper = GradientClipper(
             stages, [schedule.stage_ranks(j) for j in range(self.num_stages)], groups.rank,
-            groups.group, device, config.timeout,
-            shared_gradients.counted_elsewhere() if shared_gradients is not None else ())
+            self.step_group, device, config.timeout,
+            shared_gradients.counted_elsewhere() if shared_gradients is not None else (),
+            count_plain=data_parallel is None or data_parallel.plan.dp_rank == 0)
         # The clipper, not the runner: the executor holding the callback must not hold the runner.
         self._update = _OptimizerStep(None if config.clip_grad_norm is None else
                                       functools.partial(self.clipper.clip, *config.clip_grad_norm))

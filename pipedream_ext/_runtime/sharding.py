@@ -75,6 +75,11 @@ class MeshPlan:
         return self.mesh["dp"].get_group()
 
     @property
+    def dp_rank(self) -> int:
+        """This rank's coordinate on ``dp``."""
+        return int(self.mesh["dp"].get_local_rank())
+
+    @property
     def dp_size(self) -> int:
         return int(self.mesh.shape[1])
 
@@ -98,6 +103,32 @@ class MeshPlan:
         for ranks in self.pipelines:
             side_group(ranks)
             checkpoint_group(ranks, timeout)
+        checkpoint_group(self.world_ranks, timeout)
+
+    @property
+    def world_ranks(self) -> List[int]:
+        """Every rank of the mesh (the whole world), in order."""
+        return sorted(r for ranks in self.pipelines for r in ranks)
+
+    def checkpoint_layout(self, stage_ranks: Sequence[Sequence[int]], timeout: float
+                          ) -> Dict[str, Any]:
+        """What a checkpoint sees of a meshed pipeline: one pipeline over the whole world
+        whose stages run on every dp rank (their copies or shards), dp rank 0's copy the
+        leader; DCP's collectives on a Gloo group over the world.
+
+        Args:
+            stage_ranks: every stage's ranks within this pipeline (``mesh["pp"]``).
+            timeout: seconds, for the checkpoint group.
+
+        Returns:
+            ``PipelineView`` fields: ``rank``, ``world_size``, ``group``, ``stage_ranks``
+            (global ranks) and ``checkpoint_group``.
+        """
+        return {"rank": dist.get_rank(), "world_size": dist.get_world_size(),
+                "group": dist.group.WORLD,
+                "stage_ranks": [[ranks[r] for ranks in self.pipelines for r in local]
+                                for local in stage_ranks],
+                "checkpoint_group": checkpoint_group(self.world_ranks, timeout)}
 
 
 def resolve_mesh(mesh: Any, data_parallel: str, process_group: Optional[dist.ProcessGroup],
