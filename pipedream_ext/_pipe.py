@@ -293,16 +293,8 @@ class PipeDream:
         read of this pipeline: this rank's stage modules and layer ranges, every
         stage's ranks, the whole model's key shapes, the shared parameters and the
         layout (see ``pipedream_ext/_checkpoint/view.py``)."""
-        fields = _view_ranks(self.rank, self.world_size, self.group, self._groups.checkpoint, self.timeout,
-                             [self._schedule.stage_ranks(j) for j in range(self.num_stages)],
-                             self._runner.data_parallel)
-        return PipelineView(
-            timeout=self.timeout, device=self.device, module=self.module,
-            stages={j: self._stages[j] for j in self.local_stages}, stage_layers=self.stage_layers,
-            model_shapes=self._model_shapes, shared_parameters=self.shared_parameters,
-            split_points=self.split_points, schedule_name=self.schedule_name,
-            microbatches=self.microbatches, chunks=self.chunks, balance=self.balance,
-            replicas=self.replicas, asynchronous=self.asynchronous, **fields)
+        return _checkpoint_view(self, self._groups, self._schedule, self._stages, self._model_shapes,
+                                self._runner.data_parallel)
 
     # -- module-like API ------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -509,6 +501,20 @@ class PipeDream:
         if exc_type is None:
             self.close()
 
+
+
+def _checkpoint_view(pipe: PipeDream, groups: Any, schedule: Any, stages: Any,
+                     model_shapes: Dict[str, Tuple[int, ...]], data_parallel: Any) -> PipelineView:
+    """:attr:`PipeDream.checkpoint_view`, built from the pipeline's parts."""
+    fields = _view_ranks(pipe.rank, pipe.world_size, pipe.group, groups.checkpoint, pipe.timeout,
+                         [schedule.stage_ranks(j) for j in range(pipe.num_stages)], data_parallel)
+    return PipelineView(
+        timeout=pipe.timeout, device=pipe.device, module=pipe.module,
+        stages={j: stages[j] for j in pipe.local_stages}, stage_layers=pipe.stage_layers,
+        model_shapes=model_shapes, shared_parameters=pipe.shared_parameters,
+        split_points=pipe.split_points, schedule_name=pipe.schedule_name,
+        microbatches=pipe.microbatches, chunks=pipe.chunks, balance=pipe.balance,
+        replicas=pipe.replicas, asynchronous=pipe.asynchronous, **fields)
 
 
 def _view_ranks(rank: int, world_size: int, group: Any, checkpoint: Any, timeout: float,
