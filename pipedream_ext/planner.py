@@ -622,6 +622,16 @@ def _data_parallel(data_parallel: Any, sharding: Optional[str], straight: Option
     return _DataParallel(data_parallel, chosen, None, tuple(bandwidth))
 
 
+def _options(straight: bool, fewer_workers: bool, ratio: Optional[float], two_bw: bool,
+             dp: Optional[_DataParallel], optimizer_state: float) -> Dict[str, Any]:
+    """``Plan.options``: what ``plan`` was asked (the dp bandwidth only with data parallelism)."""
+    options: Dict[str, Any] = {"straight": straight, "fewer_workers": fewer_workers,
+                               "activation_compression_ratio": ratio, "two_bw": two_bw}
+    if dp is not None:
+        options.update(data_parallel_bandwidth=dp.bandwidth, optimizer_state=float(optimizer_state))
+    return options
+
+
 def plan(
     profile: ProfileLike,
     workers: Union[int, Sequence[int]],
@@ -709,14 +719,8 @@ def plan(
         optimizer_state=float(optimizer_state),
     )
     log.debug("planned over %d %s states", raw["num_states"], raw["state_kind"])
-    options: Dict[str, Any] = {
-        "straight": straight,
-        "fewer_workers": fewer_workers,
-        "activation_compression_ratio": activation_compression_ratio,
-        "two_bw": two_bw,
-    }
-    if dp is not None:
-        options.update(data_parallel_bandwidth=dp.bandwidth, optimizer_state=float(optimizer_state))
+    options = _options(straight, fewer_workers, activation_compression_ratio, two_bw, dp,
+                       optimizer_state)
     # The planner's dict (csrc/bindings/planner.cpp planToDict) is keyed by the field
     # names; the topology, options and data parallelism are ours, not the planner's.
     return _from_dict(
