@@ -33,7 +33,7 @@ from typing import (
 
 from . import _C
 
-__all__ = ["Plan", "ProfileGraph", "Stage", "Topology", "load_profile", "plan"]
+__all__ = ["SHARDINGS", "Plan", "ProfileGraph", "Stage", "Topology", "load_profile", "plan"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,12 @@ def _as_bool(v: Any) -> bool:
     if not isinstance(v, bool):
         raise TypeError("expected true or false")
     return v
+
+
+def _optional(conv: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def as_optional(v: Any) -> Any:
+        return None if v is None else conv(v)
+    return as_optional
 
 
 def _as_dict(v: Any) -> Dict[str, Any]:
@@ -318,7 +324,12 @@ class Stage:
         compute_seconds: forward + backward seconds of its layers on one worker.
         parameter_bytes: weight bytes of the stage.
         activation_bytes: output activation bytes of its layers (per minibatch).
-        memory_bytes: predicted bytes per worker (weight versions + stashed activations).
+        memory_bytes: predicted bytes per rank: ``model_state_bytes +
+            stashed_activation_bytes``.
+        model_state_bytes: per rank: the weight versions; in a data-parallel plan
+            the weights, gradients and optimizer state, divided by ``data_parallel``
+            under ``sharding="fsdp"``.
+        stashed_activation_bytes: per rank: activations of the minibatches in flight.
         layers: for a chain profile (an ``nn.Sequential``), the layer index range
             ``(start, end)`` of the stage; ``None`` for branching graphs.
     """
@@ -331,6 +342,8 @@ class Stage:
     parameter_bytes: float = _schema_field(_as_float, default=0.0)
     activation_bytes: float = _schema_field(_as_float, default=0.0)
     memory_bytes: float = _schema_field(_as_float, default=0.0)
+    model_state_bytes: float = _schema_field(_as_float, default=0.0)
+    stashed_activation_bytes: float = _schema_field(_as_float, default=0.0)
     layers: Optional[Tuple[int, int]] = _schema_field(
         _as_layers, default=None, dump=_dump_layers, from_planner=_as_layers_from_planner)
 
@@ -388,13 +401,18 @@ class Plan:
         coarsened: topological cuts were thinned to meet the work budget.
         chain: the profile is a chain; stages then carry ``layers``.
         options: the planner options used.
+        data_parallel: data-parallel ranks inside every stage (a ``(pp, dp)`` mesh;
+            stages are then straight over ``used_workers`` pipeline ranks), or
+            ``None`` for a plan without them (stages may have PipeDream replicas).
+        sharding: with ``data_parallel``: ``"fsdp"`` (each rank keeps 1/dp of a
+            stage's weights, gradients and optimizer state) or ``"replicate"``.
     """
 
     # from_dict reads (and reports the first bad field) in declaration order;
     # ``position`` is plan.json's key order, which the file format fixes and
     # which differs from the constructor's argument order.
     stages: List[Stage] = _schema_field(
-        _list_of(_same), nested=_nested_stages, position=13,
+        _list_of(_same), nested=_nested_stages, position=15,
         dump=lambda stages: [s.to_dict() for s in stages])
     time_per_stage: float = _schema_field(_as_float, position=4)
     data_parallel_time: float = _schema_field(_as_float, position=5)
@@ -410,6 +428,8 @@ class Plan:
     coarsened: bool = _schema_field(_as_bool, default=False, position=10)
     chain: bool = _schema_field(_as_bool, default=False, position=11)
     options: Dict[str, Any] = _schema_field(_as_dict, default_factory=dict, position=12, dump=dict)
+    data_parallel: Optional[int] = _schema_field(_optional(_as_int), default=None, position=13)
+    sharding: Optional[str] = _schema_field(_optional(_as_str), default=None, position=14)
 
     @property
     def layers(self) -> Optional[List[Tuple[int, int]]]:
@@ -422,6 +442,11 @@ class Plan:
     def replicas(self) -> List[int]:
         """Replica count per stage."""
         return [s.replicas for s in self.stages]
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the plan runs on: pipeline workers times data-parallel ranks per stage."""
+        return self.used_workers * (self.data_parallel or 1)
 
     def to_dict(self) -> Dict[str, Any]:
         """The ``plan.json`` object.
@@ -501,21 +526,31 @@ class Plan:
                 raise ValueError(f"{os.fspath(path)}: {exc}") from exc
 
     def table(self) -> str:
-        """A human-readable table of the stages and the predicted speedup."""
+        """A human-readable table of the stages and the predicted speedup.
+
+        Memory is per rank: the total, then its model state (weights, gradients
+        and optimizer state in data-parallel plans; weight versions otherwise)
+        and stashed activations.
+        """
         topo = "x".join(str(w) for w in self.topology.workers)
+        dp = "" if self.data_parallel is None else (
+            f" x {self.data_parallel} data-parallel ranks per stage ({self.sharding}), "
+            f"{self.world_size} ranks in all")
         lines = [
             f"{len(self.stages)} stage(s) on {self.used_workers}/{self.num_workers} workers "
-            f"(levels {topo}), cost model {self.cost_model}, "
+            f"(levels {topo}){dp}, cost model {self.cost_model}, "
             f"{self.num_states} {self.state_kind} states{' (coarsened)' if self.coarsened else ''}",
             f"{'stage':>5}  {'layers' if self.chain else 'nodes':>12}  {'replicas':>8}  "
-            f"{'ranks':<16}  {'time (ms)':>10}  {'memory/worker (MB)':>18}",
+            f"{'ranks':<16}  {'time (ms)':>10}  {'memory/rank (MB)':>16}  {'state (MB)':>10}  "
+            f"{'activations (MB)':>16}",
         ]
         for i, s in enumerate(self.stages):
             where = f"[{s.layers[0]}, {s.layers[1]})" if s.layers is not None else str(len(s.nodes))
             ranks = _rank_ranges(s.ranks)
             lines.append(
                 f"{i:>5}  {where:>12}  {s.replicas:>8}  {ranks:<16}  {s.time * 1e3:>10.3f}  "
-                f"{s.memory_bytes / 1e6:>18.1f}"
+                f"{s.memory_bytes / 1e6:>16.1f}  {s.model_state_bytes / 1e6:>10.1f}  "
+                f"{s.stashed_activation_bytes / 1e6:>16.1f}"
             )
         lines.append(
             f"time per stage: {self.time_per_stage * 1e3:.3f} ms; data parallel: "
@@ -541,27 +576,91 @@ def _rank_ranges(ranks: Sequence[int]) -> str:
     return ",".join(parts)
 
 
+SHARDINGS = ("fsdp", "replicate")
+
+
+@dataclasses.dataclass(frozen=True)
+class _DataParallel:
+    """Data-parallel ranks inside every stage, as ``plan`` checked them."""
+
+    degree: int
+    sharding: str
+    bandwidth: Optional[float]  # None: degree 1 and no bandwidth given
+    pipeline_bandwidth: Tuple[float, ...]
+
+
+def _data_parallel(data_parallel: Any, sharding: Optional[str], straight: Optional[bool],
+                   workers: Sequence[int], bandwidth: Sequence[float]) -> _DataParallel:
+    """Checks ``plan``'s data-parallel arguments and splits off the dp bandwidth.
+
+    Raises:
+        ValueError: naming the bad value and the fix.
+    """
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
+        raise ValueError(f"data_parallel={data_parallel!r} must be an integer >= 1 (data-parallel "
+                         "ranks per stage, the dp size of a (pp, dp) mesh); leave it None to plan "
+                         "without data parallelism inside stages")
+    chosen = "replicate" if sharding is None else sharding
+    if chosen not in SHARDINGS:
+        raise ValueError(f"sharding={sharding!r} is unknown; use 'fsdp' (each data-parallel rank "
+                         "keeps 1/data_parallel of a stage's weights, gradients and optimizer "
+                         "state) or 'replicate' (each keeps them whole)")
+    if straight is False:
+        raise ValueError(f"data_parallel={data_parallel} puts data-parallel ranks inside every "
+                         "stage, which replaces PipeDream's replicas, so stages are straight over "
+                         "the pipeline workers; drop straight=False, or leave data_parallel out "
+                         "to plan replicas")
+    if len(bandwidth) == len(workers) + 1:
+        return _DataParallel(data_parallel, chosen, float(bandwidth[0]), tuple(bandwidth[1:]))
+    if data_parallel > 1 or len(bandwidth) != len(workers):
+        raise ValueError(
+            f"data_parallel={data_parallel} with pipeline workers {list(workers)} needs "
+            f"{len(workers) + 1} bandwidths, got {len(bandwidth)} ({list(bandwidth)}): first the "
+            "bytes/s among a stage's data-parallel ranks (the innermost level: in a (pp, dp) "
+            "mesh they are consecutive ranks), then one per pipeline level, e.g. "
+            "bandwidth=[16e9, 1.25e9] for workers=4")
+    return _DataParallel(data_parallel, chosen, None, tuple(bandwidth))
+
+
+def _options(straight: bool, fewer_workers: bool, ratio: Optional[float], two_bw: bool,
+             dp: Optional[_DataParallel], optimizer_state: float) -> Dict[str, Any]:
+    """``Plan.options``: what ``plan`` was asked (the dp bandwidth only with data parallelism)."""
+    options: Dict[str, Any] = {"straight": straight, "fewer_workers": fewer_workers,
+                               "activation_compression_ratio": ratio, "two_bw": two_bw}
+    if dp is not None:
+        options.update(data_parallel_bandwidth=dp.bandwidth, optimizer_state=float(optimizer_state))
+    return options
+
+
 def plan(
     profile: ProfileLike,
     workers: Union[int, Sequence[int]],
     bandwidth: Union[float, Sequence[float]],
     memory: Optional[float] = None,
-    straight: bool = False,
+    straight: Optional[bool] = None,
     fewer_workers: bool = False,
     cost_model: str = "default",
     activation_compression_ratio: Optional[float] = None,
     two_bw: bool = False,
     max_antichain_states: int = 4096,
     work_budget: float = 1.5e8,
+    data_parallel: Optional[int] = None,
+    sharding: Optional[str] = None,
+    optimizer_state: float = 2.0,
 ) -> Plan:
     """Partitions a profiled model over a cluster.
 
     Args:
         profile: a ``graph.txt`` path or a :class:`ProfileGraph`.
-        workers: workers per level, innermost first (an int for one level).
-        bandwidth: bytes/s per level, innermost first.
-        memory: bytes per worker; ``None`` or 0 for no limit.
-        straight: one worker per stage (no replication).
+        workers: workers per level, innermost first (an int for one level); with
+            ``data_parallel``, the pipeline (pp) workers only.
+        bandwidth: bytes/s per level, innermost first; with ``data_parallel`` > 1,
+            first the bytes/s among a stage's data-parallel ranks, then one per
+            level of ``workers``.
+        memory: bytes per worker (per rank with ``data_parallel``); ``None`` or 0
+            for no limit.
+        straight: one worker per stage (no replication); ``None``: no, unless
+            ``data_parallel`` is given.
         fewer_workers: allow plans that leave workers unused.
         cost_model: ``"pipedream"`` (PipeDream's optimizer) or ``"default"``.
         activation_compression_ratio: PipeDream's ratio; ``None`` makes
@@ -572,6 +671,16 @@ def plan(
         max_antichain_states: above this many PipeDream states, plan over
             topological cuts instead.
         work_budget: DP updates allowed before states are coarsened.
+        data_parallel: data-parallel ranks inside every stage (the dp size of a
+            ``(pp, dp)`` mesh); stages are then straight over ``workers`` and each
+            stage's time and memory per rank follow docs/planner.md ("Planning
+            with data parallelism and sharding"). ``None``: none (the plan may
+            replicate stages PipeDream's way instead).
+        sharding: with ``data_parallel``: ``"fsdp"`` (weights, gradients and
+            optimizer state divided among the stage's ranks) or ``"replicate"``
+            (the default: each rank holds them whole).
+        optimizer_state: with ``data_parallel``: optimizer state bytes per weight
+            byte (AdamW 2, SGD with momentum 1, plain SGD 0).
 
     Returns:
         The optimal :class:`Plan` under the cost model.
@@ -584,6 +693,13 @@ def plan(
         workers = [workers]
     if isinstance(bandwidth, (int, float)):
         bandwidth = [float(bandwidth)]
+    dp: Optional[_DataParallel] = None
+    if data_parallel is not None:
+        dp = _data_parallel(data_parallel, sharding, straight, list(workers), list(bandwidth))
+        bandwidth = dp.pipeline_bandwidth
+    elif sharding is not None:
+        raise ValueError(f"sharding={sharding!r} applies to data-parallel ranks inside stages; "
+                         "pass data_parallel=N (the dp size of the mesh) too")
     topo = Topology(tuple(workers), tuple(bandwidth), float(memory or 0.0))
     if cost_model not in ("pipedream", "default"):
         raise ValueError(f"unknown cost model {cost_model!r}; use 'pipedream' or 'default'")
@@ -591,30 +707,22 @@ def plan(
         raise ValueError(
             f"activation compression ratio {activation_compression_ratio} must be > 0 (or None)"
         )
+    straight = bool(straight) or dp is not None
     graph = profile if isinstance(profile, _C.ProfileGraph) else load_profile(profile)
     raw = _C.plan_graph(
-        graph,
-        list(topo.workers),
-        list(topo.bandwidth),
-        memory=topo.memory,
-        straight=straight,
-        fewer_workers=fewer_workers,
-        cost_model=cost_model,
-        compression=float(activation_compression_ratio or 0.0),
-        two_bw=two_bw,
-        max_antichain_states=max_antichain_states,
-        work_budget=work_budget,
+        graph, list(topo.workers), list(topo.bandwidth), memory=topo.memory, straight=straight,
+        fewer_workers=fewer_workers, cost_model=cost_model,
+        compression=float(activation_compression_ratio or 0.0), two_bw=two_bw,
+        max_antichain_states=max_antichain_states, work_budget=work_budget,
+        data_parallel=dp.degree if dp else 0, sharding=dp.sharding if dp else "replicate",
+        data_parallel_bandwidth=(dp.bandwidth or 0.0) if dp else 0.0,
+        optimizer_state=float(optimizer_state),
     )
     log.debug("planned over %d %s states", raw["num_states"], raw["state_kind"])
+    options = _options(straight, fewer_workers, activation_compression_ratio, two_bw, dp,
+                       optimizer_state)
     # The planner's dict (csrc/bindings/planner.cpp planToDict) is keyed by the field
-    # names; the topology and options are ours, not the planner's.
+    # names; the topology, options and data parallelism are ours, not the planner's.
     return _from_dict(
-        Plan, raw, "the C++ planner's result", from_planner=True,
-        topology=topo,
-        options={
-            "straight": straight,
-            "fewer_workers": fewer_workers,
-            "activation_compression_ratio": activation_compression_ratio,
-            "two_bw": two_bw,
-        },
-    )
+        Plan, raw, "the C++ planner's result", from_planner=True, topology=topo, options=options,
+        data_parallel=dp.degree if dp else None, sharding=dp.sharding if dp else None)

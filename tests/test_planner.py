@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 from pathlib import Path
 from typing import List
 
@@ -10,6 +11,7 @@ import pytest
 
 import pipedream_ext as pe
 from pipedream_ext.__main__ import main
+from pipedream_ext._planning import startup
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "profiles"
@@ -86,9 +88,11 @@ def test_plan_json_errors_name_the_file_and_field(tmp_path: Path) -> None:
 # plan.json's key order is part of the file format: readers diff plans as text.
 PLAN_JSON_KEYS = ["format", "version", "cost_model", "topology", "num_workers", "used_workers",
                   "time_per_stage", "data_parallel_time", "speedup_over_dp", "single_worker_time",
-                  "state_kind", "num_states", "coarsened", "chain", "options", "stages", "ranks"]
+                  "state_kind", "num_states", "coarsened", "chain", "options", "data_parallel",
+                  "sharding", "stages", "ranks"]
 STAGE_JSON_KEYS = ["nodes", "replicas", "ranks", "time", "compute_seconds", "parameter_bytes",
-                   "activation_bytes", "memory_bytes", "layers"]
+                   "activation_bytes", "memory_bytes", "model_state_bytes",
+                   "stashed_activation_bytes", "layers"]
 
 
 def _chain_graph() -> "pe.ProfileGraph":
@@ -101,10 +105,13 @@ def _chain_graph() -> "pe.ProfileGraph":
 
 
 def _schema_plans() -> List["pe.Plan"]:
-    """A chain plan (stages carry layers) and a branching one (layers None)."""
+    """A chain plan (stages carry layers), a branching one (layers None) and a
+    data-parallel one (data_parallel and sharding set)."""
     return [pe.plan(_chain_graph(), workers=8, bandwidth=1.25e9, cost_model="pipedream",
                     activation_compression_ratio=1.0),
-            pe.plan(DATA / "gnmt.txt", workers=[4, 2], bandwidth=[16e9, 1.25e9], two_bw=True)]
+            pe.plan(DATA / "gnmt.txt", workers=[4, 2], bandwidth=[16e9, 1.25e9], two_bw=True),
+            pe.plan(_chain_graph(), workers=4, bandwidth=[16e9, 1.25e9], data_parallel=2,
+                    sharding="fsdp")]
 
 
 def test_plan_schema_round_trip_covers_every_field() -> None:
@@ -133,7 +140,7 @@ def test_plan_schema_round_trip_covers_every_field() -> None:
 
 def test_plan_schema_from_the_planner_matches_from_dict() -> None:
     """plan() builds the dataclasses from the C++ dict with the same converters."""
-    chain, branching = _schema_plans()
+    chain, branching, _ = _schema_plans()
     for p in (chain, branching):
         loaded = pe.Plan.from_json(p.to_json())
         for f in dataclasses.fields(pe.Plan):
@@ -290,3 +297,219 @@ def test_every_shipped_profile_plans_flat_and_hierarchical(path: Path) -> None:
             assert sorted(r for s in p.stages for r in s.ranks) == list(range(16))
             assert 0 < p.time_per_stage <= p.single_worker_time
             assert p.speedup_over_dp >= 1.0 - 1e-9  # plain DP is one candidate plan
+
+
+# -- data parallelism and sharding inside stages (docs/planner.md) -------------------------
+def _heavy_chain(layers: int = 4) -> "pe.ProfileGraph":
+    """Layers of 30 ms (10 forward + 20 backward), 1 GB of weights, 1 MB of output."""
+    graph = pe.ProfileGraph()
+    graph.add_node("node1", "Input", 0.0, 0.0, 1e6, 0.0)
+    for i in range(layers):
+        graph.add_node(f"node{i + 2}", f"Layer{i}", 10.0, 20.0, 1e6, 1e9)
+        graph.add_edge(f"node{i + 1}", f"node{i + 2}")
+    return graph
+
+
+def test_data_parallel_time_is_compute_and_sync_over_dp() -> None:
+    """Per stage: (compute + 2 (dp-1)/dp weight bytes / dp bandwidth) / dp, both shardings."""
+    dp_bw, pp_bw = 1e10, 1e12  # boundaries (2 MB at 1e12 B/s) never bind
+    for sharding in ("fsdp", "replicate"):
+        p = pe.plan(_heavy_chain(), workers=2, bandwidth=[dp_bw, pp_bw], data_parallel=2,
+                    sharding=sharding)
+        assert p.data_parallel == 2 and p.sharding == sharding and p.world_size == 4
+        assert p.layers == [(0, 2), (2, 4)] and p.replicas == [1, 1]
+        assert [s.ranks for s in p.stages] == [[0], [1]]
+        for s in p.stages:
+            assert s.compute_seconds == pytest.approx(0.06, rel=1e-12)
+            assert s.parameter_bytes == 2e9
+            # (0.06 + 2 * 1/2 * 2e9 / 1e10) / 2 = 0.13 s per minibatch
+            assert s.time == pytest.approx((0.06 + 2 * (2 - 1) / 2 * 2e9 / dp_bw) / 2, rel=1e-12)
+            assert s.time == pytest.approx(0.13, rel=1e-12)
+        assert p.time_per_stage == pytest.approx(0.13, rel=1e-12)
+        assert p.options["data_parallel_bandwidth"] == dp_bw
+        # Plain data parallelism on all 4 ranks (dp level innermost, then the pipeline's):
+        # level 1: max(0.12, 2 * 1 * 4e9 / (2 * 1e10)) / 2 = 0.2; level 2: max(0.2, 2 * 1 *
+        # 4e9 / (2 * 1e12 * 2)) / 2 = 0.1.
+        assert p.data_parallel_time == pytest.approx(0.1, rel=1e-12)
+    # Four data-parallel ranks: (0.06 + 2 * 3/4 * 2e9 / 1e10) / 4 = 0.09.
+    p4 = pe.plan(_heavy_chain(), workers=2, bandwidth=[dp_bw, pp_bw], data_parallel=4,
+                 sharding="fsdp")
+    assert p4.time_per_stage == pytest.approx(0.09, rel=1e-12)
+    # Boundary transfers: each dp rank's own link carries its minibatches, so the
+    # d links share them: 2 * 1e6 / (1e6 B/s * 2) = 1 s binds the stage a split added.
+    slow = pe.plan(_heavy_chain(), workers=2, bandwidth=[dp_bw, 1e6], data_parallel=2)
+    assert slow.stages[1].time == pytest.approx(1.0, rel=1e-12)
+    assert slow.time_per_stage == pytest.approx(1.0, rel=1e-12)
+
+
+def test_data_parallel_memory_per_rank_and_a_limit_only_fsdp_fits() -> None:
+    """memory/rank = (weights + gradients + optimizer state) [/ dp under fsdp] + stashed
+    activations of the minibatches in flight (pp - j at stage j, as without dp)."""
+    fsdp = pe.plan(_heavy_chain(), workers=2, bandwidth=[1e10, 1e12], data_parallel=2,
+                   sharding="fsdp")
+    replicate = pe.plan(_heavy_chain(), workers=2, bandwidth=[1e10, 1e12], data_parallel=2)
+    assert replicate.sharding == "replicate"  # the default: the conservative memory model
+    for j, (f, r) in enumerate(zip(fsdp.stages, replicate.stages)):
+        in_flight = 2 - j
+        assert f.stashed_activation_bytes == r.stashed_activation_bytes == in_flight * 2e6
+        # AdamW (optimizer_state=2): weights + gradients + 2 moments = 4 x 2e9 bytes.
+        assert r.model_state_bytes == 4 * 2e9
+        assert f.model_state_bytes == 4 * 2e9 / 2
+        assert f.memory_bytes == f.model_state_bytes + f.stashed_activation_bytes
+        assert r.memory_bytes == r.model_state_bytes + r.stashed_activation_bytes
+    sgd = pe.plan(_heavy_chain(), workers=2, bandwidth=[1e10, 1e12], data_parallel=2,
+                  sharding="fsdp", optimizer_state=0.0)
+    assert sgd.stages[0].model_state_bytes == 2 * 2e9 / 2
+    assert sgd.options["optimizer_state"] == 0.0
+    # 5e9 bytes per rank: fsdp holds 4e9 + 4e6 on stage 0; replicate (and one rank per
+    # stage, dp=1) would need 8e9 + 4e6, and every other split more on one stage.
+    limited = pe.plan(_heavy_chain(), workers=2, bandwidth=[1e10, 1e12], memory=5e9,
+                      data_parallel=2, sharding="fsdp")
+    assert limited.layers == [(0, 2), (2, 4)]
+    assert max(s.memory_bytes for s in limited.stages) == 4e9 + 4e6 <= 5e9
+    with pytest.raises(ValueError, match=r"^no partition fits the memory limit of 5000000000\.0+ "
+                                         r"bytes per worker \(2 workers x 2 data-parallel ranks, "
+                                         r"sharding 'replicate'\); .* or use sharding 'fsdp' "
+                                         r"\(divides weights, gradients and optimizer state by 2\)$"):
+        pe.plan(_heavy_chain(), workers=2, bandwidth=[1e10, 1e12], memory=5e9, data_parallel=2,
+                sharding="replicate")
+    with pytest.raises(ValueError, match="no partition fits the memory limit of 5000000000"):
+        pe.plan(_heavy_chain(), workers=2, bandwidth=1e12, memory=5e9, data_parallel=1)
+
+
+@pytest.mark.parametrize("name,workers,bandwidth", [
+    ("resnet18", [4], [1.25e9]), ("gnmt", [4, 2], [16e9, 1.25e9]), ("vgg16", [8], [1e10])])
+def test_data_parallel_one_equals_the_straight_plan(name: str, workers: List[int],
+                                                    bandwidth: List[float]) -> None:
+    """dp=1 plans exactly today's straight plan (times, stages, ranks); only the memory
+    model differs (weights, gradients and optimizer state instead of weight versions)."""
+    straight = pe.plan(DATA / f"{name}.txt", workers=workers, bandwidth=bandwidth, straight=True)
+    for sharding in ("fsdp", "replicate"):
+        for bws in (bandwidth, [7e9] + bandwidth):  # the dp level's bandwidth may be given
+            one = pe.plan(DATA / f"{name}.txt", workers=workers, bandwidth=bws, data_parallel=1,
+                          sharding=sharding)
+            assert one.time_per_stage == straight.time_per_stage
+            assert one.data_parallel_time == straight.data_parallel_time
+            assert one.topology == straight.topology and one.options["straight"] is True
+            for a, b in zip(one.stages, straight.stages):
+                assert (a.nodes, a.replicas, a.ranks, a.time, a.layers) == \
+                    (b.nodes, b.replicas, b.ranks, b.time, b.layers)
+                assert a.stashed_activation_bytes == b.stashed_activation_bytes
+                assert a.model_state_bytes == 4 * a.parameter_bytes
+            assert len(one.stages) == len(straight.stages)
+
+
+def test_data_parallel_bad_input_names_the_value_and_the_fix() -> None:
+    g = _heavy_chain()
+    cases = [
+        (dict(data_parallel=0), r"data_parallel=0 must be an integer >= 1"),
+        (dict(data_parallel=True), r"data_parallel=True must be an integer >= 1"),
+        (dict(data_parallel=2.0), r"data_parallel=2.0 must be an integer >= 1"),
+        (dict(data_parallel=2, sharding="zero"), r"sharding='zero' is unknown; use 'fsdp'"),
+        (dict(sharding="fsdp"), r"sharding='fsdp' applies to data-parallel ranks inside stages; "
+                                r"pass data_parallel=N"),
+        (dict(data_parallel=2, straight=False), r"replaces PipeDream's replicas.*drop "
+                                                r"straight=False"),
+        (dict(data_parallel=2, cost_model="pipedream"), r"default cost model, not 'pipedream'"),
+        (dict(data_parallel=2, two_bw=True), r"drop two_bw"),
+        (dict(data_parallel=2, optimizer_state=-1.0), r"optimizer state -1\.0+ bytes per weight "
+                                                      r"byte is invalid; use 2 for AdamW"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            pe.plan(g, workers=2, bandwidth=[1e10, 1e9], **kwargs)
+    with pytest.raises(ValueError, match=r"data_parallel=2 with pipeline workers \[2\] needs 2 "
+                                         r"bandwidths, got 1 \(\[1000000000\.0\]\): first the "
+                                         r"bytes/s among a stage's data-parallel ranks"):
+        pe.plan(g, workers=2, bandwidth=1e9, data_parallel=2)
+    with pytest.raises(ValueError, match="give one bandwidth per level"):
+        pe.plan(g, workers=2, bandwidth=[1e10, 1e9])  # no data_parallel: one per level
+
+
+def test_data_parallel_plans_round_trip_and_show_memory_per_rank(tmp_path: Path) -> None:
+    p = pe.plan(_heavy_chain(), workers=2, bandwidth=[1e10, 1e12], data_parallel=2,
+                sharding="fsdp")
+    p.save(tmp_path / "plan.json")
+    assert pe.Plan.load(tmp_path / "plan.json") == p
+    raw = json.loads((tmp_path / "plan.json").read_text())
+    assert raw["data_parallel"] == 2 and raw["sharding"] == "fsdp"
+    assert raw["stages"][0]["model_state_bytes"] == 4e9
+    table = p.table()
+    assert "x 2 data-parallel ranks per stage (fsdp), 4 ranks in all" in table
+    assert "memory/rank (MB)" in table and "state (MB)" in table
+    assert "4004.0      4000.0               4.0" in table  # stage 0: total, state, activations
+    # A plan without data parallelism keeps data_parallel and sharding None.
+    classic = pe.plan(_heavy_chain(), workers=2, bandwidth=1e12)
+    assert classic.data_parallel is None and classic.sharding is None and classic.world_size == 2
+    assert "data-parallel ranks" not in classic.table()
+
+
+def test_cli_plan_with_data_parallel_and_sharding(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    prof = tmp_path / "graph.txt"
+    _heavy_chain().save(str(prof))
+    args = ["plan", "--profile", str(prof), "--workers", "2", "--bandwidth", "1e10,1e12",
+            "--data-parallel", "2", "--sharding", "fsdp", "--memory", "5e9"]
+    rc, out, _ = _cli(capsys, args + ["-o", str(tmp_path / "plan.json")])
+    assert rc == 0
+    assert "2 stage(s) on 2/2 workers (levels 2) x 2 data-parallel ranks per stage (fsdp)" in out
+    assert "4004.0" in out and f"wrote {tmp_path / 'plan.json'}" in out
+    api = pe.plan(prof, workers=2, bandwidth=[1e10, 1e12], memory=5e9, data_parallel=2,
+                  sharding="fsdp")
+    assert pe.Plan.load(tmp_path / "plan.json") == api
+    rc, out, _ = _cli(capsys, args[:-6] + ["--data-parallel", "2", "--json",
+                                           "--optimizer-state", "1"])
+    assert rc == 0 and json.loads(out)["sharding"] == "replicate"
+    assert json.loads(out)["stages"][0]["model_state_bytes"] == 3 * 2e9
+    rc, _, err = _cli(capsys, args[:-4] + ["--memory", "5e9"])  # replicate does not fit
+    assert rc == 2 and "no partition fits the memory limit" in err and "sharding 'fsdp'" in err
+    rc, _, err = _cli(capsys, ["plan", "--profile", str(prof), "--workers", "2", "--bandwidth",
+                               "1e9", "--data-parallel", "0"])
+    assert rc == 2 and "data_parallel=0 must be an integer >= 1" in err
+    with pytest.raises(SystemExit) as info:  # argparse's own choices
+        main(["plan", "--profile", str(prof), "--workers", "2", "--bandwidth", "1e9",
+              "--data-parallel", "2", "--sharding", "zero"])
+    assert info.value.code == 2 and "invalid choice: 'zero'" in capsys.readouterr().err
+
+
+def test_mesh_planning_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto_plan passes data_parallel and sharding to plan (pp = world / dp) and the
+    mesh checks refuse plans that do not fit it; without them nothing changes."""
+    assert startup.mesh_shape(8, 2, per_node=4) == [2, 2]  # 2 stages x 2 dp ranks per node
+    assert startup.mesh_shape(8, 2, per_node=8) == [4]
+    assert startup.mesh_shape(8, 4, per_node=2) == [2]  # dp spans nodes: one level
+    with pytest.raises(ValueError, match=r"data_parallel=3 must be a positive divisor of the "
+                                         r"world size 8"):
+        startup.mesh_shape(8, 3)
+    graph = _heavy_chain()
+    world = types.SimpleNamespace(get_world_size=lambda group: 4, get_rank=lambda group: 0)
+    monkeypatch.setattr(startup, "dist", world)
+    monkeypatch.setattr(startup.collectives, "broadcast_bytes", lambda payload, src, group: payload)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+
+    def auto(**kwargs: object) -> "pe.Plan":
+        return startup.auto_plan(None, None, (None, None), kwargs.pop("bandwidth"),
+                                 pe.schedules.traits("1f1b"), None, lambda: graph, **kwargs)
+
+    made = auto(bandwidth=[1e10, 1e12], data_parallel=2, sharding="fsdp")
+    assert made == pe.plan(graph, workers=2, bandwidth=[1e10, 1e12], data_parallel=2,
+                           sharding="fsdp")
+    assert auto(bandwidth=[1e12]) == pe.plan(graph, workers=4, bandwidth=1e12)  # unchanged
+    with pytest.raises(ValueError, match=r"bandwidth lists 1 levels but a mesh of 2 data-parallel "
+                                         r"ranks per stage and pipeline levels \[2\] needs 2: the "
+                                         r"dp ranks' bytes/s first"):
+        auto(bandwidth=[1e12], data_parallel=2, sharding="fsdp")
+
+    assert startup.partition_from_plan(made, 4, 2, data_parallel=2, sharding="fsdp") == ([2, 2], None)
+    assert startup.check_plan_world(made, 2, 2, "fsdp") is None
+    with pytest.raises(ValueError, match=r"the plan was made for 2 data-parallel ranks per stage "
+                                         r"with sharding 'fsdp', but the mesh has 2 with "
+                                         r"'replicate'.*--data-parallel 2 --sharding replicate"):
+        startup.check_plan_world(made, 2, 2, "replicate")
+    with pytest.raises(ValueError, match=r"made for 2 data-parallel ranks .* the mesh has 4"):
+        startup.check_plan_world(made, 2, 4, "fsdp")
+    replicated = pe.plan(_chain_graph(), workers=4, bandwidth=1e12)
+    assert any(r > 1 for r in replicated.replicas)
+    with pytest.raises(ValueError, match=r"the plan replicates stages PipeDream's way .* re-plan "
+                                         r"with data_parallel"):
+        startup.check_plan_world(replicated, 4, 2, "fsdp")

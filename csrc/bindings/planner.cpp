@@ -26,6 +26,8 @@ py::dict planStageToDict(const ProfileGraph& g, const Plan& p, const PlanStage& 
   d["parameter_bytes"] = st.parameterBytes;
   d["activation_bytes"] = st.activationBytes;
   d["memory_bytes"] = st.memoryBytes;
+  d["model_state_bytes"] = st.modelStateBytes;
+  d["stashed_activation_bytes"] = st.stashedActivationBytes;
   if (p.chain) {
     d["layers"] = py::make_tuple(st.layerStart, st.layerEnd);
   } else {
@@ -104,11 +106,13 @@ void bindProfileGraph(py::module_& m) {
 }
 
 // plan_graph(): the cluster as levels innermost first (workers and bandwidth
-// per level), planned with the GIL released.
+// per level), planned with the GIL released; data_parallel > 0 plans that many
+// data-parallel ranks inside every stage.
 py::dict planGraph(const ProfileGraph& g, const std::vector<int>& workers,
                    const std::vector<double>& bandwidth, double memory, bool straight, bool fewerWorkers,
                    const std::string& costModel, double compression, bool twoBw, int maxAntichainStates,
-                   double workBudget) {
+                   double workBudget, int dataParallel, const std::string& sharding,
+                   double dataParallelBandwidth, double optimizerState) {
   if (workers.size() != bandwidth.size()) {
     throw std::invalid_argument("got " + std::to_string(workers.size()) + " worker counts but " +
                                 std::to_string(bandwidth.size()) +
@@ -125,6 +129,10 @@ py::dict planGraph(const ProfileGraph& g, const std::vector<int>& workers,
   o.twoBw = twoBw;
   o.maxAntichainStates = maxAntichainStates;
   o.workBudget = workBudget;
+  o.dataParallel.degree = dataParallel;
+  o.dataParallel.sharding = parseSharding(sharding);
+  o.dataParallel.bandwidth = dataParallelBandwidth;
+  o.dataParallel.optimizerState = optimizerState;
   Plan p;
   {
     py::gil_scoped_release release;
@@ -141,7 +149,9 @@ void bindPlanner(py::module_& m) {
         py::arg("memory") = 0.0, py::arg("straight") = false, py::arg("fewer_workers") = false,
         py::arg("cost_model") = "default", py::arg("compression") = 0.0,
         py::arg("two_bw") = false, py::arg("max_antichain_states") = 4096,
-        py::arg("work_budget") = 1.5e8,
+        py::arg("work_budget") = 1.5e8, py::arg("data_parallel") = 0,
+        py::arg("sharding") = "replicate", py::arg("data_parallel_bandwidth") = 0.0,
+        py::arg("optimizer_state") = 2.0,
         "Plans `graph` on a cluster (levels innermost first); returns a dict.");
   m.def(
       "count_antichain_states",

@@ -19,6 +19,26 @@ struct Cell {
 
 inline long ceilDiv(long a, long b) { return (a + b - 1) / b; }
 
+// A stage with data parallelism inside it (docs/planner.md, "Planning with data
+// parallelism and sharding"): its d ranks each run their own minibatches
+// (compute C each), then synchronise the stage's gradients once for those d
+// minibatches, moving 2 (d-1)/d P bytes per rank (a ring all-reduce, or FSDP's
+// reduce-scatter of the gradients plus all-gather of the weights). A flush
+// schedule can hide neither behind compute (the reduction follows the last
+// backward, the all-gather precedes the first forward), so they add.
+double dataParallelStageTime(const DataParallelOptions& dp, double C, double P) {
+  const double d = dp.degree;
+  const double sync = dp.degree > 1 ? 2.0 * (d - 1) * P / (d * dp.bandwidth) : 0.0;
+  return (C + sync) / d;
+}
+
+// Weights, gradients and optimizer state of a stage of P weight bytes per rank:
+// one weight version (flush schedules), divided among the ranks under FSDP.
+double dataParallelStateBytes(const DataParallelOptions& dp, double P) {
+  const double state = (2.0 + dp.optimizerState) * P;
+  return dp.sharding == Sharding::Fsdp ? state / dp.degree : state;
+}
+
 struct Table {
   int n = 0, N = 0, rows = 0;
   std::vector<Cell> cells;
@@ -65,16 +85,22 @@ class Solver {
   double stageTime0(int startRow, int end, int reps, bool splitStage) const {
     const TopologyLevel& lv = topo_.levels[0];
     double C = segT(0, startRow, end), P = segP(startRow, end);
-    double t = compute(C, P, reps, lv.bandwidth, 1.0);
+    double t = dpOn() ? dataParallelStageTime(opt_.dataParallel, C, P)
+                      : compute(C, P, reps, lv.bandwidth, 1.0);
     if (boundariesPaid() && splitStage) {
       double c = opt_.compression > 0 ? opt_.compression : 1.0;
-      t = std::max(t, 2.0 * bnd(startRow - 1) / (c * lv.bandwidth * reps));
-      if (end < n_ - 1) t = std::max(t, 2.0 * bnd(end) / (c * lv.bandwidth * reps));
+      const double links = reps * dpSide();
+      t = std::max(t, 2.0 * bnd(startRow - 1) / (c * lv.bandwidth * links));
+      if (end < n_ - 1) t = std::max(t, 2.0 * bnd(end) / (c * lv.bandwidth * links));
     }
     return t;
   }
 
  private:
+  bool dpOn() const { return opt_.dataParallel.enabled(); }
+  // Minibatches a stage runs side by side on its dp ranks, each crossing its
+  // own boundary link (1 without data parallelism).
+  double dpSide() const { return dpOn() ? opt_.dataParallel.degree : 1.0; }
   bool boundariesPaid() const {
     return opt_.costModel == CostModel::Default || opt_.compression > 0;
   }
@@ -111,6 +137,10 @@ class Solver {
   }
   bool memoryOk(double A, double P, long N, long prefixWorkers, long reps) const {
     if (topo_.memoryBytes <= 0) return true;
+    if (dpOn()) {
+      long inflight = ceilDiv(N - prefixWorkers + reps, reps);
+      return dataParallelStateBytes(opt_.dataParallel, P) + inflight * A <= topo_.memoryBytes;
+    }
     if (opt_.costModel == CostModel::PipeDream) {
       return static_cast<double>(ceilDiv(N - prefixWorkers, reps)) * (A + P) <= topo_.memoryBytes;
     }
@@ -129,6 +159,10 @@ class Solver {
     const double Ksplit = PD ? 1.0 : K;
     const bool paid = boundariesPaid();
     const double c = opt_.compression > 0 ? opt_.compression : 1.0;
+    // Data parallelism: level-0 stages pay their dp synchronisation; every
+    // level divides boundary transfers among the dp ranks' links.
+    const bool dp0 = dpOn() && level == 0;
+    const double side = dpSide();
     Table& A = tables_[level];
     A.n = n_;
     A.N = N;
@@ -146,6 +180,7 @@ class Solver {
           if (!memoryOk(Aa, P, N, M, M)) continue;
           double t = PD ? (C + 4.0 * m * P / (B * M) / K) / M
                         : std::max(C, 2.0 * m * P / (M * B * K)) / M;
+          if (dp0) t = dataParallelStageTime(opt_.dataParallel, C, P);  // M = 1: straight
           A.at(row, j, m) = Cell{t, -1, -1, M};
         }
         if (j == row) continue;
@@ -164,7 +199,8 @@ class Solver {
           for (int mp = 1; mp <= maxRep; ++mp) {
             double last = PD ? (Ck + 4.0 * (mp - 1) * Pk / (mp * B)) / mp
                              : std::max(Ck, 2.0 * (mp - 1) * Pk / (mp * B * Ksplit)) / mp;
-            last = std::max(last, std::max(inB, outB) / mp);
+            if (dp0) last = dataParallelStageTime(opt_.dataParallel, Ck, Pk);  // mp = 1
+            last = std::max(last, std::max(inB, outB) / (mp * side));
             for (int m = std::max(mp, 1); m < N; ++m) {
               const double pre = prefix[m - mp].t;
               if (pre == kInf) continue;
@@ -263,6 +299,16 @@ const char* costModelName(CostModel model) {
   return model == CostModel::PipeDream ? "pipedream" : "default";
 }
 
+Sharding parseSharding(const std::string& name) {
+  if (name == "replicate") return Sharding::Replicate;
+  if (name == "fsdp") return Sharding::Fsdp;
+  throw std::invalid_argument("unknown sharding '" + name + "'; use 'fsdp' or 'replicate'");
+}
+
+const char* shardingName(Sharding sharding) {
+  return sharding == Sharding::Fsdp ? "fsdp" : "replicate";
+}
+
 double estimateWork(const PlanningStates& states, const Topology& topology, bool straight) {
   double pairs = 0, weighted = 0;
   for (int j = 0; j < states.size(); ++j) {
@@ -298,11 +344,18 @@ double chainWork(double L, const Topology& topology, bool straight) {
   return work;
 }
 // Data parallelism over every worker under the same cost model.
-double dataParallelTime(const PlanningStates& states, const Topology& topology, CostModel model) {
+// With data parallelism inside stages, its ranks are the innermost level.
+double dataParallelTime(const PlanningStates& states, const Topology& topology,
+                        const PlannerOptions& options) {
+  const CostModel model = options.costModel;
   const int n = states.size();
   const double totalP = states.parameterBytes[n - 1];
   double dp = states.computeSeconds[n - 1], unit = 1.0;
-  for (const TopologyLevel& lv : topology.levels) {
+  std::vector<TopologyLevel> levels = topology.levels;
+  if (options.dataParallel.degree > 1) {
+    levels.insert(levels.begin(), {options.dataParallel.degree, options.dataParallel.bandwidth});
+  }
+  for (const TopologyLevel& lv : levels) {
     const double N = lv.workers;
     if (model == CostModel::PipeDream) {
       dp = (dp + 4.0 * (N - 1) * totalP / (lv.bandwidth * N) / unit) / N;
@@ -376,9 +429,58 @@ void estimateStageMemory(Plan& plan, const PlannerOptions& options) {
     long versions = (options.costModel == CostModel::Default && options.twoBw)
                         ? std::min<long>(2, inflight)
                         : inflight;
-    st.memoryBytes = versions * st.parameterBytes + inflight * st.activationBytes;
+    st.modelStateBytes = options.dataParallel.enabled()
+                             ? dataParallelStateBytes(options.dataParallel, st.parameterBytes)
+                             : versions * st.parameterBytes;
+    st.stashedActivationBytes = inflight * st.activationBytes;
+    st.memoryBytes = st.modelStateBytes + st.stashedActivationBytes;
     workersFrom -= st.replicas;
   }
+}
+
+// Throws std::invalid_argument naming a data-parallel option the planner
+// cannot honour and the fix.
+void checkDataParallel(const PlannerOptions& options) {
+  const DataParallelOptions& dp = options.dataParallel;
+  if (dp.degree < 0 || dp.degree > 65536) {
+    throw std::invalid_argument("data-parallel degree " + std::to_string(dp.degree) +
+                                " is invalid; use 1 or more ranks per stage, or 0 for none");
+  }
+  if (!dp.enabled()) return;
+  if (options.costModel != CostModel::Default) {
+    throw std::invalid_argument(
+        "data parallelism inside stages is planned with the default cost model, not '" +
+        std::string(costModelName(options.costModel)) + "'; use cost model 'default'");
+  }
+  if (options.twoBw) {
+    throw std::invalid_argument(
+        "two weight versions (2BW) describe asynchronous PipeDream-2BW, but data parallelism "
+        "inside stages assumes a flush schedule (one version); drop two_bw");
+  }
+  if (dp.degree > 1 && (!(dp.bandwidth > 0) || !std::isfinite(dp.bandwidth))) {
+    throw std::invalid_argument("data-parallel bandwidth " + std::to_string(dp.bandwidth) +
+                                " bytes/s is invalid; use a positive number such as 16e9");
+  }
+  if (!(dp.optimizerState >= 0) || !std::isfinite(dp.optimizerState)) {
+    throw std::invalid_argument("optimizer state " + std::to_string(dp.optimizerState) +
+                                " bytes per weight byte is invalid; use 2 for AdamW, 1 for SGD "
+                                "with momentum, 0 for plain SGD");
+  }
+}
+
+std::string memoryError(const Topology& topology, const PlannerOptions& options) {
+  std::string msg = "no partition fits the memory limit of " +
+                    std::to_string(topology.memoryBytes) + " bytes per worker (" +
+                    std::to_string(topology.totalWorkers()) + " workers";
+  const DataParallelOptions& dp = options.dataParallel;
+  if (!dp.enabled()) return msg + "); raise the limit, add workers, or drop the limit";
+  msg += " x " + std::to_string(dp.degree) + " data-parallel ranks, sharding '" +
+         shardingName(dp.sharding) + "'); raise the limit, add pipeline workers, or drop the limit";
+  if (dp.sharding == Sharding::Replicate && dp.degree > 1) {
+    msg += ", or use sharding 'fsdp' (divides weights, gradients and optimizer state by " +
+           std::to_string(dp.degree) + ")";
+  }
+  return msg;
 }
 
 // For a chain graph: each stage's [layerStart, layerEnd) (Input excluded);
@@ -407,21 +509,20 @@ void assignLayers(const ProfileGraph& graph, Plan& plan) {
 }  // namespace
 
 Plan planOnStates(const ProfileGraph& graph, const PlanningStates& states, const Topology& topology,
-                  const PlannerOptions& options) {
+                  const PlannerOptions& requested) {
   topology.validate();
-  if (options.compression < 0 || !std::isfinite(options.compression)) {
-    throw std::invalid_argument("activation compression ratio " + std::to_string(options.compression) +
+  if (requested.compression < 0 || !std::isfinite(requested.compression)) {
+    throw std::invalid_argument("activation compression ratio " + std::to_string(requested.compression) +
                                 " is invalid; use a positive ratio or leave it out");
   }
+  checkDataParallel(requested);
+  PlannerOptions options = requested;
+  // Data parallelism inside stages replaces PipeDream's replicas.
+  if (options.dataParallel.enabled()) options.straight = true;
   const int n = states.size();
   Solver solver(states, topology, options);
   const double best = solver.run();
-  if (best == kInf) {
-    throw std::invalid_argument(
-        "no partition fits the memory limit of " + std::to_string(topology.memoryBytes) +
-        " bytes per worker (" + std::to_string(topology.totalWorkers()) +
-        " workers); raise the limit, add workers, or drop the limit");
-  }
+  if (best == kInf) throw std::invalid_argument(memoryError(topology, options));
   Plan plan;
   plan.costModel = options.costModel;
   plan.stateKind = states.kind;
@@ -430,7 +531,7 @@ Plan planOnStates(const ProfileGraph& graph, const PlanningStates& states, const
   plan.numWorkers = topology.totalWorkers();
   plan.timePerStage = best;
 
-  plan.dataParallelTime = dataParallelTime(states, topology, options.costModel);
+  plan.dataParallelTime = dataParallelTime(states, topology, options);
   plan.singleWorkerTime = states.computeSeconds[n - 1];
   plan.speedupOverDp = best > 0 ? plan.dataParallelTime / best : kInf;
 
@@ -445,14 +546,15 @@ Plan planOnStates(const ProfileGraph& graph, const PlanningStates& states, const
 Plan planPartition(const ProfileGraph& graph, const Topology& topology,
                    const PlannerOptions& options) {
   topology.validate();
+  const bool straight = options.straight || options.dataParallel.enabled();
   PlanningStates states;
   bool antichain = enumerateAntichainStates(graph, options.maxAntichainStates, &states) &&
-                   estimateWork(states, topology, options.straight) <= options.workBudget;
+                   estimateWork(states, topology, straight) <= options.workBudget;
   bool coarsened = false;
   if (!antichain) {
     PlanningStates full = topologicalCutStates(graph, 0);
     int L = full.size();
-    while (L > 2 && chainWork(L, topology, options.straight) > options.workBudget) {
+    while (L > 2 && chainWork(L, topology, straight) > options.workBudget) {
       L = static_cast<int>(L * 0.9);
     }
     if (L < full.size()) {

@@ -15,6 +15,27 @@ enum class CostModel { PipeDream, Default };
 CostModel parseCostModel(const std::string& name);  // "pipedream" | "default"
 const char* costModelName(CostModel model);
 
+// How the data-parallel ranks of one stage hold its weights: each keeps the
+// whole stage (DDP-style all-reduce) or a 1/degree shard of the weights,
+// gradients and optimizer state (FSDP: reduce-scatter + all-gather).
+enum class Sharding { Replicate, Fsdp };
+Sharding parseSharding(const std::string& name);  // "replicate" | "fsdp"
+const char* shardingName(Sharding sharding);
+
+// Data parallelism inside every stage, as on a (pp, dp) device mesh: each
+// stage is held by `degree` ranks that split the minibatches between them.
+// Off (degree 0), the planner may replicate stages PipeDream's way instead.
+// On, stages are straight over the topology's workers (the pp dimension), the
+// default cost model applies and the formulas are in docs/planner.md
+// ("Planning with data parallelism and sharding").
+struct DataParallelOptions {
+  int degree = 0;                  // dp ranks per stage; 0 = off
+  Sharding sharding = Sharding::Replicate;
+  double bandwidth = 0.0;          // bytes/s among a stage's dp ranks
+  double optimizerState = 2.0;     // optimizer state bytes per weight byte (AdamW: 2)
+  bool enabled() const { return degree > 0; }
+};
+
 struct PlannerOptions {
   CostModel costModel = CostModel::Default;
   bool straight = false;       // one worker per stage, no replication
@@ -23,6 +44,7 @@ struct PlannerOptions {
   bool twoBw = false;          // default model: 2 weight versions (2BW) instead of PipeDream's
   int maxAntichainStates = 4096;  // above this, use topological cuts
   double workBudget = 1.5e8;      // DP cell updates allowed before coarsening
+  DataParallelOptions dataParallel;
 };
 
 struct PlanStage {
@@ -33,7 +55,10 @@ struct PlanStage {
   double computeSeconds = 0.0;  // fwd + bwd of its layers, one worker
   double parameterBytes = 0.0;
   double activationBytes = 0.0;
-  double memoryBytes = 0.0;  // per worker: weight versions + stashed activations
+  double memoryBytes = 0.0;  // per rank: modelStateBytes + stashedActivationBytes
+  double modelStateBytes = 0.0;  // weight versions; with data parallelism weights, gradients
+                                 // and optimizer state (divided by the degree under FSDP)
+  double stashedActivationBytes = 0.0;  // activations of the minibatches in flight
   int layerStart = -1;       // for a chain graph: layers [start, end), Input excluded
   int layerEnd = -1;
 };

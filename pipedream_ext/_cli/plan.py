@@ -3,6 +3,9 @@
     python -m pipedream_ext profile --model MODULE:FACTORY --input-shape 64,1,8,8 -o graph.txt
       (an nn.Sequential: one node per layer; any other nn.Module: its traced graph)
     python -m pipedream_ext plan --profile graph.txt --workers 4,4 --bandwidth 16e9,1.25e9
+    python -m pipedream_ext plan --profile graph.txt --workers 4 --bandwidth 16e9,1.25e9 \
+        --data-parallel 2 --sharding fsdp --memory 2e9
+      (4 pipeline stages, 2 FSDP ranks in each at 16e9 B/s, stages 1.25e9 B/s apart)
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import torch
 from torch import nn
 
 from .._planning.profiler import profile
-from ..planner import plan
+from ..planner import SHARDINGS, plan
 
 __all__ = ["register"]
 
@@ -97,6 +100,9 @@ def _run_plan(args: argparse.Namespace) -> int:
         two_bw=args.two_bw,
         max_antichain_states=args.max_states,
         work_budget=args.work_budget,
+        data_parallel=args.data_parallel,
+        sharding=args.sharding,
+        optimizer_state=args.optimizer_state,
     )
     if args.output:
         result.save(args.output)
@@ -146,8 +152,9 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     q.add_argument("--bandwidth", required=True, type=_float_list, metavar="B[,B...]",
                    help="bytes/s per level, innermost first, e.g. 16e9,1.25e9")
     q.add_argument("--memory", type=float, default=None, metavar="BYTES",
-                   help="memory per worker; plans that exceed it are rejected")
-    q.add_argument("--straight", action="store_true", help="one worker per stage (no replication)")
+                   help="memory per worker (per rank); plans that exceed it are rejected")
+    q.add_argument("--straight", action="store_true", default=None,
+                   help="one worker per stage (no replication)")
     q.add_argument("--fewer-workers", action="store_true", help="allow leaving workers unused")
     q.add_argument("--cost-model", choices=["pipedream", "default"], default="default",
                    help="pipedream: PipeDream's optimizer's cost model and search; default: ours (docs/planner.md)")
@@ -155,6 +162,16 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
                    help="activation compression (pipedream model: absent means free transfers)")
     q.add_argument("--two-bw", action="store_true",
                    help="default model: count 2 weight versions per stage (2BW)")
+    q.add_argument("--data-parallel", type=int, default=None, metavar="DP",
+                   help="data-parallel ranks inside every stage (the dp size of a (pp, dp) "
+                        "mesh): --workers are then the pipeline workers, stages straight over "
+                        "them, and --bandwidth lists the dp ranks' bytes/s first")
+    q.add_argument("--sharding", choices=list(SHARDINGS), default=None,
+                   help="with --data-parallel: fsdp (weights, gradients and optimizer state "
+                        "divided among a stage's dp ranks) or replicate (default)")
+    q.add_argument("--optimizer-state", type=float, default=2.0, metavar="X",
+                   help="with --data-parallel: optimizer state bytes per weight byte "
+                        "(AdamW 2, SGD with momentum 1, plain SGD 0)")
     q.add_argument("--max-states", type=int, default=4096, metavar="N",
                    help="use PipeDream's antichain states only up to N of them (else topological cuts)")
     q.add_argument("--work-budget", type=float, default=1.5e8, metavar="W",

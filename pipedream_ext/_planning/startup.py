@@ -6,7 +6,9 @@ traced model's plan becomes a stage per fx node in ``_graph_profile``) and
 (an ``nn.Sequential`` layer by layer, any other model as its traced graph),
 plans for the torchrun world (one or two topology levels, bandwidths given or
 measured) with the schedule's planner assumptions, and every rank gets the same
-plan as JSON bytes (no pickle).
+plan as JSON bytes (no pickle). With a ``(pp, dp)`` device mesh the plan is for
+the pp dimension with ``data_parallel`` ranks inside every stage (``mesh_shape``:
+a stage's dp ranks are consecutive, rank = stage * dp + dp_rank).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from ..planner import Plan
 from ..planner import plan as make_plan
 from .profiler import profile
 
-__all__ = ["cluster_shape", "auto_plan", "check_plan_world", "partition_from_plan"]
+__all__ = ["cluster_shape", "mesh_shape", "auto_plan", "check_plan_world", "partition_from_plan"]
 
 _log = logging.getLogger(__name__)
 
@@ -45,29 +47,74 @@ def cluster_shape(world_size: int, per_node: Optional[int] = None) -> List[int]:
     return [per_node] if nodes == 1 else [per_node, nodes]
 
 
+def mesh_shape(world_size: int, data_parallel: int, per_node: Optional[int] = None) -> List[int]:
+    """Pipeline workers per topology level of a ``(pp, dp)`` mesh, innermost first.
+
+    A stage's ``data_parallel`` ranks are consecutive (``init_device_mesh(dev, (pp,
+    dp))``: rank = stage * dp + dp_rank), so a node of ``per_node`` ranks holds
+    ``per_node // dp`` stages; when ``dp`` does not divide it, one level.
+
+    Args:
+        world_size: ranks of the mesh (pp * dp).
+        data_parallel: the mesh's dp size.
+        per_node: ranks per node (default: torchrun's ``LOCAL_WORLD_SIZE``).
+
+    Raises:
+        ValueError: ``data_parallel`` is not a positive divisor of the world.
+    """
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or \
+            data_parallel < 1 or world_size % data_parallel:
+        raise ValueError(f"data_parallel={data_parallel!r} must be a positive divisor of the "
+                         f"world size {world_size} (the mesh is pp x dp ranks); use the mesh's "
+                         "dp size")
+    pipeline = world_size // data_parallel
+    if per_node is None:
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    stages_per_node = per_node // data_parallel if per_node % data_parallel == 0 else pipeline
+    return cluster_shape(pipeline, max(stages_per_node, 1))
+
+
 def _bandwidths(group: dist.ProcessGroup, workers: List[int],
-                bandwidth: Optional[Sequence[float]]) -> List[float]:
+                bandwidth: Optional[Sequence[float]], data_parallel: Optional[int]) -> List[float]:
+    """Bytes/s per level (with ``data_parallel`` > 1 the dp level first), given or measured.
+
+    Collective when measuring: rank 0 probes its dp neighbour (rank 1), its next
+    stage (rank dp) and its first stage on the next node.
+    """
+    dp = data_parallel or 1
     if bandwidth is None:
         per_node = workers[0]
-        measured = [collectives.measure_bandwidth(group, 0, 1) if per_node > 1 else 1e10]
+        measured = [collectives.measure_bandwidth(group, 0, dp) if per_node > 1 else 1e10]
         if len(workers) > 1:
-            measured.append(collectives.measure_bandwidth(group, 0, per_node))
+            measured.append(collectives.measure_bandwidth(group, 0, per_node * dp))
+        if dp > 1:
+            measured.insert(0, collectives.measure_bandwidth(group, 0, 1))
         bandwidth = measured
     bandwidth = [float(b) for b in bandwidth]
-    if len(bandwidth) != len(workers):
+    levels = len(workers) + (1 if dp > 1 else 0)
+    if len(bandwidth) == levels or (data_parallel == 1 and len(bandwidth) == levels + 1):
+        return bandwidth
+    if data_parallel is None:
         raise ValueError(f"bandwidth lists {len(bandwidth)} levels but the cluster has "
                          f"{len(workers)} ({workers}); give one bytes/s value per level")
-    return bandwidth
+    raise ValueError(f"bandwidth lists {len(bandwidth)} levels but a mesh of {dp} data-parallel "
+                     f"ranks per stage and pipeline levels {workers} needs {levels}: "
+                     + ("the dp ranks' bytes/s first, then " if dp > 1 else "")
+                     + "one bytes/s value per pipeline level")
 
 
 def auto_plan(module: nn.Module, loss_fn: Callable[..., torch.Tensor],
               sample: Optional[Tuple[Any, Any]], bandwidth: Optional[Sequence[float]],
               traits: Any, group: dist.ProcessGroup,
-              profile_fn: Optional[Callable[[], Any]] = None) -> Plan:
+              profile_fn: Optional[Callable[[], Any]] = None,
+              data_parallel: Optional[int] = None, sharding: Optional[str] = None) -> Plan:
     """Profiles on rank 0, plans for this world, and gives every rank the same plan.
 
     Collective: every rank of ``group`` calls it. If profiling or planning fails on
-    rank 0, every rank raises (the others are told instead of waiting).
+    rank 0, every rank raises (the others are told instead of waiting). With
+    ``data_parallel``, ``group`` holds every rank of the ``(pp, dp)`` mesh (one plan
+    for all of them) and the plan is for its pp dimension: straight stages over
+    ``world / data_parallel`` pipeline workers, ``data_parallel`` ranks in each.
 
     Args:
         module: the whole model (an ``nn.Sequential``, profiled layer by layer).
@@ -78,17 +125,24 @@ def auto_plan(module: nn.Module, loss_fn: Callable[..., torch.Tensor],
         group: the pipeline's group.
         profile_fn: makes the profile graph instead (rank 0 only; a traced model's
             graph profile, ``graph_profile.profile_groups``).
+        data_parallel: the mesh's dp size, or ``None`` (no mesh: PipeDream replicas
+            may be planned). With dp > 1 a given ``bandwidth`` lists the dp ranks'
+            bytes/s first, then one per pipeline level.
+        sharding: with ``data_parallel``: ``"fsdp"`` or ``"replicate"`` (the plan's
+            memory per rank; docs/planner.md).
 
     Raises:
-        ValueError: no sample, bandwidths that do not match the levels, or what
-            profiling or planning raised on rank 0.
+        ValueError: no sample, bandwidths that do not match the levels, a
+            ``data_parallel`` that does not divide the world, or what profiling or
+            planning raised on rank 0.
     """
     if sample is None:
         raise ValueError('balance="auto" profiles the model: pass sample=(inputs, targets) '
                          "with one batch")
     world_size = dist.get_world_size(group)
-    workers = cluster_shape(world_size)
-    bandwidths = _bandwidths(group, workers, bandwidth)
+    workers = cluster_shape(world_size) if data_parallel is None else \
+        mesh_shape(world_size, data_parallel)
+    bandwidths = _bandwidths(group, workers, bandwidth, data_parallel)
     payload = None
     error: Optional[BaseException] = None
     if dist.get_rank(group) == 0:
@@ -99,8 +153,9 @@ def auto_plan(module: nn.Module, loss_fn: Callable[..., torch.Tensor],
                 profile(module, inputs, loss_fn=loss_fn, target=targets, steps=10, warmup=3)
             profiled = time.perf_counter()
             chosen = make_plan(graph, workers=workers, bandwidth=bandwidths, cost_model="default",
-                               straight=bool(traits.planner_straight),
-                               two_bw=bool(traits.planner_two_versions))
+                               straight=bool(traits.planner_straight) or None,
+                               two_bw=bool(traits.planner_two_versions),
+                               data_parallel=data_parallel, sharding=sharding)
             _log.info("profiled %d nodes in %.2f s, planned over %d %s states in %.3f s",
                       len(graph), profiled - started, chosen.num_states, chosen.state_kind,
                       time.perf_counter() - profiled)
@@ -117,12 +172,42 @@ def auto_plan(module: nn.Module, loss_fn: Callable[..., torch.Tensor],
     return Plan.from_json(data[1:].decode())
 
 
-def check_plan_world(plan: Plan, world_size: int) -> Optional[List[int]]:
-    """The plan's replicas (``None`` when none is above 1), checked against the world.
+def _check_plan_mesh(plan: Plan, data_parallel: int, sharding: Optional[str]) -> None:
+    """A plan run on a ``(pp, dp)`` mesh: no PipeDream replicas, and made for this dp.
 
     Raises:
-        ValueError: the plan uses another number of workers.
+        ValueError: the plan replicates stages, or was made for another dp size or
+            for FSDP while the mesh replicates (its memory per rank would be too low).
     """
+    if any(r != 1 for r in plan.replicas):
+        raise ValueError(f"the plan replicates stages PipeDream's way (replicas {plan.replicas}), "
+                         f"but the mesh already runs {data_parallel} data-parallel ranks per "
+                         "stage; re-plan with data_parallel (python -m pipedream_ext plan "
+                         f"--data-parallel {data_parallel})")
+    if plan.data_parallel is None:
+        return
+    if plan.data_parallel != data_parallel or (plan.sharding == "fsdp" and sharding != "fsdp"):
+        raise ValueError(f"the plan was made for {plan.data_parallel} data-parallel ranks per "
+                         f"stage with sharding {plan.sharding!r}, but the mesh has {data_parallel}"
+                         f" with {sharding!r}, so its memory per rank does not hold; re-plan with "
+                         f"--data-parallel {data_parallel} --sharding {sharding or 'replicate'}")
+
+
+def check_plan_world(plan: Plan, world_size: int, data_parallel: Optional[int] = None,
+                     sharding: Optional[str] = None) -> Optional[List[int]]:
+    """The plan's replicas (``None`` when none is above 1), checked against the world.
+
+    Args:
+        plan: the plan.
+        world_size: the pipeline's ranks (on a ``(pp, dp)`` mesh: its pp size).
+        data_parallel: the mesh's dp size, or ``None`` without a mesh.
+        sharding: with ``data_parallel``: ``"fsdp"`` or ``"replicate"``.
+
+    Raises:
+        ValueError: the plan uses another number of workers, or does not fit the mesh.
+    """
+    if data_parallel is not None:
+        _check_plan_mesh(plan, data_parallel, sharding)
     if plan.used_workers != world_size or sum(plan.replicas) != world_size:
         raise ValueError(f"the plan uses {plan.used_workers} workers but the world has "
                          f"{world_size} ranks; re-plan for {world_size} workers")
@@ -139,19 +224,27 @@ def check_plan_world(plan: Plan, world_size: int) -> Optional[List[int]]:
     return None if all(r == 1 for r in replicas) else replicas
 
 
-def partition_from_plan(plan: Plan, num_layers: int,
-                        world_size: int) -> Tuple[List[int], Optional[List[int]]]:
+def partition_from_plan(plan: Plan, num_layers: int, world_size: int,
+                        data_parallel: Optional[int] = None,
+                        sharding: Optional[str] = None) -> Tuple[List[int], Optional[List[int]]]:
     """Balance and replicas (``None`` when none is above 1) of a plan for this model
     and world.
 
+    Args:
+        plan: the plan.
+        num_layers: the model's layers.
+        world_size: the pipeline's ranks (on a ``(pp, dp)`` mesh: its pp size).
+        data_parallel: the mesh's dp size, or ``None`` without a mesh.
+        sharding: with ``data_parallel``: ``"fsdp"`` or ``"replicate"``.
+
     Raises:
-        ValueError: the plan is for another model, world or a branching graph.
+        ValueError: the plan is for another model, world, mesh or a branching graph.
     """
     layers = plan.layers
     if layers is None:
         raise ValueError("the plan is for a branching graph (no layer ranges); plan a "
                          "profile of this nn.Sequential (pipedream_ext.profile)")
-    replicas = check_plan_world(plan, world_size)
+    replicas = check_plan_world(plan, world_size, data_parallel, sharding)
     bounds = [0]
     for start, end in layers:
         if start != bounds[-1] or end <= start:

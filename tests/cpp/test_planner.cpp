@@ -89,7 +89,13 @@ struct Brute {
     double P = s.parameterBytes[e] - (prev >= 0 ? s.parameterBytes[prev] : 0.0);
     double A = s.activationBytes[e] - (prev >= 0 ? s.activationBytes[prev] : 0.0);
     bool pd = o.costModel == CostModel::PipeDream;
-    if (mem > 0) {
+    const DataParallelOptions& dp = o.dataParallel;
+    const double d = dp.enabled() ? dp.degree : 1.0;
+    if (dp.enabled() && mem > 0) {
+      // docs/planner.md: (2 + o) P [/ d under FSDP] + in-flight minibatches x A.
+      double state = (2.0 + dp.optimizerState) * P / (dp.sharding == Sharding::Fsdp ? d : 1.0);
+      if (state + static_cast<double>(N - prefixWorkers + 1) * A > mem) return kInf;
+    } else if (mem > 0) {
       if (pd) {
         double stash = std::ceil(static_cast<double>(N - prefixWorkers) / r) * (A + P);
         if (stash > mem) return kInf;
@@ -101,12 +107,13 @@ struct Brute {
     }
     double t = pd ? (T + 4.0 * (r - 1) * P / (r * B)) / r
                   : std::max(T, 2.0 * (r - 1) * P / (r * B)) / r;
+    if (dp.enabled()) t = (T + (d > 1 ? 2.0 * (d - 1) * P / (d * dp.bandwidth) : 0.0)) / d;
     bool paid = !pd || o.compression > 0;
     if (paid && prev >= 0) {
       double c = o.compression > 0 ? o.compression : 1.0;
       auto bnd = [&](int st) { return pd ? s.antichainBytes[st] : s.liveBytes[st]; };
-      t = std::max(t, 2.0 * bnd(prev) / (c * B * r));
-      if (e < n - 1) t = std::max(t, 2.0 * bnd(e) / (c * B * r));
+      t = std::max(t, 2.0 * bnd(prev) / (c * B * r * d));
+      if (e < n - 1) t = std::max(t, 2.0 * bnd(e) / (c * B * r * d));
     }
     return t;
   }
@@ -115,7 +122,7 @@ struct Brute {
     const int n = s.size();
     for (int e = 0; e < n; ++e) {
       if (prev >= 0 && !isSubset(s, prev, e)) continue;
-      const int maxR = o.straight ? 1 : N;
+      const int maxR = (o.straight || o.dataParallel.enabled()) ? 1 : N;
       for (int r = 1; r <= maxR; ++r) {
         const int maxGap = (o.fewerWorkers && prev >= 0) ? N : 0;
         for (int g = 0; g <= maxGap; ++g) {
@@ -190,6 +197,53 @@ TEST(PlannerBruteForce, RandomChainsMatchExhaustiveSearch) {
     PlanningStates s;
     ASSERT_TRUE(enumerateAntichainStates(g, 1000, &s));
     compareWithBruteForce(g, s, rng, "chain trial " + std::to_string(trial));
+  }
+}
+
+// Data parallelism inside stages: the DP against the exhaustive search, for dp
+// degrees 1-3, both shardings, with and without a binding memory limit.
+void compareDataParallelWithBruteForce(const ProfileGraph& g, const PlanningStates& states,
+                                       std::mt19937& rng, const std::string& what) {
+  for (int variant = 0; variant < 6; ++variant) {
+    PlannerOptions o;
+    o.dataParallel.degree = 1 + variant % 3;
+    o.dataParallel.sharding = variant % 2 ? Sharding::Fsdp : Sharding::Replicate;
+    o.dataParallel.bandwidth = (rng() % 2) ? 1e9 : 16e9;
+    o.dataParallel.optimizerState = static_cast<double>(rng() % 3);
+    o.fewerWorkers = variant == 5;
+    Topology t;
+    const int N = 1 + static_cast<int>(rng() % 4);
+    t.levels = std::vector<TopologyLevel>{{N, (rng() % 2) ? 1.25e9 : 16e9}};
+    double total = states.parameterBytes.back() + states.activationBytes.back();
+    t.memoryBytes = (variant >= 3) ? total * (0.6 + 2.0 * (rng() % 100) / 100.0) : 0.0;
+    double expected = bruteForce(states, N, t.levels[0].bandwidth, t.memoryBytes, o);
+    std::string ctx = what + " dp variant=" + std::to_string(variant) + " N=" + std::to_string(N);
+    if (expected == kInf) {
+      EXPECT_THROW(planOnStates(g, states, t, o), std::invalid_argument) << ctx;
+      continue;
+    }
+    Plan p = planOnStates(g, states, t, o);
+    EXPECT_NEAR(p.timePerStage, expected, 1e-12 * std::max(1.0, expected)) << ctx;
+    double worst = 0;
+    for (const PlanStage& st : p.stages) {
+      worst = std::max(worst, st.time);
+      EXPECT_EQ(st.replicas, 1) << ctx;
+      if (t.memoryBytes > 0) EXPECT_LE(st.memoryBytes, t.memoryBytes * (1 + 1e-12)) << ctx;
+    }
+    EXPECT_NEAR(worst, p.timePerStage, 1e-12 * std::max(1.0, worst)) << ctx;
+  }
+}
+
+TEST(PlannerBruteForce, DataParallelMatchesExhaustiveSearch) {
+  std::mt19937 rng(2024);
+  for (int trial = 0; trial < 25; ++trial) {
+    ProfileGraph chain = randomChain(rng, 2 + static_cast<int>(rng() % 5));
+    PlanningStates s;
+    ASSERT_TRUE(enumerateAntichainStates(chain, 1000, &s));
+    compareDataParallelWithBruteForce(chain, s, rng, "chain trial " + std::to_string(trial));
+    ProfileGraph dag = randomDag(rng, 3 + static_cast<int>(rng() % 4));
+    ASSERT_TRUE(enumerateAntichainStates(dag, 1000, &s));
+    compareDataParallelWithBruteForce(dag, s, rng, "dag trial " + std::to_string(trial));
   }
 }
 
@@ -458,6 +512,68 @@ TEST(PlannerGolden, MemoryLimitForcesASplit) {
   EXPECT_THROW(planPartition(g, t, o), std::invalid_argument);
 }
 
+ProfileGraph fourHeavyLayers() {
+  ProfileGraph g;
+  g.addNode(makeNode("node1", "Input", 0, 0, 1e6, 0));
+  for (int i = 0; i < 4; ++i) {
+    g.addNode(makeNode("node" + std::to_string(i + 2), "layer", 10, 20, 1e6, 1e9));
+    g.addEdge(i, i + 1);
+  }
+  return g;
+}
+
+TEST(PlannerDataParallel, TimesAndMemoryPerRank) {
+  Topology t;
+  t.levels = std::vector<TopologyLevel>{{2, 1e12}};
+  PlannerOptions o;
+  o.dataParallel.degree = 2;
+  o.dataParallel.sharding = Sharding::Fsdp;
+  o.dataParallel.bandwidth = 1e10;
+  Plan p = planPartition(fourHeavyLayers(), t, o);
+  ASSERT_EQ(p.stages.size(), 2u);
+  // (0.06 s + 2 * 1/2 * 2e9 B / 1e10 B/s) / 2 = 0.13 s per minibatch.
+  EXPECT_NEAR(p.timePerStage, 0.13, 1e-12);
+  for (size_t j = 0; j < 2; ++j) {
+    const PlanStage& st = p.stages[j];
+    EXPECT_EQ(st.replicas, 1);
+    EXPECT_NEAR(st.time, 0.13, 1e-12);
+    EXPECT_DOUBLE_EQ(st.modelStateBytes, 4 * 2e9 / 2);  // weights, gradients, 2 AdamW moments
+    EXPECT_DOUBLE_EQ(st.stashedActivationBytes, (2 - j) * 2e6);
+    EXPECT_DOUBLE_EQ(st.memoryBytes, st.modelStateBytes + st.stashedActivationBytes);
+  }
+  // 5e9 bytes per rank: FSDP fits (4.004e9 on stage 0), replicating does not.
+  t.memoryBytes = 5e9;
+  EXPECT_NEAR(planPartition(fourHeavyLayers(), t, o).timePerStage, 0.13, 1e-12);
+  o.dataParallel.sharding = Sharding::Replicate;
+  try {
+    planPartition(fourHeavyLayers(), t, o);
+    ADD_FAILURE() << "replicated stages should not fit 5e9 bytes per rank";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("use sharding 'fsdp'"), std::string::npos) << e.what();
+  }
+}
+
+TEST(PlannerDataParallel, DegreeOneEqualsTheStraightPlan) {
+  for (const char* name : {"resnet18.txt", "gnmt.txt"}) {
+    ProfileGraph g = ProfileGraph::load(dataPath(name));
+    Topology t;
+    t.levels = std::vector<TopologyLevel>{{4, 16e9}, {2, 1.25e9}};
+    PlannerOptions straight;
+    straight.straight = true;
+    PlannerOptions dp;
+    dp.dataParallel.degree = 1;
+    Plan a = planPartition(g, t, straight), b = planPartition(g, t, dp);
+    EXPECT_EQ(a.timePerStage, b.timePerStage) << name;
+    EXPECT_EQ(a.dataParallelTime, b.dataParallelTime) << name;
+    ASSERT_EQ(a.stages.size(), b.stages.size()) << name;
+    for (size_t j = 0; j < a.stages.size(); ++j) {
+      EXPECT_EQ(a.stages[j].nodes, b.stages[j].nodes) << name;
+      EXPECT_EQ(a.stages[j].ranks, b.stages[j].ranks) << name;
+      EXPECT_EQ(a.stages[j].time, b.stages[j].time) << name;
+    }
+  }
+}
+
 TEST(PlannerHierarchy, DegenerateLevelsMatchFlatPlans) {
   ProfileGraph g = ProfileGraph::load(dataPath("resnet18.txt"));
   for (CostModel model : {CostModel::PipeDream, CostModel::Default}) {
@@ -556,6 +672,27 @@ TEST(PlannerOptionsCheck, RejectsBadInput) {
   EXPECT_THROW(planPartition(twoHeavyLayers(), t, {}), std::invalid_argument);
   EXPECT_THROW(parseCostModel("fast"), std::invalid_argument);
   EXPECT_EQ(parseCostModel("pipedream"), CostModel::PipeDream);
+  EXPECT_THROW(parseSharding("zero"), std::invalid_argument);
+  EXPECT_EQ(parseSharding("fsdp"), Sharding::Fsdp);
+  t.levels = std::vector<TopologyLevel>{{2, 1e9}};
+  auto dpOptions = [](int degree, double bandwidth) {
+    PlannerOptions o;
+    o.dataParallel.degree = degree;
+    o.dataParallel.bandwidth = bandwidth;
+    return o;
+  };
+  EXPECT_THROW(planPartition(twoHeavyLayers(), t, dpOptions(-1, 1e9)), std::invalid_argument);
+  EXPECT_THROW(planPartition(twoHeavyLayers(), t, dpOptions(2, 0.0)), std::invalid_argument);
+  EXPECT_NO_THROW(planPartition(twoHeavyLayers(), t, dpOptions(1, 0.0)));
+  PlannerOptions o = dpOptions(2, 1e9);
+  o.costModel = CostModel::PipeDream;
+  EXPECT_THROW(planPartition(twoHeavyLayers(), t, o), std::invalid_argument);
+  o = dpOptions(2, 1e9);
+  o.twoBw = true;
+  EXPECT_THROW(planPartition(twoHeavyLayers(), t, o), std::invalid_argument);
+  o = dpOptions(2, 1e9);
+  o.dataParallel.optimizerState = -1;
+  EXPECT_THROW(planPartition(twoHeavyLayers(), t, o), std::invalid_argument);
 }
 
 }  // namespace
