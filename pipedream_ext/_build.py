@@ -179,7 +179,7 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     mesh = _mesh_plan(args, prepared, config)
     group = mesh.pp_group if mesh is not None else \
         args.process_group if args.process_group is not None else dist.group.WORLD
-    cut = cut_model(args, prepared, config, group)
+    cut = cut_model(args, prepared, config, group, mesh)
     _refuse_shared_if_asynchronous(config, cut.shared_parameters)
     refuse_shared(mesh, [sp.names for sp in cut.shared_parameters])
     cut.traced = _agree_everywhere(args.module, group, config, cut,
@@ -235,7 +235,7 @@ def _mesh_plan(args: PipelineArguments, prepared: "PreparedModel",
                         args.reshard_after_forward, args.mp_policy)
     if mesh is not None:
         check_schedule(mesh, config, traced=prepared.traced is not None,
-                       planned=_is_plan(args.balance))
+                       planned=_is_plan(args.balance) and not isinstance(args.module, nn.Sequential))
     return mesh
 
 
@@ -458,7 +458,7 @@ class CutModel:
 
 
 def cut_model(args: PipelineArguments, prepared: PreparedModel, config: PipelineConfig,
-              group: dist.ProcessGroup) -> CutModel:
+              group: dist.ProcessGroup, mesh: Optional[MeshPlan] = None) -> CutModel:
     """Resolves the partition: layer counts, split points or a plan (collective when
     ``balance="auto"``: rank 0 profiles and plans, every rank gets the plan).
 
@@ -477,8 +477,8 @@ def cut_model(args: PipelineArguments, prepared: PreparedModel, config: Pipeline
     else:
         balance, replicas = args.balance, args.replicas
         if _is_plan(balance):
-            plan = _load_plan(args, config, group)
-            balance, replicas = partition_from_plan(plan, len(args.module), world)
+            plan = _load_plan(args, config, group, mesh=mesh)
+            balance, replicas = partition_from_plan(plan, len(args.module), world, **_sharding_of(mesh))
         partition = resolve_partition(len(args.module), world, config.chunks, balance, replicas)
         num_layers = len(args.module)
         shared = find_shared(args.module, partition)
@@ -501,10 +501,19 @@ def _traced_partition(traced: TracedSplit, plan: Optional[Plan], world: int,
     return resolve_partition(stages, world, chunks, [1] * stages, replicas)
 
 
+def _sharding_of(mesh: Optional[MeshPlan]) -> Dict[str, Any]:
+    """The planner's ``data_parallel`` and ``sharding`` for a mesh (none without one)."""
+    if mesh is None:
+        return {}
+    return {"data_parallel": int(mesh.mesh["dp"].size()), "sharding": mesh.data_parallel}
+
+
 def _load_plan(args: PipelineArguments, config: PipelineConfig, group: dist.ProcessGroup,
-               profile_fn: Optional[Callable[[], Any]] = None) -> Plan:
+               profile_fn: Optional[Callable[[], Any]] = None, mesh: Optional[MeshPlan] = None) -> Plan:
     """The plan ``balance`` names: given, read from a file, or made at start-up
-    (``"auto"``: rank 0 profiles, with ``profile_fn`` for a traced model, and plans)."""
+    (``"auto"``: rank 0 profiles, with ``profile_fn`` for a traced model, and plans; with
+    a mesh, for its pp dimension with ``dp`` ranks per stage, every rank of the mesh
+    agreeing on one plan)."""
     if config.chunks != 1 or args.replicas is not None:
         raise ValueError("a plan sets balance and replicas itself; drop chunks/replicas")
     balance = args.balance
@@ -512,7 +521,7 @@ def _load_plan(args: PipelineArguments, config: PipelineConfig, group: dist.Proc
         plan = balance
     elif str(balance) == "auto":
         plan = auto_plan(args.module, args.loss_fn, args.sample, args.bandwidth, config.traits,
-                         group, profile_fn)
+                         group if mesh is None else dist.group.WORLD, profile_fn, **_sharding_of(mesh))
     else:
         assert isinstance(balance, (str, os.PathLike))
         plan = Plan.load(balance)

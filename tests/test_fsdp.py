@@ -282,10 +282,45 @@ def check_refusals() -> None:
         pipe.load_state_dict(mlp().state_dict())
 
 
+def check_auto_plan() -> None:
+    """``balance="auto"`` with a mesh plans the pp dimension (dp ranks per stage, memory
+    per rank sharded), the same plan on every rank, and the pipeline it cuts trains; a
+    plan of a traced model is refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pipedream_ext as pd
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    x, y = global_batch(0)
+    half = BATCH // 2  # the sample is one dp rank's batch
+    pipe = pd.PipeDream(mlp(), F.cross_entropy, schedule="1f1b", microbatches=4, mesh=mesh,
+                        balance="auto", sample=(x[:half], y[:half]), timeout=60)
+    assert (pipe.plan.data_parallel, pipe.plan.sharding) == (2, "fsdp"), pipe.plan
+    assert len(pipe.balance) == 2 and sum(pipe.balance) == LAYERS and pipe.replicas == [1, 1], \
+        (pipe.balance, pipe.replicas)
+    loss = pipe.step(x[:half] if pipe.is_first else None, y[:half] if pipe.is_last else None)
+    assert torch.isfinite(torch.as_tensor(float(loss))), loss
+    with pytest.raises(ValueError, match="a plan of a traced model .*with mesh= .* is not supported"):
+        pd.PipeDream(_Wrapped(), F.cross_entropy, microbatches=4, mesh=mesh, balance="auto", sample=(x, y),
+                     timeout=60)
+
+
+class _Wrapped(nn.Module):
+    """An MLP that is not an nn.Sequential (traced for a plan)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
 def run_checks() -> None:
     kind = os.environ.get(CASES_ENV, "fast")
     if kind == "fast":
         check_refusals()
+        check_auto_plan()
         if os.environ.get(CKPT_ENV):  # test_checkpoint_dcp.py's meshed save and resume, fsdp
             from test_checkpoint_dcp import phase_mesh_save
 

@@ -175,7 +175,8 @@ def check_schedule(plan: MeshPlan, config: PipelineConfig, traced: bool, planned
 
     Raises:
         ValueError: an asynchronous schedule; ``recompute`` or a traced model with
-            ``"fsdp"``; a plan (which sets replicas itself).
+            ``"fsdp"``; a plan of a traced model (an ``nn.Sequential``'s is planned for
+            the pp dimension).
     """
     how = f"mesh= with data_parallel={plan.data_parallel!r}"
     if config.asynchronous:
@@ -184,8 +185,8 @@ def check_schedule(plan: MeshPlan, config: PipelineConfig, traced: bool, planned
                          "flush schedule (gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv, dualpipev, "
                          "interleaved-zb) or replicas= without a mesh")
     if planned:
-        raise ValueError(f"balance='auto' or a plan chooses replicas itself, which {how} does "
-                         "not take; give layer counts (balance=[...]) or drop mesh")
+        raise ValueError(f"balance='auto' or a plan of a traced model (not an nn.Sequential) with "
+                         f"{how} is not supported; give split_points, an nn.Sequential, or drop mesh")
     if plan.data_parallel == "fsdp" and config.recompute:
         raise ValueError("recompute=True with data_parallel='fsdp' is not supported (the "
                          "recomputed forward would run FSDP's hooks a second time); drop "
