@@ -49,6 +49,7 @@ class Case(NamedTuple):
     meta: bool = False
     loss_reduction: str = "mean"
     mixed_precision: bool = False
+    tied: bool = False
 
 
 # --------------------------------------------------------------------------- the model
@@ -128,14 +129,15 @@ def build(case: Case, mesh: Any):
 
     chunks = 2 if pd.schedules.traits(case.schedule).multi_chunk else 1
     microbatches = 2 * case.pp if case.schedule == "dualpipev" else 4
+    make = tied_mlp if case.tied else mlp
     if case.meta:
         with torch.device("meta"):
-            model = mlp()
+            model = make()
         with torch.device("meta"):
-            ref = mlp()
+            ref = make()
         pd.materialize(ref, seed=0)
     else:
-        model, ref = mlp(), mlp()
+        model, ref = make(), make()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if case.mixed_precision else None
     loss_fn = sum_loss if case.loss_reduction == "sum" else F.cross_entropy
@@ -170,7 +172,7 @@ def check_case(case: Case) -> None:
             ref_opt.step(); ref_opt.zero_grad()
             if opt is not None:
                 opt.step(); opt.zero_grad()
-    ref_params = dict(ref.named_parameters())
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))  # a tie: every name
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(full(p.detach()).float(), ref_params[name].detach(),
                                    rtol=rtol, atol=atol, msg=lambda m: f"{case} weight {name}: {m}")
@@ -187,7 +189,7 @@ FLUSH = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev", "inte
 
 def cases(kind: str) -> List[Case]:
     if kind == "fast":
-        return [Case("zb-h1", 2, 2)]
+        return [Case("zb-h1", 2, 2, tied=True)]
     full_cases = [Case(s, 2, 2, opt, reshard_after_forward=r)
                   for s in FLUSH for opt in OPTIMIZERS for r in (False, True)]
     full_cases += [Case(s, 2, 2, "adamw", "replicate") for s in ("1f1b", "zb-h1", "zbv")]
@@ -198,13 +200,23 @@ def cases(kind: str) -> List[Case]:
                    Case("zb-h1", 2, 2, "sgd", loss_reduction="sum"),
                    Case("1f1b", 2, 2, "sgd", "replicate", loss_reduction="sum"),
                    Case("zb-h1", 2, 2, "sgd", mixed_precision=True)]
+    # A weight tied across stages (layers 0 and 6): its copies' gradients summed.
+    full_cases += [Case(s, 2, 2, opt, reshard_after_forward=r, tied=True)
+                   for s in ("1f1b", "interleaved-1f1b") for opt in OPTIMIZERS
+                   for r in (False, True)]
+    full_cases += [Case(s, 2, 2, "adamw", "replicate", tied=True)
+                   for s in ("1f1b", "zbv", "interleaved-zb")]
+    full_cases += [Case("zb-h1", 2, 2, meta=True, tied=True),
+                   Case("zb-h1", 2, 2, "sgd", loss_reduction="sum", tied=True),
+                   Case("1f1b", 4, 1, tied=True), Case("1f1b", 4, 1, "adamw", "replicate",
+                                                       tied=True)]
     return full_cases
 
 
 # --------------------------------------------------------------------------- refusals
-def tied_mlp() -> nn.Sequential:
+def tied_mlp(seed: int = 0) -> nn.Sequential:
     """mlp() with the last block's Linear tied to the first's (stages 0 and 1 on pp 2)."""
-    model = mlp()
+    model = mlp(seed)
     model[LAYERS - 2][0].weight = model[0][0].weight
     return model
 
@@ -230,7 +242,9 @@ def check_refusals() -> None:
         ("data_parallel='ddp'; use 'fsdp'", mlp, dict(data_parallel="ddp")),
         ("recompute=True with data_parallel='fsdp' is not supported", mlp, dict(recompute=True)),
         (r"mesh has dimensions \('dp',\); PipeDream takes a 2-D mesh", mlp, dict(mesh=flat)),
-        ("is shared by layers on different stages, which mesh=", tied_mlp, {}),
+        (r"parameter 0.0.weight = 6.0.weight is used by layer 0 and layer 6, which "
+         r"data_parallel='fsdp' would shard as separate units on rank 0 of mesh\['pp'\]",
+         tied_mlp, dict(schedule="zbv", chunks=2)),
         ("a traced model \\(split_points\\) is not supported", mlp,
          dict(split_points=["4"], sample=(x, y))),
     ]

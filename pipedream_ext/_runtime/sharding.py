@@ -42,7 +42,8 @@ from .local_stages import LocalStages
 from .stage_call import as_tuple
 
 __all__ = ["DATA_PARALLEL", "MeshPlan", "resolve_mesh", "check_schedule", "DataParallel",
-           "FsdpStages", "ReplicatedStages", "keep_unsharded_after", "make_data_parallel"]
+           "FsdpStages", "ReplicatedStages", "keep_unsharded_after", "make_data_parallel",
+           "refuse_split_ties"]
 
 #: The values of ``data_parallel``.
 DATA_PARALLEL = ("fsdp", "replicate")
@@ -165,22 +166,38 @@ def check_schedule(plan: MeshPlan, config: PipelineConfig, traced: bool, planned
                          "nn.Sequential")
 
 
-def refuse_shared(plan: Optional[MeshPlan], shared_names: Sequence[Sequence[str]]) -> None:
-    """Tied parameters across stages are not supported with a mesh.
+def refuse_split_ties(plan: Optional[MeshPlan],
+                      tied: Sequence[Tuple[Sequence[str], Sequence[Tuple[str, int]]]]) -> None:
+    """FSDP shards each unit's parameters on its own: one Parameter in two units of a
+    rank would become two sharded parameters, silently untied.
 
-    Each pipeline would sum a tied weight's gradients over its own stages' ranks
-    with groups that every rank must create (``new_group``), and FSDP shards each
-    stage's copy on its own; rather than risk copies that drift, this is refused.
+    A tie across ranks is fine (each rank's copy is one parameter of one unit, its
+    gradient summed over the copies by ``SharedGradients``); a tie between two units
+    on one rank (two top-level layers, or two stages of one rank) is refused.
+
+    Args:
+        plan: the mesh, or ``None``.
+        tied: per tied parameter, its names and the ``(unit, pp rank)`` of every use.
 
     Raises:
-        ValueError: naming the first shared parameter.
+        ValueError: with ``data_parallel="fsdp"``, naming the parameter, the units and
+            the fix.
     """
-    if plan is None or not shared_names:
+    if plan is None or plan.data_parallel != "fsdp":
         return
-    raise ValueError(f"parameter {' = '.join(shared_names[0])} is shared by layers on different "
-                     f"stages, which mesh= (data_parallel={plan.data_parallel!r}) does not "
-                     "support; put every layer using it on one stage with balance=[...], or "
-                     "untie it, or drop mesh")
+    for names, uses in tied:
+        units_of_rank: Dict[int, List[str]] = {}
+        for unit, rank in uses:
+            if unit not in units_of_rank.setdefault(rank, []):
+                units_of_rank[rank].append(unit)
+        for rank, units in units_of_rank.items():
+            if len(units) > 1:
+                raise ValueError(
+                    f"parameter {' = '.join(names)} is used by {' and '.join(units)}, which "
+                    f"data_parallel='fsdp' would shard as separate units on rank {rank} of "
+                    "mesh['pp'], untying the copies; use data_parallel='replicate', or put "
+                    "its uses on different pipeline ranks with balance=[...] (a tie across "
+                    "ranks is supported), or untie it")
 
 
 def keep_unsharded_after(actions: Sequence[Dict[str, Any]]) -> Set[Tuple[int, int]]:
