@@ -234,8 +234,7 @@ def _mesh_plan(args: PipelineArguments, prepared: "PreparedModel",
     mesh = resolve_mesh(args.mesh, args.data_parallel, args.process_group, args.replicas,
                         args.reshard_after_forward, args.mp_policy)
     if mesh is not None:
-        check_schedule(mesh, config, traced=prepared.traced is not None,
-                       planned=_is_plan(args.balance))
+        check_schedule(mesh, config, planned=_is_plan(args.balance))
     return mesh
 
 

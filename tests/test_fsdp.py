@@ -50,6 +50,7 @@ class Case(NamedTuple):
     loss_reduction: str = "mean"
     mixed_precision: bool = False
     tied: bool = False
+    traced: bool = False
 
 
 # --------------------------------------------------------------------------- the model
@@ -141,8 +142,13 @@ def build(case: Case, mesh: Any):
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if case.mixed_precision else None
     loss_fn = sum_loss if case.loss_reduction == "sum" else F.cross_entropy
+    traced: Dict[str, Any] = {}
+    if case.traced:  # the same layers, cut on the traced graph (GraphModule stages)
+        x, y = global_batch(0)
+        traced = dict(split_points=["4"] if chunks * case.pp == 2 else ["2", "4", "6"],
+                      sample=(x[:4], y[:4]))
     pipe = pd.PipeDream(model, loss_fn, schedule=case.schedule, microbatches=microbatches,
-                        chunks=chunks, timeout=60, loss_reduction=case.loss_reduction,
+                        chunks=chunks, timeout=60, loss_reduction=case.loss_reduction, **traced,
                         mesh=mesh, data_parallel=case.data_parallel,
                         reshard_after_forward=case.reshard_after_forward, mp_policy=policy)
     return pipe, ref, loss_fn
@@ -176,12 +182,33 @@ def check_case(case: Case) -> None:
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(full(p.detach()).float(), ref_params[name].detach(),
                                    rtol=rtol, atol=atol, msg=lambda m: f"{case} weight {name}: {m}")
-    if case.data_parallel == "fsdp" and case.dp > 1:
+    if case.data_parallel == "fsdp" and case.dp > 1 and case.traced:
+        groups = fsdp_param_groups(pipe)
+        assert pipe._runner.data_parallel.units > 0, f"{case}: no submodule sharded on its own"
+        assert counter.count == groups * STEPS, \
+            f"{case}: {counter.count} reduce-scatters in {STEPS} steps, expected {groups * STEPS}"
+    elif case.data_parallel == "fsdp" and case.dp > 1:
         # One FSDP unit per layer with parameters on this rank.
         units = sum(1 for start, stop in pipe.stage_layers.values() for layer in range(start, stop)
                     if any(True for _ in ref[layer].parameters()))
         assert counter.count == units * STEPS, \
             f"{case}: {counter.count} reduce-scatters in {STEPS} steps, expected {units * STEPS}"
+
+
+def fsdp_param_groups(pipe: Any) -> int:
+    """How many FSDP parameter groups (one reduce-scatter each per step) this rank's
+    stages have: a traced stage's units and its root's own parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    count = 0
+    for root in pipe._runner.data_parallel._roots():
+        for state in fully_shard.state(root)._state_ctx.all_states:
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                group = getattr(state, "_fsdp_param_group", None)
+                groups = [group] if group is not None else []
+            count += len(groups)
+    return count
 
 
 FLUSH = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev", "interleaved-zb"]
@@ -210,6 +237,14 @@ def cases(kind: str) -> List[Case]:
                    Case("zb-h1", 2, 2, "sgd", loss_reduction="sum", tied=True),
                    Case("1f1b", 4, 1, tied=True), Case("1f1b", 4, 1, "adamw", "replicate",
                                                        tied=True)]
+    # split_points: the stages are GraphModules; called modules are units, the rest roots.
+    full_cases += [Case(s, 2, 2, opt, reshard_after_forward=r, traced=True)
+                   for s in ("1f1b", "zb-h1", "interleaved-1f1b") for opt in OPTIMIZERS
+                   for r in (False, True)]
+    full_cases += [Case("zbv", 2, 2, "adamw", "replicate", traced=True),
+                   Case("1f1b", 2, 2, "sgd", loss_reduction="sum", traced=True),
+                   Case("1f1b", 2, 2, "adamw", tied=True, traced=True),
+                   Case("zb-h1", 4, 1, traced=True)]
     return full_cases
 
 
@@ -245,8 +280,6 @@ def check_refusals() -> None:
         (r"parameter 0.0.weight = 6.0.weight is used by layer 0 and layer 6, which "
          r"data_parallel='fsdp' would shard as separate units on rank 0 of mesh\['pp'\]",
          tied_mlp, dict(schedule="zbv", chunks=2)),
-        ("a traced model \\(split_points\\) is not supported", mlp,
-         dict(split_points=["4"], sample=(x, y))),
     ]
     for match, make, kwargs in refused:
         kwargs = {"mesh": mesh, **kwargs}

@@ -43,7 +43,7 @@ from .stage_call import as_tuple
 
 __all__ = ["DATA_PARALLEL", "MeshPlan", "resolve_mesh", "check_schedule", "DataParallel",
            "FsdpStages", "ReplicatedStages", "keep_unsharded_after", "make_data_parallel",
-           "refuse_split_ties"]
+           "refuse_split_ties", "graph_units"]
 
 #: The values of ``data_parallel``.
 DATA_PARALLEL = ("fsdp", "replicate")
@@ -140,12 +140,12 @@ def resolve_mesh(mesh: Any, data_parallel: str, process_group: Optional[dist.Pro
     return MeshPlan(mesh, data_parallel, bool(reshard_after_forward), mp_policy, pipelines)
 
 
-def check_schedule(plan: MeshPlan, config: PipelineConfig, traced: bool, planned: bool) -> None:
+def check_schedule(plan: MeshPlan, config: PipelineConfig, planned: bool) -> None:
     """Refuses what data parallelism over a mesh does not support, naming it.
 
     Raises:
-        ValueError: an asynchronous schedule; ``recompute`` or a traced model with
-            ``"fsdp"``; a plan (which sets replicas itself).
+        ValueError: an asynchronous schedule; ``recompute`` with ``"fsdp"``; a plan
+            (which sets replicas itself).
     """
     how = f"mesh= with data_parallel={plan.data_parallel!r}"
     if config.asynchronous:
@@ -160,10 +160,6 @@ def check_schedule(plan: MeshPlan, config: PipelineConfig, traced: bool, planned
         raise ValueError("recompute=True with data_parallel='fsdp' is not supported (the "
                          "recomputed forward would run FSDP's hooks a second time); drop "
                          "recompute or use data_parallel='replicate'")
-    if plan.data_parallel == "fsdp" and traced:
-        raise ValueError("data_parallel='fsdp' shards an nn.Sequential's layers; a traced model "
-                         "(split_points) is not supported: use data_parallel='replicate' or an "
-                         "nn.Sequential")
 
 
 def refuse_split_ties(plan: Optional[MeshPlan],
@@ -328,11 +324,18 @@ class FsdpStages(DataParallel):
             self.units += 1
 
     def attach(self, stages: LocalStages) -> None:
-        """Makes each stage module an FSDP root over its sharded layers."""
+        """Makes each stage module an FSDP root over its sharded layers; a traced
+        stage's units (:func:`graph_units`) are sharded here, from dp rank 0's values."""
         self.stages = stages
         for j in stages:
+            if stages.traced:
+                self._broadcast(stages[j])
+                for unit in graph_units(stages[j]):
+                    self._shard(unit)
+                    self.units += 1
             self._shard(stages[j])
             stages[j].set_reshard_after_forward(self.plan.reshard_after_forward)
+        stages.remerge()  # a traced stage's parameters are new (sharded) objects
 
     def _roots(self) -> List[Any]:
         return [self.stages[j] for j in self.stages]
@@ -370,6 +373,46 @@ class FsdpStages(DataParallel):
     def after_evaluation(self) -> None:
         for root in self._roots():
             root.reshard()
+
+
+def graph_units(stage: nn.Module) -> List[nn.Module]:
+    """The submodules of a traced stage (a ``GraphModule`` holding the model's modules
+    at their paths) that can be FSDP units of their own.
+
+    A unit's parameters are gathered by its forward hooks, so only a module that the
+    graph calls (``call_module``) exactly once, whose parameters it does not also read
+    directly (``get_attr``: a module traced through reads its weights so) and that
+    shares no parameter with another module of the stage qualifies; every other
+    parameter belongs to the stage's root unit, gathered before the stage's forward.
+    A graph without ``call_module`` nodes (``torch.export``) has no units: one root.
+
+    Args:
+        stage: a traced stage.
+
+    Returns:
+        The units, in graph order.
+    """
+    graph = getattr(stage, "graph", None)
+    if graph is None:
+        return []
+    calls: Dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls[node.target] = calls.get(node.target, 0) + 1
+    read = [str(n.target) for n in graph.nodes if n.op == "get_attr"]
+    uses: Dict[int, int] = {}
+    for _, p in stage.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    units = []
+    for target, count in calls.items():
+        module = stage.get_submodule(target)
+        params = [p for _, p in module.named_parameters(remove_duplicate=False)]
+        if count != 1 or not params or any(uses[id(p)] > 1 for p in params):
+            continue
+        if any(r == target or r.startswith(target + ".") for r in read):
+            continue
+        units.append(module)
+    return units
 
 
 def _param_groups(state: Any) -> List[Any]:
