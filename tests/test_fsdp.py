@@ -51,6 +51,7 @@ class Case(NamedTuple):
     mixed_precision: bool = False
     tied: bool = False
     traced: bool = False
+    recompute: bool = False
 
 
 # --------------------------------------------------------------------------- the model
@@ -149,6 +150,7 @@ def build(case: Case, mesh: Any):
                       sample=(x[:4], y[:4]))
     pipe = pd.PipeDream(model, loss_fn, schedule=case.schedule, microbatches=microbatches,
                         chunks=chunks, timeout=60, loss_reduction=case.loss_reduction, **traced,
+                        recompute=case.recompute,
                         mesh=mesh, data_parallel=case.data_parallel,
                         reshard_after_forward=case.reshard_after_forward, mp_policy=policy)
     return pipe, ref, loss_fn
@@ -245,6 +247,13 @@ def cases(kind: str) -> List[Case]:
                    Case("1f1b", 2, 2, "sgd", loss_reduction="sum", traced=True),
                    Case("1f1b", 2, 2, "adamw", tied=True, traced=True),
                    Case("zb-h1", 4, 1, traced=True)]
+    # recompute=True: the recomputed forward gathers the weights again.
+    full_cases += [Case(s, 2, 2, opt, reshard_after_forward=r, recompute=True)
+                   for s in FLUSH for opt in OPTIMIZERS for r in (False, True)]
+    full_cases += [Case("1f1b", 2, 2, "adamw", "replicate", recompute=True),
+                   Case("zb-h1", 2, 2, "sgd", loss_reduction="sum", recompute=True),
+                   Case("1f1b", 2, 2, "adamw", tied=True, traced=True, recompute=True),
+                   Case("zb-h1", 2, 2, "sgd", mixed_precision=True, recompute=True)]
     return full_cases
 
 
@@ -275,7 +284,6 @@ def check_refusals() -> None:
         ("process_group= and mesh= both name the pipeline's ranks",
          mlp, dict(process_group=dist.group.WORLD)),
         ("data_parallel='ddp'; use 'fsdp'", mlp, dict(data_parallel="ddp")),
-        ("recompute=True with data_parallel='fsdp' is not supported", mlp, dict(recompute=True)),
         (r"mesh has dimensions \('dp',\); PipeDream takes a 2-D mesh", mlp, dict(mesh=flat)),
         (r"parameter 0.0.weight = 6.0.weight is used by layer 0 and layer 6, which "
          r"data_parallel='fsdp' would shard as separate units on rank 0 of mesh\['pp'\]",

@@ -144,8 +144,7 @@ def check_schedule(plan: MeshPlan, config: PipelineConfig, planned: bool) -> Non
     """Refuses what data parallelism over a mesh does not support, naming it.
 
     Raises:
-        ValueError: an asynchronous schedule; ``recompute`` with ``"fsdp"``; a plan
-            (which sets replicas itself).
+        ValueError: an asynchronous schedule; a plan (which sets replicas itself).
     """
     how = f"mesh= with data_parallel={plan.data_parallel!r}"
     if config.asynchronous:
@@ -156,10 +155,6 @@ def check_schedule(plan: MeshPlan, config: PipelineConfig, planned: bool) -> Non
     if planned:
         raise ValueError(f"balance='auto' or a plan chooses replicas itself, which {how} does "
                          "not take; give layer counts (balance=[...]) or drop mesh")
-    if plan.data_parallel == "fsdp" and config.recompute:
-        raise ValueError("recompute=True with data_parallel='fsdp' is not supported (the "
-                         "recomputed forward would run FSDP's hooks a second time); drop "
-                         "recompute or use data_parallel='replicate'")
 
 
 def refuse_split_ties(plan: Optional[MeshPlan],
