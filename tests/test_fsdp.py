@@ -9,7 +9,8 @@ Every configuration trains the pipeline, each dp rank on its part of the global 
 next to the unsplit model trained on the whole global batch, and compares every step's
 loss and every weight (the sharded ones gathered) after SGD-momentum or AdamW steps;
 with ``"fsdp"`` it also counts the reduce-scatters (one per FSDP unit per step: the
-gradient sync waits for each stage's last backward). One launch runs many
+gradient sync waits for each stage's last backward). Configurations cover a weight
+tied across stages, traced stages (``split_points``) and ``recompute=True``. One launch runs many
 configurations (a worker loops over them).
 """
 from __future__ import annotations
@@ -316,8 +317,8 @@ def run_checks() -> None:
 
 
 def test_fsdp_representative_case_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
-    """zb-h1, pp 2 x dp 2, AdamW: losses, weights and one reduce-scatter per unit per
-    step; and every refusal of a mesh (one launch)."""
+    """zb-h1, pp 2 x dp 2, AdamW, a weight tied across the two stages: losses, weights
+    and one reduce-scatter per unit per step; and every refusal of a mesh (one launch)."""
     monkeypatch.setenv(CASES_ENV, "fast")
     assert_every_rank_passed(launch_torchrun(HERE, 4), 4, MARKER)
 
@@ -326,7 +327,8 @@ def test_fsdp_representative_case_and_refusals(monkeypatch: pytest.MonkeyPatch) 
 def test_every_flush_schedule_with_fsdp_and_replicate(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every flush schedule x SGD-momentum / AdamW x both reshard settings (fsdp, pp 2 x
     dp 2), replicate, pp 1 x dp 4, pp 4 x dp 1, meta-device models, loss_reduction="sum",
-    bf16 parameters with fp32 reduction."""
+    bf16 parameters with fp32 reduction; a weight tied across stages, traced stages
+    (split_points) and recompute=True, each with fsdp and replicate."""
     monkeypatch.setenv(CASES_ENV, "full")
     assert_every_rank_passed(launch_torchrun(HERE, 4, timeout=1800), 4, MARKER)
 

@@ -8,7 +8,9 @@ on its own part of the batch.
   ``mesh["dp"]``, one unit per top-level layer with parameters and one root per
   stage, applied while the stages are built (``LocalStages(after_layer=...)``), so a
   meta-device layer is sharded right after it is materialised and before the
-  executor (or the split backward) ever sees a parameter.
+  executor (or the split backward) ever sees a parameter. A traced stage's units
+  are the modules its graph calls once (:func:`graph_units`); a parameter tied
+  between two units of one rank is refused (:func:`refuse_split_ties`).
 * ``data_parallel="replicate"`` (:class:`ReplicatedStages`): every rank keeps whole
   stages; gradients are all-reduced over ``dp`` at the end of each step.
 
