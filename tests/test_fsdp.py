@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_shared_params as shared
 from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -53,6 +54,7 @@ class Case(NamedTuple):
     tied: bool = False
     traced: bool = False
     recompute: bool = False
+    lm: bool = False  # test_shared_params' language model: embedding tied to the head
 
 
 # --------------------------------------------------------------------------- the model
@@ -132,7 +134,7 @@ def build(case: Case, mesh: Any):
 
     chunks = 2 if pd.schedules.traits(case.schedule).multi_chunk else 1
     microbatches = 2 * case.pp if case.schedule == "dualpipev" else 4
-    make = tied_mlp if case.tied else mlp
+    make = shared.tied_lm if case.lm else tied_mlp if case.tied else mlp
     if case.meta:
         with torch.device("meta"):
             model = make()
@@ -143,7 +145,8 @@ def build(case: Case, mesh: Any):
         model, ref = make(), make()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if case.mixed_precision else None
-    loss_fn = sum_loss if case.loss_reduction == "sum" else F.cross_entropy
+    loss_fn = shared.lm_loss if case.lm else sum_loss if case.loss_reduction == "sum" \
+        else F.cross_entropy
     traced: Dict[str, Any] = {}
     if case.traced:  # the same layers, cut on the traced graph (GraphModule stages)
         x, y = global_batch(0)
@@ -170,7 +173,7 @@ def check_case(case: Case) -> None:
     rtol, atol = (2e-2, 2e-2) if case.mixed_precision else (RTOL, ATOL)
     with ReduceScatterCounter() as counter:
         for step in range(STEPS):
-            x, y = global_batch(100 + step)
+            x, y = shared.batch(100 + step, BATCH) if case.lm else global_batch(100 + step)
             ref_loss = loss_fn(ref(x), y)
             ref_loss.backward()
             part = slice(dp_rank * rows, (dp_rank + 1) * rows)
@@ -255,6 +258,10 @@ def cases(kind: str) -> List[Case]:
                    Case("zb-h1", 2, 2, "sgd", loss_reduction="sum", recompute=True),
                    Case("1f1b", 2, 2, "adamw", tied=True, traced=True, recompute=True),
                    Case("zb-h1", 2, 2, "sgd", mixed_precision=True, recompute=True)]
+    # A GPT-like model: the embedding (stage 0) and the head (stage 1) share a weight.
+    full_cases += [Case(s, 2, 2, "adamw", dp_mode, reshard_after_forward=r, lm=True)
+                   for s in ("1f1b", "zb-h1") for dp_mode in ("fsdp", "replicate")
+                   for r in (False, True) if dp_mode == "fsdp" or not r]
     return full_cases
 
 
