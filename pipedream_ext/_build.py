@@ -60,7 +60,7 @@ from ._runtime.sharding import (
     MeshPlan,
     check_schedule,
     make_data_parallel,
-    refuse_shared,
+    refuse_split_ties,
     resolve_mesh,
 )
 from ._runtime.stage_call import StageFunction, Tensors
@@ -181,7 +181,6 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
         args.process_group if args.process_group is not None else dist.group.WORLD
     cut = cut_model(args, prepared, config, group, mesh)
     _refuse_shared_if_asynchronous(config, cut.shared_parameters)
-    refuse_shared(mesh, [sp.names for sp in cut.shared_parameters])
     cut.traced = _agree_everywhere(args.module, group, config, cut,
                                    prepared.init_seed if prepared.deferred else None, mesh)
     action_feed, schedule = _build_schedule(config, cut.partition)
@@ -190,6 +189,7 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
                               list(cut.partition.replicas))
     stage_ranks = [schedule.stage_ranks(j) for j in range(schedule.num_stages)]
     if mesh is not None:
+        refuse_split_ties(mesh, _tied_units(args.module, cut, stage_ranks))
         mesh.create_side_groups(config.timeout)
     groups = PipelineGroups.create(group, stage_ranks, config.timeout)
     data_parallel = make_data_parallel(
@@ -202,7 +202,7 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
         for j in stages:  # tensors the graph creates: on this rank's device
             export.retarget_devices(stages[j], device)
     shared_gradients = SharedGradients(cut.shared_parameters, stages, stage_ranks, groups.group,
-                                       config.timeout)
+                                       config.timeout, mesh.pipelines if mesh else None)
     # Every copy starts as the first use's stage has it (meta layers are
     # initialised per rank, each from its own layer's seed).
     shared_gradients.synchronize_values()
@@ -234,7 +234,7 @@ def _mesh_plan(args: PipelineArguments, prepared: "PreparedModel",
     mesh = resolve_mesh(args.mesh, args.data_parallel, args.process_group, args.replicas,
                         args.reshard_after_forward, args.mp_policy)
     if mesh is not None:
-        check_schedule(mesh, config, traced=prepared.traced is not None,
+        check_schedule(mesh, config,
                        planned=_is_plan(args.balance) and not isinstance(args.module, nn.Sequential))
     return mesh
 
@@ -546,6 +546,28 @@ def _refuse_shared_if_asynchronous(config: PipelineConfig,
         "different times, so its copies would drift apart; shared parameters need a flush "
         f"schedule ({', '.join(schedules.synchronous_names())}), or put every layer using it "
         "on one stage with balance=...")
+
+
+def _tied_units(module: nn.Module, cut: CutModel, stage_ranks: Sequence[Sequence[int]]
+                ) -> List[Tuple[List[str], List[Tuple[str, int]]]]:
+    """Every tied parameter's names and the ``(unit, pp rank)`` of each use, for
+    ``refuse_split_ties``: an ``nn.Sequential``'s units are its top-level layers (a
+    tie inside one stage counts too), a traced model's its stages."""
+    if cut.traced is not None:
+        return [(list(dict.fromkeys(sp.names)),
+                 [(f"stage {j}", stage_ranks[j][0]) for j in sp.name_stages])
+                for sp in cut.shared_parameters]
+    stage_of = [j for j, count in enumerate(cut.partition.balance) for _ in range(count)]
+    layer_index = {name: l for l, (name, _) in enumerate(module.named_children())}
+    names: Dict[int, List[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    tied = []
+    for uses in (u for u in names.values() if len(u) > 1):
+        layers = [n.split(".", 1)[0] for n in uses]
+        tied.append((uses, [(f"layer {n}", stage_ranks[stage_of[layer_index[n]]][0])
+                            for n in layers]))
+    return tied
 
 
 def _agree_everywhere(module: nn.Module, group: dist.ProcessGroup, config: PipelineConfig,

@@ -10,7 +10,8 @@ Every configuration trains the pipeline, each dp rank on its part of the global 
 next to the unsplit model trained on the whole global batch, and compares every step's
 loss and every weight (the sharded ones gathered) after SGD-momentum or AdamW steps;
 with ``"fsdp"`` it also counts the reduce-scatters (one per FSDP unit per step: the
-gradient sync waits for each stage's last backward). One launch runs many
+gradient sync waits for each stage's last backward). Configurations cover a weight
+tied across stages, traced stages (``split_points``) and ``recompute=True``. One launch runs many
 configurations (a worker loops over them).
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import test_shared_params as shared
 from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -53,6 +55,10 @@ class Case(NamedTuple):
     loss_reduction: str = "mean"
     mixed_precision: bool = False
     clip: Optional[Tuple[float, float]] = None  # (max_norm, norm_type): pd.clip_grad_norm_
+    tied: bool = False
+    traced: bool = False
+    recompute: bool = False
+    lm: bool = False  # test_shared_params' language model: embedding tied to the head
 
 
 # --------------------------------------------------------------------------- the model
@@ -132,19 +138,27 @@ def build(case: Case, mesh: Any):
 
     chunks = 2 if pd.schedules.traits(case.schedule).multi_chunk else 1
     microbatches = 2 * case.pp if case.schedule == "dualpipev" else 4
+    make = shared.tied_lm if case.lm else tied_mlp if case.tied else mlp
     if case.meta:
         with torch.device("meta"):
-            model = mlp()
+            model = make()
         with torch.device("meta"):
-            ref = mlp()
+            ref = make()
         pd.materialize(ref, seed=0)
     else:
-        model, ref = mlp(), mlp()
+        model, ref = make(), make()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if case.mixed_precision else None
-    loss_fn = sum_loss if case.loss_reduction == "sum" else F.cross_entropy
+    loss_fn = shared.lm_loss if case.lm else sum_loss if case.loss_reduction == "sum" \
+        else F.cross_entropy
+    traced: Dict[str, Any] = {}
+    if case.traced:  # the same layers, cut on the traced graph (GraphModule stages)
+        x, y = global_batch(0)
+        traced = dict(split_points=["4"] if chunks * case.pp == 2 else ["2", "4", "6"],
+                      sample=(x[:4], y[:4]))
     pipe = pd.PipeDream(model, loss_fn, schedule=case.schedule, microbatches=microbatches,
-                        chunks=chunks, timeout=60, loss_reduction=case.loss_reduction,
+                        chunks=chunks, timeout=60, loss_reduction=case.loss_reduction, **traced,
+                        recompute=case.recompute,
                         mesh=mesh, data_parallel=case.data_parallel,
                         reshard_after_forward=case.reshard_after_forward, mp_policy=policy)
     return pipe, ref, loss_fn
@@ -177,7 +191,7 @@ def check_case(case: Case) -> None:
     rtol, atol = (2e-2, 2e-2) if case.mixed_precision else (RTOL, ATOL)
     with ReduceScatterCounter() as counter:
         for step in range(STEPS):
-            x, y = global_batch(100 + step)
+            x, y = shared.batch(100 + step, BATCH) if case.lm else global_batch(100 + step)
             ref_loss = loss_fn(ref(x), y)
             ref_loss.backward()
             part = slice(dp_rank * rows, (dp_rank + 1) * rows)
@@ -190,16 +204,37 @@ def check_case(case: Case) -> None:
             ref_opt.step(); ref_opt.zero_grad()
             if opt is not None:
                 opt.step(); opt.zero_grad()
-    ref_params = dict(ref.named_parameters())
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))  # a tie: every name
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(full(p.detach()).float(), ref_params[name].detach(),
                                    rtol=rtol, atol=atol, msg=lambda m: f"{case} weight {name}: {m}")
-    if case.data_parallel == "fsdp" and case.dp > 1:
+    if case.data_parallel == "fsdp" and case.dp > 1 and case.traced:
+        groups = fsdp_param_groups(pipe)
+        assert pipe._runner.data_parallel.units > 0, f"{case}: no submodule sharded on its own"
+        assert counter.count == groups * STEPS, \
+            f"{case}: {counter.count} reduce-scatters in {STEPS} steps, expected {groups * STEPS}"
+    elif case.data_parallel == "fsdp" and case.dp > 1:
         # One FSDP unit per layer with parameters on this rank.
         units = sum(1 for start, stop in pipe.stage_layers.values() for layer in range(start, stop)
                     if any(True for _ in ref[layer].parameters()))
         assert counter.count == units * STEPS, \
             f"{case}: {counter.count} reduce-scatters in {STEPS} steps, expected {units * STEPS}"
+
+
+def fsdp_param_groups(pipe: Any) -> int:
+    """How many FSDP parameter groups (one reduce-scatter each per step) this rank's
+    stages have: a traced stage's units and its root's own parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    count = 0
+    for root in pipe._runner.data_parallel._roots():
+        for state in fully_shard.state(root)._state_ctx.all_states:
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                group = getattr(state, "_fsdp_param_group", None)
+                groups = [group] if group is not None else []
+            count += len(groups)
+    return count
 
 
 FLUSH = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev", "interleaved-zb"]
@@ -209,8 +244,8 @@ def cases(kind: str) -> List[Case]:
     if kind == "clip":  # the full set's clipping cases only (standalone runs)
         return [c for c in cases("full") if c.clip is not None]
     if kind == "fast":
-        return [Case("zb-h1", 2, 2), Case("1f1b", 2, 2, data_parallel="replicate",
-                                          clip=(CLIP_SMALL, INF)),
+        return [Case("zb-h1", 2, 2, tied=True), Case("1f1b", 2, 2, data_parallel="replicate",
+                                                     clip=(CLIP_SMALL, INF)),
                 Case("zb-h1", 2, 2, clip=(CLIP_SMALL, 2.0))]
     full_cases = [Case(s, 2, 2, opt, reshard_after_forward=r)
                   for s in FLUSH for opt in OPTIMIZERS for r in (False, True)]
@@ -226,13 +261,42 @@ def cases(kind: str) -> List[Case]:
                    for dp_mode in ("fsdp", "replicate") for p in (2.0, INF)]
     full_cases += [Case("zbv", 2, 2, "sgd", clip=(CLIP_SMALL, 1.0), reshard_after_forward=True),
                    Case("1f1b", 1, 4, clip=(CLIP_SMALL, INF)), Case("zb-h1", 4, 1, clip=(CLIP_SMALL, 2.0))]
+    # A weight tied across stages (layers 0 and 6): its copies' gradients summed.
+    full_cases += [Case(s, 2, 2, opt, reshard_after_forward=r, tied=True)
+                   for s in ("1f1b", "interleaved-1f1b") for opt in OPTIMIZERS
+                   for r in (False, True)]
+    full_cases += [Case(s, 2, 2, "adamw", "replicate", tied=True)
+                   for s in ("1f1b", "zbv", "interleaved-zb")]
+    full_cases += [Case("zb-h1", 2, 2, meta=True, tied=True),
+                   Case("zb-h1", 2, 2, "sgd", loss_reduction="sum", tied=True),
+                   Case("1f1b", 4, 1, tied=True), Case("1f1b", 4, 1, "adamw", "replicate",
+                                                       tied=True)]
+    # split_points: the stages are GraphModules; called modules are units, the rest roots.
+    full_cases += [Case(s, 2, 2, opt, reshard_after_forward=r, traced=True)
+                   for s in ("1f1b", "zb-h1", "interleaved-1f1b") for opt in OPTIMIZERS
+                   for r in (False, True)]
+    full_cases += [Case("zbv", 2, 2, "adamw", "replicate", traced=True),
+                   Case("1f1b", 2, 2, "sgd", loss_reduction="sum", traced=True),
+                   Case("1f1b", 2, 2, "adamw", tied=True, traced=True),
+                   Case("zb-h1", 4, 1, traced=True)]
+    # recompute=True: the recomputed forward gathers the weights again.
+    full_cases += [Case(s, 2, 2, opt, reshard_after_forward=r, recompute=True)
+                   for s in FLUSH for opt in OPTIMIZERS for r in (False, True)]
+    full_cases += [Case("1f1b", 2, 2, "adamw", "replicate", recompute=True),
+                   Case("zb-h1", 2, 2, "sgd", loss_reduction="sum", recompute=True),
+                   Case("1f1b", 2, 2, "adamw", tied=True, traced=True, recompute=True),
+                   Case("zb-h1", 2, 2, "sgd", mixed_precision=True, recompute=True)]
+    # A GPT-like model: the embedding (stage 0) and the head (stage 1) share a weight.
+    full_cases += [Case(s, 2, 2, "adamw", dp_mode, reshard_after_forward=r, lm=True)
+                   for s in ("1f1b", "zb-h1") for dp_mode in ("fsdp", "replicate")
+                   for r in (False, True) if dp_mode == "fsdp" or not r]
     return full_cases
 
 
 # --------------------------------------------------------------------------- refusals
-def tied_mlp() -> nn.Sequential:
+def tied_mlp(seed: int = 0) -> nn.Sequential:
     """mlp() with the last block's Linear tied to the first's (stages 0 and 1 on pp 2)."""
-    model = mlp()
+    model = mlp(seed)
     model[LAYERS - 2][0].weight = model[0][0].weight
     return model
 
@@ -256,11 +320,10 @@ def check_refusals() -> None:
         ("process_group= and mesh= both name the pipeline's ranks",
          mlp, dict(process_group=dist.group.WORLD)),
         ("data_parallel='ddp'; use 'fsdp'", mlp, dict(data_parallel="ddp")),
-        ("recompute=True with data_parallel='fsdp' is not supported", mlp, dict(recompute=True)),
         (r"mesh has dimensions \('dp',\); PipeDream takes a 2-D mesh", mlp, dict(mesh=flat)),
-        ("is shared by layers on different stages, which mesh=", tied_mlp, {}),
-        ("a traced model \\(split_points\\) is not supported", mlp,
-         dict(split_points=["4"], sample=(x, y))),
+        (r"parameter 0.0.weight = 6.0.weight is used by layer 0 and layer 6, which "
+         r"data_parallel='fsdp' would shard as separate units on rank 0 of mesh\['pp'\]",
+         tied_mlp, dict(schedule="zbv", chunks=2)),
     ]
     for match, make, kwargs in refused:
         kwargs = {"mesh": mesh, **kwargs}
@@ -332,9 +395,10 @@ def run_checks() -> None:
 
 
 def test_fsdp_representative_case_and_refusals(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    """zb-h1, pp 2 x dp 2, AdamW: losses, weights and one reduce-scatter per unit per
-    step; pd.clip_grad_norm_ (fsdp p=2, replicate p=inf); an asynchronous DCP save of
-    the fsdp pipeline resumed on the same mesh; and every refusal of a mesh (one launch)."""
+    """zb-h1, pp 2 x dp 2, AdamW, a weight tied across the two stages: losses, weights and
+    one reduce-scatter per unit per step; pd.clip_grad_norm_ (fsdp p=2, replicate p=inf);
+    an asynchronous DCP save of the fsdp pipeline resumed on the same mesh; balance="auto"
+    with a mesh; and every refusal of a mesh (one launch)."""
     monkeypatch.setenv(CASES_ENV, "fast")
     monkeypatch.setenv(CKPT_ENV, str(tmp_path))
     assert_every_rank_passed(launch_torchrun(HERE, 4), 4, MARKER)
@@ -344,7 +408,8 @@ def test_fsdp_representative_case_and_refusals(monkeypatch: pytest.MonkeyPatch, 
 def test_every_flush_schedule_with_fsdp_and_replicate(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every flush schedule x SGD-momentum / AdamW x both reshard settings (fsdp, pp 2 x
     dp 2), replicate, pp 1 x dp 4, pp 4 x dp 1, meta-device models, loss_reduction="sum",
-    bf16 parameters with fp32 reduction."""
+    bf16 parameters with fp32 reduction; a weight tied across stages, traced stages
+    (split_points) and recompute=True, each with fsdp and replicate."""
     monkeypatch.setenv(CASES_ENV, "full")
     assert_every_rank_passed(launch_torchrun(HERE, 4, timeout=1800), 4, MARKER)
 

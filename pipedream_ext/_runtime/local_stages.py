@@ -100,5 +100,14 @@ class LocalStages:
         """Names of :meth:`parameters_of` within the stage's module."""
         return [name for name, _ in self._modules[stage].named_parameters()]
 
+    def remerge(self) -> None:
+        """Builds :attr:`module` of a traced model again from the stages.
+
+        The merged module holds the tensors a graph reads directly (``get_attr``) as
+        the objects they were when it was built; after ``fully_shard`` replaced them
+        by sharded parameters it must hold those instead."""
+        if self.traced:
+            self.module = merge_stage_modules([self._modules[j] for j in self.indices])
+
     def parameters_by_stage(self) -> Dict[int, List[torch.Tensor]]:
         return {j: self.parameters_of(j) for j in self.indices}

@@ -8,7 +8,9 @@ on its own part of the batch.
   ``mesh["dp"]``, one unit per top-level layer with parameters and one root per
   stage, applied while the stages are built (``LocalStages(after_layer=...)``), so a
   meta-device layer is sharded right after it is materialised and before the
-  executor (or the split backward) ever sees a parameter.
+  executor (or the split backward) ever sees a parameter. A traced stage's units
+  are the modules its graph calls once (:func:`graph_units`); a parameter tied
+  between two units of one rank is refused (:func:`refuse_split_ties`).
 * ``data_parallel="replicate"`` (:class:`ReplicatedStages`): every rank keeps whole
   stages; gradients are all-reduced over ``dp`` at the end of each step.
 
@@ -42,7 +44,8 @@ from .local_stages import LocalStages
 from .stage_call import as_tuple
 
 __all__ = ["DATA_PARALLEL", "MeshPlan", "resolve_mesh", "check_schedule", "DataParallel",
-           "FsdpStages", "ReplicatedStages", "keep_unsharded_after", "make_data_parallel"]
+           "FsdpStages", "ReplicatedStages", "keep_unsharded_after", "make_data_parallel",
+           "refuse_split_ties", "graph_units"]
 
 #: The values of ``data_parallel``.
 DATA_PARALLEL = ("fsdp", "replicate")
@@ -170,13 +173,12 @@ def resolve_mesh(mesh: Any, data_parallel: str, process_group: Optional[dist.Pro
     return MeshPlan(mesh, data_parallel, bool(reshard_after_forward), mp_policy, pipelines)
 
 
-def check_schedule(plan: MeshPlan, config: PipelineConfig, traced: bool, planned: bool) -> None:
+def check_schedule(plan: MeshPlan, config: PipelineConfig, planned: bool) -> None:
     """Refuses what data parallelism over a mesh does not support, naming it.
 
     Raises:
-        ValueError: an asynchronous schedule; ``recompute`` or a traced model with
-            ``"fsdp"``; a plan of a traced model (an ``nn.Sequential``'s is planned for
-            the pp dimension).
+        ValueError: an asynchronous schedule; a plan of a traced model (an
+            ``nn.Sequential``'s is planned for the pp dimension).
     """
     how = f"mesh= with data_parallel={plan.data_parallel!r}"
     if config.asynchronous:
@@ -187,32 +189,40 @@ def check_schedule(plan: MeshPlan, config: PipelineConfig, traced: bool, planned
     if planned:
         raise ValueError(f"balance='auto' or a plan of a traced model (not an nn.Sequential) with "
                          f"{how} is not supported; give split_points, an nn.Sequential, or drop mesh")
-    if plan.data_parallel == "fsdp" and config.recompute:
-        raise ValueError("recompute=True with data_parallel='fsdp' is not supported (the "
-                         "recomputed forward would run FSDP's hooks a second time); drop "
-                         "recompute or use data_parallel='replicate'")
-    if plan.data_parallel == "fsdp" and traced:
-        raise ValueError("data_parallel='fsdp' shards an nn.Sequential's layers; a traced model "
-                         "(split_points) is not supported: use data_parallel='replicate' or an "
-                         "nn.Sequential")
 
 
-def refuse_shared(plan: Optional[MeshPlan], shared_names: Sequence[Sequence[str]]) -> None:
-    """Tied parameters across stages are not supported with a mesh.
+def refuse_split_ties(plan: Optional[MeshPlan],
+                      tied: Sequence[Tuple[Sequence[str], Sequence[Tuple[str, int]]]]) -> None:
+    """FSDP shards each unit's parameters on its own: one Parameter in two units of a
+    rank would become two sharded parameters, silently untied.
 
-    Each pipeline would sum a tied weight's gradients over its own stages' ranks
-    with groups that every rank must create (``new_group``), and FSDP shards each
-    stage's copy on its own; rather than risk copies that drift, this is refused.
+    A tie across ranks is fine (each rank's copy is one parameter of one unit, its
+    gradient summed over the copies by ``SharedGradients``); a tie between two units
+    on one rank (two top-level layers, or two stages of one rank) is refused.
+
+    Args:
+        plan: the mesh, or ``None``.
+        tied: per tied parameter, its names and the ``(unit, pp rank)`` of every use.
 
     Raises:
-        ValueError: naming the first shared parameter.
+        ValueError: with ``data_parallel="fsdp"``, naming the parameter, the units and
+            the fix.
     """
-    if plan is None or not shared_names:
+    if plan is None or plan.data_parallel != "fsdp":
         return
-    raise ValueError(f"parameter {' = '.join(shared_names[0])} is shared by layers on different "
-                     f"stages, which mesh= (data_parallel={plan.data_parallel!r}) does not "
-                     "support; put every layer using it on one stage with balance=[...], or "
-                     "untie it, or drop mesh")
+    for names, uses in tied:
+        units_of_rank: Dict[int, List[str]] = {}
+        for unit, rank in uses:
+            if unit not in units_of_rank.setdefault(rank, []):
+                units_of_rank[rank].append(unit)
+        for rank, units in units_of_rank.items():
+            if len(units) > 1:
+                raise ValueError(
+                    f"parameter {' = '.join(names)} is used by {' and '.join(units)}, which "
+                    f"data_parallel='fsdp' would shard as separate units on rank {rank} of "
+                    "mesh['pp'], untying the copies; use data_parallel='replicate', or put "
+                    "its uses on different pipeline ranks with balance=[...] (a tie across "
+                    "ranks is supported), or untie it")
 
 
 def keep_unsharded_after(actions: Sequence[Dict[str, Any]]) -> Set[Tuple[int, int]]:
@@ -343,11 +353,18 @@ class FsdpStages(DataParallel):
             self.units += 1
 
     def attach(self, stages: LocalStages) -> None:
-        """Makes each stage module an FSDP root over its sharded layers."""
+        """Makes each stage module an FSDP root over its sharded layers; a traced
+        stage's units (:func:`graph_units`) are sharded here, from dp rank 0's values."""
         self.stages = stages
         for j in stages:
+            if stages.traced:
+                self._broadcast(stages[j])
+                for unit in graph_units(stages[j]):
+                    self._shard(unit)
+                    self.units += 1
             self._shard(stages[j])
             stages[j].set_reshard_after_forward(self.plan.reshard_after_forward)
+        stages.remerge()  # a traced stage's parameters are new (sharded) objects
 
     def _roots(self) -> List[Any]:
         return [self.stages[j] for j in self.stages]
@@ -385,6 +402,46 @@ class FsdpStages(DataParallel):
     def after_evaluation(self) -> None:
         for root in self._roots():
             root.reshard()
+
+
+def graph_units(stage: nn.Module) -> List[nn.Module]:
+    """The submodules of a traced stage (a ``GraphModule`` holding the model's modules
+    at their paths) that can be FSDP units of their own.
+
+    A unit's parameters are gathered by its forward hooks, so only a module that the
+    graph calls (``call_module``) exactly once, whose parameters it does not also read
+    directly (``get_attr``: a module traced through reads its weights so) and that
+    shares no parameter with another module of the stage qualifies; every other
+    parameter belongs to the stage's root unit, gathered before the stage's forward.
+    A graph without ``call_module`` nodes (``torch.export``) has no units: one root.
+
+    Args:
+        stage: a traced stage.
+
+    Returns:
+        The units, in graph order.
+    """
+    graph = getattr(stage, "graph", None)
+    if graph is None:
+        return []
+    calls: Dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls[node.target] = calls.get(node.target, 0) + 1
+    read = [str(n.target) for n in graph.nodes if n.op == "get_attr"]
+    uses: Dict[int, int] = {}
+    for _, p in stage.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    units = []
+    for target, count in calls.items():
+        module = stage.get_submodule(target)
+        params = [p for _, p in module.named_parameters(remove_duplicate=False)]
+        if count != 1 or not params or any(uses[id(p)] > 1 for p in params):
+            continue
+        if any(r == target or r.startswith(target + ".") for r in read):
+            continue
+        units.append(module)
+    return units
 
 
 def _param_groups(state: Any) -> List[Any]:

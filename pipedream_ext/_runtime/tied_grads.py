@@ -4,6 +4,13 @@ A parameter shared by layers on different stages (found by
 ``_frontend.tied_params``) has a copy on every stage using it; each step, the copies'
 gradients are summed over those stages (one process group per set of ranks), so every
 copy steps with the gradient of the unsplit model's single parameter.
+
+Over a ``("pp", "dp")`` mesh every pipeline has its own copies: each set of ranks
+gets one group per pipeline, all created on every rank in mesh order. With FSDP
+each copy is a DTensor sharded over ``mesh["dp"]`` the same way (one shape, one dp
+mesh), so the copies' local shards line up: summing the local gradient shards (after
+FSDP's reduce-scatter) gives the shard of the summed gradient, and the values are
+made equal shard by shard.
 """
 from __future__ import annotations
 
@@ -34,13 +41,18 @@ class SharedGradients:
         stage_ranks: the ranks (within ``group``) of every stage, replica order.
         group: the pipeline's group.
         timeout: seconds, for the new groups' operations.
+        pipelines: over a mesh, the global ranks of every pipeline (``group``'s among
+            them), mesh order: each set of ranks gets a group in every pipeline, made on
+            every rank; ``None``: ``group`` is the only pipeline.
     """
 
     def __init__(self, shared: Sequence[SharedParameter], stages: LocalStages,
                  stage_ranks: Sequence[Sequence[int]], group: dist.ProcessGroup,
-                 timeout: float) -> None:
+                 timeout: float, pipelines: Optional[Sequence[Sequence[int]]] = None) -> None:
         rank = dist.get_rank(group)
         span = datetime.timedelta(seconds=timeout)
+        mine = [int(r) for r in dist.get_process_group_ranks(group)]
+        every = [list(p) for p in pipelines] if pipelines is not None else [mine]
         by_ranks: Dict[Tuple[int, ...], Optional[dist.ProcessGroup]] = {}
         # (group, tensors, whether this rank contributes) per set of ranks this rank is in.
         self._work: List[Tuple[dist.ProcessGroup, List[nn.Parameter], bool]] = []
@@ -52,9 +64,11 @@ class SharedGradients:
             if len(ranks) < 2:
                 continue  # every use on this rank: autograd sums into one .grad
             if ranks not in by_ranks:
-                new = dist.new_group([dist.get_global_rank(group, r) for r in ranks],
-                                     timeout=span)
-                by_ranks[ranks] = new if rank in ranks else None
+                by_ranks[ranks] = None
+                for pipeline in every:  # new_group is collective over the default group
+                    new = dist.new_group([pipeline[r] for r in ranks], timeout=span)
+                    if pipeline == mine and rank in ranks:
+                        by_ranks[ranks] = new
             if rank not in ranks:
                 continue
             param = next(local_params[n] for n in sp.names if n in local_params)
@@ -81,9 +95,10 @@ class SharedGradients:
         own layer's seed, so a tied weight's copies start different without this.
         """
         for group, param, source in self._values:
-            value = param.detach().clone() if source else torch.zeros_like(param)
+            local = _local(param)
+            value = local.detach().clone() if source else torch.zeros_like(local)
             collectives.all_reduce_data(value, group)
-            param.copy_(value)
+            local.copy_(value)
 
     def counted_elsewhere(self) -> List[nn.Parameter]:
         """This rank's copies of shared parameters whose gradient another rank counts in a
@@ -104,7 +119,7 @@ class SharedGradients:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            grads = [p.grad for p in params]
+            grads = [_local(p.grad) for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])
             if not leader:
                 flat.zero_()
@@ -113,3 +128,11 @@ class SharedGradients:
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP parameter or gradient (a DTensor), else ``t``.
+
+    Under ``no_grad`` ``to_local()`` is the DTensor's own local tensor, so writing into
+    it writes the parameter or gradient."""
+    return t.to_local() if hasattr(t, "to_local") else t
