@@ -85,6 +85,7 @@ bench: setup
 	$(PY) benchmarks/traced.py
 	$(PY) benchmarks/agreement.py
 	$(PY) benchmarks/p2p_engine.py
+	$(PY) benchmarks/fsdp_2d.py
 	$(PY) benchmarks/update_readme.py
 
 # Time to accuracy on an emulated 4-host cluster (network namespaces, tc-limited

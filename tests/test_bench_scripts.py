@@ -1,5 +1,5 @@
 """The benchmark scripts' pure helpers (benchmarks/plan_accuracy.py, memory.py, soak.py,
-deferred_init.py, traced.py, zero_bubble.py, split_backward.py)
+deferred_init.py, traced.py, zero_bubble.py, split_backward.py, fsdp_2d.py)
 and the harness they stand on (benchmarks/_harness.py).
 
 Fast: the scripts import torch only inside functions, so loading them imports no torch;
@@ -40,12 +40,13 @@ traced = _load("traced")
 zero_bubble = _load("zero_bubble")
 split_backward = _load("split_backward")
 agreement = _load("agreement")
+fsdp_2d = _load("fsdp_2d")
 util = _load("_harness")
 
 
 def test_scripts_do_not_import_torch_at_module_level():
     for script in (plan_accuracy, memory, soak, deferred_init, traced, zero_bubble, split_backward,
-                   agreement):
+                   agreement, fsdp_2d):
         assert "torch" not in vars(script), script.__name__
 
 
@@ -576,6 +577,50 @@ def test_split_backward_smoke_run(tmp_path):
     assert len(data["result"]["ms_per_microbatch"]) == 2
     assert set(data["result"]["step_ms"]) == {"1f1b", "zb-h1"}
     assert "Median ratio zb-h1 / 1f1b" in (tmp_path / "split_backward.md").read_text()
+
+
+@pytest.mark.slow  # three 4-rank launches (about 75 s on 2 cores): `make test-all`
+def test_fsdp_2d_smoke_run(tmp_path):
+    """benchmarks/fsdp_2d.py --smoke: ours (fsdp, replicate) and torch's pipelining + FSDP2
+    each train on pp 2 x dp 2; the sharded modes hold half of replicate's bytes."""
+    proc = _smoke("fsdp_2d.py", tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "fsdp_2d.json").read_text())["results"]
+    assert set(results) == {"fsdp", "replicate", "torch"}
+    held = {mode: [r["params"] + r["grads"] + r["optim"] for r in result["ranks"]]
+            for mode, result in results.items()}
+    assert all(len(v) == 4 for v in held.values()), held
+    # AdamW's step counters (one scalar per parameter) are not sharded: close to half, not exactly.
+    assert all(0.45 < f / r < 0.55 for f, r in zip(held["fsdp"], held["replicate"])), held
+    assert held["fsdp"] == held["torch"], held
+    assert all(len(result["rounds_sps"]) == 1 for result in results.values()), results
+    assert "| mode | samples/s (best round) | / fsdp | each round |" in \
+        (tmp_path / "fsdp_2d.md").read_text()
+
+
+def test_fsdp_2d_tensor_bytes_counts_local_shards():
+    class Shard:  # a DTensor's duck type: its local tensor is what this rank holds
+        def __init__(self, local):
+            self.local = local
+
+        element_size = None
+
+        def to_local(self):
+            return self.local
+
+    class Plain:
+        def __init__(self, n):
+            self.n = n
+
+        def numel(self):
+            return self.n
+
+        def element_size(self):
+            return 4
+
+    assert fsdp_2d.tensor_bytes([Plain(3), None, Shard(Plain(5))]) == 32
+    with pytest.raises(SystemExit):
+        fsdp_2d.parse_args(["--layers", "3"])
 
 
 # ----------------------------------------------------------------------------- agreement

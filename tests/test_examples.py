@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -112,8 +114,6 @@ def test_hf_gpt2_example_tiny_run_trains_evaluates_generates_and_consolidates(tm
     steps, zb-h1; the default run's goal is not checked here): the baseline, the
     validation loss, generated text, and the consolidated checkpoint evaluated in an
     unmodified GPT2LMHeadModel gives the pipeline's validation loss."""
-    import pytest
-
     pytest.importorskip("transformers")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(ROOT, "examples", "train_hf_gpt2.py"), "--layers", "2", "--width", "32",
@@ -130,3 +130,19 @@ def test_hf_gpt2_example_tiny_run_trains_evaluates_generates_and_consolidates(tm
     assert "traced with export" in result.stderr
     consolidated = re.search(r"CONSOLIDATED VALIDATION LOSS ([0-9.]+)", result.stdout).group(1)
     assert consolidated == val, (consolidated, val)
+
+
+@pytest.mark.slow  # 23 s on 2 shared cores; tests/test_fsdp.py keeps FSDP in `make test`
+def test_2d_example_tiny_run_trains_with_fsdp_and_clipping():
+    """examples/train_2d.py (pp 2 x dp 2, FSDP2, a few steps of a tiny GPT): every dp rank
+    reads its shard, the loss and the clipped gradient norm are logged."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           os.path.join(ROOT, "examples", "train_2d.py"), "--dp", "2", "--layers", "2",
+           "--width", "32", "--steps", "4", "--log-every", "2", "--data-bytes", "100000",
+           "--no-goal"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert "pp 2 x dp 2 (fsdp)" in result.stderr and "head UNTIED" in result.stderr
+    assert re.search(r"step 4: loss [0-9.]+, grad norm [0-9.]+", result.stderr), result.stderr[-3000:]
+    assert re.search(r"FINAL TRAIN LOSS [0-9.]+ .* after 4 steps", result.stdout), result.stdout

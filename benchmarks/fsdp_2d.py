@@ -1,0 +1,289 @@
+"""Pipeline + FSDP (2D) on 4 CPU ranks: ours against torch's own composition.
+
+Model: ``--layers`` MLP blocks (``Linear(w, 4w), GELU, Linear(4w, w)``, default 8
+blocks of width 512: 16.8M fp32 parameters) as an ``nn.Sequential``, built on the
+meta device, MSE loss; global batch ``--batch`` (default 32) split over 2 dp ranks,
+``--microbatches`` (default 4) per dp rank; a ``("pp", "dp")`` mesh of 2 x 2, 1f1b,
+AdamW. Three ``torch.distributed.run`` launches per round, ``--rounds`` (default 2)
+rounds in one run (fresh processes each, so peak RSS is each mode's own; memory from
+the first round):
+
+* **fsdp** (the reference of the ratios): ``pd.PipeDream(..., mesh=mesh,
+  data_parallel="fsdp")``: FSDP2 ``fully_shard`` of each block and of each stage
+  over ``mesh["dp"]``, gradients reduce-scattered once per step;
+* **replicate**: ``pd.PipeDream(..., mesh=mesh, data_parallel="replicate")``:
+  whole stages on each dp rank, gradients all-reduced after each step;
+* **torch**: torchtitan's pattern: each pp rank cuts its stage out of the meta
+  model, ``fully_shard``s each block and then the stage over ``mesh["dp"]``,
+  materialises the shards (``to_empty`` + ``reset_parameters``), and runs
+  ``torch.distributed.pipelining``'s ``PipelineStage`` + ``Schedule1F1B`` on
+  ``mesh["pp"]`` (the stage defers FSDP's gradient sync to the last microbatch).
+
+Per rank, after the timed steps: the bytes of parameters, gradients and optimizer
+state this rank holds (the sum of its local tensors' bytes; a DTensor's local
+shard), and the peak RSS above the RSS before the model was built
+(``ru_maxrss``); per mode, samples/s: the global batch over the slowest rank's median of
+``--steps`` timed steps (after ``--warmup``), each step between two barriers, in the
+mode's best round (a shared machine's load changes between launches).
+Writes benchmarks/results/fsdp_2d.md (and .json).
+
+Command (about 3 minutes on 2 cores; ``--smoke``: a tiny model, for the tests):
+
+    python benchmarks/fsdp_2d.py
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as h
+
+__all__ = ["MODES", "main", "parse_args", "report", "run_driver", "run_worker", "tensor_bytes"]
+
+LOG = logging.getLogger("fsdp_2d")
+JSON_TAG = "FSDP_2D_JSON "
+MODES = ("fsdp", "replicate", "torch")
+PP, DP = 2, 2
+MIB = float(1 << 20)
+
+
+def rss_bytes() -> int:
+    """The current resident set size (``/proc/self/statm``'s second field, in pages)."""
+    with open("/proc/self/statm", encoding="ascii") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def tensor_bytes(tensors: Any) -> int:
+    """The bytes of the local data of ``tensors`` (a DTensor's local shard; None skipped)."""
+    total = 0
+    for t in tensors:
+        if t is None or not hasattr(t, "element_size"):
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def _make(layers: int, width: int) -> Any:
+    from torch import nn
+
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                         nn.Linear(4 * width, width)) for _ in range(layers)])
+
+
+def _ours(args: argparse.Namespace, mesh: Any) -> Any:
+    """A step function of ``pd.PipeDream`` on the mesh, and its parameters."""
+    import torch
+    import torch.nn.functional as F
+
+    import pipedream_ext as pd
+
+    with torch.device("meta"):
+        model = _make(args.layers, args.width)
+    pipe = pd.PipeDream(model, F.mse_loss, schedule="1f1b", microbatches=args.microbatches,
+                        init_seed=0, mesh=mesh, data_parallel=args.worker, timeout=300)
+    return lambda x, y: pipe.step(x, y), list(pipe.parameters())
+
+
+def _torch(args: argparse.Namespace, mesh: Any) -> Any:
+    """torchtitan's composition: FSDP2 per block on mesh["dp"], pipelining on mesh["pp"]."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    pp_rank = mesh["pp"].get_local_rank()
+    with torch.device("meta"):
+        model = _make(args.layers, args.width)
+    per = args.layers // PP
+    stage_mod = model[pp_rank * per:(pp_rank + 1) * per]
+    for block in stage_mod:
+        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
+    fully_shard(stage_mod, mesh=mesh["dp"], reshard_after_forward=False)
+    stage_mod.to_empty(device="cpu")
+    torch.manual_seed(pp_rank)
+    with torch.no_grad():
+        for m in stage_mod.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+    stage = PipelineStage(stage_mod, pp_rank, PP, torch.device("cpu"), group=mesh["pp"].get_group())
+    schedule = Schedule1F1B(stage, n_microbatches=args.microbatches, loss_fn=F.mse_loss)
+
+    def step(x: Any, y: Any) -> None:
+        if pp_rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=[])
+
+    return step, list(stage_mod.parameters())
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """One rank: build one mode, train ``warmup + steps`` steps, report bytes, RSS and times."""
+    def body(result: Dict[str, Any]) -> None:
+        # Every mode imports what any mode uses before the baseline RSS is taken.
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.fsdp
+        import torch.distributed.pipelining
+        from torch.distributed.device_mesh import init_device_mesh
+
+        import pipedream_ext  # noqa: F401
+
+        mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
+        baseline = rss_bytes()
+        step, params = (_torch if args.worker == "torch" else _ours)(args, mesh)
+        opt = torch.optim.AdamW(params, lr=1e-4)
+        rows, dp_rank = args.batch // DP, mesh["dp"].get_local_rank()
+        times: List[float] = []
+        for i in range(args.warmup + args.steps):
+            g = torch.Generator().manual_seed(i)
+            x, y = torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, args.width,
+                                                                                 generator=g)
+            part = slice(dp_rank * rows, (dp_rank + 1) * rows)
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(x[part], y[part])
+            opt.step()
+            opt.zero_grad(set_to_none=False)  # keep the gradients' memory to count it
+            dist.barrier()
+            times.append(time.perf_counter() - t0)
+        state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+        mine = {"params": tensor_bytes(params), "grads": tensor_bytes(p.grad for p in params),
+                "optim": tensor_bytes(state),
+                "peak_rss_delta": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline,
+                "step_s": statistics.median(times[args.warmup:])}
+        result.update(mode=args.worker, batch=args.batch, ranks=h.all_gather_json(mine),
+                      model_params=args.layers * (8 * args.width * args.width + 5 * args.width))
+
+    return h.worker(JSON_TAG, body, backend="gloo")
+
+
+def _ratio(value: float, ref: float) -> str:
+    return f"{value / ref:.2f}x" if ref else "n/a"
+
+
+def report(results: Dict[str, Dict[str, Any]], info: Dict[str, str], command: str,
+           total_s: float, args: argparse.Namespace) -> str:
+    """The Markdown report: per rank and mode the bytes held and peak RSS, per mode
+    samples/s, each as a ratio to ``fsdp``.
+
+    Args:
+        results: each mode's launch result (rank 0's JSON with every rank's values).
+        info: :func:`_harness.machine_info`.
+        command: the command line.
+        total_s: the run's seconds.
+        args: the options (model and batch).
+
+    Returns:
+        The report.
+    """
+    params = results.get("fsdp", {}).get("model_params", 0)
+    lines = ["# Pipeline + FSDP (2D): ours against torch's composition", "", h.machine_line(info), "",
+             f"Model: {args.layers} MLP blocks of width {args.width} (hidden {4 * args.width}), "
+             f"{params / 1e6:.1f}M fp32 parameters, built on meta; pp {PP} x dp {DP} (4 Gloo ranks), "
+             f"1f1b, {args.microbatches} microbatches per dp rank, global batch {args.batch}, AdamW. "
+             "Bytes: the local tensors a rank holds after a step (parameters + gradients + AdamW "
+             "state; a DTensor's shard). Peak RSS: `ru_maxrss` above the RSS before the model was "
+             f"built. Samples/s: global batch / median of {args.steps} steps after {args.warmup} "
+             f"warm-up, the best of {args.rounds} round(s) of the three launches in turn. "
+             "Ratios are to `fsdp` (ours, data_parallel=\"fsdp\").", ""]
+    ref = results.get("fsdp", {})
+    rows = []
+    for mode in MODES:
+        result = results.get(mode, {})
+        if "error" in result:
+            lines += [f"**{mode} failed**: {result['error']} (log: {result.get('log', 'n/a')})", ""]
+        for r, (mine, base) in enumerate(zip(result.get("ranks", []), ref.get("ranks", []))):
+            held = mine["params"] + mine["grads"] + mine["optim"]
+            base_held = base["params"] + base["grads"] + base["optim"]
+            rows.append([mode, r, f"{mine['params'] / MIB:.1f}", f"{mine['grads'] / MIB:.1f}",
+                         f"{mine['optim'] / MIB:.1f}", f"{held / MIB:.1f}", _ratio(held, base_held),
+                         f"{mine['peak_rss_delta'] / MIB:.0f}",
+                         _ratio(mine["peak_rss_delta"], base["peak_rss_delta"])])
+    lines += h.table(["mode", "rank", "params MiB", "grads MiB", "AdamW MiB", "held MiB",
+                      "held / fsdp", "peak RSS delta MiB", "RSS / fsdp"], rows)
+    speed = []
+    ref_sps = _samples_per_s(ref, args.batch)
+    for mode in MODES:
+        sps = _samples_per_s(results.get(mode, {}), args.batch)
+        if sps:
+            rounds = ", ".join(f"{v:.1f}" for v in results[mode].get("rounds_sps", []))
+            speed.append([mode, f"{sps:.1f}", _ratio(sps, ref_sps), rounds])
+    lines += [""] + h.table(["mode", "samples/s (best round)", "/ fsdp", "each round"], speed)
+    launches = ", ".join(f"{mode} {r.get('launch_s', 0.0):.0f} s" for mode, r in results.items())
+    lines += ["", f"Command: `{command}` (total {total_s:.0f} s; torchrun launches: {launches}).", ""]
+    return "\n".join(lines)
+
+
+def _round_samples_per_s(result: Dict[str, Any], batch: int) -> float:
+    """One launch's samples/s: the global batch over the slowest rank's median step (0
+    when the launch failed)."""
+    ranks = result.get("ranks") or []
+    return batch / max(r["step_s"] for r in ranks) if ranks and "error" not in result else 0.0
+
+
+def _samples_per_s(result: Dict[str, Any], batch: int) -> float:
+    """A mode's samples/s: its best round (0 when missing)."""
+    return max(result.get("rounds_sps") or [_round_samples_per_s(result, batch)])
+
+
+def run_driver(args: argparse.Namespace) -> int:
+    """The three launches, then ``<out-dir>/fsdp_2d.md`` and ``.json``."""
+    info, command = h.start_report(LOG)
+    t0 = time.perf_counter()
+    results: Dict[str, Dict[str, Any]] = {}
+    # Rounds of the three launches in turn: load from other work that changes over the
+    # run slows every mode in some round; each mode's best round is the one reported.
+    for round_ in range(args.rounds):
+        for mode in MODES:
+            LOG.info("round %d: launching %d ranks: %s", round_ + 1, PP * DP, mode)
+            result = h.launch_torchrun(Path(__file__), PP * DP, ["--worker", mode] + h.forward(
+                args, "layers", "width", "batch", "microbatches", "warmup", "steps"), JSON_TAG,
+                timeout=args.timeout)
+            first = results.setdefault(mode, result)
+            first.setdefault("rounds_sps", []).append(_round_samples_per_s(result, args.batch))
+            if "error" in result:  # a later round's failure fails the run too
+                first.setdefault("error", result["error"])
+    text = report(results, info, command, time.perf_counter() - t0, args)
+    h.write_results(Path(args.out_dir), "fsdp_2d", text,
+                    {"machine": info, "command": command, "results": results})
+    return 1 if any("error" in r for r in results.values()) else 0
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """The command line (``--worker fsdp|replicate|torch`` under torchrun)."""
+    parser = h.make_parser(__doc__, MODES)
+    parser.add_argument("--layers", type=int, default=8, help="MLP blocks (even: 2 stages)")
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=32, help="global batch")
+    parser.add_argument("--microbatches", type=int, default=4, help="per dp rank")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="launches of each mode, in turn (samples/s: the best round)")
+    parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--smoke", action="store_true",
+                        help="4 blocks of width 32, 1 warm-up + 2 timed steps (tests)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.layers, args.width, args.warmup, args.steps, args.rounds = 4, 32, 1, 2, 1
+    if args.layers % PP or args.batch % (DP * args.microbatches):
+        parser.error(f"--layers {args.layers} must be even and --batch {args.batch} a multiple "
+                     f"of {DP} x --microbatches {args.microbatches}")
+    return args
+
+
+main = h.main(parse_args, run_worker, run_driver)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
