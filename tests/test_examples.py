@@ -132,7 +132,7 @@ def test_hf_gpt2_example_tiny_run_trains_evaluates_generates_and_consolidates(tm
     assert consolidated == val, (consolidated, val)
 
 
-@pytest.mark.slow  # 23 s on 2 shared cores; tests/test_fsdp.py keeps FSDP in `make test`
+@pytest.mark.slow  # 12-23 s on 2 shared cores; tests/test_fsdp.py keeps FSDP in `make test`
 def test_2d_example_tiny_run_trains_with_fsdp_and_clipping():
     """examples/train_2d.py (pp 2 x dp 2, FSDP2, a few steps of a tiny GPT): every dp rank
     reads its shard, the loss and the clipped gradient norm are logged."""
