@@ -4,9 +4,10 @@ Model: ``--layers`` MLP blocks (``Linear(w, 4w), GELU, Linear(4w, w)``, default 
 blocks of width 512: 16.8M fp32 parameters) as an ``nn.Sequential``, built on the
 meta device, MSE loss; global batch ``--batch`` (default 32) split over 2 dp ranks,
 ``--microbatches`` (default 4) per dp rank; a ``("pp", "dp")`` mesh of 2 x 2, 1f1b,
-AdamW. Three ``torch.distributed.run`` launches per round, ``--rounds`` (default 2)
-rounds in one run (fresh processes each, so peak RSS is each mode's own; memory from
-the first round):
+AdamW. Four ``torch.distributed.run`` launches in one run: one per mode (fresh
+processes, so the bytes and peak RSS are each mode's own) and one building all three
+and taking their steps in turn (the order rotating every step), for samples/s that
+other work's load on a shared machine affects alike:
 
 * **fsdp** (the reference of the ratios): ``pd.PipeDream(..., mesh=mesh,
   data_parallel="fsdp")``: FSDP2 ``fully_shard`` of each block and of each stage
@@ -22,9 +23,9 @@ the first round):
 Per rank, after the timed steps: the bytes of parameters, gradients and optimizer
 state this rank holds (the sum of its local tensors' bytes; a DTensor's local
 shard), and the peak RSS above the RSS before the model was built
-(``ru_maxrss``); per mode, samples/s: the global batch over the slowest rank's median of
-``--steps`` timed steps (after ``--warmup``), each step between two barriers, in the
-mode's best round (a shared machine's load changes between launches).
+(``ru_maxrss``); per mode, samples/s: the global batch over the slowest rank's median of ``--steps``
+timed steps (after ``--warmup``), each step between two barriers, in the interleaved
+launch (the comparison) and in the mode's own launch.
 Writes benchmarks/results/fsdp_2d.md (and .json).
 
 Command (about 3 minutes on 2 cores; ``--smoke``: a tiny model, for the tests):
@@ -79,7 +80,7 @@ def _make(layers: int, width: int) -> Any:
                                          nn.Linear(4 * width, width)) for _ in range(layers)])
 
 
-def _ours(args: argparse.Namespace, mesh: Any) -> Any:
+def _ours(args: argparse.Namespace, mesh: Any, mode: str) -> Any:
     """A step function of ``pd.PipeDream`` on the mesh, and its parameters."""
     import torch
     import torch.nn.functional as F
@@ -89,11 +90,11 @@ def _ours(args: argparse.Namespace, mesh: Any) -> Any:
     with torch.device("meta"):
         model = _make(args.layers, args.width)
     pipe = pd.PipeDream(model, F.mse_loss, schedule="1f1b", microbatches=args.microbatches,
-                        init_seed=0, mesh=mesh, data_parallel=args.worker, timeout=300)
+                        init_seed=0, mesh=mesh, data_parallel=mode, timeout=300)
     return lambda x, y: pipe.step(x, y), list(pipe.parameters())
 
 
-def _torch(args: argparse.Namespace, mesh: Any) -> Any:
+def _torch(args: argparse.Namespace, mesh: Any, mode: str = "torch") -> Any:
     """torchtitan's composition: FSDP2 per block on mesh["dp"], pipelining on mesh["pp"]."""
     import torch
     import torch.nn.functional as F
@@ -126,43 +127,81 @@ def _torch(args: argparse.Namespace, mesh: Any) -> Any:
     return step, list(stage_mod.parameters())
 
 
+def _batch(args: argparse.Namespace, i: int, dp_rank: int) -> Any:
+    """Step ``i``'s global batch (seeded), this dp rank's rows of it."""
+    import torch
+
+    g = torch.Generator().manual_seed(i)
+    x, y = torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, args.width, generator=g)
+    rows = args.batch // DP
+    return x[dp_rank * rows:(dp_rank + 1) * rows], y[dp_rank * rows:(dp_rank + 1) * rows]
+
+
+def _timed(step: Any, opt: Any, x: Any, y: Any) -> float:
+    """One training step between two barriers, in seconds."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    step(x, y)
+    opt.step()
+    opt.zero_grad(set_to_none=False)  # keep the gradients' memory to count it
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def _build(args: argparse.Namespace, mesh: Any, mode: str) -> Any:
+    import torch
+
+    step, params = (_torch if mode == "torch" else _ours)(args, mesh, mode)
+    return step, params, torch.optim.AdamW(params, lr=1e-4)
+
+
+def _one_mode(args: argparse.Namespace, mesh: Any, result: Dict[str, Any]) -> None:
+    """This launch's mode alone: bytes held, peak RSS and the median step."""
+    import torch
+
+    baseline = rss_bytes()
+    step, params, opt = _build(args, mesh, args.worker)
+    dp_rank = mesh["dp"].get_local_rank()
+    times = [_timed(step, opt, *_batch(args, i, dp_rank)) for i in range(args.warmup + args.steps)]
+    state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    mine = {"params": tensor_bytes(params), "grads": tensor_bytes(p.grad for p in params),
+            "optim": tensor_bytes(state),
+            "peak_rss_delta": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline,
+            "step_s": statistics.median(times[args.warmup:])}
+    result.update(ranks=h.all_gather_json(mine))
+
+
+def _interleaved(args: argparse.Namespace, mesh: Any, result: Dict[str, Any]) -> None:
+    """All three modes in one launch, their steps taken in turn (the order rotating),
+    so that load from other work falls on each alike: the median step of each."""
+    built = {mode: _build(args, mesh, mode) for mode in MODES}
+    dp_rank = mesh["dp"].get_local_rank()
+    times: Dict[str, List[float]] = {mode: [] for mode in MODES}
+    for i in range(args.warmup + args.steps):
+        x, y = _batch(args, i, dp_rank)
+        for k in range(len(MODES)):
+            mode = MODES[(i + k) % len(MODES)]
+            step, _, opt = built[mode]
+            times[mode].append(_timed(step, opt, x, y))
+    result.update(ranks=h.all_gather_json({m: statistics.median(t[args.warmup:]) for m, t in times.items()}))
+
+
 def run_worker(args: argparse.Namespace) -> int:
-    """One rank: build one mode, train ``warmup + steps`` steps, report bytes, RSS and times."""
+    """One rank of a launch: one mode (bytes, RSS, steps) or all three interleaved (steps)."""
     def body(result: Dict[str, Any]) -> None:
         # Every mode imports what any mode uses before the baseline RSS is taken.
-        import torch
-        import torch.distributed as dist
         import torch.distributed.fsdp
-        import torch.distributed.pipelining
+        import torch.distributed.pipelining  # noqa: F401
         from torch.distributed.device_mesh import init_device_mesh
 
         import pipedream_ext  # noqa: F401
 
         mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
-        baseline = rss_bytes()
-        step, params = (_torch if args.worker == "torch" else _ours)(args, mesh)
-        opt = torch.optim.AdamW(params, lr=1e-4)
-        rows, dp_rank = args.batch // DP, mesh["dp"].get_local_rank()
-        times: List[float] = []
-        for i in range(args.warmup + args.steps):
-            g = torch.Generator().manual_seed(i)
-            x, y = torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, args.width,
-                                                                                 generator=g)
-            part = slice(dp_rank * rows, (dp_rank + 1) * rows)
-            dist.barrier()
-            t0 = time.perf_counter()
-            step(x[part], y[part])
-            opt.step()
-            opt.zero_grad(set_to_none=False)  # keep the gradients' memory to count it
-            dist.barrier()
-            times.append(time.perf_counter() - t0)
-        state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
-        mine = {"params": tensor_bytes(params), "grads": tensor_bytes(p.grad for p in params),
-                "optim": tensor_bytes(state),
-                "peak_rss_delta": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline,
-                "step_s": statistics.median(times[args.warmup:])}
-        result.update(mode=args.worker, batch=args.batch, ranks=h.all_gather_json(mine),
+        result.update(mode=args.worker, batch=args.batch,
                       model_params=args.layers * (8 * args.width * args.width + 5 * args.width))
+        (_interleaved if args.worker == "interleaved" else _one_mode)(args, mesh, result)
 
     return h.worker(JSON_TAG, body, backend="gloo")
 
@@ -194,7 +233,8 @@ def report(results: Dict[str, Dict[str, Any]], info: Dict[str, str], command: st
              "Bytes: the local tensors a rank holds after a step (parameters + gradients + AdamW "
              "state; a DTensor's shard). Peak RSS: `ru_maxrss` above the RSS before the model was "
              f"built. Samples/s: global batch / median of {args.steps} steps after {args.warmup} "
-             f"warm-up, the best of {args.rounds} round(s) of the three launches in turn. "
+             f"warm-up, in one launch taking the three modes' steps in turn (so other work's load "
+             "falls on each alike), and in each mode's own launch. "
              "Ratios are to `fsdp` (ours, data_parallel=\"fsdp\").", ""]
     ref = results.get("fsdp", {})
     rows = []
@@ -212,47 +252,39 @@ def report(results: Dict[str, Dict[str, Any]], info: Dict[str, str], command: st
     lines += h.table(["mode", "rank", "params MiB", "grads MiB", "AdamW MiB", "held MiB",
                       "held / fsdp", "peak RSS delta MiB", "RSS / fsdp"], rows)
     speed = []
-    ref_sps = _samples_per_s(ref, args.batch)
+    together = results.get("interleaved", {}).get("ranks") or []
     for mode in MODES:
-        sps = _samples_per_s(results.get(mode, {}), args.batch)
-        if sps:
-            rounds = ", ".join(f"{v:.1f}" for v in results[mode].get("rounds_sps", []))
-            speed.append([mode, f"{sps:.1f}", _ratio(sps, ref_sps), rounds])
-    lines += [""] + h.table(["mode", "samples/s (best round)", "/ fsdp", "each round"], speed)
+        step_s = max((r[mode] for r in together), default=0.0)
+        alone = _samples_per_s(results.get(mode, {}), args.batch)
+        ref_step = max((r["fsdp"] for r in together), default=0.0)
+        speed.append([mode, f"{args.batch / step_s:.1f}" if step_s else "n/a",
+                      _ratio(ref_step, step_s) if step_s else "n/a", f"{alone:.1f}" if alone else "n/a"])
+    if "error" in results.get("interleaved", {}):
+        lines += ["", f"**interleaved failed**: {results['interleaved']['error']}"]
+    lines += [""] + h.table(["mode", "samples/s (interleaved launch)", "/ fsdp",
+                             "samples/s (its own launch)"], speed)
     launches = ", ".join(f"{mode} {r.get('launch_s', 0.0):.0f} s" for mode, r in results.items())
     lines += ["", f"Command: `{command}` (total {total_s:.0f} s; torchrun launches: {launches}).", ""]
     return "\n".join(lines)
 
 
-def _round_samples_per_s(result: Dict[str, Any], batch: int) -> float:
-    """One launch's samples/s: the global batch over the slowest rank's median step (0
+def _samples_per_s(result: Dict[str, Any], batch: int) -> float:
+    """A launch's samples/s: the global batch over the slowest rank's median step (0
     when the launch failed)."""
     ranks = result.get("ranks") or []
     return batch / max(r["step_s"] for r in ranks) if ranks and "error" not in result else 0.0
 
 
-def _samples_per_s(result: Dict[str, Any], batch: int) -> float:
-    """A mode's samples/s: its best round (0 when missing)."""
-    return max(result.get("rounds_sps") or [_round_samples_per_s(result, batch)])
-
-
 def run_driver(args: argparse.Namespace) -> int:
-    """The three launches, then ``<out-dir>/fsdp_2d.md`` and ``.json``."""
+    """The four launches, then ``<out-dir>/fsdp_2d.md`` and ``.json``."""
     info, command = h.start_report(LOG)
     t0 = time.perf_counter()
     results: Dict[str, Dict[str, Any]] = {}
-    # Rounds of the three launches in turn: load from other work that changes over the
-    # run slows every mode in some round; each mode's best round is the one reported.
-    for round_ in range(args.rounds):
-        for mode in MODES:
-            LOG.info("round %d: launching %d ranks: %s", round_ + 1, PP * DP, mode)
-            result = h.launch_torchrun(Path(__file__), PP * DP, ["--worker", mode] + h.forward(
-                args, "layers", "width", "batch", "microbatches", "warmup", "steps"), JSON_TAG,
-                timeout=args.timeout)
-            first = results.setdefault(mode, result)
-            first.setdefault("rounds_sps", []).append(_round_samples_per_s(result, args.batch))
-            if "error" in result:  # a later round's failure fails the run too
-                first.setdefault("error", result["error"])
+    for mode in MODES + ("interleaved",):
+        LOG.info("launching %d ranks: %s", PP * DP, mode)
+        results[mode] = h.launch_torchrun(Path(__file__), PP * DP, ["--worker", mode] + h.forward(
+            args, "layers", "width", "batch", "microbatches", "warmup", "steps"), JSON_TAG,
+            timeout=args.timeout)
     text = report(results, info, command, time.perf_counter() - t0, args)
     h.write_results(Path(args.out_dir), "fsdp_2d", text,
                     {"machine": info, "command": command, "results": results})
@@ -261,21 +293,19 @@ def run_driver(args: argparse.Namespace) -> int:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """The command line (``--worker fsdp|replicate|torch`` under torchrun)."""
-    parser = h.make_parser(__doc__, MODES)
+    parser = h.make_parser(__doc__, MODES + ("interleaved",))
     parser.add_argument("--layers", type=int, default=8, help="MLP blocks (even: 2 stages)")
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=32, help="global batch")
     parser.add_argument("--microbatches", type=int, default=4, help="per dp rank")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="launches of each mode, in turn (samples/s: the best round)")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--smoke", action="store_true",
                         help="4 blocks of width 32, 1 warm-up + 2 timed steps (tests)")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.layers, args.width, args.warmup, args.steps, args.rounds = 4, 32, 1, 2, 1
+        args.layers, args.width, args.warmup, args.steps = 4, 32, 1, 2
     if args.layers % PP or args.batch % (DP * args.microbatches):
         parser.error(f"--layers {args.layers} must be even and --batch {args.batch} a multiple "
                      f"of {DP} x --microbatches {args.microbatches}")
