@@ -28,7 +28,7 @@ timed steps (after ``--warmup``), each step between two barriers, in the interle
 launch (the comparison) and in the mode's own launch.
 Writes benchmarks/results/fsdp_2d.md (and .json).
 
-Command (about 3 minutes on 2 cores; ``--smoke``: a tiny model, for the tests):
+Command (about 75 s on 2 cores; ``--smoke``: a tiny model, for the tests):
 
     python benchmarks/fsdp_2d.py
 """
