@@ -526,30 +526,13 @@ def all_gather_json(payload: Any) -> List[Any]:
 
 
 def measure_bandwidth(group: Any, a: int, b: int, size: int = 4 << 20, rounds: int = 3) -> float:
-    """Bytes/s between ranks ``a`` and ``b`` of ``group`` on the CPU: a ping-pong of
-    ``size`` bytes, ``rounds`` times each way. Every rank of ``group`` must call it.
+    """Bytes/s between ranks ``a`` and ``b`` of ``group``: the ping-pong ``balance="auto"``
+    runs (``pipedream_ext.diagnostics.measure_bandwidth``), ``size`` bytes ``rounds`` times
+    each way. Every rank of ``group`` must call it.
 
     Returns:
         The measured bandwidth, the same on every rank (the pair's slower clock).
     """
-    import torch
-    import torch.distributed as dist
+    from pipedream_ext import diagnostics
 
-    rank = dist.get_rank(group)
-    seconds = 0.0
-    if rank in (a, b):
-        buffer = torch.zeros(size // 4, dtype=torch.float32)
-        peer = dist.get_global_rank(group, b if rank == a else a)
-        start = time.perf_counter()
-        for _ in range(rounds):
-            if rank == a:
-                dist.send(buffer, peer, group=group)
-                dist.recv(buffer, peer, group=group)
-            else:
-                dist.recv(buffer, peer, group=group)
-                dist.send(buffer, peer, group=group)
-        seconds = time.perf_counter() - start
-    # Only a and b measured; the others contribute 0 and the maximum is theirs.
-    total = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
-    return 2 * rounds * size / max(float(total), 1e-9)
+    return diagnostics.measure_bandwidth(group, a, b, size=size, rounds=rounds)

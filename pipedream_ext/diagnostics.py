@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._dist.agreement import StepAgreement, agree_at_construction
+from ._dist.collectives import measure_bandwidth
 from ._dist.fingerprint import StagesFingerprint, graph_fingerprint, layers_fingerprint
 from ._frontend import export, graph_split
 from ._frontend.fx_graph import count_stages, node_stages
@@ -40,7 +41,7 @@ from ._frontend.graph_split import TracedSplit, split_model
 
 __all__ = ["PHASES", "SplitTiming", "StagesFingerprint", "TracedSplit", "check_batches_agree",
            "check_stages_agree", "describe_stage", "fingerprint_layers", "fingerprint_split",
-           "time_split", "trace_split"]
+           "measure_bandwidth", "time_split", "trace_split"]
 
 Inputs = Union[Tuple[torch.Tensor, ...], Mapping[str, torch.Tensor]]
 
