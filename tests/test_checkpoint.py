@@ -477,16 +477,13 @@ def test_consolidate_gives_the_unsplit_models_state_dict(saved: str, tmp_path) -
         pd.consolidate(str(tmp_path / "nowhere"))
 
 
-def test_killed_save_leaves_a_loadable_checkpoint(tmp_path) -> None:
-    """SIGKILL at a random moment of a save loop: the directory always holds one
-    complete checkpoint, all of one generation."""
-    import pipedream_ext as pd
-
-    root = str(tmp_path / "ckpt")
+def kill_a_save_loop(script: str, **env: str) -> None:
+    """Runs ``script`` as a 1-rank save loop (``env`` picks it), waits for its first
+    "saved" line, then SIGKILLs it at a random moment of a later save."""
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", PDCKPT_DIR=root,
-               PDCKPT_PHASE="kill-loop", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, HERE], env=env, stdout=subprocess.PIPE,
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
+    proc = subprocess.Popen([sys.executable, script], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         lines = []
@@ -499,6 +496,15 @@ def test_killed_save_leaves_a_loadable_checkpoint(tmp_path) -> None:
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
+
+
+def test_killed_save_leaves_a_loadable_checkpoint(tmp_path) -> None:
+    """SIGKILL at a random moment of a save loop: the directory always holds one
+    complete checkpoint, all of one generation."""
+    import pipedream_ext as pd
+
+    root = str(tmp_path / "ckpt")
+    kill_a_save_loop(HERE, PDCKPT_DIR=root, PDCKPT_PHASE="kill-loop")
     manifest = json.load(open(os.path.join(root, "manifest.json")))
     step = manifest["step"]
     state = pd.consolidate(root)

@@ -22,19 +22,16 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
 import torch.distributed as dist
-from _multiprocess import ROOT, assert_every_rank_passed, free_port, launch_torchrun, worker_main
-from test_checkpoint import SCENARIOS, batch, build, make_model, merged, on_rank0, shared_copy
+from _multiprocess import ROOT, assert_every_rank_passed, launch_torchrun, worker_main
+from test_checkpoint import SCENARIOS, batch, build, kill_a_save_loop, make_model, merged, on_rank0, shared_copy
 
 HERE = os.path.abspath(__file__)
 MARKER = "ALL DCP CHECKPOINT CHECKS PASSED"
@@ -552,22 +549,7 @@ def test_killed_dcp_save_leaves_a_loadable_checkpoint(tmp_path) -> None:
     import pipedream_ext as pd
 
     root = str(tmp_path / "ckpt")
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", PDDCP_DIR=root,
-               PDDCP_PHASE="kill-loop", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, HERE], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        lines = []
-        for line in proc.stdout:  # type: ignore[union-attr]
-            lines.append(line)
-            if line.startswith("saved"):
-                break
-        assert lines and lines[-1].startswith("saved"), "".join(lines)
-        time.sleep(random.uniform(0.2, 0.8))
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
+    kill_a_save_loop(HERE, PDDCP_DIR=root, PDDCP_PHASE="kill-loop")
     step = json.load(open(os.path.join(root, "manifest.json")))["step"]
     state = pd.consolidate(root)
     assert set(state) == set(make_model().state_dict())
