@@ -8,32 +8,10 @@ from typing import Iterator, List
 import pytest
 import torch
 import torch.distributed as dist
+from test_traced import Chain, ExportedChain  # the fx and the torch.export path
 from torch import nn
 
 import pipedream_ext.diagnostics as pdd
-
-
-class Chain(nn.Module):
-    """Layers called in turn: torch.fx traces it."""
-
-    def __init__(self, layers: List[nn.Module]) -> None:
-        super().__init__()
-        for i, layer in enumerate(layers):
-            self.add_module(str(i), layer)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.children():
-            x = layer(x)
-        return x
-
-
-class ExportedChain(Chain):
-    """A branch on a shape, which torch.fx cannot trace: the torch.export path."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != 6:
-            raise ValueError("expected 6 features")
-        return super().forward(x)
 
 
 def layers(activation: type = nn.Tanh) -> List[nn.Module]:
