@@ -282,7 +282,7 @@ class PlannedTrace:
             raise ValueError("a plan for a model that is not an nn.Sequential needs its traced "
                              "graph, which runs the sample, which the meta device cannot; build "
                              "the model on a real device")
-        first, names = sample[0], None
+        first, names = model_io.distinct_inputs(sample[0], module), None
         if isinstance(first, Mapping):  # keyword tensors, in forward's order
             model_io.positional_inputs(list(first), first, "sample")  # tensors only
             order = list(inspect.signature(module.forward).parameters)

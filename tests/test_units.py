@@ -7,7 +7,8 @@ import dataclasses
 import inspect
 import math
 import re
-from typing import Optional
+import warnings
+from typing import Optional, Tuple
 
 import pytest
 import torch
@@ -278,6 +279,30 @@ def test_stage_function_refuses_bad_losses_and_checks_the_reduction() -> None:
     x = torch.randn(6, 4)
     total = sum(fn(1, i, fn(0, i, [x[3 * i:3 * i + 3]], []), [])[0] for i in range(2))
     assert torch.allclose(total, F.cross_entropy(model(x), y, reduction="sum"))
+
+
+class _OwnLoss(nn.Module):
+    """The model computes its loss itself (nanoGPT's ``forward(idx, targets) -> (logits, loss)``)."""
+
+    def forward(self, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return h, h.pow(2).mean()
+
+
+def test_a_loss_fn_returning_the_models_own_loss_does_not_warn() -> None:
+    """loss_fn = lambda out, y: out[1]: its value on the doubled microbatch (the reduction
+    check, under no_grad) still requires grad, and float() of that warned."""
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), _OwnLoss())
+    stages = LocalStages(model, resolve_partition(3, 1, chunks=2, balance=[1, 2]), [0, 1],
+                         torch.device("cpu"))
+    fn = StageFunction(stages, lambda out, t: out[1], 2, torch.device("cpu"), None, None,
+                       raise_at_once=True, rank=0)
+    fn.targets.add(torch.zeros(6), 2, 0, torch.device("cpu"))  # rows: the check runs
+    x = torch.randn(6, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = fn(1, 0, fn(0, 0, [x[:3]], []), [])[0]
+    assert loss.requires_grad and not fn.reduction_unchecked and fn.deferred_error is None
+    torch.testing.assert_close(loss, model(x[:3])[1] * 0.5)
 
 
 def test_evaluation_outputs_are_combined_leaf_by_leaf() -> None:
