@@ -183,6 +183,14 @@ ROWS: List[Tuple[str, str, str, str]] = [
      r"rank 0 sent 2 tensors \(Float\[2, 12, 8\], Float\[2, 12, 8\]\) but stage 1 was first given "
      r"1 tensor \(Float\[2, 16, 8\]\); shapes may change from step to step, but the number of tensors",
      "tests/test_variable_shapes.py::test_a_peer_sending_what_the_stage_cannot_use_fails_both_ranks"),
+    ("optimizer-before-pipeline", "an optimizer built from the model before `PipeDream` (nanoGPT's order: "
+     "`opt = AdamW(model.parameters())`, then `PipeDream(model, ...)`), at its first `opt.step()`",
+     r"rank \d: the optimizer holds \d of its 6 parameters from the model given to PipeDream that this "
+     r"rank's pipeline does not train, e\.g\. '\d\.weight' \(a layer of another rank's stage, trained "
+     r"there\).*opt = torch\.optim\.AdamW\(pipe\.parameters\(\), \.\.\.\)", "here"),
+    ("call-pipeline", "`pipe(x, y)`, calling the pipeline like a module",
+     r"a PipeDream pipeline is not called like a module \(pipe\(x, y\)\): train on a batch with "
+     r"loss = pipe\.step\(x, y\)", "tests/test_user_code.py::test_calling_the_pipeline_names_step_and_forward_only"),
     ("loss-shape", "`loss_fn` does not reduce to a scalar (raised on every rank at the step's end)", r"loss_fn returned a tensor of shape \(4,\); it must return a scalar", "here"),
     ("nan", "NaN or inf in a stage's output", r"NaN or inf first appeared in the forward output of stage 0",
      "tests/test_mixed_precision.py::test_mixed_precision_and_nonfinite_detection"),
@@ -399,6 +407,18 @@ def check_world_rows() -> None:
     _expect("plan-file", lambda: pd.PipeDream(model(), balance=bad, **pipe_kwargs()))
 
 
+def check_optimizer_row() -> None:
+    """An optimizer over the whole model holds the other rank's layers: refused at its
+    first step on every rank (no communication), before it could skip them silently."""
+    import pipedream_ext as pd
+
+    whole = model()
+    opt = torch.optim.AdamW(whole.parameters(), lr=0.1)
+    pipe = pd.PipeDream(whole, **pipe_kwargs(timeout=60))
+    pipe.step(torch.randn(8, 6), torch.randint(0, 3, (8,)))
+    _expect("optimizer-before-pipeline", opt.step)
+
+
 def check_loss_shape_row() -> None:
     """A bad loss is found on the last rank only; the step still ends (a zero loss) and
     every rank raises the same error at its end, within seconds, naming the rank."""
@@ -452,6 +472,7 @@ def check_hostile_peer_rows() -> None:
 def run_checks() -> None:
     check_world_rows()
     check_hostile_peer_rows()
+    check_optimizer_row()
     check_loss_shape_row()
 
 
@@ -468,8 +489,8 @@ def test_two_rank_rows(tmp_path) -> None:
 def test_every_row_is_tested_here_or_names_an_existing_test() -> None:
     here = set(IN_PROCESS) | {"balance-count", "balance-sum", "balance-empty", "world-size",
                               "replicas-zero", "too-few-layers", "config-mismatch", "plan-file",
-                              "loss-shape", "peer-magic", "peer-count", "peer-negative-size",
-                              "peer-dtype", "peer-order", "peer-gradient-shape"}
+                              "optimizer-before-pipeline", "loss-shape", "peer-magic", "peer-count",
+                              "peer-negative-size", "peer-dtype", "peer-order", "peer-gradient-shape"}
     for row_id, _what, _message_re, where in ROWS:
         if where == "here":
             assert row_id in here, f"row {row_id} says it is tested here but is not"
