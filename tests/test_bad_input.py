@@ -67,6 +67,11 @@ ROWS: List[Tuple[str, str, str, str]] = [
      r"reset_parameters\(\)", "tests/test_deferred_init.py::test_meta_pipelines_train_like_the_unsplit_model_and_refuse_bad_input"),
     ("meta-unset-buffer", "a buffer computed in `__init__` (a causal mask) on the meta device",
      r"'2\.mask' on the meta device were not set by reset_parameters\(\)", "tests/test_deferred_init.py::test_meta_pipelines_train_like_the_unsplit_model_and_refuse_bad_input"),
+    ("meta-assigned-buffer", "`init_fn` (or `reset_parameters()`) assigns a buffer anew "
+     "(`layer.freqs_cis = precompute()`) with another shape or dtype than the meta tensor's (the same: kept)",
+     r"layer 0 \('0'\): init_fn assigned the buffer '0\.tab' a tensor of shape \[3, 4\] and dtype "
+     r"torch\.float32, but the model built on the meta device has shape \[2, 4\]",
+     "tests/test_units.py::test_initialisation_may_assign_a_buffer_anew"),
     ("state-dict-unexpected", "`load_state_dict` with another model's state dict",
      r"the state dict has 3 key\(s\) this model does not have: '1\.weight', '1\.bias', 'head\.bias'",
      "tests/test_deferred_init.py::test_meta_pipelines_train_like_the_unsplit_model_and_refuse_bad_input"),
@@ -163,6 +168,15 @@ ROWS: List[Tuple[str, str, str, str]] = [
      r"but schedule 'pipedream(-2bw)?' .* need a flush schedule \(gpipe, 1f1b, interleaved-1f1b, zb-h1, "
      r"zbv, dualpipev, interleaved-zb\)",
      "tests/test_shared_params.py::test_tied_lm_matches_the_unsplit_model"),
+    ("sample-aliased", "a `sample` whose inputs share memory (`z = zeros(...); sample=((z, z), z)`, a view "
+     "of another input, the model's own weight or buffer)",
+     r"none: each aliasing input is copied before tracing \(torch\.export merged them: nanoGPT trained on "
+     r"targets as idx\)", "tests/test_traced.py::test_aliased_sample_inputs_trace_as_distinct_inputs"),
+    ("compiled-model", "a model wrapped by `torch.compile` (nanoGPT's `compile=True`; split points named "
+     "`_orig_mod.…`)",
+     r"none: built on the model inside the wrapper, names its own; each stage compiled with the "
+     r"wrapper's settings",
+     "tests/test_user_code.py::test_a_compiled_model_runs_every_stage_compiled_and_trains_like_the_unsplit_model"),
     ("plan-file", "`balance=` a file that is not a plan",
      r"notaplan0.json: not a pipedream_ext.plan v1 object|notaplan1.json: not a pipedream_ext.plan v1 object", "here"),
     ("traced-auto-no-sample", "`balance='auto'` for a model that is not an `nn.Sequential`, no `sample`",

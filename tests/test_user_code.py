@@ -67,7 +67,7 @@ def test_a_compiled_model_runs_every_stage_compiled_and_trains_like_the_unsplit_
     forward runs as a compiled graph, losses and weights equal the uncompiled unsplit
     model's after SGD steps, names (state_dict, split points) are the model's own."""
     calls: List[int] = []
-    make = mlp if kind == "sequential" else lambda: NanoGPT(export_only=False)
+    make = mlp if kind == "sequential" else lambda: NanoGPT(export_only=False, blocks=2)
     ref = make()
     wrapped = torch.compile(make(), backend=counting_backend(calls))
     if kind == "sequential":
@@ -77,8 +77,8 @@ def test_a_compiled_model_runs_every_stage_compiled_and_trains_like_the_unsplit_
         z = torch.zeros(8, 6, dtype=torch.long)
         pipe = pd.PipeDream(wrapped, lambda out, y: out[1], schedule="interleaved-1f1b", chunks=2,
                             microbatches=MICROBATCHES, timeout=60,
-                            split_points=["_orig_mod.transformer.h.2"], sample=((z, z), z))
-        assert pipe.split_points == ["transformer.h.2"]
+                            split_points=["_orig_mod.transformer.h.1"], sample=((z, z), z))
+        assert pipe.split_points == ["transformer.h.1"]
     assert list(pipe.state_dict()) == list(ref.state_dict())
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
@@ -96,6 +96,22 @@ def test_a_compiled_model_runs_every_stage_compiled_and_trains_like_the_unsplit_
         torch._dynamo.reset()
     assert len(calls) >= STEPS * MICROBATCHES * 2, f"{len(calls)} compiled calls"
     assert_same_state(pipe.state_dict(), ref, f"compiled {kind}")
+
+
+def test_an_asynchronous_schedule_runs_a_compiled_model_as_the_uncompiled_one(
+        group: dist.ProcessGroup) -> None:
+    """``pipedream-2bw`` (weight stashing: stages run on stashed versions through
+    ``functional_call``) and recompute: the same losses compiled or not."""
+    calls: List[int] = []
+    runs = []
+    for model in (mlp(), torch.compile(mlp(), backend=counting_backend(calls))):
+        pipe = pd.PipeDream(model, F.cross_entropy, schedule="pipedream-2bw", microbatches=2,
+                            timeout=60, recompute=True)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        runs.append([pipe.step(*batch("sequential", step), optimizer=opt) for step in range(STEPS)])
+        pipe.flush()
+    torch._dynamo.reset()
+    assert runs[0] == runs[1] and len(calls) >= STEPS * 2, (runs, len(calls))
 
 
 def test_an_optimizer_built_before_the_pipeline_is_refused_at_its_first_step(
