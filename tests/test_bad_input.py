@@ -177,6 +177,9 @@ ROWS: List[Tuple[str, str, str, str]] = [
      r"none: built on the model inside the wrapper, names its own; each stage compiled with the "
      r"wrapper's settings",
      "tests/test_user_code.py::test_a_compiled_model_runs_every_stage_compiled_and_trains_like_the_unsplit_model"),
+    ("module-compile", "a model compiled in place (`model.compile()`) before `PipeDream`",
+     r"Sequential\.compile\(\) compiled the whole model's call, which a pipeline never makes .*compile it "
+     r"with model = torch\.compile\(model, \.\.\.\) instead, and PipeDream compiles every stage", "here"),
     ("plan-file", "`balance=` a file that is not a plan",
      r"notaplan0.json: not a pipedream_ext.plan v1 object|notaplan1.json: not a pipedream_ext.plan v1 object", "here"),
     ("traced-auto-no-sample", "`balance='auto'` for a model that is not an `nn.Sequential`, no `sample`",
@@ -340,9 +343,16 @@ IN_PROCESS: Dict[str, Callable[[], Any]] = {
     "init-seed": lambda: _pd().PipeDream(model(), **pipe_kwargs(init_seed=-1)),
     "meta-auto-balance": lambda: _pd().PipeDream(_meta_model(), balance="auto", **pipe_kwargs()),
     "no-launcher": lambda: _pd().PipeDream(model(), **pipe_kwargs()),
+    "module-compile": lambda: _pd().PipeDream(_compiled_in_place(), **pipe_kwargs()),
     "schedule-text": lambda: _pd().schedules.build("1f1b", stages=2, microbatches=2).with_actions(
         "rank 0: 0F0 0Q0\nrank 1: 1F0"),
 }
+
+
+def _compiled_in_place() -> nn.Sequential:
+    compiled = model()
+    compiled.compile()
+    return compiled
 
 
 def _pd():

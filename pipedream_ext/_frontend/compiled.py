@@ -40,7 +40,17 @@ def unwrap_compiled(module: nn.Module) -> Tuple[nn.Module, Optional[CompileConte
         ``(module, None)`` for a module that is no ``OptimizedModule``; else the
         original module and the dynamo context that compiled it (nested wrappers:
         the innermost module, the outermost settings).
+
+    Raises:
+        ValueError: a model compiled in place (``model.compile()``), whose settings
+            cannot be read back: naming ``torch.compile(model, ...)``.
     """
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        raise ValueError(
+            f"{type(module).__name__}.compile() compiled the whole model's call, which a pipeline "
+            "never makes (each rank runs its stages, one microbatch at a time); compile it with "
+            "model = torch.compile(model, ...) instead, and PipeDream compiles every stage with "
+            "those settings (docs/tracing.md#torchcompile)")
     # Only a process that called torch.compile has imported dynamo (costly to import).
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     if eval_frame is None or not isinstance(module, eval_frame.OptimizedModule):
