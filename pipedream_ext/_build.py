@@ -28,7 +28,7 @@ from ._dist import collectives, signals
 from ._dist.agreement import StepAgreement, agree_at_construction
 from ._dist.fingerprint import layers_fingerprint
 from ._dist.groups import PipelineGroups, init_default_group
-from ._frontend import deferred_init, export, model_io
+from ._frontend import compiled, deferred_init, export, model_io
 from ._frontend.graph_split import (
     TracedSplit,
     UntraceableError,
@@ -50,6 +50,7 @@ from ._planning.graph_profile import (
     trace_groups,
 )
 from ._planning.startup import auto_plan, check_plan_world, partition_from_plan
+from ._runtime import optimizer_check
 from ._runtime.config import PipelineConfig
 from ._runtime.grad_clip import check_updates_aligned
 from ._runtime.local_stages import LocalStages
@@ -172,6 +173,8 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
         ValueError: as ``PipeDream`` documents (every check names the value and the fix).
         RuntimeError: no process group and no torchrun environment.
     """
+    args, compile_context = _unwrap_compiled(args)
+    originals = optimizer_check.original_parameters(args.module)  # before any is replaced
     prepared = prepare_model(args)
     model_shapes = reshard.key_shapes(args.module)
     config = args.checked_config()
@@ -201,6 +204,9 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     if cut.traced is not None and cut.traced.tracer == "export":
         for j in stages:  # tensors the graph creates: on this rank's device
             export.retarget_devices(stages[j], device)
+    if compile_context is not None:
+        for j in stages:
+            compiled.compile_stage(stages[j], compile_context)
     shared_gradients = SharedGradients(cut.shared_parameters, stages, stage_ranks, groups.group,
                                        config.timeout, mesh.pipelines if mesh else None)
     # Every copy starts as the first use's stage has it (meta layers are
@@ -216,12 +222,24 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
         runner.input_names = list(cut.traced.input_names)
     agreement = StepAgreement(groups.group, stage_ranks[0], stage_ranks[-1],
                               config.check_agreement)
+    optimizer_check.watch(stages.module, originals, groups.rank)
     _log.info("rank %d: stages %s (layers %s) of %d, schedule %s, %d microbatches",
               groups.rank, stages.indices, [stages.layers[j] for j in stages.indices],
               schedule.num_stages, config.schedule, config.microbatches)
     return BuiltPipeline(config, device, cut.traced, cut.plan, cut.shared_parameters,
                          model_shapes, action_feed, schedule, groups, stages, observer, stage_fn,
                          runner, agreement, data_parallel)
+
+
+def _unwrap_compiled(args: PipelineArguments) -> Tuple[PipelineArguments, Optional[Callable[..., Any]]]:
+    """A model wrapped by ``torch.compile``: the arguments with the model itself (split
+    points as it names them) and the wrapper's compile settings, which compile each
+    stage once built (``_frontend.compiled``)."""
+    module, context = compiled.unwrap_compiled(args.module)
+    if context is None:
+        return args, None
+    return dataclasses.replace(args, module=module, split_points=compiled.strip_compiled_prefix(
+        args.split_points)), context
 
 
 def _mesh_plan(args: PipelineArguments, prepared: "PreparedModel",
@@ -282,7 +300,7 @@ class PlannedTrace:
             raise ValueError("a plan for a model that is not an nn.Sequential needs its traced "
                              "graph, which runs the sample, which the meta device cannot; build "
                              "the model on a real device")
-        first, names = sample[0], None
+        first, names = model_io.distinct_inputs(sample[0], module), None
         if isinstance(first, Mapping):  # keyword tensors, in forward's order
             model_io.positional_inputs(list(first), first, "sample")  # tensors only
             order = list(inspect.signature(module.forward).parameters)

@@ -341,6 +341,12 @@ class PipeDream:
         return self.train(False)
 
     # -- training -----------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused with the calls to use: each rank runs only its stages, for a whole batch."""
+        raise TypeError("a PipeDream pipeline is not called like a module (pipe(x, y)): train on a batch "
+                        "with loss = pipe.step(x, y) (forward and backward; then opt.step()), run "
+                        "inference with out = pipe.forward_only(x)")
+
     @faults.names_first_failure
     def step(self, inputs: Optional[Tensors], targets: Optional[Any],
              optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[Union[StepLoss, float]]:

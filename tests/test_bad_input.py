@@ -67,6 +67,11 @@ ROWS: List[Tuple[str, str, str, str]] = [
      r"reset_parameters\(\)", "tests/test_deferred_init.py::test_meta_pipelines_train_like_the_unsplit_model_and_refuse_bad_input"),
     ("meta-unset-buffer", "a buffer computed in `__init__` (a causal mask) on the meta device",
      r"'2\.mask' on the meta device were not set by reset_parameters\(\)", "tests/test_deferred_init.py::test_meta_pipelines_train_like_the_unsplit_model_and_refuse_bad_input"),
+    ("meta-assigned-buffer", "`init_fn` (or `reset_parameters()`) assigns a buffer anew "
+     "(`layer.freqs_cis = precompute()`) with another shape or dtype than the meta tensor's (the same: kept)",
+     r"layer 0 \('0'\): init_fn assigned the buffer '0\.tab' a tensor of shape \[3, 4\] and dtype "
+     r"torch\.float32, but the model built on the meta device has shape \[2, 4\]",
+     "tests/test_units.py::test_initialisation_may_assign_a_buffer_anew"),
     ("state-dict-unexpected", "`load_state_dict` with another model's state dict",
      r"the state dict has 3 key\(s\) this model does not have: '1\.weight', '1\.bias', 'head\.bias'",
      "tests/test_deferred_init.py::test_meta_pipelines_train_like_the_unsplit_model_and_refuse_bad_input"),
@@ -163,6 +168,18 @@ ROWS: List[Tuple[str, str, str, str]] = [
      r"but schedule 'pipedream(-2bw)?' .* need a flush schedule \(gpipe, 1f1b, interleaved-1f1b, zb-h1, "
      r"zbv, dualpipev, interleaved-zb\)",
      "tests/test_shared_params.py::test_tied_lm_matches_the_unsplit_model"),
+    ("sample-aliased", "a `sample` whose inputs share memory (`z = zeros(...); sample=((z, z), z)`, a view "
+     "of another input, the model's own weight or buffer)",
+     r"none: each aliasing input is copied before tracing \(torch\.export merged them: nanoGPT trained on "
+     r"targets as idx\)", "tests/test_traced.py::test_aliased_sample_inputs_trace_as_distinct_inputs"),
+    ("compiled-model", "a model wrapped by `torch.compile` (nanoGPT's `compile=True`; split points named "
+     "`_orig_mod.…`)",
+     r"none: built on the model inside the wrapper, names its own; each stage compiled with the "
+     r"wrapper's settings",
+     "tests/test_user_code.py::test_a_compiled_model_runs_every_stage_compiled_and_trains_like_the_unsplit_model"),
+    ("module-compile", "a model compiled in place (`model.compile()`) before `PipeDream`",
+     r"Sequential\.compile\(\) compiled the whole model's call, which a pipeline never makes .*compile it "
+     r"with model = torch\.compile\(model, \.\.\.\) instead, and PipeDream compiles every stage", "here"),
     ("plan-file", "`balance=` a file that is not a plan",
      r"notaplan0.json: not a pipedream_ext.plan v1 object|notaplan1.json: not a pipedream_ext.plan v1 object", "here"),
     ("traced-auto-no-sample", "`balance='auto'` for a model that is not an `nn.Sequential`, no `sample`",
@@ -183,6 +200,14 @@ ROWS: List[Tuple[str, str, str, str]] = [
      r"rank 0 sent 2 tensors \(Float\[2, 12, 8\], Float\[2, 12, 8\]\) but stage 1 was first given "
      r"1 tensor \(Float\[2, 16, 8\]\); shapes may change from step to step, but the number of tensors",
      "tests/test_variable_shapes.py::test_a_peer_sending_what_the_stage_cannot_use_fails_both_ranks"),
+    ("optimizer-before-pipeline", "an optimizer built from the model before `PipeDream` (nanoGPT's order: "
+     "`opt = AdamW(model.parameters())`, then `PipeDream(model, ...)`), at its first `opt.step()`",
+     r"rank \d: the optimizer holds \d of its 6 parameters from the model given to PipeDream that this "
+     r"rank's pipeline does not train, e\.g\. '\d\.weight' \(a layer of another rank's stage, trained "
+     r"there\).*opt = torch\.optim\.AdamW\(pipe\.parameters\(\), \.\.\.\)", "here"),
+    ("call-pipeline", "`pipe(x, y)`, calling the pipeline like a module",
+     r"a PipeDream pipeline is not called like a module \(pipe\(x, y\)\): train on a batch with "
+     r"loss = pipe\.step\(x, y\)", "tests/test_user_code.py::test_calling_the_pipeline_names_step_and_forward_only"),
     ("loss-shape", "`loss_fn` does not reduce to a scalar (raised on every rank at the step's end)", r"loss_fn returned a tensor of shape \(4,\); it must return a scalar", "here"),
     ("nan", "NaN or inf in a stage's output", r"NaN or inf first appeared in the forward output of stage 0",
      "tests/test_mixed_precision.py::test_mixed_precision_and_nonfinite_detection"),
@@ -318,9 +343,16 @@ IN_PROCESS: Dict[str, Callable[[], Any]] = {
     "init-seed": lambda: _pd().PipeDream(model(), **pipe_kwargs(init_seed=-1)),
     "meta-auto-balance": lambda: _pd().PipeDream(_meta_model(), balance="auto", **pipe_kwargs()),
     "no-launcher": lambda: _pd().PipeDream(model(), **pipe_kwargs()),
+    "module-compile": lambda: _pd().PipeDream(_compiled_in_place(), **pipe_kwargs()),
     "schedule-text": lambda: _pd().schedules.build("1f1b", stages=2, microbatches=2).with_actions(
         "rank 0: 0F0 0Q0\nrank 1: 1F0"),
 }
+
+
+def _compiled_in_place() -> nn.Sequential:
+    compiled = model()
+    compiled.compile()
+    return compiled
 
 
 def _pd():
@@ -399,6 +431,18 @@ def check_world_rows() -> None:
     _expect("plan-file", lambda: pd.PipeDream(model(), balance=bad, **pipe_kwargs()))
 
 
+def check_optimizer_row() -> None:
+    """An optimizer over the whole model holds the other rank's layers: refused at its
+    first step on every rank (no communication), before it could skip them silently."""
+    import pipedream_ext as pd
+
+    whole = model()
+    opt = torch.optim.AdamW(whole.parameters(), lr=0.1)
+    pipe = pd.PipeDream(whole, **pipe_kwargs(timeout=60))
+    pipe.step(torch.randn(8, 6), torch.randint(0, 3, (8,)))
+    _expect("optimizer-before-pipeline", opt.step)
+
+
 def check_loss_shape_row() -> None:
     """A bad loss is found on the last rank only; the step still ends (a zero loss) and
     every rank raises the same error at its end, within seconds, naming the rank."""
@@ -452,6 +496,7 @@ def check_hostile_peer_rows() -> None:
 def run_checks() -> None:
     check_world_rows()
     check_hostile_peer_rows()
+    check_optimizer_row()
     check_loss_shape_row()
 
 
@@ -468,8 +513,8 @@ def test_two_rank_rows(tmp_path) -> None:
 def test_every_row_is_tested_here_or_names_an_existing_test() -> None:
     here = set(IN_PROCESS) | {"balance-count", "balance-sum", "balance-empty", "world-size",
                               "replicas-zero", "too-few-layers", "config-mismatch", "plan-file",
-                              "loss-shape", "peer-magic", "peer-count", "peer-negative-size",
-                              "peer-dtype", "peer-order", "peer-gradient-shape"}
+                              "optimizer-before-pipeline", "loss-shape", "peer-magic", "peer-count",
+                              "peer-negative-size", "peer-dtype", "peer-order", "peer-gradient-shape"}
     for row_id, _what, _message_re, where in ROWS:
         if where == "here":
             assert row_id in here, f"row {row_id} says it is tested here but is not"

@@ -213,6 +213,37 @@ def check_bad_input() -> None:
                                  init_fn=broken))
 
 
+def check_init_fn_may_assign_buffers() -> None:
+    """init_fn may assign a buffer anew instead of filling it in place (``layer.mask =
+    table()``, torchtitan's idiom for ``freqs_cis``, or ``register_buffer`` again): the
+    pipeline keeps the new tensor and computes what the unsplit model does."""
+    import pipedream_ext as pd
+
+    tril = torch.ones(12, 12).tril()
+
+    def assign(layer: nn.Module) -> None:
+        if callable(getattr(layer, "reset_parameters", None)):
+            layer.reset_parameters()
+        if isinstance(layer, Masked):
+            layer.mask = tril.clone()
+
+    def register(layer: nn.Module) -> None:
+        assign(layer)
+        if isinstance(layer, Masked):
+            layer.register_buffer("mask", tril.clone(), persistent=False)
+
+    for init_fn in (assign, register):
+        ref = pd.materialize(meta_model_masked(), init_fn=init_fn)
+        pipe = pd.PipeDream(meta_model_masked(), F.cross_entropy, microbatches=2, timeout=60,
+                            init_fn=init_fn)
+        mask = dict(pipe.module.named_buffers()).get("2.mask")
+        assert (mask is not None and torch.equal(mask, tril)) == (pipe.rank == 1), pipe.rank
+        assert "2.mask" not in pipe.state_dict()  # still non-persistent
+        x, y = batch(1)
+        expected = F.cross_entropy(ref(x), y).item()
+        assert abs(pipe.step(x, y) - expected) <= RTOL * max(1.0, abs(expected)), init_fn.__name__
+
+
 def save_reset_parameters_checkpoint() -> None:
     """Meta-built, initialised by reset_parameters(): saved for the test process to compare."""
     import pipedream_ext as pd
@@ -249,6 +280,7 @@ def run_checks() -> None:
         check_flush_schedule_matches_unsplit()
         check_async_schedule_matches_whole_built()
         check_bad_input()
+        check_init_fn_may_assign_buffers()
         save_reset_parameters_checkpoint()
     else:
         save_reset_parameters_checkpoint()

@@ -402,6 +402,69 @@ def check_asynchronous_equals_sequential(schedule: str) -> None:
             assert torch.equal(seq[name], traced[name]), f"{schedule}: {name}"
 
 
+class NanoGPT(nn.Module):
+    """nanoGPT's interface: ``forward(idx, targets) -> (logits, loss)``, its ``transformer``
+    ModuleDict and a head tied to the token embedding. ``export_only``: with nanoGPT's
+    ``assert t <= block_size``, which torch.fx cannot trace (torch.export then does)."""
+
+    def __init__(self, export_only: bool, blocks: int = 4, width: int = 8, vocab: int = 11,
+                 context: int = 6) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.export_only, self.context = export_only, context
+        self.transformer = nn.ModuleDict(dict(
+            wte=models.SmallInitEmbedding(vocab, width), wpe=models.SmallInitEmbedding(context, width),
+            h=nn.ModuleList(models.Block(width, 2) for _ in range(blocks)), ln_f=nn.LayerNorm(width)))
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        _, t = idx.size()
+        if self.export_only:
+            assert t <= self.context, f"sequence of {t} > block size {self.context}"
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss
+
+
+def check_aliased_sample(export_only: bool) -> None:
+    """nanoGPT traced on a placeholder sample whose idx and targets are one tensor
+    (``sample=((z, z), z)``), with ``loss_fn`` returning the model's own loss: every
+    step's loss and the weights equal the unsplit model's, also for a batch that passes
+    one tensor as both inputs, and no step warns."""
+    import warnings
+
+    import pipedream_ext as pd
+
+    world = dist.get_world_size()
+    z = torch.zeros(8, 6, dtype=torch.long)
+    points = {2: ["transformer.h.2"], 3: ["transformer.h.1", "transformer.h.3"],
+              4: ["transformer.h.1", "transformer.h.2", "transformer.h.3"]}[world]
+    pipe = pd.PipeDream(NanoGPT(export_only), lambda out, y: out[1], microbatches=MICROBATCHES,
+                        timeout=60, split_points=points, sample=((z, z), z))
+    assert pipe.traced.tracer == ("export" if export_only else "fx")
+    ref = NanoGPT(export_only)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        g = torch.Generator().manual_seed(50 + step)
+        idx = torch.randint(0, 11, (8, 6), generator=g)
+        targets = idx if step == 2 else torch.randint(0, 11, (8, 6), generator=g)
+        expected = ref(idx, targets)[1]
+        expected.backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            loss = float(pipe.step((idx, targets) if pipe.is_first else None, targets))
+        assert abs(loss - expected.item()) <= 1e-5, (export_only, step, loss, expected.item())
+        ref_opt.step(); ref_opt.zero_grad()
+        opt.step(); opt.zero_grad()
+    assert_same_state(pipe.state_dict(), ref, f"nanoGPT, aliased sample, export_only={export_only}")
+
+
 def run_checks() -> None:
     world = dist.get_world_size()
     root = os.environ.get("PDTRACE_DIR", f"/tmp/pdtrace-{os.environ.get('MASTER_PORT', 'x')}")
@@ -417,6 +480,8 @@ def run_checks() -> None:
     # Recompute: BatchNorm's running statistics still advance once per microbatch.
     check_schedule("resnet", "1f1b", recompute=True)
     check_schedule("kwargs", "zb-h1", recompute=True)
+    for export_only in (False, True):
+        check_aliased_sample(export_only)
 
 
 # --------------------------------------------------------------------------- pytest side
@@ -474,6 +539,60 @@ def test_a_module_without_split_points_must_be_sequential() -> None:
 
     with pytest.raises(ValueError, match="split_points"):
         pd.PipeDream(ResNet(), F.cross_entropy)
+
+
+class TwoInputLinear(nn.Module):
+    """forward(x, y) reading a weight and a buffer: each can be given aliased in a sample
+    (the same tensor twice, a view of another input, the weight or buffer itself)."""
+
+    def __init__(self, export_only: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.export_only = export_only
+        self.a, self.b = nn.Linear(5, 5), nn.Linear(5, 5)
+        self.register_buffer("gain", torch.linspace(0.5, 1.5, 25).view(5, 5))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.export_only and x.shape[-1] != 5:  # fx cannot trace it: torch.export does
+            raise ValueError("expected 5 features")
+        return self.b(self.a(x) * self.gain + y)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("alias", ["same", "view", "weight", "buffer", "named"])
+def test_aliased_sample_inputs_trace_as_distinct_inputs(tracer: str, alias: str) -> None:
+    """A sample whose inputs are one tensor (or an input that is the model's own weight)
+    traces into stages that compute the model on any later distinct batch."""
+    from pipedream_ext._frontend.graph_split import split_model
+    from pipedream_ext._frontend.model_io import positional_inputs
+
+    model = TwoInputLinear(export_only=tracer == "export")
+    z = torch.zeros(5, 5)
+    sample = {"same": (z, z), "view": (z, z[:, :]), "weight": (model.a.weight, z),
+              "buffer": (z, model.gain), "named": {"y": z, "x": z}}[alias]
+    split = split_model(model, ["b"], sample)
+    assert split.tracer == tracer
+    assert model.a.weight.requires_grad and model.gain.equal(torch.linspace(0.5, 1.5, 25).view(5, 5))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(5, 5, generator=g), torch.randn(5, 5, generator=g)
+    inputs = positional_inputs(split.input_names, {"x": x, "y": y} if alias == "named" else (x, y),
+                               "step()")
+    out = split.stages[1](split.stages[0](inputs))
+    torch.testing.assert_close(out[0] if isinstance(out, tuple) else out, model(x, y))
+
+
+def test_distinct_inputs_copies_only_what_aliases() -> None:
+    from pipedream_ext._frontend.model_io import distinct_inputs
+
+    model = nn.Linear(3, 3)
+    x, other = torch.randn(2, 3), torch.randn(2, 3)
+    assert distinct_inputs((x, other), model) == (x, other)  # nothing aliases: as given
+    nested = distinct_inputs({"a": (x, [x[1:], other]), "w": model.weight, "k": 3}, model)
+    assert nested["a"][0] is x and nested["a"][1][1] is other and nested["k"] == 3
+    copies = [nested["a"][1][0], nested["w"]]
+    assert all(c.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() for c in copies)
+    assert torch.equal(copies[0], x[1:]) and torch.equal(copies[1], model.weight)
+    assert not copies[1].requires_grad  # a copy to trace with, not the parameter
 
 
 if __name__ == "__main__":

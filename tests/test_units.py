@@ -7,7 +7,8 @@ import dataclasses
 import inspect
 import math
 import re
-from typing import Optional
+import warnings
+from typing import Optional, Tuple
 
 import pytest
 import torch
@@ -280,6 +281,30 @@ def test_stage_function_refuses_bad_losses_and_checks_the_reduction() -> None:
     assert torch.allclose(total, F.cross_entropy(model(x), y, reduction="sum"))
 
 
+class _OwnLoss(nn.Module):
+    """The model computes its loss itself (nanoGPT's ``forward(idx, targets) -> (logits, loss)``)."""
+
+    def forward(self, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return h, h.pow(2).mean()
+
+
+def test_a_loss_fn_returning_the_models_own_loss_does_not_warn() -> None:
+    """loss_fn = lambda out, y: out[1]: its value on the doubled microbatch (the reduction
+    check, under no_grad) still requires grad, and float() of that warned."""
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), _OwnLoss())
+    stages = LocalStages(model, resolve_partition(3, 1, chunks=2, balance=[1, 2]), [0, 1],
+                         torch.device("cpu"))
+    fn = StageFunction(stages, lambda out, t: out[1], 2, torch.device("cpu"), None, None,
+                       raise_at_once=True, rank=0)
+    fn.targets.add(torch.zeros(6), 2, 0, torch.device("cpu"))  # rows: the check runs
+    x = torch.randn(6, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = fn(1, 0, fn(0, 0, [x[:3]], []), [])[0]
+    assert loss.requires_grad and not fn.reduction_unchecked and fn.deferred_error is None
+    torch.testing.assert_close(loss, model(x[:3])[1] * 0.5)
+
+
 def test_evaluation_outputs_are_combined_leaf_by_leaf() -> None:
     fn = _stage_fn(_model())
     fn.evaluating = True
@@ -429,6 +454,60 @@ def test_meta_modules_without_reset_parameters_or_with_unset_buffers_are_named()
     for bad in (-1, 2**16, 1.5, True):
         with pytest.raises(ValueError, match=r"init_seed=.* is not an integer in \[0, 2\*\*16\)"):
             check_seed(bad)
+
+
+class _Rotary(nn.Linear):
+    """A table computed in ``__init__`` (torchtitan's ``freqs_cis``), non-persistent."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self.register_buffer("tab", _table(), persistent=False)
+
+
+def _table(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.arange(8, dtype=dtype).view(2, 4) / 8
+
+
+def test_initialisation_may_assign_a_buffer_anew() -> None:
+    """``layer.tab = table()`` (torchtitan's idiom) or register_buffer again in init_fn, or
+    an assignment in reset_parameters(), is kept (not NaN, still non-persistent, on the
+    stage's device); a tensor of another shape or dtype, a meta tensor or None is named."""
+    from pipedream_ext._frontend.deferred_init import materialize
+
+    def assign(layer: nn.Module) -> None:
+        layer.tab = _table()
+
+    def register(layer: nn.Module) -> None:
+        layer.register_buffer("tab", _table(), persistent=False)
+
+    class Reassigning(nn.Module):  # torchtitan's init_weights: self.freqs_cis = precompute()
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("tab", _table(), persistent=False)
+
+        def reset_parameters(self) -> None:
+            self.tab = _table()
+
+    for build, init_fn in ((_Rotary, assign), (_Rotary, register), (Reassigning, None)):
+        model = materialize(_meta(lambda b=build: nn.Sequential(nn.Linear(4, 4), b())),
+                            init_fn=None if init_fn is None else lambda layer, f=init_fn: (
+                                f(layer) if isinstance(layer, _Rotary) else layer.reset_parameters()))
+        assert torch.equal(model[1].tab, _table()) and "1.tab" not in model.state_dict()
+        assert model[1].tab.device == torch.device("cpu") and not model[1].tab.is_meta
+    bad = [(lambda layer: setattr(layer, "tab", torch.zeros(3, 4)), r"shape \[3, 4\] and dtype torch\.float32, "
+            r"but the model built on the meta device has shape \[2, 4\]"),
+           (lambda layer: setattr(layer, "tab", _table(torch.float64)), r"dtype torch\.float64"),
+           (lambda layer: setattr(layer, "tab", torch.zeros(2, 4, device="meta")), r"on the meta device"),
+           (lambda layer: setattr(layer, "tab", None), r"\(set it to None\)")]
+    for init_fn, message in bad:
+        with pytest.raises(ValueError, match=r"layer 0 \('0'\): init_fn (assigned|removed) the buffer "
+                           r"'0\.tab'.*" + message):
+            materialize(_meta(lambda: nn.Sequential(_Rotary())), init_fn=init_fn)
+    # Tied inside a layer: every holder gets the assigned tensor.
+    tied = _meta(lambda: nn.Sequential(nn.Sequential(_Rotary(), _Rotary())))
+    tied[0][1].tab = tied[0][0].tab
+    materialize(tied, init_fn=lambda layer: setattr(layer[0], "tab", _table()))
+    assert tied[0][0].tab is tied[0][1].tab and torch.equal(tied[0][1].tab, _table())
 
 
 def test_materialize_keeps_ties_and_tensors_not_on_meta() -> None:

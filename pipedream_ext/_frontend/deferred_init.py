@@ -26,6 +26,9 @@ causal mask registered in ``__init__``: its values cannot be recovered from the
 meta device) and is an error naming it. With ``init_fn``, non-persistent buffers
 must be set (no state dict brings them); parameters and persistent buffers it
 leaves alone keep the sentinel until ``pipe.load_state_dict`` overwrites them.
+Initialisation may fill a tensor in place or assign a new one of the meta tensor's
+shape and dtype (``layer.freqs_cis = precompute()``, torchtitan's idiom, or
+``register_buffer`` again): the new tensor is kept, moved to the stage's device.
 
 Pure apart from allocating on the device: tested in one process.
 
@@ -34,7 +37,8 @@ Index legend: ``l`` layer (child of the ``nn.Sequential``).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+import dataclasses
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import nn
@@ -179,46 +183,128 @@ def _is_sentinel(t: torch.Tensor) -> bool:
     return True
 
 
-def _to_empty(layer: nn.Module, device: torch.device, memo: Memo,
-              reused: Optional[List[torch.Tensor]] = None) -> List[Tuple[str, torch.Tensor, bool, bool]]:
+@dataclasses.dataclass
+class _Slot:
+    """A meta tensor of a layer given storage: where it sits and what it became.
+
+    Attributes:
+        qualname: its qualified name in the layer.
+        module: the module owning it directly, under ``name``.
+        meta: the meta tensor (its shape and dtype).
+        tensor: the tensor now there (the new storage, or what initialisation put there).
+        is_param: a parameter (else a buffer).
+        persistent: in the state dict (parameters and persistent buffers).
+        detectable: the sentinel it was filled with can be told (:func:`_is_sentinel`).
+        reused: an earlier layer materialised it (a tie across layers).
+    """
+
+    qualname: str
+    module: nn.Module
+    name: str
+    meta: torch.Tensor
+    tensor: torch.Tensor
+    is_param: bool
+    persistent: bool
+    detectable: bool
+    reused: bool
+
+    def current(self) -> Optional[torch.Tensor]:
+        """What the module holds under ``name`` now (initialisation may assign anew)."""
+        owned = self.module._parameters if self.is_param else self.module._buffers  # noqa: SLF001
+        return owned.get(self.name)
+
+    def install(self, value: torch.Tensor) -> None:
+        owned = self.module._parameters if self.is_param else self.module._buffers  # noqa: SLF001
+        owned[self.name] = value
+        self.tensor = value
+
+
+def _to_empty(layer: nn.Module, device: torch.device, memo: Memo) -> List[_Slot]:
     """Replaces every meta tensor of ``layer`` with uninitialised storage on ``device``.
 
     Unlike ``Module.to_empty`` only meta tensors are replaced, and a tensor shared
     by several modules (tied weights) stays shared (through ``memo``).
 
-    Args:
-        reused: receives the tensors an earlier layer already materialised (ties).
-
     Returns:
-        ``(qualified name in layer, new tensor, is_parameter, persistent)`` of each
-        newly allocated tensor whose sentinel can be detected.
+        One slot per meta tensor replaced (``reused``: an earlier layer's tensor).
     """
-    fresh: List[Tuple[str, torch.Tensor, bool, bool]] = []
+    slots: List[_Slot] = []
     earlier = set(memo)  # meta tensors an earlier layer materialised
+    fresh: Set[int] = set()  # new tensors whose sentinel can be told
     for qualname, module in layer.named_modules():
         non_persistent = module._non_persistent_buffers_set  # noqa: SLF001
         for name, t, is_param in list(_direct_tensors(module)):
             if not t.is_meta:
                 continue
-            new = memo[id(t)][1] if id(t) in memo else None
-            if new is not None and reused is not None and id(t) in earlier \
-                    and all(r is not new for r in reused):
-                reused.append(new)
-            if new is None:
+            if id(t) not in memo:
                 # Not empty_like: on a meta tensor it imports sympy (~36 MiB of RSS).
                 data = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
-                new = nn.Parameter(data, requires_grad=t.requires_grad) if is_param else data
-                memo[id(t)] = (t, new)
+                memo[id(t)] = (t, nn.Parameter(data, requires_grad=t.requires_grad) if is_param else data)
                 with torch.no_grad():
-                    detectable = _sentinel_fill(data)
-                if detectable:
-                    fresh.append((_qualified(qualname, name), new, is_param,
-                                  is_param or name not in non_persistent))
+                    if _sentinel_fill(data):
+                        fresh.add(id(memo[id(t)][1]))
+            new = memo[id(t)][1]
+            slots.append(_Slot(_qualified(qualname, name), module, name, t, new, is_param,
+                               is_param or name not in non_persistent, id(new) in fresh,
+                               id(t) in earlier))
+            fresh.discard(id(new))  # a tie inside the layer: checked under its first name
             if is_param:
                 module._parameters[name] = new  # noqa: SLF001
             else:
                 module._buffers[name] = new  # noqa: SLF001
-    return fresh
+    return slots
+
+
+def _adopt_assignments(slots: Sequence[_Slot], device: torch.device, memo: Memo,
+                       where: str, layer: str) -> None:
+    """Keeps the tensors initialisation assigned anew instead of filling in place
+    (``layer.freqs_cis = precompute()``, torchtitan's idiom, or ``register_buffer``
+    again), moved to ``device``; every other holder of the same tensor (a tie) gets
+    it too. A tensor tied to an earlier layer keeps that layer's (the first use
+    initialises it).
+
+    Args:
+        where: what initialised the layer (``init_fn``), for messages.
+        layer: the layer's child name (tensors are named ``layer.qualname``).
+
+    Raises:
+        ValueError: an assignment of another shape or dtype than the meta tensor's,
+            or a tensor removed (``None``), naming it.
+    """
+    replaced: Dict[int, torch.Tensor] = {}
+    for slot in slots:
+        value = slot.current()
+        if value is slot.tensor or slot.reused:
+            continue
+        kind = "parameter" if slot.is_param else "buffer"
+        if value is None:
+            raise ValueError(f"{where} removed the {kind} '{_qualified(layer, slot.qualname)}' "
+                             "(set it to None); set it to a tensor, or fill it in place")
+        if value.shape != slot.meta.shape or value.dtype != slot.meta.dtype:
+            raise ValueError(
+                f"{where} assigned the {kind} '{_qualified(layer, slot.qualname)}' a tensor of "
+                f"{_describe(value)}, but the model built on the meta device has "
+                f"{_describe(slot.meta)}; assign one of that shape and dtype (or fill it in "
+                f"place: .copy_(...))")
+        if value.is_meta:
+            raise ValueError(f"{where} assigned the {kind} '{_qualified(layer, slot.qualname)}' "
+                             "a tensor on the meta device, which has no values; build it on the "
+                             "device of the tensor it replaces")
+        if value.device != device:
+            moved = value.detach().to(device)
+            value = nn.Parameter(moved, requires_grad=value.requires_grad) if slot.is_param else moved
+        replaced[id(slot.tensor)] = value
+    for slot in slots:
+        if slot.reused and slot.current() is not slot.tensor:
+            slot.install(slot.tensor)
+        elif id(slot.tensor) in replaced:
+            memo[id(slot.meta)] = (slot.meta, replaced[id(slot.tensor)])
+            slot.install(replaced[id(slot.tensor)])
+            slot.detectable = False  # assigned: set by definition
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {list(t.shape)} and dtype {t.dtype}"
 
 
 @contextlib.contextmanager
@@ -249,30 +335,36 @@ def materialize_layer(layer: nn.Module, index: int, name: str, device: Union[str
 
     Raises:
         ValueError: a tensor that ``reset_parameters()`` did not set (or, with
-            ``init_fn``, a non-persistent buffer it did not set), named by its
-            qualified name in the model.
+            ``init_fn``, a non-persistent buffer it did not set), or one it assigned
+            anew with another shape or dtype, named by its qualified name in the model.
     """
     device = torch.device(device)
     owners = [module for _, module in layer.named_modules() if _meta_names(module)]
     if not owners:
         return
-    reused: List[torch.Tensor] = []
-    fresh = _to_empty(layer, device, {} if memo is None else memo, reused)
+    memo = {} if memo is None else memo
+    slots = _to_empty(layer, device, memo)
     # A tensor tied to an earlier layer keeps that layer's values (the first use
     # initialises it, as `head.weight = emb.weight` after building keeps emb's).
-    kept = [(t, t.detach().clone()) for t in reused]
+    kept = [(s.tensor, s.tensor.detach().clone()) for s in
+            {id(s.tensor): s for s in slots if s.reused}.values()]
+    where = "init_fn" if init_fn is not None else "reset_parameters()"
     with _seeded(layer_seed(seed, index), device), torch.no_grad():
         if init_fn is not None:
             init_fn(layer)
         else:
             for module in owners:
                 module.reset_parameters()
+        try:
+            _adopt_assignments(slots, device, memo, where, name)
+        except ValueError as exc:
+            raise ValueError(f"layer {index} ('{name}'): {exc}") from None
         for t, value in kept:
             t.copy_(value)
-    unset = [(qualname, is_param) for qualname, t, is_param, persistent in fresh
-             if (init_fn is None or not persistent) and _is_sentinel(t)]
+    unset = [s.qualname for s in slots if s.detectable and not s.reused and
+             (init_fn is None or not s.persistent) and _is_sentinel(s.tensor)]
     if unset:
-        names = ", ".join(f"'{_qualified(name, q)}'" for q, _ in unset)
+        names = ", ".join(f"'{_qualified(name, q)}'" for q in unset)
         if init_fn is None:
             raise ValueError(
                 f"layer {index} ('{name}'): {names} on the meta device were not set by "
@@ -281,7 +373,8 @@ def materialize_layer(layer: nn.Module, index: int, name: str, device: Union[str
                 "that sets them, or build those tensors in reset_parameters()")
         raise ValueError(
             f"layer {index} ('{name}'): init_fn left the non-persistent buffer(s) {names} "
-            "unset, and no state dict can bring them; set them in init_fn")
+            "unset, and no state dict can bring them; set them in init_fn (fill them in "
+            "place, .copy_(...), or assign a tensor of the same shape and dtype)")
 
 
 def materialize(model: nn.Sequential, device: Union[str, torch.device] = "cpu",

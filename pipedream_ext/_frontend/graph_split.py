@@ -32,7 +32,7 @@ import torch.fx as fx
 from torch import nn
 
 from .._dist.fingerprint import StagesFingerprint, graph_fingerprint
-from . import export
+from . import export, model_io
 from .fx_graph import (
     CONSTANT_OPS,
     Stages,
@@ -489,7 +489,8 @@ def split_model(model: nn.Module, split_points: Sequence[str],
     if traced is not None:
         (gm, kinds), output_spec, tracer = traced, None, "fx"
         input_names = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
-    else:
+    else:  # a sample of distinct tensors, as every batch is (model_io.distinct_inputs)
+        inputs = model_io.distinct_inputs(inputs, model)
         gm, input_names, output_spec, tracer = _trace_or_export(model, inputs, concrete_args)
         kinds = None
     if stage_of is not None:

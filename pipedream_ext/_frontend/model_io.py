@@ -6,16 +6,19 @@ of tensors, for traced models (``split_points``): a dict of named tensor inputs
 tuple (``positional_inputs``), and the flat tensors a ``torch.export`` graph's last
 stage returns become the model's own output structure again (``restore_output``,
 e.g. a Hugging Face ``ModelOutput``), before ``loss_fn`` and after ``forward_only``.
-The runtime (the C++ executor) only ever sees tuples of tensors.
+The runtime (the C++ executor) only ever sees tuples of tensors. Before tracing, a
+sample's inputs get memory of their own (``distinct_inputs``): tracing must not
+confuse two inputs, or an input and a weight, because they were one tensor.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.utils._pytree as pytree
+from torch import nn
 
-__all__ = ["positional_inputs", "restore_output", "RestoredLoss"]
+__all__ = ["positional_inputs", "distinct_inputs", "restore_output", "RestoredLoss"]
 
 
 def positional_inputs(input_names: Optional[Sequence[str]], inputs: Any, call: str) -> Any:
@@ -64,6 +67,59 @@ def positional_inputs(input_names: Optional[Sequence[str]], inputs: Any, call: s
             raise ValueError(f"{call} input {name!r} is a {type(value).__name__}, not a tensor; "
                              "fix non-tensor arguments with concrete_args={...}")
     return values[0] if len(values) == 1 else values
+
+
+def _memory_of(t: torch.Tensor) -> Optional[Tuple[str, int]]:
+    """Where ``t``'s elements live (device and storage address); ``None`` for a tensor
+    without storage of its own to compare (meta, fake or a wrapper subclass)."""
+    try:
+        return (str(t.device), t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def distinct_inputs(inputs: Any, model: nn.Module) -> Any:
+    """``inputs`` where no tensor shares memory with another input or with a parameter
+    or buffer of ``model``: each later sharer is replaced by a copy (``clone``).
+
+    A sample is what tracing sees of the batches to come, which are distinct tensors.
+    Given one tensor twice (``z = zeros(...); sample=((z, z), z)``: ``idx`` and
+    ``targets`` of a nanoGPT model), ``torch.export`` records one input used in both
+    places, and a weight passed as an input becomes that input in the graph; the
+    pipeline would then train on the wrong values without an error. Copies make
+    every input its own value, whatever the tracer does with identity.
+
+    Args:
+        inputs: the sample's inputs: a tensor, or tuples, lists and dicts of them
+            (other values are kept as they are).
+        model: the model they are traced with.
+
+    Returns:
+        ``inputs`` in the same structure, the aliasing tensors copied (no gradient
+        history); ``inputs`` itself when nothing aliases.
+    """
+    taken: Set[Tuple[str, int]] = set()
+    for t in list(model.parameters()) + list(model.buffers()):
+        where = _memory_of(t)
+        if where is not None:
+            taken.add(where)
+    copied = False
+
+    def own(value: Any) -> Any:
+        nonlocal copied
+        if not isinstance(value, torch.Tensor):
+            return value
+        where = _memory_of(value)
+        if where is None:
+            return value
+        if where in taken:
+            copied = True
+            return value.detach().clone()
+        taken.add(where)
+        return value
+
+    result = pytree.tree_map(own, inputs)
+    return result if copied else inputs
 
 
 def restore_output(spec: Optional[pytree.TreeSpec], out: Any) -> Any:

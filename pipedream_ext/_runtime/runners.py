@@ -31,6 +31,7 @@ import torch.distributed as dist
 from .. import _C, schedules
 from .._dist import collectives, faults
 from .._dist.groups import PipelineGroups, p2p_protocol
+from . import optimizer_check
 from .config import PipelineConfig
 from .grad_clip import GradientClipper, check_max_norm, check_norm_type
 from .local_stages import LocalStages
@@ -488,6 +489,8 @@ class AsyncRunner(Runner):
         if optimizer is None and any(True for _ in self.stages.module.parameters()):
             raise ValueError(f"schedule {self.config.schedule!r} updates weights inside the "
                              "pipeline: pass your optimizer, pipe.step(x, y, optimizer=opt)")
+        if optimizer is not None:  # before anything runs, rather than in the first update
+            optimizer_check.check(optimizer)
         self._update.optimizer = optimizer
         per_step = self.config.microbatches_per_step
         first = self.admitted * per_step

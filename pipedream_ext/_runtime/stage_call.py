@@ -392,7 +392,9 @@ class StageFunction:
         base = float(loss.detach())
         if not isinstance(doubled, torch.Tensor) or doubled.numel() != 1 or abs(base) < 1e-12:
             return None
-        ratio = float(doubled) / base
+        # A loss_fn returning the model's own loss (nanoGPT's ``out[1]``) gives a tensor
+        # that requires grad, even under no_grad: float() of it warns.
+        ratio = float(doubled.detach()) / base
         where = "loss_fn"
         if abs(ratio - 2.0) < 1e-3 and self.loss_reduction == "mean":
             return (f"{where} sums over the batch (its value on a microbatch repeated twice is "
