@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime
 import json
 import time
-from typing import Any, Dict, List, Optional, Tuple, Type
+from typing import Any, Dict, List, Optional, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
@@ -65,13 +65,17 @@ def all_reduce(values: List[float], group: dist.ProcessGroup, op: Any = dist.Red
     return t.cpu().tolist()
 
 
-def all_reduce_start(value: float, group: dist.ProcessGroup) -> Tuple[torch.Tensor, Any]:
-    """Starts summing one number over ``group`` (float64, on the metadata device).
+def all_reduce_start(value: Union[float, torch.Tensor],
+                     group: dist.ProcessGroup) -> Tuple[torch.Tensor, Any]:
+    """Starts summing one number (or a small vector) over ``group`` (float64, on the
+    metadata device).
 
     Returns:
         The tensor being reduced and the all-reduce's handle (``wait()`` before reading).
     """
-    t = torch.tensor([value], dtype=torch.float64, device=metadata_device(group))
+    device = metadata_device(group)
+    t = value.to(device, torch.float64).clone() if isinstance(value, torch.Tensor) else \
+        torch.tensor([value], dtype=torch.float64, device=device)
     return t, dist.all_reduce(t, group=group, async_op=True)
 
 
