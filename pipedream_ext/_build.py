@@ -216,7 +216,7 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     if cut.traced is not None and cut.traced.input_names is not None:
         runner.input_names = list(cut.traced.input_names)
     # Over a mesh every pipeline agrees at once: what one refuses, all raise.
-    agreement = StepAgreement(groups.group if mesh is None else dist.group.WORLD,
+    agreement = StepAgreement(groups.group if mesh is None else mesh.world_group,
                               stage_ranks[0], stage_ranks[-1], config.check_agreement,
                               mesh.names if mesh is not None else None)
     _log.info("rank %d: stages %s (layers %s) of %d, schedule %s, %d microbatches",

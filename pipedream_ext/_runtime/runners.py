@@ -124,7 +124,7 @@ class Runner:
         self.data_parallel = data_parallel
         # The batch loss (and the end-of-step checks) over every pipeline of a mesh:
         # the dp ranks' losses, divided to the global batch's mean.
-        self.step_group = groups.group if data_parallel is None else dist.group.WORLD
+        self.step_group = groups.group if data_parallel is None else data_parallel.plan.world_group
         self.loss_divisor = 1 if data_parallel is None else data_parallel.loss_divisor
         #: How messages name ranks: on a mesh global ranks with their coordinates.
         self.names = RankNames(list(range(groups.world_size))) if data_parallel is None \

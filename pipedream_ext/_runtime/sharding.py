@@ -70,6 +70,9 @@ class MeshPlan:
             each in pp rank order (ascending).
         dp_mesh: the 1-D mesh over this rank's dp group that FSDP and the replicas use,
             on a group bounded by the pipeline's timeout (:meth:`create_groups`).
+        world_group: a group over every rank bounded by the pipeline's timeout, for
+            what every pipeline does together each step (the batch loss, the first
+            steps' agreement, clipping, the finite checks).
     """
 
     mesh: Any
@@ -78,6 +81,7 @@ class MeshPlan:
     mp_policy: Any
     pipelines: List[List[int]]
     dp_mesh: Any = None
+    world_group: Any = None
 
     @property
     def pp_group(self) -> dist.ProcessGroup:
@@ -110,8 +114,9 @@ class MeshPlan:
                 "mp_policy": repr(self.mp_policy)}
 
     def create_groups(self, timeout: float) -> None:
-        """Every pipeline's Gloo side group and checkpoint group, and every dp group with
-        the pipeline's timeout (``dp_mesh``), created on every rank in one order.
+        """Every pipeline's Gloo side group and checkpoint group, and every dp group
+        (``dp_mesh``) and the world (``world_group``) with the pipeline's timeout,
+        created on every rank in one order.
 
         ``new_group`` is collective over the default group: each pipeline creating only
         its own would pair different groups on different ranks.
@@ -123,6 +128,7 @@ class MeshPlan:
             side_group(ranks)
             checkpoint_group(ranks, timeout)
         checkpoint_group(self.world_ranks, timeout)
+        self.world_group = bounded_group(self.world_ranks, timeout)
         from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 - as fully_shard
 
         me = dist.get_rank()
