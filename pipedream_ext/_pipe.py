@@ -426,7 +426,7 @@ class PipeDream:
             ValueError: an asynchronous schedule (their updates happen inside the pipeline).
         """
         return attach_grad_scaler(self.config, self._stage_fn, self.parameters(), self.group,
-                                  self.device, self.rank, **kwargs)
+                                  self.device, self._stage_fn.rank_name, **kwargs)
 
     # -- seeing what happens ----------------------------------------------------------
     @property

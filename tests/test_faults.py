@@ -310,6 +310,8 @@ def test_sigstop_on_a_mesh_every_other_rank_fails_within_the_timeout(tmp_path,
             err = job.output(f"rank{r}", "err")
             assert p.returncode not in (0, None), job.dump()
             assert f"lost rank {victim}: no heartbeat" in err, f"rank {r}:\n{err[-3000:]}"
+            # Global ranks with mesh coordinates (mesh [[0, 1], [2, 3]]), not pp-group ranks.
+            assert f"RuntimeError: rank {r} (pp {r // 2}, dp {r % 2})" in err, f"rank {r}:\n{err[-3000:]}"
             assert seconds[f"rank{r}"] <= BOUND_STOPPED, (r, seconds)
         _assert_gone(job, procs[0].pid)
 

@@ -332,7 +332,8 @@ def check_refusals() -> None:
         ("data_parallel='ddp'; use 'fsdp'", mlp, dict(data_parallel="ddp")),
         (r"mesh has dimensions \('dp',\); PipeDream takes a 2-D mesh", mlp, dict(mesh=flat)),
         (r"parameter 0.0.weight = 6.0.weight is used by layer 0 and layer 6, which "
-         r"data_parallel='fsdp' would shard as separate units on rank 0 of mesh\['pp'\]",
+         r"data_parallel='fsdp' would shard as separate units on ranks 0 \(pp 0, dp 0\), 1 "
+         r"\(pp 0, dp 1\), untying",
          tied_mlp, dict(schedule="zbv", chunks=2)),
     ]
     for match, make, kwargs in refused:

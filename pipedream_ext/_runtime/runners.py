@@ -375,7 +375,15 @@ class FlushRunner(Runner):
         losses = self._run_executor(lambda: self.executor.run([list(c) for c in chunks]))
         if self.data_parallel is not None:
             # Every stage's last backward ran: gradients synchronised over dp once.
-            self.data_parallel.after_step()
+            try:
+                self.data_parallel.after_step()
+            except RuntimeError as exc:  # Gloo names an address: say which ranks and step
+                plan = self.data_parallel.plan
+                raise RuntimeError(
+                    f"{self.names.of_group(self.groups.rank)}: the gradient synchronisation over "
+                    f"mesh['dp'] ({plan.data_parallel}, with "
+                    f"{self.names.many([p[self.groups.rank] for p in plan.pipelines])}) in step "
+                    f"{self.steps_run} failed or timed out: {exc}") from exc
         if self.shared_gradients:
             # After the replicas' all-reduce inside run(), before the user's opt.step().
             try:

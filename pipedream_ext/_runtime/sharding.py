@@ -289,8 +289,9 @@ def refuse_split_ties(plan: Optional[MeshPlan],
             if len(units) > 1:
                 raise ValueError(
                     f"parameter {' = '.join(names)} is used by {' and '.join(units)}, which "
-                    f"data_parallel='fsdp' would shard as separate units on rank {rank} of "
-                    "mesh['pp'], untying the copies; use data_parallel='replicate', or put "
+                    "data_parallel='fsdp' would shard as separate units on "
+                    f"{plan.names.many([ranks[rank] for ranks in plan.pipelines])}, untying "
+                    "the copies; use data_parallel='replicate', or put "
                     "its uses on different pipeline ranks with balance=[...] (a tie across "
                     "ranks is supported), or untie it")
 
