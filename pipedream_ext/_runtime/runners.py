@@ -220,13 +220,17 @@ class Runner:
             self.data_parallel.check_batch(targets, self.config.microbatches, "targets")
 
     def _run_executor(self, run: Callable[[], Any]) -> Any:
-        """``run()`` (an executor call), its error naming ranks as :attr:`names` does (on a
-        mesh the executor's numbers are its pipeline group's, here global ranks)."""
+        """``run()`` (an executor call), its error naming ranks as :attr:`names` does: on a
+        mesh the executor's numbers (its pipeline group's) become global ranks, and an
+        error from the stages' Python (FSDP's collectives: Gloo names no rank) says which
+        rank it is."""
         try:
             return run()
         except Exception as exc:
             if self.data_parallel is not None and exc.args and isinstance(exc.args[0], str):
-                exc.args = (self.names.translate(exc.args[0]),) + tuple(exc.args[1:])
+                me = self.names.of_group(self.groups.rank)
+                text = self.names.translate(exc.args[0])
+                exc.args = (text if text.startswith(me) else f"{me}: {text}",) + tuple(exc.args[1:])
             raise
 
     def _require(self, value: Any, needed: bool, what: str, call: str = "step()") -> None:
