@@ -666,7 +666,8 @@ def _local_stages(args: PipelineArguments, prepared: PreparedModel, cut: CutMode
         error = exc
     # Over a mesh every pipeline raises (the dp peers of a failed rank share its layers).
     collectives.raise_if_any_failed(error, groups.group if data_parallel is None else
-                                    dist.group.WORLD, timeout, "initialising the meta-device layers")
+                                    dist.group.WORLD, timeout, "initialising the meta-device layers",
+                                    data_parallel.plan.names if data_parallel else None)
     assert stages is not None
     return stages
 

@@ -285,13 +285,14 @@ def test_sigkill_raw_ranks_fail_naming_the_lost_rank(tmp_path, schedule: str, wo
         _assert_gone(job, procs[0].pid)
 
 
-@pytest.mark.parametrize("data_parallel", ["fsdp", "replicate"])
+@pytest.mark.parametrize("data_parallel", ["fsdp", pytest.param("replicate", marks=pytest.mark.slow)])
 def test_sigstop_on_a_mesh_every_other_rank_fails_within_the_timeout(tmp_path,
                                                                       data_parallel: str) -> None:
     """pp 2 x dp 2 (a mesh from init_device_mesh, whose groups wait 30 minutes): rank 3 is
     stopped (SIGSTOP: alive, silent); its pipeline peer (rank 1), its dp peer (rank 2, in
     FSDP's or the replicas' collectives) and rank 0 all fail naming it and exit within
-    BOUND_STOPPED (15-20 s measured with timeout=10; the dp peer waited 30 minutes before)."""
+    BOUND_STOPPED (15-20 s measured with timeout=10; the dp peer waited 30 minutes before).
+    Every error names global ranks with mesh coordinates. replicate: make test-all."""
     world, victim = 4, 3
     with Job(str(tmp_path), PDFAULT_ROLE="train", PDFAULT_SCHEDULE="1f1b",
              PDFAULT_MESH=data_parallel) as job:

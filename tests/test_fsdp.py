@@ -385,6 +385,11 @@ def check_mesh_errors() -> None:
                        r"rank 3 \(pp 1, dp 1\) were given different batches .*num_replicas=2, "
                        r"rank=mesh\['dp'\].get_local_rank\(\)"):
         pipe.step(x[part], other)  # the whole batch on every rank: they are compared
+    per_row = pd.PipeDream(mlp(), lambda out, t: F.cross_entropy(out, t, reduction="none"),
+                           microbatches=4, mesh=mesh, timeout=60)
+    with pytest.raises(ValueError, match=r"step\(\) number 0 failed on ranks 2 \(pp 1, dp 0\), 3 "
+                                         r"\(pp 1, dp 1\): loss_fn returned a tensor of shape \(2,\)"):
+        per_row.step(x[part] if per_row.is_first else None, y[part] if per_row.is_last else None)
     with pytest.raises(ValueError, match=r"mesh \[\[0, 3\], \[2, 1\]\] cannot run a pipeline: "
                                          r".*in the dp group \[0, 3\] rank 0 is pp rank 0, rank 3 "
                                          "is pp rank 1"):

@@ -129,6 +129,7 @@ class Runner:
         #: How messages name ranks: on a mesh global ranks with their coordinates.
         self.names = RankNames(list(range(groups.world_size))) if data_parallel is None \
             else data_parallel.plan.names
+        self._mesh_names = None if data_parallel is None else self.names
         #: On a mesh: every step's ranks and batch sizes checked through the loss all-reduce.
         self.mesh_steps = None if data_parallel is None else MeshSteps(self.names, dist.get_rank())
         self.num_stages = schedule.num_stages
@@ -314,7 +315,8 @@ class Runner:
         failed = collectives.all_reduce([1.0 if error is not None else 0.0],
                                          self.groups.group)[0]
         if failed:
-            collectives.raise_if_any_failed(error, self.groups.group, self.config.timeout, what)
+            collectives.raise_if_any_failed(error, self.groups.group, self.config.timeout, what,
+                                            self._mesh_names)
 
     # -- the family's contract -------------------------------------------------------------
     def clip_grad_norm(self, max_norm: Any, norm_type: Any, error_if_nonfinite: bool,
@@ -440,7 +442,7 @@ class FlushRunner(Runner):
             if total[1] > 0:
                 self._drop_gradients()  # the zero loss's gradients: not the model's
                 collectives.raise_if_any_failed(deferred, self.step_group, self.config.timeout,
-                                                 f"step() number {step}")
+                                                 f"step() number {step}", self._mesh_names)
             if self.config.check_finite and self._check_finite_step():
                 return float("nan")
             return StepLoss.of(float(total[0]))
