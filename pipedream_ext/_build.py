@@ -177,7 +177,7 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     config = args.checked_config()
     device = _join_default_group(args.device, config.timeout)
     mesh = _mesh_plan(args, prepared, config)
-    group = mesh.pp_group if mesh is not None else \
+    group = mesh.mesh["pp"].get_group() if mesh is not None else \
         args.process_group if args.process_group is not None else dist.group.WORLD
     cut = cut_model(args, prepared, config, group, mesh)
     _refuse_shared_if_asynchronous(config, cut.shared_parameters)
@@ -191,6 +191,7 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     if mesh is not None:
         refuse_split_ties(mesh, _tied_units(args.module, cut, stage_ranks))
         mesh.create_groups(config.timeout)
+        group = mesh.pp_group  # its ranks, in its order, every wait bounded by timeout=
     groups = PipelineGroups.create(group, stage_ranks, config.timeout)
     data_parallel = make_data_parallel(
         mesh, config.loss_reduction,

@@ -455,6 +455,7 @@ class FlushRunner(Runner):
         return steps.track(self._loss_in_background(values, self.step_group, describe, steps.check))
 
     def _drop_gradients(self) -> None:
+        """Sets every local gradient to ``None`` (a step whose gradients are not the model's)."""
         for t in self.stages.module.parameters():
             t.grad = None
 

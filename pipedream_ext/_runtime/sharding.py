@@ -68,6 +68,9 @@ class MeshPlan:
         mp_policy: FSDP's ``MixedPrecisionPolicy``, or ``None``.
         pipelines: the global ranks of every pipeline (the pp group of each dp rank),
             each in pp rank order (ascending).
+        pp_group: this rank's pipeline's group (the ranks of ``mesh["pp"]``), bounded by
+            the pipeline's timeout (:meth:`create_groups`), for the executor and every
+            exchange within the pipeline.
         dp_mesh: the 1-D mesh over this rank's dp group that FSDP and the replicas use,
             on a group bounded by the pipeline's timeout (:meth:`create_groups`).
         world_group: a group over every rank bounded by the pipeline's timeout, for
@@ -80,12 +83,9 @@ class MeshPlan:
     reshard_after_forward: bool
     mp_policy: Any
     pipelines: List[List[int]]
+    pp_group: Any = None
     dp_mesh: Any = None
     world_group: Any = None
-
-    @property
-    def pp_group(self) -> dist.ProcessGroup:
-        return self.mesh["pp"].get_group()
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -114,24 +114,29 @@ class MeshPlan:
                 "mp_policy": repr(self.mp_policy)}
 
     def create_groups(self, timeout: float) -> None:
-        """Every pipeline's Gloo side group and checkpoint group, and every dp group
-        (``dp_mesh``) and the world (``world_group``) with the pipeline's timeout,
-        created on every rank in one order.
+        """Every pipeline's Gloo side group and checkpoint group, and every pipeline
+        (``pp_group``), every dp group (``dp_mesh``) and the world (``world_group``) with
+        the pipeline's timeout, created on every rank in one order.
 
         ``new_group`` is collective over the default group: each pipeline creating only
-        its own would pair different groups on different ranks.
+        its own would pair different groups on different ranks. A ``DeviceMesh``'s own
+        groups wait the process group's default timeout (30 minutes on Gloo), which
+        ``init_device_mesh`` does not let one change.
 
         Args:
-            timeout: seconds, for the checkpoint and dp groups' operations.
+            timeout: seconds, for the checkpoint, pipeline, dp and world groups' operations.
         """
+        me = dist.get_rank()
         for ranks in self.pipelines:
             side_group(ranks)
             checkpoint_group(ranks, timeout)
+            group = bounded_group(ranks, timeout)
+            if me in ranks:
+                self.pp_group = group
         checkpoint_group(self.world_ranks, timeout)
         self.world_group = bounded_group(self.world_ranks, timeout)
         from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 - as fully_shard
 
-        me = dist.get_rank()
         for pp in range(len(self.pipelines[0])):
             row = [ranks[pp] for ranks in self.pipelines]
             group = bounded_group(row, timeout)
