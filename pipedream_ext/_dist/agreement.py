@@ -17,7 +17,9 @@ model itself, so nothing but a comparison proves the ranks agree:
   ``forward_only()`` number ``k``) and fingerprints the batch it was given
   before anything is sent: ranks in different calls, or a first stage and a last
   stage given different batches (a ``DistributedSampler`` kept from a DDP script)
-  or batches of different sizes, raise on every rank at once.
+  or batches of different sizes, raise on every rank at once. On a ``(pp, dp)``
+  mesh both run over the whole world, so that what one pipeline refuses every
+  pipeline raises, and the dp ranks' batch sizes are compared too.
 
 Payloads are JSON in uint8 tensors (``collectives.all_gather_json``): no pickle.
 """

@@ -7,7 +7,9 @@ see ``_collectives``) and the groups a pipeline adds: one per replicated stage
 replica per stage), and a Gloo *side group* beside each group the executor
 sends on (its metadata and the payloads the data channel cannot size in
 advance: ``csrc/runtime/comm_engine.h``), plus which point-to-point protocol
-the executor speaks on a group.
+the executor speaks on a group; groups whose every collective is bounded by a
+pipeline's timeout (a mesh's pipelines, dp groups and world), and how messages
+name ranks (``RankNames``: global ranks, with ``(pp, dp)`` coordinates on a mesh).
 """
 from __future__ import annotations
 
