@@ -436,23 +436,27 @@ def check_dp_batches_and_steps() -> None:
         loss = float(pipe.step(x[part] if pipe.is_first else None, y[part] if pipe.is_last else None))
         assert abs(loss - ref_loss.item()) <= RTOL * max(1.0, ref_loss.item()), (step, loss, ref_loss)
         opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
-    pipe = pd.PipeDream(mlp(), F.cross_entropy, microbatches=4, mesh=mesh, timeout=60,
-                        check_agreement=0)
-    for step in range(3):
-        x, y = global_batch(400 + step)
-        if step == 1 and rank == 1:  # refused on this rank alone (no agreement), caught, skipped
-            with pytest.raises(ValueError, match="batch size 6"):
-                pipe.step(x[part][:6], None)
-            continue
-        loss = pipe.step(x[part] if pipe.is_first else None, y[part] if pipe.is_last else None)
-        if step == 0:
-            float(loss)
-            continue
-        with pytest.raises(RuntimeError, match=r"in different step\(\) calls: ranks 0 \(pp 0, dp 0\), "
-                           r"2 \(pp 1, dp 0\), 3 \(pp 1, dp 1\) in step\(\) number 1; rank 1 "
-                           r"\(pp 0, dp 1\) in step\(\) number 2"):
-            float(loss)
-        break
+    skipped = (r"in different step\(\) calls: ranks 0 \(pp 0, dp 0\), 2 \(pp 1, dp 0\), 3 "
+               r"\(pp 1, dp 1\) in step\(\) number 1; rank 1 \(pp 0, dp 1\) in step\(\) number 2")
+    for read in (True, False):  # named when the loss is read, else two steps later
+        pipe = pd.PipeDream(mlp(), F.cross_entropy, microbatches=4, mesh=mesh, timeout=60,
+                            check_agreement=0)
+        for step in range(5):
+            x, y = global_batch(400 + step)
+            if step == 1 and rank == 1:  # refused on this rank alone (no agreement), caught, skipped
+                with pytest.raises(ValueError, match="batch size 6"):
+                    pipe.step(x[part][:6], None)
+                continue
+            if step == (4 if rank == 1 else 3) and not read:
+                with pytest.raises(RuntimeError, match=skipped):
+                    pipe.step(x[part] if pipe.is_first else None, y[part] if pipe.is_last else None)
+                break
+            loss = pipe.step(x[part] if pipe.is_first else None, y[part] if pipe.is_last else None)
+            if step == 0 or not read:
+                continue
+            with pytest.raises(RuntimeError, match=skipped):
+                float(loss)
+            break
 
 
 def check_auto_plan() -> None:
