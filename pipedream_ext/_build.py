@@ -180,7 +180,7 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     config = args.checked_config()
     device = _join_default_group(args.device, config.timeout)
     mesh = _mesh_plan(args, prepared, config)
-    group = mesh.pp_group if mesh is not None else \
+    group = mesh.mesh["pp"].get_group() if mesh is not None else \
         args.process_group if args.process_group is not None else dist.group.WORLD
     cut = cut_model(args, prepared, config, group, mesh)
     _refuse_shared_if_asynchronous(config, cut.shared_parameters)
@@ -193,7 +193,8 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     stage_ranks = [schedule.stage_ranks(j) for j in range(schedule.num_stages)]
     if mesh is not None:
         refuse_split_ties(mesh, _tied_units(args.module, cut, stage_ranks))
-        mesh.create_side_groups(config.timeout)
+        mesh.create_groups(config.timeout)
+        group = mesh.pp_group  # its ranks, in its order, every wait bounded by timeout=
     groups = PipelineGroups.create(group, stage_ranks, config.timeout)
     data_parallel = make_data_parallel(
         mesh, config.loss_reduction,
@@ -213,15 +214,18 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     # initialised per rank, each from its own layer's seed).
     shared_gradients.synchronize_values()
     observer = _observer(args.trace, groups, stages, config, device)
-    stage_fn = _stage_function(args.loss_fn, cut.traced, stages, schedule, groups, config, device)
+    stage_fn = _stage_function(args.loss_fn, cut.traced, stages, schedule, groups, config, device,
+                               mesh.names.of_group(groups.rank) if mesh is not None else None)
     if data_parallel is not None:
         stage_fn.before_forward = data_parallel.before_forward
     runner = make_runner(config, schedule, action_feed, stages, groups, stage_fn, observer, device,
                          shared_gradients=shared_gradients, data_parallel=data_parallel)
     if cut.traced is not None and cut.traced.input_names is not None:
         runner.input_names = list(cut.traced.input_names)
-    agreement = StepAgreement(groups.group, stage_ranks[0], stage_ranks[-1],
-                              config.check_agreement)
+    # Over a mesh every pipeline agrees at once: what one refuses, all raise.
+    agreement = StepAgreement(groups.group if mesh is None else mesh.world_group,
+                              stage_ranks[0], stage_ranks[-1], config.check_agreement,
+                              mesh.names if mesh is not None else None)
     optimizer_check.watch(stages.module, originals, groups.rank)
     _log.info("rank %d: stages %s (layers %s) of %d, schedule %s, %d microbatches",
               groups.rank, stages.indices, [stages.layers[j] for j in stages.indices],
@@ -597,8 +601,9 @@ def _agree_everywhere(module: nn.Module, group: dist.ProcessGroup, config: Pipel
     Args:
         init_seed: the seed of a meta model (replicas would get different weights), else
             ``None``.
-        mesh: the mesh: its shape and data-parallel settings are agreed too, and the
-            ranks of each ``dp`` group (one stage's copies) compare the same values.
+        mesh: the mesh: its shape and data-parallel settings are agreed too, over every
+            rank of the mesh (one exchange), so that what one pipeline's ranks refuse
+            reaches the other pipelines' ranks too.
 
     Returns:
         The traced stages, with the values crossing each cut in rank 0's order when
@@ -630,9 +635,10 @@ def _agree_everywhere(module: nn.Module, group: dist.ProcessGroup, config: Pipel
         fingerprint = traced.fingerprint
     else:
         fingerprint = layers_fingerprint(module, partition.bounds())
-    orders = agree_at_construction(group, agreed, fingerprint)
-    if mesh is not None:  # the pipelines of the mesh are one pipeline's copies
-        agree_at_construction(mesh.dp_group, agreed, fingerprint)
+    if mesh is None:
+        orders = agree_at_construction(group, agreed, fingerprint)
+    else:  # the pipelines of the mesh are one pipeline's copies: one exchange, every rank
+        orders = agree_at_construction(dist.group.WORLD, agreed, fingerprint, mesh.names)
     if orders is not None and traced is not None:
         return reorder_cuts(traced, orders)
     return traced
@@ -677,8 +683,10 @@ def _local_stages(args: PipelineArguments, prepared: PreparedModel, cut: CutMode
         stages = build()
     except Exception as exc:  # noqa: BLE001 - reported to every rank
         error = exc
-    collectives.raise_if_any_failed(error, groups.group, timeout,
-                                    "initialising the meta-device layers")
+    # Over a mesh every pipeline raises (the dp peers of a failed rank share its layers).
+    collectives.raise_if_any_failed(error, groups.group if data_parallel is None else
+                                    dist.group.WORLD, timeout, "initialising the meta-device layers",
+                                    data_parallel.plan.names if data_parallel else None)
     assert stages is not None
     return stages
 
@@ -711,8 +719,9 @@ def _observer(trace: Optional[Union[str, os.PathLike]], groups: PipelineGroups,
 def _stage_function(loss_fn: Callable[..., torch.Tensor], traced: Optional[TracedSplit],
                     stages: LocalStages, schedule: "schedules.Schedule",
                     groups: PipelineGroups, config: PipelineConfig,
-                    device: torch.device) -> StageFunction:
-    """The executor's forward callback over this rank's stages."""
+                    device: torch.device, rank_name: Optional[str] = None) -> StageFunction:
+    """The executor's forward callback over this rank's stages (``rank_name``: how its
+    messages name the rank; default ``"rank {rank}"``)."""
     # An exported model's last stage returns its output's tensors flat; loss_fn gets
     # the model's own structure (a ModelOutput) back.
     spec = traced.output_spec if traced is not None else None
@@ -720,4 +729,4 @@ def _stage_function(loss_fn: Callable[..., torch.Tensor], traced: Optional[Trace
     return StageFunction(stages, stage_loss, schedule.num_stages, device, config.autocast,
                          config.check_finite, raise_at_once=config.asynchronous,
                          rank=groups.rank, recompute=config.recompute,
-                         loss_reduction=config.loss_reduction)
+                         loss_reduction=config.loss_reduction, rank_name=rank_name)

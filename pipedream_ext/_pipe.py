@@ -374,6 +374,7 @@ class PipeDream:
             ValueError: inputs or targets missing where needed, a batch smaller than
                 ``microbatches``, or an optimizer missing (asynchronous) or passed (flush).
         """
+        self._runner.step_calls += 1  # every call, those that raise too (a mesh compares them)
         return self._runner.step(self._agreed("step", inputs, targets), targets, optimizer)
 
     @faults.names_first_failure
@@ -431,7 +432,7 @@ class PipeDream:
             ValueError: an asynchronous schedule (their updates happen inside the pipeline).
         """
         return attach_grad_scaler(self.config, self._stage_fn, self.parameters(), self.group,
-                                  self.device, self.rank, **kwargs)
+                                  self.device, self._stage_fn.rank_name, **kwargs)
 
     # -- seeing what happens ----------------------------------------------------------
     @property

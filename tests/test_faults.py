@@ -45,6 +45,9 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 EXAMPLE = os.path.join(ROOT, "examples", "train_resumable.py")
 TIMEOUT = 10.0  # the pipelines' communication timeout in these tests (seconds)
 BOUND = TIMEOUT + 10.0  # every rank must be gone this long after the fault
+# A stopped rank (alive, silent) closes no connection: its peers wait out the timeout,
+# then Gloo waits out their pending operations at exit (each bounded by the timeout).
+BOUND_STOPPED = 2 * TIMEOUT + 10.0
 KILL_AFTER_STEP = 20
 
 
@@ -71,13 +74,23 @@ def worker_train() -> None:
     schedule = os.environ["PDFAULT_SCHEDULE"]
     every = int(os.environ.get("PDFAULT_EVERY", "0"))
     root = os.environ.get("PDFAULT_CKPT")
+    data_parallel = os.environ.get("PDFAULT_MESH")  # pp 2 x dp 2 with this data_parallel
+    mesh = None
+    if data_parallel:  # as a user builds it: the default group too, with torch's timeout
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pipe = pd.PipeDream(make_model(), F.cross_entropy, schedule=schedule,
-                        microbatches=1 if schedule == "pipedream" else 4, timeout=TIMEOUT)
+                        microbatches=1 if schedule == "pipedream" else 4, timeout=TIMEOUT,
+                        **(dict(mesh=mesh, data_parallel=data_parallel) if mesh else {}))
     _signals.install()  # a no-op once PipeDream installs the handlers
     rank = dist.get_rank()
     opt = torch.optim.SGD(pipe.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+    if mesh is not None:  # each dp rank its half of the batch
+        half = slice(8 * mesh["dp"].get_local_rank(), 8 * mesh["dp"].get_local_rank() + 8)
+        x, y = x[half], y[half]
     for step in range(1, 10 ** 6):
         if pipe.asynchronous:
             pipe.step(x, y, optimizer=opt)
@@ -269,6 +282,38 @@ def test_sigkill_raw_ranks_fail_naming_the_lost_rank(tmp_path, schedule: str, wo
             # collective, which names addresses) gets the heartbeat note.
             assert f"lost rank {victim}: no heartbeat" in err, f"rank {r}:\n{err[-3000:]}"
             assert seconds[f"rank{r}"] <= BOUND, (r, seconds)
+        _assert_gone(job, procs[0].pid)
+
+
+@pytest.mark.parametrize("data_parallel", ["fsdp", pytest.param("replicate", marks=pytest.mark.slow)])
+def test_sigstop_on_a_mesh_every_other_rank_fails_within_the_timeout(tmp_path,
+                                                                      data_parallel: str) -> None:
+    """pp 2 x dp 2 (a mesh from init_device_mesh, whose groups wait 30 minutes): rank 3 is
+    stopped (SIGSTOP: alive, silent); its pipeline peer (rank 1), its dp peer (rank 2, in
+    FSDP's or the replicas' collectives) and rank 0 all fail naming it and exit within
+    BOUND_STOPPED (15-20 s measured with timeout=10; the dp peer waited 30 minutes before).
+    Every error names global ranks with mesh coordinates. replicate: make test-all."""
+    world, victim = 4, 3
+    with Job(str(tmp_path), PDFAULT_ROLE="train", PDFAULT_SCHEDULE="1f1b",
+             PDFAULT_MESH=data_parallel) as job:
+        procs = job.start_raw(world, [sys.executable, HERE])
+        job.wait_for(f"rank{victim}", rf"rank {victim} pid \d+ step {KILL_AFTER_STEP}(?!\d)")
+        start = time.monotonic()
+        procs[victim].send_signal(signal.SIGSTOP)
+        others = [p for r, p in enumerate(procs) if r != victim]
+        seconds = job.wait_all(others, start, BOUND_STOPPED)
+        print(f"{data_parallel}: rank {victim} stopped; exits after {seconds}")
+        procs[victim].kill()
+        procs[victim].wait(timeout=30)
+        for r, p in enumerate(procs):
+            if r == victim:
+                continue
+            err = job.output(f"rank{r}", "err")
+            assert p.returncode not in (0, None), job.dump()
+            assert f"lost rank {victim}: no heartbeat" in err, f"rank {r}:\n{err[-3000:]}"
+            # Global ranks with mesh coordinates (mesh [[0, 1], [2, 3]]), not pp-group ranks.
+            assert f"RuntimeError: rank {r} (pp {r // 2}, dp {r % 2})" in err, f"rank {r}:\n{err[-3000:]}"
+            assert seconds[f"rank{r}"] <= BOUND_STOPPED, (r, seconds)
         _assert_gone(job, procs[0].pid)
 
 

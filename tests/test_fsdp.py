@@ -59,6 +59,7 @@ class Case(NamedTuple):
     traced: bool = False
     recompute: bool = False
     lm: bool = False  # test_shared_params' language model: embedding tied to the head
+    order: Optional[Tuple[Tuple[int, ...], ...]] = None  # the mesh tensor (None: ascending)
 
 
 # --------------------------------------------------------------------------- the model
@@ -178,11 +179,18 @@ def check_clip(case: Case, pipe: Any, ref: nn.Module, step: int) -> None:
                                msg=lambda m: f"{case} step {step} norm: {m}")
 
 
+def make_mesh(pp: int, dp: int, order: Optional[Tuple[Tuple[int, ...], ...]] = None) -> Any:
+    """``init_device_mesh("cpu", (pp, dp))``, or a mesh of the ranks in ``order``."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if order is None:
+        return init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+    return DeviceMesh("cpu", torch.tensor(order), mesh_dim_names=("pp", "dp"))
+
+
 def check_case(case: Case) -> None:
     """STEPS steps of the 2D pipeline equal the unsplit model on the global batch."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (case.pp, case.dp), mesh_dim_names=("pp", "dp"))
+    mesh = make_mesh(case.pp, case.dp, case.order)
     pipe, ref, loss_fn = build(case, mesh)
     dp_rank, rows = mesh["dp"].get_local_rank(), BATCH // case.dp
     params = list(pipe.parameters())  # a stage of one ReLU has none (torch refuses that)
@@ -246,7 +254,9 @@ def cases(kind: str) -> List[Case]:
     if kind == "fast":
         return [Case("zb-h1", 2, 2, tied=True), Case("1f1b", 2, 2, data_parallel="replicate",
                                                      clip=(CLIP_SMALL, INF)),
-                Case("zb-h1", 2, 2, clip=(CLIP_SMALL, 2.0))]
+                Case("zb-h1", 2, 2, clip=(CLIP_SMALL, 2.0)),
+                # pp ranks not ascending: stage 0 on pp rank 0 (ranks 0 and 1), as torch numbers it
+                Case("1f1b", 2, 2, "sgd", order=((2, 3), (0, 1)))]
     full_cases = [Case(s, 2, 2, opt, reshard_after_forward=r)
                   for s in FLUSH for opt in OPTIMIZERS for r in (False, True)]
     full_cases += [Case(s, 2, 2, "adamw", "replicate") for s in ("1f1b", "zb-h1", "zbv")]
@@ -322,7 +332,8 @@ def check_refusals() -> None:
         ("data_parallel='ddp'; use 'fsdp'", mlp, dict(data_parallel="ddp")),
         (r"mesh has dimensions \('dp',\); PipeDream takes a 2-D mesh", mlp, dict(mesh=flat)),
         (r"parameter 0.0.weight = 6.0.weight is used by layer 0 and layer 6, which "
-         r"data_parallel='fsdp' would shard as separate units on rank 0 of mesh\['pp'\]",
+         r"data_parallel='fsdp' would shard as separate units on ranks 0 \(pp 0, dp 0\), 1 "
+         r"\(pp 0, dp 1\), untying",
          tied_mlp, dict(schedule="zbv", chunks=2)),
     ]
     for match, make, kwargs in refused:
@@ -343,6 +354,109 @@ def check_refusals() -> None:
     with pytest.raises(ValueError, match=r"load_state_dict\(\) does not support pipelines built "
                                          "with mesh=.*format='dcp'"):
         pipe.load_state_dict(mlp().state_dict())
+
+
+def check_mesh_errors() -> None:
+    """A refusal on one pipeline reaches every rank with its reason; messages name global
+    ranks with their mesh coordinates (mesh [[0, 1], [2, 3]]: pipeline dp 0 is ranks 0 and
+    2); the sampler advice names the dp size; a mesh whose rank order gives no stage order,
+    and balance="auto" with fewer layers than pipeline stages, are refused by name."""
+    import pipedream_ext as pd
+
+    mesh = make_mesh(2, 2)
+    x, y = global_batch(0)
+    rank = dist.get_rank()
+    # Only pipeline dp 0's ranks disagree among themselves; dp 1's learn why too.
+    with pytest.raises(ValueError, match=r"rank 0 \(pp 0, dp 0\): ranks disagree on the pipeline "
+                       r"configuration: microbatches is 2 on rank 0 \(pp 0, dp 0\); 4 on ranks "
+                       r"1 \(pp 0, dp 1\), 2 \(pp 1, dp 0\), 3 \(pp 1, dp 1\)" if rank == 0 else
+                       r"microbatches is 2 on rank 0 \(pp 0, dp 0\); 4 on ranks 1 \(pp 0, dp 1\)"):
+        pd.PipeDream(mlp(), F.cross_entropy, microbatches=2 if rank == 0 else 4, mesh=mesh,
+                     timeout=60)
+    pipe = pd.PipeDream(mlp(), F.cross_entropy, microbatches=4, mesh=mesh, timeout=60)
+    dp, rows = mesh["dp"].get_local_rank(), BATCH // 2
+    part = slice(dp * rows, (dp + 1) * rows)
+    with pytest.raises(ValueError, match=r"rank 3 \(pp 1, dp 1\) holds the last stage: step\(\) "
+                                         "needs the targets"):
+        pipe.step(x[part] if pipe.is_first else None,
+                  y[part] if pipe.is_last and rank != 3 else None)
+    other = torch.roll(y[part], 1) if rank == 3 else y[part]
+    with pytest.raises(ValueError, match=r"stage 0 on rank 1 \(pp 0, dp 1\) and the last stage on "
+                       r"rank 3 \(pp 1, dp 1\) were given different batches .*num_replicas=2, "
+                       r"rank=mesh\['dp'\].get_local_rank\(\)"):
+        pipe.step(x[part], other)  # the whole batch on every rank: they are compared
+    per_row = pd.PipeDream(mlp(), lambda out, t: F.cross_entropy(out, t, reduction="none"),
+                           microbatches=4, mesh=mesh, timeout=60)
+    with pytest.raises(ValueError, match=r"step\(\) number 0 failed on ranks 2 \(pp 1, dp 0\), 3 "
+                                         r"\(pp 1, dp 1\): loss_fn returned a tensor of shape \(2,\)"):
+        per_row.step(x[part] if per_row.is_first else None, y[part] if per_row.is_last else None)
+    with pytest.raises(ValueError, match=r"mesh \[\[0, 3\], \[2, 1\]\] cannot run a pipeline: "
+                                         r".*in the dp group \[0, 3\] rank 0 is pp rank 0, rank 3 "
+                                         "is pp rank 1"):
+        pd.PipeDream(mlp(), F.cross_entropy, microbatches=4, mesh=make_mesh(2, 2, ((0, 3), (2, 1))),
+                     timeout=60)
+    few = nn.Sequential(*list(mlp())[:3])
+    with pytest.raises(ValueError, match=r"balance='auto' on a mesh with 4 pipeline stages \(mesh\['pp'\]"
+                                         r"\) needs at least one layer per stage, but the model has 3"):
+        pd.PipeDream(few, F.cross_entropy, microbatches=4, mesh=make_mesh(4, 1), balance="auto",
+                     sample=(x, y), timeout=60)
+
+
+def check_dp_batches_and_steps() -> None:
+    """dp ranks given batches of different sizes are refused (before the step in the
+    first steps, after it later, naming each dp rank's rows); a step() refused on one
+    pipeline in the first steps is refused on every rank, so a loop that catches it and
+    goes on stays exact; a later step() skipped by one rank is named at the next read."""
+    import pipedream_ext as pd
+
+    mesh = make_mesh(2, 2)
+    rank, dp, rows = dist.get_rank(), mesh["dp"].get_local_rank(), BATCH // 2
+    part = slice(dp * rows, (dp + 1) * rows)
+    short = slice(dp * rows, dp * rows + (rows if dp == 0 else rows // 2))  # 8 and 4 rows
+    sizes = r"dp 0 \(rank 0 \(pp 0, dp 0\)\) 8 rows, dp 1 \(rank 1 \(pp 0, dp 1\)\) 4 rows"
+    x, y = global_batch(0)
+    for check in (3, 0):
+        pipe = pd.PipeDream(mlp(), F.cross_entropy, microbatches=4, mesh=mesh, timeout=60,
+                            check_agreement=check)
+        with pytest.raises(ValueError if check else RuntimeError, match=sizes):
+            float(pipe.step(x[short] if pipe.is_first else None, y[short] if pipe.is_last else None))
+    pipe = pd.PipeDream(mlp(), F.cross_entropy, microbatches=4, mesh=mesh, timeout=60)
+    ref = mlp()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (pipe, ref))
+    for step in range(3):
+        x, y = global_batch(300 + step)
+        if step == 1:  # dp 1's inputs do not split into 4 microbatches: every rank refuses
+            bad = x[part][:6] if dp == 1 else x[part]
+            with pytest.raises(ValueError, match="rank 1 .pp 0, dp 1.: inputs of this data-parallel "
+                                                 "rank have batch size 6"):
+                pipe.step(bad if pipe.is_first else None, y[part] if pipe.is_last else None)
+            continue
+        ref_loss = F.cross_entropy(ref(x), y)
+        ref_loss.backward()
+        loss = float(pipe.step(x[part] if pipe.is_first else None, y[part] if pipe.is_last else None))
+        assert abs(loss - ref_loss.item()) <= RTOL * max(1.0, ref_loss.item()), (step, loss, ref_loss)
+        opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
+    skipped = (r"in different step\(\) calls: ranks 0 \(pp 0, dp 0\), 2 \(pp 1, dp 0\), 3 "
+               r"\(pp 1, dp 1\) in step\(\) number 1; rank 1 \(pp 0, dp 1\) in step\(\) number 2")
+    for read in (True, False):  # named when the loss is read, else two steps later
+        pipe = pd.PipeDream(mlp(), F.cross_entropy, microbatches=4, mesh=mesh, timeout=60,
+                            check_agreement=0)
+        for step in range(5):
+            x, y = global_batch(400 + step)
+            if step == 1 and rank == 1:  # refused on this rank alone (no agreement), caught, skipped
+                with pytest.raises(ValueError, match="batch size 6"):
+                    pipe.step(x[part][:6], None)
+                continue
+            if step == (4 if rank == 1 else 3) and not read:
+                with pytest.raises(RuntimeError, match=skipped):
+                    pipe.step(x[part] if pipe.is_first else None, y[part] if pipe.is_last else None)
+                break
+            loss = pipe.step(x[part] if pipe.is_first else None, y[part] if pipe.is_last else None)
+            if step == 0 or not read:
+                continue
+            with pytest.raises(RuntimeError, match=skipped):
+                float(loss)
+            break
 
 
 def check_auto_plan() -> None:
@@ -383,6 +497,8 @@ def run_checks() -> None:
     kind = os.environ.get(CASES_ENV, "fast")
     if kind == "fast":
         check_refusals()
+        check_mesh_errors()
+        check_dp_batches_and_steps()
         check_auto_plan()
         if os.environ.get(CKPT_ENV):  # test_checkpoint_dcp.py's meshed save and resume, fsdp
             from test_checkpoint_dcp import phase_mesh_save

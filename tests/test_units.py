@@ -17,6 +17,7 @@ from torch import nn
 
 from pipedream_ext import _C, PipeDream, schedules
 from pipedream_ext._build import PipelineArguments
+from pipedream_ext._dist.groups import RankNames
 from pipedream_ext._frontend.partition import even_balance, resolve_partition
 from pipedream_ext._frontend.tied_params import (
     alias_names,
@@ -27,6 +28,7 @@ from pipedream_ext._frontend.tied_params import (
 from pipedream_ext._planning.startup import cluster_shape, partition_from_plan
 from pipedream_ext._runtime.config import PipelineConfig
 from pipedream_ext._runtime.local_stages import LocalStages
+from pipedream_ext._runtime.sharding import mesh_pipelines
 from pipedream_ext._runtime.stage_call import (
     NonFiniteError,
     StageFunction,
@@ -853,3 +855,31 @@ def test_an_extension_built_for_another_torch_names_both_versions(monkeypatch) -
     with pytest.warns(RuntimeWarning, match="installed torch 2.14.0: it was built against torch "
                                             "2.13.0"):
         assert _torch_check.load_extension() is _C
+
+
+# -- meshes ---------------------------------------------------------------------------------
+def test_mesh_pipelines_follow_torchs_local_ranks_and_refuse_orders_without_stages() -> None:
+    """A pipeline is a column of the mesh in ascending rank order (torch's
+    ``mesh["pp"].get_local_rank()``), the pipelines in a row's ascending order; rows and
+    columns permuted give the same pipelines; a mesh whose rows do not keep one
+    position in their columns is refused naming a row."""
+    assert mesh_pipelines([[0, 1], [2, 3]]) == [[0, 2], [1, 3]]
+    for order in ([[2, 3], [0, 1]], [[3, 2], [1, 0]], [[1, 0], [3, 2]]):
+        assert mesh_pipelines(order) == [[0, 2], [1, 3]], order
+    assert mesh_pipelines([[4, 5, 3], [1, 2, 0]]) == [[0, 3], [1, 4], [2, 5]]
+    with pytest.raises(ValueError, match=r"mesh \[\[0, 3\], \[2, 1\]\] cannot run a pipeline: .*in "
+                                         r"the dp group \[0, 3\] rank 0 is pp rank 0, rank 3 is pp rank 1"):
+        mesh_pipelines([[0, 3], [2, 1]])
+
+
+def test_rank_names_say_global_ranks_with_mesh_coordinates() -> None:
+    """On a mesh a pipeline group's rank (the executor's number) becomes the global rank
+    with its coordinates; names already given, and numbers outside the group, stay."""
+    names = RankNames([1, 3], [[0, 2], [1, 3]])  # pipeline dp 1 of mesh [[0, 1], [2, 3]]
+    assert names.of_group(1) == "rank 3 (pp 1, dp 1)"
+    assert names.many([0, 2]) == "ranks 0 (pp 0, dp 0), 2 (pp 1, dp 0)"
+    text = "rank 0: RECV_B of microbatch 0 for stage 0 with rank 1 failed (is rank 1 alive?)"
+    assert names.translate(text) == ("rank 1 (pp 0, dp 1): RECV_B of microbatch 0 for stage 0 with "
+                                     "rank 3 (pp 1, dp 1) failed (is rank 3 (pp 1, dp 1) alive?)")
+    assert names.translate("rank 3 (pp 1, dp 1) and rank 7") == "rank 3 (pp 1, dp 1) and rank 7"
+    assert RankNames([0, 1]).translate(text) == text  # no mesh: the pipeline's own numbers

@@ -17,7 +17,9 @@ model itself, so nothing but a comparison proves the ranks agree:
   ``forward_only()`` number ``k``) and fingerprints the batch it was given
   before anything is sent: ranks in different calls, or a first stage and a last
   stage given different batches (a ``DistributedSampler`` kept from a DDP script)
-  or batches of different sizes, raise on every rank at once.
+  or batches of different sizes, raise on every rank at once. On a ``(pp, dp)``
+  mesh both run over the whole world, so that what one pipeline refuses every
+  pipeline raises, and the dp ranks' batch sizes are compared too.
 
 Payloads are JSON in uint8 tensors (``collectives.all_gather_json``): no pickle.
 """
@@ -39,6 +41,7 @@ from .fingerprint import (
     first_difference,
     tensor_digest,
 )
+from .groups import RankNames
 
 __all__ = ["agree_at_construction", "batch_fingerprint", "StepAgreement"]
 
@@ -60,16 +63,17 @@ def _same(values: Sequence[Any]) -> bool:
     return len(texts) == 1
 
 
-def _per_rank(values: Sequence[Any]) -> str:
+def _per_rank(values: Sequence[Any], names: Optional[RankNames] = None) -> str:
     groups: Dict[str, List[int]] = {}
     for rank, value in enumerate(values):
         groups.setdefault(json.dumps(value, sort_keys=True), []).append(rank)
-    return "; ".join(f"{text} on rank{'s' if len(ranks) > 1 else ''} "
-                     f"{', '.join(map(str, ranks))}" for text, ranks in groups.items())
+    names = names if names is not None else RankNames(list(range(len(values))))
+    return "; ".join(f"{text} on {names.many(ranks)}" for text, ranks in groups.items())
 
 
 def agree_at_construction(group: dist.ProcessGroup, config: Mapping[str, Any],
-                          fingerprint: StagesFingerprint) -> Optional[List[List[str]]]:
+                          fingerprint: StagesFingerprint,
+                          names: Optional[RankNames] = None) -> Optional[List[List[str]]]:
     """Checks that every rank of ``group`` built the same pipeline.
 
     Collective. Costs one all-gather of the arguments and of one 16-digit digest
@@ -80,6 +84,8 @@ def agree_at_construction(group: dist.ProcessGroup, config: Mapping[str, Any],
         group: the pipeline's group.
         config: the arguments that must match (JSON values), by name.
         fingerprint: this rank's fingerprint of every stage.
+        names: how messages name ``group``'s ranks (a mesh's: ``group`` is the world,
+            its ranks global, named with their mesh coordinates); default: as they are.
 
     Returns:
         Rank 0's order of the values crossing each cut (digests), where this rank's
@@ -92,21 +98,22 @@ def agree_at_construction(group: dist.ProcessGroup, config: Mapping[str, Any],
             first differing operation of the first differing stage on both sides).
     """
     rank = dist.get_rank(group)
+    names = names if names is not None else RankNames(list(range(dist.get_world_size(group))))
     payload = {"config": dict(config), "kind": fingerprint.kind, "stages": fingerprint.stages,
                "cuts": fingerprint.cuts}
     gathered = collectives.all_gather_json(payload, group)
     for key in config:
         values = [g["config"].get(key) for g in gathered]
         if not _same(values):
-            raise ValueError(f"rank {rank}: ranks disagree on the pipeline configuration: {key} "
-                             f"is {_per_rank(values)}; every rank must build PipeDream with the "
-                             "same arguments and model")
+            raise ValueError(f"{names.of_global(rank)}: ranks disagree on the pipeline "
+                             f"configuration: {key} is {_per_rank(values, names)}; every rank "
+                             "must build PipeDream with the same arguments and model")
     stages = [g["stages"] for g in gathered]
     for j in range(len(stages[0])):
         digests = [s[j] for s in stages]
         if not _same(digests):
             other = next(r for r, d in enumerate(digests) if d != digests[0])
-            raise _stage_difference(group, fingerprint, j, other)
+            raise _stage_difference(group, fingerprint, j, other, names)
     if fingerprint.kind == "graph" and gathered[rank]["cuts"] != gathered[0]["cuts"]:
         moved = [k + 1 for k, (a, b) in enumerate(zip(gathered[rank]["cuts"], gathered[0]["cuts"]))
                  if a != b]
@@ -118,7 +125,7 @@ def agree_at_construction(group: dist.ProcessGroup, config: Mapping[str, Any],
 
 
 def _stage_difference(group: dist.ProcessGroup, fingerprint: StagesFingerprint, stage: int,
-                      other: int) -> ValueError:
+                      other: int, names: RankNames) -> ValueError:
     """The error naming where ``stage`` first differs between rank 0 and rank ``other``:
     every rank gathers every rank's entries of that stage (collective) and words it alike."""
     details = collectives.all_gather_json([e.to_json() for e in fingerprint.entries(stage)],
@@ -130,9 +137,10 @@ def _stage_difference(group: dist.ProcessGroup, fingerprint: StagesFingerprint, 
     here = f"`{ours.text}`" if ours else "nothing in its place"
     if theirs and ours and theirs.text == ours.text:
         here += " (written alike: they differ in a value, a buffer of that module)"
+    first, second = names.of_global(0), names.of_global(other)
     return ValueError(
-        f"rank {dist.get_rank(group)}: ranks {what}: stage {stage} differs between rank 0 and "
-        f"rank {other}: rank {other} has {there} where rank 0 has {here}; "
+        f"{names.of_global(dist.get_rank(group))}: ranks {what}: stage {stage} differs between "
+        f"{first} and {second}: {second} has {there} where {first} has {here}; "
         + (_GRAPH_ADVICE if fingerprint.kind == "graph" else _LAYERS_ADVICE))
 
 
@@ -156,19 +164,27 @@ class StepAgreement:
     """Checks, for the first calls, that every rank is in the same call with the same batch.
 
     Args:
-        group: the pipeline's group.
-        first_ranks: the ranks holding stage 0 (its replicas).
-        last_ranks: the ranks holding the last stage (its replicas).
+        group: the ranks that agree: the pipeline's group, or on a ``(pp, dp)`` mesh the
+            whole world (every pipeline: what one refuses, all raise; ``names``).
+        first_ranks: the ranks holding stage 0 (its replicas), in the pipeline's group.
+        last_ranks: the ranks holding the last stage (its replicas), likewise.
         check_steps: how many ``step()`` (and ``forward_only()``) calls are checked
             (0: none).
+        names: on a mesh, its pipelines and how messages name ranks (``group`` is then
+            the world); ``None``: ``group`` is the one pipeline.
     """
 
     def __init__(self, group: dist.ProcessGroup, first_ranks: Sequence[int],
-                 last_ranks: Sequence[int], check_steps: int) -> None:
+                 last_ranks: Sequence[int], check_steps: int,
+                 names: Optional[RankNames] = None) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.first_ranks, self.last_ranks = list(first_ranks), list(last_ranks)
         self.check_steps = check_steps
+        self.names = names if names is not None else \
+            RankNames(list(range(dist.get_world_size(group))))
+        #: Each pipeline's ranks in ``group`` (one pipeline without a mesh).
+        self.pipelines = self.names.pipelines or [list(range(dist.get_world_size(group)))]
         self.calls: Dict[str, int] = {"step": 0, "forward_only": 0}
 
     def check(self, call: str, inputs: Any, targets: Any,
@@ -186,20 +202,21 @@ class StepAgreement:
 
         Raises:
             ValueError: on every rank: ranks in different calls, an argument a rank
-                refused, or a first and a last stage given different batches (naming
-                the ranks, the fingerprints and the fix).
+                refused, a first and a last stage given different batches, or (on a
+                mesh) dp ranks given batches of different sizes (naming the ranks, the
+                fingerprints or sizes and the fix).
         """
         index = self.calls[call]
         self.calls[call] = index + 1
         if index >= self.check_steps or dist.get_world_size(self.group) == 1:
             return  # the call's own checks raise on this rank
+        me = self.names.of_global(self.rank)
         error = None
         if validate is not None:
             try:
                 validate()
             except ValueError as exc:
-                error = str(exc) if str(exc).startswith(f"rank {self.rank}") else \
-                    f"rank {self.rank}: {exc}"
+                error = str(exc) if str(exc).startswith(me) else f"{me}: {exc}"
         mine = {"call": f"{call}() number {index}", "error": error,
                 **batch_fingerprint(inputs, targets)}
         gathered = collectives.all_gather_json(mine, self.group)
@@ -209,22 +226,29 @@ class StepAgreement:
         calls = [g["call"] for g in gathered]
         if not _same(calls):
             raise ValueError(
-                f"rank {self.rank}: ranks are in different calls: {_per_rank(calls)}; every rank "
-                "must call step() and forward_only() the same number of times, in the same "
-                "order (a call on one rank only, or an extra one, leaves its peers waiting)")
+                f"{me}: ranks are in different calls: {_per_rank(calls, self.names)}; every "
+                "rank must call step() and forward_only() the same number of times, in the "
+                "same order (a call on one rank only, or an extra one, leaves its peers waiting)")
         if call == "step":
-            self._check_batch(gathered, index)
+            for pipeline in self.pipelines:
+                self._check_batch([gathered[r] for r in pipeline], pipeline, index)
+            if len(self.pipelines) > 1:
+                self._check_dp_rows(gathered, index)
 
-    def _check_batch(self, gathered: List[Dict[str, Any]], index: int) -> None:
+    def _check_batch(self, gathered: List[Dict[str, Any]], ranks: List[int], index: int) -> None:
+        """One pipeline's first and last stages were given one batch (``gathered``: its
+        ranks' entries, ``ranks``: their ranks in ``group``)."""
+        me = self.names.of_global(self.rank)
         for f in self.first_ranks:
             for l in self.last_ranks:
                 a, b = gathered[f], gathered[l]
+                first, last = self.names.of_global(ranks[f]), self.names.of_global(ranks[l])
                 rows_in = (a["inputs"] or {}).get("rows")
                 rows_out = (b["targets"] or {}).get("rows")
                 if rows_in is not None and rows_out is not None and rows_in != rows_out:
                     raise ValueError(
-                        f"rank {self.rank}: step() number {index}: stage 0 on rank {f} was given "
-                        f"inputs of {rows_in} rows but the last stage on rank {l} targets of "
+                        f"{me}: step() number {index}: stage 0 on {first} was given "
+                        f"inputs of {rows_in} rows but the last stage on {last} targets of "
                         f"{rows_out} rows; give every rank the same batch (inputs and targets "
                         "of one batch)")
                 if f == l:
@@ -233,12 +257,37 @@ class StepAgreement:
                     if a[kind] is not None and b[kind] is not None:
                         if a[kind]["digest"] != b[kind]["digest"]:
                             raise ValueError(
-                                f"rank {self.rank}: step() number {index}: stage 0 on rank {f} "
-                                f"and the last stage on rank {l} were given different batches "
-                                f"({kind} fingerprints {a[kind]['digest']} and "
-                                f"{b[kind]['digest']}): a pipeline needs the same batch on every "
-                                "rank (stage 0 uses its inputs, the last stage its targets). A "
-                                "DistributedSampler kept from a DDP script gives each rank other "
-                                "samples: use DistributedSampler(dataset, num_replicas=1, "
-                                "rank=0, seed=...) or the same sampler and seed on every rank")
+                                f"{me}: step() number {index}: stage 0 on {first} and the last "
+                                f"stage on {last} were given different batches ({kind} "
+                                f"fingerprints {a[kind]['digest']} and {b[kind]['digest']}): "
+                                "a pipeline needs the same batch on every rank (stage 0 uses "
+                                "its inputs, the last stage its targets). A DistributedSampler "
+                                f"kept from a DDP script gives each rank other samples: {self._sampler}")
                         break
+
+    @property
+    def _sampler(self) -> str:
+        if len(self.pipelines) == 1:
+            return ("use DistributedSampler(dataset, num_replicas=1, rank=0, seed=...) or the "
+                    "same sampler and seed on every rank")
+        return (f"on a mesh each pipeline is one data-parallel rank: use DistributedSampler("
+                f"dataset, num_replicas={len(self.pipelines)}, rank=mesh['dp'].get_local_rank(), "
+                "seed=...), the same seed on every rank")
+
+    def _check_dp_rows(self, gathered: List[Dict[str, Any]], index: int) -> None:
+        """Every pipeline (dp rank) of a mesh was given as many rows: each averages its
+        own batch and the dp ranks' means are averaged, which is the global batch's mean
+        only when the batches are equal."""
+        sizes = [(gathered[p[self.first_ranks[0]]]["inputs"] or {}).get("rows")
+                 for p in self.pipelines]
+        if None in sizes or len(set(sizes)) == 1:
+            return
+        each = ", ".join(f"dp {d} ({self.names.of_global(p[self.first_ranks[0]])}) {n} rows"
+                         for d, (p, n) in enumerate(zip(self.pipelines, sizes)))
+        raise ValueError(
+            f"{self.names.of_global(self.rank)}: step() number {index}: the data-parallel ranks "
+            f"were given batches of different sizes: {each}; each pipeline averages its own "
+            "rows and the dp ranks' means are averaged, which weights the rows of a smaller "
+            "batch more than the unsplit model on the global batch would: give every dp rank "
+            f"the same number of rows ({self._sampler}; its last batch is as large on every "
+            "rank)")

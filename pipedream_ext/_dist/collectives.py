@@ -18,10 +18,12 @@ from __future__ import annotations
 import datetime
 import json
 import time
-from typing import Any, Dict, List, Optional, Tuple, Type
+from typing import Any, Dict, List, Optional, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
+
+from .groups import RankNames
 
 __all__ = ["metadata_device", "all_reduce", "all_reduce_start", "all_reduce_bounded", "all_reduce_data",
            "broadcast_data", "broadcast_bytes", "gather_bytes", "all_gather_json", "measure_bandwidth", "barrier",
@@ -65,13 +67,17 @@ def all_reduce(values: List[float], group: dist.ProcessGroup, op: Any = dist.Red
     return t.cpu().tolist()
 
 
-def all_reduce_start(value: float, group: dist.ProcessGroup) -> Tuple[torch.Tensor, Any]:
-    """Starts summing one number over ``group`` (float64, on the metadata device).
+def all_reduce_start(value: Union[float, torch.Tensor],
+                     group: dist.ProcessGroup) -> Tuple[torch.Tensor, Any]:
+    """Starts summing one number (or a small vector) over ``group`` (float64, on the
+    metadata device).
 
     Returns:
         The tensor being reduced and the all-reduce's handle (``wait()`` before reading).
     """
-    t = torch.tensor([value], dtype=torch.float64, device=metadata_device(group))
+    device = metadata_device(group)
+    t = value.to(device, torch.float64).clone() if isinstance(value, torch.Tensor) else \
+        torch.tensor([value], dtype=torch.float64, device=device)
     return t, dist.all_reduce(t, group=group, async_op=True)
 
 
@@ -232,7 +238,7 @@ def failure_entry(error: Optional[BaseException],
 
 
 def _exchange(entry: Any, group: dist.ProcessGroup, timeout: float, what: str,
-              failure: Type[Exception]) -> List[Any]:
+              failure: Type[Exception], names: Optional[RankNames]) -> List[Any]:
     """Barrier (bounded by ``timeout``), then :func:`all_gather_json`; none on 1 rank."""
     if dist.get_world_size(group) == 1:
         return [json.loads(json.dumps(entry))]
@@ -240,13 +246,15 @@ def _exchange(entry: Any, group: dist.ProcessGroup, timeout: float, what: str,
         barrier(group, timeout)
         return all_gather_json(entry, group)
     except Exception as exc:  # a dead or stuck peer
-        raise failure(f"rank {dist.get_rank(group)}: {what}: waiting for the other ranks "
-                      f"failed: {type(exc).__name__}: {exc}") from exc
+        me = f"rank {dist.get_rank(group)}" if names is None else names.of_global(dist.get_rank())
+        raise failure(f"{me}: {what}: waiting for the other ranks failed: "
+                      f"{type(exc).__name__}: {exc}") from exc
 
 
 def gather_outcomes(error: Optional[BaseException], group: dist.ProcessGroup, timeout: float,
                     what: str, payload: Any = None,
-                    failure: Type[Exception] = RuntimeError) -> List[Any]:
+                    failure: Type[Exception] = RuntimeError,
+                    names: Optional[RankNames] = None) -> List[Any]:
     """Every rank reports whether its part of ``what`` failed, with a JSON payload;
     if any rank failed, every rank raises the same error.
 
@@ -263,6 +271,8 @@ def gather_outcomes(error: Optional[BaseException], group: dist.ProcessGroup, ti
         payload: this rank's JSON-serialisable contribution (sent even on failure).
         failure: the exception type raised for anything but bad input (e.g. the
             checkpoint's ``CheckpointError``).
+        names: how the message names ranks: by global rank with mesh coordinates
+            (``RankNames``); default: ``group``'s ranks as they are.
 
     Returns:
         Every rank's payload, in group rank order.
@@ -274,15 +284,17 @@ def gather_outcomes(error: Optional[BaseException], group: dist.ProcessGroup, ti
             once: ``"{what} failed on rank 1: ..."``.
     """
     entry = {"error": failure_entry(error, failure), "payload": payload}
-    gathered = _exchange(entry, group, timeout, what, failure)
+    gathered = _exchange(entry, group, timeout, what, failure, names)
     failed = [(rank, e["error"]) for rank, e in enumerate(gathered) if e["error"] is not None]
     if failed:
         messages: List[str] = []
         for _, e in failed:
             if e["message"] not in messages:
                 messages.append(e["message"])
-        text = (f"{what} failed on rank{'s' if len(failed) > 1 else ''} "
-                f"{', '.join(str(r) for r, _ in failed)}: " + "; ".join(messages))
+        ranks = [r for r, _ in failed]
+        where = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" \
+            if names is None else names.many([dist.get_global_rank(group, r) for r in ranks])
+        text = f"{what} failed on {where}: " + "; ".join(messages)
         if all(e["value"] for _, e in failed):
             raise ValueError(text) from error
         raise failure(text) from error
@@ -290,7 +302,7 @@ def gather_outcomes(error: Optional[BaseException], group: dist.ProcessGroup, ti
 
 
 def raise_if_any_failed(error: Optional[BaseException], group: dist.ProcessGroup, timeout: float,
-                        what: str) -> None:
+                        what: str, names: Optional[RankNames] = None) -> None:
     """Every rank reports whether its part of ``what`` failed; if any did, every rank raises.
 
     :func:`gather_outcomes` without payloads, raising ``RuntimeError`` for
@@ -301,13 +313,14 @@ def raise_if_any_failed(error: Optional[BaseException], group: dist.ProcessGroup
         group: the ranks that agree.
         timeout: seconds the barrier before the exchange may wait.
         what: the operation, for the message (``"load_state_dict"``).
+        names: how the message names ranks (:func:`gather_outcomes`).
 
     Raises:
         ValueError: every failed rank raised a ``ValueError`` (bad input).
         RuntimeError: any other failure, with the original type named; or a peer
             did not arrive.
     """
-    gather_outcomes(error, group, timeout, what)
+    gather_outcomes(error, group, timeout, what, names=names)
 
 
 def measure_bandwidth(group: dist.ProcessGroup, a: int, b: int, size: int = 4 << 20,

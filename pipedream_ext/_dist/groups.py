@@ -7,15 +7,18 @@ see ``_collectives``) and the groups a pipeline adds: one per replicated stage
 replica per stage), and a Gloo *side group* beside each group the executor
 sends on (its metadata and the payloads the data channel cannot size in
 advance: ``csrc/runtime/comm_engine.h``), plus which point-to-point protocol
-the executor speaks on a group.
+the executor speaks on a group; groups whose every collective is bounded by a
+pipeline's timeout (a mesh's pipelines, dp groups and world), and how messages
+name ranks (``RankNames``: global ranks, with ``(pp, dp)`` coordinates on a mesh).
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
 import os
+import re
 import weakref
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,7 +26,7 @@ import torch.distributed as dist
 from . import elastic
 
 __all__ = ["init_default_group", "default_backend", "PipelineGroups", "side_group",
-           "checkpoint_group", "p2p_protocol", "PROTOCOL_ENV"]
+           "checkpoint_group", "bounded_group", "RankNames", "p2p_protocol", "PROTOCOL_ENV"]
 
 # Forces the executor's point-to-point protocol ("fused" or "split"): for tests
 # and benchmarks; by default it follows the data backend (see p2p_protocol).
@@ -37,6 +40,10 @@ _SIDE_TIMEOUT = datetime.timedelta(days=7)
 _SIDE_GROUPS: Dict[tuple, tuple] = {}
 # Checkpoint groups by their ranks, with the default group they were made under.
 _CHECKPOINT_GROUPS: Dict[tuple, tuple] = {}
+# Groups with a pipeline's timeout (a mesh's dp groups) by (ranks, seconds), likewise.
+_BOUNDED_GROUPS: Dict[tuple, tuple] = {}
+# "rank N" in a message where N is not yet followed by mesh coordinates.
+_BARE_RANK = re.compile(r"\brank (\d+)\b(?! \(pp )")
 
 
 def default_backend(device: torch.device) -> str:
@@ -138,6 +145,81 @@ def checkpoint_group(ranks: List[int], timeout: float) -> dist.ProcessGroup:
     new = dist.new_group(list(ranks), backend="gloo", timeout=datetime.timedelta(seconds=timeout))
     _CHECKPOINT_GROUPS[key] = (weakref.ref(dist.group.WORLD), new)
     return new
+
+
+def bounded_group(ranks: Sequence[int], timeout: float) -> dist.ProcessGroup:
+    """A group over the global ``ranks`` (the default group's backends) whose every
+    collective waits at most ``timeout`` seconds for a peer.
+
+    A ``DeviceMesh``'s groups carry the process group's default timeout (30 minutes
+    on Gloo), which no argument of ``init_device_mesh`` changes; FSDP's and the
+    replicas' collectives over a mesh's ``dp`` dimension run on this group instead,
+    so a stuck dp peer fails them within the pipeline's timeout. Collective over the
+    default group, in order, like ``new_group``; groups over the same ranks and
+    timeout are shared while the default group lives.
+
+    Args:
+        ranks: global ranks, ascending (a process group's order).
+        timeout: seconds.
+
+    Returns:
+        The group (``GroupMember.NON_GROUP_MEMBER`` on other ranks).
+    """
+    key = (tuple(ranks), float(timeout))
+    cached = _BOUNDED_GROUPS.get(key)
+    if cached is not None and cached[0]() is dist.group.WORLD:
+        return cached[1]
+    new = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout))
+    _BOUNDED_GROUPS[key] = (weakref.ref(dist.group.WORLD), new)
+    return new
+
+
+@dataclasses.dataclass(frozen=True)
+class RankNames:
+    """How messages name ranks: by global rank, with ``(pp, dp)`` coordinates on a mesh.
+
+    A pipeline's own numbers are its group's ranks (the executor's, the schedule's);
+    on a mesh each pipeline is one group of several, so its messages translate them
+    to global ranks: ``rank 3 (pp 1, dp 1)``, where ``pp`` is the rank's position in
+    its pipeline (``mesh["pp"].get_local_rank()``) and ``dp`` the pipeline's
+    (``mesh["dp"].get_local_rank()``). Without a mesh the pipeline's ranks are used
+    as they are.
+
+    Attributes:
+        group_ranks: the global rank of each rank of this pipeline's group.
+        pipelines: on a mesh, the global ranks of every pipeline (dp order), each in
+            its group's order; ``None`` without one.
+    """
+
+    group_ranks: List[int]
+    pipelines: Optional[List[List[int]]] = None
+
+    def of_global(self, rank: int) -> str:
+        """``"rank 3 (pp 1, dp 1)"`` on a mesh, else ``"rank 3"``."""
+        for dp, ranks in enumerate(self.pipelines or ()):
+            if rank in ranks:
+                return f"rank {rank} (pp {ranks.index(rank)}, dp {dp})"
+        return f"rank {rank}"
+
+    def of_group(self, rank: int) -> str:
+        """The name of the pipeline group's rank ``rank``."""
+        if self.pipelines is None:
+            return f"rank {rank}"
+        return self.of_global(self.group_ranks[rank])
+
+    def many(self, ranks: Sequence[int]) -> str:
+        """``"ranks 1 (pp 0, dp 1), 3 (pp 1, dp 1)"`` (global ranks), or ``"rank 2 ..."``."""
+        names = [self.of_global(r)[len("rank "):] for r in ranks]
+        return f"rank{'s' if len(names) > 1 else ''} {', '.join(names)}"
+
+    def translate(self, text: str) -> str:
+        """``text`` with every bare ``rank N`` (a pipeline group's rank, as the executor
+        words it) named as :meth:`of_group` does; names already with coordinates stay."""
+        if self.pipelines is None:
+            return text
+        size = len(self.group_ranks)
+        return _BARE_RANK.sub(lambda m: self.of_group(int(m.group(1)))
+                              if int(m.group(1)) < size else m.group(0), text)
 
 
 @dataclasses.dataclass

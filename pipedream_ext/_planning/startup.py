@@ -133,8 +133,9 @@ def auto_plan(module: nn.Module, loss_fn: Callable[..., torch.Tensor],
 
     Raises:
         ValueError: no sample, bandwidths that do not match the levels, a
-            ``data_parallel`` that does not divide the world, or what profiling or
-            planning raised on rank 0.
+            ``data_parallel`` that does not divide the world, an ``nn.Sequential`` with
+            fewer layers than a mesh's pipeline stages, or what profiling or planning
+            raised on rank 0.
     """
     if sample is None:
         raise ValueError('balance="auto" profiles the model: pass sample=(inputs, targets) '
@@ -142,6 +143,13 @@ def auto_plan(module: nn.Module, loss_fn: Callable[..., torch.Tensor],
     world_size = dist.get_world_size(group)
     workers = cluster_shape(world_size) if data_parallel is None else \
         mesh_shape(world_size, data_parallel)
+    if data_parallel is not None and profile_fn is None and isinstance(module, nn.Sequential) \
+            and len(module) < world_size // data_parallel:
+        stages = world_size // data_parallel
+        raise ValueError(f"balance='auto' on a mesh with {stages} pipeline stages (mesh['pp']) "
+                         f"needs at least one layer per stage, but the model has {len(module)} "
+                         f"layers; use a mesh with at most {len(module)} pp ranks (and more dp "
+                         "ranks), or split the model into more layers")
     bandwidths = _bandwidths(group, workers, bandwidth, data_parallel)
     payload = None
     error: Optional[BaseException] = None

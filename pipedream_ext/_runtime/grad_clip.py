@@ -172,13 +172,17 @@ class GradientClipper:
         count_plain: whether this rank counts its plain (not ``DTensor``) gradients at
             all: ``False`` on a mesh's dp ranks other than 0, which hold the same
             gradients as dp rank 0 (``group`` is then the whole world).
+        name: how messages name this rank (default ``"rank {rank}"``; on a mesh its
+            global rank and coordinates).
     """
 
     def __init__(self, stages: LocalStages, stage_ranks: Sequence[Sequence[int]], rank: int,
                  group: dist.ProcessGroup, device: torch.device, timeout: float,
-                 counted_elsewhere: Sequence[nn.Parameter] = (), count_plain: bool = True) -> None:
+                 counted_elsewhere: Sequence[nn.Parameter] = (), count_plain: bool = True,
+                 name: Optional[str] = None) -> None:
         self.module, self.group, self.device, self.timeout = stages.module, group, device, timeout
         self.rank = rank
+        self.name = name if name is not None else f"rank {rank}"
         skip = {id(p) for p in counted_elsewhere}
         self._counted = {id(p) for j in stages if stage_ranks[j][0] == rank and count_plain
                          for p in stages.parameters_of(j) if id(p) not in skip}
@@ -258,7 +262,7 @@ class GradientClipper:
                 values, self.group, dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM,
                 self.timeout)
         except RuntimeError as exc:
-            raise RuntimeError(f"rank {self.rank}: the all-reduce of the gradient norm failed or "
+            raise RuntimeError(f"{self.name}: the all-reduce of the gradient norm failed or "
                                f"timed out: {exc}") from exc
         dtypes = [d for d, flag in zip(_DTYPES, reduced[2:].tolist()) if flag > 0]
         dtype = torch.get_default_dtype()

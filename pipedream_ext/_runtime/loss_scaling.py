@@ -6,7 +6,7 @@ the step on every rank. The stage function scales the last stage's loss with it.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Union
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,7 @@ __all__ = ["attach_grad_scaler"]
 
 def attach_grad_scaler(config: PipelineConfig, stage_fn: StageFunction,
                        parameters: Iterable[torch.Tensor], group: dist.ProcessGroup,
-                       device: torch.device, rank: int, **kwargs: Any) -> Any:
+                       device: torch.device, rank: Union[int, str], **kwargs: Any) -> Any:
     """Makes the pipeline's loss scaler and hands it to the stage function.
 
     Args:
@@ -28,7 +28,7 @@ def attach_grad_scaler(config: PipelineConfig, stage_fn: StageFunction,
         parameters: this rank's parameters.
         group: the pipeline's group.
         device: this rank's device.
-        rank: this rank, for messages.
+        rank: this rank, for messages (or its name: ``"rank 3 (pp 1, dp 1)"``).
         **kwargs: passed on to ``ShardedGradScaler`` (``init_scale``, ...).
 
     Returns:
@@ -45,7 +45,8 @@ def attach_grad_scaler(config: PipelineConfig, stage_fn: StageFunction,
         raise ValueError(f"schedule {config.schedule!r} updates inside the pipeline; loss "
                          "scaling needs a flush schedule (or use autocast=torch.bfloat16)")
     if not any(True for _ in parameters):
-        raise ValueError(f"rank {rank}'s stages have no parameters, so it cannot step a "
+        name = rank if isinstance(rank, str) else f"rank {rank}"
+        raise ValueError(f"{name}'s stages have no parameters, so it cannot step a "
                          "scaler; give every stage parameters (balance=...)")
     scaler = ShardedGradScaler(device=device.type, process_group=group, **kwargs)
     # The scale is created lazily by scale(), which only the last stage calls;

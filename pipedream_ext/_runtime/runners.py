@@ -30,17 +30,19 @@ import torch.distributed as dist
 
 from .. import _C, schedules
 from .._dist import collectives, faults
-from .._dist.groups import PipelineGroups, p2p_protocol
+from .._dist.groups import PipelineGroups, RankNames, p2p_protocol
 from . import optimizer_check
 from .config import PipelineConfig
 from .grad_clip import GradientClipper, check_max_norm, check_norm_type
 from .local_stages import LocalStages
+from .mesh_steps import MeshSteps, StepMismatch
 from .observe import Observer
 from .sharding import DataParallel
 from .stage_call import (
     NonFiniteError,
     StageFunction,
     Tensors,
+    as_tuple,
     check_batch,
     split_microbatches,
 )
@@ -123,10 +125,18 @@ class Runner:
         self.data_parallel = data_parallel
         # The batch loss (and the end-of-step checks) over every pipeline of a mesh:
         # the dp ranks' losses, divided to the global batch's mean.
-        self.step_group = groups.group if data_parallel is None else dist.group.WORLD
+        self.step_group = groups.group if data_parallel is None else data_parallel.plan.world_group
         self.loss_divisor = 1 if data_parallel is None else data_parallel.loss_divisor
+        #: How messages name ranks: on a mesh global ranks with their coordinates.
+        self.names = RankNames(list(range(groups.world_size))) if data_parallel is None \
+            else data_parallel.plan.names
+        self._mesh_names = None if data_parallel is None else self.names
+        #: On a mesh: every step's ranks and batch sizes checked through the loss all-reduce.
+        self.mesh_steps = None if data_parallel is None else MeshSteps(self.names, dist.get_rank())
         self.num_stages = schedule.num_stages
         self.steps_run = 0  # steps run (flush) or admitted (asynchronous), for messages
+        #: ``step()`` calls made, those that raised included (``PipeDream.step`` counts).
+        self.step_calls = 0
         #: A traced model's named inputs, in the order the runner gets them (for messages).
         self.input_names: Optional[List[str]] = None
         # With a mesh the norm covers every pipeline: the whole world, plain (replicated)
@@ -135,7 +145,8 @@ class Runner:
             stages, [schedule.stage_ranks(j) for j in range(self.num_stages)], groups.rank,
             self.step_group, device, config.timeout,
             shared_gradients.counted_elsewhere() if shared_gradients is not None else (),
-            count_plain=data_parallel is None or data_parallel.plan.dp_rank == 0)
+            count_plain=data_parallel is None or data_parallel.plan.dp_rank == 0,
+            name=self.names.of_group(groups.rank))
         # The clipper, not the runner: the executor holding the callback must not hold the runner.
         self._update = _OptimizerStep(None if config.clip_grad_norm is None else
                                       functools.partial(self.clipper.clip, *config.clip_grad_norm))
@@ -199,15 +210,42 @@ class Runner:
             self._require(targets, self.is_last, "targets")
             if targets is not None and self.is_last:
                 check_batch(targets, per_call, "targets")
+            self._check_dp_batch(inputs, targets)
+
+    def _check_dp_batch(self, inputs: Any, targets: Any) -> None:
+        """On a mesh: this rank's inputs and targets split into equal microbatches."""
+        if self.data_parallel is None:
+            return
+        if self.is_first:
+            self.data_parallel.check_batch(inputs, self.config.microbatches, "inputs")
+        if self.is_last:
+            self.data_parallel.check_batch(targets, self.config.microbatches, "targets")
+
+    def _run_executor(self, run: Callable[[], Any]) -> Any:
+        """``run()`` (an executor call), its error naming ranks as :attr:`names` does: on a
+        mesh the executor's numbers (its pipeline group's) become global ranks, and an
+        error from the stages' Python (FSDP's collectives: Gloo names no rank) says which
+        rank it is."""
+        try:
+            return run()
+        except Exception as exc:
+            if self.data_parallel is not None and exc.args and isinstance(exc.args[0], str):
+                me = self.names.of_group(self.groups.rank)
+                text = self.names.translate(exc.args[0])
+                exc.args = (text if text.startswith(me) else f"{me}: {text}",) + tuple(exc.args[1:])
+            raise
 
     def _require(self, value: Any, needed: bool, what: str, call: str = "step()") -> None:
         if needed and value is None:
             where = "stage 0" if what == "inputs" else "the last stage"
-            raise ValueError(f"rank {self.groups.rank} holds {where}: {call} needs the {what}")
+            raise ValueError(f"{self.names.of_group(self.groups.rank)} holds {where}: {call} "
+                             f"needs the {what}")
 
-    def _loss_in_background(self, value: float, group: dist.ProcessGroup,
-                            describe: Callable[[], str]) -> StepLoss:
-        """Starts summing ``value`` over ``group``; the StepLoss waits when read.
+    def _loss_in_background(self, value: Union[float, torch.Tensor], group: dist.ProcessGroup,
+                            describe: Callable[[], str],
+                            check: Optional[Callable[[torch.Tensor], None]] = None) -> StepLoss:
+        """Starts summing ``value`` (the loss, or a vector starting with it) over ``group``;
+        the StepLoss waits when read (and calls ``check`` on the sum).
 
         Raises:
             RuntimeError: the all-reduce could not start (``describe()`` says which).
@@ -216,7 +254,7 @@ class Runner:
             total, work = collectives.all_reduce_start(value, group)
         except RuntimeError as exc:
             raise RuntimeError(f"{describe()} failed: {exc}") from exc
-        return StepLoss(total, work, self.config.timeout, describe)
+        return StepLoss(total, work, self.config.timeout, describe, check)
 
     def _finish_step(self) -> None:
         self.steps_run += 1
@@ -260,7 +298,7 @@ class Runner:
                 if self.is_first else []
             self.stage_fn.evaluating = True
             try:
-                outputs = executor.run_forward([list(c) for c in chunks])
+                outputs = self._run_executor(lambda: executor.run_forward([list(c) for c in chunks]))
             finally:
                 self.stage_fn.evaluating = False
             if self.is_last:
@@ -278,7 +316,8 @@ class Runner:
         failed = collectives.all_reduce([1.0 if error is not None else 0.0],
                                          self.groups.group)[0]
         if failed:
-            collectives.raise_if_any_failed(error, self.groups.group, self.config.timeout, what)
+            collectives.raise_if_any_failed(error, self.groups.group, self.config.timeout, what,
+                                            self._mesh_names)
 
     # -- the family's contract -------------------------------------------------------------
     def clip_grad_norm(self, max_norm: Any, norm_type: Any, error_if_nonfinite: bool,
@@ -325,13 +364,12 @@ class FlushRunner(Runner):
             raise ValueError(f"schedule {self.config.schedule!r} flushes every step: call "
                              "optimizer.step() yourself after pipe.step(x, y)")
         m = self.config.microbatches
+        if self.mesh_steps is not None:  # the step before the last was in step everywhere
+            self.mesh_steps.check_before_step()
         self._require(inputs, self.is_first, "inputs")
         self._require(targets, self.is_last, "targets")
         if self.data_parallel is not None:
-            if self.is_first:
-                self.data_parallel.check_batch(inputs, m, "inputs")
-            if self.is_last:
-                self.data_parallel.check_batch(targets, m, "targets")
+            self._check_dp_batch(inputs, targets)
             self.data_parallel.before_step()
         chunks = self._split(inputs, "inputs", m) if self.is_first else []
         if self.is_last:
@@ -341,55 +379,86 @@ class FlushRunner(Runner):
         self.stage_fn.deferred_error = None
         scaler = self.stage_fn.grad_scaler
         loss_scale = float(scaler.get_scale()) if scaler is not None else 1.0
-        losses = self.executor.run([list(c) for c in chunks])
+        losses = self._run_executor(lambda: self.executor.run([list(c) for c in chunks]))
         if self.data_parallel is not None:
             # Every stage's last backward ran: gradients synchronised over dp once.
-            self.data_parallel.after_step()
+            try:
+                self.data_parallel.after_step()
+            except RuntimeError as exc:  # Gloo names an address: say which ranks and step
+                plan = self.data_parallel.plan
+                raise RuntimeError(
+                    f"{self.names.of_group(self.groups.rank)}: the gradient synchronisation over "
+                    f"mesh['dp'] ({plan.data_parallel}, with "
+                    f"{self.names.many([p[self.groups.rank] for p in plan.pipelines])}) in step "
+                    f"{self.steps_run} failed or timed out: {exc}") from exc
         if self.shared_gradients:
             # After the replicas' all-reduce inside run(), before the user's opt.step().
             try:
                 self.shared_gradients.reduce()
             except RuntimeError as exc:
-                raise RuntimeError(f"rank {self.groups.rank}: the gradient all-reduce of shared "
+                raise RuntimeError(f"{self.names.of_group(self.groups.rank)}: the gradient "
+                                   "all-reduce of shared "
                                    f"parameters in step {self.steps_run} failed or timed out: "
                                    f"{exc}") from exc
         self._finish_step()
         # Each last-stage replica holds the scaled losses of its microbatches. The sum
         # over ranks finishes in the background; reading the loss waits for it.
         local = sum(float(l) for l in losses if l is not None) / loss_scale if self.is_last else 0.0
-        return self._batch_loss(local / self.loss_divisor)
+        rows = int(as_tuple(inputs)[0].shape[0]) if self.is_first else None
+        return self._batch_loss(local / self.loss_divisor, rows)
 
-    def _batch_loss(self, local: float) -> Union[StepLoss, float]:
+    def _batch_loss(self, local: float, rows: Optional[int] = None) -> Union[StepLoss, float]:
         """The batch's mean loss on every rank: ``local`` summed over the group.
 
         The first ``check_agreement`` steps (and every step with ``check_finite``) wait
         for the all-reduce, which also carries a bad loss found on one rank (raised on
         every rank before anybody's optimizer steps). Later steps only start it: a
         :class:`StepLoss` waits when read; a bad loss then raises on its rank alone and
-        its peers fail naming that rank when they next need it.
+        its peers fail naming that rank when they next need it. On a mesh the all-reduce
+        also carries every rank's call and every dp rank's ``rows`` (``mesh_steps``).
+
+        Args:
+            local: this rank's share of the loss.
+            rows: the batch's rows on stage 0's rank, else ``None``.
         """
-        rank, step = self.groups.rank, self.steps_run - 1
-        describe = lambda: f"rank {rank}: the all-reduce of the batch loss after step {step}"  # noqa: E731
+        rank, step = self.names.of_group(self.groups.rank), self.steps_run - 1
+        describe = lambda: f"{rank}: the all-reduce of the batch loss after step {step}"  # noqa: E731
         deferred = self.stage_fn.deferred_error
+        steps = self.mesh_steps
         if step < self.config.check_agreement or self.config.check_finite:
+            values = torch.tensor([local, 1.0 if deferred else 0.0], dtype=torch.float64) \
+                if steps is None else steps.values(local, deferred is not None,
+                                                   self.step_calls - 1, rows)
             try:
-                loss, failed = collectives.all_reduce([local, 1.0 if deferred else 0.0],
-                                                       self.step_group)
+                total = collectives.all_reduce_bounded(values, self.step_group, dist.ReduceOp.SUM,
+                                                       self.config.timeout)
             except RuntimeError as exc:  # Gloo names an address; say which rank and step
                 raise RuntimeError(f"{describe()} failed or timed out: {exc}") from exc
-            if failed:
-                for t in self.stages.module.parameters():  # the zero loss's gradients: not the model's
-                    t.grad = None
+            if steps is not None:
+                try:
+                    steps.check(total)
+                except StepMismatch:
+                    self._drop_gradients()
+                    raise
+            if total[1] > 0:
+                self._drop_gradients()  # the zero loss's gradients: not the model's
                 collectives.raise_if_any_failed(deferred, self.step_group, self.config.timeout,
-                                                 f"step() number {step}")
+                                                 f"step() number {step}", self._mesh_names)
             if self.config.check_finite and self._check_finite_step():
                 return float("nan")
-            return StepLoss.of(loss)
+            return StepLoss.of(float(total[0]))
         if deferred is not None:
-            for t in self.stages.module.parameters():
-                t.grad = None
+            self._drop_gradients()
             raise deferred
-        return self._loss_in_background(local, self.step_group, describe)
+        if steps is None:
+            return self._loss_in_background(local, self.step_group, describe)
+        values = steps.values(local, False, self.step_calls - 1, rows)
+        return steps.track(self._loss_in_background(values, self.step_group, describe, steps.check))
+
+    def _drop_gradients(self) -> None:
+        """Sets every local gradient to ``None`` (a step whose gradients are not the model's)."""
+        for t in self.stages.module.parameters():
+            t.grad = None
 
     def flush(self) -> None:
         """Nothing to drain: every step ends flushed."""

@@ -38,12 +38,12 @@ import torch.distributed as dist
 from torch import nn
 
 from .._dist import collectives
-from .._dist.groups import checkpoint_group, side_group
+from .._dist.groups import RankNames, bounded_group, checkpoint_group, side_group
 from .config import PipelineConfig
 from .local_stages import LocalStages
 from .stage_call import as_tuple
 
-__all__ = ["DATA_PARALLEL", "MeshPlan", "resolve_mesh", "check_schedule", "DataParallel",
+__all__ = ["DATA_PARALLEL", "MeshPlan", "mesh_pipelines", "resolve_mesh", "check_schedule", "DataParallel",
            "FsdpStages", "ReplicatedStages", "keep_unsharded_after", "make_data_parallel",
            "refuse_split_ties", "graph_units"]
 
@@ -51,16 +51,31 @@ __all__ = ["DATA_PARALLEL", "MeshPlan", "resolve_mesh", "check_schedule", "DataP
 DATA_PARALLEL = ("fsdp", "replicate")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class MeshPlan:
     """What a ``("pp", "dp")`` mesh means for this rank.
+
+    torch numbers the ranks of each mesh dimension by its process group, in ascending
+    global rank (``mesh["pp"].get_local_rank()``), whatever their order in the mesh
+    tensor; so does the pipeline: stage ``j`` runs on the ranks whose pp rank is ``j``.
+    :func:`resolve_mesh` accepts a mesh whose rows and columns keep together under
+    that numbering (any ascending mesh, or one with its rows or columns permuted).
 
     Attributes:
         mesh: the 2-D mesh.
         data_parallel: ``"fsdp"`` or ``"replicate"``.
         reshard_after_forward: FSDP's ``reshard_after_forward``.
         mp_policy: FSDP's ``MixedPrecisionPolicy``, or ``None``.
-        pipelines: the global ranks of every pipeline (the pp group of each dp index).
+        pipelines: the global ranks of every pipeline (the pp group of each dp rank),
+            each in pp rank order (ascending).
+        pp_group: this rank's pipeline's group (the ranks of ``mesh["pp"]``), bounded by
+            the pipeline's timeout (:meth:`create_groups`), for the executor and every
+            exchange within the pipeline.
+        dp_mesh: the 1-D mesh over this rank's dp group that FSDP and the replicas use,
+            on a group bounded by the pipeline's timeout (:meth:`create_groups`).
+        world_group: a group over every rank bounded by the pipeline's timeout, for
+            what every pipeline does together each step (the batch loss, the first
+            steps' agreement, clipping, the finite checks).
     """
 
     mesh: Any
@@ -68,23 +83,28 @@ class MeshPlan:
     reshard_after_forward: bool
     mp_policy: Any
     pipelines: List[List[int]]
-
-    @property
-    def pp_group(self) -> dist.ProcessGroup:
-        return self.mesh["pp"].get_group()
+    pp_group: Any = None
+    dp_mesh: Any = None
+    world_group: Any = None
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
-        return self.mesh["dp"].get_group()
+        """The dp group with the pipeline's timeout (after :meth:`create_groups`)."""
+        return self.dp_mesh.get_group()
 
     @property
     def dp_rank(self) -> int:
-        """This rank's coordinate on ``dp``."""
-        return int(self.mesh["dp"].get_local_rank())
+        """This rank's dp rank (``mesh["dp"].get_local_rank()``)."""
+        return next(d for d, ranks in enumerate(self.pipelines) if dist.get_rank() in ranks)
 
     @property
     def dp_size(self) -> int:
         return int(self.mesh.shape[1])
+
+    @property
+    def names(self) -> RankNames:
+        """How messages name this pipeline's ranks: global, with mesh coordinates."""
+        return RankNames(self.pipelines[self.dp_rank], self.pipelines)
 
     def describe(self) -> Dict[str, Any]:
         """The mesh's shape and the data-parallel settings, for the construction agreement."""
@@ -93,20 +113,36 @@ class MeshPlan:
                 "reshard_after_forward": self.reshard_after_forward,
                 "mp_policy": repr(self.mp_policy)}
 
-    def create_side_groups(self, timeout: float) -> None:
-        """Every pipeline's Gloo side group and checkpoint group, created on every rank
-        in one order.
+    def create_groups(self, timeout: float) -> None:
+        """Every pipeline's Gloo side group and checkpoint group, and every pipeline
+        (``pp_group``), every dp group (``dp_mesh``) and the world (``world_group``) with
+        the pipeline's timeout, created on every rank in one order.
 
         ``new_group`` is collective over the default group: each pipeline creating only
-        its own would pair different groups on different ranks.
+        its own would pair different groups on different ranks. A ``DeviceMesh``'s own
+        groups wait the process group's default timeout (30 minutes on Gloo), which
+        ``init_device_mesh`` does not let one change.
 
         Args:
-            timeout: seconds, for the checkpoint groups' operations.
+            timeout: seconds, for the checkpoint, pipeline, dp and world groups' operations.
         """
+        me = dist.get_rank()
         for ranks in self.pipelines:
             side_group(ranks)
             checkpoint_group(ranks, timeout)
+            group = bounded_group(ranks, timeout)
+            if me in ranks:
+                self.pp_group = group
         checkpoint_group(self.world_ranks, timeout)
+        self.world_group = bounded_group(self.world_ranks, timeout)
+        from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 - as fully_shard
+
+        for pp in range(len(self.pipelines[0])):
+            row = [ranks[pp] for ranks in self.pipelines]
+            group = bounded_group(row, timeout)
+            if me in row:
+                self.dp_mesh = DeviceMesh.from_group(group, self.mesh.device_type, mesh=row,
+                                                     mesh_dim_names=("dp",))
 
     @property
     def world_ranks(self) -> List[int]:
@@ -134,6 +170,44 @@ class MeshPlan:
                 "checkpoint_group": checkpoint_group(self.world_ranks, timeout)}
 
 
+def mesh_pipelines(layout: Sequence[Sequence[int]]) -> List[List[int]]:
+    """The pipelines of a ``(pp, dp)`` mesh tensor as torch's process groups number them.
+
+    Each pipeline (a column) in ascending rank order, the pipelines in the order of the
+    ranks of a dp group (a row, ascending).
+
+    Args:
+        layout: the mesh tensor as nested lists (``mesh.mesh.tolist()``).
+
+    Returns:
+        ``pipelines[dp][pp]``: the global rank with those local ranks.
+
+    Raises:
+        ValueError: a dp group whose ranks sit at different positions of their
+            pipelines (or a pipeline whose ranks sit at different positions of their dp
+            groups): no stage order makes each dp group hold copies of one stage.
+    """
+    columns = [sorted(row[d] for row in layout) for d in range(len(layout[0]))]
+    rows = [sorted(row) for row in layout]
+    pp_of = {r: col.index(r) for col in columns for r in col}
+    dp_of = {r: row.index(r) for row in rows for r in row}
+    for what, groups, of, other in (("dp", rows, pp_of, "pp"), ("pp", columns, dp_of, "dp")):
+        for ranks in groups:
+            if len({of[r] for r in ranks}) > 1:
+                where = ", ".join(f"rank {r} is {other} rank {of[r]}" for r in ranks)
+                raise ValueError(
+                    f"mesh {[list(row) for row in layout]} cannot run a pipeline: torch numbers "
+                    "each mesh dimension's ranks by its process group, in ascending order "
+                    f"(mesh[{other!r}].get_local_rank()), and in the {what} group {ranks} {where}, "
+                    f"so its ranks would not hold the same {'stage' if what == 'dp' else 'copy'}; "
+                    "order the mesh so that sorting each row and each column keeps them "
+                    "together, e.g. torch.arange(world).reshape(pp, dp)")
+    pipelines = [[0] * len(columns[0]) for _ in rows[0]]
+    for r, pp in pp_of.items():
+        pipelines[dp_of[r]][pp] = r
+    return pipelines
+
+
 def resolve_mesh(mesh: Any, data_parallel: str, process_group: Optional[dist.ProcessGroup],
                  replicas: Optional[Sequence[int]], reshard_after_forward: bool,
                  mp_policy: Any) -> Optional[MeshPlan]:
@@ -144,8 +218,9 @@ def resolve_mesh(mesh: Any, data_parallel: str, process_group: Optional[dist.Pro
 
     Raises:
         ValueError: a bad ``data_parallel``; ``mp_policy`` or ``reshard_after_forward``
-            without a mesh; a mesh that is not 2-D ``("pp", "dp")`` over every rank;
-            ``replicas`` or ``process_group`` together with a mesh.
+            without a mesh; a mesh that is not 2-D ``("pp", "dp")`` over every rank, or
+            whose rank order gives no stage order (:func:`mesh_pipelines`); ``replicas``
+            or ``process_group`` together with a mesh.
     """
     if data_parallel not in DATA_PARALLEL:
         raise ValueError(f"data_parallel={data_parallel!r}; use 'fsdp' (FSDP2 over mesh['dp']) "
@@ -169,7 +244,7 @@ def resolve_mesh(mesh: Any, data_parallel: str, process_group: Optional[dist.Pro
     if process_group is not None:
         raise ValueError("process_group= and mesh= both name the pipeline's ranks; drop "
                          "process_group (the pipeline runs on mesh['pp'])")
-    pipelines = [[int(r) for r in mesh.mesh[:, d].tolist()] for d in range(mesh.shape[1])]
+    pipelines = mesh_pipelines([[int(r) for r in row] for row in mesh.mesh.tolist()])
     return MeshPlan(mesh, data_parallel, bool(reshard_after_forward), mp_policy, pipelines)
 
 
@@ -219,8 +294,9 @@ def refuse_split_ties(plan: Optional[MeshPlan],
             if len(units) > 1:
                 raise ValueError(
                     f"parameter {' = '.join(names)} is used by {' and '.join(units)}, which "
-                    f"data_parallel='fsdp' would shard as separate units on rank {rank} of "
-                    "mesh['pp'], untying the copies; use data_parallel='replicate', or put "
+                    "data_parallel='fsdp' would shard as separate units on "
+                    f"{plan.names.many([ranks[rank] for ranks in plan.pipelines])}, untying "
+                    "the copies; use data_parallel='replicate', or put "
                     "its uses on different pipeline ranks with balance=[...] (a tie across "
                     "ranks is supported), or untie it")
 
@@ -329,7 +405,7 @@ class FsdpStages(DataParallel):
         # its import cost) is only paid by pipelines that shard.
         from torch.distributed.fsdp import fully_shard  # noqa: PLC0415 - optional, see above
 
-        kwargs: Dict[str, Any] = {"mesh": self.plan.mesh["dp"],
+        kwargs: Dict[str, Any] = {"mesh": self.plan.dp_mesh,
                                   "reshard_after_forward": self.plan.reshard_after_forward}
         if self.plan.mp_policy is not None:
             kwargs["mp_policy"] = self.plan.mp_policy

@@ -147,12 +147,14 @@ class StageFunction:
             not update running statistics a second time (see :meth:`_run_again`).
         loss_reduction: ``"mean"`` or ``"sum"``: how ``loss_fn`` reduces over a batch
             (checked on the first microbatch, :meth:`_check_reduction`).
+        rank_name: how messages name this rank (default ``"rank {rank}"``).
     """
 
     def __init__(self, stages: LocalStages, loss_fn: Callable[..., torch.Tensor],
                  num_stages: int, device: torch.device, autocast: Optional[torch.dtype],
                  check_finite: Optional[str], raise_at_once: bool, rank: int,
-                 recompute: bool = False, loss_reduction: str = "mean") -> None:
+                 recompute: bool = False, loss_reduction: str = "mean",
+                 rank_name: Optional[str] = None) -> None:
         self.stages = stages
         self.loss_fn = loss_fn
         self.num_stages = num_stages
@@ -161,6 +163,8 @@ class StageFunction:
         self.check_finite = check_finite
         self.raise_at_once = raise_at_once
         self.rank = rank
+        #: How messages name this rank (on a mesh: its global rank and coordinates).
+        self.rank_name = rank_name if rank_name is not None else f"rank {rank}"
         self.recompute = recompute
         self.loss_reduction = loss_reduction
         self.targets = Targets(loss_reduction)
@@ -208,7 +212,7 @@ class StageFunction:
             self.nonfinite_forward = stage
         if self.raise_at_once:
             raise NonFiniteError(
-                f"rank {self.rank}: step {self.step_index}: the "
+                f"{self.rank_name}: step {self.step_index}: the "
                 f"{'loss' if stage == self.num_stages - 1 else 'forward output'} of stage "
                 f"{stage} (layers {self.stages.partition.layer_range(stage)}), microbatch "
                 f"{microbatch}, holds NaN or inf")
@@ -243,7 +247,7 @@ class StageFunction:
                 if not isinstance(out, (tuple, list)) else \
                 f"a {type(out).__name__} holding a {type(bad).__name__}"
             raise ValueError(
-                f"rank {self.rank}: stage {stage} (layers {self.stages.partition.layer_range(stage)})"
+                f"{self.rank_name}: stage {stage} (layers {self.stages.partition.layer_range(stage)})"
                 f" returned {kind}; a stage before the last must return a tensor or a tuple of "
                 "tensors (they are sent to the next stage): return the tensors (e.g. "
                 "out['hidden'] instead of the dict), or give the model as a traced module "
@@ -276,7 +280,7 @@ class StageFunction:
             return None
         spec, others = structures[0]
         if any(s != spec for s, _ in structures):
-            raise ValueError(f"rank {self.rank}: the last stage returned different structures for "
+            raise ValueError(f"{self.rank_name}: the last stage returned different structures for "
                              "the microbatches of one batch; its output's structure must not "
                              "depend on the data")
         per_microbatch = []
@@ -346,7 +350,7 @@ class StageFunction:
             problem = self._check_reduction(out, target, loss)
         if problem is not None:
             if self.raise_at_once:
-                raise ValueError(f"rank {self.rank}: step {self.step_index}: {problem}")
+                raise ValueError(f"{self.rank_name}: step {self.step_index}: {problem}")
             # Found on this rank only: the step ends with a zero loss (zero gradients) on
             # every rank, which then raise it together (FlushRunner.step).
             if self.deferred_error is None:

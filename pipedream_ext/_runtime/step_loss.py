@@ -39,17 +39,23 @@ class StepLoss:
         timeout: seconds a read waits for the all-reduce.
         describe: what failed, for the error of a read (``"rank 1: the all-reduce of
             the batch loss after step 3"``).
+        check: called with the reduced tensor (the loss first, then what else the
+            all-reduce carried) before its value is read; what it raises, every read
+            raises (``mesh_steps.MeshSteps.check``).
     """
 
-    __slots__ = ("_total", "_work", "_timeout", "_describe", "_value")
+    __slots__ = ("_total", "_work", "_timeout", "_describe", "_value", "_check", "_error")
 
     def __init__(self, total: torch.Tensor, work: Optional[dist.Work], timeout: float,
-                 describe: Callable[[], str]) -> None:
+                 describe: Callable[[], str],
+                 check: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         self._total = total
         self._work = work
         self._timeout = timeout
         self._describe = describe
         self._value: Optional[float] = None
+        self._check = check
+        self._error: Optional[Exception] = None
 
     @classmethod
     def of(cls, value: float) -> "StepLoss":
@@ -63,8 +69,11 @@ class StepLoss:
         """Waits for the all-reduce (once) and returns the loss.
 
         Raises:
-            RuntimeError: the all-reduce failed or timed out, naming the rank and step.
+            RuntimeError: the all-reduce failed or timed out, naming the rank and step;
+                or what ``check`` raised (on every read).
         """
+        if self._error is not None:
+            raise self._error
         if self._value is None:
             if self._work is not None:
                 try:
@@ -72,7 +81,13 @@ class StepLoss:
                 except RuntimeError as exc:  # Gloo names an address; say which rank and step
                     raise RuntimeError(f"{self._describe()} failed or timed out: {exc}") from exc
                 self._work = None
-            self._value = float(self._total.item())
+            if self._check is not None:
+                try:
+                    self._check(self._total)
+                except Exception as exc:
+                    self._error = exc
+                    raise
+            self._value = float(self._total.reshape(-1)[0].item())
             self._total = None
         return self._value
 

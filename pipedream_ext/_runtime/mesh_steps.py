@@ -1,0 +1,129 @@
+"""Keeps a mesh's pipelines in step: every ``step()`` call and every dp rank's batch size.
+
+On a ``("pp", "dp")`` mesh each pipeline runs its own ``step()`` calls, joined to the
+others only by FSDP's (or the replicas') collectives and the batch-loss all-reduce,
+which pair by order, not by step. A pipeline that skips a call (a ``step()`` that
+raised on its ranks, caught and passed over) would pair its step ``k + 1`` with the
+other pipelines' step ``k`` from then on, and dp ranks given batches of different
+sizes would average their means as if equal; both train silently wrong.
+
+So the batch-loss all-reduce, which runs over every rank after every step anyway,
+carries two more things: each rank's ``step()`` call number (one slot per rank) and
+the rows of each pipeline's batch (one slot per dp rank, from its stage 0), a few
+float64 values. Their sums name every rank's call and every dp rank's rows, so a rank
+that reads them needs no other exchange to say who differs. The first
+``check_agreement`` steps (and every step with ``check_finite``) wait for the
+all-reduce and raise before ``step()`` returns; later steps check it when the loss is
+read, and at the latest at the start of the next step but one (by then it has long
+finished: the wait costs nothing).
+"""
+from __future__ import annotations
+
+import collections
+from typing import Callable, Deque, List, Optional
+
+import torch
+
+from .._dist.groups import RankNames
+from .step_loss import StepLoss
+
+__all__ = ["MeshSteps", "StepMismatch"]
+
+
+class StepMismatch(RuntimeError):
+    """The mesh's ranks were in different ``step()`` calls, or its dp ranks were given
+    batches of different sizes, in a step that ran (found after it ran)."""
+
+
+class MeshSteps:
+    """This rank's part of the check: the values it adds and the test of the sums.
+
+    Args:
+        names: the mesh's pipelines and how messages name ranks.
+        rank: this rank's global rank.
+    """
+
+    def __init__(self, names: RankNames, rank: int) -> None:
+        assert names.pipelines is not None
+        self.names = names
+        self.pipelines = names.pipelines
+        self.rank = rank
+        self.world = sum(len(p) for p in self.pipelines)
+        self.dp = len(self.pipelines)
+        self.dp_rank = next(d for d, p in enumerate(self.pipelines) if rank in p)
+        #: Losses whose all-reduce is not checked yet (oldest first).
+        self.pending: Deque[StepLoss] = collections.deque()
+
+    def values(self, loss: float, failed: bool, call: int, rows: Optional[int]) -> torch.Tensor:
+        """What this rank adds to the sum: ``[loss, failed, call per rank..., rows per dp
+        rank...]`` (float64; its own slots only, zeros elsewhere).
+
+        Args:
+            loss: this rank's share of the batch loss.
+            failed: a bad loss was found on this rank.
+            call: this ``step()`` call's number (counting calls that raised).
+            rows: the batch's rows on stage 0's rank, else ``None``.
+        """
+        t = torch.zeros(2 + self.world + self.dp, dtype=torch.float64)
+        t[0], t[1] = loss, 1.0 if failed else 0.0
+        t[2 + self.rank] = call
+        if rows is not None:
+            t[2 + self.world + self.dp_rank] = rows
+        return t
+
+    def check(self, total: torch.Tensor) -> None:
+        """Raises unless every rank was in one call with equal batches per dp rank.
+
+        Args:
+            total: the all-reduced values (:meth:`values` summed over every rank).
+
+        Raises:
+            StepMismatch: naming each rank's call or each dp rank's rows, and the fix.
+        """
+        calls = [int(c) for c in total[2:2 + self.world].tolist()]
+        rows = [int(n) for n in total[2 + self.world:].tolist()]
+        me = self.names.of_global(self.rank)
+        if len(set(calls)) > 1:
+            raise StepMismatch(
+                f"{me}: the ranks of the mesh are in different step() calls: "
+                f"{self._by_value(calls, lambda c: f'step() number {c}')}. Every pipeline of a "
+                "mesh pairs its collectives (FSDP's, the replicas', the batch loss's) with the "
+                "others' by order, so from the step where one pipeline made a call the others did "
+                "not (a step() that raised on some ranks and was caught), its batches met other "
+                "steps' batches and the gradients were not the unsplit model's; a step() that "
+                "raises on any rank must end the run, or be caught on every rank alike (the "
+                "first check_agreement steps raise argument errors on every rank)")
+        if len(set(rows)) > 1:
+            each = ", ".join(f"dp {d} ({self.names.of_global(p[0])}) {n} rows"
+                             for d, (p, n) in enumerate(zip(self.pipelines, rows)))
+            raise StepMismatch(
+                f"{me}: step() number {calls[0]} ran with batches of different sizes on the "
+                f"data-parallel ranks: {each}; each pipeline averages its own rows and the dp "
+                "ranks' means are averaged, which weights the rows of a smaller batch more than "
+                "the unsplit model on the global batch would, so that step's gradients are not "
+                "the unsplit model's: give every dp rank the same number of rows (a "
+                f"DistributedSampler(dataset, num_replicas={self.dp}, rank=mesh['dp']"
+                ".get_local_rank()) gives each rank as many, its last batch included)")
+
+    def _by_value(self, values: List[int], word: Callable[[int], str]) -> str:
+        groups: "collections.OrderedDict[int, List[int]]" = collections.OrderedDict()
+        for rank, value in enumerate(values):
+            groups.setdefault(value, []).append(rank)
+        return "; ".join(f"{self.names.many(ranks)} in {word(value)}"
+                         for value, ranks in groups.items())
+
+    def track(self, loss: StepLoss) -> StepLoss:
+        """Keeps ``loss`` (its all-reduce still running) to check before later steps."""
+        self.pending.append(loss)
+        return loss
+
+    def check_before_step(self) -> None:
+        """Checks every tracked loss but the newest (waiting, within the timeout, for
+        an all-reduce a step older than the last: finished in any run that is in step).
+
+        Raises:
+            StepMismatch: what :meth:`check` raises.
+            RuntimeError: the all-reduce failed or timed out.
+        """
+        while len(self.pending) > 1:
+            self.pending.popleft().wait()
