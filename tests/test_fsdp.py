@@ -459,6 +459,32 @@ def check_dp_batches_and_steps() -> None:
             break
 
 
+def check_grad_scaler_skips_on_every_pipeline() -> None:
+    """With FSDP each dp rank holds other shards of the gradients, so an inf in one shard
+    must skip the step on every pipeline of the mesh (the unsplit model would skip it).
+    ``pipe.grad_scaler()`` all-reduces over its pipeline; the dp ranks agree because its
+    inf check on DTensor gradients reduces over the dp mesh (torch's DTensor rule)."""
+    import pipedream_ext as pd
+
+    mesh = make_mesh(2, 2)
+    dp, rows = mesh["dp"].get_local_rank(), BATCH // 2
+    pipe = pd.PipeDream(mlp(), F.cross_entropy, microbatches=4, mesh=mesh, timeout=60)
+    scaler = pipe.grad_scaler(init_scale=16.0)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    x, y = global_batch(500)
+    part = slice(dp * rows, (dp + 1) * rows)
+    pipe.step(x[part] if pipe.is_first else None, y[part] if pipe.is_last else None)
+    before = {name: full(p.detach()).clone() for name, p in pipe.named_parameters()}
+    if dist.get_rank() == 0:  # one shard of one rank of one pipeline overflows
+        grad = next(p.grad for p in pipe.parameters() if p.grad.to_local().numel() > 0)
+        grad.to_local().fill_(float("inf"))
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 8.0, f"rank {dist.get_rank()}: scale {scaler.get_scale()}"
+    for name, p in pipe.named_parameters():
+        assert torch.equal(full(p.detach()), before[name]), f"rank {dist.get_rank()}: {name} stepped"
+
+
 def check_auto_plan() -> None:
     """``balance="auto"`` with a mesh plans the pp dimension (dp ranks per stage, memory
     per rank sharded), the same plan on every rank, and the pipeline it cuts trains; a
@@ -499,6 +525,7 @@ def run_checks() -> None:
         check_refusals()
         check_mesh_errors()
         check_dp_batches_and_steps()
+        check_grad_scaler_skips_on_every_pipeline()
         check_auto_plan()
         if os.environ.get(CKPT_ENV):  # test_checkpoint_dcp.py's meshed save and resume, fsdp
             from test_checkpoint_dcp import phase_mesh_save
