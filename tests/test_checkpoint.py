@@ -290,7 +290,8 @@ def check_paths_must_agree(path: str, pipe, opt, fmt: str, still_previous) -> No
     """A save into ``path`` on every rank but the last, ``path + "-typo"`` there, is
     refused on every rank before anything is written; with that check off (as if the
     ranks shared no file system), rank 0 refuses to write the manifest. Either way
-    ``path`` keeps its files and its checkpoint loads (``still_previous``)."""
+    ``path`` keeps its files and its checkpoint loads (``still_previous``). Loading
+    with the same two paths is refused too."""
     import pipedream_ext as pd
     import pipedream_ext._checkpoint.directory as directory
     import pipedream_ext._checkpoint.phases as phases
@@ -323,6 +324,11 @@ def check_paths_must_agree(path: str, pipe, opt, fmt: str, still_previous) -> No
     dist.barrier()
     assert sorted(os.listdir(path)) == before, (sorted(os.listdir(path)), before)
     still_previous()
+    shared_copy(path, typo)  # two checkpoints: loading each on some ranks would mix them
+    with pytest.raises(ValueError, match=rf"loading checkpoint .*: the ranks were given different directories: "
+                                         rf"{re.escape(resolved)} on ranks? 0.*; {re.escape(typo)} on rank {last}\. "
+                                         r".*nothing was loaded"):
+        pd.load_checkpoint(mine, pipe, opt)
     on_rank0(lambda: shutil.rmtree(typo))
 
 
