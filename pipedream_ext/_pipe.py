@@ -383,39 +383,24 @@ class PipeDream:
     def forward_only(self, inputs: Optional[Tensors], output_batch_dim: Optional[int] = 0) -> Any:
         """Runs the batch forward through the pipeline without gradients.
 
-        The batch is cut into ``microbatches`` along dim 0, as in ``step``, and each
-        microbatch's output comes back separately; they are put back together leaf
-        by leaf (``torch.utils._pytree``: tensors, tuples, dicts, a ``ModelOutput``)
-        into the unsplit model's output: a tensor is concatenated along
-        ``output_batch_dim`` if that dim has each microbatch's rows in every
-        microbatch; a 0-d tensor (a loss) is the mean over microbatches weighted by
-        their rows; a value that is not a tensor is kept if every microbatch returned
-        the same. Any other output (a ``[10]`` vector, a statistic over the batch,
-        a sequence-first ``[T, B, ...]`` tensor with the default ``output_batch_dim``)
-        is refused, naming it: the concatenation would not be the unsplit model's.
+        Each leaf of the microbatches' outputs is combined as in the unsplit model
+        (docs/runtime.md): tensors along ``output_batch_dim`` where it has each
+        microbatch's rows, 0-d tensors as the rows-weighted mean; others are refused.
 
         Args:
-            inputs: the batch (tensor or tuple of tensors; a dict of named tensors for
-                a model traced on one), needed on stage 0's rank.
-            output_batch_dim: the outputs' dimension that holds the batch's rows: 0
-                (default) for batch-first outputs, 1 for sequence-first ``[T, B, ...]``
-                ones (a negative dim counts from the end); ``None`` returns the list of
-                the microbatches' outputs, uncombined. Used on the last stage's rank.
+            inputs: the batch, needed on stage 0's rank.
+            output_batch_dim: 0, 1 for sequence-first ``[T, B, ...]`` outputs, or
+                ``None`` for the list of the microbatches' outputs.
 
         Returns:
-            The model's output for the whole batch on the rank of the last stage (an
-            exported model's own structure, e.g. a ``ModelOutput``), or with
-            ``output_batch_dim=None`` the list of each microbatch's output; ``None``
-            elsewhere.
+            The whole batch's output (or that list) on the last stage's rank, else ``None``.
 
         Raises:
-            ValueError: no inputs on stage 0's rank, a batch smaller than
-                ``microbatches``, a bad ``output_batch_dim``, or an output that cannot
-                be combined over microbatches (on every rank).
+            ValueError: no inputs on stage 0's rank, a bad ``output_batch_dim``, or an
+                output that cannot be combined (on every rank).
             RuntimeError: an asynchronous pipeline that was not flushed.
         """
-        restore = None if self.traced is None else \
-            functools.partial(model_io.restore_output, self.traced.output_spec)
+        restore = functools.partial(model_io.restore_output, None if self.traced is None else self.traced.output_spec)
         return self._runner.forward_only(self._agreed("forward_only", inputs, None), output_batch_dim, restore)
 
     def _agreed(self, call: str, inputs: Any, targets: Any) -> Optional[Tensors]:
