@@ -387,6 +387,7 @@ def check_interrupted_saves(root: str) -> None:
             pd.save_checkpoint(path, pipe, opt, step=99)
     finally:
         durable_io.atomic_torch_save = real_save
+    dist.barrier()  # rank 0 removes the failed generation once it raised
     assert not [n for n in os.listdir(path) if n.startswith("g000002")], os.listdir(path)
     still_previous()
 
