@@ -127,7 +127,8 @@ def load_checkpoint(path: PathLike, pipe: Pipeline,
                     optimizer: Optional[torch.optim.Optimizer] = None) -> CheckpointInfo:
     """Restores a checkpoint into ``pipe`` (and ``optimizer``), in place.
 
-    Collective: every rank of the pipeline calls it. The pipeline may differ from
+    Collective: every rank of the pipeline calls it, with the same ``path``
+    (checked: the path each rank resolves must be the same). The pipeline may differ from
     the one that saved: another balance, replica layout, schedule or world size;
     each rank gathers its layers' tensors by name from whichever stage files hold
     them. Every file is checked against the manifest (size, sha256) and loaded with
