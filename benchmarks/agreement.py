@@ -13,7 +13,10 @@ as medians over ``--reps`` repetitions:
   for image batches of ``--batches`` rows of 3x32x32 floats, beside a training step of
   the MLP pipeline (1f1b, 4 microbatches) on a batch of ``--rows`` rows, and the same
   step with ``check_agreement=0``;
-* **evaluation**: the flag all-reduce ``forward_only`` ends with.
+* **evaluation**: the two small all-reduces of every ``forward_only`` call: the one it
+  opens with (stage 0's batch size, so the last stage can check its outputs against
+  each microbatch's rows, and a failure flag; bounded by the timeout) and the flag
+  all-reduce it ends with, beside ``forward_only`` of the MLP pipeline.
 
 Every step after the first ``check_agreement`` (default 3) costs nothing: the check
 is one ``if``. Command (about half a minute on 2 cores):
@@ -23,6 +26,7 @@ is one ``if``. Command (about half a minute on 2 cores):
 from __future__ import annotations
 
 import argparse
+import datetime
 import logging
 import statistics
 import sys
@@ -126,9 +130,18 @@ def _first_steps(args: argparse.Namespace, result: Dict[str, Any]) -> None:
     steps["check alone"] = _median_ms(lambda: pdd.check_batches_agree(x, y), args.reps)
     result["step_ms"] = steps
     dist.barrier()
+    # What forward_only opens with: two float64 in one all-reduce, waited for with a bound.
+    result["open_allreduce_ms"] = _median_ms(
+        lambda: dist.all_reduce(torch.zeros(2, dtype=torch.float64), op=dist.ReduceOp.MAX,
+                                async_op=True).wait(timeout=datetime.timedelta(seconds=120)), args.reps)
+    dist.barrier()
     # What forward_only ends with: one float64 all-reduce on the (Gloo, CPU) group.
     result["flag_allreduce_ms"] = _median_ms(
         lambda: dist.all_reduce(torch.zeros(1, dtype=torch.float64)), args.reps)
+    pipe = runs["unchecked"][0].eval()  # no batch check: forward_only alone
+    pipe.forward_only(x)
+    dist.barrier()
+    result["forward_only_ms"] = _median_ms(lambda: pipe.forward_only(x), args.reps)
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -168,8 +181,12 @@ def report(result: Dict[str, Any], args: argparse.Namespace, info: Dict[str, str
              ["difference", h.fmt(step["checked"] - step["unchecked"])],
              [f"StepAgreement.check alone, that step's batch ({args.rows} x {args.width} "
               "float32)", h.fmt(step["check alone"])],
+             ["forward_only's opening all-reduce: stage 0's batch size and a failure flag "
+              "(every call)", h.fmt(result["open_allreduce_ms"])],
              ["forward_only's closing flag all-reduce (every call)",
-              h.fmt(result["flag_allreduce_ms"])]]
+              h.fmt(result["flag_allreduce_ms"])],
+             [f"for scale: forward_only of the MLP pipeline ({args.rows} rows, 4 microbatches; "
+              "both included)", h.fmt(result["forward_only_ms"])]]
     lines += h.table(["what", "ms"], rows)
     lines += ["", "Steps after the first 3 run no check (one comparison of a counter).", ""]
     return "\n".join(lines)

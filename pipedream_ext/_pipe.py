@@ -8,6 +8,7 @@ one step: docs/architecture.md.
 """
 from __future__ import annotations
 
+import functools
 import operator
 import os
 from typing import (
@@ -386,20 +387,28 @@ class PipeDream:
 
     @faults.names_first_failure
     @torch.no_grad()
-    def forward_only(self, inputs: Optional[Tensors]) -> Optional[Tensors]:
+    def forward_only(self, inputs: Optional[Tensors], output_batch_dim: Optional[int] = 0) -> Any:
         """Runs the batch forward through the pipeline without gradients.
 
+        Each leaf of the microbatches' outputs is combined as in the unsplit model
+        (docs/runtime.md): tensors along ``output_batch_dim`` where it has each
+        microbatch's rows, 0-d tensors as the rows-weighted mean; others are refused.
+
+        Args:
+            inputs: the batch, needed on stage 0's rank.
+            output_batch_dim: 0, 1 for sequence-first ``[T, B, ...]`` outputs, or
+                ``None`` for the list of the microbatches' outputs.
+
         Returns:
-            The model's outputs for the whole batch on the rank of the last stage
-            (concatenated over microbatches; an exported model's own structure, e.g.
-            a ``ModelOutput``), ``None`` elsewhere.
+            The whole batch's output (or that list) on the last stage's rank, else ``None``.
 
         Raises:
-            ValueError: no inputs on stage 0's rank.
+            ValueError: no inputs on stage 0's rank, a bad ``output_batch_dim``, or an
+                output that cannot be combined (on every rank).
             RuntimeError: an asynchronous pipeline that was not flushed.
         """
-        out = self._runner.forward_only(self._agreed("forward_only", inputs, None))
-        return out if self.traced is None else model_io.restore_output(self.traced.output_spec, out)
+        restore = functools.partial(model_io.restore_output, None if self.traced is None else self.traced.output_spec)
+        return self._runner.forward_only(self._agreed("forward_only", inputs, None), output_batch_dim, restore)
 
     def _agreed(self, call: str, inputs: Any, targets: Any) -> Optional[Tensors]:
         """``inputs`` as the runner takes them (a traced model's dict of named inputs: its

@@ -123,6 +123,12 @@ ROWS: List[Tuple[str, str, str, str]] = [
      r"the asynchronous pipeline ends with 3 minibatches admitted and never flushed.*call "
      r"pipe\.flush\(\)",
      "tests/test_agreement.py::test_an_asynchronous_run_ended_without_flush_is_named_on_every_rank"),
+    ("forward-only-merge", "a `forward_only` output whose dim 0 is not the batch (a `[10]` statistic over the "
+     "rows, a sequence-first `[3, B, 10]`), or a bad `output_batch_dim`",
+     r"forward_only\(\): output\[1\] has shape \[10\] in microbatch 0 of 4 rows \(the batch of 16 rows is cut "
+     r"into 4 microbatches of 4, 4, 4, 4 rows along dim 0\), so its dim 0 is not a batch dimension .* pass "
+     r"output_batch_dim=None / its dim 1 has each microbatch's rows: pass forward_only\(\.\.\., "
+     r"output_batch_dim=1\)", "tests/test_runtime.py::test_flush_schedules_match_the_unsplit_model"),
     ("input-no-batch", "an input without the batch dimension (a memory bank)",
      r"inputs 1 \('bank'\) has 5 rows in dim 0 but the batch has 8 rows.*register it as a buffer",
      "tests/test_agreement.py::test_ranks_must_agree_on_graph_batch_and_loss"),
@@ -270,6 +276,27 @@ ROWS: List[Tuple[str, str, str, str]] = [
     ("dcp-async-failed", "the next save after an asynchronous save that failed",
      r"the asynchronous save of CKPT (generation 3) failed: ...",
      "tests/test_checkpoint_dcp.py::test_dcp_resume_on_other_world_sizes_and_failures"),
+    ("checkpoint-path", "`save_checkpoint` or `load_checkpoint` given another path on one rank (`\"ckpt\"` "
+     "on all but the last, `\"ckpt-typo\"` there)",
+     r"saving checkpoint ckpt: the ranks were given different directories: /abs/ckpt \(given as 'ckpt'\) on "
+     r"ranks 0, 1, 2; /abs/ckpt-typo \(given as 'ckpt-typo'\) on rank 3\. Every rank must pass the same "
+     r"directory, on a file system all ranks share; nothing was written or deleted",
+     "tests/test_checkpoint.py::test_resume_in_other_processes_equals_an_uninterrupted_run"),
+    ("checkpoint-not-shared", "a checkpoint directory on a file system the ranks do not share",
+     r"ckpt: g000002-stage001-model\.pt \(weights of stage 1\) is missing on rank 0, which writes the "
+     r"manifest: the ranks wrote into different directories, or the directory is not on a file system all "
+     r"ranks share; the manifest was not written and the previous checkpoint was kept",
+     "tests/test_checkpoint.py::test_resume_in_other_processes_equals_an_uninterrupted_run"),
+    ("dcp-save-failed", "a DCP save that fails on one rank (a full disk)",
+     r"saving checkpoint ckpt failed on rank 1: DCP's save into ckpt/g000002-dcp failed: ... "
+     r"\(g000002-dcp/ is removed; the previous checkpoint is kept\)",
+     "tests/test_checkpoint_dcp.py::test_dcp_async_save_loads_into_another_balance_and_the_unsplit_model"),
+    ("dcp-pending-at-exit", "a process that ends with an asynchronous save unfinished (no `result()`, "
+     "no `pipe.close()`)",
+     r"the asynchronous checkpoint save of ckpt \(generation 2\) was still pending at exit: finishing it "
+     r"now \(every rank does; at most 300 s\) / ... was not finished: the process is ending with an uncaught "
+     r"RuntimeError ... ckpt holds the previous checkpoint; call its result\(\) or pipe\.close\(\) on every rank",
+     "tests/test_checkpoint_dcp.py::test_async_save_pending_at_exit_is_finished_or_named"),
     ('mesh-async', '`mesh=` with `pipedream` or `pipedream-2bw`',
      "schedule 'pipedream(-2bw)?' updates weights inside the pipeline, but mesh= with data_parallel='fsdp' synchronises gradients at the end of a flushed step; use a flush schedule",
      'tests/test_fsdp.py::test_fsdp_representative_case_and_refusals'),

@@ -22,6 +22,7 @@ import glob
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -285,6 +286,52 @@ def check_broken_checkpoints(root: str) -> None:
     on_rank0(lambda: shutil.rmtree(bad))
 
 
+def check_paths_must_agree(path: str, pipe, opt, fmt: str, still_previous) -> None:  # type: ignore[no-untyped-def]
+    """A save into ``path`` on every rank but the last, ``path + "-typo"`` there, is
+    refused on every rank before anything is written; with that check off (as if the
+    ranks shared no file system), rank 0 refuses to write the manifest. Either way
+    ``path`` keeps its files and its checkpoint loads (``still_previous``). Loading
+    with the same two paths is refused too."""
+    import pipedream_ext as pd
+    import pipedream_ext._checkpoint.directory as directory
+    import pipedream_ext._checkpoint.phases as phases
+    from pipedream_ext import CheckpointError
+
+    last = dist.get_world_size() - 1
+    resolved, typo = os.path.realpath(path), os.path.realpath(path) + "-typo"
+    mine = path + "-typo" if dist.get_rank() == last else path
+    before = sorted(os.listdir(path))
+    with pytest.raises(ValueError, match=rf"the ranks were given different directories: {re.escape(resolved)} "
+                                         rf"on ranks? 0.*; {re.escape(typo)} on rank {last}\. Every rank must "
+                                         r"pass the same directory.*nothing was written or deleted"):
+        pd.save_checkpoint(mine, pipe, opt, step=7, format=fmt)
+    dist.barrier()
+    assert sorted(os.listdir(path)) == before and not os.path.exists(typo)
+    still_previous()
+    real_check, real_written_by = directory.check_same, phases.written_by
+    directory.check_same = lambda *args: None
+    try:
+        with pytest.raises(CheckpointError, match=rf"did not all write generation 2 into {re.escape(resolved)} "
+                                                  rf"\(rank {last}: generation 2 in {re.escape(typo)}\)"):
+            pd.save_checkpoint(mine, pipe, opt, step=7, format=fmt)
+        phases.written_by = lambda directory, generation: {"resolved": "/shared", "generation": generation}
+        with pytest.raises(CheckpointError, match=r"is missing on rank 0, which writes the manifest: the ranks "
+                                                  r"wrote into different directories, or the directory is not "
+                                                  r"on a file system all ranks share"):
+            pd.save_checkpoint(mine, pipe, opt, step=7, format=fmt)
+    finally:
+        directory.check_same, phases.written_by = real_check, real_written_by
+    dist.barrier()
+    assert sorted(os.listdir(path)) == before, (sorted(os.listdir(path)), before)
+    still_previous()
+    shared_copy(path, typo)  # two checkpoints: loading each on some ranks would mix them
+    with pytest.raises(ValueError, match=rf"loading checkpoint .*: the ranks were given different directories: "
+                                         rf"{re.escape(resolved)} on ranks? 0.*; {re.escape(typo)} on rank {last}\. "
+                                         r".*nothing was loaded"):
+        pd.load_checkpoint(mine, pipe, opt)
+    on_rank0(lambda: shutil.rmtree(typo))
+
+
 def check_interrupted_saves(root: str) -> None:
     """A save that fails before its manifest leaves the previous checkpoint loadable;
     the next successful save replaces it and removes the leftovers."""
@@ -296,6 +343,7 @@ def check_interrupted_saves(root: str) -> None:
     rank = dist.get_rank()
     path = os.path.join(root, f"interrupted-{os.environ.get('MASTER_PORT', 'x')}")
     shared_copy(os.path.join(root, "ckpt-sgd"), path)
+    original = sorted(os.listdir(path))
     at_n = merged(root, "atN-sgd")
     pipe, opt, sched = build(SCENARIOS["sgd"], seed=99)  # other weights than the checkpoint's
 
@@ -304,7 +352,10 @@ def check_interrupted_saves(root: str) -> None:
         assert pd.load_checkpoint(path, fresh, fresh_opt).generation == 1
         assert_state(fresh, at_n, "previous checkpoint after an interrupted save", exact=True)
 
-    # 1. rank 0 dies while writing the manifest (all stage files of generation 2 are in place).
+    check_paths_must_agree(path, pipe, opt, "pipedream", still_previous)
+
+    # 1. rank 0 fails while writing the manifest (all stage files of generation 2 are in
+    # place): it removes them.
     real_manifest, real_save = manifest_format.write_manifest, durable_io.atomic_torch_save
 
     def crash_in_manifest(directory: str, manifest: Any) -> None:
@@ -317,7 +368,9 @@ def check_interrupted_saves(root: str) -> None:
             pd.save_checkpoint(path, pipe, opt, step=99)
     finally:
         manifest_format.write_manifest = real_manifest
-    assert os.path.exists(os.path.join(path, "g000002-stage001-model.pt"))
+    # Its generation's files went; the manifest's half-written .tmp (as a crash leaves
+    # it) is overwritten by the next save.
+    assert sorted(set(os.listdir(path)) - {"manifest.json.tmp"}) == original, sorted(os.listdir(path))
     still_previous()
 
     # 2. rank 1 fails half-way through its stage file.
@@ -330,18 +383,20 @@ def check_interrupted_saves(root: str) -> None:
     durable_io.atomic_torch_save = crash_in_stage_file
     try:
         with pytest.raises(CheckpointError, match=r"failed on rank 1: OSError: simulated crash while "
-                                                  r"writing g000003-stage001-model\.pt"):
+                                                  r"writing g000002-stage001-model\.pt"):
             pd.save_checkpoint(path, pipe, opt, step=99)
     finally:
         durable_io.atomic_torch_save = real_save
+    dist.barrier()  # rank 0 removes the failed generation once it raised
+    assert not [n for n in os.listdir(path) if n.startswith("g000002")], os.listdir(path)
     still_previous()
 
     # 3. A complete save replaces it and removes every superseded file.
     info = pd.save_checkpoint(path, pipe, opt, step=99)
-    assert info.generation == 4
+    assert info.generation == 2
     files = sorted(os.listdir(path))
-    assert files == ["g000004-stage000-model.pt", "g000004-stage000-optim.pt",
-                     "g000004-stage001-model.pt", "g000004-stage001-optim.pt",
+    assert files == ["g000002-stage000-model.pt", "g000002-stage000-optim.pt",
+                     "g000002-stage001-model.pt", "g000002-stage001-optim.pt",
                      "manifest.json"], files
     fresh, fresh_opt, _ = build(SCENARIOS["sgd"], seed=5)
     assert pd.load_checkpoint(path, fresh, fresh_opt).step == 99

@@ -20,18 +20,31 @@ and the unsplit model, asynchronous saves, interrupted saves and errors (CPU, Gl
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
 import torch
 import torch.distributed as dist
-from _multiprocess import ROOT, assert_every_rank_passed, launch_torchrun, worker_main
-from test_checkpoint import SCENARIOS, batch, build, kill_a_save_loop, make_model, merged, on_rank0, shared_copy
+from _multiprocess import ROOT, assert_every_rank_passed, launch_raw, launch_torchrun, worker_main
+from test_checkpoint import (
+    SCENARIOS,
+    batch,
+    build,
+    check_paths_must_agree,
+    kill_a_save_loop,
+    make_model,
+    merged,
+    on_rank0,
+    shared_copy,
+)
 
 HERE = os.path.abspath(__file__)
 MARKER = "ALL DCP CHECKPOINT CHECKS PASSED"
@@ -143,6 +156,51 @@ def phase_quick(root: str) -> None:
                                              r"says \d+: the file is truncated"):
         pd.load_checkpoint(bad, fresh, fresh_opt)
     assert_state(fresh, before, "a failed load changed nothing", exact=True)
+    check_failed_saves(path, fresh, fresh_opt, at_n)
+
+
+def check_failed_saves(path: str, pipe, opt, at_n: Dict[str, torch.Tensor]) -> None:  # type: ignore[no-untyped-def]
+    """Saves into ``path`` (generation 1, the weights ``at_n``) that fail leave it as it
+    was: a path that differs on one rank, and a rank failing inside DCP's write (its
+    partial generation directory is removed)."""
+    import pipedream_ext as pd
+    from pipedream_ext import CheckpointError
+
+    def still_previous() -> None:
+        fresh, fresh_opt, _ = build(dict(ADAM, balance=[5, 3]), seed=5)
+        assert pd.load_checkpoint(path, fresh, fresh_opt).generation == 1
+        assert_state(fresh, at_n, "the previous checkpoint after a failed save", exact=True)
+
+    original = sorted(os.listdir(path))
+    check_paths_must_agree(path, pipe, opt, "dcp", still_previous)
+    for async_save in (False, True):
+        with crash_in_dcp_write(), pytest.raises(CheckpointError, match="simulated crash while writing DCP data"):
+            result = pd.save_checkpoint(path, pipe, opt, step=9, format="dcp", async_save=async_save)
+            if async_save:
+                result.result()
+        dist.barrier()
+        assert sorted(os.listdir(path)) == original, (async_save, sorted(os.listdir(path)))
+    still_previous()
+
+
+@contextlib.contextmanager
+def crash_in_dcp_write() -> Iterator[None]:
+    """Rank 1 fails inside DCP's write, after half a data file."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    real_write = FileSystemWriter.write_data
+
+    def crash_in_write(self, plan, planner):  # type: ignore[no-untyped-def]
+        if dist.get_rank() == 1:
+            with open(os.path.join(str(self.path), "__1_0.distcp"), "wb") as f:
+                f.write(b"half a file")
+            raise OSError("simulated crash while writing DCP data")
+        return real_write(self, plan, planner)
+    FileSystemWriter.write_data = crash_in_write  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        FileSystemWriter.write_data = real_write  # type: ignore[method-assign]
 
 
 # --------------------------------------------------------------------------- save (4 ranks)
@@ -256,8 +314,6 @@ def _damage(path: str, how: str) -> None:
 def check_interrupted_saves(root: str) -> None:
     """A save that fails in DCP's write or in the manifest leaves the previous
     checkpoint loadable; the next save replaces it and removes the leftovers."""
-    from torch.distributed.checkpoint import FileSystemWriter
-
     import pipedream_ext as pd
     import pipedream_ext._checkpoint.manifest as manifest_format
     from pipedream_ext import CheckpointError
@@ -272,20 +328,8 @@ def check_interrupted_saves(root: str) -> None:
         assert pd.load_checkpoint(path, fresh, fresh_opt).generation == 1
         assert_state(fresh, at_n, "previous checkpoint after an interrupted save", exact=True)
 
-    real_write = FileSystemWriter.write_data
-
-    def crash_in_write(self, plan, planner):  # type: ignore[no-untyped-def]
-        if dist.get_rank() == 1:
-            with open(os.path.join(str(self.path), "__1_0.distcp"), "wb") as f:
-                f.write(b"half a file")
-            raise OSError("simulated crash while writing DCP data")
-        return real_write(self, plan, planner)
-    FileSystemWriter.write_data = crash_in_write  # type: ignore[method-assign]
-    try:
-        with pytest.raises(CheckpointError, match="simulated crash while writing DCP data"):
-            pd.save_checkpoint(path, pipe, opt, step=99, format="dcp")
-    finally:
-        FileSystemWriter.write_data = real_write  # type: ignore[method-assign]
+    with crash_in_dcp_write(), pytest.raises(CheckpointError, match="simulated crash while writing DCP data"):
+        pd.save_checkpoint(path, pipe, opt, step=99, format="dcp")
     still_previous()
 
     real_manifest = manifest_format.write_manifest
@@ -295,22 +339,22 @@ def check_interrupted_saves(root: str) -> None:
     manifest_format.write_manifest = crash_in_manifest
     try:  # an asynchronous save whose manifest fails: the next save reports it
         pending = pd.save_checkpoint(path, pipe, opt, step=99, format="dcp", async_save=True)
-        with pytest.raises(CheckpointError, match=r"the asynchronous save of .*interrupted \(generation 3\) "
+        with pytest.raises(CheckpointError, match=r"the asynchronous save of .*interrupted \(generation 2\) "
                                                   r"failed: .*simulated crash while writing the manifest"):
             pd.save_checkpoint(path, pipe, opt, step=99, format="dcp")
     finally:
         manifest_format.write_manifest = real_manifest
     with pytest.raises(CheckpointError, match="simulated crash while writing the manifest"):
         pending.result()  # the same failure again
-    assert os.path.isdir(os.path.join(path, "g000003-dcp"))
+    assert not os.path.exists(os.path.join(path, "g000002-dcp"))  # removed with the failure
     still_previous()
 
     # Two asynchronous saves in a row: the second finishes the first, then replaces it.
     first = pd.save_checkpoint(path, pipe, opt, step=100, format="dcp", async_save=True)
     second = pd.save_checkpoint(path, pipe, opt, step=101, format="dcp", async_save=True)
-    assert first.done() and first.result().generation == 4
-    assert second.result().generation == 5
-    assert sorted(os.listdir(path)) == ["g000005-dcp", "manifest.json"], sorted(os.listdir(path))
+    assert first.done() and first.result().generation == 2
+    assert second.result().generation == 3
+    assert sorted(os.listdir(path)) == ["g000003-dcp", "manifest.json"], sorted(os.listdir(path))
     fresh, fresh_opt, _ = build(SGD, seed=5)
     assert pd.load_checkpoint(path, fresh, fresh_opt).step == 101
     for (key, saved), (_, loaded) in zip(pipe.state_dict().items(), fresh.state_dict().items()):
@@ -344,6 +388,26 @@ def phase_kill_loop(root: str) -> None:
                 value.fill_(step)
         pd.save_checkpoint(root, pipe, opt, step=step, format="dcp")
         print(f"saved {step}", flush=True)
+
+
+def phase_exit_pending(root: str) -> None:
+    """Saves (generation 1), then saves asynchronously and ends without finishing that
+    save, the way ``PDDCP_EXIT`` says: "normal", "exception" or "destroyed" (the
+    process group destroyed first). The weights at the second save go to ``state-rank{r}.pt``."""
+    import pipedream_ext as pd
+
+    pipe, opt, _ = build(SGD)
+    train(pipe, opt, range(1))
+    pd.save_checkpoint(os.path.join(root, "ckpt"), pipe, opt, step=1, format="dcp")
+    train(pipe, opt, range(1, 2))
+    torch.save(pipe.state_dict(), os.path.join(root, f"state-rank{dist.get_rank()}.pt"))
+    pd.save_checkpoint(os.path.join(root, "ckpt"), pipe, opt, step=2, format="dcp", async_save=True)
+    train(pipe, opt, range(2, 3))  # the save holds the copy made at step 2
+    how = os.environ["PDDCP_EXIT"]
+    if how == "destroyed":
+        dist.destroy_process_group()
+    elif how == "exception":
+        raise RuntimeError("the training loop failed")
 
 
 # --------------------------------------------------------------------------- mesh (pp x dp)
@@ -489,7 +553,7 @@ def check_mesh_unsplit(path: str, expected: Dict[str, torch.Tensor]) -> None:
 def run_phase() -> None:
     root, phase = os.environ["PDDCP_DIR"], os.environ["PDDCP_PHASE"]
     {"quick": phase_quick, "save": phase_save, "resume": phase_resume, "kill-loop": phase_kill_loop,
-     "mesh-save": phase_mesh_save, "mesh-load": phase_mesh_load}[phase](root)
+     "mesh-save": phase_mesh_save, "mesh-load": phase_mesh_load, "exit-pending": phase_exit_pending}[phase](root)
 
 
 # --------------------------------------------------------------------------- pytest side
@@ -557,11 +621,51 @@ def test_killed_dcp_save_leaves_a_loadable_checkpoint(tmp_path) -> None:
         assert torch.equal(value, torch.full_like(value, step)), (key, step)
 
 
+def test_async_save_pending_at_exit_is_finished_or_named(tmp_path, monkeypatch) -> None:
+    """An asynchronous save nobody finished: a normal exit finishes it on every rank (2
+    ranks: the manifest names it, its weights are the ones at the save); an exit by an
+    uncaught exception, or after the process group was destroyed, warns naming the
+    path and generation and leaves the previous checkpoint."""
+    import pipedream_ext as pd
+
+    for how, world in (("normal", 2), ("exception", 1), ("destroyed", 1)):
+        root = tmp_path / how
+        root.mkdir()
+        for name, value in (("PDDCP_DIR", str(root)), ("PDDCP_PHASE", "exit-pending"), ("PDDCP_EXIT", how)):
+            monkeypatch.setenv(name, value)
+        results = launch_raw(HERE, world, how, timeout=240)  # plain processes: none is killed for another
+        output = "\n".join(r.stdout for r in results)
+        ckpt = str(root / "ckpt")
+        manifest = json.load(open(os.path.join(ckpt, "manifest.json")))
+        pending = f"the asynchronous checkpoint save of {ckpt} (generation 2) was still pending at exit"
+        if how == "normal":
+            assert all(r.returncode == 0 for r in results), output
+            assert output.count(f"{pending}: finishing it now") == world, output
+            assert manifest["generation"] == 2 and manifest["step"] == 2, (manifest, output)
+            state = pd.consolidate(ckpt)
+            expected = merged(str(root), "state")
+            assert set(state) == set(expected) and all(torch.equal(v, expected[k]) for k, v in state.items())
+            continue
+        reason = {"exception": "the process is ending with an uncaught RuntimeError",
+                  "destroyed": r"the process group was destroyed before \(dist.destroy_process_group\(\)\)"}[how]
+        assert [r.returncode for r in results] == [1 if how == "exception" else 0], output
+        assert re.search(rf"{re.escape(pending)} and was not finished: {reason}[^.]*\. .* holds the previous "
+                         r"checkpoint; call its result\(\) or pipe\.close\(\) on every rank", output), output
+        assert "RuntimeWarning" in output, output
+        assert manifest["generation"] == 1 and manifest["step"] == 1, (manifest, output)
+
+
 if __name__ == "__main__":
-    if os.environ.get("PDDCP_PHASE") == "kill-loop":
+    if os.environ.get("PDDCP_PHASE") in ("kill-loop", "exit-pending"):  # plain processes, 1 or 2 ranks
         torch.set_num_threads(1)
         from _multiprocess import init_test_group
 
+        if os.environ.get("PDDCP_EXIT") == "normal":
+            # After pipedream_ext's exit handlers (registered later, they run first), skip the
+            # interpreter's finalization: a Gloo worker thread that drops the last collective's
+            # tensors during it aborts the process now and then (pytorch/pytorch#190489; 4 of
+            # 30 plain 2-rank Gloo scripts ending without destroy_process_group here).
+            atexit.register(lambda: (sys.stdout.flush(), sys.stderr.flush(), os._exit(0)))
         init_test_group()
         run_phase()
     else:

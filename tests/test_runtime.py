@@ -199,6 +199,81 @@ def check_forward_only() -> None:
     pipe.train()
 
 
+class Heads(nn.Module):
+    """The last layer: outputs that are and are not batch-first (``forward_only``'s merge)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, h: torch.Tensor):  # type: ignore[no-untyped-def]
+        if self.kind == "vector":  # a [10] statistic over the rows beside per-row logits
+            return h, h.sum(0)
+        if self.kind == "sequence-first":  # [3, B, 10], as a decoder over time steps returns it
+            return torch.stack([h, 2 * h, h.square()])
+        if self.kind == "rows":  # a count that differs between microbatches
+            return {"logits": h, "rows": h.shape[0]}
+        return {"logits": h, "loss": h.square().mean(), "tag": "scores", "width": h.shape[1]}
+
+
+def check_forward_only_merge() -> None:
+    """Only outputs with each microbatch's rows along ``output_batch_dim`` are concatenated:
+    a [10] output and a sequence-first [3, B, 10] one are refused by name on every rank
+    (not returned as [40] / [12, 4, 10]), the latter comes back whole with
+    output_batch_dim=1, each microbatch's output with None; a dict of per-row logits,
+    a mean and equal other values equals the unsplit model's output."""
+    import pipedream_ext as pd
+
+    x = batch(n=16, seed=3)[0]
+    uneven = batch(n=10, seed=4)[0]  # microbatches of 3, 3, 2, 2 rows
+
+    def pipeline(kind: str):  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 10), nn.ReLU(), Heads(kind)).eval()
+        pipe = pd.PipeDream(model, lambda out, t: out.sum(), schedule="1f1b", microbatches=4,
+                            timeout=60).eval()
+        return model, pipe
+
+    def refused(pipe, data, pattern: str, **kwargs: object) -> None:  # type: ignore[no-untyped-def]
+        with pytest.raises(ValueError, match=pattern):
+            pipe.forward_only(data, **kwargs)
+
+    model, pipe = pipeline("vector")
+    refused(pipe, x, r"forward_only\(\) failed on rank \d: forward_only\(\): output\[1\] has shape \[10\] in "
+                     r"microbatch 0 of 4 rows \(the batch of 16 rows is cut into 4 microbatches of 4, 4, 4, 4 "
+                     r"rows along dim 0\), so its dim 0 is not a batch dimension .* no dim of it has each "
+                     r"microbatch's rows: pass output_batch_dim=None for the list of the 4 microbatches' outputs")
+    parts = pipe.forward_only(x, output_batch_dim=None)
+    if pipe.is_last:
+        assert len(parts) == 4
+        for part, rows in zip(parts, torch.tensor_split(x, 4)):
+            for got, want in zip(part, model(rows)):
+                assert_close(got, want, "forward_only(output_batch_dim=None): one microbatch's output")
+    refused(pipe, x, r"output_batch_dim='0': use the dim of the outputs that holds", output_batch_dim="0")
+
+    model, pipe = pipeline("sequence-first")
+    refused(pipe, x, r"output has shape \[3, 4, 10\] .* its dim 1 has each microbatch's rows: pass "
+                     r"forward_only\(\.\.\., output_batch_dim=1\)")
+    # Rows 3, 3, 2, 2: dim 0 (3) has the first microbatches' rows, but not the third's.
+    refused(pipe, uneven, r"output has shape \[3, 2, 10\] in microbatch 2 of 2 rows .* 4 microbatches of "
+                          r"3, 3, 2, 2 rows")
+    for dim in (1, -2):
+        out = pipe.forward_only(x, output_batch_dim=dim)
+        if pipe.is_last:
+            assert_close(out, model(x), f"a sequence-first output, output_batch_dim={dim}")
+
+    model, pipe = pipeline("dict")
+    out = pipe.forward_only(x)
+    if pipe.is_last:
+        want = model(x)
+        assert set(out) == set(want) and out["tag"] == "scores" and out["width"] == 10
+        assert_close(out["logits"], want["logits"], "forward_only dict: per-row logits")
+        assert_close(out["loss"], want["loss"], "forward_only dict: a mean over rows")
+    model, pipe = pipeline("rows")
+    refused(pipe, uneven, r"output\['rows'\] is 3 in microbatch 0 but 2 in microbatch 2; a number or string "
+                          r"cannot be combined")
+
+
 def check_symmetric_bad_input() -> None:
     """Errors every rank detects before any communication: raised everywhere, no hang."""
     import pipedream_ext as pd
@@ -248,6 +323,7 @@ def run_all_checks() -> None:
     check_recompute_with_dropout()
     check_auto_balance()
     check_forward_only()
+    check_forward_only_merge()
     check_symmetric_bad_input()
 
 

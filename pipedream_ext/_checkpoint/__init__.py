@@ -20,7 +20,8 @@ Layout of ``path/`` (generation ``g`` = one completed save)::
 Modules, one job each: ``durable_io`` (atomic writes, sha256, verified loads),
 ``manifest`` (its format; which stage holds a key; layer checks), ``generations``
 (file names, clean-up), ``extra``, ``optimizer_state`` (by parameter name),
-``phases`` (what every save shares: arguments, generation, commit), ``save``,
+``phases`` (what every save shares: arguments, generation, commit), ``directory``
+(the same directory on every rank, checked), ``save``,
 ``load``, ``reshard`` (by name, shared with ``pipe.load_state_dict``),
 ``consolidate``, ``view`` (what they read of a pipeline), and for DCP
 ``dcp_state`` (names both ways), ``dcp_files`` (file records, checks,

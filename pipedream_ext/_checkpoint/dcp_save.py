@@ -14,15 +14,20 @@ The manifest is the only entry point and is written only once every rank's write
 finished, so a crash at any moment leaves the previous checkpoint loadable. An
 asynchronous save returns after ``dcp.async_save`` copied the state to CPU memory;
 its :class:`PendingCheckpoint` runs step 3 when ``result()`` is called, by the next
-save or load on the pipeline's ranks (:func:`finish_pending`) or by ``pipe.close()``.
+save or load on the pipeline's ranks (:func:`finish_pending`) or by ``pipe.close()``;
+at a normal interpreter exit, by :func:`_finish_pending_at_exit` (or it says loudly
+why it could not).
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import sys
 import time
+import warnings
 from concurrent.futures import Future
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -83,7 +88,8 @@ def _finish(job: _Job, metadata: Optional[Metadata], error: Optional[BaseExcepti
     """Step 3 (collective): file records, the exchange, the manifest.
 
     Raises:
-        CheckpointError: writing failed on some rank (on every rank).
+        CheckpointError: writing failed on some rank (on every rank); rank 0 removed
+            the generation's partial directory (and ``extra`` file).
     """
     view = job.view
     files: Dict[str, Dict[str, Any]] = {}
@@ -101,10 +107,15 @@ def _finish(job: _Job, metadata: Optional[Metadata], error: Optional[BaseExcepti
     except Exception as exc:  # noqa: BLE001 - reported to every rank
         error = exc
     records = [phases.stage_record(view, j) for j in sorted(view.stages) if view.is_leader(j)]
-    gathered = collectives.gather_outcomes(
-        error, view.group, view.timeout, f"saving checkpoint {job.directory}",
-        payload={"stages": records, "files": files, "optimizer": job.optimizer_class,
-                 "extra": job.extra_record, "tensors": tensors}, failure=CheckpointError)
+    try:
+        gathered = collectives.gather_outcomes(
+            error, view.group, view.timeout, f"saving checkpoint {job.directory}",
+            payload={"stages": records, "files": files, "optimizer": job.optimizer_class,
+                     "extra": job.extra_record, "tensors": tensors,
+                     "written": phases.written_by(job.directory, job.generation)}, failure=CheckpointError)
+    except BaseException:
+        phases.abandon(view, job.directory, job.generation)  # the partial generation directory
+        raise
     stages = sorted((s for entry in gathered for s in entry["stages"]), key=lambda s: s["stage"])
     optimizer_class = next((e["optimizer"] for e in gathered if e["optimizer"]), None)
     manifest = phases.build_manifest(view, job.generation, job.step, stages, gathered[0]["extra"],
@@ -113,7 +124,10 @@ def _finish(job: _Job, metadata: Optional[Metadata], error: Optional[BaseExcepti
     manifest["dcp"] = {"directory": job.dcp_name, "files": dict(sorted(all_files.items())),
                        "tensors": gathered[0]["tensors"]}
     keep = [job.dcp_name] + ([manifest["extra"]["file"]] if manifest["extra"] else [])
-    phases.commit(view, job.directory, manifest, keep)
+    written: List[phases.FileRecord] = [(job.dcp_name, dict(record, file=name), "DCP data")
+                                        for name, record in manifest["dcp"]["files"].items()]
+    written += [("", manifest["extra"], "extra")] if manifest["extra"] else []
+    phases.commit(view, job.directory, manifest, keep, written, [entry["written"] for entry in gathered])
     if view.rank == 0:
         _log.info("saved DCP checkpoint %s (generation %d, step %s, %d files) in %.2f s", job.directory,
                   job.generation, job.step, len(all_files), time.perf_counter() - job.started)
@@ -208,6 +222,42 @@ def finish_pending(view: PipelineView) -> None:
                               f"{pending.generation}) failed: {exc}") from exc
 
 
+def _why_not_at_exit() -> Optional[str]:
+    """Why a pending save cannot be finished at exit (``None``: it can)."""
+    # Set by an uncaught exception before atexit handlers run (3.12: also last_exc).
+    ending = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if ending is not None:
+        return (f"the process is ending with an uncaught {type(ending).__name__}, so the other ranks "
+                "may not be there to finish it with this one")
+    if not dist.is_initialized():
+        return "the process group was destroyed before (dist.destroy_process_group())"
+    return None
+
+
+@atexit.register
+def _finish_pending_at_exit() -> None:
+    """At interpreter exit: finishes the asynchronous saves nobody finished (collective:
+    every rank of their pipelines gets here; bounded by the pipeline's timeout), or
+    says loudly why not: a log warning and a ``RuntimeWarning``."""
+    for _, pending in list(_PENDING.values()):
+        what = f"the asynchronous checkpoint save of {pending.path} (generation {pending.generation})"
+        reason = _why_not_at_exit()
+        if reason is None:
+            _log.warning("%s was still pending at exit: finishing it now (every rank does; at most "
+                         "%g s). Call its result() or pipe.close() on every rank before the end",
+                         what, pending._job.view.timeout)  # noqa: SLF001 - this module's class
+            try:
+                pending.result()
+                continue
+            except Exception as exc:  # noqa: BLE001 - reported below
+                reason = f"finishing it at exit failed: {exc}"
+        message = (f"{what} was still pending at exit and was not finished: {reason}. {pending.path} "
+                   "holds the previous checkpoint; call its result() or pipe.close() on every rank "
+                   "before the process ends")
+        _log.warning("%s", message)
+        warnings.warn(message, RuntimeWarning, stacklevel=1)
+
+
 def _start_write(job: _Job, state: Dict[str, Any], async_save: bool
                  ) -> Tuple[Optional[Metadata], Optional["Future[Any]"], Optional[BaseException]]:
     """Step 2: rank 0's ``extra``, then DCP's save (or asynchronous save) of ``state``.
@@ -221,10 +271,12 @@ def _start_write(job: _Job, state: Dict[str, Any], async_save: bool
     """
     view = job.view
     error: Optional[BaseException] = None
-    if view.rank == 0 and job.extra is not None:
+    if view.rank == 0:
         try:
-            job.extra_record = durable_io.atomic_torch_save(job.extra, job.directory,
-                                                            generations.extra_file(job.generation))
+            os.makedirs(job.directory, exist_ok=True)
+            if job.extra is not None:
+                job.extra_record = durable_io.atomic_torch_save(job.extra, job.directory,
+                                                                generations.extra_file(job.generation))
         except Exception as exc:  # noqa: BLE001 - reported to every rank by _finish
             error = exc
     metadata, future = None, None

@@ -2,7 +2,8 @@
 
 A new save's files never take the name of a file the current manifest names, and
 superseded files are deleted only after the new manifest is in place, so a crash
-at any moment leaves the previous checkpoint loadable.
+at any moment leaves the previous checkpoint loadable. A save that failed removes
+its own generation's files (:func:`remove_generation`), never another's.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from .errors import CheckpointError
 from .manifest import FORMAT, MANIFEST
 
 __all__ = ["model_file", "optimizer_file", "extra_file", "dcp_directory", "next_generation",
-           "remove_superseded"]
+           "remove_superseded", "remove_generation"]
 
 _log = logging.getLogger(__name__)
 
@@ -103,3 +104,46 @@ def remove_superseded(directory: str, keep: Sequence[str]) -> None:
                     os.remove(full)
             except OSError as exc:  # the checkpoint is complete; leftovers are harmless
                 _log.warning("could not delete superseded checkpoint file %s: %s", full, exc)
+
+
+def _remove(full: str) -> None:
+    """Deletes a file or a directory tree; one another rank deleted first is fine."""
+    if os.path.isdir(full) and not os.path.islink(full):
+        shutil.rmtree(full, ignore_errors=True)  # ranks sharing the directory race here
+        if os.path.exists(full):
+            raise OSError(f"{full} could not be removed")
+    else:
+        try:
+            os.remove(full)
+        except FileNotFoundError:
+            pass
+
+
+def remove_generation(directory: str, generation: int) -> None:
+    """Deletes the files and DCP directory of a save that failed: only ``generation``'s,
+    and nothing if the manifest names that generation.
+
+    Every rank of a failed save calls it (each removes what its own file system
+    shows; ranks sharing one race harmlessly); a file that cannot be deleted is
+    logged and left for the next successful save.
+
+    Args:
+        directory: the checkpoint directory.
+        generation: the failed save's generation.
+    """
+    try:
+        if not os.path.isdir(directory) or _manifest_generation(directory) == generation:
+            return
+        names = os.listdir(directory)
+    except (OSError, CheckpointError) as exc:
+        _log.warning("not removing the files of the failed save of %s (generation %d): %s",
+                     directory, generation, exc)
+        return
+    for name in names:
+        match = _OWN_FILE.match(name)
+        if match and int(match.group(1)) == generation:
+            full = os.path.join(directory, name)
+            try:
+                _remove(full)
+            except OSError as exc:
+                _log.warning("could not delete %s of the failed save: %s", full, exc)

@@ -15,6 +15,7 @@ import torch
 
 from .._dist import collectives
 from . import dcp_load, dcp_save, reshard
+from . import directory as directory_check
 from .durable_io import PathLike
 from .errors import CheckpointError
 from .manifest import (
@@ -126,7 +127,8 @@ def load_checkpoint(path: PathLike, pipe: Pipeline,
                     optimizer: Optional[torch.optim.Optimizer] = None) -> CheckpointInfo:
     """Restores a checkpoint into ``pipe`` (and ``optimizer``), in place.
 
-    Collective: every rank of the pipeline calls it. The pipeline may differ from
+    Collective: every rank of the pipeline calls it, with the same ``path``
+    (checked: the path each rank resolves must be the same). The pipeline may differ from
     the one that saved: another balance, replica layout, schedule or world size;
     each rank gathers its layers' tensors by name from whichever stage files hold
     them. Every file is checked against the manifest (size, sha256) and loaded with
@@ -154,7 +156,8 @@ def load_checkpoint(path: PathLike, pipe: Pipeline,
             incomplete (no manifest, a missing or truncated file), corrupt, or not
             matching the model or optimizer; the message names the file and the
             parameter.
-        ValueError: the optimizer holds tensors that are not this rank's parameters.
+        ValueError: the optimizer holds tensors that are not this rank's parameters,
+            or ``path`` resolves to another directory on some rank.
     """
     directory = os.fspath(path)
     view = pipe.checkpoint_view
@@ -181,12 +184,17 @@ def load_checkpoint(path: PathLike, pipe: Pipeline,
             extra = load_file(directory, manifest["extra"], "extra", "cpu")
     except Exception as exc:  # noqa: BLE001 - reported to every rank
         error = exc
-    gathered = collectives.gather_outcomes(error, view.group, view.timeout,
-                                           f"loading checkpoint {directory}",
-                                           payload=storage_of(manifest), failure=CheckpointError)
-    if len(set(gathered)) > 1:  # a save replaced the manifest while the ranks read it
-        raise CheckpointError(f"loading checkpoint {directory}: the ranks read manifests of "
-                              f"different formats ({sorted(set(gathered))}); it changed while loading")
+    gathered = collectives.gather_outcomes(
+        error, view.group, view.timeout, f"loading checkpoint {directory}",
+        payload={"storage": storage_of(manifest), "generation": manifest.get("generation"),
+                 "directory": directory_check.describe(directory)}, failure=CheckpointError)
+    directory_check.check_same(f"loading checkpoint {directory}", [e["directory"] for e in gathered],
+                               "nothing was loaded")
+    read = sorted({(e["generation"], e["storage"]) for e in gathered})
+    if len(read) > 1:  # a save replaced the manifest while the ranks read it
+        raise CheckpointError(f"loading checkpoint {directory}: the ranks read manifests of different "
+                              f"generations or formats ({', '.join(f'generation {g} ({s})' for g, s in read)}); "
+                              "it changed while loading (nothing was loaded)")
     if dcp_job is not None:
         weights, optimizer_state = dcp_load.read(dcp_job, view)
     reshard.copy_into_stages(view.stages, weights, strict=True)

@@ -2,10 +2,15 @@
 
 1. :func:`agree_to_start`: every rank checks its arguments and prepares what it
    will write, rank 0 picks the generation; one exchange makes a bad argument
-   anywhere fail everywhere before anything is written;
+   anywhere fail everywhere before anything is written, and checks that every rank
+   means the same directory (``directory.check_same``);
 2. (the storage's own writing: ``save.py`` per-stage files, ``dcp_save.py`` DCP);
-3. :func:`commit`: rank 0 writes ``manifest.json`` atomically, then deletes
-   superseded files; one exchange makes every rank return or raise together.
+   if it fails anywhere, rank 0 removes the new generation's files
+   (:func:`abandon`);
+3. :func:`commit`: rank 0 checks that every rank wrote the same generation into
+   the same directory and that it sees every file the manifest will name, writes
+   ``manifest.json`` atomically, then deletes superseded files; one exchange makes
+   every rank return or raise together.
 
 Also the manifest's common fields (:func:`build_manifest`) from the stage records
 (:func:`stage_record`) the writing phase gathered.
@@ -15,11 +20,12 @@ from __future__ import annotations
 import datetime
 import numbers
 import os
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from .._dist import collectives
+from . import directory as directory_check
 from . import generations
 from . import manifest as manifest_format
 from .errors import CheckpointError
@@ -27,7 +33,12 @@ from .extra import check_extra
 from .manifest import FORMAT, MANIFEST, STORAGE_VERSION
 from .view import PipelineView
 
-__all__ = ["Start", "checked_step", "agree_to_start", "stage_record", "build_manifest", "commit"]
+__all__ = ["Start", "checked_step", "agree_to_start", "written_by", "abandon", "stage_record",
+           "build_manifest", "commit"]
+
+#: A file the manifest will name: (its folder inside the checkpoint directory, its
+#: record with ``file`` and ``bytes``, what it holds).
+FileRecord = Tuple[str, Mapping[str, Any], str]
 
 
 def checked_step(step: Any) -> Optional[int]:
@@ -43,12 +54,12 @@ def checked_step(step: Any) -> Optional[int]:
     return int(step)
 
 
-def _prepare_directory(directory: str) -> int:
-    """Rank 0: creates ``directory`` if needed; returns the new save's generation."""
+def _new_generation(directory: str) -> int:
+    """Rank 0: the new save's generation (nothing is created before the ranks agreed;
+    the writing phase creates ``directory``)."""
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise CheckpointError(f"{directory} exists and is not a directory")
-    os.makedirs(directory, exist_ok=True)
-    return generations.next_generation(directory)
+    return generations.next_generation(directory) if os.path.isdir(directory) else 1
 
 
 class Start(NamedTuple):
@@ -76,8 +87,8 @@ def agree_to_start(view: PipelineView, directory: str, optimizer: Optional[torch
         The generation (the same on every rank), the checked step and ``prepare()``.
 
     Raises:
-        ValueError: a bad argument on any rank, or an optimizer given on some ranks
-            with parameters but not on others.
+        ValueError: a bad argument on any rank, an optimizer given on some ranks
+            with parameters but not on others, or ranks given different directories.
         CheckpointError: another failure on any rank.
     """
     error: Optional[BaseException] = None
@@ -89,14 +100,17 @@ def agree_to_start(view: PipelineView, directory: str, optimizer: Optional[torch
             check_extra(extra)
         prepared = prepare()
         if view.rank == 0:
-            generation = _prepare_directory(directory)
+            generation = _new_generation(directory)
     except Exception as exc:  # noqa: BLE001 - reported to every rank
         error = exc
     has_params = any(True for _ in view.module.parameters())
     gathered = collectives.gather_outcomes(
         error, view.group, view.timeout, f"saving checkpoint {directory}",
-        payload={"generation": generation, "optimizer": optimizer is not None, "has_params": has_params},
+        payload={"generation": generation, "optimizer": optimizer is not None, "has_params": has_params,
+                 "directory": directory_check.describe(directory)},
         failure=CheckpointError)
+    directory_check.check_same(f"saving checkpoint {directory}", [e["directory"] for e in gathered],
+                               "nothing was written or deleted")
     with_opt = [r for r, e in enumerate(gathered) if e["optimizer"]]
     without_opt = [r for r, e in enumerate(gathered) if e["has_params"] and not e["optimizer"]]
     if with_opt and without_opt:
@@ -104,6 +118,22 @@ def agree_to_start(view: PipelineView, directory: str, optimizer: Optional[torch
                          f"not on ranks {without_opt}, whose stages have parameters; pass each rank's "
                          "optimizer (None only on ranks without parameters)")
     return Start(int(gathered[0]["generation"]), step, prepared)
+
+
+def written_by(directory: str, generation: int) -> Dict[str, Any]:
+    """What a rank reports with its writing phase's outcome: where it wrote, which generation."""
+    return {"resolved": os.path.realpath(directory), "generation": generation}
+
+
+def abandon(view: PipelineView, directory: str, generation: int) -> None:
+    """After a failed writing phase or commit: rank 0 removes ``generation``'s files.
+
+    Only rank 0, which alone writes manifests, knows that no manifest will name this
+    generation, whatever the other ranks saw (a rank that timed out waiting cannot
+    tell whether rank 0 went on); see ``generations.remove_generation``.
+    """
+    if view.rank == 0:
+        generations.remove_generation(directory, generation)
 
 
 def stage_record(view: PipelineView, j: int) -> Dict[str, Any]:
@@ -159,28 +189,64 @@ def build_manifest(view: PipelineView, generation: int, step: Optional[int],
     return manifest
 
 
-def commit(view: PipelineView, directory: str, manifest: Dict[str, Any], keep: Sequence[str]) -> None:
-    """Phase 3: rank 0 writes the manifest last, then removes superseded files.
+def _check_writers(directory: str, generation: int, writers: Sequence[Mapping[str, Any]]) -> None:
+    """Rank 0: every rank wrote ``generation`` into ``directory`` (agreed in phase 1;
+    checked again before anything is deleted)."""
+    mine = written_by(directory, generation)
+    others = [(r, w) for r, w in enumerate(writers) if dict(w) != mine]
+    if others:
+        described = "; ".join(f"rank {r}: generation {w['generation']} in {w['resolved']}" for r, w in others)
+        raise CheckpointError(f"{directory}: the ranks did not all write generation {generation} into "
+                              f"{mine['resolved']} ({described}); the manifest was not written and the "
+                              "previous checkpoint was kept")
+
+
+def _check_visible(directory: str, files: Sequence[FileRecord]) -> None:
+    """Rank 0: every file the manifest will name is in ``directory`` as its writer
+    reported it (a rank that wrote elsewhere, or a file system not shared)."""
+    for folder, record, what in files:
+        name = os.path.join(folder, str(record["file"]))
+        full = os.path.join(directory, name)
+        size = os.path.getsize(full) if os.path.isfile(full) else None
+        if size != record["bytes"]:
+            seen = "is missing" if size is None else f"has {size} bytes, not {record['bytes']}"
+            raise CheckpointError(f"{directory}: {name} ({what}) {seen} on rank 0, which writes the "
+                                  "manifest: the ranks wrote into different directories, or the "
+                                  "directory is not on a file system all ranks share; the manifest "
+                                  "was not written and the previous checkpoint was kept")
+
+
+def commit(view: PipelineView, directory: str, manifest: Dict[str, Any], keep: Sequence[str],
+           files: Sequence[FileRecord], writers: Sequence[Mapping[str, Any]]) -> None:
+    """Phase 3: rank 0 checks the writes, writes the manifest last, then removes
+    superseded files; if it cannot, it removes the new generation's files instead.
 
     Args:
         view: the pipeline.
         directory: the checkpoint directory.
         manifest: the new manifest.
         keep: the files and directories it names (everything else of ours goes).
+        files: every file it names, with its record (rank 0 checks it sees them).
+        writers: every rank's :func:`written_by`, from the writing phase's exchange.
 
     Raises:
-        CheckpointError: the manifest could not be written (on every rank).
+        CheckpointError: the writes do not check out or the manifest could not be
+            written (on every rank); the previous checkpoint is kept.
     """
     error: Optional[BaseException] = None
     stages = manifest["stages"]
+    generation = int(manifest["generation"])
     if view.rank == 0:
         try:
+            _check_writers(directory, generation, writers)
             if len(stages) != view.num_stages:
                 raise CheckpointError(f"{directory}: got files for {len(stages)} of "
                                       f"{view.num_stages} stages")
+            _check_visible(directory, files)
             manifest_format.write_manifest(directory, manifest)
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             error = exc
+            abandon(view, directory, generation)
         else:
             generations.remove_superseded(directory, keep)
     collectives.gather_outcomes(error, view.group, view.timeout,

@@ -1,12 +1,13 @@
 """``save_checkpoint``: three collective phases, the manifest written last.
 
-1. check (``phases.agree_to_start``): every rank checks its arguments, rank 0 picks
-   the generation; an exchange makes a bad argument anywhere fail everywhere
-   before anything is written;
+1. check (``phases.agree_to_start``): every rank checks its arguments and its
+   directory, rank 0 picks the generation; an exchange makes a bad argument
+   anywhere fail everywhere before anything is written;
 2. write: stage leaders (replica 0) write their stages' files under new names
-   (here), or every rank writes its part of one DCP directory (``dcp_save``);
-3. commit (``phases.commit``): rank 0 writes ``manifest.json`` atomically, then
-   deletes superseded files.
+   (here), or every rank writes its part of one DCP directory (``dcp_save``); a
+   failure anywhere removes the new generation's files;
+3. commit (``phases.commit``): rank 0 checks the writes, writes ``manifest.json``
+   atomically, then deletes superseded files.
 
 A crash or error at any moment leaves the previous checkpoint loadable
 (docs/checkpoints.md, "Crash analysis").
@@ -67,14 +68,16 @@ def _write_stage(view: PipelineView, j: int, directory: str, generation: int,
 
 def _write_files(view: PipelineView, directory: str, generation: int,
                  optimizer_parts: Dict[int, Dict[str, Any]],
-                 extra: Any) -> Tuple[List[Dict[str, Any]], Optional[Dict[str, Any]]]:
+                 extra: Any) -> Tuple[List[Dict[str, Any]], Optional[Dict[str, Any]], List[Dict[str, Any]]]:
     """Phase 2: stage leaders write their files under new names, rank 0 ``extra``.
 
     Returns:
-        Every stage's record (in stage order) and ``extra``'s record, on every rank.
+        Every stage's record (in stage order), ``extra``'s record and every rank's
+        ``phases.written_by``, on every rank.
 
     Raises:
-        CheckpointError: writing failed on some rank (on every rank).
+        CheckpointError: writing failed on some rank (on every rank); rank 0 removed
+            the new generation's files.
     """
     error: Optional[BaseException] = None
     records: List[Dict[str, Any]] = []
@@ -90,12 +93,17 @@ def _write_files(view: PipelineView, directory: str, generation: int,
         durable_io.fsync_directory(directory)
     except Exception as exc:  # noqa: BLE001 - reported to every rank
         error = exc
-    gathered = collectives.gather_outcomes(error, view.group, view.timeout,
-                                           f"saving checkpoint {directory}",
-                                           payload={"stages": records, "extra": extra_record},
-                                           failure=CheckpointError)
+    try:
+        gathered = collectives.gather_outcomes(
+            error, view.group, view.timeout, f"saving checkpoint {directory}",
+            payload={"stages": records, "extra": extra_record,
+                     "written": phases.written_by(directory, generation)},
+            failure=CheckpointError)
+    except BaseException:
+        phases.abandon(view, directory, generation)
+        raise
     stages = sorted((s for entry in gathered for s in entry["stages"]), key=lambda s: s["stage"])
-    return stages, gathered[0]["extra"]
+    return stages, gathered[0]["extra"], [entry["written"] for entry in gathered]
 
 
 def _save_files(view: PipelineView, directory: str, optimizer: Optional[torch.optim.Optimizer],
@@ -103,14 +111,14 @@ def _save_files(view: PipelineView, directory: str, optimizer: Optional[torch.op
     """The per-stage-files format: check, write, commit."""
     start = phases.agree_to_start(view, directory, optimizer, step, extra,
                                   lambda: optimizer_by_stage(view, optimizer) if optimizer is not None else {})
-    stages, extra_record = _write_files(view, directory, start.generation, start.prepared, extra)
+    stages, extra_record, writers = _write_files(view, directory, start.generation, start.prepared, extra)
     manifest = phases.build_manifest(view, start.generation, start.step, stages, extra_record,
                                      STORAGE_PIPEDREAM,
                                      next((s["optimizer"]["class"] for s in stages if s["optimizer"]), None))
-    keep = [s["model"]["file"] for s in stages] + \
-        [s["optimizer"]["file"] for s in stages if s["optimizer"]] + \
-        ([manifest["extra"]["file"]] if manifest["extra"] else [])
-    phases.commit(view, directory, manifest, keep)
+    files: List[phases.FileRecord] = [("", s["model"], f"weights of stage {s['stage']}") for s in stages]
+    files += [("", s["optimizer"], f"optimizer state of stage {s['stage']}") for s in stages if s["optimizer"]]
+    files += [("", manifest["extra"], "extra")] if manifest["extra"] else []
+    phases.commit(view, directory, manifest, [record["file"] for _, record, _ in files], files, writers)
     return CheckpointInfo(path=directory, generation=start.generation, step=start.step, extra=extra,
                           manifest=manifest)
 
@@ -132,7 +140,8 @@ def save_checkpoint(path: PathLike, pipe: Pipeline, optimizer: Optional[torch.op
     """Saves the pipeline's weights, buffers and optimizer state under ``path/``.
 
     Collective: every rank of the pipeline calls it with the same ``path`` (on a
-    file system all ranks share). An asynchronous save still in progress on this
+    file system all ranks share; checked: the path each rank resolves must be the
+    same, and rank 0 must see every file the others wrote). An asynchronous save still in progress on this
     pipeline's ranks is finished first, and asynchronous schedules are flushed
     (``pipe.flush()``). Everything is keyed by the original model's names and
     written by one replica of each stage; once every rank reported its part,
@@ -166,12 +175,14 @@ def save_checkpoint(path: PathLike, pipe: Pipeline, optimizer: Optional[torch.op
 
     Raises:
         ValueError: a bad ``step``, ``extra``, ``format`` or ``async_save``, an
-            optimizer holding foreign tensors, or an optimizer given on some ranks
-            with parameters but not on others (raised on every rank, before
-            anything is written).
+            optimizer holding foreign tensors, an optimizer given on some ranks
+            with parameters but not on others, or a ``path`` that resolves to
+            another directory on some rank (raised on every rank, before anything
+            is written).
         CheckpointError: writing failed on some rank, a rank did not arrive within
             the pipeline's timeout, or the previous asynchronous save failed
-            (raised on every rank that can).
+            (raised on every rank that can). The previous checkpoint in ``path``
+            is kept, and the failed save's own files are removed.
     """
     _check_format(format, async_save)
     directory = os.fspath(path)

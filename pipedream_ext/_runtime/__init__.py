@@ -1,5 +1,6 @@
 """Running a built pipeline: configuration, local stages, the stage call, runners,
-tied gradients, gradient clipping, loss scaling, the step's loss and observation (stats, Chrome trace).
+``forward_only``'s outputs, tied gradients, gradient clipping, loss scaling, the step's loss and
+observation (stats, Chrome trace).
 
 May import the layers below it (``_planning``, ``_frontend``, ``_dist``, ``schedules``, ``_C``)
 (docs/architecture.md).

@@ -33,6 +33,7 @@ from .._dist import collectives, faults
 from .._dist.groups import PipelineGroups, RankNames, p2p_protocol
 from . import optimizer_check
 from .config import PipelineConfig
+from .eval_outputs import check_output_batch_dim, merge_microbatch_outputs, microbatch_rows
 from .grad_clip import GradientClipper, check_max_norm, check_norm_type
 from .local_stages import LocalStages
 from .mesh_steps import MeshSteps, StepMismatch
@@ -282,20 +283,28 @@ class Runner:
                 group=self.groups.leader_group, side=self.groups.leader_side)
         return self._eval_executor
 
-    def forward_only(self, inputs: Optional[Tensors]) -> Any:
+    def forward_only(self, inputs: Optional[Tensors], output_batch_dim: Any = 0,
+                     restore: Optional[Callable[[Any], Any]] = None) -> Any:
         """Runs a batch forward without gradients; the outputs on the last stage's rank.
 
-        The last stage's output is combined over microbatches leaf by leaf
-        (``StageFunction.take_eval_outputs``: tensors concatenated on dim 0, scalars
-        averaged by rows). A failure on one rank after its part ran (combining the
-        outputs) is raised on every rank: one flag all-reduce per call.
+        One bounded all-reduce first brings stage 0's batch size to every rank (and
+        fails every rank together if the batch cannot be cut); the last stage's
+        outputs are then combined over microbatches (``eval_outputs``: tensors along
+        ``output_batch_dim`` where it has each microbatch's rows, 0-d tensors as the
+        rows-weighted mean; anything else refused). A failure on one rank after its
+        part ran (combining the outputs) is raised on every rank: one flag all-reduce.
+
+        Args:
+            inputs: the batch (stage 0's ranks).
+            output_batch_dim: the outputs' batch dimension, or ``None`` for the list of
+                each microbatch's output.
+            restore: turns the last stage's output into the model's own structure
+                (a traced model's output spec), per microbatch, before combining.
         """
-        self._require(inputs, self.is_first, "inputs", "forward_only()")
         executor = self._evaluation_executor()
+        rows, chunks = self._cut_for_evaluation(inputs, executor is not None, output_batch_dim)
         result, error = None, None
         if executor is not None:
-            chunks = self._split(inputs, "inputs", self.config.microbatches) \
-                if self.is_first else []
             self.stage_fn.evaluating = True
             try:
                 outputs = self._run_executor(lambda: executor.run_forward([list(c) for c in chunks]))
@@ -303,13 +312,45 @@ class Runner:
                 self.stage_fn.evaluating = False
             if self.is_last:
                 try:
-                    result = self.stage_fn.take_eval_outputs(outputs)
+                    per_microbatch = self.stage_fn.take_eval_outputs(outputs)
+                    if restore is not None:
+                        per_microbatch = [restore(out) for out in per_microbatch]
+                    if per_microbatch:
+                        result = merge_microbatch_outputs(per_microbatch, rows, output_batch_dim)
                 except Exception as exc:  # noqa: BLE001 - reported to every rank
                     error = exc
         if self.data_parallel is not None:
             self.data_parallel.after_evaluation()
         self._agree_on_error(error, "forward_only()")
         return result
+
+    def _cut_for_evaluation(self, inputs: Optional[Tensors], runs: bool, output_batch_dim: Any
+                            ) -> Tuple[List[int], List[Tuple[torch.Tensor, ...]]]:
+        """``forward_only``'s microbatches on stage 0 and every microbatch's rows on
+        every rank (the last stage checks its outputs against them): one bounded
+        all-reduce of stage 0's batch size and of a failure flag.
+
+        Raises:
+            ValueError: a bad ``output_batch_dim``, missing inputs or a batch that
+                cannot be cut, on any rank (raised on every rank).
+        """
+        error: Optional[BaseException] = None
+        chunks: List[Tuple[torch.Tensor, ...]] = []
+        batch = 0
+        try:
+            self._require(inputs, self.is_first, "inputs", "forward_only()")
+            check_output_batch_dim(output_batch_dim)
+            if runs and self.is_first:
+                chunks = self._split(inputs, "inputs", self.config.microbatches)  # type: ignore[arg-type]
+                batch = sum(c[0].shape[0] for c in chunks)
+        except ValueError as exc:
+            error = exc
+        agreed = collectives.all_reduce_bounded(
+            torch.tensor([float(batch), 1.0 if error is not None else 0.0], dtype=torch.float64),
+            self.groups.group, dist.ReduceOp.MAX, self.config.timeout)
+        if agreed[1].item():
+            collectives.raise_if_any_failed(error, self.groups.group, self.config.timeout, "forward_only()")
+        return microbatch_rows(int(agreed[0].item()), self.config.microbatches), chunks
 
     def _agree_on_error(self, error: Optional[BaseException], what: str) -> None:
         """Raises ``error`` on every rank if any rank has one (one flag all-reduce)."""
@@ -530,12 +571,13 @@ class AsyncRunner(Runner):
                          "after pd.clip_grad_norm_ could run; clip there instead: PipeDream(..., "
                          f"clip_grad_norm={max_norm!r}) (or (max_norm, norm_type)) clips every update")
 
-    def forward_only(self, inputs: Optional[Tensors]) -> Optional[Tensors]:
+    def forward_only(self, inputs: Optional[Tensors], output_batch_dim: Any = 0,
+                     restore: Optional[Callable[[Any], Any]] = None) -> Any:
         self._require(inputs, self.is_first, "inputs", "forward_only()")
         if self.admitted:
             raise RuntimeError(f"{self.admitted} minibatches are still in the pipeline; call "
                                "pipe.flush() before forward_only()")
-        return super().forward_only(inputs)
+        return super().forward_only(inputs, output_batch_dim, restore)
 
     def step(self, inputs: Optional[Tensors], targets: Optional[Any],
              optimizer: Optional[torch.optim.Optimizer]) -> Optional[float]:

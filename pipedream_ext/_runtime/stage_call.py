@@ -262,13 +262,12 @@ class StageFunction:
                                                   for v in leaves])
         return [v for v in leaves if isinstance(v, torch.Tensor)]
 
-    def take_eval_outputs(self, outputs: Sequence[Sequence[torch.Tensor]]) -> Any:
-        """The model's output for the whole batch from the last stage's per-microbatch
-        outputs (:meth:`_flatten_output`), combined leaf by leaf: tensors with a batch
-        dimension are concatenated on dim 0; a 0-d tensor (a loss, an auxiliary loss) is
-        the mean over microbatches weighted by their rows (the dim 0 of the output's first
-        tensor that has one), as ``step()`` combines the loss; any other value is the first
-        microbatch's.
+    def take_eval_outputs(self, outputs: Sequence[Sequence[torch.Tensor]]) -> List[Any]:
+        """Each microbatch's output of the last stage, rebuilt from the executor's tensors
+        and the structure :meth:`_flatten_output` kept (``eval_outputs`` combines them).
+
+        Returns:
+            The outputs in microbatch order (empty: this rank ran no last stage).
 
         Raises:
             ValueError: microbatches returned different structures.
@@ -276,33 +275,16 @@ class StageFunction:
         microbatches = sorted(i for i, o in enumerate(outputs) if i in self.eval_structure)
         structures = [self.eval_structure.pop(i) for i in microbatches]
         self.eval_structure.clear()
-        if not structures:
-            return None
-        spec, others = structures[0]
-        if any(s != spec for s, _ in structures):
+        if any(s != structures[0][0] for s, _ in structures):
             raise ValueError(f"{self.rank_name}: the last stage returned different structures for "
                              "the microbatches of one batch; its output's structure must not "
                              "depend on the data")
         per_microbatch = []
-        for i, (_, leaves) in zip(microbatches, structures):
+        for i, (spec, leaves) in zip(microbatches, structures):
             tensors = iter(outputs[i])
-            per_microbatch.append([next(tensors) if v is _TENSOR else v for v in leaves])
-        first_batched = next((k for k, v in enumerate(per_microbatch[0])
-                              if isinstance(v, torch.Tensor) and v.dim() > 0), None)
-        rows = [float(p[first_batched].shape[0]) if first_batched is not None else 1.0
-                for p in per_microbatch]
-        combined = []
-        for k, first in enumerate(per_microbatch[0]):
-            values = [p[k] for p in per_microbatch]
-            if not isinstance(first, torch.Tensor):
-                combined.append(first)
-            elif first.dim() == 0:
-                total = sum(rows)
-                combined.append(sum(v.double() * (r / total) for v, r in zip(values, rows))
-                                .to(first.dtype))
-            else:
-                combined.append(torch.cat(values, dim=0))
-        return pytree.tree_unflatten(combined, spec)
+            per_microbatch.append(pytree.tree_unflatten([next(tensors) if v is _TENSOR else v
+                                                         for v in leaves], spec))
+        return per_microbatch
 
     def _run_again(self, stage: int, microbatch: int, inputs: List[torch.Tensor],
                    weights: List[torch.Tensor]) -> List[torch.Tensor]:
