@@ -83,110 +83,94 @@ class PipeDream:
             opt.step(); opt.zero_grad()
 
     Args:
-        module: the whole model, identically initialised on every rank, or built
-            on the meta device (then see ``init_seed`` and ``init_fn``): an
-            ``nn.Sequential``, or any ``nn.Module`` with ``split_points`` or with
-            ``balance="auto"`` / a plan (traced, cut as the plan's stages say).
-        loss_fn: ``loss_fn(output, target)``, a scalar tensor: the mean over the batch
-            (or the sum, with ``loss_reduction="sum"``; checked once, on the first
-            microbatch).
-        schedule: one of :data:`SYNCHRONOUS_SCHEDULES` or :data:`ASYNCHRONOUS_SCHEDULES`
-            (what each means: ``schedules.traits(name)``).
-            With ``pipedream`` every ``step`` is one minibatch and one weight update
-            per stage (weight stashing); with ``pipedream-2bw`` one batch of
-            ``microbatches`` and one update (at most 2 weight versions). Both take
-            the optimizer in ``step(x, y, optimizer=opt)`` and need ``flush()``.
+        module: the whole model, identically initialised on every rank, or built on the meta device (then see
+            ``init_seed`` and ``init_fn``): an ``nn.Sequential``, or any ``nn.Module`` with ``split_points`` or
+            with ``balance="auto"`` / a plan (traced, cut as the plan's stages say).
+        loss_fn: ``loss_fn(output, target)``, a scalar tensor: the mean over the batch (or the sum, with
+            ``loss_reduction="sum"``; checked once, on the first microbatch).
+        schedule: one of :data:`SYNCHRONOUS_SCHEDULES` or :data:`ASYNCHRONOUS_SCHEDULES` (what each means:
+            ``schedules.traits(name)``). With ``pipedream`` every ``step`` is one minibatch and one weight
+            update per stage (weight stashing); with ``pipedream-2bw`` one batch of ``microbatches`` and one
+            update (at most 2 weight versions). Both take the optimizer in ``step(x, y, optimizer=opt)`` and
+            need ``flush()``.
         microbatches: microbatches per ``step`` (the batch is split on dim 0).
-        balance: layers per stage (``None``: an even split); ``"auto"`` to profile
-            the model on rank 0 with ``sample`` and plan stages and replicas for this
-            world with the planner; or a saved plan (a ``plan.json`` path or a
-            :class:`~pipedream_ext.Plan`). Stages are ordered as in the module; stage
-            ``j`` runs on rank ``j``, or on consecutive ranks when replicated; with
-            several chunks per rank the schedule's layout places them: ``j mod world``
-            (``interleaved-1f1b``, ``interleaved-zb``) or a V (``zbv``, ``dualpipev``:
-            rank ``r`` holds stages ``r`` and ``2 * world - 1 - r``). For a model that
-            is not an ``nn.Sequential`` (no ``split_points``), ``"auto"`` traces it,
-            profiles its graph on rank 0 (groups of operations, real edges) and plans;
-            a plan must come from that model's graph profile (docs/tracing.md).
-        chunks: model chunks per rank (``interleaved-1f1b``, ``interleaved-zb``;
-            exactly 2 for ``zbv`` and ``dualpipev``).
-        process_group: the group to run on (default: the default group, which is
-            created from the torchrun environment if needed: Gloo on CPU, NCCL on GPU).
-        device: where this rank's layers live (default: ``cuda:LOCAL_RANK`` if CUDA
-            is available, else CPU).
+        balance: layers per stage (``None``: an even split); ``"auto"`` to profile the model on rank 0 with
+            ``sample`` and plan stages and replicas for this world with the planner; or a saved plan (a
+            ``plan.json`` path or a :class:`~pipedream_ext.Plan`). Stages are ordered as in the module; stage
+            ``j`` runs on rank ``j``, or on consecutive ranks when replicated; with several chunks per rank the
+            schedule's layout places them: ``j mod world`` (``interleaved-1f1b``, ``interleaved-zb``) or a V
+            (``zbv``, ``dualpipev``: rank ``r`` holds stages ``r`` and ``2 * world - 1 - r``). For a model that
+            is not an ``nn.Sequential`` (no ``split_points``), ``"auto"`` traces it, profiles its graph on rank
+            0 (groups of operations, real edges) and plans; a plan must come from that model's graph profile
+            (docs/tracing.md).
+        chunks: model chunks per rank (``interleaved-1f1b``, ``interleaved-zb``; exactly 2 for ``zbv`` and
+            ``dualpipev``).
+        process_group: the group to run on (default: the default group, which is created from the torchrun
+            environment if needed: Gloo on CPU, NCCL on GPU).
+        device: where this rank's layers live (default: ``cuda:LOCAL_RANK`` if CUDA is available, else CPU).
         timeout: seconds any wait on another rank may take before failing.
-        vertical_sync: ``pipedream`` only: every stage uses, for a minibatch, the
-            weight version stage 0 used.
-        replicas: replica count per stage, e.g. ``[2, 1, 1]`` on 4 ranks (hybrid
-            pipeline and data parallelism; gpipe, 1f1b, pipedream, pipedream-2bw).
-            Stage j runs on ``replicas[j]`` consecutive ranks; microbatch i runs on
-            replica ``i mod replicas[j]``; replicas all-reduce gradients before each
-            update (summed for flush schedules and 2bw, where they are parts of one
-            batch; averaged for ``pipedream``, where each replica ran its own minibatch).
-        sample: ``(inputs, targets)`` of one batch, for ``balance="auto"`` and for
-            tracing a model that is not an ``nn.Sequential``.
-        bandwidth: bytes/s per topology level (within a node, then between
-            nodes) for ``balance="auto"``; measured with a short probe if omitted.
-        recompute: keep only each stage's inputs during the forward and recompute
-            its activations in the backward (same result, with the CPU and CUDA RNG
-            states restored so dropout draws the same masks).
-        trace: record every action each rank runs and write them, merged by rank 0,
-            as one Chrome trace at this path (Perfetto) in :meth:`write_trace` or
-            :meth:`close`. Default: the ``PIPEDREAM_TRACE`` environment variable.
-        autocast: run every stage's forward (and the loss) under
-            ``torch.autocast(device_type, dtype=autocast)``, e.g. ``torch.bfloat16``;
-            boundary tensors then travel in that dtype (half the bytes). With
-            ``torch.float16`` on a flush schedule, scale the loss with
-            :meth:`grad_scaler` (all ranks skip an overflowing step together).
-        check_finite: ``"raise"`` or ``"skip"``: after every step, find the first
-            stage whose forward output (or, in the backward, the last stage whose
-            gradients) holds NaN or inf and report it with the step number;
-            ``"raise"`` raises :class:`NonFiniteError` on every rank, ``"skip"``
-            (flush schedules) logs a warning, sets this step's gradients to ``None``
-            so ``optimizer.step()`` leaves the weights alone, and returns ``nan``.
-            Costs one ``isfinite`` per stage output and one small all-reduce per
-            step. Asynchronous schedules support ``"raise"`` only (the rank that
-            finds it raises; the others fail naming it).
-        init_seed: base seed of deferred initialisation (default 0), an integer in
-            ``[0, 2**16)``: top-level layer ``l`` built on the meta device is
-            initialised under a forked RNG seeded with ``init_seed * 2**16 + l``,
-            so it gets the same weights on any partition or world size; your
-            global RNG state is left as it was. ``pd.materialize(model, seed=...)``
-            gives the same weights to a whole model in one process.
-        init_fn: ``init_fn(layer)`` initialises one top-level layer built on the
-            meta device in place (called once per layer this rank keeps, after its
-            storage is allocated, under the seeded RNG and ``no_grad``), instead of
-            each module's ``reset_parameters()``. Needed for modules with meta
-            tensors and no ``reset_parameters()``, and for buffers computed in
-            ``__init__`` (a causal mask) that ``reset_parameters()`` does not set.
-        split_points: for a model that is not an ``nn.Sequential``: qualified module
-            names (``["layer3", "decoder.up1"]``); the model is traced with torch.fx on
-            ``sample`` (``torch.export``, non-strict with dynamic shapes, where fx
-            cannot) and stage ``j + 1`` starts at the first operation running in
-            ``split_points[j]``. Tensors live across a cut (inputs, skip connections)
-            travel as a tuple; names stay the original model's. One fewer than the
-            stages (ranks x chunks, or ``len(replicas)``). See docs/tracing.md.
-        concrete_args: for a traced model: non-tensor ``forward`` arguments fixed
-            for tracing, e.g. ``{"use_cache": False}``; tensor inputs go in ``sample``
-            and in every ``step``: a tuple (positionally) or a dict of named tensors
-            (keyword arguments; every other argument then takes its default).
-        loss_reduction: ``"mean"`` (default): ``loss_fn`` averages over the batch and
-            each microbatch's loss is scaled by its share of the batch; ``"sum"``: it
-            adds, unscaled. A ``loss_fn`` that reduces otherwise is refused at once.
-        check_agreement: the first ``check_agreement`` calls of ``step()`` and of
-            ``forward_only()`` start with one small exchange in which every rank says
-            which call it is in and fingerprints the batch it was given: ranks in
-            different calls, or a first and a last stage given different batches (a
-            ``DistributedSampler`` kept from a DDP script) fail on every rank before
-            anything is sent. ``0`` turns it off; later calls cost nothing.
-        mesh: a ``("pp", "dp")`` DeviceMesh over every rank: the pipeline runs on
-            ``mesh["pp"]``, one copy per ``dp`` rank, each ``step`` given that rank's part.
-        data_parallel: with ``mesh``: ``"fsdp"`` (FSDP2 ``fully_shard`` of each layer over
-            ``mesh["dp"]``) or ``"replicate"`` (gradients averaged over it after each step).
+        vertical_sync: ``pipedream`` only: every stage uses, for a minibatch, the weight version stage 0 used.
+        replicas: replica count per stage, e.g. ``[2, 1, 1]`` on 4 ranks (hybrid pipeline and data parallelism;
+            gpipe, 1f1b, pipedream, pipedream-2bw). Stage j runs on ``replicas[j]`` consecutive ranks;
+            microbatch i runs on replica ``i mod replicas[j]``; replicas all-reduce gradients before each update
+            (summed for flush schedules and 2bw, where they are parts of one batch; averaged for ``pipedream``,
+            where each replica ran its own minibatch).
+        sample: ``(inputs, targets)`` of one batch, for ``balance="auto"`` and for tracing a model that is not
+            an ``nn.Sequential``.
+        bandwidth: bytes/s per topology level (within a node, then between nodes) for ``balance="auto"``;
+            measured with a short probe if omitted.
+        recompute: keep only each stage's inputs during the forward and recompute its activations in the
+            backward (same result, with the CPU and CUDA RNG states restored so dropout draws the same masks).
+        trace: record every action each rank runs and write them, merged by rank 0, as one Chrome trace at this
+            path (Perfetto) in :meth:`write_trace` or :meth:`close`. Default: the ``PIPEDREAM_TRACE``
+            environment variable.
+        autocast: run every stage's forward (and the loss) under ``torch.autocast(device_type,
+            dtype=autocast)``, e.g. ``torch.bfloat16``; boundary tensors then travel in that dtype (half the
+            bytes). With ``torch.float16`` on a flush schedule, scale the loss with :meth:`grad_scaler` (all
+            ranks skip an overflowing step together).
+        check_finite: ``"raise"`` or ``"skip"``: after every step, find the first stage whose forward output
+            (or, in the backward, the last stage whose gradients) holds NaN or inf and report it with the step
+            number; ``"raise"`` raises :class:`NonFiniteError` on every rank, ``"skip"`` (flush schedules) logs
+            a warning, sets this step's gradients to ``None`` so ``optimizer.step()`` leaves the weights alone,
+            and returns ``nan``. Costs one ``isfinite`` per stage output and one small all-reduce per step.
+            Asynchronous schedules support ``"raise"`` only (the rank that finds it raises; the others fail
+            naming it).
+        init_seed: base seed of deferred initialisation (default 0), an integer in ``[0, 2**16)``: top-level
+            layer ``l`` built on the meta device is initialised under a forked RNG seeded with ``init_seed *
+            2**16 + l``, so it gets the same weights on any partition or world size; your global RNG state is
+            left as it was. ``pd.materialize(model, seed=...)`` gives the same weights to a whole model in one
+            process.
+        init_fn: ``init_fn(layer)`` initialises one top-level layer built on the meta device in place (called
+            once per layer this rank keeps, after its storage is allocated, under the seeded RNG and
+            ``no_grad``), instead of each module's ``reset_parameters()``. Needed for modules with meta tensors
+            and no ``reset_parameters()``, and for buffers computed in ``__init__`` (a causal mask) that
+            ``reset_parameters()`` does not set.
+        split_points: for a model that is not an ``nn.Sequential``: qualified module names (``["layer3",
+            "decoder.up1"]``); the model is traced with torch.fx on ``sample`` (``torch.export``, non-strict
+            with dynamic shapes, where fx cannot) and stage ``j + 1`` starts at the first operation running in
+            ``split_points[j]``. Tensors live across a cut (inputs, skip connections) travel as a tuple; names
+            stay the original model's. One fewer than the stages (ranks x chunks, or ``len(replicas)``). See
+            docs/tracing.md.
+        concrete_args: for a traced model: non-tensor ``forward`` arguments fixed for tracing, e.g.
+            ``{"use_cache": False}``; tensor inputs go in ``sample`` and in every ``step``: a tuple
+            (positionally) or a dict of named tensors (keyword arguments; every other argument then takes its
+            default).
+        loss_reduction: ``"mean"`` (default): ``loss_fn`` averages over the batch and each microbatch's loss is
+            scaled by its share of the batch; ``"sum"``: it adds, unscaled. A ``loss_fn`` that reduces otherwise
+            is refused at once.
+        check_agreement: the first ``check_agreement`` calls of ``step()`` and of ``forward_only()`` start with
+            one small exchange in which every rank says which call it is in and fingerprints the batch it was
+            given: ranks in different calls, or a first and a last stage given different batches (a
+            ``DistributedSampler`` kept from a DDP script) fail on every rank before anything is sent. ``0``
+            turns it off; later calls cost nothing.
+        mesh: a ``("pp", "dp")`` DeviceMesh over every rank: the pipeline runs on ``mesh["pp"]``, one copy per
+            ``dp`` rank, each ``step`` given that rank's part.
+        data_parallel: with ``mesh``: ``"fsdp"`` (FSDP2 ``fully_shard`` of each layer over ``mesh["dp"]``) or
+            ``"replicate"`` (gradients averaged over it after each step).
         reshard_after_forward: ``"fsdp"``: free the gathered weights after each forward.
         mp_policy: ``"fsdp"``: FSDP's ``MixedPrecisionPolicy`` (README "Pipeline + FSDP").
-        clip_grad_norm: ``pipedream-2bw``: ``max_norm`` or ``(max_norm, norm_type)``: clip each
-            update's gradients by the whole model's norm (flush: :func:`clip_grad_norm_`).
+        clip_grad_norm: ``pipedream-2bw``: ``max_norm`` or ``(max_norm, norm_type)``: clip each update's
+            gradients by the whole model's norm (flush: :func:`clip_grad_norm_`).
 
     Every rank compares, at construction, the arguments above and a fingerprint of
     every stage (its graph or layers; docs/tracing.md#one-graph-on-every-rank), and
