@@ -27,6 +27,7 @@ from pipedream_ext._frontend.tied_params import (
 )
 from pipedream_ext._planning.startup import cluster_shape, partition_from_plan
 from pipedream_ext._runtime.config import PipelineConfig
+from pipedream_ext._runtime.eval_outputs import merge_microbatch_outputs
 from pipedream_ext._runtime.local_stages import LocalStages
 from pipedream_ext._runtime.sharding import mesh_pipelines
 from pipedream_ext._runtime.stage_call import (
@@ -315,7 +316,9 @@ def test_evaluation_outputs_are_combined_leaf_by_leaf() -> None:
         h = torch.full((rows, 2), float(i))
         outs.append(fn._flatten_output({"h": h, "loss": h.sum() / rows + i, "tag": "x", "no": None},
                                        i))
-    combined = fn.take_eval_outputs(outs)
+    per_microbatch = fn.take_eval_outputs(outs)
+    assert [m["h"].shape[0] for m in per_microbatch] == [3, 2]
+    combined = merge_microbatch_outputs(per_microbatch, [3, 2], 0)
     assert combined["tag"] == "x" and combined["no"] is None
     assert torch.equal(combined["h"], torch.cat([torch.zeros(3, 2), torch.ones(2, 2)]))
     # The rows-weighted mean: (3 * 0 + 2 * (2 + 1)) / 5.
