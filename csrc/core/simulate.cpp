@@ -224,13 +224,13 @@ class Simulator {
         total_(schedule.totalMicrobatches()),
         lowered_(schedule.isLowered()),
         split_(!costs.weight.empty()),
+        recording_(recording),
         forwardDone_(stages_, total_),
         gradDone_(stages_, total_),
         sentForward_(stages_, total_),
         sentBackward_(stages_, total_),
         recvForward_(stages_, total_),
         recvBackward_(stages_, total_),
-        recording_(recording),
         next_(ranks_, 0),
         freeAt_(ranks_, 0.0) {
     result_.busyTimePerRank.assign(ranks_, 0.0);
