@@ -73,6 +73,7 @@ run: setup
 bench: setup
 	$(PY) benchmarks/schedules_sweep.py
 	$(PY) benchmarks/schedule_bubbles.py
+	$(PY) benchmarks/schedule_build.py
 	$(PY) benchmarks/planner_speed.py --clusters 4,16,4x4,64 > benchmarks/results/planner_speed.md
 	$(PY) benchmarks/comm_volume.py
 	$(PY) benchmarks/plan_accuracy.py

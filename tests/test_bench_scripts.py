@@ -1,10 +1,10 @@
 """The benchmark scripts' pure helpers (benchmarks/plan_accuracy.py, memory.py, soak.py,
-deferred_init.py, traced.py, zero_bubble.py, split_backward.py, fsdp_2d.py)
-and the harness they stand on (benchmarks/_harness.py).
+deferred_init.py, traced.py, zero_bubble.py, split_backward.py, fsdp_2d.py,
+schedule_build.py) and the harness they stand on (benchmarks/_harness.py).
 
 Fast: the scripts import torch only inside functions, so loading them imports no torch;
-only the smoke runs at the end (traced.py, about 25 s; zero_bubble.py and
-split_backward.py with ``--smoke``: a tiny model on 2 ranks, a few seconds each) start
+only the smoke runs (traced.py, about 25 s; zero_bubble.py, split_backward.py and
+schedule_build.py with ``--smoke``: tiny sizes, 2 ranks, a few seconds each) start
 processes.
 """
 from __future__ import annotations
@@ -41,12 +41,13 @@ zero_bubble = _load("zero_bubble")
 split_backward = _load("split_backward")
 agreement = _load("agreement")
 fsdp_2d = _load("fsdp_2d")
+schedule_build = _load("schedule_build")
 util = _load("_harness")
 
 
 def test_scripts_do_not_import_torch_at_module_level():
     for script in (plan_accuracy, memory, soak, deferred_init, traced, zero_bubble, split_backward,
-                   agreement, fsdp_2d):
+                   agreement, fsdp_2d, schedule_build):
         assert "torch" not in vars(script), script.__name__
 
 
@@ -541,6 +542,45 @@ def test_zero_bubble_smoke_mode_and_argument_checks():
     for bad in (["--comparisons", "1f1b"], ["--layers", "6"], ["--batch", "10"], ["--warmup", "0"]):
         with pytest.raises(SystemExit):
             zero_bubble.parse_args(bad)
+
+
+# ----------------------------------------------------------------------------- schedule_build
+def test_schedule_build_fits_the_growth_exponent():
+    assert schedule_build.fit_exponent([128, 256, 512], [1.0, 2.0, 4.0]) == pytest.approx(1.0)
+    assert schedule_build.fit_exponent([1, 2, 4], [3.0, 12.0, 48.0]) == pytest.approx(2.0)
+    assert schedule_build.fit_exponent([64], [1.0]) is None
+    with pytest.raises(ValueError):
+        schedule_build.fit_exponent([1, 2], [1.0])
+    with pytest.raises(ValueError):
+        schedule_build.fit_exponent([1, 2], [0.0, 1.0])
+
+
+def test_schedule_build_report_fills_skipped_cells_from_the_other_sweep():
+    cell = {"stages": 64, "microbatches": 1024, "seconds": 2.0, "cpu_seconds": 1.0, "actions": 1000}
+    data = {"by_microbatches": {"1f1b": [{"stages": 64, "microbatches": 1024, "skipped": True}]},
+            "by_stages": {"1f1b": [cell]}}
+    assert schedule_build.measured_cells(data) == {("1f1b", 64, 1024): cell}
+    args = schedule_build.parse_args(["--smoke"])
+    assert (args.stages, args.microbatches, args.stage_counts, args.construct) == (4, [8, 16, 32], [2, 4, 8], [8, 16])
+
+
+def test_schedule_build_smoke_run(tmp_path):
+    """benchmarks/schedule_build.py --smoke: every schedule built at every size, and
+    PipeDream(...) and torch's stage + schedule constructed on both ranks."""
+    proc = _smoke("schedule_build.py", tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "schedule_build.json").read_text())
+    from pipedream_ext import schedules
+
+    for part in ("by_microbatches", "by_stages"):
+        assert set(data[part]) == set(schedules.names())
+        for name, rows in data[part].items():
+            assert len(rows) == 3 and all(r["seconds"] > 0 and r["actions"] > 0 for r in rows), (name, rows)
+    ranks = data["construction"]["ranks"]
+    assert len(ranks) == 2 and all(set(r["ours"]) == set(r["torch"]) == {"8", "16"} for r in ranks)
+    text = (tmp_path / "schedule_build.md").read_text()
+    assert "## Over the microbatches, p = 4" in text and "| 1f1b | 1 |" in text
+    assert "## PipeDream(...) construction, 2 ranks, 1f1b" in text
 
 
 # ----------------------------------------------------------------------------- smoke runs

@@ -221,7 +221,7 @@ def test_options_straight_fewer_and_memory(tmp_path: Path) -> None:
     straight = pe.plan(prof, workers=4, bandwidth=1.25e9, straight=True)
     assert straight.replicas == [1, 1, 1, 1]
     profile = _two_layer_profile(tmp_path / "g.txt")
-    with pytest.raises(ValueError, match="memory limit"):
+    with pytest.raises(ValueError, match=r"a straight plan on 5 workers needs 5 stages .* at most 2"):
         pe.plan(profile, workers=5, bandwidth=1e9, straight=True)
     fewer = pe.plan(profile, workers=5, bandwidth=1e9, straight=True, fewer_workers=True)
     assert fewer.used_workers == 2 and fewer.num_workers == 5
@@ -231,6 +231,47 @@ def test_options_straight_fewer_and_memory(tmp_path: Path) -> None:
         pe.plan(prof, workers=[4, 4], bandwidth=[1e9])
     with pytest.raises(ValueError, match="cost model"):
         pe.plan(prof, workers=4, bandwidth=1e9, cost_model="fast")
+
+
+def _uniform_chain(layers: int) -> "pe.ProfileGraph":
+    """Input then ``layers`` equal layers (1 ms forward, 2 ms backward, 1 MB out and weights)."""
+    graph = pe.ProfileGraph()
+    graph.add_node("node0", "Input", 0.0, 0.0, 1e6, 0.0)
+    for i in range(layers):
+        graph.add_node(f"node{i + 1}", f"Layer{i}", 1.0, 2.0, 1e6, 1e6)
+        graph.add_edge(f"node{i}", f"node{i + 1}")
+    return graph
+
+
+def test_straight_plans_keep_a_state_per_worker() -> None:
+    """The work budget thins a long chain's cuts, never below the stages a straight plan
+    needs (issue 29: 5000 layers on 1024 straight workers blamed a memory limit of 0)."""
+    chain = _uniform_chain(5000)
+    p = pe.plan(chain, workers=1024, bandwidth=1e9, straight=True)
+    assert p.coarsened and len(p.stages) == 1024 and p.replicas == [1] * 1024
+    assert p.layers[0][0] == 0 and p.layers[-1][1] == 5000
+    assert all(start < end for start, end in p.layers)
+    assert all(end == start for (_, end), (start, _) in zip(p.layers, p.layers[1:]))
+    # 5000 equal layers: no stage can be faster than 5000 / 1024 of them.
+    assert p.time_per_stage >= 0.003 * 5000 / 1024 - 1e-12
+
+
+def test_straight_plans_need_a_state_per_worker() -> None:
+    """Fewer layers than straight stages names that cause and its fixes, not a memory limit;
+    each fix plans."""
+    chain = _uniform_chain(100)
+    expected = (r"^a straight plan on 128 workers needs 128 stages \(one per worker, each at least "
+                r"one layer\), but the profile splits into at most 100 \(100 planning states, 100 "
+                r"layers\); plan on at most 100 workers, pass fewer_workers=True, or allow "
+                r"replicated stages \(straight=False\)$")
+    with pytest.raises(ValueError, match=expected):
+        pe.plan(chain, workers=128, bandwidth=1e9, straight=True)
+    assert len(pe.plan(chain, workers=128, bandwidth=1e9, straight=True, fewer_workers=True).stages) == 100
+    assert len(pe.plan(chain, workers=100, bandwidth=1e9, straight=True).stages) == 100
+    assert sum(pe.plan(chain, workers=128, bandwidth=1e9).replicas) == 128
+    with pytest.raises(ValueError, match=r"^a straight plan on 128 pipeline workers needs 128 stages "
+                                         r".*pass fewer_workers=True$"):
+        pe.plan(chain, workers=128, bandwidth=[1e10, 1e9], data_parallel=2)
 
 
 def test_parse_errors_name_file_line_and_field(tmp_path: Path) -> None:

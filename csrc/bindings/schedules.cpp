@@ -166,7 +166,8 @@ void bindScheduleFunctions(py::module_& m) {
   m.def("order_transfers", &orderTransfers, py::arg("lowered"), py::arg("microbatches_per_step") = 0,
         "Moves RECVs to where they are issued so both ends of every pair of ranks issue the pair's "
         "transfers in one mirrored order (csrc/core/channels.h).");
-  m.def("validate_channels", &validateChannels, py::arg("ordered"), py::arg("forward_only") = false,
+  m.def("validate_channels", py::overload_cast<const Schedule&, bool>(&validateChannels),
+        py::arg("ordered"), py::arg("forward_only") = false,
         "Raises ValueError unless every pair's sequences mirror each other and the schedule cannot "
         "deadlock under NCCL's rules.");
   m.def("channels_to_text", &channelsToText, py::arg("ordered"),

@@ -36,7 +36,8 @@ void bindSimulator(py::module_& m) {
       .def_readonly("peak_weight_versions", &SimulationResult::peakWeightVersions)
       .def_readonly("timeline", &SimulationResult::timeline);
 
-  m.def("simulate", &simulate, py::arg("schedule"), py::arg("costs"),
+  m.def("simulate", py::overload_cast<const Schedule&, const StageCosts&>(&simulate),
+        py::arg("schedule"), py::arg("costs"),
         py::call_guard<py::gil_scoped_release>());
   m.def("to_chrome_trace", &toChromeTrace, py::arg("schedule"), py::arg("result"));
 }

@@ -20,6 +20,8 @@
 // schedules read exactly like torch.distributed.pipelining's.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -73,6 +75,38 @@ struct Action {
            microbatch == other.microbatch && version == other.version;
   }
   bool operator!=(const Action& other) const { return !(*this == other); }
+};
+
+// An action without its version: (kind, stage, microbatch), unique within a
+// valid lowered list. Hashable (ActionIdHash), so the passes over whole
+// schedules find an action's counterpart by key in O(1) instead of by a scan.
+struct ActionId {
+  ActionKind kind = ActionKind::kForward;
+  int stage = 0;
+  int microbatch = 0;
+
+  static ActionId of(const Action& a) { return ActionId{a.kind, a.stage, a.microbatch}; }
+  bool operator==(const ActionId& other) const {
+    return kind == other.kind && stage == other.stage && microbatch == other.microbatch;
+  }
+};
+
+// A 64-bit mix of three ints (splitmix64's finalizer), for hash maps.
+inline size_t hashInts(int a, int b, int c) {
+  uint64_t x = (static_cast<uint64_t>(static_cast<uint32_t>(b)) << 32) | static_cast<uint32_t>(c);
+  x ^= static_cast<uint64_t>(static_cast<uint32_t>(a)) * 0x9E3779B97F4A7C15ULL;
+  x ^= x >> 30;
+  x *= 0xBF58476D1CE4E5B9ULL;
+  x ^= x >> 27;
+  x *= 0x94D049BB133111EBULL;
+  x ^= x >> 31;
+  return static_cast<size_t>(x);
+}
+
+struct ActionIdHash {
+  size_t operator()(const ActionId& id) const {
+    return hashInts(static_cast<int>(id.kind), id.stage, id.microbatch);
+  }
 };
 
 // Joins actions with single spaces ("0F0 0F1 0B0").

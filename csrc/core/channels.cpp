@@ -7,6 +7,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <tuple>
+#include <unordered_map>
 
 #include "lower.h"
 #include "receipt.h"
@@ -25,38 +26,61 @@ bool isRecv(ActionKind kind) {
   return kind == ActionKind::kRecvForward || kind == ActionKind::kRecvBackward;
 }
 
-// Whether compute action `a` consumes the receive `recv` (same stage and
-// microbatch: F for RECV_F, B or I for RECV_B).
-bool consumes(const Action& a, const Action& recv) {
-  if (a.stage != recv.stage || a.microbatch != recv.microbatch) return false;
-  if (recv.kind == ActionKind::kRecvForward) return a.kind == ActionKind::kForward;
-  return a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput;
+// The RECV kind compute action `kind` consumes: RECV_F feeds F, RECV_B feeds
+// B or I; none for W.
+std::optional<ActionKind> consumedRecv(ActionKind kind) {
+  if (kind == ActionKind::kForward) return ActionKind::kRecvForward;
+  if (kind == ActionKind::kBackward || kind == ActionKind::kBackwardInput) {
+    return ActionKind::kRecvBackward;
+  }
+  return std::nullopt;
 }
+
+struct TransferKeyHash {
+  size_t operator()(const TransferKey& key) const {
+    return hashInts(key.forward ? 1 : 0, key.boundary, key.microbatch);
+  }
+};
+template <typename Value>
+using ByTransfer = std::unordered_map<TransferKey, Value, TransferKeyHash>;
 
 // Every RECV of `list` moved to right before its consumer (the form lower()
 // produces), so the simulator's send times do not depend on where a previous
-// pass put the receives.
+// pass put the receives. RECVs are found by key, not by a scan per consumer.
 std::vector<Action> recvsBeforeConsumers(const std::vector<Action>& list) {
-  std::vector<Action> recvs, out;
-  for (const Action& a : list) {
-    if (isRecv(a.kind)) recvs.push_back(a);
+  // RECVs by key: the first and last position, chained in list order through
+  // `next` (only an invalid list has several per key).
+  std::unordered_map<ActionId, std::pair<size_t, size_t>, ActionIdHash> waiting;
+  std::vector<size_t> next(list.size(), list.size());
+  for (size_t k = 0; k < list.size(); ++k) {
+    if (!isRecv(list[k].kind)) continue;
+    auto [it, fresh] = waiting.emplace(ActionId::of(list[k]), std::make_pair(k, k));
+    if (!fresh) {
+      next[it->second.second] = k;
+      it->second.second = k;
+    }
   }
+  std::vector<bool> placed(list.size(), false);
+  std::vector<Action> out;
+  out.reserve(list.size());
   for (const Action& a : list) {
     if (isRecv(a.kind)) continue;
-    if (isCompute(a.kind)) {
-      for (auto it = recvs.begin(); it != recvs.end();) {
-        if (consumes(a, *it)) {
-          out.push_back(*it);
-          it = recvs.erase(it);
-        } else {
-          ++it;
+    const std::optional<ActionKind> recv = isCompute(a.kind) ? consumedRecv(a.kind) : std::nullopt;
+    if (recv) {
+      const auto it = waiting.find(ActionId{*recv, a.stage, a.microbatch});
+      if (it != waiting.end()) {
+        for (size_t k = it->second.first; k < list.size(); k = next[k]) {
+          out.push_back(list[k]);
+          placed[k] = true;
         }
+        waiting.erase(it);
       }
     }
     out.push_back(a);
   }
-  if (!recvs.empty()) {
-    throw std::invalid_argument("invalid schedule: " + recvs.front().toString() +
+  for (size_t k = 0; k < list.size(); ++k) {
+    if (!isRecv(list[k].kind) || placed[k]) continue;
+    throw std::invalid_argument("invalid schedule: " + list[k].toString() +
                                 " has no consumer (F, B or I of its stage and microbatch) after it");
   }
   return out;
@@ -80,7 +104,8 @@ struct TimedSend {
 std::map<std::pair<int, int>, std::vector<TimedSend>> pairOrders(const Schedule& normalized) {
   SimulationResult sim;
   try {
-    sim = simulate(normalized, StageCosts::uniform(normalized.numStages(), 1.0, 2.0, -1.0, 0.0, 0.0));
+    sim = simulate(normalized, StageCosts::uniform(normalized.numStages(), 1.0, 2.0, -1.0, 0.0, 0.0),
+                   Recording::kSendsOnly);
   } catch (const DeadlockError& e) {
     throw std::invalid_argument("cannot order the transfers of schedule '" + normalized.name() +
                                 "': it deadlocks (" + e.what() + ")");
@@ -138,13 +163,14 @@ struct Placement {
 // One rank's list without its RECVs, and where each RECV may go.
 struct RankPlan {
   std::vector<Action> base;
-  std::map<TransferKey, size_t> sendAt;      // this rank's sends: base index
-  std::map<TransferKey, size_t> consumerAt;  // this rank's receives: base index of the consumer
-  std::map<TransferKey, Action> recvOf;
+  ByTransfer<size_t> sendAt;      // this rank's sends: base index
+  ByTransfer<size_t> consumerAt;  // this rank's receives: base index of the consumer
+  ByTransfer<Action> recvOf;
   std::vector<size_t> begins;                // streams: first base index of each step
   std::vector<Placement> placements;
 
   RankPlan(const std::vector<Action>& normalized, int perStep) {
+    base.reserve(normalized.size());
     for (const Action& a : normalized) {
       if (isRecv(a.kind)) {
         // normalized: the consumer is the next action that is not a RECV
@@ -185,12 +211,14 @@ struct RankPlan {
 void orderPair(const std::string& name, int low, int high, const std::vector<TimedSend>& sends,
                std::vector<RankPlan>& plans, int perStep) {
   std::vector<TimedSend> queue[2];  // each end's sends, in its list order
-  for (const TimedSend& s : sends) queue[s.sender == low ? 0 : 1].push_back(s);
   for (int e = 0; e < 2; ++e) {
     const RankPlan& plan = plans[e == 0 ? low : high];
-    std::stable_sort(queue[e].begin(), queue[e].end(), [&](const TimedSend& a, const TimedSend& b) {
-      return plan.sendAt.at(a.key) < plan.sendAt.at(b.key);
-    });
+    std::vector<std::pair<size_t, size_t>> order;  // (base index, position in `sends`)
+    for (size_t x = 0; x < sends.size(); ++x) {
+      if ((sends[x].sender == low ? 0 : 1) == e) order.push_back({plan.sendAt.at(sends[x].key), x});
+    }
+    std::sort(order.begin(), order.end());
+    for (const auto& [at, x] : order) queue[e].push_back(sends[x]);
   }
   size_t head[2] = {0, 0};
   size_t lower[2] = {0, 0};  // per end: no receive before this base index
@@ -298,7 +326,7 @@ Schedule orderTransfers(const Schedule& lowered, int microbatchesPerStep) {
   for (int r = 0; r < lowered.numRanks(); ++r) {
     normalizedLists.push_back(recvsBeforeConsumers(lowered.actions(r)));
   }
-  const Schedule normalized = lowered.withActions(normalizedLists);
+  const Schedule normalized = lowered.withActions(std::move(normalizedLists));
   const auto orders = pairOrders(normalized);
   std::vector<RankPlan> plans;
   for (int r = 0; r < lowered.numRanks(); ++r) plans.emplace_back(normalized.actions(r), microbatchesPerStep);
@@ -326,16 +354,70 @@ Schedule forwardProjection(const Schedule& schedule) {
   return schedule.withActions(std::move(lists));
 }
 
+// Every rank's operations with each of its peers, in list order: channelOps()
+// of every pair at once. A rank's list is read in one pass, at the first
+// question about that rank, so an action peerOf() rejects throws where a scan
+// pair by pair would first meet it.
+class ChannelIndex {
+ public:
+  explicit ChannelIndex(const Schedule& schedule)
+      : schedule_(schedule), byRank_(schedule.numRanks()), built_(schedule.numRanks(), false) {}
+
+  // `rank`'s operations with `peer` (empty when none).
+  const std::vector<ChannelOp>& ops(int rank, int peer) {
+    const auto& byPeer = peersOf(rank);
+    const auto it = byPeer.find(peer);
+    return it == byPeer.end() ? none_ : it->second;
+  }
+
+  // Peer -> `rank`'s operations with it, peers ascending.
+  const std::map<int, std::vector<ChannelOp>>& peersOf(int rank) {
+    if (built_.at(rank)) return byRank_[rank];
+    const auto& list = schedule_.actions(rank);
+    auto& byPeer = byRank_[rank];
+    for (size_t k = 0; k < list.size(); ++k) {
+      const Action& a = list[k];
+      if (!isComm(a.kind)) continue;
+      const int peer = peerOf(schedule_.layout(), a);
+      if (peer == rank) continue;
+      byPeer[peer].push_back(ChannelOp{isSend(a.kind), TransferKey::of(a), static_cast<int>(k)});
+    }
+    built_[rank] = true;
+    return byPeer;
+  }
+
+ private:
+  const Schedule& schedule_;
+  std::vector<std::map<int, std::vector<ChannelOp>>> byRank_;
+  std::vector<bool> built_;
+  const std::vector<ChannelOp> none_;
+};
+
+std::string channelsText(const Schedule& ordered, ChannelIndex& index) {
+  std::ostringstream out;
+  for (int r = 0; r < ordered.numRanks(); ++r) {
+    for (int q = 0; q < ordered.numRanks(); ++q) {
+      if (q == r) continue;
+      const auto& ops = index.ops(r, q);
+      if (ops.empty()) continue;
+      out << "rank " << r << " -> " << q << ":";
+      for (const auto& op : ops) out << " " << ordered.actions(r)[op.position].toString();
+      out << "\n";
+    }
+  }
+  return out.str();
+}
+
 [[noreturn]] void channelProblem(const Schedule& schedule, const std::string& what) {
   throw std::invalid_argument("transfer order of schedule '" + schedule.name() + "': " + what +
                               "\n" + channelsToText(schedule));
 }
 
-void checkMirrors(const Schedule& schedule) {
+void checkMirrors(const Schedule& schedule, ChannelIndex& index) {
   for (int a = 0; a < schedule.numRanks(); ++a) {
     for (int b = a + 1; b < schedule.numRanks(); ++b) {
-      const auto mine = channelOps(schedule, a, b);
-      const auto theirs = channelOps(schedule, b, a);
+      const auto& mine = index.ops(a, b);
+      const auto& theirs = index.ops(b, a);
       const size_t common = std::min(mine.size(), theirs.size());
       for (size_t k = 0; k < common; ++k) {
         if (mine[k].send != theirs[k].send && mine[k].key == theirs[k].key) continue;
@@ -357,29 +439,34 @@ void checkMirrors(const Schedule& schedule) {
 }
 
 // The channel simulator of validateChannels(): every pair one in-order stream.
+// Each rank's step is O(log) (its inputs found by key, not by a scan of its
+// list), so a run costs O(actions log actions) plus O(ranks) per sweep.
 class ChannelSimulation {
  public:
-  ChannelSimulation(const Schedule& schedule, bool forwardOnly)
-      : schedule_(schedule), layout_(schedule.layout()), ranks_(schedule.numRanks()) {
-    next_.assign(ranks_, 0);
-    done_.assign(ranks_, false);
-    opIndex_.resize(ranks_);
-    releases_.resize(ranks_);
+  ChannelSimulation(const Schedule& schedule, ChannelIndex& index)
+      : schedule_(schedule),
+        layout_(schedule.layout()),
+        ranks_(schedule.numRanks()),
+        next_(ranks_, 0),
+        done_(ranks_, false),
+        opAt_(ranks_),
+        recvsOf_(ranks_),
+        sameRecv_(ranks_),
+        sends_(ranks_),
+        sendsChecked_(ranks_, 0),
+        releases_(ranks_) {
     for (int r = 0; r < ranks_; ++r) {
-      for (int q = 0; q < ranks_; ++q) {
-        if (q == r) continue;
-        const auto ops = channelOps(schedule, r, q);
-        for (size_t k = 0; k < ops.size(); ++k) opIndex_[r][ops[k].position] = {q, k};
-        auto& flags = pairs_[{std::min(r, q), std::max(r, q)}].isSend[side(r, q)];
-        for (const auto& op : ops) flags.push_back(op.send);
-      }
-      if (!forwardOnly) releases_[r] = sendReleasePoints(schedule, r);
+      opAt_[r].assign(schedule.actions(r).size(), OpRef{});
+      sameRecv_[r].assign(schedule.actions(r).size(), -1);
+      if (ranks_ > 1) indexRank(r, index.peersOf(r));
+      releases_[r] = sendReleasePoints(schedule, r);
     }
   }
 
   void run() {
     for (bool progress = true; progress;) {
       progress = false;
+      ++stats_.sweeps;
       for (int r = 0; r < ranks_; ++r) {
         while (!done_[r] && step(r)) progress = true;
       }
@@ -394,6 +481,12 @@ class ChannelSimulation {
     }
   }
 
+  ChannelCheckStats stats() const {
+    ChannelCheckStats out = stats_;
+    for (int r = 0; r < ranks_; ++r) out.actions += static_cast<long>(schedule_.actions(r).size());
+    return out;
+  }
+
  private:
   struct Pair {
     std::vector<bool> isSend[2];  // per end: whether each operation is a send
@@ -401,9 +494,37 @@ class ChannelSimulation {
     size_t issued[2] = {0, 0};   // ... issued to the stream
     size_t completed = 0;
   };
-
-  Pair& pairOf(int r, int q) { return pairs_.at({std::min(r, q), std::max(r, q)}); }
+  // An action's place in its pair's stream (peer -1: not a channel operation).
+  struct OpRef {
+    int peer = -1;
+    size_t index = 0;
+  };
+  static std::pair<int, int> pairKey(int r, int q) { return {std::min(r, q), std::max(r, q)}; }
+  Pair& pairOf(int r, int q) { return pairs_.at(pairKey(r, q)); }
   static int side(int r, int q) { return r < q ? 0 : 1; }
+
+  // Rank r's channel operations: their streams, its receives by key, its sends.
+  void indexRank(int r, const std::map<int, std::vector<ChannelOp>>& byPeer) {
+    const auto& list = schedule_.actions(r);
+    for (const auto& [q, ops] : byPeer) {
+      auto& flags = pairs_[pairKey(r, q)].isSend[side(r, q)];
+      for (size_t k = 0; k < ops.size(); ++k) {
+        const int position = ops[k].position;
+        opAt_[r][position] = OpRef{q, k};
+        flags.push_back(ops[k].send);
+        const Action& a = list[position];
+        if (ops[k].send) {
+          sends_[r].push_back(position);
+        } else {
+          auto [it, fresh] = recvsOf_[r].emplace(ActionId::of(a), position);
+          if (!fresh) {
+            sameRecv_[r][position] = it->second;
+            it->second = position;
+          }
+        }
+      }
+    }
+  }
 
   // Issues what each end may issue, then completes what both ends issued.
   void advance(Pair& p) {
@@ -424,35 +545,43 @@ class ChannelSimulation {
     }
   }
 
-  // Completed: operation `index` of rank r's channel with q.
-  bool completed(int r, int q, size_t index) { return pairOf(r, q).completed > index; }
+  // Completed: rank r's channel operation at `position`.
+  bool completed(int r, int position) {
+    ++stats_.lookups;
+    const OpRef& op = opAt_[r].at(position);
+    return pairOf(r, op.peer).completed > op.index;
+  }
 
+  // Whether every receive compute action `a` consumes has completed: RECV_F
+  // feeds the F of its stage and microbatch, RECV_B its B or I.
   bool inputReady(int r, const Action& a) {
-    for (const auto& [position, op] : opIndex_[r]) {
-      const Action& c = schedule_.actions(r)[position];
-      if (!isRecv(c.kind) || !consumes(a, c)) continue;
-      if (!completed(r, op.first, op.second)) return false;
+    const std::optional<ActionKind> recv = consumedRecv(a.kind);
+    if (!recv) return true;
+    const auto it = recvsOf_[r].find(ActionId{*recv, a.stage, a.microbatch});
+    if (it == recvsOf_[r].end()) return true;
+    for (int position = it->second; position >= 0; position = sameRecv_[r][position]) {
+      if (!completed(r, position)) return false;
     }
     return true;
   }
 
   bool sendsDone(int r, const std::vector<int>& positions) {
     for (int position : positions) {
-      const auto& op = opIndex_[r].at(position);
-      if (!completed(r, op.first, op.second)) return false;
+      if (!completed(r, position)) return false;
     }
     return true;
   }
 
+  // Completion is monotone: a cursor passes each completed send once.
   bool allSendsDone(int r) {
-    for (const auto& [position, op] : opIndex_[r]) {
-      if (isSend(schedule_.actions(r)[position].kind) && !completed(r, op.first, op.second)) return false;
-    }
-    return true;
+    size_t& checked = sendsChecked_[r];
+    while (checked < sends_[r].size() && completed(r, sends_[r][checked])) ++checked;
+    return checked == sends_[r].size();
   }
 
   // Runs rank r's next action if it can; false when blocked or finished.
   bool step(int r) {
+    ++stats_.steps;
     const auto& list = schedule_.actions(r);
     if (next_[r] >= list.size()) {
       if (!allSendsDone(r)) return false;
@@ -461,9 +590,13 @@ class ChannelSimulation {
     }
     const Action& a = list[next_[r]];
     if (isComm(a.kind)) {
-      const auto& op = opIndex_[r].at(static_cast<int>(next_[r]));
-      Pair& p = pairOf(r, op.first);
-      ++p.reached[side(r, op.first)];
+      const OpRef& op = opAt_[r][next_[r]];
+      if (op.peer < 0) {
+        throw std::out_of_range("rank " + str(r) + " step " + str(static_cast<int>(next_[r])) + " (" +
+                                a.toString() + "): a transfer with no other rank");
+      }
+      Pair& p = pairOf(r, op.peer);
+      ++p.reached[side(r, op.peer)];
       advance(p);
     } else if (a.kind == ActionKind::kAllReduce) {
       for (int q : layout_.stageRanks(a.stage)) {
@@ -481,6 +614,7 @@ class ChannelSimulation {
     return true;
   }
 
+  // Every pair of r in the order (low, high), pairs without operations included.
   std::string whyBlocked(int r) {
     const auto& list = schedule_.actions(r);
     std::ostringstream out;
@@ -493,50 +627,57 @@ class ChannelSimulation {
       if (a.kind == ActionKind::kAllReduce) out << ": waits for the other replicas";
       else if (isCompute(a.kind)) out << ": waits for its input or for a send to be received";
     }
-    for (const auto& [pair, p] : pairs_) {
-      if (pair.first != r && pair.second != r) continue;
-      out << "; pair " << pair.first << "-" << pair.second << ": rank " << pair.first << " issued "
-          << p.issued[0] << "/" << p.reached[0] << ", rank " << pair.second << " issued "
+    const Pair none;
+    for (int q = 0; q < ranks_; ++q) {
+      if (q == r) continue;
+      const auto key = pairKey(r, q);
+      const auto it = pairs_.find(key);
+      const Pair& p = it == pairs_.end() ? none : it->second;
+      out << "; pair " << key.first << "-" << key.second << ": rank " << key.first << " issued "
+          << p.issued[0] << "/" << p.reached[0] << ", rank " << key.second << " issued "
           << p.issued[1] << "/" << p.reached[1] << ", completed " << p.completed;
     }
     return out.str();
   }
 
- private:
   const Schedule& schedule_;
   const Layout& layout_;
   int ranks_;
   std::vector<size_t> next_;
   std::vector<bool> done_;
-  std::vector<std::map<int, std::pair<int, size_t>>> opIndex_;  // position -> (peer, op index)
-  std::vector<std::vector<std::vector<int>>> releases_;         // receipt points per rank
-  std::map<std::pair<int, int>, Pair> pairs_;
+  std::vector<std::vector<OpRef>> opAt_;                      // per rank and position
+  // Per rank: a RECV's position by key, chained to the others of its key
+  // through sameRecv_ (only an invalid list has several).
+  std::vector<std::unordered_map<ActionId, int, ActionIdHash>> recvsOf_;
+  std::vector<std::vector<int>> sameRecv_;
+  std::vector<std::vector<int>> sends_;                       // per rank: SEND positions
+  std::vector<size_t> sendsChecked_;                          // per rank: sends_ known completed
+  std::vector<std::vector<std::vector<int>>> releases_;       // receipt points per rank
+  std::map<std::pair<int, int>, Pair> pairs_;                 // pairs with operations
+  ChannelCheckStats stats_;
 };
 
 }  // namespace
 
 void validateChannels(const Schedule& ordered, bool forwardOnly) {
+  validateChannels(ordered, forwardOnly, nullptr);
+}
+
+void validateChannels(const Schedule& ordered, bool forwardOnly, ChannelCheckStats* stats) {
   if (forwardOnly) {
-    validateChannels(forwardProjection(ordered), false);
+    validateChannels(forwardProjection(ordered), false, stats);
     return;
   }
-  checkMirrors(ordered);
-  ChannelSimulation(ordered, forwardOnly).run();
+  ChannelIndex index(ordered);
+  checkMirrors(ordered, index);
+  ChannelSimulation simulation(ordered, index);
+  simulation.run();
+  if (stats != nullptr) *stats = simulation.stats();
 }
 
 std::string channelsToText(const Schedule& ordered) {
-  std::ostringstream out;
-  for (int r = 0; r < ordered.numRanks(); ++r) {
-    for (int q = 0; q < ordered.numRanks(); ++q) {
-      if (q == r) continue;
-      const auto ops = channelOps(ordered, r, q);
-      if (ops.empty()) continue;
-      out << "rank " << r << " -> " << q << ":";
-      for (const auto& op : ops) out << " " << ordered.actions(r)[op.position].toString();
-      out << "\n";
-    }
-  }
-  return out.str();
+  ChannelIndex index(ordered);
+  return channelsText(ordered, index);
 }
 
 }  // namespace pipedream

@@ -96,6 +96,19 @@ Schedule orderTransfers(const Schedule& lowered, int microbatchesPerStep = 0);
 // checks the F / SEND_F / RECV_F actions alone (evaluation runs only those).
 void validateChannels(const Schedule& ordered, bool forwardOnly = false);
 
+// The work validateChannels() did, counted: each pair's operations are
+// indexed once and every input, receipt point and send is looked up by key,
+// so `steps` and `lookups` grow with the actions, not with their square
+// (tests/cpp/test_channels.cpp counts them).
+struct ChannelCheckStats {
+  long actions = 0;  // actions of all ranks
+  long steps = 0;    // attempts to run a rank's next action (one sweep tries every rank)
+  long sweeps = 0;   // passes over all ranks until nothing moves
+  long lookups = 0;  // channel operations examined: a compute action's receives, its receipt
+                     // point's sends, the sends checked at the end of a list
+};
+void validateChannels(const Schedule& ordered, bool forwardOnly, ChannelCheckStats* stats);
+
 // One line per rank and peer: "rank 0 -> 1: 0SEND_F0 0SEND_F1 0RECV_B0 ...";
 // the two lines of a pair mirror each other position by position.
 std::string channelsToText(const Schedule& ordered);

@@ -5,6 +5,7 @@
 #include <functional>
 #include <map>
 #include <numeric>
+#include <queue>
 #include <stdexcept>
 
 #include "traits.h"
@@ -161,11 +162,12 @@ class ZbH1Scheduler {
         lists_(lists),
         fEnd_(p_, std::vector<int>(m, kNotYet)),
         iEnd_(p_, std::vector<int>(m, kNotYet)),
-        wDone_(p_, std::vector<bool>(m, false)) {
+        firstLane_(p_, 0) {
     const auto replicas = layout.replicaCounts();
     for (int j = 0; j < p_; ++j) {
       const auto& ranks = layout.stageRanks(j);
       const int r = static_cast<int>(ranks.size());
+      firstLane_[j] = static_cast<int>(lanes_.size());
       for (int k = 0; k < r; ++k) {
         std::vector<int> local;  // the replica's microbatches (global i mod r == k), batch-local
         for (int i : localMicrobatches(batch * m, m, k, r)) local.push_back(i - batch * m);
@@ -186,18 +188,43 @@ class ZbH1Scheduler {
 
  private:
   static constexpr int kNotYet = -1;
+  // Microbatches that become ready at a known clock, and those ready, oldest
+  // first: the oldest ready one is found in O(log m), not by a scan.
+  class Candidates {
+   public:
+    void add(int readyAt, int i) { pending_.push_back({readyAt, i}); }
+    // The oldest microbatch ready at `clock`, taken, or kNotYet.
+    int take(int clock) {
+      while (!pending_.empty() && pending_.front().first <= clock) {
+        ready_.push(pending_.front().second);
+        pending_.pop_front();
+      }
+      if (ready_.empty()) return kNotYet;
+      const int i = ready_.top();
+      ready_.pop();
+      return i;
+    }
+
+   private:
+    std::deque<std::pair<int, int>> pending_;  // (clock it is ready at, i), clocks ascending
+    std::priority_queue<int, std::vector<int>, std::greater<int>> ready_;
+  };
   struct Lane {
     int stage, rank, replicas, limit;
     std::vector<int> local;  // its microbatches, in order
     size_t nextForward = 0;
     int activations = 0;  // F done, I not yet
     int deferred = 0;     // I done, W not yet
+    Candidates inputs{};  // F done and (last stage or downstream I done)
+    Candidates weights{}; // I done
   };
-
-  static bool ready(int end, int clock) { return end != kNotYet && end <= clock; }
 
   void emit(const Lane& lane, ActionKind kind, int i) {
     lists_[lane.rank].push_back(Action::compute(lane.stage, kind, batch_ * m_ + i, batch_));
+  }
+  // The lane of stage j that runs batch-local microbatch i.
+  Lane& laneOf(int j, int i) {
+    return lanes_[firstLane_[j] + (batch_ * m_ + i) % lanes_[firstLane_[j]].replicas];
   }
 
   // At most one action of `lane` at `clock`, by priority I > F > W (a W
@@ -211,20 +238,19 @@ class ZbH1Scheduler {
     return tryWeight(lane, clock);
   }
 
-  // I: the oldest microbatch whose gradient has arrived.
+  // I: the oldest microbatch whose gradient has arrived. It makes the W of
+  // the microbatch ready, and its I upstream once that F is done.
   bool tryInput(Lane& lane, int clock) {
     const int j = lane.stage;
-    for (int i : lane.local) {
-      if (iEnd_[j][i] == kNotYet && ready(fEnd_[j][i], clock) &&
-          (j == p_ - 1 || ready(iEnd_[j + 1][i], clock))) {
-        iEnd_[j][i] = clock + 1;
-        --lane.activations;
-        ++lane.deferred;
-        emit(lane, ActionKind::kBackwardInput, i);
-        return true;
-      }
-    }
-    return false;
+    const int i = lane.inputs.take(clock);
+    if (i == kNotYet) return false;
+    iEnd_[j][i] = clock + 1;
+    --lane.activations;
+    ++lane.deferred;
+    emit(lane, ActionKind::kBackwardInput, i);
+    lane.weights.add(clock + 1, i);
+    if (j > 0 && fEnd_[j - 1][i] != kNotYet) laneOf(j - 1, i).inputs.add(clock + 1, i);
+    return true;
   }
 
   // F: the next microbatch, if its input is there and memory allows.
@@ -232,27 +258,23 @@ class ZbH1Scheduler {
     const int j = lane.stage;
     if (lane.nextForward >= lane.local.size() || lane.activations >= lane.limit) return false;
     const int f = lane.local[lane.nextForward];
-    if (j != 0 && !ready(fEnd_[j - 1][f], clock)) return false;
+    if (j != 0 && !(fEnd_[j - 1][f] != kNotYet && fEnd_[j - 1][f] <= clock)) return false;
     fEnd_[j][f] = clock + 1;
     ++lane.nextForward;
     ++lane.activations;
     emit(lane, ActionKind::kForward, f);
+    if (j == p_ - 1 || iEnd_[j + 1][f] != kNotYet) lane.inputs.add(clock + 1, f);
     return true;
   }
 
   // W: the oldest microbatch whose I is done.
   bool tryWeight(Lane& lane, int clock) {
-    const int j = lane.stage;
-    for (int i : lane.local) {
-      if (!wDone_[j][i] && ready(iEnd_[j][i], clock)) {
-        wDone_[j][i] = true;
-        --lane.deferred;
-        ++done_;
-        emit(lane, ActionKind::kBackwardWeight, i);
-        return true;
-      }
-    }
-    return false;
+    const int i = lane.weights.take(clock);
+    if (i == kNotYet) return false;
+    --lane.deferred;
+    ++done_;
+    emit(lane, ActionKind::kBackwardWeight, i);
+    return true;
   }
 
   // With unit costs every action ends by the next clock, so an idle clock
@@ -276,7 +298,7 @@ class ZbH1Scheduler {
   std::vector<Lane> lanes_;
   // *End_[j][i]: clock at which the action's result is available.
   std::vector<std::vector<int>> fEnd_, iEnd_;
-  std::vector<std::vector<bool>> wDone_;
+  std::vector<int> firstLane_;  // per stage: its first lane (replica 0)
   int done_ = 0;  // W's emitted
 };
 

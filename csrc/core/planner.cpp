@@ -506,6 +506,55 @@ void assignLayers(const ProfileGraph& graph, Plan& plan) {
     next = hi;
   }
 }
+
+// The most stages a plan over `states` on `topology` can have. Every stage
+// ends at a state of higher index than the one before, so at most one per
+// state; on one level the stages follow the subset relation (preds), so at
+// most the longest chain of states. (Lower levels of a hierarchy take
+// PipeDream's segments "after state r - 1", which need not be subsets.)
+int maxStages(const PlanningStates& states, const Topology& topology) {
+  if (topology.levels.size() != 1) return states.size();
+  std::vector<int> longest(states.size(), 1);
+  for (int j = 0; j < states.size(); ++j) {
+    for (int k : states.preds[j]) longest[j] = std::max(longest[j], longest[k] + 1);
+  }
+  return longest.empty() ? 0 : longest.back();
+}
+
+// The stages a plan must have: one per worker when it may neither replicate
+// stages (straight, or data parallelism inside them) nor leave workers unused.
+int stagesNeeded(const Topology& topology, const PlannerOptions& options) {
+  const bool straight = options.straight || options.dataParallel.enabled();
+  return straight && !options.fewerWorkers ? topology.totalWorkers() : 1;
+}
+
+// Throws std::invalid_argument when `states` cannot hold the stages a plan
+// needs (a straight plan has a stage per worker, each at least one state).
+void checkEnoughStates(const PlanningStates& states, const Topology& topology,
+                       const PlannerOptions& options) {
+  const int needed = stagesNeeded(topology, options);
+  const int most = maxStages(states, topology);
+  if (most >= needed) return;
+  const bool dp = options.dataParallel.enabled();
+  const std::string workers = dp ? "pipeline workers" : "workers";
+  throw std::invalid_argument(
+      "a straight plan on " + std::to_string(needed) + " " + workers + " needs " +
+      std::to_string(needed) + " stages (one per worker, each at least one layer), but the profile "
+      "splits into at most " + std::to_string(most) + " (" + std::to_string(states.size()) +
+      " planning states, " + std::to_string(states.planNodes.size()) + " layers); plan on at most " +
+      std::to_string(most) + " " + workers + ", pass fewer_workers=True" +
+      (dp ? std::string() : std::string(", or allow replicated stages (straight=False)")));
+}
+
+// What no plan means: a memory limit no partition fits, or (without a limit)
+// a case the checks before the search should have named.
+std::string noPlanError(const PlanningStates& states, const Topology& topology,
+                        const PlannerOptions& options) {
+  if (topology.memoryBytes > 0) return memoryError(topology, options);
+  return "no partition of the profile's " + std::to_string(states.size()) + " planning states over " +
+         std::to_string(topology.totalWorkers()) + " workers exists (no memory limit was set; this is "
+         "a planner bug, please report it with the profile)";
+}
 }  // namespace
 
 Plan planOnStates(const ProfileGraph& graph, const PlanningStates& states, const Topology& topology,
@@ -520,9 +569,10 @@ Plan planOnStates(const ProfileGraph& graph, const PlanningStates& states, const
   // Data parallelism inside stages replaces PipeDream's replicas.
   if (options.dataParallel.enabled()) options.straight = true;
   const int n = states.size();
+  checkEnoughStates(states, topology, options);
   Solver solver(states, topology, options);
   const double best = solver.run();
-  if (best == kInf) throw std::invalid_argument(memoryError(topology, options));
+  if (best == kInf) throw std::invalid_argument(noPlanError(states, topology, options));
   Plan plan;
   plan.costModel = options.costModel;
   plan.stateKind = states.kind;
@@ -543,26 +593,47 @@ Plan planOnStates(const ProfileGraph& graph, const PlanningStates& states, const
   return plan;
 }
 
+namespace {
+
+// Topological cuts thinned to the work budget, but never below `needed`
+// states (a straight plan's stages) while the full order has them.
+PlanningStates coarsenedCuts(const ProfileGraph& graph, PlanningStates full, const Topology& topology,
+                             bool straight, const PlannerOptions& options, int needed, bool* coarsened) {
+  const int n = full.size();
+  int L = n;
+  while (L > 2 && chainWork(L, topology, straight) > options.workBudget) {
+    L = static_cast<int>(L * 0.9);
+  }
+  const int floor = std::min(n, needed);
+  L = std::max(L, floor);
+  *coarsened = L < n;
+  if (!*coarsened) return full;
+  // Cuts are kept one per compute bucket: empty buckets give fewer states
+  // than asked, so ask for more until a straight plan fits.
+  PlanningStates states = topologicalCutStates(graph, L);
+  while (states.size() < floor && L < n) {
+    L = std::min(n, L + (floor - states.size()));
+    states = topologicalCutStates(graph, L);
+  }
+  if (L >= n) *coarsened = false;
+  return L >= n ? full : states;
+}
+
+}  // namespace
+
 Plan planPartition(const ProfileGraph& graph, const Topology& topology,
                    const PlannerOptions& options) {
   topology.validate();
   const bool straight = options.straight || options.dataParallel.enabled();
+  const int needed = stagesNeeded(topology, options);
   PlanningStates states;
   bool antichain = enumerateAntichainStates(graph, options.maxAntichainStates, &states) &&
-                   estimateWork(states, topology, straight) <= options.workBudget;
+                   estimateWork(states, topology, straight) <= options.workBudget &&
+                   maxStages(states, topology) >= needed;
   bool coarsened = false;
   if (!antichain) {
-    PlanningStates full = topologicalCutStates(graph, 0);
-    int L = full.size();
-    while (L > 2 && chainWork(L, topology, straight) > options.workBudget) {
-      L = static_cast<int>(L * 0.9);
-    }
-    if (L < full.size()) {
-      states = topologicalCutStates(graph, L);
-      coarsened = true;
-    } else {
-      states = std::move(full);
-    }
+    states = coarsenedCuts(graph, topologicalCutStates(graph, 0), topology, straight, options, needed,
+                           &coarsened);
   }
   Plan plan = planOnStates(graph, states, topology, options);
   plan.coarsened = coarsened;

@@ -2,26 +2,19 @@
 
 #include <algorithm>
 #include <map>
-#include <tuple>
+#include <unordered_map>
 
 namespace pipedream {
 namespace {
 
-// (kind, stage, microbatch) of an action: unique within a lowered list.
-using ActionKey = std::tuple<ActionKind, int, int>;
-
+// One rank's list, read once: where each RECV is, the consumer of every RECV,
+// and the positions of its sends to one peer.
 struct RankIndex {
-  std::map<ActionKey, int> position;  // every action's position in the list
+  std::unordered_map<ActionId, int, ActionIdHash> recvAt;  // a RECV's first position
+  std::vector<int> consumer;  // per position: a RECV's consumer (the first F, B or I of its stage
+                              // and microbatch after it), -1 for none or another action
+  std::vector<int> sendsTo;   // positions of the sends to `peer`, ascending
 };
-
-RankIndex indexOf(const std::vector<Action>& list) {
-  RankIndex index;
-  for (int k = 0; k < static_cast<int>(list.size()); ++k) {
-    const Action& a = list[k];
-    index.position.emplace(ActionKey{a.kind, a.stage, a.microbatch}, k);
-  }
-  return index;
-}
 
 // Where a message a send carries is received: receiving stage and RECV kind.
 Action receiveOf(const Action& send) {
@@ -30,19 +23,45 @@ Action receiveOf(const Action& send) {
              : Action::comm(send.stage - 1, ActionKind::kRecvBackward, send.microbatch);
 }
 
-// The position of the compute action that consumes the RECV at `recv`, or -1.
-int consumerOf(const std::vector<Action>& list, int recv) {
-  const Action& r = list[recv];
-  for (int k = recv + 1; k < static_cast<int>(list.size()); ++k) {
+bool isSend(const Action& a) {
+  return a.kind == ActionKind::kSendForward || a.kind == ActionKind::kSendBackward;
+}
+
+// `list` indexed; sendsTo lists its sends to `peer` (-1: none), `destination`
+// naming each send's receiving rank.
+template <typename Destination>
+RankIndex indexOf(const std::vector<Action>& list, int peer, const Destination& destination) {
+  RankIndex index;
+  const int n = static_cast<int>(list.size());
+  index.consumer.assign(n, -1);
+  // RECVs without their consumer yet: the last one per key, chained to the
+  // earlier ones with the same key (only an invalid list has several).
+  std::unordered_map<ActionId, int, ActionIdHash> waiting;
+  std::vector<int> earlier(n, -1);
+  auto consume = [&](ActionKind recv, const Action& a, int k) {
+    const auto it = waiting.find(ActionId{recv, a.stage, a.microbatch});
+    if (it == waiting.end()) return;
+    for (int r = it->second; r >= 0; r = earlier[r]) index.consumer[r] = k;
+    waiting.erase(it);
+  };
+  for (int k = 0; k < n; ++k) {
     const Action& a = list[k];
-    if (a.stage != r.stage || a.microbatch != r.microbatch) continue;
-    if (r.kind == ActionKind::kRecvForward && a.kind == ActionKind::kForward) return k;
-    if (r.kind == ActionKind::kRecvBackward &&
-        (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput)) {
-      return k;
+    if (a.kind == ActionKind::kRecvForward || a.kind == ActionKind::kRecvBackward) {
+      index.recvAt.emplace(ActionId::of(a), k);
+      auto [it, fresh] = waiting.emplace(ActionId::of(a), k);
+      if (!fresh) {
+        earlier[k] = it->second;
+        it->second = k;
+      }
+    } else if (a.kind == ActionKind::kForward) {
+      consume(ActionKind::kRecvForward, a, k);
+    } else if (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput) {
+      consume(ActionKind::kRecvBackward, a, k);
+    } else if (peer >= 0 && isSend(a) && destination(a) == peer) {
+      index.sendsTo.push_back(k);
     }
   }
-  return -1;
+  return index;
 }
 
 }  // namespace
@@ -51,41 +70,33 @@ std::vector<std::vector<int>> sendReleasePoints(const Schedule& lowered, int ran
   const std::vector<Action>& mine = lowered.actions(rank);
   const Layout& layout = lowered.layout();
   std::vector<std::vector<int>> release(mine.size());
-  const RankIndex myIndex = indexOf(mine);
-  std::map<int, RankIndex> peerIndex;  // built on first use
-
-  auto isSend = [](const Action& a) {
-    return a.kind == ActionKind::kSendForward || a.kind == ActionKind::kSendBackward;
-  };
   auto destination = [&layout](const Action& send) {
     return layout.rankFor(receiveOf(send).stage, send.microbatch);
   };
+  const RankIndex myIndex = indexOf(mine, -1, destination);
+  std::map<int, RankIndex> peerIndex;  // built on first use
 
   for (int s = 0; s < static_cast<int>(mine.size()); ++s) {
     if (!isSend(mine[s])) continue;
     const int q = destination(mine[s]);
     if (q == rank) continue;
-    const std::vector<Action>& theirs = lowered.actions(q);
     auto built = peerIndex.find(q);
-    if (built == peerIndex.end()) built = peerIndex.emplace(q, indexOf(theirs)).first;
+    if (built == peerIndex.end()) {
+      built = peerIndex.emplace(q, indexOf(lowered.actions(q), rank, destination)).first;
+    }
+    const RankIndex& theirs = built->second;
     const Action recv = receiveOf(mine[s]);
-    auto at = built->second.position.find(ActionKey{recv.kind, recv.stage, recv.microbatch});
-    if (at == built->second.position.end()) continue;
-    const int consumed = consumerOf(theirs, at->second);
+    auto at = theirs.recvAt.find(ActionId::of(recv));
+    if (at == theirs.recvAt.end()) continue;
+    const int consumed = theirs.consumer[at->second];
     if (consumed < 0) continue;
     // q's first send back to this rank after it consumed ours.
-    int reply = -1;
-    for (int k = consumed + 1; k < static_cast<int>(theirs.size()); ++k) {
-      if (isSend(theirs[k]) && destination(theirs[k]) == rank) {
-        reply = k;
-        break;
-      }
-    }
-    if (reply < 0) continue;
-    const Action back = receiveOf(theirs[reply]);
-    auto mineAt = myIndex.position.find(ActionKey{back.kind, back.stage, back.microbatch});
-    if (mineAt == myIndex.position.end()) continue;
-    const int point = consumerOf(mine, mineAt->second);
+    const auto reply = std::upper_bound(theirs.sendsTo.begin(), theirs.sendsTo.end(), consumed);
+    if (reply == theirs.sendsTo.end()) continue;
+    const Action back = receiveOf(lowered.actions(q)[*reply]);
+    auto mineAt = myIndex.recvAt.find(ActionId::of(back));
+    if (mineAt == myIndex.recvAt.end()) continue;
+    const int point = myIndex.consumer[mineAt->second];
     if (point > s) release[point].push_back(s);
   }
   for (auto& sends : release) std::sort(sends.begin(), sends.end());

@@ -68,39 +68,108 @@ void StageCosts::check(int stages) const {
   checkList(allReduce, stages, "t_allreduce");
 }
 
+namespace {
+
+// For every position k of `list`: the version the next forward of list[k]'s
+// stage after k reads (INT_MAX: none). Forwards read non-decreasing versions,
+// so every version from there up to the current one must be kept (vertical
+// sync reads old versions later).
+std::vector<int> nextForwardReads(const std::vector<Action>& list, int stages) {
+  std::vector<int> next(stages, INT_MAX);
+  std::vector<int> out(list.size(), INT_MAX);
+  for (size_t k = list.size(); k-- > 0;) {
+    const Action& a = list[k];
+    if (a.stage < 0 || a.stage >= stages) continue;
+    out[k] = next[a.stage];
+    if (a.kind == ActionKind::kForward) next[a.stage] = a.version;
+  }
+  return out;
+}
+
+// The versions a stage's in-flight microbatches read: a count per version and
+// how many versions have a positive count inside a range, in O(log versions)
+// (a Fenwick tree over the versions the rank's list reads for the stage).
+class VersionReaders {
+ public:
+  explicit VersionReaders(std::vector<int> versions) : versions_(std::move(versions)) {
+    std::sort(versions_.begin(), versions_.end());
+    versions_.erase(std::unique(versions_.begin(), versions_.end()), versions_.end());
+    count_.assign(versions_.size(), 0);
+    tree_.assign(versions_.size() + 1, 0);
+  }
+
+  void add(int version, int delta) {
+    const size_t x =
+        std::lower_bound(versions_.begin(), versions_.end(), version) - versions_.begin();
+    const bool before = count_[x] > 0;
+    count_[x] += delta;
+    const bool after = count_[x] > 0;
+    if (before == after) return;
+    positive_ += after ? 1 : -1;
+    for (size_t i = x + 1; i < tree_.size(); i += i & (~i + 1)) tree_[i] += after ? 1 : -1;
+  }
+
+  // Versions with a positive count outside [lo, hi] (lo <= hi).
+  int outside(int lo, int hi) const {
+    return positive_ - (positiveBelow(hi, true) - positiveBelow(lo, false));
+  }
+
+ private:
+  // Positive versions < v (<= v with `inclusive`).
+  int positiveBelow(int v, bool inclusive) const {
+    auto end = inclusive ? std::upper_bound(versions_.begin(), versions_.end(), v)
+                         : std::lower_bound(versions_.begin(), versions_.end(), v);
+    int sum = 0;
+    for (size_t i = end - versions_.begin(); i > 0; i -= i & (~i + 1)) sum += tree_[i];
+    return sum;
+  }
+
+  std::vector<int> versions_;  // ascending, distinct
+  std::vector<int> count_;     // per version: F minus B/W of the microbatches reading it
+  std::vector<int> tree_;      // Fenwick tree over (count_ > 0)
+  int positive_ = 0;
+};
+
+// Weight versions stage j must keep at position k: every version from the one
+// its next forward reads (`nextRead`) up to the current one, the current one,
+// and those its in-flight microbatches read.
+int liveVersions(int current, int nextRead, const VersionReaders& readers) {
+  const int lo = std::min(std::max(0, nextRead), current);
+  const long long range = static_cast<long long>(current) - lo + 1;
+  return static_cast<int>(std::min<long long>(INT_MAX, range + readers.outside(lo, current)));
+}
+
+// One VersionReaders per stage of `list`, over the versions its F, B and W read.
+std::map<int, VersionReaders> readersOf(const std::vector<Action>& list, int stages) {
+  std::map<int, std::vector<int>> versions;
+  for (const Action& a : list) {
+    if (a.stage < 0 || a.stage >= stages) continue;
+    if (a.kind == ActionKind::kForward || a.kind == ActionKind::kBackward ||
+        a.kind == ActionKind::kBackwardWeight) {
+      versions[a.stage].push_back(a.version);
+    }
+  }
+  std::map<int, VersionReaders> out;
+  for (auto& [j, v] : versions) out.emplace(j, VersionReaders(std::move(v)));
+  return out;
+}
+
+}  // namespace
+
 void computeMemoryFigures(const Schedule& schedule, SimulationResult& result) {
   const int stages = schedule.numStages();
   result.peakActivations.assign(stages, 0);
   result.peakWeightVersions.assign(stages, 0);
   result.peakDeferredWeightGrads.assign(stages, 0);
   result.peakActivationsPerRank.assign(schedule.numRanks(), 0);
+  const VersionReaders noReaders({});
   for (int r = 0; r < schedule.numRanks(); ++r) {
     const auto& list = schedule.actions(r);
-    // oldestFutureRead[k][j]: the version the next forward of stage j after
-    // position k reads (forwards read non-decreasing versions); every version
-    // from there up to the current one must be kept (vertical sync reads old
-    // versions later).
-    std::vector<std::vector<int>> oldestFutureRead(list.size() + 1, std::vector<int>(stages, INT_MAX));
-    for (size_t k = list.size(); k-- > 0;) {
-      oldestFutureRead[k] = oldestFutureRead[k + 1];
-      const Action& a = list[k];
-      if (a.kind == ActionKind::kForward && a.stage >= 0 && a.stage < stages) {
-        oldestFutureRead[k][a.stage] = a.version;
-      }
-    }
+    const std::vector<int> nextRead = nextForwardReads(list, stages);
+    std::map<int, VersionReaders> readers = readersOf(list, stages);
     std::vector<int> inFlight(stages, 0), deferred(stages, 0);
     std::vector<int> current(stages, 0);
-    std::vector<std::map<int, int>> readers(stages);  // version -> in-flight count
     int rankInFlight = 0;
-    auto liveVersions = [&](int j, size_t k) {
-      std::set<int> live;
-      for (int v = std::max(0, oldestFutureRead[k + 1][j]); v <= current[j]; ++v) live.insert(v);
-      live.insert(current[j]);
-      for (const auto& [version, count] : readers[j]) {
-        if (count > 0) live.insert(version);
-      }
-      return static_cast<int>(live.size());
-    };
     for (const auto& layoutStage : schedule.layout().stagesOfRank(r)) {
       result.peakWeightVersions[layoutStage] = std::max(result.peakWeightVersions[layoutStage], 1);
     }
@@ -111,27 +180,30 @@ void computeMemoryFigures(const Schedule& schedule, SimulationResult& result) {
       if (a.kind == ActionKind::kForward) {
         ++inFlight[j];
         ++rankInFlight;
-        ++readers[j][a.version];
+        readers.at(j).add(a.version, 1);
       } else if (a.kind == ActionKind::kBackward) {
         --inFlight[j];
         --rankInFlight;
-        --readers[j][a.version];
+        readers.at(j).add(a.version, -1);
       } else if (a.kind == ActionKind::kBackwardInput) {
         --inFlight[j];
         --rankInFlight;
         ++deferred[j];
       } else if (a.kind == ActionKind::kBackwardWeight) {
         --deferred[j];
-        --readers[j][a.version];
+        readers.at(j).add(a.version, -1);
       } else if (a.kind == ActionKind::kUpdate) {
         current[j] = a.version;
       } else {
         continue;
       }
+      const auto stageReaders = readers.find(j);
+      const VersionReaders& live = stageReaders == readers.end() ? noReaders : stageReaders->second;
       result.peakActivations[j] = std::max(result.peakActivations[j], inFlight[j]);
       result.peakDeferredWeightGrads[j] = std::max(result.peakDeferredWeightGrads[j], deferred[j]);
       result.peakActivationsPerRank[r] = std::max(result.peakActivationsPerRank[r], rankInFlight);
-      result.peakWeightVersions[j] = std::max(result.peakWeightVersions[j], liveVersions(j, k));
+      result.peakWeightVersions[j] =
+          std::max(result.peakWeightVersions[j], liveVersions(current[j], nextRead[k], live));
     }
   }
 }
@@ -143,7 +215,7 @@ namespace {
 // dependencies allow; a sweep over all ranks that moves none deadlocks.
 class Simulator {
  public:
-  Simulator(const Schedule& schedule, const StageCosts& costs)
+  Simulator(const Schedule& schedule, const StageCosts& costs, Recording recording)
       : schedule_(schedule),
         layout_(schedule.layout()),
         costs_(costs),
@@ -152,6 +224,7 @@ class Simulator {
         total_(schedule.totalMicrobatches()),
         lowered_(schedule.isLowered()),
         split_(!costs.weight.empty()),
+        recording_(recording),
         forwardDone_(stages_, total_),
         gradDone_(stages_, total_),
         sentForward_(stages_, total_),
@@ -161,6 +234,11 @@ class Simulator {
         next_(ranks_, 0),
         freeAt_(ranks_, 0.0) {
     result_.busyTimePerRank.assign(ranks_, 0.0);
+    if (recording_ == Recording::kFull) {
+      size_t actions = 0;
+      for (int r = 0; r < ranks_; ++r) actions += schedule_.actions(r).size();
+      result_.timeline.reserve(actions);
+    }
   }
 
   SimulationResult run() {
@@ -301,7 +379,11 @@ class Simulator {
       default: break;
     }
     if (isCompute(a.kind)) result_.busyTimePerRank[r] += end - start;
-    result_.timeline.push_back(TimedAction{r, static_cast<int>(next_[r]), a, start, end});
+    if (recording_ == Recording::kFull ||
+        (recording_ == Recording::kSendsOnly &&
+         (a.kind == ActionKind::kSendForward || a.kind == ActionKind::kSendBackward))) {
+      result_.timeline.push_back(TimedAction{r, static_cast<int>(next_[r]), a, start, end});
+    }
     freeAt_[r] = end;
     ++next_[r];
   }
@@ -334,7 +416,7 @@ class Simulator {
           result_.makespan > 0 ? 1.0 - result_.busyTimePerRank[r] / result_.makespan : 0.0);
     }
     result_.bubbleFraction = result_.makespan > 0 ? 1.0 - busy / (ranks_ * result_.makespan) : 0.0;
-    computeMemoryFigures(schedule_, result_);
+    if (recording_ == Recording::kFull) computeMemoryFigures(schedule_, result_);
   }
 
   const Schedule& schedule_;
@@ -345,6 +427,7 @@ class Simulator {
   const int total_;
   const bool lowered_;  // RECVs are in the lists (else latencies apply directly)
   const bool split_;    // costs_.weight given: I and W have their own costs
+  const Recording recording_;
   EventTable forwardDone_, gradDone_;
   EventTable sentForward_, sentBackward_;
   EventTable recvForward_, recvBackward_;
@@ -356,8 +439,12 @@ class Simulator {
 }  // namespace
 
 SimulationResult simulate(const Schedule& schedule, const StageCosts& costs) {
+  return simulate(schedule, costs, Recording::kFull);
+}
+
+SimulationResult simulate(const Schedule& schedule, const StageCosts& costs, Recording recording) {
   costs.check(schedule.numStages());
-  return Simulator(schedule, costs).run();
+  return Simulator(schedule, costs, recording).run();
 }
 
 std::string toChromeTrace(const Schedule& schedule, const SimulationResult& result) {

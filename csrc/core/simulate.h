@@ -86,6 +86,16 @@ class DeadlockError : public std::invalid_argument {
 
 SimulationResult simulate(const Schedule& schedule, const StageCosts& costs);
 
+// What a simulation records beyond makespan, busy times and bubbles: all of
+// it (simulate() above), or less for the passes that need only a deadlock
+// check (validate()) or the send times (orderTransfers()).
+enum class Recording {
+  kFull,       // the timeline of every action and the memory figures
+  kSendsOnly,  // the timeline's SEND actions; no memory figures
+  kNone,       // no timeline, no memory figures
+};
+SimulationResult simulate(const Schedule& schedule, const StageCosts& costs, Recording recording);
+
 // Peak in-flight activations / weight versions from list order alone (no
 // timing). Filled into SimulationResult by simulate() as well.
 void computeMemoryFigures(const Schedule& schedule, SimulationResult& result);

@@ -1,6 +1,7 @@
 #include "validate.h"
 
 #include <map>
+#include <unordered_map>
 #include <stdexcept>
 #include <tuple>
 
@@ -32,13 +33,15 @@ struct MicrobatchRecord {
 // records shared by all ranks; the first broken rule throws (problem()).
 class RankChecker {
  public:
-  RankChecker(const Schedule& schedule, int rank, std::vector<std::vector<MicrobatchRecord>>& records)
+  // `lowered`: schedule.isLowered(), found once for all ranks.
+  RankChecker(const Schedule& schedule, int rank, bool lowered,
+              std::vector<std::vector<MicrobatchRecord>>& records)
       : schedule_(schedule),
         layout_(schedule.layout()),
         rank_(rank),
         stages_(schedule.numStages()),
         total_(schedule.totalMicrobatches()),
-        lowered_(schedule.isLowered()),
+        lowered_(lowered),
         records_(records),
         updates_(stages_, 0),
         gradientsSinceUpdate_(stages_, 0),
@@ -47,6 +50,7 @@ class RankChecker {
 
   void run() {
     const auto& list = schedule_.actions(rank_);
+    state_.reserve(list.size());
     for (step_ = 0; step_ < static_cast<int>(list.size()); ++step_) {
       const Action& a = list[step_];
       checkPlacement(a);
@@ -104,9 +108,9 @@ class RankChecker {
   void checkForward(const Action& a, MicrobatchRecord& record) {
     const int j = a.stage;
     const int i = a.microbatch;
-    const Key key{j, i};
-    if (forwardVersion_.count(key)) fail("microbatch " + str(i) + " has a second forward");
-    if (lowered_ && j > 0 && remote(a, j - 1) && !recvF_.count(key)) {
+    KeyState& st = state_[Key{j, i}];
+    if (st.forward) fail("microbatch " + str(i) + " has a second forward");
+    if (lowered_ && j > 0 && remote(a, j - 1) && !st.recvF) {
       fail("forward before its RECV_F (its input comes from rank " + str(layout_.rankFor(j - 1, i)) +
            ")");
     }
@@ -114,7 +118,8 @@ class RankChecker {
       fail("reads version " + str(a.version) + " but only " + str(updates_[j]) +
            " updates of stage " + str(j) + " came before it");
     }
-    forwardVersion_[key] = a.version;
+    st.forward = true;
+    st.forwardVersion = a.version;
     ++record.forwards;
   }
 
@@ -122,34 +127,35 @@ class RankChecker {
   void checkBackward(const Action& a, MicrobatchRecord& record) {
     const int j = a.stage;
     const int i = a.microbatch;
-    const Key key{j, i};
-    if (!forwardVersion_.count(key)) fail("backward before its forward");
-    if (gradDone_.count(key)) fail("microbatch " + str(i) + " has a second backward");
-    if (lowered_ && j < stages_ - 1 && remote(a, j + 1) && !recvB_.count(key)) {
+    KeyState& st = state_[Key{j, i}];
+    if (!st.forward) fail("backward before its forward");
+    if (st.grad) fail("microbatch " + str(i) + " has a second backward");
+    if (lowered_ && j < stages_ - 1 && remote(a, j + 1) && !st.recvB) {
       fail("backward before its RECV_B (its gradient comes from rank " +
            str(layout_.rankFor(j + 1, i)) + ")");
     }
-    if (a.version != forwardVersion_[key]) {
+    if (a.version != st.forwardVersion) {
       fail("backward reads version " + str(a.version) + " but its forward read version " +
-           str(forwardVersion_[key]) + " (weight stashing needs the same version)");
+           str(st.forwardVersion) + " (weight stashing needs the same version)");
     }
-    gradDone_[key] = true;
+    st.grad = true;
     if (a.kind == ActionKind::kBackward) {
       ++record.backwards;
       countGradient(j);
     } else {
       ++record.inputs;
-      inputVersion_[key] = a.version;
+      st.input = true;
+      st.inputVersion = a.version;
     }
   }
 
   void checkWeightGradient(const Action& a, MicrobatchRecord& record) {
-    const Key key{a.stage, a.microbatch};
-    if (!inputVersion_.count(key)) fail("W before its I (input gradient)");
-    if (a.version != inputVersion_[key]) {
-      fail("W reads version " + str(a.version) + " but its I read version " + str(inputVersion_[key]));
+    KeyState& st = state_[Key{a.stage, a.microbatch}];
+    if (!st.input) fail("W before its I (input gradient)");
+    if (a.version != st.inputVersion) {
+      fail("W reads version " + str(a.version) + " but its I read version " + str(st.inputVersion));
     }
-    inputVersion_.erase(key);
+    st.input = false;
     ++record.weights;
     countGradient(a.stage);
   }
@@ -165,18 +171,18 @@ class RankChecker {
   // SEND_F or SEND_B.
   void checkSend(const Action& a, MicrobatchRecord& record) {
     const int j = a.stage;
-    const Key key{j, a.microbatch};
+    const KeyState& st = state_[Key{j, a.microbatch}];
     if (a.kind == ActionKind::kSendForward) {
       if (j == stages_ - 1 || !remote(a, j + 1)) {
         fail("nothing to send: stage " + str(j + 1) + " of this microbatch is not on another rank");
       }
-      if (!forwardVersion_.count(key)) fail("SEND_F before its forward");
+      if (!st.forward) fail("SEND_F before its forward");
       ++record.sendF;
     } else {
       if (j == 0 || !remote(a, j - 1)) {
         fail("nothing to send: stage " + str(j - 1) + " of this microbatch is not on another rank");
       }
-      if (!gradDone_.count(key)) fail("SEND_B before its backward");
+      if (!st.grad) fail("SEND_B before its backward");
       ++record.sendB;
     }
   }
@@ -184,22 +190,22 @@ class RankChecker {
   // RECV_F or RECV_B.
   void checkRecv(const Action& a, MicrobatchRecord& record) {
     const int j = a.stage;
-    const Key key{j, a.microbatch};
+    KeyState& st = state_[Key{j, a.microbatch}];
     if (a.kind == ActionKind::kRecvForward) {
       if (j == 0 || !remote(a, j - 1)) {
         fail("nothing to receive: stage " + str(j - 1) + " of this microbatch is not on another rank");
       }
-      if (forwardVersion_.count(key)) fail("RECV_F after its forward");
-      if (recvF_.count(key)) fail("second RECV_F");
-      recvF_[key] = true;
+      if (st.forward) fail("RECV_F after its forward");
+      if (st.recvF) fail("second RECV_F");
+      st.recvF = true;
       ++record.recvF;
     } else {
       if (j == stages_ - 1 || !remote(a, j + 1)) {
         fail("nothing to receive: stage " + str(j + 1) + " of this microbatch is not on another rank");
       }
-      if (gradDone_.count(key)) fail("RECV_B after its backward");
-      if (recvB_.count(key)) fail("second RECV_B");
-      recvB_[key] = true;
+      if (st.grad) fail("RECV_B after its backward");
+      if (st.recvB) fail("second RECV_B");
+      st.recvB = true;
       ++record.recvB;
     }
   }
@@ -240,10 +246,16 @@ class RankChecker {
   const bool lowered_;
   std::vector<std::vector<MicrobatchRecord>>& records_;
   int step_ = 0;  // position of the action being checked
-  // Per (stage, microbatch) on this rank: the version its F (I) read, and
-  // whether its gradient, RECV_F, RECV_B happened.
-  std::map<Key, int> forwardVersion_, inputVersion_;
-  std::map<Key, bool> gradDone_, recvF_, recvB_;
+  // Per (stage, microbatch) on this rank: whether its F (I) happened and the
+  // version it read, and whether its gradient, RECV_F, RECV_B happened.
+  struct KeyState {
+    bool forward = false, input = false, grad = false, recvF = false, recvB = false;
+    int forwardVersion = 0, inputVersion = 0;
+  };
+  struct KeyHash {
+    size_t operator()(const Key& key) const { return hashInts(0, key.first, key.second); }
+  };
+  std::unordered_map<Key, KeyState, KeyHash> state_;
   // Per stage.
   std::vector<int> updates_, gradientsSinceUpdate_;
   std::vector<int> pendingAllReduce_, lastGradientStep_;
@@ -256,10 +268,10 @@ void validate(const Schedule& schedule) {
   const int total = schedule.totalMicrobatches();
   std::vector<std::vector<MicrobatchRecord>> records(
       std::max(1, stages), std::vector<MicrobatchRecord>(std::max(1, total)));
-  for (int r = 0; r < schedule.numRanks(); ++r) RankChecker(schedule, r, records).run();
+  const bool lowered = schedule.isLowered();
+  for (int r = 0; r < schedule.numRanks(); ++r) RankChecker(schedule, r, lowered, records).run();
 
   const Layout& layout = schedule.layout();
-  const bool lowered = schedule.isLowered();
   for (int j = 0; j < stages; ++j) {
     for (int i = 0; i < total; ++i) {
       const auto& rec = records[j][i];
@@ -290,7 +302,7 @@ void validate(const Schedule& schedule) {
   }
 
   try {
-    simulate(schedule, StageCosts::uniform(stages, 0.0, 0.0, -1.0, 0.0));
+    simulate(schedule, StageCosts::uniform(stages, 0.0, 0.0, -1.0, 0.0), Recording::kNone);
   } catch (const DeadlockError& e) {
     problem(schedule, e.rank(), e.step(),
             std::string(e.what()) +

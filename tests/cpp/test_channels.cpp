@@ -10,6 +10,7 @@
 #include "lower.h"
 #include "simulate.h"
 #include "test_helpers.h"
+#include "traits.h"
 #include "validate.h"
 
 namespace pipedream {
@@ -118,6 +119,34 @@ TEST(Channels, EveryGeneratorOfTheGridOrdersAndProvesItsTransfers) {
     ++checked;
   }
   EXPECT_GT(checked, 4000);
+}
+
+TEST(Channels, ValidationWorkGrowsLinearlyWithTheActions) {
+  // validateChannels() looks each input, receipt point and send up by key, so
+  // its work per action stays flat as the microbatches grow; a scan of a
+  // rank's list per compute action (what it did before) grows with m.
+  for (const std::string& name : scheduleNames()) {
+    SCOPED_TRACE(name);
+    const ScheduleTraits& traits = scheduleTraits(name);
+    const int chunks = traits.multiChunk ? std::max(2, traits.fixedChunks) : 1;
+    double perAction[2] = {0.0, 0.0};
+    const int microbatches[2] = {32, 256};
+    for (int x = 0; x < 2; ++x) {
+      const int m = microbatches[x];
+      const int perStep = traits.streaming ? traits.microbatchesPerStep(m) : 0;
+      const Schedule ordered = orderTransfers(lower(make(name, 4, m, chunks)), perStep);
+      ChannelCheckStats stats;
+      validateChannels(ordered, false, &stats);
+      ASSERT_GT(stats.actions, 0);
+      perAction[x] = static_cast<double>(stats.steps + stats.lookups) / stats.actions;
+      // A sweep tries every rank: the sweeps cost no more than the actions.
+      EXPECT_LE(stats.sweeps * ordered.numRanks(), stats.actions);
+    }
+    // About 2 here (a step and a lookup per action); 40 to 100 at m = 32 and
+    // 8x that at m = 256 with the scan.
+    EXPECT_LT(perAction[0], 3.0);
+    EXPECT_LT(perAction[1], perAction[0] * 1.1);
+  }
 }
 
 struct FeedCase {

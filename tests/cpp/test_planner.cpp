@@ -695,5 +695,96 @@ TEST(PlannerOptionsCheck, RejectsBadInput) {
   EXPECT_THROW(planPartition(twoHeavyLayers(), t, o), std::invalid_argument);
 }
 
+// Input then `layers` equal layers (1 ms forward, 2 ms backward, 1 MB out, 1 MB of weights).
+ProfileGraph uniformChain(int layers) {
+  ProfileGraph g;
+  g.addNode(makeNode("node0", "Input", 0, 0, 1e6, 0));
+  for (int i = 1; i <= layers; ++i) {
+    g.addNode(makeNode("node" + std::to_string(i), "Layer", 1, 2, 1e6, 1e6));
+    g.addEdge(i - 1, i);
+  }
+  return g;
+}
+
+// The message of the invalid_argument `fn` throws ("" if none).
+template <typename Fn>
+std::string errorOf(Fn fn) {
+  try {
+    fn();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(PlannerStraight, CoarseningKeepsAStatePerWorker) {
+  // 200 layers on 32 straight workers: the budget alone would keep about
+  // sqrt(2 budget / 31) = 25 cuts, fewer than the 32 stages a straight plan has.
+  Topology t;
+  t.levels = std::vector<TopologyLevel>{{32, 1e9}};
+  PlannerOptions o;
+  o.straight = true;
+  o.workBudget = 1e4;
+  const Plan p = planPartition(uniformChain(200), t, o);
+  EXPECT_TRUE(p.coarsened);
+  EXPECT_EQ(p.stateKind, StateKind::TopologicalCut);
+  EXPECT_GE(p.numStates, 32);
+  EXPECT_LT(p.numStates, 200);
+  ASSERT_EQ(p.stages.size(), 32u);
+  EXPECT_EQ(p.usedWorkers, 32);
+  int next = 0;
+  for (const PlanStage& st : p.stages) {
+    EXPECT_EQ(st.replicas, 1);
+    EXPECT_EQ(st.layerStart, next);
+    EXPECT_GT(st.layerEnd, st.layerStart);
+    next = st.layerEnd;
+  }
+  EXPECT_EQ(next, 200);
+  // Equal layers: the slowest stage holds ceil(200 / 32) = 7 layers at most
+  // (the coarse cuts may not allow 7 everywhere; never fewer than 200 / 32).
+  EXPECT_GE(p.timePerStage, 0.003 * 200 / 32 - 1e-12);
+  // Replicas allowed: the budget applies as before.
+  o.straight = false;
+  EXPECT_NO_THROW(planPartition(uniformChain(200), t, o));
+}
+
+TEST(PlannerStraight, FewerLayersThanWorkersIsNamed) {
+  // 100 layers cannot fill 128 straight stages: no memory limit is involved.
+  Topology t;
+  t.levels = std::vector<TopologyLevel>{{128, 1e9}};
+  PlannerOptions o;
+  o.straight = true;
+  const std::string error = errorOf([&] { planPartition(uniformChain(100), t, o); });
+  EXPECT_NE(error.find("a straight plan on 128 workers needs 128 stages (one per worker, each at "
+                       "least one layer), but the profile splits into at most 100 (100 planning "
+                       "states, 100 layers); plan on at most 100 workers, pass fewer_workers=True, "
+                       "or allow replicated stages (straight=False)"),
+            std::string::npos)
+      << error;
+  EXPECT_EQ(error.find("memory limit"), std::string::npos) << error;
+  // Each fix it names plans.
+  o.fewerWorkers = true;
+  EXPECT_EQ(planPartition(uniformChain(100), t, o).stages.size(), 100u);
+  o.fewerWorkers = false;
+  t.levels[0].workers = 100;
+  EXPECT_EQ(planPartition(uniformChain(100), t, o).stages.size(), 100u);
+  t.levels[0].workers = 128;
+  o.straight = false;
+  EXPECT_NO_THROW(planPartition(uniformChain(100), t, o));
+  // Data parallelism inside stages is straight too; it cannot drop straight.
+  PlannerOptions dp;
+  dp.dataParallel.degree = 2;
+  dp.dataParallel.bandwidth = 1e9;
+  const std::string dpError = errorOf([&] { planPartition(uniformChain(100), t, dp); });
+  EXPECT_NE(dpError.find("a straight plan on 128 pipeline workers needs 128 stages"), std::string::npos)
+      << dpError;
+  EXPECT_EQ(dpError.find("straight=False"), std::string::npos) << dpError;
+  // Two levels: 4 x 32 = 128 workers.
+  t.levels = std::vector<TopologyLevel>{{4, 16e9}, {32, 1e9}};
+  o.straight = true;
+  EXPECT_NE(errorOf([&] { planPartition(uniformChain(100), t, o); }).find("needs 128 stages"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace pipedream
