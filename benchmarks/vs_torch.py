@@ -349,8 +349,9 @@ def run_worker(args: argparse.Namespace) -> int:
                     result["configs"][key]["late_waits"] = len(late)
                     result["configs"][key]["late_examples"] = [
                         f"rank {w.rank} {w.wait} waited {w.wait_us / 1e3:.1f} ms for {w.sent}, sent "
-                        f"{w.sent_before_us / 1e3:.1f} ms before, until rank {w.peer} began {w.released_after}"
-                        for w in late[:3]]
+                        f"{w.sent_before_us / 1e3:.1f} ms before, until {w.ended_after_us / 1e3:.1f} ms after "
+                        f"rank {w.peer} began {w.released_after}" for w in late[:3]]
+                    result["configs"][key]["late_ended_after_ms"] = [w.ended_after_us / 1e3 for w in late]
                     result["configs"][key]["timed_steps"] = args.pairs * args.steps
         result["loadavg_end"] = list(os.getloadavg())
 

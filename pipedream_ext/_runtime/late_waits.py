@@ -39,6 +39,7 @@ class LateWait:
         start_us: when the wait began (the trace's microseconds).
         wait_us: the wait's duration (microseconds).
         sent_before_us: how long before the wait began the matching send ended.
+        ended_after_us: how long after the later send began the wait ended.
     """
 
     rank: int
@@ -49,6 +50,7 @@ class LateWait:
     start_us: int
     wait_us: int
     sent_before_us: int
+    ended_after_us: int
 
 
 def _load(trace: Union[str, os.PathLike, Mapping[str, Any]]) -> List[Span]:
@@ -116,7 +118,7 @@ def late_receive_waits(trace: Union[str, os.PathLike, Mapping[str, Any]]) -> Lis
             after = _released_after(track[sent["pid"]], position[id(sent)], wait, by_name)
             if after is not None:
                 late.append(LateWait(wait["pid"], name, sent["pid"], sent["name"], after["name"], wait["ts"],
-                                     wait["dur"], wait["ts"] - _end(sent)))
+                                     wait["dur"], wait["ts"] - _end(sent), _end(wait) - after["ts"]))
     return sorted(late, key=lambda w: (w.start_us, w.rank))
 
 
