@@ -34,15 +34,17 @@ configuration runs ``--steps`` steps between two barriers, then ours (samples/s 
 slower rank, the 1-minute load average after each); the ratio is per pair, ours /
 torch. Every configuration has its own Gloo group and stays built for the whole run, so
 the load of other jobs falls on all of them alike. Ours records its trace during the
-timed rounds: the report counts the receive waits a later message released
-(``pipedream_ext.diagnostics.late_receive_waits``), per 8 steps.
+timed rounds: the report gives the time its executors were blocked on receives
+(``stats()["seconds_by_kind"]`` RECV_F + RECV_B, both ranks, per step) and counts the
+receive waits a later message released (``pipedream_ext.diagnostics.late_receive_waits``),
+per 8 steps.
 
 ``--protocol`` forces our point-to-point protocol (``PIPEDREAM_P2P_PROTOCOL``: fused,
 the default on Gloo, or split). Writes ``<out-dir>/vs_torch.md`` and ``vs_torch.json``.
 Command, from the repository root (6-10 minutes on 2 shared cores; ``--smoke``: a tiny
 GPT, one pair of one step, about 30 s):
 
-    python3 benchmarks/vs_torch.py [--pairs 8] [--steps 2] [--protocol split] [--smoke]
+    python3 benchmarks/vs_torch.py [--pairs 16] [--steps 2] [--protocol split] [--smoke]
 """
 from __future__ import annotations
 
@@ -291,6 +293,7 @@ def _build(args: argparse.Namespace, x: Any, y: Any, trace_dir: str, result: Dic
                     config.step()
                 if config.pipe is not None:
                     config.pipe.write_trace(os.path.join(trace_dir, "warmup.json"))  # drops the warm-up's spans
+                    config.pipe.reset_stats()
                 configs[key] = config
             except Exception as exc:  # a failing configuration is a result
                 entry["error"] = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}".splitlines()[0][:400]
@@ -343,6 +346,9 @@ def run_worker(args: argparse.Namespace) -> int:
             for key, config in configs.items():
                 if config.pipe is None:
                     continue
+                by_kind = config.pipe.stats()["seconds_by_kind"]
+                waited = h.all_gather_json(by_kind.get("RECV_F", 0.0) + by_kind.get("RECV_B", 0.0))
+                result["configs"][key]["recv_wait_ms_per_step"] = 1e3 * sum(waited) / (args.pairs * args.steps)
                 written = config.pipe.write_trace(os.path.join(trace_dir, "timed.json"))
                 if written is not None:
                     late = pdd.late_receive_waits(written)
@@ -363,6 +369,11 @@ def _fmt_range(s: Dict[str, float], digits: int = 0) -> str:
     if not s:
         return "n/a"
     return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
+
+
+def _recv_wait(entry: Dict[str, Any]) -> str:
+    value = entry.get("recv_wait_ms_per_step")
+    return "n/a" if value is None else f"{value:.0f}"
 
 
 def _late_per_8(entry: Dict[str, Any]) -> str:
@@ -395,10 +406,11 @@ def report(result: Dict[str, Any], info: Dict[str, str], command: str, args: arg
                                        for side in ("torch", "ours")) if e)
         rows.append([ours, cls_name, _fmt_range(s["ms_per_step"]["ours"]), _fmt_range(s["ms_per_step"]["torch"]),
                      _fmt_range(s["ours"]), _fmt_range(s["torch"]), _fmt_range(s["ratio"], 2),
-                     f"{s['ours_ahead']} of {len(s['ratios'])}", _late_per_8(result["configs"][f"ours {ours}"]),
-                     errors])
+                     f"{s['ours_ahead']} of {len(s['ratios'])}", _recv_wait(result["configs"][f"ours {ours}"]),
+                     _late_per_8(result["configs"][f"ours {ours}"]), errors])
     lines += h.table(["ours", "torch", "ours ms/step, median [min-max]", "torch ms/step", "ours samples/s",
                       "torch samples/s", "ratio ours / torch per pair, median [min-max]", "pairs ours ahead",
+                      "ours blocked on receives, ms per step (both ranks)",
                       "our waits released by a later message, per 8 steps", "errors"], rows)
     loads = [r["loadavg_1min"] for r in result["rounds"]]
     if loads:
@@ -449,7 +461,7 @@ def run_driver(args: argparse.Namespace) -> int:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = h.make_parser(__doc__, worker=True)
-    p.add_argument("--pairs", type=int, default=8, help="rounds over every comparison (torch, then ours)")
+    p.add_argument("--pairs", type=int, default=16, help="rounds over every comparison (torch, then ours)")
     p.add_argument("--steps", type=int, default=2, help="steps per round")
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps (the first checks the same work)")
     p.add_argument("--batch", type=int, default=16)

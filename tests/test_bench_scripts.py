@@ -621,7 +621,7 @@ def test_vs_torch_smoke_run(tmp_path):
         same = entry["same_work"]
         assert same["loss_diff"] < 1e-5 and same["grad_max_abs_diff"] < 1e-5, (name, same)
         assert same["params_compared"] == same["params"], (name, same)
-        assert ("late_waits" in entry) == name.startswith("ours"), name
+        assert ("late_waits" in entry) == ("recv_wait_ms_per_step" in entry) == name.startswith("ours"), name
     assert set(data["summary"]["comparisons"]) == {ours for ours, _, _ in vs_torch.COMPARISONS}
     text = (tmp_path / "vs_torch.md").read_text()
     assert "| zbv | ScheduleZBVZeroBubble |" in text and "Load average (1 min)" in text

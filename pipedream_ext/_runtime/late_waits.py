@@ -3,10 +3,10 @@
 A rank waiting for a transfer whose data its peer sent before the wait began should
 have it at once. If the wait lasts while the peer computes its next message to this
 rank and ends only after the peer starts sending that one, the receiving side did not
-take the data that was there: it waited for something posted later. The engine did
-that on zbv before the fix described in docs/runtime.md ("Receives that wait for a
-later message"); :func:`late_receive_waits` counts such waits from the order of the
-trace's events, so it is a property of the schedule's execution, not a duration.
+take the data that was there: it waited for something posted later, or the transport
+did not move the bytes until the peer's threads let it (docs/runtime.md, "Receives
+that wait for a later message", names both). :func:`late_receive_waits` counts such
+waits from the order of the trace's events, not from their durations.
 """
 from __future__ import annotations
 
