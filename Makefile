@@ -81,6 +81,7 @@ bench: setup
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/split_backward.py
 	$(PY) benchmarks/zero_bubble.py
+	$(PY) benchmarks/vs_torch.py
 	$(PY) benchmarks/shape_change.py
 	$(PY) benchmarks/deferred_init.py
 	$(PY) benchmarks/traced.py

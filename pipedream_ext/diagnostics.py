@@ -1,4 +1,4 @@
-"""Looking inside pipeline construction: stage fingerprints, agreement checks, tracing phases.
+"""Looking inside a pipeline: stage fingerprints, agreement checks, tracing phases, late receives.
 
 ``PipeDream(...)`` does all of this itself; these functions run its steps one at a
 time, for two purposes (docs/tracing.md "Diagnostics"):
@@ -17,6 +17,10 @@ time, for two purposes (docs/tracing.md "Diagnostics"):
       import pipedream_ext.diagnostics as pdd
       timing = pdd.time_split(model, ["layer3"], (x,))
       print(timing.total_s, timing.phases_s, timing.graph_nodes)
+
+Beside construction, :func:`late_receive_waits` reads a merged Chrome trace
+(``PipeDream(trace=...)``) for receive waits that a later message released: waits for
+data the peer had already sent that ended only after the peer started its next send.
 
 :func:`check_stages_agree` and :func:`check_batches_agree` are collectives: every rank
 of the group calls them.
@@ -38,10 +42,11 @@ from ._dist.fingerprint import StagesFingerprint, graph_fingerprint, layers_fing
 from ._frontend import export, graph_split
 from ._frontend.fx_graph import count_stages, node_stages
 from ._frontend.graph_split import TracedSplit, split_model
+from ._runtime.late_waits import LateWait, late_receive_waits
 
-__all__ = ["PHASES", "SplitTiming", "StagesFingerprint", "TracedSplit", "check_batches_agree",
+__all__ = ["PHASES", "LateWait", "SplitTiming", "StagesFingerprint", "TracedSplit", "check_batches_agree",
            "check_stages_agree", "describe_stage", "fingerprint_layers", "fingerprint_split",
-           "measure_bandwidth", "time_split", "trace_split"]
+           "late_receive_waits", "measure_bandwidth", "time_split", "trace_split"]
 
 Inputs = Union[Tuple[torch.Tensor, ...], Mapping[str, torch.Tensor]]
 

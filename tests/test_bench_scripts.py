@@ -1,6 +1,6 @@
 """The benchmark scripts' pure helpers (benchmarks/plan_accuracy.py, memory.py, soak.py,
 deferred_init.py, traced.py, zero_bubble.py, split_backward.py, fsdp_2d.py,
-schedule_build.py) and the harness they stand on (benchmarks/_harness.py).
+schedule_build.py, vs_torch.py) and the harness they stand on (benchmarks/_harness.py).
 
 Fast: the scripts import torch only inside functions, so loading them imports no torch;
 only the smoke runs (traced.py, about 25 s; zero_bubble.py, split_backward.py and
@@ -38,6 +38,7 @@ soak = _load("soak")
 deferred_init = _load("deferred_init")
 traced = _load("traced")
 zero_bubble = _load("zero_bubble")
+vs_torch = _load("vs_torch")
 split_backward = _load("split_backward")
 agreement = _load("agreement")
 fsdp_2d = _load("fsdp_2d")
@@ -46,7 +47,7 @@ util = _load("_harness")
 
 
 def test_scripts_do_not_import_torch_at_module_level():
-    for script in (plan_accuracy, memory, soak, deferred_init, traced, zero_bubble, split_backward,
+    for script in (plan_accuracy, memory, soak, deferred_init, traced, zero_bubble, vs_torch, split_backward,
                    agreement, fsdp_2d, schedule_build):
         assert "torch" not in vars(script), script.__name__
 
@@ -583,6 +584,43 @@ def test_schedule_build_smoke_run(tmp_path):
     assert "## PipeDream(...) construction, 2 ranks, 1f1b" in text
 
 
+# ----------------------------------------------------------------------------- vs_torch
+def test_vs_torch_balance_puts_embedding_first_and_head_last():
+    # gpt_sequential(8): embedding, 8 blocks, LayerNorm, head, flatten (12 layers).
+    assert vs_torch.balance(8, 2) == [5, 7]
+    assert vs_torch.balance(8, 4) == [3, 2, 2, 5]
+    with pytest.raises(ValueError, match="multiple of 4"):
+        vs_torch.balance(6, 4)
+
+
+def test_vs_torch_every_flush_schedule_has_a_counterpart():
+    from pipedream_ext import schedules
+
+    assert {ours for ours, _, _ in vs_torch.COMPARISONS} == set(schedules.synchronous_names())
+    assert all(chunks == (2 if schedules.traits(ours).multi_chunk else 1) for ours, chunks, _ in vs_torch.COMPARISONS)
+
+
+def test_vs_torch_pairs_ratio_ours_over_torch():
+    rounds = [{"pair": k, "config": f"{side} zbv", "samples_per_s": v, "seconds": 2.0 / v, "steps": 2}
+              for k, (a, b) in enumerate([(10.0, 12.0), (10.0, 9.0), (8.0, 10.0)])
+              for side, v in (("torch", a), ("ours", b))]
+    s = vs_torch.summarise(rounds, "zbv")
+    assert s["ratios"] == pytest.approx([1.2, 0.9, 1.25]) and s["ours_ahead"] == 2
+    assert s["ratio"]["median"] == pytest.approx(1.2)
+    assert s["ms_per_step"]["torch"]["median"] == pytest.approx(100.0)
+    assert s["ours"] == {"median": 10.0, "min": 9.0, "max": 12.0}
+
+
+def test_vs_torch_smoke_mode_and_argument_checks():
+    args = vs_torch.parse_args(["--smoke"])
+    assert (args.width, args.pairs, args.steps) == (16, 1, 1) and args.protocol is None
+    assert vs_torch.parse_args(["--schedules", "zbv,1f1b", "--protocol", "split"]).schedules == ["zbv", "1f1b"]
+    for bad in (["--schedules", "pipedream"], ["--blocks", "6"], ["--batch", "10"], ["--warmup", "0"],
+                ["--protocol", "tagged"]):
+        with pytest.raises(SystemExit):
+            vs_torch.parse_args(bad)
+
+
 # ----------------------------------------------------------------------------- smoke runs
 def _smoke(script: str, out_dir: Path) -> "subprocess.CompletedProcess[str]":
     env = dict(os.environ, PYTHONPATH=str(BENCH.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -608,6 +646,25 @@ def test_zero_bubble_smoke_run(tmp_path):
     assert set(data["summary"]["comparisons"]) == {"zb-h1", "zbv", "dualpipev", "interleaved-zb"}
     text = (tmp_path / "zero_bubble.md").read_text()
     assert "| ours zbv / torch ScheduleZBVZeroBubble |" in text and "Load average (1 min)" in text
+
+
+@pytest.mark.slow  # a whole benchmark launch, 14 configurations (about 40 s on 2 cores): `make test-all`
+def test_vs_torch_smoke_run(tmp_path):
+    proc = _smoke("vs_torch.py", tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "vs_torch.json").read_text())
+    configs = data["result"]["configs"]
+    assert set(configs) == {f"{side} {ours}" for ours, _, _ in vs_torch.COMPARISONS for side in ("ours", "torch")}
+    for name, entry in configs.items():
+        assert "error" not in entry, (name, entry["error"])
+        # The same work: every configuration's first loss and gradients are the unsplit model's.
+        same = entry["same_work"]
+        assert same["loss_diff"] < 1e-5 and same["grad_max_abs_diff"] < 1e-5, (name, same)
+        assert same["params_compared"] == same["params"], (name, same)
+        assert ("late_waits" in entry) == ("recv_wait_ms_per_step" in entry) == name.startswith("ours"), name
+    assert set(data["summary"]["comparisons"]) == {ours for ours, _, _ in vs_torch.COMPARISONS}
+    text = (tmp_path / "vs_torch.md").read_text()
+    assert "| zbv | ScheduleZBVZeroBubble |" in text and "Load average (1 min)" in text
 
 
 def test_split_backward_smoke_run(tmp_path):

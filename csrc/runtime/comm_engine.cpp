@@ -714,6 +714,12 @@ void CommEngine::waitIssued(int peer, const SplitOp& op, Clock::time_point deadl
 }
 
 void CommEngine::readHeaders(int peer, const FusedRecv* upTo, Clock::time_point deadline) {
+  // Headers are read in the pair's order, so once `upTo`'s is read every
+  // earlier one is too. A consumer may wait for a receive that a wait for a
+  // later receive of the pair already read (zbv: rank 1 consumes B0 before
+  // F2, posted first): reading on from there would block on the data of
+  // receives posted after `upTo`, until the peer sends them.
+  if (upTo->headerRead()) return;
   PeerQueue& queue = peerQueue(peer);
   while (!queue.unread.empty()) {
     auto front = queue.unread.front();
