@@ -5,7 +5,7 @@ BUILD_DIR ?= build/cmake
 SAN_BUILD_DIR ?= build/cmake-asan
 FUZZ_SECONDS ?= 60
 
-.PHONY: setup build lint test test-all cpp-test cpp-test-sanitized fuzz py-test gpu-test run bench bench-network soak clean
+.PHONY: setup build lint test test-all cpp-test cpp-test-sanitized fuzz py-test gpu-test gpu-check run bench bench-network soak clean
 
 setup:
 	PYTHON=$(PY) bash .ci/bootstrap.sh
@@ -43,6 +43,13 @@ py-test:
 gpu-test:
 	MAX_JOBS=8 $(PY) setup.py -q build_ext --inplace
 	$(PY) -m pytest tests/test_gpu.py tests/test_units.py -v
+
+# The one prepared run for a lent GPU machine (benchmarks/README.md, "GPU runs"): build,
+# gpu-test, the main job on CUDA, the GPT against torch.distributed.pipelining (1 NCCL rank
+# with chunks; 2 Gloo ranks with CUDA tensors), host syncs per transfer; one summary,
+# $(OUT)/gpu_check.md (OUT defaults to out/gpu-check). About 6 minutes on an H100.
+gpu-check:
+	bash benchmarks/gpu_check.sh
 
 # ruff (pyproject.toml's rules: noqa comments name rules that run) and the import-linter
 # contract (each package folder imports only the layers below it: docs/architecture.md).

@@ -41,8 +41,13 @@ per 8 steps.
 
 ``--protocol`` forces our point-to-point protocol (``PIPEDREAM_P2P_PROTOCOL``: fused,
 the default on Gloo, or split). Writes ``<out-dir>/vs_torch.md`` and ``vs_torch.json``.
-Command, from the repository root (6-10 minutes on 2 shared cores; ``--smoke``: a tiny
-GPT, one pair of one step, about 30 s):
+``--device cuda:0`` puts every rank's stages on one GPU, ``--world 1`` runs the
+multi-chunk schedules with every stage on one rank (interleaved: 4 chunks; the V: 2), on
+``cpu:gloo,cuda:nccl`` with CUDA (``make gpu-check`` runs both; torch's stages on Gloo
+with CUDA tensors may be refused by Gloo: that is reported as the configuration's error).
+On CUDA the report adds our host synchronisations per transfer (``stats()["host_syncs"]``
+over ``sends``). Command, from the repository root (6-10 minutes on 2 shared cores;
+``--smoke``: a tiny GPT, one pair of one step, about 30 s):
 
     python3 benchmarks/vs_torch.py [--pairs 16] [--steps 2] [--protocol split] [--smoke]
 """
@@ -120,15 +125,27 @@ def _model(args: argparse.Namespace) -> Any:
     import torch
 
     torch.manual_seed(0)
-    return h.models().gpt_sequential(args.blocks, args.width, args.heads, args.context)
+    return h.models().gpt_sequential(args.blocks, args.width, args.heads, args.context).to(args.device)
 
 
 def _batch(args: argparse.Namespace) -> Tuple[Any, Any]:
     import torch
 
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, h.models().VOCAB, (args.batch, args.context + 1), generator=g)
+    ids = torch.randint(0, h.models().VOCAB, (args.batch, args.context + 1), generator=g).to(args.device)
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def chunks_for(ours: str, world: int) -> int:
+    """Chunks per rank of ``ours`` on ``world`` ranks: 1 for the 1-chunk schedules, 2 for
+    the V (zbv, dualpipev: exactly 2), and round robin so that there are 4 stages; 0 where
+    the comparison does not run (a 1-chunk schedule on 1 rank has no pipeline)."""
+    from pipedream_ext import schedules
+
+    traits = schedules.traits(ours)
+    if not traits.multi_chunk:
+        return 1 if world > 1 else 0
+    return 2 if ours in ("zbv", "dualpipev") else 4 // world
 
 
 def _loss(logits: Any, targets: Any) -> Any:
@@ -152,8 +169,8 @@ def _ours(args: argparse.Namespace, name: str, chunks: int, group: Any, x: Any, 
     import pipedream_ext as pd
 
     pipe = pd.PipeDream(_model(args), _loss, schedule=name, microbatches=args.microbatches, chunks=chunks,
-                        balance=balance(args.blocks, 2 * chunks), process_group=group, timeout=args.pipe_timeout,
-                        trace=trace)
+                        balance=balance(args.blocks, args.world * chunks), process_group=group,
+                        timeout=args.pipe_timeout, trace=trace, device=args.device)
     opt = torch.optim.SGD(pipe.parameters(), lr=args.lr)
     c = _Config()
     c.pipe = pipe
@@ -178,7 +195,7 @@ def _torch(args: argparse.Namespace, name: str, chunks: int, cls_name: str, grou
     import torch.distributed as dist
     from torch.distributed import pipelining
 
-    rank, world = dist.get_rank(group), 2
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     n = world * chunks
     model = _model(args)
     layers = list(model.children())
@@ -187,7 +204,7 @@ def _torch(args: argparse.Namespace, name: str, chunks: int, cls_name: str, grou
         bounds.append(bounds[-1] + b)
     mine = placement(name, rank, world, chunks)
     stages = [pipelining.PipelineStage(torch.nn.Sequential(*layers[bounds[j]:bounds[j + 1]]), j, n,
-                                       torch.device("cpu"), group=group) for j in mine]
+                                       torch.device(args.device), group=group) for j in mine]
     cls = getattr(pipelining, cls_name)
     # scale_grads=False: torch divides each stage's gradients by M, twice for a weight two
     # local stages share (the V's tied embedding and head); divided here once per weight.
@@ -278,12 +295,13 @@ def _build(args: argparse.Namespace, x: Any, y: Any, trace_dir: str, result: Dic
     ref_loss, ref_grads, canonical = _reference(args, x, y)
     timeout = datetime.timedelta(seconds=args.pipe_timeout)
     configs: Dict[str, _Config] = {}
-    for ours, chunks, cls_name in COMPARISONS:
-        if ours not in args.schedules:
+    for ours, _, cls_name in COMPARISONS:
+        chunks = chunks_for(ours, args.world)
+        if ours not in args.schedules or not chunks:
             continue
         for side in ("torch", "ours"):
             key = f"{side} {ours}"
-            group = dist.new_group([0, 1], timeout=timeout)
+            group = dist.new_group(list(range(args.world)), timeout=timeout)
             entry = result["configs"].setdefault(key, {"class": cls_name if side == "torch" else ours})
             try:
                 config = (_torch(args, ours, chunks, cls_name, group, x, y) if side == "torch"
@@ -314,6 +332,8 @@ def _timed_round(args: argparse.Namespace, config: _Config) -> float:
     t0 = time.perf_counter()
     for _ in range(args.steps):
         config.step()
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
     dist.barrier()
     t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -327,8 +347,9 @@ def run_worker(args: argparse.Namespace) -> int:
 
         import pipedream_ext.diagnostics as pdd
 
-        if dist.get_world_size() != 2:
-            raise ValueError("vs_torch.py runs on exactly 2 ranks")
+        if dist.get_world_size() != args.world:
+            raise ValueError(f"vs_torch.py --world {args.world} runs on {args.world} ranks, "
+                             f"not {dist.get_world_size()}")
         x, y = _batch(args)
         result.update(rounds=[], configs={}, loadavg_start=list(os.getloadavg()),
                       protocol=os.environ.get(PROTOCOL_ENV) or "default")
@@ -346,7 +367,10 @@ def run_worker(args: argparse.Namespace) -> int:
             for key, config in configs.items():
                 if config.pipe is None:
                     continue
-                by_kind = config.pipe.stats()["seconds_by_kind"]
+                stats = config.pipe.stats()
+                by_kind = stats["seconds_by_kind"]
+                result["configs"][key]["transfers"] = h.all_gather_json(
+                    {"sends": stats["sends"], "host_syncs": stats["host_syncs"]})
                 waited = h.all_gather_json(by_kind.get("RECV_F", 0.0) + by_kind.get("RECV_B", 0.0))
                 result["configs"][key]["recv_wait_ms_per_step"] = 1e3 * sum(waited) / (args.pairs * args.steps)
                 written = config.pipe.write_trace(os.path.join(trace_dir, "timed.json"))
@@ -361,7 +385,7 @@ def run_worker(args: argparse.Namespace) -> int:
                     result["configs"][key]["timed_steps"] = args.pairs * args.steps
         result["loadavg_end"] = list(os.getloadavg())
 
-    return h.worker(JSON_TAG, body, backend="gloo")
+    return h.worker(JSON_TAG, body, backend=args.backend)
 
 
 # ----------------------------------------------------------------------------- report
@@ -382,16 +406,30 @@ def _late_per_8(entry: Dict[str, Any]) -> str:
     return f"{8 * entry['late_waits'] / entry['timed_steps']:.1f}"
 
 
+def _host_syncs(entry: Dict[str, Any]) -> str:
+    """Device-to-host synchronisations per send (Gloo carrying CUDA tensors), over ranks."""
+    transfers = entry.get("transfers")
+    if not transfers:
+        return "n/a"
+    sends = sum(t["sends"] for t in transfers)
+    syncs = sum(t["host_syncs"] for t in transfers)
+    return f"{syncs / sends:.2f} ({syncs} / {sends})" if sends else f"no sends ({syncs} syncs)"
+
+
 def report(result: Dict[str, Any], info: Dict[str, str], command: str, args: argparse.Namespace,
            total_s: float) -> Tuple[str, Dict[str, Any]]:
     """The Markdown report and the summary figures of one run."""
     mb = args.batch // args.microbatches
-    lines = ["# Every flush schedule against torch.distributed.pipelining on a GPT (CPU, 2 ranks)", "",
+    where = f"{args.device}, {args.world} rank{'s' if args.world > 1 else ''}, {args.backend}"
+    layout = (f"1 chunk: 2 stages {balance(args.blocks, 2)} (layers); 2 chunks: 4 stages {balance(args.blocks, 4)} "
+              "(V for zbv and dualpipev, round robin otherwise)" if args.world == 2 else
+              f"Every stage on the one rank: 4 stages {balance(args.blocks, 4)} (layers) round robin, 2 stages "
+              f"{balance(args.blocks, 2)} for the V (zbv, dualpipev); the 1-chunk schedules do not run")
+    lines = [f"# Every flush schedule against torch.distributed.pipelining on a GPT ({where})", "",
              f"Model: examples/models.py `gpt_sequential({args.blocks}, width={args.width}, heads={args.heads}, "
              f"context={args.context})` (tied head), batch {args.batch} x {args.context} tokens in "
-             f"{args.microbatches} microbatches of {mb}, cross-entropy, SGD lr={args.lr}. 1 chunk: 2 stages "
-             f"{balance(args.blocks, 2)} (layers); 2 chunks: 4 stages {balance(args.blocks, 4)} (V for zbv and "
-             "dualpipev, round robin otherwise), the same cut for ours and torch's. Our protocol: "
+             f"{args.microbatches} microbatches of {mb}, cross-entropy, SGD lr={args.lr}. {layout}, the same cut "
+             "for ours and torch's. Our protocol: "
              f"{result.get('protocol', 'default')}. {args.pairs} rounds over all comparisons, each torch's "
              f"{args.steps} steps then ours between barriers (samples/s of the slower rank), after "
              f"{args.warmup} warm-up steps (the first checks loss and gradients).", ""]
@@ -407,18 +445,21 @@ def report(result: Dict[str, Any], info: Dict[str, str], command: str, args: arg
         rows.append([ours, cls_name, _fmt_range(s["ms_per_step"]["ours"]), _fmt_range(s["ms_per_step"]["torch"]),
                      _fmt_range(s["ours"]), _fmt_range(s["torch"]), _fmt_range(s["ratio"], 2),
                      f"{s['ours_ahead']} of {len(s['ratios'])}", _recv_wait(result["configs"][f"ours {ours}"]),
-                     _late_per_8(result["configs"][f"ours {ours}"]), errors])
+                     _late_per_8(result["configs"][f"ours {ours}"]),
+                     _host_syncs(result["configs"][f"ours {ours}"]), errors])
     lines += h.table(["ours", "torch", "ours ms/step, median [min-max]", "torch ms/step", "ours samples/s",
                       "torch samples/s", "ratio ours / torch per pair, median [min-max]", "pairs ours ahead",
                       "ours blocked on receives, ms per step (both ranks)",
-                      "our waits released by a later message, per 8 steps", "errors"], rows)
+                      "our waits released by a later message, per 8 steps",
+                      "our host syncs per transfer (sends, all ranks)", "errors"], rows)
     loads = [r["loadavg_1min"] for r in result["rounds"]]
     if loads:
         lines += ["", f"Load average (1 min) over the rounds: {min(loads):.2f}-{max(loads):.2f} (start "
                   f"{' '.join(f'{v:.2f}' for v in result['loadavg_start'])}, end "
                   f"{' '.join(f'{v:.2f}' for v in result.get('loadavg_end', []))})."]
     lines += _same_work_lines(result)
-    lines += ["", h.machine_line(info), "", h.command_sentence(command, total_s, {2: result["launch_s"]}), ""]
+    lines += ["", h.machine_line(info), "", h.command_sentence(command, total_s, {args.world: result["launch_s"]}),
+              ""]
     return "\n".join(lines), {"comparisons": summaries}
 
 
@@ -443,10 +484,11 @@ def run_driver(args: argparse.Namespace) -> int:
     info, command = h.start_report(LOG)
     start = time.perf_counter()
     worker_args = ["--worker"] + h.forward(args, "pairs", "steps", "warmup", "batch", "blocks", "width", "heads",
-                                           "context", "microbatches", "lr", "pipe_timeout", "schedules")
+                                           "context", "microbatches", "lr", "pipe_timeout", "schedules",
+                                           "world", "device", "backend")
     env = {PROTOCOL_ENV: args.protocol} if args.protocol else None
-    result = h.launch_torchrun(Path(__file__).resolve(), 2, worker_args, JSON_TAG, timeout=args.timeout,
-                               env_extra=env)
+    result = h.launch_torchrun(Path(__file__).resolve(), args.world, worker_args, JSON_TAG,
+                               timeout=args.timeout, env_extra=env)
     if h.launch_failed(result) or "rounds" not in result:
         LOG.error("the launch failed: %s", result.get("error"))
         return 1
@@ -477,11 +519,19 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help=f"force our point-to-point protocol ({PROTOCOL_ENV}); default: the engine's choice")
     p.add_argument("--pipe-timeout", type=float, default=120.0, help="seconds any wait on the peer may take")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole launch")
+    p.add_argument("--world", type=int, choices=(1, 2), default=2,
+                   help="ranks: 2 (every comparison), or 1 (the multi-chunk schedules, all stages on one rank)")
+    p.add_argument("--device", default="cpu",
+                   help="where every rank's stages live: cpu, or cuda:0 (one GPU: every rank on it)")
+    p.add_argument("--backend", default=None,
+                   help="the default group's backend (default: gloo; cpu:gloo,cuda:nccl for --world 1 on CUDA)")
     p.add_argument("--smoke", action="store_true", help="a tiny GPT, one pair of one step: checks that everything runs")
     args = p.parse_args(argv)
     if args.smoke:
         for k, v in SMOKE.items():
             setattr(args, k, v)
+    if args.backend is None:
+        args.backend = "cpu:gloo,cuda:nccl" if args.world == 1 and args.device.startswith("cuda") else "gloo"
     unknown = set(args.schedules) - {c for c, _, _ in COMPARISONS}
     if unknown:
         p.error(f"unknown schedules {sorted(unknown)}; known: {[c for c, _, _ in COMPARISONS]}")

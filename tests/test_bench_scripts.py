@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -738,3 +739,22 @@ def test_agreement_report_lists_every_measurement():
         in text
     assert "| difference | 2.00 |" in text
     assert "medians of 5 repetitions" in text
+
+
+@pytest.mark.slow  # the whole GPU check on the CPU (about 40 s on 2 cores): `make test-all`
+def test_gpu_check_runs_every_step_on_the_cpu(tmp_path):
+    """benchmarks/gpu_check.sh (`make gpu-check`) with DEVICE=cpu and smoke-sized benchmark
+    rounds: every step passes and the summary holds the steps, the tests, the main job's
+    accuracy and both vs_torch tables (so the script is ready when a GPU is lent)."""
+    env = dict(os.environ, OUT=str(tmp_path), DEVICE="cpu", VS_TORCH_ARGS="--smoke")
+    proc = subprocess.run(["bash", str(BENCH / "gpu_check.sh")], capture_output=True, text=True,
+                          timeout=600, env=env)
+    summary = (tmp_path / "gpu_check.md").read_text()
+    assert proc.returncode == 0, proc.stdout[-3000:] + summary[-3000:]
+    assert summary.count("| ok |") == 5 and "FAILED" not in summary and "TIMED OUT" not in summary, summary
+    assert re.search(r"Tests: \d+ passed", summary) and "TEST ACCURACY 0.9" in summary, summary
+    for world, title in ((1, "cpu, 1 rank"), (2, "cpu, 2 ranks")):
+        assert f"on a GPT ({title}" in summary, summary
+        assert (tmp_path / f"vs_torch_world{world}.json").exists()
+    assert "| zbv | ScheduleZBVZeroBubble |" in summary and "| gpipe | ScheduleGPipe |" in summary
+    assert len(list(tmp_path.iterdir())) <= 8  # what the device tool brings back from $OUT
