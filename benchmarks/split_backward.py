@@ -1,17 +1,30 @@
 """The split backward: time(I) + time(W) against time(B), and zb-h1 against 1f1b,
-on 2 ranks, side by side in one run.
+on 2 ranks, side by side in one run, on two models.
 
-A pipeline of residual MLP blocks (the model of shape_change.py) is built twice on
-the same ranks, once with ``1f1b`` (B: the whole backward of a microbatch) and once
-with ``zb-h1`` (I: input gradients, W: weight gradients from the gradients I
-captured, csrc/runtime/split_backward.h). Rounds alternate the two (A B A B ...);
-each round runs ``--steps`` steps, timing each step (the slower rank's, a barrier
-before it) and reading the executor's own per-kind seconds
-(``stats()["seconds_by_kind"]``). Reported per rank: seconds per microbatch of B,
-I and W and the ratio (I + W) / B; and the step time of both schedules with their
-ratio, pair by pair.
+* ``mlp``: a pipeline of residual MLP blocks (the model of shape_change.py).
+* ``gpt``: the GPT of examples/models.py (``gpt_sequential``: embedding, pre-norm
+  blocks with causal attention, GELU MLPs, LayerNorm, a head tied to the embedding),
+  cut as examples/train_gpt.py cuts it (the embedding with the first half of the
+  blocks, the rest with LayerNorm and head), cross-entropy on the last stage.
 
-Command (about 15-40 s on 2 cores; ``--smoke``: a tiny model, one round):
+Each model is built twice on the same ranks, once with ``1f1b`` (B: the whole
+backward of a microbatch) and once with ``zb-h1`` (I: input gradients, W: weight
+gradients from the gradients I captured, csrc/runtime/split_backward.h). Rounds
+alternate the two (A B A B ...); each round runs ``--steps`` steps, timing each step
+(the slower rank's, a barrier before it) and reading the executor's own per-kind
+seconds (``stats()["seconds_by_kind"]``). Reported per rank: seconds per microbatch
+of B, I and W and the ratio (I + W) / B; and the step time of both schedules with
+their ratio, pair by pair.
+
+Then, in one process, each model's stages (MLP: a middle and a first stage; GPT: the
+first, a middle one of blocks only, and the last with the loss) run their backward
+as B (one ``torch.autograd.backward``), as ours (``pipedream_ext.testing.SplitBackward``:
+I then W) and as torch.distributed.pipelining's (``stage_backward_input`` then
+``stage_backward_weight``; on a first stage, whose inputs need no gradient, torch's
+``PipelineStage`` skips I and runs the whole backward as W, and so does this),
+alternating, each on a fresh forward; the medians of the thread's CPU time of each.
+
+Command (about 1-2 minutes on 2 cores; ``--smoke``: tiny models, one round):
 
     python benchmarks/split_backward.py [--smoke]
 """
@@ -24,17 +37,21 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h
 
-__all__ = ["main", "parse_args", "report", "run_driver", "run_worker"]
+__all__ = ["MODELS", "gpt_stages", "main", "mlp_stages", "parse_args", "report", "run_driver", "run_worker",
+           "single_process"]
 
 JSON_TAG = "SPLIT_BACKWARD_JSON "
 SCHEDULES = ("1f1b", "zb-h1")
+MODELS = ("mlp", "gpt")
+SPLITS = ("B", "ours", "torch")  # the one-process backward variants, in turn
 _log = logging.getLogger("split_backward")
-SMOKE = {"rounds": 1, "steps": 1, "hidden": 32, "blocks": 2, "single_repeats": 3}
+SMOKE = {"rounds": 1, "steps": 1, "hidden": 32, "blocks": 2, "single_repeats": 3, "gpt_blocks": 2,
+         "gpt_width": 32, "gpt_heads": 2, "gpt_context": 8}
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -42,20 +59,30 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=6, help="A/B rounds (default: %(default)s)")
     p.add_argument("--steps", type=int, default=10, help="steps per schedule per round")
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--blocks", type=int, default=4, help="residual blocks (split evenly)")
+    p.add_argument("--hidden", type=int, default=256, help="MLP width")
+    p.add_argument("--blocks", type=int, default=4, help="MLP residual blocks (split evenly)")
     p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--gpt-blocks", type=int, default=8, help="GPT transformer blocks")
+    p.add_argument("--gpt-width", type=int, default=256)
+    p.add_argument("--gpt-heads", type=int, default=8)
+    p.add_argument("--gpt-context", type=int, default=64, help="GPT tokens per row")
+    p.add_argument("--gpt-batch", type=int, default=16, help="GPT rows per step")
     p.add_argument("--single-repeats", type=int, default=300, help="one-process B / I + W repeats")
+    p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of %(default)s")
     p.add_argument("--smoke", action="store_true",
-                   help="a tiny model, one round of one step: checks that everything runs")
+                   help="tiny models, one round of one step: checks that everything runs")
     args = p.parse_args(argv)
     if args.smoke:
         for k, v in SMOKE.items():
             setattr(args, k, v)
+    args.models = [m for m in args.models.split(",") if m]
+    unknown = sorted(set(args.models) - set(MODELS))
+    if unknown:
+        p.error(f"--models: unknown {unknown}; choose from {list(MODELS)}")
     return args
 
 
-def _model(args: argparse.Namespace) -> Any:
+def _mlp(args: argparse.Namespace) -> Any:
     import torch
     from torch import nn
 
@@ -73,117 +100,242 @@ def _model(args: argparse.Namespace) -> Any:
                          nn.Linear(args.hidden, 10))
 
 
-# ----------------------------------------------------------------------------- one process
-def single_process(args: argparse.Namespace, repeats: int = 200) -> Dict[str, Dict[str, float]]:
-    """The same stage's backward as B (one autograd.backward) and as I then W
-    (pipedream_ext.testing.SplitBackward), alternating, in this process: median ms of each, for a
-    middle stage (its input needs a gradient) and a first stage (it does not)."""
+def _gpt(args: argparse.Namespace) -> Any:
     import torch
+
+    torch.manual_seed(0)
+    return h.models().gpt_sequential(args.gpt_blocks, args.gpt_width, args.gpt_heads, args.gpt_context)
+
+
+def _gpt_balance(args: argparse.Namespace) -> List[int]:
+    """examples/train_gpt.py's cut in 2: embedding + half the blocks, the rest + LayerNorm, head, flatten."""
+    half = (args.gpt_blocks + 1) // 2
+    return [1 + half, args.gpt_blocks - half + 3]
+
+
+def _lm_loss(logits: Any, targets: Any) -> Any:
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits, targets.reshape(-1))
+
+
+def _batch(args: argparse.Namespace, model: str) -> Tuple[Any, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    if model == "mlp":
+        return torch.randn(args.batch, 32, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
+    shape = (args.gpt_batch, args.gpt_context)
+    return torch.randint(0, 256, shape, generator=g), torch.randint(0, 256, shape, generator=g)
+
+
+def _pipe(args: argparse.Namespace, model: str, schedule: str) -> Any:
+    import torch.nn.functional as F
+
+    import pipedream_ext as pd
+
+    if model == "mlp":
+        return pd.PipeDream(_mlp(args), F.cross_entropy, schedule=schedule, microbatches=args.microbatches,
+                            timeout=120)
+    return pd.PipeDream(_gpt(args), _lm_loss, schedule=schedule, microbatches=args.microbatches,
+                        balance=_gpt_balance(args), timeout=120)
+
+
+# ----------------------------------------------------------------------------- one process
+# A stage case: (name, stage module, input, loss or None). With a loss the stage's root
+# is the loss (the last stage); else its output, with a random gradient.
+Case = Tuple[str, Any, Any, Optional[Callable[[Any], Any]]]
+
+
+def mlp_stages(args: argparse.Namespace) -> List[Case]:
+    """A middle stage of the MLP (its input needs a gradient) and the same layers as a
+    first stage (it does not)."""
+    import torch
+
+    stage = _mlp(args)[1:1 + max(1, args.blocks // 2)]
+    rows = args.batch // args.microbatches
+    return [("middle stage", stage, torch.randn(rows, args.hidden).requires_grad_(True), None),
+            ("first stage", stage, torch.randn(rows, args.hidden), None)]
+
+
+def gpt_stages(args: argparse.Namespace) -> List[Case]:
+    """The GPT's first stage as the pipeline cuts it (token ids in), a middle stage of
+    blocks only, and the last stage with the loss (its head untied here: the pipeline
+    keeps a copy of the tied weight on each stage)."""
+    import torch
+    from torch import nn
+
+    layers = list(_gpt(args))
+    first, _ = _gpt_balance(args)
+    blocks = args.gpt_blocks
+    rows = max(1, args.gpt_batch // args.microbatches)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (rows, args.gpt_context), generator=g)
+    targets = torch.randint(0, 256, (rows * args.gpt_context,), generator=g)
+    hidden = torch.randn(rows, args.gpt_context, args.gpt_width, generator=g).requires_grad_(True)
+    share = 1.0 / args.microbatches
+
+    def loss(out: Any) -> Any:  # as the pipeline's last stage: the mean loss times its share
+        return torch.nn.functional.cross_entropy(out, targets).float() * share
+
+    middle = nn.Sequential(*layers[1 + blocks // 4:1 + blocks // 4 + max(1, blocks // 2)])
+    return [("first stage", nn.Sequential(*layers[:first]), ids, None),
+            ("middle stage", middle, hidden, None),
+            ("last stage", nn.Sequential(*layers[first:]), hidden, loss)]
+
+
+def _backward_once(case: Case, split: str, clock: Callable[[], float]) -> Tuple[float, float]:
+    """One forward of the stage, then its backward as ``split``; seconds of (I, W), or
+    (0, B) for the whole backward."""
+    import torch
+    from torch.distributed.pipelining import _backward as torch_split
 
     import pipedream_ext.testing as pdt
 
-    torch.set_num_threads(1)
-    stage = _model(args)[1:1 + max(1, args.blocks // 2)]
+    _, stage, x, loss = case
     weights = list(stage.parameters())
+    out = stage(x)
+    root = loss(out) if loss is not None else out
+    grad = None if loss is not None else torch.randn_like(out)
+    inputs = [x] if x.requires_grad else []
+    start = clock()
+    if split == "B" or (split == "torch" and not inputs):  # torch's first stage: all in W
+        torch.autograd.backward([root], None if grad is None else [grad])
+        middle = start
+    elif split == "ours":
+        state = pdt.SplitBackward()
+        state.input_pass([root], [grad], inputs, weights)
+        middle = clock()
+        state.weight_pass()
+    else:
+        _, groups = torch_split.stage_backward_input([root], None if grad is None else [grad], inputs,
+                                                     iter(weights))
+        middle = clock()
+        torch_split.stage_backward_weight(iter(weights), groups)
+    end = clock()
+    stage.zero_grad(set_to_none=True)
+    x.grad = None
+    return middle - start, end - middle
+
+
+def single_process(cases: List[Case], repeats: int) -> Dict[str, Dict[str, float]]:
+    """Each stage's backward as B, ours (I, W) and torch's (I, W), in turn on fresh
+    forwards in this process, one thread: the medians (ms) of the thread's CPU time
+    (``time.thread_time``: the other jobs on a shared machine take the wall clock's
+    time, not this thread's), and of the per-repeat ratios (I + W) / B."""
+    import torch
+
+    torch.set_num_threads(1)
     out: Dict[str, Dict[str, float]] = {}
-    for case, input_grad in (("middle stage", True), ("first stage", False)):
-        x = torch.randn(args.batch // args.microbatches, args.hidden).requires_grad_(input_grad)
-        times: Dict[str, List[float]] = {"B": [], "I": [], "W": []}
-        for _ in range(repeats):
-            y = stage(x)
-            grad = torch.randn_like(y)
-            start = time.perf_counter()
-            torch.autograd.backward([y], [grad])
-            times["B"].append(time.perf_counter() - start)
-            stage.zero_grad(set_to_none=True)
-            x.grad = None
-            y = stage(x)
-            state = pdt.SplitBackward()
-            start = time.perf_counter()
-            state.input_pass([y], [grad], [x], weights)
-            middle = time.perf_counter()
-            state.weight_pass()
-            times["I"].append(middle - start)
-            times["W"].append(time.perf_counter() - middle)
-            stage.zero_grad(set_to_none=True)
-        out[case] = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    for case in cases:
+        times: Dict[str, List[Tuple[float, float]]] = {s: [] for s in SPLITS}
+        for k in range(repeats + 2):  # two warm-up repeats
+            for split in SPLITS:
+                t = _backward_once(case, split, time.thread_time)
+                if k >= 2:
+                    times[split].append(t)
+        b = [i + w for i, w in times["B"]]
+        row = {"B": 1e3 * statistics.median(b)}
+        for split in ("ours", "torch"):
+            row[f"{split} I"] = 1e3 * statistics.median(i for i, _ in times[split])
+            row[f"{split} W"] = 1e3 * statistics.median(w for _, w in times[split])
+            row[f"{split} ratio"] = statistics.median((i + w) / bb for (i, w), bb in zip(times[split], b))
+        out[case[0]] = row
     return out
 
 
 # ----------------------------------------------------------------------------- worker
+def _rounds(args: argparse.Namespace, model: str) -> Dict[str, Any]:
+    """Both ranks: one model's 1f1b and zb-h1 pipelines in alternating rounds; step
+    times and the executor's per-kind ms per microbatch of every rank."""
+    import torch
+    import torch.distributed as dist
+
+    pipes = {s: _pipe(args, model, s) for s in SCHEDULES}
+    opts = {s: torch.optim.SGD(p.parameters(), lr=1e-3) for s, p in pipes.items()}
+    x, y = _batch(args, model)
+    step_ms: Dict[str, List[float]] = {s: [] for s in SCHEDULES}
+    kinds: Dict[str, Dict[str, float]] = {s: {} for s in SCHEDULES}
+    for s in SCHEDULES:  # warm-up
+        pipes[s].step(x, y)
+        opts[s].step(); opts[s].zero_grad()
+    for _ in range(args.rounds):
+        for s in SCHEDULES:
+            pipe, before = pipes[s], pipes[s].stats()["seconds_by_kind"]
+            times = []
+            for _ in range(args.steps):
+                dist.barrier()
+                start = time.perf_counter()
+                pipe.step(x, y)
+                elapsed = torch.tensor([time.perf_counter() - start])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                times.append(elapsed.item())
+                opts[s].step(); opts[s].zero_grad()
+            step_ms[s].append(1e3 * statistics.median(times))
+            after = pipe.stats()["seconds_by_kind"]
+            for kind in ("F", "B", "I", "W"):
+                kinds[s][kind] = kinds[s].get(kind, 0.0) + after.get(kind, 0.0) - before.get(kind, 0.0)
+    microbatches = args.rounds * args.steps * args.microbatches
+    mine = {s: {k: 1e3 * v / microbatches for k, v in kinds[s].items()} for s in SCHEDULES}
+    return {"step_ms": step_ms, "ms_per_microbatch": h.all_gather_json(mine)}
+
+
 def run_worker(args: argparse.Namespace) -> int:
-    """Both ranks: alternate rounds of 1f1b and zb-h1; gather per-kind seconds."""
+    """Both ranks: per model, alternate rounds of 1f1b and zb-h1; gather per-kind seconds."""
     def body(result: Dict[str, Any]) -> None:
-        import torch
-        import torch.distributed as dist
-        import torch.nn.functional as F
-
-        import pipedream_ext as pd
-
-        pipes = {s: pd.PipeDream(_model(args), F.cross_entropy, schedule=s,
-                                 microbatches=args.microbatches, timeout=120) for s in SCHEDULES}
-        opts = {s: torch.optim.SGD(p.parameters(), lr=1e-3) for s, p in pipes.items()}
-        g = torch.Generator().manual_seed(0)
-        x, y = torch.randn(args.batch, 32, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
-        step_ms: Dict[str, List[float]] = {s: [] for s in SCHEDULES}
-        kinds: Dict[str, Dict[str, float]] = {s: {} for s in SCHEDULES}
-        for s in SCHEDULES:  # warm-up
-            pipes[s].step(x, y)
-            opts[s].step(); opts[s].zero_grad()
-        for _ in range(args.rounds):
-            for s in SCHEDULES:
-                pipe, before = pipes[s], pipes[s].stats()["seconds_by_kind"]
-                times = []
-                for _ in range(args.steps):
-                    dist.barrier()
-                    start = time.perf_counter()
-                    pipe.step(x, y)
-                    elapsed = torch.tensor([time.perf_counter() - start])
-                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                    times.append(elapsed.item())
-                    opts[s].step(); opts[s].zero_grad()
-                step_ms[s].append(1e3 * statistics.median(times))
-                after = pipe.stats()["seconds_by_kind"]
-                for kind in ("F", "B", "I", "W"):
-                    kinds[s][kind] = kinds[s].get(kind, 0.0) + after.get(kind, 0.0) - before.get(kind, 0.0)
-        microbatches = args.rounds * args.steps * args.microbatches
-        mine = {s: {k: 1e3 * v / microbatches for k, v in kinds[s].items()} for s in SCHEDULES}
-        everyone = h.all_gather_json(mine)
-        result.update(step_ms=step_ms, ms_per_microbatch=everyone)
+        result["models"] = {model: _rounds(args, model) for model in args.models}
 
     return h.worker(JSON_TAG, body, backend="gloo")
 
 
 # ----------------------------------------------------------------------------- driver
+def _describe(args: argparse.Namespace, model: str) -> str:
+    if model == "mlp":
+        return (f"Linear(32, {args.hidden}) + {args.blocks} residual MLP blocks (H={args.hidden}, 4H inner) "
+                f"+ head, batch {args.batch} in {args.microbatches} microbatches")
+    return (f"GPT of {args.gpt_blocks} blocks, width {args.gpt_width}, {args.gpt_heads} heads, "
+            f"{args.gpt_context} tokens, tied head (examples/models.py gpt_sequential), balance "
+            f"{_gpt_balance(args)}, batch {args.gpt_batch} rows in {args.microbatches} microbatches")
+
+
+def _pipeline_lines(part: Dict[str, Any]) -> List[str]:
+    rows = []
+    for rank, per in enumerate(part["ms_per_microbatch"]):
+        b, i, w = per["1f1b"].get("B", 0.0), per["zb-h1"].get("I", 0.0), per["zb-h1"].get("W", 0.0)
+        rows.append([rank, h.fmt(per["1f1b"].get("F"), 3), h.fmt(b, 3), h.fmt(per["zb-h1"].get("F"), 3),
+                     h.fmt(i, 3), h.fmt(w, 3), h.fmt((i + w) / b if b else None, 3)])
+    lines = h.table(["rank", "1f1b F (ms)", "1f1b B (ms)", "zb-h1 F (ms)", "zb-h1 I (ms)",
+                     "zb-h1 W (ms)", "(I + W) / B"], rows)
+    one, zb = part["step_ms"]["1f1b"], part["step_ms"]["zb-h1"]
+    lines += ["", "Step time per round (median of its steps, the slower rank's):", ""]
+    lines += h.table(["round", "1f1b (ms)", "zb-h1 (ms)", "zb-h1 / 1f1b"],
+                     [[k, h.fmt(o), h.fmt(z), h.fmt(z / o, 3)] for k, (o, z) in enumerate(zip(one, zb))])
+    pairs = [z / o for o, z in zip(one, zb)]
+    return lines + ["", f"Median ratio zb-h1 / 1f1b over the rounds: {statistics.median(pairs):.3f}."]
+
+
+def _single_lines(single: Dict[str, Dict[str, float]], repeats: int) -> List[str]:
+    lines = [f"One process, one thread, each stage's backward as B, ours (I then W) and torch's "
+             f"(`stage_backward_input` then `stage_backward_weight`) in turn on fresh forwards, "
+             f"medians of {repeats} each (thread CPU time; the ratio is the median of the per-repeat ratios):", ""]
+    rows = [[case, h.fmt(t["B"], 3), h.fmt(t["ours I"], 3), h.fmt(t["ours W"], 3), h.fmt(t["ours ratio"], 3),
+             h.fmt(t["torch I"], 3), h.fmt(t["torch W"], 3), h.fmt(t["torch ratio"], 3)]
+            for case, t in single.items()]
+    return lines + h.table(["stage", "B (ms)", "ours I (ms)", "ours W (ms)", "ours (I + W) / B",
+                            "torch I (ms)", "torch W (ms)", "torch (I + W) / B"], rows)
+
+
 def report(result: Dict[str, Any], info: Dict[str, str], command: str, args: argparse.Namespace,
            total_s: float) -> str:
     """The Markdown report of one run."""
     lines = ["# Split backward: I + W against B, zb-h1 against 1f1b", "",
-             f"2 ranks (Gloo, CPU), Linear(32, {args.hidden}) + {args.blocks} residual MLP blocks "
-             f"(H={args.hidden}, 4H inner) + head, batch {args.batch} in {args.microbatches} "
-             f"microbatches, {args.rounds} alternating rounds of {args.steps} steps per schedule. "
+             f"2 ranks (Gloo, CPU), {args.rounds} alternating rounds of {args.steps} steps per schedule. "
              "Per-kind times are the executor's own (`stats()['seconds_by_kind']`), per microbatch.", ""]
-    rows = []
-    for rank, per in enumerate(result["ms_per_microbatch"]):
-        b, i, w = per["1f1b"].get("B", 0.0), per["zb-h1"].get("I", 0.0), per["zb-h1"].get("W", 0.0)
-        rows.append([rank, h.fmt(per["1f1b"].get("F"), 3), h.fmt(b, 3), h.fmt(per["zb-h1"].get("F"), 3),
-                     h.fmt(i, 3), h.fmt(w, 3), h.fmt((i + w) / b if b else None, 3)])
-    lines += h.table(["rank", "1f1b F (ms)", "1f1b B (ms)", "zb-h1 F (ms)", "zb-h1 I (ms)",
-                      "zb-h1 W (ms)", "(I + W) / B"], rows)
-    pairs = [z / o for o, z in zip(result["step_ms"]["1f1b"], result["step_ms"]["zb-h1"])]
-    lines += ["", "Step time per round (median of its steps, the slower rank's):", ""]
-    lines += h.table(["round", "1f1b (ms)", "zb-h1 (ms)", "zb-h1 / 1f1b"],
-                     [[k, h.fmt(o), h.fmt(z), h.fmt(z / o, 3)] for k, (o, z) in
-                      enumerate(zip(result["step_ms"]["1f1b"], result["step_ms"]["zb-h1"]))])
-    lines += ["", f"Median ratio zb-h1 / 1f1b over the rounds: {statistics.median(pairs):.3f}.", "",
-              f"One process, one stage of {max(1, args.blocks // 2)} blocks on a microbatch of "
-              f"{args.batch // args.microbatches} rows, B and I + W alternating, medians of "
-              f"{result['single_repeats']} each:", ""]
-    lines += h.table(["stage", "B (ms)", "I (ms)", "W (ms)", "(I + W) / B"],
-                     [[case, h.fmt(t["B"], 3), h.fmt(t["I"], 3), h.fmt(t["W"], 3),
-                       h.fmt((t["I"] + t["W"]) / t["B"], 3)] for case, t in result["single"].items()])
-    lines += ["",
-              h.machine_line(info) + " Load average at the end: "
+    for model in args.models:
+        part = result["models"][model]
+        lines += [f"## {model}: {_describe(args, model)}", ""] + _pipeline_lines(part) + [""]
+        lines += _single_lines(part["single"], result["single_repeats"]) + [""]
+    lines += [h.machine_line(info) + " Load average at the end: "
               + " ".join(f"{v:.2f}" for v in result.get("loadavg_end", [])) + ".", "",
               h.command_sentence(command, total_s, {2: result["launch_s"]}), ""]
     return "\n".join(lines)
@@ -192,14 +344,17 @@ def report(result: Dict[str, Any], info: Dict[str, str], command: str, args: arg
 def run_driver(args: argparse.Namespace) -> int:
     info, command = h.start_report(_log)
     start = time.perf_counter()
-    worker_args = ["--worker"] + h.forward(args, "rounds", "steps", "batch", "hidden", "blocks",
-                                           "microbatches")
+    worker_args = ["--worker"] + h.forward(args, "rounds", "steps", "batch", "hidden", "blocks", "microbatches",
+                                           "gpt_blocks", "gpt_width", "gpt_heads", "gpt_context", "gpt_batch",
+                                           "models")
     result = h.launch_torchrun(Path(__file__).resolve(), 2, worker_args, JSON_TAG, timeout=900, check=True)
     if "error" in result:
         _log.error("%s", result["error"])
         return 1
     result["single_repeats"] = args.single_repeats
-    result["single"] = single_process(args, args.single_repeats)
+    for model in args.models:
+        cases = mlp_stages(args) if model == "mlp" else gpt_stages(args)
+        result["models"][model]["single"] = single_process(cases, args.single_repeats)
     result["loadavg_end"] = list(os.getloadavg())
     text = report(result, info, command, args, time.perf_counter() - start)
     h.write_results(Path(args.out_dir), "split_backward", text,

@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <unordered_map>
 #include <unordered_set>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 namespace pipedream {
@@ -18,6 +20,7 @@ namespace pipedream {
 using torch::autograd::AccumulateGrad;
 using torch::autograd::Edge;
 using torch::autograd::edge_list;
+using torch::autograd::FunctionPostHook;
 using torch::autograd::FunctionPreHook;
 using torch::autograd::Node;
 using torch::autograd::variable_list;
@@ -38,30 +41,71 @@ class CaptureHook : public FunctionPreHook {
   variable_list* slot_;  // owned by the SplitBackward, which outlives the hook
 };
 
-// Installed pre-hooks, removed when the scope ends (also on an exception), so
-// the graph never keeps a hook pointing at freed state.
+// I: frees the saved tensors of an input-path node that is no frontier node
+// once it has run, as a full backward does (keep_graph=false): W never runs it,
+// and its tensors (attention's, activations') would otherwise stay until the
+// graph goes, so the input gradients computed after it could not reuse their
+// memory (fresh pages from the OS: a third more time on a GPT stage).
+class ReleaseHook : public FunctionPostHook {
+ public:
+  explicit ReleaseHook(Node* node) : node_(node) {}
+  variable_list operator()(const variable_list& outputs, const variable_list& /*inputs*/) override {
+    node_->release_variables();
+    return outputs;
+  }
+
+ private:
+  Node* node_;  // the node holding this hook
+};
+
+// Hooks installed for one engine call, removed when the scope ends (also on an
+// exception), so the graph never keeps a hook pointing at freed state.
 class HookScope {
  public:
   HookScope() = default;
   HookScope(const HookScope&) = delete;
   HookScope& operator=(const HookScope&) = delete;
   ~HookScope() {
-    for (auto& entry : installed_) {
-      FunctionPreHook* hook = entry.second;
-      auto& hooks = entry.first->pre_hooks();
+    for (auto& [node, hook] : pre_) {
+      auto& hooks = node->pre_hooks();
       hooks.erase(std::remove_if(hooks.begin(), hooks.end(),
-                                 [hook](const auto& h) { return h.get() == hook; }),
+                                 [hook = hook](const auto& h) { return h.get() == hook; }),
                   hooks.end());
     }
+    for (auto& [node, key] : post_) node->del_post_hook(key);
   }
   void add(const NodePtr& node, std::unique_ptr<FunctionPreHook> hook) {
-    installed_.emplace_back(node, hook.get());
+    pre_.emplace_back(node, hook.get());
     node->add_pre_hook(std::move(hook));
+  }
+  // `node` belongs to the graph, which outlives the scope (the caller holds its roots).
+  void add(Node* node, std::unique_ptr<FunctionPostHook> hook) {
+    post_.emplace_back(node, node->add_post_hook(std::move(hook)));
   }
 
  private:
-  std::vector<std::pair<NodePtr, FunctionPreHook*>> installed_;
+  std::vector<std::pair<NodePtr, FunctionPreHook*>> pre_;
+  std::vector<std::pair<Node*, uintptr_t>> post_;
 };
+
+// W's graph root: hands the captured gradients over to the frontier nodes and
+// keeps none of them (torch's GraphRoot returns a copy and holds them until the
+// engine call ends), so each is freed once its frontier node has run, as in a
+// full backward, and the weight gradients can reuse its memory.
+struct HandOverRoot : torch::autograd::GraphRoot {
+  using GraphRoot::GraphRoot;
+  variable_list apply(variable_list&& /*inputs*/) override { return std::move(outputs); }
+};
+
+// A new node behind a NodePtr (std::shared_ptr before torch 2.12, c10::intrusive_ptr after).
+template <typename T, typename... Args>
+NodePtr makeNode(Args&&... args) {
+  if constexpr (std::is_constructible_v<NodePtr, std::shared_ptr<T>>) {
+    return std::make_shared<T>(std::forward<Args>(args)...);
+  } else {
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  }
+}
 
 // W: the frontier nodes' edges into the input path, cut for one engine call and
 // restored when the scope ends (also on an exception).
@@ -125,6 +169,48 @@ std::unordered_set<Node*> upwardClosure(const std::vector<Node*>& starts, const 
   return closure;
 }
 
+// The weight branches: nodes off the input path from which a weight is
+// reachable, found upwards from the weights; returns the input-path nodes where
+// they meet the input path (the frontier), in the order found. Appends the
+// weights' edges to `weightEdges`: those of `weights` the graph uses, and every
+// other leaf off the input path (the graph may use other tensors than those
+// given: FSDP2 runs the forward on unsharded copies of the parameters it
+// registered, and a full backward accumulates into all of them).
+std::vector<NodePtr> findFrontier(const std::vector<at::Tensor>& weights,
+                                  const std::vector<NodePtr>& leaves, const Parents& parents,
+                                  const std::unordered_set<Node*>& inputPath,
+                                  edge_list& weightEdges) {
+  std::unordered_set<Node*> branch;
+  std::deque<Node*> queue;
+  for (const auto& w : weights) {
+    if (!w.requires_grad()) continue;
+    Edge edge = torch::autograd::impl::gradient_edge(w);
+    Node* accumulator = edge.function.get();
+    if (!accumulator || !parents.count(accumulator)) continue;  // unused by this microbatch
+    weightEdges.push_back(std::move(edge));
+    if (branch.insert(accumulator).second) queue.push_back(accumulator);
+  }
+  for (const auto& leaf : leaves) {
+    if (inputPath.count(leaf.get()) || !branch.insert(leaf.get()).second) continue;
+    weightEdges.emplace_back(leaf, 0);
+    queue.push_back(leaf.get());
+  }
+  std::vector<NodePtr> frontier;
+  std::unordered_set<Node*> found;
+  while (!queue.empty()) {
+    Node* node = queue.front();
+    queue.pop_front();
+    for (const auto& p : parents.at(node)) {
+      if (!inputPath.count(p.get())) {
+        if (branch.insert(p.get()).second) queue.push_back(p.get());
+      } else if (found.insert(p.get()).second) {
+        frontier.push_back(p);
+      }
+    }
+  }
+  return frontier;
+}
+
 }  // namespace
 
 SplitBackward::~SplitBackward() = default;
@@ -162,54 +248,25 @@ std::vector<at::Tensor> SplitBackward::inputPass(const std::vector<at::Tensor>& 
     }
   }
 
-  // The weight branches: nodes off the input path from which a weight is
-  // reachable, found upwards from the weights; where they meet the input path
-  // is the frontier.
-  std::unordered_set<Node*> branch;
-  std::deque<Node*> queue;
-  std::unordered_map<Node*, Frontier*> frontierOf;
-  for (const auto& w : weights) {
-    if (!w.requires_grad()) continue;
-    Edge edge = impl::gradient_edge(w);
-    Node* accumulator = edge.function.get();
-    if (!accumulator || !parents.count(accumulator)) continue;  // unused by this microbatch
-    state.weightEdges_.push_back(std::move(edge));
-    if (branch.insert(accumulator).second) queue.push_back(accumulator);
-  }
-  // Every other leaf off the input path is a weight too: the graph may use other
-  // tensors than those given (FSDP2 runs the forward on unsharded copies of the
-  // parameters it registered), and a full backward accumulates into all of them.
-  for (const auto& leaf : leaves) {
-    if (inputPath.count(leaf.get()) || !branch.insert(leaf.get()).second) continue;
-    state.weightEdges_.emplace_back(leaf, 0);
-    queue.push_back(leaf.get());
-  }
-  while (!queue.empty()) {
-    Node* node = queue.front();
-    queue.pop_front();
-    for (const auto& p : parents.at(node)) {
-      if (!inputPath.count(p.get())) {
-        if (branch.insert(p.get()).second) queue.push_back(p.get());
-      } else if (!frontierOf.count(p.get())) {
-        auto f = std::make_unique<Frontier>();
-        f->node = p;
-        const auto& next = p->next_edges();
-        for (uint32_t i = 0; i < next.size(); ++i) {
-          if (next[i].function && inputPath.count(next[i].function.get())) {
-            f->inputPathEdges.push_back(i);
-          }
-        }
-        frontierOf[p.get()] = f.get();
-        state.frontier_.push_back(std::move(f));
-      }
+  std::unordered_set<Node*> untouchedByW(inputPath);  // input-path nodes W does not run
+  for (const NodePtr& node : findFrontier(weights, leaves, parents, inputPath, state.weightEdges_)) {
+    auto f = std::make_unique<Frontier>();
+    f->node = node;
+    const auto& next = node->next_edges();
+    for (uint32_t i = 0; i < next.size(); ++i) {
+      if (next[i].function && inputPath.count(next[i].function.get())) f->inputPathEdges.push_back(i);
     }
+    untouchedByW.erase(node.get());
+    state.frontier_.push_back(std::move(f));
   }
+  for (Node* n : inputNodes) untouchedByW.erase(n);  // outputs of I, not run by it
 
   std::vector<at::Tensor> gradInputs(inputs.size());
   HookScope hooks;
   for (auto& f : state.frontier_) {
     hooks.add(f->node, std::make_unique<CaptureHook>(&f->captured));
   }
+  for (Node* n : untouchedByW) hooks.add(n, std::make_unique<ReleaseHook>(n));
   if (!rootEdges.empty() && !inputEdges.empty()) {
     // torch::autograd::grad(roots, inputs, retain_graph=true, allow_unused=true),
     // on the engine directly: the same graph task, with our hooks in it.
@@ -229,22 +286,28 @@ void SplitBackward::weightPass() {
     for (uint32_t slot = 0; slot < f->captured.size(); ++slot) {
       if (!f->captured[slot].defined()) continue;
       edges.emplace_back(f->node, slot);
-      grads.push_back(f->captured[slot]);
+      grads.push_back(std::move(f->captured[slot]));
     }
+    f->captured.clear();
     for (uint32_t index : f->inputPathEdges) cut.cut(f->node, index);
   }
   edges.insert(edges.end(), rootEdges_.begin(), rootEdges_.end());
-  grads.insert(grads.end(), rootGrads_.begin(), rootGrads_.end());
+  for (auto& g : rootGrads_) grads.push_back(std::move(g));
+  rootGrads_.clear();
   if (!edges.empty() && !weightEdges_.empty()) {
     // Like backward(inputs=weights): only the weight branches run, and the
-    // gradients accumulate into .grad.
+    // gradients accumulate into .grad. The engine starts at our one root node,
+    // which then owns the gradients; its own input (checked against the first
+    // gradient's shape, then dropped) is a one-element stand-in.
+    const at::Tensor& first = grads.front();
+    const variable_list token{at::zeros({}, first.options()).expand(first.sizes())};
+    const edge_list root{Edge(makeNode<HandOverRoot>(std::move(edges), std::move(grads)), 0)};
     torch::autograd::Engine::get_default_engine().execute(
-        edges, grads, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true,
+        root, token, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true,
         weightEdges_);
   }
   frontier_.clear();
   rootEdges_.clear();
-  rootGrads_.clear();
   weightEdges_.clear();
 }
 
