@@ -184,9 +184,11 @@ def gpt_stages(args: argparse.Namespace) -> List[Case]:
             ("last stage", nn.Sequential(*layers[first:]), hidden, loss)]
 
 
-def _backward_once(case: Case, split: str, clock: Callable[[], float]) -> Tuple[float, float]:
+def _backward_once(case: Case, split: str, clock: Callable[[], float]) -> Tuple[float, float, int]:
     """One forward of the stage, then its backward as ``split``; seconds of (I, W), or
-    (0, B) for the whole backward."""
+    (0, B) for the whole backward, and the minor page faults of the backward."""
+    import resource
+
     import torch
     from torch.distributed.pipelining import _backward as torch_split
 
@@ -198,6 +200,7 @@ def _backward_once(case: Case, split: str, clock: Callable[[], float]) -> Tuple[
     root = loss(out) if loss is not None else out
     grad = None if loss is not None else torch.randn_like(out)
     inputs = [x] if x.requires_grad else []
+    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
     start = clock()
     if split == "B" or (split == "torch" and not inputs):  # torch's first stage: all in W
         torch.autograd.backward([root], None if grad is None else [grad])
@@ -213,33 +216,36 @@ def _backward_once(case: Case, split: str, clock: Callable[[], float]) -> Tuple[
         middle = clock()
         torch_split.stage_backward_weight(iter(weights), groups)
     end = clock()
+    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults
     stage.zero_grad(set_to_none=True)
     x.grad = None
-    return middle - start, end - middle
+    return middle - start, end - middle, faults
 
 
 def single_process(cases: List[Case], repeats: int) -> Dict[str, Dict[str, float]]:
     """Each stage's backward as B, ours (I, W) and torch's (I, W), in turn on fresh
     forwards in this process, one thread: the medians (ms) of the thread's CPU time
     (``time.thread_time``: the other jobs on a shared machine take the wall clock's
-    time, not this thread's), and of the per-repeat ratios (I + W) / B."""
+    time, not this thread's), of the per-repeat ratios (I + W) / B, and of the minor
+    page faults per backward."""
     import torch
 
     torch.set_num_threads(1)
     out: Dict[str, Dict[str, float]] = {}
     for case in cases:
-        times: Dict[str, List[Tuple[float, float]]] = {s: [] for s in SPLITS}
+        times: Dict[str, List[Tuple[float, float, int]]] = {s: [] for s in SPLITS}
         for k in range(repeats + 2):  # two warm-up repeats
             for split in SPLITS:
                 t = _backward_once(case, split, time.thread_time)
                 if k >= 2:
                     times[split].append(t)
-        b = [i + w for i, w in times["B"]]
-        row = {"B": 1e3 * statistics.median(b)}
+        b = [i + w for i, w, _ in times["B"]]
+        row = {"B": 1e3 * statistics.median(b), "B faults": statistics.median(f for *_, f in times["B"])}
         for split in ("ours", "torch"):
-            row[f"{split} I"] = 1e3 * statistics.median(i for i, _ in times[split])
-            row[f"{split} W"] = 1e3 * statistics.median(w for _, w in times[split])
-            row[f"{split} ratio"] = statistics.median((i + w) / bb for (i, w), bb in zip(times[split], b))
+            row[f"{split} I"] = 1e3 * statistics.median(i for i, _, _ in times[split])
+            row[f"{split} W"] = 1e3 * statistics.median(w for _, w, _ in times[split])
+            row[f"{split} ratio"] = statistics.median((i + w) / bb for (i, w, _), bb in zip(times[split], b))
+            row[f"{split} faults"] = statistics.median(f for *_, f in times[split])
         out[case[0]] = row
     return out
 
@@ -256,13 +262,14 @@ def _rounds(args: argparse.Namespace, model: str) -> Dict[str, Any]:
     x, y = _batch(args, model)
     step_ms: Dict[str, List[float]] = {s: [] for s in SCHEDULES}
     kinds: Dict[str, Dict[str, float]] = {s: {} for s in SCHEDULES}
+    usage: Dict[str, List[float]] = {s: [0.0, 0.0] for s in SCHEDULES}  # CPU seconds, minor page faults
     for s in SCHEDULES:  # warm-up
         pipes[s].step(x, y)
         opts[s].step(); opts[s].zero_grad()
     for _ in range(args.rounds):
         for s in SCHEDULES:
             pipe, before = pipes[s], pipes[s].stats()["seconds_by_kind"]
-            times = []
+            times, used = [], _usage()
             for _ in range(args.steps):
                 dist.barrier()
                 start = time.perf_counter()
@@ -272,12 +279,25 @@ def _rounds(args: argparse.Namespace, model: str) -> Dict[str, Any]:
                 times.append(elapsed.item())
                 opts[s].step(); opts[s].zero_grad()
             step_ms[s].append(1e3 * statistics.median(times))
+            usage[s] = [a + now - then for a, now, then in zip(usage[s], _usage(), used)]
             after = pipe.stats()["seconds_by_kind"]
             for kind in ("F", "B", "I", "W"):
                 kinds[s][kind] = kinds[s].get(kind, 0.0) + after.get(kind, 0.0) - before.get(kind, 0.0)
     microbatches = args.rounds * args.steps * args.microbatches
     mine = {s: {k: 1e3 * v / microbatches for k, v in kinds[s].items()} for s in SCHEDULES}
-    return {"step_ms": step_ms, "ms_per_microbatch": h.all_gather_json(mine)}
+    steps = args.rounds * args.steps
+    per_step = {s: {"cpu_ms": 1e3 * usage[s][0] / steps, "minor_faults": usage[s][1] / steps} for s in SCHEDULES}
+    return {"step_ms": step_ms, "ms_per_microbatch": h.all_gather_json(mine),
+            "per_step": h.all_gather_json(per_step)}
+
+
+def _usage() -> List[float]:
+    """This process's CPU seconds (user + system) and minor page faults so far: neither
+    counts the time other jobs on a shared machine take, unlike the wall clock."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return [r.ru_utime + r.ru_stime, float(r.ru_minflt)]
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -306,6 +326,14 @@ def _pipeline_lines(part: Dict[str, Any]) -> List[str]:
                      h.fmt(i, 3), h.fmt(w, 3), h.fmt((i + w) / b if b else None, 3)])
     lines = h.table(["rank", "1f1b F (ms)", "1f1b B (ms)", "zb-h1 F (ms)", "zb-h1 I (ms)",
                      "zb-h1 W (ms)", "(I + W) / B"], rows)
+    lines += ["", "Per step, each rank's process (all its threads; `getrusage`): CPU time and minor page faults "
+              "(fresh pages from the OS):", ""]
+    lines += h.table(["rank", "1f1b CPU (ms)", "zb-h1 CPU (ms)", "zb-h1 / 1f1b CPU", "1f1b page faults",
+                      "zb-h1 page faults"],
+                     [[rank, h.fmt(u["1f1b"]["cpu_ms"], 1), h.fmt(u["zb-h1"]["cpu_ms"], 1),
+                       h.fmt(u["zb-h1"]["cpu_ms"] / u["1f1b"]["cpu_ms"] if u["1f1b"]["cpu_ms"] else None, 3),
+                       h.fmt(u["1f1b"]["minor_faults"], 0), h.fmt(u["zb-h1"]["minor_faults"], 0)]
+                      for rank, u in enumerate(part["per_step"])])
     one, zb = part["step_ms"]["1f1b"], part["step_ms"]["zb-h1"]
     lines += ["", "Step time per round (median of its steps, the slower rank's):", ""]
     lines += h.table(["round", "1f1b (ms)", "zb-h1 (ms)", "zb-h1 / 1f1b"],
@@ -319,10 +347,12 @@ def _single_lines(single: Dict[str, Dict[str, float]], repeats: int) -> List[str
              f"(`stage_backward_input` then `stage_backward_weight`) in turn on fresh forwards, "
              f"medians of {repeats} each (thread CPU time; the ratio is the median of the per-repeat ratios):", ""]
     rows = [[case, h.fmt(t["B"], 3), h.fmt(t["ours I"], 3), h.fmt(t["ours W"], 3), h.fmt(t["ours ratio"], 3),
-             h.fmt(t["torch I"], 3), h.fmt(t["torch W"], 3), h.fmt(t["torch ratio"], 3)]
+             h.fmt(t["torch I"], 3), h.fmt(t["torch W"], 3), h.fmt(t["torch ratio"], 3),
+             " / ".join(h.fmt(t[f"{k} faults"], 0) for k in ("B", "ours", "torch"))]
             for case, t in single.items()]
     return lines + h.table(["stage", "B (ms)", "ours I (ms)", "ours W (ms)", "ours (I + W) / B",
-                            "torch I (ms)", "torch W (ms)", "torch (I + W) / B"], rows)
+                            "torch I (ms)", "torch W (ms)", "torch (I + W) / B",
+                            "page faults B / ours / torch"], rows)
 
 
 def report(result: Dict[str, Any], info: Dict[str, str], command: str, args: argparse.Namespace,

@@ -8,7 +8,6 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
-#include <deque>
 #include <unordered_map>
 #include <unordered_set>
 #include <tuple>
@@ -126,89 +125,74 @@ class EdgeCut {
   std::vector<std::tuple<NodePtr, uint32_t, Edge>> cut_;
 };
 
-// Parents of every node reachable from the roots (the reverse of next_edges).
-using Parents = std::unordered_map<Node*, std::vector<NodePtr>>;
+// What I's one walk over a stage's graph finds: the input path (the nodes from
+// which an input is reachable), its frontier nodes (input-path nodes with an
+// edge to a node off the input path from which a leaf is reachable: a weight
+// branch) with their edges into the input path, and the other input-path nodes.
+struct GraphWalk {
+  struct Mark {
+    bool onPath = false;       // an input is reachable from it (or it is one)
+    bool reachesLeaf = false;  // a leaf (gradient accumulator) is reachable from it
+  };
+  std::unordered_map<Node*, Mark> marks;  // every node reached
+  std::vector<std::pair<NodePtr, std::vector<uint32_t>>> frontier;
+  std::vector<Node*> pathOnly;  // input-path nodes W does not run (inputs excluded)
+};
 
-// Fills `leaves` with the gradient accumulators of the leaves the graph reaches,
-// in the order found.
-Parents reverseGraph(const edge_list& roots, std::vector<NodePtr>& leaves) {
-  Parents parents;
-  std::unordered_set<Node*> seen;
-  std::deque<NodePtr> queue;
-  for (const auto& e : roots) {
-    if (e.function && seen.insert(e.function.get()).second) queue.push_back(e.function);
-  }
-  while (!queue.empty()) {
-    NodePtr node = queue.front();
-    queue.pop_front();
-    parents.try_emplace(node.get());
-    if (dynamic_cast<AccumulateGrad*>(node.get()) != nullptr) leaves.push_back(node);
-    for (const auto& next : node->next_edges()) {
-      if (!next.function) continue;
-      parents[next.function.get()].push_back(node);
-      if (seen.insert(next.function.get()).second) queue.push_back(next.function);
+// Post-order over node->next_edges() from `roots`, not going past `inputs` (the
+// stage's graph ends there), each node visited once: a node's marks follow from
+// its children's.
+GraphWalk walkGraph(const edge_list& roots, const std::unordered_set<Node*>& inputs) {
+  GraphWalk walk;
+  walk.marks.reserve(512);
+  struct Frame {
+    const NodePtr* node;  // in its parent's next_edges() or `roots`: stable during the walk
+    size_t next = 0;      // the next child to visit
+  };
+  std::vector<Frame> stack;
+  auto visit = [&](const NodePtr& node) {
+    if (!walk.marks.try_emplace(node.get()).second) return;  // done (a DAG: never on the stack)
+    if (inputs.count(node.get())) {
+      walk.marks[node.get()].onPath = true;
+    } else {
+      stack.push_back(Frame{&node});
     }
-  }
-  return parents;
-}
-
-// Nodes from which one of `starts` is reachable (the input-gradient path).
-std::unordered_set<Node*> upwardClosure(const std::vector<Node*>& starts, const Parents& parents) {
-  std::unordered_set<Node*> closure;
-  std::deque<Node*> queue;
-  for (Node* n : starts) {
-    if (parents.count(n) && closure.insert(n).second) queue.push_back(n);
-  }
-  while (!queue.empty()) {
-    Node* node = queue.front();
-    queue.pop_front();
-    for (const auto& p : parents.at(node)) {
-      if (closure.insert(p.get()).second) queue.push_back(p.get());
-    }
-  }
-  return closure;
-}
-
-// The weight branches: nodes off the input path from which a weight is
-// reachable, found upwards from the weights; returns the input-path nodes where
-// they meet the input path (the frontier), in the order found. Appends the
-// weights' edges to `weightEdges`: those of `weights` the graph uses, and every
-// other leaf off the input path (the graph may use other tensors than those
-// given: FSDP2 runs the forward on unsharded copies of the parameters it
-// registered, and a full backward accumulates into all of them).
-std::vector<NodePtr> findFrontier(const std::vector<at::Tensor>& weights,
-                                  const std::vector<NodePtr>& leaves, const Parents& parents,
-                                  const std::unordered_set<Node*>& inputPath,
-                                  edge_list& weightEdges) {
-  std::unordered_set<Node*> branch;
-  std::deque<Node*> queue;
-  for (const auto& w : weights) {
-    if (!w.requires_grad()) continue;
-    Edge edge = torch::autograd::impl::gradient_edge(w);
-    Node* accumulator = edge.function.get();
-    if (!accumulator || !parents.count(accumulator)) continue;  // unused by this microbatch
-    weightEdges.push_back(std::move(edge));
-    if (branch.insert(accumulator).second) queue.push_back(accumulator);
-  }
-  for (const auto& leaf : leaves) {
-    if (inputPath.count(leaf.get()) || !branch.insert(leaf.get()).second) continue;
-    weightEdges.emplace_back(leaf, 0);
-    queue.push_back(leaf.get());
-  }
-  std::vector<NodePtr> frontier;
-  std::unordered_set<Node*> found;
-  while (!queue.empty()) {
-    Node* node = queue.front();
-    queue.pop_front();
-    for (const auto& p : parents.at(node)) {
-      if (!inputPath.count(p.get())) {
-        if (branch.insert(p.get()).second) queue.push_back(p.get());
-      } else if (found.insert(p.get()).second) {
-        frontier.push_back(p);
+  };
+  for (const auto& root : roots) {
+    if (root.function) visit(root.function);
+    while (!stack.empty()) {
+      Node* node = stack.back().node->get();
+      const auto& next = node->next_edges();
+      if (stack.back().next < next.size()) {
+        const Edge& edge = next[stack.back().next++];
+        if (edge.function) visit(edge.function);
+        continue;
       }
+      GraphWalk::Mark mark;
+      mark.reachesLeaf = next.empty() && dynamic_cast<AccumulateGrad*>(node) != nullptr;
+      std::vector<uint32_t> pathEdges;
+      bool branches = false;  // an edge into a weight branch
+      for (uint32_t i = 0; i < next.size(); ++i) {
+        if (!next[i].function) continue;
+        const GraphWalk::Mark& child = walk.marks.at(next[i].function.get());
+        mark.reachesLeaf |= child.reachesLeaf;
+        if (child.onPath) {
+          mark.onPath = true;
+          pathEdges.push_back(i);
+        } else if (child.reachesLeaf) {
+          branches = true;
+        }
+      }
+      walk.marks[node] = mark;
+      if (mark.onPath && branches) {
+        walk.frontier.emplace_back(*stack.back().node, std::move(pathEdges));
+      } else if (mark.onPath) {
+        walk.pathOnly.push_back(node);
+      }
+      stack.pop_back();
     }
   }
-  return frontier;
+  return walk;
 }
 
 }  // namespace
@@ -218,7 +202,7 @@ SplitBackward::~SplitBackward() = default;
 std::vector<at::Tensor> SplitBackward::inputPass(const std::vector<at::Tensor>& roots,
                                                  const std::vector<at::Tensor>& grads,
                                                  const std::vector<at::Tensor>& inputs,
-                                                 const std::vector<at::Tensor>& weights,
+                                                 const std::vector<at::Tensor>& /*weights*/,
                                                  SplitBackward& state) {
   namespace impl = torch::autograd::impl;
   state = SplitBackward();
@@ -229,45 +213,38 @@ std::vector<at::Tensor> SplitBackward::inputPass(const std::vector<at::Tensor>& 
     rootEdges.push_back(impl::gradient_edge(roots[k]));
     rootGrads.push_back(grads[k].defined() ? grads[k] : at::ones_like(roots[k]));
   }
-  std::vector<NodePtr> leaves;
-  const Parents parents = reverseGraph(rootEdges, leaves);
   edge_list inputEdges;
   std::vector<size_t> inputIndex;
-  std::vector<Node*> inputNodes;
+  std::unordered_set<Node*> inputNodes;
   for (size_t k = 0; k < inputs.size(); ++k) {
     if (!inputs[k].requires_grad()) continue;
     inputEdges.push_back(impl::gradient_edge(inputs[k]));
     inputIndex.push_back(k);
-    inputNodes.push_back(inputEdges.back().function.get());
+    inputNodes.insert(inputEdges.back().function.get());
   }
-  const std::unordered_set<Node*> inputPath = upwardClosure(inputNodes, parents);
+  std::vector<at::Tensor> gradInputs(inputs.size());
+  if (inputEdges.empty()) {  // a first stage: no input path, W is the whole backward
+    state.rootEdges_ = std::move(rootEdges);
+    state.rootGrads_ = std::move(rootGrads);
+    return gradInputs;
+  }
+  const GraphWalk walk = walkGraph(rootEdges, inputNodes);
   for (size_t k = 0; k < rootEdges.size(); ++k) {
-    if (!inputPath.count(rootEdges[k].function.get())) {
+    if (!walk.marks.at(rootEdges[k].function.get()).onPath) {
       state.rootEdges_.push_back(rootEdges[k]);
       state.rootGrads_.push_back(rootGrads[k]);
     }
   }
-
-  std::unordered_set<Node*> untouchedByW(inputPath);  // input-path nodes W does not run
-  for (const NodePtr& node : findFrontier(weights, leaves, parents, inputPath, state.weightEdges_)) {
+  HookScope hooks;
+  for (const auto& [node, pathEdges] : walk.frontier) {
     auto f = std::make_unique<Frontier>();
     f->node = node;
-    const auto& next = node->next_edges();
-    for (uint32_t i = 0; i < next.size(); ++i) {
-      if (next[i].function && inputPath.count(next[i].function.get())) f->inputPathEdges.push_back(i);
-    }
-    untouchedByW.erase(node.get());
+    f->inputPathEdges = pathEdges;
+    hooks.add(node, std::make_unique<CaptureHook>(&f->captured));
     state.frontier_.push_back(std::move(f));
   }
-  for (Node* n : inputNodes) untouchedByW.erase(n);  // outputs of I, not run by it
-
-  std::vector<at::Tensor> gradInputs(inputs.size());
-  HookScope hooks;
-  for (auto& f : state.frontier_) {
-    hooks.add(f->node, std::make_unique<CaptureHook>(&f->captured));
-  }
-  for (Node* n : untouchedByW) hooks.add(n, std::make_unique<ReleaseHook>(n));
-  if (!rootEdges.empty() && !inputEdges.empty()) {
+  for (Node* node : walk.pathOnly) hooks.add(node, std::make_unique<ReleaseHook>(node));
+  if (!rootEdges.empty()) {
     // torch::autograd::grad(roots, inputs, retain_graph=true, allow_unused=true),
     // on the engine directly: the same graph task, with our hooks in it.
     variable_list result = torch::autograd::Engine::get_default_engine().execute(
@@ -294,21 +271,21 @@ void SplitBackward::weightPass() {
   edges.insert(edges.end(), rootEdges_.begin(), rootEdges_.end());
   for (auto& g : rootGrads_) grads.push_back(std::move(g));
   rootGrads_.clear();
-  if (!edges.empty() && !weightEdges_.empty()) {
-    // Like backward(inputs=weights): only the weight branches run, and the
-    // gradients accumulate into .grad. The engine starts at our one root node,
-    // which then owns the gradients; its own input (checked against the first
-    // gradient's shape, then dropped) is a one-element stand-in.
+  if (!edges.empty()) {
+    // A backward from the frontier nodes, whose edges into the input path are
+    // cut, and the roots off it: only the weight branches run, and the weights'
+    // gradients accumulate into .grad, into every leaf the graph reaches off the
+    // input path, as a full backward's do. The engine starts at our one root
+    // node, which then owns the gradients; its own input (checked against the
+    // first gradient's shape, then dropped) is a one-element stand-in.
     const at::Tensor& first = grads.front();
     const variable_list token{at::zeros({}, first.options()).expand(first.sizes())};
     const edge_list root{Edge(makeNode<HandOverRoot>(std::move(edges), std::move(grads)), 0)};
     torch::autograd::Engine::get_default_engine().execute(
-        root, token, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true,
-        weightEdges_);
+        root, token, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true);
   }
   frontier_.clear();
   rootEdges_.clear();
-  weightEdges_.clear();
 }
 
 }  // namespace pipedream
