@@ -50,7 +50,8 @@ SCHEDULES = ("1f1b", "zb-h1")
 MODELS = ("mlp", "gpt")
 SPLITS = ("B", "ours", "torch")  # the one-process backward variants, in turn
 _log = logging.getLogger("split_backward")
-SMOKE = {"rounds": 1, "steps": 1, "hidden": 32, "blocks": 2, "single_repeats": 3, "gpt_blocks": 2,
+SMOKE = {"rounds": 1, "steps": 1, "hidden": 32, "blocks": 2, "single_repeats": 3, "gpt_single_repeats": 3,
+         "gpt_blocks": 2,
          "gpt_width": 32, "gpt_heads": 2, "gpt_context": 8}
 
 
@@ -67,7 +68,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--gpt-heads", type=int, default=8)
     p.add_argument("--gpt-context", type=int, default=64, help="GPT tokens per row")
     p.add_argument("--gpt-batch", type=int, default=16, help="GPT rows per step")
-    p.add_argument("--single-repeats", type=int, default=300, help="one-process B / I + W repeats")
+    p.add_argument("--single-repeats", type=int, default=300, help="one-process B / I + W repeats (MLP)")
+    p.add_argument("--gpt-single-repeats", type=int, default=60, help="the same for the GPT's stages")
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of %(default)s")
     p.add_argument("--smoke", action="store_true",
                    help="tiny models, one round of one step: checks that everything runs")
@@ -222,6 +224,56 @@ def _backward_once(case: Case, split: str, clock: Callable[[], float]) -> Tuple[
     return middle - start, end - middle, faults
 
 
+def saved_between_i_and_w(case: Case) -> Dict[str, float]:
+    """MB of activations the stage's graph saved (parameters not counted; each storage
+    once) that are still held after the forward, and after I, ours and torch's: what
+    a split backward keeps from I to W, beside the gradients it captured."""
+    import weakref
+
+    import torch
+    from torch.distributed.pipelining import _backward as torch_split
+
+    import pipedream_ext.testing as pdt
+
+    _, stage, x, loss = case
+    weights = list(stage.parameters())
+    params = {w.untyped_storage().data_ptr() for w in weights}
+
+    class Box:  # what the graph keeps instead of the tensor: alive as long as it is saved
+        def __init__(self, t: Any) -> None:
+            self.t = t
+
+    def held(boxes: Any) -> float:
+        sizes = {b.t.untyped_storage().data_ptr(): b.t.untyped_storage().nbytes() for b in list(boxes)}
+        return sum(n for ptr, n in sizes.items() if ptr not in params) / 2 ** 20
+
+    out: Dict[str, float] = {}
+    for split in ("ours", "torch"):
+        boxes: Any = weakref.WeakSet()
+
+        def pack(t: Any) -> Box:
+            box = Box(t)
+            boxes.add(box)
+            return box
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t):
+            y = stage(x)
+        root = loss(y) if loss is not None else y
+        grad = None if loss is not None else torch.randn_like(y)
+        out["after F"] = held(boxes)
+        if split == "ours":
+            state = pdt.SplitBackward()
+            state.input_pass([root], [grad], [x] if x.requires_grad else [], weights)
+        else:
+            state = torch_split.stage_backward_input([root], None if grad is None else [grad],
+                                                     [x] if x.requires_grad else [], iter(weights))
+        out[f"{split} after I"] = held(boxes)
+        del state, root, y
+        stage.zero_grad(set_to_none=True)
+        x.grad = None
+    return out
+
+
 def single_process(cases: List[Case], repeats: int) -> Dict[str, Dict[str, float]]:
     """Each stage's backward as B, ours (I, W) and torch's (I, W), in turn on fresh
     forwards in this process, one thread: the medians (ms) of the thread's CPU time
@@ -246,6 +298,8 @@ def single_process(cases: List[Case], repeats: int) -> Dict[str, Dict[str, float
             row[f"{split} W"] = 1e3 * statistics.median(w for _, w, _ in times[split])
             row[f"{split} ratio"] = statistics.median((i + w) / bb for (i, w, _), bb in zip(times[split], b))
             row[f"{split} faults"] = statistics.median(f for *_, f in times[split])
+        if case[2].requires_grad:  # a first stage has no I: nothing is kept for a W
+            row.update({f"saved MB {k}": v for k, v in saved_between_i_and_w(case).items()})
         out[case[0]] = row
     return out
 
@@ -350,9 +404,14 @@ def _single_lines(single: Dict[str, Dict[str, float]], repeats: int) -> List[str
              h.fmt(t["torch I"], 3), h.fmt(t["torch W"], 3), h.fmt(t["torch ratio"], 3),
              " / ".join(h.fmt(t[f"{k} faults"], 0) for k in ("B", "ours", "torch"))]
             for case, t in single.items()]
-    return lines + h.table(["stage", "B (ms)", "ours I (ms)", "ours W (ms)", "ours (I + W) / B",
-                            "torch I (ms)", "torch W (ms)", "torch (I + W) / B",
-                            "page faults B / ours / torch"], rows)
+    lines += h.table(["stage", "B (ms)", "ours I (ms)", "ours W (ms)", "ours (I + W) / B",
+                      "torch I (ms)", "torch W (ms)", "torch (I + W) / B",
+                      "page faults B / ours / torch"], rows)
+    kept = [[case, h.fmt(t["saved MB after F"], 2), h.fmt(t["saved MB ours after I"], 2),
+             h.fmt(t["saved MB torch after I"], 2)] for case, t in single.items() if "saved MB after F" in t]
+    return lines + ["", "Activations the graph saved (MB, parameters not counted) still held after the "
+                    "forward and after I, that is, kept until W (besides the captured gradients):", ""] + \
+        h.table(["stage", "after F", "after ours I", "after torch's I"], kept)
 
 
 def report(result: Dict[str, Any], info: Dict[str, str], command: str, args: argparse.Namespace,
@@ -364,7 +423,7 @@ def report(result: Dict[str, Any], info: Dict[str, str], command: str, args: arg
     for model in args.models:
         part = result["models"][model]
         lines += [f"## {model}: {_describe(args, model)}", ""] + _pipeline_lines(part) + [""]
-        lines += _single_lines(part["single"], result["single_repeats"]) + [""]
+        lines += _single_lines(part["single"], part["single_repeats"]) + [""]
     lines += [h.machine_line(info) + " Load average at the end: "
               + " ".join(f"{v:.2f}" for v in result.get("loadavg_end", [])) + ".", "",
               h.command_sentence(command, total_s, {2: result["launch_s"]}), ""]
@@ -381,10 +440,11 @@ def run_driver(args: argparse.Namespace) -> int:
     if "error" in result:
         _log.error("%s", result["error"])
         return 1
-    result["single_repeats"] = args.single_repeats
     for model in args.models:
-        cases = mlp_stages(args) if model == "mlp" else gpt_stages(args)
-        result["models"][model]["single"] = single_process(cases, args.single_repeats)
+        cases, repeats = (mlp_stages(args), args.single_repeats) if model == "mlp" else \
+            (gpt_stages(args), args.gpt_single_repeats)
+        result["models"][model]["single"] = single_process(cases, repeats)
+        result["models"][model]["single_repeats"] = repeats
     result["loadavg_end"] = list(os.getloadavg())
     text = report(result, info, command, args, time.perf_counter() - start)
     h.write_results(Path(args.out_dir), "split_backward", text,
