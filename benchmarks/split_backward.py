@@ -51,6 +51,7 @@ MODELS = ("mlp", "gpt")
 SPLITS = ("B", "ours", "torch")  # the one-process backward variants, in turn
 _log = logging.getLogger("split_backward")
 SMOKE = {"rounds": 1, "steps": 1, "hidden": 32, "blocks": 2, "single_repeats": 3, "gpt_single_repeats": 3,
+         "order_steps": 1,
          "gpt_blocks": 2,
          "gpt_width": 32, "gpt_heads": 2, "gpt_context": 8}
 
@@ -70,6 +71,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--gpt-batch", type=int, default=16, help="GPT rows per step")
     p.add_argument("--single-repeats", type=int, default=300, help="one-process B / I + W repeats (MLP)")
     p.add_argument("--gpt-single-repeats", type=int, default=60, help="the same for the GPT's stages")
+    p.add_argument("--order-steps", type=int, default=10,
+                   help="steps per schedule of the GPT's last stage in schedule order, one process")
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of %(default)s")
     p.add_argument("--smoke", action="store_true",
                    help="tiny models, one round of one step: checks that everything runs")
@@ -274,6 +277,80 @@ def saved_between_i_and_w(case: Case) -> Dict[str, float]:
     return out
 
 
+def _step_in_order(case: Case, order: List[Tuple[str, int]], microbatches: int) -> Dict[str, float]:
+    """One step of a stage's compute actions in ``order`` ((kind, microbatch), kinds F,
+    B, I, W), each microbatch on its own copy of the input: thread CPU seconds per
+    kind, and the step's minor page faults."""
+    import resource
+
+    import torch
+
+    import pipedream_ext.testing as pdt
+
+    _, stage, x, loss = case
+    weights = list(stage.parameters())
+    inputs = [x.detach().clone().requires_grad_(x.requires_grad) for _ in range(microbatches)]
+    roots: Dict[int, Tuple[Any, Any]] = {}
+    states: Dict[int, Any] = {}
+    spent = dict.fromkeys("FBIW", 0.0)
+    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    for kind, m in order:
+        start = time.thread_time()
+        if kind == "F":
+            y = stage(inputs[m])
+            roots[m] = (loss(y), None) if loss is not None else (y, torch.randn_like(y))
+        elif kind == "B":
+            root, grad = roots.pop(m)
+            torch.autograd.backward([root], None if grad is None else [grad])
+        elif kind == "I":
+            states[m] = pdt.SplitBackward()
+            states[m].input_pass([roots[m][0]], [roots[m][1]], [inputs[m]] if x.requires_grad else [], weights)
+        else:
+            states.pop(m).weight_pass()
+            del roots[m]
+        spent[kind] += time.thread_time() - start
+    stage.zero_grad(set_to_none=True)
+    return {**spent, "faults": resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults}
+
+
+def in_schedule_order(case: Case, microbatches: int, repeats: int) -> Dict[str, Any]:
+    """The stage's compute actions in the order rank 1 of a 2-rank pipeline runs them
+    (the last stage: 1f1b's F B F B ..., zb-h1's F I F I W F I W ...: W one
+    microbatch behind, so two graphs live at once), a step of each schedule in turn,
+    in this process on a thread of its own, as the executor's: medians over the
+    steps of each kind's thread CPU ms per microbatch, of the step's page faults, and
+    of the per-step ratio (I + W) / B."""
+    import threading
+
+    import torch
+
+    import pipedream_ext as pd
+
+    orders = {}
+    for schedule in SCHEDULES:
+        actions = pd.schedules.build(schedule, 2, microbatches).actions(1)
+        orders[schedule] = [(a[1], int(a[2:])) for a in actions if len(a) > 2 and a[1] in "FBIW" and a[2:].isdigit()]
+    steps: Dict[str, List[Dict[str, float]]] = {s: [] for s in SCHEDULES}
+
+    def run() -> None:
+        torch.set_num_threads(1)
+        for k in range(repeats + 1):  # one warm-up step each
+            for schedule in SCHEDULES:
+                spent = _step_in_order(case, orders[schedule], microbatches)
+                if k:
+                    steps[schedule].append(spent)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    out: Dict[str, Any] = {s: {kind: 1e3 * statistics.median(t[kind] for t in steps[s]) / microbatches
+                               for kind in "FBIW"} for s in SCHEDULES}
+    for s in SCHEDULES:
+        out[s]["faults"] = statistics.median(t["faults"] for t in steps[s])
+    out["ratio"] = statistics.median((z["I"] + z["W"]) / o["B"] for o, z in zip(steps["1f1b"], steps["zb-h1"]))
+    return out
+
+
 def single_process(cases: List[Case], repeats: int) -> Dict[str, Dict[str, float]]:
     """Each stage's backward as B, ours (I, W) and torch's (I, W), in turn on fresh
     forwards in this process, one thread: the medians (ms) of the thread's CPU time
@@ -414,6 +491,17 @@ def _single_lines(single: Dict[str, Dict[str, float]], repeats: int) -> List[str
         h.table(["stage", "after F", "after ours I", "after torch's I"], kept)
 
 
+def _order_lines(order: Dict[str, Any], args: argparse.Namespace) -> List[str]:
+    lines = [f"One process, the last stage's compute actions in the order rank 1 of 2 runs them "
+             f"({args.microbatches} microbatches; zb-h1's W one microbatch behind its I), on a thread of "
+             f"its own, a step of each schedule in turn, medians of {args.order_steps} steps (thread CPU "
+             "ms per microbatch; page faults per step):", ""]
+    lines += h.table(["schedule", "F (ms)", "B (ms)", "I (ms)", "W (ms)", "page faults"],
+                     [[s, h.fmt(order[s]["F"], 3), h.fmt(order[s]["B"], 3), h.fmt(order[s]["I"], 3),
+                       h.fmt(order[s]["W"], 3), h.fmt(order[s]["faults"], 0)] for s in SCHEDULES])
+    return lines + ["", f"Median per-step (I + W) / B in schedule order: {order['ratio']:.3f}."]
+
+
 def report(result: Dict[str, Any], info: Dict[str, str], command: str, args: argparse.Namespace,
            total_s: float) -> str:
     """The Markdown report of one run."""
@@ -424,6 +512,8 @@ def report(result: Dict[str, Any], info: Dict[str, str], command: str, args: arg
         part = result["models"][model]
         lines += [f"## {model}: {_describe(args, model)}", ""] + _pipeline_lines(part) + [""]
         lines += _single_lines(part["single"], part["single_repeats"]) + [""]
+        if "order" in part:
+            lines += _order_lines(part["order"], args) + [""]
     lines += [h.machine_line(info) + " Load average at the end: "
               + " ".join(f"{v:.2f}" for v in result.get("loadavg_end", [])) + ".", "",
               h.command_sentence(command, total_s, {2: result["launch_s"]}), ""]
@@ -445,6 +535,8 @@ def run_driver(args: argparse.Namespace) -> int:
             (gpt_stages(args), args.gpt_single_repeats)
         result["models"][model]["single"] = single_process(cases, repeats)
         result["models"][model]["single_repeats"] = repeats
+        if model == "gpt":
+            result["models"][model]["order"] = in_schedule_order(cases[-1], args.microbatches, args.order_steps)
     result["loadavg_end"] = list(os.getloadavg())
     text = report(result, info, command, args, time.perf_counter() - start)
     h.write_results(Path(args.out_dir), "split_backward", text,

@@ -582,6 +582,9 @@ def test_split_backward_smoke_run(tmp_path):
     assert set(models["gpt"]["single"]) == {"first stage", "middle stage", "last stage"}
     for row in models["gpt"]["single"].values():
         assert row["B"] > 0 and row["ours ratio"] > 0 and row["torch ratio"] > 0
+    order = models["gpt"]["order"]
+    assert order["1f1b"]["B"] > 0 and order["1f1b"]["I"] == 0 and order["zb-h1"]["B"] == 0
+    assert order["zb-h1"]["I"] > 0 and order["zb-h1"]["W"] > 0 and order["ratio"] > 0
     text = (tmp_path / "split_backward.md").read_text()
     assert text.count("Median ratio zb-h1 / 1f1b") == 2 and "torch (I + W) / B" in text
 
