@@ -44,7 +44,8 @@ class CaptureHook : public FunctionPreHook {
 // once it has run, as a full backward does (keep_graph=false): W never runs it,
 // and its tensors (attention's, activations') would otherwise stay until the
 // graph goes, so the input gradients computed after it could not reuse their
-// memory (fresh pages from the OS: a third more time on a GPT stage).
+// memory (fresh pages from the OS, each a page fault: 10-15% of a GPT stage's
+// backward).
 class ReleaseHook : public FunctionPostHook {
  public:
   explicit ReleaseHook(Node* node) : node_(node) {}
