@@ -672,9 +672,19 @@ def test_split_backward_smoke_run(tmp_path):
     proc = _smoke("split_backward.py", tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "split_backward.json").read_text())
-    assert len(data["result"]["ms_per_microbatch"]) == 2
-    assert set(data["result"]["step_ms"]) == {"1f1b", "zb-h1"}
-    assert "Median ratio zb-h1 / 1f1b" in (tmp_path / "split_backward.md").read_text()
+    models = data["result"]["models"]
+    assert set(models) == {"mlp", "gpt"}
+    for part in models.values():
+        assert len(part["ms_per_microbatch"]) == 2 and len(part["per_step"]) == 2
+        assert set(part["step_ms"]) == {"1f1b", "zb-h1"}
+    assert set(models["gpt"]["single"]) == {"first stage", "middle stage", "last stage"}
+    for row in models["gpt"]["single"].values():
+        assert row["B"] > 0 and row["ours ratio"] > 0 and row["torch ratio"] > 0
+    order = models["gpt"]["order"]
+    assert order["1f1b"]["B"] > 0 and order["1f1b"]["I"] == 0 and order["zb-h1"]["B"] == 0
+    assert order["zb-h1"]["I"] > 0 and order["zb-h1"]["W"] > 0 and order["ratio"] > 0
+    text = (tmp_path / "split_backward.md").read_text()
+    assert text.count("Median ratio zb-h1 / 1f1b") == 2 and "torch (I + W) / B" in text
 
 
 @pytest.mark.slow  # four 4-rank launches (about 80 s on 2 cores): `make test-all`

@@ -8,6 +8,7 @@ weight branch only W.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytest
@@ -219,3 +220,77 @@ def test_w_finds_the_weights_its_graph_used() -> None:
     for p, expected in zip(model.parameters(), full_dw):
         assert torch.equal(p.grad, expected)
     assert x.grad is None  # the input is not a weight
+
+
+class TwoLayers(nn.Module):
+    """Linear, tanh, Linear: the input path runs through both addmm nodes (frontier
+    nodes) and the tanh node between them (an input-path node W never runs). The
+    first layer's weight passes through ``Check`` on its way to the weight, which W
+    runs after that layer's addmm node."""
+
+    def __init__(self, check: Callable[[], None]) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 5)
+        self.check = check
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = nn.functional.linear(x, Check.apply(self.a.weight, self.check), self.a.bias)
+        self.hidden = hidden
+        return self.b(torch.tanh(hidden))
+
+
+class Check(torch.autograd.Function):
+    """Identity whose backward first calls ``check()``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, check: Callable[[], None]) -> torch.Tensor:  # type: ignore[override]
+        ctx.check = check
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        ctx.check()
+        return grad, None
+
+
+def test_i_frees_the_saved_tensors_of_input_path_nodes_w_does_not_run() -> None:
+    """A full backward frees each node's saved tensors once it has run, so the
+    gradients computed after it reuse that memory; I must do the same for the
+    input-path nodes W never runs (here tanh's output), keeping only what W needs
+    (the addmm nodes' inputs), or the rest of I and W take fresh pages instead."""
+    torch.manual_seed(6)
+    model = TwoLayers(lambda: None)
+    x = torch.randn(3, 6, requires_grad=True)
+    out = model(x)
+    second = out.grad_fn  # the second layer's addmm: a frontier node
+    tanh = second.next_functions[1][0]
+    assert type(tanh).__name__ == "TanhBackward0"
+    tanh._saved_result  # noqa: B018 - held before I
+    state = _C.SplitBackward()
+    state.input_pass([out], [torch.ones_like(out)], [x], list(model.parameters()))
+    with pytest.raises(RuntimeError, match="freed"):
+        tanh._saved_result  # noqa: B018
+    assert second._saved_mat1 is not None  # W still needs it
+    state.weight_pass()
+    with pytest.raises(RuntimeError, match="freed"):
+        second._saved_mat1  # noqa: B018 - W frees what it ran
+
+
+def test_w_frees_each_captured_gradient_once_its_frontier_node_has_run() -> None:
+    """The gradient I captured at a frontier node must go once W has run that node,
+    as in a full backward, not at the end of W: the weight gradients computed after
+    it reuse its memory. ``Check`` runs in W after the first layer's addmm node and
+    looks whether the gradient captured there still exists."""
+    torch.manual_seed(7)
+    captured: List[weakref.ref] = []
+    alive_in_w: List[bool] = []
+    model = TwoLayers(lambda: alive_in_w.append(captured[0]() is not None))
+    x = torch.randn(3, 6, requires_grad=True)
+    out = model(x)
+    model.hidden.register_hook(lambda grad: captured.append(weakref.ref(grad)) and None)
+    state = _C.SplitBackward()
+    state.input_pass([out], [torch.ones_like(out)], [x], list(model.parameters()))
+    assert len(captured) == 1 and captured[0]() is not None  # held for W
+    state.weight_pass()
+    assert alive_in_w == [False]
+    assert model.a.weight.grad is not None

@@ -4,13 +4,14 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
-#include <deque>
 #include <unordered_map>
 #include <unordered_set>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 namespace pipedream {
@@ -18,6 +19,7 @@ namespace pipedream {
 using torch::autograd::AccumulateGrad;
 using torch::autograd::Edge;
 using torch::autograd::edge_list;
+using torch::autograd::FunctionPostHook;
 using torch::autograd::FunctionPreHook;
 using torch::autograd::Node;
 using torch::autograd::variable_list;
@@ -38,30 +40,72 @@ class CaptureHook : public FunctionPreHook {
   variable_list* slot_;  // owned by the SplitBackward, which outlives the hook
 };
 
-// Installed pre-hooks, removed when the scope ends (also on an exception), so
-// the graph never keeps a hook pointing at freed state.
+// I: frees the saved tensors of an input-path node that is no frontier node
+// once it has run, as a full backward does (keep_graph=false): W never runs it,
+// and its tensors (attention's, activations') would otherwise stay until the
+// graph goes, so the input gradients computed after it could not reuse their
+// memory (fresh pages from the OS, each a page fault: 10-15% of a GPT stage's
+// backward).
+class ReleaseHook : public FunctionPostHook {
+ public:
+  explicit ReleaseHook(Node* node) : node_(node) {}
+  variable_list operator()(const variable_list& outputs, const variable_list& /*inputs*/) override {
+    node_->release_variables();
+    return outputs;
+  }
+
+ private:
+  Node* node_;  // the node holding this hook
+};
+
+// Hooks installed for one engine call, removed when the scope ends (also on an
+// exception), so the graph never keeps a hook pointing at freed state.
 class HookScope {
  public:
   HookScope() = default;
   HookScope(const HookScope&) = delete;
   HookScope& operator=(const HookScope&) = delete;
   ~HookScope() {
-    for (auto& entry : installed_) {
-      FunctionPreHook* hook = entry.second;
-      auto& hooks = entry.first->pre_hooks();
+    for (auto& [node, hook] : pre_) {
+      auto& hooks = node->pre_hooks();
       hooks.erase(std::remove_if(hooks.begin(), hooks.end(),
-                                 [hook](const auto& h) { return h.get() == hook; }),
+                                 [hook = hook](const auto& h) { return h.get() == hook; }),
                   hooks.end());
     }
+    for (auto& [node, key] : post_) node->del_post_hook(key);
   }
   void add(const NodePtr& node, std::unique_ptr<FunctionPreHook> hook) {
-    installed_.emplace_back(node, hook.get());
+    pre_.emplace_back(node, hook.get());
     node->add_pre_hook(std::move(hook));
+  }
+  // `node` belongs to the graph, which outlives the scope (the caller holds its roots).
+  void add(Node* node, std::unique_ptr<FunctionPostHook> hook) {
+    post_.emplace_back(node, node->add_post_hook(std::move(hook)));
   }
 
  private:
-  std::vector<std::pair<NodePtr, FunctionPreHook*>> installed_;
+  std::vector<std::pair<NodePtr, FunctionPreHook*>> pre_;
+  std::vector<std::pair<Node*, uintptr_t>> post_;
 };
+
+// W's graph root: hands the captured gradients over to the frontier nodes and
+// keeps none of them (torch's GraphRoot returns a copy and holds them until the
+// engine call ends), so each is freed once its frontier node has run, as in a
+// full backward, and the weight gradients can reuse its memory.
+struct HandOverRoot : torch::autograd::GraphRoot {
+  using GraphRoot::GraphRoot;
+  variable_list apply(variable_list&& /*inputs*/) override { return std::move(outputs); }
+};
+
+// A new node behind a NodePtr (std::shared_ptr before torch 2.12, c10::intrusive_ptr after).
+template <typename T, typename... Args>
+NodePtr makeNode(Args&&... args) {
+  if constexpr (std::is_constructible_v<NodePtr, std::shared_ptr<T>>) {
+    return std::make_shared<T>(std::forward<Args>(args)...);
+  } else {
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  }
+}
 
 // W: the frontier nodes' edges into the input path, cut for one engine call and
 // restored when the scope ends (also on an exception).
@@ -82,47 +126,74 @@ class EdgeCut {
   std::vector<std::tuple<NodePtr, uint32_t, Edge>> cut_;
 };
 
-// Parents of every node reachable from the roots (the reverse of next_edges).
-using Parents = std::unordered_map<Node*, std::vector<NodePtr>>;
+// What I's one walk over a stage's graph finds: the input path (the nodes from
+// which an input is reachable), its frontier nodes (input-path nodes with an
+// edge to a node off the input path from which a leaf is reachable: a weight
+// branch) with their edges into the input path, and the other input-path nodes.
+struct GraphWalk {
+  struct Mark {
+    bool onPath = false;       // an input is reachable from it (or it is one)
+    bool reachesLeaf = false;  // a leaf (gradient accumulator) is reachable from it
+  };
+  std::unordered_map<Node*, Mark> marks;  // every node reached
+  std::vector<std::pair<NodePtr, std::vector<uint32_t>>> frontier;
+  std::vector<Node*> pathOnly;  // input-path nodes W does not run (inputs excluded)
+};
 
-// Fills `leaves` with the gradient accumulators of the leaves the graph reaches,
-// in the order found.
-Parents reverseGraph(const edge_list& roots, std::vector<NodePtr>& leaves) {
-  Parents parents;
-  std::unordered_set<Node*> seen;
-  std::deque<NodePtr> queue;
-  for (const auto& e : roots) {
-    if (e.function && seen.insert(e.function.get()).second) queue.push_back(e.function);
-  }
-  while (!queue.empty()) {
-    NodePtr node = queue.front();
-    queue.pop_front();
-    parents.try_emplace(node.get());
-    if (dynamic_cast<AccumulateGrad*>(node.get()) != nullptr) leaves.push_back(node);
-    for (const auto& next : node->next_edges()) {
-      if (!next.function) continue;
-      parents[next.function.get()].push_back(node);
-      if (seen.insert(next.function.get()).second) queue.push_back(next.function);
+// Post-order over node->next_edges() from `roots`, not going past `inputs` (the
+// stage's graph ends there), each node visited once: a node's marks follow from
+// its children's.
+GraphWalk walkGraph(const edge_list& roots, const std::unordered_set<Node*>& inputs) {
+  GraphWalk walk;
+  walk.marks.reserve(512);
+  struct Frame {
+    const NodePtr* node;  // in its parent's next_edges() or `roots`: stable during the walk
+    size_t next = 0;      // the next child to visit
+  };
+  std::vector<Frame> stack;
+  auto visit = [&](const NodePtr& node) {
+    if (!walk.marks.try_emplace(node.get()).second) return;  // done (a DAG: never on the stack)
+    if (inputs.count(node.get())) {
+      walk.marks[node.get()].onPath = true;
+    } else {
+      stack.push_back(Frame{&node});
+    }
+  };
+  for (const auto& root : roots) {
+    if (root.function) visit(root.function);
+    while (!stack.empty()) {
+      Node* node = stack.back().node->get();
+      const auto& next = node->next_edges();
+      if (stack.back().next < next.size()) {
+        const Edge& edge = next[stack.back().next++];
+        if (edge.function) visit(edge.function);
+        continue;
+      }
+      GraphWalk::Mark mark;
+      mark.reachesLeaf = next.empty() && dynamic_cast<AccumulateGrad*>(node) != nullptr;
+      std::vector<uint32_t> pathEdges;
+      bool branches = false;  // an edge into a weight branch
+      for (uint32_t i = 0; i < next.size(); ++i) {
+        if (!next[i].function) continue;
+        const GraphWalk::Mark& child = walk.marks.at(next[i].function.get());
+        mark.reachesLeaf |= child.reachesLeaf;
+        if (child.onPath) {
+          mark.onPath = true;
+          pathEdges.push_back(i);
+        } else if (child.reachesLeaf) {
+          branches = true;
+        }
+      }
+      walk.marks[node] = mark;
+      if (mark.onPath && branches) {
+        walk.frontier.emplace_back(*stack.back().node, std::move(pathEdges));
+      } else if (mark.onPath) {
+        walk.pathOnly.push_back(node);
+      }
+      stack.pop_back();
     }
   }
-  return parents;
-}
-
-// Nodes from which one of `starts` is reachable (the input-gradient path).
-std::unordered_set<Node*> upwardClosure(const std::vector<Node*>& starts, const Parents& parents) {
-  std::unordered_set<Node*> closure;
-  std::deque<Node*> queue;
-  for (Node* n : starts) {
-    if (parents.count(n) && closure.insert(n).second) queue.push_back(n);
-  }
-  while (!queue.empty()) {
-    Node* node = queue.front();
-    queue.pop_front();
-    for (const auto& p : parents.at(node)) {
-      if (closure.insert(p.get()).second) queue.push_back(p.get());
-    }
-  }
-  return closure;
+  return walk;
 }
 
 }  // namespace
@@ -132,7 +203,7 @@ SplitBackward::~SplitBackward() = default;
 std::vector<at::Tensor> SplitBackward::inputPass(const std::vector<at::Tensor>& roots,
                                                  const std::vector<at::Tensor>& grads,
                                                  const std::vector<at::Tensor>& inputs,
-                                                 const std::vector<at::Tensor>& weights,
+                                                 const std::vector<at::Tensor>& /*weights*/,
                                                  SplitBackward& state) {
   namespace impl = torch::autograd::impl;
   state = SplitBackward();
@@ -143,74 +214,38 @@ std::vector<at::Tensor> SplitBackward::inputPass(const std::vector<at::Tensor>& 
     rootEdges.push_back(impl::gradient_edge(roots[k]));
     rootGrads.push_back(grads[k].defined() ? grads[k] : at::ones_like(roots[k]));
   }
-  std::vector<NodePtr> leaves;
-  const Parents parents = reverseGraph(rootEdges, leaves);
   edge_list inputEdges;
   std::vector<size_t> inputIndex;
-  std::vector<Node*> inputNodes;
+  std::unordered_set<Node*> inputNodes;
   for (size_t k = 0; k < inputs.size(); ++k) {
     if (!inputs[k].requires_grad()) continue;
     inputEdges.push_back(impl::gradient_edge(inputs[k]));
     inputIndex.push_back(k);
-    inputNodes.push_back(inputEdges.back().function.get());
+    inputNodes.insert(inputEdges.back().function.get());
   }
-  const std::unordered_set<Node*> inputPath = upwardClosure(inputNodes, parents);
+  std::vector<at::Tensor> gradInputs(inputs.size());
+  if (inputEdges.empty()) {  // a first stage: no input path, W is the whole backward
+    state.rootEdges_ = std::move(rootEdges);
+    state.rootGrads_ = std::move(rootGrads);
+    return gradInputs;
+  }
+  const GraphWalk walk = walkGraph(rootEdges, inputNodes);
   for (size_t k = 0; k < rootEdges.size(); ++k) {
-    if (!inputPath.count(rootEdges[k].function.get())) {
+    if (!walk.marks.at(rootEdges[k].function.get()).onPath) {
       state.rootEdges_.push_back(rootEdges[k]);
       state.rootGrads_.push_back(rootGrads[k]);
     }
   }
-
-  // The weight branches: nodes off the input path from which a weight is
-  // reachable, found upwards from the weights; where they meet the input path
-  // is the frontier.
-  std::unordered_set<Node*> branch;
-  std::deque<Node*> queue;
-  std::unordered_map<Node*, Frontier*> frontierOf;
-  for (const auto& w : weights) {
-    if (!w.requires_grad()) continue;
-    Edge edge = impl::gradient_edge(w);
-    Node* accumulator = edge.function.get();
-    if (!accumulator || !parents.count(accumulator)) continue;  // unused by this microbatch
-    state.weightEdges_.push_back(std::move(edge));
-    if (branch.insert(accumulator).second) queue.push_back(accumulator);
-  }
-  // Every other leaf off the input path is a weight too: the graph may use other
-  // tensors than those given (FSDP2 runs the forward on unsharded copies of the
-  // parameters it registered), and a full backward accumulates into all of them.
-  for (const auto& leaf : leaves) {
-    if (inputPath.count(leaf.get()) || !branch.insert(leaf.get()).second) continue;
-    state.weightEdges_.emplace_back(leaf, 0);
-    queue.push_back(leaf.get());
-  }
-  while (!queue.empty()) {
-    Node* node = queue.front();
-    queue.pop_front();
-    for (const auto& p : parents.at(node)) {
-      if (!inputPath.count(p.get())) {
-        if (branch.insert(p.get()).second) queue.push_back(p.get());
-      } else if (!frontierOf.count(p.get())) {
-        auto f = std::make_unique<Frontier>();
-        f->node = p;
-        const auto& next = p->next_edges();
-        for (uint32_t i = 0; i < next.size(); ++i) {
-          if (next[i].function && inputPath.count(next[i].function.get())) {
-            f->inputPathEdges.push_back(i);
-          }
-        }
-        frontierOf[p.get()] = f.get();
-        state.frontier_.push_back(std::move(f));
-      }
-    }
-  }
-
-  std::vector<at::Tensor> gradInputs(inputs.size());
   HookScope hooks;
-  for (auto& f : state.frontier_) {
-    hooks.add(f->node, std::make_unique<CaptureHook>(&f->captured));
+  for (const auto& [node, pathEdges] : walk.frontier) {
+    auto f = std::make_unique<Frontier>();
+    f->node = node;
+    f->inputPathEdges = pathEdges;
+    hooks.add(node, std::make_unique<CaptureHook>(&f->captured));
+    state.frontier_.push_back(std::move(f));
   }
-  if (!rootEdges.empty() && !inputEdges.empty()) {
+  for (Node* node : walk.pathOnly) hooks.add(node, std::make_unique<ReleaseHook>(node));
+  if (!rootEdges.empty()) {
     // torch::autograd::grad(roots, inputs, retain_graph=true, allow_unused=true),
     // on the engine directly: the same graph task, with our hooks in it.
     variable_list result = torch::autograd::Engine::get_default_engine().execute(
@@ -229,23 +264,29 @@ void SplitBackward::weightPass() {
     for (uint32_t slot = 0; slot < f->captured.size(); ++slot) {
       if (!f->captured[slot].defined()) continue;
       edges.emplace_back(f->node, slot);
-      grads.push_back(f->captured[slot]);
+      grads.push_back(std::move(f->captured[slot]));
     }
+    f->captured.clear();
     for (uint32_t index : f->inputPathEdges) cut.cut(f->node, index);
   }
   edges.insert(edges.end(), rootEdges_.begin(), rootEdges_.end());
-  grads.insert(grads.end(), rootGrads_.begin(), rootGrads_.end());
-  if (!edges.empty() && !weightEdges_.empty()) {
-    // Like backward(inputs=weights): only the weight branches run, and the
-    // gradients accumulate into .grad.
+  for (auto& g : rootGrads_) grads.push_back(std::move(g));
+  rootGrads_.clear();
+  if (!edges.empty()) {
+    // A backward from the frontier nodes, whose edges into the input path are
+    // cut, and the roots off it: only the weight branches run, and the weights'
+    // gradients accumulate into .grad, into every leaf the graph reaches off the
+    // input path, as a full backward's do. The engine starts at our one root
+    // node, which then owns the gradients; its own input (checked against the
+    // first gradient's shape, then dropped) is a one-element stand-in.
+    const at::Tensor& first = grads.front();
+    const variable_list token{at::zeros({}, first.options()).expand(first.sizes())};
+    const edge_list root{Edge(makeNode<HandOverRoot>(std::move(edges), std::move(grads)), 0)};
     torch::autograd::Engine::get_default_engine().execute(
-        edges, grads, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true,
-        weightEdges_);
+        root, token, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true);
   }
   frontier_.clear();
   rootEdges_.clear();
-  rootGrads_.clear();
-  weightEdges_.clear();
 }
 
 }  // namespace pipedream

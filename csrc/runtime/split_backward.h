@@ -7,10 +7,10 @@
 // branch: each node computes just the outputs the graph task needs) and, with
 // pre-hooks, captures the gradient arriving at each *frontier* node, an
 // input-path node with an edge into a weight branch. W starts the engine at
-// the frontier nodes with the captured gradients and asks for the weights
-// only; for that one call the frontier nodes' edges into the input path are
-// cut (restored after), so no frontier node computes an input-path gradient
-// again and nothing of the input path runs twice. (torch.distributed.pipelining's
+// the frontier nodes with the captured gradients and runs the weight branches;
+// for that one call the frontier nodes' edges into the input path are cut
+// (restored after), so no frontier node computes an input-path gradient again
+// and nothing of the input path runs twice. (torch.distributed.pipelining's
 // _backward.py starts W at the same nodes but keeps those edges, so it runs W
 // per group of weights and re-runs the input path between nested frontier
 // nodes of one group.)
@@ -19,6 +19,14 @@
 //               │      │
 //               ▼      ▼
 //               w1     w2                  weight branches (W runs them)
+//
+// Memory is freed as a full backward frees it, so that the gradients computed
+// later reuse it instead of fresh pages from the OS (each a page fault: a GPT
+// stage's I + W took 1.10-1.15x its backward when everything stayed until W):
+// I releases the saved tensors of every input-path node W does not run once it
+// has run (the graph is kept only for the frontier nodes and weight branches),
+// and W's root node hands the captured gradients over to the engine, so each
+// goes once its frontier node has run.
 //
 // Outputs that do not depend on the inputs (every output of the first stage,
 // whose inputs need no gradient) start their weight branches directly: W feeds
@@ -48,20 +56,21 @@ class SplitBackward {
   ~SplitBackward();
 
   // I: the gradients of `inputs` (undefined where an input needs none or gets
-  // none), keeping the graph and the frontier gradients for weightPass().
-  // The weights are `weights` and every other leaf the graph reaches off the
-  // input path (as a full backward would accumulate into), so a forward that
-  // ran on other tensors than the registered parameters (FSDP2's unsharded
-  // copies) still gets its weight gradients.
-  // `grads[k]` is the gradient of `roots[k]` (undefined: ones, for a scalar loss).
+  // none), keeping the graph's weight side and the frontier gradients for
+  // weightPass(). The weights are every leaf the graph reaches off the input
+  // path, as a full backward accumulates into them: `weights` (the stage's
+  // parameters) and any others, so a forward that ran on other tensors than the
+  // registered parameters (FSDP2's unsharded copies) still gets its weight
+  // gradients. `grads[k]` is the gradient of `roots[k]` (undefined: ones, for a
+  // scalar loss).
   static std::vector<at::Tensor> inputPass(const std::vector<at::Tensor>& roots,
                                            const std::vector<at::Tensor>& grads,
                                            const std::vector<at::Tensor>& inputs,
                                            const std::vector<at::Tensor>& weights,
                                            SplitBackward& state);
 
-  // W: accumulates the gradients of the weights given to inputPass() into their
-  // .grad and frees the graph parts it ran. Call once.
+  // W: accumulates the gradients of the weights into their .grad and frees the
+  // graph parts it ran. Call once.
   void weightPass();
 
   // Frontier nodes whose gradients I captured; for tests.
@@ -77,7 +86,6 @@ class SplitBackward {
   // Roots off the input path and their gradients.
   torch::autograd::edge_list rootEdges_;
   std::vector<at::Tensor> rootGrads_;
-  torch::autograd::edge_list weightEdges_;  // the weights' gradient accumulators
 };
 
 }  // namespace pipedream
