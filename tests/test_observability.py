@@ -93,6 +93,10 @@ def run_checks() -> None:
         assert any("RECV_F" in n for n in spans[1]) and not any("RECV_F" in n for n in spans[0])
         names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
         assert names == {"rank 0: stages [0]", "rank 1: stages [1]"}, names
+    pipe.close()  # writes the trace again with what ran since: nothing, so the file stays
+    if rank == 0:
+        with open(path) as f:
+            assert json.load(f) == trace, "close() replaced the trace write_trace() wrote"
 
     # Only the user's references keep a pipeline (its executor, its process group) alive.
     ref = weakref.ref(pipe)

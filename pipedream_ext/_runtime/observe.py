@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,7 @@ class Observer:
         self.trace_path = trace_path
         self._spans: List[Span] = []
         self._retired = _C.RuntimeStats()  # executors already replaced
+        self._written: Set[str] = set()  # paths this observer wrote a trace to
 
     @property
     def tracing(self) -> bool:
@@ -96,7 +97,9 @@ class Observer:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def write_trace(self, executor: Any, path: Optional[Union[str, os.PathLike]]) -> Optional[str]:
-        """Merges every rank's spans into one Chrome trace on rank 0 (collective).
+        """Merges every rank's spans into one Chrome trace on rank 0 (collective): the spans
+        recorded since the last write. A write with none leaves a trace this pipeline
+        already wrote at that path as it is (``write_trace()`` then ``close()``).
 
         Returns:
             The path written, on rank 0; ``None`` elsewhere.
@@ -115,6 +118,11 @@ class Observer:
         if gathered is None:
             return None
         merged = [e for blob in gathered for e in json.loads(blob.decode())]
+        if target in self._written and not any(e["ph"] == "X" for e in merged):
+            # Nothing ran since this path was written (write_trace() then close()):
+            # keep the trace it holds rather than replace it with an empty one.
+            _log.info("no actions since the trace at %s was written; left as it is", target)
+            return target
         origin = min((e["ts"] for e in merged if "ts" in e), default=0)
         for e in merged:
             if "ts" in e:
@@ -125,6 +133,7 @@ class Observer:
                        "otherData": {"schedule": self.schedule, "ranks": len(gathered),
                                      "origin_unix_us": origin}}, f)
         os.replace(tmp, target)
+        self._written.add(target)
         _log.info("wrote the execution trace of %d ranks to %s", len(gathered), target)
         return target
 
