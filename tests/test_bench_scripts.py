@@ -739,7 +739,7 @@ def test_agreement_report_lists_every_measurement():
               "construction_exchange_ms": 0.9, "gpt2_exchange_ms": 1.4, "mlp_pipeline_ms": 48.0,
               "gpt2_split_ms": 5800.0, "check_ms": {"64": 2.2, "256": 9.8},
               "step_ms": {"checked": 48.5, "unchecked": 46.5, "check alone": 1.5},
-              "flag_allreduce_ms": 0.4}
+              "open_allreduce_ms": 0.44, "flag_allreduce_ms": 0.4, "forward_only_ms": 18.8}
     info = {"cpu_count": "2", "cpu_model": "x", "torch": "2.13.0", "python": "3.11", "platform": "p",
             "cuda": "none", "loadavg_at_start": "1.00 1.00 1.00"}
     text = agreement.report(result, args, info, "python benchmarks/agreement.py")
@@ -748,6 +748,9 @@ def test_agreement_report_lists_every_measurement():
     assert "| StepAgreement.check, batch of 256 x 3x32x32 float32 (3.0 MiB) + targets | 9.80 |" \
         in text
     assert "| difference | 2.00 |" in text
+    assert "| forward_only's opening all-reduce: stage 0's batch size and a failure flag (every call) " \
+           "| 0.44 |" in text
+    assert "both included) | 18.80 |" in text
     assert "medians of 5 repetitions" in text
 
 

@@ -211,6 +211,8 @@ class Heads(nn.Module):
             return h, h.sum(0)
         if self.kind == "sequence-first":  # [3, B, 10], as a decoder over time steps returns it
             return torch.stack([h, 2 * h, h.square()])
+        if self.kind == "flattened":  # batch-major [B * 3, 10], as logits flattened for the loss
+            return torch.stack([h, 2 * h, h.square()], dim=1).reshape(-1, h.shape[1])
         if self.kind == "rows":  # a count that differs between microbatches
             return {"logits": h, "rows": h.shape[0]}
         return {"logits": h, "loss": h.square().mean(), "tag": "scores", "width": h.shape[1]}
@@ -220,8 +222,9 @@ def check_forward_only_merge() -> None:
     """Only outputs with each microbatch's rows along ``output_batch_dim`` are concatenated:
     a [10] output and a sequence-first [3, B, 10] one are refused by name on every rank
     (not returned as [40] / [12, 4, 10]), the latter comes back whole with
-    output_batch_dim=1, each microbatch's output with None; a dict of per-row logits,
-    a mean and equal other values equals the unsplit model's output."""
+    output_batch_dim=1, each microbatch's output with None; a batch-major flattened output
+    ([B * 3, 10]) and a dict of per-row logits, a mean and equal other values equal the
+    unsplit model's output."""
     import pipedream_ext as pd
 
     x = batch(n=16, seed=3)[0]
@@ -261,6 +264,12 @@ def check_forward_only_merge() -> None:
         out = pipe.forward_only(x, output_batch_dim=dim)
         if pipe.is_last:
             assert_close(out, model(x), f"a sequence-first output, output_batch_dim={dim}")
+
+    model, pipe = pipeline("flattened")  # dim 0: 3 x each microbatch's rows, none has the rows
+    for data in (x, uneven):
+        out = pipe.forward_only(data)
+        if pipe.is_last:
+            assert_close(out, model(data), "a batch-major flattened output")
 
     model, pipe = pipeline("dict")
     out = pipe.forward_only(x)

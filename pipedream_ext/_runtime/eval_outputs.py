@@ -10,7 +10,9 @@ a sequence-first ``[3, 16, 10]`` as ``[12, 4, 10]``). So each leaf of the output
 (``torch.utils._pytree``) is combined by what it is:
 
 * a tensor whose ``output_batch_dim`` (default 0) has each microbatch's rows, in
-  every microbatch: concatenated along it;
+  every microbatch: concatenated along it; so is one that has each microbatch's rows
+  times one factor ``k > 1`` there while no dim has the rows themselves (a batch-major
+  flattened output: logits ``[rows * T, V]`` flattened for the loss);
 * a 0-d tensor (a loss, an auxiliary loss): the mean of the microbatches' values
   weighted by their rows, as ``step()`` combines the loss;
 * a number or string (``bool``, ``bytes``): kept if every microbatch returned the
@@ -62,6 +64,18 @@ def _rows_dim(values: Sequence[torch.Tensor], rows: Sequence[int]) -> Optional[i
     return next((d for d in range(dims) if all(v.shape[d] == r for v, r in zip(values, rows))), None)
 
 
+def _flattened_rows(values: Sequence[torch.Tensor], rows: Sequence[int], dim: int) -> bool:
+    """Whether ``dim`` holds each microbatch's rows times one common factor ``k > 1``
+    while no dim holds the rows themselves: a batch-major flattened output (logits
+    ``[rows * T, V]`` flattened for the loss), whose concatenation along ``dim`` is the
+    whole batch's flattened output."""
+    if _rows_dim(values, rows) is not None or any(not -v.dim() <= dim < v.dim() or r == 0
+                                                  for v, r in zip(values, rows)):
+        return False
+    factors = {v.shape[dim] / r for v, r in zip(values, rows)}
+    return len(factors) == 1 and float(next(iter(factors))).is_integer() and next(iter(factors)) > 1
+
+
 def _concatenated(name: str, values: Sequence[torch.Tensor], rows: Sequence[int], dim: int) -> torch.Tensor:
     """The microbatches' ``values`` concatenated along ``dim``, after checking that it is
     the batch dimension of each.
@@ -72,7 +86,7 @@ def _concatenated(name: str, values: Sequence[torch.Tensor], rows: Sequence[int]
     """
     bad = next((i for i, (v, r) in enumerate(zip(values, rows))
                 if not -v.dim() <= dim < v.dim() or v.shape[dim] != r), None)
-    if bad is None:
+    if bad is None or _flattened_rows(values, rows, dim):
         return torch.cat(list(values), dim=dim)
     shape, count = list(values[bad].shape), len(rows)
     cut = (f"the batch of {sum(rows)} rows is cut into {count} microbatches of "
