@@ -43,7 +43,7 @@ from .fingerprint import (
 )
 from .groups import RankNames
 
-__all__ = ["agree_at_construction", "batch_fingerprint", "StepAgreement"]
+__all__ = ["agree_at_construction", "batch_fingerprint", "StepAgreement", "unequal_dp_rows"]
 
 _log = logging.getLogger("pipedream_ext._pipe")
 
@@ -282,12 +282,24 @@ class StepAgreement:
                  for p in self.pipelines]
         if None in sizes or len(set(sizes)) == 1:
             return
-        each = ", ".join(f"dp {d} ({self.names.of_global(p[self.first_ranks[0]])}) {n} rows"
-                         for d, (p, n) in enumerate(zip(self.pipelines, sizes)))
         raise ValueError(
             f"{self.names.of_global(self.rank)}: step() number {index}: the data-parallel ranks "
-            f"were given batches of different sizes: {each}; each pipeline averages its own "
-            "rows and the dp ranks' means are averaged, which weights the rows of a smaller "
-            "batch more than the unsplit model on the global batch would: give every dp rank "
-            f"the same number of rows ({self._sampler}; its last batch is as large on every "
-            "rank)")
+            "were given batches of different sizes: " + unequal_dp_rows(
+                self.names, [p[self.first_ranks[0]] for p in self.pipelines], sizes))
+
+
+def unequal_dp_rows(names: RankNames, leaders: Sequence[int], rows: Sequence[Any]) -> str:
+    """Why dp ranks given batches of different sizes train wrong, and the fix: the message
+    of both checks (the first steps' agreement and ``MeshSteps`` after them).
+
+    Args:
+        names: the mesh's rank names.
+        leaders: each dp rank's (pipeline's) stage-0 rank, in dp order.
+        rows: each dp rank's rows.
+    """
+    each = ", ".join(f"dp {d} ({names.of_global(r)}) {n} rows" for d, (r, n) in enumerate(zip(leaders, rows)))
+    return (f"{each}; each pipeline averages its own rows and the dp ranks' means are averaged, which "
+            "weights the rows of a smaller batch more than the unsplit model on the global batch would: "
+            f"give every dp rank the same number of rows (a DistributedSampler(dataset, num_replicas="
+            f"{len(leaders)}, rank=mesh['dp'].get_local_rank()) gives each rank as many, its last batch "
+            "included)")

@@ -24,6 +24,7 @@ from typing import Callable, Deque, List, Optional
 
 import torch
 
+from .._dist.agreement import unequal_dp_rows
 from .._dist.groups import RankNames
 from .step_loss import StepLoss
 
@@ -94,16 +95,10 @@ class MeshSteps:
                 "raises on any rank must end the run, or be caught on every rank alike (the "
                 "first check_agreement steps raise argument errors on every rank)")
         if len(set(rows)) > 1:
-            each = ", ".join(f"dp {d} ({self.names.of_global(p[0])}) {n} rows"
-                             for d, (p, n) in enumerate(zip(self.pipelines, rows)))
             raise StepMismatch(
                 f"{me}: step() number {calls[0]} ran with batches of different sizes on the "
-                f"data-parallel ranks: {each}; each pipeline averages its own rows and the dp "
-                "ranks' means are averaged, which weights the rows of a smaller batch more than "
-                "the unsplit model on the global batch would, so that step's gradients are not "
-                "the unsplit model's: give every dp rank the same number of rows (a "
-                f"DistributedSampler(dataset, num_replicas={self.dp}, rank=mesh['dp']"
-                ".get_local_rank()) gives each rank as many, its last batch included)")
+                "data-parallel ranks, so its gradients are not the unsplit model's: "
+                + unequal_dp_rows(self.names, [p[0] for p in self.pipelines], rows))
 
     def _by_value(self, values: List[int], word: Callable[[int], str]) -> str:
         groups: "collections.OrderedDict[int, List[int]]" = collections.OrderedDict()
