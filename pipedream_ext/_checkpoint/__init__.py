@@ -33,8 +33,10 @@ from .dcp_save import PendingCheckpoint, finish_pending
 from .durable_io import atomic_torch_save
 from .errors import CheckpointError
 from .load import load_checkpoint
-from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointInfo, read_manifest
-from .save import FORMATS, save_checkpoint
+from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointInfo
+from .save import save_checkpoint
+from .storage import CheckpointStorage
+from .storages import FORMATS, STORAGES, read_manifest
 from .view import Pipeline, PipelineView
 
 __all__ = [
@@ -44,6 +46,8 @@ __all__ = [
     "finish_pending",
     "PendingCheckpoint",
     "FORMATS",
+    "STORAGES",
+    "CheckpointStorage",
     "read_manifest",
     "atomic_torch_save",
     "CheckpointError",

@@ -10,7 +10,7 @@ them. Around it, the guarantees of ``load_checkpoint``:
    exactly the model's keys, each with the model's shape (names missing, unexpected
    or mis-shaped keys); the optimizer has the saved class;
 2. (``load.py`` exchanges the outcomes: every rank goes on, or every rank raises)
-3. :func:`read` (collective): ``dcp.load`` into new tensors, the optimizer's
+3. :meth:`DcpLoad.read` (collective): ``dcp.load`` into new tensors, the optimizer's
    ``state_dict`` rebuilt in this rank's order, and a second exchange; only then
    does ``load.py`` copy into the live tensors.
 """
@@ -36,9 +36,10 @@ from .errors import CheckpointError
 from .manifest import MANIFEST, check_layers, check_model_kind
 from .optimizer_state import class_name, state_dict_from_entries
 from .reshard import StageStates
+from .storage import PreparedLoad
 from .view import PipelineView, dcp_group
 
-__all__ = ["DcpLoad", "prepare", "read"]
+__all__ = ["DcpLoad", "prepare"]
 
 _SHOWN = 8  # keys named in one message
 
@@ -86,7 +87,7 @@ def _check_optimizer(dcp_dir: str, manifest: Mapping[str, Any], directory: str,
                               f"{class_name(optimizer)}; create the same optimizer type as when saving")
 
 
-class DcpLoad:
+class DcpLoad(PreparedLoad):
     """A load that :func:`prepare` checked on this rank: the request for ``dcp.load``."""
 
     def __init__(self, directory: str, dcp_dir: str, request: dcp_state.LoadRequest,
@@ -95,6 +96,37 @@ class DcpLoad:
         self.dcp_dir = dcp_dir
         self.request = request
         self.optimizer = optimizer
+
+    def read(self, view: PipelineView) -> Tuple[StageStates, Optional[Dict[str, Any]]]:
+        """Step 3 (collective): ``dcp.load`` of this rank's request, then every rank's outcome.
+
+        Returns:
+            Each local stage's state dict and the optimizer's ``state_dict`` (``None``
+            without an optimizer), for ``load.py`` to copy in.
+
+        Raises:
+            CheckpointError: reading failed on some rank, or the optimizer's saved groups
+                do not fit (on every rank; nothing changed).
+        """
+        error: Optional[BaseException] = None
+        weights: StageStates = {}
+        optimizer_state: Optional[Dict[str, Any]] = None
+        try:
+            try:
+                dcp.load(self.request.state, storage_reader=FileSystemReader(self.dcp_dir),
+                         planner=DefaultLoadPlanner(allow_partial_load=False),
+                         process_group=dcp_group(view))
+            except (Exception, CheckpointException) as exc:  # DCP raises a failure on any rank on every rank
+                raise CheckpointError(f"{self.dcp_dir}: reading the DCP checkpoint failed: "
+                                      f"{dcp_files.describe_failure(exc)}") from exc
+            weights = self.request.stage_states()
+            if self.optimizer is not None:
+                optimizer_state = state_dict_from_entries(self.request.optimizer_entry, view, self.optimizer)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            error = exc
+        collectives.gather_outcomes(error, view.group, view.timeout, f"loading checkpoint {self.directory}",
+                                    failure=CheckpointError)
+        return weights, optimizer_state
 
 
 def prepare(directory: str, manifest: Mapping[str, Any], view: PipelineView,
@@ -126,35 +158,3 @@ def prepare(directory: str, manifest: Mapping[str, Any], view: PipelineView,
     if optimizer is not None:
         _check_optimizer(dcp_dir, manifest, directory, optimizer)
     return DcpLoad(directory, dcp_dir, dcp_state.LoadRequest(view, optimizer, metadata, dcp_dir), optimizer)
-
-
-def read(job: DcpLoad, view: PipelineView) -> Tuple[StageStates, Optional[Dict[str, Any]]]:
-    """Step 3 (collective): ``dcp.load`` of this rank's request, then every rank's outcome.
-
-    Returns:
-        Each local stage's state dict and the optimizer's ``state_dict`` (``None``
-        without an optimizer), for ``load.py`` to copy in.
-
-    Raises:
-        CheckpointError: reading failed on some rank, or the optimizer's saved groups
-            do not fit (on every rank; nothing changed).
-    """
-    error: Optional[BaseException] = None
-    weights: StageStates = {}
-    optimizer_state: Optional[Dict[str, Any]] = None
-    try:
-        try:
-            dcp.load(job.request.state, storage_reader=FileSystemReader(job.dcp_dir),
-                     planner=DefaultLoadPlanner(allow_partial_load=False),
-                     process_group=dcp_group(view))
-        except (Exception, CheckpointException) as exc:  # DCP raises a failure on any rank on every rank
-            raise CheckpointError(f"{job.dcp_dir}: reading the DCP checkpoint failed: "
-                                  f"{dcp_files.describe_failure(exc)}") from exc
-        weights = job.request.stage_states()
-        if job.optimizer is not None:
-            optimizer_state = state_dict_from_entries(job.request.optimizer_entry, view, job.optimizer)
-    except Exception as exc:  # noqa: BLE001 - reported to every rank
-        error = exc
-    collectives.gather_outcomes(error, view.group, view.timeout, f"loading checkpoint {job.directory}",
-                                failure=CheckpointError)
-    return weights, optimizer_state

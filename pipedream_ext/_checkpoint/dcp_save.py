@@ -38,8 +38,9 @@ from .._dist import collectives
 from .._frontend.tied_params import alias_names
 from . import dcp_files, dcp_state, durable_io, generations, phases
 from .errors import CheckpointError
-from .manifest import STORAGE_DCP, CheckpointInfo
+from .manifest import CheckpointInfo
 from .optimizer_state import class_name
+from .storage import CheckpointStorage
 from .view import PipelineView, dcp_group
 
 __all__ = ["PendingCheckpoint", "save_dcp", "finish_pending"]
@@ -53,8 +54,9 @@ _PENDING: Dict[int, Tuple[dist.ProcessGroup, "PendingCheckpoint"]] = {}
 class _Job:
     """One DCP save: what step 3 needs."""
 
-    def __init__(self, view: PipelineView, directory: str, start: phases.Start, extra: Any,
-                 optimizer: Optional[torch.optim.Optimizer]) -> None:
+    def __init__(self, storage: CheckpointStorage, view: PipelineView, directory: str, start: phases.Start,
+                 extra: Any, optimizer: Optional[torch.optim.Optimizer]) -> None:
+        self.storage = storage
         self.view = view
         self.directory = directory
         self.generation = start.generation
@@ -119,7 +121,7 @@ def _finish(job: _Job, metadata: Optional[Metadata], error: Optional[BaseExcepti
     stages = sorted((s for entry in gathered for s in entry["stages"]), key=lambda s: s["stage"])
     optimizer_class = next((e["optimizer"] for e in gathered if e["optimizer"]), None)
     manifest = phases.build_manifest(view, job.generation, job.step, stages, gathered[0]["extra"],
-                                     STORAGE_DCP, optimizer_class)
+                                     job.storage, optimizer_class)
     all_files = {name: record for entry in gathered for name, record in entry["files"].items()}
     manifest["dcp"] = {"directory": job.dcp_name, "files": dict(sorted(all_files.items())),
                        "tensors": gathered[0]["tensors"]}
@@ -293,9 +295,13 @@ def _start_write(job: _Job, state: Dict[str, Any], async_save: bool
     return metadata, future, error  # type: ignore[return-value]
 
 
-def save_dcp(view: PipelineView, directory: str, optimizer: Optional[torch.optim.Optimizer],
-             step: Any, extra: Any, async_save: bool) -> Any:
+def save_dcp(storage: CheckpointStorage, view: PipelineView, directory: str,
+             optimizer: Optional[torch.optim.Optimizer], step: Any, extra: Any, async_save: bool) -> Any:
     """``save_checkpoint(format="dcp")`` after the pending save and the flush.
+
+    Args:
+        storage: the DCP storage (its name and manifest version go into the manifest).
+        view, directory, optimizer, step, extra, async_save: as ``save_checkpoint``'s.
 
     Returns:
         The :class:`CheckpointInfo`, or with ``async_save`` a :class:`PendingCheckpoint`.
@@ -311,7 +317,7 @@ def save_dcp(view: PipelineView, directory: str, optimizer: Optional[torch.optim
         return state
 
     start = phases.agree_to_start(view, directory, optimizer, step, extra, prepare)
-    job = _Job(view, directory, start, extra, optimizer)
+    job = _Job(storage, view, directory, start, extra, optimizer)
     metadata, future, error = _start_write(job, start.prepared, async_save)
     if not async_save:
         return _finish(job, metadata, error)

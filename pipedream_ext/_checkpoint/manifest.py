@@ -3,9 +3,10 @@
 It lists the model's layers, the pipeline that saved it, and per stage its layer
 range, ranks and files (name, size, sha256, the tensors' names, shapes and
 dtypes); a DCP checkpoint (``"storage": "dcp"``) lists its DCP directory and that
-directory's files instead. This module writes and checks it, answers which
-stage's file holds a layer or a ``state_dict`` key, and checks a pipeline's
-layers against it. Layout and fields: docs/checkpoints.md.
+directory's files instead. This module writes and checks it (a storage's own
+fields: that storage's ``check_manifest``, given by ``storages.read_manifest``),
+answers which stage's file holds a layer or a ``state_dict`` key, and checks a
+pipeline's layers against it. Layout and fields: docs/checkpoints.md.
 """
 from __future__ import annotations
 
@@ -22,9 +23,8 @@ from .durable_io import PathLike
 from .errors import CheckpointError
 from .view import PipelineView
 
-__all__ = ["layer_type", "MANIFEST", "FORMAT", "FORMAT_VERSION", "STORAGE_PIPEDREAM", "STORAGE_DCP",
-           "STORAGE_VERSION", "CheckpointInfo", "read_manifest", "write_manifest", "manifest_text",
-           "storage_of", "stage_of_layer", "owner_of_key", "stage_what", "load_file",
+__all__ = ["layer_type", "MANIFEST", "FORMAT", "FORMAT_VERSION", "CheckpointInfo", "parse_manifest",
+           "write_manifest", "manifest_text", "stage_of_layer", "owner_of_key", "stage_what", "load_file",
            "check_model_kind", "check_layers"]
 
 #: Name of the manifest inside a checkpoint directory.
@@ -33,14 +33,6 @@ MANIFEST = "manifest.json"
 FORMAT = "pipedream_ext-checkpoint"
 #: The newest manifest version this package reads.
 FORMAT_VERSION = 2
-#: ``storage`` of a checkpoint of per-stage ``torch.save`` files (the default;
-#: manifests without the field).
-STORAGE_PIPEDREAM = "pipedream"
-#: ``storage`` of a checkpoint whose tensors are a torch.distributed.checkpoint directory.
-STORAGE_DCP = "dcp"
-#: The manifest version each storage writes: per-stage files stay readable by
-#: older pipedream_ext (1); they refuse a DCP checkpoint, naming the upgrade (2).
-STORAGE_VERSION = {STORAGE_PIPEDREAM: 1, STORAGE_DCP: 2}
 
 _INNERMOST = re.compile(r"[\[{][^\[\]{}]*[\]}]")
 _FLAT_DICT = re.compile(r"\{(?:[^{}\[\]]|\[[^\[\]\n]*\])*\}")
@@ -98,40 +90,16 @@ def _check_header(manifest: Any, manifest_path: str) -> None:
                               f"reads versions up to {FORMAT_VERSION} (upgrade pipedream_ext)")
 
 
-def storage_of(manifest: Mapping[str, Any]) -> str:
-    """``"pipedream"`` (per-stage files) or ``"dcp"``: how a checkpoint stores its tensors."""
-    return str(manifest.get("storage", STORAGE_PIPEDREAM))
-
-
-def _check_dcp_record(manifest: Mapping[str, Any]) -> None:
-    """Raises KeyError, TypeError or ValueError unless the ``dcp`` record names a
-    generation directory and its files, each with a plain name."""
-    record = manifest["dcp"]
-    names = [record["directory"], *record["files"]]
-    for name in names:
-        if not isinstance(name, str) or not name or os.path.basename(name) != name or name in ("..",):
-            raise ValueError(f"bad DCP file or directory name {name!r}")
-    if not isinstance(record["tensors"], dict):
-        raise ValueError("the DCP record lists no tensors")
-
-
-def _check_contents(manifest: Mapping[str, Any]) -> None:
-    """Raises KeyError, TypeError or ValueError unless the stages cover every layer
-    once, in order, each with a weights file (or a DCP record), and the counters are valid."""
+def _check_contents(manifest: Mapping[str, Any], check_storage: Callable[[Mapping[str, Any]], None]) -> None:
+    """Raises KeyError, TypeError or ValueError unless the storage's fields check out
+    (``check_storage``), the stages cover every layer once, in order, and the counters are valid."""
     layers = manifest["layers"]
-    storage = storage_of(manifest)
-    if storage not in STORAGE_VERSION:
-        raise ValueError(f"unknown storage {storage!r} (this pipedream_ext reads "
-                         f"{', '.join(STORAGE_VERSION)})")
-    if storage == STORAGE_DCP:
-        _check_dcp_record(manifest)
+    check_storage(manifest)
     end = 0
     for j, stage in enumerate(manifest["stages"]):
         start, stop = stage["layers"]
         if stage["stage"] != j or start != end or stop <= start:
             raise ValueError(f"stage {j} covers layers {start}..{stop}, expected to start at {end}")
-        if storage == STORAGE_PIPEDREAM and not isinstance(stage["model"], dict):
-            raise ValueError(f"stage {j} has no weights file")
         end = stop
     if end != len(layers) or manifest["num_layers"] != len(layers):
         raise ValueError(f"the stages cover {end} layers but the model has {len(layers)}")
@@ -145,18 +113,22 @@ def _check_contents(manifest: Mapping[str, Any]) -> None:
                          "save_checkpoint writes it)")
 
 
-def read_manifest(path: PathLike) -> Dict[str, Any]:
-    """Reads and checks the manifest of a checkpoint (no files are loaded).
+def parse_manifest(path: PathLike, check_storage: Callable[[Mapping[str, Any]], None]) -> Dict[str, Any]:
+    """Reads and checks the manifest of a checkpoint (no files are loaded); the
+    package's ``read_manifest`` (``storages.py``) gives the storage's check.
 
     Args:
         path: the checkpoint directory.
+        check_storage: checks the fields of the storage the manifest names; raises
+            KeyError, TypeError or ValueError (an unknown storage: ValueError).
 
     Returns:
         The parsed ``manifest.json``.
 
     Raises:
         CheckpointError: no directory, no manifest ("not a complete checkpoint"),
-            invalid JSON, another format, a newer version, or inconsistent stages.
+            invalid JSON, another format, a newer version, or inconsistent stages or
+            storage fields.
     """
     directory = os.fspath(path)
     if not os.path.isdir(directory):
@@ -173,7 +145,7 @@ def read_manifest(path: PathLike) -> Dict[str, Any]:
         raise CheckpointError(f"{manifest_path} is not valid JSON ({exc}); the checkpoint is corrupt") from exc
     _check_header(manifest, manifest_path)
     try:
-        _check_contents(manifest)
+        _check_contents(manifest, check_storage)
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{manifest_path} is inconsistent: {type(exc).__name__}: {exc}") from exc
     return manifest

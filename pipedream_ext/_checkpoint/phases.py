@@ -4,7 +4,8 @@
    will write, rank 0 picks the generation; one exchange makes a bad argument
    anywhere fail everywhere before anything is written, and checks that every rank
    means the same directory (``directory.check_same``);
-2. (the storage's own writing: ``save.py`` per-stage files, ``dcp_save.py`` DCP);
+2. (the storage's own writing, ``storage.CheckpointStorage.save``: ``stage_files.py``
+   per-stage files, ``dcp_save.py`` DCP);
    if it fails anywhere, rank 0 removes the new generation's files
    (:func:`abandon`);
 3. :func:`commit`: rank 0 checks that every rank wrote the same generation into
@@ -30,7 +31,8 @@ from . import generations
 from . import manifest as manifest_format
 from .errors import CheckpointError
 from .extra import check_extra
-from .manifest import FORMAT, MANIFEST, STORAGE_VERSION
+from .manifest import FORMAT, MANIFEST
+from .storage import CheckpointStorage
 from .view import PipelineView
 
 __all__ = ["Start", "checked_step", "agree_to_start", "written_by", "abandon", "stage_record",
@@ -151,7 +153,7 @@ def stage_record(view: PipelineView, j: int) -> Dict[str, Any]:
 
 def build_manifest(view: PipelineView, generation: int, step: Optional[int],
                    stages: List[Dict[str, Any]], extra_record: Optional[Dict[str, Any]],
-                   storage: str, optimizer_class: Optional[str]) -> Dict[str, Any]:
+                   storage: CheckpointStorage, optimizer_class: Optional[str]) -> Dict[str, Any]:
     """The manifest of a save from its stage records (their layer lists move to ``layers``).
 
     Args:
@@ -160,7 +162,7 @@ def build_manifest(view: PipelineView, generation: int, step: Optional[int],
         step: the checked step.
         stages: every stage's record (:func:`stage_record` and the storage's fields), in order.
         extra_record: ``extra``'s file record, or ``None``.
-        storage: ``"pipedream"`` or ``"dcp"`` (sets ``version``).
+        storage: the storage that wrote the files (sets ``storage`` and ``version``).
         optimizer_class: the saved optimizer's class, or ``None``.
 
     Returns:
@@ -171,8 +173,8 @@ def build_manifest(view: PipelineView, generation: int, step: Optional[int],
         del s["layer_names"], s["layer_types"]
     manifest: Dict[str, Any] = {
         "format": FORMAT,
-        "version": STORAGE_VERSION[storage],
-        "storage": storage,
+        "version": storage.manifest_version,
+        "storage": storage.name,
         "generation": generation,
         "step": step,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
