@@ -17,15 +17,19 @@ Layout of ``path/`` (generation ``g`` = one completed save)::
     g000002-extra.pt                 the ``extra`` object given by rank 0
     g000003-dcp/                     format="dcp": DCP's .metadata and __{rank}_{i}.distcp
 
-Modules, one job each: ``durable_io`` (atomic writes, sha256, verified loads),
+Modules, one job each: ``save``, ``load`` and ``consolidate`` (what every format
+shares), ``storage`` (``CheckpointStorage``: the interface of one format) and
+``storages`` (``STORAGES``, the table by name that ``format=`` and a manifest's
+``storage`` look up), ``durable_io`` (atomic writes, sha256, verified loads),
 ``manifest`` (its format; which stage holds a key; layer checks), ``generations``
 (file names, clean-up), ``extra``, ``optimizer_state`` (by parameter name),
 ``phases`` (what every save shares: arguments, generation, commit), ``directory``
-(the same directory on every rank, checked), ``save``,
-``load``, ``reshard`` (by name, shared with ``pipe.load_state_dict``),
-``consolidate``, ``view`` (what they read of a pipeline), and for DCP
-``dcp_state`` (names both ways), ``dcp_files`` (file records, checks,
-consolidation), ``dcp_save`` (synchronous and asynchronous) and ``dcp_load``.
+(the same directory on every rank, checked), ``reshard`` (by name, shared with
+``pipe.load_state_dict``), ``view`` (what they read of a pipeline); the
+``"pipedream"`` storage: ``stage_files`` and ``stage_files_load``; the ``"dcp"``
+storage: ``dcp_storage``, ``dcp_state`` (names both ways), ``dcp_files`` (file
+records, checks, consolidation), ``dcp_save`` (synchronous and asynchronous) and
+``dcp_load``.
 Design notes: docs/checkpoints.md.
 """
 from .consolidate import consolidate

@@ -140,7 +140,7 @@ def prepare(directory: str, manifest: Mapping[str, Any], view: PipelineView,
         optimizer: its optimizer, or ``None``.
 
     Returns:
-        The checked load, for :func:`read`.
+        The checked load, for :meth:`DcpLoad.read`.
 
     Raises:
         CheckpointError: a missing, truncated or corrupt file, another model (layers,

@@ -121,13 +121,8 @@ class _Loaded(PreparedLoad):
 
 def prepare(directory: str, manifest: Mapping[str, Any], view: PipelineView,
             optimizer: Optional[torch.optim.Optimizer]) -> PreparedLoad:
-    """This rank's stages' state dicts and optimizer state, read and checked (local).
-
-    Args:
-        directory: the checkpoint directory.
-        manifest: its manifest (``storage`` ``"pipedream"``).
-        view: the loading pipeline.
-        optimizer: its optimizer, or ``None``.
+    """``StageFilesStorage.prepare_load`` (its arguments): this rank's stages' state
+    dicts and optimizer state, read from the stage files and checked (local).
 
     Returns:
         What was read, for ``load_checkpoint`` to copy in once every rank succeeded.
