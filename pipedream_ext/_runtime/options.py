@@ -308,7 +308,7 @@ class PipelineOptions:
 
 
 # -- reading the fields ---------------------------------------------------------------------
-def _options() -> List[Tuple[dataclasses.Field, Option]]:  # type: ignore[type-arg]
+def _options() -> List[Tuple["dataclasses.Field[Any]", Option]]:
     return [(f, f.metadata["option"]) for f in dataclasses.fields(PipelineOptions)]
 
 
@@ -372,12 +372,13 @@ def from_call(owner: str, positional: Sequence[Any], keywords: Mapping[str, Any]
     return given
 
 
-def signature(*leading: inspect.Parameter) -> inspect.Signature:
-    """``leading`` parameters, then every option keyword-only with its default and type."""
-    hints = typing.get_type_hints(PipelineOptions)
+def signature(options: Any, *leading: inspect.Parameter) -> inspect.Signature:
+    """``leading`` parameters, then every field of the dataclass ``options`` keyword-only,
+    with its default and type."""
+    hints = typing.get_type_hints(options)
     return inspect.Signature([*leading] + [
         inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
-                          annotation=hints[f.name]) for f in dataclasses.fields(PipelineOptions)])
+                          annotation=hints[f.name]) for f in dataclasses.fields(options)])
 
 
 def document(docstring: str) -> str:
@@ -394,10 +395,10 @@ def document(docstring: str) -> str:
                           break_long_words=False) for text in paragraphs))
 
     by_group = [(f, spec) for group in GROUPS for f, spec in _options() if spec.group == group]
-    fill("{option_groups}", ["Options (keyword-only; given positionally after ``loss_fn`` they still work, with a "
-        "``DeprecationWarning``), by group: " + "; ".join(
-        f"{title} ({', '.join(f'``{f.name}``' for f, spec in by_group if spec.group == group)})"
-        for group, title in GROUPS.items()) + "."], "")
+    groups = "; ".join(f"{title} ({', '.join(f'``{f.name}``' for f, spec in by_group if spec.group == group)})"
+                       for group, title in GROUPS.items())
+    fill("{option_groups}", [f"Options (keyword-only; given positionally after ``loss_fn`` they still work, "
+                             f"with a ``DeprecationWarning``), by group: {groups}."], "")
     fill("{options}", [f"{f.name}: {spec.doc}" for f, spec in by_group], "    ")
     return docstring
 
@@ -412,6 +413,6 @@ def keyword_options(options: Callable[_P, Any]) -> Callable[
         hints = typing.get_type_hints(init)
         leading = [p.replace(annotation=hints.get(p.name, p.annotation))
                    for p in list(inspect.signature(init).parameters.values())[:3]]
-        init.__signature__ = signature(*leading)  # type: ignore[attr-defined]
+        init.__signature__ = signature(options, *leading)  # type: ignore[attr-defined]
         return init
     return decorate
