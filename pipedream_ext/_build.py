@@ -55,6 +55,7 @@ from ._runtime.config import PipelineConfig
 from ._runtime.grad_clip import check_updates_aligned
 from ._runtime.local_stages import LocalStages
 from ._runtime.observe import Observer
+from ._runtime.options import PipelineOptions, agreed_values
 from ._runtime.runners import Runner, make_runner
 from ._runtime.sharding import (
     DataParallel,
@@ -75,49 +76,21 @@ __all__ = ["BuiltPipeline", "CutModel", "PipelineArguments", "PlannedTrace", "Pr
 _log = logging.getLogger("pipedream_ext._pipe")
 
 
-@dataclasses.dataclass(frozen=True)
-class PipelineArguments:
-    """``PipeDream``'s arguments as the user gave them (each one: its docstring)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineArguments(PipelineOptions):
+    """``PipeDream``'s arguments as the user gave them: the model, the loss and the
+    options (``_runtime/options.py``; each one: its docstring)."""
 
     module: nn.Module
     loss_fn: Callable[..., torch.Tensor]
-    schedule: str = "1f1b"
-    microbatches: int = 4
-    balance: Optional[Union[Sequence[int], str, os.PathLike, Plan]] = None
-    chunks: int = 1
-    process_group: Optional[dist.ProcessGroup] = None
-    device: Optional[Union[str, torch.device]] = None
-    timeout: float = 300.0
-    vertical_sync: bool = False
-    recompute: bool = False
-    replicas: Optional[Sequence[int]] = None
-    sample: Optional[Tuple[Tensors, Any]] = None
-    bandwidth: Optional[Sequence[float]] = None
-    trace: Optional[Union[str, os.PathLike]] = None
-    autocast: Optional[torch.dtype] = None
-    check_finite: Optional[str] = None
-    init_seed: int = deferred_init.DEFAULT_INIT_SEED
-    init_fn: Optional[deferred_init.InitFn] = None
-    split_points: Optional[Sequence[str]] = None
-    concrete_args: Optional[Mapping[str, Any]] = None
-    loss_reduction: str = "mean"
-    check_agreement: int = 3
-    mesh: Optional[Any] = None
-    data_parallel: str = "fsdp"
-    reshard_after_forward: bool = False
-    mp_policy: Optional[Any] = None
-    clip_grad_norm: Optional[Union[float, Tuple[float, float]]] = None
 
     def checked_config(self) -> PipelineConfig:
-        """The arguments that need no process group, checked (``PipelineConfig.checked``).
+        """The options that need no process group, checked (``PipelineConfig.of``).
 
         Raises:
             ValueError: a bad value, named with its fix.
         """
-        return PipelineConfig.checked(self.schedule, self.microbatches, self.chunks,
-                                      self.timeout, self.vertical_sync, self.recompute,
-                                      self.autocast, self.check_finite, self.loss_reduction,
-                                      self.check_agreement, self.clip_grad_norm)
+        return PipelineConfig.of(self)
 
 
 @dataclasses.dataclass
@@ -184,7 +157,7 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
         args.process_group if args.process_group is not None else dist.group.WORLD
     cut = cut_model(args, prepared, config, group, mesh)
     _refuse_shared_if_asynchronous(config, cut.shared_parameters)
-    cut.traced = _agree_everywhere(args.module, group, config, cut,
+    cut.traced = _agree_everywhere(args, group, cut,
                                    prepared.init_seed if prepared.deferred else None, mesh)
     action_feed, schedule = _build_schedule(config, cut.partition)
     if config.clip_grad_norm is not None:
@@ -592,7 +565,7 @@ def _tied_units(module: nn.Module, cut: CutModel, stage_ranks: Sequence[Sequence
     return tied
 
 
-def _agree_everywhere(module: nn.Module, group: dist.ProcessGroup, config: PipelineConfig,
+def _agree_everywhere(args: PipelineArguments, group: dist.ProcessGroup,
                       cut: CutModel, init_seed: Optional[int],
                       mesh: Optional[MeshPlan] = None) -> Optional[TracedSplit]:
     """Fails on every rank if ranks disagree on the arguments or on what any stage
@@ -614,16 +587,12 @@ def _agree_everywhere(module: nn.Module, group: dist.ProcessGroup, config: Pipel
     """
     traced, partition = cut.traced, cut.partition
     agreed: Dict[str, Any] = {
-        "schedule": config.schedule, "microbatches": config.microbatches,
-        "chunks": config.chunks, "balance": list(partition.balance), "layers": cut.num_layers,
+        **agreed_values(args),  # each option's Option.agreed
+        "balance": list(partition.balance), "layers": cut.num_layers,
         "replicas": list(partition.replicas),
         # Shared parameters too: ranks that disagree would create different groups.
         "shared parameters": [list(sp.names) for sp in cut.shared_parameters],
         "split_points": None if traced is None else list(traced.split_points),
-        "vertical_sync": config.vertical_sync, "recompute": config.recompute,
-        "autocast": str(config.autocast), "check_finite": config.check_finite,
-        "loss_reduction": config.loss_reduction, "check_agreement": config.check_agreement,
-        "clip_grad_norm": None if config.clip_grad_norm is None else list(config.clip_grad_norm),
         "tracer": None if traced is None else traced.tracer,
         "input names": None if traced is None else traced.input_names}
     if init_seed is not None:
@@ -634,7 +603,7 @@ def _agree_everywhere(module: nn.Module, group: dist.ProcessGroup, config: Pipel
         assert traced.fingerprint is not None
         fingerprint = traced.fingerprint
     else:
-        fingerprint = layers_fingerprint(module, partition.bounds())
+        fingerprint = layers_fingerprint(args.module, partition.bounds())
     if mesh is None:
         orders = agree_at_construction(group, agreed, fingerprint)
     else:  # the pipelines of the mesh are one pipeline's copies: one exchange, every rank

@@ -1,4 +1,4 @@
-"""The user-facing pipeline: ``PipeDream(module, loss_fn, schedule, ...)``.
+"""The user-facing pipeline: ``PipeDream(module, loss_fn, schedule=..., ...)``.
 
 A facade: ``_build.build_pipeline`` checks the arguments, resolves the partition,
 creates the process groups, this rank's stages and the runner; ``PipeDream``
@@ -9,7 +9,6 @@ one step: docs/architecture.md.
 from __future__ import annotations
 
 import functools
-import operator
 import os
 from typing import (
     Any,
@@ -17,9 +16,7 @@ from typing import (
     Dict,
     Iterator,
     List,
-    Mapping,
     Optional,
-    Sequence,
     Tuple,
     Union,
 )
@@ -32,10 +29,11 @@ from . import schedules
 from ._build import PipelineArguments, build_pipeline
 from ._checkpoint import PipelineView, finish_pending, reshard
 from ._dist import faults
-from ._frontend import deferred_init, model_io
+from ._frontend import model_io
 from ._frontend.graph_split import TracedSplit
 from ._frontend.partition import even_balance
 from ._runtime.loss_scaling import attach_grad_scaler
+from ._runtime.options import ClipOption, PipelineOptions, document, from_call, keyword_options
 from ._runtime.stage_call import NonFiniteError, Tensors
 from ._runtime.step_loss import StepLoss
 from .planner import Plan
@@ -47,17 +45,6 @@ __all__ = ["ASYNCHRONOUS_SCHEDULES", "SYNCHRONOUS_SCHEDULES", "ClipOption", "Non
 SYNCHRONOUS_SCHEDULES = tuple(schedules.synchronous_names())
 #: Asynchronous schedules (weight stashing; the runtime steps your optimizer).
 ASYNCHRONOUS_SCHEDULES = tuple(schedules.asynchronous_names())
-
-
-#: ``PipeDream(clip_grad_norm=...)``: ``max_norm`` or ``(max_norm, norm_type)``.
-ClipOption = Optional[Union[float, Tuple[float, float]]]
-
-
-def _forward(path: str, doc: Optional[str] = None) -> Any:
-    """A read-only property answering ``self.<path>`` (``operator.attrgetter``): the
-    facade's attributes that only read what ``build_pipeline`` made. Typed ``Any`` so
-    that the class attribute's annotation is what users' type checkers see."""
-    return property(operator.attrgetter(path), doc=doc)
 
 
 class PipeDream:
@@ -72,6 +59,8 @@ class PipeDream:
         pipe = PipeDream(gpt2, loss_fn, split_points=["transformer.h.6"],
                          sample=({"input_ids": x, "attention_mask": m}, y),
                          concrete_args={"use_cache": False})
+
+    {option_groups}
 
     Example (under ``torchrun --nproc-per-node 4``; a meta-device model: each rank
     initialises only its own layers, see ``init_seed``)::
@@ -88,89 +77,7 @@ class PipeDream:
             with ``balance="auto"`` / a plan (traced, cut as the plan's stages say).
         loss_fn: ``loss_fn(output, target)``, a scalar tensor: the mean over the batch (or the sum, with
             ``loss_reduction="sum"``; checked once, on the first microbatch).
-        schedule: one of :data:`SYNCHRONOUS_SCHEDULES` or :data:`ASYNCHRONOUS_SCHEDULES` (what each means:
-            ``schedules.traits(name)``). With ``pipedream`` every ``step`` is one minibatch and one weight
-            update per stage (weight stashing); with ``pipedream-2bw`` one batch of ``microbatches`` and one
-            update (at most 2 weight versions). Both take the optimizer in ``step(x, y, optimizer=opt)`` and
-            need ``flush()``.
-        microbatches: microbatches per ``step`` (the batch is split on dim 0).
-        balance: layers per stage (``None``: an even split); ``"auto"`` to profile the model on rank 0 with
-            ``sample`` and plan stages and replicas for this world with the planner; or a saved plan (a
-            ``plan.json`` path or a :class:`~pipedream_ext.Plan`). Stages are ordered as in the module; stage
-            ``j`` runs on rank ``j``, or on consecutive ranks when replicated; with several chunks per rank the
-            schedule's layout places them: ``j mod world`` (``interleaved-1f1b``, ``interleaved-zb``) or a V
-            (``zbv``, ``dualpipev``: rank ``r`` holds stages ``r`` and ``2 * world - 1 - r``). For a model that
-            is not an ``nn.Sequential`` (no ``split_points``), ``"auto"`` traces it, profiles its graph on rank
-            0 (groups of operations, real edges) and plans; a plan must come from that model's graph profile
-            (docs/tracing.md).
-        chunks: model chunks per rank (``interleaved-1f1b``, ``interleaved-zb``; exactly 2 for ``zbv`` and
-            ``dualpipev``).
-        process_group: the group to run on (default: the default group, which is created from the torchrun
-            environment if needed: Gloo on CPU, NCCL on GPU).
-        device: where this rank's layers live (default: ``cuda:LOCAL_RANK`` if CUDA is available, else CPU).
-        timeout: seconds any wait on another rank may take before failing.
-        vertical_sync: ``pipedream`` only: every stage uses, for a minibatch, the weight version stage 0 used.
-        replicas: replica count per stage, e.g. ``[2, 1, 1]`` on 4 ranks (hybrid pipeline and data parallelism;
-            gpipe, 1f1b, pipedream, pipedream-2bw). Stage j runs on ``replicas[j]`` consecutive ranks;
-            microbatch i runs on replica ``i mod replicas[j]``; replicas all-reduce gradients before each update
-            (summed for flush schedules and 2bw, where they are parts of one batch; averaged for ``pipedream``,
-            where each replica ran its own minibatch).
-        sample: ``(inputs, targets)`` of one batch, for ``balance="auto"`` and for tracing a model that is not
-            an ``nn.Sequential``.
-        bandwidth: bytes/s per topology level (within a node, then between nodes) for ``balance="auto"``;
-            measured with a short probe if omitted.
-        recompute: keep only each stage's inputs during the forward and recompute its activations in the
-            backward (same result, with the CPU and CUDA RNG states restored so dropout draws the same masks).
-        trace: record every action each rank runs and write them, merged by rank 0, as one Chrome trace at this
-            path (Perfetto) in :meth:`write_trace` or :meth:`close`. Default: the ``PIPEDREAM_TRACE``
-            environment variable.
-        autocast: run every stage's forward (and the loss) under ``torch.autocast(device_type,
-            dtype=autocast)``, e.g. ``torch.bfloat16``; boundary tensors then travel in that dtype (half the
-            bytes). With ``torch.float16`` on a flush schedule, scale the loss with :meth:`grad_scaler` (all
-            ranks skip an overflowing step together).
-        check_finite: ``"raise"`` or ``"skip"``: after every step, find the first stage whose forward output
-            (or, in the backward, the last stage whose gradients) holds NaN or inf and report it with the step
-            number; ``"raise"`` raises :class:`NonFiniteError` on every rank, ``"skip"`` (flush schedules) logs
-            a warning, sets this step's gradients to ``None`` so ``optimizer.step()`` leaves the weights alone,
-            and returns ``nan``. Costs one ``isfinite`` per stage output and one small all-reduce per step.
-            Asynchronous schedules support ``"raise"`` only (the rank that finds it raises; the others fail
-            naming it).
-        init_seed: base seed of deferred initialisation (default 0), an integer in ``[0, 2**16)``: top-level
-            layer ``l`` built on the meta device is initialised under a forked RNG seeded with ``init_seed *
-            2**16 + l``, so it gets the same weights on any partition or world size; your global RNG state is
-            left as it was. ``pd.materialize(model, seed=...)`` gives the same weights to a whole model in one
-            process.
-        init_fn: ``init_fn(layer)`` initialises one top-level layer built on the meta device in place (called
-            once per layer this rank keeps, after its storage is allocated, under the seeded RNG and
-            ``no_grad``), instead of each module's ``reset_parameters()``. Needed for modules with meta tensors
-            and no ``reset_parameters()``, and for buffers computed in ``__init__`` (a causal mask) that
-            ``reset_parameters()`` does not set.
-        split_points: for a model that is not an ``nn.Sequential``: qualified module names (``["layer3",
-            "decoder.up1"]``); the model is traced with torch.fx on ``sample`` (``torch.export``, non-strict
-            with dynamic shapes, where fx cannot) and stage ``j + 1`` starts at the first operation running in
-            ``split_points[j]``. Tensors live across a cut (inputs, skip connections) travel as a tuple; names
-            stay the original model's. One fewer than the stages (ranks x chunks, or ``len(replicas)``). See
-            docs/tracing.md.
-        concrete_args: for a traced model: non-tensor ``forward`` arguments fixed for tracing, e.g.
-            ``{"use_cache": False}``; tensor inputs go in ``sample`` and in every ``step``: a tuple
-            (positionally) or a dict of named tensors (keyword arguments; every other argument then takes its
-            default).
-        loss_reduction: ``"mean"`` (default): ``loss_fn`` averages over the batch and each microbatch's loss is
-            scaled by its share of the batch; ``"sum"``: it adds, unscaled. A ``loss_fn`` that reduces otherwise
-            is refused at once.
-        check_agreement: the first ``check_agreement`` calls of ``step()`` and of ``forward_only()`` start with
-            one small exchange in which every rank says which call it is in and fingerprints the batch it was
-            given: ranks in different calls, or a first and a last stage given different batches (a
-            ``DistributedSampler`` kept from a DDP script) fail on every rank before anything is sent. ``0``
-            turns it off; later calls cost nothing.
-        mesh: a ``("pp", "dp")`` DeviceMesh over every rank: the pipeline runs on ``mesh["pp"]``, one copy per
-            ``dp`` rank, each ``step`` given that rank's part.
-        data_parallel: with ``mesh``: ``"fsdp"`` (FSDP2 ``fully_shard`` of each layer over ``mesh["dp"]``) or
-            ``"replicate"`` (gradients averaged over it after each step).
-        reshard_after_forward: ``"fsdp"``: free the gathered weights after each forward.
-        mp_policy: ``"fsdp"``: FSDP's ``MixedPrecisionPolicy`` (README "Pipeline + FSDP").
-        clip_grad_norm: ``pipedream-2bw``: ``max_norm`` or ``(max_norm, norm_type)``: clip each update's
-            gradients by the whole model's norm (flush: :func:`clip_grad_norm_`).
+        {options}
 
     Every rank compares, at construction, the arguments above and a fingerprint of
     every stage (its graph or layers; docs/tracing.md#one-graph-on-every-rank), and
@@ -185,25 +92,12 @@ class PipeDream:
         RuntimeError: no process group and no torchrun environment.
     """
 
-    def __init__(self, module: nn.Module, loss_fn: Callable[..., torch.Tensor], schedule: str = "1f1b",
-                 microbatches: int = 4, balance: Optional[Union[Sequence[int], str, os.PathLike, Plan]] = None,
-                 chunks: int = 1, process_group: Optional[dist.ProcessGroup] = None,
-                 device: Optional[Union[str, torch.device]] = None, timeout: float = 300.0,
-                 vertical_sync: bool = False, recompute: bool = False, replicas: Optional[Sequence[int]] = None,
-                 sample: Optional[Tuple[Tensors, Any]] = None, bandwidth: Optional[Sequence[float]] = None,
-                 trace: Optional[Union[str, os.PathLike]] = None, autocast: Optional[torch.dtype] = None,
-                 check_finite: Optional[str] = None, init_seed: int = deferred_init.DEFAULT_INIT_SEED,
-                 init_fn: Optional[deferred_init.InitFn] = None, split_points: Optional[Sequence[str]] = None,
-                 concrete_args: Optional[Mapping[str, Any]] = None, loss_reduction: str = "mean",
-                 check_agreement: int = 3, mesh: Optional[Any] = None, data_parallel: str = "fsdp",
-                 reshard_after_forward: bool = False, mp_policy: Optional[Any] = None,
-                 clip_grad_norm: ClipOption = None) -> None:
-        # PipelineArguments lists its fields in this signature's order (tests/test_units.py).
-        built = build_pipeline(PipelineArguments(
-            module, loss_fn, schedule, microbatches, balance, chunks, process_group, device, timeout, vertical_sync,
-            recompute, replicas, sample, bandwidth, trace, autocast, check_finite, init_seed, init_fn, split_points,
-            concrete_args, loss_reduction, check_agreement, mesh, data_parallel, reshard_after_forward, mp_policy,
-            clip_grad_norm))
+    @keyword_options(PipelineOptions)
+    def __init__(self, module: nn.Module, loss_fn: Callable[..., torch.Tensor], *args: Any,
+                 **options: Any) -> None:
+        # Options given positionally (the old signature) still work, with a DeprecationWarning.
+        built = build_pipeline(PipelineArguments(module=module, loss_fn=loss_fn,
+                                                 **from_call("PipeDream", args, options)))
         self.config, self.device, self.loss_fn = built.config, built.device, loss_fn
         #: The traced model's stages (``split_points`` or a plan), else None (an nn.Sequential).
         self.traced: Optional[TracedSplit] = built.traced
@@ -218,35 +112,98 @@ class PipeDream:
         self._observer, self._stage_fn = built.observer, built.stage_fn
         self._runner, self._agreement = built.runner, built.agreement
 
-    # -- what the pipeline is: read from what build_pipeline made ----------------------
-    group: dist.ProcessGroup = _forward("_groups.group")
-    rank: int = _forward("_groups.rank")
-    world_size: int = _forward("_groups.world_size")
-    schedule_name: str = _forward("config.schedule")
-    asynchronous: bool = _forward("config.asynchronous")
-    microbatches: int = _forward("config.microbatches")
-    chunks: int = _forward("config.chunks")
-    timeout: float = _forward("config.timeout")
-    vertical_sync: bool = _forward("config.vertical_sync")
-    recompute: bool = _forward("config.recompute")
-    check_finite: Optional[str] = _forward("config.check_finite")
-    balance: List[int] = _forward("_stages.partition.balance")
-    replicas: List[int] = _forward("_stages.partition.replicas")
-    num_stages: int = _forward("_schedule.num_stages")
-    local_stages: List[int] = _forward("_stages.indices")
-    stage_layers: Dict[int, Tuple[int, int]] = _forward("_stages.layers")
-    module: nn.Module = _forward(
-        "_stages.module", "This rank's layers as one module, named as in the original model.")
-    schedule: "schedules.Schedule" = _forward(
-        "_schedule", "The schedule this pipeline runs (for asynchronous ones: one period of it).")
-    trace_path: Optional[str] = _forward(
-        "_observer.trace_path",
-        "Where :meth:`write_trace` writes the merged Chrome trace (None: not tracing).")
-    peak_weight_versions: Dict[int, int] = _forward(
-        "_runner.peak_weight_versions",
-        "Most weight versions held per local stage (asynchronous schedules, after a flush).")
-    is_first: bool = _forward("_runner.is_first")
-    is_last: bool = _forward("_runner.is_last")
+    # -- what the pipeline is: read-only, from what build_pipeline made ------------------
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self._groups.group
+
+    @property
+    def rank(self) -> int:
+        return self._groups.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._groups.world_size
+
+    @property
+    def schedule_name(self) -> str:
+        return self.config.schedule
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.config.asynchronous
+
+    @property
+    def microbatches(self) -> int:
+        return self.config.microbatches
+
+    @property
+    def chunks(self) -> int:
+        return self.config.chunks
+
+    @property
+    def timeout(self) -> float:
+        return self.config.timeout
+
+    @property
+    def vertical_sync(self) -> bool:
+        return self.config.vertical_sync
+
+    @property
+    def recompute(self) -> bool:
+        return self.config.recompute
+
+    @property
+    def check_finite(self) -> Optional[str]:
+        return self.config.check_finite
+
+    @property
+    def balance(self) -> List[int]:
+        return self._stages.partition.balance
+
+    @property
+    def replicas(self) -> List[int]:
+        return self._stages.partition.replicas
+
+    @property
+    def num_stages(self) -> int:
+        return self._schedule.num_stages
+
+    @property
+    def local_stages(self) -> List[int]:
+        return self._stages.indices
+
+    @property
+    def stage_layers(self) -> Dict[int, Tuple[int, int]]:
+        return self._stages.layers
+
+    @property
+    def module(self) -> nn.Module:
+        """This rank's layers as one module, named as in the original model."""
+        return self._stages.module
+
+    @property
+    def schedule(self) -> "schedules.Schedule":
+        """The schedule this pipeline runs (for asynchronous ones: one period of it)."""
+        return self._schedule
+
+    @property
+    def trace_path(self) -> Optional[str]:
+        """Where :meth:`write_trace` writes the merged Chrome trace (None: not tracing)."""
+        return self._observer.trace_path
+
+    @property
+    def peak_weight_versions(self) -> Dict[int, int]:
+        """Most weight versions held per local stage (asynchronous schedules, after a flush)."""
+        return self._runner.peak_weight_versions
+
+    @property
+    def is_first(self) -> bool:
+        return self._runner.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self._runner.is_last
 
     @property
     def autocast(self) -> Optional[torch.dtype]:
@@ -500,6 +457,11 @@ class PipeDream:
     def __exit__(self, exc_type: Any, *_: Any) -> None:
         if exc_type is None:
             self.close()
+
+
+
+if PipeDream.__doc__:  # None under python -OO
+    PipeDream.__doc__ = document(PipeDream.__doc__)
 
 
 

@@ -3,10 +3,12 @@ argument checks, schedule traits, targets, the stage function, plans -> stages
 (stats merging: tests/cpp/test_runtime_stats.cpp). No process group: a change to these is checked in seconds."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import inspect
 import math
 import re
+import typing
 import warnings
 from typing import Optional, Tuple
 
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipedream_ext import _C, PipeDream, schedules
-from pipedream_ext._build import PipelineArguments
+from pipedream_ext._cli import schedule as schedule_cli
 from pipedream_ext._dist.groups import RankNames
 from pipedream_ext._frontend.partition import even_balance, resolve_partition
 from pipedream_ext._frontend.tied_params import (
@@ -26,9 +28,11 @@ from pipedream_ext._frontend.tied_params import (
     find_shared,
 )
 from pipedream_ext._planning.startup import cluster_shape, partition_from_plan
+from pipedream_ext._runtime import options
 from pipedream_ext._runtime.config import PipelineConfig
 from pipedream_ext._runtime.eval_outputs import merge_microbatch_outputs
 from pipedream_ext._runtime.local_stages import LocalStages
+from pipedream_ext._runtime.options import PipelineOptions
 from pipedream_ext._runtime.sharding import mesh_pipelines
 from pipedream_ext._runtime.stage_call import (
     NonFiniteError,
@@ -181,12 +185,61 @@ def test_config_checks_name_the_value_and_the_fix() -> None:
             PipelineConfig.checked(**kwargs)
 
 
-def test_pipeline_arguments_follow_the_constructors_signature() -> None:
-    # PipeDream passes its arguments to PipelineArguments by position.
-    params = list(inspect.signature(PipeDream.__init__).parameters.values())[1:]
-    fields = dataclasses.fields(PipelineArguments)
-    assert [f.name for f in fields] == [p.name for p in params]
-    assert [f.default for f in fields[2:]] == [p.default for p in params[2:]]
+def test_signature_docstring_cli_and_agreement_come_from_the_options() -> None:
+    # Every option is one PipelineOptions field: PipeDream's signature (keyword-only, with its
+    # default and type), its docstring's Args and the schedule CLI's help read the fields.
+    fields = dataclasses.fields(PipelineOptions)
+    params = inspect.signature(PipeDream).parameters
+    assert list(params)[:2] == ["module", "loss_fn"]
+    assert list(params)[2:] == [f.name for f in fields]
+    for f in fields:
+        assert params[f.name].kind is inspect.Parameter.KEYWORD_ONLY
+        assert params[f.name].default == f.default
+        assert params[f.name].annotation == typing.get_type_hints(PipelineOptions)[f.name]
+        doc = " ".join(f.metadata["option"].doc.split())
+        assert f"\n        {f.name}: " in PipeDream.__doc__, f.name
+        assert doc[:60] in " ".join(PipeDream.__doc__.split()), f.name
+    assert "{options}" not in PipeDream.__doc__ and "{option_groups}" not in PipeDream.__doc__
+    assert list(inspect.signature(PipeDream.__init__).parameters)[:3] == ["self", "module", "loss_fn"]
+    commands = argparse.ArgumentParser().add_subparsers()
+    schedule_cli.register(commands)
+    text = "".join(commands.choices["schedule"].format_help().split())  # argparse wraps at hyphens
+    for name in ("microbatches", "chunks", "replicas", "vertical_sync"):
+        assert "".join(options.summary(name).split()) in text, name
+    # The runtime's view holds exactly the options with a convert; the agreement those with agreed.
+    converted = {f.name for f in fields if f.metadata["option"].convert is not None}
+    assert {f.name for f in dataclasses.fields(PipelineConfig)} - {"traits"} == converted
+    agreed = options.agreed_values(PipelineOptions(autocast=torch.bfloat16, clip_grad_norm=None))
+    assert agreed["autocast"] == "torch.bfloat16" and agreed["clip_grad_norm"] is None
+    assert {"schedule", "microbatches", "check_agreement"} <= set(agreed)
+    positions = sorted(f.metadata["option"].position for f in fields
+                       if f.metadata["option"].position is not None)
+    assert positions == list(range(len(positions)))  # the old positional order, without gaps
+
+
+def test_options_positional_use_warns_and_unknown_names_are_refused() -> None:
+    with pytest.warns(DeprecationWarning, match=r"pass schedule='1f1b', microbatches=4 as keywords"):
+        given = options.from_call("PipeDream", ("1f1b", 4), {"timeout": 5})
+    assert given == {"schedule": "1f1b", "microbatches": 4, "timeout": 5}
+    with pytest.warns(DeprecationWarning, match=r"pass schedule='gpipe' as a keyword"):
+        options.from_call("PipeDream", ("gpipe",), {})
+    # The old signature's 3rd option was balance, its 26th clip_grad_norm.
+    with pytest.warns(DeprecationWarning, match=r"balance=\[1, 1\]"):
+        assert options.from_call("PipeDream", ("1f1b", 2, [1, 1]), {})["balance"] == [1, 1]
+    with pytest.warns(DeprecationWarning):
+        assert list(options.from_call("PipeDream", tuple(range(26)), {}))[-1] == "clip_grad_norm"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert options.from_call("PipeDream", (), {"microbatches": 2}) == {"microbatches": 2}
+        with pytest.raises(TypeError, match=r"unexpected keyword argument 'microbatch'; did you mean "
+                                            r"'microbatches'\?"):
+            options.from_call("PipeDream", (), {"microbatch": 2})
+        with pytest.raises(TypeError, match=r"'check_agrement'; did you mean 'check_agreement'"):
+            PipeDream(nn.Sequential(nn.Linear(2, 2)), F.mse_loss, check_agrement=1)
+    with pytest.raises(TypeError, match="multiple values for argument 'schedule'"):
+        options.from_call("PipeDream", ("1f1b",), {"schedule": "gpipe"})
+    with pytest.raises(TypeError, match="at most 26 options positionally"):
+        options.from_call("PipeDream", tuple(range(27)), {})
 
 
 # -- targets and the stage function -----------------------------------------------------

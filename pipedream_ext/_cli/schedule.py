@@ -7,6 +7,7 @@ import logging
 from typing import List, Optional
 
 from .. import _viz, schedules
+from .._runtime import options
 
 __all__ = ["register"]
 
@@ -33,6 +34,18 @@ def _cost(text: str) -> Optional[object]:
     return values[0] if len(values) == 1 else values
 
 
+def _default(name: str) -> object:
+    """``PipeDream``'s default of option ``name`` (``_runtime/options.py``)."""
+    return options.PipelineOptions.__dataclass_fields__[name].default
+
+
+def _help(name: str) -> str:
+    """The help of the flag for option ``name``: its documentation's first sentence and
+    ``PipeDream``'s default, where it has one to show (not ``None`` or ``False``)."""
+    default = _default(name)
+    return options.summary(name) + ("" if default in (None, False) else f"; default {default}")
+
+
 def register(subparsers: "argparse._SubParsersAction") -> None:
     """Adds the ``schedule`` command."""
     p = subparsers.add_parser(
@@ -45,15 +58,14 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--stages", type=int, required=True,
                    help="pipeline stages p (ranks, for schedules with several chunks per rank)")
     p.add_argument("--microbatches", type=int, required=True,
-                   help="microbatches per batch m (minibatches for pipedream)")
+                   help=options.summary("microbatches") + " (m; pipedream: minibatches)")
     p.add_argument("--chunks", type=int, default=None,
-                   help="model chunks per rank v (interleaved-1f1b, interleaved-zb; default 1; "
-                        "zbv and dualpipev: 2, their default)")
-    p.add_argument("--replicas", type=_int_list, default=None,
-                   help="replicas per stage, e.g. 2,1,1 (gpipe, 1f1b, pipedream, pipedream-2bw)")
+                   help=_help("chunks") + " (zbv, dualpipev: 2)")
+    p.add_argument("--replicas", type=_int_list, default=_default("replicas"),
+                   help=_help("replicas") + "; comma-separated: 2,1,1")
     p.add_argument("--batches", type=int, default=1, help="consecutive batches (default 1)")
-    p.add_argument("--vertical-sync", action="store_true",
-                   help="pipedream: every stage reads stage 0's weight version of a minibatch")
+    p.add_argument("--vertical-sync", action="store_true", default=_default("vertical_sync"),
+                   help=_help("vertical_sync"))
     p.add_argument("--t-f", type=_cost, default=1.0, help="forward time (one or per stage; default 1)")
     p.add_argument("--t-b", type=_cost, default=2.0,
                    help="backward time (default 2); with --t-w, the input-gradient part I")
