@@ -33,6 +33,7 @@ from pipedream_ext._runtime.sharding import mesh_pipelines
 from pipedream_ext._runtime.stage_call import (
     NonFiniteError,
     StageFunction,
+    StepCallback,
     StepContext,
     Targets,
     check_batch,
@@ -288,6 +289,32 @@ def test_stage_function_refuses_bad_losses_and_checks_the_reduction() -> None:
     x = torch.randn(6, 4)
     total = sum(fn(ctx, 1, i, fn(ctx, 0, i, [x[3 * i:3 * i + 3]], []), [])[0] for i in range(2))
     assert torch.allclose(total, F.cross_entropy(model(x), y, reduction="sum"))
+
+
+def test_each_call_has_its_own_context_and_the_stage_function_keeps_none() -> None:
+    """The executor's callback runs forwards with the context bound for the call (none
+    outside one); what a call finds stays in its context, the stage function unchanged."""
+    model = _model()
+    fn = _stage_fn(model, check="skip")
+    fn.reduction_unchecked = False
+    call = StepCallback(fn)
+    x = torch.randn(2, 4)
+    with pytest.raises(RuntimeError, match=r"forward of stage 0, microbatch 0 outside a runner's "
+                                           r"call \(no StepContext bound\)"):
+        call(0, 0, [x], [])
+    held = dict(vars(fn))
+    first, second = _context(), _context()
+    for ctx in (first, second):
+        ctx.targets.add(torch.zeros(2, dtype=torch.long), 1, 0, torch.device("cpu"))
+    with call.bound(first):
+        call(1, 0, call(0, 0, [torch.full((2, 4), math.nan)], []), [])
+    with call.bound(second):
+        loss = call(1, 0, call(0, 0, [x], []), [])[0]
+    assert first.nonfinite_forward == 0 and second.nonfinite_forward is None
+    assert torch.allclose(loss, F.cross_entropy(model(x), torch.zeros(2, dtype=torch.long)))
+    assert vars(fn) == held
+    with pytest.raises(RuntimeError, match="no StepContext bound"):
+        call(0, 0, [x], [])
 
 
 class _OwnLoss(nn.Module):
