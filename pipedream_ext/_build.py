@@ -189,8 +189,6 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     observer = _observer(args.trace, groups, stages, config, device)
     stage_fn = _stage_function(args.loss_fn, cut.traced, stages, schedule, groups, config, device,
                                mesh.names.of_group(groups.rank) if mesh is not None else None)
-    if data_parallel is not None:
-        stage_fn.before_forward = data_parallel.before_forward
     runner = make_runner(config, schedule, action_feed, stages, groups, stage_fn, observer, device,
                          shared_gradients=shared_gradients, data_parallel=data_parallel)
     if cut.traced is not None and cut.traced.input_names is not None:
@@ -695,7 +693,7 @@ def _stage_function(loss_fn: Callable[..., torch.Tensor], traced: Optional[Trace
     # the model's own structure (a ModelOutput) back.
     spec = traced.output_spec if traced is not None else None
     stage_loss = loss_fn if spec is None else model_io.RestoredLoss(loss_fn, spec)
-    return StageFunction(stages, stage_loss, schedule.num_stages, device, config.autocast,
+    return StageFunction(stages, stage_loss, schedule.num_stages, device,
                          config.check_finite, raise_at_once=config.asynchronous,
                          rank=groups.rank, recompute=config.recompute,
                          loss_reduction=config.loss_reduction, rank_name=rank_name)

@@ -209,11 +209,11 @@ class PipeDream:
     def autocast(self) -> Optional[torch.dtype]:
         """Compute dtype of autocast (None: full precision); may be changed between
         steps, e.g. to evaluate in full precision (boundary headers carry the dtype)."""
-        return self._stage_fn.autocast
+        return self._runner.settings.autocast
 
     @autocast.setter
     def autocast(self, dtype: Optional[torch.dtype]) -> None:
-        self._stage_fn.autocast = dtype
+        self._runner.settings.autocast = dtype
 
     @property
     def split_points(self) -> Optional[List[str]]:
@@ -381,7 +381,7 @@ class PipeDream:
         Raises:
             ValueError: an asynchronous schedule (their updates happen inside the pipeline).
         """
-        return attach_grad_scaler(self.config, self._stage_fn, self.parameters(), self.group,
+        return attach_grad_scaler(self.config, self._runner.settings, self.parameters(), self.group,
                                   self.device, self._stage_fn.rank_name, **kwargs)
 
     # -- seeing what happens ----------------------------------------------------------

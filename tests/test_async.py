@@ -200,7 +200,7 @@ def check_long_run(steps: int = 1000) -> None:
     pipe.flush()
     p, stage = dist.get_world_size(), pipe.stage_index
     assert pipe.peak_weight_versions[stage] == p - stage
-    assert len(pipe._stage_fn.targets) == 0
+    assert len(pipe._runner.targets) == 0
     # Copy on update: the last stage runs F and B back to back, so its weights are
     # never copied; other stages copy at most once per update.
     stats = pipe.stats()

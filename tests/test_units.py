@@ -37,6 +37,8 @@ from pipedream_ext._runtime.sharding import mesh_pipelines
 from pipedream_ext._runtime.stage_call import (
     NonFiniteError,
     StageFunction,
+    StepCallback,
+    StepContext,
     Targets,
     check_batch,
     split_microbatches,
@@ -272,37 +274,41 @@ def test_inputs_without_the_batch_dimension_are_named() -> None:
 def _stage_fn(model: nn.Sequential, check: str = None, at_once: bool = False) -> StageFunction:
     stages = LocalStages(model, resolve_partition(5, 1, chunks=2, balance=[2, 3]), [0, 1],
                          torch.device("cpu"))
-    return StageFunction(stages, F.cross_entropy, 2, torch.device("cpu"), None, check,
+    return StageFunction(stages, F.cross_entropy, 2, torch.device("cpu"), check,
                          raise_at_once=at_once, rank=0)
+
+
+def _context() -> StepContext:
+    return StepContext(0, Targets())
 
 
 def test_stage_function_loss_is_the_unsplit_models_share() -> None:
     model = _model()
-    fn = _stage_fn(model)
+    fn, ctx = _stage_fn(model), _context()
     x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
-    fn.targets.add(y, 2, 0, torch.device("cpu"))
-    hidden = fn(0, 0, [x[:3]], [])
-    loss0 = fn(1, 0, hidden, [])[0]
-    loss1 = fn(1, 1, fn(0, 1, [x[3:]], []), [])[0]
+    ctx.targets.add(y, 2, 0, torch.device("cpu"))
+    hidden = fn(ctx, 0, 0, [x[:3]], [])
+    loss0 = fn(ctx, 1, 0, hidden, [])[0]
+    loss1 = fn(ctx, 1, 1, fn(ctx, 0, 1, [x[3:]], []), [])[0]
     assert torch.allclose(loss0 + loss1, F.cross_entropy(model(x), y))
     # On a stashed weight version the stage runs functionally on those tensors.
     zeros = [torch.zeros_like(t) for t in fn.stages.parameters_of(0)]
-    assert torch.equal(fn(0, 0, [x[:3]], zeros)[0], torch.zeros(3, 5))
-    fn.evaluating = True
-    assert fn(1, 0, hidden, [])[0].shape == (3, 3)
+    assert torch.equal(fn(ctx, 0, 0, [x[:3]], zeros)[0], torch.zeros(3, 5))
+    ctx.evaluating = True
+    assert fn(ctx, 1, 0, hidden, [])[0].shape == (3, 3)
 
 
 def test_stage_function_finds_the_first_non_finite_stage() -> None:
     model = _model()
-    fn = _stage_fn(model, check="raise")
-    fn.targets.add(torch.zeros(2, dtype=torch.long), 1, 0, torch.device("cpu"))
+    fn, ctx = _stage_fn(model, check="raise"), _context()
+    ctx.targets.add(torch.zeros(2, dtype=torch.long), 1, 0, torch.device("cpu"))
     nan = torch.full((2, 4), math.nan)
-    out = fn(0, 0, [nan], [])
-    fn(1, 0, out, [])
-    assert fn.nonfinite_forward == 0
+    out = fn(ctx, 0, 0, [nan], [])
+    fn(ctx, 1, 0, out, [])
+    assert ctx.nonfinite_forward == 0
     eager = _stage_fn(model, check="raise", at_once=True)
     with pytest.raises(NonFiniteError, match=r"forward output of stage 0 \(layers 0-1\)"):
-        eager(0, 0, [nan], [])
+        eager(_context(), 0, 0, [nan], [])
 
 
 def test_stage_function_refuses_bad_losses_and_checks_the_reduction() -> None:
@@ -314,27 +320,54 @@ def test_stage_function_refuses_bad_losses_and_checks_the_reduction() -> None:
               "returned a tensor of shape \\(3,\\)"),
              (lambda out, t: F.cross_entropy(out, t, reduction="sum"), "sums over the batch")]
     for loss_fn, message in cases:
-        fn = _stage_fn(model)
+        fn, ctx = _stage_fn(model), _context()
         fn.loss_fn = loss_fn
-        fn.targets.add(y, 2, 0, torch.device("cpu"))
-        loss = fn(1, 0, fn(0, 0, [torch.randn(3, 4)], []), [])[0]
+        ctx.targets.add(y, 2, 0, torch.device("cpu"))
+        loss = fn(ctx, 1, 0, fn(ctx, 0, 0, [torch.randn(3, 4)], []), [])[0]
         assert float(loss.detach()) == 0.0 and loss.requires_grad  # the step still ends
-        assert re.search(message, str(fn.deferred_error)), (message, fn.deferred_error)
-        eager = _stage_fn(model, at_once=True)
+        assert re.search(message, str(ctx.deferred_error)), (message, ctx.deferred_error)
+        eager, ctx = _stage_fn(model, at_once=True), _context()
         eager.loss_fn = loss_fn
-        eager.targets.add(y, 2, 0, torch.device("cpu"))
+        ctx.targets.add(y, 2, 0, torch.device("cpu"))
         with pytest.raises(ValueError, match=r"rank 0: step 0: loss_fn " + message):
-            eager(1, 0, eager(0, 0, [torch.randn(3, 4)], []), [])
+            eager(ctx, 1, 0, eager(ctx, 0, 0, [torch.randn(3, 4)], []), [])
     # A summed loss with loss_reduction="sum": unscaled shares, no complaint.
     stages = LocalStages(model, resolve_partition(5, 1, chunks=2, balance=[2, 3]), [0, 1],
                          torch.device("cpu"))
     fn = StageFunction(stages, lambda out, t: F.cross_entropy(out, t, reduction="sum"), 2,
-                       torch.device("cpu"), None, None, raise_at_once=True, rank=0,
+                       torch.device("cpu"), None, raise_at_once=True, rank=0,
                        loss_reduction="sum")
-    fn.targets.add(y, 2, 0, torch.device("cpu"))
+    ctx = StepContext(0, Targets("sum"))
+    ctx.targets.add(y, 2, 0, torch.device("cpu"))
     x = torch.randn(6, 4)
-    total = sum(fn(1, i, fn(0, i, [x[3 * i:3 * i + 3]], []), [])[0] for i in range(2))
+    total = sum(fn(ctx, 1, i, fn(ctx, 0, i, [x[3 * i:3 * i + 3]], []), [])[0] for i in range(2))
     assert torch.allclose(total, F.cross_entropy(model(x), y, reduction="sum"))
+
+
+def test_each_call_has_its_own_context_and_the_stage_function_keeps_none() -> None:
+    """The executor's callback runs forwards with the context bound for the call (none
+    outside one); what a call finds stays in its context, the stage function unchanged."""
+    model = _model()
+    fn = _stage_fn(model, check="skip")
+    fn.reduction_unchecked = False
+    call = StepCallback(fn)
+    x = torch.randn(2, 4)
+    with pytest.raises(RuntimeError, match=r"forward of stage 0, microbatch 0 outside a runner's "
+                                           r"call \(no StepContext bound\)"):
+        call(0, 0, [x], [])
+    held = dict(vars(fn))
+    first, second = _context(), _context()
+    for ctx in (first, second):
+        ctx.targets.add(torch.zeros(2, dtype=torch.long), 1, 0, torch.device("cpu"))
+    with call.bound(first):
+        call(1, 0, call(0, 0, [torch.full((2, 4), math.nan)], []), [])
+    with call.bound(second):
+        loss = call(1, 0, call(0, 0, [x], []), [])[0]
+    assert first.nonfinite_forward == 0 and second.nonfinite_forward is None
+    assert torch.allclose(loss, F.cross_entropy(model(x), torch.zeros(2, dtype=torch.long)))
+    assert vars(fn) == held
+    with pytest.raises(RuntimeError, match="no StepContext bound"):
+        call(0, 0, [x], [])
 
 
 class _OwnLoss(nn.Module):
@@ -350,33 +383,34 @@ def test_a_loss_fn_returning_the_models_own_loss_does_not_warn() -> None:
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), _OwnLoss())
     stages = LocalStages(model, resolve_partition(3, 1, chunks=2, balance=[1, 2]), [0, 1],
                          torch.device("cpu"))
-    fn = StageFunction(stages, lambda out, t: out[1], 2, torch.device("cpu"), None, None,
+    fn = StageFunction(stages, lambda out, t: out[1], 2, torch.device("cpu"), None,
                        raise_at_once=True, rank=0)
-    fn.targets.add(torch.zeros(6), 2, 0, torch.device("cpu"))  # rows: the check runs
+    ctx = _context()
+    ctx.targets.add(torch.zeros(6), 2, 0, torch.device("cpu"))  # rows: the check runs
     x = torch.randn(6, 4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        loss = fn(1, 0, fn(0, 0, [x[:3]], []), [])[0]
-    assert loss.requires_grad and not fn.reduction_unchecked and fn.deferred_error is None
+        loss = fn(ctx, 1, 0, fn(ctx, 0, 0, [x[:3]], []), [])[0]
+    assert loss.requires_grad and not fn.reduction_unchecked and ctx.deferred_error is None
     torch.testing.assert_close(loss, model(x[:3])[1] * 0.5)
 
 
 def test_evaluation_outputs_are_combined_leaf_by_leaf() -> None:
-    fn = _stage_fn(_model())
-    fn.evaluating = True
+    fn, ctx = _stage_fn(_model()), _context()
+    ctx.evaluating = True
     outs = []
     for i, rows in enumerate([3, 2]):
         h = torch.full((rows, 2), float(i))
-        outs.append(fn._flatten_output({"h": h, "loss": h.sum() / rows + i, "tag": "x", "no": None},
-                                       i))
-    per_microbatch = fn.take_eval_outputs(outs)
+        outs.append(fn._flatten_output(ctx, {"h": h, "loss": h.sum() / rows + i, "tag": "x",
+                                             "no": None}, i))
+    per_microbatch = fn.take_eval_outputs(ctx, outs)
     assert [m["h"].shape[0] for m in per_microbatch] == [3, 2]
     combined = merge_microbatch_outputs(per_microbatch, [3, 2], 0)
     assert combined["tag"] == "x" and combined["no"] is None
     assert torch.equal(combined["h"], torch.cat([torch.zeros(3, 2), torch.ones(2, 2)]))
     # The rows-weighted mean: (3 * 0 + 2 * (2 + 1)) / 5.
     assert combined["loss"].dim() == 0 and float(combined["loss"]) == pytest.approx(6 / 5)
-    assert fn.eval_structure == {}
+    assert ctx.eval_structure == {}
 
 
 # -- plans -> stages ----------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Each rank sees only its own stages' gradients, so the scaler is a
 ``ShardedGradScaler`` over the pipeline's group: an overflow on any rank skips
-the step on every rank. The stage function scales the last stage's loss with it.
+the step on every rank. The runner hands it to every step's context (``StepSettings``),
+and the stage function scales the last stage's loss with it.
 """
 from __future__ import annotations
 
@@ -12,19 +13,20 @@ import torch
 import torch.distributed as dist
 
 from .config import PipelineConfig
-from .stage_call import StageFunction
+from .stage_call import StepSettings
 
 __all__ = ["attach_grad_scaler"]
 
 
-def attach_grad_scaler(config: PipelineConfig, stage_fn: StageFunction,
+def attach_grad_scaler(config: PipelineConfig, settings: StepSettings,
                        parameters: Iterable[torch.Tensor], group: dist.ProcessGroup,
                        device: torch.device, rank: Union[int, str], **kwargs: Any) -> Any:
-    """Makes the pipeline's loss scaler and hands it to the stage function.
+    """Makes the pipeline's loss scaler and puts it in the runner's step settings.
 
     Args:
         config: the pipeline's checked arguments.
-        stage_fn: the stage function, which scales the loss with it.
+        settings: the runner's step settings; every later step's context scales the
+            loss with the scaler.
         parameters: this rank's parameters.
         group: the pipeline's group.
         device: this rank's device.
@@ -52,5 +54,5 @@ def attach_grad_scaler(config: PipelineConfig, stage_fn: StageFunction,
     # The scale is created lazily by scale(), which only the last stage calls;
     # every rank's step()/update() needs it.
     scaler.scale(torch.ones((), device=device))
-    stage_fn.grad_scaler = scaler
+    settings.grad_scaler = scaler
     return scaler

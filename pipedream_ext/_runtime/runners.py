@@ -42,6 +42,10 @@ from .sharding import DataParallel
 from .stage_call import (
     NonFiniteError,
     StageFunction,
+    StepCallback,
+    StepContext,
+    StepSettings,
+    Targets,
     Tensors,
     as_tuple,
     check_batch,
@@ -101,7 +105,8 @@ class Runner:
         schedule: the lowered schedule of this pipeline.
         stages: this rank's stages.
         groups: the pipeline's process groups.
-        stage_fn: the executor's forward callback.
+        stage_fn: runs each forward; the executor calls it through a :class:`StepCallback`
+            with the context of the call being run (:meth:`_context`).
         observer: stats and trace.
         device: the stages' device.
         shared_gradients: sums the gradients of parameters shared by stages
@@ -120,6 +125,14 @@ class Runner:
         self.stages = stages
         self.groups = groups
         self.stage_fn = stage_fn
+        #: Targets and loss shares by microbatch, until their backward (``StepContext.targets``).
+        self.targets = Targets(config.loss_reduction)
+        #: What every call's StepContext starts from (``pipe.autocast``, ``pipe.grad_scaler()``,
+        #: data parallelism's hook before each forward).
+        self.settings = StepSettings(
+            config.autocast, None, data_parallel.before_forward if data_parallel is not None else None)
+        # The executors' forward callback: stage_fn with the context bound for each call.
+        self._forward = StepCallback(stage_fn)
         self.observer = observer
         self.device = device
         self.shared_gradients = shared_gradients
@@ -158,7 +171,7 @@ class Runner:
     def queue_sizes(self) -> Dict[str, int]:
         """The queues ``PipeDream.stats`` reports: targets held for their backward, the
         executor's list and its next action's index."""
-        return {"held_targets": len(self.stage_fn.targets), "executor_actions": self.executor.size,
+        return {"held_targets": len(self.targets), "executor_actions": self.executor.size,
                 "executor_position": self.executor.position}
 
     # -- executors ----------------------------------------------------------------
@@ -170,7 +183,7 @@ class Runner:
         executor = _C.PipelineExecutor(
             lowered, self.groups.rank if rank is None else rank, group,
             self.groups.side if side is None else side, self.config.timeout,
-            self.stage_fn, self.stages.parameters_by_stage(), str(self.device),
+            self._forward, self.stages.parameters_by_stage(), str(self.device),
             update=self._update if traits.stash_weights else None,
             replica_groups=self.groups.replica_groups, recompute=self.config.recompute,
             protocol=p2p_protocol(group, self.device, traits.streaming))
@@ -257,9 +270,12 @@ class Runner:
             raise RuntimeError(f"{describe()} failed: {exc}") from exc
         return StepLoss(total, work, self.config.timeout, describe, check)
 
+    def _context(self, evaluating: bool = False) -> StepContext:
+        """A new context for the call about to run (its step: the steps run so far)."""
+        return self.settings.context(self.steps_run, self.targets, evaluating)
+
     def _finish_step(self) -> None:
         self.steps_run += 1
-        self.stage_fn.step_index = self.steps_run
         self.observer.after_step(self.executor, self.steps_run - 1)
 
     # -- evaluation ------------------------------------------------------------------
@@ -305,14 +321,11 @@ class Runner:
         rows, chunks = self._cut_for_evaluation(inputs, executor is not None, output_batch_dim)
         result, error = None, None
         if executor is not None:
-            self.stage_fn.evaluating = True
-            try:
+            with self._forward.bound(self._context(evaluating=True)) as context:
                 outputs = self._run_executor(lambda: executor.run_forward([list(c) for c in chunks]))
-            finally:
-                self.stage_fn.evaluating = False
             if self.is_last:
                 try:
-                    per_microbatch = self.stage_fn.take_eval_outputs(outputs)
+                    per_microbatch = self.stage_fn.take_eval_outputs(context, outputs)
                     if restore is not None:
                         per_microbatch = [restore(out) for out in per_microbatch]
                     if per_microbatch:
@@ -414,13 +427,12 @@ class FlushRunner(Runner):
             self.data_parallel.before_step()
         chunks = self._split(inputs, "inputs", m) if self.is_first else []
         if self.is_last:
-            self.stage_fn.targets.clear()
-            self.stage_fn.targets.add(targets, m, 0, self.device)
-        self.stage_fn.nonfinite_forward = None
-        self.stage_fn.deferred_error = None
-        scaler = self.stage_fn.grad_scaler
-        loss_scale = float(scaler.get_scale()) if scaler is not None else 1.0
-        losses = self._run_executor(lambda: self.executor.run([list(c) for c in chunks]))
+            self.targets.clear()
+            self.targets.add(targets, m, 0, self.device)
+        context = self._context()
+        loss_scale = context.loss_scale()
+        with self._forward.bound(context):
+            losses = self._run_executor(lambda: self.executor.run([list(c) for c in chunks]))
         if self.data_parallel is not None:
             # Every stage's last backward ran: gradients synchronised over dp once.
             try:
@@ -446,9 +458,10 @@ class FlushRunner(Runner):
         # over ranks finishes in the background; reading the loss waits for it.
         local = sum(float(l) for l in losses if l is not None) / loss_scale if self.is_last else 0.0
         rows = int(as_tuple(inputs)[0].shape[0]) if self.is_first else None
-        return self._batch_loss(local / self.loss_divisor, rows)
+        return self._batch_loss(context, local / self.loss_divisor, rows)
 
-    def _batch_loss(self, local: float, rows: Optional[int] = None) -> Union[StepLoss, float]:
+    def _batch_loss(self, context: StepContext, local: float, rows: Optional[int] = None
+                    ) -> Union[StepLoss, float]:
         """The batch's mean loss on every rank: ``local`` summed over the group.
 
         The first ``check_agreement`` steps (and every step with ``check_finite``) wait
@@ -459,12 +472,13 @@ class FlushRunner(Runner):
         also carries every rank's call and every dp rank's ``rows`` (``mesh_steps``).
 
         Args:
+            context: the step's context (a bad loss it found, where NaN/inf appeared).
             local: this rank's share of the loss.
             rows: the batch's rows on stage 0's rank, else ``None``.
         """
         rank, step = self.names.of_group(self.groups.rank), self.steps_run - 1
         describe = lambda: f"{rank}: the all-reduce of the batch loss after step {step}"  # noqa: E731
-        deferred = self.stage_fn.deferred_error
+        deferred = context.deferred_error
         steps = self.mesh_steps
         if step < self.config.check_agreement or self.config.check_finite:
             values = torch.tensor([local, 1.0 if deferred else 0.0], dtype=torch.float64) \
@@ -485,7 +499,7 @@ class FlushRunner(Runner):
                 self._drop_gradients()  # the zero loss's gradients: not the model's
                 collectives.raise_if_any_failed(deferred, self.step_group, self.config.timeout,
                                                  f"step() number {step}", self._mesh_names)
-            if self.config.check_finite and self._check_finite_step():
+            if self.config.check_finite and self._check_finite_step(context):
                 return float("nan")
             return StepLoss.of(float(total[0]))
         if deferred is not None:
@@ -504,8 +518,9 @@ class FlushRunner(Runner):
     def flush(self) -> None:
         """Nothing to drain: every step ends flushed."""
 
-    def _check_finite_step(self) -> bool:
-        """Agrees on every rank where non-finite values first appeared this step.
+    def _check_finite_step(self, context: StepContext) -> bool:
+        """Agrees on every rank where non-finite values first appeared this step
+        (``context``: the step's, which holds the first non-finite forward output found here).
 
         Returns:
             True when the step was skipped (``check_finite="skip"``).
@@ -514,10 +529,10 @@ class FlushRunner(Runner):
             NonFiniteError: ``check_finite="raise"`` and a NaN or inf was found.
         """
         p = self.num_stages
-        forward = self.stage_fn.nonfinite_forward
+        forward = context.nonfinite_forward
         forward = p if forward is None else forward
         backward = -1
-        if self.stage_fn.grad_scaler is None:  # with loss scaling, overflows are the scaler's
+        if context.grad_scaler is None:  # with loss scaling, overflows are the scaler's
             for j in self.stages:
                 if any(t.grad is not None and not bool(torch.isfinite(_local(t.grad)).all())
                        for t in self.stages.parameters_of(j)):
@@ -612,15 +627,17 @@ class AsyncRunner(Runner):
             chunks = self._split(inputs, "inputs", per_step)
             inputs_by_microbatch = {first + i: list(c) for i, c in enumerate(chunks)}
         if self.is_last:
-            self.stage_fn.targets.add(targets, per_step, first, self.device)
+            self.targets.add(targets, per_step, first, self.device)
         self.executor.append_actions(self.feed.step_actions(self.groups.rank, self.admitted))
-        losses = self.executor.run_until(self.executor.size, inputs_by_microbatch)
+        # Raised at once (raise_at_once): nothing found is read back from the context.
+        with self._forward.bound(self._context()):
+            losses = self.executor.run_until(self.executor.size, inputs_by_microbatch)
         self.admitted += 1
         self._unflushed[0] = self.admitted
         self._finish_step()
         # Targets stay until their backward (a recomputed forward needs them):
         # at most 2 pipeline depths of steps behind.
-        self.stage_fn.targets.drop_before(first - 2 * (self.groups.world_size + 1) * per_step)
+        self.targets.drop_before(first - 2 * (self.groups.world_size + 1) * per_step)
         return self._step_loss(losses, per_step) if self.is_last else None
 
     def _step_loss(self, losses: Dict[int, torch.Tensor], per_step: int
@@ -650,11 +667,12 @@ class AsyncRunner(Runner):
                 f"replicated stages {self.schedule.replicas} take minibatches in rounds of "
                 f"{period}; flush after a multiple of {period} steps (now {self.admitted})")
         self.executor.append_actions(self.feed.drain_actions(self.groups.rank, self.admitted))
-        self.executor.run_until(self.executor.size, {})
+        with self._forward.bound(self._context()):  # recompute=True: backwards run forwards again
+            self.executor.run_until(self.executor.size, {})
         self.executor.wait_sends()
         self._peak_weight_versions = dict(self.executor.stats().peak_weight_versions)
         # The next admitted minibatch starts from version 0 = the current live weights.
-        self.stage_fn.targets.clear()
+        self.targets.clear()
         self.admitted = 0
         self._unflushed[0] = 0
         self.observer.retire(self.executor)

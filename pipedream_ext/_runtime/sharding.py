@@ -373,7 +373,7 @@ class DataParallel:
                 collectives.broadcast_data(t.detach(), 0, self.plan.dp_group)
 
     def before_forward(self, stage: int, microbatch: int, training: bool) -> None:
-        """Called before each forward of a stage (StageFunction.before_forward)."""
+        """Called before each forward of a stage (through each step's StepContext.before_forward)."""
 
     def before_step(self) -> None:
         """Called before the executor runs a step."""

@@ -6,11 +6,18 @@ autocast, the loss on the last stage (scaled by the microbatch's share of the
 batch, and by the loss scaler when there is one) and the finite check of every
 output. Also owns the targets the loss needs (``Targets``) and how a batch is
 split into microbatches (``split_microbatches``).
+
+What one runner call sets and what its forwards find travel in a per-call
+``StepContext`` (made by the runner from its ``StepSettings``, bound to the
+executor's callback for the call: ``StepCallback``); ``StageFunction`` itself
+holds only what is fixed at construction.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.utils._pytree as pytree
@@ -19,7 +26,7 @@ from torch import nn
 from .local_stages import LocalStages
 
 __all__ = ["NonFiniteError", "Tensors", "as_tuple", "check_batch", "split_microbatches", "Targets",
-           "StageFunction"]
+           "StepContext", "StepSettings", "StepCallback", "StageFunction"]
 
 _log = logging.getLogger(__name__)
 
@@ -126,18 +133,115 @@ class Targets:
         self._by_microbatch.clear()
 
 
+@dataclasses.dataclass
+class StepContext:
+    """One ``step()``, ``flush()`` or ``forward_only()`` call as its forwards see it.
+
+    The runner makes one per call (:meth:`StepSettings.context`), binds it to the
+    executor's callback for that call (:class:`StepCallback`), and reads back what the
+    forwards found once the executor returns. Nothing in it outlives the call but the
+    ``targets`` store, which is the runner's.
+
+    Attributes:
+        step_index: the step being run (steps finished before this call), for messages.
+        targets: targets and loss shares by microbatch; the runner's store, since on an
+            asynchronous schedule a microbatch's targets outlive the call that added
+            them (a recomputed forward before its backward computes the loss again).
+        evaluating: ``forward_only``: the last stage returns the model's outputs, not a loss.
+        autocast: compute dtype under ``torch.autocast``, or ``None``.
+        grad_scaler: scales the last stage's loss (``pipe.grad_scaler()``), or ``None``.
+        before_forward: ``before_forward(stage, microbatch, training)`` before each forward
+            (a mesh's data parallelism: whether FSDP reshards after it,
+            ``sharding.FsdpStages``), or ``None``.
+        nonfinite_forward: found: the first stage whose forward output held NaN/inf, or ``None``.
+        deferred_error: found: a bad loss (flush schedules). The loss was replaced by a zero
+            connected to the graph so the step ends on every rank, which then raise it.
+        eval_structure: found in evaluation on the last stage: per microbatch, the output's
+            structure and its leaves that are not tensors (the executor returns the tensors).
+    """
+
+    step_index: int
+    targets: Targets
+    evaluating: bool = False
+    autocast: Optional[torch.dtype] = None
+    grad_scaler: Optional[Any] = None
+    before_forward: Optional[Callable[[int, int, bool], None]] = None
+    nonfinite_forward: Optional[int] = None
+    deferred_error: Optional[ValueError] = None
+    eval_structure: Dict[int, Tuple[Any, List[Any]]] = dataclasses.field(default_factory=dict)
+
+    def loss_scale(self) -> float:
+        """The factor the last stage's losses carry (the scaler's scale, else 1)."""
+        return float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
+
+
+@dataclasses.dataclass
+class StepSettings:
+    """What the runner copies into every call's :class:`StepContext`: settings that hold
+    from one step to the next until changed.
+
+    Attributes:
+        autocast: ``pipe.autocast`` (``PipeDream(autocast=...)`` until set).
+        grad_scaler: the scaler ``pipe.grad_scaler()`` attached, or ``None``.
+        before_forward: data parallelism's hook (``DataParallel.before_forward``), or ``None``.
+    """
+
+    autocast: Optional[torch.dtype] = None
+    grad_scaler: Optional[Any] = None
+    before_forward: Optional[Callable[[int, int, bool], None]] = None
+
+    def context(self, step_index: int, targets: Targets, evaluating: bool = False) -> StepContext:
+        """A new call's context with these settings."""
+        return StepContext(step_index, targets, evaluating, self.autocast, self.grad_scaler,
+                           self.before_forward)
+
+
+class StepCallback:
+    """The executor's forward callback: :class:`StageFunction` with the bound call's context.
+
+    The executor keeps its callback for its whole life while each call has its own
+    context, so the runner binds the call's context here for the length of the call
+    (:meth:`bound`). A separate object (not a bound method of the runner) so that the
+    executor, which holds it, does not hold the runner: no reference cycle through C++.
+
+    Args:
+        stage_fn: what runs the forward.
+    """
+
+    def __init__(self, stage_fn: "StageFunction") -> None:
+        self.stage_fn = stage_fn
+        self._context: Optional[StepContext] = None
+
+    @contextlib.contextmanager
+    def bound(self, context: StepContext) -> Iterator[StepContext]:
+        """Every forward run inside the ``with`` block gets ``context``."""
+        self._context = context
+        try:
+            yield context
+        finally:
+            self._context = None
+
+    def __call__(self, stage: int, microbatch: int, inputs: List[torch.Tensor],
+                 weights: List[torch.Tensor]) -> List[torch.Tensor]:
+        if self._context is None:
+            raise RuntimeError(f"the executor ran the forward of stage {stage}, microbatch "
+                               f"{microbatch} outside a runner's call (no StepContext bound)")
+        return self.stage_fn(self._context, stage, microbatch, inputs, weights)
+
+
 class StageFunction:
-    """``forward(stage, microbatch, inputs, weights) -> outputs`` for the executor.
+    """``forward(context, stage, microbatch, inputs, weights) -> outputs`` for the executor
+    (through :class:`StepCallback`, which passes the call's :class:`StepContext`).
 
     On the last stage the output is ``[loss * share]`` (a scalar) in training and
-    the model's outputs in evaluation (:attr:`evaluating`).
+    the model's outputs in evaluation (``context.evaluating``). Holds only what is
+    fixed at construction; what a call sets or finds is in its context.
 
     Args:
         stages: this rank's stages.
         loss_fn: ``loss_fn(output, target)`` with mean reduction.
         num_stages: stages in the whole pipeline.
         device: the stages' device.
-        autocast: compute dtype under ``torch.autocast``, or ``None``.
         check_finite: record (``"skip"``/``"raise"``) the first stage whose output is
             not finite; ``raise_at_once`` raises :class:`NonFiniteError` right there.
         raise_at_once: raise in the callback instead of after the step
@@ -151,7 +255,7 @@ class StageFunction:
     """
 
     def __init__(self, stages: LocalStages, loss_fn: Callable[..., torch.Tensor],
-                 num_stages: int, device: torch.device, autocast: Optional[torch.dtype],
+                 num_stages: int, device: torch.device,
                  check_finite: Optional[str], raise_at_once: bool, rank: int,
                  recompute: bool = False, loss_reduction: str = "mean",
                  rank_name: Optional[str] = None) -> None:
@@ -159,7 +263,6 @@ class StageFunction:
         self.loss_fn = loss_fn
         self.num_stages = num_stages
         self.device = device
-        self.autocast = autocast
         self.check_finite = check_finite
         self.raise_at_once = raise_at_once
         self.rank = rank
@@ -167,58 +270,42 @@ class StageFunction:
         self.rank_name = rank_name if rank_name is not None else f"rank {rank}"
         self.recompute = recompute
         self.loss_reduction = loss_reduction
-        self.targets = Targets(loss_reduction)
-        #: A bad loss found in this step (flush schedules): the loss was replaced by a
-        #: zero connected to the graph so the step ends on every rank, which then raise it.
-        self.deferred_error: Optional[ValueError] = None
-        #: Whether the loss's reduction over the batch is still to be checked.
+        #: Whether the loss's reduction over the batch is still to be checked (once per
+        #: pipeline, on the first microbatch whose loss is computed).
         self.reduction_unchecked = True
-        #: Evaluation on the last stage: per microbatch, the output's structure and its
-        #: leaves that are not tensors (the executor returns the tensors).
-        self.eval_structure: Dict[int, Tuple[Any, List[Any]]] = {}
-        #: Scales the loss (``autocast=torch.float16``), set by ``PipeDream.grad_scaler``.
-        self.grad_scaler: Optional[Any] = None
-        #: Evaluation: the last stage returns the model's outputs, not a loss.
-        self.evaluating = False
-        #: The first stage whose forward output held NaN/inf in this step, or None.
-        self.nonfinite_forward: Optional[int] = None
-        #: The step being run, for messages.
-        self.step_index = 0
-        #: ``before_forward(stage, microbatch, training)`` before each forward (a mesh's
-        #: data parallelism: whether FSDP reshards after it, ``sharding.FsdpStages``).
-        self.before_forward: Optional[Callable[[int, int, bool], None]] = None
 
-    def __call__(self, stage: int, microbatch: int, inputs: List[torch.Tensor],
-                 weights: List[torch.Tensor]) -> List[torch.Tensor]:
+    def __call__(self, context: StepContext, stage: int, microbatch: int,
+                 inputs: List[torch.Tensor], weights: List[torch.Tensor]) -> List[torch.Tensor]:
         # With recompute the first forward runs without autograd; a forward with it
         # in training is the recomputation before the backward.
-        again = self.recompute and torch.is_grad_enabled() and not self.evaluating
+        again = self.recompute and torch.is_grad_enabled() and not context.evaluating
         run = self._run_again if again else self._run
-        if self.before_forward is not None:
-            self.before_forward(stage, microbatch, not self.evaluating)
-        if self.autocast is None:
-            outputs = run(stage, microbatch, inputs, weights)
+        if context.before_forward is not None:
+            context.before_forward(stage, microbatch, not context.evaluating)
+        if context.autocast is None:
+            outputs = run(context, stage, microbatch, inputs, weights)
         else:
-            with torch.autocast(device_type=self.device.type, dtype=self.autocast):
-                outputs = run(stage, microbatch, inputs, weights)
-        if self.check_finite and not self.evaluating:
-            self._check_finite(stage, microbatch, outputs)
+            with torch.autocast(device_type=self.device.type, dtype=context.autocast):
+                outputs = run(context, stage, microbatch, inputs, weights)
+        if self.check_finite and not context.evaluating:
+            self._check_finite(context, stage, microbatch, outputs)
         return outputs
 
-    def _check_finite(self, stage: int, microbatch: int, outputs: Sequence[torch.Tensor]) -> None:
+    def _check_finite(self, context: StepContext, stage: int, microbatch: int,
+                      outputs: Sequence[torch.Tensor]) -> None:
         if all(bool(torch.isfinite(t).all()) for t in outputs if t.is_floating_point()):
             return
-        if self.nonfinite_forward is None or stage < self.nonfinite_forward:
-            self.nonfinite_forward = stage
+        if context.nonfinite_forward is None or stage < context.nonfinite_forward:
+            context.nonfinite_forward = stage
         if self.raise_at_once:
             raise NonFiniteError(
-                f"{self.rank_name}: step {self.step_index}: the "
+                f"{self.rank_name}: step {context.step_index}: the "
                 f"{'loss' if stage == self.num_stages - 1 else 'forward output'} of stage "
                 f"{stage} (layers {self.stages.partition.layer_range(stage)}), microbatch "
                 f"{microbatch}, holds NaN or inf")
 
-    def _run(self, stage: int, microbatch: int, inputs: List[torch.Tensor],
-             weights: List[torch.Tensor]) -> List[torch.Tensor]:
+    def _run(self, context: StepContext, stage: int, microbatch: int,
+             inputs: List[torch.Tensor], weights: List[torch.Tensor]) -> List[torch.Tensor]:
         # nn.Sequential semantics: a tuple output reaches the next layer as one tuple.
         arg = inputs[0] if len(inputs) == 1 else tuple(inputs)
         if weights:  # a stashed weight version: run the stage functionally on it
@@ -227,9 +314,9 @@ class StageFunction:
         else:
             out = self.stages[stage](arg)
         if stage == self.num_stages - 1:
-            if not self.evaluating:
-                return [self._loss(out, microbatch)]
-            return self._flatten_output(out, microbatch)
+            if not context.evaluating:
+                return [self._loss(context, out, microbatch)]
+            return self._flatten_output(context, out, microbatch)
         return self._stage_output(stage, out)
 
     def _stage_output(self, stage: int, out: Any) -> List[torch.Tensor]:
@@ -254,17 +341,20 @@ class StageFunction:
                 "(split_points=...), which passes any values between its stages")
         return list(values)
 
-    def _flatten_output(self, out: Any, microbatch: int) -> List[torch.Tensor]:
+    def _flatten_output(self, context: StepContext, out: Any, microbatch: int
+                        ) -> List[torch.Tensor]:
         """The last stage's evaluation output as its tensors; its structure and other
-        leaves are kept for :meth:`take_eval_outputs`."""
+        leaves are kept in ``context`` for :meth:`take_eval_outputs`."""
         leaves, spec = pytree.tree_flatten(out)
-        self.eval_structure[microbatch] = (spec, [_TENSOR if isinstance(v, torch.Tensor) else v
+        context.eval_structure[microbatch] = (spec, [_TENSOR if isinstance(v, torch.Tensor) else v
                                                   for v in leaves])
         return [v for v in leaves if isinstance(v, torch.Tensor)]
 
-    def take_eval_outputs(self, outputs: Sequence[Sequence[torch.Tensor]]) -> List[Any]:
+    def take_eval_outputs(self, context: StepContext, outputs: Sequence[Sequence[torch.Tensor]]
+                          ) -> List[Any]:
         """Each microbatch's output of the last stage, rebuilt from the executor's tensors
-        and the structure :meth:`_flatten_output` kept (``eval_outputs`` combines them).
+        and the structure :meth:`_flatten_output` kept in ``context`` (``eval_outputs``
+        combines them).
 
         Returns:
             The outputs in microbatch order (empty: this rank ran no last stage).
@@ -272,9 +362,9 @@ class StageFunction:
         Raises:
             ValueError: microbatches returned different structures.
         """
-        microbatches = sorted(i for i, o in enumerate(outputs) if i in self.eval_structure)
-        structures = [self.eval_structure.pop(i) for i in microbatches]
-        self.eval_structure.clear()
+        microbatches = sorted(i for i, o in enumerate(outputs) if i in context.eval_structure)
+        structures = [context.eval_structure.pop(i) for i in microbatches]
+        context.eval_structure.clear()
         if any(s != structures[0][0] for s, _ in structures):
             raise ValueError(f"{self.rank_name}: the last stage returned different structures for "
                              "the microbatches of one batch; its output's structure must not "
@@ -286,8 +376,8 @@ class StageFunction:
                                                          for v in leaves], spec))
         return per_microbatch
 
-    def _run_again(self, stage: int, microbatch: int, inputs: List[torch.Tensor],
-                   weights: List[torch.Tensor]) -> List[torch.Tensor]:
+    def _run_again(self, context: StepContext, stage: int, microbatch: int,
+                   inputs: List[torch.Tensor], weights: List[torch.Tensor]) -> List[torch.Tensor]:
         """A recomputed forward: BatchNorm layers in training mode normalise with the
         batch's statistics as before but do not move their running statistics again
         (momentum 0 for this call, ``num_batches_tracked`` put back), so those advance
@@ -307,7 +397,7 @@ class StageFunction:
         try:
             for m in norms:
                 m.momentum = 0.0  # running = running * 1 + batch * 0: unchanged, exactly
-            outputs = self._run(stage, microbatch, inputs, weights)
+            outputs = self._run(context, stage, microbatch, inputs, weights)
         finally:
             for m, momentum in zip(norms, momenta):
                 m.momentum = momentum
@@ -323,8 +413,8 @@ class StageFunction:
                 "(BatchNorm statistics are handled; this buffer is not): use recompute=False")
         return outputs
 
-    def _loss(self, out: Any, microbatch: int) -> torch.Tensor:
-        target, share = self.targets[microbatch]
+    def _loss(self, context: StepContext, out: Any, microbatch: int) -> torch.Tensor:
+        target, share = context.targets[microbatch]
         loss = self.loss_fn(out, target)
         problem = self._loss_problem(loss)
         if problem is None and self.reduction_unchecked:
@@ -332,15 +422,15 @@ class StageFunction:
             problem = self._check_reduction(out, target, loss)
         if problem is not None:
             if self.raise_at_once:
-                raise ValueError(f"{self.rank_name}: step {self.step_index}: {problem}")
+                raise ValueError(f"{self.rank_name}: step {context.step_index}: {problem}")
             # Found on this rank only: the step ends with a zero loss (zero gradients) on
             # every rank, which then raise it together (FlushRunner.step).
-            if self.deferred_error is None:
-                self.deferred_error = ValueError(problem)
+            if context.deferred_error is None:
+                context.deferred_error = ValueError(problem)
             return _zero_loss(out)
         loss = loss.float() * share
-        if self.grad_scaler is not None:
-            loss = self.grad_scaler.scale(loss)
+        if context.grad_scaler is not None:
+            loss = context.grad_scaler.scale(loss)
         return loss
 
     def _loss_problem(self, loss: Any) -> Optional[str]:
