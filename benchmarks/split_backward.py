@@ -329,7 +329,7 @@ def in_schedule_order(case: Case, microbatches: int, repeats: int) -> Dict[str, 
     orders = {}
     for schedule in SCHEDULES:
         actions = pd.schedules.build(schedule, 2, microbatches).actions(1)
-        orders[schedule] = [(a[1], int(a[2:])) for a in actions if len(a) > 2 and a[1] in "FBIW" and a[2:].isdigit()]
+        orders[schedule] = [(a.kind.name, a.microbatch) for a in actions if a.is_compute]
     steps: Dict[str, List[Dict[str, float]]] = {s: [] for s in SCHEDULES}
 
     def run() -> None:

@@ -119,17 +119,14 @@ def stage_costs_from_trace(events: Sequence[Dict[str, Any]]) -> Dict[str, Dict[i
     Returns:
         ``{kind: {stage: seconds}}`` for the kinds in :data:`KINDS` that occur.
     """
-    import re
+    from pipedream_ext import schedules
 
-    pattern = re.compile(r"^(\d+)([FIWB])(\d+)")
     durations: Dict[str, Dict[int, List[float]]] = {}
     for e in events:
         if e.get("cat") != "compute" or e.get("ph") != "X":
             continue
-        m = pattern.match(e.get("name", ""))
-        if m is None:
-            continue
-        durations.setdefault(m.group(2), {}).setdefault(int(m.group(1)), []).append(e["dur"] / 1e6)
+        a = schedules.Action.parse(e["name"])
+        durations.setdefault(a.kind.name, {}).setdefault(a.stage, []).append(e["dur"] / 1e6)
     return {k: {s: statistics.median(v) for s, v in per.items()} for k, per in durations.items()}
 
 
@@ -530,11 +527,10 @@ def action_counts(schedule: str, ranks: int, microbatches: int, chunks: int) -> 
     s = schedules.build(schedule, stages=ranks, microbatches=microbatches, chunks=chunks)
     counts: Dict[str, Dict[int, int]] = {}
     for rank in range(ranks):
-        for text in s.actions(rank, comm=False):
-            a = schedules.parse_action(text)
-            if a["kind"] in KINDS:
-                per = counts.setdefault(a["kind"], {})
-                per[a["stage"]] = per.get(a["stage"], 0) + 1
+        for a in s.actions(rank, comm=False):
+            if a.is_compute:
+                per = counts.setdefault(a.kind.name, {})
+                per[a.stage] = per.get(a.stage, 0) + 1
     return counts
 
 

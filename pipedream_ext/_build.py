@@ -171,7 +171,7 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     groups = PipelineGroups.create(group, stage_ranks, config.timeout)
     data_parallel = make_data_parallel(
         mesh, config.loss_reduction,
-        lambda: [schedules.parse_action(a) for a in schedule.actions(groups.rank, comm=False)])
+        lambda: schedule.actions(groups.rank, comm=False))
     stages = _local_stages(args, prepared, cut, schedule.stages_of_rank(groups.rank), device,
                            groups, config.timeout, data_parallel)
     _broadcast_replicas(stages, groups)

@@ -52,7 +52,7 @@ COLORS: Dict[str, str] = {
 }
 _LEGEND = {"F": "F forward", "B": "B backward", "I": "I input grad", "W": "W weight grad",
            "ALLREDUCE": "all-reduce", "UPDATE": "U update", "SEND": "send", "RECV": "recv"}
-_BOXED = ("F", "B", "I", "W", "ALLREDUCE")
+_SENDS = (_C.ActionKind.SEND_F, _C.ActionKind.SEND_B)
 _MIN_BOX_PX = 3.0   # zero-time boxes (an all-reduce with t_allreduce=0) stay visible
 _LABEL_FONT = 8.0
 
@@ -114,15 +114,14 @@ def _text_color(rgb: Tuple[float, float, float]) -> str:
     return "black" if luminance > 0.5 else "white"
 
 
-def _label(kind: str, microbatch: int, version: int) -> str:
-    if kind == "ALLREDUCE":
-        return f"v{version}"
-    return f"{microbatch}v{version}" if version else str(microbatch)
+def _label(action: "_C.Action") -> str:
+    if action.kind == _C.ActionKind.ALLREDUCE:
+        return f"v{action.version}"
+    return f"{action.microbatch}v{action.version}" if action.version else str(action.microbatch)
 
 
-def _transfer_time(kind: str, stage: int, t_comm: List[float]) -> float:
-    # SEND_F of stage j crosses boundary j (j -> j+1); SEND_B crosses boundary j-1.
-    boundary = stage if kind == "SEND_F" else stage - 1
+def _transfer_time(send: "_C.Action", t_comm: List[float]) -> float:
+    boundary = send.transfer.boundary  # stage j -> j+1 is boundary j
     return t_comm[boundary] if 0 <= boundary < len(t_comm) else 0.0
 
 
@@ -154,9 +153,10 @@ class _Chart:
         amount = 0.0 if self.most_chunks == 1 else 0.55 * chunk / (self.most_chunks - 1)
         return _lighter(COLORS[kind], amount)
 
-    def box(self, kind: str, chunk: int, action: Any, rank: int, start: float, end: float) -> None:
+    def box(self, action: "_C.Action", chunk: int, rank: int, start: float, end: float) -> None:
         from matplotlib.patches import Rectangle  # noqa: PLC0415 - optional dependency
 
+        kind = action.kind.name
         color = self.fill(kind, chunk)
         x0, w = start, max(end - start, _MIN_BOX_PX / self.px_per_unit)
         self.ax.add_patch(Rectangle((x0, rank + 0.08), w, 0.84, facecolor=color,
@@ -164,7 +164,7 @@ class _Chart:
         self.seen.setdefault(kind, COLORS[kind])
         if self.most_chunks > 1:
             self.shaded[(kind, chunk)] = color
-        label = _label(kind, action.microbatch, action.version)
+        label = _label(action)
         box_px = w * self.px_per_unit
         for size in (_LABEL_FONT, 6.5):
             if len(label) * 0.62 * size * DPI / 72 + 3 <= box_px:
@@ -177,32 +177,32 @@ class _Chart:
                      linewidth=2.0, solid_capstyle="butt", clip_on=False, zorder=3)
         self.seen.setdefault("UPDATE", COLORS["UPDATE"])
 
-    def transfer(self, kind: str, stage: int, rank: int, start: float, end: float,
+    def transfer(self, action: "_C.Action", rank: int, start: float, end: float,
                  comm_costs: List[float]) -> None:
         from matplotlib.patches import Rectangle  # noqa: PLC0415 - optional dependency
 
-        if kind.startswith("SEND"):  # as long as the transfer it starts, at the row's bottom
-            w = max(end - start, _transfer_time(kind, stage, comm_costs))
+        send = action.kind in _SENDS
+        if send:  # as long as the transfer it starts, at the row's bottom
+            w = max(end - start, _transfer_time(action, comm_costs))
             y0 = rank + 0.80
         else:
             w = end - start
             y0 = rank + 0.04
         w = max(w, 2.0 / self.px_per_unit)
-        self.ax.add_patch(Rectangle((start, y0), w, 0.16, facecolor=COLORS[kind],
-                                    edgecolor="none", zorder=4))
-        self.seen.setdefault(kind.split("_")[0], COLORS[kind])
+        color = COLORS[action.kind.name]
+        self.ax.add_patch(Rectangle((start, y0), w, 0.16, facecolor=color, edgecolor="none", zorder=4))
+        self.seen.setdefault("SEND" if send else "RECV", color)
 
     def draw_timeline(self, timeline: Any, comm: bool, comm_costs: List[float]) -> None:
-        for rank, _step, text, start, end in timeline:
-            action = _C.Action.parse(text)
-            kind, stage = action.kind.name, action.stage
+        for rank, _step, action, start, end in timeline:
+            stage = action.stage
             chunk = self.chunks[rank].index(stage) if stage in self.chunks[rank] else 0
-            if kind in _BOXED:
-                self.box(kind, chunk, action, rank, start, end)
-            elif kind == "UPDATE":
+            if action.is_compute or action.kind == _C.ActionKind.ALLREDUCE:
+                self.box(action, chunk, rank, start, end)
+            elif action.kind == _C.ActionKind.UPDATE:
                 self.update_bar(rank, start)
             elif comm:  # SEND_*/RECV_*
-                self.transfer(kind, stage, rank, start, end, comm_costs)
+                self.transfer(action, rank, start, end, comm_costs)
 
     def label_axes(self, ranks: int) -> None:
         ax = self.ax

@@ -1,17 +1,21 @@
 """Pipeline schedules as data: build, inspect, validate and simulate them.
 
-A schedule is, for every rank, an ordered list of typed actions in a compact
-text form (``2F0``: stage 2 forward of microbatch 0; ``1B3v2``: stage 1
-backward of microbatch 3 reading weight version 2; ``0U1``: the update that
-creates version 1 of stage 0; ``3SEND_F1`` / ``4RECV_F1``: communication).
-Generators, lowering, validation and the simulator are C++ (``_C``); this
+A schedule is, for every rank, an ordered list of typed actions (:class:`Action`:
+``stage``, ``kind``, ``microbatch``, ``version``), shown in a compact text form
+(``2F0``: stage 2 forward of microbatch 0; ``1B3v2``: stage 1 backward of
+microbatch 3 reading weight version 2; ``0U1``: the update that creates version 1
+of stage 0; ``3SEND_F1`` / ``4RECV_F1``: communication). Generators, lowering,
+validation, the simulator and the actions themselves are C++ (``_C``); this
 module is a thin typed wrapper.
 
 Example:
     >>> from pipedream_ext import schedules
     >>> s = schedules.build("1f1b", stages=4, microbatches=8)
     >>> s.actions(0, comm=False)[:5]
-    ['0F0', '0F1', '0F2', '0F3', '0B0']
+    [0F0, 0F1, 0F2, 0F3, 0B0]
+    >>> a = s.actions(0, comm=False)[4]
+    >>> a.kind == schedules.ActionKind.B, a.stage, a.microbatch, a.is_backward_like
+    (True, 0, 0, True)
     >>> round(s.simulate(t_f=1, t_b=1).bubble_fraction, 4)
     0.2727
 """
@@ -24,8 +28,22 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 from . import _C, _viz
 
-__all__ = ["Schedule", "SimulationResult", "build", "names", "parse_action", "traits",
-           "synchronous_names", "asynchronous_names"]
+__all__ = ["Action", "ActionKind", "Schedule", "SimulationResult", "TransferKey", "build", "names",
+           "parse_action", "traits", "synchronous_names", "asynchronous_names"]
+
+#: One action of a rank's list (bound from ``csrc/core/action.h``): ``stage``, ``kind``
+#: (:class:`ActionKind`), ``microbatch`` (-1 for UPDATE and ALLREDUCE), ``version``;
+#: ``is_compute`` (F/B/I/W), ``is_backward_like`` (B/I/W), ``is_comm`` (SEND/RECV),
+#: ``transfer`` (the :class:`TransferKey` of a SEND/RECV). ``str()`` and ``repr()`` are
+#: the compact text (``1B3v2``), :meth:`Action.parse` reads it back; equal actions have
+#: equal hashes. Transition: ``action["kind"]`` (the dict :func:`parse_action` returned)
+#: and comparing with a text (``action == "1F0"``) still work with a DeprecationWarning.
+Action = _C.Action
+#: F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B, UPDATE, ALLREDUCE.
+ActionKind = _C.ActionKind
+#: The transfer a SEND/RECV action is one end of (``forward``, ``boundary``,
+#: ``microbatch``); both ends have equal keys. ``repr``: ``F0:3``.
+TransferKey = _C.TransferKey
 
 Costs = Union[float, int, Sequence[float]]
 
@@ -61,19 +79,18 @@ def asynchronous_names() -> List[str]:
     return [t.name for t in _C.all_schedule_traits() if t.asynchronous]
 
 
-def parse_action(text: str) -> Dict[str, Any]:
-    """Parses one action such as ``"1B3v2"`` into its fields.
+def parse_action(text: str) -> Action:
+    """Parses one action such as ``"1B3v2"`` (the same as :meth:`Action.parse`).
+
+    Returns:
+        The :class:`Action`. Reading it as the dict this function returned before
+        (``a["kind"]``) warns and names the attribute (``a.kind``; ``a.kind.name`` is
+        the old string).
 
     Raises:
-        ValueError: if ``text`` is not a valid action.
+        ValueError: if ``text`` is not a valid action (the C++ parser's message).
     """
-    action = _C.Action.parse(text)
-    return {
-        "stage": action.stage,
-        "kind": action.kind.name,
-        "microbatch": action.microbatch,
-        "version": action.version,
-    }
+    return Action.parse(text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +107,7 @@ class SimulationResult:
         peak_deferred_weight_grads: per stage, most microbatches between I and W.
         peak_weight_versions: per stage, most weight versions alive at once
             (versions read by in-flight microbatches plus the current one).
-        timeline: ``(rank, step, action, start, end)`` for every action.
+        timeline: ``(rank, step, action, start, end)`` for every action (an :class:`Action`).
     """
 
     makespan: float
@@ -104,7 +121,7 @@ class SimulationResult:
 
     def to_dict(self) -> Dict[str, Any]:
         """Returns the figures (without the timeline) as a JSON-ready dict."""
-        out = dataclasses.asdict(self)
+        out = dataclasses.asdict(dataclasses.replace(self, timeline=[]))  # no copy of every action
         out.pop("timeline")
         return out
 
@@ -130,7 +147,7 @@ def _wrap(raw: "_C.SimulationResult") -> SimulationResult:
         peak_activations_per_rank=list(raw.peak_activations_per_rank),
         peak_deferred_weight_grads=list(raw.peak_deferred_weight_grads),
         peak_weight_versions=list(raw.peak_weight_versions),
-        timeline=[(e.rank, e.step, str(e.action), e.start, e.end) for e in raw.timeline],
+        timeline=[(e.rank, e.step, e.action, e.start, e.end) for e in raw.timeline],
     )
 
 
@@ -193,10 +210,13 @@ class Schedule:
         return list(self._compute.layout.stages_of_rank(rank))
 
     # -- views --------------------------------------------------------------
-    def actions(self, rank: int, comm: bool = True) -> List[str]:
-        """Returns rank ``rank``'s actions as text, with communication unless ``comm=False``."""
+    def actions(self, rank: int, comm: bool = True) -> List[Action]:
+        """Returns rank ``rank``'s :class:`Action` list, with communication unless ``comm=False``.
+
+        ``str(action)`` is its text (``0SEND_F0``); :meth:`to_text` gives every rank's line.
+        """
         source = self._lowered if comm else self._compute
-        return list(source.action_strings(rank))
+        return list(source.actions(rank))
 
     def grid(self, comm: bool = False) -> str:
         """Rank-by-step text grid (compute-only unless ``comm=True``)."""

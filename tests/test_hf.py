@@ -21,7 +21,6 @@ into the unmodified ``GPT2LMHeadModel`` and loaded into another split.
 from __future__ import annotations
 
 import os
-import re
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -114,10 +113,9 @@ def tied_order(schedule: str, world: int) -> Optional[List[Tuple[str, int]]]:
         return None
     built = pd.schedules.build(schedule, stages=world, microbatches=MICROBATCHES, chunks=2)
     last, order = 2 * world - 1, []
-    for text in built.actions(0, comm=False):
-        match = re.fullmatch(r"(\d+)([BW])(\d+)", text)
-        if match and int(match.group(1)) in (0, last):
-            order.append(("emb" if int(match.group(1)) == 0 else "head", int(match.group(3))))
+    for a in built.actions(0, comm=False):
+        if a.kind in (pd.schedules.ActionKind.B, pd.schedules.ActionKind.W) and a.stage in (0, last):
+            order.append(("emb" if a.stage == 0 else "head", a.microbatch))
     return order
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 import subprocess
 import sys
 
@@ -13,12 +14,12 @@ from pipedream_ext import schedules
 def test_build_exposes_actions_grid_and_figures():
     s = schedules.build("1f1b", stages=4, microbatches=8)
     assert s.num_ranks == 4 and s.num_stages == 4 and s.replicas == [1, 1, 1, 1]
-    assert s.actions(3, comm=False) == [
+    assert [str(a) for a in s.actions(3, comm=False)] == [
         "3F0", "3B0", "3F1", "3B1", "3F2", "3B2", "3F3", "3B3",
         "3F4", "3B4", "3F5", "3B5", "3F6", "3B6", "3F7", "3B7", "3U1"]
     # Receives are posted ahead, as far as the pair's transfer order allows:
     # rank 1 sends B0 to rank 0 only after rank 0's F3 arrived.
-    assert s.actions(1)[:6] == ["1RECV_F0", "1RECV_F1", "1RECV_F2", "1RECV_F3", "1F0", "1SEND_F0"]
+    assert [str(a) for a in s.actions(1)[:6]] == ["1RECV_F0", "1RECV_F1", "1RECV_F2", "1RECV_F3", "1F0", "1SEND_F0"]
     pairs = dict(line.split(": ", 1) for line in s.channels().splitlines())
     assert pairs["rank 0 -> 1"].split()[:6] == [
         "0SEND_F0", "0SEND_F1", "0SEND_F2", "0SEND_F3", "0RECV_B0", "0SEND_F4"]
@@ -54,10 +55,9 @@ def test_asynchronous_versions_follow_the_pipedream_rule():
     p, m = 4, 12
     s = schedules.build("pipedream", stages=p, microbatches=m)
     for stage in range(p):
-        for text in s.actions(stage, comm=False):
-            a = schedules.parse_action(text)
-            if a["kind"] in ("F", "B"):
-                assert a["version"] == max(0, a["microbatch"] - (p - 1 - stage)), text
+        for a in s.actions(stage, comm=False):
+            if a.kind in (schedules.ActionKind.F, schedules.ActionKind.B):
+                assert a.version == max(0, a.microbatch - (p - 1 - stage)), a
     assert s.simulate().peak_weight_versions == [4, 3, 2, 1]
     two = schedules.build("pipedream-2bw", stages=p, microbatches=4, batches=4)
     assert max(two.simulate().peak_weight_versions) == 2
@@ -67,8 +67,8 @@ def test_replicas_round_robin():
     s = schedules.build("pipedream", stages=3, microbatches=8, replicas=[2, 1, 1])
     assert s.num_ranks == 4
     assert s.stage_ranks(0) == [0, 1]
-    assert s.actions(1, comm=False)[:3] == ["0F1", "0F3", "0B1"]
-    assert "0ALLREDUCE1" in s.actions(0)
+    assert [str(a) for a in s.actions(1, comm=False)[:3]] == ["0F1", "0F3", "0B1"]
+    assert schedules.Action.parse("0ALLREDUCE1") in s.actions(0)
 
 
 def test_text_and_csv_round_trip(tmp_path):
@@ -79,6 +79,46 @@ def test_text_and_csv_round_trip(tmp_path):
     s.to_csv(path)
     from_csv = s.with_actions(path.read_text(), fmt="csv")
     assert all(from_csv.actions(r) == s.actions(r) for r in range(s.num_ranks))
+
+
+def test_actions_are_typed_and_print_as_their_text():
+    s = schedules.build("1f1b", stages=2, microbatches=2)
+    a = s.actions(1, comm=False)[1]
+    assert (a.stage, a.kind, a.microbatch, a.version) == (1, schedules.ActionKind.B, 0, 0)
+    assert (str(a), repr(a), repr(s.actions(0)[:2])) == ("1B0", "1B0", "[0F0, 0SEND_F0]")
+    assert (a.is_compute, a.is_backward_like, a.is_comm) == (True, True, False)
+    assert a == schedules.Action.parse("1B0") and a != schedules.Action.parse("1B1") and a != 1
+    assert len({schedules.Action.parse(t) for t in ("1B0", "1B0", "1B3v2")}) == 2
+    assert pickle.loads(pickle.dumps(a)) == a
+    # Both ends of a transfer share its key, whichever rank runs them.
+    send, recv = schedules.Action.parse("0SEND_F1"), schedules.Action.parse("1RECV_F1")
+    assert send.transfer == recv.transfer and hash(send.transfer) == hash(recv.transfer)
+    assert (repr(send.transfer), send.transfer.forward, send.transfer.boundary) == ("F0:1", True, 0)
+    assert schedules.Action.parse("1SEND_B1").transfer == schedules.Action.parse("0RECV_B1").transfer
+    update = schedules.Action.parse("0U3")
+    assert (update.kind, update.microbatch, update.version) == (schedules.ActionKind.UPDATE, -1, 3)
+    with pytest.raises(ValueError, match="is not a SEND or RECV action"):
+        _ = a.transfer
+    with pytest.raises(ValueError, match="cannot parse action '1X0'"):
+        schedules.Action.parse("1X0")
+
+
+def test_the_dict_and_text_forms_of_an_action_warn_and_still_work():
+    """parse_action returned a dict and actions() returned strings: both spellings warn
+    naming the new one and give the old answers."""
+    a = schedules.parse_action("1B3v2")
+    with pytest.warns(DeprecationWarning, match=r'action\["kind"\] is deprecated: use action.kind'):
+        assert a["kind"] == "B"
+    with pytest.warns(DeprecationWarning, match=r'action\["(stage|microbatch|version)"\] is deprecated: '
+                                                r"use action\.\1$"):
+        assert (a["stage"], a["microbatch"], a["version"]) == (1, 3, 2)
+    with pytest.raises(KeyError, match="stage, kind, microbatch and version"):
+        a["peer"]
+    s = schedules.build("1f1b", stages=2, microbatches=2)
+    with pytest.warns(DeprecationWarning, match=r"compare with Action\.parse\('0(F0|SEND_F0)'\), or compare "):
+        assert s.actions(0)[0] == "0F0" and "0SEND_F0" in s.actions(0) and "0F0" == s.actions(0)[0]
+    with pytest.warns(DeprecationWarning, match=r"compare with Action\.parse\('0(F1|SEND_F0)'\)"):
+        assert "0SEND_F0" in set(s.actions(0)) and s.actions(0)[0] != "0F1"
 
 
 def test_validator_error_shows_marked_grid():
@@ -223,7 +263,8 @@ def test_zero_bubble_orders_are_torchs_action_for_action():
                         s = schedules.build(name, stages=p, microbatches=m, chunks=v)
                     except ValueError:
                         continue  # dualpipev m < 2p, interleaved-zb unequal rounds: torch refuses too
-                    ours = [[a for a in s.actions(r, comm=False) if "U" not in a] for r in range(p)]
+                    ours = [[str(a) for a in s.actions(r, comm=False) if a.kind != schedules.ActionKind.UPDATE]
+                            for r in range(p)]
                     reference = _torch_reference_order(name, p, m, v)
                     assert ours == [_flat(ops) for ops in reference], (name, p, m, v)
                     compared += 1
@@ -292,8 +333,8 @@ def test_v_layout_from_python():
     assert [s.stage_ranks(j) for j in range(6)] == [[0], [1], [2], [2], [1], [0]]
     assert [s.stages_of_rank(r) for r in range(3)] == [[0, 5], [1, 4], [2, 3]]
     # The turn (2 -> 3 on rank 2) and stage 5 -> the loss on rank 0 exchange nothing.
-    assert not any("SEND_F" in a for a in s.actions(2) if a.startswith("2"))
-    assert "3RECV_F0" not in s.actions(2)
+    assert not any(a.kind == schedules.ActionKind.SEND_F for a in s.actions(2) if a.stage == 2)
+    assert schedules.Action.parse("3RECV_F0") not in s.actions(2)
     t = schedules.traits("zbv")
     assert (t.fixed_chunks, t.chunk_placement, t.split_backward, t.multi_chunk) == (2, "v", True, True)
     assert schedules.traits("interleaved-zb").chunk_placement == "round_robin"

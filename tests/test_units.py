@@ -33,7 +33,7 @@ from pipedream_ext._runtime.config import PipelineConfig
 from pipedream_ext._runtime.eval_outputs import merge_microbatch_outputs
 from pipedream_ext._runtime.local_stages import LocalStages
 from pipedream_ext._runtime.options import PipelineOptions
-from pipedream_ext._runtime.sharding import mesh_pipelines
+from pipedream_ext._runtime.sharding import keep_unsharded_after, mesh_pipelines
 from pipedream_ext._runtime.stage_call import (
     NonFiniteError,
     StageFunction,
@@ -960,6 +960,16 @@ def test_mesh_pipelines_follow_torchs_local_ranks_and_refuse_orders_without_stag
     with pytest.raises(ValueError, match=r"mesh \[\[0, 3\], \[2, 1\]\] cannot run a pipeline: .*in "
                                          r"the dp group \[0, 3\] rank 0 is pp rank 0, rank 3 is pp rank 1"):
         mesh_pipelines([[0, 3], [2, 1]])
+
+
+def test_fsdp_keeps_a_stage_unsharded_after_a_forward_whose_next_backward_is_a_w() -> None:
+    """W fires no pre-backward hook, so the forward before it must leave the stage's
+    weights gathered; the next backward-like action (B, I or W) of the same stage decides."""
+    order = ["0F0", "0I0", "0F1", "3F0", "3I0", "0W0", "3F1", "3W0", "0I1", "3I1", "0W1", "3W1"]
+    actions = [schedules.Action.parse(text) for text in order]
+    assert keep_unsharded_after(actions) == {(0, 1), (3, 1)}
+    flush = schedules.build("zb-h1", stages=2, microbatches=4).actions(0, comm=False)
+    assert keep_unsharded_after(flush) == set()  # I follows every forward
 
 
 def test_rank_names_say_global_ranks_with_mesh_coordinates() -> None:

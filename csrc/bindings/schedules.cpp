@@ -17,14 +17,34 @@ namespace py = pybind11;
 namespace pipedream {
 namespace {
 
-std::vector<std::string> actionStrings(const std::vector<Action>& actions) {
-  std::vector<std::string> out;
-  out.reserve(actions.size());
-  for (const auto& a : actions) out.push_back(a.toString());
-  return out;
+// The dict form of an action (stage, kind, microbatch, version) that Python
+// used before Action was typed; reading it warns and names the attribute.
+py::object deprecatedField(const Action& a, const std::string& key) {
+  const std::string message = "action[\"" + key + "\"] is deprecated: use action." + key +
+                              (key == "kind" ? " (an ActionKind; action.kind.name is the old string)" : "");
+  if (key != "stage" && key != "kind" && key != "microbatch" && key != "version") {
+    throw py::key_error("Action has no field '" + key +
+                        "'; its attributes are stage, kind, microbatch and version");
+  }
+  if (PyErr_WarnEx(PyExc_DeprecationWarning, message.c_str(), 1) != 0) throw py::error_already_set();
+  if (key == "stage") return py::int_(a.stage);
+  if (key == "kind") return py::cast(a.kind).attr("name");
+  return py::int_(key == "microbatch" ? a.microbatch : a.version);
 }
 
-void bindActions(py::module_& m) {
+// Comparing with the text form ("1F0") keeps code written when actions() returned
+// strings working; the hash is the text's, so sets and dicts agree with it.
+bool equalsText(const Action& a, const std::string& text) {
+  const std::string message = "comparing an Action with a str is deprecated: compare with "
+                              "Action.parse('" + text + "'), or compare str(action)";
+  if (PyErr_WarnEx(PyExc_DeprecationWarning, message.c_str(), 1) != 0) throw py::error_already_set();
+  return a.toString() == text;
+}
+
+// What __eq__ answers for another type, so that Python falls back to identity.
+py::object notImplemented() { return py::reinterpret_borrow<py::object>(Py_NotImplemented); }
+
+void bindActionKind(py::module_& m) {
   py::enum_<ActionKind>(m, "ActionKind")
       .value("F", ActionKind::kForward)
       .value("B", ActionKind::kBackward)
@@ -36,16 +56,53 @@ void bindActions(py::module_& m) {
       .value("RECV_B", ActionKind::kRecvBackward)
       .value("UPDATE", ActionKind::kUpdate)
       .value("ALLREDUCE", ActionKind::kAllReduce);
+}
 
-  py::class_<Action>(m, "Action")
+void bindTransferKey(py::module_& m) {
+  py::class_<TransferKey>(m, "TransferKey",
+                          "The transfer a SEND_*/RECV_* action is one end of; both ends have the same "
+                          "key (csrc/core/channels.h). repr: 'F0:3' (forward, boundary 0, microbatch 3).")
+      .def_readonly("forward", &TransferKey::forward)
+      .def_readonly("boundary", &TransferKey::boundary, "Stage j -> j+1 is boundary j.")
+      .def_readonly("microbatch", &TransferKey::microbatch)
+      .def("__repr__", &TransferKey::toString)
+      .def("__eq__", &TransferKey::operator==)
+      .def("__eq__", [](const TransferKey&, const py::object&) { return notImplemented(); })
+      .def("__hash__", [](const TransferKey& k) { return hashInts(k.forward, k.boundary, k.microbatch); });
+}
+
+void bindAction(py::module_& m) {
+  py::class_<Action>(m, "Action",
+                     "One action of a rank's list (csrc/core/action.h); str and repr are its compact "
+                     "text ('1F0', '1B3v2', '0SEND_F1', '0U1'), Action.parse reads it back.")
       .def_readonly("stage", &Action::stage)
       .def_readonly("kind", &Action::kind)
-      .def_readonly("microbatch", &Action::microbatch)
-      .def_readonly("version", &Action::version)
-      .def_static("parse", &Action::parse, py::arg("text"))
+      .def_readonly("microbatch", &Action::microbatch, "-1 for UPDATE and ALLREDUCE.")
+      .def_readonly("version", &Action::version,
+                    "F/B/I/W: the weight version read; UPDATE/ALLREDUCE: the version created.")
+      .def_property_readonly("is_compute", [](const Action& a) { return isCompute(a.kind); }, "F, B, I, W.")
+      .def_property_readonly("is_backward_like", [](const Action& a) { return isBackwardLike(a.kind); },
+                             "B, I, W.")
+      .def_property_readonly("is_comm", [](const Action& a) { return isComm(a.kind); }, "SEND_*, RECV_*.")
+      .def_property_readonly("transfer", &TransferKey::of,
+                             "The TransferKey of a SEND_*/RECV_* action; ValueError for other kinds.")
+      .def_static("parse", &Action::parse, py::arg("text"),
+                  "The action of a compact text such as '1B3v2'; ValueError naming the text.")
       .def("__str__", &Action::toString)
-      .def("__repr__", [](const Action& a) { return "Action('" + a.toString() + "')"; })
-      .def("__eq__", &Action::operator==);
+      .def("__repr__", &Action::toString)
+      .def("__eq__", &Action::operator==)
+      .def("__eq__", &equalsText)
+      .def("__eq__", [](const Action&, const py::object&) { return notImplemented(); })
+      .def("__hash__", [](const Action& a) { return py::hash(py::str(a.toString())); })
+      .def("__getitem__", &deprecatedField, py::arg("key"))
+      .def(py::pickle([](const Action& a) { return a.toString(); },
+                      [](const std::string& text) { return Action::parse(text); }));
+}
+
+void bindActions(py::module_& m) {
+  bindActionKind(m);
+  bindTransferKey(m);
+  bindAction(m);
 }
 
 void bindScheduleClasses(py::module_& m) {
@@ -66,8 +123,6 @@ void bindScheduleClasses(py::module_& m) {
       .def_property_readonly("batches", &Schedule::batches)
       .def_property_readonly("is_lowered", &Schedule::isLowered)
       .def("actions", [](const Schedule& s, int rank) { return s.actions(rank); }, py::arg("rank"))
-      .def("action_strings", [](const Schedule& s, int rank) { return actionStrings(s.actions(rank)); },
-           py::arg("rank"))
       .def("to_text", &Schedule::toText)
       .def("to_csv", &Schedule::toCsv)
       .def("grid", [](const Schedule& s) { return s.grid(); })

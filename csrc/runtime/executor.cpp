@@ -16,10 +16,6 @@ constexpr int kBackwardDir = 1;  // gradients j+1 -> j, keyed by j
 
 using Clock = std::chrono::steady_clock;
 
-std::string commName(int stage, const char* what, int microbatch) {
-  return std::to_string(stage) + what + std::to_string(microbatch);
-}
-
 }  // namespace
 
 namespace {
@@ -146,8 +142,9 @@ std::vector<at::Tensor> PipelineExecutor::receive(const Key& key, int direction)
   posted.erase(it);
   const auto start = Clock::now();
   transfer->wait(engine_->timeout());
-  const char* what = direction == kForwardDir ? "RECV_F" : "RECV_B";
-  account(what, commName(key.first, what, key.second), "wait", start, true);
+  const Action received = Action::comm(
+      key.first, direction == kForwardDir ? ActionKind::kRecvForward : ActionKind::kRecvBackward, key.second);
+  account(kindToken(received.kind), received.toString(), "wait", start, true);
   auto tensors = transfer->tensors();
   // Gradients are checked against the stashed outputs they are for, at B.
   if (direction == kForwardDir) checkSignature(key.first, key.second, tensors);

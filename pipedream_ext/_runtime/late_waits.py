@@ -14,13 +14,11 @@ import collections
 import dataclasses
 import json
 import os
-import re
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
-__all__ = ["LateWait", "late_receive_waits"]
+from .. import schedules
 
-# "2RECV_B3": stage 2 waits for the gradient of microbatch 3; "3SEND_B3" sends it.
-_TRANSFER = re.compile(r"^(\d+)(SEND|RECV)_([FB])(\d+)$")
+__all__ = ["LateWait", "late_receive_waits"]
 
 Span = Dict[str, Any]
 
@@ -60,24 +58,30 @@ def _load(trace: Union[str, os.PathLike, Mapping[str, Any]]) -> List[Span]:
         return list(json.load(f)["traceEvents"])
 
 
-def _counterpart(name: str) -> Optional[str]:
-    """The other end of a transfer span: ``2RECV_B3`` <-> ``3SEND_B3``."""
-    m = _TRANSFER.match(name)
-    if m is None:
+def _transfer(name: str) -> Optional[Tuple[schedules.TransferKey, bool]]:
+    """The transfer a span is one end of, and whether it is the sending end: ``2RECV_B3``
+    and ``3SEND_B3`` are the two ends of one transfer. ``None`` for other spans."""
+    try:
+        action = schedules.Action.parse(name)
+    except ValueError:
+        return None  # "wait for sends", all-reduce waits
+    if not action.is_comm:
         return None
-    stage, kind, direction, microbatch = int(m[1]), m[2], m[3], m[4]
-    upstream = (kind == "RECV") == (direction == "F")  # a RECV_F's sender is stage - 1
-    other = stage - 1 if upstream else stage + 1
-    return f"{other}{'SEND' if kind == 'RECV' else 'RECV'}_{direction}{microbatch}"
+    return action.transfer, action.kind in (schedules.ActionKind.SEND_F, schedules.ActionKind.SEND_B)
 
 
-def _occurrences(spans: List[Span]) -> Dict[str, List[Span]]:
-    """Transfer spans by name, each list in time order (one entry per step)."""
-    by_name: Dict[str, List[Span]] = collections.defaultdict(list)
+Ends = Dict[Tuple[schedules.TransferKey, bool], List[Span]]
+
+
+def _occurrences(spans: List[Span]) -> Ends:
+    """Transfer spans by transfer and end (sending or receiving), each list in time
+    order (one entry per step)."""
+    ends: Ends = collections.defaultdict(list)
     for e in spans:
-        if _TRANSFER.match(e["name"]):
-            by_name[e["name"]].append(e)
-    return by_name
+        end = _transfer(e["name"])
+        if end is not None:
+            ends[end].append(e)
+    return ends
 
 
 def _end(e: Span) -> int:
@@ -102,28 +106,26 @@ def late_receive_waits(trace: Union[str, os.PathLike, Mapping[str, Any]]) -> Lis
         One :class:`LateWait` per such wait, in time order.
     """
     spans = sorted((e for e in _load(trace) if e.get("ph") == "X"), key=lambda e: (e["ts"], e["pid"]))
-    by_name = _occurrences(spans)
+    ends = _occurrences(spans)
     track: Dict[int, List[Span]] = collections.defaultdict(list)
     for e in spans:
         track[e["pid"]].append(e)
     position = {id(e): k for events in track.values() for k, e in enumerate(events)}
     late: List[LateWait] = []
-    for name, waits in by_name.items():
-        if "RECV" not in name:
+    for (key, send), waits in ends.items():
+        if send:
             continue
-        sends = by_name.get(_counterpart(name) or "", [])
-        for wait, sent in zip(waits, sends):
+        for wait, sent in zip(waits, ends.get((key, True), [])):
             if _end(sent) > wait["ts"]:
                 continue  # the data was not sent yet when the wait began
-            after = _released_after(track[sent["pid"]], position[id(sent)], wait, by_name)
+            after = _released_after(track[sent["pid"]], position[id(sent)], wait, ends)
             if after is not None:
-                late.append(LateWait(wait["pid"], name, sent["pid"], sent["name"], after["name"], wait["ts"],
+                late.append(LateWait(wait["pid"], wait["name"], sent["pid"], sent["name"], after["name"], wait["ts"],
                                      wait["dur"], wait["ts"] - _end(sent), _end(wait) - after["ts"]))
     return sorted(late, key=lambda w: (w.start_us, w.rank))
 
 
-def _released_after(peer_track: List[Span], start: int, wait: Span,
-                    by_name: Mapping[str, List[Span]]) -> Optional[Span]:
+def _released_after(peer_track: List[Span], start: int, wait: Span, ends: Ends) -> Optional[Span]:
     """The peer's first send to the waiting rank after ``peer_track[start]`` whose
     producer began after ``wait`` began, if it started before the wait ended."""
     producer: Optional[Span] = None
@@ -133,14 +135,15 @@ def _released_after(peer_track: List[Span], start: int, wait: Span,
         if e.get("cat") == "compute":
             producer = e
             continue
-        if e.get("cat") != "send" or not _to_rank(e, wait["pid"], by_name):
+        if e.get("cat") != "send" or not _to_rank(e, wait["pid"], ends):
             continue
         if producer is not None and producer["ts"] > wait["ts"]:
             return e
     return None
 
 
-def _to_rank(send: Span, rank: int, by_name: Mapping[str, List[Span]]) -> bool:
+def _to_rank(send: Span, rank: int, ends: Ends) -> bool:
     """Whether ``send`` goes to ``rank`` (the rank that waits for it)."""
-    receives: Tuple[Span, ...] = tuple(by_name.get(_counterpart(send["name"]) or "", ()))
+    end = _transfer(send["name"])
+    receives = ends.get((end[0], False), []) if end is not None else []
     return bool(receives) and receives[0]["pid"] == rank

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import schedules
 from .._dist import collectives
 from .._dist.groups import RankNames, bounded_group, checkpoint_group, side_group
 from .config import PipelineConfig
@@ -301,7 +302,7 @@ def refuse_split_ties(plan: Optional[MeshPlan],
                     "ranks is supported), or untie it")
 
 
-def keep_unsharded_after(actions: Sequence[Dict[str, Any]]) -> Set[Tuple[int, int]]:
+def keep_unsharded_after(actions: Sequence[schedules.Action]) -> Set[Tuple[int, int]]:
     """The forwards ``(stage, microbatch)`` after which the stage must stay unsharded.
 
     Those whose stage's next backward action in the rank's list is a ``W``: ``W``
@@ -309,16 +310,15 @@ def keep_unsharded_after(actions: Sequence[Dict[str, Any]]) -> Set[Tuple[int, in
     so the weights a later forward resharded would not be gathered again.
 
     Args:
-        actions: this rank's compute actions in order (``schedules.parse_action``).
+        actions: this rank's compute actions in order (``Schedule.actions(rank, comm=False)``).
     """
     keep: Set[Tuple[int, int]] = set()
     for k, a in enumerate(actions):
-        if a["kind"] != "F":
+        if a.kind != schedules.ActionKind.F:
             continue
-        after = next((b["kind"] for b in actions[k + 1:]
-                      if b["stage"] == a["stage"] and b["kind"] in ("B", "I", "W")), None)
-        if after == "W":
-            keep.add((a["stage"], a["microbatch"]))
+        after = next((b.kind for b in actions[k + 1:] if b.stage == a.stage and b.is_backward_like), None)
+        if after == schedules.ActionKind.W:
+            keep.add((a.stage, a.microbatch))
     return keep
 
 
@@ -555,7 +555,7 @@ class ReplicatedStages(DataParallel):
 
 
 def make_data_parallel(plan: Optional[MeshPlan], loss_reduction: str,
-                       actions: Callable[[], Sequence[Dict[str, Any]]]
+                       actions: Callable[[], Sequence[schedules.Action]]
                        ) -> Optional[DataParallel]:
     """The data-parallel policy of ``plan`` before the stages exist (FSDP shards them
     as they are built), or ``None`` without a mesh.
