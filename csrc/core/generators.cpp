@@ -108,7 +108,9 @@ void oneFOneBBatch(const Layout& layout, int m, int batch, RankLists& lists) {
 // microbatch (k / pv) * p + k % p of chunk (k % pv) / p.
 int interleavedRoundSize(int p, int m) { return m / std::max(1, m / p); }
 
-void interleavedBatch(int p, int v, int m, int batch, RankLists& lists) {
+void interleavedBatch(const Layout& layout, int m, int batch, RankLists& lists) {
+  const int p = layout.numRanks();
+  const int v = layout.numStages() / p;
   const int roundSize = interleavedRoundSize(p, m);
   std::vector<std::pair<int, int>> forwardOrder, backwardOrder;  // (chunk, microbatch)
   for (int start = 0; start < m; start += roundSize) {
@@ -517,7 +519,10 @@ RankOps interleavedZbRank(int p, int v, int m, int r) {
 // PipeDream: 1F1B without flushes; an UPDATE (after an ALLREDUCE for a
 // replicated stage) follows every backward, and F reads the number of
 // updates applied so far on its rank.
-void pipedreamAll(const Layout& layout, int m, bool verticalSync, RankLists& lists) {
+RankLists generatePipeDream(const ScheduleOptions& o, const Layout& layout) {
+  const int m = o.microbatches;
+  const bool verticalSync = o.verticalSync;
+  RankLists lists(layout.numRanks());
   const auto replicas = layout.replicaCounts();
   // Vertical sync: stage 0's version of minibatch i (its replica runs it as
   // local position i / r_0, after max(0, i / r_0 - NOAM_0 + 1) updates).
@@ -541,6 +546,7 @@ void pipedreamAll(const Layout& layout, int m, bool verticalSync, RankLists& lis
                      [&](int x) { appendUpdate(out, j, r, x + 1); });
     }
   }
+  return lists;
 }
 
 // PipeDream-2BW: 1F1B without flushes over `batches` batches of m
@@ -548,8 +554,20 @@ void pipedreamAll(const Layout& layout, int m, bool verticalSync, RankLists& lis
 // Every microbatch of batch t reads version max(0, t - 1), so the update
 // after batch t computes W(t+1) = W(t) - lr * grad(W(t-1)), and at most two
 // versions are live on any stage.
-void twoBwAll(const Layout& layout, int m, int batches, RankLists& lists) {
+RankLists generateTwoBw(const ScheduleOptions& o, const Layout& layout) {
+  const int m = o.microbatches;
   const auto replicas = layout.replicaCounts();
+  // The first forward of batch t+1 must come after the update that ends
+  // batch t-1, which needs m/r_j >= NOAM_j - 1 on every stage.
+  for (int j = 0; j < layout.numStages(); ++j) {
+    const int need = (numOptimalActiveMinibatches(replicas, j) - 1) * replicas[j];
+    if (m < need) {
+      fail("pipedream-2bw needs at least " + str(need) +
+           " microbatches per batch so that stage " + str(j) +
+           " never needs a third weight version (got m=" + str(m) + "); use m=" + str(need));
+    }
+  }
+  RankLists lists(layout.numRanks());
   for (int j = 0; j < layout.numStages(); ++j) {
     const auto& ranks = layout.stageRanks(j);
     const int r = static_cast<int>(ranks.size());
@@ -558,14 +576,17 @@ void twoBwAll(const Layout& layout, int m, int batches, RankLists& lists) {
     for (int k = 0; k < r; ++k) {
       auto& out = lists[ranks[k]];
       appendOneFOneB(
-          out, j, localMicrobatches(0, m * batches, k, r), noam,
+          out, j, localMicrobatches(0, m * o.batches, k, r), noam,
           [m](int i) { return std::max(0, i / m - 1); },
           [&](int x) {
             if ((x + 1) % perBatch == 0) appendUpdate(out, j, r, (x + 1) / perBatch);
           });
     }
   }
+  return lists;
 }
+
+// --- checks ----------------------------------------------------------------
 
 void checkPositive(const char* what, int value) {
   if (value < 1) {
@@ -586,21 +607,6 @@ std::string namesWhere(bool ScheduleTraits::*flag) {
   }
   return out;
 }
-
-}  // namespace
-
-std::vector<std::string> scheduleNames() {
-  std::vector<std::string> names;
-  for (const auto& traits : allScheduleTraits()) names.push_back(traits.name);
-  return names;
-}
-
-int numOptimalActiveMinibatches(const std::vector<int>& replicas, int stage) {
-  const int downstream = std::accumulate(replicas.begin() + stage, replicas.end(), 0);
-  return (downstream + replicas[stage] - 1) / replicas[stage];
-}
-
-namespace {
 
 // The options `traits` rule out, whatever the schedule family.
 void checkOptionsAgainstTraits(const ScheduleOptions& o, const ScheduleTraits& traits) {
@@ -637,95 +643,206 @@ void checkOptionsAgainstTraits(const ScheduleOptions& o, const ScheduleTraits& t
   }
 }
 
-// Multi-chunk schedules (interleaved-1f1b, zbv, dualpipev, interleaved-zb).
-Schedule buildMultiChunk(const ScheduleOptions& o, const ScheduleTraits& traits) {
-  const int p = o.stages;
+// One chunk per rank: every replica of a stage needs a microbatch, and
+// asynchronous replicas equally many (they must agree on the number of
+// all-reduces).
+void checkReplicasHaveMicrobatches(const ScheduleOptions& o, const Layout& layout,
+                                   const ScheduleTraits& traits) {
   const int m = o.microbatches;
-  const int v = o.chunks;
-  if (o.name == "interleaved-1f1b" || o.name == "interleaved-zb") {
-    const int roundSize = interleavedRoundSize(p, m);
-    if (m % roundSize != 0) {
-      int suggestion = m + 1;
-      while (suggestion % interleavedRoundSize(p, suggestion) != 0) ++suggestion;
-      fail(o.name + " splits microbatches into equal rounds of at least p (got m=" + str(m) +
-           ", p=" + str(p) + ": rounds of " + str(roundSize) + " leave " + str(m % roundSize) +
-           " over); use m=" + str(suggestion));
-    }
-  }
-  if (o.name == "dualpipev" && m < 2 * p) {
-    fail("dualpipev needs at least as many microbatches as stages (2p = " + str(2 * p) +
-         " for p=" + str(p) + " ranks, got m=" + str(m) + "); use m=" + str(2 * p) +
-         " or schedule 'zbv'");
-  }
-  Layout layout = Layout::chunked(p, v, traits.chunkPlacement);
-  RankLists lists(p);
-  for (int t = 0; t < o.batches; ++t) {
-    if (o.name == "interleaved-1f1b") {
-      interleavedBatch(p, v, m, t, lists);
-      continue;
-    }
-    std::vector<RankOps> order(p);
-    for (int r = 0; r < p; ++r) {
-      order[r] = o.name == "zbv"         ? zbvRank(p, m, r)
-                 : o.name == "dualpipev" ? dualPipeVRank(p, m, r)
-                                         : interleavedZbRank(p, v, m, r);
-    }
-    emitBatch(order, layout, m, t, lists);
-  }
-  return Schedule(o.name, layout, m, std::move(lists), o.batches);
-}
-
-// One chunk per rank on a straight (possibly replicated) pipeline.
-Schedule buildStraight(const ScheduleOptions& o, const ScheduleTraits& traits) {
-  const int p = o.stages;
-  const int m = o.microbatches;
-  Layout layout = Layout::straight(p, o.replicas);
   const auto replicas = layout.replicaCounts();
-  for (int j = 0; j < p; ++j) {
+  const bool asynchronous = traits.asynchronous;
+  for (int j = 0; j < layout.numStages(); ++j) {
     const int r = replicas[j];
-    // Asynchronous replicas must agree on the number of all-reduces.
-    const bool asynchronous = traits.asynchronous;
     if (asynchronous ? m % r != 0 : m < r) {
       fail("schedule '" + o.name + "' with replicas " + joined(replicas) + " needs microbatches " +
            (asynchronous ? "to be a multiple of " : ">= ") + str(r) + " (the replicas of stage " +
            str(j) + "), got m=" + str(m) + "; use m=" + str((m + r - 1) / r * r));
     }
   }
-  RankLists lists(layout.numRanks());
-  if (o.name == "gpipe") {
-    for (int t = 0; t < o.batches; ++t) gpipeBatch(layout, m, t, lists);
-  } else if (o.name == "1f1b") {
-    for (int t = 0; t < o.batches; ++t) oneFOneBBatch(layout, m, t, lists);
-  } else if (o.name == "zb-h1") {
-    for (int t = 0; t < o.batches; ++t) zbH1Batch(layout, m, t, lists);
-  } else if (o.name == "pipedream") {
-    pipedreamAll(layout, m, o.verticalSync, lists);
-  } else {  // pipedream-2bw
-    // The first forward of batch t+1 must come after the update that ends
-    // batch t-1, which needs m/r_j >= NOAM_j - 1 on every stage.
-    for (int j = 0; j < p; ++j) {
-      const int need = (numOptimalActiveMinibatches(replicas, j) - 1) * replicas[j];
-      if (m < need) {
-        fail("pipedream-2bw needs at least " + str(need) +
-             " microbatches per batch so that stage " + str(j) +
-             " never needs a third weight version (got m=" + str(m) + "); use m=" + str(need));
-      }
-    }
-    twoBwAll(layout, m, o.batches, lists);
+}
+
+// Interleaved schedules (round-robin chunks) run microbatches in equal rounds.
+void checkEqualRounds(const ScheduleOptions& o) {
+  const int p = o.stages;
+  const int m = o.microbatches;
+  const int roundSize = interleavedRoundSize(p, m);
+  if (m % roundSize != 0) {
+    int suggestion = m + 1;
+    while (suggestion % interleavedRoundSize(p, suggestion) != 0) ++suggestion;
+    fail(o.name + " splits microbatches into equal rounds of at least p (got m=" + str(m) +
+         ", p=" + str(p) + ": rounds of " + str(roundSize) + " leave " + str(m % roundSize) +
+         " over); use m=" + str(suggestion));
   }
-  return Schedule(o.name, layout, m, std::move(lists), o.batches);
+}
+
+// --- generators (ScheduleGenerator, generators.h) ----------------------------
+
+// A schedule whose batches are alike: `batchOf` appends batch t to every rank.
+using BatchGenerator = void (*)(const Layout& layout, int m, int batch, RankLists& lists);
+
+template <BatchGenerator batchOf>
+RankLists everyBatch(const ScheduleOptions& o, const Layout& layout) {
+  RankLists lists(layout.numRanks());
+  for (int t = 0; t < o.batches; ++t) batchOf(layout, o.microbatches, t, lists);
+  return lists;
+}
+
+// A multi-chunk schedule whose ranks' orders are computed one by one (as
+// torch's generators do): `orderOf(p, v, m, r)`, emitted for every batch.
+using RankOrder = RankOps (*)(int p, int v, int m, int r);
+
+RankLists rankByRank(const ScheduleOptions& o, const Layout& layout, RankOrder orderOf) {
+  const int p = layout.numRanks();
+  RankLists lists(p);
+  for (int t = 0; t < o.batches; ++t) {
+    std::vector<RankOps> order(p);
+    for (int r = 0; r < p; ++r) order[r] = orderOf(p, o.chunks, o.microbatches, r);
+    emitBatch(order, layout, o.microbatches, t, lists);
+  }
+  return lists;
+}
+
+RankLists generateInterleaved(const ScheduleOptions& o, const Layout& layout) {
+  checkEqualRounds(o);
+  return everyBatch<interleavedBatch>(o, layout);
+}
+
+RankLists generateZbv(const ScheduleOptions& o, const Layout& layout) {
+  return rankByRank(o, layout, [](int p, int, int m, int r) { return zbvRank(p, m, r); });
+}
+
+RankLists generateDualPipeV(const ScheduleOptions& o, const Layout& layout) {
+  const int p = o.stages;
+  const int m = o.microbatches;
+  if (m < 2 * p) {
+    fail("dualpipev needs at least as many microbatches as stages (2p = " + str(2 * p) +
+         " for p=" + str(p) + " ranks, got m=" + str(m) + "); use m=" + str(2 * p) +
+         " or schedule 'zbv'");
+  }
+  return rankByRank(o, layout, [](int p, int, int m, int r) { return dualPipeVRank(p, m, r); });
+}
+
+RankLists generateInterleavedZb(const ScheduleOptions& o, const Layout& layout) {
+  checkEqualRounds(o);
+  return rankByRank(o, layout, interleavedZbRank);
+}
+
+// --- the registry -------------------------------------------------------------
+//
+// One row per schedule: its traits (what it means; traits.h documents every
+// field) and its generator. Nothing else maps a name to a schedule:
+// buildSchedule, scheduleTraits(), scheduleNames() and Python's
+// schedules.names(), synchronous_names() and asynchronous_names() all read
+// these rows, in this order.
+//
+// To add a schedule: write its generator above (a ScheduleGenerator: fill
+// every rank's compute list on the layout buildSchedule made from the traits,
+// and throw std::invalid_argument naming the fix for what only this schedule
+// rules out), then add one row: a name and traits (a family below, or its
+// own). tests/cpp/test_registry.cpp builds and validates every row; add the
+// schedule to the validity grid (tests/cpp/test_helpers.h) and its golden
+// order to test_generators.cpp.
+
+ScheduleTraits named(ScheduleTraits traits, const char* name) {
+  traits.name = name;
+  return traits;
+}
+
+std::vector<RegisteredSchedule> makeRegistry() {
+  ScheduleTraits flush;  // one chunk per rank, the caller steps once per batch
+  flush.supportsReplicas = true;
+  ScheduleTraits zeroBubble = flush;  // backward split into I and W
+  zeroBubble.splitBackward = true;
+  zeroBubble.plannerStraight = true;
+  ScheduleTraits interleaved;  // several chunks per rank, round robin
+  interleaved.multiChunk = true;
+  interleaved.plannerStraight = true;
+  ScheduleTraits interleavedZb = interleaved;
+  interleavedZb.splitBackward = true;
+  ScheduleTraits vShape = interleavedZb;  // exactly 2 chunks per rank, in a V
+  vShape.fixedChunks = 2;
+  vShape.chunkPlacement = ChunkPlacement::kV;
+  ScheduleTraits noFlush;  // the pipeline steps the optimizer; forwards read stashed versions
+  noFlush.asynchronous = true;
+  noFlush.supportsReplicas = true;
+  noFlush.stashWeights = true;
+  noFlush.streaming = true;
+  ScheduleTraits perMinibatch = noFlush;  // a step after every minibatch, replicas average
+  perMinibatch.updateRule = UpdateRule::kPerMinibatch;
+  perMinibatch.replicaReduction = ReplicaReduction::kMean;
+  perMinibatch.supportsVerticalSync = true;
+  ScheduleTraits twoVersions = noFlush;  // a step per batch, two weight versions
+  twoVersions.updateRule = UpdateRule::kPerBatch;
+  twoVersions.plannerTwoVersions = true;
+  return {
+      {named(flush, "gpipe"), everyBatch<gpipeBatch>},
+      {named(flush, "1f1b"), everyBatch<oneFOneBBatch>},
+      {named(interleaved, "interleaved-1f1b"), generateInterleaved},
+      {named(zeroBubble, "zb-h1"), everyBatch<zbH1Batch>},
+      {named(vShape, "zbv"), generateZbv},
+      {named(vShape, "dualpipev"), generateDualPipeV},
+      {named(interleavedZb, "interleaved-zb"), generateInterleavedZb},
+      {named(perMinibatch, "pipedream"), generatePipeDream},
+      {named(twoVersions, "pipedream-2bw"), generateTwoBw},
+  };
+}
+
+// The row of `name`; throws std::invalid_argument naming the known schedules.
+const RegisteredSchedule& registeredSchedule(const std::string& name) {
+  // allScheduleTraits() is the registry's traits, row by row.
+  const ScheduleTraits& traits = scheduleTraits(name);
+  return scheduleRegistry()[static_cast<size_t>(&traits - allScheduleTraits().data())];
 }
 
 }  // namespace
 
+const std::vector<RegisteredSchedule>& scheduleRegistry() {
+  static const std::vector<RegisteredSchedule> rows = makeRegistry();
+  return rows;
+}
+
+const std::vector<ScheduleTraits>& allScheduleTraits() {
+  static const std::vector<ScheduleTraits> column = [] {
+    std::vector<ScheduleTraits> traits;
+    for (const auto& row : scheduleRegistry()) traits.push_back(row.traits);
+    return traits;
+  }();
+  return column;
+}
+
+const ScheduleTraits& scheduleTraits(const std::string& name) {
+  for (const auto& traits : allScheduleTraits()) {
+    if (traits.name == name) return traits;
+  }
+  std::string list;
+  for (const auto& traits : allScheduleTraits()) list += (list.empty() ? "" : ", ") + traits.name;
+  throw std::invalid_argument("unknown schedule '" + name + "'; choose one of: " + list);
+}
+
+std::vector<std::string> scheduleNames() {
+  std::vector<std::string> names;
+  for (const auto& row : scheduleRegistry()) names.push_back(row.traits.name);
+  return names;
+}
+
+int numOptimalActiveMinibatches(const std::vector<int>& replicas, int stage) {
+  const int downstream = std::accumulate(replicas.begin() + stage, replicas.end(), 0);
+  return (downstream + replicas[stage] - 1) / replicas[stage];
+}
+
 Schedule buildSchedule(const ScheduleOptions& o) {
-  const ScheduleTraits& traits = scheduleTraits(o.name);
+  const RegisteredSchedule& row = registeredSchedule(o.name);
+  const ScheduleTraits& traits = row.traits;
   checkPositive("stages", o.stages);
   checkPositive("microbatches", o.microbatches);
   checkPositive("chunks", o.chunks);
   checkPositive("batches", o.batches);
   checkOptionsAgainstTraits(o, traits);
-  return traits.multiChunk ? buildMultiChunk(o, traits) : buildStraight(o, traits);
+  const Layout layout = traits.multiChunk
+                            ? Layout::chunked(o.stages, o.chunks, traits.chunkPlacement)
+                            : Layout::straight(o.stages, o.replicas);
+  if (!traits.multiChunk) checkReplicasHaveMicrobatches(o, layout, traits);
+  return Schedule(o.name, layout, o.microbatches, row.generate(o, layout), o.batches);
 }
 
 }  // namespace pipedream

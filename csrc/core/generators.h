@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "schedule.h"
+#include "traits.h"
 
 namespace pipedream {
 
@@ -38,12 +39,31 @@ struct ScheduleOptions {
   bool verticalSync = false;
 };
 
+// A schedule's generator: every rank's compute list for `options` (all
+// `options.batches` batches) on `layout`, which buildSchedule made from the
+// schedule's traits (chunked or straight) after the checks the traits imply.
+// Throws std::invalid_argument naming the fix for what only this schedule
+// rules out (dualpipev: m < 2p, ...).
+using ScheduleGenerator = std::vector<std::vector<Action>> (*)(const ScheduleOptions& options,
+                                                                const Layout& layout);
+
+struct RegisteredSchedule {
+  ScheduleTraits traits;  // what the schedule means; traits.name is its name
+  ScheduleGenerator generate;
+};
+
+// The schedule registry: one row per schedule, the only place a name meets its
+// generator (generators.cpp says how to add one). allScheduleTraits() is its
+// traits column, scheduleNames() its names, in the same order.
+const std::vector<RegisteredSchedule>& scheduleRegistry();
+
 // "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev",
-// "interleaved-zb", "pipedream", "pipedream-2bw": the names of allScheduleTraits() (traits.h), in its order.
+// "interleaved-zb", "pipedream", "pipedream-2bw": the registry's names, in its order.
 std::vector<std::string> scheduleNames();
 
-// Builds the compute-only schedule. Throws std::invalid_argument naming the
-// bad value and the fix (unknown name, m < p where needed, ...).
+// Builds the compute-only schedule with the registry's generator of
+// `options.name`. Throws std::invalid_argument naming the bad value and the
+// fix (unknown name, m < p where needed, ...).
 Schedule buildSchedule(const ScheduleOptions& options);
 
 // NOAM of stage j: ceil(sum of replicas of stages j..p-1 / r_j).

@@ -1,7 +1,9 @@
-// What each schedule means, as data: the one place that says which schedule
-// flushes, who steps the optimizer and when, how replicas combine gradients,
-// and what the planner may assume. Generators, AsyncActionFeed, the executor and
-// the Python layer ask these traits instead of comparing schedule names.
+// What each schedule means, as data: which schedule flushes, who steps the
+// optimizer and when, how replicas combine gradients, and what the planner may
+// assume. Every schedule's traits are one row of the schedule registry
+// (generators.h: traits plus generator); buildSchedule, AsyncActionFeed, the
+// executor and the Python layer ask these traits instead of comparing schedule
+// names.
 #pragma once
 
 #include <string>
@@ -47,7 +49,8 @@ struct ScheduleTraits {
   }
 };
 
-// Every schedule, in the order scheduleNames() lists them.
+// Every schedule, in the order scheduleNames() lists them: the traits of the
+// schedule registry's rows (these two are defined with it, in generators.cpp).
 const std::vector<ScheduleTraits>& allScheduleTraits();
 
 // Throws std::invalid_argument naming `name` and the known schedules.

@@ -33,18 +33,6 @@ std::optional<c10::Stream> currentStream(const at::Device& device) {
 
 int64_t alignUp(int64_t bytes) { return (bytes + kWireAlignment - 1) / kWireAlignment * kWireAlignment; }
 
-// Waits for one c10d work item; rethrows failures with context.
-void waitWork(const c10::intrusive_ptr<c10d::Work>& work, Clock::time_point deadline, int self, int peer,
-              const std::string& description, std::chrono::milliseconds timeout) {
-  try {
-    work->wait(remaining(deadline));
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "rank ", self, ": ", description, " with rank ", peer,
-                " failed or timed out after ", timeout.count(), " ms (is rank ", peer, " alive?): ",
-                e.what());
-  }
-}
-
 c10::intrusive_ptr<c10d::Work> post(c10d::ProcessGroup& group, bool send, const at::Tensor& tensor,
                                     int peer) {
   std::vector<at::Tensor> one{tensor};
@@ -78,6 +66,15 @@ int64_t pack(const WireHeader& header, const std::vector<at::Tensor>& tensors, a
     offset += alignUp(bytes);
   }
   return syncs;
+}
+
+// The header of a transfer of `tensors` (not redirected).
+WireHeader headerOf(const TransferKey& key, const std::vector<at::Tensor>& tensors) {
+  WireHeader header;
+  header.key = key;
+  header.metas = metasOf(tensors);
+  header.packedBytes = packedBytes(header.metas);
+  return header;
 }
 
 }  // namespace
@@ -211,20 +208,52 @@ class CommEngine::PeerQueue {
   std::thread reader;
 };
 
+// ---------------------------------------------------------------------------- the transfer base
+
+Transfer::Transfer(CommEngine& engine, int peer, std::string description)
+    : engine_(engine), peer_(peer), description_(std::move(description)) {}
+
+bool Transfer::wait(std::chrono::milliseconds timeout) {
+  if (error_) std::rethrow_exception(error_);
+  if (done_) return true;
+  const auto deadline = Clock::now() + timeout;
+  try {
+    finish(deadline, timeout);
+  } catch (...) {
+    error_ = std::current_exception();
+    throw;
+  }
+  done_ = true;
+  return true;
+}
+
+void Transfer::waitWork(const c10::intrusive_ptr<c10d::Work>& work, Clock::time_point deadline,
+                        std::chrono::milliseconds timeout) const {
+  try {
+    work->wait(remaining(deadline));
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "rank ", engine_.rank(), ": ", description_, " with rank ", peer_,
+                " failed or timed out after ", timeout.count(), " ms (is rank ", peer_, " alive?): ",
+                e.what());
+  }
+}
+
+void Transfer::waitWorks(Clock::time_point deadline, std::chrono::milliseconds timeout) {
+  for (auto& work : works_) waitWork(work, deadline, timeout);
+  works_.clear();
+}
+
 // ---------------------------------------------------------------------------- fused transfers
 
 class FusedSend : public Transfer {
  public:
   FusedSend(CommEngine& engine, const std::vector<at::Tensor>& tensors, int peer, const TransferKey& key,
             std::string description)
-      : engine_(engine), peer_(peer), description_(std::move(description)) {
-    WireHeader header;
-    header.key = key;
-    header.metas = metasOf(tensors);
-    const int64_t needed = packedBytes(header.metas);
+      : Transfer(engine, peer, std::move(description)) {
+    const WireHeader header = headerOf(key, tensors);
+    const int64_t needed = header.packedBytes;
     const int64_t capacity = engine.capacity(peer, key, true);
     auto& counters = engine.mutableCounters();
-    header.packedBytes = needed;
     at::Tensor packed = at::empty({std::max(needed, capacity)}, engine.hostOptions().dtype(at::kByte));
     std::vector<at::Tensor> contiguous;
     for (const auto& t : tensors) contiguous.push_back(t.detach().contiguous());
@@ -248,47 +277,25 @@ class FusedSend : public Transfer {
     for (const auto& m : header.metas) counters.bytesSent += m.bytes();
   }
 
-  // Idempotent: Gloo's SendWork::wait waits for one more completion each call.
-  bool wait(std::chrono::milliseconds timeout) override {
-    if (error_) std::rethrow_exception(error_);
-    if (done_) return true;
-    const auto deadline = Clock::now() + timeout;
-    try {
-      for (auto& work : works_) waitWork(work, deadline, engine_.rank(), peer_, description_, timeout);
-    } catch (...) {
-      error_ = std::current_exception();
-      throw;
-    }
-    works_.clear();
-    keepAlive_.clear();
-    done_ = true;
-    return true;
-  }
-  bool isCompleted() override { return done_; }
-  std::exception_ptr exception() const override { return error_; }
-  const std::vector<at::Tensor>& tensors() const override { return keepAlive_; }
-  const std::string& description() const override { return description_; }
-
  private:
+  // Runs once: Gloo's SendWork::wait waits for one more completion each call.
+  void finish(Clock::time_point deadline, std::chrono::milliseconds timeout) override {
+    waitWorks(deadline, timeout);
+    tensors_.clear();
+  }
+
   void send(c10d::ProcessGroup& group, const at::Tensor& buffer) {
-    keepAlive_.push_back(buffer);
+    tensors_.push_back(buffer);  // buffers must outlive the sends
     works_.push_back(post(group, true, buffer, peer_));
     ++engine_.mutableCounters().messagesSent;
   }
-
-  CommEngine& engine_;
-  int peer_;
-  std::string description_;
-  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
-  std::vector<at::Tensor> keepAlive_;  // buffers must outlive the sends
-  std::exception_ptr error_;
-  bool done_ = false;
 };
 
+// Every member: the executor thread.
 class FusedRecv : public Transfer {
  public:
   FusedRecv(CommEngine& engine, int peer, const TransferKey& key, std::string description)
-      : engine_(engine), peer_(peer), key_(key), description_(std::move(description)) {
+      : Transfer(engine, peer, std::move(description)), key_(key) {
     capacity_ = engine.capacity(peer, key, false);
     buffer_ = at::empty({capacity_}, engine.hostOptions().dtype(at::kByte));
     dataWork_ = post(engine.group(), false, buffer_, peer);
@@ -296,11 +303,11 @@ class FusedRecv : public Transfer {
   }
 
   // Reads the header (in the pair's order: CommEngine::readHeaders) and posts
-  // the side receive of a redirected payload.
+  // the side receive of a redirected payload. A failure is kept for wait().
   void readHeader(Clock::time_point deadline) {
     if (headerRead_) return;
     try {
-      waitWork(dataWork_, deadline, engine_.rank(), peer_, description_, engine_.timeout());
+      waitWork(dataWork_, deadline, engine_.timeout());
       header_ = pipedream::readHeader(buffer_.data_ptr<uint8_t>(), capacity_, description_);
       checkKey(header_.key);
       if (header_.redirected) {
@@ -309,48 +316,34 @@ class FusedRecv : public Transfer {
       }
       engine_.setCapacity(peer_, key_, false, nextCapacity(capacity_, header_.packedBytes));
     } catch (...) {
-      error_ = std::current_exception();
+      setError(std::current_exception());
     }
     headerRead_ = true;
   }
-
-  bool wait(std::chrono::milliseconds timeout) override {
-    if (error_) std::rethrow_exception(error_);
-    if (done_) return true;
-    const auto deadline = Clock::now() + timeout;
-    engine_.readHeaders(peer_, this, deadline);
-    if (error_) std::rethrow_exception(error_);
-    try {
-      at::Tensor packed = buffer_;
-      if (header_.redirected) {
-        waitWork(sideWork_, deadline, engine_.rank(), peer_, description_, timeout);
-        header_ = pipedream::readHeader(side_.data_ptr<uint8_t>(), side_.numel(), description_);
-        TORCH_CHECK(!header_.redirected, description_, ": a redirected payload redirects again");
-        checkKey(header_.key);
-        packed = side_;
-      }
-      tensors_ = unpack(packed, header_.metas);
-      auto& counters = engine_.mutableCounters();
-      for (auto& t : tensors_) {
-        counters.bytesReceived += t.numel() * t.element_size();
-        if (engine_.staged()) t = t.to(engine_.device(), /*non_blocking=*/true);
-      }
-    } catch (...) {
-      error_ = std::current_exception();
-      throw;
-    }
-    buffer_ = at::Tensor();
-    side_ = at::Tensor();
-    done_ = true;
-    return true;
-  }
-  bool isCompleted() override { return done_; }
-  std::exception_ptr exception() const override { return error_; }
-  const std::vector<at::Tensor>& tensors() const override { return tensors_; }
-  const std::string& description() const override { return description_; }
   bool headerRead() const { return headerRead_; }
 
  private:
+  void finish(Clock::time_point deadline, std::chrono::milliseconds timeout) override {
+    engine_.readHeaders(peer_, this, deadline);
+    if (exception()) std::rethrow_exception(exception());
+    at::Tensor packed = buffer_;
+    if (header_.redirected) {
+      waitWork(sideWork_, deadline, timeout);
+      header_ = pipedream::readHeader(side_.data_ptr<uint8_t>(), side_.numel(), description_);
+      TORCH_CHECK(!header_.redirected, description_, ": a redirected payload redirects again");
+      checkKey(header_.key);
+      packed = side_;
+    }
+    tensors_ = unpack(packed, header_.metas);
+    auto& counters = engine_.mutableCounters();
+    for (auto& t : tensors_) {
+      counters.bytesReceived += t.numel() * t.element_size();
+      if (engine_.staged()) t = t.to(engine_.device(), /*non_blocking=*/true);
+    }
+    buffer_ = at::Tensor();
+    side_ = at::Tensor();
+  }
+
   void checkKey(const TransferKey& got) const {
     TORCH_CHECK(got == key_, "rank ", engine_.rank(), ": ", description_, ": rank ", peer_,
                 " sent transfer ", got.toString(), " where this rank expected ", key_.toString(),
@@ -358,10 +351,7 @@ class FusedRecv : public Transfer {
                 "same schedule, balance and pipedream_ext version?)");
   }
 
-  CommEngine& engine_;
-  int peer_;
   TransferKey key_;
-  std::string description_;
   int64_t capacity_ = 0;
   at::Tensor buffer_;  // the data-channel message (capacity_ bytes)
   c10::intrusive_ptr<c10d::Work> dataWork_;
@@ -369,14 +359,14 @@ class FusedRecv : public Transfer {
   WireHeader header_;
   at::Tensor side_;  // a redirected payload
   c10::intrusive_ptr<c10d::Work> sideWork_;
-  std::vector<at::Tensor> tensors_;
-  std::exception_ptr error_;
-  bool done_ = false;
 };
 
 // ---------------------------------------------------------------------------- split transfers
 
 // A split-protocol transfer's data-channel part, queued in the pair's order.
+// issue() runs on the executor's thread or the pair's reader thread, under the
+// engine's mutex_; what it writes (works_, tensors_) is read by the executor
+// only once issued() is true.
 class SplitOp : public Transfer {
  public:
   bool issued() const { return issued_.load(); }
@@ -389,22 +379,25 @@ class SplitOp : public Transfer {
   virtual bool readyLocked() const { return true; }
 
  protected:
-  std::atomic<bool> issued_{false};
+  using Transfer::Transfer;
+  // Blocks until issue() ran (the metadata ahead of this transfer arrived).
+  void waitIssued(Clock::time_point deadline) {
+    if (!issued_) engine_.waitIssued(peer_, *this, deadline, description_);
+  }
+
+  std::atomic<bool> issued_{false};  // set by issue(), last
 };
 
 class SplitSend : public SplitOp {
  public:
   SplitSend(CommEngine& engine, const std::vector<at::Tensor>& tensors, int peer, const TransferKey& key,
             std::string description)
-      : engine_(engine), peer_(peer), description_(std::move(description)) {
-    WireHeader header;
-    header.key = key;
-    header.metas = metasOf(tensors);
-    header.packedBytes = packedBytes(header.metas);
+      : SplitOp(engine, peer, std::move(description)) {
+    const WireHeader header = headerOf(key, tensors);
     at::Tensor metadata = at::zeros({kMetadataBytes}, at::TensorOptions().dtype(at::kByte));
     TORCH_CHECK(headerBytes(header.metas) <= kMetadataBytes, "transfer header too large");
     writeHeader(header, metadata.data_ptr<uint8_t>());
-    keepAlive_.push_back(metadata);
+    tensors_.push_back(metadata);
     works_.push_back(post(engine.side(), true, metadata, peer));
     auto& counters = engine.mutableCounters();
     ++counters.messagesSent;
@@ -428,50 +421,28 @@ class SplitSend : public SplitOp {
   void issue() override {
     c10::OptionalStreamGuard guard(stream_);  // the stream the tensors were made on
     for (const auto& data : data_) {
-      keepAlive_.push_back(data);
+      tensors_.push_back(data);
       works_.push_back(post(engine_.group(), true, data, peer_));
     }
     data_.clear();
     issued_ = true;
   }
 
-  bool wait(std::chrono::milliseconds timeout) override {
-    if (error_) std::rethrow_exception(error_);
-    if (done_) return true;
-    const auto deadline = Clock::now() + timeout;
-    try {
-      if (!issued_) engine_.waitIssued(peer_, *this, deadline, description_);
-      for (auto& work : works_) waitWork(work, deadline, engine_.rank(), peer_, description_, timeout);
-    } catch (...) {
-      error_ = std::current_exception();
-      throw;
-    }
-    works_.clear();
-    keepAlive_.clear();
-    done_ = true;
-    return true;
-  }
-  bool isCompleted() override { return done_; }
-  std::exception_ptr exception() const override { return error_; }
-  const std::vector<at::Tensor>& tensors() const override { return keepAlive_; }
-  const std::string& description() const override { return description_; }
-
  private:
-  CommEngine& engine_;
-  int peer_;
-  std::string description_;
-  std::optional<c10::Stream> stream_;  // the executor's current stream (non-CPU devices)
-  std::vector<at::Tensor> data_;  // until issued
-  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
-  std::vector<at::Tensor> keepAlive_;
-  std::exception_ptr error_;
-  bool done_ = false;
+  void finish(Clock::time_point deadline, std::chrono::milliseconds timeout) override {
+    waitIssued(deadline);
+    waitWorks(deadline, timeout);
+    tensors_.clear();
+  }
+
+  std::optional<c10::Stream> stream_;  // the executor's current stream (non-CPU devices); constructor
+  std::vector<at::Tensor> data_;       // until issued: the constructor, then issue()
 };
 
 class SplitRecv : public SplitOp {
  public:
   SplitRecv(CommEngine& engine, int peer, const TransferKey& key, std::string description)
-      : engine_(engine), peer_(peer), key_(key), description_(std::move(description)) {
+      : SplitOp(engine, peer, std::move(description)), key_(key) {
     metadata_ = at::empty({kMetadataBytes}, at::TensorOptions().dtype(at::kByte));
     metadataWork_ = post(engine.side(), false, metadata_, peer);
     ++engine.mutableCounters().receives;
@@ -510,56 +481,36 @@ class SplitRecv : public SplitOp {
       for (const auto& m : metas_) {
         at::Tensor buffer = at::empty(m.shape, options.dtype(m.dtype));
         tensors_.push_back(buffer);
-        if (m.bytes() > 0) dataWorks_.push_back(post(engine_.group(), false, buffer, peer_));
+        if (m.bytes() > 0) works_.push_back(post(engine_.group(), false, buffer, peer_));
       }
     }
     issued_ = true;
   }
 
-  bool wait(std::chrono::milliseconds timeout) override {
-    if (error_) std::rethrow_exception(error_);
-    if (done_) return true;
-    const auto deadline = Clock::now() + timeout;
-    try {
-      if (issued_) ++engine_.mutableCounters().prePostedReceives;
-      if (!issued_) engine_.waitIssued(peer_, *this, deadline, description_);
-      if (metadataError_) std::rethrow_exception(metadataError_);
-      for (auto& work : dataWorks_) waitWork(work, deadline, engine_.rank(), peer_, description_, timeout);
-      auto& counters = engine_.mutableCounters();
-      for (auto& t : tensors_) {
-        counters.bytesReceived += t.numel() * t.element_size();
-        if (engine_.staged()) t = t.to(engine_.device(), /*non_blocking=*/true);
-      }
-    } catch (...) {
-      error_ = std::current_exception();
-      throw;
-    }
-    dataWorks_.clear();
-    done_ = true;
-    return true;
-  }
-  bool isCompleted() override { return done_; }
-  std::exception_ptr exception() const override { return error_; }
-  const std::vector<at::Tensor>& tensors() const override { return tensors_; }
-  const std::string& description() const override { return description_; }
   c10::intrusive_ptr<c10d::Work> metadataWork() const { return metadataWork_; }
 
  private:
-  CommEngine& engine_;
-  int peer_;
-  TransferKey key_;
-  std::string description_;
-  std::optional<c10::Stream> stream_;  // the executor's current stream (non-CPU devices)
-  at::Tensor metadata_;
-  c10::intrusive_ptr<c10d::Work> metadataWork_;
-  // Published by the reader under engine_.mutex_; read by the executor after ready().
+  void finish(Clock::time_point deadline, std::chrono::milliseconds timeout) override {
+    if (issued_) ++engine_.mutableCounters().prePostedReceives;
+    waitIssued(deadline);
+    if (metadataError_) std::rethrow_exception(metadataError_);
+    waitWorks(deadline, timeout);
+    auto& counters = engine_.mutableCounters();
+    for (auto& t : tensors_) {
+      counters.bytesReceived += t.numel() * t.element_size();
+      if (engine_.staged()) t = t.to(engine_.device(), /*non_blocking=*/true);
+    }
+  }
+
+  TransferKey key_;                      // constructor
+  std::optional<c10::Stream> stream_;    // the executor's current stream (non-CPU devices); constructor
+  at::Tensor metadata_;                  // constructor; filled by the side channel
+  c10::intrusive_ptr<c10d::Work> metadataWork_;  // constructor; waited for by the reader
+  // Published by the reader under engine_.mutex_; read by issue() under it, and
+  // by the executor after issued().
   bool arrived_ = false;
   std::vector<TensorMeta> metas_;
   std::exception_ptr metadataError_;
-  std::vector<c10::intrusive_ptr<c10d::Work>> dataWorks_;
-  std::vector<at::Tensor> tensors_;
-  std::exception_ptr error_;
-  bool done_ = false;
 };
 
 // ---------------------------------------------------------------------------- engine

@@ -129,20 +129,69 @@ WireHeader readHeader(const uint8_t* data, int64_t available, const std::string&
 // The capacity a slot has after a transfer that needed `needed` bytes.
 int64_t nextCapacity(int64_t capacity, int64_t needed);
 
-// An in-flight send or receive. Owned by the thread that created it.
+class CommEngine;
+
+// An in-flight send or receive, as c10d::Work is for a collective: this base
+// holds what every transfer has (its peer and description, its state, its
+// tensors and c10d operations) and the one wait(); each protocol's send and
+// receive (comm_engine.cpp: FusedSend, FusedRecv, SplitSend, SplitRecv) adds
+// only how its messages go out and complete (finish()).
+//
+// Threads: a transfer is created, waited for and read on the thread that uses
+// its engine (the executor's). The split protocol's issue() may instead run on
+// the pair's reader thread, under the engine's mutex_, and writes works_ and
+// tensors_ before it publishes issued(); the executor reads them only after.
 class Transfer {
  public:
   virtual ~Transfer() = default;
+  Transfer(const Transfer&) = delete;
+  Transfer& operator=(const Transfer&) = delete;
+
   // Blocks until done or `timeout` passes. Returns true when done; throws
-  // c10::Error (with peer and action) on failure or timeout.
-  virtual bool wait(std::chrono::milliseconds timeout) = 0;
-  // Non-blocking: whether the transfer is known to be done (without waiting,
+  // c10::Error (with peer and action) on failure or timeout. Once it has
+  // returned, it returns true at once; once it has thrown (or a failure was
+  // recorded), it throws that error again.
+  bool wait(std::chrono::milliseconds timeout);
+  // Non-blocking: whether wait() completed the transfer (without waiting,
   // Gloo reports nothing; a false may be stale).
-  virtual bool isCompleted() = 0;
-  virtual std::exception_ptr exception() const = 0;
+  bool isCompleted() const { return done_; }
+  // The failure wait() threw or will throw; null when none is known.
+  std::exception_ptr exception() const { return error_; }
   // Received tensors (receives only; valid after wait() returned true).
-  virtual const std::vector<at::Tensor>& tensors() const = 0;
-  virtual const std::string& description() const = 0;
+  const std::vector<at::Tensor>& tensors() const { return tensors_; }
+  const std::string& description() const { return description_; }
+
+ protected:
+  Transfer(CommEngine& engine, int peer, std::string description);
+  // Completes the transfer by `deadline` (`timeout` is what errors quote) and
+  // releases what it no longer needs; throws c10::Error on failure. wait()
+  // calls it until it returns once; its error is kept and rethrown.
+  virtual void finish(std::chrono::steady_clock::time_point deadline,
+                      std::chrono::milliseconds timeout) = 0;
+  // Waits for `work` by `deadline`; a failure or timeout throws c10::Error
+  // naming this rank, the peer, the transfer and `timeout`.
+  void waitWork(const c10::intrusive_ptr<c10d::Work>& work,
+                std::chrono::steady_clock::time_point deadline, std::chrono::milliseconds timeout) const;
+  // waitWork() for every operation in works_, in order; then clears works_.
+  void waitWorks(std::chrono::steady_clock::time_point deadline, std::chrono::milliseconds timeout);
+  // Records a failure found before wait() (a fused receive whose header a
+  // wait for a later receive of the pair read); wait() throws it.
+  void setError(std::exception_ptr error) { error_ = std::move(error); }
+
+  CommEngine& engine_;             // immutable; the engine outlives its transfers
+  const int peer_;                 // immutable
+  const std::string description_;  // immutable: the action, for error messages
+  // Receives: what arrived (see tensors()). Sends: the buffers the posted
+  // operations read, kept alive until finish() releases them. Written by the
+  // constructor, issue() or finish() (see the class comment for the threads).
+  std::vector<at::Tensor> tensors_;
+  // The c10d operations finish() waits for (waitWorks()): sends' messages,
+  // split receives' data. Written like tensors_.
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+
+ private:
+  std::exception_ptr error_;  // the executor thread (wait(), setError())
+  bool done_ = false;         // the executor thread (wait())
 };
 
 class FusedRecv;
