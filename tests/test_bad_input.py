@@ -21,9 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import ROOT, assert_every_rank_passed, launch_torchrun, worker_main
+from _multiprocess import ROOT, CaseRef, Cases, Launch, parametrize_cases, worker_main
 
-MARKER = "ALL BAD INPUT CHECKS PASSED"
 DOC = os.path.join(ROOT, "docs", "bad_input.md")
 
 # (id, bad input, the error a user sees (a regex found in the message), where it is tested)
@@ -544,20 +543,21 @@ def check_hostile_peer_rows() -> None:
         dist.barrier()
 
 
-def run_checks() -> None:
-    check_world_rows()
-    check_hostile_peer_rows()
-    check_optimizer_row()
-    check_loss_shape_row()
+def two_rank_cases(world: int) -> Cases:
+    cases = Cases()
+    cases.add(check_world_rows)
+    cases.add(check_hostile_peer_rows)
+    cases.add(check_optimizer_row)
+    cases.add(check_loss_shape_row)
+    return cases
 
 
-def test_two_rank_rows(tmp_path) -> None:
-    os.environ["BAD_INPUT_DIR"] = str(tmp_path)
-    try:
-        result = launch_torchrun(os.path.abspath(__file__), world=2, timeout=300)
-    finally:
-        del os.environ["BAD_INPUT_DIR"]
-    assert_every_rank_passed(result, 2, MARKER)
+TWO_RANKS = Launch(os.path.abspath(__file__), 2, two_rank_cases, timeout=300, dirs=("BAD_INPUT_DIR",))
+
+
+@parametrize_cases(TWO_RANKS)
+def test_two_rank_rows(case: CaseRef) -> None:
+    case.check()
 
 
 # -------------------------------------------------------------------------- the table
@@ -585,4 +585,4 @@ def test_docs_table_lists_every_row() -> None:
 
 
 if __name__ == "__main__":
-    worker_main(run_checks, MARKER)
+    worker_main([TWO_RANKS])
