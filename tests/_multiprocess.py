@@ -276,6 +276,8 @@ def _read_records(folder: str, world: int) -> List[Dict[str, Dict[str, Any]]]:
 
 @dataclass
 class LaunchResult:
+    """A launch's run (output, exit status) and each rank's records by case name."""
+
     launch: Launch
     run: subprocess.CompletedProcess
     ranks: List[Dict[str, Dict[str, Any]]]
