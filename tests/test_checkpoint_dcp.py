@@ -1,5 +1,7 @@
 """DCP checkpoints (``save_checkpoint(format="dcp")``): re-sharding into other layouts
 and the unsplit model, asynchronous saves, interrupted saves and errors (CPU, Gloo).
+Each item below is a launch (``PIPEDREAM_TEST_LAUNCH=<name>`` and ``PDDCP_DIR`` run one
+under torchrun):
 
 * ``quick`` (2 ranks, in ``make test``): an asynchronous DCP save of a [3, 5]
   pipeline while it trains on, loaded into [6, 2] with other initial weights:
