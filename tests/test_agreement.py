@@ -39,14 +39,15 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _multiprocess import (
-    assert_every_rank_passed,
+    CaseRef,
+    Cases,
+    Launch,
     launch_raw,
-    launch_torchrun,
+    parametrize_cases,
     worker_main,
 )
 
 HERE = os.path.abspath(__file__)
-MARKER = "ALL AGREEMENT CHECKS PASSED"
 _LAYER_TYPES = '["sliding_attention", "full_attention"]'
 
 
@@ -390,18 +391,23 @@ def check_auto_balance_with_named_inputs() -> None:
         torch.testing.assert_close(p, expected[name], rtol=1e-5, atol=1e-6)
 
 
-def run_checks() -> None:
-    if dist.get_world_size() == 3:
-        check_replicas_start_from_the_leader()
-        return
-    check_different_graphs_are_refused()
-    check_export_config_difference_is_refused()
-    check_auto_balance_with_named_inputs()
-    check_first_steps()
-    check_inputs_without_batch_dimension()
-    check_losses()
-    check_forward_only_structures()
-    check_stage_returning_a_dict()
+def agreement_cases(world: int) -> Cases:
+    cases = Cases()
+    if world == 3:
+        cases.add(check_replicas_start_from_the_leader)
+        return cases
+    cases.add(check_different_graphs_are_refused)
+    cases.add(check_export_config_difference_is_refused)
+    cases.add(check_auto_balance_with_named_inputs)
+    cases.add(check_first_steps)
+    cases.add(check_inputs_without_batch_dimension)
+    cases.add(check_losses)
+    cases.add(check_forward_only_structures)
+    cases.add(check_stage_returning_a_dict)
+    return cases
+
+
+TWO, THREE = (Launch(HERE, world, agreement_cases) for world in (2, 3))
 
 
 # --------------------------------------------------------------------------- Gemma 3
@@ -495,14 +501,16 @@ def test_auto_balance_of_an_export_only_model_names_split_points(monkeypatch) ->
                                  concrete_args={"use_cache": False}), row="auto-export-only")
 
 
-def test_ranks_must_agree_on_graph_batch_and_loss() -> None:
+@parametrize_cases(TWO)
+def test_ranks_must_agree_on_graph_batch_and_loss(case: CaseRef) -> None:
     """2 ranks: construction refusals, the first steps' checks, losses, forward_only."""
     pytest.importorskip("transformers")
-    assert_every_rank_passed(launch_torchrun(HERE, 2), 2, MARKER)
+    case.check()
 
 
-def test_replicas_start_from_their_leaders_weights() -> None:
-    assert_every_rank_passed(launch_torchrun(HERE, 3), 3, MARKER)
+@parametrize_cases(THREE)
+def test_replicas_start_from_their_leaders_weights(case: CaseRef) -> None:
+    case.check()
 
 
 # --------------------------------------------------------------------------- calls (raw ranks)
@@ -586,7 +594,7 @@ def main() -> None:
         dist.barrier()
         dist.destroy_process_group()
         return
-    worker_main(run_checks, MARKER)
+    worker_main([TWO, THREE])
 
 
 if __name__ == "__main__":

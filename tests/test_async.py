@@ -20,12 +20,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _multiprocess import BACKEND_ENV, assert_every_rank_passed, launch_torchrun, worker_main
+from _multiprocess import BACKEND_ENV, CaseRef, Cases, Launch, parametrize_cases, worker_main
 from torch import nn
 from torch.func import functional_call
 
 RTOL, ATOL = 1e-5, 1e-6
-MARKER = "ALL ASYNC CHECKS PASSED"
 HERE = os.path.abspath(__file__)
 
 
@@ -234,30 +233,35 @@ def check_clipping() -> None:
         check("pipedream-2bw", "sgd", clip=(0.05, 3.0))
 
 
-def run_all_checks() -> None:
-    if dist.get_world_size() == 2:
-        check_long_run()
+def async_cases(world: int) -> Cases:
+    cases = Cases()
+    if world == 2:
+        cases.add(check_long_run)
     for kind in ("pipedream", "vertical", "pipedream-2bw"):
         for opt_name in ("sgd", "adam"):
-            check(kind, opt_name)
-    check_clipping()
+            cases.add(check, kind, opt_name)
+    cases.add(check_clipping)
     # Recomputed activations give the same weights as stashed ones.
-    check("pipedream", "adam", recompute=True)
-    check("pipedream-2bw", "sgd", recompute=True)
+    cases.add(check, "pipedream", "adam", recompute=True)
+    cases.add(check, "pipedream-2bw", "sgd", recompute=True)
     # Replicated stages (hybrid pipeline and data parallelism).
-    for layout in {3: [[2, 1], [1, 2]], 4: [[2, 1, 1], [1, 1, 2], [2, 2]]}.get(dist.get_world_size(), []):
-        check("pipedream", "sgd", replicas=layout)
-        check("pipedream", "adam", replicas=layout)
-        check("pipedream-2bw", "sgd", replicas=layout)
+    for layout in {3: [[2, 1], [1, 2]], 4: [[2, 1, 1], [1, 1, 2], [2, 2]]}.get(world, []):
+        cases.add(check, "pipedream", "sgd", replicas=layout)
+        cases.add(check, "pipedream", "adam", replicas=layout)
+        cases.add(check, "pipedream-2bw", "sgd", replicas=layout)
+    return cases
 
 
 # `make test` runs 3 and 4 ranks on the stricter nccl_rules backend (tests/test_nccl_rules.py:
 # streams use the split protocol on every backend); `make test-all` here on Gloo too.
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow),
-                                   pytest.param(4, marks=pytest.mark.slow)])
-def test_asynchronous_schedules_match_the_sequential_simulation(world: int) -> None:
-    assert_every_rank_passed(launch_torchrun(HERE, world), world, MARKER)
+LAUNCHES = [Launch(HERE, world, async_cases, marks=(pytest.mark.slow,) if world > 2 else ())
+            for world in (2, 3, 4)]
+
+
+@parametrize_cases(*LAUNCHES)
+def test_asynchronous_schedules_match_the_sequential_simulation(case: CaseRef) -> None:
+    case.check()
 
 
 if __name__ == "__main__":
-    worker_main(run_all_checks, MARKER)
+    worker_main(LAUNCHES)

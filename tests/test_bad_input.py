@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -21,9 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import ROOT, assert_every_rank_passed, launch_torchrun, worker_main
+from _multiprocess import ROOT, CaseRef, Cases, Launch, parametrize_cases, worker_main
 
-MARKER = "ALL BAD INPUT CHECKS PASSED"
 DOC = os.path.join(ROOT, "docs", "bad_input.md")
 
 # (id, bad input, the error a user sees (a regex found in the message), where it is tested)
@@ -468,21 +467,32 @@ def _gradient(shape: Tuple[int, int]) -> Tuple[torch.Tensor, torch.Tensor]:
     return _redirected(full)
 
 
-def check_world_rows() -> None:
+# Rows refused at construction on 2 ranks (world size, replicas, a config that differs
+# between the ranks, a plan file), each its own case.
+WORLD_ROWS = ("balance-count", "balance-sum", "balance-empty", "world-size", "replicas-zero",
+              "too-few-layers", "config-mismatch", "plan-file")
+
+
+def check_world_row(row_id: str) -> None:
     import pipedream_ext as pd
 
-    _expect("balance-count", lambda: pd.PipeDream(model(), balance=[1, 1, 2], **pipe_kwargs()))
-    _expect("balance-sum", lambda: pd.PipeDream(model(), balance=[2, 9], **pipe_kwargs()))
-    _expect("balance-empty", lambda: pd.PipeDream(model(), balance=[0, 4], **pipe_kwargs()))
-    _expect("world-size", lambda: pd.PipeDream(model(), replicas=[2, 1], **pipe_kwargs()))
-    _expect("replicas-zero", lambda: pd.PipeDream(model(), replicas=[0, 2], **pipe_kwargs()))
-    _expect("too-few-layers", lambda: pd.PipeDream(model(1), **pipe_kwargs()))
+    if row_id == "plan-file":
+        bad = os.path.join(os.environ["BAD_INPUT_DIR"], f"notaplan{dist.get_rank()}.json")
+        with open(bad, "w") as f:
+            f.write('{"stages": "many"}')
+        _expect(row_id, lambda: pd.PipeDream(model(), balance=bad, **pipe_kwargs()))
+        return
     mb = 2 if dist.get_rank() == 0 else 4
-    _expect("config-mismatch", lambda: pd.PipeDream(model(), **pipe_kwargs(microbatches=mb)))
-    bad = os.path.join(os.environ["BAD_INPUT_DIR"], f"notaplan{dist.get_rank()}.json")
-    with open(bad, "w") as f:
-        f.write('{"stages": "many"}')
-    _expect("plan-file", lambda: pd.PipeDream(model(), balance=bad, **pipe_kwargs()))
+    build = {
+        "balance-count": lambda: pd.PipeDream(model(), balance=[1, 1, 2], **pipe_kwargs()),
+        "balance-sum": lambda: pd.PipeDream(model(), balance=[2, 9], **pipe_kwargs()),
+        "balance-empty": lambda: pd.PipeDream(model(), balance=[0, 4], **pipe_kwargs()),
+        "world-size": lambda: pd.PipeDream(model(), replicas=[2, 1], **pipe_kwargs()),
+        "replicas-zero": lambda: pd.PipeDream(model(), replicas=[0, 2], **pipe_kwargs()),
+        "too-few-layers": lambda: pd.PipeDream(model(1), **pipe_kwargs()),
+        "config-mismatch": lambda: pd.PipeDream(model(), **pipe_kwargs(microbatches=mb)),
+    }[row_id]
+    _expect(row_id, build)
 
 
 def check_optimizer_row() -> None:
@@ -510,13 +520,9 @@ def check_loss_shape_row() -> None:
     assert re.search(_message("loss-shape"), str(info.value)), str(info.value)
 
 
-def check_hostile_peer_rows() -> None:
-    """Rank 1 builds the pipeline, then plays stage 1 by hand with malformed headers."""
-    import pipedream_ext as pd
-    import pipedream_ext._dist.groups as _groups
-
-    # (the message on the pipeline's group, the one on the side group or None)
-    cases = [
+def hostile_messages() -> Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """Per row, the message on the pipeline's group and the one on the side group or None."""
+    return dict([
         ("peer-magic", (_header({0: 12345}), None)),
         ("peer-count", (_header({**GRADIENT_0, 6: 99}), None)),
         ("peer-negative-size", _redirected(_header({**GRADIENT_0, 5: 128, 6: 1, 7: FLOAT, 8: 2, 9: 2,
@@ -525,42 +531,56 @@ def check_hostile_peer_rows() -> None:
                                            128))),
         ("peer-order", (_header({1: 1, 2: 0, 3: 0, 5: 64}), None)),  # an activation, not the gradient
         ("peer-gradient-shape", _gradient((2, 99))),
-    ]
-    for row_id, (message, side_message) in cases:
-        # No agreement exchange: rank 1 is not running the pipeline.
-        pipe = pd.PipeDream(model(), **pipe_kwargs(microbatches=1, timeout=20, check_agreement=0))
-        x, _ = torch.randn(2, 6), torch.randint(0, 3, (2,))
-        if dist.get_rank() == 0:
-            _expect(row_id, lambda: pipe.step(x, None))
-        else:
-            # Take stage 0's activation (the first of a slot: a 64-byte header on the
-            # pipeline's group, the packed message on the side group) so nothing is left
-            # pending, then answer with the malformed gradient.
-            side = _groups.side_group([0, 1])
-            got = torch.zeros(64, dtype=torch.uint8)
-            dist.recv(got, src=0)
-            packed = int(got.view(torch.int64)[5])
-            dist.recv(torch.zeros(packed, dtype=torch.uint8), src=0, group=side)
-            dist.send(message, dst=0)
-            if side_message is not None:
-                dist.send(side_message, dst=0, group=side)
-        dist.barrier()
+    ])
 
 
-def run_checks() -> None:
-    check_world_rows()
-    check_hostile_peer_rows()
-    check_optimizer_row()
-    check_loss_shape_row()
+HOSTILE_ROWS = ("peer-magic", "peer-count", "peer-negative-size", "peer-dtype", "peer-order",
+                "peer-gradient-shape")
 
 
-def test_two_rank_rows(tmp_path) -> None:
-    os.environ["BAD_INPUT_DIR"] = str(tmp_path)
-    try:
-        result = launch_torchrun(os.path.abspath(__file__), world=2, timeout=300)
-    finally:
-        del os.environ["BAD_INPUT_DIR"]
-    assert_every_rank_passed(result, 2, MARKER)
+def check_hostile_peer_row(row_id: str) -> None:
+    """Rank 1 builds the pipeline, then plays stage 1 by hand with a malformed header."""
+    import pipedream_ext as pd
+    import pipedream_ext._dist.groups as _groups
+
+    message, side_message = hostile_messages()[row_id]
+    # No agreement exchange: rank 1 is not running the pipeline.
+    pipe = pd.PipeDream(model(), **pipe_kwargs(microbatches=1, timeout=20, check_agreement=0))
+    x, _ = torch.randn(2, 6), torch.randint(0, 3, (2,))
+    if dist.get_rank() == 0:
+        _expect(row_id, lambda: pipe.step(x, None))
+    else:
+        # Take stage 0's activation (the first of a slot: a 64-byte header on the
+        # pipeline's group, the packed message on the side group) so nothing is left
+        # pending, then answer with the malformed gradient.
+        side = _groups.side_group([0, 1])
+        got = torch.zeros(64, dtype=torch.uint8)
+        dist.recv(got, src=0)
+        packed = int(got.view(torch.int64)[5])
+        dist.recv(torch.zeros(packed, dtype=torch.uint8), src=0, group=side)
+        dist.send(message, dst=0)
+        if side_message is not None:
+            dist.send(side_message, dst=0, group=side)
+    dist.barrier()
+
+
+def two_rank_cases(world: int) -> Cases:
+    cases = Cases()
+    for row_id in WORLD_ROWS:
+        cases.add(check_world_row, row_id, name=row_id)
+    for row_id in HOSTILE_ROWS:
+        cases.add(check_hostile_peer_row, row_id, name=row_id)
+    cases.add(check_optimizer_row, name="optimizer-before-pipeline")
+    cases.add(check_loss_shape_row, name="loss-shape")
+    return cases
+
+
+TWO_RANKS = Launch(os.path.abspath(__file__), 2, two_rank_cases, timeout=300, dirs=("BAD_INPUT_DIR",))
+
+
+@parametrize_cases(TWO_RANKS)
+def test_two_rank_rows(case: CaseRef) -> None:
+    case.check()
 
 
 # -------------------------------------------------------------------------- the table
@@ -588,4 +608,4 @@ def test_docs_table_lists_every_row() -> None:
 
 
 if __name__ == "__main__":
-    worker_main(run_checks, MARKER)
+    worker_main([TWO_RANKS])

@@ -13,8 +13,8 @@ Two torchrun launches, so loading always happens in other processes than saving:
   reference; broken checkpoints, interrupted saves, bad arguments.
 
 A killed save (SIGKILL at a random moment) runs as a 1-rank process. Standalone:
-``PDCKPT_DIR=/tmp/ck PDCKPT_PHASE=save torchrun --standalone --nproc-per-node 3
-tests/test_checkpoint.py``, then ``PDCKPT_PHASE=resume`` with 2 ranks.
+``PDCKPT_DIR=/tmp/ck PIPEDREAM_TEST_LAUNCH=save torchrun --standalone --nproc-per-node 3
+tests/test_checkpoint.py``, then ``PIPEDREAM_TEST_LAUNCH=resume`` with 2 ranks.
 """
 from __future__ import annotations
 
@@ -36,15 +36,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _multiprocess import (
     ROOT,
-    assert_every_rank_passed,
+    CaseRef,
+    Cases,
+    FromEnv,
+    Launch,
     free_port,
-    launch_torchrun,
+    parametrize_cases,
     worker_main,
 )
 from torch import nn
 
 HERE = os.path.abspath(__file__)
-MARKER = "ALL CHECKPOINT CHECKS PASSED"
 N, M = 3, 3  # steps before the checkpoint, steps after it
 RTOL, ATOL = 1e-6, 1e-7
 # How each checkpoint is saved (3-rank launch; "pair": on ranks 0 and 1 only).
@@ -421,20 +423,33 @@ def check_bad_save_arguments(root: str) -> None:
     on_rank0(lambda: shutil.rmtree(path, ignore_errors=True))
 
 
-def phase_resume(root: str) -> None:
-    resume(root, "sgd")                       # saved as 3 stages [3, 3, 2], loaded as [4, 4]
-    resume(root, "sgd", balance=[6, 2])
-    resume(root, "sgd", balance=[8], replicas=[2], atol=1e-6)  # one stage on 2 replicas (data parallel)
-    resume(root, "replicated", atol=1e-6)     # saved as [4, 4] with replicas [2, 1]
-    resume(root, "replicated", balance=[3, 5], atol=1e-6)
-    resume(root, "interleaved")               # 4 stages on 2 ranks, as saved
-    resume(root, "interleaved", schedule="gpipe", chunks=1, balance=[5, 3])
-    resume(root, "pipedream")
-    resume(root, "pipedream", pre_steps=2)    # the async pipeline was in use before loading
-    resume(root, "2bw")
-    check_broken_checkpoints(root)
-    check_interrupted_saves(root)
-    check_bad_save_arguments(root)
+def resume_cases(world: int) -> Cases:
+    root = FromEnv("PDCKPT_DIR")
+    cases = Cases()
+    cases.add(resume, root, "sgd")                       # saved as 3 stages [3, 3, 2], loaded as [4, 4]
+    cases.add(resume, root, "sgd", balance=[6, 2])
+    cases.add(resume, root, "sgd", balance=[8], replicas=[2], atol=1e-6)  # one stage on 2 replicas (data parallel)
+    cases.add(resume, root, "replicated", atol=1e-6)     # saved as [4, 4] with replicas [2, 1]
+    cases.add(resume, root, "replicated", balance=[3, 5], atol=1e-6)
+    cases.add(resume, root, "interleaved")               # 4 stages on 2 ranks, as saved
+    cases.add(resume, root, "interleaved", schedule="gpipe", chunks=1, balance=[5, 3])
+    cases.add(resume, root, "pipedream")
+    cases.add(resume, root, "pipedream", pre_steps=2)    # the async pipeline was in use before loading
+    cases.add(resume, root, "2bw")
+    cases.add(check_broken_checkpoints, root)
+    cases.add(check_interrupted_saves, root)
+    cases.add(check_bad_save_arguments, root)
+    return cases
+
+
+def save_cases(world: int) -> Cases:
+    cases = Cases()
+    cases.add(phase_save, FromEnv("PDCKPT_DIR"), name="save")
+    return cases
+
+
+SAVE = Launch(HERE, 3, save_cases, name="save", timeout=300)
+RESUME = Launch(HERE, 2, resume_cases, name="resume", timeout=300)
 
 
 def phase_kill_loop(root: str) -> None:
@@ -453,38 +468,20 @@ def phase_kill_loop(root: str) -> None:
         print(f"saved {step}", flush=True)
 
 
-def run_phase() -> None:
-    root, phase = os.environ["PDCKPT_DIR"], os.environ["PDCKPT_PHASE"]
-    {"save": phase_save, "resume": phase_resume, "kill-loop": phase_kill_loop}[phase](root)
-
-
 # --------------------------------------------------------------------------- pytest side
-def _launch(root: str, phase: str, world: int) -> None:
-    old = {k: os.environ.get(k) for k in ("PDCKPT_DIR", "PDCKPT_PHASE")}
-    os.environ.update(PDCKPT_DIR=root, PDCKPT_PHASE=phase)
-    try:
-        result = launch_torchrun(HERE, world, timeout=300)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    assert_every_rank_passed(result, world, MARKER)
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Checkpoints after N steps, the weights then, and the uninterrupted N + M references."""
     root = str(tmp_path_factory.mktemp("checkpoints"))
-    _launch(root, "save", 3)
+    SAVE.check_all(env={"PDCKPT_DIR": root})
     return root
 
 
-def test_resume_in_other_processes_equals_an_uninterrupted_run(saved: str) -> None:
+@parametrize_cases(RESUME)
+def test_resume_in_other_processes_equals_an_uninterrupted_run(case: CaseRef, saved: str) -> None:
     """3 -> 2 ranks, other balance, replicas -> none -> data parallel, interleaved
     -> gpipe, pipedream and 2bw; broken checkpoints, interrupted saves."""
-    _launch(saved, "resume", 2)
+    case.check(env={"PDCKPT_DIR": saved})
 
 
 def test_consolidate_gives_the_unsplit_models_state_dict(saved: str, tmp_path) -> None:
@@ -573,6 +570,6 @@ def test_killed_save_leaves_a_loadable_checkpoint(tmp_path) -> None:
 if __name__ == "__main__":
     if os.environ.get("PDCKPT_PHASE") == "kill-loop":
         torch.set_num_threads(1)
-        run_phase()
+        phase_kill_loop(os.environ["PDCKPT_DIR"])
     else:
-        worker_main(run_phase, MARKER)
+        worker_main([SAVE, RESUME])

@@ -1,5 +1,7 @@
 """DCP checkpoints (``save_checkpoint(format="dcp")``): re-sharding into other layouts
 and the unsplit model, asynchronous saves, interrupted saves and errors (CPU, Gloo).
+Each item below is a launch (``PIPEDREAM_TEST_LAUNCH=<name>`` and ``PDDCP_DIR`` run one
+under torchrun):
 
 * ``quick`` (2 ranks, in ``make test``): an asynchronous DCP save of a [3, 5]
   pipeline while it trains on, loaded into [6, 2] with other initial weights:
@@ -22,18 +24,19 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import pytest
 import torch
 import torch.distributed as dist
-from _multiprocess import ROOT, assert_every_rank_passed, launch_raw, launch_torchrun, worker_main
+from _multiprocess import ROOT, CaseRef, Cases, FromEnv, Launch, launch_raw, parametrize_cases, worker_main
 from test_checkpoint import (
     SCENARIOS,
     batch,
@@ -47,7 +50,6 @@ from test_checkpoint import (
 )
 
 HERE = os.path.abspath(__file__)
-MARKER = "ALL DCP CHECKPOINT CHECKS PASSED"
 N, M = 3, 3
 SGD = dict(SCENARIOS["sgd"], scheduler=False)
 ADAM = dict(schedule="1f1b", microbatches=4, opt="adam")
@@ -366,14 +368,27 @@ def check_interrupted_saves(root: str) -> None:
     on_rank0(lambda: shutil.rmtree(path))
 
 
-def phase_resume(root: str) -> None:
-    pair = dist.new_group([0, 1])
-    resume(root, "sgd", dict(SGD, balance=[4, 2, 2]), atol=1e-6)          # 4 -> 3 ranks
-    resume(root, "sgd", dict(SGD, balance=[6, 2]), group=pair, atol=1e-6)  # 4 -> 2 ranks
-    resume(root, "sgd", dict(SGD, balance=[8], replicas=[2]), group=pair, atol=1e-6, parameters_only=True)
-    resume(root, "adam", dict(ADAM, balance=[3, 3, 2]))                    # saved asynchronously
-    check_errors(root)
-    check_interrupted_saves(root)
+@functools.lru_cache(maxsize=None)
+def pair_group() -> dist.ProcessGroup:
+    """Ranks 0 and 1 (made by every rank at the first case that asks for it)."""
+    return dist.new_group([0, 1])
+
+
+def resume_on_pair(root: str, name: str, scenario: Dict[str, Any], **kwargs: Any) -> None:
+    resume(root, name, scenario, group=pair_group(), **kwargs)
+
+
+def resume_cases(world: int) -> Cases:
+    root = FromEnv("PDDCP_DIR")
+    cases = Cases()
+    cases.add(resume, root, "sgd", dict(SGD, balance=[4, 2, 2]), atol=1e-6, name="sgd-[4,2,2]")  # 4 -> 3 ranks
+    cases.add(resume_on_pair, root, "sgd", dict(SGD, balance=[6, 2]), atol=1e-6, name="sgd-[6,2]")  # 4 -> 2 ranks
+    cases.add(resume_on_pair, root, "sgd", dict(SGD, balance=[8], replicas=[2]), atol=1e-6,
+              parameters_only=True, name="sgd-[8]-replicas=[2]-parameters_only")
+    cases.add(resume, root, "adam", dict(ADAM, balance=[3, 3, 2]), name="adam-[3,3,2]")  # saved asynchronously
+    cases.add(check_errors, root)
+    cases.add(check_interrupted_saves, root)
+    return cases
 
 
 def phase_kill_loop(root: str) -> None:
@@ -550,41 +565,50 @@ def check_mesh_unsplit(path: str, expected: Dict[str, torch.Tensor]) -> None:
     assert_weights(dict(model.named_parameters()), expected, "dcp.load", exact=True)
 
 
-def run_phase() -> None:
-    root, phase = os.environ["PDDCP_DIR"], os.environ["PDDCP_PHASE"]
-    {"quick": phase_quick, "save": phase_save, "resume": phase_resume, "kill-loop": phase_kill_loop,
-     "mesh-save": phase_mesh_save, "mesh-load": phase_mesh_load, "exit-pending": phase_exit_pending}[phase](root)
+def one_phase(phase: Callable[[str], None]) -> Callable[[int], Cases]:
+    """The cases of a launch running ``phase`` alone."""
+    def build(world: int) -> Cases:
+        cases = Cases()
+        cases.add(phase, FromEnv("PDDCP_DIR"), name=phase.__name__.removeprefix("phase_"))
+        return cases
+    return build
+
+
+QUICK = Launch(HERE, 2, one_phase(phase_quick), name="quick", timeout=300, dirs=("PDDCP_DIR",))
+SAVE = Launch(HERE, 4, one_phase(phase_save), name="save", timeout=300)
+RESUME = Launch(HERE, 3, resume_cases, name="resume", timeout=300)
+MESH_SAVE = Launch(HERE, 4, one_phase(phase_mesh_save), name="mesh-save", timeout=300)
+MESH_LOAD = Launch(HERE, 2, one_phase(phase_mesh_load), name="mesh-load", timeout=300)
 
 
 # --------------------------------------------------------------------------- pytest side
-def _launch(root: str, phase: str, world: int) -> None:
-    old = {k: os.environ.get(k) for k in ("PDDCP_DIR", "PDDCP_PHASE")}
-    os.environ.update(PDDCP_DIR=root, PDDCP_PHASE=phase)
-    try:
-        result = launch_torchrun(HERE, world, timeout=300)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    assert_every_rank_passed(result, world, MARKER)
-
-
-def test_dcp_async_save_loads_into_another_balance_and_the_unsplit_model(tmp_path) -> None:
+@parametrize_cases(QUICK)
+def test_dcp_async_save_loads_into_another_balance_and_the_unsplit_model(case: CaseRef) -> None:
     """2 ranks: async DCP save of [3, 5] while training on, load into [6, 2], train on
     (equal to the uninterrupted run), unsplit model three ways, a truncated file."""
-    _launch(str(tmp_path), "quick", 2)
+    case.check()
+
+
+@pytest.fixture(scope="module")
+def dcp_saved(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """4 ranks (replicas; async) saved."""
+    root = str(tmp_path_factory.mktemp("dcp"))
+    SAVE.check_all(env={"PDDCP_DIR": root})
+    return root
 
 
 @pytest.mark.slow
-def test_dcp_resume_on_other_world_sizes_and_failures(tmp_path) -> None:
+@parametrize_cases(RESUME)
+def test_dcp_resume_on_other_world_sizes_and_failures(case: CaseRef, dcp_saved: str) -> None:
     """4 ranks (replicas; async) -> 3 ranks and -> 2 ranks; errors, interrupted saves."""
+    case.check(env={"PDDCP_DIR": dcp_saved})
+
+
+@pytest.mark.slow
+def test_dcp_checkpoints_of_4_ranks_consolidate(dcp_saved: str, tmp_path) -> None:
     import pipedream_ext as pd
 
-    root = str(tmp_path)
-    _launch(root, "save", 4)
-    _launch(root, "resume", 3)
+    root = dcp_saved
     for name in ("sgd", "adam"):
         state = pd.consolidate(os.path.join(root, f"ckpt-{name}"))
         expected = merged(root, f"atN-{name}")
@@ -597,14 +621,20 @@ def test_dcp_resume_on_other_world_sizes_and_failures(tmp_path) -> None:
     make_model().load_state_dict(torch.load(out, weights_only=True))
 
 
+@pytest.fixture(scope="module")
+def mesh_saved(tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = str(tmp_path_factory.mktemp("dcp_mesh"))
+    MESH_SAVE.check_all(env={"PDDCP_DIR": root})
+    return root
+
+
 @pytest.mark.slow
-def test_dcp_checkpoints_of_meshed_pipelines_reshard(tmp_path) -> None:
+@parametrize_cases(MESH_LOAD)
+def test_dcp_checkpoints_of_meshed_pipelines_reshard(case: CaseRef, mesh_saved: str) -> None:
     """pp 2 x dp 2 (fsdp: async, replicate) saved on 4 ranks, resumed on the same mesh;
     on 2 ranks loaded into pp 1 x dp 2, pp 2 x dp 1 and a pipeline without a mesh, and
     into the unsplit model: AdamW state round-trips (losses and weights)."""
-    root = str(tmp_path)
-    _launch(root, "mesh-save", 4)
-    _launch(root, "mesh-load", 2)
+    case.check(env={"PDDCP_DIR": mesh_saved})
 
 
 @pytest.mark.slow
@@ -667,6 +697,7 @@ if __name__ == "__main__":
             # 30 plain 2-rank Gloo scripts ending without destroy_process_group here).
             atexit.register(lambda: (sys.stdout.flush(), sys.stderr.flush(), os._exit(0)))
         init_test_group()
-        run_phase()
+        {"kill-loop": phase_kill_loop, "exit-pending": phase_exit_pending}[os.environ["PDDCP_PHASE"]](
+            os.environ["PDDCP_DIR"])
     else:
-        worker_main(run_phase, MARKER)
+        worker_main([QUICK, SAVE, RESUME, MESH_SAVE, MESH_LOAD])

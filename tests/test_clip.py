@@ -2,7 +2,7 @@
 
 Runs under pytest, which launches the worker side with torchrun, or standalone:
 
-    CLIP_SUITE=full torchrun --standalone --nproc-per-node 3 tests/test_clip.py
+    PIPEDREAM_TEST_LAUNCH=full-3ranks torchrun --standalone --nproc-per-node 3 tests/test_clip.py
 
 Every check trains the pipeline and the unsplit model side by side on the same
 batches, clipping both (``pd.clip_grad_norm_`` / ``torch.nn.utils.clip_grad_norm_``):
@@ -27,12 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
+from _multiprocess import CaseRef, Cases, Launch, parametrize_cases, worker_main
 from test_shared_params import batch as lm_batch
 from test_shared_params import lm_loss, tied_lm
 
 RTOL, ATOL = 1e-5, 1e-6
-MARKER = "ALL CLIP CHECKS PASSED"
 HERE = os.path.abspath(__file__)
 STEPS = 3
 SMALL, LARGE = 0.05, 100.0  # every step clips / no step clips (checked on the reference)
@@ -186,57 +185,59 @@ def check_dtensor_gradients() -> None:
     assert_close(module.b.grad.to_local(), full_replicated * coef, "clipped DTensor replica")
 
 
-def fast_checks() -> None:
-    check_flush("1f1b", "mlp", SMALL, 2.0, "sgd")
-    check_flush("1f1b", "mlp", LARGE, INF, "adamw")
-    check_flush("1f1b", "tied", SMALL, 2.0, "adamw", balance=[2, 4])
-    check_nonfinite()
-    check_bad_input()
-    check_dtensor_gradients()
+def fast_cases(world: int) -> Cases:
+    cases = Cases()
+    cases.add(check_flush, "1f1b", "mlp", SMALL, 2.0, "sgd")
+    cases.add(check_flush, "1f1b", "mlp", LARGE, INF, "adamw")
+    cases.add(check_flush, "1f1b", "tied", SMALL, 2.0, "adamw", balance=[2, 4])
+    cases.add(check_nonfinite)
+    cases.add(check_bad_input)
+    cases.add(check_dtensor_gradients)
+    return cases
 
 
-def full_checks() -> None:
-    world = dist.get_world_size()
+def full_cases(world: int) -> Cases:
+    cases = Cases()
     if world == 2:
         for schedule in ("gpipe", "interleaved-1f1b", "zb-h1", "zbv", "interleaved-zb"):
-            check_flush(schedule, "mlp", SMALL, 2.0, "adamw")
-            check_flush(schedule, "mlp", SMALL, INF, "sgd")
-        check_flush("dualpipev", "mlp", SMALL, 2.0, "sgd")
-        check_flush("zb-h1", "mlp", LARGE, 2.0, "adamw")
-        check_flush("interleaved-1f1b", "tied", SMALL, 2.0, "adamw", balance=[1, 2, 2, 1])
-        check_flush("interleaved-1f1b", "tied", SMALL, 2.0, "sgd", balance=[1, 2, 1, 2])
-        check_flush("zbv", "tied", SMALL, INF, "adamw", balance=[1, 1, 1, 3])
+            cases.add(check_flush, schedule, "mlp", SMALL, 2.0, "adamw")
+            cases.add(check_flush, schedule, "mlp", SMALL, INF, "sgd")
+        cases.add(check_flush, "dualpipev", "mlp", SMALL, 2.0, "sgd")
+        cases.add(check_flush, "zb-h1", "mlp", LARGE, 2.0, "adamw")
+        cases.add(check_flush, "interleaved-1f1b", "tied", SMALL, 2.0, "adamw", balance=[1, 2, 2, 1])
+        cases.add(check_flush, "interleaved-1f1b", "tied", SMALL, 2.0, "sgd", balance=[1, 2, 1, 2])
+        cases.add(check_flush, "zbv", "tied", SMALL, INF, "adamw", balance=[1, 1, 1, 3])
     elif world == 3:
-        check_flush("1f1b", "mlp", SMALL, 1.0, "adamw")  # another p
-        check_flush("gpipe", "mlp", SMALL, 3.0, "sgd")
+        cases.add(check_flush, "1f1b", "mlp", SMALL, 1.0, "adamw")  # another p
+        cases.add(check_flush, "gpipe", "mlp", SMALL, 3.0, "sgd")
         for replicas in ([2, 1], [1, 2]):
-            check_flush("1f1b", "mlp", SMALL, 2.0, "adamw", replicas=replicas)
-            check_flush("zb-h1", "mlp", SMALL, INF, "sgd", replicas=replicas)
-            check_flush("gpipe", "tied", SMALL, 2.0, "adamw", balance=[3, 3], replicas=replicas)
-        check_flush("1f1b", "tied", SMALL, 2.0, "sgd", balance=[1, 3, 2])
+            cases.add(check_flush, "1f1b", "mlp", SMALL, 2.0, "adamw", replicas=replicas)
+            cases.add(check_flush, "zb-h1", "mlp", SMALL, INF, "sgd", replicas=replicas)
+            cases.add(check_flush, "gpipe", "tied", SMALL, 2.0, "adamw", balance=[3, 3], replicas=replicas)
+        cases.add(check_flush, "1f1b", "tied", SMALL, 2.0, "sgd", balance=[1, 3, 2])
     elif world == 4:
-        check_flush("1f1b", "mlp", SMALL, 2.0, "adamw")
-        check_flush("gpipe", "mlp", SMALL, INF, "sgd", replicas=[2, 1, 1])
-        check_flush("1f1b", "tied", SMALL, 2.0, "adamw", balance=[1, 2, 3], replicas=[1, 1, 2])
-        check_flush("interleaved-1f1b", "mlp", LARGE, 2.0, "sgd")
+        cases.add(check_flush, "1f1b", "mlp", SMALL, 2.0, "adamw")
+        cases.add(check_flush, "gpipe", "mlp", SMALL, INF, "sgd", replicas=[2, 1, 1])
+        cases.add(check_flush, "1f1b", "tied", SMALL, 2.0, "adamw", balance=[1, 2, 3], replicas=[1, 1, 2])
+        cases.add(check_flush, "interleaved-1f1b", "mlp", LARGE, 2.0, "sgd")
+    return cases
 
 
-def run_checks() -> None:
-    full_checks() if os.environ.get("CLIP_SUITE") == "full" else fast_checks()
+FAST = Launch(HERE, 2, fast_cases)
+FULL = [Launch(HERE, world, full_cases, name=f"full-{world}ranks") for world in (2, 3, 4)]
 
 
 # --------------------------------------------------------------------------- pytest side
-def test_clip_grad_norm_matches_torch_on_the_unsplit_model() -> None:
-    assert_every_rank_passed(launch_torchrun(HERE, 2), 2, MARKER)
+@parametrize_cases(FAST)
+def test_clip_grad_norm_matches_torch_on_the_unsplit_model(case: CaseRef) -> None:
+    case.check()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_clip_grad_norm_on_more_schedules_and_ranks(world: int,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CLIP_SUITE", "full")
-    assert_every_rank_passed(launch_torchrun(HERE, world), world, MARKER)
+@parametrize_cases(*FULL)
+def test_clip_grad_norm_on_more_schedules_and_ranks(case: CaseRef) -> None:
+    case.check()
 
 
 if __name__ == "__main__":
-    worker_main(run_checks, MARKER)
+    worker_main([FAST, *FULL])

@@ -27,10 +27,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
+from _multiprocess import CaseRef, Cases, Launch, parametrize_cases, worker_main
 from torch import nn
 
-MARKER = "ALL DEFERRED INIT CHECKS PASSED"
 HERE = os.path.abspath(__file__)
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -275,35 +274,44 @@ def load_consolidated_checkpoint() -> None:
     assert abs(pipe.step(x, y) - expected) <= RTOL * max(1.0, abs(expected))
 
 
-def run_checks() -> None:
-    if dist.get_world_size() == 2:
-        check_flush_schedule_matches_unsplit()
-        check_async_schedule_matches_whole_built()
-        check_bad_input()
-        check_init_fn_may_assign_buffers()
-        save_reset_parameters_checkpoint()
+def deferred_cases(world: int) -> Cases:
+    cases = Cases()
+    if world == 2:
+        cases.add(check_flush_schedule_matches_unsplit)
+        cases.add(check_async_schedule_matches_whole_built)
+        cases.add(check_bad_input)
+        cases.add(check_init_fn_may_assign_buffers)
+        cases.add(save_reset_parameters_checkpoint)
     else:
-        save_reset_parameters_checkpoint()
-        load_consolidated_checkpoint()
+        cases.add(save_reset_parameters_checkpoint)
+        cases.add(load_consolidated_checkpoint)
+    return cases
+
+
+TWO, FOUR = (Launch(HERE, world, deferred_cases, timeout=300) for world in (2, 4))
 
 
 # --------------------------------------------------------------------------- pytest side
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> str:
-    root = str(tmp_path_factory.mktemp("deferred"))
-    os.environ["PDMETA_DIR"] = root
-    try:
-        for world in (2, 4):
-            assert_every_rank_passed(launch_torchrun(HERE, world, timeout=300), world, MARKER)
-    finally:
-        del os.environ["PDMETA_DIR"]
-    return root
+def meta_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("deferred"))
 
 
-def test_meta_pipelines_train_like_the_unsplit_model_and_refuse_bad_input(saved: str) -> None:
-    """Both launches passed: 1f1b and pipedream after load_state_dict, the errors,
-    and a consolidated checkpoint loading into a meta-built pipeline."""
-    assert os.path.exists(os.path.join(saved, "reset-4", "manifest.json"))
+@parametrize_cases(TWO, FOUR)
+def test_meta_pipelines_train_like_the_unsplit_model_and_refuse_bad_input(case: CaseRef,
+                                                                          meta_dir: str) -> None:
+    """1f1b and pipedream after load_state_dict, the errors, and a consolidated checkpoint
+    (the 2-rank launch's) loading into a meta-built pipeline on 4 ranks."""
+    if case.launch is FOUR:
+        TWO.result(env={"PDMETA_DIR": meta_dir})  # its checkpoint first (run alone: pytest -k 4ranks)
+    case.check(env={"PDMETA_DIR": meta_dir})
+
+
+@pytest.fixture(scope="module")
+def saved(meta_dir: str) -> str:
+    for launch in (TWO, FOUR):
+        launch.check_all(env={"PDMETA_DIR": meta_dir})
+    return meta_dir
 
 
 def test_weights_do_not_depend_on_the_world_size(saved: str) -> None:
@@ -326,4 +334,4 @@ def test_weights_do_not_depend_on_the_world_size(saved: str) -> None:
 
 
 if __name__ == "__main__":
-    worker_main(run_checks, MARKER)
+    worker_main([TWO, FOUR])

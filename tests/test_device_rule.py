@@ -28,9 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
+from _multiprocess import CaseRef, Cases, Launch, parametrize_cases, worker_main
 
-MARKER = "ALL DEVICE RULE CHECKS PASSED"
 _GUARDED = ("all_reduce", "broadcast", "all_gather", "gather", "scatter", "reduce", "send",
             "recv", "isend", "irecv", "barrier", "monitored_barrier", "all_gather_into_tensor",
             "reduce_scatter_tensor", "all_to_all", "all_to_all_single")
@@ -90,7 +89,7 @@ def make_model() -> nn.Sequential:
                          nn.Linear(8, 3))
 
 
-def run_checks() -> None:
+def check_library_collectives() -> None:
     import pipedream_ext as pd
 
     violations: List[str] = []
@@ -132,11 +131,19 @@ def run_checks() -> None:
         violations
 
 
-def test_library_collectives_follow_the_device_rule(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("DEVRULE_DIR", str(tmp_path))
-    result = launch_torchrun(os.path.abspath(__file__), world=3, timeout=300)
-    assert_every_rank_passed(result, 3, MARKER)
+def device_rule_cases(world: int) -> Cases:
+    cases = Cases()
+    cases.add(check_library_collectives)
+    return cases
+
+
+LAUNCH = Launch(os.path.abspath(__file__), 3, device_rule_cases, timeout=300, dirs=("DEVRULE_DIR",))
+
+
+@parametrize_cases(LAUNCH)
+def test_library_collectives_follow_the_device_rule(case: CaseRef) -> None:
+    case.check()
 
 
 if __name__ == "__main__":
-    worker_main(run_checks, MARKER)
+    worker_main([LAUNCH])

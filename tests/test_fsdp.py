@@ -1,10 +1,10 @@
 """Pipeline + FSDP2 (2D): ``PipeDream(mesh=("pp", "dp"), data_parallel="fsdp"|"replicate")``.
 
 Runs under pytest, which launches the worker side with torchrun on 4 ranks, or
-standalone (``FSDP_CASES`` picks the configurations: ``fast``, ``full`` or ``clip``,
-the full set's clipping cases):
+standalone (``PIPEDREAM_TEST_LAUNCH`` picks the configurations: ``fast``, ``full`` or
+``clip``, the full set's clipping cases; ``fast`` needs ``FSDP_CKPT_DIR``):
 
-    FSDP_CASES=full torchrun --standalone --nproc-per-node 4 tests/test_fsdp.py
+    PIPEDREAM_TEST_LAUNCH=full torchrun --standalone --nproc-per-node 4 tests/test_fsdp.py
 
 Every configuration trains the pipeline, each dp rank on its part of the global batch,
 next to the unsplit model trained on the whole global batch, and compares every step's
@@ -28,13 +28,11 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_shared_params as shared
-from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
+from _multiprocess import CaseRef, Cases, Launch, id_part, parametrize_cases, worker_main
 
 RTOL, ATOL = 1e-5, 1e-6
-MARKER = "ALL FSDP CHECKS PASSED"
 HERE = os.path.abspath(__file__)
 WIDTH, CLASSES, LAYERS, BATCH, STEPS = 8, 4, 8, 16, 3
-CASES_ENV = "FSDP_CASES"
 CKPT_ENV = "FSDP_CKPT_DIR"  # where the fast launch saves a DCP checkpoint (unset: no check)
 CLIP_SMALL, INF = 0.05, float("inf")  # every step clips
 
@@ -519,43 +517,60 @@ class _Wrapped(nn.Module):
         return self.body(x)
 
 
-def run_checks() -> None:
-    kind = os.environ.get(CASES_ENV, "fast")
-    if kind == "fast":
-        check_refusals()
-        check_mesh_errors()
-        check_dp_batches_and_steps()
-        check_grad_scaler_skips_on_every_pipeline()
-        check_auto_plan()
-        if os.environ.get(CKPT_ENV):  # test_checkpoint_dcp.py's meshed save and resume, fsdp
-            from test_checkpoint_dcp import phase_mesh_save
-
-            phase_mesh_save(os.environ[CKPT_ENV], modes=("fsdp",))
-    for case in cases(kind):
-        if dist.get_rank() == 0:
-            print(f"case {case}", flush=True)
-        check_case(case)
+def case_name(case: Case) -> str:
+    """The pytest id of ``case``: its schedule and mesh, then the fields set otherwise
+    than by default."""
+    others = [f"{field}={id_part(value)}" for field, value in case._asdict().items()
+              if field not in ("schedule", "pp", "dp") and value != Case._field_defaults[field]]
+    return "-".join([case.schedule, f"pp{case.pp}xdp{case.dp}", *others])
 
 
-def test_fsdp_representative_case_and_refusals(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+def check_dcp_mesh_save_fsdp() -> None:
+    """test_checkpoint_dcp.py's meshed save and resume, fsdp half."""
+    from test_checkpoint_dcp import phase_mesh_save
+
+    phase_mesh_save(os.environ[CKPT_ENV], modes=("fsdp",))
+
+
+def fsdp_cases(kind: str) -> Callable[[int], Cases]:
+    """The cases of the ``kind`` launch (``fast``, ``full`` or ``clip``)."""
+    def build(world: int) -> Cases:
+        out = Cases()
+        if kind == "fast":
+            out.add(check_refusals)
+            out.add(check_mesh_errors)
+            out.add(check_dp_batches_and_steps)
+            out.add(check_grad_scaler_skips_on_every_pipeline)
+            out.add(check_auto_plan)
+            out.add(check_dcp_mesh_save_fsdp)
+        for case in cases(kind):
+            out.add(check_case, case, name=case_name(case))
+        return out
+    return build
+
+
+FAST = Launch(HERE, 4, fsdp_cases("fast"), name="fast", dirs=(CKPT_ENV,))
+FULL = Launch(HERE, 4, fsdp_cases("full"), name="full", timeout=1800)
+CLIP = Launch(HERE, 4, fsdp_cases("clip"), name="clip")  # standalone runs only
+
+
+@parametrize_cases(FAST)
+def test_fsdp_representative_case_and_refusals(case: CaseRef) -> None:
     """zb-h1, pp 2 x dp 2, AdamW, a weight tied across the two stages: losses, weights and
     one reduce-scatter per unit per step; pd.clip_grad_norm_ (fsdp p=2, replicate p=inf);
     an asynchronous DCP save of the fsdp pipeline resumed on the same mesh; balance="auto"
     with a mesh; and every refusal of a mesh (one launch)."""
-    monkeypatch.setenv(CASES_ENV, "fast")
-    monkeypatch.setenv(CKPT_ENV, str(tmp_path))
-    assert_every_rank_passed(launch_torchrun(HERE, 4), 4, MARKER)
+    case.check()
 
 
 @pytest.mark.slow
-def test_every_flush_schedule_with_fsdp_and_replicate(monkeypatch: pytest.MonkeyPatch) -> None:
+@parametrize_cases(FULL)
+def test_every_flush_schedule_with_fsdp_and_replicate(case: CaseRef) -> None:
     """Every flush schedule x SGD-momentum / AdamW x both reshard settings (fsdp, pp 2 x
     dp 2), replicate, pp 1 x dp 4, pp 4 x dp 1, meta-device models, loss_reduction="sum",
     bf16 parameters with fp32 reduction; a weight tied across stages, traced stages
     (split_points) and recompute=True, each with fsdp and replicate."""
-    monkeypatch.setenv(CASES_ENV, "full")
-    assert_every_rank_passed(launch_torchrun(HERE, 4, timeout=1800), 4, MARKER)
-
+    case.check()
 
 if __name__ == "__main__":
-    worker_main(run_checks, MARKER)
+    worker_main([FAST, FULL, CLIP])

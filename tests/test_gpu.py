@@ -36,9 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import assert_every_rank_passed, launch_torchrun
+from _multiprocess import CaseRef, Cases, Launch, parametrize_cases, worker_main
 
-MARKER = "ALL GPU CHECKS PASSED"
 RTOL, ATOL = 1e-5, 1e-6
 FLUSH = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv")
 
@@ -142,46 +141,70 @@ def check_async_and_checkpoint(device: torch.device, directory: str) -> None:
     unsplit.load_state_dict(full)
 
 
-def run_gloo_checks() -> None:
-    device = torch.device("cuda", 0)
+def cuda0() -> torch.device:
+    """The GPU, TF32 off (the pipeline is compared with the unsplit model)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    return torch.device("cuda", 0)
+
+
+def check_flush_on_the_gpu(schedule: str, optimizer: str, protocol: str = "") -> None:
+    if protocol:
+        os.environ["PIPEDREAM_P2P_PROTOCOL"] = protocol
+    try:
+        check_flush_equals_unsplit(schedule, cuda0(), optimizer)
+    finally:
+        os.environ.pop("PIPEDREAM_P2P_PROTOCOL", None)
+
+
+def gpu_directory() -> str:
+    """Every rank must see the same directory (the pytest side makes one)."""
+    return os.environ.get("PDGPU_DIR") or os.path.join(
+        tempfile.gettempdir(), f"pipedream_gpu_{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
+
+
+def gloo_cases(world: int) -> Cases:
+    cases = Cases()
     for schedule in FLUSH:
         for optimizer in ("sgd", "adam"):
-            check_flush_equals_unsplit(schedule, device, optimizer)
-    os.environ["PIPEDREAM_P2P_PROTOCOL"] = "split"  # what NCCL groups speak
-    try:
-        for schedule in ("1f1b", "zbv"):
-            check_flush_equals_unsplit(schedule, device, "adam")
-    finally:
-        del os.environ["PIPEDREAM_P2P_PROTOCOL"]
-    check_recompute_restores_cuda_rng(device)
-    check_bf16_and_stats(device)
-    # Every rank must see the same directory (the pytest side makes one).
-    directory = os.environ.get("PDGPU_DIR") or os.path.join(
-        tempfile.gettempdir(), f"pipedream_gpu_{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
-    check_async_and_checkpoint(device, os.path.join(directory, "ckpt"))
+            cases.add(check_flush_on_the_gpu, schedule, optimizer)
+    for schedule in ("1f1b", "zbv"):
+        cases.add(check_flush_on_the_gpu, schedule, "adam", protocol="split")  # what NCCL groups speak
+    cases.add(lambda: check_recompute_restores_cuda_rng(cuda0()), name="recompute_restores_cuda_rng")
+    cases.add(lambda: check_bf16_and_stats(cuda0()), name="bf16_and_stats")
+    cases.add(lambda: check_async_and_checkpoint(cuda0(), os.path.join(gpu_directory(), "ckpt")),
+              name="async_and_checkpoint")
+    return cases
 
 
-def run_nccl_checks() -> None:
-    device = torch.device("cuda", 0)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    check_flush_equals_unsplit("interleaved-1f1b", device, "adam")
-    check_flush_equals_unsplit("1f1b", device, "sgd")
+def check_pipedream_made_an_nccl_group() -> None:
+    assert "nccl" in str(dist.get_backend()), dist.get_backend()
+
+
+def nccl_cases(world: int) -> Cases:
+    cases = Cases()
+    cases.add(check_flush_on_the_gpu, "interleaved-1f1b", "adam")
+    cases.add(check_flush_on_the_gpu, "1f1b", "sgd")
+    cases.add(check_pipedream_made_an_nccl_group)
+    return cases
+
+
+# PipeDream creates the default group itself (cpu:gloo,cuda:nccl on a GPU) for the NCCL
+# run; the Gloo run creates a Gloo group first, which PipeDream then uses.
+GLOO = Launch(os.path.abspath(__file__), 2, gloo_cases, name="gloo", dirs=("PDGPU_DIR",))
+NCCL = Launch(os.path.abspath(__file__), 1, nccl_cases, name="nccl", init_group=False)
 
 
 @needs_gpu
-def test_gloo_ranks_carry_cuda_tensors(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("PDGPU_DIR", str(tmp_path))
-    result = launch_torchrun(os.path.abspath(__file__), world=2, timeout=600)
-    assert_every_rank_passed(result, 2, MARKER)
+@parametrize_cases(GLOO)
+def test_gloo_ranks_carry_cuda_tensors(case: CaseRef) -> None:
+    case.check()
 
 
 @needs_gpu
-def test_one_nccl_rank_with_interleaved_chunks(monkeypatch) -> None:
-    monkeypatch.setenv("PDGPU_NCCL", "1")
-    result = launch_torchrun(os.path.abspath(__file__), world=1, timeout=600)
-    assert_every_rank_passed(result, 1, MARKER)
+@parametrize_cases(NCCL)
+def test_one_nccl_rank_with_interleaved_chunks(case: CaseRef) -> None:
+    case.check()
 
 
 DIGITS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
@@ -205,14 +228,4 @@ def test_digits_example_trains_on_the_gpu(world: int, args: list) -> None:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    nccl = os.environ.get("PDGPU_NCCL") == "1"
-    # PipeDream creates the default group itself (cpu:gloo,cuda:nccl on a GPU) for the
-    # NCCL run; the Gloo run creates a Gloo group first, which PipeDream then uses.
-    if not nccl:
-        dist.init_process_group("gloo")
-    (run_nccl_checks if nccl else run_gloo_checks)()
-    assert not nccl or "nccl" in str(dist.get_backend()), dist.get_backend()
-    print(f"rank {dist.get_rank()}: {MARKER}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    worker_main([GLOO, NCCL])

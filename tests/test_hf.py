@@ -33,10 +33,9 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main  # noqa: E402
+from _multiprocess import CaseRef, Cases, Launch, parametrize_cases, worker_main  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
-MARKER = "ALL HF CHECKS PASSED"
 HERE = os.path.abspath(__file__)
 MICROBATCHES = 4
 VOCAB = 96
@@ -283,33 +282,48 @@ def check_checkpoint(root: str, pipe: Any, opt: torch.optim.Optimizer, ref: nn.M
     assert_same_state(other.state_dict(), ref, "Adam step after loading")
 
 
-def run_checks() -> None:
+# The 1f1b case's pipeline, reference and optimizers, which the checkpoint and bad-input
+# cases continue from (this rank's).
+_TRAINED: Dict[str, Any] = {}
+
+
+def check_schedule_case(schedule: str) -> None:
+    # Inputs: a dict with a padding mask, a dict of input_ids alone, or one tensor.
+    result = check_schedule(schedule, mask=schedule in ("1f1b", "zb-h1"), positional=schedule == "gpipe")
+    if schedule == "1f1b":
+        _TRAINED["1f1b"] = result
+
+
+def trained_1f1b() -> Any:
+    assert "1f1b" in _TRAINED, "the 1f1b case did not pass: nothing to continue from"
+    return _TRAINED["1f1b"]
+
+
+def hf_cases(world: int) -> Cases:
     import pipedream_ext as pd
 
-    root = os.environ.get("PDHF_DIR", f"/tmp/pdhf-{os.environ.get('MASTER_PORT', 'x')}")
-    trained = None
+    cases = Cases()
     for schedule in pd.schedules.synchronous_names():
-        if schedule == "dualpipev" and 2 * dist.get_world_size() > MICROBATCHES:
+        if schedule == "dualpipev" and 2 * world > MICROBATCHES:
             continue  # needs m >= 2p microbatches, more than the 4-row batches have rows
-        # Inputs: a dict with a padding mask, a dict of input_ids alone, or one tensor.
-        result = check_schedule(schedule, mask=schedule in ("1f1b", "zb-h1"),
-                                positional=schedule == "gpipe")
-        if schedule == "1f1b":
-            trained = result
-    assert trained is not None
-    check_checkpoint(root, *trained)
-    check_bad_inputs(trained[0])
+        cases.add(check_schedule_case, schedule, name=schedule)
+    cases.add(lambda: check_checkpoint(os.environ.get("PDHF_DIR", f"/tmp/pdhf-{os.environ.get('MASTER_PORT', 'x')}"),
+                                       *trained_1f1b()), name="checkpoint")
+    cases.add(lambda: check_bad_inputs(trained_1f1b()[0]), name="bad_inputs")
+    return cases
+
+
+# `make test` runs 2 ranks (every flush schedule, V layouts included); `make test-all` 3 and 4.
+LAUNCHES = [Launch(HERE, world, hf_cases, dirs=("PDHF_DIR",), marks=(pytest.mark.slow,) if world > 2 else ())
+            for world in (2, 3, 4)]
 
 
 # --------------------------------------------------------------------------- pytest side
-# `make test` runs 2 ranks (every flush schedule, V layouts included); `make test-all` 3 and 4.
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
-def test_gpt2_pipelines_match_the_unsplit_model(world: int, tmp_path, monkeypatch) -> None:
+@parametrize_cases(*LAUNCHES)
+def test_gpt2_pipelines_match_the_unsplit_model(case: CaseRef) -> None:
     """Every flush schedule exact against the unsplit GPT-2 (dict and positional inputs,
     padding mask, changing shapes), forward_only, bad input keys, checkpoints."""
-    monkeypatch.setenv("PDHF_DIR", str(tmp_path))
-    result = launch_torchrun(HERE, world)
-    assert_every_rank_passed(result, world, MARKER)
+    case.check()
 
 
 # --------------------------------------------------------------------------- one process
@@ -443,4 +457,4 @@ def test_what_neither_path_can_run_is_refused_naming_it() -> None:
 
 
 if __name__ == "__main__":
-    worker_main(run_checks, MARKER)
+    worker_main(LAUNCHES)

@@ -19,9 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
+from _multiprocess import CaseRef, Cases, Launch, parametrize_cases, worker_main
 
-MARKER = "ALL MIXED PRECISION CHECKS PASSED"
 MICROBATCHES = 4
 
 
@@ -180,16 +179,21 @@ def check_bfloat16_async() -> None:
         assert seen[-1] < seen[0], seen
 
 
-def run_all_checks() -> None:
-    check_bfloat16()
-    check_float16_with_scaler()
-    check_nonfinite()
-    check_bfloat16_async()
+def mixed_precision_cases(world: int) -> Cases:
+    cases = Cases()
+    cases.add(check_bfloat16)
+    cases.add(check_float16_with_scaler)
+    cases.add(check_nonfinite)
+    cases.add(check_bfloat16_async)
+    return cases
 
 
-def test_mixed_precision_and_nonfinite_detection() -> None:
-    result = launch_torchrun(os.path.abspath(__file__), world=2, timeout=300)
-    assert_every_rank_passed(result, 2, MARKER)
+LAUNCH = Launch(os.path.abspath(__file__), 2, mixed_precision_cases, timeout=300)
+
+
+@parametrize_cases(LAUNCH)
+def test_mixed_precision_and_nonfinite_detection(case: CaseRef) -> None:
+    case.check()
 
 
 def test_bad_autocast_arguments_are_rejected_before_any_communication() -> None:
@@ -205,4 +209,4 @@ def test_bad_autocast_arguments_are_rejected_before_any_communication() -> None:
 
 
 if __name__ == "__main__":
-    worker_main(run_all_checks, MARKER)
+    worker_main([LAUNCH])

@@ -19,9 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import ROOT, assert_every_rank_passed, launch_torchrun, worker_main
+from _multiprocess import ROOT, CaseRef, Cases, Launch, parametrize_cases, worker_main
 
-MARKER = "ALL OBSERVABILITY CHECKS PASSED"
 M, STEPS, WIDTH, BATCH = 4, 3, 12, 8
 
 
@@ -30,7 +29,7 @@ def make_model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 3))
 
 
-def run_checks() -> None:
+def check_stats_and_trace() -> None:
     import pipedream_ext as pd
 
     rank = dist.get_rank()
@@ -103,7 +102,6 @@ def run_checks() -> None:
     del pipe, opt
     gc.collect()
     assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]
-    check_reset_stats(rank)
 
 
 STATS_KEYS = {"compute_s", "wait_s", "busy_s", "actions", "steps", "seconds_by_kind", "bytes_sent",
@@ -150,10 +148,19 @@ def check_reset_stats(rank: int) -> None:
     gc.collect()
 
 
-def test_stats_and_merged_trace(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("OBS_DIR", str(tmp_path))
-    result = launch_torchrun(os.path.abspath(__file__), world=2, timeout=300)
-    assert_every_rank_passed(result, 2, MARKER)
+def observability_cases(world: int) -> Cases:
+    cases = Cases()
+    cases.add(check_stats_and_trace)
+    cases.add(lambda: check_reset_stats(dist.get_rank()), name="reset_stats")
+    return cases
+
+
+LAUNCH = Launch(os.path.abspath(__file__), 2, observability_cases, timeout=300, dirs=("OBS_DIR",))
+
+
+@parametrize_cases(LAUNCH)
+def test_stats_and_merged_trace(case: CaseRef) -> None:
+    case.check()
 
 
 def test_pipedream_log_debug_shows_every_action() -> None:
@@ -201,4 +208,4 @@ def test_bad_pipedream_log_level_is_a_clear_error() -> None:
 
 
 if __name__ == "__main__":
-    worker_main(run_checks, MARKER)
+    worker_main([LAUNCH])

@@ -36,9 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
+from _multiprocess import CaseRef, Cases, Launch, parametrize_cases, worker_main
 
-MARKER = "ALL RECEIVE WAIT CHECKS PASSED"
 PAUSE_S = 0.02  # per forward and per backward of every stage
 M, STEPS, WIDTH = 4, 3, 8
 CASES = (("zbv", 2), ("interleaved-zb", 2))
@@ -100,24 +99,33 @@ def _span_names(path: str) -> List[str]:
         return [e["name"] for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
 
 
-def run_checks() -> None:
-    found: Dict[str, List[Any]] = {}
-    for protocol in ("fused", "split"):
-        for schedule, chunks in CASES:
-            path = os.path.join(os.environ["WAITS_DIR"], f"{schedule}-{protocol}.json")
-            found[f"{schedule} ({protocol})"] = late_waits(schedule, chunks, protocol, path)
+def check_no_wait_is_late_at_every_step(schedule: str, chunks: int, protocol: str) -> None:
+    path = os.path.join(os.environ["WAITS_DIR"], f"{schedule}-{protocol}.json")
+    waits = late_waits(schedule, chunks, protocol, path)
     if dist.get_rank() == 0:
-        described = [f"{case}: rank {w.rank} {w.wait} waited {w.wait_us / 1e3:.1f} ms for {w.sent}, sent "
+        described = [f"rank {w.rank} {w.wait} waited {w.wait_us / 1e3:.1f} ms for {w.sent}, sent "
                      f"{w.sent_before_us / 1e3:.1f} ms before, until rank {w.peer} began {w.released_after}"
-                     for case, waits in found.items() for w in waits]
+                     for w in waits]
         # The schedule repeats every step, and so does a wait it makes late; a thread of
         # this loaded machine that did not get a core in time makes one step's wait late.
-        every_step = {(case, w.rank, w.wait) for case, waits in found.items() for w in waits
+        every_step = {(w.rank, w.wait) for w in waits
                       if sum((v.rank, v.wait) == (w.rank, w.wait) for v in waits) == STEPS}
         assert not every_step, f"waits released by a later message at each of the {STEPS} steps: " \
             f"{sorted(every_step)}; all late waits:\n" + "\n".join(described)
         if described:
             print("late once, not at every step (the machine, not the schedule):\n" + "\n".join(described))
+
+
+def receive_waits_cases(world: int) -> Cases:
+    cases = Cases()
+    for protocol in ("fused", "split"):
+        for schedule, chunks in CASES:
+            cases.add(check_no_wait_is_late_at_every_step, schedule, chunks, protocol,
+                      name=f"{schedule}-{protocol}")
+    return cases
+
+
+LAUNCH = Launch(os.path.abspath(__file__), 2, receive_waits_cases, timeout=300, dirs=("WAITS_DIR",))
 
 
 def _trace(wait_start: int, wait_end: int) -> Dict[str, Any]:
@@ -153,12 +161,11 @@ def test_late_receive_waits_reads_the_order_of_events(wait: Tuple[int, int], lat
             for w in found] == [(1, "1RECV_F0", 0, "0SEND_F0", "0SEND_F1", 25, 9, 5)], found
 
 
-def test_no_wait_is_released_by_a_later_message(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("WAITS_DIR", str(tmp_path))
+@parametrize_cases(LAUNCH)
+def test_no_wait_is_released_by_a_later_message(case: CaseRef, monkeypatch) -> None:
     monkeypatch.delenv(PROTOCOL_ENV, raising=False)
-    result = launch_torchrun(os.path.abspath(__file__), world=2, timeout=300)
-    assert_every_rank_passed(result, 2, MARKER)
+    case.check()
 
 
 if __name__ == "__main__":
-    worker_main(run_checks, MARKER)
+    worker_main([LAUNCH])

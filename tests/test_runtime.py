@@ -20,15 +20,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _multiprocess import (
-    assert_every_rank_passed,
+    CaseRef,
+    Cases,
+    Launch,
     launch_raw,
-    launch_torchrun,
+    parametrize_cases,
     worker_main,
 )
 from torch import nn
 
 RTOL, ATOL = 1e-5, 1e-6
-MARKER = "ALL RUNTIME CHECKS PASSED"
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -306,34 +307,35 @@ def check_symmetric_bad_input() -> None:
             pd.PipeDream(tiny, F.cross_entropy)
 
 
-def run_all_checks() -> None:
-    world = dist.get_world_size()
+def runtime_cases(world: int) -> Cases:
+    cases = Cases()
     for schedule in SCHEDULES:
         for m in (1, 2, 4, 8):
-            check_gradients_and_training(schedule, m)
+            cases.add(check_gradients_and_training, schedule, m)
     if world >= 2:
         # Uneven balance; from 3 ranks on, stage 1 is the parameter-free Tanh alone.
         uneven = [3, 5] if world == 2 else [1] * (world - 1) + [8 - (world - 1)]
-        check_gradients_and_training("1f1b", 4, balance=uneven)
-        check_gradients_and_training("zb-h1", 4, balance=uneven)
+        cases.add(check_gradients_and_training, "1f1b", 4, balance=uneven)
+        cases.add(check_gradients_and_training, "zb-h1", 4, balance=uneven)
     if world <= 3:
         tuple_balance = {1: None, 2: [2, 3], 3: [2, 1, 2]}[world]
-        check_gradients_and_training("1f1b", 4, kind="tuple", balance=tuple_balance)
-        check_gradients_and_training("gpipe", 2, kind="tuple", balance=tuple_balance)
+        cases.add(check_gradients_and_training, "1f1b", 4, kind="tuple", balance=tuple_balance)
+        cases.add(check_gradients_and_training, "gpipe", 2, kind="tuple", balance=tuple_balance)
     # Replicated stages: the replicas' gradients add up to the whole batch's.
     for layout in {2: [[1, 1]], 3: [[2, 1], [1, 2]], 4: [[2, 1, 1], [1, 1, 2], [2, 2]]}.get(world, []):
-        check_gradients_and_training("1f1b", 4, replicas=layout)
-        check_gradients_and_training("gpipe", 6, replicas=layout)
-        check_gradients_and_training("zb-h1", 5, replicas=layout)  # split backward, replicated
+        cases.add(check_gradients_and_training, "1f1b", 4, replicas=layout)
+        cases.add(check_gradients_and_training, "gpipe", 6, replicas=layout)
+        cases.add(check_gradients_and_training, "zb-h1", 5, replicas=layout)  # split backward, replicated
     if world == 3:
-        check_gradients_and_training("zb-h1", 4, replicas=[2, 1], recompute=True)
-    check_gradients_and_training("1f1b", 4, recompute=True)
-    check_gradients_and_training("zb-h1", 4, recompute=True)
-    check_recompute_with_dropout()
-    check_auto_balance()
-    check_forward_only()
-    check_forward_only_merge()
-    check_symmetric_bad_input()
+        cases.add(check_gradients_and_training, "zb-h1", 4, replicas=[2, 1], recompute=True)
+    cases.add(check_gradients_and_training, "1f1b", 4, recompute=True)
+    cases.add(check_gradients_and_training, "zb-h1", 4, recompute=True)
+    cases.add(check_recompute_with_dropout)
+    cases.add(check_auto_balance)
+    cases.add(check_forward_only)
+    cases.add(check_forward_only_merge)
+    cases.add(check_symmetric_bad_input)
+    return cases
 
 
 # --------------------------------------------------------------------------- faults
@@ -365,9 +367,12 @@ def fault_case(case: str) -> None:
 
 
 # --------------------------------------------------------------------------- pytest side
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_flush_schedules_match_the_unsplit_model(world: int) -> None:
-    assert_every_rank_passed(launch_torchrun(HERE, world), world, MARKER)
+LAUNCHES = [Launch(HERE, world, runtime_cases) for world in (2, 3, 4)]
+
+
+@parametrize_cases(*LAUNCHES)
+def test_flush_schedules_match_the_unsplit_model(case: CaseRef) -> None:
+    case.check()
 
 
 def test_killed_rank_makes_the_others_fail_naming_it() -> None:
@@ -401,7 +406,7 @@ def main() -> None:
         dist.init_process_group("gloo")
         fault_case(args.fault)
         return
-    worker_main(run_all_checks, MARKER)
+    worker_main(LAUNCHES)
 
 
 if __name__ == "__main__":

@@ -24,10 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
+from _multiprocess import CaseRef, Cases, Launch, parametrize_cases, worker_main
 
 RTOL, ATOL = 1e-5, 1e-6
-MARKER = "ALL SHARED PARAMETER CHECKS PASSED"
 HERE = os.path.abspath(__file__)
 VOCAB, WIDTH, TOKENS = 11, 8, 5
 STEPS = 3
@@ -187,45 +186,50 @@ def check_checkpoint(save_kwargs: dict, load_kwargs: dict, directory: str) -> No
     dist.barrier()
 
 
-def run_checks() -> None:
-    world = dist.get_world_size()
-    directory = os.environ.get("SHARED_PARAMS_DIR") or tempfile.gettempdir()
+def tied_lm_cases(world: int) -> Cases:
+    cases = Cases()
+    directory = os.environ.get("SHARED_PARAMS_DIR") or tempfile.gettempdir()  # the ranks': see the launches
     if world == 2:
         for schedule in ("gpipe", "1f1b", "zb-h1"):
-            check_matches_unsplit(schedule, [2, 4])
+            cases.add(check_matches_unsplit, schedule, [2, 4])
         # Embedding and head on the same rank (stages 0 and 2), then on both ranks.
-        check_matches_unsplit("interleaved-1f1b", [1, 2, 2, 1])
-        check_matches_unsplit("interleaved-1f1b", [1, 2, 1, 2])
-        check_matches_unsplit("zbv", [1, 1, 1, 3])  # the V: stages 0 and 3 on rank 0
-        check_asynchronous_refused()
-        check_meta_built("1f1b", [2, 4])
-        check_checkpoint(dict(schedule="interleaved-1f1b", chunks=2, balance=[1, 2, 2, 1]),
-                         dict(schedule="1f1b", balance=[3, 3]), os.path.join(directory, "ckpt2"))
+        cases.add(check_matches_unsplit, "interleaved-1f1b", [1, 2, 2, 1])
+        cases.add(check_matches_unsplit, "interleaved-1f1b", [1, 2, 1, 2])
+        cases.add(check_matches_unsplit, "zbv", [1, 1, 1, 3])  # the V: stages 0 and 3 on rank 0
+        cases.add(check_asynchronous_refused)
+        cases.add(check_meta_built, "1f1b", [2, 4])
+        cases.add(check_checkpoint, dict(schedule="interleaved-1f1b", chunks=2, balance=[1, 2, 2, 1]),
+                  dict(schedule="1f1b", balance=[3, 3]), os.path.join(directory, "ckpt2"),
+                  name="checkpoint")
     elif world == 3:
-        check_matches_unsplit("1f1b", [1, 3, 2])  # a middle stage between embedding and head
-        check_matches_unsplit("gpipe", [1, 3, 2])
+        cases.add(check_matches_unsplit, "1f1b", [1, 3, 2])  # a middle stage between embedding and head
+        cases.add(check_matches_unsplit, "gpipe", [1, 3, 2])
         for replicas in ([2, 1], [1, 2]):
-            check_matches_unsplit("1f1b", [3, 3], replicas=replicas)
-            check_matches_unsplit("gpipe", [3, 3], replicas=replicas)
-        check_meta_built("gpipe", [3, 3], replicas=[1, 2])
-        check_checkpoint(dict(schedule="1f1b", balance=[3, 3], replicas=[2, 1]),
-                         dict(schedule="zb-h1", balance=[1, 2, 3]), os.path.join(directory, "ckpt3"))
+            cases.add(check_matches_unsplit, "1f1b", [3, 3], replicas=replicas)
+            cases.add(check_matches_unsplit, "gpipe", [3, 3], replicas=replicas)
+        cases.add(check_meta_built, "gpipe", [3, 3], replicas=[1, 2])
+        cases.add(check_checkpoint, dict(schedule="1f1b", balance=[3, 3], replicas=[2, 1]),
+                  dict(schedule="zb-h1", balance=[1, 2, 3]), os.path.join(directory, "ckpt3"),
+                  name="checkpoint")
     elif world == 4:
-        check_matches_unsplit("1f1b", [1, 1, 2, 2])
-        check_matches_unsplit("zb-h1", [1, 1, 2, 2])
-        check_matches_unsplit("1f1b", [1, 2, 3], replicas=[1, 1, 2])
-        check_matches_unsplit("gpipe", [1, 2, 3], replicas=[2, 1, 1])
+        cases.add(check_matches_unsplit, "1f1b", [1, 1, 2, 2])
+        cases.add(check_matches_unsplit, "zb-h1", [1, 1, 2, 2])
+        cases.add(check_matches_unsplit, "1f1b", [1, 2, 3], replicas=[1, 1, 2])
+        cases.add(check_matches_unsplit, "gpipe", [1, 2, 3], replicas=[2, 1, 1])
+    return cases
 
 
 # --------------------------------------------------------------------------- pytest side
 # `make test` runs the 3-rank case (replicas [2, 1] and [1, 2]) on the nccl_rules
 # backend (tests/test_nccl_rules.py); `make test-all` on Gloo too.
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow), 4])
-def test_tied_lm_matches_the_unsplit_model(world: int, tmp_path,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SHARED_PARAMS_DIR", str(tmp_path))
-    assert_every_rank_passed(launch_torchrun(HERE, world), world, MARKER)
+LAUNCHES = [Launch(HERE, world, tied_lm_cases, dirs=("SHARED_PARAMS_DIR",),
+                   marks=(pytest.mark.slow,) if world == 3 else ()) for world in (2, 3, 4)]
+
+
+@parametrize_cases(*LAUNCHES)
+def test_tied_lm_matches_the_unsplit_model(case: CaseRef) -> None:
+    case.check()
 
 
 if __name__ == "__main__":
-    worker_main(run_checks, MARKER)
+    worker_main(LAUNCHES)

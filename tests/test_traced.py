@@ -33,13 +33,12 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
+from _multiprocess import CaseRef, Cases, FromEnv, Launch, parametrize_cases, worker_main
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import models
 
 RTOL, ATOL = 1e-5, 1e-6
-MARKER = "ALL TRACED CHECKS PASSED"
 HERE = os.path.abspath(__file__)
 MICROBATCHES = 4
 
@@ -465,41 +464,37 @@ def check_aliased_sample(export_only: bool) -> None:
     assert_same_state(pipe.state_dict(), ref, f"nanoGPT, aliased sample, export_only={export_only}")
 
 
-def run_checks() -> None:
-    world = dist.get_world_size()
-    root = os.environ.get("PDTRACE_DIR", f"/tmp/pdtrace-{os.environ.get('MASTER_PORT', 'x')}")
+def traced_cases(world: int) -> Cases:
+    root = FromEnv("PDTRACE_DIR", f"/tmp/pdtrace-{os.environ.get('MASTER_PORT', 'x')}")
     schedules = ["gpipe", "1f1b", "zb-h1"] + (["interleaved-1f1b"] if world == 2 else [])
+    cases = Cases()
     for kind in MODELS:
         for schedule in schedules:
-            check_schedule(kind, schedule)
-        check_checkpoint(kind, root)
+            cases.add(check_schedule, kind, schedule)
+        cases.add(check_checkpoint, kind, root)
     for schedule in ("pipedream", "pipedream-2bw"):
-        check_asynchronous_equals_sequential(schedule)
+        cases.add(check_asynchronous_equals_sequential, schedule)
     if world > 2:  # hybrid: stage 0 on two ranks (no BatchNorm: replicas see other microbatches)
-        check_schedule("unet", "1f1b", replicas=[2] + [1] * (world - 2))
+        cases.add(check_schedule, "unet", "1f1b", replicas=[2] + [1] * (world - 2))
     # Recompute: BatchNorm's running statistics still advance once per microbatch.
-    check_schedule("resnet", "1f1b", recompute=True)
-    check_schedule("kwargs", "zb-h1", recompute=True)
+    cases.add(check_schedule, "resnet", "1f1b", recompute=True)
+    cases.add(check_schedule, "kwargs", "zb-h1", recompute=True)
     for export_only in (False, True):
-        check_aliased_sample(export_only)
+        cases.add(check_aliased_sample, export_only)
+    return cases
+
+
+# 3 ranks adds no feature 2 and 4 lack (4 also has a replicated stage): `make test-all` runs it.
+LAUNCHES = [Launch(HERE, world, traced_cases, dirs=("PDTRACE_DIR",),
+                   marks=(pytest.mark.slow,) if world == 3 else ()) for world in (2, 3, 4)]
 
 
 # --------------------------------------------------------------------------- pytest side
-# 3 ranks adds no feature 2 and 4 lack (4 also has a replicated stage): `make test-all` runs it.
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow), 4])
-def test_traced_models_match_the_unsplit_model(world: int, tmp_path) -> None:
+@parametrize_cases(*LAUNCHES)
+def test_traced_models_match_the_unsplit_model(case: CaseRef) -> None:
     """ResNet, U-Net, two-input and tied models: every flush schedule exact; checkpoints
     across splits; asynchronous schedules equal to the nn.Sequential path."""
-    old = os.environ.get("PDTRACE_DIR")
-    os.environ["PDTRACE_DIR"] = str(tmp_path)
-    try:
-        result = launch_torchrun(HERE, world)
-    finally:
-        if old is None:
-            os.environ.pop("PDTRACE_DIR")
-        else:
-            os.environ["PDTRACE_DIR"] = old
-    assert_every_rank_passed(result, world, MARKER)
+    case.check()
 
 
 class Untraceable(nn.Module):
@@ -596,4 +591,4 @@ def test_distinct_inputs_copies_only_what_aliases() -> None:
 
 
 if __name__ == "__main__":
-    worker_main(run_checks, MARKER)
+    worker_main(LAUNCHES)

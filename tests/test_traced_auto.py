@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
+from _multiprocess import CaseRef, Cases, FromEnv, Launch, parametrize_cases, worker_main
 from test_traced import (
     MICROBATCHES,
     MODELS,
@@ -42,7 +42,6 @@ from test_traced import (
 )
 
 RTOL, ATOL = 1e-5, 1e-6
-MARKER = "ALL TRACED AUTO CHECKS PASSED"
 HERE = os.path.abspath(__file__)
 BANDWIDTH = [1e9]  # fixed bytes/s, so plans differ only by the measured times
 
@@ -158,19 +157,20 @@ def uniform_plan(kind: str) -> Any:
     return pd.plan(graph, workers=dist.get_world_size(), bandwidth=BANDWIDTH, straight=True)
 
 
-def run_checks() -> None:
+def check_auto_balance(schedule: str) -> None:
+    """balance="auto": rank 0 profiles the traced ResNet and plans for the schedule."""
+    world = dist.get_world_size()
+    pipe, _ = run_and_compare("resnet", schedule, "auto", bandwidth=None if schedule == "1f1b" else BANDWIDTH)
+    if schedule == "zb-h1":  # straight (the schedule's planner assumption)
+        assert pipe.num_stages == world and pipe.replicas == [1] * world, pipe.plan.table()
+
+
+def check_straight_plan_and_its_checkpoint(root: str) -> None:
+    """A straight plan of the same kind of profile, as a Plan and as a plan.json file."""
     import pipedream_ext as pd
 
     world = dist.get_world_size()
-    root = os.environ.get("PDTRACE_DIR", f"/tmp/pdtrace-auto-{os.environ.get('MASTER_PORT', 'x')}")
     os.makedirs(root, exist_ok=True)
-    # balance="auto": rank 0 profiles the traced ResNet and plans for the schedule.
-    for schedule in ("gpipe", "1f1b", "zb-h1"):
-        pipe, _ = run_and_compare("resnet", schedule, "auto",
-                                  bandwidth=None if schedule == "1f1b" else BANDWIDTH)
-        if schedule == "zb-h1":  # straight (the schedule's planner assumption)
-            assert pipe.num_stages == world and pipe.replicas == [1] * world, pipe.plan.table()
-    # A straight plan of the same kind of profile, as a Plan and as a plan.json file.
     plan = broadcast_plan(lambda: straight_plan("resnet"))
     assert len(plan.stages) == world and not plan.chain
     path = os.path.join(root, f"resnet-plan-{world}.json")
@@ -187,7 +187,13 @@ def run_checks() -> None:
         whole.load_state_dict(pd.consolidate(ckpt), strict=True)
         for name, value in whole.state_dict().items():
             torch.testing.assert_close(value, ref.state_dict()[name], rtol=RTOL, atol=ATOL)
-    # U-Net: the planner's own choice, then a deterministic plan whose skip crosses two cuts.
+
+
+def check_unet_plans() -> None:
+    """U-Net: the planner's own choice, then a deterministic plan whose skip crosses two cuts."""
+    import pipedream_ext as pd
+
+    world = dist.get_world_size()
     run_and_compare("unet", "1f1b", "auto", bandwidth=BANDWIDTH)
     plan = broadcast_plan(lambda: uniform_plan("unet"))
     pipe, _ = run_and_compare("unet", "1f1b", plan)
@@ -199,15 +205,25 @@ def run_checks() -> None:
                      chunks=2, balance=plan, sample=make_batch("resnet", 8, 99))
 
 
+def traced_auto_cases(world: int) -> Cases:
+    cases = Cases()
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
+        cases.add(check_auto_balance, schedule)
+    cases.add(check_straight_plan_and_its_checkpoint,
+              FromEnv("PDTRACE_DIR", f"/tmp/pdtrace-auto-{os.environ.get('MASTER_PORT', 'x')}"))
+    cases.add(check_unet_plans)
+    return cases
+
+
+LAUNCHES = [Launch(HERE, world, traced_auto_cases, dirs=("PDTRACE_DIR",)) for world in (2, 3, 4)]
+
+
 # --------------------------------------------------------------------------- pytest side
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_auto_balance_of_traced_models_matches_the_unsplit_model(world: int, tmp_path,
-                                                                  monkeypatch) -> None:
+@parametrize_cases(*LAUNCHES)
+def test_auto_balance_of_traced_models_matches_the_unsplit_model(case: CaseRef) -> None:
     """balance="auto" and graph-profile plans on the traced ResNet and U-Net: every
     flush schedule exact, the plan's stages are what runs."""
-    monkeypatch.setenv("PDTRACE_DIR", str(tmp_path))
-    assert_every_rank_passed(launch_torchrun(HERE, world), world, MARKER)
-
+    case.check()
 
 if __name__ == "__main__":
-    worker_main(run_checks, MARKER)
+    worker_main(LAUNCHES)

@@ -29,16 +29,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _multiprocess import (
-    assert_every_rank_passed,
+    CaseRef,
+    Cases,
+    Launch,
     launch_raw,
-    launch_torchrun,
+    parametrize_cases,
     worker_main,
 )
 from torch import nn
 from torch.func import functional_call
 
 RTOL, ATOL = 1e-5, 1e-6
-MARKER = "ALL VARIABLE-SHAPE CHECKS PASSED"
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
 FLUSH_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
@@ -216,15 +217,19 @@ def check_async(schedule: str, streams: Sequence[int] = (4, 2)) -> None:
                                    msg=lambda m: f"{schedule} weight {name}: {m}")
 
 
-def run_all_checks() -> None:
-    assert dist.get_world_size() == 2, "written for 2 ranks"
+def variable_shapes_cases(world: int) -> Cases:
+    cases = Cases()
     for schedule in FLUSH_SCHEDULES:
-        check_flush("lm", schedule, evaluate=schedule == "1f1b")
-    check_flush("lm", "zb-h1", recompute=True)
+        cases.add(check_flush, "lm", schedule, evaluate=schedule == "1f1b")
+    cases.add(check_flush, "lm", "zb-h1", recompute=True)
     for schedule in ("1f1b", "zb-h1"):
-        check_flush("cnn", schedule)
+        cases.add(check_flush, "cnn", schedule)
     for schedule in ("pipedream", "pipedream-2bw"):
-        check_async(schedule)
+        cases.add(check_async, schedule)
+    return cases
+
+
+LAUNCH = Launch(HERE, 2, variable_shapes_cases)  # written for 2 ranks
 
 
 # --------------------------------------------------------------------------- bad peers
@@ -274,8 +279,9 @@ def fault_case(case: str) -> None:
 
 
 # --------------------------------------------------------------------------- pytest side
-def test_shapes_that_change_every_step_match_the_references() -> None:
-    assert_every_rank_passed(launch_torchrun(HERE, 2), 2, MARKER)
+@parametrize_cases(LAUNCH)
+def test_shapes_that_change_every_step_match_the_references(case: CaseRef) -> None:
+    case.check()
 
 
 @pytest.mark.parametrize("case, bad_rank, needle", [
@@ -302,7 +308,7 @@ def main() -> None:
         dist.init_process_group("gloo")
         fault_case(sys.argv[2])
         return
-    worker_main(run_all_checks, MARKER)
+    worker_main([LAUNCH])
 
 
 if __name__ == "__main__":

@@ -28,11 +28,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _multiprocess import assert_every_rank_passed, launch_torchrun, worker_main
+from _multiprocess import CaseRef, Cases, Launch, parametrize_cases, worker_main
 from torch import nn
 
 HERE = os.path.abspath(__file__)
-MARKER = "ALL ZERO-BUBBLE CHECKS PASSED"
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 4  # per optimizer
 N, M = 2, 3  # checkpoint: steps before saving, steps after
@@ -211,17 +210,18 @@ CASES: Dict[int, List[tuple]] = {
 }
 
 
-def run_all_checks() -> None:
-    world = dist.get_world_size()
+def zero_bubble_cases(world: int) -> Cases:
+    cases = Cases()
     for schedule, m in CASES[world]:
-        check_matches_unsplit_model(schedule, m)
-    root = os.environ["PDZB_DIR"]
+        cases.add(check_matches_unsplit_model, schedule, m)
+    root = os.environ.get("PDZB_DIR", "")  # the ranks'
     if world == 2:
-        save_zbv_checkpoint(root)
-        check_resume(root, "1f1b", chunks=1, balance=[3, 6])
+        cases.add(save_zbv_checkpoint, root, name="save_zbv_checkpoint")
+        cases.add(check_resume, root, "1f1b", chunks=1, balance=[3, 6], name="resume-1f1b-[3,6]")
     else:
-        check_resume(root, "1f1b", chunks=1, balance=None)
-        check_resume(root, "zbv", chunks=2, balance=balance_for(8))
+        cases.add(check_resume, root, "1f1b", chunks=1, balance=None, name="resume-1f1b")
+        cases.add(check_resume, root, "zbv", chunks=2, balance=balance_for(8), name="resume-zbv")
+    return cases
 
 
 # --------------------------------------------------------------------------- pytest side
@@ -230,22 +230,19 @@ def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tmp_path_factory.mktemp("zero_bubble"))
 
 
-def _launch(world: int, root: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PDZB_DIR", root)
-    assert_every_rank_passed(launch_torchrun(HERE, world), world, MARKER)
+TWO, FOUR = (Launch(HERE, world, zero_bubble_cases) for world in (2, 4))
 
 
-def test_two_ranks_match_the_unsplit_model_and_save_a_v_checkpoint(
-        checkpoint_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    _launch(2, checkpoint_dir, monkeypatch)
+@parametrize_cases(TWO)
+def test_two_ranks_match_the_unsplit_model_and_save_a_v_checkpoint(case: CaseRef, checkpoint_dir: str) -> None:
+    case.check(env={"PDZB_DIR": checkpoint_dir})
 
 
-def test_four_ranks_match_the_unsplit_model_and_reshard_the_v_checkpoint(
-        checkpoint_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if not os.path.exists(os.path.join(checkpoint_dir, "ckpt", "manifest.json")):
-        _launch(2, checkpoint_dir, monkeypatch)  # run alone (pytest -k four): checkpoint first
-    _launch(4, checkpoint_dir, monkeypatch)
-
+@parametrize_cases(FOUR)
+def test_four_ranks_match_the_unsplit_model_and_reshard_the_v_checkpoint(case: CaseRef,
+                                                                         checkpoint_dir: str) -> None:
+    TWO.result(env={"PDZB_DIR": checkpoint_dir})  # the checkpoint first (run alone: pytest -k four)
+    case.check(env={"PDZB_DIR": checkpoint_dir})
 
 if __name__ == "__main__":
-    worker_main(run_all_checks, MARKER)
+    worker_main([TWO, FOUR])
