@@ -347,40 +347,38 @@ void PipelineExecutor::waitSends() {
   account("SEND_WAIT", "wait for sends", "wait", start, true);
 }
 
-std::vector<at::Tensor> PipelineExecutor::run(const std::vector<std::vector<at::Tensor>>& inputs) {
+PipelineExecutor::Results PipelineExecutor::runList(const std::vector<std::vector<at::Tensor>>& inputs,
+                                                     bool forwardOnly) {
   const auto begin = Clock::now();
   reset();
   Results results;
   execute(0, list_.size(),
           [&inputs](int i) { return i < static_cast<int>(inputs.size()) ? &inputs[i] : nullptr; },
-          /*forwardOnly=*/false, results);
+          forwardOnly, results);
   waitSends();
-  TORCH_CHECK(stash_.empty(), "rank ", rank_, ": ", stash_.size(),
-              " microbatches still stashed at the end of the step (schedule bug)");
+  if (forwardOnly) {
+    stash_.clear();  // forward-only stashes nothing a backward will read
+  } else {
+    TORCH_CHECK(stash_.empty(), "rank ", rank_, ": ", stash_.size(),
+                " microbatches still stashed at the end of the step (schedule bug)");
+  }
   next_ = list_.size();
   stats_.busySeconds += std::chrono::duration<double>(Clock::now() - begin).count();
   ++stats_.steps;
+  return results;
+}
+
+std::vector<at::Tensor> PipelineExecutor::run(const std::vector<std::vector<at::Tensor>>& inputs) {
   std::vector<at::Tensor> losses(schedule_.totalMicrobatches());
-  for (auto& [i, out] : results) losses[i] = out.empty() ? at::Tensor() : out[0];
+  for (auto& [i, out] : runList(inputs, /*forwardOnly=*/false)) losses[i] = out.empty() ? at::Tensor() : out[0];
   return losses;
 }
 
 std::vector<std::vector<at::Tensor>> PipelineExecutor::runForward(
     const std::vector<std::vector<at::Tensor>>& inputs) {
   at::NoGradGuard noGrad;
-  const auto begin = Clock::now();
-  reset();
-  Results results;
-  execute(0, list_.size(),
-          [&inputs](int i) { return i < static_cast<int>(inputs.size()) ? &inputs[i] : nullptr; },
-          /*forwardOnly=*/true, results);
-  waitSends();
-  stash_.clear();
-  next_ = list_.size();
-  stats_.busySeconds += std::chrono::duration<double>(Clock::now() - begin).count();
-  ++stats_.steps;
   std::vector<std::vector<at::Tensor>> outputs(schedule_.totalMicrobatches());
-  for (auto& [i, out] : results) outputs[i] = out;
+  for (auto& [i, out] : runList(inputs, /*forwardOnly=*/true)) outputs[i] = std::move(out);
   return outputs;
 }
 

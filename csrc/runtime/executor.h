@@ -159,6 +159,8 @@ class PipelineExecutor {
   using TransferId = TransferLedger::Id;
 
   void reset();
+  // One whole step over the list (run, runForward): the last stage's outputs by microbatch.
+  Results runList(const std::vector<std::vector<at::Tensor>>& inputs, bool forwardOnly);
   void execute(size_t begin, size_t end, const InputFn& inputOf, bool forwardOnly, Results& results);
   // One method per action kind. `start` is when the action's compute began;
   // an action that waits for a receive moves it past the wait.

@@ -14,35 +14,15 @@ import importlib
 import json
 import os
 import sys
-from typing import List
 
 import torch
 from torch import nn
 
 from .._planning.profiler import profile
 from ..planner import SHARDINGS, plan
+from .arg_types import float_list, int_list
 
 __all__ = ["register"]
-
-
-def _int_list(text: str) -> List[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one integer, e.g. 4,4")
-    return values
-
-
-def _float_list(text: str) -> List[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one number, e.g. 16e9,1.25e9")
-    return values
 
 
 def _load_factory(spec: str):  # type: ignore[no-untyped-def]
@@ -128,7 +108,7 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--model", required=True, metavar="MODULE:FACTORY",
                    help="a factory returning an nn.Module (an nn.Sequential or any model "
                         "torch.fx can trace), e.g. mypkg.models:make_resnet")
-    p.add_argument("--input-shape", required=True, type=_int_list, metavar="N,C,...",
+    p.add_argument("--input-shape", required=True, type=int_list, metavar="N,C,...",
                    help="shape of one minibatch, e.g. 64,1,8,8")
     p.add_argument("--input-dtype", choices=["float32", "int64"], default="float32",
                    help="float32 (randn) or int64 (token ids in [0, --input-high))")
@@ -147,9 +127,9 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
         "with predicted time per stage and speedup over data parallelism.",
     )
     q.add_argument("--profile", required=True, help="graph.txt from `profile` or PipeDream")
-    q.add_argument("--workers", required=True, type=_int_list, metavar="N[,N...]",
+    q.add_argument("--workers", required=True, type=int_list, metavar="N[,N...]",
                    help="workers per level, innermost first, e.g. 4,4")
-    q.add_argument("--bandwidth", required=True, type=_float_list, metavar="B[,B...]",
+    q.add_argument("--bandwidth", required=True, type=float_list, metavar="B[,B...]",
                    help="bytes/s per level, innermost first, e.g. 16e9,1.25e9")
     q.add_argument("--memory", type=float, default=None, metavar="BYTES",
                    help="memory per worker (per rank); plans that exceed it are rejected")

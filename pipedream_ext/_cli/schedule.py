@@ -4,22 +4,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from typing import List, Optional
+from typing import Optional
 
 from .. import _viz, schedules
 from .._runtime import options
+from .arg_types import int_list
 
 __all__ = ["register"]
 
 _log = logging.getLogger(__name__)
-
-
-def _int_list(text: str) -> List[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers such as 2,1,1 (got {text!r})") from None
 
 
 def _cost(text: str) -> Optional[object]:
@@ -61,7 +54,7 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
                    help=options.summary("microbatches") + " (m; pipedream: minibatches)")
     p.add_argument("--chunks", type=int, default=None,
                    help=_help("chunks") + " (zbv, dualpipev: 2)")
-    p.add_argument("--replicas", type=_int_list, default=_default("replicas"),
+    p.add_argument("--replicas", type=int_list, default=_default("replicas"),
                    help=_help("replicas") + "; comma-separated: 2,1,1")
     p.add_argument("--batches", type=int, default=1, help="consecutive batches (default 1)")
     p.add_argument("--vertical-sync", action="store_true", default=_default("vertical_sync"),
