@@ -332,8 +332,9 @@ class Stage:
             under ``sharding="fsdp"`` and by ``tensor_parallel``.
         stashed_activation_bytes: per rank: activations of the minibatches in flight
             (divided by ``tensor_parallel`` with ``sequence_parallel``).
-        tensor_parallel_seconds: seconds per minibatch of the stage's tensor-parallel
-            all-reduces, part of ``time`` (0 without tensor parallelism).
+        tensor_parallel_seconds: seconds of tensor-parallel all-reduces one minibatch
+            costs the stage's tp ranks, as charged in ``time`` (``time = (compute /
+            tp + this + dp synchronisation) / dp``); 0 without tensor parallelism.
         layers: for a chain profile (an ``nn.Sequential``), the layer index range
             ``(start, end)`` of the stage; ``None`` for branching graphs.
     """

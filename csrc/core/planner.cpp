@@ -73,6 +73,7 @@ struct Segment {
   std::vector<int> ranks;
   double time;   // level-0 stage time (per minibatch, inside its unit)
   int level0Reps;
+  double tensorParallelSeconds;  // the TP all-reduces the DP charged it, per minibatch
 };
 
 class Solver {
@@ -289,8 +290,10 @@ class Solver {
     int offset = 0;
     for (const Piece& pc : pieces) {
       if (level == 0) {
+        const double tpSeconds =
+            tensorParallelSecondsPerByte(opt_.tensorParallel) * segA(pc.startRow, pc.end);
         Segment seg{pc.startRow, pc.end, {}, stageTime0(pc.startRow, pc.end, pc.reps, pc.split),
-                    pc.reps};
+                    pc.reps, tpSeconds};
         for (int r = 0; r < pc.reps; ++r) seg.ranks.push_back(offset + r);
         out.push_back(seg);
       } else {
@@ -440,6 +443,7 @@ int makeStages(const std::vector<Segment>& segs, Plan& plan) {
     std::sort(st.ranks.begin(), st.ranks.end());
     // Cross-unit replicas divide the in-unit time (see docs/planner.md).
     st.time = segs[s].time * segs[s].level0Reps / st.replicas;
+    st.tensorParallelSeconds = segs[s].tensorParallelSeconds;
     used += st.replicas;
   }
   return used;
@@ -474,7 +478,6 @@ void estimateStageMemory(Plan& plan, const PlannerOptions& options) {
                              ? dataParallelStateBytes(options.dataParallel, P)
                              : versions * P;
     st.stashedActivationBytes = inflight * perTensorRankActivation(tp, st.activationBytes);
-    st.tensorParallelSeconds = tensorParallelSecondsPerByte(tp) * st.activationBytes;
     st.memoryBytes = st.modelStateBytes + st.stashedActivationBytes;
     workersFrom -= st.replicas;
   }

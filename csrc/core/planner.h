@@ -76,7 +76,8 @@ struct PlanStage {
   double modelStateBytes = 0.0;  // weight versions; with data parallelism weights, gradients
                                  // and optimizer state (divided by the degree under FSDP)
   double stashedActivationBytes = 0.0;  // activations of the minibatches in flight
-  double tensorParallelSeconds = 0.0;   // TP all-reduces per minibatch (in `time`)
+  double tensorParallelSeconds = 0.0;   // TP all-reduces of one minibatch on its tp ranks
+                                        // (time = (compute / tp + this + dp sync) / dp)
   int layerStart = -1;       // for a chain graph: layers [start, end), Input excluded
   int layerEnd = -1;
 };
