@@ -688,12 +688,12 @@ class _TensorParallel:
 
 
 def _tensor_parallel(tensor_parallel: Any, sequence_parallel: bool, bandwidth: Optional[float],
-                     all_reduces: Optional[float], plan_args: Dict[str, Any],
+                     all_reduces: Optional[float], plan_args: Tuple[Optional[bool], str, bool],
                      all_bandwidths: Sequence[float]) -> Optional[_TensorParallel]:
     """Checks ``plan``'s tensor-parallel arguments; ``None`` without ``tensor_parallel``.
 
     Args:
-        plan_args: ``straight``, ``cost_model`` and ``two_bw`` as ``plan`` got them.
+        plan_args: ``(straight, cost_model, two_bw)`` as ``plan`` got them.
         all_bandwidths: every bandwidth ``plan`` got (dp's included): the fastest is
             the default tp bandwidth, as TP runs inside a node.
 
@@ -724,8 +724,8 @@ def _tensor_parallel(tensor_parallel: Any, sequence_parallel: bool, bandwidth: O
         "two_bw": (True, "a (pp, dp, tp) mesh runs flush schedules (one weight version); "
                          "drop two_bw"),
     }
-    for arg, (bad, why) in refusals.items():
-        if plan_args[arg] is bad or (isinstance(bad, str) and plan_args[arg] == bad):
+    for (arg, (bad, why)), value in zip(refusals.items(), plan_args):
+        if value is bad or (isinstance(bad, str) and value == bad):
             raise ValueError(f"{name} with {arg}={bad!r}: {why}")
     chosen = max(all_bandwidths) if bandwidth is None else bandwidth
     if isinstance(chosen, bool) or not isinstance(chosen, (int, float)) or \
@@ -853,9 +853,8 @@ def plan(
         optimizer_state: with ``data_parallel``: optimizer state bytes per weight
             byte (AdamW 2, SGD with momentum 1, plain SGD 0).
         tensor_parallel: tp ranks inside every dp rank of a stage (a ``(pp, dp, tp)``
-            mesh; ``data_parallel`` defaults to 1); ``workers`` stay the pipeline
-            workers, the plan runs on ``pp * dp * tp`` ranks (docs/planner.md,
-            "Planning with tensor parallelism"). ``None``: none.
+            mesh, ``data_parallel`` default 1): ``pp * dp * tp`` ranks, ``workers``
+            being pp (docs/planner.md, "Planning with tensor parallelism").
         sequence_parallel: with ``tensor_parallel``: activations sharded too (SP).
         tensor_parallel_bandwidth: bytes/s among a stage's tp ranks; ``None``: the
             fastest of ``bandwidth`` (TP runs inside a node).
@@ -873,9 +872,8 @@ def plan(
         workers = [workers]
     if isinstance(bandwidth, (int, float)):
         bandwidth = [float(bandwidth)]
-    asked = dict(straight=straight, cost_model=cost_model, two_bw=two_bw)
     tp = _tensor_parallel(tensor_parallel, sequence_parallel, tensor_parallel_bandwidth,
-                          tensor_parallel_all_reduces, asked, list(bandwidth))
+                          tensor_parallel_all_reduces, (straight, cost_model, two_bw), bandwidth)
     dp = _mesh_data_parallel(data_parallel, sharding, straight, list(workers), list(bandwidth), tp)
     if dp is not None:
         bandwidth = dp.pipeline_bandwidth
