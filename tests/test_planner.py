@@ -723,3 +723,20 @@ def test_cli_plan_prints_the_three_dimensional_mesh(tmp_path: Path,
     rc, _, err = _cli(capsys, ["plan", "--profile", str(prof), "--workers", "2", "--bandwidth",
                                "1e9", "--tensor-parallel", "0"])
     assert rc == 2 and "tensor_parallel=0 must be an integer >= 1" in err
+
+
+@pytest.mark.parametrize("name", ["resnet18", "gnmt"])
+def test_tensor_parallel_in_degenerate_hierarchies_equals_the_flat_plan(name: str) -> None:
+    """TP is charged once, at the lowest level: pipeline levels [4, 1] and [1, 4] plan as
+    the flat [4] does."""
+    graph = pe.load_profile(DATA / f"{name}.txt")
+    tp = dict(data_parallel=2, sharding="fsdp", tensor_parallel=2, sequence_parallel=True,
+              tensor_parallel_bandwidth=5e10, memory=8e9)
+    flat = pe.plan(graph, workers=[4], bandwidth=[16e9, 1.25e9], **tp)
+    assert 0 < flat.time_per_stage and all(s.tensor_parallel_seconds > 0 for s in flat.stages)
+    for workers, bandwidth in (([4, 1], [16e9, 1.25e9, 1e9]), ([1, 4], [16e9, 1e9, 1.25e9])):
+        p = pe.plan(graph, workers=workers, bandwidth=bandwidth, **tp)
+        assert p.time_per_stage == pytest.approx(flat.time_per_stage, rel=1e-12)
+        assert [s.nodes for s in p.stages] == [s.nodes for s in flat.stages]
+        assert [s.tensor_parallel_seconds for s in p.stages] == \
+            [s.tensor_parallel_seconds for s in flat.stages]
