@@ -74,8 +74,9 @@ struct PlanStage {
   double activationBytes = 0.0;
   double memoryBytes = 0.0;  // per rank: modelStateBytes + stashedActivationBytes
   double modelStateBytes = 0.0;  // weight versions; with data parallelism weights, gradients
-                                 // and optimizer state (divided by the degree under FSDP)
-  double stashedActivationBytes = 0.0;  // activations of the minibatches in flight
+                                 // and optimizer state (divided by the degree under FSDP);
+                                 // all divided by the tp degree
+  double stashedActivationBytes = 0.0;  // activations of the minibatches in flight (/ tp with SP)
   double tensorParallelSeconds = 0.0;   // TP all-reduces of one minibatch on its tp ranks
                                         // (time = (compute / tp + this + dp sync) / dp)
   int layerStart = -1;       // for a chain graph: layers [start, end), Input excluded
