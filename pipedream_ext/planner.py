@@ -33,7 +33,8 @@ from typing import (
 
 from . import _C
 
-__all__ = ["SHARDINGS", "Plan", "ProfileGraph", "Stage", "Topology", "load_profile", "plan"]
+__all__ = ["MESH_DIMS", "SHARDINGS", "Plan", "ProfileGraph", "Stage", "Topology", "load_profile",
+           "plan"]
 
 log = logging.getLogger(__name__)
 
@@ -328,8 +329,12 @@ class Stage:
             stashed_activation_bytes``.
         model_state_bytes: per rank: the weight versions; in a data-parallel plan
             the weights, gradients and optimizer state, divided by ``data_parallel``
-            under ``sharding="fsdp"``.
-        stashed_activation_bytes: per rank: activations of the minibatches in flight.
+            under ``sharding="fsdp"`` and by ``tensor_parallel``.
+        stashed_activation_bytes: per rank: activations of the minibatches in flight
+            (divided by ``tensor_parallel`` with ``sequence_parallel``).
+        tensor_parallel_seconds: seconds of tensor-parallel all-reduces one minibatch
+            costs the stage's tp ranks, as charged in ``time`` (``time = (compute /
+            tp + this + dp synchronisation) / dp``); 0 without tensor parallelism.
         layers: for a chain profile (an ``nn.Sequential``), the layer index range
             ``(start, end)`` of the stage; ``None`` for branching graphs.
     """
@@ -344,6 +349,7 @@ class Stage:
     memory_bytes: float = _schema_field(_as_float, default=0.0)
     model_state_bytes: float = _schema_field(_as_float, default=0.0)
     stashed_activation_bytes: float = _schema_field(_as_float, default=0.0)
+    tensor_parallel_seconds: float = _schema_field(_as_float, default=0.0)
     layers: Optional[Tuple[int, int]] = _schema_field(
         _as_layers, default=None, dump=_dump_layers, from_planner=_as_layers_from_planner)
 
@@ -406,13 +412,16 @@ class Plan:
             ``None`` for a plan without them (stages may have PipeDream replicas).
         sharding: with ``data_parallel``: ``"fsdp"`` (each rank keeps 1/dp of a
             stage's weights, gradients and optimizer state) or ``"replicate"``.
+        tensor_parallel: tensor-parallel ranks inside each data-parallel rank of a
+            stage (a ``(pp, dp, tp)`` mesh), or ``None`` for a plan without them.
+        sequence_parallel: with ``tensor_parallel``: activations are sharded too.
     """
 
     # from_dict reads (and reports the first bad field) in declaration order;
     # ``position`` is plan.json's key order, which the file format fixes and
     # which differs from the constructor's argument order.
     stages: List[Stage] = _schema_field(
-        _list_of(_same), nested=_nested_stages, position=15,
+        _list_of(_same), nested=_nested_stages, position=17,
         dump=lambda stages: [s.to_dict() for s in stages])
     time_per_stage: float = _schema_field(_as_float, position=4)
     data_parallel_time: float = _schema_field(_as_float, position=5)
@@ -430,6 +439,8 @@ class Plan:
     options: Dict[str, Any] = _schema_field(_as_dict, default_factory=dict, position=12, dump=dict)
     data_parallel: Optional[int] = _schema_field(_optional(_as_int), default=None, position=13)
     sharding: Optional[str] = _schema_field(_optional(_as_str), default=None, position=14)
+    tensor_parallel: Optional[int] = _schema_field(_optional(_as_int), default=None, position=15)
+    sequence_parallel: bool = _schema_field(_as_bool, default=False, position=16)
 
     @property
     def layers(self) -> Optional[List[Tuple[int, int]]]:
@@ -445,22 +456,47 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        """Ranks the plan runs on: pipeline workers times data-parallel ranks per stage."""
-        return self.used_workers * (self.data_parallel or 1)
+        """Ranks the plan runs on: pipeline workers times data-parallel ranks per stage
+        times tensor-parallel ranks per data-parallel rank."""
+        return self.used_workers * (self.data_parallel or 1) * (self.tensor_parallel or 1)
+
+    @property
+    def mesh_shape(self) -> Optional[Tuple[int, int, int]]:
+        """``(pp, dp, tp)`` of the device mesh a mesh plan (one with ``data_parallel``)
+        runs on, dims named :data:`MESH_DIMS`; ``None`` for other plans."""
+        if self.data_parallel is None:
+            return None
+        return (self.used_workers, self.data_parallel, self.tensor_parallel or 1)
+
+    @property
+    def mesh_ranks(self) -> Optional[List[List[int]]]:
+        """Global ranks of each stage on the mesh (``init_device_mesh(dev, mesh_shape,
+        mesh_dim_names=MESH_DIMS)``: rank = (pp * dp_size + dp) * tp_size + tp), its dp
+        x tp ranks consecutive; ``None`` for plans without a mesh."""
+        shape = self.mesh_shape
+        if shape is None:
+            return None
+        block = shape[1] * shape[2]
+        return [[r for w in sorted(s.ranks) for r in range(w * block, (w + 1) * block)]
+                for s in self.stages]
 
     def to_dict(self) -> Dict[str, Any]:
         """The ``plan.json`` object.
 
         Returns:
             ``format`` and ``version``, one key per field, then ``ranks`` (and
-            ``layers`` for chains) per stage: views that readers of plan.json
-            use without walking the stages, never read back.
+            ``layers`` for chains) per stage and, for mesh plans, ``mesh`` (its
+            dims, shape and each stage's global ranks): views that readers of
+            plan.json use without walking the stages, never read back.
         """
         d: Dict[str, Any] = {"format": PLAN_FORMAT, "version": PLAN_VERSION}
         d.update(_to_dict(self))
         d["ranks"] = [list(s.ranks) for s in self.stages]
         if self.chain:
             d["layers"] = [list(s.layers) for s in self.stages if s.layers is not None]
+        if self.mesh_shape is not None:
+            d["mesh"] = {"dims": list(MESH_DIMS), "shape": list(self.mesh_shape),
+                         "stage_ranks": self.mesh_ranks}
         return d
 
     @classmethod
@@ -530,11 +566,14 @@ class Plan:
 
         Memory is per rank: the total, then its model state (weights, gradients
         and optimizer state in data-parallel plans; weight versions otherwise)
-        and stashed activations.
+        and stashed activations. Mesh plans end with each stage's global ranks.
         """
         topo = "x".join(str(w) for w in self.topology.workers)
+        tp = "" if self.tensor_parallel is None else (
+            f" x {self.tensor_parallel} tensor-parallel ranks"
+            f"{' (sequence parallel)' if self.sequence_parallel else ''}")
         dp = "" if self.data_parallel is None else (
-            f" x {self.data_parallel} data-parallel ranks per stage ({self.sharding}), "
+            f" x {self.data_parallel} data-parallel ranks per stage ({self.sharding}){tp}, "
             f"{self.world_size} ranks in all")
         lines = [
             f"{len(self.stages)} stage(s) on {self.used_workers}/{self.num_workers} workers "
@@ -557,7 +596,21 @@ class Plan:
             f"{self.data_parallel_time * 1e3:.3f} ms; speedup over data parallelism: "
             f"{self.speedup_over_dp:.3f}x"
         )
-        return "\n".join(lines)
+        return "\n".join(lines + self._mesh_lines())
+
+    def _mesh_lines(self) -> List[str]:
+        """The table's mesh layout: each stage's global ranks and TP's share of its time."""
+        shape, ranks = self.mesh_shape, self.mesh_ranks
+        if shape is None or ranks is None:
+            return []
+        pp, dp, tp = shape
+        lines = [f"mesh (pp {pp}, dp {dp}, tp {tp}), dims {MESH_DIMS}: "
+                 f"rank = (pp * {dp} + dp) * {tp} + tp"]
+        for i, (s, r) in enumerate(zip(self.stages, ranks)):
+            comm = (f"; tensor-parallel all-reduces {s.tensor_parallel_seconds * 1e3:.3f} ms"
+                    if self.tensor_parallel is not None else "")
+            lines.append(f"  stage {i}: ranks {_rank_ranges(r)} (dp {dp} x tp {tp}){comm}")
+        return lines
 
 
 def _rank_ranges(ranks: Sequence[int]) -> str:
@@ -577,6 +630,7 @@ def _rank_ranges(ranks: Sequence[int]) -> str:
 
 
 SHARDINGS = ("fsdp", "replicate")
+MESH_DIMS = ("pp", "dp", "tp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -622,14 +676,127 @@ def _data_parallel(data_parallel: Any, sharding: Optional[str], straight: Option
     return _DataParallel(data_parallel, chosen, None, tuple(bandwidth))
 
 
+@dataclasses.dataclass(frozen=True)
+class _TensorParallel:
+    """Tensor-parallel ranks inside every data-parallel rank of a stage, as ``plan``
+    checked them."""
+
+    degree: int
+    sequence_parallel: bool
+    bandwidth: float
+    all_reduces: float
+
+
+def _tensor_parallel(tensor_parallel: Any, sequence_parallel: bool, bandwidth: Optional[float],
+                     all_reduces: Optional[float], plan_args: Tuple[Optional[bool], str, bool],
+                     all_bandwidths: Sequence[float]) -> Optional[_TensorParallel]:
+    """Checks ``plan``'s tensor-parallel arguments; ``None`` without ``tensor_parallel``.
+
+    Args:
+        plan_args: ``(straight, cost_model, two_bw)`` as ``plan`` got them.
+        all_bandwidths: every bandwidth ``plan`` got (dp's included): the fastest is
+            the default tp bandwidth, as TP runs inside a node.
+
+    Raises:
+        ValueError: naming the bad value and the fix.
+    """
+    if tensor_parallel is None:
+        extra = {"sequence_parallel": sequence_parallel or None,
+                 "tensor_parallel_bandwidth": bandwidth,
+                 "tensor_parallel_all_reduces": all_reduces}
+        given = [f"{k}={v!r}" for k, v in extra.items() if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} applies to tensor-parallel ranks inside stages; "
+                             "pass tensor_parallel=T (the tp size of the mesh) too")
+        return None
+    name = f"tensor_parallel={tensor_parallel!r}"
+    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or \
+            not 1 <= tensor_parallel <= 65536:
+        raise ValueError(f"{name} must be an integer >= 1 (tensor-parallel ranks per data-parallel "
+                         "rank of a stage, the tp size of a (pp, dp, tp) mesh); leave it None "
+                         "to plan without tensor parallelism")
+    refusals = {
+        "straight": (False, "stages are straight over the pipeline workers on a (pp, dp, tp) "
+                            "mesh; drop straight=False"),
+        "cost_model": ("pipedream", "it is planned with the default cost model (PipeDream's "
+                                    "optimizer knows no tensor parallelism); use "
+                                    "cost_model='default'"),
+        "two_bw": (True, "a (pp, dp, tp) mesh runs flush schedules (one weight version); "
+                         "drop two_bw"),
+    }
+    for (arg, (bad, why)), value in zip(refusals.items(), plan_args):
+        if value is bad or (isinstance(bad, str) and value == bad):
+            raise ValueError(f"{name} with {arg}={bad!r}: {why}")
+    chosen = max(all_bandwidths) if bandwidth is None else bandwidth
+    if isinstance(chosen, bool) or not isinstance(chosen, (int, float)) or \
+            not 0 < chosen < float("inf"):
+        raise ValueError(f"tensor_parallel_bandwidth={bandwidth!r} must be a positive number of "
+                         "bytes/s among a stage's tp ranks, e.g. 1e11 for NVLink inside a node; "
+                         "leave it None for the fastest level of bandwidth")
+    reduces = 4.0 if all_reduces is None else all_reduces
+    if isinstance(reduces, bool) or not isinstance(reduces, (int, float)) or \
+            not 0 <= reduces < float("inf"):
+        raise ValueError(f"tensor_parallel_all_reduces={all_reduces!r} must be a number >= 0 of "
+                         "all-reduces of each layer's output per minibatch: 4 for a transformer "
+                         "block (2 forward, 2 backward, Megatron's), 0 to leave TP's "
+                         "communication out")
+    return _TensorParallel(tensor_parallel, bool(sequence_parallel), float(chosen), float(reduces))
+
+
 def _options(straight: bool, fewer_workers: bool, ratio: Optional[float], two_bw: bool,
-             dp: Optional[_DataParallel], optimizer_state: float) -> Dict[str, Any]:
-    """``Plan.options``: what ``plan`` was asked (the dp bandwidth only with data parallelism)."""
+             dp: Optional[_DataParallel], optimizer_state: float,
+             tp: Optional[_TensorParallel]) -> Dict[str, Any]:
+    """``Plan.options``: what ``plan`` was asked (the dp bandwidth only with data
+    parallelism, the tp bandwidth and all-reduces only with tensor parallelism)."""
     options: Dict[str, Any] = {"straight": straight, "fewer_workers": fewer_workers,
                                "activation_compression_ratio": ratio, "two_bw": two_bw}
     if dp is not None:
         options.update(data_parallel_bandwidth=dp.bandwidth, optimizer_state=float(optimizer_state))
+    if tp is not None:
+        options.update(tensor_parallel_bandwidth=tp.bandwidth,
+                       tensor_parallel_all_reduces=tp.all_reduces)
     return options
+
+
+def _mesh_data_parallel(data_parallel: Any, sharding: Optional[str], straight: Optional[bool],
+                        workers: Sequence[int], bandwidth: Sequence[float],
+                        tp: Optional[_TensorParallel]) -> Optional[_DataParallel]:
+    """``plan``'s data parallelism: as given, 1 with tensor parallelism alone (a missing
+    mesh dim has size 1), else ``None``.
+
+    Raises:
+        ValueError: naming the bad value and the fix.
+    """
+    if tp is not None and data_parallel is None:
+        data_parallel = 1
+    if data_parallel is not None:
+        return _data_parallel(data_parallel, sharding, straight, workers, bandwidth)
+    if sharding is not None:
+        raise ValueError(f"sharding={sharding!r} applies to data-parallel ranks inside stages; "
+                         "pass data_parallel=N (the dp size of the mesh) too")
+    return None
+
+
+def _check_cost_model(cost_model: str, ratio: Optional[float]) -> None:
+    """Raises ValueError for an unknown cost model or a compression ratio <= 0."""
+    if cost_model not in ("pipedream", "default"):
+        raise ValueError(f"unknown cost model {cost_model!r}; use 'pipedream' or 'default'")
+    if ratio is not None and not ratio > 0:
+        raise ValueError(f"activation compression ratio {ratio} must be > 0 (or None)")
+
+
+def _mesh_arguments(dp: Optional[_DataParallel], tp: Optional[_TensorParallel]) -> Dict[str, Any]:
+    """``_C.plan_graph``'s keyword arguments for the dp and tp dimensions (its defaults,
+    which plan without them, for those absent)."""
+    args: Dict[str, Any] = {}
+    if dp is not None:
+        args.update(data_parallel=dp.degree, sharding=dp.sharding,
+                    data_parallel_bandwidth=dp.bandwidth or 0.0)
+    if tp is not None:
+        args.update(tensor_parallel=tp.degree, sequence_parallel=tp.sequence_parallel,
+                    tensor_parallel_bandwidth=tp.bandwidth,
+                    tensor_parallel_all_reduces=tp.all_reduces)
+    return args
 
 
 def plan(
@@ -647,6 +814,10 @@ def plan(
     data_parallel: Optional[int] = None,
     sharding: Optional[str] = None,
     optimizer_state: float = 2.0,
+    tensor_parallel: Optional[int] = None,
+    sequence_parallel: bool = False,
+    tensor_parallel_bandwidth: Optional[float] = None,
+    tensor_parallel_all_reduces: Optional[float] = None,
 ) -> Plan:
     """Partitions a profiled model over a cluster.
 
@@ -681,6 +852,14 @@ def plan(
             (the default: each rank holds them whole).
         optimizer_state: with ``data_parallel``: optimizer state bytes per weight
             byte (AdamW 2, SGD with momentum 1, plain SGD 0).
+        tensor_parallel: tp ranks inside every dp rank of a stage (a ``(pp, dp, tp)``
+            mesh, ``data_parallel`` default 1): ``pp * dp * tp`` ranks, ``workers``
+            being pp (docs/planner.md, "Planning with tensor parallelism").
+        sequence_parallel: with ``tensor_parallel``: activations sharded too (SP).
+        tensor_parallel_bandwidth: bytes/s among a stage's tp ranks; ``None``: the
+            fastest of ``bandwidth`` (TP runs inside a node).
+        tensor_parallel_all_reduces: all-reduces of each profiled layer's output per
+            minibatch, forward and backward; ``None``: 4 (a transformer block's).
 
     Returns:
         The optimal :class:`Plan` under the cost model.
@@ -693,20 +872,13 @@ def plan(
         workers = [workers]
     if isinstance(bandwidth, (int, float)):
         bandwidth = [float(bandwidth)]
-    dp: Optional[_DataParallel] = None
-    if data_parallel is not None:
-        dp = _data_parallel(data_parallel, sharding, straight, list(workers), list(bandwidth))
+    tp = _tensor_parallel(tensor_parallel, sequence_parallel, tensor_parallel_bandwidth,
+                          tensor_parallel_all_reduces, (straight, cost_model, two_bw), bandwidth)
+    dp = _mesh_data_parallel(data_parallel, sharding, straight, list(workers), list(bandwidth), tp)
+    if dp is not None:
         bandwidth = dp.pipeline_bandwidth
-    elif sharding is not None:
-        raise ValueError(f"sharding={sharding!r} applies to data-parallel ranks inside stages; "
-                         "pass data_parallel=N (the dp size of the mesh) too")
     topo = Topology(tuple(workers), tuple(bandwidth), float(memory or 0.0))
-    if cost_model not in ("pipedream", "default"):
-        raise ValueError(f"unknown cost model {cost_model!r}; use 'pipedream' or 'default'")
-    if activation_compression_ratio is not None and not activation_compression_ratio > 0:
-        raise ValueError(
-            f"activation compression ratio {activation_compression_ratio} must be > 0 (or None)"
-        )
+    _check_cost_model(cost_model, activation_compression_ratio)
     straight = bool(straight) or dp is not None
     graph = profile if isinstance(profile, _C.ProfileGraph) else load_profile(profile)
     raw = _C.plan_graph(
@@ -714,15 +886,14 @@ def plan(
         fewer_workers=fewer_workers, cost_model=cost_model,
         compression=float(activation_compression_ratio or 0.0), two_bw=two_bw,
         max_antichain_states=max_antichain_states, work_budget=work_budget,
-        data_parallel=dp.degree if dp else 0, sharding=dp.sharding if dp else "replicate",
-        data_parallel_bandwidth=(dp.bandwidth or 0.0) if dp else 0.0,
-        optimizer_state=float(optimizer_state),
-    )
+        optimizer_state=float(optimizer_state), **_mesh_arguments(dp, tp))
     log.debug("planned over %d %s states", raw["num_states"], raw["state_kind"])
     options = _options(straight, fewer_workers, activation_compression_ratio, two_bw, dp,
-                       optimizer_state)
+                       optimizer_state, tp)
     # The planner's dict (csrc/bindings/planner.cpp planToDict) is keyed by the field
     # names; the topology, options and data parallelism are ours, not the planner's.
     return _from_dict(
         Plan, raw, "the C++ planner's result", from_planner=True, topology=topo, options=options,
-        data_parallel=dp.degree if dp else None, sharding=dp.sharding if dp else None)
+        data_parallel=dp.degree if dp else None, sharding=dp.sharding if dp else None,
+        tensor_parallel=tp.degree if tp else None,
+        sequence_parallel=bool(tp and tp.sequence_parallel))

@@ -89,10 +89,10 @@ def test_plan_json_errors_name_the_file_and_field(tmp_path: Path) -> None:
 PLAN_JSON_KEYS = ["format", "version", "cost_model", "topology", "num_workers", "used_workers",
                   "time_per_stage", "data_parallel_time", "speedup_over_dp", "single_worker_time",
                   "state_kind", "num_states", "coarsened", "chain", "options", "data_parallel",
-                  "sharding", "stages", "ranks"]
+                  "sharding", "tensor_parallel", "sequence_parallel", "stages", "ranks"]
 STAGE_JSON_KEYS = ["nodes", "replicas", "ranks", "time", "compute_seconds", "parameter_bytes",
                    "activation_bytes", "memory_bytes", "model_state_bytes",
-                   "stashed_activation_bytes", "layers"]
+                   "stashed_activation_bytes", "tensor_parallel_seconds", "layers"]
 
 
 def _chain_graph() -> "pe.ProfileGraph":
@@ -105,20 +105,23 @@ def _chain_graph() -> "pe.ProfileGraph":
 
 
 def _schema_plans() -> List["pe.Plan"]:
-    """A chain plan (stages carry layers), a branching one (layers None) and a
-    data-parallel one (data_parallel and sharding set)."""
+    """A chain plan (stages carry layers), a branching one (layers None), a
+    data-parallel one (data_parallel and sharding set) and a (pp, dp, tp) one."""
     return [pe.plan(_chain_graph(), workers=8, bandwidth=1.25e9, cost_model="pipedream",
                     activation_compression_ratio=1.0),
             pe.plan(DATA / "gnmt.txt", workers=[4, 2], bandwidth=[16e9, 1.25e9], two_bw=True),
             pe.plan(_chain_graph(), workers=4, bandwidth=[16e9, 1.25e9], data_parallel=2,
-                    sharding="fsdp")]
+                    sharding="fsdp"),
+            pe.plan(_chain_graph(), workers=2, bandwidth=[16e9, 1.25e9], data_parallel=2,
+                    tensor_parallel=2, sequence_parallel=True)]
 
 
 def test_plan_schema_round_trip_covers_every_field() -> None:
     """to_dict/from_dict/JSON agree, and every dataclass field is in plan.json."""
     for p in _schema_plans():
         d = p.to_dict()
-        assert list(d) == PLAN_JSON_KEYS + (["layers"] if p.chain else [])
+        assert list(d) == PLAN_JSON_KEYS + (["layers"] if p.chain else []) + \
+            (["mesh"] if p.data_parallel is not None else [])
         fields = {f.name for f in dataclasses.fields(pe.Plan)}
         assert fields == set(PLAN_JSON_KEYS) - {"format", "version", "ranks"}
         assert [list(s) for s in d["stages"]] == [STAGE_JSON_KEYS] * len(p.stages)
@@ -140,7 +143,7 @@ def test_plan_schema_round_trip_covers_every_field() -> None:
 
 def test_plan_schema_from_the_planner_matches_from_dict() -> None:
     """plan() builds the dataclasses from the C++ dict with the same converters."""
-    chain, branching, _ = _schema_plans()
+    chain, branching, _, _ = _schema_plans()
     for p in (chain, branching):
         loaded = pe.Plan.from_json(p.to_json())
         for f in dataclasses.fields(pe.Plan):
@@ -554,3 +557,186 @@ def test_mesh_planning_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match=r"the plan replicates stages PipeDream's way .* re-plan "
                                          r"with data_parallel"):
         startup.check_plan_world(replicated, 4, 2, "fsdp")
+
+
+# -- tensor (and sequence) parallelism inside stages: a (pp, dp, tp) mesh ------------------
+def _exact_blocks(layers: int = 4) -> "pe.ProfileGraph":
+    """Layers of 1 s (250 ms forward, 750 ms backward), 2^20 output bytes and 2^30 weight
+    bytes: every number of their plans is exact in binary."""
+    graph = pe.ProfileGraph()
+    graph.add_node("node1", "Input", 0.0, 0.0, 2.0 ** 20, 0.0)
+    for i in range(layers):
+        graph.add_node(f"node{i + 2}", f"Block{i}", 250.0, 750.0, 2.0 ** 20, 2.0 ** 30)
+        graph.add_edge(f"node{i + 1}", f"node{i + 2}")
+    return graph
+
+
+def test_tensor_parallel_time_memory_and_mesh_layout() -> None:
+    """Per stage: compute / tp + 4 all-reduces of each layer's output (2 (tp-1)/tp of it per
+    rank at the tp bandwidth); state / tp; activations / tp only with SP."""
+    for sp in (False, True):
+        p = pe.plan(_exact_blocks(), workers=2, bandwidth=2.0 ** 30, tensor_parallel=2,
+                    sequence_parallel=sp)
+        # data_parallel defaults to 1: a (pp, 1, tp) mesh.
+        assert (p.data_parallel, p.sharding, p.tensor_parallel, p.sequence_parallel) == \
+            (1, "replicate", 2, sp)
+        assert p.world_size == 4 and p.mesh_shape == (2, 1, 2)
+        assert p.mesh_ranks == [[0, 1], [2, 3]]
+        assert p.options["tensor_parallel_bandwidth"] == 2.0 ** 30  # the fastest level
+        assert p.options["tensor_parallel_all_reduces"] == 4.0
+        expected = 2.0 / 2 + 2 * 4 * (2 * (2 - 1) / 2) * 2.0 ** 20 / 2.0 ** 30
+        assert expected == 1.0078125 and p.time_per_stage == expected
+        for j, s in enumerate(p.stages):
+            assert s.time == expected and s.tensor_parallel_seconds == 2.0 ** -7
+            assert s.compute_seconds == 2.0 and s.parameter_bytes == 2.0 ** 31  # unsharded
+            assert s.model_state_bytes == 4 * 2.0 ** 31 / 2  # weights, grads, AdamW moments
+            per_rank = 2.0 ** 21 / (2 if sp else 1)
+            assert s.stashed_activation_bytes == (2 - j) * per_rank
+        assert p.data_parallel_time == 1.0  # plain dp on all 4 GPUs, tp's level innermost
+    # Degree 4, 8 all-reduces per layer, a slower tp link: 2 s / 4 + 2 x 8 x 3/2 x 2^20 / 2^29.
+    p = pe.plan(_exact_blocks(), workers=2, bandwidth=2.0 ** 30, tensor_parallel=4,
+                tensor_parallel_bandwidth=2.0 ** 29, tensor_parallel_all_reduces=8)
+    assert p.time_per_stage == 0.5 + 2 * 8 * 1.5 / 512
+
+
+def test_tensor_parallel_fits_a_model_that_did_not_fit() -> None:
+    """4 x 2^31 B of state per 2-layer stage does not fit 2^32 + 2^23 B per rank; tp 2
+    halves it; a tighter limit needs SP for stage 0's two stashed minibatches."""
+    limit = 2.0 ** 32 + 2.0 ** 23
+    with pytest.raises(ValueError, match="no partition fits the memory limit"):
+        pe.plan(_exact_blocks(), workers=2, bandwidth=2.0 ** 30, memory=limit, data_parallel=1)
+    p = pe.plan(_exact_blocks(), workers=2, bandwidth=2.0 ** 30, memory=limit, tensor_parallel=2)
+    assert p.stages[0].memory_bytes == 2.0 ** 32 + 2.0 ** 22 <= limit
+    tight = 2.0 ** 32 + 2.0 ** 21 + 2.0 ** 20
+    with pytest.raises(ValueError, match=r"\(2 workers x 1 data-parallel ranks x 2 tensor-parallel "
+                                         r"ranks, sharding 'replicate'\); .* or use sequence "
+                                         r"parallelism \(divides stashed activations by 2\)$"):
+        pe.plan(_exact_blocks(), workers=2, bandwidth=2.0 ** 30, memory=tight, tensor_parallel=2)
+    sp = pe.plan(_exact_blocks(), workers=2, bandwidth=2.0 ** 30, memory=tight, tensor_parallel=2,
+                 sequence_parallel=True)
+    assert sp.stages[0].memory_bytes == 2.0 ** 32 + 2.0 ** 21
+
+
+def _without_tp(p: "pe.Plan") -> str:
+    """``p``'s plan.json as a plan made without tensor_parallel would write it."""
+    d = p.to_dict()
+    d["tensor_parallel"], d["sequence_parallel"] = None, False
+    for key in ("tensor_parallel_bandwidth", "tensor_parallel_all_reduces"):
+        d["options"].pop(key)
+    return json.dumps(d, indent=2)
+
+
+@pytest.mark.parametrize("path", SHIPPED_PROFILES, ids=lambda p: p.stem)
+def test_tensor_parallel_one_is_byte_identical(path: Path) -> None:
+    """tensor_parallel=1 (whatever the other tp options) writes, but for the recorded tp
+    fields, the very plan.json of the same mesh plan without it."""
+    graph = pe.load_profile(path)
+    for kwargs in (dict(data_parallel=1), dict(data_parallel=2, sharding="fsdp", memory=64e9)):
+        before = pe.plan(graph, workers=[4], bandwidth=[16e9, 1.25e9], **kwargs)
+        one = pe.plan(graph, workers=[4], bandwidth=[16e9, 1.25e9], tensor_parallel=1,
+                      sequence_parallel=True, tensor_parallel_bandwidth=1e6,
+                      tensor_parallel_all_reduces=7, **kwargs)
+        assert one.tensor_parallel == 1 and one.world_size == before.world_size
+        assert _without_tp(one) == before.to_json()
+        assert all(s.tensor_parallel_seconds == 0.0 for s in one.stages)
+
+
+def test_tensor_parallel_plans_round_trip_and_old_plan_json_loads(tmp_path: Path) -> None:
+    p = pe.plan(_exact_blocks(), workers=2, bandwidth=[2.0 ** 33, 2.0 ** 30], data_parallel=2,
+                sharding="fsdp", tensor_parallel=2, sequence_parallel=True)
+    p.save(tmp_path / "plan.json")
+    assert pe.Plan.load(tmp_path / "plan.json") == p
+    raw = json.loads((tmp_path / "plan.json").read_text())
+    assert raw["tensor_parallel"] == 2 and raw["sequence_parallel"] is True
+    assert raw["mesh"] == {"dims": ["pp", "dp", "tp"], "shape": [2, 2, 2],
+                           "stage_ranks": [[0, 1, 2, 3], [4, 5, 6, 7]]}
+    # The tp bandwidth defaults to the fastest given, the dp ranks' 2^33 B/s:
+    # 2 layers x 4 x 1 x 2^20 B / 2^33 B/s.
+    assert raw["options"]["tensor_parallel_bandwidth"] == 2.0 ** 33
+    assert raw["stages"][0]["tensor_parallel_seconds"] == 2.0 ** -10
+    # A plan.json written before tensor parallelism (no tp keys, no mesh view) loads
+    # with tensor_parallel None, sequence_parallel False and no TP seconds.
+    old = pe.plan(_exact_blocks(), workers=2, bandwidth=[2.0 ** 33, 2.0 ** 30], data_parallel=2)
+    d = old.to_dict()
+    for key in ("tensor_parallel", "sequence_parallel", "mesh"):
+        del d[key]
+    for stage in d["stages"]:
+        del stage["tensor_parallel_seconds"]
+    assert pe.Plan.from_dict(d) == old and old.tensor_parallel is None
+
+
+def test_tensor_parallel_bad_input_names_the_value_and_the_fix() -> None:
+    g = _exact_blocks()
+    cases = [
+        (dict(tensor_parallel=0), r"^tensor_parallel=0 must be an integer >= 1 \(tensor-parallel "
+                                  r"ranks per data-parallel rank of a stage"),
+        (dict(tensor_parallel=True), r"^tensor_parallel=True must be an integer >= 1"),
+        (dict(tensor_parallel=2.0), r"^tensor_parallel=2\.0 must be an integer >= 1"),
+        (dict(sequence_parallel=True), r"^sequence_parallel=True applies to tensor-parallel ranks "
+                                       r"inside stages; pass tensor_parallel=T"),
+        (dict(tensor_parallel_bandwidth=1e11), r"^tensor_parallel_bandwidth=100000000000\.0 "
+                                               r"applies to tensor-parallel"),
+        (dict(tensor_parallel_all_reduces=2), r"^tensor_parallel_all_reduces=2 applies"),
+        (dict(tensor_parallel=2, tensor_parallel_bandwidth=0), r"^tensor_parallel_bandwidth=0 "
+                                                               r"must be a positive number"),
+        (dict(tensor_parallel=2, tensor_parallel_all_reduces=-1),
+         r"^tensor_parallel_all_reduces=-1 must be a number >= 0"),
+        (dict(tensor_parallel=2, straight=False), r"^tensor_parallel=2 with straight=False: "
+                                                  r"stages are straight .* drop straight=False"),
+        (dict(tensor_parallel=2, cost_model="pipedream"),
+         r"^tensor_parallel=2 with cost_model='pipedream': .* use cost_model='default'"),
+        (dict(tensor_parallel=2, two_bw=True), r"^tensor_parallel=2 with two_bw=True: .* drop "
+                                               r"two_bw"),
+        (dict(tensor_parallel=2, data_parallel=2), r"^data_parallel=2 with pipeline workers \[2\] "
+                                                   r"needs 2 bandwidths"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            pe.plan(g, workers=2, bandwidth=2.0 ** 30, **kwargs)
+
+
+def test_cli_plan_prints_the_three_dimensional_mesh(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    prof = tmp_path / "graph.txt"
+    _exact_blocks().save(str(prof))
+    args = ["plan", "--profile", str(prof), "--workers", "2", "--bandwidth", "8e9,1e9",
+            "--data-parallel", "2", "--sharding", "fsdp", "--tensor-parallel", "2",
+            "--sequence-parallel", "--tp-bandwidth", "1073741824"]
+    rc, out, _ = _cli(capsys, args + ["-o", str(tmp_path / "plan.json")])
+    assert rc == 0
+    assert ("2 stage(s) on 2/2 workers (levels 2) x 2 data-parallel ranks per stage (fsdp) x 2 "
+            "tensor-parallel ranks (sequence parallel), 8 ranks in all") in out
+    assert "mesh (pp 2, dp 2, tp 2), dims ('pp', 'dp', 'tp'): rank = (pp * 2 + dp) * 2 + tp" in out
+    assert "  stage 0: ranks 0-3 (dp 2 x tp 2); tensor-parallel all-reduces 7.812 ms" in out
+    assert "  stage 1: ranks 4-7 (dp 2 x tp 2)" in out
+    api = pe.plan(prof, workers=2, bandwidth=[8e9, 1e9], data_parallel=2, sharding="fsdp",
+                  tensor_parallel=2, sequence_parallel=True, tensor_parallel_bandwidth=2.0 ** 30)
+    assert pe.Plan.load(tmp_path / "plan.json") == api
+    rc, out, _ = _cli(capsys, ["plan", "--profile", str(prof), "--workers", "2", "--bandwidth",
+                               "1e9", "--tensor-parallel", "4", "--tp-all-reduces", "0", "--json"])
+    obj = json.loads(out)
+    assert rc == 0 and obj["tensor_parallel"] == 4 and obj["data_parallel"] == 1
+    assert obj["mesh"]["shape"] == [2, 1, 4] and obj["time_per_stage"] == 0.5
+    rc, _, err = _cli(capsys, ["plan", "--profile", str(prof), "--workers", "2", "--bandwidth",
+                               "1e9", "--sequence-parallel"])
+    assert rc == 2 and "sequence_parallel=True applies to tensor-parallel ranks" in err
+    rc, _, err = _cli(capsys, ["plan", "--profile", str(prof), "--workers", "2", "--bandwidth",
+                               "1e9", "--tensor-parallel", "0"])
+    assert rc == 2 and "tensor_parallel=0 must be an integer >= 1" in err
+
+
+@pytest.mark.parametrize("name", ["resnet18", "gnmt"])
+def test_tensor_parallel_in_degenerate_hierarchies_equals_the_flat_plan(name: str) -> None:
+    """TP is charged once, at the lowest level: pipeline levels [4, 1] and [1, 4] plan as
+    the flat [4] does."""
+    graph = pe.load_profile(DATA / f"{name}.txt")
+    tp = dict(data_parallel=2, sharding="fsdp", tensor_parallel=2, sequence_parallel=True,
+              tensor_parallel_bandwidth=5e10, memory=8e9)
+    flat = pe.plan(graph, workers=[4], bandwidth=[16e9, 1.25e9], **tp)
+    assert 0 < flat.time_per_stage and all(s.tensor_parallel_seconds > 0 for s in flat.stages)
+    for workers, bandwidth in (([4, 1], [16e9, 1.25e9, 1e9]), ([1, 4], [16e9, 1e9, 1.25e9])):
+        p = pe.plan(graph, workers=workers, bandwidth=bandwidth, **tp)
+        assert p.time_per_stage == pytest.approx(flat.time_per_stage, rel=1e-12)
+        assert [s.nodes for s in p.stages] == [s.nodes for s in flat.stages]
+        assert [s.tensor_parallel_seconds for s in p.stages] == \
+            [s.tensor_parallel_seconds for s in flat.stages]

@@ -28,6 +28,7 @@ py::dict planStageToDict(const ProfileGraph& g, const Plan& p, const PlanStage& 
   d["memory_bytes"] = st.memoryBytes;
   d["model_state_bytes"] = st.modelStateBytes;
   d["stashed_activation_bytes"] = st.stashedActivationBytes;
+  d["tensor_parallel_seconds"] = st.tensorParallelSeconds;
   if (p.chain) {
     d["layers"] = py::make_tuple(st.layerStart, st.layerEnd);
   } else {
@@ -107,12 +108,15 @@ void bindProfileGraph(py::module_& m) {
 
 // plan_graph(): the cluster as levels innermost first (workers and bandwidth
 // per level), planned with the GIL released; data_parallel > 0 plans that many
-// data-parallel ranks inside every stage.
+// data-parallel ranks inside every stage, tensor_parallel > 1 that many tp
+// ranks inside each of those.
 py::dict planGraph(const ProfileGraph& g, const std::vector<int>& workers,
                    const std::vector<double>& bandwidth, double memory, bool straight, bool fewerWorkers,
                    const std::string& costModel, double compression, bool twoBw, int maxAntichainStates,
                    double workBudget, int dataParallel, const std::string& sharding,
-                   double dataParallelBandwidth, double optimizerState) {
+                   double dataParallelBandwidth, double optimizerState, int tensorParallel,
+                   bool sequenceParallel, double tensorParallelBandwidth,
+                   double tensorParallelAllReduces) {
   if (workers.size() != bandwidth.size()) {
     throw std::invalid_argument("got " + std::to_string(workers.size()) + " worker counts but " +
                                 std::to_string(bandwidth.size()) +
@@ -133,6 +137,10 @@ py::dict planGraph(const ProfileGraph& g, const std::vector<int>& workers,
   o.dataParallel.sharding = parseSharding(sharding);
   o.dataParallel.bandwidth = dataParallelBandwidth;
   o.dataParallel.optimizerState = optimizerState;
+  o.tensorParallel.degree = tensorParallel;
+  o.tensorParallel.sequenceParallel = sequenceParallel;
+  o.tensorParallel.bandwidth = tensorParallelBandwidth;
+  o.tensorParallel.allReducesPerLayer = tensorParallelAllReduces;
   Plan p;
   {
     py::gil_scoped_release release;
@@ -151,7 +159,9 @@ void bindPlanner(py::module_& m) {
         py::arg("two_bw") = false, py::arg("max_antichain_states") = 4096,
         py::arg("work_budget") = 1.5e8, py::arg("data_parallel") = 0,
         py::arg("sharding") = "replicate", py::arg("data_parallel_bandwidth") = 0.0,
-        py::arg("optimizer_state") = 2.0,
+        py::arg("optimizer_state") = 2.0, py::arg("tensor_parallel") = 1,
+        py::arg("sequence_parallel") = false, py::arg("tensor_parallel_bandwidth") = 0.0,
+        py::arg("tensor_parallel_all_reduces") = 4.0,
         "Plans `graph` on a cluster (levels innermost first); returns a dict.");
   m.def(
       "count_antichain_states",

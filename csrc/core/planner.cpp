@@ -39,6 +39,25 @@ double dataParallelStateBytes(const DataParallelOptions& dp, double P) {
   return dp.sharding == Sharding::Fsdp ? state / dp.degree : state;
 }
 
+// Seconds of TP communication per byte of layer output per minibatch: each
+// of `allReducesPerLayer` ring all-reduces (or SP's all-gather plus
+// reduce-scatter, the same bytes) moves 2 (t-1)/t of the output per rank.
+double tensorParallelSecondsPerByte(const TensorParallelOptions& tp) {
+  if (!tp.enabled()) return 0.0;
+  const double t = tp.degree;
+  return tp.allReducesPerLayer * 2.0 * (t - 1) / (t * tp.bandwidth);
+}
+
+// Bytes per tp rank of activations (stashed or sent across a cut): sharded
+// with sequence parallelism, else every tp rank holds them whole.
+double perTensorRankActivation(const TensorParallelOptions& tp, double bytes) {
+  return tp.enabled() && tp.sequenceParallel ? bytes / tp.degree : bytes;
+}
+
+double perTensorRankWeights(const TensorParallelOptions& tp, double bytes) {
+  return tp.enabled() ? bytes / tp.degree : bytes;
+}
+
 struct Table {
   int n = 0, N = 0, rows = 0;
   std::vector<Cell> cells;
@@ -54,6 +73,7 @@ struct Segment {
   std::vector<int> ranks;
   double time;   // level-0 stage time (per minibatch, inside its unit)
   int level0Reps;
+  double tensorParallelSeconds;  // the TP all-reduces the DP charged it, per minibatch
 };
 
 class Solver {
@@ -84,7 +104,7 @@ class Solver {
   // the stages it added by a split (the first stage of a row has none).
   double stageTime0(int startRow, int end, int reps, bool splitStage) const {
     const TopologyLevel& lv = topo_.levels[0];
-    double C = segT(0, startRow, end), P = segP(startRow, end);
+    double C = segT(0, startRow, end), P = rankP(startRow, end);
     double t = dpOn() ? dataParallelStageTime(opt_.dataParallel, C, P)
                       : compute(C, P, reps, lv.bandwidth, 1.0);
     if (boundariesPaid() && splitStage) {
@@ -104,14 +124,22 @@ class Solver {
   bool boundariesPaid() const {
     return opt_.costModel == CostModel::Default || opt_.compression > 0;
   }
+  // Boundary bytes of `state` each rank sends (sharded by sequence parallelism).
   double bnd(int state) const {
-    return opt_.costModel == CostModel::PipeDream ? s_.antichainBytes[state] : s_.liveBytes[state];
+    const double bytes =
+        opt_.costModel == CostModel::PipeDream ? s_.antichainBytes[state] : s_.liveBytes[state];
+    return perTensorRankActivation(opt_.tensorParallel, bytes);
   }
   // Cumulative differences (PipeDream's compute_times / activation_sizes /
   // parameter_sizes matrices: row r > 0 subtracts state r - 1 whatever the
   // order relation, which is one of its quirks).
   double segT(int level, int row, int j) const {
-    if (level == 0) return s_.computeSeconds[j] - (row > 0 ? s_.computeSeconds[row - 1] : 0.0);
+    if (level == 0) {
+      const double C = s_.computeSeconds[j] - (row > 0 ? s_.computeSeconds[row - 1] : 0.0);
+      const TensorParallelOptions& tp = opt_.tensorParallel;
+      if (!tp.enabled()) return C;
+      return C / tp.degree + tensorParallelSecondsPerByte(tp) * segA(row, j);
+    }
     const Table& prev = tables_[level - 1];
     return prev.at(row, j, prev.N - 1).t;
   }
@@ -120,6 +148,14 @@ class Solver {
   }
   double segP(int row, int j) const {
     return s_.parameterBytes[j] - (row > 0 ? s_.parameterBytes[row - 1] : 0.0);
+  }
+  // What one rank of a segment holds: its tp shard of the weights and of the
+  // activations (the latter only with sequence parallelism).
+  double rankA(int row, int j) const {
+    return perTensorRankActivation(opt_.tensorParallel, segA(row, j));
+  }
+  double rankP(int row, int j) const {
+    return perTensorRankWeights(opt_.tensorParallel, segP(row, j));
   }
   double unitWorkers(int level) const {
     if (level == 0) return 1.0;
@@ -174,7 +210,7 @@ class Solver {
     for (int row = 0; row < A.rows; ++row) {
       for (int j = row; j < n_; ++j) {
         double C = segT(level, row, j);
-        double Aa = segA(row, j), P = segP(row, j);
+        double Aa = rankA(row, j), P = rankP(row, j);
         for (int m = 0; m < maxSingle; ++m) {
           const int M = m + 1;
           if (!memoryOk(Aa, P, N, M, M)) continue;
@@ -193,7 +229,7 @@ class Solver {
           const int k = *it;
           const double Ck = segT(level, k + 1, j);
           if (Ck == kInf) continue;
-          const double Ak = segA(k + 1, j), Pk = segP(k + 1, j);
+          const double Ak = rankA(k + 1, j), Pk = rankP(k + 1, j);
           const double inB = paid ? 2.0 * bnd(k) / (c * B) : 0.0;
           const Cell* prefix = &A.at(row, k, 0);
           for (int mp = 1; mp <= maxRep; ++mp) {
@@ -254,8 +290,10 @@ class Solver {
     int offset = 0;
     for (const Piece& pc : pieces) {
       if (level == 0) {
+        const double tpSeconds =
+            tensorParallelSecondsPerByte(opt_.tensorParallel) * segA(pc.startRow, pc.end);
         Segment seg{pc.startRow, pc.end, {}, stageTime0(pc.startRow, pc.end, pc.reps, pc.split),
-                    pc.reps};
+                    pc.reps, tpSeconds};
         for (int r = 0; r < pc.reps; ++r) seg.ranks.push_back(offset + r);
         out.push_back(seg);
       } else {
@@ -355,6 +393,10 @@ double dataParallelTime(const PlanningStates& states, const Topology& topology,
   if (options.dataParallel.degree > 1) {
     levels.insert(levels.begin(), {options.dataParallel.degree, options.dataParallel.bandwidth});
   }
+  if (options.tensorParallel.enabled()) {
+    const TensorParallelOptions& tp = options.tensorParallel;
+    levels.insert(levels.begin(), {tp.degree, tp.bandwidth});
+  }
   for (const TopologyLevel& lv : levels) {
     const double N = lv.workers;
     if (model == CostModel::PipeDream) {
@@ -401,6 +443,7 @@ int makeStages(const std::vector<Segment>& segs, Plan& plan) {
     std::sort(st.ranks.begin(), st.ranks.end());
     // Cross-unit replicas divide the in-unit time (see docs/planner.md).
     st.time = segs[s].time * segs[s].level0Reps / st.replicas;
+    st.tensorParallelSeconds = segs[s].tensorParallelSeconds;
     used += st.replicas;
   }
   return used;
@@ -423,16 +466,18 @@ void addNodes(const ProfileGraph& graph, const std::vector<int>& stageOf, Plan& 
 // Each stage's memory: weight versions and activations of the microbatches
 // in flight from it to the end of the pipeline.
 void estimateStageMemory(Plan& plan, const PlannerOptions& options) {
+  const TensorParallelOptions& tp = options.tensorParallel;
   long workersFrom = plan.usedWorkers;
   for (PlanStage& st : plan.stages) {
+    const double P = perTensorRankWeights(tp, st.parameterBytes);
     long inflight = ceilDiv(workersFrom, st.replicas);
     long versions = (options.costModel == CostModel::Default && options.twoBw)
                         ? std::min<long>(2, inflight)
                         : inflight;
     st.modelStateBytes = options.dataParallel.enabled()
-                             ? dataParallelStateBytes(options.dataParallel, st.parameterBytes)
-                             : versions * st.parameterBytes;
-    st.stashedActivationBytes = inflight * st.activationBytes;
+                             ? dataParallelStateBytes(options.dataParallel, P)
+                             : versions * P;
+    st.stashedActivationBytes = inflight * perTensorRankActivation(tp, st.activationBytes);
     st.memoryBytes = st.modelStateBytes + st.stashedActivationBytes;
     workersFrom -= st.replicas;
   }
@@ -468,14 +513,50 @@ void checkDataParallel(const PlannerOptions& options) {
   }
 }
 
+// Throws std::invalid_argument naming a tensor-parallel option the planner
+// cannot honour and the fix.
+void checkTensorParallel(const PlannerOptions& options) {
+  const TensorParallelOptions& tp = options.tensorParallel;
+  if (tp.degree < 1 || tp.degree > 65536) {
+    throw std::invalid_argument("tensor-parallel degree " + std::to_string(tp.degree) +
+                                " is invalid; use 1 or more ranks per stage (1: none)");
+  }
+  if (!tp.enabled()) return;
+  if (!options.dataParallel.enabled()) {
+    throw std::invalid_argument(
+        "tensor parallelism inside stages plans a (pp, dp, tp) mesh; turn data parallelism "
+        "on too (degree 1 for a mesh without a dp dimension)");
+  }
+  if (!(tp.bandwidth > 0) || !std::isfinite(tp.bandwidth)) {
+    throw std::invalid_argument("tensor-parallel bandwidth " + std::to_string(tp.bandwidth) +
+                                " bytes/s is invalid; use a positive number such as 1e11 "
+                                "(the tp ranks of a stage share a node)");
+  }
+  if (!(tp.allReducesPerLayer >= 0) || !std::isfinite(tp.allReducesPerLayer)) {
+    throw std::invalid_argument("tensor-parallel all-reduces per layer " +
+                                std::to_string(tp.allReducesPerLayer) +
+                                " is invalid; use 4 for a transformer block (2 forward, 2 "
+                                "backward), 0 to leave TP communication out");
+  }
+}
+
 std::string memoryError(const Topology& topology, const PlannerOptions& options) {
   std::string msg = "no partition fits the memory limit of " +
                     std::to_string(topology.memoryBytes) + " bytes per worker (" +
                     std::to_string(topology.totalWorkers()) + " workers";
   const DataParallelOptions& dp = options.dataParallel;
   if (!dp.enabled()) return msg + "); raise the limit, add workers, or drop the limit";
-  msg += " x " + std::to_string(dp.degree) + " data-parallel ranks, sharding '" +
+  const TensorParallelOptions& tp = options.tensorParallel;
+  const std::string tpRanks =
+      tp.enabled() ? " x " + std::to_string(tp.degree) + " tensor-parallel ranks" +
+                         (tp.sequenceParallel ? " with sequence parallelism" : "")
+                   : std::string();
+  msg += " x " + std::to_string(dp.degree) + " data-parallel ranks" + tpRanks + ", sharding '" +
          shardingName(dp.sharding) + "'); raise the limit, add pipeline workers, or drop the limit";
+  if (tp.enabled() && !tp.sequenceParallel) {
+    msg += ", or use sequence parallelism (divides stashed activations by " +
+           std::to_string(tp.degree) + ")";
+  }
   if (dp.sharding == Sharding::Replicate && dp.degree > 1) {
     msg += ", or use sharding 'fsdp' (divides weights, gradients and optimizer state by " +
            std::to_string(dp.degree) + ")";
@@ -565,6 +646,7 @@ Plan planOnStates(const ProfileGraph& graph, const PlanningStates& states, const
                                 " is invalid; use a positive ratio or leave it out");
   }
   checkDataParallel(requested);
+  checkTensorParallel(requested);
   PlannerOptions options = requested;
   // Data parallelism inside stages replaces PipeDream's replicas.
   if (options.dataParallel.enabled()) options.straight = true;

@@ -36,6 +36,22 @@ struct DataParallelOptions {
   bool enabled() const { return degree > 0; }
 };
 
+// Tensor parallelism inside every stage: the tp dimension of a (pp, dp, tp)
+// mesh, innermost. Each of a stage's dp ranks is `degree` ranks that split
+// every layer Megatron-style: weights, gradients and optimizer state 1/degree
+// each, compute 1/degree plus `allReducesPerLayer` ring all-reduces of each
+// layer's output per minibatch (forward and backward); with sequence
+// parallelism the stashed activations and the boundary sends are 1/degree
+// too. Needs data parallelism on (degree 1 for a (pp, 1, tp) mesh); the
+// formulas are in docs/planner.md ("Planning with tensor parallelism").
+struct TensorParallelOptions {
+  int degree = 1;                   // tp ranks per dp rank of a stage; 1 = off
+  bool sequenceParallel = false;    // activations sharded along the sequence too
+  double bandwidth = 0.0;           // bytes/s among a stage's tp ranks
+  double allReducesPerLayer = 4.0;  // Megatron: 2 forward + 2 backward per block
+  bool enabled() const { return degree > 1; }
+};
+
 struct PlannerOptions {
   CostModel costModel = CostModel::Default;
   bool straight = false;       // one worker per stage, no replication
@@ -45,6 +61,7 @@ struct PlannerOptions {
   int maxAntichainStates = 4096;  // above this, use topological cuts
   double workBudget = 1.5e8;      // DP cell updates allowed before coarsening
   DataParallelOptions dataParallel;
+  TensorParallelOptions tensorParallel;
 };
 
 struct PlanStage {
@@ -57,8 +74,11 @@ struct PlanStage {
   double activationBytes = 0.0;
   double memoryBytes = 0.0;  // per rank: modelStateBytes + stashedActivationBytes
   double modelStateBytes = 0.0;  // weight versions; with data parallelism weights, gradients
-                                 // and optimizer state (divided by the degree under FSDP)
-  double stashedActivationBytes = 0.0;  // activations of the minibatches in flight
+                                 // and optimizer state (divided by the degree under FSDP);
+                                 // all divided by the tp degree
+  double stashedActivationBytes = 0.0;  // activations of the minibatches in flight (/ tp with SP)
+  double tensorParallelSeconds = 0.0;   // TP all-reduces of one minibatch on its tp ranks
+                                        // (time = (compute / tp + this + dp sync) / dp)
   int layerStart = -1;       // for a chain graph: layers [start, end), Input excluded
   int layerEnd = -1;
 };

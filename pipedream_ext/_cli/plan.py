@@ -6,6 +6,10 @@
     python -m pipedream_ext plan --profile graph.txt --workers 4 --bandwidth 16e9,1.25e9 \
         --data-parallel 2 --sharding fsdp --memory 2e9
       (4 pipeline stages, 2 FSDP ranks in each at 16e9 B/s, stages 1.25e9 B/s apart)
+    python -m pipedream_ext plan --profile graph.txt --workers 4 --bandwidth 16e9,1.25e9 \
+        --data-parallel 2 --sharding fsdp --tensor-parallel 2 --sequence-parallel \
+        --tp-bandwidth 1e11
+      (a (pp 4, dp 2, tp 2) mesh: 16 ranks, each stage's 2 x 2 ranks consecutive)
 """
 from __future__ import annotations
 
@@ -83,6 +87,10 @@ def _run_plan(args: argparse.Namespace) -> int:
         data_parallel=args.data_parallel,
         sharding=args.sharding,
         optimizer_state=args.optimizer_state,
+        tensor_parallel=args.tensor_parallel,
+        sequence_parallel=args.sequence_parallel,
+        tensor_parallel_bandwidth=args.tp_bandwidth,
+        tensor_parallel_all_reduces=args.tp_all_reduces,
     )
     if args.output:
         result.save(args.output)
@@ -152,6 +160,20 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     q.add_argument("--optimizer-state", type=float, default=2.0, metavar="X",
                    help="with --data-parallel: optimizer state bytes per weight byte "
                         "(AdamW 2, SGD with momentum 1, plain SGD 0)")
+    q.add_argument("--tensor-parallel", type=int, default=None, metavar="TP",
+                   help="tensor-parallel ranks inside every data-parallel rank of a stage (the "
+                        "tp size of a (pp, dp, tp) mesh; --data-parallel defaults to 1): "
+                        "--workers stay the pipeline workers, the plan runs on pp x dp x tp "
+                        "ranks")
+    q.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tensor-parallel: activations are sharded over the tp ranks too "
+                        "(stashed and sent to the next stage)")
+    q.add_argument("--tp-bandwidth", type=float, default=None, metavar="B",
+                   help="with --tensor-parallel: bytes/s among a stage's tp ranks (default: the "
+                        "fastest --bandwidth, as TP runs inside a node)")
+    q.add_argument("--tp-all-reduces", type=float, default=None, metavar="N",
+                   help="with --tensor-parallel: all-reduces of each layer's output per "
+                        "minibatch, forward and backward (default 4, a transformer block's)")
     q.add_argument("--max-states", type=int, default=4096, metavar="N",
                    help="use PipeDream's antichain states only up to N of them (else topological cuts)")
     q.add_argument("--work-budget", type=float, default=1.5e8, metavar="W",

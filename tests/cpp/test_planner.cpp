@@ -89,6 +89,17 @@ struct Brute {
     double P = s.parameterBytes[e] - (prev >= 0 ? s.parameterBytes[prev] : 0.0);
     double A = s.activationBytes[e] - (prev >= 0 ? s.activationBytes[prev] : 0.0);
     bool pd = o.costModel == CostModel::PipeDream;
+    // docs/planner.md, tensor parallelism: per tp rank 1/t of the compute plus
+    // the all-reduces of the layers' outputs, 1/t of the weights, and with SP
+    // 1/t of the activations and of the boundary sends.
+    const TensorParallelOptions& tp = o.tensorParallel;
+    const double tpDiv = tp.enabled() ? tp.degree : 1.0;
+    const double actDiv = tp.enabled() && tp.sequenceParallel ? tpDiv : 1.0;
+    if (tp.enabled()) {
+      T = T / tpDiv + tp.allReducesPerLayer * 2.0 * (tpDiv - 1) / (tpDiv * tp.bandwidth) * A;
+      P /= tpDiv;
+      A /= actDiv;
+    }
     const DataParallelOptions& dp = o.dataParallel;
     const double d = dp.enabled() ? dp.degree : 1.0;
     if (dp.enabled() && mem > 0) {
@@ -111,7 +122,7 @@ struct Brute {
     bool paid = !pd || o.compression > 0;
     if (paid && prev >= 0) {
       double c = o.compression > 0 ? o.compression : 1.0;
-      auto bnd = [&](int st) { return pd ? s.antichainBytes[st] : s.liveBytes[st]; };
+      auto bnd = [&](int st) { return (pd ? s.antichainBytes[st] : s.liveBytes[st]) / actDiv; };
       t = std::max(t, 2.0 * bnd(prev) / (c * B * r * d));
       if (e < n - 1) t = std::max(t, 2.0 * bnd(e) / (c * B * r * d));
     }
@@ -201,7 +212,8 @@ TEST(PlannerBruteForce, RandomChainsMatchExhaustiveSearch) {
 }
 
 // Data parallelism inside stages: the DP against the exhaustive search, for dp
-// degrees 1-3, both shardings, with and without a binding memory limit.
+// degrees 1-3, both shardings, with and without a binding memory limit, and
+// tensor parallelism of degree 1-3 with and without sequence parallelism.
 void compareDataParallelWithBruteForce(const ProfileGraph& g, const PlanningStates& states,
                                        std::mt19937& rng, const std::string& what) {
   for (int variant = 0; variant < 6; ++variant) {
@@ -211,13 +223,20 @@ void compareDataParallelWithBruteForce(const ProfileGraph& g, const PlanningStat
     o.dataParallel.bandwidth = (rng() % 2) ? 1e9 : 16e9;
     o.dataParallel.optimizerState = static_cast<double>(rng() % 3);
     o.fewerWorkers = variant == 5;
+    o.tensorParallel.degree = 1 + static_cast<int>(rng() % 3);
+    o.tensorParallel.sequenceParallel = rng() % 2;
+    o.tensorParallel.bandwidth = (rng() % 2) ? 1e9 : 1e11;
+    o.tensorParallel.allReducesPerLayer = static_cast<double>(rng() % 5);
     Topology t;
     const int N = 1 + static_cast<int>(rng() % 4);
     t.levels = std::vector<TopologyLevel>{{N, (rng() % 2) ? 1.25e9 : 16e9}};
     double total = states.parameterBytes.back() + states.activationBytes.back();
-    t.memoryBytes = (variant >= 3) ? total * (0.6 + 2.0 * (rng() % 100) / 100.0) : 0.0;
+    const double perRank = total / o.tensorParallel.degree;
+    t.memoryBytes = (variant >= 3) ? perRank * (0.6 + 2.0 * (rng() % 100) / 100.0) : 0.0;
     double expected = bruteForce(states, N, t.levels[0].bandwidth, t.memoryBytes, o);
-    std::string ctx = what + " dp variant=" + std::to_string(variant) + " N=" + std::to_string(N);
+    std::string ctx = what + " dp variant=" + std::to_string(variant) + " N=" + std::to_string(N) +
+                      " tp=" + std::to_string(o.tensorParallel.degree) +
+                      (o.tensorParallel.sequenceParallel ? " sp" : "");
     if (expected == kInf) {
       EXPECT_THROW(planOnStates(g, states, t, o), std::invalid_argument) << ctx;
       continue;
@@ -784,6 +803,154 @@ TEST(PlannerStraight, FewerLayersThanWorkersIsNamed) {
   o.straight = true;
   EXPECT_NE(errorOf([&] { planPartition(uniformChain(100), t, o); }).find("needs 128 stages"),
             std::string::npos);
+}
+
+// Input then 4 layers of 1 s (250 ms forward, 750 ms backward), 2^20 output
+// bytes and 2^30 weight bytes: every number below is exact in binary.
+ProfileGraph fourExactLayers() {
+  ProfileGraph g;
+  g.addNode(makeNode("node1", "Input", 0, 0, 1 << 20, 0));
+  for (int i = 0; i < 4; ++i) {
+    g.addNode(makeNode("node" + std::to_string(i + 2), "block", 250, 750, 1 << 20, 1 << 30));
+    g.addEdge(i, i + 1);
+  }
+  return g;
+}
+
+PlannerOptions tensorParallelOptions(int degree, bool sp) {
+  PlannerOptions o;
+  o.dataParallel.degree = 1;
+  o.tensorParallel.degree = degree;
+  o.tensorParallel.sequenceParallel = sp;
+  o.tensorParallel.bandwidth = 1 << 30;
+  return o;
+}
+
+TEST(PlannerTensorParallel, TimePerStageIsComputeOverTpPlusAllReduces) {
+  Topology t;
+  t.levels = std::vector<TopologyLevel>{{2, 1 << 30}};
+  for (bool sp : {false, true}) {
+    Plan p = planPartition(fourExactLayers(), t, tensorParallelOptions(2, sp));
+    ASSERT_EQ(p.stages.size(), 2u);
+    // Per stage: 2 s of compute / 2 tp ranks + 2 layers x 4 all-reduces x
+    // 2 (2-1)/2 x 2^20 B / 2^30 B/s = 1 + 2^-7 s (with SP: all-gathers plus
+    // reduce-scatters of the same bytes). The boundary (2 x 2^20 B, or 2^20
+    // per tp rank with SP, over 2^30 B/s) is shorter.
+    const double expected = 2.0 / 2 + 2 * 4 * (2.0 * (2 - 1) / 2) * (1 << 20) / (1 << 30);
+    EXPECT_EQ(expected, 1.0078125);
+    EXPECT_EQ(p.timePerStage, expected) << sp;
+    for (size_t j = 0; j < 2; ++j) {
+      const PlanStage& st = p.stages[j];
+      EXPECT_EQ(st.time, expected) << sp;
+      EXPECT_EQ(st.tensorParallelSeconds, 1.0 / 128) << sp;
+      EXPECT_EQ(st.computeSeconds, 2.0) << sp;           // the profile's, one device
+      EXPECT_EQ(st.parameterBytes, 2.0 * (1 << 30)) << sp;  // the stage's, unsharded
+      // Replicated dp (degree 1): weights, gradients and 2 AdamW moments, 1/2 each.
+      EXPECT_EQ(st.modelStateBytes, 4.0 * 2 * (1 << 30) / 2) << sp;
+      const double inflight = 2 - j, perRank = sp ? (1 << 20) : 2 << 20;
+      EXPECT_EQ(st.stashedActivationBytes, inflight * perRank) << sp;
+      EXPECT_EQ(st.memoryBytes, st.modelStateBytes + st.stashedActivationBytes) << sp;
+    }
+    // Plain data parallelism on all 4 GPUs (tp level innermost): level 1
+    // max(4, 2 x 1/2 x 2^32 / 2^30) / 2 = 2, level 2 max(2, 2^33 / 2^32) / 2 = 1.
+    EXPECT_EQ(p.dataParallelTime, 1.0);
+    EXPECT_EQ(p.singleWorkerTime, 4.0);
+  }
+  // Degree 4: 2 s / 4 + 2 layers x 4 all-reduces x 2 (4-1)/4 x 2^20 B / 2^30 B/s.
+  Plan four = planPartition(fourExactLayers(), t, tensorParallelOptions(4, false));
+  EXPECT_EQ(four.timePerStage, 0.5 + 2 * 4 * 1.5 / 1024);
+  EXPECT_EQ(four.stages[0].modelStateBytes, 4.0 * 2 * (1 << 30) / 4);
+}
+
+TEST(PlannerTensorParallel, SequenceParallelShardsTheBoundarySends) {
+  // Stages 2^20 B/s apart: a cut's 2^20 B, sent forward and its gradient back,
+  // take 2 s per minibatch on each tp rank's own link; with SP each sends its
+  // half: 1 s, under the stage's 1 + 2^-7 s.
+  Topology t;
+  t.levels = std::vector<TopologyLevel>{{2, 1 << 20}};
+  Plan full = planPartition(fourExactLayers(), t, tensorParallelOptions(2, false));
+  EXPECT_EQ(full.timePerStage, 2.0);
+  EXPECT_EQ(full.stages[1].time, 2.0);
+  Plan sharded = planPartition(fourExactLayers(), t, tensorParallelOptions(2, true));
+  EXPECT_EQ(sharded.timePerStage, 1.0078125);
+}
+
+TEST(PlannerTensorParallel, TpFitsAModelThatDidNotFitAndSpFitsTighter) {
+  Topology t;
+  t.levels = std::vector<TopologyLevel>{{2, 1 << 30}};
+  // Any split has a stage of 2+ layers: 4 x 2^31 B of model state on one rank,
+  // 2^32 at tp 2. Stage 0 stashes 2 minibatches of 2^21 B (2^20 per rank with SP).
+  t.memoryBytes = 4294967296.0 + (1 << 23);
+  auto plan = [&](int degree, bool sp) {
+    return planPartition(fourExactLayers(), t, tensorParallelOptions(degree, sp));
+  };
+  const std::string noFit = errorOf([&] { plan(1, false); });
+  EXPECT_NE(noFit.find("no partition fits the memory limit"), std::string::npos) << noFit;
+  Plan tp = plan(2, false);
+  EXPECT_EQ(tp.stages[0].memoryBytes, 4294967296.0 + (1 << 22));
+  t.memoryBytes = 4294967296.0 + (1 << 21) + (1 << 20);
+  const std::string needsSp = errorOf([&] { plan(2, false); });
+  EXPECT_NE(needsSp.find("x 1 data-parallel ranks x 2 tensor-parallel ranks, sharding 'replicate'"),
+            std::string::npos) << needsSp;
+  EXPECT_NE(needsSp.find("or use sequence parallelism (divides stashed activations by 2)"),
+            std::string::npos) << needsSp;
+  Plan sp = plan(2, true);
+  EXPECT_EQ(sp.stages[0].memoryBytes, 4294967296.0 + (1 << 21));
+  EXPECT_EQ(sp.timePerStage, 1.0078125);
+}
+
+// Degree 1 is no tensor parallelism, whatever the other tp options say: the
+// plans are bitwise those without them.
+TEST(PlannerTensorParallel, DegreeOneIsBitwiseThePlanWithout) {
+  for (const char* name : {"resnet18.txt", "gnmt.txt", "vgg16.txt"}) {
+    ProfileGraph g = ProfileGraph::load(dataPath(name));
+    Topology t;
+    t.levels = std::vector<TopologyLevel>{{4, 16e9}, {2, 1.25e9}};
+    t.memoryBytes = 64e9;
+    PlannerOptions base;
+    base.dataParallel.degree = 2;
+    base.dataParallel.bandwidth = 16e9;
+    base.dataParallel.sharding = Sharding::Fsdp;
+    PlannerOptions one = base;
+    one.tensorParallel.sequenceParallel = true;
+    one.tensorParallel.bandwidth = 1e6;
+    one.tensorParallel.allReducesPerLayer = 7;
+    Plan a = planPartition(g, t, base), b = planPartition(g, t, one);
+    EXPECT_EQ(a.timePerStage, b.timePerStage) << name;
+    EXPECT_EQ(a.dataParallelTime, b.dataParallelTime) << name;
+    ASSERT_EQ(a.stages.size(), b.stages.size()) << name;
+    for (size_t j = 0; j < a.stages.size(); ++j) {
+      EXPECT_EQ(a.stages[j].nodes, b.stages[j].nodes) << name;
+      EXPECT_EQ(a.stages[j].ranks, b.stages[j].ranks) << name;
+      EXPECT_EQ(a.stages[j].time, b.stages[j].time) << name;
+      EXPECT_EQ(a.stages[j].memoryBytes, b.stages[j].memoryBytes) << name;
+      EXPECT_EQ(a.stages[j].modelStateBytes, b.stages[j].modelStateBytes) << name;
+      EXPECT_EQ(b.stages[j].tensorParallelSeconds, 0.0) << name;
+    }
+  }
+}
+
+TEST(PlannerTensorParallel, RejectsBadInput) {
+  Topology t;
+  t.levels = std::vector<TopologyLevel>{{2, 1 << 30}};
+  auto message = [&](const PlannerOptions& o) {
+    return errorOf([&] { planPartition(fourExactLayers(), t, o); });
+  };
+  PlannerOptions o = tensorParallelOptions(0, false);
+  EXPECT_NE(message(o).find("tensor-parallel degree 0 is invalid"), std::string::npos);
+  o = tensorParallelOptions(2, false);
+  o.dataParallel.degree = 0;
+  EXPECT_NE(message(o).find("turn data parallelism on too"), std::string::npos);
+  o = tensorParallelOptions(2, false);
+  o.tensorParallel.bandwidth = 0;
+  EXPECT_NE(message(o).find("tensor-parallel bandwidth 0.000000 bytes/s is invalid"),
+            std::string::npos);
+  o = tensorParallelOptions(2, false);
+  o.tensorParallel.allReducesPerLayer = -1;
+  EXPECT_NE(message(o).find("all-reduces per layer -1.000000 is invalid"), std::string::npos);
+  o = tensorParallelOptions(2, false);
+  o.costModel = CostModel::PipeDream;
+  EXPECT_NE(message(o).find("default cost model"), std::string::npos);
 }
 
 }  // namespace
