@@ -64,38 +64,38 @@ void appendUpdate(std::vector<Action>& out, int stage, int replicas, int newVers
   out.push_back(Action::update(stage, newVersion));
 }
 
+// Calls fn(j, k, r, list) for replica k of each stage j (r replicas), with the
+// rank list that replica's actions go to: every straight generator's outer loops.
+template <typename Fn>
+void forEachReplica(const Layout& layout, RankLists& lists, Fn&& fn) {
+  for (int j = 0; j < layout.numStages(); ++j) {
+    const auto& ranks = layout.stageRanks(j);
+    const int r = static_cast<int>(ranks.size());
+    for (int k = 0; k < r; ++k) fn(j, k, r, lists[ranks[k]]);
+  }
+}
+
 // --- flush schedules: one batch at a time -----------------------------------
 
 // GPipe: all forwards, then all backwards, then one update.
 void gpipeBatch(const Layout& layout, int m, int batch, RankLists& lists) {
-  for (int j = 0; j < layout.numStages(); ++j) {
-    const auto& ranks = layout.stageRanks(j);
-    const int r = static_cast<int>(ranks.size());
-    for (int k = 0; k < r; ++k) {
-      auto& out = lists[ranks[k]];
-      const auto local = localMicrobatches(batch * m, m, k, r);
-      for (int i : local) out.push_back(Action::compute(j, ActionKind::kForward, i, batch));
-      for (int i : local) out.push_back(Action::compute(j, ActionKind::kBackward, i, batch));
-      appendUpdate(out, j, r, batch + 1);
-    }
-  }
+  forEachReplica(layout, lists, [&](int j, int k, int r, std::vector<Action>& out) {
+    const auto local = localMicrobatches(batch * m, m, k, r);
+    for (int i : local) out.push_back(Action::compute(j, ActionKind::kForward, i, batch));
+    for (int i : local) out.push_back(Action::compute(j, ActionKind::kBackward, i, batch));
+    appendUpdate(out, j, r, batch + 1);
+  });
 }
 
 // PipeDream-Flush (1F1B with a flush): NOAM_j forwards of warm-up, 1F1B,
 // drain, one update.
 void oneFOneBBatch(const Layout& layout, int m, int batch, RankLists& lists) {
   const auto replicas = layout.replicaCounts();
-  for (int j = 0; j < layout.numStages(); ++j) {
-    const auto& ranks = layout.stageRanks(j);
-    const int r = static_cast<int>(ranks.size());
-    const int warmup = numOptimalActiveMinibatches(replicas, j);
-    for (int k = 0; k < r; ++k) {
-      auto& out = lists[ranks[k]];
-      appendOneFOneB(out, j, localMicrobatches(batch * m, m, k, r), warmup,
-                     [batch](int) { return batch; }, [](int) {});
-      appendUpdate(out, j, r, batch + 1);
-    }
-  }
+  forEachReplica(layout, lists, [&](int j, int k, int r, std::vector<Action>& out) {
+    appendOneFOneB(out, j, localMicrobatches(batch * m, m, k, r), numOptimalActiveMinibatches(replicas, j),
+                   [batch](int) { return batch; }, [](int) {});
+    appendUpdate(out, j, r, batch + 1);
+  });
 }
 
 // Interleaved 1F1B (Megatron-LM; the generalisation of
@@ -528,24 +528,19 @@ RankLists generatePipeDream(const ScheduleOptions& o, const Layout& layout) {
   // local position i / r_0, after max(0, i / r_0 - NOAM_0 + 1) updates).
   const int noam0 = numOptimalActiveMinibatches(replicas, 0);
   auto stageZeroVersion = [&](int i) { return std::max(0, i / replicas[0] - noam0 + 1); };
-  for (int j = 0; j < layout.numStages(); ++j) {
-    const auto& ranks = layout.stageRanks(j);
-    const int r = static_cast<int>(ranks.size());
+  forEachReplica(layout, lists, [&](int j, int k, int r, std::vector<Action>& out) {
     const int noam = numOptimalActiveMinibatches(replicas, j);
-    for (int k = 0; k < r; ++k) {
-      auto& out = lists[ranks[k]];
-      const auto local = localMicrobatches(0, m, k, r);
-      // Local position x is read at version max(0, x - noam + 1): warm-up
-      // forwards see no update, the x-th steady forward follows x+1-noam...
-      std::vector<int> version(m, 0);
-      for (size_t x = 0; x < local.size(); ++x) {
-        version[local[x]] = verticalSync ? stageZeroVersion(local[x])
-                                         : std::max(0, static_cast<int>(x) - noam + 1);
-      }
-      appendOneFOneB(out, j, local, noam, [&version](int i) { return version[i]; },
-                     [&](int x) { appendUpdate(out, j, r, x + 1); });
+    const auto local = localMicrobatches(0, m, k, r);
+    // Local position x is read at version max(0, x - noam + 1): warm-up
+    // forwards see no update, the x-th steady forward follows x+1-noam...
+    std::vector<int> version(m, 0);
+    for (size_t x = 0; x < local.size(); ++x) {
+      version[local[x]] = verticalSync ? stageZeroVersion(local[x])
+                                       : std::max(0, static_cast<int>(x) - noam + 1);
     }
-  }
+    appendOneFOneB(out, j, local, noam, [&version](int i) { return version[i]; },
+                   [&](int x) { appendUpdate(out, j, r, x + 1); });
+  });
   return lists;
 }
 
@@ -568,21 +563,15 @@ RankLists generateTwoBw(const ScheduleOptions& o, const Layout& layout) {
     }
   }
   RankLists lists(layout.numRanks());
-  for (int j = 0; j < layout.numStages(); ++j) {
-    const auto& ranks = layout.stageRanks(j);
-    const int r = static_cast<int>(ranks.size());
-    const int noam = numOptimalActiveMinibatches(replicas, j);
+  forEachReplica(layout, lists, [&](int j, int k, int r, std::vector<Action>& out) {
     const int perBatch = m / r;
-    for (int k = 0; k < r; ++k) {
-      auto& out = lists[ranks[k]];
-      appendOneFOneB(
-          out, j, localMicrobatches(0, m * o.batches, k, r), noam,
-          [m](int i) { return std::max(0, i / m - 1); },
-          [&](int x) {
-            if ((x + 1) % perBatch == 0) appendUpdate(out, j, r, (x + 1) / perBatch);
-          });
-    }
-  }
+    appendOneFOneB(
+        out, j, localMicrobatches(0, m * o.batches, k, r), numOptimalActiveMinibatches(replicas, j),
+        [m](int i) { return std::max(0, i / m - 1); },
+        [&](int x) {
+          if ((x + 1) % perBatch == 0) appendUpdate(out, j, r, (x + 1) / perBatch);
+        });
+  });
   return lists;
 }
 
