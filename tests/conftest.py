@@ -2,14 +2,16 @@
 
 `make test` (CI, a fresh clone, under 30 minutes) runs everything else; `make
 test-all` sets ``PIPEDREAM_TEST_ALL=1`` and runs the slow ones too (the whole
-transformers zoo of tests/test_zoo.py).
+transformers zoo of tests/test_zoo.py). ``group``: a 1-rank Gloo group for the tests of
+one process.
 """
 from __future__ import annotations
 
 import os
-from typing import List
+from typing import Iterator, List
 
 import pytest
+import torch.distributed as dist
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
@@ -19,3 +21,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dist.ProcessGroup]:
+    """The default group, 1 rank, Gloo; destroyed afterwards so that later tests in this
+    process still see no process group."""
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    store = tmp_path_factory.mktemp("store") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

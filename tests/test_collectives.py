@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime
 import json
 import types
-from typing import Any, Iterator, List
+from typing import Any, List
 
 import pytest
 import torch
@@ -17,20 +17,6 @@ import torch.distributed as dist
 
 import pipedream_ext._dist.collectives as _collectives
 from pipedream_ext._checkpoint import CheckpointError
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dist.ProcessGroup]:
-    """The default group, 1 rank, Gloo; destroyed afterwards so that later tests
-    in this process still see no process group."""
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    store = tmp_path_factory.mktemp("store") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def _fake_group(*device_types: Any) -> Any:

@@ -3,7 +3,7 @@ this process (the checks on a 1-rank Gloo group; several ranks disagreeing are c
 tests/test_agreement.py through PipeDream)."""
 from __future__ import annotations
 
-from typing import Iterator, List
+from typing import List
 
 import pytest
 import torch
@@ -17,20 +17,6 @@ import pipedream_ext.diagnostics as pdd
 def layers(activation: type = nn.Tanh) -> List[nn.Module]:
     torch.manual_seed(0)
     return [nn.Linear(6, 8), activation(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)]
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dist.ProcessGroup]:
-    """The default group, 1 rank, Gloo; destroyed afterwards so that later tests in this
-    process still see no process group."""
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    store = tmp_path_factory.mktemp("store") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_time_split_times_every_phase_of_the_fx_path() -> None:

@@ -6,7 +6,7 @@ case of layers trained by another rank is in tests/test_bad_input.py's 2-rank jo
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, List
+from typing import Any, Callable, List
 
 import pytest
 import torch
@@ -18,20 +18,6 @@ from torch import nn
 import pipedream_ext as pd
 
 STEPS, MICROBATCHES = 3, 4
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dist.ProcessGroup]:
-    """The default group, 1 rank, Gloo; destroyed afterwards so that later tests in this
-    process still see no process group."""
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    store = tmp_path_factory.mktemp("store") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def mlp() -> nn.Sequential:
