@@ -27,12 +27,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-__all__ = ["RESULTS", "ROOT", "all_gather_json", "command_line", "command_sentence", "CommandFailed", "cpu_model",
-           "digits", "failure_lines", "fmt", "forward", "launch_failed", "launch_torchrun", "machine_info",
-           "machine_line", "main", "make_parser", "measure_bandwidth", "mlp", "models", "pct", "pyplot", "run_command",
-           "save_figure", "setup_logging", "start_report", "table", "table_row", "worker", "write_results"]
+__all__ = ["RESULTS", "ROOT", "all_gather_json", "apply_smoke", "check_step_args", "command_line", "command_sentence",
+           "CommandFailed", "cpu_model", "digits", "failure_lines", "fmt", "forward", "launch_failed",
+           "launch_torchrun", "machine_info", "machine_line", "main", "make_parser", "measure_bandwidth", "mlp",
+           "models", "pct", "pyplot", "run_command", "save_figure", "setup_logging", "start_report", "table",
+           "table_row", "worker", "write_results"]
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -413,6 +414,22 @@ def make_parser(doc: str, worker: Union[bool, Sequence[str]] = False,
         p.add_argument("--out-dir", default=str(RESULTS), help="where the results go (default: %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
+
+
+def apply_smoke(args: argparse.Namespace, smoke: Mapping[str, Any]) -> None:
+    """``--smoke``: the small sizes ``smoke`` names replace the arguments (the tests' quick run)."""
+    if args.smoke:
+        for key, value in smoke.items():
+            setattr(args, key, value)
+
+
+def check_step_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses (``p.error``) a ``--batch`` that ``--microbatches`` does not divide and a run
+    without a warm-up step (the first step checks that both sides do the same work)."""
+    if args.batch % args.microbatches:
+        p.error("--batch must be divisible by --microbatches")
+    if args.warmup < 1:
+        p.error("--warmup must be at least 1 (the first step checks the same work)")
 
 
 def setup_logging(verbose: bool = False) -> None:

@@ -77,9 +77,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true",
                    help="tiny models, one round of one step: checks that everything runs")
     args = p.parse_args(argv)
-    if args.smoke:
-        for k, v in SMOKE.items():
-            setattr(args, k, v)
+    h.apply_smoke(args, SMOKE)
     args.models = [m for m in args.models.split(",") if m]
     unknown = sorted(set(args.models) - set(MODELS))
     if unknown:

@@ -527,20 +527,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="the default group's backend (default: gloo; cpu:gloo,cuda:nccl for --world 1 on CUDA)")
     p.add_argument("--smoke", action="store_true", help="a tiny GPT, one pair of one step: checks that everything runs")
     args = p.parse_args(argv)
-    if args.smoke:
-        for k, v in SMOKE.items():
-            setattr(args, k, v)
+    h.apply_smoke(args, SMOKE)
     if args.backend is None:
         args.backend = "cpu:gloo,cuda:nccl" if args.world == 1 and args.device.startswith("cuda") else "gloo"
     unknown = set(args.schedules) - {c for c, _, _ in COMPARISONS}
     if unknown:
         p.error(f"unknown schedules {sorted(unknown)}; known: {[c for c, _, _ in COMPARISONS]}")
-    if args.batch % args.microbatches:
-        p.error("--batch must be divisible by --microbatches")
+    h.check_step_args(p, args)
     if args.blocks % 4:
         p.error("--blocks must be a multiple of 4 (4 stages at block boundaries)")
-    if args.warmup < 1:
-        p.error("--warmup must be at least 1 (the first step checks the same work)")
     return args
 
 

@@ -786,18 +786,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true",
                    help="a tiny model, one pair of one step: checks that everything runs")
     args = p.parse_args(argv)
-    if args.smoke:
-        for k, v in SMOKE.items():
-            setattr(args, k, v)
+    h.apply_smoke(args, SMOKE)
     unknown = set(args.comparisons) - {c for _, c, _ in COMPARISONS}
     if unknown:
         p.error(f"unknown comparisons {sorted(unknown)}; known: {[c for _, c, _ in COMPARISONS]}")
-    if args.batch % args.microbatches:
-        p.error("--batch must be divisible by --microbatches")
+    h.check_step_args(p, args)
     if args.layers % 4:
         p.error("--layers must be a multiple of 4 (4 stages at Linear+ReLU boundaries)")
-    if args.warmup < 1:
-        p.error("--warmup must be at least 1 (the first step checks the same work)")
     return args
 
 
