@@ -18,21 +18,11 @@ namespace {
 
 using testing_helpers::Case;
 using testing_helpers::describe;
+using testing_helpers::errorOf;
 using testing_helpers::expectActions;
 using testing_helpers::expectedToFail;
 using testing_helpers::gridCases;
 using testing_helpers::make;
-
-// The message of the invalid_argument `fn` throws ("" if none).
-template <typename Fn>
-std::string errorOf(Fn fn) {
-  try {
-    fn();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "";
-}
 
 TEST(Channels, PlainLoweringCrossesInOneFOneB) {
   // RECV right before its consumer: rank 0 sends F1 where rank 1 sends B0.

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -114,6 +115,17 @@ inline void expectActions(const Schedule& s, const std::vector<std::string>& exp
   for (int r = 0; r < s.numRanks(); ++r) {
     EXPECT_EQ(actionsToString(s.actions(r)), expected[r]) << "rank " << r;
   }
+}
+
+// The message of the invalid_argument `fn` throws ("" if none).
+template <typename Fn>
+std::string errorOf(Fn fn) {
+  try {
+    fn();
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "";
 }
 
 }  // namespace testing_helpers

@@ -11,9 +11,12 @@
 #include <string>
 
 #include "planner.h"
+#include "test_helpers.h"
 
 namespace pipedream {
 namespace {
+
+using testing_helpers::errorOf;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
@@ -198,6 +201,18 @@ void compareWithBruteForce(const ProfileGraph& g, const PlanningStates& states, 
         for (const PlanStage& st : p.stages) EXPECT_EQ(st.replicas, 1) << ctx;
       }
     }
+  }
+}
+
+// Plans `a` and `b` cut alike: the same times, and every stage the same nodes, ranks and time.
+void expectSameCuts(const Plan& a, const Plan& b, const std::string& name) {
+  EXPECT_EQ(a.timePerStage, b.timePerStage) << name;
+  EXPECT_EQ(a.dataParallelTime, b.dataParallelTime) << name;
+  ASSERT_EQ(a.stages.size(), b.stages.size()) << name;
+  for (size_t j = 0; j < a.stages.size(); ++j) {
+    EXPECT_EQ(a.stages[j].nodes, b.stages[j].nodes) << name;
+    EXPECT_EQ(a.stages[j].ranks, b.stages[j].ranks) << name;
+    EXPECT_EQ(a.stages[j].time, b.stages[j].time) << name;
   }
 }
 
@@ -582,14 +597,7 @@ TEST(PlannerDataParallel, DegreeOneEqualsTheStraightPlan) {
     PlannerOptions dp;
     dp.dataParallel.degree = 1;
     Plan a = planPartition(g, t, straight), b = planPartition(g, t, dp);
-    EXPECT_EQ(a.timePerStage, b.timePerStage) << name;
-    EXPECT_EQ(a.dataParallelTime, b.dataParallelTime) << name;
-    ASSERT_EQ(a.stages.size(), b.stages.size()) << name;
-    for (size_t j = 0; j < a.stages.size(); ++j) {
-      EXPECT_EQ(a.stages[j].nodes, b.stages[j].nodes) << name;
-      EXPECT_EQ(a.stages[j].ranks, b.stages[j].ranks) << name;
-      EXPECT_EQ(a.stages[j].time, b.stages[j].time) << name;
-    }
+    expectSameCuts(a, b, name);
   }
 }
 
@@ -723,17 +731,6 @@ ProfileGraph uniformChain(int layers) {
     g.addEdge(i - 1, i);
   }
   return g;
-}
-
-// The message of the invalid_argument `fn` throws ("" if none).
-template <typename Fn>
-std::string errorOf(Fn fn) {
-  try {
-    fn();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "";
 }
 
 TEST(PlannerStraight, CoarseningKeepsAStatePerWorker) {
@@ -916,13 +913,8 @@ TEST(PlannerTensorParallel, DegreeOneIsBitwiseThePlanWithout) {
     one.tensorParallel.bandwidth = 1e6;
     one.tensorParallel.allReducesPerLayer = 7;
     Plan a = planPartition(g, t, base), b = planPartition(g, t, one);
-    EXPECT_EQ(a.timePerStage, b.timePerStage) << name;
-    EXPECT_EQ(a.dataParallelTime, b.dataParallelTime) << name;
-    ASSERT_EQ(a.stages.size(), b.stages.size()) << name;
-    for (size_t j = 0; j < a.stages.size(); ++j) {
-      EXPECT_EQ(a.stages[j].nodes, b.stages[j].nodes) << name;
-      EXPECT_EQ(a.stages[j].ranks, b.stages[j].ranks) << name;
-      EXPECT_EQ(a.stages[j].time, b.stages[j].time) << name;
+    expectSameCuts(a, b, name);
+    for (size_t j = 0; j < a.stages.size() && j < b.stages.size(); ++j) {
       EXPECT_EQ(a.stages[j].memoryBytes, b.stages[j].memoryBytes) << name;
       EXPECT_EQ(a.stages[j].modelStateBytes, b.stages[j].modelStateBytes) << name;
       EXPECT_EQ(b.stages[j].tensorParallelSeconds, 0.0) << name;
