@@ -19,7 +19,9 @@ Which rank counts which gradient:
   once per replicated mesh dimension (coordinate 0). Shards are disjoint, so their
   p-th powers add up to the whole tensor's within the same all-reduce;
 * with a mesh, a plain gradient (``data_parallel="replicate"``: every dp rank holds
-  the same averaged gradient) on dp rank 0 only, as a replica's leader counts it.
+  the same averaged gradient) on dp rank 0 only, as a replica's leader counts it;
+  with tensor parallelism on the pipeline of ``(dp, tp) = (0, 0)`` only (every tp rank
+  holds the same plain gradient), and a tp ``DTensor``'s shard on dp rank 0 only.
 
 Each rank computes ``L = torch.nn.utils.get_total_norm`` of the gradients it counts
 (torch's own arithmetic: per-tensor norms, foreach, the norm of the norms); one
@@ -174,16 +176,20 @@ class GradientClipper:
             gradients as dp rank 0 (``group`` is then the whole world).
         name: how messages name this rank (default ``"rank {rank}"``; on a mesh its
             global rank and coordinates).
+        count_shards: whether this rank counts its DTensor gradients' shards at all:
+            ``False`` on dp ranks other than 0 with tensor parallelism and
+            ``data_parallel="replicate"`` (the tp mesh's DTensors are replicated over dp).
     """
 
     def __init__(self, stages: LocalStages, stage_ranks: Sequence[Sequence[int]], rank: int,
                  group: dist.ProcessGroup, device: torch.device, timeout: float,
                  counted_elsewhere: Sequence[nn.Parameter] = (), count_plain: bool = True,
-                 name: Optional[str] = None) -> None:
+                 name: Optional[str] = None, count_shards: bool = True) -> None:
         self.module, self.group, self.device, self.timeout = stages.module, group, device, timeout
         self.rank = rank
         self.name = name if name is not None else f"rank {rank}"
         skip = {id(p) for p in counted_elsewhere}
+        self.count_shards = count_shards
         self._counted = {id(p) for j in stages if stage_ranks[j][0] == rank and count_plain
                          for p in stages.parameters_of(j) if id(p) not in skip}
 
@@ -197,7 +203,7 @@ class GradientClipper:
             if grad is None:
                 continue
             if _is_dtensor(grad):
-                piece, counts = grad.to_local(), _counted_shard(grad)
+                piece, counts = grad.to_local(), self.count_shards and _counted_shard(grad)
             else:
                 piece, counts = grad, id(p) in self._counted
             local.append(piece)

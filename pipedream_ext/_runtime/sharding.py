@@ -43,6 +43,7 @@ from .._dist.groups import RankNames, bounded_group, checkpoint_group, side_grou
 from .config import PipelineConfig
 from .local_stages import LocalStages
 from .stage_call import as_tuple
+from .tensor_parallel import TensorParallel, local
 
 __all__ = ["DATA_PARALLEL", "MeshPlan", "mesh_pipelines", "resolve_mesh", "check_schedule", "DataParallel",
            "FsdpStages", "ReplicatedStages", "keep_unsharded_after", "make_data_parallel",
@@ -67,8 +68,9 @@ class MeshPlan:
         data_parallel: ``"fsdp"`` or ``"replicate"``.
         reshard_after_forward: FSDP's ``reshard_after_forward``.
         mp_policy: FSDP's ``MixedPrecisionPolicy``, or ``None``.
-        pipelines: the global ranks of every pipeline (the pp group of each dp rank),
-            each in pp rank order (ascending).
+        pipelines: the global ranks of every pipeline (the pp group of each dp rank,
+            or with tp of each ``(dp, tp)`` coordinate, index ``dp * tp_size + tp``), each
+            in pp rank order (ascending).
         pp_group: this rank's pipeline's group (the ranks of ``mesh["pp"]``), bounded by
             the pipeline's timeout (:meth:`create_groups`), for the executor and every
             exchange within the pipeline.
@@ -77,6 +79,10 @@ class MeshPlan:
         world_group: a group over every rank bounded by the pipeline's timeout, for
             what every pipeline does together each step (the batch loss, the first
             steps' agreement, clipping, the finite checks).
+        tp_size: the mesh's tp size (1 without a ``"tp"`` dimension).
+        tensor_parallel: the plan (``PipeDream(tensor_parallel=...)``), or ``None``.
+        tp_mesh: the 1-D mesh over this rank's tp group, on a group bounded by the
+            pipeline's timeout (:meth:`create_groups`; tp > 1 only).
     """
 
     mesh: Any
@@ -87,6 +93,9 @@ class MeshPlan:
     pp_group: Any = None
     dp_mesh: Any = None
     world_group: Any = None
+    tp_size: int = 1
+    tensor_parallel: Any = None
+    tp_mesh: Any = None
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -94,13 +103,23 @@ class MeshPlan:
         return self.dp_mesh.get_group()
 
     @property
+    def copy(self) -> int:
+        """This rank's pipeline's index in :attr:`pipelines` (``dp * tp_size + tp``)."""
+        return next(c for c, ranks in enumerate(self.pipelines) if dist.get_rank() in ranks)
+
+    @property
     def dp_rank(self) -> int:
         """This rank's dp rank (``mesh["dp"].get_local_rank()``)."""
-        return next(d for d, ranks in enumerate(self.pipelines) if dist.get_rank() in ranks)
+        return self.copy // self.tp_size
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's tp rank (``mesh["tp"].get_local_rank()``; 0 without tp)."""
+        return self.copy % self.tp_size
 
     @property
     def dp_size(self) -> int:
-        return int(self.mesh.shape[1])
+        return len(self.pipelines) // self.tp_size
 
     @property
     def names(self) -> RankNames:
@@ -138,12 +157,23 @@ class MeshPlan:
         self.world_group = bounded_group(self.world_ranks, timeout)
         from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 - as fully_shard
 
+        tp = self.tp_size
         for pp in range(len(self.pipelines[0])):
-            row = [ranks[pp] for ranks in self.pipelines]
-            group = bounded_group(row, timeout)
-            if me in row:
-                self.dp_mesh = DeviceMesh.from_group(group, self.mesh.device_type, mesh=row,
-                                                     mesh_dim_names=("dp",))
+            for t in range(tp):
+                row = [ranks[pp] for ranks in self.pipelines[t::tp]]
+                group = bounded_group(row, timeout)
+                if me in row:
+                    self.dp_mesh = DeviceMesh.from_group(group, self.mesh.device_type, mesh=row,
+                                                         mesh_dim_names=("dp",))
+        if tp == 1:
+            return
+        for pp in range(len(self.pipelines[0])):
+            for d in range(self.dp_size):
+                row = [ranks[pp] for ranks in self.pipelines[d * tp:(d + 1) * tp]]
+                group = bounded_group(row, timeout)
+                if me in row:
+                    self.tp_mesh = DeviceMesh.from_group(group, self.mesh.device_type, mesh=row,
+                                                         mesh_dim_names=("tp",))
 
     @property
     def world_ranks(self) -> List[int]:
@@ -163,7 +193,16 @@ class MeshPlan:
         Returns:
             ``PipelineView`` fields: ``rank``, ``world_size``, ``group``, ``stage_ranks``
             (global ranks) and ``checkpoint_group``.
+
+        Raises:
+            ValueError: with tensor parallelism (checkpoints of its DTensor shards are
+                not supported yet).
         """
+        if self.tp_size > 1:
+            raise ValueError("checkpoints and load_state_dict with tensor_parallel are not "
+                             "supported yet; save the tp ranks' shards yourself (e.g. "
+                             "torch.distributed.checkpoint over pipe.state_dict()) or train without "
+                             "tensor_parallel")
         return {"rank": dist.get_rank(), "world_size": dist.get_world_size(),
                 "group": dist.group.WORLD,
                 "stage_ranks": [[ranks[r] for ranks in self.pipelines for r in local]
@@ -211,7 +250,7 @@ def mesh_pipelines(layout: Sequence[Sequence[int]]) -> List[List[int]]:
 
 def resolve_mesh(mesh: Any, data_parallel: str, process_group: Optional[dist.ProcessGroup],
                  replicas: Optional[Sequence[int]], reshard_after_forward: bool,
-                 mp_policy: Any) -> Optional[MeshPlan]:
+                 mp_policy: Any, tensor_parallel: Any = None) -> Optional[MeshPlan]:
     """Checks ``mesh`` and the data-parallel arguments (needs the default group).
 
     Returns:
@@ -219,23 +258,40 @@ def resolve_mesh(mesh: Any, data_parallel: str, process_group: Optional[dist.Pro
 
     Raises:
         ValueError: a bad ``data_parallel``; ``mp_policy`` or ``reshard_after_forward``
-            without a mesh; a mesh that is not 2-D ``("pp", "dp")`` over every rank, or
-            whose rank order gives no stage order (:func:`mesh_pipelines`); ``replicas``
-            or ``process_group`` together with a mesh.
+            without a mesh; a mesh that is not ``("pp", "dp")`` (or, with
+            ``tensor_parallel``, ``("pp", "dp", "tp")`` or ``("pp", "tp")``) over every
+            rank, or whose rank order gives no stage order (:func:`mesh_pipelines`);
+            ``replicas`` or ``process_group`` together with a mesh; ``tensor_parallel``
+            without a tp dimension, or with FSDP over dp > 1.
     """
     if data_parallel not in DATA_PARALLEL:
         raise ValueError(f"data_parallel={data_parallel!r}; use 'fsdp' (FSDP2 over mesh['dp']) "
                          "or 'replicate' (gradients all-reduced over mesh['dp'])")
     if mesh is None:
+        if tensor_parallel is not None:
+            raise ValueError("tensor_parallel= needs a mesh with a 'tp' dimension: pass mesh="
+                             "init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=('pp', "
+                             "'dp', 'tp'))")
         if mp_policy is not None or reshard_after_forward:
             raise ValueError("mp_policy and reshard_after_forward configure FSDP over a mesh's "
                              "'dp' dimension: pass mesh=init_device_mesh(device_type, (pp, dp), "
                              "mesh_dim_names=('pp', 'dp')), or drop them")
         return None
     names = tuple(mesh.mesh_dim_names or ())
-    if mesh.ndim != 2 or names != ("pp", "dp"):
+    if names not in (("pp", "dp"), ("pp", "tp"), ("pp", "dp", "tp")):
         raise ValueError(f"mesh has dimensions {names or mesh.ndim}; PipeDream takes a 2-D mesh "
-                         "init_device_mesh(device_type, (pp, dp), mesh_dim_names=('pp', 'dp'))")
+                         "init_device_mesh(device_type, (pp, dp), mesh_dim_names=('pp', 'dp')), "
+                         "or with tensor_parallel= a 3-D one (pp, dp, tp), mesh_dim_names=('pp', "
+                         "'dp', 'tp')")
+    tp_size = int(mesh.shape[names.index("tp")]) if "tp" in names else 1
+    if "tp" in names and tensor_parallel is None:
+        raise ValueError(f"mesh has a 'tp' dimension of size {tp_size} but tensor_parallel= is not "
+                         "given; pass tensor_parallel={pattern: ParallelStyle} (or a callable), "
+                         "or build the mesh with mesh_dim_names=('pp', 'dp')")
+    if tensor_parallel is not None and "tp" not in names:
+        raise ValueError(f"tensor_parallel= needs a 'tp' mesh dimension (mesh has {names}); build "
+                         "it with init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("
+                         "'pp', 'dp', 'tp'))")
     if mesh.size() != dist.get_world_size():
         raise ValueError(f"mesh spans {mesh.size()} ranks but the world has "
                          f"{dist.get_world_size()}; build the mesh over every rank")
@@ -245,8 +301,38 @@ def resolve_mesh(mesh: Any, data_parallel: str, process_group: Optional[dist.Pro
     if process_group is not None:
         raise ValueError("process_group= and mesh= both name the pipeline's ranks; drop "
                          "process_group (the pipeline runs on mesh['pp'])")
-    pipelines = mesh_pipelines([[int(r) for r in row] for row in mesh.mesh.tolist()])
-    return MeshPlan(mesh, data_parallel, bool(reshard_after_forward), mp_policy, pipelines)
+    if "tp" not in names:
+        pipelines = mesh_pipelines([[int(r) for r in row] for row in mesh.mesh.tolist()])
+        return MeshPlan(mesh, data_parallel, bool(reshard_after_forward), mp_policy, pipelines)
+    return _tensor_parallel_plan(mesh, data_parallel, bool(reshard_after_forward), mp_policy,
+                                 tensor_parallel, tp_size)
+
+
+def _tensor_parallel_plan(mesh: Any, data_parallel: str, reshard_after_forward: bool,
+                          mp_policy: Any, tensor_parallel: Any, tp_size: int) -> MeshPlan:
+    """A mesh with a ``"tp"`` dimension: one pipeline per ``(dp, tp)`` coordinate.
+
+    Raises:
+        ValueError: a mesh not in ascending rank order, or FSDP over dp > 1.
+    """
+    shape = [int(n) for n in mesh.shape]
+    ascending = torch.arange(mesh.size()).reshape(shape)
+    if not torch.equal(mesh.mesh.cpu(), ascending):
+        raise ValueError(f"mesh {mesh.mesh.tolist()} with a 'tp' dimension must number ranks in "
+                         "ascending order (not supported yet otherwise); use init_device_mesh("
+                         f"device_type, {tuple(shape)}, mesh_dim_names={tuple(mesh.mesh_dim_names)})")
+    pp, copies = shape[0], mesh.size() // shape[0]
+    dp_size = copies // tp_size
+    if data_parallel == "fsdp" and dp_size > 1:
+        raise ValueError(f"data_parallel='fsdp' with tensor_parallel (dp={dp_size}, tp={tp_size}) "
+                         "is not supported yet; use data_parallel='replicate' (gradients averaged "
+                         "over mesh['dp'])")
+    if reshard_after_forward or mp_policy is not None:
+        raise ValueError("reshard_after_forward and mp_policy configure FSDP, which "
+                         "tensor_parallel does not support yet; drop them")
+    pipelines = [[p * copies + c for p in range(pp)] for c in range(copies)]
+    return MeshPlan(mesh, data_parallel, reshard_after_forward, mp_policy, pipelines,
+                    tp_size=tp_size, tensor_parallel=tensor_parallel)
 
 
 def check_schedule(plan: MeshPlan, config: PipelineConfig, planned: bool) -> None:
@@ -338,8 +424,9 @@ class DataParallel:
 
     @property
     def loss_divisor(self) -> int:
-        """What the sum of the dp ranks' losses is divided by: the global batch's mean."""
-        return self.plan.dp_size if self.loss_reduction == "mean" else 1
+        """What the sum of the pipelines' losses is divided by: the global batch's mean
+        (each tp rank of a dp coordinate computes the same loss: counted once)."""
+        return self.plan.tp_size * (self.plan.dp_size if self.loss_reduction == "mean" else 1)
 
     def check_batch(self, value: Any, microbatches: int, what: str) -> None:
         """Each dp rank's batch must split evenly into microbatches: the global mean
@@ -361,16 +448,20 @@ class DataParallel:
         return None
 
     def attach(self, stages: LocalStages) -> None:
-        """Takes this rank's built stages; replicas start from dp rank 0's weights (as
-        DDP broadcasts rank 0's), one broadcast per tensor, once."""
+        """Takes this rank's built stages; with tp, applies the plan
+        (``TensorParallel.apply``); replicas start from dp rank 0's weights (as DDP
+        broadcasts rank 0's), one broadcast per tensor (local shard), once."""
         self.stages = stages
+        if self.plan.tp_mesh is not None:
+            TensorParallel(self.plan.tensor_parallel, self.plan.tp_mesh, self.plan.pp_group).apply(
+                {j: stages[j] for j in stages})
         for j in stages:
             self._broadcast(stages[j])
 
     def _broadcast(self, module: nn.Module) -> None:
         with torch.no_grad():
             for t in list(module.parameters()) + list(module.buffers()):
-                collectives.broadcast_data(t.detach(), 0, self.plan.dp_group)
+                collectives.broadcast_data(local(t.detach()), 0, self.plan.dp_group)
 
     def before_forward(self, stage: int, microbatch: int, training: bool) -> None:
         """Called before each forward of a stage (through each step's StepContext.before_forward)."""
@@ -536,6 +627,8 @@ class ReplicatedStages(DataParallel):
 
     def after_step(self) -> None:
         group = self.plan.dp_group
+        if self.plan.dp_size == 1:  # ("pp", "tp"): nothing to average
+            return
         for j in self.stages:
             params = [p for p in self.stages.parameters_of(j) if p.requires_grad]
             if not params:
@@ -544,14 +637,16 @@ class ReplicatedStages(DataParallel):
                 for p in params:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
-                flat = torch.cat([p.grad.reshape(-1) for p in params])
+                # A DTensor's gradient (tensor parallelism): its local shard, in place.
+                grads = [local(p.grad) for p in params]
+                flat = torch.cat([g.reshape(-1) for g in grads])
                 collectives.all_reduce_data(flat, group)
                 if self.loss_reduction == "mean":
                     flat /= self.plan.dp_size
                 offset = 0
-                for p in params:
-                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-                    offset += p.numel()
+                for g in grads:
+                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                    offset += g.numel()
 
 
 def make_data_parallel(plan: Optional[MeshPlan], loss_reduction: str,
@@ -565,7 +660,7 @@ def make_data_parallel(plan: Optional[MeshPlan], loss_reduction: str,
     """
     if plan is None:
         return None
-    if plan.data_parallel == "fsdp":
+    if plan.data_parallel == "fsdp" and plan.tp_size == 1:
         keep = keep_unsharded_after(actions()) if plan.reshard_after_forward else set()
         return FsdpStages(plan, None, loss_reduction, keep)
     return ReplicatedStages(plan, None, loss_reduction)  # type: ignore[arg-type]
