@@ -17,12 +17,12 @@ one a callable plan. What is not supported yet is refused by name.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any, Callable, Dict, Optional
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -200,6 +200,17 @@ def check_plan_shards() -> None:
     pipe.close()
 
 
+class Traced(nn.Module):
+    """llama() as a model that is not an nn.Sequential (traced with split_points)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = llama()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
 class DTensorOut(nn.Module):
     """A stage end whose output stays a DTensor (use_local_output=False)."""
 
@@ -213,10 +224,10 @@ class DTensorOut(nn.Module):
 
 def check_refusals() -> None:
     """What tensor parallelism does not support yet is refused, naming it and the fix."""
+    from test_bad_input import ROWS
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     import pipedream_ext as pd
-    from test_bad_input import ROWS
 
     def row(row_id: str) -> str:
         return next(r[2] for r in ROWS if r[0] == row_id)
@@ -234,7 +245,7 @@ def check_refusals() -> None:
         ("tp-plan-type", dict(tensor_parallel={"*.attn.wq": "colwise"})),
         ("tp-unsupported", dict(schedule="pipedream-2bw")),
         ("tp-unsupported", dict(schedule="zbv", chunks=2)),
-        ("tp-unsupported", dict(split_points=["1"])),
+        ("tp-unsupported", dict(split_points=["layers.2"], sample=batch(0))),
         ("tp-unsupported", dict(recompute=True)),
         ("tp-mesh", dict(mesh=mesh_of((2, 2), ("pp", "dp")))),
         ("tp-mesh", dict(tensor_parallel=None)),
@@ -243,7 +254,7 @@ def check_refusals() -> None:
     ]
     for row_id, kwargs in refused:
         with pytest.raises(ValueError, match=row(row_id)):
-            build(**kwargs)
+            build(Traced if "split_points" in kwargs else llama, **kwargs)
     with pytest.raises(ValueError, match=row("tp-mesh")):
         pd.PipeDream(llama(), lm_loss, microbatches=2, tensor_parallel=plan(), timeout=60)
     with pytest.raises(ValueError, match=row("tp-model")):
@@ -263,10 +274,10 @@ def check_refusals() -> None:
 def check_dtensor_at_cut() -> None:
     """A stage returning a DTensor is refused by name (on the ranks that run it; its
     peers fail on the pipeline's timeout)."""
+    from test_bad_input import ROWS
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     import pipedream_ext as pd
-    from test_bad_input import ROWS
 
     model = nn.Sequential(nn.Embedding(VOCAB, DIM), DTensorOut(), nn.Linear(DIM, VOCAB))
     pipe = pd.PipeDream(model, lm_loss, schedule="1f1b", microbatches=2, mesh=mesh_of((2, 1, 2)),
@@ -277,7 +288,6 @@ def check_dtensor_at_cut() -> None:
         pipe.step(x, y)
     if pipe.is_first:
         assert "stage 0 returns a DTensor" in str(info.value), str(info.value)
-        import re
         assert re.search(next(r[2] for r in ROWS if r[0] == "tp-dtensor-cut"), str(info.value))
 
 

@@ -124,7 +124,7 @@ class MeshPlan:
     @property
     def names(self) -> RankNames:
         """How messages name this pipeline's ranks: global, with mesh coordinates."""
-        return RankNames(self.pipelines[self.dp_rank], self.pipelines)
+        return RankNames(self.pipelines[self.copy], self.pipelines, self.tp_size)
 
     def describe(self) -> Dict[str, Any]:
         """The mesh's shape and the data-parallel settings, for the construction agreement."""
