@@ -29,7 +29,6 @@ class PipelineConfig:
         microbatches: (as every other field: the option, checked) ``pipedream``: per minibatch update.
         timeout: a float.
         clip_grad_norm: ``(max_norm, norm_type)`` (``grad_clip.parse_clip_option``), or ``None``.
-        tensor_parallel: the plan (``_runtime.tensor_parallel``), or ``None``.
     """
 
     schedule: str
@@ -44,7 +43,6 @@ class PipelineConfig:
     loss_reduction: str
     check_agreement: int
     clip_grad_norm: Optional[Tuple[float, float]]
-    tensor_parallel: Any
 
     @classmethod
     def checked(cls, schedule: str, microbatches: int, **options: Any) -> "PipelineConfig":

@@ -259,8 +259,7 @@ class PipelineOptions:
         modules get what ``parallelize_module(model, mesh["tp"], plan)`` gives them) or a callable
         ``fn(stage_module, tp_mesh)``. Every tp rank of a dp coordinate is given the same batch. An
         ``nn.Sequential`` with gpipe, 1f1b or zb-h1; README "Tensor parallelism inside stages" lists what
-        is refused.""", group="placement", check=_check_tensor_parallel, convert=_same,
-        agreed=describe_plan)
+        is refused.""", group="placement", check=_check_tensor_parallel, agreed=describe_plan)
 
     # -- numerics ---------------------------------------------------------------------------
     autocast: Optional[torch.dtype] = option(None, """
