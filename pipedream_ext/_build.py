@@ -157,10 +157,10 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     group = mesh.mesh["pp"].get_group() if mesh is not None else \
         args.process_group if args.process_group is not None else dist.group.WORLD
     if mesh is not None:
-        refuse_tensor_parallel(mesh.tp_size, args.module, args.balance, prepared.deferred, [])
+        refuse_tensor_parallel(mesh.tensor_parallel is not None, args.module, args.balance, prepared.deferred, [])
     cut = cut_model(args, prepared, config, group, mesh)
     if mesh is not None:
-        refuse_tensor_parallel(mesh.tp_size, args.module, args.balance, prepared.deferred,
+        refuse_tensor_parallel(mesh.tensor_parallel is not None, args.module, args.balance, prepared.deferred,
                                [describe(p) for p in cut.shared_parameters])
     _refuse_shared_if_asynchronous(config, cut.shared_parameters)
     cut.traced = _agree_everywhere(args, group, cut,

@@ -447,7 +447,7 @@ class PipeDream:
         """Ends the pipeline: finishes an asynchronous checkpoint save (its manifest),
         drains an asynchronous schedule and writes the trace if on. Collective."""
         data_parallel = self._runner.data_parallel
-        if data_parallel is None or data_parallel.plan.tp_size == 1:  # tp: no checkpoints yet
+        if data_parallel is None or data_parallel.plan.tensor_parallel is None:  # tp: no checkpoints yet
             finish_pending(self.checkpoint_view)
         self.flush()
         if self.trace_path is not None:

@@ -177,13 +177,16 @@ def check_training(schedule: str, shape=(2, 1, 2), names=("pp", "dp", "tp"),
 
 def check_plan_shards() -> None:
     """The plan really shards: wq/wk/wv/w1/w3 are DTensors Shard(0) over the tp mesh,
-    wo/w2 Shard(1), each rank holding half the rows (columns); the rest plain."""
+    wo/w2 Shard(1), each rank holding half the rows (columns); the rest plain. Every tp
+    rank starts from tp rank 0's weights; forward_only gives the unsplit model's output."""
     from torch.distributed.tensor import DTensor, Shard
 
     import pipedream_ext as pd
 
-    pipe = pd.PipeDream(llama(), lm_loss, schedule="1f1b", microbatches=2, mesh=mesh_of((2, 1, 2)),
-                        tensor_parallel=plan(), balance=BALANCE, timeout=60)
+    mesh = mesh_of((2, 1, 2))
+    # Each tp rank builds other weights: the pipeline starts from tp rank 0's (llama(0)).
+    pipe = pd.PipeDream(llama(seed=mesh["tp"].get_local_rank()), lm_loss, schedule="1f1b",
+                        microbatches=2, mesh=mesh, tensor_parallel=plan(), balance=BALANCE, timeout=60)
     sharded = 0
     for name, p in pipe.named_parameters():
         leaf = name.split(".")[-2]
@@ -197,6 +200,11 @@ def check_plan_shards() -> None:
         else:
             assert not isinstance(p, DTensor), name
     assert sharded == 7, sharded  # this rank's block
+    x, _ = batch(0)
+    out = pipe.forward_only(x)
+    if pipe.is_last:
+        with torch.no_grad():
+            close(out, llama()(x), "forward_only's output")
     pipe.close()
 
 
@@ -300,6 +308,7 @@ def cases(world: int) -> Cases:
     c.add(check_training, "1f1b", tensor_parallel=lambda: parallelize_blocks, name="training-callable")
     c.add(check_training, "1f1b", shape=(2, 2), names=("pp", "tp"), name="training-pp-tp-mesh")
     c.add(check_training, "1f1b", shape=(1, 2, 2), clip=0.05, name="training-dp2-replicate")
+    c.add(check_training, "zb-h1", shape=(2, 2, 1), clip=0.05, name="training-dp2-tp1-replicate")
     c.add(check_refusals)
     c.add(check_dtensor_at_cut)
     return c

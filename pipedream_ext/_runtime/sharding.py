@@ -82,7 +82,7 @@ class MeshPlan:
         tp_size: the mesh's tp size (1 without a ``"tp"`` dimension).
         tensor_parallel: the plan (``PipeDream(tensor_parallel=...)``), or ``None``.
         tp_mesh: the 1-D mesh over this rank's tp group, on a group bounded by the
-            pipeline's timeout (:meth:`create_groups`; tp > 1 only).
+            pipeline's timeout (:meth:`create_groups`; with ``tensor_parallel`` only).
     """
 
     mesh: Any
@@ -165,7 +165,7 @@ class MeshPlan:
                 if me in row:
                     self.dp_mesh = DeviceMesh.from_group(group, self.mesh.device_type, mesh=row,
                                                          mesh_dim_names=("dp",))
-        if tp == 1:
+        if self.tensor_parallel is None:
             return
         for pp in range(len(self.pipelines[0])):
             for d in range(self.dp_size):
@@ -198,7 +198,7 @@ class MeshPlan:
             ValueError: with tensor parallelism (checkpoints of its DTensor shards are
                 not supported yet).
         """
-        if self.tp_size > 1:
+        if self.tensor_parallel is not None:
             raise ValueError("checkpoints and load_state_dict with tensor_parallel are not "
                              "supported yet; save the tp ranks' shards yourself (e.g. "
                              "torch.distributed.checkpoint over pipe.state_dict()) or train without "
@@ -660,7 +660,7 @@ def make_data_parallel(plan: Optional[MeshPlan], loss_reduction: str,
     """
     if plan is None:
         return None
-    if plan.data_parallel == "fsdp" and plan.tp_size == 1:
+    if plan.data_parallel == "fsdp" and plan.tensor_parallel is None:
         keep = keep_unsharded_after(actions()) if plan.reshard_after_forward else set()
         return FsdpStages(plan, None, loss_reduction, keep)
     return ReplicatedStages(plan, None, loss_reduction)  # type: ignore[arg-type]

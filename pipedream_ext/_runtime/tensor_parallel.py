@@ -90,12 +90,12 @@ def check_option(plan: Any, options: Any) -> None:
             raise ValueError(f"tensor_parallel with {what} is not supported yet; {fix}")
 
 
-def refuse_unsupported(tp_size: int, module: nn.Module, balance: Any, deferred: bool,
+def refuse_unsupported(enabled: bool, module: nn.Module, balance: Any, deferred: bool,
                        shared: Sequence[Any]) -> None:
     """What tensor parallelism does not support yet, refused before any stage is built.
 
     Args:
-        tp_size: the mesh's tp size (1: nothing to refuse).
+        enabled: whether ``tensor_parallel`` was given (``False``: nothing to refuse).
         module: the model.
         balance: ``PipeDream``'s ``balance``.
         deferred: whether the model is on the meta device.
@@ -106,7 +106,7 @@ def refuse_unsupported(tp_size: int, module: nn.Module, balance: Any, deferred: 
             ``None`` or a list of layer counts, a meta-device model, or a parameter tied
             across stages, naming it and the fix.
     """
-    if tp_size == 1:
+    if not enabled:
         return
     if not isinstance(module, nn.Sequential):
         raise ValueError(f"tensor_parallel with a {type(module).__name__} (a traced model) is not "
