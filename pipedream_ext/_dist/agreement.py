@@ -318,12 +318,14 @@ def unequal_dp_rows(names: RankNames, leaders: Sequence[int], rows: Sequence[Any
 
     Args:
         names: the mesh's rank names.
-        leaders: each dp rank's (pipeline's) stage-0 rank, in dp order.
+        leaders: each pipeline's stage-0 rank, in ``dp * tp_size + tp`` order.
         rows: each dp rank's rows.
     """
-    each = ", ".join(f"dp {d} ({names.of_global(r)}) {n} rows" for d, (r, n) in enumerate(zip(leaders, rows)))
+    tp = names.tp_size  # with tensor parallelism, each dp rank's tp pipelines in a row
+    each = ", ".join(f"dp {d // tp} ({names.of_global(r)}) {n} rows"
+                     for d, (r, n) in enumerate(zip(leaders, rows)))
     return (f"{each}; each pipeline averages its own rows and the dp ranks' means are averaged, which "
             "weights the rows of a smaller batch more than the unsplit model on the global batch would: "
             f"give every dp rank the same number of rows (a DistributedSampler(dataset, num_replicas="
-            f"{len(leaders)}, rank=mesh['dp'].get_local_rank()) gives each rank as many, its last batch "
+            f"{len(leaders) // tp}, rank=mesh['dp'].get_local_rank()) gives each rank as many, its last batch "
             "included)")
