@@ -249,27 +249,38 @@ def check_refusals() -> None:
         options.update(kwargs)
         return pd.PipeDream(make(), lm_loss, **options)
 
+    def tied() -> nn.Module:
+        model = llama()
+        model[-1].weight = model[0].weight  # the head tied to the embedding (stages 0 and 1)
+        return model
+
+    def meta() -> nn.Module:
+        with torch.device("meta"):
+            return llama()
+
     bad_plan = {**plan(), "*.attn.wz": ColwiseParallel()}
-    refused = [
-        ("tp-plan-unmatched", dict(tensor_parallel=bad_plan)),
-        ("tp-plan-type", dict(tensor_parallel={"*.attn.wq": "colwise"})),
-        ("tp-unsupported", dict(schedule="pipedream-2bw")),
-        ("tp-unsupported", dict(schedule="zbv", chunks=2)),
-        ("tp-unsupported", dict(split_points=["layers.2"], sample=batch(0))),
-        ("tp-unsupported", dict(recompute=True)),
-        ("tp-mesh", dict(mesh=mesh_of((2, 2), ("pp", "dp")))),
-        ("tp-mesh", dict(tensor_parallel=None)),
-        ("tp-fsdp", dict(mesh=mesh_of((1, 2, 2)), data_parallel="fsdp")),
-        ("tp-model", dict(balance="auto")),
+    refused = [  # (row, what the message names, the model, the options)
+        ("tp-plan-unmatched", "'*.attn.wz'", llama, dict(tensor_parallel=bad_plan)),
+        ("tp-plan-type", "'colwise'", llama, dict(tensor_parallel={"*.attn.wq": "colwise"})),
+        ("tp-plan-type", "tensor_parallel=3", llama, dict(tensor_parallel=3)),
+        ("tp-unsupported", "schedule='pipedream-2bw'", llama, dict(schedule="pipedream-2bw")),
+        ("tp-unsupported", "schedule='zbv'", llama, dict(schedule="zbv", chunks=2)),
+        ("tp-unsupported", "split_points=['layers.2']", Traced,
+         dict(split_points=["layers.2"], sample=batch(0))),
+        ("tp-unsupported", "recompute=True", llama, dict(recompute=True)),
+        ("tp-unsupported", "autocast=torch.bfloat16", llama, dict(autocast=torch.bfloat16)),
+        ("tp-mesh", "(mesh has ('pp', 'dp'))", llama, dict(mesh=mesh_of((2, 2), ("pp", "dp")))),
+        ("tp-mesh", "'tp' dimension of size 2", llama, dict(tensor_parallel=None)),
+        ("tp-mesh", "needs a mesh", llama, dict(mesh=None)),
+        ("tp-fsdp", "(dp=2, tp=2)", llama, dict(mesh=mesh_of((1, 2, 2)), data_parallel="fsdp")),
+        ("tp-model", "balance='auto'", llama, dict(balance="auto")),
+        ("tp-model", "a meta-device model", meta, dict(balance=BALANCE)),
+        ("tp-model", "parameter 0.weight and 4.weight (stages 0 and 1) tied", tied, dict(balance=BALANCE)),
     ]
-    for row_id, kwargs in refused:
-        with pytest.raises(ValueError, match=row(row_id)):
-            build(Traced if "split_points" in kwargs else llama, **kwargs)
-    with pytest.raises(ValueError, match=row("tp-mesh")):
-        pd.PipeDream(llama(), lm_loss, microbatches=2, tensor_parallel=plan(), timeout=60)
-    with pytest.raises(ValueError, match=row("tp-model")):
-        build(lambda: nn.Sequential(*(nn.Linear(DIM, DIM) for _ in range(2))).to("meta"),
-              tensor_parallel={"*": ColwiseParallel()})
+    for row_id, names, make, kwargs in refused:
+        with pytest.raises(ValueError, match=row(row_id)) as info:
+            build(make, **kwargs)
+        assert names in str(info.value), (names, str(info.value))
     pipe = build()
     with pytest.raises(ValueError, match=row("tp-checkpoint")):
         pd.save_checkpoint(os.path.join(os.environ.get("TMPDIR", "/tmp"), "tp-ckpt"), pipe)
