@@ -329,7 +329,7 @@ ROWS: List[Tuple[str, str, str, str]] = [
     ('tp-plan-type', "a `tensor_parallel` plan value that is not a `ParallelStyle` (`{'*.attn.wq': 'colwise'}`), or a plan that is neither a dict nor a callable",
      r"tensor_parallel(\[.*\] = .*: a plan maps module-name patterns \(str, e\.g\. '\*\.attn\.wq'\) to torch ParallelStyles|=.*; give a dict \{pattern: ParallelStyle\} or a callable fn\(stage_module, tp_mesh\))",
      'tests/test_tensor_parallel.py::test_tensor_parallel_matches_the_unsplit_model'),
-    ('tp-unsupported', '`tensor_parallel` with a schedule other than gpipe, 1f1b, zb-h1 (`pipedream-2bw`, `zbv`, ...), `split_points`, `recompute=True` or `autocast`',
+    ('tp-unsupported', '`tensor_parallel` with an asynchronous schedule (`pipedream`, `pipedream-2bw`), `split_points`, `recompute=True` or `autocast`',
      r"tensor_parallel with (schedule='[\w-]+'|split_points=\[.*\]|recompute=True|autocast=.*) is not supported yet; (use|drop)",
      'tests/test_tensor_parallel.py::test_tensor_parallel_matches_the_unsplit_model'),
     ('tp-mesh', "`tensor_parallel` without a mesh, or with a mesh without a `'tp'` dimension; a `'tp'` dimension without `tensor_parallel`",

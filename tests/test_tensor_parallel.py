@@ -10,8 +10,8 @@ row-wise, RMSNorms, a head) on pp2 x tp2 (4 ranks, Gloo) trains side by side wit
 unsplit model on the same batches: the loss of every step, every gradient of step 0
 (``full_tensor()`` of each shard against the unsplit model's) and every weight after 3
 AdamW steps must agree to 1e-4 relative (tensor parallelism changes the summation
-order). One case clips (``pd.clip_grad_norm_`` against ``torch.nn.utils.clip_grad_norm_``),
-one runs pp1 x dp2 x tp2 and one pp2 x dp2 x tp1 (``data_parallel="replicate"``), one a
+order), with every flush schedule (the multi-chunk ones with 2 chunks per rank). Some
+cases clip (``pd.clip_grad_norm_`` against ``torch.nn.utils.clip_grad_norm_``), one runs pp1 x dp2 x tp2 and one pp2 x dp2 x tp1 (``data_parallel="replicate"``), one a
 ``("pp", "tp")`` mesh, one a callable plan; a slow launch runs pp2 x dp2 x tp2 on 8
 ranks. What is not supported yet is refused by name.
 """
@@ -133,7 +133,7 @@ def mesh_of(shape, names=("pp", "dp", "tp")):
 
 def check_training(schedule: str, shape=(2, 1, 2), names=("pp", "dp", "tp"),
                    tensor_parallel: Optional[Callable[[], Any]] = None, clip: Optional[float] = None,
-                   data_parallel: str = "replicate") -> None:
+                   data_parallel: str = "replicate", chunks: int = 1, microbatches: int = 2) -> None:
     """STEPS AdamW steps of the pipeline and of the unsplit model agree: the loss of every
     step, every gradient of step 0, every weight after each step (and the clipped norm)."""
     import pipedream_ext as pd
@@ -141,8 +141,9 @@ def check_training(schedule: str, shape=(2, 1, 2), names=("pp", "dp", "tp"),
     ref = llama()
     mesh = mesh_of(shape, names)
     dp = shape[1] if len(shape) == 3 else 1
-    pipe = pd.PipeDream(llama(), lm_loss, schedule=schedule, microbatches=2, mesh=mesh,
-                        data_parallel=data_parallel, timeout=60, balance=BALANCE if shape[0] > 1 else None,
+    balance = None if shape[0] == 1 else BALANCE if chunks == 1 else [1, 1, 1, 2]
+    pipe = pd.PipeDream(llama(), lm_loss, schedule=schedule, microbatches=microbatches, mesh=mesh,
+                        data_parallel=data_parallel, timeout=60, balance=balance, chunks=chunks,
                         tensor_parallel=(tensor_parallel or plan)())
     # eps=1e-4 (typical gradients here: 3e-3): Adam divides by |gradient|, so an element
     # whose gradient cancels to ~1e-7 (2.attn.wo.weight[13, 7] on 16 rows) would turn
@@ -264,7 +265,7 @@ def check_refusals() -> None:
         ("tp-plan-type", "'colwise'", llama, dict(tensor_parallel={"*.attn.wq": "colwise"})),
         ("tp-plan-type", "tensor_parallel=3", llama, dict(tensor_parallel=3)),
         ("tp-unsupported", "schedule='pipedream-2bw'", llama, dict(schedule="pipedream-2bw")),
-        ("tp-unsupported", "schedule='zbv'", llama, dict(schedule="zbv", chunks=2)),
+        ("tp-unsupported", "schedule='pipedream'", llama, dict(schedule="pipedream")),
         ("tp-unsupported", "split_points=['layers.2']", Traced,
          dict(split_points=["layers.2"], sample=batch(0))),
         ("tp-unsupported", "recompute=True", llama, dict(recompute=True)),
@@ -318,6 +319,10 @@ def cases(world: int) -> Cases:
     c.add(check_training, "1f1b")
     c.add(check_training, "zb-h1")
     c.add(check_training, "gpipe", clip=0.05)
+    c.add(check_training, "interleaved-1f1b", chunks=2)
+    c.add(check_training, "zbv", chunks=2, clip=0.05)
+    c.add(check_training, "dualpipev", chunks=2, microbatches=4)
+    c.add(check_training, "interleaved-zb", chunks=2)
     c.add(check_training, "1f1b", tensor_parallel=lambda: parallelize_blocks, name="training-callable")
     c.add(check_training, "1f1b", shape=(2, 2), names=("pp", "tp"), name="training-pp-tp-mesh")
     c.add(check_training, "1f1b", shape=(1, 2, 2), clip=0.05, name="training-dp2-replicate")

@@ -258,8 +258,8 @@ class PipelineOptions:
         model's module names, ``*`` one name component, as ``parallelize_module`` reads them; each stage's
         modules get what ``parallelize_module(model, mesh["tp"], plan)`` gives them) or a callable
         ``fn(stage_module, tp_mesh)``. Every tp rank of a dp coordinate is given the same batch. An
-        ``nn.Sequential`` with gpipe, 1f1b or zb-h1; README "Tensor parallelism inside stages" lists what
-        is refused.""", group="placement", check=_check_tensor_parallel, agreed=describe_plan)
+        ``nn.Sequential`` with a flush schedule; README "Tensor parallelism inside stages" lists what is
+        refused.""", group="placement", check=_check_tensor_parallel, agreed=describe_plan)
 
     # -- numerics ---------------------------------------------------------------------------
     autocast: Optional[torch.dtype] = option(None, """

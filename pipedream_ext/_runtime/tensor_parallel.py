@@ -31,8 +31,10 @@ from .._dist import collectives
 __all__ = ["TENSOR_PARALLEL_SCHEDULES", "TensorParallel", "check_option", "describe_plan",
            "local", "matched_patterns", "refuse_unsupported"]
 
-#: The schedules tested with ``tensor_parallel`` (exact against the unsplit model).
-TENSOR_PARALLEL_SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+#: The schedules tested with ``tensor_parallel`` (exact against the unsplit model): every
+#: flush schedule; the asynchronous ones (weight stashing of DTensor shards) are refused.
+TENSOR_PARALLEL_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev",
+                             "interleaved-zb")
 
 
 def _qualified(value: Any) -> str:
