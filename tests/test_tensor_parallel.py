@@ -11,9 +11,10 @@ unsplit model on the same batches: the loss of every step, every gradient of ste
 (``full_tensor()`` of each shard against the unsplit model's) and every weight after 3
 AdamW steps must agree to 1e-4 relative (tensor parallelism changes the summation
 order), with every flush schedule (the multi-chunk ones with 2 chunks per rank). Some
-cases clip (``pd.clip_grad_norm_`` against ``torch.nn.utils.clip_grad_norm_``), one runs pp1 x dp2 x tp2 and one pp2 x dp2 x tp1 (``data_parallel="replicate"``), one a
-``("pp", "tp")`` mesh, one a callable plan; a slow launch runs pp2 x dp2 x tp2 on 8
-ranks. What is not supported yet is refused by name.
+cases clip (``pd.clip_grad_norm_`` against ``torch.nn.utils.clip_grad_norm_``), one runs
+pp1 x dp2 x tp2 and one pp2 x dp2 x tp1 (``data_parallel="replicate"``), one a ``("pp",
+"tp")`` mesh, one a callable plan; a slow launch runs pp2 x dp2 x tp2 on 8 ranks.
+What is not supported yet is refused by name.
 """
 from __future__ import annotations
 
