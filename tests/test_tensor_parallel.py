@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Optional
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -283,6 +284,11 @@ def check_refusals() -> None:
         with pytest.raises(ValueError, match=row(row_id)) as info:
             build(make, **kwargs)
         assert names in str(info.value), (names, str(info.value))
+    # The plan is compared at construction: one rank's other style fails every rank.
+    other = {**plan(), "*.attn.wo": ColwiseParallel()} if dist.get_rank() == 3 else plan()
+    with pytest.raises(ValueError, match="ranks disagree on the pipeline configuration: "
+                                         "tensor_parallel is"):
+        build(tensor_parallel=other, balance=BALANCE)
     pipe = build()
     with pytest.raises(ValueError, match=row("tp-checkpoint")):
         pd.save_checkpoint(os.path.join(os.environ.get("TMPDIR", "/tmp"), "tp-ckpt"), pipe)

@@ -19,6 +19,7 @@ is not supported yet).
 from __future__ import annotations
 
 import fnmatch
+import re
 import warnings
 from typing import Any, Dict, List, Mapping, Sequence
 
@@ -38,20 +39,31 @@ TENSOR_PARALLEL_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"
 
 
 def _qualified(value: Any) -> str:
-    kind = value if isinstance(value, type) else type(value)
-    if callable(value) and not isinstance(value, type) and hasattr(value, "__qualname__"):
-        kind = value
-    return f"{getattr(kind, '__module__', '?')}.{getattr(kind, '__qualname__', repr(kind))}"
+    """A function's (or class's) qualified name, else its type's."""
+    named = value if hasattr(value, "__qualname__") else type(value)
+    return f"{getattr(named, '__module__', '?')}.{named.__qualname__}"
+
+
+def _setting(value: Any) -> str:
+    """``repr(value)`` without memory addresses (a function's differs between processes)."""
+    return re.sub(r" at 0x[0-9a-f]+", "", repr(value))
 
 
 def describe_plan(plan: Any) -> Any:
-    """The JSON value ranks compare: each pattern's style class and its settings
-    (``repr`` of its attributes), or a callable's qualified name; ``None`` stays."""
+    """The JSON value ranks compare at construction: each pattern's style class and its
+    settings (``repr`` of its attributes), or a callable's qualified name.
+
+    Args:
+        plan: the ``tensor_parallel`` value (checked), or ``None``.
+
+    Returns:
+        ``None``, ``{pattern: {"style": ..., "settings": {...}}}`` or ``{"callable": name}``.
+    """
     if plan is None:
         return None
     if isinstance(plan, Mapping):
         return {str(k): {"style": _qualified(v),
-                         "settings": {a: repr(x) for a, x in sorted(vars(v).items())}}
+                         "settings": {a: _setting(x) for a, x in sorted(vars(v).items())}}
                 for k, v in sorted(plan.items())}
     return {"callable": _qualified(plan)}
 
