@@ -153,6 +153,9 @@ def check_training(schedule: str, shape=(2, 1, 2), names=("pp", "dp", "tp"),
     opt = torch.optim.AdamW(pipe.parameters(), lr=0.01, eps=1e-4)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, eps=1e-4)
     refs = dict(ref.named_parameters())
+    if data_parallel == "fsdp" and dp > 1:  # FSDP over TP: TP's shards sharded again over dp
+        meshes = {p.device_mesh.mesh_dim_names for p in pipe.parameters() if hasattr(p, "device_mesh")}
+        assert meshes == {("dp", "tp"), ("dp",)}, meshes
     dp_rank = mesh["dp"].get_local_rank() if "dp" in names else 0
     for step in range(STEPS):
         x, y = batch(step, ROWS * dp)
@@ -275,7 +278,8 @@ def check_refusals() -> None:
         ("tp-mesh", "(mesh has ('pp', 'dp'))", llama, dict(mesh=mesh_of((2, 2), ("pp", "dp")))),
         ("tp-mesh", "'tp' dimension of size 2", llama, dict(tensor_parallel=None)),
         ("tp-mesh", "needs a mesh", llama, dict(mesh=None)),
-        ("tp-fsdp", "(dp=2, tp=2)", llama, dict(mesh=mesh_of((1, 2, 2)), data_parallel="fsdp")),
+        ("tp-fsdp", "reshard_after_forward=True and mp_policy", llama,
+         dict(mesh=mesh_of((1, 2, 2)), data_parallel="fsdp", reshard_after_forward=True)),
         ("tp-model", "balance='auto'", llama, dict(balance="auto")),
         ("tp-model", "a meta-device model", meta, dict(balance=BALANCE)),
         ("tp-model", "parameter 0.weight and 4.weight (stages 0 and 1) tied", tied, dict(balance=BALANCE)),
@@ -334,6 +338,9 @@ def cases(world: int) -> Cases:
     c.add(check_training, "1f1b", shape=(2, 2), names=("pp", "tp"), name="training-pp-tp-mesh")
     c.add(check_training, "1f1b", shape=(1, 2, 2), clip=0.05, name="training-dp2-replicate")
     c.add(check_training, "zb-h1", shape=(2, 2, 1), clip=0.05, name="training-dp2-tp1-replicate")
+    c.add(check_training, "1f1b", shape=(1, 2, 2), clip=0.05, data_parallel="fsdp",
+          name="training-dp2-fsdp")
+    c.add(check_training, "zb-h1", shape=(1, 2, 2), data_parallel="fsdp", name="training-zb-h1-dp2-fsdp")
     c.add(check_refusals)
     c.add(check_dtensor_at_cut)
     return c
@@ -343,6 +350,10 @@ def mesh_3d_cases(world: int) -> Cases:
     c = Cases()
     c.add(check_training, "1f1b", shape=(2, 2, 2), clip=0.05, name="training-pp2-dp2-tp2")
     c.add(check_training, "zb-h1", shape=(2, 2, 2), name="training-zb-h1-pp2-dp2-tp2")
+    c.add(check_training, "1f1b", shape=(2, 2, 2), clip=0.05, data_parallel="fsdp",
+          name="training-pp2-dp2-tp2-fsdp")
+    c.add(check_training, "zbv", shape=(2, 2, 2), chunks=2, data_parallel="fsdp",
+          name="training-zbv-pp2-dp2-tp2-fsdp")
     return c
 
 

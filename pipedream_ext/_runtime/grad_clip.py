@@ -153,7 +153,8 @@ def _counted_shard(grad: Any) -> bool:
         if placement.is_replicate():
             if coordinate and coordinate[dim] != 0:
                 return False
-        elif not placement.is_shard():
+        elif not placement.is_shard() and not hasattr(placement, "split_factor"):
+            # (_StridedShard, FSDP2's dp placement over a tp Shard(0), has split_factor)
             raise ValueError(f"a DTensor gradient with placement {placement} is not reduced yet; "
                              "clip after the gradients are reduced (Shard or Replicate)")
     return True
@@ -176,20 +177,21 @@ class GradientClipper:
             gradients as dp rank 0 (``group`` is then the whole world).
         name: how messages name this rank (default ``"rank {rank}"``; on a mesh its
             global rank and coordinates).
-        count_shards: whether this rank counts its DTensor gradients' shards at all:
-            ``False`` on dp ranks other than 0 with tensor parallelism and
-            ``data_parallel="replicate"`` (the tp mesh's DTensors are replicated over dp).
+        coordinates: with tensor parallelism, this rank's ``{"dp": ..., "tp": ...}``
+            coordinates: a DTensor gradient whose mesh lacks one of these dimensions is
+            replicated along it (a tp DTensor over dp with ``"replicate"``, an FSDP shard
+            of a plain parameter over tp), so only coordinate 0 counts its shard.
     """
 
     def __init__(self, stages: LocalStages, stage_ranks: Sequence[Sequence[int]], rank: int,
                  group: dist.ProcessGroup, device: torch.device, timeout: float,
                  counted_elsewhere: Sequence[nn.Parameter] = (), count_plain: bool = True,
-                 name: Optional[str] = None, count_shards: bool = True) -> None:
+                 name: Optional[str] = None, coordinates: Optional[Dict[str, int]] = None) -> None:
         self.module, self.group, self.device, self.timeout = stages.module, group, device, timeout
         self.rank = rank
         self.name = name if name is not None else f"rank {rank}"
         skip = {id(p) for p in counted_elsewhere}
-        self.count_shards = count_shards
+        self.coordinates = dict(coordinates or {})
         self._counted = {id(p) for j in stages if stage_ranks[j][0] == rank and count_plain
                          for p in stages.parameters_of(j) if id(p) not in skip}
 
@@ -203,13 +205,18 @@ class GradientClipper:
             if grad is None:
                 continue
             if _is_dtensor(grad):
-                piece, counts = grad.to_local(), self.count_shards and _counted_shard(grad)
+                piece, counts = grad.to_local(), self._first_outside(grad) and _counted_shard(grad)
             else:
                 piece, counts = grad, id(p) in self._counted
             local.append(piece)
             if counts:
                 counted.append(piece)
         return counted, local
+
+    def _first_outside(self, grad: Any) -> bool:
+        """Whether this rank is coordinate 0 of every dimension ``grad``'s mesh lacks."""
+        inside = set(grad.device_mesh.mesh_dim_names or ())
+        return all(c == 0 for dim, c in self.coordinates.items() if dim not in inside)
 
     @torch.no_grad()
     def clip(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,

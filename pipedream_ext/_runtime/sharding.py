@@ -167,13 +167,20 @@ class MeshPlan:
                                                          mesh_dim_names=("dp",))
         if self.tensor_parallel is None:
             return
+        tp_group = None
         for pp in range(len(self.pipelines[0])):
             for d in range(self.dp_size):
                 row = [ranks[pp] for ranks in self.pipelines[d * tp:(d + 1) * tp]]
                 group = bounded_group(row, timeout)
                 if me in row:
-                    self.tp_mesh = DeviceMesh.from_group(group, self.mesh.device_type, mesh=row,
-                                                         mesh_dim_names=("tp",))
+                    tp_group = group
+        # One (dp, tp) mesh over this rank's two groups: FSDP2 over TP needs the dp and
+        # tp meshes to share their root.
+        pp = self.pipelines[self.copy].index(me)
+        layout = [[self.pipelines[d * tp + t][pp] for t in range(tp)] for d in range(self.dp_size)]
+        both = DeviceMesh.from_group([self.dp_mesh.get_group(), tp_group], self.mesh.device_type,
+                                     mesh=layout, mesh_dim_names=("dp", "tp"))
+        self.dp_mesh, self.tp_mesh = both["dp"], both["tp"]
 
     @property
     def world_ranks(self) -> List[int]:
@@ -262,7 +269,8 @@ def resolve_mesh(mesh: Any, data_parallel: str, process_group: Optional[dist.Pro
             ``tensor_parallel``, ``("pp", "dp", "tp")`` or ``("pp", "tp")``) over every
             rank, or whose rank order gives no stage order (:func:`mesh_pipelines`);
             ``replicas`` or ``process_group`` together with a mesh; ``tensor_parallel``
-            without a tp dimension, or with FSDP over dp > 1.
+            without a tp dimension (or a tp dimension without it), or with FSDP's
+            ``reshard_after_forward`` or ``mp_policy``.
     """
     if data_parallel not in DATA_PARALLEL:
         raise ValueError(f"data_parallel={data_parallel!r}; use 'fsdp' (FSDP2 over mesh['dp']) "
@@ -313,7 +321,8 @@ def _tensor_parallel_plan(mesh: Any, data_parallel: str, reshard_after_forward: 
     """A mesh with a ``"tp"`` dimension: one pipeline per ``(dp, tp)`` coordinate.
 
     Raises:
-        ValueError: a mesh not in ascending rank order, or FSDP over dp > 1.
+        ValueError: a mesh not in ascending rank order; FSDP's ``reshard_after_forward``
+            or ``mp_policy`` (not supported with tp yet).
     """
     shape = [int(n) for n in mesh.shape]
     ascending = torch.arange(mesh.size()).reshape(shape)
@@ -322,14 +331,10 @@ def _tensor_parallel_plan(mesh: Any, data_parallel: str, reshard_after_forward: 
                          "ascending order (not supported yet otherwise); use init_device_mesh("
                          f"device_type, {tuple(shape)}, mesh_dim_names={tuple(mesh.mesh_dim_names)})")
     pp, copies = shape[0], mesh.size() // shape[0]
-    dp_size = copies // tp_size
-    if data_parallel == "fsdp" and dp_size > 1:
-        raise ValueError(f"data_parallel='fsdp' with tensor_parallel (dp={dp_size}, tp={tp_size}) "
-                         "is not supported yet; use data_parallel='replicate' (gradients averaged "
-                         "over mesh['dp'])")
     if reshard_after_forward or mp_policy is not None:
-        raise ValueError("reshard_after_forward and mp_policy configure FSDP, which "
-                         "tensor_parallel does not support yet; drop them")
+        raise ValueError("reshard_after_forward=True and mp_policy with tensor_parallel are not "
+                         "supported yet; drop them (FSDP over tp then keeps the gathered weights "
+                         "from forward to backward, in the parameters' dtype)")
     pipelines = [[p * copies + c for p in range(pp)] for c in range(copies)]
     return MeshPlan(mesh, data_parallel, reshard_after_forward, mp_policy, pipelines,
                     tp_size=tp_size, tensor_parallel=tensor_parallel)
@@ -509,7 +514,8 @@ class FsdpStages(DataParallel):
 
     @property
     def after_layer(self) -> Optional[Callable[[nn.Module], None]]:
-        return self.shard_layer
+        # With tensor parallelism the plan comes first (torchtitan's order), in attach.
+        return self.shard_layer if self.plan.tensor_parallel is None else None
 
     def shard_layer(self, layer: nn.Module) -> None:
         """Shards one top-level layer (``LocalStages(after_layer=...)``) right after it
@@ -523,6 +529,8 @@ class FsdpStages(DataParallel):
         """Makes each stage module an FSDP root over its sharded layers; a traced
         stage's units (:func:`graph_units`) are sharded here, from dp rank 0's values."""
         self.stages = stages
+        if self.plan.tensor_parallel is not None:
+            self._shard_after_tensor_parallel(stages)
         for j in stages:
             if stages.traced:
                 self._broadcast(stages[j])
@@ -532,6 +540,16 @@ class FsdpStages(DataParallel):
             self._shard(stages[j])
             stages[j].set_reshard_after_forward(self.plan.reshard_after_forward)
         stages.remerge()  # a traced stage's parameters are new (sharded) objects
+
+    def _shard_after_tensor_parallel(self, stages: LocalStages) -> None:
+        """The plan applied to each stage, then every top-level layer with parameters
+        sharded over dp (its DTensors' local shards broadcast from dp rank 0 first):
+        FSDP2 over TP, each parameter a 2-D DTensor over the ``(dp, tp)`` mesh."""
+        TensorParallel(self.plan.tensor_parallel, self.plan.tp_mesh, self.plan.pp_group).apply(
+            {j: stages[j] for j in stages})
+        for j in stages:
+            for layer in stages[j].children():
+                self.shard_layer(layer)
 
     def _roots(self) -> List[Any]:
         return [self.stages[j] for j in self.stages]
@@ -660,7 +678,7 @@ def make_data_parallel(plan: Optional[MeshPlan], loss_reduction: str,
     """
     if plan is None:
         return None
-    if plan.data_parallel == "fsdp" and plan.tensor_parallel is None:
+    if plan.data_parallel == "fsdp" and (plan.tensor_parallel is None or plan.dp_size > 1):
         keep = keep_unsharded_after(actions()) if plan.reshard_after_forward else set()
         return FsdpStages(plan, None, loss_reduction, keep)
     return ReplicatedStages(plan, None, loss_reduction)  # type: ignore[arg-type]
