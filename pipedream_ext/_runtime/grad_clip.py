@@ -21,12 +21,16 @@ Which rank counts which gradient:
 * with a mesh, a plain gradient (``data_parallel="replicate"``: every dp rank holds
   the same averaged gradient) on dp rank 0 only, as a replica's leader counts it;
   with tensor parallelism on the pipeline of ``(dp, tp) = (0, 0)`` only (every tp rank
-  holds the same plain gradient), and a tp ``DTensor``'s shard on dp rank 0 only.
+  holds the same plain gradient);
+* with tensor parallelism, a ``DTensor`` whose mesh lacks one of the ``dp`` and ``tp``
+  dimensions is replicated along it (a tp DTensor over dp with ``"replicate"``, an
+  FSDP shard of a plain parameter over tp): only coordinate 0 of that dimension
+  counts it (:meth:`GradientClipper._first_outside`).
 
 Each rank computes ``L = torch.nn.utils.get_total_norm`` of the gradients it counts
 (torch's own arithmetic: per-tensor norms, foreach, the norm of the norms); one
 all-reduce over the pipeline's group (with a mesh: the whole world, every
-pipeline's ranks, pp x dp), of a 6-number float64 vector on the metadata
+pipeline's ranks, pp x dp (x tp)), of a 6-number float64 vector on the metadata
 device (``_dist.collectives``' device rule, waited for within the pipeline's
 timeout), sums ``L ** p`` (max of ``L`` for ``p = inf``) and carries a NaN flag and
 which gradient dtypes exist anywhere (the norm takes their promoted dtype, as

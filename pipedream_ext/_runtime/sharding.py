@@ -1,4 +1,6 @@
-"""Data parallelism inside pipeline stages: a ``("pp", "dp")`` DeviceMesh.
+"""Data parallelism inside pipeline stages: a ``("pp", "dp")`` DeviceMesh (with
+``tensor_parallel``, ``("pp", "dp", "tp")``: one pipeline per ``(dp, tp)``
+coordinate, the plan applied by ``_runtime.tensor_parallel`` before the dp policy).
 
 Owns ``PipeDream(mesh=..., data_parallel=...)``: the mesh's ``pp`` dimension is the
 pipeline's group, its ``dp`` dimension runs one copy of the pipeline per rank, each
