@@ -66,6 +66,7 @@ from ._runtime.sharding import (
     resolve_mesh,
 )
 from ._runtime.stage_call import StageFunction, Tensors
+from ._runtime.tensor_parallel import refuse_unsupported as refuse_tensor_parallel
 from ._runtime.tied_grads import SharedGradients
 from .planner import Plan
 
@@ -155,7 +156,12 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     mesh = _mesh_plan(args, prepared, config)
     group = mesh.mesh["pp"].get_group() if mesh is not None else \
         args.process_group if args.process_group is not None else dist.group.WORLD
+    if mesh is not None:
+        refuse_tensor_parallel(mesh.tensor_parallel is not None, args.module, args.balance, prepared.deferred, [])
     cut = cut_model(args, prepared, config, group, mesh)
+    if mesh is not None:
+        refuse_tensor_parallel(mesh.tensor_parallel is not None, args.module, args.balance, prepared.deferred,
+                               [describe(p) for p in cut.shared_parameters])
     _refuse_shared_if_asynchronous(config, cut.shared_parameters)
     cut.traced = _agree_everywhere(args, group, cut,
                                    prepared.init_seed if prepared.deferred else None, mesh)
@@ -196,7 +202,8 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     # Over a mesh every pipeline agrees at once: what one refuses, all raise.
     agreement = StepAgreement(groups.group if mesh is None else mesh.world_group,
                               stage_ranks[0], stage_ranks[-1], config.check_agreement,
-                              mesh.names if mesh is not None else None)
+                              mesh.names if mesh is not None else None,
+                              mesh.tp_size if mesh is not None else 1)
     optimizer_check.watch(stages.module, originals, groups.rank)
     _log.info("rank %d: stages %s (layers %s) of %d, schedule %s, %d microbatches",
               groups.rank, stages.indices, [stages.layers[j] for j in stages.indices],
@@ -225,7 +232,7 @@ def _mesh_plan(args: PipelineArguments, prepared: "PreparedModel",
         ValueError: what ``resolve_mesh`` and ``check_schedule`` refuse.
     """
     mesh = resolve_mesh(args.mesh, args.data_parallel, args.process_group, args.replicas,
-                        args.reshard_after_forward, args.mp_policy)
+                        args.reshard_after_forward, args.mp_policy, args.tensor_parallel)
     if mesh is not None:
         check_schedule(mesh, config,
                        planned=_is_plan(args.balance) and not isinstance(args.module, nn.Sequential))

@@ -176,7 +176,7 @@ class StepAgreement:
 
     def __init__(self, group: dist.ProcessGroup, first_ranks: Sequence[int],
                  last_ranks: Sequence[int], check_steps: int,
-                 names: Optional[RankNames] = None) -> None:
+                 names: Optional[RankNames] = None, tp_size: int = 1) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.first_ranks, self.last_ranks = list(first_ranks), list(last_ranks)
@@ -186,6 +186,9 @@ class StepAgreement:
         #: Each pipeline's ranks in ``group`` (one pipeline without a mesh).
         self.pipelines = self.names.pipelines or [list(range(dist.get_world_size(group)))]
         self.calls: Dict[str, int] = {"step": 0, "forward_only": 0}
+        #: Pipelines per dp coordinate (a mesh's tp size): consecutive pipelines
+        #: ``dp * tp_size + tp`` must be given the same batch.
+        self.tp_size = tp_size
 
     def check(self, call: str, inputs: Any, targets: Any,
               validate: Optional[Callable[[], None]] = None) -> None:
@@ -232,8 +235,29 @@ class StepAgreement:
         if call == "step":
             for pipeline in self.pipelines:
                 self._check_batch([gathered[r] for r in pipeline], pipeline, index)
+            if self.tp_size > 1:
+                self._check_tp_batches(gathered, index)
             if len(self.pipelines) > 1:
                 self._check_dp_rows(gathered, index)
+
+    def _check_tp_batches(self, gathered: List[Dict[str, Any]], index: int) -> None:
+        """The tp ranks of each dp coordinate were given one batch: stage 0's inputs and
+        the last stage's targets equal on every tp rank (tensor parallelism splits the
+        weights, not the batch)."""
+        for d in range(0, len(self.pipelines), self.tp_size):
+            group = self.pipelines[d:d + self.tp_size]
+            for kind, ranks in (("inputs", self.first_ranks), ("targets", self.last_ranks)):
+                seen = [(p[ranks[0]], (gathered[p[ranks[0]]][kind] or {}).get("digest"))
+                        for p in group]
+                if len({digest for _, digest in seen}) > 1:
+                    each = ", ".join(f"{self.names.of_global(r)} {digest}" for r, digest in seen)
+                    raise ValueError(
+                        f"{self.names.of_global(self.rank)}: step() number {index}: the tp ranks "
+                        f"of dp coordinate {d // self.tp_size} were given different {kind} "
+                        f"(fingerprints: {each}); tensor parallelism splits the weights, not the "
+                        "batch: give every tp rank of a dp coordinate the same batch "
+                        "(DistributedSampler(dataset, num_replicas=mesh['dp'].size(), "
+                        "rank=mesh['dp'].get_local_rank()))")
 
     def _check_batch(self, gathered: List[Dict[str, Any]], ranks: List[int], index: int) -> None:
         """One pipeline's first and last stages were given one batch (``gathered``: its
@@ -294,12 +318,14 @@ def unequal_dp_rows(names: RankNames, leaders: Sequence[int], rows: Sequence[Any
 
     Args:
         names: the mesh's rank names.
-        leaders: each dp rank's (pipeline's) stage-0 rank, in dp order.
+        leaders: each pipeline's stage-0 rank, in ``dp * tp_size + tp`` order.
         rows: each dp rank's rows.
     """
-    each = ", ".join(f"dp {d} ({names.of_global(r)}) {n} rows" for d, (r, n) in enumerate(zip(leaders, rows)))
+    tp = names.tp_size  # with tensor parallelism, each dp rank's tp pipelines in a row
+    each = ", ".join(f"dp {d // tp} ({names.of_global(r)}) {n} rows"
+                     for d, (r, n) in enumerate(zip(leaders, rows)))
     return (f"{each}; each pipeline averages its own rows and the dp ranks' means are averaged, which "
             "weights the rows of a smaller batch more than the unsplit model on the global batch would: "
             f"give every dp rank the same number of rows (a DistributedSampler(dataset, num_replicas="
-            f"{len(leaders)}, rank=mesh['dp'].get_local_rank()) gives each rank as many, its last batch "
+            f"{len(leaders) // tp}, rank=mesh['dp'].get_local_rank()) gives each rank as many, its last batch "
             "included)")

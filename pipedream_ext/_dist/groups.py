@@ -193,12 +193,17 @@ class RankNames:
 
     group_ranks: List[int]
     pipelines: Optional[List[List[int]]] = None
+    #: A mesh's tp size: pipeline ``c`` is ``(dp, tp) = divmod(c, tp_size)``.
+    tp_size: int = 1
 
     def of_global(self, rank: int) -> str:
-        """``"rank 3 (pp 1, dp 1)"`` on a mesh, else ``"rank 3"``."""
-        for dp, ranks in enumerate(self.pipelines or ()):
+        """``"rank 3 (pp 1, dp 1)"`` on a mesh (``"(pp 1, dp 0, tp 1)"`` with tp), else
+        ``"rank 3"``."""
+        for copy, ranks in enumerate(self.pipelines or ()):
             if rank in ranks:
-                return f"rank {rank} (pp {ranks.index(rank)}, dp {dp})"
+                dp, tp = divmod(copy, self.tp_size)
+                where = f", tp {tp}" if self.tp_size > 1 else ""
+                return f"rank {rank} (pp {ranks.index(rank)}, dp {dp}{where})"
         return f"rank {rank}"
 
     def of_group(self, rank: int) -> str:

@@ -19,12 +19,18 @@ Which rank counts which gradient:
   once per replicated mesh dimension (coordinate 0). Shards are disjoint, so their
   p-th powers add up to the whole tensor's within the same all-reduce;
 * with a mesh, a plain gradient (``data_parallel="replicate"``: every dp rank holds
-  the same averaged gradient) on dp rank 0 only, as a replica's leader counts it.
+  the same averaged gradient) on dp rank 0 only, as a replica's leader counts it;
+  with tensor parallelism on the pipeline of ``(dp, tp) = (0, 0)`` only (every tp rank
+  holds the same plain gradient);
+* with tensor parallelism, a ``DTensor`` whose mesh lacks one of the ``dp`` and ``tp``
+  dimensions is replicated along it (a tp DTensor over dp with ``"replicate"``, an
+  FSDP shard of a plain parameter over tp): only coordinate 0 of that dimension
+  counts it (:meth:`GradientClipper._first_outside`).
 
 Each rank computes ``L = torch.nn.utils.get_total_norm`` of the gradients it counts
 (torch's own arithmetic: per-tensor norms, foreach, the norm of the norms); one
 all-reduce over the pipeline's group (with a mesh: the whole world, every
-pipeline's ranks, pp x dp), of a 6-number float64 vector on the metadata
+pipeline's ranks, pp x dp (x tp)), of a 6-number float64 vector on the metadata
 device (``_dist.collectives``' device rule, waited for within the pipeline's
 timeout), sums ``L ** p`` (max of ``L`` for ``p = inf``) and carries a NaN flag and
 which gradient dtypes exist anywhere (the norm takes their promoted dtype, as
@@ -151,7 +157,8 @@ def _counted_shard(grad: Any) -> bool:
         if placement.is_replicate():
             if coordinate and coordinate[dim] != 0:
                 return False
-        elif not placement.is_shard():
+        elif not placement.is_shard() and not hasattr(placement, "split_factor"):
+            # (_StridedShard, FSDP2's dp placement over a tp Shard(0), has split_factor)
             raise ValueError(f"a DTensor gradient with placement {placement} is not reduced yet; "
                              "clip after the gradients are reduced (Shard or Replicate)")
     return True
@@ -174,16 +181,21 @@ class GradientClipper:
             gradients as dp rank 0 (``group`` is then the whole world).
         name: how messages name this rank (default ``"rank {rank}"``; on a mesh its
             global rank and coordinates).
+        coordinates: with tensor parallelism, this rank's ``{"dp": ..., "tp": ...}``
+            coordinates: a DTensor gradient whose mesh lacks one of these dimensions is
+            replicated along it (a tp DTensor over dp with ``"replicate"``, an FSDP shard
+            of a plain parameter over tp), so only coordinate 0 counts its shard.
     """
 
     def __init__(self, stages: LocalStages, stage_ranks: Sequence[Sequence[int]], rank: int,
                  group: dist.ProcessGroup, device: torch.device, timeout: float,
                  counted_elsewhere: Sequence[nn.Parameter] = (), count_plain: bool = True,
-                 name: Optional[str] = None) -> None:
+                 name: Optional[str] = None, coordinates: Optional[Dict[str, int]] = None) -> None:
         self.module, self.group, self.device, self.timeout = stages.module, group, device, timeout
         self.rank = rank
         self.name = name if name is not None else f"rank {rank}"
         skip = {id(p) for p in counted_elsewhere}
+        self.coordinates = dict(coordinates or {})
         self._counted = {id(p) for j in stages if stage_ranks[j][0] == rank and count_plain
                          for p in stages.parameters_of(j) if id(p) not in skip}
 
@@ -197,13 +209,18 @@ class GradientClipper:
             if grad is None:
                 continue
             if _is_dtensor(grad):
-                piece, counts = grad.to_local(), _counted_shard(grad)
+                piece, counts = grad.to_local(), self._first_outside(grad) and _counted_shard(grad)
             else:
                 piece, counts = grad, id(p) in self._counted
             local.append(piece)
             if counts:
                 counted.append(piece)
         return counted, local
+
+    def _first_outside(self, grad: Any) -> bool:
+        """Whether this rank is coordinate 0 of every dimension ``grad``'s mesh lacks."""
+        inside = set(grad.device_mesh.mesh_dim_names or ())
+        return all(c == 0 for dim, c in self.coordinates.items() if dim not in inside)
 
     @torch.no_grad()
     def clip(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,

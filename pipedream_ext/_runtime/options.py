@@ -33,6 +33,8 @@ from .._frontend import deferred_init
 from ..planner import Plan
 from .grad_clip import parse_clip_option
 from .stage_call import Tensors
+from .tensor_parallel import check_option as _check_tensor_parallel
+from .tensor_parallel import describe_plan
 
 __all__ = ["ClipOption", "Option", "PipelineOptions", "agreed_values", "checked", "document",
            "from_call", "keyword_options", "option", "signature", "summary"]
@@ -240,7 +242,8 @@ class PipelineOptions:
         group="placement", position=6, check=_check_timeout, convert=float)
     mesh: Optional[Any] = option(None, """
         a ``("pp", "dp")`` DeviceMesh over every rank: the pipeline runs on ``mesh["pp"]``, one copy per
-        ``dp`` rank, each ``step`` given that rank's part.""", group="placement", position=21)
+        ``dp`` rank, each ``step`` given that rank's part; ``("pp", "dp", "tp")`` or ``("pp", "tp")`` with
+        ``tensor_parallel``.""", group="placement", position=21)
     data_parallel: str = option("fsdp", """
         with ``mesh``: ``"fsdp"`` (FSDP2 ``fully_shard`` of each layer over ``mesh["dp"]``) or
         ``"replicate"`` (gradients averaged over it after each step).""", group="placement", position=22)
@@ -249,6 +252,14 @@ class PipelineOptions:
     mp_policy: Optional[Any] = option(None, """
         ``"fsdp"``: FSDP's ``MixedPrecisionPolicy`` (README "Pipeline + FSDP").""",
         group="placement", position=24)
+    tensor_parallel: Optional[Any] = option(None, """
+        with a ``("pp", "dp", "tp")`` (or ``("pp", "tp")``) ``mesh``: tensor parallelism inside each
+        stage over ``mesh["tp"]``, a dict ``{pattern: ParallelStyle}`` (fnmatch patterns over the original
+        model's module names, ``*`` one name component, as ``parallelize_module`` reads them; each stage's
+        modules get what ``parallelize_module(model, mesh["tp"], plan)`` gives them) or a callable
+        ``fn(stage_module, tp_mesh)``. Every tp rank of a dp coordinate is given the same batch. An
+        ``nn.Sequential`` with a flush schedule; README "Tensor parallelism inside stages" lists what is
+        refused.""", group="placement", check=_check_tensor_parallel, agreed=describe_plan)
 
     # -- numerics ---------------------------------------------------------------------------
     autocast: Optional[torch.dtype] = option(None, """

@@ -159,7 +159,9 @@ class Runner:
             stages, [schedule.stage_ranks(j) for j in range(self.num_stages)], groups.rank,
             self.step_group, device, config.timeout,
             shared_gradients.counted_elsewhere() if shared_gradients is not None else (),
-            count_plain=data_parallel is None or data_parallel.plan.dp_rank == 0,
+            count_plain=data_parallel is None or data_parallel.plan.copy == 0,
+            coordinates=None if data_parallel is None or data_parallel.plan.tensor_parallel is None
+            else {"dp": data_parallel.plan.dp_rank, "tp": data_parallel.plan.tp_rank},
             name=self.names.of_group(groups.rank))
         # The clipper, not the runner: the executor holding the callback must not hold the runner.
         self._update = _OptimizerStep(None if config.clip_grad_norm is None else

@@ -1,4 +1,6 @@
-"""Data parallelism inside pipeline stages: a ``("pp", "dp")`` DeviceMesh.
+"""Data parallelism inside pipeline stages: a ``("pp", "dp")`` DeviceMesh (with
+``tensor_parallel``, ``("pp", "dp", "tp")``: one pipeline per ``(dp, tp)``
+coordinate, the plan applied by ``_runtime.tensor_parallel`` before the dp policy).
 
 Owns ``PipeDream(mesh=..., data_parallel=...)``: the mesh's ``pp`` dimension is the
 pipeline's group, its ``dp`` dimension runs one copy of the pipeline per rank, each
@@ -43,6 +45,7 @@ from .._dist.groups import RankNames, bounded_group, checkpoint_group, side_grou
 from .config import PipelineConfig
 from .local_stages import LocalStages
 from .stage_call import as_tuple
+from .tensor_parallel import TensorParallel, local
 
 __all__ = ["DATA_PARALLEL", "MeshPlan", "mesh_pipelines", "resolve_mesh", "check_schedule", "DataParallel",
            "FsdpStages", "ReplicatedStages", "keep_unsharded_after", "make_data_parallel",
@@ -67,8 +70,9 @@ class MeshPlan:
         data_parallel: ``"fsdp"`` or ``"replicate"``.
         reshard_after_forward: FSDP's ``reshard_after_forward``.
         mp_policy: FSDP's ``MixedPrecisionPolicy``, or ``None``.
-        pipelines: the global ranks of every pipeline (the pp group of each dp rank),
-            each in pp rank order (ascending).
+        pipelines: the global ranks of every pipeline (the pp group of each dp rank,
+            or with tp of each ``(dp, tp)`` coordinate, index ``dp * tp_size + tp``), each
+            in pp rank order (ascending).
         pp_group: this rank's pipeline's group (the ranks of ``mesh["pp"]``), bounded by
             the pipeline's timeout (:meth:`create_groups`), for the executor and every
             exchange within the pipeline.
@@ -77,6 +81,10 @@ class MeshPlan:
         world_group: a group over every rank bounded by the pipeline's timeout, for
             what every pipeline does together each step (the batch loss, the first
             steps' agreement, clipping, the finite checks).
+        tp_size: the mesh's tp size (1 without a ``"tp"`` dimension).
+        tensor_parallel: the plan (``PipeDream(tensor_parallel=...)``), or ``None``.
+        tp_mesh: the 1-D mesh over this rank's tp group, on a group bounded by the
+            pipeline's timeout (:meth:`create_groups`; with ``tensor_parallel`` only).
     """
 
     mesh: Any
@@ -87,6 +95,9 @@ class MeshPlan:
     pp_group: Any = None
     dp_mesh: Any = None
     world_group: Any = None
+    tp_size: int = 1
+    tensor_parallel: Any = None
+    tp_mesh: Any = None
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -94,18 +105,28 @@ class MeshPlan:
         return self.dp_mesh.get_group()
 
     @property
+    def copy(self) -> int:
+        """This rank's pipeline's index in :attr:`pipelines` (``dp * tp_size + tp``)."""
+        return next(c for c, ranks in enumerate(self.pipelines) if dist.get_rank() in ranks)
+
+    @property
     def dp_rank(self) -> int:
         """This rank's dp rank (``mesh["dp"].get_local_rank()``)."""
-        return next(d for d, ranks in enumerate(self.pipelines) if dist.get_rank() in ranks)
+        return self.copy // self.tp_size
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's tp rank (``mesh["tp"].get_local_rank()``; 0 without tp)."""
+        return self.copy % self.tp_size
 
     @property
     def dp_size(self) -> int:
-        return int(self.mesh.shape[1])
+        return len(self.pipelines) // self.tp_size
 
     @property
     def names(self) -> RankNames:
         """How messages name this pipeline's ranks: global, with mesh coordinates."""
-        return RankNames(self.pipelines[self.dp_rank], self.pipelines)
+        return RankNames(self.pipelines[self.copy], self.pipelines, self.tp_size)
 
     def describe(self) -> Dict[str, Any]:
         """The mesh's shape and the data-parallel settings, for the construction agreement."""
@@ -138,12 +159,30 @@ class MeshPlan:
         self.world_group = bounded_group(self.world_ranks, timeout)
         from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 - as fully_shard
 
+        tp = self.tp_size
         for pp in range(len(self.pipelines[0])):
-            row = [ranks[pp] for ranks in self.pipelines]
-            group = bounded_group(row, timeout)
-            if me in row:
-                self.dp_mesh = DeviceMesh.from_group(group, self.mesh.device_type, mesh=row,
-                                                     mesh_dim_names=("dp",))
+            for t in range(tp):
+                row = [ranks[pp] for ranks in self.pipelines[t::tp]]
+                group = bounded_group(row, timeout)
+                if me in row:
+                    self.dp_mesh = DeviceMesh.from_group(group, self.mesh.device_type, mesh=row,
+                                                         mesh_dim_names=("dp",))
+        if self.tensor_parallel is None:
+            return
+        tp_group = None
+        for pp in range(len(self.pipelines[0])):
+            for d in range(self.dp_size):
+                row = [ranks[pp] for ranks in self.pipelines[d * tp:(d + 1) * tp]]
+                group = bounded_group(row, timeout)
+                if me in row:
+                    tp_group = group
+        # One (dp, tp) mesh over this rank's two groups: FSDP2 over TP needs the dp and
+        # tp meshes to share their root.
+        pp = self.pipelines[self.copy].index(me)
+        layout = [[self.pipelines[d * tp + t][pp] for t in range(tp)] for d in range(self.dp_size)]
+        both = DeviceMesh.from_group([self.dp_mesh.get_group(), tp_group], self.mesh.device_type,
+                                     mesh=layout, mesh_dim_names=("dp", "tp"))
+        self.dp_mesh, self.tp_mesh = both["dp"], both["tp"]
 
     @property
     def world_ranks(self) -> List[int]:
@@ -163,7 +202,16 @@ class MeshPlan:
         Returns:
             ``PipelineView`` fields: ``rank``, ``world_size``, ``group``, ``stage_ranks``
             (global ranks) and ``checkpoint_group``.
+
+        Raises:
+            ValueError: with tensor parallelism (checkpoints of its DTensor shards are
+                not supported yet).
         """
+        if self.tensor_parallel is not None:
+            raise ValueError("checkpoints and load_state_dict with tensor_parallel are not "
+                             "supported yet; save the tp ranks' shards yourself (e.g. "
+                             "torch.distributed.checkpoint over pipe.state_dict()) or train without "
+                             "tensor_parallel")
         return {"rank": dist.get_rank(), "world_size": dist.get_world_size(),
                 "group": dist.group.WORLD,
                 "stage_ranks": [[ranks[r] for ranks in self.pipelines for r in local]
@@ -211,7 +259,7 @@ def mesh_pipelines(layout: Sequence[Sequence[int]]) -> List[List[int]]:
 
 def resolve_mesh(mesh: Any, data_parallel: str, process_group: Optional[dist.ProcessGroup],
                  replicas: Optional[Sequence[int]], reshard_after_forward: bool,
-                 mp_policy: Any) -> Optional[MeshPlan]:
+                 mp_policy: Any, tensor_parallel: Any = None) -> Optional[MeshPlan]:
     """Checks ``mesh`` and the data-parallel arguments (needs the default group).
 
     Returns:
@@ -219,23 +267,41 @@ def resolve_mesh(mesh: Any, data_parallel: str, process_group: Optional[dist.Pro
 
     Raises:
         ValueError: a bad ``data_parallel``; ``mp_policy`` or ``reshard_after_forward``
-            without a mesh; a mesh that is not 2-D ``("pp", "dp")`` over every rank, or
-            whose rank order gives no stage order (:func:`mesh_pipelines`); ``replicas``
-            or ``process_group`` together with a mesh.
+            without a mesh; a mesh that is not ``("pp", "dp")`` (or, with
+            ``tensor_parallel``, ``("pp", "dp", "tp")`` or ``("pp", "tp")``) over every
+            rank, or whose rank order gives no stage order (:func:`mesh_pipelines`);
+            ``replicas`` or ``process_group`` together with a mesh; ``tensor_parallel``
+            without a tp dimension (or a tp dimension without it), or with FSDP's
+            ``reshard_after_forward`` or ``mp_policy``.
     """
     if data_parallel not in DATA_PARALLEL:
         raise ValueError(f"data_parallel={data_parallel!r}; use 'fsdp' (FSDP2 over mesh['dp']) "
                          "or 'replicate' (gradients all-reduced over mesh['dp'])")
     if mesh is None:
+        if tensor_parallel is not None:
+            raise ValueError("tensor_parallel= needs a mesh with a 'tp' dimension: pass mesh="
+                             "init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=('pp', "
+                             "'dp', 'tp'))")
         if mp_policy is not None or reshard_after_forward:
             raise ValueError("mp_policy and reshard_after_forward configure FSDP over a mesh's "
                              "'dp' dimension: pass mesh=init_device_mesh(device_type, (pp, dp), "
                              "mesh_dim_names=('pp', 'dp')), or drop them")
         return None
     names = tuple(mesh.mesh_dim_names or ())
-    if mesh.ndim != 2 or names != ("pp", "dp"):
+    if names not in (("pp", "dp"), ("pp", "tp"), ("pp", "dp", "tp")):
         raise ValueError(f"mesh has dimensions {names or mesh.ndim}; PipeDream takes a 2-D mesh "
-                         "init_device_mesh(device_type, (pp, dp), mesh_dim_names=('pp', 'dp'))")
+                         "init_device_mesh(device_type, (pp, dp), mesh_dim_names=('pp', 'dp')), "
+                         "or with tensor_parallel= a 3-D one (pp, dp, tp), mesh_dim_names=('pp', "
+                         "'dp', 'tp')")
+    tp_size = int(mesh.shape[names.index("tp")]) if "tp" in names else 1
+    if "tp" in names and tensor_parallel is None:
+        raise ValueError(f"mesh has a 'tp' dimension of size {tp_size} but tensor_parallel= is not "
+                         "given; pass tensor_parallel={pattern: ParallelStyle} (or a callable), "
+                         "or build the mesh with mesh_dim_names=('pp', 'dp')")
+    if tensor_parallel is not None and "tp" not in names:
+        raise ValueError(f"tensor_parallel= needs a 'tp' mesh dimension (mesh has {names}); build "
+                         "it with init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("
+                         "'pp', 'dp', 'tp'))")
     if mesh.size() != dist.get_world_size():
         raise ValueError(f"mesh spans {mesh.size()} ranks but the world has "
                          f"{dist.get_world_size()}; build the mesh over every rank")
@@ -245,8 +311,35 @@ def resolve_mesh(mesh: Any, data_parallel: str, process_group: Optional[dist.Pro
     if process_group is not None:
         raise ValueError("process_group= and mesh= both name the pipeline's ranks; drop "
                          "process_group (the pipeline runs on mesh['pp'])")
-    pipelines = mesh_pipelines([[int(r) for r in row] for row in mesh.mesh.tolist()])
-    return MeshPlan(mesh, data_parallel, bool(reshard_after_forward), mp_policy, pipelines)
+    if "tp" not in names:
+        pipelines = mesh_pipelines([[int(r) for r in row] for row in mesh.mesh.tolist()])
+        return MeshPlan(mesh, data_parallel, bool(reshard_after_forward), mp_policy, pipelines)
+    return _tensor_parallel_plan(mesh, data_parallel, bool(reshard_after_forward), mp_policy,
+                                 tensor_parallel, tp_size)
+
+
+def _tensor_parallel_plan(mesh: Any, data_parallel: str, reshard_after_forward: bool,
+                          mp_policy: Any, tensor_parallel: Any, tp_size: int) -> MeshPlan:
+    """A mesh with a ``"tp"`` dimension: one pipeline per ``(dp, tp)`` coordinate.
+
+    Raises:
+        ValueError: a mesh not in ascending rank order; FSDP's ``reshard_after_forward``
+            or ``mp_policy`` (not supported with tp yet).
+    """
+    shape = [int(n) for n in mesh.shape]
+    ascending = torch.arange(mesh.size()).reshape(shape)
+    if not torch.equal(mesh.mesh.cpu(), ascending):
+        raise ValueError(f"mesh {mesh.mesh.tolist()} with a 'tp' dimension must number ranks in "
+                         "ascending order (not supported yet otherwise); use init_device_mesh("
+                         f"device_type, {tuple(shape)}, mesh_dim_names={tuple(mesh.mesh_dim_names)})")
+    pp, copies = shape[0], mesh.size() // shape[0]
+    if reshard_after_forward or mp_policy is not None:
+        raise ValueError("reshard_after_forward=True and mp_policy with tensor_parallel are not "
+                         "supported yet; drop them (FSDP over tp then keeps the gathered weights "
+                         "from forward to backward, in the parameters' dtype)")
+    pipelines = [[p * copies + c for p in range(pp)] for c in range(copies)]
+    return MeshPlan(mesh, data_parallel, reshard_after_forward, mp_policy, pipelines,
+                    tp_size=tp_size, tensor_parallel=tensor_parallel)
 
 
 def check_schedule(plan: MeshPlan, config: PipelineConfig, planned: bool) -> None:
@@ -338,8 +431,9 @@ class DataParallel:
 
     @property
     def loss_divisor(self) -> int:
-        """What the sum of the dp ranks' losses is divided by: the global batch's mean."""
-        return self.plan.dp_size if self.loss_reduction == "mean" else 1
+        """What the sum of the pipelines' losses is divided by: the global batch's mean
+        (each tp rank of a dp coordinate computes the same loss: counted once)."""
+        return self.plan.tp_size * (self.plan.dp_size if self.loss_reduction == "mean" else 1)
 
     def check_batch(self, value: Any, microbatches: int, what: str) -> None:
         """Each dp rank's batch must split evenly into microbatches: the global mean
@@ -361,16 +455,20 @@ class DataParallel:
         return None
 
     def attach(self, stages: LocalStages) -> None:
-        """Takes this rank's built stages; replicas start from dp rank 0's weights (as
-        DDP broadcasts rank 0's), one broadcast per tensor, once."""
+        """Takes this rank's built stages; with tp, applies the plan
+        (``TensorParallel.apply``); replicas start from dp rank 0's weights (as DDP
+        broadcasts rank 0's), one broadcast per tensor (local shard), once."""
         self.stages = stages
+        if self.plan.tp_mesh is not None:
+            TensorParallel(self.plan.tensor_parallel, self.plan.tp_mesh, self.plan.pp_group).apply(
+                {j: stages[j] for j in stages})
         for j in stages:
             self._broadcast(stages[j])
 
     def _broadcast(self, module: nn.Module) -> None:
         with torch.no_grad():
             for t in list(module.parameters()) + list(module.buffers()):
-                collectives.broadcast_data(t.detach(), 0, self.plan.dp_group)
+                collectives.broadcast_data(local(t.detach()), 0, self.plan.dp_group)
 
     def before_forward(self, stage: int, microbatch: int, training: bool) -> None:
         """Called before each forward of a stage (through each step's StepContext.before_forward)."""
@@ -418,7 +516,8 @@ class FsdpStages(DataParallel):
 
     @property
     def after_layer(self) -> Optional[Callable[[nn.Module], None]]:
-        return self.shard_layer
+        # With tensor parallelism the plan comes first (torchtitan's order), in attach.
+        return self.shard_layer if self.plan.tensor_parallel is None else None
 
     def shard_layer(self, layer: nn.Module) -> None:
         """Shards one top-level layer (``LocalStages(after_layer=...)``) right after it
@@ -432,6 +531,8 @@ class FsdpStages(DataParallel):
         """Makes each stage module an FSDP root over its sharded layers; a traced
         stage's units (:func:`graph_units`) are sharded here, from dp rank 0's values."""
         self.stages = stages
+        if self.plan.tensor_parallel is not None:
+            self._shard_after_tensor_parallel(stages)
         for j in stages:
             if stages.traced:
                 self._broadcast(stages[j])
@@ -441,6 +542,16 @@ class FsdpStages(DataParallel):
             self._shard(stages[j])
             stages[j].set_reshard_after_forward(self.plan.reshard_after_forward)
         stages.remerge()  # a traced stage's parameters are new (sharded) objects
+
+    def _shard_after_tensor_parallel(self, stages: LocalStages) -> None:
+        """The plan applied to each stage, then every top-level layer with parameters
+        sharded over dp (its DTensors' local shards broadcast from dp rank 0 first):
+        FSDP2 over TP, each parameter a 2-D DTensor over the ``(dp, tp)`` mesh."""
+        TensorParallel(self.plan.tensor_parallel, self.plan.tp_mesh, self.plan.pp_group).apply(
+            {j: stages[j] for j in stages})
+        for j in stages:
+            for layer in stages[j].children():
+                self.shard_layer(layer)
 
     def _roots(self) -> List[Any]:
         return [self.stages[j] for j in self.stages]
@@ -536,6 +647,8 @@ class ReplicatedStages(DataParallel):
 
     def after_step(self) -> None:
         group = self.plan.dp_group
+        if self.plan.dp_size == 1:  # ("pp", "tp"): nothing to average
+            return
         for j in self.stages:
             params = [p for p in self.stages.parameters_of(j) if p.requires_grad]
             if not params:
@@ -544,14 +657,16 @@ class ReplicatedStages(DataParallel):
                 for p in params:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
-                flat = torch.cat([p.grad.reshape(-1) for p in params])
+                # A DTensor's gradient (tensor parallelism): its local shard, in place.
+                grads = [local(p.grad) for p in params]
+                flat = torch.cat([g.reshape(-1) for g in grads])
                 collectives.all_reduce_data(flat, group)
                 if self.loss_reduction == "mean":
                     flat /= self.plan.dp_size
                 offset = 0
-                for p in params:
-                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-                    offset += p.numel()
+                for g in grads:
+                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                    offset += g.numel()
 
 
 def make_data_parallel(plan: Optional[MeshPlan], loss_reduction: str,
@@ -565,7 +680,7 @@ def make_data_parallel(plan: Optional[MeshPlan], loss_reduction: str,
     """
     if plan is None:
         return None
-    if plan.data_parallel == "fsdp":
+    if plan.data_parallel == "fsdp" and (plan.tensor_parallel is None or plan.dp_size > 1):
         keep = keep_unsharded_after(actions()) if plan.reshard_after_forward else set()
         return FsdpStages(plan, None, loss_reduction, keep)
     return ReplicatedStages(plan, None, loss_reduction)  # type: ignore[arg-type]
