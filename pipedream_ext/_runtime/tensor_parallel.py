@@ -27,16 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import schedules
 from .._dist import collectives
 
-__all__ = ["TENSOR_PARALLEL_SCHEDULES", "TensorParallel", "check_option", "describe_plan",
+__all__ = ["TensorParallel", "check_option", "describe_plan",
            "local", "matched_patterns", "refuse_unsupported"]
-
-#: The schedules tested with ``tensor_parallel`` (exact against the unsplit model): every
-#: flush schedule; the asynchronous ones (weight stashing of DTensor shards) are refused.
-TENSOR_PARALLEL_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev",
-                             "interleaved-zb")
-
 
 def _qualified(value: Any) -> str:
     """A function's (or class's) qualified name, else its type's."""
@@ -73,9 +68,9 @@ def check_option(plan: Any, options: Any) -> None:
 
     Raises:
         ValueError: a plan that is neither a dict of ``ParallelStyle`` nor a callable, or
-            what it does not support yet (a schedule other than
-            :data:`TENSOR_PARALLEL_SCHEDULES`, ``split_points``, ``recompute``,
-            ``autocast``), naming the value and the fix.
+            what it does not support yet (an asynchronous schedule: its weight stashing of
+            DTensor shards; ``split_points``, ``recompute``, ``autocast``), naming the value
+            and the fix.
     """
     if plan is None:
         return
@@ -92,8 +87,8 @@ def check_option(plan: Any, options: Any) -> None:
         raise ValueError(f"tensor_parallel={plan!r}; give a dict {{pattern: ParallelStyle}} or a "
                          "callable fn(stage_module, tp_mesh)")
     unsupported = [
-        (options.schedule not in TENSOR_PARALLEL_SCHEDULES, f"schedule={options.schedule!r}",
-         f"use schedule= one of {', '.join(TENSOR_PARALLEL_SCHEDULES)}"),
+        (schedules.traits(options.schedule).asynchronous, f"schedule={options.schedule!r}",
+         f"use schedule= one of {', '.join(schedules.synchronous_names())}"),
         (options.split_points is not None, f"split_points={list(options.split_points or [])}",
          "use an nn.Sequential (balance=[...] or an even split)"),
         (bool(options.recompute), "recompute=True", "drop recompute"),
