@@ -21,6 +21,7 @@ from _multiprocess import EXIT_CASE, Cases, FromEnv
 SCRIPT = '''
 import os
 import sys
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -44,20 +45,21 @@ def check_rank_0_dies() -> None:
         os._exit(3)
 
 
-def broken_cases(world: int) -> Cases:
+def _between_sums(check: Callable[[], None]) -> Cases:
+    """``check`` as a case between two passing ones ("before", "after")."""
     cases = Cases()
     cases.add(check_sum, name="before")
-    cases.add(check_broken_on_rank_1)
+    cases.add(check)
     cases.add(check_sum, name="after")
     return cases
+
+
+def broken_cases(world: int) -> Cases:
+    return _between_sums(check_broken_on_rank_1)
 
 
 def dying_cases(world: int) -> Cases:
-    cases = Cases()
-    cases.add(check_sum, name="before")
-    cases.add(check_rank_0_dies)
-    cases.add(check_sum, name="after")
-    return cases
+    return _between_sums(check_rank_0_dies)
 
 
 BROKEN = Launch(__file__, 2, broken_cases, name="broken", timeout=300)

@@ -236,14 +236,20 @@ def test_options_straight_fewer_and_memory(tmp_path: Path) -> None:
         pe.plan(prof, workers=4, bandwidth=1e9, cost_model="fast")
 
 
-def _uniform_chain(layers: int) -> "pe.ProfileGraph":
-    """Input then ``layers`` equal layers (1 ms forward, 2 ms backward, 1 MB out and weights)."""
+def _chain(layers: int, forward_ms: float, backward_ms: float, weight_bytes: float,
+           first: int = 0) -> "pe.ProfileGraph":
+    """An input ``node{first}`` then ``layers`` equal layers with 1 MB of output each."""
     graph = pe.ProfileGraph()
-    graph.add_node("node0", "Input", 0.0, 0.0, 1e6, 0.0)
-    for i in range(layers):
-        graph.add_node(f"node{i + 1}", f"Layer{i}", 1.0, 2.0, 1e6, 1e6)
+    graph.add_node(f"node{first}", "Input", 0.0, 0.0, 1e6, 0.0)
+    for i in range(first, first + layers):
+        graph.add_node(f"node{i + 1}", f"Layer{i - first}", forward_ms, backward_ms, 1e6, weight_bytes)
         graph.add_edge(f"node{i}", f"node{i + 1}")
     return graph
+
+
+def _uniform_chain(layers: int) -> "pe.ProfileGraph":
+    """Input then ``layers`` equal layers (1 ms forward, 2 ms backward, 1 MB out and weights)."""
+    return _chain(layers, 1.0, 2.0, 1e6)
 
 
 def test_straight_plans_keep_a_state_per_worker() -> None:
@@ -346,12 +352,7 @@ def test_every_shipped_profile_plans_flat_and_hierarchical(path: Path) -> None:
 # -- data parallelism and sharding inside stages (docs/planner.md) -------------------------
 def _heavy_chain(layers: int = 4) -> "pe.ProfileGraph":
     """Layers of 30 ms (10 forward + 20 backward), 1 GB of weights, 1 MB of output."""
-    graph = pe.ProfileGraph()
-    graph.add_node("node1", "Input", 0.0, 0.0, 1e6, 0.0)
-    for i in range(layers):
-        graph.add_node(f"node{i + 2}", f"Layer{i}", 10.0, 20.0, 1e6, 1e9)
-        graph.add_edge(f"node{i + 1}", f"node{i + 2}")
-    return graph
+    return _chain(layers, 10.0, 20.0, 1e9, first=1)
 
 
 def test_data_parallel_time_is_compute_and_sync_over_dp() -> None:
