@@ -446,9 +446,7 @@ class PipeDream:
     def close(self) -> None:
         """Ends the pipeline: finishes an asynchronous checkpoint save (its manifest),
         drains an asynchronous schedule and writes the trace if on. Collective."""
-        data_parallel = self._runner.data_parallel
-        if data_parallel is None or data_parallel.plan.tensor_parallel is None:  # tp: no checkpoints yet
-            finish_pending(self.checkpoint_view)
+        finish_pending(self.checkpoint_view)
         self.flush()
         if self.trace_path is not None:
             self.write_trace()

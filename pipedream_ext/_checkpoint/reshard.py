@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .._dist import collectives
 from .view import Pipeline
@@ -122,6 +123,16 @@ def _check_whole_dict(state_dict: Any, model_shapes: Mapping[str, Tuple[int, ...
     return unexpected
 
 
+def _laid_out_like(value: Optional[torch.Tensor], current: torch.Tensor) -> Optional[torch.Tensor]:
+    """``value`` (a whole tensor) as ``current`` holds it: a DTensor (tensor parallelism,
+    FSDP over a mesh's ``dp``) takes this rank's shard by its placements, cut locally
+    (``src_data_rank=None``: every rank has the whole value, nothing is sent)."""
+    if value is None or not isinstance(current, DTensor):
+        return value
+    return distribute_tensor(value.detach().to(current.device), current.device_mesh, current.placements,
+                             src_data_rank=None)
+
+
 def split_state_dict(state_dict: Mapping[str, Any], model_shapes: Mapping[str, Tuple[int, ...]],
                      stages: Mapping[int, nn.Module], stage_layers: Mapping[int, Tuple[int, int]],
                      strict: bool = True) -> Tuple[StageStates, List[str], List[str]]:
@@ -143,7 +154,7 @@ def split_state_dict(state_dict: Mapping[str, Any], model_shapes: Mapping[str, T
             (naming the key and both shapes); a value that is not a tensor.
     """
     unexpected = _check_whole_dict(state_dict, model_shapes, strict)
-    parts, absent = gather_by_name(stages, lambda key, _current: state_dict.get(key))
+    parts, absent = gather_by_name(stages, lambda key, current: _laid_out_like(state_dict.get(key), current))
     missing: List[str] = []
     for j, keys in absent.items():
         if keys and strict:
@@ -182,7 +193,6 @@ def load_state_dict(pipe: Pipeline, state_dict: Mapping[str, Any],
             arrive within the pipeline's timeout.
     """
     view = pipe.checkpoint_view
-    view.refuse_mesh("load_state_dict()")
     if view.asynchronous:
         pipe.flush()
     error: Optional[BaseException] = None

@@ -49,6 +49,9 @@ class PipelineView:
             else ``None``. With a mesh, ``rank``, ``world_size``, ``group`` and
             ``stage_ranks`` are the whole world's (every dp rank runs each stage: a
             copy, or with ``"fsdp"`` a shard), ``checkpoint_group`` a Gloo group over it.
+        tp_size: a mesh's tp size (``PipeDream(tensor_parallel=...)``; 1 without): each
+            stage's first ``tp_size`` ranks in ``stage_ranks`` are dp rank 0's tp ranks,
+            each holding its own shards of the stage (DTensors over ``mesh["tp"]``).
     """
 
     rank: int
@@ -71,6 +74,7 @@ class PipelineView:
     asynchronous: bool
     checkpoint_group: Optional[dist.ProcessGroup] = None
     data_parallel: Optional[str] = None
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         # Frozen copies: the view cannot change the pipeline's own containers.
@@ -97,11 +101,12 @@ class PipelineView:
         return self.stage_ranks[stage][0] == self.rank
 
     def writes(self, stage: int) -> bool:
-        """Whether this rank writes ``stage``'s tensors to a DCP checkpoint: its leader,
+        """Whether this rank writes ``stage``'s tensors to a DCP checkpoint: its leader
+        (with tensor parallelism each tp rank of the leading dp rank: their shards),
         or with ``data_parallel="fsdp"`` every rank (each holds a shard: DTensors that
-        DCP assembles; a plain tensor several ranks give, such as a step count, DCP
-        writes once)."""
-        return self.is_leader(stage) or self.data_parallel == "fsdp"
+        DCP assembles; a plain tensor several ranks give, such as a step count or a
+        weight tensor parallelism replicates, DCP writes once)."""
+        return self.rank in self.stage_ranks[stage][:self.tp_size] or self.data_parallel == "fsdp"
 
     def refuse_mesh(self, call: str) -> None:
         """The pipedream format and ``load_state_dict`` know one whole copy of each stage;
@@ -111,9 +116,10 @@ class PipelineView:
             ValueError: ``call`` on a pipeline built with ``mesh=``.
         """
         if self.data_parallel is not None:
+            holds = ("each tp rank holds shards of its stage (tensor_parallel)" if self.tp_size > 1
+                     else "each dp rank holds a copy or a shard of its stage")
             raise ValueError(f"{call} does not support pipelines built with mesh= "
-                             f"(data_parallel={self.data_parallel!r}): each dp rank holds a copy "
-                             "or a shard of its stage; use save_checkpoint(..., format='dcp') and "
+                             f"(data_parallel={self.data_parallel!r}): {holds}; use save_checkpoint(..., format='dcp') and "
                              "load_checkpoint of that checkpoint (DCP re-shards), or "
                              "pd.consolidate(path) for the unsplit state dict")
 

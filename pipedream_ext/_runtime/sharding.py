@@ -193,7 +193,8 @@ class MeshPlan:
                           ) -> Dict[str, Any]:
         """What a checkpoint sees of a meshed pipeline: one pipeline over the whole world
         whose stages run on every dp rank (their copies or shards), dp rank 0's copy the
-        leader; DCP's collectives on a Gloo group over the world.
+        leader (with tensor parallelism dp rank 0's tp ranks, each with its shards);
+        DCP's collectives on a Gloo group over the world.
 
         Args:
             stage_ranks: every stage's ranks within this pipeline (``mesh["pp"]``).
@@ -201,22 +202,15 @@ class MeshPlan:
 
         Returns:
             ``PipelineView`` fields: ``rank``, ``world_size``, ``group``, ``stage_ranks``
-            (global ranks) and ``checkpoint_group``.
-
-        Raises:
-            ValueError: with tensor parallelism (checkpoints of its DTensor shards are
-                not supported yet).
+            (global ranks, in pipeline order ``dp * tp_size + tp``), ``checkpoint_group``
+            and ``tp_size``.
         """
-        if self.tensor_parallel is not None:
-            raise ValueError("checkpoints and load_state_dict with tensor_parallel are not "
-                             "supported yet; save the tp ranks' shards yourself (e.g. "
-                             "torch.distributed.checkpoint over pipe.state_dict()) or train without "
-                             "tensor_parallel")
         return {"rank": dist.get_rank(), "world_size": dist.get_world_size(),
                 "group": dist.group.WORLD,
                 "stage_ranks": [[ranks[r] for ranks in self.pipelines for r in local]
                                 for local in stage_ranks],
-                "checkpoint_group": checkpoint_group(self.world_ranks, timeout)}
+                "checkpoint_group": checkpoint_group(self.world_ranks, timeout),
+                "tp_size": self.tp_size}
 
 
 def mesh_pipelines(layout: Sequence[Sequence[int]]) -> List[List[int]]:

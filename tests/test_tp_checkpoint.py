@@ -1,0 +1,193 @@
+"""Checkpoints of pipelines with tensor parallelism (``PipeDream(tensor_parallel=...)``).
+
+Runs under pytest, which launches the worker side with torchrun, or standalone:
+
+    PIPEDREAM_TEST_LAUNCH=4ranks PDTP_DIR=/tmp/x torchrun --standalone --nproc-per-node 4 \\
+        tests/test_tp_checkpoint.py
+
+test_tensor_parallel.py's Llama on 4 ranks (Gloo), AdamW:
+
+* ``resume-across-shapes``: pp2 x tp2 trains 2 steps and saves (``format="dcp"``,
+  asynchronously) while it trains 2 more; the checkpoint loads into a fresh pp2 x tp2
+  (bit-identical weights, then losses and weights equal to the uninterrupted run), into
+  pp2 x dp2 with FSDP and no tp, and into pp1 x dp2 x tp2 with FSDP over TP (2-D
+  DTensors; both equal to the unsplit model trained the same steps, to 1e-4 as tp changes
+  the summation order); the pp2 x dp2 pipeline's own checkpoint loads back into pp2 x
+  tp2; ``pd.consolidate`` gives the unsplit model's state dict; ``format="pipedream"`` is
+  refused naming ``format='dcp'``.
+* ``load-state-dict``: ``pipe.load_state_dict(model.state_dict())`` into pp2 x tp2, pp1 x
+  dp2 x tp2 (FSDP over TP) and pp2 x dp2 (FSDP): each rank takes its shards, the gathered
+  weights equal the state dict's bit for bit, and training on equals the unsplit model.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _multiprocess import CaseRef, Cases, FromEnv, Launch, parametrize_cases, worker_main
+from test_tensor_parallel import BALANCE, ROWS, batch, full, llama, lm_loss, mesh_of, plan
+
+HERE = os.path.abspath(__file__)
+RTOL, ATOL = 1e-4, 1e-5
+SAVED_AT = 2  # AdamW steps before the save
+Weights = Dict[str, torch.Tensor]
+Shape = Tuple[int, int, int]  # (pp, dp, tp)
+
+
+def build(shape: Shape, data_parallel: str, seed: int) -> Tuple[Any, torch.optim.Optimizer, int, int]:
+    """test_tensor_parallel.py's Llama on a (pp, dp, tp) mesh (tp 1: a ("pp", "dp") mesh
+    without tensor_parallel), with AdamW; returns the pipeline, its optimizer, this rank's
+    dp rank and the dp size."""
+    import pipedream_ext as pd
+
+    pp, dp, tp = shape
+    mesh = mesh_of(shape) if tp > 1 else mesh_of((pp, dp), ("pp", "dp"))
+    pipe = pd.PipeDream(llama(seed), lm_loss, schedule="1f1b", microbatches=2, mesh=mesh,
+                        data_parallel=data_parallel, timeout=60,
+                        balance=BALANCE if pp > 1 else None,
+                        tensor_parallel=plan() if tp > 1 else None)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.01, eps=1e-4)
+    return pipe, opt, mesh["dp"].get_local_rank(), dp
+
+
+def train(built: Tuple[Any, torch.optim.Optimizer, int, int], steps: range) -> List[float]:
+    """Each dp rank trains on its rows of the global batches ``batch(100 + t)``."""
+    pipe, opt, dp_rank, dp = built
+    rows, losses = ROWS // dp, []
+    for t in steps:
+        x, y = batch(100 + t)
+        part = slice(dp_rank * rows, (dp_rank + 1) * rows)
+        losses.append(float(pipe.step(x[part], y[part])))
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def unsplit(steps: int) -> Tuple[List[Weights], List[float]]:
+    """The unsplit model trained ``steps`` steps on the same batches: its weights before
+    each step and after the last, and each step's loss."""
+    model = llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, eps=1e-4)
+    weights, losses = [], []
+    for t in range(steps):
+        weights.append({k: v.detach().clone() for k, v in model.named_parameters()})
+        x, y = batch(100 + t)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    weights.append({k: v.detach().clone() for k, v in model.named_parameters()})
+    return weights, losses
+
+
+def weights(pipe: Any) -> Weights:
+    """Every parameter of the whole model, gathered (collective over the world)."""
+    mine = {name: full(p.detach()).clone() for name, p in pipe.named_parameters()}
+    parts: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def same(actual: Weights, expected: Weights, what: str, exact: bool = False) -> None:
+    assert set(actual) == set(expected), (what, sorted(actual), sorted(expected))
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value, rtol=0 if exact else RTOL,
+                                   atol=0 if exact else ATOL, msg=lambda m, key=key: f"{what}: {key}: {m}")
+
+
+def same_losses(actual: List[float], expected: List[float], what: str, exact: bool = False) -> None:
+    torch.testing.assert_close(actual, expected, rtol=0 if exact else RTOL, atol=0 if exact else ATOL,
+                               msg=lambda m: f"{what} losses: {m}")
+
+
+def check_resume_across_shapes(root: str) -> None:
+    """pp2 x tp2 saved (async, while training on) -> pp2 x tp2, pp2 x dp2 (FSDP), pp1 x dp2
+    x tp2 (FSDP over TP); pp2 x dp2's checkpoint back into pp2 x tp2; consolidate."""
+    from test_bad_input import ROWS as BAD_ROWS
+
+    import pipedream_ext as pd
+
+    ref, ref_losses = unsplit(2 * SAVED_AT + 1)
+    path = os.path.join(root, "pp2-tp2")
+    saving = build((2, 1, 2), "replicate", seed=0)
+    train(saving, range(SAVED_AT))
+    at_save = weights(saving[0])
+    same(at_save, ref[SAVED_AT], "pp2 x tp2 before the save")
+    with pytest.raises(ValueError, match=next(r[2] for r in BAD_ROWS if r[0] == "tp-checkpoint")):
+        pd.save_checkpoint(path + "-pipedream", saving[0], saving[1])
+    pending = pd.save_checkpoint(path, saving[0], saving[1], step=SAVED_AT, format="dcp",
+                                 async_save=True)
+    losses = train(saving, range(SAVED_AT, 2 * SAVED_AT))
+    assert pending.result().step == SAVED_AT
+    after = weights(saving[0])
+    saving[0].close()
+    if dist.get_rank() == 0:
+        same(dict(pd.consolidate(path)), at_save, "consolidate", exact=True)
+    later = range(SAVED_AT, 2 * SAVED_AT)
+    for shape, mode in (((2, 1, 2), "replicate"), ((2, 2, 1), "fsdp"), ((1, 2, 2), "fsdp")):
+        what = f"pp2 x tp2 -> {'x'.join(map(str, shape))} {mode}"
+        fresh = build(shape, mode, seed=7)
+        info = pd.load_checkpoint(path, fresh[0], fresh[1])
+        assert info.step == SAVED_AT, info
+        same(weights(fresh[0]), at_save, f"{what} loaded", exact=True)
+        resumed = train(fresh, later)
+        exact = shape == (2, 1, 2)  # the same layout: the uninterrupted run, bit for bit
+        same_losses(resumed, losses if exact else ref_losses[SAVED_AT:2 * SAVED_AT], what, exact)
+        same(weights(fresh[0]), after if exact else ref[2 * SAVED_AT], f"{what} resumed", exact)
+        if shape == (2, 2, 1):
+            pd.save_checkpoint(path + "-dp", fresh[0], fresh[1], step=2 * SAVED_AT, format="dcp")
+            back_at = weights(fresh[0])
+        fresh[0].close()
+    back = build((2, 1, 2), "replicate", seed=9)
+    pd.load_checkpoint(path + "-dp", back[0], back[1])
+    same(weights(back[0]), back_at, "pp2 x dp2 fsdp -> pp2 x tp2 loaded", exact=True)
+    resumed = train(back, range(2 * SAVED_AT, 2 * SAVED_AT + 1))
+    same_losses(resumed, ref_losses[2 * SAVED_AT:], "pp2 x dp2 fsdp -> pp2 x tp2")
+    back_after = weights(back[0])
+    same(back_after, ref[-1], "pp2 x dp2 fsdp -> pp2 x tp2 resumed")
+    pd.save_checkpoint(path + "-closed", back[0], back[1], format="dcp", async_save=True)
+    back[0].close()  # finishes the pending save: its manifest
+    if dist.get_rank() == 0:
+        same(dict(pd.consolidate(path + "-closed")), back_after, "saved by close()", exact=True)
+
+
+def check_load_state_dict() -> None:
+    """A full state dict into pp2 x tp2, pp1 x dp2 x tp2 (FSDP over TP) and pp2 x dp2
+    (FSDP): bit-identical gathered weights, then training equal to the unsplit model."""
+    model = llama(0)
+    ref, ref_losses = unsplit(SAVED_AT)
+    for shape, mode in (((2, 1, 2), "replicate"), ((1, 2, 2), "fsdp"), ((2, 2, 1), "fsdp")):
+        what = f"load_state_dict into {'x'.join(map(str, shape))} {mode}"
+        built = build(shape, mode, seed=7)
+        result = built[0].load_state_dict(model.state_dict())
+        assert list(result.missing_keys) == [] and list(result.unexpected_keys) == [], result
+        same(weights(built[0]), dict(model.named_parameters()), what, exact=True)
+        same_losses(train(built, range(SAVED_AT)), ref_losses, what)
+        same(weights(built[0]), ref[SAVED_AT], f"{what}, trained")
+        built[0].close()
+
+
+def cases(world: int) -> Cases:
+    c = Cases()
+    c.add(check_resume_across_shapes, FromEnv("PDTP_DIR"), name="resume-across-shapes")
+    c.add(check_load_state_dict, name="load-state-dict")
+    return c
+
+
+LAUNCH = Launch(HERE, 4, cases, timeout=300, dirs=("PDTP_DIR",))
+
+
+@parametrize_cases(LAUNCH)
+def test_tensor_parallel_checkpoints(case: CaseRef) -> None:
+    case.check()
+
+
+if __name__ == "__main__":
+    worker_main([LAUNCH])
