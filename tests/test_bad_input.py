@@ -365,7 +365,7 @@ ROWS: List[Tuple[str, str, str, str]] = [
     ('mesh-batch-split', "a dp rank's batch that does not split into `microbatches` equal parts",
      'inputs of this data-parallel rank have batch size 6, which does not split into microbatches=4 equal parts',
      'tests/test_fsdp.py::test_fsdp_representative_case_and_refusals'),
-    ('mesh-checkpoint', '`save_checkpoint(format="pipedream")` (the default), `load_checkpoint` of a `format="pipedream"` checkpoint or `load_state_dict` on a pipeline built with `mesh=`',
+    ('mesh-checkpoint', '`save_checkpoint(format="pipedream")` (the default) or `load_checkpoint` of a `format="pipedream"` checkpoint on a pipeline built with `mesh=`',
      "save_checkpoint\\(format='pipedream'\\) does not support pipelines built with mesh= \\(data_parallel='fsdp'\\): each dp rank holds a copy or a shard of its stage; use save_checkpoint\\(\\.\\.\\., format='dcp'\\)",
      'tests/test_fsdp.py::test_fsdp_representative_case_and_refusals'),
     ('mesh-dp-batch-sizes', 'dp ranks given batches of different sizes (e.g. 8 and 4 rows), on a mesh',

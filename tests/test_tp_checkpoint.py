@@ -9,12 +9,14 @@ test_tensor_parallel.py's Llama on 4 ranks (Gloo), AdamW:
 
 * ``resume-across-shapes``: pp2 x tp2 trains 2 steps and saves (``format="dcp"``,
   asynchronously) while it trains 2 more; the checkpoint loads into a fresh pp2 x tp2
-  (bit-identical weights, then losses and weights equal to the uninterrupted run), into
-  pp2 x dp2 with FSDP and no tp, and into pp1 x dp2 x tp2 with FSDP over TP (2-D
-  DTensors; both equal to the unsplit model trained the same steps, to 1e-4 as tp changes
-  the summation order); the pp2 x dp2 pipeline's own checkpoint loads back into pp2 x
-  tp2; ``pd.consolidate`` gives the unsplit model's state dict; ``format="pipedream"`` is
-  refused naming ``format='dcp'``.
+  (bit-identical weights, then losses and weights equal to the uninterrupted run bit for
+  bit), into pp2 x dp2 with FSDP and no tp, and into pp1 x dp2 x tp2 with FSDP over TP
+  (2-D DTensors) and with replicate (bit-identical weights, then equal to the unsplit
+  model trained the same steps, to 1e-4 as tp changes the summation order); the
+  checkpoints of pp2 x dp2 and of pp1 x dp2 x tp2 replicate load back into pp2 x tp2 and
+  train on equal to the unsplit model; ``pd.consolidate`` gives the saved weights; a save
+  left pending is finished by ``close()``; ``format="pipedream"`` is refused both ways,
+  naming ``format='dcp'``.
 * ``load-state-dict``: ``pipe.load_state_dict(model.state_dict())`` into pp2 x tp2, pp1 x
   dp2 x tp2 (FSDP over TP) and pp2 x dp2 (FSDP): each rank takes its shards, the gathered
   weights equal the state dict's bit for bit, and training on equals the unsplit model.
@@ -109,7 +111,9 @@ def same_losses(actual: List[float], expected: List[float], what: str, exact: bo
 
 def check_resume_across_shapes(root: str) -> None:
     """pp2 x tp2 saved (async, while training on) -> pp2 x tp2, pp2 x dp2 (FSDP), pp1 x dp2
-    x tp2 (FSDP over TP); pp2 x dp2's checkpoint back into pp2 x tp2; consolidate."""
+    x tp2 (FSDP over TP, and replicate); the checkpoints of pp2 x dp2 and of pp1 x dp2 x
+    tp2 replicate (dp rank 0's tp ranks write) back into pp2 x tp2; consolidate; the
+    pipedream format refused both ways."""
     from test_bad_input import ROWS as BAD_ROWS
 
     import pipedream_ext as pd
@@ -122,6 +126,13 @@ def check_resume_across_shapes(root: str) -> None:
     same(at_save, ref[SAVED_AT], "pp2 x tp2 before the save")
     with pytest.raises(ValueError, match=next(r[2] for r in BAD_ROWS if r[0] == "tp-checkpoint")):
         pd.save_checkpoint(path + "-pipedream", saving[0], saving[1])
+    plain = pd.PipeDream(llama(), lm_loss, schedule="1f1b", microbatches=2, balance=[2, 1, 1, 1],
+                         timeout=60)  # no mesh: 4 stages
+    pd.save_checkpoint(path + "-plain", plain)
+    plain.close()
+    with pytest.raises(ValueError, match=r"load_checkpoint\(\) of a format='pipedream' checkpoint .* "
+                                         r"each tp rank holds shards of its stage .*format='dcp'"):
+        pd.load_checkpoint(path + "-plain", saving[0])
     pending = pd.save_checkpoint(path, saving[0], saving[1], step=SAVED_AT, format="dcp",
                                  async_save=True)
     losses = train(saving, range(SAVED_AT, 2 * SAVED_AT))
@@ -130,8 +141,9 @@ def check_resume_across_shapes(root: str) -> None:
     saving[0].close()
     if dist.get_rank() == 0:
         same(dict(pd.consolidate(path)), at_save, "consolidate", exact=True)
-    later = range(SAVED_AT, 2 * SAVED_AT)
-    for shape, mode in (((2, 1, 2), "replicate"), ((2, 2, 1), "fsdp"), ((1, 2, 2), "fsdp")):
+    later, back = range(SAVED_AT, 2 * SAVED_AT), {}
+    for shape, mode in (((2, 1, 2), "replicate"), ((2, 2, 1), "fsdp"), ((1, 2, 2), "fsdp"),
+                        ((1, 2, 2), "replicate")):
         what = f"pp2 x tp2 -> {'x'.join(map(str, shape))} {mode}"
         fresh = build(shape, mode, seed=7)
         info = pd.load_checkpoint(path, fresh[0], fresh[1])
@@ -141,21 +153,24 @@ def check_resume_across_shapes(root: str) -> None:
         exact = shape == (2, 1, 2)  # the same layout: the uninterrupted run, bit for bit
         same_losses(resumed, losses if exact else ref_losses[SAVED_AT:2 * SAVED_AT], what, exact)
         same(weights(fresh[0]), after if exact else ref[2 * SAVED_AT], f"{what} resumed", exact)
-        if shape == (2, 2, 1):
-            pd.save_checkpoint(path + "-dp", fresh[0], fresh[1], step=2 * SAVED_AT, format="dcp")
-            back_at = weights(fresh[0])
+        if (shape, mode) in (((2, 2, 1), "fsdp"), ((1, 2, 2), "replicate")):  # saved in turn
+            where = f"{path}-{'x'.join(map(str, shape))}"
+            pd.save_checkpoint(where, fresh[0], fresh[1], step=2 * SAVED_AT, format="dcp")
+            back[what] = (where, weights(fresh[0]))
         fresh[0].close()
-    back = build((2, 1, 2), "replicate", seed=9)
-    pd.load_checkpoint(path + "-dp", back[0], back[1])
-    same(weights(back[0]), back_at, "pp2 x dp2 fsdp -> pp2 x tp2 loaded", exact=True)
-    resumed = train(back, range(2 * SAVED_AT, 2 * SAVED_AT + 1))
-    same_losses(resumed, ref_losses[2 * SAVED_AT:], "pp2 x dp2 fsdp -> pp2 x tp2")
-    back_after = weights(back[0])
-    same(back_after, ref[-1], "pp2 x dp2 fsdp -> pp2 x tp2 resumed")
-    pd.save_checkpoint(path + "-closed", back[0], back[1], format="dcp", async_save=True)
-    back[0].close()  # finishes the pending save: its manifest
-    if dist.get_rank() == 0:
-        same(dict(pd.consolidate(path + "-closed")), back_after, "saved by close()", exact=True)
+    for what, (where, saved) in back.items():  # and back into pp2 x tp2
+        what = f"{what} -> pp2 x tp2"
+        built = build((2, 1, 2), "replicate", seed=9)
+        pd.load_checkpoint(where, built[0], built[1])
+        same(weights(built[0]), saved, f"{what} loaded", exact=True)
+        resumed = train(built, range(2 * SAVED_AT, 2 * SAVED_AT + 1))
+        same_losses(resumed, ref_losses[2 * SAVED_AT:], what)
+        built_after = weights(built[0])
+        same(built_after, ref[-1], f"{what} resumed")
+        pd.save_checkpoint(path + "-closed", built[0], built[1], format="dcp", async_save=True)
+        built[0].close()  # finishes the pending save: its manifest
+        if dist.get_rank() == 0:
+            same(dict(pd.consolidate(path + "-closed")), built_after, "saved by close()", exact=True)
 
 
 def check_load_state_dict() -> None:

@@ -109,8 +109,8 @@ class PipelineView:
         return self.rank in self.stage_ranks[stage][:self.tp_size] or self.data_parallel == "fsdp"
 
     def refuse_mesh(self, call: str) -> None:
-        """The pipedream format and ``load_state_dict`` know one whole copy of each stage;
-        a mesh's dp ranks hold several (or shards of one): DCP checkpoints handle them.
+        """The pipedream format knows one whole copy of each stage; a mesh's dp ranks hold
+        several (or shards of one), its tp ranks shards: DCP checkpoints handle them.
 
         Raises:
             ValueError: ``call`` on a pipeline built with ``mesh=``.
@@ -119,8 +119,9 @@ class PipelineView:
             holds = ("each tp rank holds shards of its stage (tensor_parallel)" if self.tp_size > 1
                      else "each dp rank holds a copy or a shard of its stage")
             raise ValueError(f"{call} does not support pipelines built with mesh= "
-                             f"(data_parallel={self.data_parallel!r}): {holds}; use save_checkpoint(..., format='dcp') and "
-                             "load_checkpoint of that checkpoint (DCP re-shards), or "
+                             f"(data_parallel={self.data_parallel!r}): {holds}; use "
+                             "save_checkpoint(..., format='dcp') and load_checkpoint of that "
+                             "checkpoint (DCP re-shards), or "
                              "pd.consolidate(path) for the unsplit state dict")
 
     def describe(self) -> Dict[str, Any]:
