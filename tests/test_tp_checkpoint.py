@@ -12,9 +12,9 @@ test_tensor_parallel.py's Llama on 4 ranks (Gloo), AdamW:
   (bit-identical weights, then losses and weights equal to the uninterrupted run bit for
   bit), into pp2 x dp2 with FSDP and no tp, and into pp1 x dp2 x tp2 with FSDP over TP
   (2-D DTensors) and with replicate (bit-identical weights, then equal to the unsplit
-  model trained the same steps, to 1e-4 as tp changes the summation order); the
-  checkpoints of pp2 x dp2 and of pp1 x dp2 x tp2 replicate load back into pp2 x tp2 and
-  train on equal to the unsplit model; ``pd.consolidate`` gives the saved weights; a save
+  model trained the same steps, to 1e-4 as tp changes the summation order); each of
+  these three saves in turn, and its checkpoint loads back into pp2 x tp2 and trains on
+  equal to the unsplit model; ``pd.consolidate`` gives the saved weights; a save
   left pending is finished by ``close()``; ``format="pipedream"`` is refused both ways,
   naming ``format='dcp'``.
 * ``load-state-dict``: ``pipe.load_state_dict(model.state_dict())`` into pp2 x tp2, pp1 x
@@ -111,9 +111,9 @@ def same_losses(actual: List[float], expected: List[float], what: str, exact: bo
 
 def check_resume_across_shapes(root: str) -> None:
     """pp2 x tp2 saved (async, while training on) -> pp2 x tp2, pp2 x dp2 (FSDP), pp1 x dp2
-    x tp2 (FSDP over TP, and replicate); the checkpoints of pp2 x dp2 and of pp1 x dp2 x
-    tp2 replicate (dp rank 0's tp ranks write) back into pp2 x tp2; consolidate; the
-    pipedream format refused both ways."""
+    x tp2 (FSDP over TP, and replicate); each of their checkpoints (FSDP over TP: 2-D
+    DTensors; replicate: dp rank 0's tp ranks write) back into pp2 x tp2; consolidate;
+    the pipedream format refused both ways."""
     from test_bad_input import ROWS as BAD_ROWS
 
     import pipedream_ext as pd
@@ -153,24 +153,24 @@ def check_resume_across_shapes(root: str) -> None:
         exact = shape == (2, 1, 2)  # the same layout: the uninterrupted run, bit for bit
         same_losses(resumed, losses if exact else ref_losses[SAVED_AT:2 * SAVED_AT], what, exact)
         same(weights(fresh[0]), after if exact else ref[2 * SAVED_AT], f"{what} resumed", exact)
-        if (shape, mode) in (((2, 2, 1), "fsdp"), ((1, 2, 2), "replicate")):  # saved in turn
+        if shape != (2, 1, 2):  # each saves in turn, and goes back into pp2 x tp2
             where = f"{path}-{'x'.join(map(str, shape))}"
             pd.save_checkpoint(where, fresh[0], fresh[1], step=2 * SAVED_AT, format="dcp")
             back[what] = (where, weights(fresh[0]))
         fresh[0].close()
+    built = build((2, 1, 2), "replicate", seed=9)  # one pipeline: each load replaces everything
     for what, (where, saved) in back.items():  # and back into pp2 x tp2
         what = f"{what} -> pp2 x tp2"
-        built = build((2, 1, 2), "replicate", seed=9)
         pd.load_checkpoint(where, built[0], built[1])
         same(weights(built[0]), saved, f"{what} loaded", exact=True)
         resumed = train(built, range(2 * SAVED_AT, 2 * SAVED_AT + 1))
         same_losses(resumed, ref_losses[2 * SAVED_AT:], what)
-        built_after = weights(built[0])
-        same(built_after, ref[-1], f"{what} resumed")
-        pd.save_checkpoint(path + "-closed", built[0], built[1], format="dcp", async_save=True)
-        built[0].close()  # finishes the pending save: its manifest
-        if dist.get_rank() == 0:
-            same(dict(pd.consolidate(path + "-closed")), built_after, "saved by close()", exact=True)
+        same(weights(built[0]), ref[-1], f"{what} resumed")
+    built_after = weights(built[0])
+    pd.save_checkpoint(path + "-closed", built[0], built[1], format="dcp", async_save=True)
+    built[0].close()  # finishes the pending save: its manifest
+    if dist.get_rank() == 0:
+        same(dict(pd.consolidate(path + "-closed")), built_after, "saved by close()", exact=True)
 
 
 def check_load_state_dict() -> None:
