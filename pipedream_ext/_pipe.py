@@ -257,8 +257,10 @@ class PipeDream:
 
         Collective: call it on every rank with the full (unsplit) state dict, e.g.
         ``torch.load("model.pt", mmap=True)`` or ``pd.consolidate("ckpt")``; each
-        rank keeps the keys of its own stages' layers and ignores the others'. An
-        asynchronous pipeline is flushed first; gradients are cleared; nothing
+        rank keeps the keys of its own stages' layers and ignores the others'; with
+        ``mesh=`` a DTensor parameter (FSDP, ``tensor_parallel``) takes this rank's
+        shard of the whole value, cut by its placements. An asynchronous pipeline is
+        flushed first; gradients are cleared; nothing
         changes unless every rank succeeded.
 
         Args:

@@ -10,8 +10,10 @@ dict: ``model.state_dict()``, a ``torch.load``-ed file, ``pd.consolidate(ckpt)``
 For a full state dict, every rank keeps the entries of its own stages' layers;
 keys of other ranks' stages are ignored; keys the model does not have at all,
 keys this rank's stages need but the dict lacks, and shapes that differ are
-errors. :func:`split_state_dict` is pure (tested in one process);
-:func:`load_state_dict` is the collective that agrees on errors and copies in place.
+errors. A stage tensor that is a DTensor (a mesh's FSDP shards, tensor parallelism)
+takes its own shard of the whole value, cut on the rank by its placements.
+:func:`split_state_dict` is pure (tested in one process); :func:`load_state_dict` is
+the collective that agrees on errors and copies in place.
 """
 from __future__ import annotations
 
