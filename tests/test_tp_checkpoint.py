@@ -14,9 +14,9 @@ test_tensor_parallel.py's Llama on 4 ranks (Gloo), AdamW:
   (2-D DTensors) and with replicate (bit-identical weights, then equal to the unsplit
   model trained the same steps, to 1e-4 as tp changes the summation order); each of
   these three saves in turn, and its checkpoint loads back into pp2 x tp2 and trains on
-  equal to the unsplit model; ``pd.consolidate`` gives the saved weights; a save
-  left pending is finished by ``close()``; ``format="pipedream"`` is refused both ways,
-  naming ``format='dcp'``.
+  equal to the unsplit model; ``pd.consolidate`` of each checkpoint gives the saved
+  weights; a save left pending is finished by ``close()``; ``format="pipedream"`` is
+  refused both ways, naming ``format='dcp'``.
 * ``load-state-dict``: ``pipe.load_state_dict(model.state_dict())`` into pp2 x tp2, pp1 x
   dp2 x tp2 (FSDP over TP) and pp2 x dp2 (FSDP): each rank takes its shards, the gathered
   weights equal the state dict's bit for bit, and training on equals the unsplit model.
@@ -112,8 +112,8 @@ def same_losses(actual: List[float], expected: List[float], what: str, exact: bo
 def check_resume_across_shapes(root: str) -> None:
     """pp2 x tp2 saved (async, while training on) -> pp2 x tp2, pp2 x dp2 (FSDP), pp1 x dp2
     x tp2 (FSDP over TP, and replicate); each of their checkpoints (FSDP over TP: 2-D
-    DTensors; replicate: dp rank 0's tp ranks write) back into pp2 x tp2; consolidate;
-    the pipedream format refused both ways."""
+    DTensors; replicate: dp rank 0's tp ranks write) back into pp2 x tp2; each
+    checkpoint consolidated; the pipedream format refused both ways."""
     from test_bad_input import ROWS as BAD_ROWS
 
     import pipedream_ext as pd
@@ -163,6 +163,8 @@ def check_resume_across_shapes(root: str) -> None:
         what = f"{what} -> pp2 x tp2"
         pd.load_checkpoint(where, built[0], built[1])
         same(weights(built[0]), saved, f"{what} loaded", exact=True)
+        if dist.get_rank() == 0:
+            same(dict(pd.consolidate(where)), saved, f"{what}: consolidate", exact=True)
         resumed = train(built, range(2 * SAVED_AT, 2 * SAVED_AT + 1))
         same_losses(resumed, ref_losses[2 * SAVED_AT:], what)
         same(weights(built[0]), ref[-1], f"{what} resumed")
