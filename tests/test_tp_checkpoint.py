@@ -84,7 +84,7 @@ def unsplit(steps: int) -> Tuple[List[Weights], List[float]]:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     weights.append({k: v.detach().clone() for k, v in model.named_parameters()})
     return weights, losses
 
