@@ -152,6 +152,9 @@ ROWS: List[Tuple[str, str, str, str]] = [
     ("tokens-plain", "`loss_reduction='tokens'` with a `loss_fn` that returns a plain loss tensor",
      r"loss_reduction='tokens' needs loss_fn to return \(loss_sum, n_tokens\).*it returned a "
      r"Tensor of shape \(\)", "tests/test_token_loss.py::test_token_mean_matches_the_unsplit_model"),
+    ("tokens-mean", "`loss_reduction='tokens'` with a `loss_fn` whose `loss_sum` is a mean",
+     r"loss_fn's loss_sum averages over the batch.*sum over the tokens \(reduction='sum'\)",
+     "tests/test_token_loss.py::test_token_mean_matches_the_unsplit_model"),
     ("tokens-none", "`loss_reduction='tokens'` on a batch without tokens (every target `-100`, on "
      "every dp rank)", r"the batch holds no tokens: tokens_fn counted 0 in every microbatch",
      "tests/test_token_loss.py::test_token_mean_matches_the_unsplit_model"),

@@ -12,11 +12,13 @@ the unsplit model trains on the whole batch with ``cross_entropy(reduction="sum"
 divided by the batch's tokens: the loss of every step and every weight after 3
 SGD-momentum and 3 Adam steps must agree, on pp 2 (every flush schedule, recompute,
 gradients accumulated over two ``step()`` calls, fp16 with the pipeline's scaler) and
-on pp 2 x dp 2 (``"fsdp"`` and ``"replicate"``) and pp 2 x tp 2. A per-microbatch or
+on pp 2 x dp 2 (``"fsdp"`` and ``"replicate"``), pp 2 x tp 2 and pp 2 with
+``replicas=[2, 2]``. A per-microbatch or
 per-dp-rank mean would weight the short rows' tokens more, and a wrong dp reduction
 would halve or double the gradients: both fail here. Bad input (a ``loss_fn`` returning
-a plain tensor, a batch without tokens, a ``tokens_fn`` that counts otherwise than
-``loss_fn``, tuple targets without ``tokens_fn``) raises on every rank.
+a plain tensor or a mean as its ``loss_sum``, a batch without tokens, a ``tokens_fn``
+that counts otherwise than ``loss_fn``, tuple targets without ``tokens_fn``) raises on
+every rank.
 """
 from __future__ import annotations
 
@@ -209,6 +211,12 @@ def check_bad_input(mesh_shape: Optional[Tuple[int, int]] = None) -> None:
     _expect_on_every_rank(r"loss_fn returned n_tokens=\d+ for microbatch \d, but tokens_fn counted "
                           r"\d+ tokens.*tokens_fn=lambda t: \(t\[:, 1:\] != -100\)\.sum\(\)",
                           lambda: step(mismatch))
+    averaged = pd.PipeDream(model(), lambda out, t: (F.cross_entropy(out.flatten(0, 1), t.flatten()),
+                                                     (t != -100).sum()),
+                            schedule="1f1b", microbatches=4, loss_reduction="tokens", timeout=60,
+                            **options)
+    _expect_on_every_rank(r"loss_fn's loss_sum averages over the batch.*sum over the tokens "
+                          r"\(reduction='sum'\)", lambda: step(averaged))
     tupled = pd.PipeDream(model(), lambda out, t: token_loss(out, t[0]), schedule="1f1b",
                           microbatches=4, loss_reduction="tokens", timeout=60, **options)
     _expect_on_every_rank(r"loss_reduction='tokens' counts the tokens of a target tensor.*the "
@@ -236,6 +244,13 @@ def check_mesh(schedule: str, optimizer: str, data_parallel: str) -> None:
     dp = mesh["dp"].get_local_rank()
     train(pipe, model(), optimizer, slice(dp * half, (dp + 1) * half),
           f"{schedule} {optimizer} {data_parallel}")
+
+
+def check_replicas(schedule: str) -> None:
+    """replicas=[2, 2] (no mesh): each replica of the last stage runs every other
+    microbatch but counts the whole batch's tokens; their gradients and losses add up."""
+    pipe = pipeline(schedule, replicas=[2, 2])
+    train(pipe, model(), "adam", slice(None), f"{schedule} replicas")
 
 
 def check_tensor_parallel(schedule: str) -> None:
@@ -266,6 +281,7 @@ def token_cases(world: int) -> Cases:
     cases.add(check_mesh, "zb-h1", "adam", "fsdp")
     cases.add(check_mesh, "interleaved-1f1b", "sgd", "replicate")
     cases.add(check_tensor_parallel, "1f1b")
+    cases.add(check_replicas, "1f1b")
     cases.add(check_bad_input, (2, 2))
     return cases
 
