@@ -549,9 +549,10 @@ class StageFunction:
                     "pass loss_reduction='sum' to PipeDream")
         if abs(ratio - 1.0) < 1e-3 and self.loss_reduction == "tokens":
             return (f"{where}'s loss_sum averages over the batch (its value on a microbatch "
-                    "repeated twice is its value), but loss_reduction='tokens' divides the sum of "
-                    "the microbatches' loss_sum by the batch's token count, which would give "
-                    "gradients 1/tokens of the token mean's: sum over the tokens (reduction='sum')")
+                    "repeated twice is its value), but loss_reduction='tokens' adds the "
+                    "microbatches' loss_sum and divides by the batch's token count, so a mean "
+                    "would shrink each microbatch's loss and gradients by its token count: return "
+                    "the sum over the tokens (reduction='sum')")
         if abs(ratio - 1.0) < 1e-3 and self.loss_reduction == "sum":
             return (f"{where} averages over the batch (its value on a microbatch repeated twice "
                     "is its value), but loss_reduction='sum' adds the microbatches' losses "
