@@ -76,7 +76,8 @@ class PipeDream:
             ``init_seed`` and ``init_fn``): an ``nn.Sequential``, or any ``nn.Module`` with ``split_points`` or
             with ``balance="auto"`` / a plan (traced, cut as the plan's stages say).
         loss_fn: ``loss_fn(output, target)``, a scalar tensor: the mean over the batch (or the sum, with
-            ``loss_reduction="sum"``; checked once, on the first microbatch).
+            ``loss_reduction="sum"``; checked once, on the first microbatch); with
+            ``loss_reduction="tokens"`` the pair ``(loss_sum, n_tokens)``.
         {options}
 
     Every rank compares, at construction, the arguments above and a fingerprint of

@@ -43,6 +43,12 @@ ROWS: List[Tuple[str, str, str, str]] = [
      r"timeout must be a finite number of seconds > 0 \(got inf\): every wait on another rank "
      r"needs a bound", "here"),
     ("loss-reduction", "`loss_reduction='max'`", r"loss_reduction='max'; use 'mean'", "here"),
+    ("tokens-async", "`loss_reduction='tokens'` with `pipedream` (an asynchronous schedule)",
+     r"loss_reduction='tokens' divides by the token count of the whole batch before its backwards, "
+     r"but schedule 'pipedream' updates the weights inside the pipeline.*use a flush schedule", "here"),
+    ("tokens-fn-reduction", "`tokens_fn=` without `loss_reduction='tokens'`",
+     r"tokens_fn=.* counts the tokens loss_reduction='tokens' divides by, but "
+     r"loss_reduction='mean'; pass loss_reduction='tokens' or drop tokens_fn", "here"),
     ("balance-string", "`balance='4,4'` (a string that is neither `'auto'` nor a plan file)",
      r"balance='4,4' is neither 'auto' nor a plan file \(no such file\); give layer counts as a "
      r"list \(balance=\[4, 4\]\)", "here"),
@@ -143,6 +149,22 @@ ROWS: List[Tuple[str, str, str, str]] = [
     ("loss-float", "`loss_fn` returns a float (`.item()`) or a tuple",
      r"step\(\) number 0 failed on rank 1: loss_fn returned a (float|tuple) .*scalar tensor",
      "tests/test_agreement.py::test_ranks_must_agree_on_graph_batch_and_loss"),
+    ("tokens-plain", "`loss_reduction='tokens'` with a `loss_fn` that returns a plain loss tensor",
+     r"loss_reduction='tokens' needs loss_fn to return \(loss_sum, n_tokens\).*it returned a "
+     r"Tensor of shape \(\)", "tests/test_token_loss.py::test_token_mean_matches_the_unsplit_model"),
+    ("tokens-mean", "`loss_reduction='tokens'` with a `loss_fn` whose `loss_sum` is a mean",
+     r"loss_fn's loss_sum averages over the batch.*sum over the tokens \(reduction='sum'\)",
+     "tests/test_token_loss.py::test_token_mean_matches_the_unsplit_model"),
+    ("tokens-none", "`loss_reduction='tokens'` on a batch without tokens (every target `-100`, on "
+     "every dp rank)", r"the batch holds no tokens: tokens_fn counted 0 in every microbatch",
+     "tests/test_token_loss.py::test_token_mean_matches_the_unsplit_model"),
+    ("tokens-count", "`loss_reduction='tokens'` with a `loss_fn` whose `n_tokens` is not what "
+     "`tokens_fn` counts (a loss that shifts its labels, the default `tokens_fn`)",
+     r"loss_fn returned n_tokens=\d+ for microbatch \d, but tokens_fn counted \d+ tokens in its "
+     r"targets.*tokens_fn=lambda t: \(t\[:, 1:\] != -100\)\.sum\(\)", "tests/test_token_loss.py::test_token_mean_matches_the_unsplit_model"),
+    ("tokens-tuple", "`loss_reduction='tokens'` with tuple targets and no `tokens_fn`",
+     r"loss_reduction='tokens' counts the tokens of a target tensor.*the targets are a tuple; "
+     r"pass tokens_fn=", "tests/test_token_loss.py::test_token_mean_matches_the_unsplit_model"),
     ("stage-dict", "a stage before the last returns a dict (or None)",
      r"rank 0: stage 0 \(layers 0-1\) returned a dict; a stage before the last must return a "
      r"tensor or a tuple of tensors",
@@ -421,6 +443,9 @@ IN_PROCESS: Dict[str, Callable[[], Any]] = {
     "timeout": lambda: _pd().PipeDream(model(), **pipe_kwargs(timeout=0)),
     "timeout-inf": lambda: _pd().PipeDream(model(), **pipe_kwargs(timeout=float("inf"))),
     "loss-reduction": lambda: _pd().PipeDream(model(), **pipe_kwargs(loss_reduction="max")),
+    "tokens-async": lambda: _pd().PipeDream(model(), **pipe_kwargs(schedule="pipedream",
+                                                                   loss_reduction="tokens")),
+    "tokens-fn-reduction": lambda: _pd().PipeDream(model(), **pipe_kwargs(tokens_fn=len)),
     "balance-string": lambda: _pd().PipeDream(model(), balance="4,4", **pipe_kwargs()),
     "autocast-dtype": lambda: _pd().PipeDream(model(), **pipe_kwargs(autocast=torch.float64)),
     "autocast-async-fp16": lambda: _pd().PipeDream(

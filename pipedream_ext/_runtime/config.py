@@ -8,7 +8,7 @@ names. Pure: tested in one process.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
@@ -41,6 +41,7 @@ class PipelineConfig:
     autocast: Optional[torch.dtype]
     check_finite: Optional[str]
     loss_reduction: str
+    tokens_fn: Optional[Callable[[Any], Any]]
     check_agreement: int
     clip_grad_norm: Optional[Tuple[float, float]]
 

@@ -137,10 +137,28 @@ def _check_autocast(autocast: Optional[torch.dtype], options: "PipelineOptions")
                          f"{options.schedule!r} does not support; use autocast=torch.bfloat16")
 
 
-def _check_loss_reduction(loss_reduction: str, _: "PipelineOptions") -> None:
-    if loss_reduction not in ("mean", "sum"):
+def _check_loss_reduction(loss_reduction: str, options: "PipelineOptions") -> None:
+    if loss_reduction not in ("mean", "sum", "tokens"):
         raise ValueError(f"loss_reduction={loss_reduction!r}; use 'mean' (loss_fn averages over "
-                         "the batch, the default) or 'sum' (it adds)")
+                         "the batch, the default), 'sum' (it adds) or 'tokens' (it returns "
+                         "(loss_sum, n_tokens))")
+    if loss_reduction == "tokens" and schedules.traits(options.schedule).asynchronous:
+        raise ValueError(f"loss_reduction='tokens' divides by the token count of the whole batch "
+                         f"before its backwards, but schedule {options.schedule!r} updates the "
+                         "weights inside the pipeline, minibatch by minibatch; use a flush "
+                         f"schedule ({', '.join(schedules.synchronous_names())})")
+
+
+def _check_tokens_fn(tokens_fn: Optional[Callable[[Any], Any]], options: "PipelineOptions") -> None:
+    if tokens_fn is None:
+        return
+    if options.loss_reduction != "tokens":
+        raise ValueError(f"tokens_fn={tokens_fn!r} counts the tokens loss_reduction='tokens' "
+                         f"divides by, but loss_reduction={options.loss_reduction!r}; pass "
+                         "loss_reduction='tokens' or drop tokens_fn")
+    if not callable(tokens_fn):
+        raise ValueError(f"tokens_fn={tokens_fn!r} is not callable; pass tokens_fn(target) -> the "
+                         "number of tokens in the targets of a microbatch")
 
 
 def _check_finite(check_finite: Optional[str], options: "PipelineOptions") -> None:
@@ -271,8 +289,17 @@ class PipelineOptions:
     loss_reduction: str = option("mean", """
         ``"mean"`` (default): ``loss_fn`` averages over the batch and each microbatch's loss is
         scaled by its share of the batch; ``"sum"``: it adds, unscaled. A ``loss_fn`` that reduces otherwise
-        is refused at once.""",
+        is refused at once. ``"tokens"`` (flush schedules): ``loss_fn`` returns ``(loss_sum, n_tokens)``
+        and the pipeline trains on the global token mean, every microbatch's (and with a ``mesh`` every dp
+        rank's) ``loss_sum`` over the whole batch's tokens, counted from the targets before the step runs
+        (``tokens_fn``).""",
         group="numerics", position=19, check=_check_loss_reduction, convert=_same, agreed=_same)
+    tokens_fn: Optional[Callable[[Any], Any]] = option(None, """
+        ``loss_reduction="tokens"``: ``tokens_fn(target)`` counts the tokens of a microbatch's targets
+        (a number or a 0-d tensor); default: a target tensor's elements other than ``-100`` (PyTorch's and
+        transformers' ``ignore_index``). Each microbatch's count must equal the ``n_tokens`` its
+        ``loss_fn`` returns (checked every step).""",
+        group="numerics", check=_check_tokens_fn, convert=_same)
     check_finite: Optional[str] = option(None, """
         ``"raise"`` or ``"skip"``: after every step, find the first stage whose forward output
         (or, in the backward, the last stage whose gradients) holds NaN or inf and report it with the step

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from .. import _C, schedules
 from .._dist import collectives, faults
 from .._dist.groups import PipelineGroups, RankNames, p2p_protocol
-from . import optimizer_check
+from . import optimizer_check, token_loss
 from .config import PipelineConfig
 from .eval_outputs import check_output_batch_dim, merge_microbatch_outputs, microbatch_rows
 from .grad_clip import GradientClipper, check_max_norm, check_norm_type
@@ -126,7 +126,7 @@ class Runner:
         self.groups = groups
         self.stage_fn = stage_fn
         #: Targets and loss shares by microbatch, until their backward (``StepContext.targets``).
-        self.targets = Targets(config.loss_reduction)
+        self.targets = Targets(config.loss_reduction, config.tokens_fn)
         #: What every call's StepContext starts from (``pipe.autocast``, ``pipe.grad_scaler()``,
         #: data parallelism's hook before each forward).
         self.settings = StepSettings(
@@ -226,6 +226,8 @@ class Runner:
             self._require(targets, self.is_last, "targets")
             if targets is not None and self.is_last:
                 check_batch(targets, per_call, "targets")
+                if self.config.loss_reduction == "tokens":  # tokens_fn on these targets
+                    self.targets.count(targets, per_call, self.device)
             self._check_dp_batch(inputs, targets)
 
     def _check_dp_batch(self, inputs: Any, targets: Any) -> None:
@@ -431,10 +433,17 @@ class FlushRunner(Runner):
         if self.is_last:
             self.targets.clear()
             self.targets.add(targets, m, 0, self.device)
+            if self.config.loss_reduction == "tokens":
+                self.targets.divide_by_tokens(self._batch_tokens())
         context = self._context()
         loss_scale = context.loss_scale()
         with self._forward.bound(context):
             losses = self._run_executor(lambda: self.executor.run([list(c) for c in chunks]))
+        if context.returned_tokens and context.deferred_error is None:
+            mismatch = token_loss.returned_mismatch(self.targets.token_counts,
+                                                    context.returned_tokens)
+            if mismatch is not None:  # raised by every rank, as a bad loss (_batch_loss)
+                context.deferred_error = ValueError(mismatch)
         if self.data_parallel is not None:
             # Every stage's last backward ran: gradients synchronised over dp once.
             try:
@@ -461,6 +470,28 @@ class FlushRunner(Runner):
         local = sum(float(l) for l in losses if l is not None) / loss_scale if self.is_last else 0.0
         rows = int(as_tuple(inputs)[0].shape[0]) if self.is_first else None
         return self._batch_loss(context, local / self.loss_divisor, rows)
+
+    def _batch_tokens(self) -> int:
+        """``loss_reduction="tokens"``: the batch's token count, this rank's microbatches'
+        summed over the dp ranks (their last stages, one small all-reduce per step).
+
+        Raises:
+            RuntimeError: the all-reduce failed or timed out, naming the rank and step.
+        """
+        local = self.targets.local_tokens()
+        if self.data_parallel is None or self.data_parallel.plan.dp_size == 1:
+            return local
+        plan = self.data_parallel.plan
+        try:
+            total = collectives.all_reduce_bounded(torch.tensor([local], dtype=torch.float64),
+                                                   plan.dp_group, dist.ReduceOp.SUM,
+                                                   self.config.timeout)
+        except RuntimeError as exc:  # Gloo names an address: say which ranks and step
+            raise RuntimeError(
+                f"{self.names.of_group(self.groups.rank)}: the all-reduce of the token count over "
+                f"mesh['dp'] (with {self.names.many([p[self.groups.rank] for p in plan.pipelines])})"
+                f" in step {self.steps_run} failed or timed out: {exc}") from exc
+        return int(total[0])
 
     def _batch_loss(self, context: StepContext, local: float, rows: Optional[int] = None
                     ) -> Union[StepLoss, float]:

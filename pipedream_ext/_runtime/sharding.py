@@ -415,7 +415,9 @@ class DataParallel:
     Args:
         plan: the mesh.
         stages: this rank's stages.
-        loss_reduction: ``"mean"`` or ``"sum"`` (how dp ranks' losses and gradients add up).
+        loss_reduction: ``"mean"``, ``"sum"`` or ``"tokens"`` (how dp ranks' losses and
+            gradients add up: averaged for ``"mean"``; summed otherwise, a token mean's
+            losses being already divided by the whole batch's tokens).
     """
 
     def __init__(self, plan: MeshPlan, stages: LocalStages, loss_reduction: str) -> None:
@@ -502,7 +504,7 @@ class FsdpStages(DataParallel):
         if self.plan.mp_policy is not None:
             kwargs["mp_policy"] = self.plan.mp_policy
         sharded = fully_shard(module, **kwargs)
-        if self.loss_reduction == "sum":  # dp ranks' gradients add up, as their losses do
+        if self.loss_reduction != "mean":  # dp ranks' gradients add up, as their losses do
             sharded.set_gradient_divide_factor(1.0)
             # A plain SUM (then a division by 1): Gloo has no PREMUL_SUM.
             sharded.set_force_sum_reduction_for_comms(True)
@@ -636,7 +638,7 @@ def _param_groups(state: Any) -> List[Any]:
 
 class ReplicatedStages(DataParallel):
     """Whole stages on every dp rank; gradients all-reduced over ``dp`` after each step
-    (averaged for ``loss_reduction="mean"``, summed for ``"sum"``), one flat
+    (averaged for ``loss_reduction="mean"``, summed for ``"sum"`` and ``"tokens"``), one flat
     all-reduce per stage."""
 
     def after_step(self) -> None:

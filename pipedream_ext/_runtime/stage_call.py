@@ -23,6 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from . import token_loss
 from .local_stages import LocalStages
 
 __all__ = ["NonFiniteError", "Tensors", "as_tuple", "check_batch", "split_microbatches", "Targets",
@@ -103,21 +104,64 @@ class Targets:
 
     Args:
         loss_reduction: ``"mean"`` (a microbatch's loss is scaled by its share of the
-            batch) or ``"sum"`` (not scaled: the batch's loss is the sum).
+            batch), ``"sum"`` (not scaled: the batch's loss is the sum) or ``"tokens"``
+            (scaled by 1 / the batch's token count, :meth:`divide_by_tokens`).
+        tokens_fn: ``"tokens"``: counts a microbatch's tokens (default
+            :func:`token_loss.count_tokens`).
     """
 
-    def __init__(self, loss_reduction: str = "mean") -> None:
+    def __init__(self, loss_reduction: str = "mean",
+                 tokens_fn: Optional[Callable[[Any], Any]] = None) -> None:
         self._by_microbatch: Dict[int, Tuple[Any, float]] = {}
         self.loss_reduction = loss_reduction
+        self.tokens_fn = tokens_fn if tokens_fn is not None else token_loss.count_tokens
+        #: ``"tokens"``: each held microbatch's token count (``tokens_fn`` of its targets).
+        self.token_counts: Dict[int, int] = {}
+        #: ``"tokens"``: what the losses are divided by (:meth:`divide_by_tokens`).
+        self.total_tokens: Optional[int] = None
 
     def add(self, targets: Any, count: int, first: int, device: torch.device) -> None:
         """Splits ``targets`` into ``count`` microbatches numbered from ``first``; each
-        one's scale is its share of the batch (mean reduction) or 1 (sum)."""
-        chunks = split_microbatches(targets, count, device, "targets")
-        total = sum(c[0].shape[0] for c in chunks)
+        one's scale is its share of the batch (mean reduction) or 1 (sum; tokens until
+        :meth:`divide_by_tokens`).
+
+        Raises:
+            ValueError: what :func:`check_batch` refuses; ``"tokens"``: what
+                :func:`token_loss.microbatch_tokens` refuses.
+        """
+        chunks = [c[0] if len(c) == 1 else c
+                  for c in split_microbatches(targets, count, device, "targets")]
+        if self.loss_reduction == "tokens":
+            counts = token_loss.microbatch_tokens(self.tokens_fn, chunks)
+            self.token_counts.update({first + i: n for i, n in enumerate(counts)})
+        total = sum(as_tuple(c)[0].shape[0] for c in chunks)
         for i, c in enumerate(chunks):
-            share = c[0].shape[0] / total if self.loss_reduction == "mean" else 1.0
-            self._by_microbatch[first + i] = (c[0] if len(c) == 1 else c, share)
+            share = as_tuple(c)[0].shape[0] / total if self.loss_reduction == "mean" else 1.0
+            self._by_microbatch[first + i] = (c, share)
+
+    def count(self, targets: Any, count: int, device: torch.device) -> List[int]:
+        """``"tokens"``: the token count of each of ``count`` microbatches of ``targets``,
+        without holding them (the first calls' check on every rank).
+
+        Raises:
+            ValueError: what :meth:`add` refuses.
+        """
+        chunks = split_microbatches(targets, count, device, "targets")
+        return token_loss.microbatch_tokens(self.tokens_fn, [c[0] if len(c) == 1 else c
+                                                             for c in chunks])
+
+    def local_tokens(self) -> int:
+        """The tokens of the microbatches held (this rank's part of the batch)."""
+        return sum(self.token_counts.values())
+
+    def divide_by_tokens(self, total: int) -> None:
+        """Every held microbatch's loss becomes ``loss_sum / total`` (``total``: the
+        batch's token count over every dp rank; 0 is refused by the loss, see
+        :meth:`StageFunction._loss`)."""
+        self.total_tokens = total
+        share = 1.0 / total if total else 0.0
+        for i, (target, _) in self._by_microbatch.items():
+            self._by_microbatch[i] = (target, share)
 
     def __getitem__(self, microbatch: int) -> Tuple[Any, float]:
         return self._by_microbatch[microbatch]
@@ -128,9 +172,12 @@ class Targets:
     def drop_before(self, microbatch: int) -> None:
         for i in [i for i in self._by_microbatch if i < microbatch]:
             del self._by_microbatch[i]
+            self.token_counts.pop(i, None)
 
     def clear(self) -> None:
         self._by_microbatch.clear()
+        self.token_counts.clear()
+        self.total_tokens = None
 
 
 @dataclasses.dataclass
@@ -158,6 +205,9 @@ class StepContext:
             connected to the graph so the step ends on every rank, which then raise it.
         eval_structure: found in evaluation on the last stage: per microbatch, the output's
             structure and its leaves that are not tensors (the executor returns the tensors).
+        returned_tokens: found with ``loss_reduction="tokens"``: the ``n_tokens`` each
+            microbatch's ``loss_fn`` returned (checked against the targets' count after
+            the step, :func:`token_loss.returned_mismatch`).
     """
 
     step_index: int
@@ -169,6 +219,7 @@ class StepContext:
     nonfinite_forward: Optional[int] = None
     deferred_error: Optional[ValueError] = None
     eval_structure: Dict[int, Tuple[Any, List[Any]]] = dataclasses.field(default_factory=dict)
+    returned_tokens: Dict[int, Any] = dataclasses.field(default_factory=dict)
 
     def loss_scale(self) -> float:
         """The factor the last stage's losses carry (the scaler's scale, else 1)."""
@@ -250,7 +301,8 @@ class StageFunction:
             autograd, then again (with it) before the backward; the second run must
             not update running statistics a second time (see :meth:`_run_again`).
         loss_reduction: ``"mean"`` or ``"sum"``: how ``loss_fn`` reduces over a batch
-            (checked on the first microbatch, :meth:`_check_reduction`).
+            (checked on the first microbatch, :meth:`_check_reduction`); ``"tokens"``:
+            it returns ``(loss_sum, n_tokens)`` (:mod:`token_loss`).
         rank_name: how messages name this rank (default ``"rank {rank}"``).
     """
 
@@ -415,8 +467,11 @@ class StageFunction:
 
     def _loss(self, context: StepContext, out: Any, microbatch: int) -> torch.Tensor:
         target, share = context.targets[microbatch]
-        loss = self.loss_fn(out, target)
-        problem = self._loss_problem(loss)
+        if self.loss_reduction == "tokens":
+            loss, problem = self._token_loss(context, out, target, microbatch)
+        else:
+            loss = self.loss_fn(out, target)
+            problem = self._loss_problem(loss)
         if problem is None and self.reduction_unchecked:
             self.reduction_unchecked = False
             problem = self._check_reduction(out, target, loss)
@@ -432,6 +487,18 @@ class StageFunction:
         if context.grad_scaler is not None:
             loss = context.grad_scaler.scale(loss)
         return loss
+
+    def _token_loss(self, context: StepContext, out: Any, target: Any, microbatch: int
+                    ) -> Tuple[Any, Optional[str]]:
+        """``loss_sum`` of ``loss_fn``'s ``(loss_sum, n_tokens)`` (its ``n_tokens`` kept in
+        ``context``), or what is wrong: the pair, or a batch without tokens."""
+        if context.targets.total_tokens == 0:
+            return None, token_loss.no_tokens()
+        pair, problem = token_loss.split_loss(self.loss_fn(out, target))
+        if pair is None:
+            return None, problem
+        context.returned_tokens[microbatch] = pair[1]
+        return pair[0], None
 
     def _loss_problem(self, loss: Any) -> Optional[str]:
         """What is wrong with what ``loss_fn`` returned, or ``None``."""
@@ -465,6 +532,8 @@ class StageFunction:
                 doubled = self.loss_fn(pytree.tree_map(twice, out), pytree.tree_map(twice, target))
             except Exception:  # noqa: BLE001 - a loss_fn that cannot take it: no verdict
                 return None
+        if self.loss_reduction == "tokens":
+            doubled = doubled[0] if isinstance(doubled, (tuple, list)) and doubled else None
         base = float(loss.detach())
         if not isinstance(doubled, torch.Tensor) or doubled.numel() != 1 or abs(base) < 1e-12:
             return None
@@ -478,6 +547,12 @@ class StageFunction:
                     "scales each microbatch's loss by its share of the batch, which would give "
                     "gradients 1/microbatches of the unsplit model's: use reduction='mean', or "
                     "pass loss_reduction='sum' to PipeDream")
+        if abs(ratio - 1.0) < 1e-3 and self.loss_reduction == "tokens":
+            return (f"{where}'s loss_sum averages over the batch (its value on a microbatch "
+                    "repeated twice is its value), but loss_reduction='tokens' adds the "
+                    "microbatches' loss_sum and divides by the batch's token count, so a mean "
+                    "would shrink each microbatch's loss and gradients by its token count: return "
+                    "the sum over the tokens (reduction='sum')")
         if abs(ratio - 1.0) < 1e-3 and self.loss_reduction == "sum":
             return (f"{where} averages over the batch (its value on a microbatch repeated twice "
                     "is its value), but loss_reduction='sum' adds the microbatches' losses "
