@@ -154,10 +154,14 @@ def titan_plan(sequence_parallel: bool = False) -> Dict[str, Any]:
         "layers.*.feed_forward.w3": ColwiseParallel(),
     }
     if sequence_parallel:
+        # The block norms return their local [b, s/tp, d] shard, so that only the
+        # PrepareModuleInput hooks of attention and feed_forward gather the sequence (with
+        # torchtitan's DTensor output, wq's own ColwiseParallel hook would gather it too,
+        # and the test could not tell whether those hooks ran).
         plan.update({
             "norm": SequenceParallel(),
-            "layers.*.attention_norm": SequenceParallel(),
-            "layers.*.ffn_norm": SequenceParallel(),
+            "layers.*.attention_norm": SequenceParallel(use_local_output=True),
+            "layers.*.ffn_norm": SequenceParallel(use_local_output=True),
             "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1), None),
                                                      desired_input_layouts=(Replicate(), None)),
             "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
@@ -264,8 +268,8 @@ def check_plan_shards(tracer: str) -> None:
     x, _ = batch(0)
     out = pipe.forward_only(x)
     if tracer == "fx":
-        assert isinstance(modules[f"{block}.attention"], Attention)
         assert CountCalls.calls == {"Attention": 2}, CountCalls.calls  # 1 block x 2 microbatches
+        assert isinstance(modules[f"{block}.attention"], Attention)
     if pipe.is_last:
         with torch.no_grad():
             close(out, build(cls)(x), "forward_only's output")
