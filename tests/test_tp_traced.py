@@ -125,10 +125,10 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def batch(seed: int):
+def batch(seed: int, rows: int = ROWS):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, VOCAB, (ROWS, SEQ), generator=g),
-            torch.randint(0, VOCAB, (ROWS, SEQ), generator=g))
+    return (torch.randint(0, VOCAB, (rows, SEQ), generator=g),
+            torch.randint(0, VOCAB, (rows, SEQ), generator=g))
 
 
 def titan_plan(sequence_parallel: bool = False) -> Dict[str, Any]:
@@ -179,19 +179,26 @@ def pipeline(model: nn.Module, plan: Any, schedule: str = "1f1b", **kwargs: Any)
     return pd.PipeDream(model, lm_loss, **options)
 
 
-def check_training(schedule: str, tracer: str = "fx", sequence_parallel: bool = False) -> None:
+def check_training(schedule: str, tracer: str = "fx", sequence_parallel: bool = False,
+                   dp: int = 1, data_parallel: str = "replicate") -> None:
     """STEPS AdamW steps of the pipeline and of the unsplit model agree: the loss of every
-    step, every gradient of step 0, every weight after each step."""
+    step, every gradient of step 0, every weight after each step (with ``dp`` > 1: on a
+    pp2 x dp x tp2 mesh, each dp rank given its part of the unsplit model's batch)."""
     cls = ExportedTransformer if tracer == "export" else Transformer
-    ref, pipe = build(cls), pipeline(build(cls), titan_plan(sequence_parallel), schedule)
+    mesh = mesh_of((2, dp, 2))
+    ref = build(cls)
+    pipe = pipeline(build(cls), titan_plan(sequence_parallel), schedule, mesh=mesh,
+                    data_parallel=data_parallel)
+    dp_rank = mesh["dp"].get_local_rank()
     assert pipe.traced.tracer == tracer
     opt = torch.optim.AdamW(pipe.parameters(), lr=0.01, eps=1e-4)  # eps: test_tensor_parallel
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, eps=1e-4)
     refs = dict(ref.named_parameters())
     what = f"{tracer} {schedule}{' SP' if sequence_parallel else ''}"
     for step in range(STEPS):
-        x, y = batch(step)
-        loss = pipe.step(x, y)
+        x, y = batch(step, ROWS * dp)
+        part = slice(dp_rank * ROWS, (dp_rank + 1) * ROWS)
+        loss = pipe.step(x[part], y[part])
         ref_opt.zero_grad()
         ref_loss = lm_loss(ref(x), y)
         ref_loss.backward()
@@ -316,7 +323,14 @@ def cases(world: int) -> Cases:
     return c
 
 
+def mesh_3d_cases(world: int) -> Cases:
+    c = Cases()
+    c.add(check_training, "1f1b", dp=2, data_parallel="fsdp", name="training-pp2-dp2-tp2-fsdp")
+    return c
+
+
 LAUNCH = Launch(HERE, 4, cases, timeout=300)
+MESH_3D = Launch(HERE, 8, mesh_3d_cases, name="8ranks", timeout=300, marks=(pytest.mark.slow,))
 
 
 @parametrize_cases(LAUNCH)
@@ -324,5 +338,11 @@ def test_tensor_parallel_on_a_traced_model(case: CaseRef) -> None:
     case.check()
 
 
+@pytest.mark.slow
+@parametrize_cases(MESH_3D)
+def test_tensor_parallel_on_a_traced_model_pp2_dp2_tp2(case: CaseRef) -> None:
+    case.check()
+
+
 if __name__ == "__main__":
-    worker_main([LAUNCH])
+    worker_main([LAUNCH, MESH_3D])
