@@ -323,6 +323,36 @@ def cases(world: int) -> Cases:
     return c
 
 
+@pytest.mark.parametrize("cls", [Transformer, ExportedTransformer], ids=["fx", "export"])
+def test_plan_modules_stay_module_calls(cls: type) -> None:
+    """One process: the modules named in keep_calls are called as modules in the stages,
+    hold the model's own objects at their own names, and the stages still compute the
+    model's output."""
+    from pipedream_ext._frontend.graph_split import split_model
+
+    model = build(cls)
+    keep = ["tok_embeddings", "layers.0.attention.wq", "layers.1.feed_forward.w2", "output"]
+    if cls is Transformer:
+        keep.append("layers.1.attention")  # fx keeps any module; export one-tensor calls only
+    split = split_model(model, SPLIT, batch(0)[:1], keep_calls=keep)
+    assert split.tracer == ("fx" if cls is Transformer else "export")
+    modules = dict(model.named_modules())
+    called = {}
+    for stage in split.stages:
+        for node in stage.graph.nodes:
+            if node.op == "call_module" and str(node.target) in modules:
+                called[str(node.target)] = stage.get_submodule(str(node.target))
+    for name in keep:
+        assert called.get(name) is modules[name], (name, sorted(called))
+    assert "layers.1.attention.wq" not in called  # fx: inside a kept call; export: not kept
+    x = batch(0)[0]
+    with torch.no_grad():
+        h = x
+        for stage in split.stages:
+            h = stage(h)
+        torch.testing.assert_close(h[0] if isinstance(h, tuple) else h, model(x))
+
+
 def mesh_3d_cases(world: int) -> Cases:
     c = Cases()
     c.add(check_training, "1f1b", dp=2, data_parallel="fsdp", name="training-pp2-dp2-tp2-fsdp")
