@@ -66,6 +66,7 @@ from ._runtime.sharding import (
     resolve_mesh,
 )
 from ._runtime.stage_call import StageFunction, Tensors
+from ._runtime.tensor_parallel import check_split_points, kept_calls
 from ._runtime.tensor_parallel import refuse_unsupported as refuse_tensor_parallel
 from ._runtime.tied_grads import SharedGradients
 from .planner import Plan
@@ -388,7 +389,8 @@ def _trace_stages(args: PipelineArguments) -> TracedSplit:
     """Checks the arguments of a traced pipeline and traces the model on ``sample``.
 
     Raises:
-        ValueError: no sample, a balance, a meta-device model, or what
+        ValueError: no sample, a balance, a meta-device model, a split point inside a
+            module a tensor-parallel plan keeps as one call, or what
             ``graph_split.split_model`` refuses.
     """
     module, sample = args.module, args.sample
@@ -404,12 +406,16 @@ def _trace_stages(args: PipelineArguments) -> TracedSplit:
         raise ValueError("split_points traces the model by running it on sample, which the meta "
                          "device cannot; build the model on a real device")
     assert args.split_points is not None
+    # A tensor-parallel plan's modules stay module calls in the stages (their hooks run).
+    check_split_points(args.tensor_parallel, module, args.split_points)
+    keep = kept_calls(args.tensor_parallel, module)
     first = sample[0]
     if isinstance(first, Mapping):  # keyword inputs: traced by name, passed by name
         model_io.positional_inputs(list(first), first, "sample")  # tensors only
-        return split_model(module, args.split_points, dict(first), args.concrete_args)
+        return split_model(module, args.split_points, dict(first), args.concrete_args,
+                           keep_calls=keep)
     inputs = tuple(first) if isinstance(first, (tuple, list)) else (first,)
-    return split_model(module, args.split_points, inputs, args.concrete_args)
+    return split_model(module, args.split_points, inputs, args.concrete_args, keep_calls=keep)
 
 
 def _is_plan(balance: Any) -> bool:

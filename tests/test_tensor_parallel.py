@@ -14,7 +14,7 @@ order), with every flush schedule (the multi-chunk ones with 2 chunks per rank).
 cases clip (``pd.clip_grad_norm_`` against ``torch.nn.utils.clip_grad_norm_``), one runs
 pp1 x dp2 x tp2 and one pp2 x dp2 x tp1 (``data_parallel="replicate"``), one a ``("pp",
 "tp")`` mesh, one a callable plan; a slow launch runs pp2 x dp2 x tp2 on 8 ranks.
-What is not supported yet is refused by name.
+What is not supported yet is refused by name (traced models: tests/test_tp_traced.py).
 """
 from __future__ import annotations
 
@@ -217,17 +217,6 @@ def check_plan_shards() -> None:
     pipe.close()
 
 
-class Traced(nn.Module):
-    """llama() as a model that is not an nn.Sequential (traced with split_points)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = llama()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x)
-
-
 class DTensorOut(nn.Module):
     """A stage end whose output stays a DTensor (use_local_output=False)."""
 
@@ -272,8 +261,6 @@ def check_refusals() -> None:
         ("tp-plan-type", "tensor_parallel=3", llama, dict(tensor_parallel=3)),
         ("tp-unsupported", "schedule='pipedream-2bw'", llama, dict(schedule="pipedream-2bw")),
         ("tp-unsupported", "schedule='pipedream'", llama, dict(schedule="pipedream")),
-        ("tp-unsupported", "split_points=['layers.2']", Traced,
-         dict(split_points=["layers.2"], sample=batch(0))),
         ("tp-unsupported", "recompute=True", llama, dict(recompute=True)),
         ("tp-unsupported", "autocast=torch.bfloat16", llama, dict(autocast=torch.bfloat16)),
         ("tp-mesh", "(mesh has ('pp', 'dp'))", llama, dict(mesh=mesh_of((2, 2), ("pp", "dp")))),

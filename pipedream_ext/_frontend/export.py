@@ -46,7 +46,7 @@ from torch.export import Dim
 
 from .fx_graph import compute_nodes, install_attribute, node_stages, paths_of
 
-__all__ = ["ExportRefused", "export_model", "localize_sizes", "retarget_devices"]
+__all__ = ["ExportRefused", "export_model", "keep_module_calls", "localize_sizes", "retarget_devices"]
 
 
 class ExportRefused(ValueError):
@@ -156,6 +156,7 @@ def _clean(gm: fx.GraphModule, inputs: Sequence[fx.Node]) -> None:
 
 
 def export_model(model: nn.Module, inputs: Any, concrete_args: Optional[Mapping[str, Any]],
+                 keep_calls: Sequence[str] = ()
                  ) -> Tuple[fx.GraphModule, Optional[List[str]], pytree.TreeSpec]:
     """``torch.export`` (non-strict, dynamic shapes) -> a graph ``_trace`` can cut.
 
@@ -163,6 +164,8 @@ def export_model(model: nn.Module, inputs: Any, concrete_args: Optional[Mapping[
         model: the whole model (not modified).
         inputs: a tuple of tensors (positional) or a dict of named tensors (keywords).
         concrete_args: non-tensor keyword arguments, fixed for every step.
+        keep_calls: qualified names of modules whose calls the graph keeps as calls
+            (:func:`keep_module_calls`).
 
     Returns:
         The graph module (placeholders: the tensor inputs; get_attr: the model's own
@@ -173,7 +176,8 @@ def export_model(model: nn.Module, inputs: Any, concrete_args: Optional[Mapping[
     Raises:
         ExportRefused: the graph updates a buffer or an input in place (BatchNorm's
             running statistics: naming them), or the batch dimension of an input was
-            fixed while exporting.
+            fixed while exporting, or a module of ``keep_calls`` whose call is not one
+            tensor in and one value out.
         Exception: what torch.export raises when it cannot export the forward.
     """
     named = isinstance(inputs, Mapping)
@@ -216,6 +220,7 @@ def export_model(model: nn.Module, inputs: Any, concrete_args: Optional[Mapping[
             _set_tensor(gm, target, own[target])
     _rename_tied_reads(gm, model)
     _clean(gm, tensor_inputs)
+    keep_module_calls(gm, model, keep_calls)
     _dropout_as_modules(gm, model)
     positional = tuple(inputs[name_of[p]] for p in tensor_inputs) if named else args
     _refuse_updates(model, _updated_in_place(gm, model, positional))
@@ -280,6 +285,75 @@ def _updated_in_place(gm: fx.GraphModule, model: nn.Module,
             changed.append(name)
             t.copy_(old)
     return changed
+
+
+def keep_module_calls(gm: fx.GraphModule, model: nn.Module, keep: Sequence[str]) -> None:
+    """Puts the calls of the modules named in ``keep`` back into an exported graph.
+
+    Export records the operations a module runs, never its call. Every call of a kept
+    module (the nodes whose ``nn_module_stack`` holds that call's entry) becomes one
+    ``call_module`` of the model's own module at its path, so hooks registered on it
+    later (a tensor-parallel style's) run as in the model. Only a call with one tensor
+    in and one value out can be put back (``nn.Linear``, ``nn.Embedding``, a norm):
+    its input is then the module's argument and its output the module's result.
+
+    Args:
+        gm: the exported graph (modified in place).
+        model: the model it was exported from.
+        keep: qualified module names.
+
+    Raises:
+        ExportRefused: a kept module called with other inputs (naming it and them).
+    """
+    graph = gm.graph
+    for path in sorted(keep, key=lambda p: p.count(".")):  # an enclosing module first
+        calls: Dict[str, List[fx.Node]] = {}
+        for node in graph.nodes:
+            for key, (where, _) in (node.meta.get("nn_module_stack") or {}).items():
+                if where == path:
+                    calls.setdefault(key, []).append(node)
+        if calls:
+            install_attribute(model, gm, path)
+        for key, region in calls.items():
+            _outline(gm, path, key, region)
+        for node in [n for n in graph.nodes if n.op == "get_attr" and not n.users and
+                     str(n.target).startswith(path + ".")]:
+            graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+
+
+def _outline(gm: fx.GraphModule, path: str, key: str, region: List[fx.Node]) -> None:
+    """Replaces the nodes of one call of the module at ``path`` by a call of it."""
+    graph, inside = gm.graph, set(region)
+
+    def internal(a: fx.Node) -> bool:  # the call's own nodes and its module's tensors
+        return a in inside or (a.op == "get_attr" and str(a.target).startswith(path + "."))
+
+    inputs = list(dict.fromkeys(a for n in region for a in n.all_input_nodes if not internal(a)))
+    outputs = [n for n in region if any(u not in inside for u in n.users)]
+    if len(inputs) != 1 or not isinstance(inputs[0].meta.get("val"), torch.Tensor) or \
+            len(outputs) != 1:
+        module = gm.get_submodule(path)
+        raise ExportRefused(
+            f"tensor_parallel keeps {path!r} ({type(module).__name__}) as a module call, which "
+            "the torch.export path can only put back for a call with one tensor in and one "
+            f"value out; its call takes {[a.name for a in inputs]} and returns "
+            f"{[n.name for n in outputs]} (torch.export records a module's operations, not its "
+            "call); match nn.Linear / nn.Embedding / norm modules only, or make the forward "
+            "traceable by torch.fx, which keeps any module as a call")
+    out = outputs[0]
+    stack: Dict[str, Any] = {}
+    for k, entry in (out.meta.get("nn_module_stack") or {}).items():
+        stack[k] = entry
+        if k == key:
+            break
+    with graph.inserting_after(out):
+        call = graph.call_module(path, (inputs[0],))
+    call.meta = {"nn_module_stack": stack, "val": out.meta.get("val")}
+    out.replace_all_uses_with(call, delete_user_cb=lambda u: u not in inside and u is not call)
+    for node in reversed(region):
+        graph.erase_node(node)
 
 
 class DropoutRate(nn.Module):

@@ -112,9 +112,22 @@ class UntraceableError(ValueError):
         self.advice = advice
 
 
+class _KeepCalls(fx.Tracer):
+    """fx's tracer, keeping the calls of the modules named in ``keep`` as calls
+    (``call_module``) instead of tracing through them."""
+
+    def __init__(self, keep: Sequence[str]) -> None:
+        super().__init__()
+        self.keep = frozenset(keep)
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self.keep or super().is_leaf_module(m, module_qualified_name)
+
+
 def trace_model(model: nn.Module, num_inputs: int,
                 concrete_args: Optional[Mapping[str, Any]] = None,
-                input_names: Optional[Sequence[str]] = None) -> fx.GraphModule:
+                input_names: Optional[Sequence[str]] = None,
+                keep_calls: Sequence[str] = ()) -> fx.GraphModule:
     """``torch.fx.symbolic_trace`` with the guards of ``concrete_args`` removed.
 
     Args:
@@ -125,6 +138,9 @@ def trace_model(model: nn.Module, num_inputs: int,
         input_names: the tensor inputs by parameter name instead (a dict of named
             inputs); every other parameter is then fixed to its value in
             ``concrete_args`` or to its default, as ``model(**inputs)`` would.
+        keep_calls: qualified names of modules whose calls stay calls (fx traces
+            through every module outside ``torch.nn`` by default); their hooks (a
+            tensor-parallel style's) then run as in the model.
 
     Returns:
         A graph module whose placeholders are the tensor inputs (in ``forward``'s order).
@@ -139,7 +155,9 @@ def trace_model(model: nn.Module, num_inputs: int,
     if input_names is not None:
         concrete.update(_defaults(model, input_names, concrete))
     try:
-        gm = fx.symbolic_trace(model, concrete_args=concrete or None)
+        tracer = _KeepCalls(keep_calls)
+        traced_graph = tracer.trace(model, concrete_args=concrete or None)
+        gm = fx.GraphModule(tracer.root, traced_graph, type(model).__name__)
     except Exception as exc:  # any failure means fx has no graph of it
         raise UntraceableError(
             f"{type(model).__name__} cannot be traced with torch.fx{_where(exc, model)}: {exc}",
@@ -450,8 +468,8 @@ def split_model(model: nn.Module, split_points: Sequence[str],
                 inputs: Union[Tuple[torch.Tensor, ...], Mapping[str, torch.Tensor]],
                 concrete_args: Optional[Mapping[str, Any]] = None,
                 stage_of: Optional[Mapping[str, int]] = None,
-                traced: Optional[Tuple[fx.GraphModule, Mapping[fx.Node, str]]] = None
-                ) -> TracedSplit:
+                traced: Optional[Tuple[fx.GraphModule, Mapping[fx.Node, str]]] = None,
+                keep_calls: Sequence[str] = ()) -> TracedSplit:
     """Traces ``model`` on ``inputs`` and cuts it at ``split_points`` (or as ``stage_of`` says).
 
     torch.fx first (module calls stay calls: BatchNorm keeps its running statistics,
@@ -472,6 +490,11 @@ def split_model(model: nn.Module, split_points: Sequence[str],
         traced: the fx graph of ``model`` already traced on these ``inputs`` and its
             value types (``_graph_profile.trace_groups`` made them
             for a plan): neither traced nor run again.
+        keep_calls: qualified names of modules that stay module calls in the stages,
+            holding their original objects at their original paths (the modules a
+            tensor-parallel plan matches: their styles' hooks must run); fx keeps them
+            as leaves, the torch.export path puts the calls back
+            (``export.keep_module_calls``).
 
     Returns:
         The stages and the live set of every cut.
@@ -491,7 +514,8 @@ def split_model(model: nn.Module, split_points: Sequence[str],
         input_names = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
     else:  # a sample of distinct tensors, as every batch is (model_io.distinct_inputs)
         inputs = model_io.distinct_inputs(inputs, model)
-        gm, input_names, output_spec, tracer = _trace_or_export(model, inputs, concrete_args)
+        gm, input_names, output_spec, tracer = _trace_or_export(model, inputs, concrete_args,
+                                                                keep_calls)
         kinds = None
     if stage_of is not None:
         if tracer != "fx":
@@ -580,9 +604,9 @@ def reorder_cuts(split: TracedSplit, orders: Sequence[Sequence[str]]) -> TracedS
 
 
 def _trace_or_export(model: nn.Module, inputs: Union[Tuple[torch.Tensor, ...], Mapping[str, Any]],
-                     concrete_args: Optional[Mapping[str, Any]]
+                     concrete_args: Optional[Mapping[str, Any]], keep_calls: Sequence[str] = ()
                      ) -> Tuple[fx.GraphModule, List[str], Optional[Any], str]:
-    """The model's graph: torch.fx, else torch.export.
+    """The model's graph: torch.fx, else torch.export (``keep_calls``: as :func:`split_model`).
 
     Returns:
         The graph, the input names in its order (named inputs), the output structure
@@ -594,12 +618,12 @@ def _trace_or_export(model: nn.Module, inputs: Union[Tuple[torch.Tensor, ...], M
     named = isinstance(inputs, Mapping)
     try:
         gm = trace_model(model, len(inputs), concrete_args,
-                         input_names=list(inputs) if named else None)
+                         input_names=list(inputs) if named else None, keep_calls=keep_calls)
         names = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
         return gm, names, None, "fx"
     except UntraceableError as fx_error:
         try:
-            gm, export_names, spec = export.export_model(model, inputs, concrete_args)
+            gm, export_names, spec = export.export_model(model, inputs, concrete_args, keep_calls)
         except export.ExportRefused as exc:
             raise ValueError(f"{fx_error.reason}; torch.export (non-strict) exports it, but "
                              f"{exc}. To trace it with torch.fx: {fx_error.advice}") from exc

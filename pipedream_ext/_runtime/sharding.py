@@ -545,6 +545,8 @@ class FsdpStages(DataParallel):
         FSDP2 over TP, each parameter a 2-D DTensor over the ``(dp, tp)`` mesh."""
         TensorParallel(self.plan.tensor_parallel, self.plan.tp_mesh, self.plan.pp_group).apply(
             {j: stages[j] for j in stages})
+        if stages.traced:  # its units are the modules the graph calls (attach)
+            return
         for j in stages:
             for layer in stages[j].children():
                 self.shard_layer(layer)

@@ -5,7 +5,9 @@ stages. A plan is torch's: ``{pattern: ParallelStyle}`` with fnmatch patterns ov
 the original model's module names (``*`` one name component, as
 ``torch.distributed.tensor.parallel.parallelize_module`` reads them), or a callable
 ``fn(stage_module, tp_mesh)``. An ``nn.Sequential``'s stage keeps the original
-child names (``"3.attn.wq"``), so ``parallelize_module(stage, tp_mesh, plan)`` gives
+child names (``"3.attn.wq"``), and so does a traced stage, where every module a
+pattern matches stays a module call holding the model's object (:func:`kept_calls`,
+given to the tracer), so ``parallelize_module(stage, tp_mesh, plan)`` gives
 each stage's modules exactly what ``parallelize_module(model, tp_mesh, plan)`` gives
 them in the unsplit model; a pattern matching no module of any stage is refused.
 
@@ -30,7 +32,7 @@ from torch import nn
 from .. import schedules
 from .._dist import collectives
 
-__all__ = ["TensorParallel", "check_option", "describe_plan",
+__all__ = ["TensorParallel", "check_option", "check_split_points", "describe_plan", "kept_calls",
            "local", "matched_patterns", "refuse_unsupported"]
 
 def _qualified(value: Any) -> str:
@@ -69,8 +71,8 @@ def check_option(plan: Any, options: Any) -> None:
     Raises:
         ValueError: a plan that is neither a dict of ``ParallelStyle`` nor a callable, or
             what it does not support yet (an asynchronous schedule: its weight stashing of
-            DTensor shards; ``split_points``, ``recompute``, ``autocast``), naming the value
-            and the fix.
+            DTensor shards; a callable with ``split_points``, ``recompute``, ``autocast``),
+            naming the value and the fix.
     """
     if plan is None:
         return
@@ -89,8 +91,10 @@ def check_option(plan: Any, options: Any) -> None:
     unsupported = [
         (schedules.traits(options.schedule).asynchronous, f"schedule={options.schedule!r}",
          f"use schedule= one of {', '.join(schedules.synchronous_names())}"),
-        (options.split_points is not None, f"split_points={list(options.split_points or [])}",
-         "use an nn.Sequential (balance=[...] or an even split)"),
+        (options.split_points is not None and not isinstance(plan, Mapping),
+         "a callable plan and split_points",
+         "give a dict {pattern: ParallelStyle}: a traced stage calls only the modules a dict's "
+         "patterns match (tracing runs through the others, whose hooks would never run)"),
         (bool(options.recompute), "recompute=True", "drop recompute"),
         (options.autocast is not None, f"autocast={options.autocast!r}", "drop autocast"),
     ]
@@ -111,16 +115,11 @@ def refuse_unsupported(enabled: bool, module: nn.Module, balance: Any, deferred:
         shared: its parameters tied across stages.
 
     Raises:
-        ValueError: a model that is not an ``nn.Sequential``, ``balance`` other than
-            ``None`` or a list of layer counts, a meta-device model, or a parameter tied
-            across stages, naming it and the fix.
+        ValueError: ``balance`` other than ``None`` or a list of layer counts (a plan), a
+            meta-device model, or a parameter tied across stages, naming it and the fix.
     """
     if not enabled:
         return
-    if not isinstance(module, nn.Sequential):
-        raise ValueError(f"tensor_parallel with a {type(module).__name__} (a traced model) is not "
-                         "supported yet; use an nn.Sequential whose children keep the plan's "
-                         "module names")
     if balance is not None and (isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence)):
         raise ValueError(f"tensor_parallel with balance={balance!r} is not supported yet; give "
                          "balance=[layers per stage] or leave it out (an even split)")
@@ -130,6 +129,33 @@ def refuse_unsupported(enabled: bool, module: nn.Module, balance: Any, deferred:
     if shared:
         raise ValueError(f"tensor_parallel with parameter {shared[0]} tied across stages is not "
                          "supported yet; untie it or put its uses on one stage with balance=[...]")
+
+
+def kept_calls(plan: Any, module: nn.Module) -> List[str]:
+    """The modules of ``module`` a dict plan's patterns match, by qualified name: a
+    traced model keeps their calls as calls (``graph_split.split_model(keep_calls=)``),
+    so their styles' hooks run in the stages; ``[]`` for no plan or a callable."""
+    if not isinstance(plan, Mapping):
+        return []
+    return [n for n, _ in module.named_modules() if n and any(_matches(k, n) for k in plan)]
+
+
+def check_split_points(plan: Any, module: nn.Module, split_points: Sequence[Any]) -> None:
+    """A split point inside a module the plan keeps as one call would cut that call.
+
+    Raises:
+        ValueError: naming the split point, the module and its pattern.
+    """
+    if not isinstance(plan, Mapping):
+        return
+    for name in kept_calls(plan, module):
+        inside = [p for p in split_points if isinstance(p, str) and p.startswith(name + ".")]
+        if inside:
+            pattern = next(k for k in plan if _matches(k, name))
+            raise ValueError(
+                f"split point {inside[0]!r} is inside {name!r}, which tensor_parallel pattern "
+                f"{pattern!r} keeps as one module call (its style's hooks run on that call, so "
+                f"its operations stay in one stage); split at {name!r} or at a module outside it")
 
 
 def _matches(pattern: str, name: str) -> bool:
