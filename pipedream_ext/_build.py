@@ -195,7 +195,7 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     shared_gradients.synchronize_values()
     observer = _observer(args.trace, groups, stages, config, device)
     cuts = CutLayouts(mesh.tp_mesh, mesh.tensor_parallel, {j: stages[j] for j in stages},
-                      schedule.num_stages) if mesh is not None and mesh.tp_mesh is not None else None
+                      device) if mesh is not None and mesh.tp_mesh is not None else None
     stage_fn = _stage_function(args.loss_fn, cut.traced, stages, schedule, groups, config, device,
                                mesh.names.of_group(groups.rank) if mesh is not None else None, cuts)
     runner = make_runner(config, schedule, action_feed, stages, groups, stage_fn, observer, device,

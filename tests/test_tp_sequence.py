@@ -118,8 +118,42 @@ def check_cannot_cross() -> None:
         assert "does not split evenly over tp=2" in text, text  # the first failure, named
 
 
+def check_layouts() -> None:
+    """What crosses a cut, piece by piece: each placement (and a plain tensor next to
+    it) arrives as it left, local shard and global shape; a stage whose placements
+    change, or a DTensor over another mesh, is refused naming both."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from pipedream_ext._runtime.tensor_parallel import CutLayouts
+
+    tp = mesh_of((2, 1, 2))["tp"]
+    cuts = CutLayouts(tp, {}, {}, torch.device("cpu"))
+    local, ids = torch.randn(2, 3, 4), torch.arange(6)
+    for stage, placement in enumerate((Replicate(), Shard(1), Shard(2), Partial("avg"))):
+        sent = cuts.send(stage, [DTensor.from_local(local, tp, (placement,), run_check=False), ids])
+        assert not any(isinstance(t, DTensor) for t in sent) and sent[-1].dtype == torch.int64
+        (value, plain), problem = cuts.receive(stage + 1, sent)
+        assert problem is None and plain is ids, (problem, plain)
+        assert isinstance(value, DTensor) and value.placements == (placement,), value
+        assert torch.equal(value.to_local(), local) and value.device_mesh is tp
+        grown = [2 * n if isinstance(placement, Shard) and d == placement.dim else n
+                 for d, n in enumerate(local.shape)]
+        assert list(value.shape) == grown, (placement, value.shape)
+    with pytest.raises(ValueError, match=r"stage 1 returned output 0 as Replicate\(\), but as "
+                                         r"Shard\(dim=1\) in its first forward; what a stage returns "
+                                         "at a cut must keep its placements"):
+        cuts.send(1, [DTensor.from_local(local, tp, (Replicate(),), run_check=False), ids])
+    world = init_device_mesh("cpu", (4,))
+    with pytest.raises(ValueError, match=r"stage 0 returns a DTensor \(output 0, placements "
+                                         r"\(Replicate\(\),\), mesh .*\) over another mesh than "
+                                         r"mesh\['tp'\] \(ranks \[\d, \d\]\)"):
+        cuts.send(0, [DTensor.from_local(local, world, (Replicate(),), run_check=False)])
+
+
 def cases(world: int) -> Cases:
     c = Cases()
+    c.add(check_layouts)
     c.add(check_training, "1f1b", tensor_parallel=lambda: sp_plan(), name="sp-1f1b")
     c.add(check_training, "zb-h1", tensor_parallel=lambda: sp_plan(), name="sp-zb-h1")
     c.add(check_training, "zbv", chunks=2, tensor_parallel=lambda: sp_plan(), name="sp-zbv")
@@ -128,8 +162,9 @@ def cases(world: int) -> Cases:
           name="dtensor-at-cut-1f1b")
     c.add(check_training, "zbv", chunks=2, balance=[1, 1, 2, 1], tensor_parallel=lambda: sp_plan(),
           name="dtensor-at-cut-zbv")
-    c.add(check_mismatch)
+    # Before check_mismatch: the job's first failure, which its peers' errors name.
     c.add(check_cannot_cross)
+    c.add(check_mismatch)
     return c
 
 

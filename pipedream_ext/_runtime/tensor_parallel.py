@@ -177,15 +177,15 @@ class CutLayouts:
         tp_mesh: this rank's 1-D tp mesh.
         plan: the ``tensor_parallel`` value (a dict's styles declare input layouts).
         stages: this rank's stages by index.
-        num_stages: stages in the whole pipeline.
+        device: the stages' device (the layout tensor's).
     """
 
     def __init__(self, tp_mesh: Any, plan: Any, stages: Mapping[int, nn.Module],
-                 num_stages: int) -> None:
-        self.tp_mesh, self.num_stages = tp_mesh, num_stages
+                 device: torch.device) -> None:
+        self.tp_mesh, self.device = tp_mesh, device
         self.tp_size = tp_mesh.size()
         self._tp_ranks = sorted(tp_mesh.mesh.flatten().tolist())
-        self._sent: Dict[int, List[Any]] = {}
+        self._sent: Dict[int, Tuple[List[Any], torch.Tensor]] = {}
         self._received: Dict[int, List[Any]] = {}
         self._mismatch: Dict[int, Optional[str]] = {}
         self._declared = {j: _declared_input_layout(plan, m) for j, m in stages.items()}
@@ -200,7 +200,10 @@ class CutLayouts:
                 unevenly, or whose placements differ from the stage's first forward.
         """
         placements = [self._placement(stage, k, v) for k, v in enumerate(values)]
-        first = self._sent.setdefault(stage, placements)
+        if stage not in self._sent:  # one layout tensor per stage: no copy to the device per forward
+            codes = [c for p in placements for c in _code(p)]
+            self._sent[stage] = placements, torch.tensor(codes, dtype=torch.int64, device=self.device)
+        first, layout = self._sent[stage]
         for k, (was, now) in enumerate(zip(first, placements)):
             if was != now:
                 raise ValueError(
@@ -208,9 +211,7 @@ class CutLayouts:
                     f"{_placement_name(was)} in its first forward; what a stage returns at a cut "
                     "must keep its placements from one microbatch (and step) to the next (its "
                     "receiver wraps it as it first arrived)")
-        codes = [c for p in placements for c in _code(p)]
-        return [v.to_local() if p is not None else v for v, p in zip(values, placements)] + \
-            [torch.tensor(codes, dtype=torch.int64, device=values[0].device)]
+        return [v.to_local() if p is not None else v for v, p in zip(values, placements)] + [layout]
 
     def _placement(self, stage: int, k: int, value: torch.Tensor) -> Any:
         """``value``'s placement over the tp mesh, ``None`` for a plain tensor."""
