@@ -121,7 +121,9 @@ def check_cannot_cross() -> None:
 def check_layouts() -> None:
     """What crosses a cut, piece by piece: each placement (and a plain tensor next to
     it) arrives as it left, local shard and global shape; a stage whose placements
-    change, or a DTensor over another mesh, is refused naming both."""
+    change, a DTensor over another mesh, or one returned by the last stage is refused
+    naming it."""
+    from test_bad_input import ROWS as BAD
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
@@ -149,6 +151,8 @@ def check_layouts() -> None:
                                          r"\(Replicate\(\),\), mesh .*\) over another mesh than "
                                          r"mesh\['tp'\] \(ranks \[\d, \d\]\)"):
         cuts.send(0, [DTensor.from_local(local, world, (Replicate(),), run_check=False)])
+    with pytest.raises(ValueError, match=next(r[2] for r in BAD if r[0] == "tp-dtensor-end")):
+        cuts.refuse_at_end(3, DTensor.from_local(local, tp, (Shard(2),), run_check=False))
 
 
 def cases(world: int) -> Cases:

@@ -11,10 +11,15 @@ them in the unsplit model; a pattern matching no module of any stage is refused.
 
 Before the plan is applied every stage's parameters and buffers are broadcast from
 tp rank 0 (as DDP broadcasts rank 0's), so the tp ranks start from one model; the
-styles then shard (or replicate) from those values. What crosses a cut must be a
-plain tensor replicated over tp (``RowwiseParallel``'s default output): a
-``DTensor`` returned by a stage is refused by name (sequence parallelism across cuts
-is not supported yet).
+styles then shard (or replicate) from those values.
+
+What a stage returns crosses the cut as it is, never gathered (``CutLayouts``): a
+plain tensor (replicated over tp after ``RowwiseParallel()``, a local sequence shard
+``[b, s/tp, d]`` with sequence parallelism), or a ``DTensor`` as its local shard, with
+one int64 layout tensor appended to the stage's outputs that the next stage reads to
+wrap the shard back as a ``DTensor`` with the same placement over its own tp mesh. A
+placement the next stage's first module declares otherwise fails the step on every
+rank; a ``DTensor`` that cannot cross is refused by name.
 """
 from __future__ import annotations
 
