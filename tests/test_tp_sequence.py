@@ -24,11 +24,12 @@ from typing import Any, Dict
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _multiprocess import CaseRef, Cases, Launch, parametrize_cases, worker_main
-from test_tensor_parallel import DIM, batch, check_training, llama, lm_loss, mesh_of
+from test_tensor_parallel import DIM, ROWS, SEQ, batch, check_training, llama, lm_loss, mesh_of
 
 HERE = os.path.abspath(__file__)
 
@@ -51,6 +52,31 @@ def sp_plan() -> Dict[str, Any]:
             "*.ffn.w2": RowwiseParallel(output_layouts=Shard(1)),
             "3": SequenceParallel(),
             "4": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+
+
+def check_sp_training(schedule: str, crossing: Dict[int, str], **kwargs: Any) -> None:
+    """check_training with sp_plan(), and what crossed each cut this rank sent over:
+    stage j's output a local sequence shard [microbatch rows, SEQ / 2, DIM], as a plain
+    tensor or (``crossing[j]`` "Shard(dim=1)") a DTensor with that placement."""
+    from pipedream_ext._runtime.tensor_parallel import CutLayouts
+
+    sent = set()
+    send = CutLayouts.send
+
+    def recording(self: Any, stage: int, values: Any) -> Any:
+        out = send(self, stage, values)
+        sent.update((stage, repr(getattr(v, "placements", ("plain",))[0]), tuple(t.shape))
+                    for v, t in zip(values, out))
+        return out
+
+    CutLayouts.send = recording
+    try:
+        check_training(schedule, tensor_parallel=sp_plan, **kwargs)
+    finally:
+        CutLayouts.send = send
+    shard = (ROWS // 2, SEQ // 2, DIM)  # 2 microbatches
+    assert sent == {(j, crossing[j], shard) for j in {j for j, _, _ in sent}}, sent
+    assert sent or dist.get_rank() >= 2, "a rank of pp 0 sent nothing"
 
 
 def check_mismatch() -> None:
@@ -158,13 +184,13 @@ def check_layouts() -> None:
 def cases(world: int) -> Cases:
     c = Cases()
     c.add(check_layouts)
-    c.add(check_training, "1f1b", tensor_parallel=lambda: sp_plan(), name="sp-1f1b")
-    c.add(check_training, "zb-h1", tensor_parallel=lambda: sp_plan(), name="sp-zb-h1")
-    c.add(check_training, "zbv", chunks=2, tensor_parallel=lambda: sp_plan(), name="sp-zbv")
+    plain = {j: "'plain'" for j in range(3)}
+    c.add(check_sp_training, "1f1b", plain, name="sp-1f1b")
+    c.add(check_sp_training, "zb-h1", plain, name="sp-zb-h1")
+    c.add(check_sp_training, "zbv", plain, chunks=2, name="sp-zbv")
     # Cut after the final norm: its DTensor (Shard(1)) crosses to the head.
-    c.add(check_training, "1f1b", balance=[4, 1], tensor_parallel=lambda: sp_plan(),
-          name="dtensor-at-cut-1f1b")
-    c.add(check_training, "zbv", chunks=2, balance=[1, 1, 2, 1], tensor_parallel=lambda: sp_plan(),
+    c.add(check_sp_training, "1f1b", {0: "Shard(dim=1)"}, balance=[4, 1], name="dtensor-at-cut-1f1b")
+    c.add(check_sp_training, "zbv", {**plain, 2: "Shard(dim=1)"}, chunks=2, balance=[1, 1, 2, 1],
           name="dtensor-at-cut-zbv")
     # Before check_mismatch: the job's first failure, which its peers' errors name.
     c.add(check_cannot_cross)
