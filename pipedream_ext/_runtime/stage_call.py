@@ -158,9 +158,9 @@ class StepContext:
             ``sharding.FsdpStages``), or ``None``.
         nonfinite_forward: found: the first stage whose forward output held NaN/inf, or ``None``.
         deferred_error: found: a bad loss (flush schedules; the loss was replaced by a zero
-            connected to the graph), or a stage's inputs whose placements disagree with
-            its plan (the forward went on with them), so the step ends on every rank,
-            which then raise it.
+            connected to the graph), or a stage's input whose placement disagrees with
+            its plan (the forward went on with zeros in the declared layout), so the
+            step ends on every rank, which then raise it.
         eval_structure: found in evaluation on the last stage: per microbatch, the output's
             structure and its leaves that are not tensors (the executor returns the tensors).
     """
