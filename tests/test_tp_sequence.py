@@ -11,7 +11,8 @@ embedding reduce-scattered to ``Shard(1)``, the head gathering its input. Betwee
 the activation is then a plain local shard ``[b, s/tp, d]``; with a cut after the final
 norm, a ``DTensor`` (``Shard(1)``) crosses as its local shard and arrives as a
 ``DTensor``. Each trains like the unsplit model (loss of every step, every step-0
-gradient, every weight after 3 AdamW steps, 1e-4 relative) on 1f1b, zb-h1 and zbv. A
+gradient, every weight after 3 AdamW steps, 1e-4 relative) on 1f1b, zb-h1 and zbv, and
+what crossed each cut is checked. Each placement's round trip is checked on its own. A
 plan whose placements disagree across a cut fails every rank with one message; a
 ``DTensor`` that cannot cross fails its rank by name and its peers name it.
 """
