@@ -269,9 +269,10 @@ class CutLayouts:
 
     def _stand_in(self, arrived: Any, declared: Any) -> Any:
         """Zeros in the layout the stage's first module declares, for the forward of a
-        step that every rank then fails: its style would read the shard that arrived as
-        ``declared`` (``PrepareModuleInput`` redistributes from what it declares) and the
-        forward could fail on the shapes before the message reaches every rank."""
+        step that every rank then fails: its style decides from ``declared`` whether to
+        redistribute (``PrepareModuleInput`` declaring ``Replicate()`` hands a ``Shard(1)``
+        shard on as the whole), so the forward could fail on the shapes before the
+        message reaches every rank."""
         from torch.distributed.tensor import DTensor  # noqa: PLC0415 - only with tp
 
         shape = list(arrived.shape)
