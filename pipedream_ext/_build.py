@@ -66,7 +66,7 @@ from ._runtime.sharding import (
     resolve_mesh,
 )
 from ._runtime.stage_call import StageFunction, Tensors
-from ._runtime.tensor_parallel import check_split_points, kept_calls
+from ._runtime.tensor_parallel import CutLayouts, check_split_points, kept_calls
 from ._runtime.tensor_parallel import refuse_unsupported as refuse_tensor_parallel
 from ._runtime.tied_grads import SharedGradients
 from .planner import Plan
@@ -194,8 +194,10 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     # initialised per rank, each from its own layer's seed).
     shared_gradients.synchronize_values()
     observer = _observer(args.trace, groups, stages, config, device)
+    cuts = CutLayouts(mesh.tp_mesh, mesh.tensor_parallel, {j: stages[j] for j in stages},
+                      device) if mesh is not None and mesh.tp_mesh is not None else None
     stage_fn = _stage_function(args.loss_fn, cut.traced, stages, schedule, groups, config, device,
-                               mesh.names.of_group(groups.rank) if mesh is not None else None)
+                               mesh.names.of_group(groups.rank) if mesh is not None else None, cuts)
     runner = make_runner(config, schedule, action_feed, stages, groups, stage_fn, observer, device,
                          shared_gradients=shared_gradients, data_parallel=data_parallel)
     if cut.traced is not None and cut.traced.input_names is not None:
@@ -699,9 +701,11 @@ def _observer(trace: Optional[Union[str, os.PathLike]], groups: PipelineGroups,
 def _stage_function(loss_fn: Callable[..., torch.Tensor], traced: Optional[TracedSplit],
                     stages: LocalStages, schedule: "schedules.Schedule",
                     groups: PipelineGroups, config: PipelineConfig,
-                    device: torch.device, rank_name: Optional[str] = None) -> StageFunction:
+                    device: torch.device, rank_name: Optional[str] = None,
+                    cuts: Optional[CutLayouts] = None) -> StageFunction:
     """The executor's forward callback over this rank's stages (``rank_name``: how its
-    messages name the rank; default ``"rank {rank}"``)."""
+    messages name the rank; default ``"rank {rank}"``; ``cuts``: with tensor parallelism,
+    what crosses a cut)."""
     # An exported model's last stage returns its output's tensors flat; loss_fn gets
     # the model's own structure (a ModelOutput) back.
     spec = traced.output_spec if traced is not None else None
@@ -709,4 +713,4 @@ def _stage_function(loss_fn: Callable[..., torch.Tensor], traced: Optional[Trace
     return StageFunction(stages, stage_loss, schedule.num_stages, device,
                          config.check_finite, raise_at_once=config.asynchronous,
                          rank=groups.rank, recompute=config.recompute,
-                         loss_reduction=config.loss_reduction, rank_name=rank_name)
+                         loss_reduction=config.loss_reduction, rank_name=rank_name, cuts=cuts)

@@ -312,7 +312,8 @@ class Runner:
         outputs are then combined over microbatches (``eval_outputs``: tensors along
         ``output_batch_dim`` where it has each microbatch's rows, 0-d tensors as the
         rows-weighted mean; anything else refused). A failure on one rank after its
-        part ran (combining the outputs) is raised on every rank: one flag all-reduce.
+        part ran (combining the outputs; a stage's inputs whose placements disagree with
+        its tensor-parallel plan) is raised on every rank: one flag all-reduce.
 
         Args:
             inputs: the batch (stage 0's ranks).
@@ -327,7 +328,8 @@ class Runner:
         if executor is not None:
             with self._forward.bound(self._context(evaluating=True)) as context:
                 outputs = self._run_executor(lambda: executor.run_forward([list(c) for c in chunks]))
-            if self.is_last:
+            error = context.deferred_error
+            if self.is_last and error is None:
                 try:
                     per_microbatch = self.stage_fn.take_eval_outputs(context, outputs)
                     if restore is not None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.utils._pytree as pytree
@@ -25,6 +25,9 @@ from torch import nn
 
 from . import token_loss
 from .local_stages import LocalStages
+
+if TYPE_CHECKING:
+    from .tensor_parallel import CutLayouts
 
 __all__ = ["NonFiniteError", "Tensors", "as_tuple", "check_batch", "split_microbatches", "Targets",
            "StepContext", "StepSettings", "StepCallback", "StageFunction"]
@@ -201,8 +204,10 @@ class StepContext:
             (a mesh's data parallelism: whether FSDP reshards after it,
             ``sharding.FsdpStages``), or ``None``.
         nonfinite_forward: found: the first stage whose forward output held NaN/inf, or ``None``.
-        deferred_error: found: a bad loss (flush schedules). The loss was replaced by a zero
-            connected to the graph so the step ends on every rank, which then raise it.
+        deferred_error: found: a bad loss (flush schedules; the loss was replaced by a zero
+            connected to the graph), or a stage's input whose placement disagrees with
+            its plan (the forward went on with zeros in the declared layout), so the
+            step ends on every rank, which then raise it.
         eval_structure: found in evaluation on the last stage: per microbatch, the output's
             structure and its leaves that are not tensors (the executor returns the tensors).
         returned_tokens: found with ``loss_reduction="tokens"``: the ``n_tokens`` each
@@ -304,14 +309,17 @@ class StageFunction:
             (checked on the first microbatch, :meth:`_check_reduction`); ``"tokens"``:
             it returns ``(loss_sum, n_tokens)`` (:mod:`token_loss`).
         rank_name: how messages name this rank (default ``"rank {rank}"``).
+        cuts: with ``tensor_parallel``: what crosses a cut (a ``DTensor`` as its local
+            shard and its layout, wrapped back on the receiving stage), else ``None``.
     """
 
     def __init__(self, stages: LocalStages, loss_fn: Callable[..., torch.Tensor],
                  num_stages: int, device: torch.device,
                  check_finite: Optional[str], raise_at_once: bool, rank: int,
                  recompute: bool = False, loss_reduction: str = "mean",
-                 rank_name: Optional[str] = None) -> None:
+                 rank_name: Optional[str] = None, cuts: Optional["CutLayouts"] = None) -> None:
         self.stages = stages
+        self.cuts = cuts
         self.loss_fn = loss_fn
         self.num_stages = num_stages
         self.device = device
@@ -358,6 +366,10 @@ class StageFunction:
 
     def _run(self, context: StepContext, stage: int, microbatch: int,
              inputs: List[torch.Tensor], weights: List[torch.Tensor]) -> List[torch.Tensor]:
+        if self.cuts is not None and stage > 0:
+            inputs, problem = self.cuts.receive(stage, inputs)
+            if problem is not None:
+                self._defer(context, problem)
         # nn.Sequential semantics: a tuple output reaches the next layer as one tuple.
         arg = inputs[0] if len(inputs) == 1 else tuple(inputs)
         if weights:  # a stashed weight version: run the stage functionally on it
@@ -366,6 +378,8 @@ class StageFunction:
         else:
             out = self.stages[stage](arg)
         if stage == self.num_stages - 1:
+            if self.cuts is not None:
+                self.cuts.refuse_at_end(stage, out)
             if not context.evaluating:
                 return [self._loss(context, out, microbatch)]
             return self._flatten_output(context, out, microbatch)
@@ -391,7 +405,7 @@ class StageFunction:
                 "tensors (they are sent to the next stage): return the tensors (e.g. "
                 "out['hidden'] instead of the dict), or give the model as a traced module "
                 "(split_points=...), which passes any values between its stages")
-        return list(values)
+        return list(values) if self.cuts is None else self.cuts.send(stage, values)
 
     def _flatten_output(self, context: StepContext, out: Any, microbatch: int
                         ) -> List[torch.Tensor]:
@@ -476,12 +490,9 @@ class StageFunction:
             self.reduction_unchecked = False
             problem = self._check_reduction(out, target, loss)
         if problem is not None:
-            if self.raise_at_once:
-                raise ValueError(f"{self.rank_name}: step {context.step_index}: {problem}")
             # Found on this rank only: the step ends with a zero loss (zero gradients) on
             # every rank, which then raise it together (FlushRunner.step).
-            if context.deferred_error is None:
-                context.deferred_error = ValueError(problem)
+            self._defer(context, problem)
             return _zero_loss(out)
         loss = loss.float() * share
         if context.grad_scaler is not None:
@@ -499,6 +510,18 @@ class StageFunction:
             return None, problem
         context.returned_tokens[microbatch] = pair[1]
         return pair[0], None
+
+    def _defer(self, context: StepContext, problem: str) -> None:
+        """Keeps ``problem`` for the end of the call, when every rank raises it
+        (``context.deferred_error``), or raises it now (``raise_at_once``).
+
+        Raises:
+            ValueError: ``problem``, with ``raise_at_once``.
+        """
+        if self.raise_at_once:
+            raise ValueError(f"{self.rank_name}: step {context.step_index}: {problem}")
+        if context.deferred_error is None:
+            context.deferred_error = ValueError(problem)
 
     def _loss_problem(self, loss: Any) -> Optional[str]:
         """What is wrong with what ``loss_fn`` returned, or ``None``."""

@@ -13,17 +13,22 @@ them in the unsplit model; a pattern matching no module of any stage is refused.
 
 Before the plan is applied every stage's parameters and buffers are broadcast from
 tp rank 0 (as DDP broadcasts rank 0's), so the tp ranks start from one model; the
-styles then shard (or replicate) from those values. What crosses a cut must be a
-plain tensor replicated over tp (``RowwiseParallel``'s default output): a
-``DTensor`` returned by a stage is refused by name (sequence parallelism across cuts
-is not supported yet).
+styles then shard (or replicate) from those values.
+
+What a stage returns crosses the cut as it is, never gathered (``CutLayouts``): a
+plain tensor (replicated over tp after ``RowwiseParallel()``, a local sequence shard
+``[b, s/tp, d]`` with sequence parallelism), or a ``DTensor`` as its local shard, with
+one int64 layout tensor appended to the stage's outputs that the next stage reads to
+wrap the shard back as a ``DTensor`` with the same placement over its own tp mesh. A
+placement the next stage's first module declares otherwise fails the step on every
+rank; a ``DTensor`` that cannot cross is refused by name.
 """
 from __future__ import annotations
 
 import fnmatch
 import re
 import warnings
-from typing import Any, Dict, List, Mapping, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,7 +37,8 @@ from torch import nn
 from .. import schedules
 from .._dist import collectives
 
-__all__ = ["TensorParallel", "check_option", "check_split_points", "describe_plan", "kept_calls",
+__all__ = ["CutLayouts", "TensorParallel", "check_option", "check_split_points", "describe_plan",
+           "kept_calls",
            "local", "matched_patterns", "refuse_unsupported"]
 
 def _qualified(value: Any) -> str:
@@ -174,24 +180,207 @@ def _is_dtensor(value: Any) -> bool:
     return hasattr(value, "device_mesh") and hasattr(value, "placements") and hasattr(value, "to_local")
 
 
-class _RefuseDTensorOutput:
-    """A stage's forward hook: a ``DTensor`` output (a sharded activation) cannot cross
-    a cut yet."""
+#: ``Partial`` reductions a layout code can name (its second number indexes this).
+_PARTIAL_OPS = ("sum", "avg", "max", "min")
+#: Layout codes: what one output of a stage is (the first number of its pair).
+_PLAIN, _REPLICATE, _SHARD, _PARTIAL = 0, 1, 2, 3
 
-    def __init__(self, stage: int) -> None:
-        self.stage = stage
 
-    def __call__(self, module: nn.Module, inputs: Any, output: Any) -> None:
+def _placement_name(placement: Any) -> str:
+    return "a plain tensor" if placement is None else repr(placement)
+
+
+class CutLayouts:
+    """What a stage's outputs are at a cut, sent with them: a ``DTensor`` crosses as its
+    local shard and arrives as a ``DTensor`` with the same placement over the receiving
+    rank's tp mesh.
+
+    With ``tensor_parallel`` every stage but the last appends one int64 tensor to its
+    outputs, two numbers per output (plain, ``Replicate()``, ``Shard(d)``,
+    ``Partial(op)``); every stage but the first strips it from its inputs and wraps each
+    local shard back with ``DTensor.from_local(..., run_check=False)`` (autograd passes
+    the gradient back through ``from_local`` and ``to_local``). The wire carries only
+    dtypes and shapes, so the layout travels as data. The sender checks each forward's
+    placements against the stage's first (host metadata, free); the receiver reads the
+    layout once per stage (one device-to-host copy) and checks it against what the
+    plan declares for the stage's first module.
+
+    Args:
+        tp_mesh: this rank's 1-D tp mesh.
+        plan: the ``tensor_parallel`` value (a dict's styles declare input layouts).
+        stages: this rank's stages by index.
+        device: the stages' device (the layout tensor's).
+    """
+
+    def __init__(self, tp_mesh: Any, plan: Any, stages: Mapping[int, nn.Module],
+                 device: torch.device) -> None:
+        self.tp_mesh, self.device = tp_mesh, device
+        self.tp_size = tp_mesh.size()
+        self._tp_ranks = sorted(tp_mesh.mesh.flatten().tolist())
+        self._sent: Dict[int, Tuple[List[Any], torch.Tensor]] = {}
+        self._received: Dict[int, List[Any]] = {}
+        self._mismatch: Dict[int, Optional[str]] = {}
+        self._declared = {j: _declared_input_layout(plan, m) for j, m in stages.items()}
+
+    # -- the sending side ------------------------------------------------------------------
+    def send(self, stage: int, values: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Stage ``stage``'s outputs as they cross the cut: local shards, and the layout.
+
+        Raises:
+            ValueError: a ``DTensor`` over another mesh than the tp mesh, with a placement
+                other than ``Replicate``/``Shard``/``Partial`` (sum, avg, max, min), sharded
+                unevenly, or whose placements differ from the stage's first forward.
+        """
+        placements = [self._placement(stage, k, v) for k, v in enumerate(values)]
+        if stage not in self._sent:  # one layout tensor per stage: no copy to the device per forward
+            codes = [c for p in placements for c in _code(p)]
+            self._sent[stage] = placements, torch.tensor(codes, dtype=torch.int64, device=self.device)
+        first, layout = self._sent[stage]
+        for k, (was, now) in enumerate(zip(first, placements)):
+            if was != now:
+                raise ValueError(
+                    f"stage {stage} returned output {k} as {_placement_name(now)}, but as "
+                    f"{_placement_name(was)} in its first forward; what a stage returns at a cut "
+                    "must keep its placements from one microbatch (and step) to the next (its "
+                    "receiver wraps it as it first arrived)")
+        return [v.to_local() if p is not None else v for v, p in zip(values, placements)] + [layout]
+
+    def _placement(self, stage: int, k: int, value: torch.Tensor) -> Any:
+        """``value``'s placement over the tp mesh, ``None`` for a plain tensor."""
+        if not _is_dtensor(value):
+            return None
+        where = f"stage {stage} returns a DTensor (output {k}, placements {tuple(value.placements)}"
+        mesh = value.device_mesh
+        if mesh.ndim != 1 or sorted(mesh.mesh.flatten().tolist()) != self._tp_ranks:
+            raise ValueError(f"{where}, mesh {mesh}) over another mesh than mesh['tp'] (ranks "
+                             f"{self._tp_ranks}); a DTensor at a cut must be over the tp mesh: "
+                             "end the stage with .to_local() or redistribute it there")
+        placement = value.placements[0]
+        if _code(placement) is None:
+            raise ValueError(f"{where}): a DTensor crosses a cut as Replicate(), Shard(d) or "
+                             f"Partial({'|'.join(_PARTIAL_OPS)}); redistribute it to one of them")
+        if type(placement).__name__ == "Shard" and value.shape[placement.dim] % self.tp_size:
+            raise ValueError(
+                f"{where}, shape {tuple(value.shape)}): dim {placement.dim} ({value.shape[placement.dim]}) "
+                f"does not split evenly over tp={self.tp_size}; the receiving stage rebuilds the "
+                "DTensor from its local shard as torch's sequence parallelism does (even shards): "
+                f"use a size divisible by {self.tp_size}")
+        return placement
+
+    # -- the receiving side ----------------------------------------------------------------
+    def receive(self, stage: int, inputs: Sequence[torch.Tensor]
+                ) -> Tuple[List[torch.Tensor], Optional[str]]:
+        """Stage ``stage``'s inputs as its modules see them: the layout stripped, each local
+        shard of a ``DTensor`` wrapped back; and a problem found, or ``None``.
+
+        The problem (the stage's first module declares another input placement than the
+        one that arrived: its style would misread the shard) does not stop the forward,
+        which goes on with zeros in the declared layout, so the step ends on every rank
+        and every rank raises it (``StepContext.deferred_error``).
+        """
+        from torch.distributed.tensor import DTensor  # noqa: PLC0415 - only with tp
+
+        values, layout = list(inputs[:-1]), inputs[-1]
+        if stage not in self._received:
+            self._received[stage] = _decode(layout.tolist())
+            self._mismatch[stage] = self._declared_mismatch(stage, values[0].dim() if values else 0)
+        placements, problem = self._received[stage], self._mismatch[stage]
+        if len(placements) != len(values):
+            raise ValueError(f"stage {stage} received {len(values)} tensors and a layout of "
+                             f"{len(placements)}; every rank must run the same model and plan")
+        wrapped = [v if p is None else DTensor.from_local(v, self.tp_mesh, (p,), run_check=False)
+                   for v, p in zip(values, placements)]
+        if problem is not None:
+            wrapped[0] = self._stand_in(wrapped[0], self._declared[stage][2])
+        return wrapped, problem
+
+    def _stand_in(self, arrived: Any, declared: Any) -> Any:
+        """Zeros in the layout the stage's first module declares, for the forward of a
+        step that every rank then fails: its style decides from ``declared`` whether to
+        redistribute (``PrepareModuleInput`` declaring ``Replicate()`` hands a ``Shard(1)``
+        shard on as the whole), so the forward could fail on the shapes before the
+        message reaches every rank."""
+        from torch.distributed.tensor import DTensor  # noqa: PLC0415 - only with tp
+
+        shape = list(arrived.shape)
+        if type(declared).__name__ == "Shard":
+            shape[declared.dim % len(shape)] //= self.tp_size
+        zeros = torch.zeros(shape, dtype=arrived.dtype, device=arrived.device)
+        return DTensor.from_local(zeros, self.tp_mesh, (declared,), run_check=False)
+
+    def _declared_mismatch(self, stage: int, ndim: int) -> Optional[str]:
+        declared, arrived = self._declared.get(stage), self._received[stage]
+        if declared is None or len(arrived) != 1 or arrived[0] is None:
+            return None
+        name, style, expected = declared
+        if _same_placement(expected, arrived[0], ndim):
+            return None
+        return (f"stage {stage} receives output 0 of stage {stage - 1} as a DTensor with "
+                f"{arrived[0]!r}, but its first module {name!r} has {style} with input_layouts "
+                f"{expected!r}: make the plan agree on the cut, either input_layouts={arrived[0]!r} "
+                f"for {name!r} or end stage {stage - 1} with {expected!r} (its last style's "
+                "output_layouts)")
+
+    def refuse_at_end(self, stage: int, output: Any) -> None:
+        """The last stage's output goes to ``loss_fn`` (or back to the caller) as is; a
+        ``DTensor`` there (loss parallelism) is not supported yet.
+
+        Raises:
+            ValueError: a ``DTensor`` in the last stage's output, naming it and the fix.
+        """
         flat = output if isinstance(output, (tuple, list)) else (output,)
         for k, value in enumerate(flat):
             if _is_dtensor(value):
                 raise ValueError(
-                    f"stage {self.stage} returns a DTensor (output {k}, placements "
-                    f"{tuple(value.placements)}): tensor_parallel sends plain tensors replicated "
-                    "over tp across cuts; a DTensor (or sequence-parallel) output at a cut is not "
-                    "supported yet; end the stage with a style whose output is a local replicated "
-                    "tensor (RowwiseParallel(), or use_local_output=True with "
-                    "output_layouts=Replicate())")
+                    f"the last stage (stage {stage}) returns a DTensor (output {k}, placements "
+                    f"{tuple(value.placements)}): loss_fn and the caller get plain tensors "
+                    "(loss parallelism is not supported yet); end the model with a style whose "
+                    "output is a local tensor (use_local_output=True, e.g. ColwiseParallel("
+                    "output_layouts=Replicate()))")
+
+
+def _code(placement: Any) -> Optional[Tuple[int, int]]:
+    """A placement's two layout numbers (``None``: a plain tensor), or ``None`` for one
+    that cannot cross a cut."""
+    if placement is None:
+        return (_PLAIN, 0)
+    kind = type(placement).__name__
+    if kind == "Replicate":
+        return (_REPLICATE, 0)
+    if kind == "Shard":
+        return (_SHARD, placement.dim)
+    if kind == "Partial" and placement.reduce_op in _PARTIAL_OPS:
+        return (_PARTIAL, _PARTIAL_OPS.index(placement.reduce_op))
+    return None
+
+
+def _decode(codes: List[int]) -> List[Any]:
+    from torch.distributed.tensor import Partial, Replicate, Shard  # noqa: PLC0415 - only with tp
+
+    kinds = {_PLAIN: lambda _: None, _REPLICATE: lambda _: Replicate(), _SHARD: Shard,
+             _PARTIAL: lambda op: Partial(_PARTIAL_OPS[op])}
+    return [kinds[kind](arg) for kind, arg in zip(codes[::2], codes[1::2])]
+
+
+def _same_placement(declared: Any, arrived: Any, ndim: int) -> bool:
+    """Whether a style's declared placement is the one that arrived (``Shard(-1)`` of a
+    3-D tensor is ``Shard(2)``)."""
+    if type(declared).__name__ == "Shard" and type(arrived).__name__ == "Shard":
+        return declared.dim % ndim == arrived.dim % ndim
+    return declared == arrived
+
+
+def _declared_input_layout(plan: Any, stage: nn.Module) -> Optional[Tuple[str, str, Any]]:
+    """What the plan's style on the stage's first module declares its first input to be:
+    ``(module name, style, placement)``, or ``None`` (a callable plan, no such style)."""
+    if not isinstance(plan, Mapping) or not isinstance(stage, nn.Sequential) or not len(stage):
+        return None
+    name = next(iter(stage._modules))  # noqa: SLF001 - an nn.Sequential's child names
+    for pattern, style in plan.items():
+        layouts = getattr(style, "input_layouts", None)
+        if _matches(pattern, name) and isinstance(layouts, tuple) and layouts and layouts[0] is not None:
+            return name, type(style).__name__, layouts[0]
+    return None
 
 
 class TensorParallel:
@@ -217,7 +406,7 @@ class TensorParallel:
 
         group = self.tp_mesh.get_group()
         matched: Dict[str, None] = {}
-        for j, module in stages.items():
+        for module in stages.values():
             with torch.no_grad():
                 for t in list(module.parameters()) + list(module.buffers()):
                     collectives.broadcast_data(t.detach(), 0, group)
@@ -233,7 +422,6 @@ class TensorParallel:
                         parallelize_module(module, self.tp_mesh, {k: self.plan[k] for k in keys})
             else:
                 self.plan(module, self.tp_mesh)
-            module.register_forward_hook(_RefuseDTensorOutput(j))
         if isinstance(self.plan, Mapping):
             self._refuse_unmatched(list(matched))
 
