@@ -194,10 +194,10 @@ class GradientClipper:
         self.module, self.group, self.device, self.timeout = stages.module, group, device, timeout
         self.rank = rank
         self.name = name if name is not None else f"rank {rank}"
-        skip = {id(p) for p in counted_elsewhere}
+        self._skip = {id(p) for p in counted_elsewhere}
         self.coordinates = dict(coordinates or {})
         self._counted = {id(p) for j in stages if stage_ranks[j][0] == rank and count_plain
-                         for p in stages.parameters_of(j) if id(p) not in skip}
+                         for p in stages.parameters_of(j) if id(p) not in self._skip}
 
     def local_gradients(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """(the gradients this rank counts, every local gradient), as plain tensors
@@ -208,8 +208,9 @@ class GradientClipper:
             grad = p.grad
             if grad is None:
                 continue
-            if _is_dtensor(grad):
-                piece, counts = grad.to_local(), self._first_outside(grad) and _counted_shard(grad)
+            if _is_dtensor(grad):  # a tied copy's shards: counted on its first use's stage
+                piece = grad.to_local()
+                counts = id(p) not in self._skip and self._first_outside(grad) and _counted_shard(grad)
             else:
                 piece, counts = grad, id(p) in self._counted
             local.append(piece)

@@ -46,6 +46,7 @@ from .config import PipelineConfig
 from .local_stages import LocalStages
 from .stage_call import as_tuple
 from .tensor_parallel import TensorParallel, local
+from .tp_init import materialize_sharded
 
 __all__ = ["DATA_PARALLEL", "MeshPlan", "mesh_pipelines", "resolve_mesh", "check_schedule", "DataParallel",
            "FsdpStages", "ReplicatedStages", "keep_unsharded_after", "make_data_parallel",
@@ -333,10 +334,6 @@ def _tensor_parallel_plan(mesh: Any, data_parallel: str, reshard_after_forward: 
                          "ascending order (not supported yet otherwise); use init_device_mesh("
                          f"device_type, {tuple(shape)}, mesh_dim_names={tuple(mesh.mesh_dim_names)})")
     pp, copies = shape[0], mesh.size() // shape[0]
-    if reshard_after_forward or mp_policy is not None:
-        raise ValueError("reshard_after_forward=True and mp_policy with tensor_parallel are not "
-                         "supported yet; drop them (FSDP over tp then keeps the gathered weights "
-                         "from forward to backward, in the parameters' dtype)")
     pipelines = [[p * copies + c for p in range(pp)] for c in range(copies)]
     return MeshPlan(mesh, data_parallel, reshard_after_forward, mp_policy, pipelines,
                     tp_size=tp_size, tensor_parallel=tensor_parallel)
@@ -415,6 +412,15 @@ def keep_unsharded_after(actions: Sequence[schedules.Action]) -> Set[Tuple[int, 
     return keep
 
 
+def _apply_tensor_parallel(plan: MeshPlan, stages: LocalStages) -> None:
+    """The plan applied to this rank's stages; meta layers (``stages.pending``) are
+    parallelized on the meta device, then materialised shard by shard (``tp_init``)."""
+    TensorParallel(plan.tensor_parallel, plan.tp_mesh, plan.pp_group).apply(
+        {j: stages[j] for j in stages})
+    if stages.pending:
+        materialize_sharded(stages)
+
+
 class DataParallel:
     """What a runner calls around each step (both modes).
 
@@ -460,8 +466,7 @@ class DataParallel:
         broadcasts rank 0's), one broadcast per tensor (local shard), once."""
         self.stages = stages
         if self.plan.tp_mesh is not None:
-            TensorParallel(self.plan.tensor_parallel, self.plan.tp_mesh, self.plan.pp_group).apply(
-                {j: stages[j] for j in stages})
+            _apply_tensor_parallel(self.plan, stages)
         for j in stages:
             self._broadcast(stages[j])
 
@@ -547,8 +552,7 @@ class FsdpStages(DataParallel):
         """The plan applied to each stage, then every top-level layer with parameters
         sharded over dp (its DTensors' local shards broadcast from dp rank 0 first):
         FSDP2 over TP, each parameter a 2-D DTensor over the ``(dp, tp)`` mesh."""
-        TensorParallel(self.plan.tensor_parallel, self.plan.tp_mesh, self.plan.pp_group).apply(
-            {j: stages[j] for j in stages})
+        _apply_tensor_parallel(self.plan, stages)
         for j in stages:
             for layer in stages[j].children():
                 self.shard_layer(layer)

@@ -91,29 +91,23 @@ def check_option(plan: Any, options: Any) -> None:
          f"use schedule= one of {', '.join(schedules.synchronous_names())}"),
         (options.split_points is not None, f"split_points={list(options.split_points or [])}",
          "use an nn.Sequential (balance=[...] or an even split)"),
-        (bool(options.recompute), "recompute=True", "drop recompute"),
-        (options.autocast is not None, f"autocast={options.autocast!r}", "drop autocast"),
     ]
     for bad, what, fix in unsupported:
         if bad:
             raise ValueError(f"tensor_parallel with {what} is not supported yet; {fix}")
 
 
-def refuse_unsupported(enabled: bool, module: nn.Module, balance: Any, deferred: bool,
-                       shared: Sequence[Any]) -> None:
+def refuse_unsupported(enabled: bool, module: nn.Module, balance: Any) -> None:
     """What tensor parallelism does not support yet, refused before any stage is built.
 
     Args:
         enabled: whether ``tensor_parallel`` was given (``False``: nothing to refuse).
         module: the model.
         balance: ``PipeDream``'s ``balance``.
-        deferred: whether the model is on the meta device.
-        shared: its parameters tied across stages.
 
     Raises:
-        ValueError: a model that is not an ``nn.Sequential``, ``balance`` other than
-            ``None`` or a list of layer counts, a meta-device model, or a parameter tied
-            across stages, naming it and the fix.
+        ValueError: a model that is not an ``nn.Sequential``, or ``balance`` other than
+            ``None`` or a list of layer counts, naming it and the fix.
     """
     if not enabled:
         return
@@ -124,12 +118,6 @@ def refuse_unsupported(enabled: bool, module: nn.Module, balance: Any, deferred:
     if balance is not None and (isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence)):
         raise ValueError(f"tensor_parallel with balance={balance!r} is not supported yet; give "
                          "balance=[layers per stage] or leave it out (an even split)")
-    if deferred:
-        raise ValueError("tensor_parallel with a meta-device model is not supported yet; build "
-                         "the model with real tensors")
-    if shared:
-        raise ValueError(f"tensor_parallel with parameter {shared[0]} tied across stages is not "
-                         "supported yet; untie it or put its uses on one stage with balance=[...]")
 
 
 def _matches(pattern: str, name: str) -> bool:
@@ -194,7 +182,8 @@ class TensorParallel:
         for j, module in stages.items():
             with torch.no_grad():
                 for t in list(module.parameters()) + list(module.buffers()):
-                    collectives.broadcast_data(t.detach(), 0, group)
+                    if not t.is_meta:  # meta layers: equal on every rank as materialised (tp_init)
+                        collectives.broadcast_data(t.detach(), 0, group)
             if isinstance(self.plan, Mapping):
                 keys = matched_patterns(self.plan, module)
                 matched.update(dict.fromkeys(keys))
