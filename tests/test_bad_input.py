@@ -338,7 +338,7 @@ ROWS: List[Tuple[str, str, str, str]] = [
     ('tp-model', "`tensor_parallel` with a traced model, or `balance='auto'` or a saved plan",
      r"tensor_parallel with (a \w+ \(a traced model\)|balance=.*) is not supported yet",
      'tests/test_tensor_parallel.py::test_tensor_parallel_matches_the_unsplit_model'),
-    ('tp-tied', "a parameter tied across stages (an embedding/head tie) that `tensor_parallel` splits differently on its uses (`ColwiseParallel()` on the head, the embedding not split), or whose uses on one rank (`zbv`'s first and last stage) it replaces by separate tensors",
+    ('tp-tied', "a parameter tied across stages (an embedding/head tie) that `tensor_parallel` splits differently on its uses (`ColwiseParallel()` on the head, the embedding not split), including uses on one rank (`zbv`'s first and last stage), which then stay separate tensors",
      r"tensor_parallel (splits parameter .* tied across stages, differently on its uses: .*; its stages sum the tied gradients shard by shard|replaced the uses of parameter .*, tied across stages, by separate tensors on one rank)",
      'tests/test_tp_compose.py::test_tensor_parallel_composes'),
     ('tp-checkpoint', '`save_checkpoint`, `load_checkpoint` or `load_state_dict` with `tensor_parallel`',

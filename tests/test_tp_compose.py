@@ -6,12 +6,17 @@ Runs under pytest, which launches the worker side with torchrun, or standalone:
     torchrun --standalone --nproc-per-node 4 tests/test_tp_compose.py
 
 The model, plan and helpers are tests/test_tensor_parallel.py's (a tiny Llama-like
-``nn.Sequential`` on pp2 x tp2, 4 ranks, Gloo). Every case trains side by side with the
-unsplit model on the same batches: the loss of every step, every gradient of step 0 and
-every weight after 3 AdamW steps agree to 1e-4 relative, except under bf16 (autocast or
-``mp_policy``), where tensor parallelism rounds its partial sums to bf16 before adding
-them (a row-wise layer's all-reduce), so they agree to 2e-2 (test_fsdp.py's
-mixed-precision tolerance) with the unsplit model under the same autocast.
+``nn.Sequential`` on pp2 x tp2, or pp1 x dp2 x tp2 for FSDP, 4 ranks, Gloo). Every case
+trains side by side with the unsplit model on the same batches: the loss of every step,
+every gradient of step 0 and every weight after 3 AdamW steps agree to 1e-4 relative,
+except under bf16 (autocast or ``mp_policy``), where tensor parallelism rounds its
+partial sums to bf16 before adding them (a row-wise layer's all-reduce), so they agree
+to 2e-2 (test_fsdp.py's mixed-precision tolerance) with the unsplit model under the same
+autocast; each case also checks that what it composes really ran (DTensor shards of a
+meta model, forwards run twice, bf16 inside, FSDP's dtype and resharding). A meta-device
+model's reference is ``pd.materialize`` of the unsplit model; a wide meta model checks
+the bytes a rank holds while it is built. A tied embedding/head is split by neither or
+by both ends (clipped); a tie split differently is refused by name.
 """
 from __future__ import annotations
 
@@ -72,9 +77,9 @@ def check_compose(name: str, make: Callable[[], Tuple[nn.Module, nn.Module]] = l
     model, ref = make()
     mesh = mesh_of(shape)
     dp = shape[1]
+    options.setdefault("balance", BALANCE if shape[0] == 2 else None)
     pipe = pd.PipeDream(model, lm_loss, schedule=schedule, microbatches=MICROBATCHES, mesh=mesh,
-                        timeout=60, balance=BALANCE if shape[0] == 2 else None, autocast=autocast,
-                        tensor_parallel=tensor_parallel(), **options)
+                        timeout=60, autocast=autocast, tensor_parallel=tensor_parallel(), **options)
     after_training = after_build(pipe) if after_build is not None else None
     opt = torch.optim.AdamW(pipe.parameters(), lr=0.01, eps=1e-4)  # eps: test_tensor_parallel.py
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, eps=1e-4)
@@ -202,11 +207,15 @@ def tied_plan() -> Dict[str, Any]:
 
 
 def tied_is_split(pipe: Any) -> None:
-    """The tied weight is a DTensor split on dim 0 on both stages."""
+    """The tied weight is a DTensor split on dim 0 on both stages (one tensor where one
+    rank holds both)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    weight = dict(pipe.named_parameters())["0.weight" if pipe.is_first else "4.weight"]
-    assert isinstance(weight, DTensor) and weight.placements == (Shard(0),), weight
+    named = dict(pipe._stages.module.named_parameters(remove_duplicate=False))
+    uses = [named[n] for n in ("0.weight", "4.weight") if n in named]
+    assert len({id(p) for p in uses}) <= 1, "the tie is broken on this rank"
+    for weight in uses:
+        assert isinstance(weight, DTensor) and weight.placements == (Shard(0),), weight
 
 
 def check_refusals() -> None:
@@ -222,7 +231,7 @@ def check_refusals() -> None:
     refused = [  # (what the message names, the plan, the options)
         ("0.weight (stage 0) not split, 4.weight (stage 1) (Shard(dim=0),) over mesh ('tp',)",
          {**plan(), "4": ColwiseParallel()}, dict(balance=BALANCE)),
-        ("by separate tensors on one rank", tied_plan(),
+        ("by separate tensors on one rank", {**plan(), "4": ColwiseParallel()},
          dict(schedule="zbv", chunks=2, balance=[1, 1, 1, 2], data_parallel="replicate")),
     ]
     for names, tp_plan, kwargs in refused:
@@ -281,6 +290,9 @@ def cases(world: int) -> Cases:
           after_build=tied_is_split, name="tied-split-on-both-stages")
     c.add(check_compose, "tied-split-meta", make=tied_meta_llama, tensor_parallel=tied_plan,
           after_build=tied_is_split, name="tied-split-meta")
+    c.add(check_compose, "tied-split-zbv", make=tied_llama, tensor_parallel=tied_plan,
+          schedule="zbv", chunks=2, balance=[1, 1, 1, 2], data_parallel="replicate", clip=0.05,
+          after_build=tied_is_split, name="tied-split-on-one-rank-zbv")
     c.add(check_refusals)
     c.add(check_compose, "recompute", recompute=True, after_build=forwards_run_twice,
           name="recompute")

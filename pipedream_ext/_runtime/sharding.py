@@ -47,6 +47,7 @@ from .local_stages import LocalStages
 from .stage_call import as_tuple
 from .tensor_parallel import TensorParallel, local
 from .tp_init import materialize_sharded
+from .tp_tied import Ties
 
 __all__ = ["DATA_PARALLEL", "MeshPlan", "mesh_pipelines", "resolve_mesh", "check_schedule", "DataParallel",
            "FsdpStages", "ReplicatedStages", "keep_unsharded_after", "make_data_parallel",
@@ -272,8 +273,7 @@ def resolve_mesh(mesh: Any, data_parallel: str, process_group: Optional[dist.Pro
             ``tensor_parallel``, ``("pp", "dp", "tp")`` or ``("pp", "tp")``) over every
             rank, or whose rank order gives no stage order (:func:`mesh_pipelines`);
             ``replicas`` or ``process_group`` together with a mesh; ``tensor_parallel``
-            without a tp dimension (or a tp dimension without it), or with FSDP's
-            ``reshard_after_forward`` or ``mp_policy``.
+            without a tp dimension (or a tp dimension without it).
     """
     if data_parallel not in DATA_PARALLEL:
         raise ValueError(f"data_parallel={data_parallel!r}; use 'fsdp' (FSDP2 over mesh['dp']) "
@@ -324,8 +324,7 @@ def _tensor_parallel_plan(mesh: Any, data_parallel: str, reshard_after_forward: 
     """A mesh with a ``"tp"`` dimension: one pipeline per ``(dp, tp)`` coordinate.
 
     Raises:
-        ValueError: a mesh not in ascending rank order; FSDP's ``reshard_after_forward``
-            or ``mp_policy`` (not supported with tp yet).
+        ValueError: a mesh not in ascending rank order.
     """
     shape = [int(n) for n in mesh.shape]
     ascending = torch.arange(mesh.size()).reshape(shape)
@@ -413,10 +412,13 @@ def keep_unsharded_after(actions: Sequence[schedules.Action]) -> Set[Tuple[int, 
 
 
 def _apply_tensor_parallel(plan: MeshPlan, stages: LocalStages) -> None:
-    """The plan applied to this rank's stages; meta layers (``stages.pending``) are
-    parallelized on the meta device, then materialised shard by shard (``tp_init``)."""
+    """The plan applied to this rank's stages, parameters tied on this rank tied again
+    (``tp_tied.Ties``); meta layers (``stages.pending``) are parallelized on the meta
+    device, then materialised shard by shard (``tp_init``)."""
+    ties = Ties(stages[j] for j in stages)
     TensorParallel(plan.tensor_parallel, plan.tp_mesh, plan.pp_group).apply(
         {j: stages[j] for j in stages})
+    ties.restore()  # before materialisation: a tie's later use keeps the first's values
     if stages.pending:
         materialize_sharded(stages)
 

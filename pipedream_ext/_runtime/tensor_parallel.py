@@ -69,8 +69,7 @@ def check_option(plan: Any, options: Any) -> None:
     Raises:
         ValueError: a plan that is neither a dict of ``ParallelStyle`` nor a callable, or
             what it does not support yet (an asynchronous schedule: its weight stashing of
-            DTensor shards; ``split_points``, ``recompute``, ``autocast``), naming the value
-            and the fix.
+            DTensor shards; ``split_points``), naming the value and the fix.
     """
     if plan is None:
         return

@@ -9,12 +9,16 @@ of the parameter is split the same way (the same placements over the same mesh:
 torchtitan's ``RowwiseParallel()`` embedding and ``ColwiseParallel()`` head both split
 the ``[vocab, dim]`` weight on dim 0; both unsplit works too). :func:`refuse_split_ties`
 checks it after the plan is applied and refuses, naming the parameter, a tie whose
-uses are split differently, or whose uses on one rank the plan replaced by separate
-tensors (``parallelize_module`` distributes each module's parameters on its own).
+uses are split differently, or whose uses on one rank stay separate tensors.
+
+``parallelize_module`` distributes each module's parameters on its own, so a parameter
+reached from several modules of one rank (``zbv``'s first and last stage, or one stage)
+becomes one ``DTensor`` per module; :class:`Ties` records those uses before the plan is
+applied and ties them to one tensor again where they got the same placements.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 import torch.distributed as dist
 from torch import nn
@@ -22,7 +26,10 @@ from torch import nn
 from .._dist import collectives
 from .._frontend.tied_params import SharedParameter, describe
 
-__all__ = ["refuse_split_ties"]
+__all__ = ["Ties", "refuse_split_ties"]
+
+#: Every parameter held under several names on this rank: its ``(module, attribute)`` sites.
+Sites = List[Tuple[nn.Module, str]]
 
 
 def _layout(p: Any) -> str:
@@ -30,6 +37,49 @@ def _layout(p: Any) -> str:
     if hasattr(p, "placements") and hasattr(p, "device_mesh"):
         return f"{tuple(p.placements)} over mesh {tuple(p.device_mesh.mesh_dim_names or ())}"
     return "not split"
+
+
+class Ties:
+    """The parameters this rank's stages reach under several names, recorded before the
+    plan is applied (``parallelize_module`` replaces each module's parameters by
+    ``DTensor``s on its own, untying them), to tie them again after.
+
+    Args:
+        modules: this rank's stage modules.
+    """
+
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        sites: Dict[int, Sites] = {}
+        seen = set()
+        for root in modules:
+            for module in root.modules():
+                if id(module) in seen:
+                    continue
+                seen.add(id(module))
+                for name, p in module._parameters.items():  # noqa: SLF001 - direct ownership
+                    if p is not None:
+                        sites.setdefault(id(p), []).append((module, name))
+        self.sites = [s for s in sites.values() if len(s) > 1]
+
+    def restore(self) -> None:
+        """Ties every use again to the first use's tensor where the plan gave them the
+        same placements (equal values: each split from the one tensor they were); uses
+        split differently stay apart (:func:`refuse_split_ties` names a tie across stages)."""
+        for sites in self.sites:
+            first = sites[0][0]._parameters[sites[0][1]]  # noqa: SLF001 - direct ownership
+            for module, name in sites[1:]:
+                p = module._parameters[name]  # noqa: SLF001
+                if p is not first and p.shape == first.shape and _layout(p) == _layout(first):
+                    module._parameters[name] = first  # noqa: SLF001
+
+
+def _uses(entries: Sequence[Any]) -> str:
+    """``"0.weight (stage 0) not split, 4.weight (stage 1) (Shard(dim=0),) over ..."``."""
+    uses: Dict[str, Tuple[int, str]] = {}
+    for entry in entries:
+        for name, stage, layout in entry["uses"]:
+            uses.setdefault(name, (stage, layout))
+    return ", ".join(f"{name} (stage {stage}) {layout}" for name, (stage, layout) in uses.items())
 
 
 def refuse_split_ties(shared: Sequence[SharedParameter], module: nn.Module,
@@ -43,8 +93,8 @@ def refuse_split_ties(shared: Sequence[SharedParameter], module: nn.Module,
         group: the pipeline's group.
 
     Raises:
-        ValueError: uses split differently (each named with its stage and placements),
-            or uses on one rank that are no longer one tensor.
+        ValueError: uses split differently (each named with its stage and placements):
+            on several ranks, or on one rank, where they stayed separate tensors.
     """
     params = dict(module.named_parameters(remove_duplicate=False))
     mine: Dict[str, Any] = {}
@@ -56,21 +106,18 @@ def refuse_split_ties(shared: Sequence[SharedParameter], module: nn.Module,
     gathered = collectives.all_gather_json(mine, group)
     for k, sp in enumerate(shared):
         entries = [g[str(k)] for g in gathered if str(k) in g]
-        uses: Dict[str, List[Any]] = {}
-        for entry in entries:
-            for name, stage, layout in entry["uses"]:
-                uses.setdefault(name, [stage, layout])
+        layouts = {layout for entry in entries for _, _, layout in entry["uses"]}
         if not all(entry["one"] for entry in entries):
             raise ValueError(
                 f"tensor_parallel replaced the uses of parameter {describe(sp)}, tied across "
                 "stages, by separate tensors on one rank (parallelize_module distributes each "
-                "module's parameters on its own), so its uses would train apart; put its uses "
-                "on different pipeline ranks (balance=[...], chunks=1) or untie it")
-        if len({layout for _, layout in uses.values()}) > 1:
-            split = ", ".join(f"{name} (stage {stage}) {layout}" for name, (stage, layout) in uses.items())
+                "module's parameters on its own, and its uses got different placements: "
+                f"{_uses(entries)}), so its uses would train apart; give every use the same "
+                "placements or untie it")
+        if len(layouts) > 1:
             raise ValueError(
                 f"tensor_parallel splits parameter {describe(sp)}, tied across stages, "
-                f"differently on its uses: {split}; its stages sum the tied gradients shard by "
-                "shard, so give every use the same placements (e.g. RowwiseParallel() on the "
+                f"differently on its uses: {_uses(entries)}; its stages sum the tied gradients "
+                "shard by shard, so give every use the same placements (e.g. RowwiseParallel() on the "
                 "embedding and ColwiseParallel() on the head both split the [vocab, dim] weight "
                 "on dim 0, or split neither) or untie it")
