@@ -12,7 +12,8 @@ Which rank counts which gradient:
 * a parameter of one stage: the stage's leader (replica 0) only; after the
   replicas' all-reduce every replica holds the same gradient;
 * a parameter tied across stages: the leader of the stage of its first use only
-  (``SharedGradients`` has summed every copy's gradient into each copy);
+  (``SharedGradients`` has summed every copy's gradient into each copy); a ``DTensor``
+  copy (FSDP or tensor-parallel shards): on the ranks of its first use's stage only;
 * a parameter of two stages on one rank (chunks): once (``parameters()``);
 * a ``DTensor`` gradient (``mesh=``, ``data_parallel="fsdp"``: FSDP2 ``fully_shard``
   over ``mesh["dp"]``): its local shard (``to_local()``) on every rank holding one,

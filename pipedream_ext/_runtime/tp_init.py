@@ -87,16 +87,14 @@ def materialize_sharded(stages: LocalStages) -> None:
                     slot.owned()[slot.name] = replaced.get(id(value), value)
                     continue
                 split = distribute_tensor(value.detach(), slot.mesh, slot.placements, src_data_rank=None)
-                local = split.to_local()
-                if local.untyped_storage().data_ptr() == value.untyped_storage().data_ptr():
-                    # A shard of dim 0 is a view of the whole tensor: a copy lets that go.
-                    local = DTensor.from_local(local.clone(), slot.mesh, slot.placements,
+                piece = split.to_local()
+                if piece.untyped_storage().data_ptr() == value.untyped_storage().data_ptr():
+                    # A shard of dim 0 is a view of the whole tensor: its own copy lets that go.
+                    split = DTensor.from_local(piece.clone(), slot.mesh, slot.placements,
                                                run_check=False, shape=split.shape,
                                                stride=split.stride())
-                else:
-                    local = split
-                del split
-                new = nn.Parameter(local, requires_grad=slot.requires_grad) if slot.is_param else local
+                del piece
+                new = nn.Parameter(split, requires_grad=slot.requires_grad) if slot.is_param else split
                 slot.owned()[slot.name] = new
                 replaced[id(value)] = new
         return replaced
