@@ -16,7 +16,9 @@ autocast; each case also checks that what it composes really ran (DTensor shards
 meta model, forwards run twice, bf16 inside, FSDP's dtype and resharding). A meta-device
 model's reference is ``pd.materialize`` of the unsplit model; a wide meta model checks
 the bytes a rank holds while it is built. A tied embedding/head is split by neither or
-by both ends (clipped); a tie split differently is refused by name.
+by both ends (clipped); a tie split differently is refused by name. A slow launch
+(``make test-all``, 8 ranks) runs the tie over pp2 x dp2 x tp2 with FSDP (one built on
+meta, with ``reshard_after_forward=True``).
 """
 from __future__ import annotations
 
@@ -207,15 +209,15 @@ def tied_plan() -> Dict[str, Any]:
 
 
 def tied_is_split(pipe: Any) -> None:
-    """The tied weight is a DTensor split on dim 0 on both stages (one tensor where one
-    rank holds both)."""
+    """The tied weight is a DTensor split on dim 0 over tp on both stages (one tensor
+    where one rank holds both)."""
     from torch.distributed.tensor import DTensor, Shard
 
     named = dict(pipe._stages.module.named_parameters(remove_duplicate=False))
     uses = [named[n] for n in ("0.weight", "4.weight") if n in named]
     assert len({id(p) for p in uses}) <= 1, "the tie is broken on this rank"
     for weight in uses:
-        assert isinstance(weight, DTensor) and weight.placements == (Shard(0),), weight
+        assert isinstance(weight, DTensor) and weight.placements[-1] == Shard(0), weight.placements
 
 
 def check_refusals() -> None:
@@ -313,7 +315,20 @@ def cases(world: int) -> Cases:
     return c
 
 
+def mesh_3d_cases(world: int) -> Cases:
+    """pp2 x dp2 x tp2: the tie summed shard by shard over FSDP's 2-D shards."""
+    c = Cases()
+    c.add(check_compose, "tied-fsdp-3d", make=tied_llama, shape=(2, 2, 2),
+          tensor_parallel=tied_plan, data_parallel="fsdp", clip=0.05, after_build=tied_is_split,
+          name="tied-split-fsdp-pp2-dp2-tp2")
+    c.add(check_compose, "tied-meta-fsdp-3d", make=tied_meta_llama, shape=(2, 2, 2),
+          tensor_parallel=tied_plan, data_parallel="fsdp", reshard_after_forward=True,
+          after_build=tied_is_split, name="tied-split-meta-fsdp-reshard-pp2-dp2-tp2")
+    return c
+
+
 LAUNCH = Launch(HERE, 4, cases, timeout=300)
+MESH_3D = Launch(HERE, 8, mesh_3d_cases, name="8ranks", timeout=300, marks=(pytest.mark.slow,))
 
 
 @parametrize_cases(LAUNCH)
@@ -321,5 +336,11 @@ def test_tensor_parallel_composes(case: CaseRef) -> None:
     case.check()
 
 
+@pytest.mark.slow
+@parametrize_cases(MESH_3D)
+def test_tensor_parallel_composes_on_a_pp2_dp2_tp2_mesh(case: CaseRef) -> None:
+    case.check()
+
+
 if __name__ == "__main__":
-    worker_main([LAUNCH])
+    worker_main([LAUNCH, MESH_3D])
