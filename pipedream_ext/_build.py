@@ -69,6 +69,7 @@ from ._runtime.stage_call import StageFunction, Tensors
 from ._runtime.tensor_parallel import CutLayouts, check_split_points, kept_calls
 from ._runtime.tensor_parallel import refuse_unsupported as refuse_tensor_parallel
 from ._runtime.tied_grads import SharedGradients
+from ._runtime.tp_tied import refuse_split_ties as refuse_split_ties_over_tp
 from .planner import Plan
 
 __all__ = ["BuiltPipeline", "CutModel", "PipelineArguments", "PlannedTrace", "PreparedModel",
@@ -158,11 +159,8 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     group = mesh.mesh["pp"].get_group() if mesh is not None else \
         args.process_group if args.process_group is not None else dist.group.WORLD
     if mesh is not None:
-        refuse_tensor_parallel(mesh.tensor_parallel is not None, args.module, args.balance, prepared.deferred, [])
+        refuse_tensor_parallel(mesh.tensor_parallel is not None, args.module, args.balance)
     cut = cut_model(args, prepared, config, group, mesh)
-    if mesh is not None:
-        refuse_tensor_parallel(mesh.tensor_parallel is not None, args.module, args.balance, prepared.deferred,
-                               [describe(p) for p in cut.shared_parameters])
     _refuse_shared_if_asynchronous(config, cut.shared_parameters)
     cut.traced = _agree_everywhere(args, group, cut,
                                    prepared.init_seed if prepared.deferred else None, mesh)
@@ -182,6 +180,8 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     stages = _local_stages(args, prepared, cut, schedule.stages_of_rank(groups.rank), device,
                            groups, config.timeout, data_parallel)
     _broadcast_replicas(stages, groups)
+    if mesh is not None and mesh.tensor_parallel is not None:
+        refuse_split_ties_over_tp(cut.shared_parameters, stages.module, groups.group)
     if cut.traced is not None and cut.traced.tracer == "export":
         for j in stages:  # tensors the graph creates: on this rank's device
             export.retarget_devices(stages[j], device)
@@ -652,7 +652,10 @@ def _local_stages(args: PipelineArguments, prepared: PreparedModel, cut: CutMode
         built = LocalStages(args.module, cut.partition, indices, device, prepared.init_seed,
                             args.init_fn,
                             traced=cut.traced.stages if cut.traced is not None else None,
-                            after_layer=data_parallel.after_layer if data_parallel else None)
+                            after_layer=data_parallel.after_layer if data_parallel else None,
+                            # with tp the plan shards meta layers before they are materialised
+                            defer_meta=prepared.deferred and data_parallel is not None
+                            and data_parallel.plan.tensor_parallel is not None)
         if data_parallel is not None:
             data_parallel.attach(built)
         return built

@@ -253,6 +253,8 @@ def cases(kind: str) -> List[Case]:
         return [Case("zb-h1", 2, 2, tied=True), Case("1f1b", 2, 2, data_parallel="replicate",
                                                      clip=(CLIP_SMALL, INF)),
                 Case("zb-h1", 2, 2, clip=(CLIP_SMALL, 2.0)),
+                # a tied parameter's FSDP shards: counted in the norm on its first use's stage only
+                Case("1f1b", 2, 2, tied=True, clip=(CLIP_SMALL, 2.0)),
                 # pp ranks not ascending: stage 0 on pp rank 0 (ranks 0 and 1), as torch numbers it
                 Case("1f1b", 2, 2, "sgd", order=((2, 3), (0, 1)))]
     full_cases = [Case(s, 2, 2, opt, reshard_after_forward=r)

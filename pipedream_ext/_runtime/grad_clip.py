@@ -12,7 +12,8 @@ Which rank counts which gradient:
 * a parameter of one stage: the stage's leader (replica 0) only; after the
   replicas' all-reduce every replica holds the same gradient;
 * a parameter tied across stages: the leader of the stage of its first use only
-  (``SharedGradients`` has summed every copy's gradient into each copy);
+  (``SharedGradients`` has summed every copy's gradient into each copy); a ``DTensor``
+  copy (FSDP or tensor-parallel shards): on the ranks of its first use's stage only;
 * a parameter of two stages on one rank (chunks): once (``parameters()``);
 * a ``DTensor`` gradient (``mesh=``, ``data_parallel="fsdp"``: FSDP2 ``fully_shard``
   over ``mesh["dp"]``): its local shard (``to_local()``) on every rank holding one,
@@ -194,10 +195,10 @@ class GradientClipper:
         self.module, self.group, self.device, self.timeout = stages.module, group, device, timeout
         self.rank = rank
         self.name = name if name is not None else f"rank {rank}"
-        skip = {id(p) for p in counted_elsewhere}
+        self._skip = {id(p) for p in counted_elsewhere}
         self.coordinates = dict(coordinates or {})
         self._counted = {id(p) for j in stages if stage_ranks[j][0] == rank and count_plain
-                         for p in stages.parameters_of(j) if id(p) not in skip}
+                         for p in stages.parameters_of(j) if id(p) not in self._skip}
 
     def local_gradients(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """(the gradients this rank counts, every local gradient), as plain tensors
@@ -208,8 +209,9 @@ class GradientClipper:
             grad = p.grad
             if grad is None:
                 continue
-            if _is_dtensor(grad):
-                piece, counts = grad.to_local(), self._first_outside(grad) and _counted_shard(grad)
+            if _is_dtensor(grad):  # a tied copy's shards: counted on its first use's stage
+                piece = grad.to_local()
+                counts = id(p) not in self._skip and self._first_outside(grad) and _counted_shard(grad)
             else:
                 piece, counts = grad, id(p) in self._counted
             local.append(piece)

@@ -19,7 +19,10 @@ from .._frontend.deferred_init import DEFAULT_INIT_SEED, InitFn, Memo, materiali
 from .._frontend.graph_split import merge_stage_modules
 from .._frontend.partition import Partition
 
-__all__ = ["LocalStages"]
+__all__ = ["LocalStages", "Replacements"]
+
+#: Tensors a layer's ``after_layer`` replaced: ``id(old)`` -> the new tensor.
+Replacements = Dict[int, torch.Tensor]
 
 
 class LocalStages:
@@ -46,13 +49,16 @@ class LocalStages:
         after_layer: called with each kept layer once it has real tensors, before the
             next one is materialised (``sharding.FsdpStages.shard_layer``: a rank then
             never holds more than one whole layer).
+        defer_meta: keep meta layers on the meta device (and the stages unmoved) until
+            :meth:`materialize_pending` (tensor parallelism shards the meta stages first).
     """
 
     def __init__(self, module: nn.Module, partition: Partition, indices: Sequence[int],
                  device: torch.device, init_seed: int = DEFAULT_INIT_SEED,
                  init_fn: Optional[InitFn] = None,
                  traced: Optional[Sequence[nn.Module]] = None,
-                 after_layer: Optional[Callable[[nn.Module], None]] = None) -> None:
+                 after_layer: Optional[Callable[[nn.Module], Optional[Replacements]]] = None,
+                 defer_meta: bool = False) -> None:
         self.partition = partition
         #: Stage indices of this rank, ascending.
         self.indices: List[int] = list(indices)
@@ -65,23 +71,49 @@ class LocalStages:
             return
         bounds = partition.bounds()
         children = list(module.named_children())
-        # Meta layers get storage here, only those this rank keeps (deferred initialisation).
-        memo: Memo = {}
-        for l in sorted({l for j in indices for l in range(bounds[j], bounds[j + 1])}):
-            materialize_layer(children[l][1], l, children[l][0], device, init_seed, init_fn, memo)
-            if after_layer is not None:
-                after_layer(children[l][1])
+        kept = sorted({l for j in indices for l in range(bounds[j], bounds[j + 1])})
+        #: The kept layers still on the meta device, ``(index, name, layer)``, with what
+        #: materialises them (``defer_meta``; :meth:`materialize_pending`).
+        self.pending: List[Tuple[int, str, nn.Module]] = \
+            [(l, *children[l]) for l in kept] if defer_meta else []
+        self._init = (device, init_seed, init_fn)
         #: Layer range ``[start, end)`` of each local stage.
         self.layers = {j: (bounds[j], bounds[j + 1]) for j in indices}
         self._modules = {
-            j: nn.Sequential(collections.OrderedDict(children[bounds[j]:bounds[j + 1]])).to(device)
+            j: nn.Sequential(collections.OrderedDict(children[bounds[j]:bounds[j + 1]]))
             for j in indices}
+        if not defer_meta:
+            self.materialize_pending(after_layer, [(l, *children[l]) for l in kept])
         merged: "collections.OrderedDict[str, nn.Module]" = collections.OrderedDict()
         for j in indices:
             merged.update(self._modules[j].named_children())
         #: This rank's layers as one module, named as in the original model.
         self.module = (self._modules[self.indices[0]] if len(self.indices) == 1
                        else nn.Sequential(merged))
+
+    def materialize_pending(self, after_layer: Optional[Callable[[nn.Module], Optional[Replacements]]] = None,
+                            layers: Optional[Sequence[Tuple[int, str, nn.Module]]] = None) -> None:
+        """Gives the kept meta layers storage and values (deferred initialisation), one
+        layer at a time, and moves the stages to the device.
+
+        Args:
+            after_layer: called with each layer once it has real tensors, before the next
+                one is materialised; it may return the tensors it replaced (``{id(old):
+                new}``), which a later layer tied to them then shares instead.
+            layers: ``(index, name, layer)`` to materialise (default :attr:`pending`).
+        """
+        device, init_seed, init_fn = self._init
+        # Meta layers get storage here, only those this rank keeps (deferred initialisation).
+        memo: Memo = {}
+        for l, name, layer in (self.pending if layers is None else layers):
+            materialize_layer(layer, l, name, device, init_seed, init_fn, memo)
+            replaced = (after_layer(layer) if after_layer is not None else None) or {}
+            # A later tie shares the new tensor; the memo no longer holds the old one.
+            memo.update({key: (meta, replaced[id(old)]) for key, (meta, old) in memo.items()
+                         if id(old) in replaced})
+        self.pending = []
+        for j in self.indices:
+            self._modules[j].to(device)
 
     def __getitem__(self, stage: int) -> nn.Module:
         return self._modules[stage]

@@ -46,6 +46,8 @@ from .config import PipelineConfig
 from .local_stages import LocalStages
 from .stage_call import as_tuple
 from .tensor_parallel import TensorParallel, local
+from .tp_init import materialize_sharded
+from .tp_tied import Ties
 
 __all__ = ["DATA_PARALLEL", "MeshPlan", "mesh_pipelines", "resolve_mesh", "check_schedule", "DataParallel",
            "FsdpStages", "ReplicatedStages", "keep_unsharded_after", "make_data_parallel",
@@ -265,8 +267,7 @@ def resolve_mesh(mesh: Any, data_parallel: str, process_group: Optional[dist.Pro
             ``tensor_parallel``, ``("pp", "dp", "tp")`` or ``("pp", "tp")``) over every
             rank, or whose rank order gives no stage order (:func:`mesh_pipelines`);
             ``replicas`` or ``process_group`` together with a mesh; ``tensor_parallel``
-            without a tp dimension (or a tp dimension without it), or with FSDP's
-            ``reshard_after_forward`` or ``mp_policy``.
+            without a tp dimension (or a tp dimension without it).
     """
     if data_parallel not in DATA_PARALLEL:
         raise ValueError(f"data_parallel={data_parallel!r}; use 'fsdp' (FSDP2 over mesh['dp']) "
@@ -317,8 +318,7 @@ def _tensor_parallel_plan(mesh: Any, data_parallel: str, reshard_after_forward: 
     """A mesh with a ``"tp"`` dimension: one pipeline per ``(dp, tp)`` coordinate.
 
     Raises:
-        ValueError: a mesh not in ascending rank order; FSDP's ``reshard_after_forward``
-            or ``mp_policy`` (not supported with tp yet).
+        ValueError: a mesh not in ascending rank order.
     """
     shape = [int(n) for n in mesh.shape]
     ascending = torch.arange(mesh.size()).reshape(shape)
@@ -327,10 +327,6 @@ def _tensor_parallel_plan(mesh: Any, data_parallel: str, reshard_after_forward: 
                          "ascending order (not supported yet otherwise); use init_device_mesh("
                          f"device_type, {tuple(shape)}, mesh_dim_names={tuple(mesh.mesh_dim_names)})")
     pp, copies = shape[0], mesh.size() // shape[0]
-    if reshard_after_forward or mp_policy is not None:
-        raise ValueError("reshard_after_forward=True and mp_policy with tensor_parallel are not "
-                         "supported yet; drop them (FSDP over tp then keeps the gathered weights "
-                         "from forward to backward, in the parameters' dtype)")
     pipelines = [[p * copies + c for p in range(pp)] for c in range(copies)]
     return MeshPlan(mesh, data_parallel, reshard_after_forward, mp_policy, pipelines,
                     tp_size=tp_size, tensor_parallel=tensor_parallel)
@@ -409,6 +405,18 @@ def keep_unsharded_after(actions: Sequence[schedules.Action]) -> Set[Tuple[int, 
     return keep
 
 
+def _apply_tensor_parallel(plan: MeshPlan, stages: LocalStages) -> None:
+    """The plan applied to this rank's stages, parameters tied on this rank tied again
+    (``tp_tied.Ties``); meta layers (``stages.pending``) are parallelized on the meta
+    device, then materialised shard by shard (``tp_init``)."""
+    ties = Ties(stages[j] for j in stages)
+    TensorParallel(plan.tensor_parallel, plan.tp_mesh, plan.pp_group).apply(
+        {j: stages[j] for j in stages})
+    ties.restore()  # before materialisation: a tie's later use keeps the first's values
+    if stages.pending:
+        materialize_sharded(stages)
+
+
 class DataParallel:
     """What a runner calls around each step (both modes).
 
@@ -456,8 +464,7 @@ class DataParallel:
         broadcasts rank 0's), one broadcast per tensor (local shard), once."""
         self.stages = stages
         if self.plan.tp_mesh is not None:
-            TensorParallel(self.plan.tensor_parallel, self.plan.tp_mesh, self.plan.pp_group).apply(
-                {j: stages[j] for j in stages})
+            _apply_tensor_parallel(self.plan, stages)
         for j in stages:
             self._broadcast(stages[j])
 
@@ -543,8 +550,7 @@ class FsdpStages(DataParallel):
         """The plan applied to each stage, then every top-level layer with parameters
         sharded over dp (its DTensors' local shards broadcast from dp rank 0 first):
         FSDP2 over TP, each parameter a 2-D DTensor over the ``(dp, tp)`` mesh."""
-        TensorParallel(self.plan.tensor_parallel, self.plan.tp_mesh, self.plan.pp_group).apply(
-            {j: stages[j] for j in stages})
+        _apply_tensor_parallel(self.plan, stages)
         if stages.traced:  # its units are the modules the graph calls (attach)
             return
         for j in stages:

@@ -77,8 +77,7 @@ def check_option(plan: Any, options: Any) -> None:
     Raises:
         ValueError: a plan that is neither a dict of ``ParallelStyle`` nor a callable, or
             what it does not support yet (an asynchronous schedule: its weight stashing of
-            DTensor shards; a callable with ``split_points``, ``recompute``, ``autocast``),
-            naming the value and the fix.
+            DTensor shards; a callable with ``split_points``), naming the value and the fix.
     """
     if plan is None:
         return
@@ -101,40 +100,29 @@ def check_option(plan: Any, options: Any) -> None:
          "a callable plan and split_points",
          "give a dict {pattern: ParallelStyle}: a traced stage calls only the modules a dict's "
          "patterns match (tracing runs through the others, whose hooks would never run)"),
-        (bool(options.recompute), "recompute=True", "drop recompute"),
-        (options.autocast is not None, f"autocast={options.autocast!r}", "drop autocast"),
     ]
     for bad, what, fix in unsupported:
         if bad:
             raise ValueError(f"tensor_parallel with {what} is not supported yet; {fix}")
 
 
-def refuse_unsupported(enabled: bool, module: nn.Module, balance: Any, deferred: bool,
-                       shared: Sequence[Any]) -> None:
+def refuse_unsupported(enabled: bool, module: nn.Module, balance: Any) -> None:
     """What tensor parallelism does not support yet, refused before any stage is built.
 
     Args:
         enabled: whether ``tensor_parallel`` was given (``False``: nothing to refuse).
         module: the model.
         balance: ``PipeDream``'s ``balance``.
-        deferred: whether the model is on the meta device.
-        shared: its parameters tied across stages.
 
     Raises:
-        ValueError: ``balance`` other than ``None`` or a list of layer counts (a plan), a
-            meta-device model, or a parameter tied across stages, naming it and the fix.
+        ValueError: ``balance`` other than ``None`` or a list of layer counts (a plan),
+            naming it and the fix.
     """
     if not enabled:
         return
     if balance is not None and (isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence)):
         raise ValueError(f"tensor_parallel with balance={balance!r} is not supported yet; give "
                          "balance=[layers per stage] or leave it out (an even split)")
-    if deferred:
-        raise ValueError("tensor_parallel with a meta-device model is not supported yet; build "
-                         "the model with real tensors")
-    if shared:
-        raise ValueError(f"tensor_parallel with parameter {shared[0]} tied across stages is not "
-                         "supported yet; untie it or put its uses on one stage with balance=[...]")
 
 
 def kept_calls(plan: Any, module: nn.Module) -> List[str]:
@@ -409,7 +397,8 @@ class TensorParallel:
         for module in stages.values():
             with torch.no_grad():
                 for t in list(module.parameters()) + list(module.buffers()):
-                    collectives.broadcast_data(t.detach(), 0, group)
+                    if not t.is_meta:  # meta layers: equal on every rank as materialised (tp_init)
+                        collectives.broadcast_data(t.detach(), 0, group)
             if isinstance(self.plan, Mapping):
                 keys = matched_patterns(self.plan, module)
                 matched.update(dict.fromkeys(keys))

@@ -10,7 +10,10 @@ gets one group per pipeline, all created on every rank in mesh order. With FSDP
 each copy is a DTensor sharded over ``mesh["dp"]`` the same way (one shape, one dp
 mesh), so the copies' local shards line up: summing the local gradient shards (after
 FSDP's reduce-scatter) gives the shard of the summed gradient, and the values are
-made equal shard by shard.
+made equal shard by shard. With tensor parallelism (one pipeline per ``(dp, tp)``
+coordinate) the same holds over tp when every copy has the same placements
+(``tp_tied.refuse_split_ties``); a gradient placed otherwise than its parameter is
+redistributed to the parameter's placements first.
 """
 from __future__ import annotations
 
@@ -119,6 +122,10 @@ class SharedGradients:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
+                elif _is_dtensor(p.grad) and tuple(p.grad.placements) != tuple(p.placements):
+                    # tensor parallelism: a row-wise embedding's weight (Shard(0)) gets a
+                    # Replicate gradient; the copies' shards line up as the weights do.
+                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
             grads = [_local(p.grad) for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])
             if not leader:
@@ -128,6 +135,10 @@ class SharedGradients:
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "to_local") and hasattr(t, "placements")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
