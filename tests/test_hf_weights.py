@@ -169,3 +169,179 @@ def test_consolidate_arguments_are_checked(tmp_path: Any) -> None:
         pd.consolidate(tmp_path, format="safetensors", out_dir=tmp_path / "x")
     with pytest.raises(ValueError, match=r"out_dir=None with format='hf'; pass both"):
         pd.consolidate(tmp_path, format="hf")
+
+
+# --------------------------------------------------------------------------- two ranks
+class _Reads:
+    """What a wrapped ``safe_open`` saw: files opened, tensors (or slices) read, bytes."""
+
+    def __init__(self) -> None:
+        self.files: List[str] = []
+        self.tensors: List[str] = []
+        self.bytes = 0
+
+    def took(self, key: str, value: torch.Tensor) -> torch.Tensor:
+        self.tensors.append(key)
+        self.bytes += value.numel() * value.element_size()
+        return value
+
+
+class _Slice:
+    def __init__(self, part: Any, key: str, reads: _Reads) -> None:
+        self._part, self._key, self._reads = part, key, reads
+
+    def get_shape(self) -> List[int]:
+        return self._part.get_shape()
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self._reads.took(self._key, self._part[index])
+
+
+class _Handle:
+    def __init__(self, handle: Any, reads: _Reads) -> None:
+        self._handle, self._reads = handle, reads
+
+    def __enter__(self) -> "_Handle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def keys(self) -> List[str]:
+        return list(self._handle.keys())
+
+    def get_slice(self, key: str) -> _Slice:
+        return _Slice(self._handle.get_slice(key), key, self._reads)
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        return self._reads.took(key, self._handle.get_tensor(key))
+
+
+def load_counting(pipe: Any, path: str) -> _Reads:
+    """``pipe.load_state_dict(path)`` with every ``safe_open`` of the loader counted."""
+    reads = _Reads()
+    real = hf_files.safe_open
+
+    def counting(filename: str, framework: str, device: str = "cpu") -> _Handle:
+        reads.files.append(os.path.basename(filename))
+        return _Handle(real(filename, framework=framework, device=device), reads)
+
+    hf_files.safe_open = counting
+    try:
+        pipe.load_state_dict(path)
+    finally:
+        hf_files.safe_open = real
+    return reads
+
+
+def check_share(pipe: Any, reads: _Reads, path: str, ref: nn.Module) -> None:
+    """This rank opened exactly the shards holding its tensors, each once, and read each
+    of its tensors once (a tied head: under the embedding's name), nothing else."""
+    weight_map = json.loads(open(os.path.join(path, hf_files.INDEX)).read())["weight_map"]
+    ties = {"lm_head.weight": "model.embed_tokens.weight"}
+    mine = [k if k in weight_map else ties[k] for k in pipe.state_dict()]
+    files = sorted({weight_map[k] for k in mine})
+    assert sorted(reads.files) == files, (reads.files, files)  # each once, only these
+    assert len(files) < len(set(weight_map.values())), "the share is not the whole model"
+    assert sorted(reads.tensors) == sorted(mine), (reads.tensors, mine)
+    state = ref.state_dict()
+    assert reads.bytes == sum(state[k].numel() * state[k].element_size() for k in mine)
+
+
+def build_pipe(tied: bool) -> Tuple[Any, nn.Module]:
+    inputs, y = ZM.batch(8, 8, 100, False)
+    model = llama(tied)  # seed 0: other weights than the files'
+    pipe = pd.PipeDream(model, ZM.loss_fn, schedule="1f1b", microbatches=4, timeout=120,
+                        split_points=ZM.splits[2], sample=(inputs, y), concrete_args=ZM.concrete_args)
+    return pipe, model
+
+
+def assert_state(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor], what: str) -> None:
+    for key, value in got.items():
+        torch.testing.assert_close(value, want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} {key}: {m}")
+
+
+def check_round_trip(tied: bool, root: str) -> None:
+    """Load per rank, train 2 steps against the unsplit model, save_pretrained,
+    from_pretrained; a DCP checkpoint consolidated to a Hugging Face directory."""
+    where = os.path.join(root, "tied" if tied else "untied")
+    source = os.path.join(where, "source")
+    if dist.get_rank() == 0:
+        llama(tied, seed=1).save_pretrained(source, max_shard_size=SHARD)
+    dist.barrier()
+    pipe, _ = build_pipe(tied)
+    reads = load_counting(pipe, source)
+    ref = from_pretrained(source)
+    assert (ref.lm_head.weight is ref.model.embed_tokens.weight) == tied
+    check_share(pipe, reads, source, ref)
+    assert_state(pipe.state_dict(), ref.state_dict(), "loaded")
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        inputs, y = ZM.batch(8, 8, 10 + step, False)
+        expected = reference_step(ZM, ref, inputs, y)
+        loss = pipe.step(inputs, y)
+        assert abs(loss - expected) <= 1e-5 * max(1.0, abs(expected)), (step, loss, expected)
+        opt.step(); opt.zero_grad()
+        ref_opt.step(); ref_opt.zero_grad()
+    out = os.path.join(where, "out")
+    weight_map = pd.save_pretrained(pipe, out)
+    assert sorted(set(weight_map.values())) == ["model-00001-of-00002.safetensors",
+                                                "model-00002-of-00002.safetensors"]
+    assert ("lm_head.weight" in weight_map) != tied  # stored once, as transformers stores it
+    assert {"config.json", "generation_config.json", hf_files.INDEX} <= set(os.listdir(out))
+    saved = from_pretrained(out)
+    assert_state(saved.state_dict(), ref.state_dict(), "saved vs unsplit")
+    for key, value in pipe.state_dict().items():
+        assert torch.equal(saved.state_dict()[key], value), key
+    check_consolidated(pipe, ref, where)
+
+
+def check_consolidated(pipe: Any, ref: nn.Module, where: str) -> None:
+    ckpt, out = os.path.join(where, "ckpt"), os.path.join(where, "consolidated")
+    pd.save_checkpoint(ckpt, pipe, format="dcp")
+    assert pd.detect(ckpt) == "dcp"
+    if dist.get_rank() == 0:
+        pd.consolidate(ckpt, format="hf", out_dir=out, config=ref.config)
+        assert pd.detect(out) == "hf"
+        assert_state(from_pretrained(out).state_dict(), ref.state_dict(), "consolidated")
+    dist.barrier()
+
+
+def check_errors_on_every_rank(root: str) -> None:
+    """An untied model given a tied model's files: rank 1 lacks lm_head.weight; every
+    rank raises, naming it, and no rank changed a weight."""
+    source = os.path.join(root, "errors")
+    if dist.get_rank() == 0:
+        llama(True, seed=1).save_pretrained(source, max_shard_size=SHARD)
+    dist.barrier()
+    pipe, _ = build_pipe(tied=False)
+    before = {k: v.clone() for k, v in pipe.state_dict().items()}
+    with pytest.raises(ValueError, match=r"load_state_dict\(.*errors'\) failed on rank 1: .* lacks 1 "
+                                         r"tensor\(s\) of stage 1 .*'lm_head.weight' \(missing keys\)"):
+        pipe.load_state_dict(source)
+    for key, value in pipe.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+def weights_cases(world: int) -> Cases:
+    cases = Cases()
+    root = FromEnv("PDHFW_DIR", "/tmp/pdhfw")
+    cases.add(check_round_trip, True, root, name="tied")
+    cases.add(check_round_trip, False, root, name="untied")
+    cases.add(check_errors_on_every_rank, root, name="errors")
+    return cases
+
+
+LAUNCHES = [Launch(HERE, 2, weights_cases, dirs=("PDHFW_DIR",))]
+
+
+@parametrize_cases(*LAUNCHES)
+def test_hf_weights_per_rank_and_back(case: CaseRef) -> None:
+    """pp2 over a traced Llama (tied and untied head): per-rank reads, 2 steps exact,
+    save_pretrained and consolidate(format="hf") loaded by from_pretrained."""
+    case.check()
+
+
+if __name__ == "__main__":
+    worker_main(LAUNCHES)
