@@ -322,6 +322,17 @@ def check_errors_on_every_rank(root: str) -> None:
         pipe.load_state_dict(source)
     for key, value in pipe.state_dict().items():
         assert torch.equal(value, before[key]), key
+    with pytest.raises(ValueError, match=r"a 'dcp' checkpoint directory; restore it with "
+                                         r"pd.load_checkpoint\(path, pipe\)"):
+        pipe.load_state_dict(os.path.join(root, "untied", "ckpt"))
+    torch_file = os.path.join(root, "model.pt")  # a torch.save file: memory-mapped, as a dict
+    if dist.get_rank() == 0:
+        torch.save(llama(False, seed=2).state_dict(), torch_file)
+    dist.barrier()
+    pipe.load_state_dict(torch_file)
+    want = llama(False, seed=2).state_dict()
+    for key, value in pipe.state_dict().items():
+        assert torch.equal(value, want[key]), key
 
 
 def weights_cases(world: int) -> Cases:
