@@ -344,7 +344,45 @@ def weights_cases(world: int) -> Cases:
     return cases
 
 
-LAUNCHES = [Launch(HERE, 2, weights_cases, dirs=("PDHFW_DIR",))]
+def check_fsdp_shards(root: str) -> None:
+    """pp2 x dp2 FSDP: each rank reads only its slice of each of its stages' tensors
+    (``get_slice``: the bytes of its local shards, less than its stages' whole tensors),
+    the gathered weights equal the files', and save_pretrained gathers them back."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    source = os.path.join(root, "fsdp-source")
+    if dist.get_rank() == 0:
+        llama(False, seed=1).save_pretrained(source, max_shard_size=SHARD)
+    dist.barrier()
+    inputs, y = ZM.batch(8, 8, 100, False)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pipe = pd.PipeDream(llama(False), ZM.loss_fn, schedule="1f1b", microbatches=4, timeout=120,
+                        split_points=ZM.splits[2], sample=(inputs, y), concrete_args=ZM.concrete_args,
+                        mesh=mesh, data_parallel="fsdp")
+    reads = load_counting(pipe, source)
+    want = from_pretrained(source).state_dict()
+    local = whole = 0
+    for key, value in pipe.state_dict().items():  # the same order on a stage's dp ranks
+        assert isinstance(value, DTensor), key
+        assert torch.equal(value.full_tensor(), want[key]), key
+        local += value.to_local().numel() * value.element_size()
+        whole += want[key].numel() * want[key].element_size()
+    assert sorted(reads.tensors) == sorted(pipe.state_dict())
+    assert reads.bytes == local < whole, (reads.bytes, local, whole)
+    out = os.path.join(root, "fsdp-out")
+    pd.save_pretrained(pipe, out)
+    assert_state(from_pretrained(out).state_dict(), want, "fsdp saved")
+
+
+def fsdp_cases(world: int) -> Cases:
+    cases = Cases()
+    cases.add(check_fsdp_shards, FromEnv("PDHFW_DIR", "/tmp/pdhfw"), name="fsdp")
+    return cases
+
+
+LAUNCHES = [Launch(HERE, 2, weights_cases, dirs=("PDHFW_DIR",)),
+            Launch(HERE, 4, fsdp_cases, name="fsdp", dirs=("PDHFW_DIR",))]
 
 
 @parametrize_cases(*LAUNCHES)

@@ -121,8 +121,9 @@ def _finish(folder: str, out_dir: str, records: List[Dict[str, Any]], config: An
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _temporary(out_dir: str) -> str:
-    return f"{os.path.abspath(out_dir).rstrip(os.sep)}.tmp-{uuid.uuid4().hex[:12]}"
+def _temporary(out_dir: str, token: str) -> str:
+    """The temporary sibling a save writes into (``token``: rank 0's, the same on every rank)."""
+    return f"{os.path.abspath(out_dir).rstrip(os.sep)}.tmp-{token}"
 
 
 def _hf_parts(model_like: Any, config: Any) -> Any:
@@ -151,26 +152,26 @@ def _stage_tensors(view: PipelineView, j: int, keep: bool) -> "collections.Order
     return tensors
 
 
-def _agree(view: PipelineView, out_dir: str, config: Any) -> Dict[str, Any]:
+def _agree(view: PipelineView, out_dir: str) -> Dict[str, Any]:
     """Phase 1: checks, the temporary directory, which stages write (one exchange)."""
     error: Optional[BaseException] = None
     counts: Dict[str, int] = {}
-    folder = ""
+    token = ""
     try:
         counts = {str(j): len(_stored_keys(view, j)) for j in view.stages if view.is_leader(j)}
         if view.rank == 0:
             _check_out_dir(out_dir)
-            folder = _temporary(out_dir)
+            token = uuid.uuid4().hex[:12]
     except Exception as exc:  # noqa: BLE001 - reported to every rank
         error = exc
     gathered = collectives.gather_outcomes(
         error, view.group, view.timeout, f"save_pretrained {out_dir}",
-        payload={"counts": counts, "folder": folder, "directory": directory_check.describe(out_dir)},
+        payload={"counts": counts, "token": token, "directory": directory_check.describe(out_dir)},
         failure=CheckpointError)
     directory_check.check_same(f"save_pretrained {out_dir}", [e["directory"] for e in gathered],
                                "nothing was written")
     writing = sorted({int(j) for e in gathered for j, n in e["counts"].items() if n})
-    return {"folder": gathered[0]["folder"], "files": {j: k for k, j in enumerate(writing)}}
+    return {"folder": _temporary(out_dir, gathered[0]["token"]), "files": {j: k for k, j in enumerate(writing)}}
 
 
 def save_pretrained(pipe: Pipeline, out_dir: str, config: Any = None) -> Dict[str, str]:
@@ -213,7 +214,7 @@ def save_pretrained(pipe: Pipeline, out_dir: str, config: Any = None) -> Dict[st
         pipe.flush()
     out_dir = os.fspath(out_dir)
     config, generation = _hf_parts(pipe, config)
-    plan = _agree(view, out_dir, config)
+    plan = _agree(view, out_dir)
     folder, files = plan["folder"], plan["files"]
     error: Optional[BaseException] = None
     records: List[Dict[str, Any]] = []
@@ -274,7 +275,7 @@ def write_state_dict(state_dict: Mapping[str, torch.Tensor], out_dir: str, confi
             size = 0
         shards[-1][key] = value
         size += nbytes
-    folder = _temporary(out_dir)
+    folder = _temporary(out_dir, uuid.uuid4().hex[:12])
     try:
         os.makedirs(folder)
         records = [_write_file(folder, shard_name(k, len(shards)), part) for k, part in enumerate(shards)]
