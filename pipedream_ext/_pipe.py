@@ -27,7 +27,7 @@ from torch import nn
 
 from . import schedules
 from ._build import PipelineArguments, build_pipeline
-from ._checkpoint import HF, PipelineView, detect, finish_pending, reshard
+from ._checkpoint import PipelineView, finish_pending, load_path, reshard
 from ._dist import faults
 from ._frontend import model_io
 from ._frontend.graph_split import TracedSplit
@@ -288,15 +288,7 @@ class PipeDream:
                 path of another format (a checkpoint directory: ``pd.load_checkpoint``).
         """
         if isinstance(state_dict, (str, os.PathLike)):
-            path = os.fspath(state_dict)
-            kind = detect(path)
-            if kind == HF.name:
-                return HF.load(self, path, strict)
-            if kind != "torch":
-                raise ValueError(f"load_state_dict({path!r}): a {kind!r} checkpoint directory; "
-                                 "restore it with pd.load_checkpoint(path, pipe), or pass "
-                                 "pd.consolidate(path)")
-            state_dict = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            return load_path(self, state_dict, strict)
         return reshard.load_state_dict(self, state_dict, strict)
 
     def train(self, mode: bool = True) -> "PipeDream":

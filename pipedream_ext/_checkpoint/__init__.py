@@ -39,7 +39,7 @@ from .dcp_save import PendingCheckpoint, finish_pending
 from .durable_io import atomic_torch_save
 from .errors import CheckpointError
 from .hf_save import save_pretrained
-from .hf_storage import HF, HfStorage, detect
+from .hf_storage import HF, HfStorage, detect, load_path
 from .load import load_checkpoint
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointInfo
 from .save import save_checkpoint
@@ -55,6 +55,7 @@ __all__ = [
     "detect",
     "HF",
     "HfStorage",
+    "load_path",
     "finish_pending",
     "PendingCheckpoint",
     "FORMATS",

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 
 from .durable_io import PathLike
-from .hf_storage import HF
+from .hf_storage import HF, WRITERS
 from .storages import read_manifest, storage_of
 
 __all__ = ["consolidate"]
@@ -47,15 +47,17 @@ def consolidate(path: PathLike, format: Optional[str] = None, out_dir: Optional[
             file, or a file whose tensors differ from the manifest (names the file
             and the entry).
     """
-    if format not in (None, HF.name):
+    writer = None if format is None else WRITERS.get(format) if isinstance(format, str) else None
+    if format is not None and writer is None:
         raise ValueError(f"consolidate(format={format!r}): use format=None (the state dict) or "
-                         f"format={HF.name!r} (also a Hugging Face directory in out_dir)")
-    if (format is None) != (out_dir is None):
+                         f"{' or '.join(f'format={name!r}' for name in WRITERS)} (also a Hugging "
+                         "Face directory in out_dir)")
+    if (writer is None) != (out_dir is None):
         raise ValueError(f"consolidate: out_dir={out_dir!r} with format={format!r}; pass both "
                          f"format={HF.name!r} and out_dir=, or neither")
     directory = os.fspath(path)
     manifest = read_manifest(directory)
     state = storage_of(manifest).consolidate(directory, manifest)
-    if out_dir is not None:
-        HF.write_state_dict(state, os.fspath(out_dir), config)
+    if writer is not None and out_dir is not None:
+        writer.write_state_dict(state, os.fspath(out_dir), config)
     return state

@@ -16,14 +16,14 @@ from typing import Any, ClassVar, Dict, Mapping
 
 import torch
 
-from . import hf_files, hf_load, hf_save
+from . import hf_files, hf_load, hf_save, reshard
 from .durable_io import PathLike
 from .manifest import MANIFEST
 from .reshard import IncompatibleKeys
 from .storages import read_manifest, storage_name
 from .view import Pipeline
 
-__all__ = ["HfStorage", "HF", "detect", "TORCH_SUFFIXES"]
+__all__ = ["HfStorage", "HF", "WRITERS", "detect", "load_path", "TORCH_SUFFIXES"]
 
 #: Files ``pipe.load_state_dict(path)`` reads with ``torch.load`` (a saved state dict).
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
@@ -52,6 +52,8 @@ class HfStorage:
 
 
 HF = HfStorage()
+#: The formats ``consolidate(format=...)`` writes besides returning the state dict.
+WRITERS: Dict[str, HfStorage] = {HF.name: HF}
 
 
 def detect(path: PathLike) -> str:
@@ -74,3 +76,28 @@ def detect(path: PathLike) -> str:
     raise ValueError(f"{path}: {what}; pass a checkpoint directory (with {MANIFEST}), a Hugging "
                      f"Face model directory ({hf_files.SINGLE} or {hf_files.INDEX}), a .safetensors "
                      f"file or a torch.save file ({', '.join(TORCH_SUFFIXES)})")
+
+
+def _load_torch_file(pipe: Pipeline, path: str, strict: bool) -> IncompatibleKeys:
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    return reshard.load_state_dict(pipe, state, strict)
+
+
+#: What ``pipe.load_state_dict(path)`` does with each format :func:`detect` names.
+_PATH_READERS = {HF.name: HF.load, "torch": _load_torch_file}
+
+
+def load_path(pipe: Pipeline, path: PathLike, strict: bool = True) -> IncompatibleKeys:
+    """``pipe.load_state_dict(path)``: a Hugging Face directory or ``.safetensors`` file
+    (each rank reads its share), or a ``torch.save`` file (memory-mapped).
+
+    Raises:
+        ValueError: a checkpoint directory (naming ``pd.load_checkpoint``) or another path.
+    """
+    path = os.fspath(path)
+    kind = detect(path)
+    read = _PATH_READERS.get(kind)
+    if read is None:
+        raise ValueError(f"load_state_dict({path!r}): a {kind!r} checkpoint directory; restore it "
+                         "with pd.load_checkpoint(path, pipe), or pass pd.consolidate(path)")
+    return read(pipe, path, strict)
