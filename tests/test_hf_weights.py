@@ -9,9 +9,12 @@ rank, counting every file each rank opens and every tensor and byte it reads (a
 wrapped ``safe_open``: exactly its stages' share); 2 SGD steps equal the unsplit model
 loaded by ``from_pretrained``; ``pd.save_pretrained`` of the trained pipeline loads
 with ``from_pretrained`` to the pipeline's and the unsplit model's weights; a DCP
-checkpoint consolidated with ``format="hf"`` loads the same. Runs under pytest, or:
+checkpoint consolidated with ``format="hf"`` loads the same. Four ranks (launch ``mesh``):
+pp2 x dp2 FSDP and pp2 x tp2 ranks read only their slices (``get_slice``), FSDP over TP
+its FSDP slices and the strided shards whole. Runs under pytest, or:
 
     PDHFW_DIR=/tmp/w torchrun --standalone --nproc-per-node 2 tests/test_hf_weights.py
+    PIPEDREAM_TEST_LAUNCH=mesh PDHFW_DIR=/tmp/w torchrun --standalone --nproc-per-node 4 tests/test_hf_weights.py
 """
 from __future__ import annotations
 
@@ -375,20 +378,59 @@ def check_fsdp_shards(root: str) -> None:
     assert_state(from_pretrained(out).state_dict(), want, "fsdp saved")
 
 
-def fsdp_cases(world: int) -> Cases:
+def check_tp_shards(root: str) -> None:
+    """A ``.safetensors`` file into tests/test_tensor_parallel.py's Llama on pp2 x tp2:
+    each rank reads only its tp shards' slices; on pp1 x dp2 x tp2 (FSDP over TP) the
+    tensors tensor parallelism splits are FSDP's strided shards, which it reads whole and
+    cuts locally, the others (embedding, norms, head) their FSDP slices. Either way the
+    gathered weights equal the file's."""
+    from safetensors.torch import save_file
+    from test_tensor_parallel import BALANCE, lm_loss, mesh_of, plan
+    from test_tensor_parallel import llama as sequential_llama
+    from torch.distributed.tensor import DTensor
+
+    path = os.path.join(root, "tp.safetensors")
+    want = sequential_llama(3).state_dict()
+    if dist.get_rank() == 0:
+        save_file({k: v.contiguous() for k, v in want.items()}, path)
+    dist.barrier()
+    for shape, mode in (((2, 1, 2), "replicate"), ((1, 2, 2), "fsdp")):
+        pp, dp, tp = shape
+        pipe = pd.PipeDream(sequential_llama(0), lm_loss, schedule="1f1b", microbatches=2,
+                            mesh=mesh_of(shape), data_parallel=mode, timeout=60,
+                            balance=BALANCE if pp > 1 else None, tensor_parallel=plan())
+        reads = load_counting(pipe, path)
+        local = whole = 0
+        for key, value in pipe.state_dict().items():
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            assert torch.equal(full, want[key]), (shape, key)
+            part = value.to_local() if isinstance(value, DTensor) else value
+            local += part.numel() * part.element_size()
+            whole += full.numel() * full.element_size()
+        assert sorted(reads.tensors) == sorted(pipe.state_dict())
+        if mode == "replicate":
+            assert reads.bytes == local < whole, (shape, reads.bytes, local, whole)
+        else:  # the strided (FSDP over TP) tensors read whole, the others their slices
+            assert local < reads.bytes < whole, (shape, reads.bytes, local, whole)
+        pipe.close()
+
+
+def mesh_cases(world: int) -> Cases:
     cases = Cases()
     cases.add(check_fsdp_shards, FromEnv("PDHFW_DIR", "/tmp/pdhfw"), name="fsdp")
+    cases.add(check_tp_shards, FromEnv("PDHFW_DIR", "/tmp/pdhfw"), name="tp")
     return cases
 
 
 LAUNCHES = [Launch(HERE, 2, weights_cases, dirs=("PDHFW_DIR",)),
-            Launch(HERE, 4, fsdp_cases, name="fsdp", dirs=("PDHFW_DIR",))]
+            Launch(HERE, 4, mesh_cases, name="mesh", dirs=("PDHFW_DIR",))]
 
 
 @parametrize_cases(*LAUNCHES)
 def test_hf_weights_per_rank_and_back(case: CaseRef) -> None:
     """pp2 over a traced Llama (tied and untied head): per-rank reads, 2 steps exact,
-    save_pretrained and consolidate(format="hf") loaded by from_pretrained."""
+    save_pretrained and consolidate(format="hf") loaded by from_pretrained; on 4 ranks
+    FSDP and tensor parallel ranks reading their slices."""
     case.check()
 
 
