@@ -383,8 +383,9 @@ def check_tp_shards(root: str) -> None:
     each rank reads only its tp shards' slices; on pp1 x dp2 x tp2 (FSDP over TP) the
     tensors tensor parallelism splits are FSDP's strided shards, which it reads whole and
     cuts locally, the others (embedding, norms, head) their FSDP slices. Either way the
-    gathered weights equal the file's."""
-    from safetensors.torch import save_file
+    gathered weights equal the file's, and save_pretrained (no config: an nn.Sequential)
+    writes them back whole."""
+    from safetensors.torch import load_file, save_file
     from test_tensor_parallel import BALANCE, lm_loss, mesh_of, plan
     from test_tensor_parallel import llama as sequential_llama
     from torch.distributed.tensor import DTensor
@@ -412,6 +413,14 @@ def check_tp_shards(root: str) -> None:
             assert reads.bytes == local < whole, (shape, reads.bytes, local, whole)
         else:  # the strided (FSDP over TP) tensors read whole, the others their slices
             assert local < reads.bytes < whole, (shape, reads.bytes, local, whole)
+        out = os.path.join(root, f"tp-out-{mode}")  # tp shards gathered to each stage's leader
+        weight_map = pd.save_pretrained(pipe, out)
+        assert sorted(weight_map) == sorted(want) and os.listdir(out).count("config.json") == 0
+        saved: Dict[str, torch.Tensor] = {}
+        for name in sorted(set(weight_map.values())):
+            saved.update(load_file(os.path.join(out, name)))
+        for key, value in want.items():
+            assert torch.equal(saved[key], value), (shape, key)
         pipe.close()
 
 
