@@ -13,8 +13,10 @@ from ._checkpoint import (
     CheckpointInfo,
     PendingCheckpoint,
     consolidate,
+    detect,
     load_checkpoint,
     save_checkpoint,
+    save_pretrained,
 )
 from ._frontend.deferred_init import layer_seed, materialize
 from ._pipe import NonFiniteError, PipeDream, clip_grad_norm_
@@ -38,6 +40,8 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "consolidate",
+    "save_pretrained",
+    "detect",
     "CheckpointError",
     "CheckpointInfo",
     "PendingCheckpoint",

@@ -27,7 +27,7 @@ from torch import nn
 
 from . import schedules
 from ._build import PipelineArguments, build_pipeline
-from ._checkpoint import PipelineView, finish_pending, reshard
+from ._checkpoint import PipelineView, finish_pending, load_path, reshard
 from ._dist import faults
 from ._frontend import model_io
 from ._frontend.graph_split import TracedSplit
@@ -100,6 +100,10 @@ class PipeDream:
         built = build_pipeline(PipelineArguments(module=module, loss_fn=loss_fn,
                                                  **from_call("PipeDream", args, options)))
         self.config, self.device, self.loss_fn = built.config, built.device, loss_fn
+        #: The model's own configuration and generation configuration (a transformers
+        #: model's ``config``/``generation_config``, else None): what save_pretrained writes.
+        self.model_config = _saveable(getattr(module, "config", None))
+        self.generation_config = _saveable(getattr(module, "generation_config", None))
         #: The traced model's stages (``split_points`` or a plan), else None (an nn.Sequential).
         self.traced: Optional[TracedSplit] = built.traced
         #: The plan the stages come from (balance="auto" or a saved plan), else None.
@@ -252,12 +256,18 @@ class PipeDream:
         """This rank's weights keyed by the original model's names."""
         return self.module.state_dict()
 
-    def load_state_dict(self, state_dict: Dict[str, torch.Tensor],
+    def load_state_dict(self, state_dict: Union[Dict[str, torch.Tensor], str, "os.PathLike[str]"],
                         strict: bool = True) -> "reshard.IncompatibleKeys":
         """Loads this rank's entries of the whole model's state dict, in place.
 
         Collective: call it on every rank with the full (unsplit) state dict, e.g.
-        ``torch.load("model.pt", mmap=True)`` or ``pd.consolidate("ckpt")``; each
+        ``torch.load("model.pt", mmap=True)`` or ``pd.consolidate("ckpt")``, or with
+        a path: a Hugging Face model directory (``model.safetensors``, or shards with
+        ``model.safetensors.index.json``) or a ``.safetensors`` file, of which each
+        rank opens only the files holding its tensors and reads only those tensors
+        (memory-mapped; with ``mesh=`` only its shards; a tied weight under any of its
+        names, as transformers stores it once), or a ``torch.save`` file
+        (``.pt``/``.pth``/``.bin``, memory-mapped; ``pd.detect(path)`` tells); each
         rank keeps the keys of its own stages' layers and ignores the others'; with
         ``mesh=`` a DTensor parameter (FSDP, ``tensor_parallel``) takes this rank's
         shard of the whole value, cut by its placements. An asynchronous pipeline is
@@ -265,7 +275,7 @@ class PipeDream:
         changes unless every rank succeeded.
 
         Args:
-            state_dict: keyed by the original model's names (``"3.weight"``).
+            state_dict: keyed by the original model's names (``"3.weight"``), or a path.
             strict: refuse keys the model does not have and keys this rank's
                 stages need that the dict lacks (shapes are always checked).
 
@@ -274,8 +284,11 @@ class PipeDream:
 
         Raises:
             ValueError: on every rank: unexpected keys, missing keys (naming the
-                stage), or a shape that differs (naming the key and both shapes).
+                stage), or a shape that differs (naming the key and both shapes); a
+                path of another format (a checkpoint directory: ``pd.load_checkpoint``).
         """
+        if isinstance(state_dict, (str, os.PathLike)):
+            return load_path(self, state_dict, strict)
         return reshard.load_state_dict(self, state_dict, strict)
 
     def train(self, mode: bool = True) -> "PipeDream":
@@ -466,6 +479,11 @@ class PipeDream:
 if PipeDream.__doc__:  # None under python -OO
     PipeDream.__doc__ = document(PipeDream.__doc__)
 
+
+
+def _saveable(value: Any) -> Any:
+    """``value`` where it can write itself into a directory (``save_pretrained``), else None."""
+    return value if callable(getattr(value, "save_pretrained", None)) else None
 
 
 def _checkpoint_view(pipe: PipeDream, groups: Any, schedule: Any, stages: Any,

@@ -29,13 +29,17 @@ shares), ``storage`` (``CheckpointStorage``: the interface of one format) and
 ``"pipedream"`` storage: ``stage_files`` and ``stage_files_load``; the ``"dcp"``
 storage: ``dcp_storage``, ``dcp_state`` (names both ways), ``dcp_files`` (file
 records, checks, consolidation), ``dcp_save`` (synchronous and asynchronous) and
-``dcp_load``.
+``dcp_load``; the ``"hf"`` storage (Hugging Face directories, weights only, no
+manifest): ``hf_storage`` (``HfStorage``, ``detect``), ``hf_files`` (the index,
+reading one rank's share), ``hf_load`` and ``hf_save`` (``save_pretrained``).
 Design notes: docs/checkpoints.md.
 """
 from .consolidate import consolidate
 from .dcp_save import PendingCheckpoint, finish_pending
 from .durable_io import atomic_torch_save
 from .errors import CheckpointError
+from .hf_save import save_pretrained
+from .hf_storage import HF, HfStorage, detect, load_path
 from .load import load_checkpoint
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointInfo
 from .save import save_checkpoint
@@ -47,6 +51,11 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "consolidate",
+    "save_pretrained",
+    "detect",
+    "HF",
+    "HfStorage",
+    "load_path",
     "finish_pending",
     "PendingCheckpoint",
     "FORMATS",

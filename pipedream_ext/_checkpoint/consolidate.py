@@ -3,16 +3,19 @@ from __future__ import annotations
 
 import collections
 import os
+from typing import Any, Optional
 
 import torch
 
 from .durable_io import PathLike
+from .hf_storage import HF, WRITERS
 from .storages import read_manifest, storage_of
 
 __all__ = ["consolidate"]
 
 
-def consolidate(path: PathLike) -> "collections.OrderedDict[str, torch.Tensor]":
+def consolidate(path: PathLike, format: Optional[str] = None, out_dir: Optional[PathLike] = None,
+                config: Any = None) -> "collections.OrderedDict[str, torch.Tensor]":
     """The whole original model's ``state_dict`` from a checkpoint, in layer order.
 
     Needs no process group: ``model.load_state_dict(consolidate(path))`` works on
@@ -21,17 +24,40 @@ def consolidate(path: PathLike) -> "collections.OrderedDict[str, torch.Tensor]":
     Every storage (``storages.STORAGES``): per-stage files, or a DCP directory
     (read with ``dcp.load`` in this process, as ``format_utils.dcp_to_torch_save`` does).
 
+    With ``format="hf"`` it also writes the state dict to ``out_dir`` as a Hugging
+    Face model directory that ``from_pretrained`` loads (safetensors shards, their
+    index; ``config.json`` from ``config``; a tied weight stored once, under its
+    first name), atomically (a temporary sibling renamed at the end).
+
     Args:
         path: the checkpoint directory.
+        format: ``None`` (only return the state dict) or ``"hf"`` (write ``out_dir`` too).
+        out_dir: with ``format="hf"``: the directory to write (new, empty, or one
+            written before by ``save_pretrained``/``consolidate``).
+        config: with ``format="hf"``: the model's ``PretrainedConfig`` (``model.config``),
+            written as ``config.json``; ``None`` writes the weights alone.
 
     Returns:
         An ``OrderedDict`` from the original model's names (``"3.weight"``) to tensors.
 
     Raises:
+        ValueError: a ``format`` other than ``None`` or ``"hf"``, ``format="hf"``
+            without ``out_dir``, or an ``out_dir`` holding other files.
         CheckpointError: no complete checkpoint, a missing, truncated or corrupt
             file, or a file whose tensors differ from the manifest (names the file
             and the entry).
     """
+    writer = None if format is None else WRITERS.get(format) if isinstance(format, str) else None
+    if format is not None and writer is None:
+        raise ValueError(f"consolidate(format={format!r}): use format=None (the state dict) or "
+                         f"{' or '.join(f'format={name!r}' for name in WRITERS)} (also a Hugging "
+                         "Face directory in out_dir)")
+    if (writer is None) != (out_dir is None):
+        raise ValueError(f"consolidate: out_dir={out_dir!r} with format={format!r}; pass both "
+                         f"format={HF.name!r} and out_dir=, or neither")
     directory = os.fspath(path)
     manifest = read_manifest(directory)
-    return storage_of(manifest).consolidate(directory, manifest)
+    state = storage_of(manifest).consolidate(directory, manifest)
+    if writer is not None and out_dir is not None:
+        writer.write_state_dict(state, os.fspath(out_dir), config)
+    return state

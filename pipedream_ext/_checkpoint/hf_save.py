@@ -1,0 +1,286 @@
+"""``save_pretrained``: a directory ``from_pretrained`` loads, written by the ranks
+that hold the tensors; and the same layout from a whole state dict (``consolidate``).
+
+Layout (as transformers writes it): ``model-0000k-of-0000n.safetensors`` (one per
+stage that stores tensors, in stage order, written by that stage's leader),
+``model.safetensors.index.json`` (``weight_map``, ``metadata.total_size``),
+``config.json`` and ``generation_config.json`` when the model has them. A tied
+parameter is stored once, under its first name in the model
+(``model.embed_tokens.weight``, not ``lm_head.weight``), as transformers stores it.
+
+Phases, as ``save_checkpoint``'s: (1) every rank checks its part and rank 0 the
+directory and picks a temporary sibling ``<out_dir>.tmp-<token>``; one exchange
+makes a bad argument anywhere fail everywhere before anything is written; (2) each
+stage's leader writes its file into the temporary directory: a DTensor (FSDP
+shards, tensor parallelism) is gathered tensor by tensor within the stage's ranks
+(``full_tensor``) to the leader only, so a rank holds at most its stage whole,
+never the model; (3) rank 0 checks every file, writes the index and configs, and
+renames the temporary directory to ``out_dir`` (an existing Hugging Face directory
+there is replaced only then). A failure anywhere removes the temporary directory
+and leaves ``out_dir`` as it was.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import shutil
+import uuid
+from typing import Any, Dict, List, Mapping, Optional
+
+import torch
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
+
+from .._dist import collectives
+from .._frontend.tied_params import alias_names
+from . import directory as directory_check
+from . import hf_files
+from .durable_io import fsync_directory
+from .errors import CheckpointError
+from .view import Pipeline, PipelineView
+
+__all__ = ["save_pretrained", "write_state_dict", "shard_name", "MAX_SHARD_BYTES"]
+
+#: ``write_state_dict``'s shard size (transformers' default ``max_shard_size="50GB"``
+#: would make one file; smaller shards let a pipeline's ranks read their own).
+MAX_SHARD_BYTES = 5 * 10**9
+
+
+def shard_name(k: int, n: int) -> str:
+    """The ``k``-th (0-based) of ``n`` shard files, named as transformers names them."""
+    return f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+
+
+def _stored_keys(view: PipelineView, j: int) -> List[str]:
+    """The keys local stage ``j`` stores: a parameter tied to an earlier stage's, or
+    to an earlier name within the stage, is stored once, under its first name."""
+    aliases = alias_names(view.shared_parameters, stage=j)
+    seen = set()
+    keys = []
+    for key, value in view.stages[j].state_dict(keep_vars=True).items():
+        if key in aliases or id(value) in seen:
+            continue
+        seen.add(id(value))
+        keys.append(key)
+    return keys
+
+
+def _check_out_dir(out_dir: str) -> None:
+    """Rank 0: refuses an ``out_dir`` whose contents a save would replace and that is
+    not a Hugging Face directory (nothing the user had is lost)."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"save_pretrained: {out_dir} exists and is not a directory; pass a new "
+                         "directory or one save_pretrained wrote")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not hf_files.is_hf(out_dir):
+        raise ValueError(f"save_pretrained: {out_dir} holds files and no Hugging Face weights "
+                         f"({hf_files.INDEX} or {hf_files.SINGLE}); it would be replaced: pass an "
+                         "empty or new directory, or a previous save_pretrained directory")
+
+
+def _write_file(folder: str, name: str, tensors: Mapping[str, torch.Tensor]) -> Dict[str, Any]:
+    """Writes one shard (contiguous CPU tensors, ``{"format": "pt"}`` as transformers
+    expects) and fsyncs it; returns its record."""
+    path = os.path.join(folder, name)
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, path,
+              metadata={"format": "pt"})
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+    return {"file": name, "bytes": os.path.getsize(path),
+            "tensors": {k: v.numel() * v.element_size() for k, v in tensors.items()}}
+
+
+def _finish(folder: str, out_dir: str, records: List[Dict[str, Any]], config: Any,
+            generation_config: Any) -> None:
+    """Rank 0: checks every shard, writes the index and configs, renames ``folder`` to ``out_dir``."""
+    for record in records:
+        full = os.path.join(folder, record["file"])
+        size = os.path.getsize(full) if os.path.isfile(full) else None
+        if size != record["bytes"]:
+            raise CheckpointError(f"save_pretrained {out_dir}: {record['file']} is "
+                                  f"{'missing' if size is None else f'{size} bytes'} on rank 0 "
+                                  f"(written: {record['bytes']} bytes): the ranks do not share "
+                                  "this file system; nothing was replaced")
+    weight_map = {k: r["file"] for r in records for k in r["tensors"]}
+    total = sum(b for r in records for b in r["tensors"].values())
+    with open(os.path.join(folder, hf_files.INDEX), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2,
+                  sort_keys=True)
+        f.write("\n")
+    for extra in (config, generation_config):
+        if extra is not None:
+            extra.save_pretrained(folder)
+    fsync_directory(folder)
+    old = None
+    if os.path.isdir(out_dir):
+        old = f"{folder}-old"
+        os.rename(out_dir, old)
+    os.rename(folder, out_dir)
+    fsync_directory(os.path.dirname(os.path.abspath(out_dir)))
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _temporary(out_dir: str, token: str) -> str:
+    """The temporary sibling a save writes into (``token``: rank 0's, the same on every rank)."""
+    return f"{os.path.abspath(out_dir).rstrip(os.sep)}.tmp-{token}"
+
+
+def _hf_parts(model_like: Any, config: Any) -> Any:
+    """The ``(config, generation_config)`` to write: ``config`` if given, else the
+    model's (objects with ``save_pretrained``; ``None`` where there is none)."""
+    config = config if config is not None else getattr(model_like, "model_config", None)
+    generation = getattr(model_like, "generation_config", None)
+    for value, name in ((config, "config"), (generation, "generation_config")):
+        if value is not None and not callable(getattr(value, "save_pretrained", None)):
+            raise ValueError(f"save_pretrained: {name} is a {type(value).__name__} without "
+                             "save_pretrained(); pass a transformers PretrainedConfig or None")
+    return config, generation
+
+
+def _stage_tensors(view: PipelineView, j: int, keep: bool) -> "collections.OrderedDict[str, torch.Tensor]":
+    """Local stage ``j``'s stored tensors, whole: DTensors gathered one at a time
+    (collective over the stage's ranks, which all call it); kept only on the writer."""
+    state = view.stages[j].state_dict()
+    tensors: "collections.OrderedDict[str, torch.Tensor]" = collections.OrderedDict()
+    for key in _stored_keys(view, j):
+        value = state[key]
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        if keep:
+            tensors[key] = value
+    return tensors
+
+
+def _agree(view: PipelineView, out_dir: str) -> Dict[str, Any]:
+    """Phase 1: checks, the temporary directory, which stages write (one exchange)."""
+    error: Optional[BaseException] = None
+    counts: Dict[str, int] = {}
+    token = ""
+    try:
+        counts = {str(j): len(_stored_keys(view, j)) for j in view.stages if view.is_leader(j)}
+        if view.rank == 0:
+            _check_out_dir(out_dir)
+            token = uuid.uuid4().hex[:12]
+    except Exception as exc:  # noqa: BLE001 - reported to every rank
+        error = exc
+    gathered = collectives.gather_outcomes(
+        error, view.group, view.timeout, f"save_pretrained {out_dir}",
+        payload={"counts": counts, "token": token, "directory": directory_check.describe(out_dir)},
+        failure=CheckpointError)
+    directory_check.check_same(f"save_pretrained {out_dir}", [e["directory"] for e in gathered],
+                               "nothing was written")
+    writing = sorted({int(j) for e in gathered for j, n in e["counts"].items() if n})
+    return {"folder": _temporary(out_dir, gathered[0]["token"]), "files": {j: k for k, j in enumerate(writing)}}
+
+
+def save_pretrained(pipe: Pipeline, out_dir: str, config: Any = None) -> Dict[str, str]:
+    """Writes the pipeline's weights as a Hugging Face model directory that
+    ``AutoModelForCausalLM.from_pretrained(out_dir)`` (the model's own class) loads.
+
+    Collective: every rank calls it with the same ``out_dir`` (on a file system all
+    ranks share; checked). Each stage's leader writes its stage's tensors as one
+    shard ``model-0000k-of-0000n.safetensors`` (a stage whose tensors all belong to
+    another stage, such as a tied head, writes none); DTensor parameters (``mesh=``:
+    FSDP, tensor parallelism) are gathered one tensor at a time within the stage's
+    ranks to its leader, so no rank holds more than its stage whole. Rank 0 writes
+    ``model.safetensors.index.json``, ``config.json`` and ``generation_config.json``
+    (the model's, when it has them) and renames the temporary directory to
+    ``out_dir`` last: a failure anywhere leaves ``out_dir`` as it was. Keys are the
+    unsplit model's names (those of the Hugging Face model the pipeline wraps); a
+    tied weight is stored once, under its first name (``model.embed_tokens.weight``),
+    as transformers stores it. An asynchronous pipeline is flushed first.
+
+    Args:
+        pipe: the pipeline.
+        out_dir: the directory to write: new, empty, or a Hugging Face directory
+            (replaced once the new one is complete).
+        config: the ``PretrainedConfig`` to write as ``config.json``; by default the
+            model's own (``model.config``, kept by ``PipeDream``); ``None`` on a model
+            without one writes the weights alone.
+
+    Returns:
+        The index's ``weight_map`` (tensor name -> shard file), on every rank.
+
+    Raises:
+        ValueError: on every rank: ``out_dir`` is a file or holds files and no Hugging
+            Face weights, ranks given different directories, or a ``config`` without
+            ``save_pretrained``.
+        CheckpointError: on every rank: writing failed on some rank, or rank 0 does not
+            see a file another rank wrote (nothing was replaced).
+    """
+    view = pipe.checkpoint_view
+    if view.asynchronous:
+        pipe.flush()
+    out_dir = os.fspath(out_dir)
+    config, generation = _hf_parts(pipe, config)
+    plan = _agree(view, out_dir)
+    folder, files = plan["folder"], plan["files"]
+    error: Optional[BaseException] = None
+    records: List[Dict[str, Any]] = []
+    try:
+        os.makedirs(folder, exist_ok=True)
+        for j in view.stages:
+            tensors = _stage_tensors(view, j, keep=view.is_leader(j))
+            if tensors:
+                records.append(_write_file(folder, shard_name(files[j], len(files)), tensors))
+    except Exception as exc:  # noqa: BLE001 - reported to every rank
+        error = exc
+    try:
+        gathered = collectives.gather_outcomes(error, view.group, view.timeout,
+                                               f"save_pretrained {out_dir}", payload=records,
+                                               failure=CheckpointError)
+        records = sorted((r for rank_records in gathered for r in rank_records), key=lambda r: r["file"])
+        error = None
+        if view.rank == 0:
+            try:
+                _finish(folder, out_dir, records, config, generation)
+            except Exception as exc:  # noqa: BLE001 - reported to every rank
+                error = exc
+        collectives.gather_outcomes(error, view.group, view.timeout,
+                                    f"save_pretrained {out_dir} (writing {hf_files.INDEX})",
+                                    failure=CheckpointError)
+    finally:
+        if view.rank == 0 and os.path.isdir(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+    return {k: r["file"] for r in records for k in r["tensors"]}
+
+
+def write_state_dict(state_dict: Mapping[str, torch.Tensor], out_dir: str, config: Any = None,
+                     max_shard_bytes: int = MAX_SHARD_BYTES) -> Dict[str, str]:
+    """Writes a whole state dict as a Hugging Face directory, in this process (atomic:
+    a temporary sibling renamed at the end). Tensors sharing storage (a tied weight
+    under several names) are stored once, under the first name.
+
+    Returns:
+        The index's ``weight_map``.
+
+    Raises:
+        ValueError: ``out_dir`` holds other files, or ``config`` has no ``save_pretrained``.
+    """
+    out_dir = os.fspath(out_dir)
+    _check_out_dir(out_dir)
+    config, _ = _hf_parts(None, config)
+    seen = set()
+    shards: List["collections.OrderedDict[str, torch.Tensor]"] = [collections.OrderedDict()]
+    size = 0
+    for key, value in state_dict.items():
+        ident = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
+        if ident in seen:
+            continue
+        seen.add(ident)
+        nbytes = value.numel() * value.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append(collections.OrderedDict())
+            size = 0
+        shards[-1][key] = value
+        size += nbytes
+    folder = _temporary(out_dir, uuid.uuid4().hex[:12])
+    try:
+        os.makedirs(folder)
+        records = [_write_file(folder, shard_name(k, len(shards)), part) for k, part in enumerate(shards)]
+        _finish(folder, out_dir, records, config, None)
+    finally:
+        if os.path.isdir(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+    return {k: r["file"] for r in records for k in r["tensors"]}

@@ -1,0 +1,447 @@
+"""Hugging Face weights in and out: ``pipe.load_state_dict(hf_dir)``, ``pd.save_pretrained``,
+``pd.consolidate(..., format="hf")`` and ``pd.detect`` (``_checkpoint/hf_*.py``).
+
+One process: the index, detection, the errors (missing, unexpected, mis-shaped keys, a
+shard the index lists that is missing, an ``out_dir`` that holds other files), and a
+whole state dict written for ``from_pretrained``. Two ranks (pp2, a traced zoo Llama,
+tied and untied head): a directory transformers wrote in several shards is loaded per
+rank, counting every file each rank opens and every tensor and byte it reads (a
+wrapped ``safe_open``: exactly its stages' share); 2 SGD steps equal the unsplit model
+loaded by ``from_pretrained``; ``pd.save_pretrained`` of the trained pipeline loads
+with ``from_pretrained`` to the pipeline's and the unsplit model's weights; a DCP
+checkpoint consolidated with ``format="hf"`` loads the same. Four ranks (launch ``mesh``):
+pp2 x dp2 FSDP and pp2 x tp2 ranks read only their slices (``get_slice``), FSDP over TP
+its FSDP slices and the strided shards whole. Runs under pytest, or:
+
+    PDHFW_DIR=/tmp/w torchrun --standalone --nproc-per-node 2 tests/test_hf_weights.py
+    PIPEDREAM_TEST_LAUNCH=mesh PDHFW_DIR=/tmp/w torchrun --standalone --nproc-per-node 4 tests/test_hf_weights.py
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _multiprocess import CaseRef, Cases, FromEnv, Launch, parametrize_cases, worker_main  # noqa: E402
+from _zoo import ZOO, reference_step  # noqa: E402
+
+import pipedream_ext as pd  # noqa: E402
+from pipedream_ext._checkpoint import MANIFEST, hf_files, hf_load  # noqa: E402
+from pipedream_ext._checkpoint.view import PipelineView  # noqa: E402
+
+HERE = os.path.abspath(__file__)
+ZM = ZOO["llama"]
+SHARD = "8KB"  # the 4-layer zoo Llama in 8 to 12 files
+
+
+def llama(tied: bool, seed: int = 0, vocab: int = 64) -> nn.Module:
+    """The zoo's Llama, its head tied to the embedding or not, seeded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=4, num_attention_heads=4,
+                                        num_key_value_heads=2, max_position_embeddings=64,
+                                        tie_word_embeddings=tied)).train()
+
+
+def from_pretrained(path: str) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path).train()
+
+
+def whole_view(model: nn.Module) -> PipelineView:
+    """A one-stage view of ``model`` (what split_hf reads), no process group."""
+    return PipelineView(rank=0, world_size=1, group=None, timeout=10.0, device=torch.device("cpu"),
+                        module=model, stages={0: model}, stage_layers={0: (0, 1)}, stage_ranks=((0,),),
+                        model_shapes={k: tuple(v.shape) for k, v in model.state_dict().items()},
+                        shared_parameters=(), split_points=("x",), schedule_name="1f1b",
+                        microbatches=1, chunks=1, balance=(1,), replicas=(1,), asynchronous=False)
+
+
+def split(model: nn.Module, path: str, strict: bool = True) -> Tuple[Any, List[str], List[str]]:
+    reader = hf_files.ShareReader(hf_files.HfWeights(path))
+    return hf_load.split_hf(whole_view(model), reader, strict)
+
+
+# --------------------------------------------------------------------------- one process
+def test_index_is_parsed_and_a_bad_one_named(tmp_path: Any) -> None:
+    index = tmp_path / hf_files.INDEX
+    index.write_text(json.dumps({"metadata": {"total_size": 8}, "weight_map": {"a": "model-1.safetensors"}}))
+    assert hf_files.parse_index(str(index)) == {"a": "model-1.safetensors"}
+    for text, why in [("{", "JSONDecodeError"), ("[]", "no 'weight_map'"),
+                      (json.dumps({"weight_map": {"a": "../x.safetensors"}}), "'a' maps to '../x.safetensors'"),
+                      (json.dumps({"weight_map": {"a": "x.bin"}}), "'a' maps to 'x.bin'")]:
+        index.write_text(text)
+        with pytest.raises(ValueError, match=rf"{index} is not a safetensors index \({why}.*save_pretrained"):
+            hf_files.parse_index(str(index))
+
+
+def test_detect_names_each_format(tmp_path: Any) -> None:
+    model = llama(tied=True)
+    model.save_pretrained(tmp_path / "hf", max_shard_size=SHARD)
+    model.save_pretrained(tmp_path / "one")
+    assert pd.detect(tmp_path / "hf") == "hf" and pd.detect(tmp_path / "one") == "hf"
+    assert pd.detect(tmp_path / "one" / hf_files.SINGLE) == "hf"
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    assert pd.detect(tmp_path / "model.pt") == "torch"
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / MANIFEST).write_text(json.dumps({
+        "format": pd._checkpoint.FORMAT, "version": 2, "storage": "dcp", "generation": 1, "step": None,
+        "layers": [], "num_layers": 0, "stages": [],
+        "dcp": {"directory": "g000001-dcp", "files": [], "tensors": {}}}))
+    assert pd.detect(tmp_path / "ckpt") == "dcp"
+    for bad, what in [(tmp_path / "nothing", "no such file or directory"),
+                      (tmp_path / "ckpt" / MANIFEST, "not a format pipedream_ext reads")]:
+        with pytest.raises(ValueError, match=rf"{bad}: {what}; pass a checkpoint directory"):
+            pd.detect(bad)
+
+
+def test_tied_head_is_read_under_the_embedding_name(tmp_path: Any) -> None:
+    source = llama(tied=True, seed=1)
+    source.save_pretrained(tmp_path, max_shard_size=SHARD)
+    weight_map = json.loads((tmp_path / hf_files.INDEX).read_text())["weight_map"]
+    assert "lm_head.weight" not in weight_map  # transformers stores a tied weight once
+    target = llama(tied=True)
+    parts, missing, unexpected = split(target, str(tmp_path))
+    assert missing == [] and unexpected == []
+    assert torch.equal(parts[0]["lm_head.weight"], source.model.embed_tokens.weight)
+    untied = llama(tied=False)
+    with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\) of stage 0 \(layers 0-0\): 'lm_head.weight' "
+                                         r"\(missing keys\); pass the weights of this model .*strict=False"):
+        split(untied, str(tmp_path))
+    _, missing, _ = split(untied, str(tmp_path), strict=False)
+    assert missing == ["lm_head.weight"]
+
+
+def test_unexpected_and_mis_shaped_keys_are_named(tmp_path: Any) -> None:
+    llama(tied=False, vocab=80).save_pretrained(tmp_path / "wide", max_shard_size=SHARD)
+    with pytest.raises(ValueError, match=r"'model.embed_tokens.weight' has shape \[80, 32\] in "
+                                         r"model-\d+-of-\d+.safetensors but this model's "
+                                         r"'model.embed_tokens.weight' is \[64, 32\]; .*config.json"):
+        split(llama(tied=False), str(tmp_path / "wide"))
+    llama(tied=False).model.save_pretrained(tmp_path / "base")  # LlamaModel: no 'model.' prefix
+    with pytest.raises(ValueError, match=r"holds 38 tensor\(s\) this model does not have: 'embed_tokens.weight'"
+                                         r".* \(unexpected keys: .*strict=False to ignore them"):
+        split(llama(tied=False), str(tmp_path / "base"))
+
+
+def test_a_shard_the_index_lists_must_be_there(tmp_path: Any) -> None:
+    llama(tied=False).save_pretrained(tmp_path, max_shard_size=SHARD)
+    weight_map = json.loads((tmp_path / hf_files.INDEX).read_text())["weight_map"]
+    os.remove(tmp_path / weight_map["model.norm.weight"])
+    with pytest.raises(ValueError, match=rf"{weight_map['model.norm.weight']} is missing: .* lists it in "
+                                         rf"{hf_files.INDEX} but it is not there"):
+        split(llama(tied=False), str(tmp_path))
+
+
+def test_a_state_dict_written_for_from_pretrained(tmp_path: Any) -> None:
+    """``consolidate(format="hf")``'s writer: shards, index, config; tied stored once."""
+    from pipedream_ext._checkpoint import hf_save
+
+    model = llama(tied=True, seed=3)
+    weight_map = hf_save.write_state_dict(model.state_dict(), str(tmp_path / "out"), model.config,
+                                          max_shard_bytes=20_000)
+    assert "lm_head.weight" not in weight_map and len(set(weight_map.values())) > 1
+    loaded = from_pretrained(str(tmp_path / "out"))
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match=r"mine holds files and no Hugging Face weights .* pass an empty"):
+        hf_save.write_state_dict(model.state_dict(), str(tmp_path / "mine"))
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    assert sorted(os.listdir(tmp_path)) == ["mine", "out"]  # no temporary directory left
+
+
+def test_consolidate_arguments_are_checked(tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match=r"consolidate\(format='safetensors'\): use format=None"):
+        pd.consolidate(tmp_path, format="safetensors", out_dir=tmp_path / "x")
+    with pytest.raises(ValueError, match=r"out_dir=None with format='hf'; pass both"):
+        pd.consolidate(tmp_path, format="hf")
+
+
+# --------------------------------------------------------------------------- two ranks
+class _Reads:
+    """What a wrapped ``safe_open`` saw: files opened, tensors (or slices) read, bytes."""
+
+    def __init__(self) -> None:
+        self.files: List[str] = []
+        self.tensors: List[str] = []
+        self.bytes = 0
+
+    def took(self, key: str, value: torch.Tensor) -> torch.Tensor:
+        self.tensors.append(key)
+        self.bytes += value.numel() * value.element_size()
+        return value
+
+
+class _Slice:
+    def __init__(self, part: Any, key: str, reads: _Reads) -> None:
+        self._part, self._key, self._reads = part, key, reads
+
+    def get_shape(self) -> List[int]:
+        return self._part.get_shape()
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self._reads.took(self._key, self._part[index])
+
+
+class _Handle:
+    def __init__(self, handle: Any, reads: _Reads) -> None:
+        self._handle, self._reads = handle, reads
+
+    def __enter__(self) -> "_Handle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def keys(self) -> List[str]:
+        return list(self._handle.keys())
+
+    def get_slice(self, key: str) -> _Slice:
+        return _Slice(self._handle.get_slice(key), key, self._reads)
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        return self._reads.took(key, self._handle.get_tensor(key))
+
+
+def load_counting(pipe: Any, path: str) -> _Reads:
+    """``pipe.load_state_dict(path)`` with every ``safe_open`` of the loader counted."""
+    reads = _Reads()
+    real = hf_files.safe_open
+
+    def counting(filename: str, framework: str, device: str = "cpu") -> _Handle:
+        reads.files.append(os.path.basename(filename))
+        return _Handle(real(filename, framework=framework, device=device), reads)
+
+    hf_files.safe_open = counting
+    try:
+        pipe.load_state_dict(path)
+    finally:
+        hf_files.safe_open = real
+    return reads
+
+
+def check_share(pipe: Any, reads: _Reads, path: str, ref: nn.Module) -> None:
+    """This rank opened exactly the shards holding its tensors, each once, and read each
+    of its tensors once (a tied head: under the embedding's name), nothing else."""
+    weight_map = json.loads(open(os.path.join(path, hf_files.INDEX)).read())["weight_map"]
+    ties = {"lm_head.weight": "model.embed_tokens.weight"}
+    mine = [k if k in weight_map else ties[k] for k in pipe.state_dict()]
+    files = sorted({weight_map[k] for k in mine})
+    assert sorted(reads.files) == files, (reads.files, files)  # each once, only these
+    assert len(files) < len(set(weight_map.values())), "the share is not the whole model"
+    assert sorted(reads.tensors) == sorted(mine), (reads.tensors, mine)
+    state = ref.state_dict()
+    assert reads.bytes == sum(state[k].numel() * state[k].element_size() for k in mine)
+
+
+def build_pipe(tied: bool) -> Tuple[Any, nn.Module]:
+    inputs, y = ZM.batch(8, 8, 100, False)
+    model = llama(tied)  # seed 0: other weights than the files'
+    pipe = pd.PipeDream(model, ZM.loss_fn, schedule="1f1b", microbatches=4, timeout=120,
+                        split_points=ZM.splits[2], sample=(inputs, y), concrete_args=ZM.concrete_args)
+    return pipe, model
+
+
+def assert_state(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor], what: str) -> None:
+    for key, value in got.items():
+        torch.testing.assert_close(value, want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} {key}: {m}")
+
+
+def check_round_trip(tied: bool, root: str) -> None:
+    """Load per rank, train 2 steps against the unsplit model, save_pretrained,
+    from_pretrained; a DCP checkpoint consolidated to a Hugging Face directory."""
+    where = os.path.join(root, "tied" if tied else "untied")
+    source = os.path.join(where, "source")
+    if dist.get_rank() == 0:
+        llama(tied, seed=1).save_pretrained(source, max_shard_size=SHARD)
+    dist.barrier()
+    pipe, _ = build_pipe(tied)
+    reads = load_counting(pipe, source)
+    ref = from_pretrained(source)
+    assert (ref.lm_head.weight is ref.model.embed_tokens.weight) == tied
+    check_share(pipe, reads, source, ref)
+    assert_state(pipe.state_dict(), ref.state_dict(), "loaded")
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        inputs, y = ZM.batch(8, 8, 10 + step, False)
+        expected = reference_step(ZM, ref, inputs, y)
+        loss = pipe.step(inputs, y)
+        assert abs(loss - expected) <= 1e-5 * max(1.0, abs(expected)), (step, loss, expected)
+        opt.step(); opt.zero_grad()
+        ref_opt.step(); ref_opt.zero_grad()
+    out = os.path.join(where, "out")
+    weight_map = pd.save_pretrained(pipe, out)
+    assert sorted(set(weight_map.values())) == ["model-00001-of-00002.safetensors",
+                                                "model-00002-of-00002.safetensors"]
+    assert ("lm_head.weight" in weight_map) != tied  # stored once, as transformers stores it
+    assert {"config.json", "generation_config.json", hf_files.INDEX} <= set(os.listdir(out))
+    saved = from_pretrained(out)
+    assert_state(saved.state_dict(), ref.state_dict(), "saved vs unsplit")
+    for key, value in pipe.state_dict().items():
+        assert torch.equal(saved.state_dict()[key], value), key
+    check_consolidated(pipe, ref, where)
+
+
+def check_consolidated(pipe: Any, ref: nn.Module, where: str) -> None:
+    ckpt, out = os.path.join(where, "ckpt"), os.path.join(where, "consolidated")
+    pd.save_checkpoint(ckpt, pipe, format="dcp")
+    assert pd.detect(ckpt) == "dcp"
+    if dist.get_rank() == 0:
+        pd.consolidate(ckpt, format="hf", out_dir=out, config=ref.config)
+        assert pd.detect(out) == "hf"
+        assert_state(from_pretrained(out).state_dict(), ref.state_dict(), "consolidated")
+    dist.barrier()
+
+
+def check_errors_on_every_rank(root: str) -> None:
+    """An untied model given a tied model's files: rank 1 lacks lm_head.weight; every
+    rank raises, naming it, and no rank changed a weight."""
+    source = os.path.join(root, "errors")
+    if dist.get_rank() == 0:
+        llama(True, seed=1).save_pretrained(source, max_shard_size=SHARD)
+    dist.barrier()
+    pipe, _ = build_pipe(tied=False)
+    before = {k: v.clone() for k, v in pipe.state_dict().items()}
+    with pytest.raises(ValueError, match=r"load_state_dict\(.*errors'\) failed on rank 1: .* lacks 1 "
+                                         r"tensor\(s\) of stage 1 .*'lm_head.weight' \(missing keys\)"):
+        pipe.load_state_dict(source)
+    for key, value in pipe.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    with pytest.raises(ValueError, match=r"a 'dcp' checkpoint directory; restore it with "
+                                         r"pd.load_checkpoint\(path, pipe\)"):
+        pipe.load_state_dict(os.path.join(root, "untied", "ckpt"))
+    torch_file = os.path.join(root, "model.pt")  # a torch.save file: memory-mapped, as a dict
+    if dist.get_rank() == 0:
+        torch.save(llama(False, seed=2).state_dict(), torch_file)
+    dist.barrier()
+    pipe.load_state_dict(torch_file)
+    want = llama(False, seed=2).state_dict()
+    for key, value in pipe.state_dict().items():
+        assert torch.equal(value, want[key]), key
+
+
+def weights_cases(world: int) -> Cases:
+    cases = Cases()
+    root = FromEnv("PDHFW_DIR", "/tmp/pdhfw")
+    cases.add(check_round_trip, True, root, name="tied")
+    cases.add(check_round_trip, False, root, name="untied")
+    cases.add(check_errors_on_every_rank, root, name="errors")
+    return cases
+
+
+def check_fsdp_shards(root: str) -> None:
+    """pp2 x dp2 FSDP: each rank reads only its slice of each of its stages' tensors
+    (``get_slice``: the bytes of its local shards, less than its stages' whole tensors),
+    the gathered weights equal the files', and save_pretrained gathers them back."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    source = os.path.join(root, "fsdp-source")
+    if dist.get_rank() == 0:
+        llama(False, seed=1).save_pretrained(source, max_shard_size=SHARD)
+    dist.barrier()
+    inputs, y = ZM.batch(8, 8, 100, False)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pipe = pd.PipeDream(llama(False), ZM.loss_fn, schedule="1f1b", microbatches=4, timeout=120,
+                        split_points=ZM.splits[2], sample=(inputs, y), concrete_args=ZM.concrete_args,
+                        mesh=mesh, data_parallel="fsdp")
+    reads = load_counting(pipe, source)
+    want = from_pretrained(source).state_dict()
+    local = whole = 0
+    for key, value in pipe.state_dict().items():  # the same order on a stage's dp ranks
+        assert isinstance(value, DTensor), key
+        assert torch.equal(value.full_tensor(), want[key]), key
+        local += value.to_local().numel() * value.element_size()
+        whole += want[key].numel() * want[key].element_size()
+    assert sorted(reads.tensors) == sorted(pipe.state_dict())
+    assert reads.bytes == local < whole, (reads.bytes, local, whole)
+    out = os.path.join(root, "fsdp-out")
+    pd.save_pretrained(pipe, out)
+    assert_state(from_pretrained(out).state_dict(), want, "fsdp saved")
+
+
+def check_tp_shards(root: str) -> None:
+    """A ``.safetensors`` file into tests/test_tensor_parallel.py's Llama on pp2 x tp2:
+    each rank reads only its tp shards' slices; on pp1 x dp2 x tp2 (FSDP over TP) the
+    tensors tensor parallelism splits are FSDP's strided shards, which it reads whole and
+    cuts locally, the others (embedding, norms, head) their FSDP slices. Either way the
+    gathered weights equal the file's, and save_pretrained (no config: an nn.Sequential)
+    writes them back whole."""
+    from safetensors.torch import load_file, save_file
+    from test_tensor_parallel import BALANCE, lm_loss, mesh_of, plan
+    from test_tensor_parallel import llama as sequential_llama
+    from torch.distributed.tensor import DTensor
+
+    path = os.path.join(root, "tp.safetensors")
+    want = sequential_llama(3).state_dict()
+    if dist.get_rank() == 0:
+        save_file({k: v.contiguous() for k, v in want.items()}, path)
+    dist.barrier()
+    for shape, mode in (((2, 1, 2), "replicate"), ((1, 2, 2), "fsdp")):
+        pp, dp, tp = shape
+        pipe = pd.PipeDream(sequential_llama(0), lm_loss, schedule="1f1b", microbatches=2,
+                            mesh=mesh_of(shape), data_parallel=mode, timeout=60,
+                            balance=BALANCE if pp > 1 else None, tensor_parallel=plan())
+        reads = load_counting(pipe, path)
+        local = whole = 0
+        for key, value in pipe.state_dict().items():
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            assert torch.equal(full, want[key]), (shape, key)
+            part = value.to_local() if isinstance(value, DTensor) else value
+            local += part.numel() * part.element_size()
+            whole += full.numel() * full.element_size()
+        assert sorted(reads.tensors) == sorted(pipe.state_dict())
+        if mode == "replicate":
+            assert reads.bytes == local < whole, (shape, reads.bytes, local, whole)
+        else:  # the strided (FSDP over TP) tensors read whole, the others their slices
+            assert local < reads.bytes < whole, (shape, reads.bytes, local, whole)
+        out = os.path.join(root, f"tp-out-{mode}")  # tp shards gathered to each stage's leader
+        weight_map = pd.save_pretrained(pipe, out)
+        assert sorted(weight_map) == sorted(want) and os.listdir(out).count("config.json") == 0
+        saved: Dict[str, torch.Tensor] = {}
+        for name in sorted(set(weight_map.values())):
+            saved.update(load_file(os.path.join(out, name)))
+        for key, value in want.items():
+            assert torch.equal(saved[key], value), (shape, key)
+        pipe.close()
+
+
+def mesh_cases(world: int) -> Cases:
+    cases = Cases()
+    cases.add(check_fsdp_shards, FromEnv("PDHFW_DIR", "/tmp/pdhfw"), name="fsdp")
+    cases.add(check_tp_shards, FromEnv("PDHFW_DIR", "/tmp/pdhfw"), name="tp")
+    return cases
+
+
+LAUNCHES = [Launch(HERE, 2, weights_cases, dirs=("PDHFW_DIR",)),
+            Launch(HERE, 4, mesh_cases, name="mesh", dirs=("PDHFW_DIR",))]
+
+
+@parametrize_cases(*LAUNCHES)
+def test_hf_weights_per_rank_and_back(case: CaseRef) -> None:
+    """pp2 over a traced Llama (tied and untied head): per-rank reads, 2 steps exact,
+    save_pretrained and consolidate(format="hf") loaded by from_pretrained; on 4 ranks
+    FSDP and tensor parallel ranks reading their slices."""
+    case.check()
+
+
+if __name__ == "__main__":
+    worker_main(LAUNCHES)
