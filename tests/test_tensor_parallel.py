@@ -135,18 +135,23 @@ def mesh_of(shape, names=("pp", "dp", "tp")):
 
 def check_training(schedule: str, shape=(2, 1, 2), names=("pp", "dp", "tp"),
                    tensor_parallel: Optional[Callable[[], Any]] = None, clip: Optional[float] = None,
-                   data_parallel: str = "replicate", chunks: int = 1, microbatches: int = 2) -> None:
+                   data_parallel: str = "replicate", chunks: int = 1, microbatches: int = 2,
+                   balance: Any = None, **options: Any) -> Any:
     """STEPS AdamW steps of the pipeline and of the unsplit model agree: the loss of every
-    step, every gradient of step 0, every weight after each step (and the clipped norm)."""
+    step, every gradient of step 0, every weight after each step (and the clipped norm).
+
+    ``balance`` (default: BALANCE, or an even split) and ``options`` go to ``PipeDream``;
+    returns the closed pipeline (its ``plan`` and ``balance``)."""
     import pipedream_ext as pd
 
     ref = llama()
     mesh = mesh_of(shape, names)
     dp = shape[1] if len(shape) == 3 else 1
-    balance = None if shape[0] == 1 else BALANCE if chunks == 1 else [1, 1, 1, 2]
+    if balance is None:
+        balance = None if shape[0] == 1 else BALANCE if chunks == 1 else [1, 1, 1, 2]
     pipe = pd.PipeDream(llama(), lm_loss, schedule=schedule, microbatches=microbatches, mesh=mesh,
                         data_parallel=data_parallel, timeout=60, balance=balance, chunks=chunks,
-                        tensor_parallel=(tensor_parallel or plan)())
+                        tensor_parallel=(tensor_parallel or plan)(), **options)
     # eps=1e-4 (typical gradients here: 3e-3): Adam divides by |gradient|, so an element
     # whose gradient cancels to ~1e-7 (2.attn.wo.weight[13, 7] on 16 rows) would turn
     # its summation-order difference (tp, dp) into a weight difference of up to lr.
@@ -182,6 +187,7 @@ def check_training(schedule: str, shape=(2, 1, 2), names=("pp", "dp", "tp"),
         for name, p in pipe.named_parameters():
             close(p, refs[name], f"{schedule} weight {name} after step {step}")
     pipe.close()
+    return pipe
 
 
 def check_plan_shards() -> None:
@@ -281,7 +287,6 @@ def check_refusals() -> None:
         ("tp-mesh", "needs a mesh", llama, dict(mesh=None)),
         ("tp-fsdp", "reshard_after_forward=True and mp_policy", llama,
          dict(mesh=mesh_of((1, 2, 2)), data_parallel="fsdp", reshard_after_forward=True)),
-        ("tp-model", "balance='auto'", llama, dict(balance="auto")),
         ("tp-model", "a meta-device model", meta, dict(balance=BALANCE)),
         ("tp-model", "parameter 0.weight and 4.weight (stages 0 and 1) tied", tied, dict(balance=BALANCE)),
     ]

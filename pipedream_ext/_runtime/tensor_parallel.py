@@ -31,7 +31,7 @@ from .. import schedules
 from .._dist import collectives
 
 __all__ = ["TensorParallel", "check_option", "describe_plan",
-           "local", "matched_patterns", "refuse_unsupported"]
+           "local", "matched_patterns", "refuse_unsupported", "sequence_parallel"]
 
 def _qualified(value: Any) -> str:
     """A function's (or class's) qualified name, else its type's."""
@@ -99,21 +99,19 @@ def check_option(plan: Any, options: Any) -> None:
             raise ValueError(f"tensor_parallel with {what} is not supported yet; {fix}")
 
 
-def refuse_unsupported(enabled: bool, module: nn.Module, balance: Any, deferred: bool,
+def refuse_unsupported(enabled: bool, module: nn.Module, deferred: bool,
                        shared: Sequence[Any]) -> None:
     """What tensor parallelism does not support yet, refused before any stage is built.
 
     Args:
         enabled: whether ``tensor_parallel`` was given (``False``: nothing to refuse).
         module: the model.
-        balance: ``PipeDream``'s ``balance``.
         deferred: whether the model is on the meta device.
         shared: its parameters tied across stages.
 
     Raises:
-        ValueError: a model that is not an ``nn.Sequential``, ``balance`` other than
-            ``None`` or a list of layer counts, a meta-device model, or a parameter tied
-            across stages, naming it and the fix.
+        ValueError: a model that is not an ``nn.Sequential``, a meta-device model, or a
+            parameter tied across stages, naming it and the fix.
     """
     if not enabled:
         return
@@ -121,15 +119,22 @@ def refuse_unsupported(enabled: bool, module: nn.Module, balance: Any, deferred:
         raise ValueError(f"tensor_parallel with a {type(module).__name__} (a traced model) is not "
                          "supported yet; use an nn.Sequential whose children keep the plan's "
                          "module names")
-    if balance is not None and (isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence)):
-        raise ValueError(f"tensor_parallel with balance={balance!r} is not supported yet; give "
-                         "balance=[layers per stage] or leave it out (an even split)")
     if deferred:
         raise ValueError("tensor_parallel with a meta-device model is not supported yet; build "
                          "the model with real tensors")
     if shared:
         raise ValueError(f"tensor_parallel with parameter {shared[0]} tied across stages is not "
                          "supported yet; untie it or put its uses on one stage with balance=[...]")
+
+
+def sequence_parallel(plan: Any) -> bool:
+    """Whether ``balance="auto"`` plans ``plan`` with sequence parallelism (activations
+    divided by tp): a dict plan with torch's ``SequenceParallel`` style (torchtitan's SP
+    plans put it on the norms); a callable's styles cannot be seen, so it is planned
+    without SP (activations whole: a plan that fits then fits with SP too)."""
+    from torch.distributed.tensor.parallel import SequenceParallel  # noqa: PLC0415 - only with tp
+
+    return isinstance(plan, Mapping) and any(isinstance(v, SequenceParallel) for v in plan.values())
 
 
 def _matches(pattern: str, name: str) -> bool:
