@@ -125,6 +125,28 @@ def check_mismatch() -> None:
         "--data-parallel 1 --sharding fsdp --tensor-parallel 2" in str(info.value), str(info.value)
 
 
+def check_groups_keep_the_default_backend() -> None:
+    """Every group a pp2 x tp2 pipeline communicates on (the mesh's, its pipeline's, the
+    tp mesh its DTensors use) is on the default group's backend: under
+    ``PIPEDREAM_TEST_BACKEND=nccl_rules`` (tests/test_nccl_rules.py) each keeps NCCL's rules,
+    as each would be an NCCL communicator on GPUs."""
+    import pipedream_ext as pd
+
+    mesh = mesh_of((2, 1, 2))
+    pipe = pd.PipeDream(llama(), lm_loss, schedule="1f1b", microbatches=2, mesh=mesh,
+                        tensor_parallel=plan(), balance=BALANCE, timeout=60)
+    pipe.step(*batch(0))
+    default = dist.get_backend()
+    groups = {"mesh['pp']": mesh["pp"].get_group(), "mesh['dp']": mesh["dp"].get_group(),
+              "mesh['tp']": mesh["tp"].get_group(), "the pipeline's group": pipe.group}
+    groups.update({f"{name}'s tp mesh": p.device_mesh.get_group()
+                   for name, p in pipe.named_parameters() if hasattr(p, "device_mesh")})
+    assert len(groups) > 4, groups
+    for what, group in groups.items():
+        assert dist.get_backend(group) == default, (what, dist.get_backend(group), default)
+    pipe.close()
+
+
 def cases(world: int) -> Cases:
     c = Cases()
     c.add(check_auto, name="auto-pp2-tp2")
@@ -132,6 +154,7 @@ def cases(world: int) -> Cases:
     c.add(check_auto_sequence_parallel, name="auto-sequence-parallel")
     c.add(check_saved_plan, name="saved-plan")
     c.add(check_mismatch, name="plan-tp-mismatch")
+    c.add(check_groups_keep_the_default_backend, name="groups-keep-the-default-backend")
     return c
 
 
