@@ -739,8 +739,8 @@ def test_a_saved_plan_must_be_made_for_the_meshs_tensor_parallel_size() -> None:
                 r"2, 2\) \(pp, dp, tp\) mesh, stage 0 on ranks \[0, 1, 2, 3\]\), but the mesh "
                 r"has tp size 1 \(no 'tp' dimension\), so its memory and time per rank do not "
                 r"hold; re-plan with --data-parallel 2 --sharding replicate \(no "
-                r"--tensor-parallel\), or run it on a mesh of shape \(2, 2, 2\) with "
-                r"tensor_parallel=$")
+                r"--tensor-parallel\), or run it on a \(pp, dp, tp\) = \(2, 2, 2\) mesh with a "
+                r"tensor_parallel= plan$")
     with pytest.raises(ValueError, match=on_pp_dp):
         startup.check_plan_world(made, 2, 2, "replicate")
     with pytest.raises(ValueError, match=on_pp_dp):

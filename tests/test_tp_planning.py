@@ -115,7 +115,7 @@ def check_mismatch() -> None:
                      mesh=mesh_of((2, 2), ("pp", "dp")), balance=tp_plan)
     assert re.search(r"made for 2 tensor-parallel ranks .* but the mesh has tp size 1 \(no 'tp' "
                      r"dimension\).* re-plan with --data-parallel 2 --sharding fsdp \(no "
-                     r"--tensor-parallel\), or run it on a mesh of shape \(2, 2, 2\)",
+                     r"--tensor-parallel\), or run it on a \(pp, dp, tp\) = \(2, 2, 2\) mesh",
                      str(info.value)), str(info.value)
     no_tp = pd.plan(graph, workers=2, bandwidth=1e9, data_parallel=1)
     with pytest.raises(ValueError, match=row) as info:

@@ -229,7 +229,8 @@ def _check_plan_mesh(plan: Plan, data_parallel: int, sharding: Optional[str],
                          + ("" if tensor_parallel else " (no 'tp' dimension)")
                          + ", so its memory and time per rank do not hold; re-plan with "
                          f"{replan}" + ("" if tp > 1 else " (no --tensor-parallel)")
-                         + f", or run it on a mesh of shape {plan.mesh_shape} with tensor_parallel=")
+                         + f", or run it on a (pp, dp, tp) = {plan.mesh_shape} mesh with a "
+                         "tensor_parallel= plan")
     if plan.data_parallel != data_parallel or (plan.sharding == "fsdp" and sharding != "fsdp"):
         raise ValueError(f"the plan was made for {plan.data_parallel} data-parallel ranks per "
                          f"stage with sharding {plan.sharding!r}, but the mesh has {data_parallel}"
