@@ -66,8 +66,7 @@ from ._runtime.sharding import (
     resolve_mesh,
 )
 from ._runtime.stage_call import StageFunction, Tensors
-from ._runtime.tensor_parallel import CutLayouts, check_split_points, kept_calls
-from ._runtime.tensor_parallel import refuse_unsupported as refuse_tensor_parallel
+from ._runtime.tensor_parallel import CutLayouts, check_split_points, kept_calls, sequence_parallel
 from ._runtime.tied_grads import SharedGradients
 from ._runtime.tp_tied import refuse_split_ties as refuse_split_ties_over_tp
 from .planner import Plan
@@ -158,8 +157,6 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     mesh = _mesh_plan(args, prepared, config)
     group = mesh.mesh["pp"].get_group() if mesh is not None else \
         args.process_group if args.process_group is not None else dist.group.WORLD
-    if mesh is not None:
-        refuse_tensor_parallel(mesh.tensor_parallel is not None, args.module, args.balance)
     cut = cut_model(args, prepared, config, group, mesh)
     _refuse_shared_if_asynchronous(config, cut.shared_parameters)
     cut.traced = _agree_everywhere(args, group, cut,
@@ -510,26 +507,31 @@ def _traced_partition(traced: TracedSplit, plan: Optional[Plan], world: int,
 
 
 def _sharding_of(mesh: Optional[MeshPlan]) -> Dict[str, Any]:
-    """The planner's ``data_parallel`` and ``sharding`` for a mesh (none without one)."""
+    """The planner's ``data_parallel``, ``sharding`` and ``tensor_parallel`` (the tp size
+    with ``tensor_parallel=``, else ``None``) for a mesh (none without one)."""
     if mesh is None:
         return {}
-    return {"data_parallel": int(mesh.mesh["dp"].size()), "sharding": mesh.data_parallel}
+    return {"data_parallel": mesh.dp_size, "sharding": mesh.data_parallel,
+            "tensor_parallel": mesh.tp_size if mesh.tensor_parallel is not None else None}
 
 
 def _load_plan(args: PipelineArguments, config: PipelineConfig, group: dist.ProcessGroup,
                profile_fn: Optional[Callable[[], Any]] = None, mesh: Optional[MeshPlan] = None) -> Plan:
     """The plan ``balance`` names: given, read from a file, or made at start-up
     (``"auto"``: rank 0 profiles, with ``profile_fn`` for a traced model, and plans; with
-    a mesh, for its pp dimension with ``dp`` ranks per stage, every rank of the mesh
-    agreeing on one plan)."""
+    a mesh, for its pp dimension with ``dp`` ranks per stage and ``tp`` in each, every
+    rank of the mesh agreeing on one plan)."""
     if config.chunks != 1 or args.replicas is not None:
         raise ValueError("a plan sets balance and replicas itself; drop chunks/replicas")
     balance = args.balance
     if isinstance(balance, Plan):
         plan = balance
     elif str(balance) == "auto":
+        sequence = {} if mesh is None or mesh.tensor_parallel is None else \
+            {"sequence_parallel": sequence_parallel(mesh.tensor_parallel)}
         plan = auto_plan(args.module, args.loss_fn, args.sample, args.bandwidth, config.traits,
-                         group if mesh is None else dist.group.WORLD, profile_fn, **_sharding_of(mesh))
+                         group if mesh is None else dist.group.WORLD, profile_fn,
+                         **_sharding_of(mesh), **sequence)
     else:
         assert isinstance(balance, (str, os.PathLike))
         plan = Plan.load(balance)

@@ -16,8 +16,8 @@ that breaks those rules; the ``nccl_rules`` backend (``pipedream_ext.testing``,
   message counts;
 * the runtime's own suites pass on it, unchanged, as on Gloo: every schedule,
   replicas, tied weights, variable shapes, forward_only, checkpoints, recompute,
-  2-4 ranks (each suite re-run in a pytest subprocess with
-  ``PIPEDREAM_TEST_BACKEND=nccl_rules``).
+  tensor parallelism on pp2 x tp2 (and, slow, pp2 x dp2 x tp2 on 8 ranks), 2-8 ranks
+  (each suite re-run in a pytest subprocess with ``PIPEDREAM_TEST_BACKEND=nccl_rules``).
 
     torchrun --standalone --nproc-per-node 2 tests/test_nccl_rules.py --case tagged --backend nccl_rules
 """
@@ -188,6 +188,12 @@ SUITES = {
     # save, resume in other processes, consolidate
     "checkpoints": ["tests/test_checkpoint.py::test_resume_in_other_processes_equals_an_uninterrupted_run",
                     "tests/test_checkpoint.py::test_consolidate_gives_the_unsplit_models_state_dict"],
+    # tensor parallelism on pp2 x tp2 (4 ranks): one pipeline per tp coordinate on its own
+    # pp group, the tp collectives inside each stage's forward and backward, every flush
+    # schedule, dp x tp meshes, FSDP over TP, balance="auto" and saved plans; every group
+    # the mesh and the pipeline create on nccl_rules
+    "tensor-parallel": ["tests/test_tensor_parallel.py::test_tensor_parallel_matches_the_unsplit_model",
+                        "tests/test_tp_planning.py::test_tp_planning_matches_the_unsplit_model"],
 }
 
 
@@ -215,6 +221,15 @@ def test_the_fused_protocol_keeps_nccl_rules_too() -> None:
     result = run_suite(["tests/test_runtime.py::test_flush_schedules_match_the_unsplit_model", "-k", "3ranks"],
                        protocol="fused")
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_the_pp2_dp2_tp2_mesh_keeps_nccl_rules_too() -> None:
+    # 8 ranks: 4 pipelines (one per (dp, tp) coordinate) side by side, tp and FSDP's dp
+    # collectives between them, replicate and FSDP (tests/test_tensor_parallel.py's 8-rank launch).
+    result = run_suite(["tests/test_tensor_parallel.py::test_tensor_parallel_on_a_pp2_dp2_tp2_mesh"])
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
 
 
 def main() -> None:

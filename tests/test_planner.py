@@ -726,6 +726,92 @@ def test_cli_plan_prints_the_three_dimensional_mesh(tmp_path: Path,
     assert rc == 2 and "tensor_parallel=0 must be an integer >= 1" in err
 
 
+def test_a_saved_plan_must_be_made_for_the_meshs_tensor_parallel_size() -> None:
+    """A mesh plan's tp size is the mesh's (a missing 'tp' dimension has size 1): a tp 2
+    plan on a pp2 x dp2 mesh would run its stages on ranks with twice the memory and
+    compute it counted per rank; refused naming both sizes and the fix."""
+    made = pe.plan(_exact_blocks(), workers=2, bandwidth=[2.0 ** 33, 2.0 ** 30], data_parallel=2,
+                   tensor_parallel=2)
+    assert startup.check_plan_world(made, 2, 2, "replicate", tensor_parallel=2) is None
+    assert startup.partition_from_plan(made, 4, 2, data_parallel=2, sharding="replicate",
+                                       tensor_parallel=2) == ([2, 2], None)
+    on_pp_dp = (r"^the plan was made for 2 tensor-parallel ranks per data-parallel rank \(a \(2, "
+                r"2, 2\) \(pp, dp, tp\) mesh, stage 0 on ranks \[0, 1, 2, 3\]\), but the mesh "
+                r"has tp size 1 \(no 'tp' dimension\), so its memory and time per rank do not "
+                r"hold; re-plan with --data-parallel 2 --sharding replicate \(no "
+                r"--tensor-parallel\), or run it on a \(pp, dp, tp\) = \(2, 2, 2\) mesh with a "
+                r"tensor_parallel= plan$")
+    with pytest.raises(ValueError, match=on_pp_dp):
+        startup.check_plan_world(made, 2, 2, "replicate")
+    with pytest.raises(ValueError, match=on_pp_dp):
+        startup.partition_from_plan(made, 4, 2, data_parallel=2, sharding="replicate")
+    with pytest.raises(ValueError, match=r"made for 2 tensor-parallel ranks .* the mesh has tp "
+                                         r"size 4, .* re-plan with --data-parallel 2 --sharding "
+                                         r"fsdp --tensor-parallel 4, or run it"):
+        startup.check_plan_world(made, 2, 2, "fsdp", tensor_parallel=4)
+    # A mesh plan without tp on a tp mesh counts tp times the state per rank: refused too.
+    no_tp = pe.plan(_exact_blocks(), workers=2, bandwidth=[2.0 ** 33, 2.0 ** 30], data_parallel=2)
+    with pytest.raises(ValueError, match=r"made for 1 tensor-parallel ranks .* \(a \(2, 2, 1\) "
+                                         r".* tp size 2, .* --tensor-parallel 2, or run it"):
+        startup.check_plan_world(no_tp, 2, 2, "replicate", tensor_parallel=2)
+    # tp 1 is no tp; a plan made without data_parallel (no mesh) runs on any mesh, as before.
+    one = pe.plan(_exact_blocks(), workers=2, bandwidth=[2.0 ** 33, 2.0 ** 30], data_parallel=2,
+                  tensor_parallel=1)
+    assert startup.check_plan_world(one, 2, 2, "replicate") is None
+    assert startup.check_plan_world(no_tp, 2, 2, "replicate", tensor_parallel=1) is None
+    plain = pe.plan(_exact_blocks(), workers=2, bandwidth=2.0 ** 30, straight=True)
+    assert startup.check_plan_world(plain, 2, 2, "replicate", tensor_parallel=2) is None
+    # Both sizes wrong: the tp message first, its fix naming both.
+    with pytest.raises(ValueError, match=r"tp size 4, .* re-plan with --data-parallel 1 "
+                                         r"--sharding replicate --tensor-parallel 4"):
+        startup.check_plan_world(made, 2, 1, "replicate", tensor_parallel=4)
+
+
+def test_balance_auto_plans_for_the_meshs_tensor_parallel_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto_plan on a (pp, dp, tp) mesh plans pp = world / (dp * tp) workers with the tp
+    size (and SP) it is given; measuring, rank 0 probes its tp neighbour (rank 1, the tp
+    bandwidth), its dp neighbour (rank tp) and the next node's first stage (rank
+    stages per node x dp x tp)."""
+    assert startup.mesh_shape(8, 1, per_node=4, tensor_parallel=2) == [2, 2]
+    assert startup.mesh_shape(8, 2, per_node=4, tensor_parallel=2) == [1, 2]
+    assert startup.mesh_shape(8, 2, per_node=8, tensor_parallel=2) == [2]
+    with pytest.raises(ValueError, match=r"data_parallel=3 must be a positive divisor of the world "
+                                         r"size 16 / tensor_parallel 2 \(the mesh is pp x dp x tp"):
+        startup.mesh_shape(16, 3, tensor_parallel=2)
+    graph = _exact_blocks()
+    world = types.SimpleNamespace(get_world_size=lambda group: 8, get_rank=lambda group: 0)
+    monkeypatch.setattr(startup, "dist", world)
+    monkeypatch.setattr(startup.collectives, "broadcast_bytes", lambda payload, src, group: payload)
+    probes: List["tuple[int, int]"] = []
+
+    def measure(group: object, a: int, b: int) -> float:
+        probes.append((a, b))
+        return {1: 2.0 ** 36, 2: 2.0 ** 33, 4: 2.0 ** 30}[b]
+
+    monkeypatch.setattr(startup.collectives, "measure_bandwidth", measure)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+
+    def auto(bandwidth: object, **kwargs: object) -> "pe.Plan":
+        return startup.auto_plan(None, None, (None, None), bandwidth, pe.schedules.traits("1f1b"),
+                                 None, lambda: graph, **kwargs)
+
+    for sp in (False, True):
+        made = auto(None, data_parallel=2, sharding="fsdp", tensor_parallel=2, sequence_parallel=sp)
+        assert sorted(probes) == [(0, 1), (0, 2), (0, 4)]
+        probes.clear()
+        # One stage per node of 4 ranks (dp 2 x tp 2): levels [1, 2], the first unmeasured.
+        assert made == pe.plan(graph, workers=[1, 2], bandwidth=[2.0 ** 33, 1e10, 2.0 ** 30],
+                               data_parallel=2, sharding="fsdp", tensor_parallel=2,
+                               sequence_parallel=sp, tensor_parallel_bandwidth=2.0 ** 36)
+        assert made.mesh_shape == (2, 2, 2) and made.sequence_parallel is sp
+    # Given bandwidths: the tp bandwidth is the planner's default (the fastest given).
+    monkeypatch.setattr(world, "get_world_size", lambda group: 4)
+    made = auto([2.0 ** 30], data_parallel=1, sharding="replicate", tensor_parallel=2)
+    assert not probes
+    assert made == pe.plan(graph, workers=2, bandwidth=2.0 ** 30, data_parallel=1,
+                           tensor_parallel=2)
+
+
 @pytest.mark.parametrize("name", ["resnet18", "gnmt"])
 def test_tensor_parallel_in_degenerate_hierarchies_equals_the_flat_plan(name: str) -> None:
     """TP is charged once, at the lowest level: pipeline levels [4, 1] and [1, 4] plan as

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -441,12 +442,22 @@ void checkMirrors(const Schedule& schedule, ChannelIndex& index) {
 // The channel simulator of validateChannels(): every pair one in-order stream.
 // Each rank's step is O(log) (its inputs found by key, not by a scan of its
 // list), so a run costs O(actions log actions) plus O(ranks) per sweep.
+//
+// On a mesh (validateMeshChannels) it runs every pipeline side by side on the
+// global ranks (pipeline c's rank r is global rank r * copies + c), each pair
+// of global ranks one stream, and every compute action a collective of its
+// rank's tensor-parallel group (and with FSDP its data-parallel group): it
+// runs once every member is at that same action with its inputs ready.
 class ChannelSimulation {
  public:
-  ChannelSimulation(const Schedule& schedule, ChannelIndex& index)
-      : schedule_(schedule),
-        layout_(schedule.layout()),
-        ranks_(schedule.numRanks()),
+  ChannelSimulation(const std::vector<const Schedule*>& pipelines,
+                    const std::vector<ChannelIndex*>& indexes, const MeshShape& mesh)
+      : pipelines_(pipelines),
+        schedule_(*pipelines.at(0)),
+        layout_(schedule_.layout()),
+        copies_(static_cast<int>(pipelines.size())),
+        mesh_(mesh),
+        ranks_(schedule_.numRanks() * copies_),
         next_(ranks_, 0),
         done_(ranks_, false),
         opAt_(ranks_),
@@ -456,10 +467,11 @@ class ChannelSimulation {
         sendsChecked_(ranks_, 0),
         releases_(ranks_) {
     for (int r = 0; r < ranks_; ++r) {
-      opAt_[r].assign(schedule.actions(r).size(), OpRef{});
-      sameRecv_[r].assign(schedule.actions(r).size(), -1);
-      if (ranks_ > 1) indexRank(r, index.peersOf(r));
-      releases_[r] = sendReleasePoints(schedule, r);
+      opAt_[r].assign(listOf(r).size(), OpRef{});
+      sameRecv_[r].assign(listOf(r).size(), -1);
+      if (ranks_ > 1) indexRank(r, indexes.at(r % copies_)->peersOf(r / copies_));
+      releases_[r] = sendReleasePoints(*pipelines_[r % copies_], r / copies_);
+      meets_.push_back(meetMembers(r));
     }
   }
 
@@ -476,14 +488,20 @@ class ChannelSimulation {
       if (!done_[r]) blocked << "\n  " << whyBlocked(r);
     }
     if (!blocked.str().empty()) {
+      const std::string mesh =
+          copies_ == 1 ? ""
+                       : "; " + str(copies_) + " pipelines side by side, global rank = pipeline rank * " +
+                             str(copies_) + " + (dp, tp) coordinate, every compute action a "
+                             "collective of its tp (and FSDP's dp) group";
       channelProblem(schedule_, "deadlock under NCCL's rules (one in-order stream per pair of "
-                                "ranks; a receive issued once its sender sent):" + blocked.str());
+                                "ranks; a receive issued once its sender sent" + mesh + "):" +
+                                    blocked.str());
     }
   }
 
   ChannelCheckStats stats() const {
     ChannelCheckStats out = stats_;
-    for (int r = 0; r < ranks_; ++r) out.actions += static_cast<long>(schedule_.actions(r).size());
+    for (int r = 0; r < ranks_; ++r) out.actions += static_cast<long>(listOf(r).size());
     return out;
   }
 
@@ -503,10 +521,40 @@ class ChannelSimulation {
   Pair& pairOf(int r, int q) { return pairs_.at(pairKey(r, q)); }
   static int side(int r, int q) { return r < q ? 0 : 1; }
 
-  // Rank r's channel operations: their streams, its receives by key, its sends.
+  // Global rank r's list: its pipeline's list of its pipeline rank.
+  const std::vector<Action>& listOf(int r) const {
+    return pipelines_[r % copies_]->actions(r / copies_);
+  }
+
+  // The other global ranks whose compute actions meet r's: its tp group (same
+  // pipeline rank and dp coordinate) and, with FSDP, its dp group; one meet of
+  // both groups' closure (every dp x tp rank of the pipeline rank), since each
+  // member's collective on one group waits for its collective on the other.
+  std::vector<int> meetMembers(int r) const {
+    std::vector<int> members;
+    const int copy = r % copies_, base = r - copy, tp = mesh_.tensorParallel;
+    for (int c = 0; c < copies_; ++c) {
+      if (c != copy && (mesh_.shardedDataParallel || c / tp == copy / tp)) members.push_back(base + c);
+    }
+    return members;
+  }
+
+  // Whether every member of r's groups is at compute action `a` and can run it.
+  bool meetReady(const Action& a, const std::vector<int>& members) {
+    for (int q : members) {
+      const auto& theirs = listOf(q);
+      if (next_[q] >= theirs.size() || theirs[next_[q]] != a || !inputReady(q, a)) return false;
+      if (!releases_[q].empty() && !sendsDone(q, releases_[q][next_[q]])) return false;
+    }
+    return true;
+  }
+
+  // Rank r's channel operations: their streams, its receives by key, its sends
+  // (peers are pipeline ranks of r's pipeline, made global).
   void indexRank(int r, const std::map<int, std::vector<ChannelOp>>& byPeer) {
-    const auto& list = schedule_.actions(r);
-    for (const auto& [q, ops] : byPeer) {
+    const auto& list = listOf(r);
+    for (const auto& [local, ops] : byPeer) {
+      const int q = local * copies_ + r % copies_;
       auto& flags = pairs_[pairKey(r, q)].isSend[side(r, q)];
       for (size_t k = 0; k < ops.size(); ++k) {
         const int position = ops[k].position;
@@ -582,7 +630,7 @@ class ChannelSimulation {
   // Runs rank r's next action if it can; false when blocked or finished.
   bool step(int r) {
     ++stats_.steps;
-    const auto& list = schedule_.actions(r);
+    const auto& list = listOf(r);
     if (next_[r] >= list.size()) {
       if (!allSendsDone(r)) return false;
       done_[r] = true;
@@ -599,16 +647,22 @@ class ChannelSimulation {
       ++p.reached[side(r, op.peer)];
       advance(p);
     } else if (a.kind == ActionKind::kAllReduce) {
-      for (int q : layout_.stageRanks(a.stage)) {
-        const auto& theirs = schedule_.actions(q);
+      const int copy = r % copies_;
+      for (int local : layout_.stageRanks(a.stage)) {
+        const int q = local * copies_ + copy;
+        const auto& theirs = listOf(q);
         if (next_[q] >= theirs.size() || theirs[next_[q]] != a) return false;
       }
-      for (int q : layout_.stageRanks(a.stage)) {
-        if (q != r) ++next_[q];
+      for (int local : layout_.stageRanks(a.stage)) {
+        if (local * copies_ + copy != r) ++next_[local * copies_ + copy];
       }
     } else if (isCompute(a.kind)) {
       if (!inputReady(r, a)) return false;
       if (!releases_[r].empty() && !sendsDone(r, releases_[r][next_[r]])) return false;
+      if (!meets_[r].empty()) {
+        if (!meetReady(a, meets_[r])) return false;
+        for (int q : meets_[r]) ++next_[q];
+      }
     }
     ++next_[r];
     return true;
@@ -616,7 +670,7 @@ class ChannelSimulation {
 
   // Every pair of r in the order (low, high), pairs without operations included.
   std::string whyBlocked(int r) {
-    const auto& list = schedule_.actions(r);
+    const auto& list = listOf(r);
     std::ostringstream out;
     out << "rank " << r << " at step " << next_[r];
     if (next_[r] >= list.size()) {
@@ -626,6 +680,15 @@ class ChannelSimulation {
       out << " (" << a.toString() << ")";
       if (a.kind == ActionKind::kAllReduce) out << ": waits for the other replicas";
       else if (isCompute(a.kind)) out << ": waits for its input or for a send to be received";
+      if (isCompute(a.kind) && !meets_[r].empty()) {
+        out << ", or for its tp/dp group's collective (";
+        for (size_t k = 0; k < meets_[r].size(); ++k) {
+          const int q = meets_[r][k];
+          out << (k ? ", " : "") << "rank " << q << " at "
+              << (next_[q] < listOf(q).size() ? listOf(q)[next_[q]].toString() : "the end");
+        }
+        out << ")";
+      }
     }
     const Pair none;
     for (int q = 0; q < ranks_; ++q) {
@@ -640,9 +703,13 @@ class ChannelSimulation {
     return out.str();
   }
 
+  std::vector<const Schedule*> pipelines_;
   const Schedule& schedule_;
   const Layout& layout_;
+  int copies_;
+  MeshShape mesh_;
   int ranks_;
+  std::vector<std::vector<int>> meets_;                       // per rank: meetMembers()
   std::vector<size_t> next_;
   std::vector<bool> done_;
   std::vector<std::vector<OpRef>> opAt_;                      // per rank and position
@@ -670,9 +737,45 @@ void validateChannels(const Schedule& ordered, bool forwardOnly, ChannelCheckSta
   }
   ChannelIndex index(ordered);
   checkMirrors(ordered, index);
-  ChannelSimulation simulation(ordered, index);
+  ChannelSimulation simulation({&ordered}, {&index}, MeshShape{});
   simulation.run();
   if (stats != nullptr) *stats = simulation.stats();
+}
+
+void validateMeshChannels(const std::vector<Schedule>& pipelines, const MeshShape& mesh,
+                          bool forwardOnly) {
+  const int copies = mesh.dataParallel * mesh.tensorParallel;
+  if (mesh.dataParallel < 1 || mesh.tensorParallel < 1 ||
+      static_cast<int>(pipelines.size()) != copies) {
+    throw std::invalid_argument("a (pp, dp=" + str(mesh.dataParallel) + ", tp=" +
+                                str(mesh.tensorParallel) + ") mesh runs " + str(copies) +
+                                " pipelines (one per (dp, tp) coordinate), got " +
+                                str(static_cast<int>(pipelines.size())));
+  }
+  std::vector<Schedule> projected;
+  for (const Schedule& p : pipelines) {
+    if (!(p.layout() == pipelines[0].layout())) {
+      throw std::invalid_argument("the mesh's pipelines place their stages differently ('" +
+                                  p.name() + "' and '" + pipelines[0].name() + "')");
+    }
+    projected.push_back(forwardOnly ? forwardProjection(p) : p);
+  }
+  std::vector<std::unique_ptr<ChannelIndex>> indexes;
+  std::vector<const Schedule*> lists;
+  std::vector<ChannelIndex*> byCopy;
+  for (int c = 0; c < copies; ++c) {
+    indexes.push_back(std::make_unique<ChannelIndex>(projected[c]));
+    try {
+      checkMirrors(projected[c], *indexes.back());
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument("the pipeline of mesh coordinate (dp " + str(c / mesh.tensorParallel) +
+                                  ", tp " + str(c % mesh.tensorParallel) + "): " + e.what());
+    }
+    lists.push_back(&projected[c]);
+    byCopy.push_back(indexes.back().get());
+  }
+  ChannelSimulation simulation(lists, byCopy, mesh);
+  simulation.run();
 }
 
 std::string channelsToText(const Schedule& ordered) {

@@ -109,6 +109,32 @@ struct ChannelCheckStats {
 };
 void validateChannels(const Schedule& ordered, bool forwardOnly, ChannelCheckStats* stats);
 
+// A (pp, dp, tp) device mesh in ascending rank order (init_device_mesh): one
+// pipeline per (dp, tp) coordinate c = dp_i * tensorParallel + tp_i, on its own
+// pp group, whose rank r is global rank r * dp * tp + c. The tp ranks of a
+// (pp, dp) coordinate share every compute action's tensor-parallel collectives;
+// with `shardedDataParallel` (FSDP) the dp ranks of a (pp, tp) coordinate share
+// its all-gathers and reduce-scatters too.
+struct MeshShape {
+  int dataParallel = 1;
+  int tensorParallel = 1;
+  bool shardedDataParallel = false;
+};
+
+// validateChannels() over a whole mesh: `pipelines` (one ordered schedule per
+// (dp, tp) coordinate, in coordinate order; the runtime runs the same one on
+// every coordinate) run side by side on the global ranks. Proves (1) each
+// pipeline's pairs mirror (the pairs of two pipelines are distinct pairs of
+// global ranks: their pp groups share no rank), and (2) the whole world cannot
+// deadlock under NCCL's rules, each pair of global ranks one in-order stream
+// and every compute action a collective of its rank's groups, run once every
+// member reached that same action (NCCL needs every member of a communicator
+// to issue its collectives in one order). Throws std::invalid_argument naming
+// the pipeline's coordinate and the pair, or the blocked global ranks and, for
+// a collective, where each member of the group is.
+void validateMeshChannels(const std::vector<Schedule>& pipelines, const MeshShape& mesh,
+                          bool forwardOnly = false);
+
 // One line per rank and peer: "rank 0 -> 1: 0SEND_F0 0SEND_F1 0RECV_B0 ...";
 // the two lines of a pair mirror each other position by position.
 std::string channelsToText(const Schedule& ordered);

@@ -38,8 +38,7 @@ from .. import schedules
 from .._dist import collectives
 
 __all__ = ["CutLayouts", "TensorParallel", "check_option", "check_split_points", "describe_plan",
-           "kept_calls",
-           "local", "matched_patterns", "refuse_unsupported"]
+           "kept_calls", "local", "matched_patterns", "sequence_parallel"]
 
 def _qualified(value: Any) -> str:
     """A function's (or class's) qualified name, else its type's."""
@@ -106,25 +105,6 @@ def check_option(plan: Any, options: Any) -> None:
             raise ValueError(f"tensor_parallel with {what} is not supported yet; {fix}")
 
 
-def refuse_unsupported(enabled: bool, module: nn.Module, balance: Any) -> None:
-    """What tensor parallelism does not support yet, refused before any stage is built.
-
-    Args:
-        enabled: whether ``tensor_parallel`` was given (``False``: nothing to refuse).
-        module: the model.
-        balance: ``PipeDream``'s ``balance``.
-
-    Raises:
-        ValueError: ``balance`` other than ``None`` or a list of layer counts (a plan),
-            naming it and the fix.
-    """
-    if not enabled:
-        return
-    if balance is not None and (isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence)):
-        raise ValueError(f"tensor_parallel with balance={balance!r} is not supported yet; give "
-                         "balance=[layers per stage] or leave it out (an even split)")
-
-
 def kept_calls(plan: Any, module: nn.Module) -> List[str]:
     """The modules of ``module`` a dict plan's patterns match, by qualified name: a
     traced model keeps their calls as calls (``graph_split.split_model(keep_calls=)``),
@@ -150,6 +130,16 @@ def check_split_points(plan: Any, module: nn.Module, split_points: Sequence[Any]
                 f"split point {inside[0]!r} is inside {name!r}, which tensor_parallel pattern "
                 f"{pattern!r} keeps as one module call (its style's hooks run on that call, so "
                 f"its operations stay in one stage); split at {name!r} or at a module outside it")
+
+
+def sequence_parallel(plan: Any) -> bool:
+    """Whether ``balance="auto"`` plans ``plan`` with sequence parallelism (activations
+    divided by tp): a dict plan with torch's ``SequenceParallel`` style (torchtitan's SP
+    plans put it on the norms); a callable's styles cannot be seen, so it is planned
+    without SP (activations whole: a plan that fits then fits with SP too)."""
+    from torch.distributed.tensor.parallel import SequenceParallel  # noqa: PLC0415 - only with tp
+
+    return isinstance(plan, Mapping) and any(isinstance(v, SequenceParallel) for v in plan.values())
 
 
 def _matches(pattern: str, name: str) -> bool:

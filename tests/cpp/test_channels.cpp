@@ -195,5 +195,73 @@ TEST(Channels, AsyncActionFeedsMirrorStepByStepAndInTheirDrains) {
   }
 }
 
+// A (pp, dp, tp) mesh: one pipeline per (dp, tp) coordinate on its own pp group,
+// the tp (and with FSDP the dp) collectives inside every compute action. Every
+// flush schedule the runtime runs with tensor parallelism, on pp 2 and 4 and the
+// meshes of tests/test_tensor_parallel.py (dp x tp = 1 x 2, 2 x 2, 2 x 1), proves.
+TEST(MeshChannels, EveryFlushScheduleOnPpDpTpMeshes) {
+  int checked = 0;
+  for (const Case& c : gridCases()) {
+    const bool flush = c.name == "gpipe" || c.name == "1f1b" || c.name == "zb-h1" ||
+                       c.name == "interleaved-1f1b" || c.name == "zbv" || c.name == "dualpipev" ||
+                       c.name == "interleaved-zb";
+    if (!flush || (c.p != 2 && c.p != 4) || c.m > 8 || c.v > 2 || c.batches != 1 ||
+        !c.replicas.empty() || expectedToFail(c)) {
+      continue;
+    }
+    const Schedule ordered = orderTransfers(lower(make(c.name, c.p, c.m, c.v)));
+    for (const auto& [dp, tp] : std::vector<std::pair<int, int>>{{1, 2}, {2, 2}, {2, 1}}) {
+      for (bool fsdp : {false, true}) {
+        SCOPED_TRACE(describe(c) + " dp=" + std::to_string(dp) + " tp=" + std::to_string(tp) +
+                     (fsdp ? " fsdp" : " replicate"));
+        const std::vector<Schedule> pipelines(dp * tp, ordered);
+        ASSERT_NO_THROW(validateMeshChannels(pipelines, MeshShape{dp, tp, fsdp}));
+        ASSERT_NO_THROW(validateMeshChannels(pipelines, MeshShape{dp, tp, fsdp}, /*forwardOnly=*/true));
+        ++checked;
+      }
+    }
+  }
+  EXPECT_GT(checked, 300);
+}
+
+// A crossing order fails on the mesh as on one pipeline, naming the coordinate.
+TEST(MeshChannels, ACrossingOrderNamesTheMeshCoordinate) {
+  const Schedule crossing = lower(make("1f1b", 2, 4));  // not ordered: rank 0 sends F1, rank 1 B0
+  const std::string error =
+      errorOf([&] { validateMeshChannels({crossing, crossing}, MeshShape{1, 2, false}); });
+  EXPECT_NE(error.find("the pipeline of mesh coordinate (dp 0, tp 0): transfer order of schedule "),
+            std::string::npos)
+      << error;
+  EXPECT_NE(error.find("ranks 0 and 1 do not mirror at operation 1"), std::string::npos) << error;
+}
+
+// The tp ranks of a stage must issue their collectives in one order: two tp
+// coordinates running their microbatches in other orders (ranks that disagree on
+// the schedule, which the runtime's agreement refuses) deadlock in the first
+// collective, and the error says where each member of the group is. Each
+// pipeline alone is fine.
+TEST(MeshChannels, TpRanksRunningAnotherOrderDeadlockInTheirCollective) {
+  const Schedule oneFOneB = orderTransfers(lower(make("1f1b", 2, 4)));
+  const Schedule gpipe = orderTransfers(lower(make("gpipe", 2, 4)));
+  ASSERT_NO_THROW(validateChannels(oneFOneB));
+  ASSERT_NO_THROW(validateChannels(gpipe));
+  ASSERT_NO_THROW(validateMeshChannels({gpipe, gpipe}, MeshShape{1, 2, false}));
+  // Global ranks 0 and 1 are stage 0 of tp coordinates 0 and 1; 2 and 3 stage 1.
+  const std::string error =
+      errorOf([&] { validateMeshChannels({oneFOneB, gpipe}, MeshShape{1, 2, false}); });
+  EXPECT_NE(error.find("deadlock under NCCL's rules"), std::string::npos) << error;
+  EXPECT_NE(error.find("or for its tp/dp group's collective (rank 3 at 1F1)"), std::string::npos)
+      << error;
+  // The same pair as dp coordinates: replicas with no collective inside compute
+  // (data_parallel="replicate") do not meet; FSDP's all-gathers do.
+  EXPECT_NO_THROW(validateMeshChannels({oneFOneB, gpipe}, MeshShape{2, 1, false}));
+  EXPECT_NE(errorOf([&] { validateMeshChannels({oneFOneB, gpipe}, MeshShape{2, 1, true}); })
+                .find("deadlock under NCCL's rules"),
+            std::string::npos);
+  EXPECT_NE(errorOf([&] { validateMeshChannels({gpipe}, MeshShape{1, 2, false}); })
+                .find("a (pp, dp=1, tp=2) mesh runs 2 pipelines (one per (dp, tp) coordinate), got 1"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace pipedream
