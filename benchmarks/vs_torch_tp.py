@@ -55,6 +55,8 @@ import argparse
 import fnmatch
 import logging
 import os
+import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -67,8 +69,8 @@ from memory import cumulative_peak
 from vs_torch import summarise
 from zero_bubble import placement
 
-__all__ = ["COMPARISONS", "balance", "collective_counts", "main", "parse_args", "report", "run_driver",
-           "run_worker"]
+__all__ = ["COMPARISONS", "balance", "collective_counts", "cpu_ms_per_step", "main", "parse_args", "report",
+           "run_driver", "run_worker"]
 
 JSON_TAG = "VS_TORCH_TP_JSON "
 LOG = logging.getLogger("vs_torch_tp")
@@ -108,6 +110,21 @@ def collective_counts(names: Sequence[str]) -> Dict[str, int]:
         if name.startswith("c10d::"):
             out[name] = out.get(name, 0) + 1
     return dict(sorted(out.items()))
+
+
+def cpu_ms_per_step(rounds: Sequence[Dict[str, Any]], ours: str) -> Dict[str, float]:
+    """The median CPU milliseconds per step (all ranks together) of each side of a
+    comparison: ``{"ours": ..., "torch": ...}`` (a side without rounds left out).
+
+    Args:
+        rounds: ``{"config": "ours zbv" | "torch zbv", "cpu_s": s, "steps": n, ...}``.
+    """
+    out = {}
+    for side in ("ours", "torch"):
+        values = [1e3 * r["cpu_s"] / r["steps"] for r in rounds if r["config"] == f"{side} {ours}"]
+        if values:
+            out[side] = statistics.median(values)
+    return out
 
 
 # ----------------------------------------------------------------------------- worker
@@ -311,19 +328,28 @@ def _build(args: argparse.Namespace, mesh: Any, x: Any, y: Any, result: Dict[str
     return configs
 
 
-def _timed_round(args: argparse.Namespace, config: _Config) -> float:
-    """``--steps`` training steps between two barriers: the slowest rank's seconds."""
+def _cpu_seconds() -> float:
+    """This process's CPU time, every thread (user + system)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _timed_round(args: argparse.Namespace, config: _Config) -> Tuple[float, float]:
+    """``--steps`` training steps between two barriers: the slowest rank's seconds and
+    the CPU seconds of all ranks together (less moved by other work's load than the
+    wall time: a rank that waits for the CPU does not count it)."""
     import torch
     import torch.distributed as dist
 
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu_seconds()
     for _ in range(args.steps):
         config.step()
     dist.barrier()
-    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    wall, cpu = (torch.tensor([v], dtype=torch.float64) for v in (time.perf_counter() - t0, _cpu_seconds() - c0))
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    dist.all_reduce(cpu)
+    return float(wall.item()), float(cpu.item())
 
 
 def _profiled_step(config: _Config) -> Dict[str, Any]:
@@ -363,8 +389,9 @@ def _rounds(args: argparse.Namespace, configs: Dict[str, _Config], result: Dict[
             for key in (f"{side} {ours}" for side in sides):
                 if key not in configs:
                     continue
-                seconds = _timed_round(args, configs[key])
-                result["rounds"].append({"pair": pair, "config": key, "seconds": seconds, "steps": args.steps,
+                seconds, cpu = _timed_round(args, configs[key])
+                result["rounds"].append({"pair": pair, "config": key, "seconds": seconds, "cpu_s": cpu,
+                                         "steps": args.steps,
                                          "samples_per_s": args.steps * args.batch / seconds,
                                          "loadavg_1min": os.getloadavg()[0]})
 
@@ -418,12 +445,17 @@ def _speed_table(result: Dict[str, Any]) -> Tuple[List[str], Dict[str, Any]]:
         s = summarise(result["rounds"], ours)
         summaries[ours] = s
         errors = "; ".join(e["error"] for e in entries if "error" in e)
+        s["cpu_ms_per_step"] = cpu_ms_per_step(result["rounds"], ours)
         wait = entries[0].get("recv_wait_ms_per_step")
+        cpu = s["cpu_ms_per_step"]
         rows.append([ours, cls_name, _fmt_range(s["ms_per_step"]["ours"]), _fmt_range(s["ms_per_step"]["torch"]),
                      _fmt_range(s["ours"], 1), _fmt_range(s["torch"], 1), _fmt_range(s["ratio"], 2),
-                     f"{s['ours_ahead']} of {len(s['ratios'])}", "n/a" if wait is None else f"{wait:.0f}", errors])
+                     f"{s['ours_ahead']} of {len(s['ratios'])}",
+                     *(h.fmt(cpu.get(side), 0) for side in ("ours", "torch")),
+                     "n/a" if wait is None else f"{wait:.0f}", errors])
     return h.table(["ours", "torch", "ours ms/step, median [min-max]", "torch ms/step", "ours samples/s",
                     "torch samples/s", "ratio ours / torch per pair, median [min-max]", "pairs ours ahead",
+                    "ours CPU ms per step (4 ranks), median", "torch CPU ms per step",
                     "ours blocked on receives, ms per step (4 ranks)", "errors"], rows), summaries
 
 
