@@ -44,10 +44,10 @@ collectives it issued (``c10d::`` ops by name) and their time; ours also its exe
 time blocked on receives (``stats()["seconds_by_kind"]`` RECV_F + RECV_B) over the
 timed rounds. Writes ``<out-dir>/vs_torch_tp.md`` and ``vs_torch_tp.json``.
 
-Command, from the repository root (about 5 minutes on 2 shared cores; ``--smoke``: a
-tiny model, one pair of one step, about 30 s):
+Command, from the repository root (3-4 minutes on 2 cores shared at a load average
+of 20-30; ``--smoke``: a tiny model, one pair of one step, 35 s idle):
 
-    python3 benchmarks/vs_torch_tp.py [--pairs 8] [--steps 2] [--smoke]
+    python3 benchmarks/vs_torch_tp.py [--pairs 16] [--steps 1] [--smoke]
 """
 from __future__ import annotations
 
@@ -579,8 +579,8 @@ def run_driver(args: argparse.Namespace) -> int:
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """The command line (``--worker`` under torchrun)."""
     p = h.make_parser(__doc__, worker=True)
-    p.add_argument("--pairs", type=int, default=8, help="rounds over every comparison")
-    p.add_argument("--steps", type=int, default=2, help="steps per side per round")
+    p.add_argument("--pairs", type=int, default=16, help="rounds over every comparison")
+    p.add_argument("--steps", type=int, default=1, help="steps per side per round")
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps (the first checks the same work)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--microbatches", type=int, default=4)
