@@ -1,6 +1,6 @@
 """The benchmark scripts' pure helpers (benchmarks/plan_accuracy.py, memory.py, soak.py,
 deferred_init.py, traced.py, zero_bubble.py, split_backward.py, fsdp_2d.py,
-schedule_build.py, vs_torch.py) and the harness they stand on (benchmarks/_harness.py).
+schedule_build.py, vs_torch.py, vs_torch_tp.py) and the harness they stand on (benchmarks/_harness.py).
 
 Fast: the scripts import torch only inside functions, so loading them imports no torch;
 only the smoke runs (traced.py, about 25 s; zero_bubble.py, split_backward.py and
@@ -40,6 +40,7 @@ deferred_init = _load("deferred_init")
 traced = _load("traced")
 zero_bubble = _load("zero_bubble")
 vs_torch = _load("vs_torch")
+vs_torch_tp = _load("vs_torch_tp")
 split_backward = _load("split_backward")
 agreement = _load("agreement")
 fsdp_2d = _load("fsdp_2d")
@@ -49,7 +50,7 @@ util = _load("_harness")
 
 def test_scripts_do_not_import_torch_at_module_level():
     for script in (plan_accuracy, memory, soak, deferred_init, traced, zero_bubble, vs_torch, split_backward,
-                   agreement, fsdp_2d, schedule_build):
+                   agreement, fsdp_2d, schedule_build, vs_torch_tp):
         assert "torch" not in vars(script), script.__name__
 
 
@@ -665,6 +666,48 @@ def test_vs_torch_smoke_run(tmp_path):
         assert ("late_waits" in entry) == ("recv_wait_ms_per_step" in entry) == name.startswith("ours"), name
     assert set(data["summary"]["comparisons"]) == {ours for ours, _, _ in vs_torch.COMPARISONS}
     text = (tmp_path / "vs_torch.md").read_text()
+    assert "| zbv | ScheduleZBVZeroBubble |" in text and "Load average (1 min)" in text
+
+
+def test_vs_torch_tp_balance_and_collective_counts():
+    assert vs_torch_tp.balance(4, 2) == [3, 4]  # embedding + 2 blocks | 2 blocks, norm, head
+    assert vs_torch_tp.balance(4, 4) == [2, 1, 1, 3]
+    with pytest.raises(ValueError, match="multiple of 4"):
+        vs_torch_tp.balance(6, 4)
+    names = ["c10d::allreduce_", "aten::mm", "c10d::send", "c10d::allreduce_", "[memory]"]
+    assert vs_torch_tp.collective_counts(names) == {"c10d::allreduce_": 2, "c10d::send": 1}
+    with pytest.raises(SystemExit):
+        vs_torch_tp.parse_args(["--kv-heads", "3"])
+    rounds = [{"config": "ours zbv", "cpu_s": 3.0, "steps": 2}, {"config": "torch zbv", "cpu_s": 1.0, "steps": 1},
+              {"config": "ours zbv", "cpu_s": 1.0, "steps": 1}, {"config": "ours zbv", "cpu_s": 9.0, "steps": 1}]
+    assert vs_torch_tp.cpu_ms_per_step(rounds, "zbv") == {"ours": 1500.0, "torch": 1000.0}
+    assert vs_torch_tp.cpu_ms_per_step(rounds, "1f1b") == {}
+
+
+@pytest.mark.slow  # a 4-rank launch building 6 configurations (about 35 s on 2 cores): `make test-all`
+def test_vs_torch_tp_smoke_run(tmp_path):
+    """benchmarks/vs_torch_tp.py --smoke: ours and torch's pieces on pp2 x tp2 both do the
+    unsplit model's first step, are timed in the same rounds, and hold the same bytes."""
+    proc = _smoke("vs_torch_tp.py", tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "vs_torch_tp.json").read_text())
+    configs = data["result"]["configs"]
+    assert set(configs) == {f"{side} {ours}" for ours, _, _ in vs_torch_tp.COMPARISONS for side in ("ours", "torch")}
+    for name, entry in configs.items():
+        assert "error" not in entry, (name, entry["error"])
+        same = entry["same_work"]
+        assert same["loss_diff"] < 1e-5 and same["grad_max_abs_diff"] < 1e-5, (name, same)
+        assert same["params_compared"] == same["params"], (name, same)
+        assert len(entry["ranks"]) == 4 and all(r["step_peak"] > 0 for r in entry["ranks"]), name
+        assert all(r["collectives"].get("c10d::allreduce_", 0) > 0 for r in entry["ranks"]), name  # TP's
+        assert ("recv_wait_ms_per_step" in entry) == name.startswith("ours"), name
+    for ours, _, _ in vs_torch_tp.COMPARISONS:  # TP shards alike on both sides: the same bytes
+        held = [[r["params"] + r["grads"] + r["optim"] for r in configs[f"{side} {ours}"]["ranks"]]
+                for side in ("ours", "torch")]
+        assert held[0] == held[1], (ours, held)
+    rounds = data["result"]["rounds"]
+    assert {r["config"] for r in rounds} == set(configs) and all(r["cpu_s"] > 0 for r in rounds)
+    text = (tmp_path / "vs_torch_tp.md").read_text()
     assert "| zbv | ScheduleZBVZeroBubble |" in text and "Load average (1 min)" in text
 
 
