@@ -64,6 +64,9 @@ class LocalStages:
         self.indices: List[int] = list(indices)
         #: Whether the stages come from a traced model (``_frontend.graph_split``).
         self.traced = traced is not None
+        #: The kept layers still on the meta device, ``(index, name, layer)``, with what
+        #: materialises them (``defer_meta``; :meth:`materialize_pending`).
+        self.pending: List[Tuple[int, str, nn.Module]] = []
         if traced is not None:
             self.layers: Dict[int, Tuple[int, int]] = {j: (j, j + 1) for j in indices}
             self._modules: Dict[int, nn.Module] = {j: traced[j].to(device) for j in indices}
@@ -72,10 +75,8 @@ class LocalStages:
         bounds = partition.bounds()
         children = list(module.named_children())
         kept = sorted({l for j in indices for l in range(bounds[j], bounds[j + 1])})
-        #: The kept layers still on the meta device, ``(index, name, layer)``, with what
-        #: materialises them (``defer_meta``; :meth:`materialize_pending`).
-        self.pending: List[Tuple[int, str, nn.Module]] = \
-            [(l, *children[l]) for l in kept] if defer_meta else []
+        if defer_meta:
+            self.pending = [(l, *children[l]) for l in kept]
         self._init = (device, init_seed, init_fn)
         #: Layer range ``[start, end)`` of each local stage.
         self.layers = {j: (bounds[j], bounds[j + 1]) for j in indices}
