@@ -190,7 +190,7 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     # Every copy starts as the first use's stage has it (meta layers are
     # initialised per rank, each from its own layer's seed).
     shared_gradients.synchronize_values()
-    observer = _observer(args.trace, groups, stages, config, device)
+    observer = _observer(args.trace, groups, stages, config, device, mesh)
     cuts = CutLayouts(mesh.tp_mesh, mesh.tensor_parallel, {j: stages[j] for j in stages},
                       device) if mesh is not None and mesh.tp_mesh is not None else None
     stage_fn = _stage_function(args.loss_fn, cut.traced, stages, schedule, groups, config, device,
@@ -695,12 +695,19 @@ def _broadcast_replicas(stages: LocalStages, groups: PipelineGroups) -> None:
 
 
 def _observer(trace: Optional[Union[str, os.PathLike]], groups: PipelineGroups,
-              stages: LocalStages, config: PipelineConfig, device: torch.device) -> Observer:
-    """Stats and, with ``trace`` or ``PIPEDREAM_TRACE``, the Chrome trace."""
+              stages: LocalStages, config: PipelineConfig, device: torch.device,
+              mesh: Optional[MeshPlan] = None) -> Observer:
+    """Stats and, with ``trace`` or ``PIPEDREAM_TRACE``, the Chrome trace: over a mesh one
+    trace of every rank (each pipeline's group alone would have each pipeline's rank 0
+    write its own trace to the same path)."""
     if trace is None:
         trace = os.environ.get("PIPEDREAM_TRACE") or None
-    return Observer(groups.rank, stages.indices, groups.group, config.schedule,
-                    os.fspath(trace) if trace is not None else None, device)
+    path = os.fspath(trace) if trace is not None else None
+    if mesh is None:
+        return Observer(groups.rank, stages.indices, groups.group, config.schedule, path, device)
+    rank = dist.get_rank()
+    return Observer(rank, stages.indices, mesh.world_group, config.schedule, path, device,
+                    rank_name=mesh.names.of_global(rank))
 
 
 def _stage_function(loss_fn: Callable[..., torch.Tensor], traced: Optional[TracedSplit],

@@ -222,6 +222,50 @@ def check_plan_shards() -> None:
     pipe.close()
 
 
+def check_stats_and_trace() -> None:
+    """stats() counts this rank's own pipeline (its (dp, tp) coordinate's transfers: one
+    replicated [rows/M, SEQ, DIM] activation or gradient per microbatch, never gathered
+    over tp), and the merged Chrome trace has one track per rank of the mesh, each with
+    its stage's F and B of every microbatch of every step."""
+    import collections
+    import json
+    import tempfile
+
+    import pipedream_ext as pd
+
+    folder = [tempfile.mkdtemp(prefix="pd-tp-trace-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    path = os.path.join(folder[0], "run.json")
+    mesh, micro = mesh_of((2, 1, 2)), 2
+    pipe = pd.PipeDream(llama(), lm_loss, schedule="1f1b", microbatches=micro, mesh=mesh,
+                        tensor_parallel=plan(), balance=BALANCE, trace=path, timeout=60)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    for step in range(STEPS):
+        pipe.step(*batch(step))
+        opt.step()
+        opt.zero_grad()
+    stats = pipe.stats()
+    assert stats["steps"] == STEPS and stats["sends"] == stats["receives"] == STEPS * micro, stats
+    # Each activation also carries its cut's int64 layout (tensor_parallel.CutLayouts:
+    # two numbers for the one output); gradients come back without it.
+    data, layout = STEPS * micro * (ROWS // micro) * SEQ * DIM * 4, STEPS * micro * 2 * 8
+    sent, received = (data + layout, data) if pipe.is_first else (data, data + layout)
+    assert (stats["bytes_sent"], stats["bytes_received"]) == (sent, received), stats
+    pipe.write_trace()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        spans: Dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+        for e in events:
+            if e["ph"] == "X" and e["name"][:1].isdigit():
+                spans[e["pid"]][e["name"][1]] += 1  # "0F1": the kind
+        assert sorted(spans) == [0, 1, 2, 3], sorted(spans)
+        for r in range(4):
+            assert spans[r]["F"] == spans[r]["B"] == STEPS * micro, (r, spans[r])
+    pipe.close()
+
+
 def check_refusals() -> None:
     """What tensor parallelism does not support yet is refused, naming it and the fix."""
     from test_bad_input import ROWS
@@ -287,6 +331,7 @@ def cases(world: int) -> Cases:
     c.add(check_training, "1f1b", shape=(1, 2, 2), clip=0.05, data_parallel="fsdp",
           name="training-dp2-fsdp")
     c.add(check_training, "zb-h1", shape=(1, 2, 2), data_parallel="fsdp", name="training-zb-h1-dp2-fsdp")
+    c.add(check_stats_and_trace, name="stats-and-trace")
     c.add(check_refusals)
     return c
 

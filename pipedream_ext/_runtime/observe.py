@@ -35,18 +35,21 @@ class Observer:
     """Stats and trace of one rank's pipeline.
 
     Args:
-        rank: this rank in ``group``.
+        rank: this rank in ``group`` (the trace's process id).
         stages: this rank's stage indices.
-        group: the pipeline's group (trace merging).
+        group: the group whose ranks' spans one trace merges: the pipeline's, or over a
+            mesh every rank's (``MeshPlan.world_group``: one track per rank of the mesh).
         schedule: the schedule's name (recorded in the trace).
         trace_path: where :meth:`write_trace` writes, or ``None`` (not tracing).
         device: this rank's device; on CUDA, :meth:`stats` adds its memory.
+        rank_name: how the trace names this rank's track (default ``"rank {rank}"``).
     """
 
     def __init__(self, rank: int, stages: Sequence[int], group: dist.ProcessGroup,
                  schedule: str, trace_path: Optional[str],
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, rank_name: Optional[str] = None) -> None:
         self.rank = rank
+        self.rank_name = rank_name if rank_name is not None else f"rank {rank}"
         self.device = device if device is not None else torch.device("cpu")
         self.stages = list(stages)
         self.group = group
@@ -143,7 +146,7 @@ class Observer:
              "pid": self.rank, "tid": _THREADS.get(cat, 1)}
             for name, cat, start, duration in self._spans]
         events.append({"name": "process_name", "ph": "M", "pid": self.rank,
-                       "args": {"name": f"rank {self.rank}: stages {self.stages}"}})
+                       "args": {"name": f"{self.rank_name}: stages {self.stages}"}})
         for thread, tid in _THREAD_NAMES:
             events.append({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid,
                            "args": {"name": thread}})
