@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
 
 from . import _C, schedules
@@ -355,7 +356,10 @@ def prepare_model(args: PipelineArguments) -> PreparedModel:
     """
     module, balance = args.module, args.balance
     traced = planned = None
+    deferred = deferred_init.has_meta_tensors(module)
     if args.split_points is not None:
+        if deferred:  # before tracing: every unit needs an initialiser
+            deferred_init.check_traced_initialisable(module, args.init_fn)
         traced = _trace_stages(args)
     elif not isinstance(module, nn.Sequential) and _is_plan(balance):
         planned = PlannedTrace.trace(module, args.sample, args.concrete_args)
@@ -374,8 +378,7 @@ def prepare_model(args: PipelineArguments) -> PreparedModel:
                          "file); give layer counts as a list (balance=[4, 4]), 'auto' to plan at "
                          "start-up, or the path of a plan.json")
     init_seed = deferred_init.check_seed(args.init_seed)
-    deferred = deferred_init.has_meta_tensors(module)
-    if deferred:
+    if deferred and traced is None:
         deferred_init.check_initialisable(module, args.init_fn)
         if isinstance(balance, str) and balance == "auto":
             raise ValueError("balance='auto' profiles the model, which cannot run on the meta "
@@ -388,8 +391,7 @@ def _trace_stages(args: PipelineArguments) -> TracedSplit:
     """Checks the arguments of a traced pipeline and traces the model on ``sample``.
 
     Raises:
-        ValueError: no sample, a balance, a meta-device model, or what
-            ``graph_split.split_model`` refuses.
+        ValueError: no sample, a balance, or what ``graph_split.split_model`` refuses.
     """
     module, sample = args.module, args.sample
     if args.balance is not None:
@@ -400,11 +402,12 @@ def _trace_stages(args: PipelineArguments) -> TracedSplit:
         raise ValueError("split_points needs sample=(inputs, targets), one batch to trace the "
                          "model on (inputs: a tensor, a tuple of tensors or a dict of named "
                          "tensors)")
-    if deferred_init.has_meta_tensors(module):
-        raise ValueError("split_points traces the model by running it on sample, which the meta "
-                         "device cannot; build the model on a real device")
     assert args.split_points is not None
     first = sample[0]
+    if deferred_init.has_meta_tensors(module):
+        # Traced without values: the sample's shapes and dtypes on the meta device, as the
+        # model's tensors are (the user's tensors stay as they are).
+        first = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), first)
     if isinstance(first, Mapping):  # keyword inputs: traced by name, passed by name
         model_io.positional_inputs(list(first), first, "sample")  # tensors only
         return split_model(module, args.split_points, dict(first), args.concrete_args)
