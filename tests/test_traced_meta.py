@@ -19,7 +19,6 @@ every step's loss and every weight after 3 SGD-momentum steps.
 from __future__ import annotations
 
 import os
-import re
 from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
@@ -192,8 +191,9 @@ def test_a_rank_materialises_only_its_stages_with_the_whole_models_values() -> N
 def test_materialize_is_the_rule_spelled_out_on_a_cpu_built_model() -> None:
     """Unit ``u`` (the ``u``-th module owning tensors) initialised alone by the model's
     ``_init_weights`` under ``manual_seed(seed * 2**16 + u)``."""
-    import pipedream_ext as pd
     from transformers import AutoModelForCausalLM
+
+    import pipedream_ext as pd
 
     by_hand = AutoModelForCausalLM.from_config(llama_config())
     units = [m for _, m in by_hand.named_modules()
