@@ -124,6 +124,18 @@ class NetWithScale(Net):
         return self.head(self.scale(self.blocks[1](self.blocks[0](self.stem(x)))))
 
 
+class NetWithTable(Net):
+    """A plain tensor attribute (no parameter, no buffer): on meta, fx reads it as a
+    constant nothing can give values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.linspace(0.5, 1.5, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks[1](self.blocks[0](self.stem(x))) * self.table)
+
+
 def lm_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.logits.flatten(0, -2), y.flatten())
 
@@ -232,6 +244,15 @@ def test_meta_model_without_an_init_rule_is_refused_naming_the_module() -> None:
                                          r"init_fn"):
         _prepare(model, ["blocks.1"], net_batch(0))
     assert model.scale.weight.is_meta  # nothing was allocated
+
+
+def test_a_constant_traced_on_meta_is_refused_naming_it() -> None:
+    with torch.device("meta"):
+        model = NetWithTable()
+    prepared = _prepare(model, ["blocks.1"], net_batch(0))
+    with pytest.raises(ValueError, match=r"'table' is on the meta device but is no parameter or "
+                                         r"buffer of the model"):
+        _stages_of(model, prepared, [1])
 
 
 # --------------------------------------------------------------------------- worker checks
