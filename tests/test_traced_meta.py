@@ -237,6 +237,23 @@ def test_fx_traced_meta_model_materialises_with_reset_parameters() -> None:
         assert torch.equal(p, whole[name]), name
 
 
+def test_sequential_cut_by_split_points_keeps_its_per_layer_rule() -> None:
+    import pipedream_ext as pd
+
+    def make() -> nn.Sequential:
+        with torch.device("meta"):
+            return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 3))
+
+    model = make()
+    stages = _stages_of(model, _prepare(model, ["2"], net_batch(0)), [1])
+    assert model[0].weight.is_meta
+    whole = dict(pd.materialize(make(), seed=SEED).named_parameters())
+    held = dict(stages.module.named_parameters())
+    assert sorted(held) == ["2.bias", "2.weight", "3.bias", "3.weight"]
+    for name, p in held.items():
+        assert torch.equal(p, whole[name]), name
+
+
 def test_meta_model_without_an_init_rule_is_refused_naming_the_module() -> None:
     with torch.device("meta"):
         model = NetWithScale()

@@ -393,16 +393,14 @@ def materialize_layer(layer: nn.Module, index: int, name: str, device: Union[str
 
 def materialize(model: nn.Module, device: Union[str, torch.device] = "cpu",
                 seed: int = DEFAULT_INIT_SEED, init_fn: Optional[InitFn] = None,
-                layers: Optional[Sequence[int]] = None,
-                traced: Optional[bool] = None) -> nn.Module:
+                layers: Optional[Sequence[int]] = None) -> nn.Module:
     """Materialises a meta-built model in place with the pipeline's seeding rule.
 
     The whole model (or the given layers) gets exactly the weights a pipeline
     built with ``PipeDream(model, ..., init_seed=seed, init_fn=init_fn)`` gives
     its layers on any partition: use it for an unsplit reference. An
-    ``nn.Sequential`` pipelined by layers follows the per-layer rule; any other
-    model (``traced=True``: also an ``nn.Sequential`` given ``split_points``) the
-    traced rule of :func:`materialize_traced`.
+    ``nn.Sequential`` follows the per-layer rule (also when cut by ``split_points``);
+    any other model the per-unit rule of :func:`materialize_traced`.
 
     Args:
         model: the model; only meta tensors are replaced.
@@ -410,8 +408,7 @@ def materialize(model: nn.Module, device: Union[str, torch.device] = "cpu",
         seed: the base seed (see :func:`layer_seed`).
         init_fn: ``init_fn(layer)`` per layer (traced: per unit) instead of
             ``reset_parameters()`` (traced: the model's ``_init_weights`` if it has one).
-        layers: indices of the children to materialise (default: all; per-layer rule only).
-        traced: the traced rule; default: for any model that is not an ``nn.Sequential``.
+        layers: indices of the children to materialise (default: all; ``nn.Sequential`` only).
 
     Returns:
         ``model``.
@@ -421,7 +418,7 @@ def materialize(model: nn.Module, device: Union[str, torch.device] = "cpu",
             :func:`check_initialisable`), or a tensor left unset.
     """
     seed = check_seed(seed)
-    if traced or (traced is None and not isinstance(model, nn.Sequential)):
+    if not isinstance(model, nn.Sequential):
         check_traced_initialisable(model, init_fn)
         materialize_traced(model, device, seed, init_fn)
         return model
@@ -458,6 +455,9 @@ def check_traced_initialisable(model: nn.Module, init_fn: Optional[InitFn]) -> N
     Raises:
         ValueError: names every unit without one, its class and meta tensors.
     """
+    if isinstance(model, nn.Sequential):  # its per-layer rule (materialize_traced)
+        check_initialisable(model, init_fn)
+        return
     if init_fn is not None or _unit_init(model)[0] is not None:
         check_initialisable(nn.Sequential(), init_fn)  # init_fn callable
         return
@@ -479,7 +479,9 @@ def materialize_traced(model: nn.Module, device: Union[str, torch.device],
                        memo: Optional[Memo] = None) -> Memo:
     """Gives a traced model's meta tensors real values with the traced seeding rule.
 
-    Unit ``u`` (:func:`init_units`) is initialised alone, under the RNG seeded with
+    An ``nn.Sequential`` (given ``split_points``) keeps the per-layer rule of
+    :func:`materialize`: its units are its children. Any other model: unit ``u``
+    (:func:`init_units`) is initialised alone, under the RNG seeded with
     ``layer_seed(seed, u)``, by ``init_fn(unit)``, else the model's
     ``_init_weights(unit)``, else ``unit.reset_parameters()``: each tensor gets the same
     values whichever units are materialised with it. A tensor owned by several units
@@ -501,22 +503,30 @@ def materialize_traced(model: nn.Module, device: Union[str, torch.device],
             :func:`materialize_layer`.
     """
     memo = {} if memo is None else memo
-    units = init_units(model)
-    init, init_name = _unit_init(model)
+    # An nn.Sequential keeps its per-layer rule (the same weights as cut by balance=).
+    layers = isinstance(model, nn.Sequential)
+    units = list(model.named_children()) if layers else init_units(model)
+    init, init_name = (None, "reset_parameters()") if layers else _unit_init(model)
+
+    def owned(module: nn.Module) -> List[torch.Tensor]:
+        if layers:
+            return [t for t in (*module.parameters(), *module.buffers()) if t.is_meta]
+        return [t for _, t, _ in _direct_tensors(module) if t.is_meta]
+
     wanted = None if tensors is None else {id(t) for t in tensors if t.is_meta}
     first: Dict[int, int] = {}
     for u, (_, module) in enumerate(units):
-        for _, t, _ in _direct_tensors(module):
+        for t in owned(module):
             first.setdefault(id(t), u)
     needed: Set[int] = set()
     for u, (_, module) in enumerate(units):
-        owned = [id(t) for _, t, _ in _direct_tensors(module) if t.is_meta]
-        if wanted is None or any(i in wanted for i in owned):
+        ids = [id(t) for t in owned(module)]
+        if wanted is None or any(i in wanted for i in ids):
             needed.add(u)
-            needed.update(first[i] for i in owned)  # a tie: its first owner sets it
+            needed.update(first[i] for i in ids)  # a tie: its first owner sets it
     for u in sorted(needed):
         name, module = units[u]
-        materialize_layer(module, u, name, device, seed, init_fn, memo, direct=True,
+        materialize_layer(module, u, name, device, seed, init_fn, memo, direct=not layers,
                           init=init, init_name=init_name)
     return memo
 
