@@ -182,9 +182,6 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     stages = _local_stages(args, prepared, cut, schedule.stages_of_rank(groups.rank), device,
                            groups, config.timeout, data_parallel)
     _broadcast_replicas(stages, groups)
-    if cut.traced is not None and cut.traced.tracer == "export":
-        for j in stages:  # tensors the graph creates: on this rank's device
-            export.retarget_devices(stages[j], device)
     if compile_context is not None:
         for j in stages:
             compiled.compile_stage(stages[j], compile_context)
@@ -648,6 +645,11 @@ def _local_stages(args: PipelineArguments, prepared: PreparedModel, cut: CutMode
                             args.init_fn,
                             traced=cut.traced.stages if cut.traced is not None else None,
                             after_layer=data_parallel.after_layer if data_parallel else None)
+        if cut.traced is not None and cut.traced.tracer == "export":
+            # Tensors the graph creates: on this rank's device. Before FSDP wraps the
+            # stages: recompiling a GraphModule whose class fully_shard replaced recurses.
+            for j in built:
+                export.retarget_devices(built[j], device)
         if data_parallel is not None:
             data_parallel.attach(built)
         return built

@@ -12,7 +12,9 @@ the same way with ``reset_parameters()``.
 One torchrun launch of 2 ranks: meta-built Llama (torch.export), Qwen2 with its head
 tied to the embedding across the cut, and an fx-traced model, each pipelined with
 ``1f1b`` against the same model materialised whole on the CPU and trained unsplit:
-every step's loss and every weight after 3 SGD-momentum steps.
+every step's loss and every weight after 3 SGD-momentum steps. One launch of 4
+ranks: the fx-traced model and the Llama from meta over a pp 2 x dp 2 mesh with FSDP,
+against the unsplit model on the global batch.
 
     torchrun --standalone --nproc-per-node 2 tests/test_traced_meta.py
 """
@@ -330,22 +332,93 @@ def check_fx_model_from_meta_trains_like_the_unsplit_model() -> None:
     _train(pipe, ref, F.cross_entropy, net_batch, "fx Net", 2)
 
 
+def check_fx_model_from_meta_with_fsdp_mesh() -> None:
+    """pp 2 x dp 2, FSDP: each rank materialises its stage's units, then shards them;
+    the unsplit model sees the global batch (each dp rank steps on its half)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    import pipedream_ext as pd
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    with torch.device("meta"):
+        model, ref = Net(), Net()
+    pipe = pd.PipeDream(model, F.cross_entropy, schedule="1f1b", microbatches=2, timeout=120,
+                        split_points=["blocks.2"], sample=net_batch(0), init_seed=SEED,
+                        mesh=mesh, data_parallel="fsdp")
+    pd.materialize(ref, "cpu", seed=SEED)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    half = slice(mesh["dp"].get_local_rank() * 4, mesh["dp"].get_local_rank() * 4 + 4)
+    for step in range(3):
+        x, y = net_batch(step)
+        expected = F.cross_entropy(ref(x), y)
+        expected.backward()
+        loss = float(pipe.step(x[half], y[half]))
+        assert abs(loss - expected.item()) <= RTOL * max(1.0, abs(expected.item())) + ATOL, \
+            f"rank {dist.get_rank()} step {step}: loss {loss} != {expected.item()}"
+        opt.step(); opt.zero_grad()
+        ref_opt.step(); ref_opt.zero_grad()
+    want = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        full = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
+        torch.testing.assert_close(full, want[name].detach(), rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"fsdp after 3 steps: {name}: {m}")
+
+
+def check_llama_from_meta_with_fsdp_mesh() -> None:
+    """The same for the meta Llama (torch.export; its device constants are pointed at
+    the rank's device before FSDP wraps the stages)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    import pipedream_ext as pd
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pipe = pd.PipeDream(meta_llama(), lm_loss, schedule="1f1b", microbatches=2, timeout=120,
+                        split_points=["model.layers.2"], sample=lm_batch(0), init_seed=SEED,
+                        concrete_args={"use_cache": False}, mesh=mesh, data_parallel="fsdp")
+    ref = pd.materialize(meta_llama(), "cpu", seed=SEED)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    half = slice(mesh["dp"].get_local_rank() * 4, mesh["dp"].get_local_rank() * 4 + 4)
+    for step in range(3):
+        inputs, y = lm_batch(step)
+        expected = lm_loss(ref(**inputs), y)
+        expected.backward()
+        loss = float(pipe.step({k: v[half] for k, v in inputs.items()}, y[half]))
+        assert abs(loss - expected.item()) <= RTOL * max(1.0, abs(expected.item())) + ATOL, \
+            f"rank {dist.get_rank()} step {step}: loss {loss} != {expected.item()}"
+        opt.step(); opt.zero_grad()
+        ref_opt.step(); ref_opt.zero_grad()
+    want = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        full = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
+        torch.testing.assert_close(full, want[name].detach(), rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"llama fsdp after 3 steps: {name}: {m}")
+
+
 def traced_meta_cases(world: int) -> Cases:
-    del world
     cases = Cases()
-    cases.add(check_llama_from_meta_trains_like_the_unsplit_model)
-    cases.add(check_tied_qwen2_from_meta_trains_like_the_unsplit_model)
-    cases.add(check_fx_model_from_meta_trains_like_the_unsplit_model)
+    if world == 2:
+        cases.add(check_llama_from_meta_trains_like_the_unsplit_model)
+        cases.add(check_tied_qwen2_from_meta_trains_like_the_unsplit_model)
+        cases.add(check_fx_model_from_meta_trains_like_the_unsplit_model)
+    else:
+        cases.add(check_fx_model_from_meta_with_fsdp_mesh)
+        cases.add(check_llama_from_meta_with_fsdp_mesh)
     return cases
 
 
-TWO = Launch(HERE, 2, traced_meta_cases, timeout=600)
+TWO, FOUR = (Launch(HERE, world, traced_meta_cases, timeout=600) for world in (2, 4))
 
 
-@parametrize_cases(TWO)
+@parametrize_cases(TWO, FOUR)
 def test_meta_built_traced_pipelines_train_like_the_unsplit_model(case: CaseRef) -> None:
     case.check()
 
 
 if __name__ == "__main__":
-    worker_main([TWO])
+    worker_main([TWO, FOUR])
