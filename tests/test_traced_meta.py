@@ -332,9 +332,11 @@ def check_fx_model_from_meta_trains_like_the_unsplit_model() -> None:
     _train(pipe, ref, F.cross_entropy, net_batch, "fx Net", 2)
 
 
-def check_fx_model_from_meta_with_fsdp_mesh() -> None:
+def _check_fsdp(model: nn.Module, ref: nn.Module, loss_fn: Callable[..., torch.Tensor],
+                batches: Callable[[int], Tuple[Any, torch.Tensor]], split_points: List[str],
+                what: str, **options: Any) -> None:
     """pp 2 x dp 2, FSDP: each rank materialises its stage's units, then shards them;
-    the unsplit model sees the global batch (each dp rank steps on its half)."""
+    the unsplit ``ref`` sees the global batch (each dp rank steps on its half)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -342,62 +344,45 @@ def check_fx_model_from_meta_with_fsdp_mesh() -> None:
     import pipedream_ext as pd
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    with torch.device("meta"):
-        model, ref = Net(), Net()
-    pipe = pd.PipeDream(model, F.cross_entropy, schedule="1f1b", microbatches=2, timeout=120,
-                        split_points=["blocks.2"], sample=net_batch(0), init_seed=SEED,
-                        mesh=mesh, data_parallel="fsdp")
-    pd.materialize(ref, "cpu", seed=SEED)
+    pipe = pd.PipeDream(model, loss_fn, schedule="1f1b", microbatches=2, timeout=120,
+                        split_points=split_points, sample=batches(0), init_seed=SEED,
+                        mesh=mesh, data_parallel="fsdp", **options)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     half = slice(mesh["dp"].get_local_rank() * 4, mesh["dp"].get_local_rank() * 4 + 4)
     for step in range(3):
-        x, y = net_batch(step)
-        expected = F.cross_entropy(ref(x), y)
+        inputs, y = batches(step)
+        expected = loss_fn(ref(**inputs) if isinstance(inputs, dict) else ref(inputs), y)
         expected.backward()
-        loss = float(pipe.step(x[half], y[half]))
+        mine = {k: v[half] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[half]
+        loss = float(pipe.step(mine, y[half]))
         assert abs(loss - expected.item()) <= RTOL * max(1.0, abs(expected.item())) + ATOL, \
-            f"rank {dist.get_rank()} step {step}: loss {loss} != {expected.item()}"
+            f"{what}: rank {dist.get_rank()} step {step}: loss {loss} != {expected.item()}"
         opt.step(); opt.zero_grad()
         ref_opt.step(); ref_opt.zero_grad()
     want = dict(ref.named_parameters())
     for name, p in pipe.named_parameters():
         full = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
         torch.testing.assert_close(full, want[name].detach(), rtol=RTOL, atol=ATOL,
-                                   msg=lambda m: f"fsdp after 3 steps: {name}: {m}")
+                                   msg=lambda m: f"{what} after 3 steps: {name}: {m}")
+
+
+def check_fx_model_from_meta_with_fsdp_mesh() -> None:
+    import pipedream_ext as pd
+
+    with torch.device("meta"):
+        model, ref = Net(), Net()
+    _check_fsdp(model, pd.materialize(ref, "cpu", seed=SEED), F.cross_entropy, net_batch,
+                ["blocks.2"], "fx Net, fsdp")
 
 
 def check_llama_from_meta_with_fsdp_mesh() -> None:
-    """The same for the meta Llama (torch.export; its device constants are pointed at
-    the rank's device before FSDP wraps the stages)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-
+    """torch.export stages: their device constants are pointed at the rank's device
+    before FSDP wraps them."""
     import pipedream_ext as pd
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    pipe = pd.PipeDream(meta_llama(), lm_loss, schedule="1f1b", microbatches=2, timeout=120,
-                        split_points=["model.layers.2"], sample=lm_batch(0), init_seed=SEED,
-                        concrete_args={"use_cache": False}, mesh=mesh, data_parallel="fsdp")
-    ref = pd.materialize(meta_llama(), "cpu", seed=SEED)
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    half = slice(mesh["dp"].get_local_rank() * 4, mesh["dp"].get_local_rank() * 4 + 4)
-    for step in range(3):
-        inputs, y = lm_batch(step)
-        expected = lm_loss(ref(**inputs), y)
-        expected.backward()
-        loss = float(pipe.step({k: v[half] for k, v in inputs.items()}, y[half]))
-        assert abs(loss - expected.item()) <= RTOL * max(1.0, abs(expected.item())) + ATOL, \
-            f"rank {dist.get_rank()} step {step}: loss {loss} != {expected.item()}"
-        opt.step(); opt.zero_grad()
-        ref_opt.step(); ref_opt.zero_grad()
-    want = dict(ref.named_parameters())
-    for name, p in pipe.named_parameters():
-        full = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
-        torch.testing.assert_close(full, want[name].detach(), rtol=RTOL, atol=ATOL,
-                                   msg=lambda m: f"llama fsdp after 3 steps: {name}: {m}")
+    _check_fsdp(meta_llama(), pd.materialize(meta_llama(), "cpu", seed=SEED), lm_loss, lm_batch,
+                ["model.layers.2"], "llama, fsdp", concrete_args={"use_cache": False})
 
 
 def traced_meta_cases(world: int) -> Cases:
