@@ -91,6 +91,7 @@ bench: setup
 	$(PY) benchmarks/vs_torch.py
 	$(PY) benchmarks/shape_change.py
 	$(PY) benchmarks/deferred_init.py
+	$(PY) benchmarks/meta_init.py
 	$(PY) benchmarks/traced.py
 	$(PY) benchmarks/agreement.py
 	$(PY) benchmarks/p2p_engine.py

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
 
 from . import _C, schedules
@@ -179,9 +180,6 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     _broadcast_replicas(stages, groups)
     if mesh is not None and mesh.tensor_parallel is not None:
         refuse_split_ties_over_tp(cut.shared_parameters, stages.module, groups.group)
-    if cut.traced is not None and cut.traced.tracer == "export":
-        for j in stages:  # tensors the graph creates: on this rank's device
-            export.retarget_devices(stages[j], device)
     if compile_context is not None:
         for j in stages:
             compiled.compile_stage(stages[j], compile_context)
@@ -355,7 +353,10 @@ def prepare_model(args: PipelineArguments) -> PreparedModel:
     """
     module, balance = args.module, args.balance
     traced = planned = None
+    deferred = deferred_init.has_meta_tensors(module)
     if args.split_points is not None:
+        if deferred:  # before tracing: every unit needs an initialiser
+            deferred_init.check_traced_initialisable(module, args.init_fn)
         traced = _trace_stages(args)
     elif not isinstance(module, nn.Sequential) and _is_plan(balance):
         planned = PlannedTrace.trace(module, args.sample, args.concrete_args)
@@ -374,8 +375,7 @@ def prepare_model(args: PipelineArguments) -> PreparedModel:
                          "file); give layer counts as a list (balance=[4, 4]), 'auto' to plan at "
                          "start-up, or the path of a plan.json")
     init_seed = deferred_init.check_seed(args.init_seed)
-    deferred = deferred_init.has_meta_tensors(module)
-    if deferred:
+    if deferred and traced is None:
         deferred_init.check_initialisable(module, args.init_fn)
         if isinstance(balance, str) and balance == "auto":
             raise ValueError("balance='auto' profiles the model, which cannot run on the meta "
@@ -388,9 +388,8 @@ def _trace_stages(args: PipelineArguments) -> TracedSplit:
     """Checks the arguments of a traced pipeline and traces the model on ``sample``.
 
     Raises:
-        ValueError: no sample, a balance, a meta-device model, a split point inside a
-            module a tensor-parallel plan keeps as one call, or what
-            ``graph_split.split_model`` refuses.
+        ValueError: no sample, a balance, a split point inside a module a tensor-parallel
+            plan keeps as one call, or what ``graph_split.split_model`` refuses.
     """
     module, sample = args.module, args.sample
     if args.balance is not None:
@@ -401,14 +400,15 @@ def _trace_stages(args: PipelineArguments) -> TracedSplit:
         raise ValueError("split_points needs sample=(inputs, targets), one batch to trace the "
                          "model on (inputs: a tensor, a tuple of tensors or a dict of named "
                          "tensors)")
-    if deferred_init.has_meta_tensors(module):
-        raise ValueError("split_points traces the model by running it on sample, which the meta "
-                         "device cannot; build the model on a real device")
     assert args.split_points is not None
     # A tensor-parallel plan's modules stay module calls in the stages (their hooks run).
     check_split_points(args.tensor_parallel, module, args.split_points)
     keep = kept_calls(args.tensor_parallel, module)
     first = sample[0]
+    if deferred_init.has_meta_tensors(module):
+        # Traced without values: the sample's shapes and dtypes on the meta device, as the
+        # model's tensors are (the user's tensors stay as they are).
+        first = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), first)
     if isinstance(first, Mapping):  # keyword inputs: traced by name, passed by name
         model_io.positional_inputs(list(first), first, "sample")  # tensors only
         return split_model(module, args.split_points, dict(first), args.concrete_args,
@@ -658,6 +658,11 @@ def _local_stages(args: PipelineArguments, prepared: PreparedModel, cut: CutMode
                             # with tp the plan shards meta layers before they are materialised
                             defer_meta=prepared.deferred and data_parallel is not None
                             and data_parallel.plan.tensor_parallel is not None)
+        if cut.traced is not None and cut.traced.tracer == "export":
+            # Tensors the graph creates: on this rank's device. Before FSDP wraps the
+            # stages: recompiling a GraphModule whose class fully_shard replaced recurses.
+            for j in built:
+                export.retarget_devices(built[j], device)
         if data_parallel is not None:
             data_parallel.attach(built)
         return built

@@ -75,6 +75,15 @@ ROWS: List[Tuple[str, str, str, str]] = [
      r"reset_parameters\(\)", "tests/test_deferred_init.py::test_meta_pipelines_train_like_the_unsplit_model_and_refuse_bad_input"),
     ("meta-unset-buffer", "a buffer computed in `__init__` (a causal mask) on the meta device",
      r"'2\.mask' on the meta device were not set by reset_parameters\(\)", "tests/test_deferred_init.py::test_meta_pipelines_train_like_the_unsplit_model_and_refuse_bad_input"),
+    ("meta-traced-no-init", "a traced model (`split_points`) on the meta device with a module "
+     "owning tensors but no `reset_parameters()`, no `_init_weights` on the model and no `init_fn`",
+     r"module 'scale' \(Scale: weight\) of NetWithScale has parameters or buffers on the meta "
+     r"device but no reset_parameters\(\)",
+     "tests/test_traced_meta.py::test_meta_model_without_an_init_rule_is_refused_naming_the_module"),
+    ("meta-traced-constant", "a traced model on the meta device whose graph holds a tensor that is "
+     "no parameter or buffer (a plain tensor attribute)",
+     r"'table' is on the meta device but is no parameter or buffer of the model",
+     "tests/test_traced_meta.py::test_a_constant_traced_on_meta_is_refused_naming_it"),
     ("meta-assigned-buffer", "`init_fn` (or `reset_parameters()`) assigns a buffer anew "
      "(`layer.freqs_cis = precompute()`) with another shape or dtype than the meta tensor's (the same: kept)",
      r"layer 0 \('0'\): init_fn assigned the buffer '0\.tab' a tensor of shape \[3, 4\] and dtype "

@@ -44,7 +44,8 @@ import torch
 from torch import nn
 
 __all__ = ["DEFAULT_INIT_SEED", "InitFn", "Memo", "layer_seed", "has_meta_tensors", "check_seed",
-           "check_initialisable", "materialize_layer", "materialize"]
+           "check_initialisable", "materialize_layer", "materialize", "init_units",
+           "check_traced_initialisable", "materialize_traced", "replace_materialized"]
 
 #: The base seed of deferred initialisation when none is given.
 DEFAULT_INIT_SEED = 0
@@ -219,11 +220,13 @@ class _Slot:
         self.tensor = value
 
 
-def _to_empty(layer: nn.Module, device: torch.device, memo: Memo) -> List[_Slot]:
+def _to_empty(layer: nn.Module, device: torch.device, memo: Memo,
+              recurse: bool = True) -> List[_Slot]:
     """Replaces every meta tensor of ``layer`` with uninitialised storage on ``device``.
 
     Unlike ``Module.to_empty`` only meta tensors are replaced, and a tensor shared
-    by several modules (tied weights) stays shared (through ``memo``).
+    by several modules (tied weights) stays shared (through ``memo``). Without
+    ``recurse``, only the tensors ``layer`` owns directly.
 
     Returns:
         One slot per meta tensor replaced (``reused``: an earlier layer's tensor).
@@ -231,7 +234,7 @@ def _to_empty(layer: nn.Module, device: torch.device, memo: Memo) -> List[_Slot]
     slots: List[_Slot] = []
     earlier = set(memo)  # meta tensors an earlier layer materialised
     fresh: Set[int] = set()  # new tensors whose sentinel can be told
-    for qualname, module in layer.named_modules():
+    for qualname, module in (layer.named_modules() if recurse else [("", layer)]):
         non_persistent = module._non_persistent_buffers_set  # noqa: SLF001
         for name, t, is_param in list(_direct_tensors(module)):
             if not t.is_meta:
@@ -321,7 +324,8 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
 
 def materialize_layer(layer: nn.Module, index: int, name: str, device: Union[str, torch.device],
                       seed: int = DEFAULT_INIT_SEED, init_fn: Optional[InitFn] = None,
-                      memo: Optional[Memo] = None) -> None:
+                      memo: Optional[Memo] = None, *, direct: bool = False,
+                      init: Optional[InitFn] = None, init_name: str = "reset_parameters()") -> None:
     """Gives one top-level layer's meta tensors real values on ``device``, in place.
 
     Args:
@@ -332,6 +336,11 @@ def materialize_layer(layer: nn.Module, index: int, name: str, device: Union[str
         seed: the base seed.
         init_fn: called as ``init_fn(layer)`` instead of the modules' ``reset_parameters()``.
         memo: replacements so far, shared across layers to keep ties.
+        direct: only the tensors ``layer`` owns itself (a traced model's unit:
+            :func:`materialize_traced`); its ``index`` is then its unit index.
+        init: called as ``init(module)`` for every module owning meta tensors instead of
+            ``module.reset_parameters()`` (a Hugging Face model's ``_init_weights``).
+        init_name: how messages name ``init``.
 
     Raises:
         ValueError: a tensor that ``reset_parameters()`` did not set (or, with
@@ -339,26 +348,31 @@ def materialize_layer(layer: nn.Module, index: int, name: str, device: Union[str
             anew with another shape or dtype, named by its qualified name in the model.
     """
     device = torch.device(device)
-    owners = [module for _, module in layer.named_modules() if _meta_names(module)]
+    owners = [module for _, module in (layer.named_modules() if not direct else [("", layer)])
+              if _meta_names(module)]
     if not owners:
         return
     memo = {} if memo is None else memo
-    slots = _to_empty(layer, device, memo)
+    slots = _to_empty(layer, device, memo, recurse=not direct)
     # A tensor tied to an earlier layer keeps that layer's values (the first use
     # initialises it, as `head.weight = emb.weight` after building keeps emb's).
     kept = [(s.tensor, s.tensor.detach().clone()) for s in
             {id(s.tensor): s for s in slots if s.reused}.values()]
-    where = "init_fn" if init_fn is not None else "reset_parameters()"
+    where = "init_fn" if init_fn is not None else init_name
+    label = f"module '{name}' (unit {index})" if direct else f"layer {index} ('{name}')"
     with _seeded(layer_seed(seed, index), device), torch.no_grad():
         if init_fn is not None:
             init_fn(layer)
         else:
             for module in owners:
-                module.reset_parameters()
+                if init is not None:
+                    init(module)
+                else:
+                    module.reset_parameters()
         try:
             _adopt_assignments(slots, device, memo, where, name)
         except ValueError as exc:
-            raise ValueError(f"layer {index} ('{name}'): {exc}") from None
+            raise ValueError(f"{label}: {exc}") from None
         for t, value in kept:
             t.copy_(value)
     unset = [s.qualname for s in slots if s.detectable and not s.reused and
@@ -367,31 +381,34 @@ def materialize_layer(layer: nn.Module, index: int, name: str, device: Union[str
         names = ", ".join(f"'{_qualified(name, q)}'" for q in unset)
         if init_fn is None:
             raise ValueError(
-                f"layer {index} ('{name}'): {names} on the meta device were not set by "
-                "reset_parameters() (values computed in __init__, such as a registered mask, "
-                "cannot be recovered from the meta device); pass PipeDream(..., init_fn=fn) "
-                "that sets them, or build those tensors in reset_parameters()")
+                f"{label}: {names} on the meta device were not set by {init_name} (values "
+                "computed in __init__, such as a registered mask, cannot be recovered from the "
+                "meta device); pass PipeDream(..., init_fn=fn) that sets them, or build those "
+                f"tensors in {init_name}")
         raise ValueError(
-            f"layer {index} ('{name}'): init_fn left the non-persistent buffer(s) {names} "
+            f"{label}: init_fn left the non-persistent buffer(s) {names} "
             "unset, and no state dict can bring them; set them in init_fn (fill them in "
             "place, .copy_(...), or assign a tensor of the same shape and dtype)")
 
 
-def materialize(model: nn.Sequential, device: Union[str, torch.device] = "cpu",
+def materialize(model: nn.Module, device: Union[str, torch.device] = "cpu",
                 seed: int = DEFAULT_INIT_SEED, init_fn: Optional[InitFn] = None,
-                layers: Optional[Sequence[int]] = None) -> nn.Sequential:
-    """Materialises a meta-built ``nn.Sequential`` in place with the pipeline's seeding rule.
+                layers: Optional[Sequence[int]] = None) -> nn.Module:
+    """Materialises a meta-built model in place with the pipeline's seeding rule.
 
     The whole model (or the given layers) gets exactly the weights a pipeline
     built with ``PipeDream(model, ..., init_seed=seed, init_fn=init_fn)`` gives
-    its layers on any partition: use it for an unsplit reference.
+    its layers on any partition: use it for an unsplit reference. An
+    ``nn.Sequential`` follows the per-layer rule (also when cut by ``split_points``);
+    any other model the per-unit rule of :func:`materialize_traced`.
 
     Args:
         model: the model; only meta tensors are replaced.
         device: where the new tensors live.
         seed: the base seed (see :func:`layer_seed`).
-        init_fn: ``init_fn(layer)`` per layer instead of ``reset_parameters()``.
-        layers: indices of the children to materialise (default: all).
+        init_fn: ``init_fn(layer)`` per layer (traced: per unit) instead of
+            ``reset_parameters()`` (traced: the model's ``_init_weights`` if it has one).
+        layers: indices of the children to materialise (default: all; ``nn.Sequential`` only).
 
     Returns:
         ``model``.
@@ -401,6 +418,11 @@ def materialize(model: nn.Sequential, device: Union[str, torch.device] = "cpu",
             :func:`check_initialisable`), or a tensor left unset.
     """
     seed = check_seed(seed)
+    if not isinstance(model, nn.Sequential):
+        check_traced_initialisable(model, init_fn)
+        materialize_traced(model, device, seed, init_fn)
+        return model
+    assert isinstance(model, nn.Sequential)
     check_initialisable(model, init_fn)
     children = list(model.named_children())
     memo: Memo = {}
@@ -408,3 +430,126 @@ def materialize(model: nn.Sequential, device: Union[str, torch.device] = "cpu",
         name, layer = children[l]
         materialize_layer(layer, l, name, device, seed, init_fn, memo)
     return model
+
+
+# -- traced models: one unit per module owning meta tensors ------------------------------------
+def init_units(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """The *units* of a traced meta model: every module owning meta tensors directly,
+    in ``named_modules()`` order; unit ``u`` is seeded with ``layer_seed(seed, u)``."""
+    return [(name, module) for name, module in model.named_modules() if _meta_names(module)]
+
+
+def _unit_init(model: nn.Module) -> Tuple[Optional[InitFn], str]:
+    """The model's own per-module initialiser (a Hugging Face ``PreTrainedModel``'s
+    ``_init_weights``), else ``None`` (each module's ``reset_parameters()``)."""
+    hf = getattr(model, "_init_weights", None)
+    if callable(hf):
+        return hf, f"{type(model).__name__}._init_weights"
+    return None, "reset_parameters()"
+
+
+def check_traced_initialisable(model: nn.Module, init_fn: Optional[InitFn]) -> None:
+    """Checks, before anything is allocated, that every unit of a traced meta model has an
+    initialiser: ``init_fn``, the model's ``_init_weights`` or the unit's ``reset_parameters()``.
+
+    Raises:
+        ValueError: names every unit without one, its class and meta tensors.
+    """
+    if isinstance(model, nn.Sequential):  # its per-layer rule (materialize_traced)
+        check_initialisable(model, init_fn)
+        return
+    if init_fn is not None or _unit_init(model)[0] is not None:
+        check_initialisable(nn.Sequential(), init_fn)  # init_fn callable
+        return
+    bad = [f"'{name}' ({type(m).__name__}: {', '.join(_meta_names(m))})"
+           for name, m in init_units(model) if not callable(getattr(m, "reset_parameters", None))]
+    if bad:
+        raise ValueError(
+            f"module{'s' if len(bad) > 1 else ''} {', '.join(bad)} of {type(model).__name__} "
+            f"{'have' if len(bad) > 1 else 'has'} parameters or buffers on the meta device but no "
+            "reset_parameters() to initialise them (and the model has no _init_weights, as a "
+            "Hugging Face model has); pass PipeDream(..., init_fn=fn), where fn(module) "
+            "initialises one module's own tensors in place, or give the module a "
+            "reset_parameters()")
+
+
+def materialize_traced(model: nn.Module, device: Union[str, torch.device],
+                       seed: int = DEFAULT_INIT_SEED, init_fn: Optional[InitFn] = None,
+                       tensors: Optional[Sequence[torch.Tensor]] = None,
+                       memo: Optional[Memo] = None) -> Memo:
+    """Gives a traced model's meta tensors real values with the traced seeding rule.
+
+    An ``nn.Sequential`` (given ``split_points``) keeps the per-layer rule of
+    :func:`materialize`: its units are its children. Any other model: unit ``u``
+    (:func:`init_units`) is initialised alone, under the RNG seeded with
+    ``layer_seed(seed, u)``, by ``init_fn(unit)``, else the model's
+    ``_init_weights(unit)``, else ``unit.reset_parameters()``: each tensor gets the same
+    values whichever units are materialised with it. A tensor owned by several units
+    (tied) takes the first unit's values.
+
+    Args:
+        model: the whole model (only its meta tensors are replaced).
+        device: where the new tensors live.
+        seed: the base seed.
+        init_fn: ``init_fn(module)`` per unit instead of the model's own initialiser.
+        tensors: the meta tensors wanted (a rank's stages); default: all.
+        memo: replacements so far (extended and returned).
+
+    Returns:
+        Every replacement: the meta tensor's id -> (meta tensor, new tensor).
+
+    Raises:
+        ValueError: a tensor the initialiser left unset (named), or see
+            :func:`materialize_layer`.
+    """
+    memo = {} if memo is None else memo
+    # An nn.Sequential keeps its per-layer rule (the same weights as cut by balance=).
+    layers = isinstance(model, nn.Sequential)
+    units = list(model.named_children()) if layers else init_units(model)
+    init, init_name = (None, "reset_parameters()") if layers else _unit_init(model)
+
+    def owned(module: nn.Module) -> List[torch.Tensor]:
+        if layers:
+            return [t for t in (*module.parameters(), *module.buffers()) if t.is_meta]
+        return [t for _, t, _ in _direct_tensors(module) if t.is_meta]
+
+    wanted = None if tensors is None else {id(t) for t in tensors if t.is_meta}
+    first: Dict[int, int] = {}
+    for u, (_, module) in enumerate(units):
+        for t in owned(module):
+            first.setdefault(id(t), u)
+    needed: Set[int] = set()
+    for u, (_, module) in enumerate(units):
+        ids = [id(t) for t in owned(module)]
+        if wanted is None or any(i in wanted for i in ids):
+            needed.add(u)
+            needed.update(first[i] for i in ids)  # a tie: its first owner sets it
+    for u in sorted(needed):
+        name, module = units[u]
+        materialize_layer(module, u, name, device, seed, init_fn, memo, direct=not layers,
+                          init=init, init_name=init_name)
+    return memo
+
+
+def replace_materialized(modules: Sequence[nn.Module], memo: Memo, what: str) -> None:
+    """Puts the materialised tensors of ``memo`` wherever ``modules`` (a rank's stages,
+    which hold the model's tensors, sometimes in containers of their own) hold the
+    meta ones.
+
+    Raises:
+        ValueError: a meta tensor no unit owns (a tensor computed while tracing on the
+            meta device), named: it has no values and nothing can give it any.
+    """
+    for root in modules:
+        for qualname, module in root.named_modules():
+            for name, t, is_param in list(_direct_tensors(module)):
+                if not t.is_meta:
+                    continue
+                if id(t) not in memo:
+                    raise ValueError(
+                        f"{what}: '{_qualified(qualname, name)}' is on the meta device but is no "
+                        "parameter or buffer of the model (a tensor computed while tracing), so "
+                        "nothing can give it values; build the model on a real device, or "
+                        "compute that tensor in forward")
+                owned = module._parameters if is_param else module._buffers  # noqa: SLF001
+                owned[name] = memo[id(t)][1]

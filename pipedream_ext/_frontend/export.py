@@ -43,6 +43,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.export import Dim
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .fx_graph import compute_nodes, install_attribute, node_stages, paths_of
 
@@ -60,6 +61,7 @@ _ASSERTIONS = {
     torch.ops.aten.sym_constrain_range_for_size.default,
     torch.ops.aten.sym_constrain_range.default,
 }
+_AUTOCAST = getattr(torch.ops.higher_order, "wrap_with_autocast", None)
 # The stand-in export writes into nn_module_stack for nodes it created outside any module.
 _NO_MODULE = "_empty_nn_module_stack_from_metadata_hook"
 
@@ -255,6 +257,42 @@ def _refuse_updates(model: nn.Module, names: Sequence[str]) -> None:
             "BatchNorm a module call, or give the layers as an nn.Sequential (docs/tracing.md)")
 
 
+class _Writes(TorchDispatchMode):
+    """Records the storage of every tensor an operation writes (its schema's ``a!``
+    arguments): what a run changes in place, without values (the meta device)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: set = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for i, arg in enumerate(func._schema.arguments):  # noqa: SLF001 - torch internal
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                if isinstance(value, torch.Tensor):
+                    self.written.add(value.untyped_storage()._cdata)  # noqa: SLF001
+        return func(*args, **kwargs)
+
+
+@torch.no_grad()
+def _written_on_meta(gm: fx.GraphModule, model: nn.Module,
+                     inputs: Sequence[torch.Tensor]) -> List[str]:
+    """:func:`_updated_in_place` for a model on the meta device: the buffers and inputs
+    whose storage an operation of one run writes (there are no values to compare)."""
+    tensors = [(name, t) for name, t in model.named_buffers()] + \
+        [(f"input {i}", t) for i, t in enumerate(inputs)]
+    modes = {m: m.training for m in gm.modules()}
+    gm.eval()
+    try:
+        with _Writes() as writes:
+            gm(*inputs)
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    return [name for name, t in tensors if t.untyped_storage()._cdata in writes.written]  # noqa: SLF001
+
+
 @torch.no_grad()
 def _updated_in_place(gm: fx.GraphModule, model: nn.Module,
                       inputs: Sequence[torch.Tensor]) -> List[str]:
@@ -265,8 +303,10 @@ def _updated_in_place(gm: fx.GraphModule, model: nn.Module,
     model's own buffers, whatever ``pipe.eval()`` says. Run in eval mode (dropout
     off) with the RNG state restored afterwards. (Parameters are not copied: a
     forward changing its weights in place is not something to check for at the
-    cost of a second copy of the model.)
+    cost of a second copy of the model.) On the meta device: :func:`_written_on_meta`.
     """
+    if any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers()):
+        return _written_on_meta(gm, model, inputs)
     own = {id(t): (name, t) for name, t in model.named_buffers(remove_duplicate=False)}
     tensors = [(name, t) for name, t in own.values()] + \
         [(f"input {i}", t) for i, t in enumerate(inputs)]
@@ -509,21 +549,27 @@ def retarget_devices(gm: fx.GraphModule, device: torch.device) -> None:
     """Points the device constants of an exported stage at ``device``.
 
     The export records ``torch.arange(n, device=x.device)`` with the sample's device
-    written in; a stage moved to another device (``cuda:LOCAL_RANK``) creates those
-    tensors there instead.
+    written in; a stage moved to another device (``cuda:LOCAL_RANK``), or traced on the
+    meta device, creates those tensors there instead. The bodies of higher-order
+    operations (an ``autocast(enabled=False)`` region: ``wrap_with_autocast``) are
+    graph modules of their own, with their own constants and device assertions.
     """
-    changed = False
+    for graph_module in [m for m in gm.modules() if isinstance(m, fx.GraphModule)]:
+        changed = False
 
-    def swap(value: Any) -> Any:
-        nonlocal changed
-        if isinstance(value, torch.device) and value != device:
-            changed = True
-            return device
-        return value
+        def swap(value: Any) -> Any:
+            nonlocal changed
+            if isinstance(value, torch.device) and value != device:
+                changed = True
+                return device
+            return value
 
-    for node in gm.graph.nodes:
-        if node.op == "call_function":
-            node.args = fx.node.map_aggregate(node.args, swap)
-            node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
-    if changed:
-        gm.recompile()
+        for node in graph_module.graph.nodes:
+            if node.op == "call_function":
+                node.args = fx.node.map_aggregate(node.args, swap)
+                node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+            if node.target is _AUTOCAST and node.args and node.args[0] == "meta":
+                node.args = (device.type, *node.args[1:])  # traced on meta: the stage's device type
+                changed = True
+        if changed:
+            graph_module.recompile()

@@ -15,7 +15,15 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .._frontend.deferred_init import DEFAULT_INIT_SEED, InitFn, Memo, materialize_layer
+from .._frontend.deferred_init import (
+    DEFAULT_INIT_SEED,
+    InitFn,
+    Memo,
+    has_meta_tensors,
+    materialize_layer,
+    materialize_traced,
+    replace_materialized,
+)
 from .._frontend.graph_split import merge_stage_modules
 from .._frontend.partition import Partition
 
@@ -43,8 +51,9 @@ class LocalStages:
         partition: the stages of the whole model.
         indices: the stages this rank keeps, ascending.
         device: where the kept layers go.
-        init_seed: base seed of kept layers built on the meta device (``_materialize``).
-        init_fn: their initialiser instead of ``reset_parameters()`` (``_materialize``).
+        init_seed: base seed of kept layers built on the meta device (``deferred_init``; a
+            traced model: of the units its stages hold, ``materialize_traced``).
+        init_fn: their initialiser instead of ``reset_parameters()`` (``deferred_init``).
         traced: the stage modules of a traced model (``partition.balance`` all ones).
         after_layer: called with each kept layer once it has real tensors, before the
             next one is materialised (``sharding.FsdpStages.shard_layer``: a rank then
@@ -69,6 +78,11 @@ class LocalStages:
         self.pending: List[Tuple[int, str, nn.Module]] = []
         if traced is not None:
             self.layers: Dict[int, Tuple[int, int]] = {j: (j, j + 1) for j in indices}
+            kept = [traced[j] for j in indices]
+            if any(has_meta_tensors(stage) for stage in kept):  # only what this rank's stages hold
+                tensors = [t for stage in kept for t in (*stage.parameters(), *stage.buffers())]
+                memo = materialize_traced(module, device, init_seed, init_fn, tensors)
+                replace_materialized(kept, memo, f"stages {list(indices)}")
             self._modules: Dict[int, nn.Module] = {j: traced[j].to(device) for j in indices}
             self.module: nn.Module = merge_stage_modules([self._modules[j] for j in indices])
             return

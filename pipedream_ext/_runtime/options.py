@@ -323,13 +323,17 @@ class PipelineOptions:
         layer ``l`` built on the meta device is initialised under a forked RNG seeded with ``init_seed *
         2**16 + l``, so it gets the same weights on any partition or world size; your global RNG state is
         left as it was. ``pd.materialize(model, seed=...)`` gives the same weights to a whole model in one
-        process.""", group="initialisation", position=15)
+        process. A traced model (``split_points``) is seeded per unit instead: the ``u``-th module owning
+        meta tensors gets ``init_seed * 2**16 + u`` (docs/tracing.md#starting-from-the-meta-device).""",
+        group="initialisation", position=15)
     init_fn: Optional[deferred_init.InitFn] = option(None, """
         ``init_fn(layer)`` initialises one top-level layer built on the meta device in place (called
         once per layer this rank keeps, after its storage is allocated, under the seeded RNG and
         ``no_grad``), instead of each module's ``reset_parameters()``. Needed for modules with meta tensors
         and no ``reset_parameters()``, and for buffers computed in ``__init__`` (a causal mask) that
-        ``reset_parameters()`` does not set.""", group="initialisation", position=16)
+        ``reset_parameters()`` does not set. A traced model calls ``init_fn(module)`` once per module
+        owning meta tensors (instead of the model's ``_init_weights`` or ``reset_parameters()``).""",
+        group="initialisation", position=16)
 
     # -- debugging --------------------------------------------------------------------------
     trace: Optional[Union[str, os.PathLike]] = option(None, """
