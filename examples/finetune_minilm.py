@@ -212,10 +212,10 @@ def build_pipeline(args: argparse.Namespace, model_dir: str, labels: List[str],
     if sorted(missing) != expected_missing:
         raise SystemExit(f"rank {dist.get_rank()}: {model_dir} lacks {sorted(missing)}, expected "
                          f"{expected_missing}: is it all-MiniLM-L6-v2?")
-    log.info("rank %d: stage of %.2fM parameters (traced with %s, %.1f s); loaded %s, kept the "
-             "initialised %s, ignored %s", dist.get_rank(),
+    log.info("rank %d: stage of %.2fM parameters (traced with %s, %.1f s); loaded from %s; not in "
+             "the file (initialised on meta): %s; in the file, not in the model: %s", dist.get_rank(),
              sum(p.numel() for p in pipe.parameters()) / 1e6, pipe.traced.tracer, time.time() - start,
-             os.path.join(model_dir, "model.safetensors"), missing or "nothing", sorted(unexpected))
+             os.path.join(model_dir, "model.safetensors"), missing or "none", sorted(unexpected))
     return pipe
 
 
