@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
@@ -179,16 +179,43 @@ def pipeline(model: nn.Module, plan: Any, schedule: str = "1f1b", **kwargs: Any)
     return pd.PipeDream(model, lm_loss, **options)
 
 
+def init_unit(unit: nn.Module) -> None:
+    """``init_fn`` of a meta-built Transformer: each unit (a module owning tensors) by its
+    ``reset_parameters()``, the root's non-persistent ``freqs`` computed anew."""
+    if isinstance(unit, Transformer):
+        unit.freqs = torch.linspace(0.5, 1.5, DIM // HEADS)
+    elif hasattr(unit, "reset_parameters"):
+        unit.reset_parameters()
+
+
+def models(cls: type, meta: bool) -> Tuple[nn.Module, nn.Module]:
+    """(the reference, the model to pipeline): built for real, or on the meta device with
+    the reference materialised whole by ``pd.materialize`` (the pipeline's init rule)."""
+    if not meta:
+        return build(cls), build(cls)
+    import pipedream_ext as pd
+
+    with torch.device("meta"):
+        ref, model = cls(), cls()
+    return pd.materialize(ref, init_fn=init_unit), model
+
+
 def check_training(schedule: str, tracer: str = "fx", sequence_parallel: bool = False,
-                   dp: int = 1, data_parallel: str = "replicate") -> None:
+                   dp: int = 1, data_parallel: str = "replicate", meta: bool = False) -> None:
     """STEPS AdamW steps of the pipeline and of the unsplit model agree: the loss of every
     step, every gradient of step 0, every weight after each step (with ``dp`` > 1: on a
-    pp2 x dp x tp2 mesh, each dp rank given its part of the unsplit model's batch)."""
+    pp2 x dp x tp2 mesh, each dp rank given its part of the unsplit model's batch; with
+    ``meta``, the model built on the meta device: each rank materialises only its stages'
+    units, which the plan then shards)."""
     cls = ExportedTransformer if tracer == "export" else Transformer
     mesh = mesh_of((2, dp, 2))
-    ref = build(cls)
-    pipe = pipeline(build(cls), titan_plan(sequence_parallel), schedule, mesh=mesh,
-                    data_parallel=data_parallel)
+    ref, model = models(cls, meta)
+    pipe = pipeline(model, titan_plan(sequence_parallel), schedule, mesh=mesh,
+                    data_parallel=data_parallel, init_fn=init_unit if meta else None)
+    if meta:  # this rank's shards only; the other stage's tensors were never allocated
+        assert not any(p.is_meta for p in pipe.parameters())
+        assert any(p.is_meta for n, p in model.named_parameters()
+                   if n not in dict(pipe.named_parameters())), "the other stage was materialised"
     dp_rank = mesh["dp"].get_local_rank()
     assert pipe.traced.tracer == tracer
     opt = torch.optim.AdamW(pipe.parameters(), lr=0.01, eps=1e-4)  # eps: test_tensor_parallel
@@ -319,6 +346,8 @@ def cases(world: int) -> Cases:
     c.add(check_training, "zb-h1")
     c.add(check_training, "1f1b", "export")
     c.add(check_training, "zb-h1", sequence_parallel=True, name="training-zb-h1-sequence-parallel")
+    c.add(check_training, "1f1b", meta=True, name="training-1f1b-meta")
+    c.add(check_training, "1f1b", "export", meta=True, name="training-1f1b-export-meta")
     c.add(check_refusals)
     return c
 
