@@ -111,24 +111,31 @@ def _mib(value: float) -> str:
 
 
 def report(results: Dict[str, Dict[str, Any]], info: Dict[str, str], command: str,
-           total_s: float) -> str:
-    """The Markdown report: per rank, whole vs meta side by side, then the summary.
+           total_s: float, *, title: str = "Deferred initialisation: memory per rank",
+           model: str = "", split: str = "split evenly",
+           seconds: str = "build + pipeline s") -> str:
+    """The Markdown report: per rank, whole vs meta side by side, then the summary
+    (also benchmarks/meta_init.py's, with its own title, model and split).
 
     Args:
         results: each mode's launch result (rank 0's JSON with every rank's values).
         info: :func:`_harness.machine_info`.
         command: the command line.
         total_s: the run's seconds.
+        title: the report's heading.
+        model: what the model is, after its size (e.g. ``"Llama, "``).
+        split: how it was cut.
+        seconds: the header of the seconds column.
 
     Returns:
         The report.
     """
     whole, meta = results["whole"], results["meta"]
     params = meta.get("model_params") or whole.get("model_params") or 0
-    lines = ["# Deferred initialisation: memory per rank", "",
+    lines = [f"# {title}", "",
              h.machine_line(info), "",
              f"Model: {params / 1e6:,.0f}M fp32 parameters ({params * 4 / MIB:,.0f} MiB), "
-             f"split evenly over {len(meta.get('ranks', []))} ranks with 1f1b. RSS in MiB; "
+             f"{model}{split} over {len(meta.get('ranks', []))} ranks with 1f1b. RSS in MiB; "
              "peak = `ru_maxrss` (lifetime maximum of the process); 'after build' is before "
              "`PipeDream(...)`, 'after pipeline' after it, 'after step' after one training step "
              "(gradients of the stage).", ""]
@@ -146,7 +153,7 @@ def report(results: Dict[str, Dict[str, Any]], info: Dict[str, str], command: st
                      f"{w['build_s'] + w['pipeline_s']:.2f} / {m['build_s'] + m['pipeline_s']:.2f}"])
     lines += h.table(["rank", "stage params", "RSS after build (whole / meta)",
                       "RSS after pipeline", "peak RSS up to pipeline", "RSS after step",
-                      "peak RSS after step", "build + pipeline s"], rows)
+                      "peak RSS after step", seconds], rows)
     if rows:
         peak_w = max(r["peak_stepped"] for r in whole["ranks"])
         peak_m = max(r["peak_stepped"] for r in meta["ranks"])

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -36,6 +34,8 @@ from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h
+import deferred_init as whole_vs_meta
+from deferred_init import FIELDS, peak_rss_bytes, rss_bytes
 
 __all__ = ["MODES", "main", "parse_args", "peak_rss_bytes", "report", "rss_bytes", "run_driver",
            "run_worker"]
@@ -43,21 +43,7 @@ __all__ = ["MODES", "main", "parse_args", "peak_rss_bytes", "report", "rss_bytes
 LOG = logging.getLogger("meta_init")
 JSON_TAG = "META_INIT_JSON "
 MODES = ("whole", "meta")
-MIB = float(1 << 20)
-# Per-rank measurements, in this order (bytes or seconds), gathered on rank 0.
-FIELDS = ("baseline", "built", "pipeline", "stepped", "peak_built", "peak_stepped",
-          "build_s", "pipeline_s", "step_s", "params")
-
-
-def rss_bytes() -> int:
-    """The current resident set size (``/proc/self/statm``'s second field, in pages)."""
-    with open("/proc/self/statm", encoding="ascii") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss_bytes() -> int:
-    """The process's peak resident set size so far (``ru_maxrss`` is in KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# Per-rank measurements: deferred_init.FIELDS, gathered on rank 0.
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -117,60 +103,15 @@ def run_worker(args: argparse.Namespace) -> int:
     return h.worker(JSON_TAG, body, backend="gloo")
 
 
-def _mib(value: float) -> str:
-    return f"{value / MIB:,.0f}"
-
-
 def report(results: Dict[str, Dict[str, Any]], info: Dict[str, str], command: str,
            total_s: float) -> str:
-    """The Markdown report: per rank, whole vs meta side by side, then the summary.
-
-    Args:
-        results: each mode's launch result (rank 0's JSON with every rank's values).
-        info: :func:`_harness.machine_info`.
-        command: the command line.
-        total_s: the run's seconds.
-
-    Returns:
-        The report.
-    """
-    whole, meta = results["whole"], results["meta"]
-    params = meta.get("model_params") or whole.get("model_params") or 0
-    lines = ["# Traced model from the meta device: memory per rank", "",
-             h.machine_line(info), "",
-             f"Model: {params / 1e6:,.0f}M fp32 parameters ({params * 4 / MIB:,.0f} MiB), "
-             f"Llama, split at {meta.get('split_points') or whole.get('split_points')} over "
-             f"{len(meta.get('ranks', []))} ranks with 1f1b. RSS in MiB; "
-             "peak = `ru_maxrss` (lifetime maximum of the process); 'after build' is before "
-             "`PipeDream(...)`, 'after pipeline' after it, 'after step' after one training step "
-             "(gradients of the stage).", ""]
-    for mode, result in results.items():
-        if "error" in result:
-            lines += [f"**{mode} failed**: {result['error']} (log: {result.get('log', 'n/a')})", ""]
-    rows = []
-    for w, m in zip(whole.get("ranks", []), meta.get("ranks", [])):
-        rows.append([w["rank"], f"{w['params'] / 1e6:,.1f}M",
-                     f"{_mib(w['built'])} / {_mib(m['built'])}",
-                     f"{_mib(w['pipeline'])} / {_mib(m['pipeline'])}",
-                     f"{_mib(w['peak_built'])} / {_mib(m['peak_built'])}",
-                     f"{_mib(w['stepped'])} / {_mib(m['stepped'])}",
-                     f"{_mib(w['peak_stepped'])} / {_mib(m['peak_stepped'])}",
-                     f"{w['build_s'] + w['pipeline_s']:.2f} / {m['build_s'] + m['pipeline_s']:.2f}"])
-    lines += h.table(["rank", "stage params", "RSS after build (whole / meta)",
-                      "RSS after pipeline", "peak RSS up to pipeline", "RSS after step",
-                      "peak RSS after step", "build + pipeline s (tracing included)"], rows)
-    if rows:
-        peak_w = max(r["peak_stepped"] for r in whole["ranks"])
-        peak_m = max(r["peak_stepped"] for r in meta["ranks"])
-        sum_w = sum(r["peak_stepped"] for r in whole["ranks"])
-        sum_m = sum(r["peak_stepped"] for r in meta["ranks"])
-        lines += ["", f"Largest peak of a rank: {_mib(peak_w)} MiB built whole, {_mib(peak_m)} MiB "
-                  f"built on meta ({peak_w / peak_m:.1f}x less); all ranks together: {_mib(sum_w)} "
-                  f"vs {_mib(sum_m)} MiB. Baseline RSS (torch imported, process group up): "
-                  f"{_mib(meta['ranks'][0]['baseline'])} MiB."]
-    launches = ", ".join(f"{mode} {r.get('launch_s', 0.0):.0f} s" for mode, r in results.items())
-    lines += ["", f"Command: `{command}` (total {total_s:.0f} s; torchrun launches: {launches}).", ""]
-    return "\n".join(lines)
+    """benchmarks/deferred_init.py's report (whole vs meta per rank) for this model."""
+    meta = results["meta"]
+    split = meta.get("split_points") or results["whole"].get("split_points")
+    return whole_vs_meta.report(
+        results, info, command, total_s, title="Traced model from the meta device: memory per rank",
+        model="Llama, ", split=f"split at {split}",
+        seconds="build + pipeline s (tracing included)")
 
 
 def run_driver(args: argparse.Namespace) -> int:
