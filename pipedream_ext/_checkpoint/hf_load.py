@@ -18,7 +18,6 @@ import collections
 import logging
 from typing import Dict, List, Optional, Tuple
 
-from .._dist import collectives
 from . import hf_files, reshard
 from .reshard import IncompatibleKeys, StageStates
 from .view import Pipeline, PipelineView
@@ -116,24 +115,19 @@ def load_hf(pipe: Pipeline, path: str, strict: bool = True) -> IncompatibleKeys:
             keys, or a directory that is not Hugging Face weights.
         RuntimeError: on every rank, if a rank failed otherwise or a peer did not arrive.
     """
-    view = pipe.checkpoint_view
-    if view.asynchronous:
-        pipe.flush()
-    error: Optional[BaseException] = None
-    parts: StageStates = {}
-    missing: List[str] = []
-    unexpected: List[str] = []
-    reader: Optional[hf_files.ShareReader] = None
+    readers: List[hf_files.ShareReader] = []
+
+    def split(view: PipelineView) -> Tuple[StageStates, List[str], List[str]]:
+        readers.append(hf_files.ShareReader(hf_files.HfWeights(path)))
+        return split_hf(view, readers[0], strict)
+
     try:
-        reader = hf_files.ShareReader(hf_files.HfWeights(path))
-        parts, missing, unexpected = split_hf(view, reader, strict)
-    except Exception as exc:  # noqa: BLE001 - reported to every rank
-        error = exc
-    collectives.raise_if_any_failed(error, view.group, view.timeout, f"load_state_dict({path!r})")
-    assert reader is not None
-    reshard.copy_into_stages(view.stages, parts, strict=False)
-    _log.debug("rank %d read %d tensors (%d bytes) from %d of %d files of %s", view.rank,
-               len(reader.tensors), reader.bytes, len(reader.opened),
-               len(set(reader.weights.files.values())), path)
-    reader.close()
-    return IncompatibleKeys(missing, unexpected)
+        keys = reshard.load_parts(pipe, split, f"load_state_dict({path!r})")
+        reader = readers[0]
+        _log.debug("rank %d read %d tensors (%d bytes) from %d of %d files of %s",
+                   pipe.checkpoint_view.rank, len(reader.tensors), reader.bytes,
+                   len(reader.opened), len(set(reader.weights.files.values())), path)
+        return keys
+    finally:
+        for reader in readers:
+            reader.close()

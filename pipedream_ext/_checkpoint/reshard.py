@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from .._dist import collectives
 from .view import Pipeline
 
-__all__ = ["key_shapes", "gather_by_name", "copy_into_stages", "split_state_dict",
+__all__ = ["load_parts", "key_shapes", "gather_by_name", "copy_into_stages", "split_state_dict",
            "load_state_dict", "IncompatibleKeys", "StageStates"]
 
 #: ``(missing_keys, unexpected_keys)``, as ``nn.Module.load_state_dict`` returns.
@@ -194,6 +194,28 @@ def load_state_dict(pipe: Pipeline, state_dict: Mapping[str, Any],
         RuntimeError: on every rank, if a rank failed otherwise or a peer did not
             arrive within the pipeline's timeout.
     """
+    return load_parts(pipe, lambda view: split_state_dict(
+        state_dict, view.model_shapes, view.stages, view.stage_layers, strict), "load_state_dict")
+
+
+def load_parts(pipe: Pipeline, split: Callable[[Any], Tuple[StageStates, List[str], List[str]]],
+               what: str) -> IncompatibleKeys:
+    """What every load into a live pipeline does around its source: an asynchronous
+    pipeline flushed, ``split(view)`` (this rank's stage states, missing and unexpected
+    keys) agreed on by every rank, then copied into the stages.
+
+    Args:
+        pipe: the pipeline.
+        split: reads this rank's part from the source (a state dict, a Hugging Face file).
+        what: how errors name the load.
+
+    Returns:
+        ``(missing_keys, unexpected_keys)`` of this rank.
+
+    Raises:
+        ValueError, RuntimeError: on every rank, what any rank's ``split`` raised (or a
+            peer that did not arrive within the pipeline's timeout).
+    """
     view = pipe.checkpoint_view
     if view.asynchronous:
         pipe.flush()
@@ -202,11 +224,10 @@ def load_state_dict(pipe: Pipeline, state_dict: Mapping[str, Any],
     missing: List[str] = []
     unexpected: List[str] = []
     try:
-        parts, missing, unexpected = split_state_dict(state_dict, view.model_shapes, view.stages,
-                                                      view.stage_layers, strict)
+        parts, missing, unexpected = split(view)
     except Exception as exc:  # noqa: BLE001 - reported to every rank
         error = exc
-    collectives.raise_if_any_failed(error, view.group, view.timeout, "load_state_dict")
-    # strict=False: a non-strict load leaves the keys the dict lacks as they are.
+    collectives.raise_if_any_failed(error, view.group, view.timeout, what)
+    # strict=False: a non-strict load leaves the keys the source lacks as they are.
     copy_into_stages(view.stages, parts, strict=False)
     return IncompatibleKeys(missing, unexpected)
