@@ -7,11 +7,14 @@ from __future__ import annotations
 import collections
 import gc
 import json
+import math
 import os
 import subprocess
 import sys
 import tempfile
+import time
 import weakref
+from typing import Any, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -148,10 +151,86 @@ def check_reset_stats(rank: int) -> None:
     gc.collect()
 
 
+def _first_file(paths: Sequence[str], seconds: float = 60.0) -> Optional[str]:
+    """The first of ``paths`` that exists (polled, in order), or ``None`` after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for path in paths:
+            if os.path.exists(path):
+                return path
+        time.sleep(0.01)
+    return None
+
+
+class _SignallingWork:
+    """An all-reduce's handle that creates ``path`` when something starts waiting for it."""
+
+    def __init__(self, work: Any, path: str) -> None:
+        self.work, self.path = work, path
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        open(self.path, "a").close()
+        return self.work.wait(*args, **kwargs)
+
+
+def check_step_under_torch_profiler(rank: int) -> None:
+    """Under torch.profiler, step() returns with its loss all-reduce finished; without it,
+    before. torch ends its record of a collective on the backend's thread when the
+    collective completes, writing into the profiler's events, which the profiler freed
+    when it stopped: one still running then corrupts the heap (benchmarks/README.md,
+    "heap"). Rank 1 starts its all-reduce only once rank 0 has either left the profiler
+    (or step()) or started waiting for the all-reduce, whichever comes first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import pipedream_ext as pd
+    from pipedream_ext._dist import collectives
+
+    folder = os.environ["OBS_DIR"]
+    # check_agreement=0: no step waits for its loss to check the ranks' arguments.
+    pipe = pd.PipeDream(make_model(), F.cross_entropy, schedule="1f1b", microbatches=M,
+                        balance=[2, 2], timeout=60, check_agreement=0)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(BATCH, 6, generator=g), torch.randint(0, 3, (BATCH,), generator=g)
+    start = collectives.all_reduce_start
+    for profiled, left in ((True, "profiler-stopped"), (False, "step-returned")):
+        left, waiting = os.path.join(folder, left), os.path.join(folder, f"waiting-{profiled}")
+        first: List[Optional[str]] = []
+        works: List[Any] = []
+
+        def patched(value: Any, group: Any) -> Any:
+            if rank == 0:
+                total, work = start(value, group)
+                works.append(work)
+                return total, _SignallingWork(work, waiting)
+            first.append(_first_file([left, waiting]))
+            return start(value, group)
+
+        collectives.all_reduce_start = patched
+        try:
+            if profiled and rank == 0:
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    loss = pipe.step(x, y)
+                    running = [w for w in works if not w.is_completed()]
+            else:
+                loss = pipe.step(x, y)
+            if rank == 0:
+                open(left, "w").close()
+        finally:
+            collectives.all_reduce_start = start
+        assert math.isfinite(float(loss)), loss
+        if rank == 0 and profiled:
+            assert works and not running, f"{len(running)} of {len(works)} all-reduces running as the profiler stopped"
+            assert "gloo:all_reduce" in {e.name for e in prof.events()}  # which the profiler recorded
+        if rank == 1:  # without the profiler, rank 0's step() returned before the all-reduce finished
+            assert first == [waiting if profiled else left], (profiled, first)
+    pipe.close()
+
+
 def observability_cases(world: int) -> Cases:
     cases = Cases()
     cases.add(check_stats_and_trace)
     cases.add(lambda: check_reset_stats(dist.get_rank()), name="reset_stats")
+    cases.add(lambda: check_step_under_torch_profiler(dist.get_rank()), name="step_under_torch_profiler")
     return cases
 
 

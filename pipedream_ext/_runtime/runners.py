@@ -263,7 +263,8 @@ class Runner:
                             describe: Callable[[], str],
                             check: Optional[Callable[[torch.Tensor], None]] = None) -> StepLoss:
         """Starts summing ``value`` (the loss, or a vector starting with it) over ``group``;
-        the StepLoss waits when read (and calls ``check`` on the sum).
+        the StepLoss waits when read (and calls ``check`` on the sum), or at once while
+        ``torch.profiler`` records this thread (:meth:`StepLoss.finish_reduction`).
 
         Raises:
             RuntimeError: the all-reduce could not start (``describe()`` says which).
@@ -272,7 +273,11 @@ class Runner:
             total, work = collectives.all_reduce_start(value, group)
         except RuntimeError as exc:
             raise RuntimeError(f"{describe()} failed: {exc}") from exc
-        return StepLoss(total, work, self.config.timeout, describe, check)
+        loss = StepLoss(total, work, self.config.timeout, describe, check)
+        if torch.autograd._profiler_enabled():  # noqa: SLF001 - torch has no public name for it
+            # Not past the profiler's end: its record of the all-reduce would end in freed memory.
+            loss.finish_reduction()
+        return loss
 
     def _context(self, evaluating: bool = False) -> StepContext:
         """A new context for the call about to run (its step: the steps run so far)."""

@@ -6,7 +6,8 @@ step would hold every rank at the slowest one even when nobody reads the loss (a
 loop that logs every hundred steps). So ``step`` starts the all-reduce and returns a
 :class:`StepLoss`: reading it (``float(loss)``, ``loss.item()``, arithmetic,
 comparisons, formatting, ``print``) waits for the all-reduce, once; a loss nobody
-reads is never waited for.
+reads is never waited for, except under ``torch.profiler``: there ``step`` waits for
+it before returning (:meth:`StepLoss.finish_reduction`).
 """
 from __future__ import annotations
 
@@ -75,12 +76,7 @@ class StepLoss:
         if self._error is not None:
             raise self._error
         if self._value is None:
-            if self._work is not None:
-                try:
-                    self._work.wait(timeout=datetime.timedelta(seconds=self._timeout))
-                except RuntimeError as exc:  # Gloo names an address; say which rank and step
-                    raise RuntimeError(f"{self._describe()} failed or timed out: {exc}") from exc
-                self._work = None
+            self._wait_work()
             if self._check is not None:
                 try:
                     self._check(self._total)
@@ -90,6 +86,36 @@ class StepLoss:
             self._value = float(self._total.reshape(-1)[0].item())
             self._total = None
         return self._value
+
+    def finish_reduction(self) -> None:
+        """Waits for the all-reduce now (within the timeout) without reading the loss.
+
+        For a step under ``torch.profiler``: the profiler's record of a collective
+        ends when the collective completes, on the backend's thread, by writing into
+        the profiler's events; one still running after the profiler stopped and freed
+        them corrupts the heap (a torch bug, benchmarks/README.md "heap"). A failure
+        is kept for the first read to raise, as if that read had waited.
+        """
+        if self._work is None or self._error is not None:
+            return
+        try:
+            self._wait_work()
+        except RuntimeError as exc:
+            self._error = exc
+
+    def _wait_work(self) -> None:
+        """Waits for the all-reduce, if still running (within the timeout).
+
+        Raises:
+            RuntimeError: it failed or timed out, naming the rank and step.
+        """
+        if self._work is None:
+            return
+        try:
+            self._work.wait(timeout=datetime.timedelta(seconds=self._timeout))
+        except RuntimeError as exc:  # Gloo names an address; say which rank and step
+            raise RuntimeError(f"{self._describe()} failed or timed out: {exc}") from exc
+        self._work = None
 
     def item(self) -> float:
         """The loss as a Python float (as ``Tensor.item``)."""
