@@ -176,10 +176,10 @@ class _SignallingWork:
 def check_step_under_torch_profiler(rank: int) -> None:
     """Under torch.profiler, step() returns with its loss all-reduce finished; without it,
     before. torch ends its record of a collective on the backend's thread when the
-    collective completes, writing into the profiler's events, which the profiler freed
-    when it stopped: one still running then corrupts the heap (benchmarks/README.md,
-    "heap"). Rank 1 starts its all-reduce only once rank 0 has either left the profiler
-    (or step()) or started waiting for the all-reduce, whichever comes first."""
+    collective completes: one still running when the profiler stopped corrupts the heap
+    (benchmarks/README.md, "heap"; tests/repro/profiler_collective_after_stop.py).
+    Rank 1 starts its all-reduce only once rank 0 has either left the profiler (or
+    step()) or started waiting for the all-reduce, whichever comes first."""
     from torch.profiler import ProfilerActivity, profile
 
     import pipedream_ext as pd

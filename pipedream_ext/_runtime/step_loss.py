@@ -90,11 +90,10 @@ class StepLoss:
     def finish_reduction(self) -> None:
         """Waits for the all-reduce now (within the timeout) without reading the loss.
 
-        For a step under ``torch.profiler``: the profiler's record of a collective
-        ends when the collective completes, on the backend's thread, by writing into
-        the profiler's events; one still running after the profiler stopped and freed
-        them corrupts the heap (a torch bug, benchmarks/README.md "heap"). A failure
-        is kept for the first read to raise, as if that read had waited.
+        For a step under ``torch.profiler``: torch ends its record of a collective when
+        the collective completes, on the backend's thread; one still running when the
+        profiler stopped corrupts the heap (a torch bug: benchmarks/README.md, "heap").
+        A failure is kept for the first read to raise, as if that read had waited.
         """
         if self._work is None or self._error is not None:
             return
