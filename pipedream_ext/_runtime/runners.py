@@ -275,7 +275,7 @@ class Runner:
             raise RuntimeError(f"{describe()} failed: {exc}") from exc
         loss = StepLoss(total, work, self.config.timeout, describe, check)
         if torch.autograd._profiler_enabled():  # noqa: SLF001 - torch has no public name for it
-            # Not past the profiler's end: its record of the all-reduce would end in freed memory.
+            # A collective the profiler recorded must not outlive it (benchmarks/README.md, "heap").
             loss.finish_reduction()
         return loss
 
