@@ -758,6 +758,8 @@ class _Untrusted:
         train(pipe, opt, range(1))
         self.good = os.path.join(root, "good")
         pd.save_checkpoint(self.good, pipe, opt, step=1, format="dcp")
+        self.plain = os.path.join(root, "plain")  # format="pipedream": one torch.save file per stage
+        pd.save_checkpoint(self.plain, pipe, opt, step=1)
         self.saved = {k: v.clone() for k, v in pipe.state_dict().items()}
         self.betas = opt.param_groups[0]["betas"]
         self.pipe, self.opt, _ = build(dict(ADAM, balance=[8]), seed=9)
@@ -857,8 +859,17 @@ def _directory_link_outside(u: _Untrusted, marker: str) -> Tuple[str, str, str]:
     return bad, r"dirlink/g000001-dcp \(DCP directory\) is a symbolic link to .*outside", "cl"
 
 
+def _stage_file_link_outside(u: _Untrusted, marker: str) -> Tuple[str, str, str]:
+    bad = os.path.join(u.root, "stage-link")
+    shutil.copytree(u.plain, bad)
+    name = next(n for n in sorted(os.listdir(bad)) if n.endswith("-model.pt"))
+    os.replace(os.path.join(bad, name), os.path.join(u.root, name))
+    os.symlink(os.path.join(u.root, name), os.path.join(bad, name))
+    return bad, rf"stage-link/{name} \(weights of stage 0, layers 0\.\.7\) is a symbolic link to .*, outside", "cl"
+
+
 @pytest.mark.parametrize("attack", [_pickle_metadata, _pickled_value, _pickled_tensor, _data_path_outside,
-                                    _file_link_outside, _directory_link_outside],
+                                    _file_link_outside, _directory_link_outside, _stage_file_link_outside],
                          ids=lambda f: f.__name__.strip("_").replace("_", "-"))
 def test_an_untrusted_dcp_checkpoint_runs_no_code(untrusted: _Untrusted, attack: Callable[..., Any],
                                                   tmp_path: Any) -> None:
