@@ -106,6 +106,9 @@ ROWS: List[Tuple[str, str, str, str]] = [
      r"is not a safetensors index \(no 'weight_map'", 'tests/test_hf_weights.py::test_index_is_parsed_and_a_bad_one_named'),
     ('hf-shard-missing', 'a shard the index lists is not in the directory',
      r'is missing: .* lists it in model.safetensors.index.json but it is not there', 'tests/test_hf_weights.py::test_a_shard_the_index_lists_must_be_there'),
+    ("hf-damaged", "a damaged `.safetensors` file (truncated, a huge header, overlapping offsets, a pickle renamed)",
+     r"is not a readable safetensors file \(reading tensor 'model\.norm\.weight'\): .*download or copy it again",
+     "tests/test_hf_weights.py::test_a_damaged_safetensors_file_is_named_with_the_tensor"),
     ('hf-not-weights', '`pd.detect` (and `pipe.load_state_dict`) of a path that is no checkpoint, Hugging Face directory or torch file',
      r'not a format pipedream_ext reads; pass a checkpoint directory', 'tests/test_hf_weights.py::test_detect_names_each_format'),
     ('hf-out-dir', '`pd.save_pretrained` or `consolidate(format="hf")` into a directory holding other files',
@@ -334,6 +337,19 @@ ROWS: List[Tuple[str, str, str, str]] = [
      r"checkpoint but [4, 12] in this model / holds the state of a torch.optim.sgd.SGD, not of a "
      r"torch.optim.adam.Adam",
      "tests/test_checkpoint_dcp.py::test_dcp_resume_on_other_world_sizes_and_failures"),
+    ("dcp-untrusted-metadata", "a DCP checkpoint whose `.metadata` pickle references anything but DCP's "
+     "metadata classes (a crafted payload)",
+     r"\.metadata \(DCP metadata\) was refused: it references io\.open, which is not a class of DCP metadata",
+     "tests/test_checkpoint_dcp.py::test_an_untrusted_dcp_checkpoint_runs_no_code"),
+    ("dcp-untrusted-value", "a DCP checkpoint storing a value, or a model tensor declared as bytes, as a pickled payload",
+     r"the value of 'optim\.param_groups\.0\.weight\.lr' cannot be loaded with torch\.load\(weights_only=True\) / "
+     r"'0\.weight' is stored as BytesStorageMetadata, not as a tensor",
+     "tests/test_checkpoint_dcp.py::test_an_untrusted_dcp_checkpoint_runs_no_code"),
+    ("checkpoint-outside", "a checkpoint whose DCP metadata points to a data file outside it, or whose file or DCP "
+     "directory is a symbolic link out of it",
+     r"stores '0\.weight' in '\.\./\.\./outside/__0_0\.distcp', which is not a data file .*manifest\.json lists / "
+     r"is a symbolic link to .*, outside .*: copy the file in instead of linking it",
+     "tests/test_checkpoint_dcp.py::test_an_untrusted_dcp_checkpoint_runs_no_code"),
     ("dcp-async-failed", "the next save after an asynchronous save that failed",
      r"the asynchronous save of CKPT (generation 3) failed: ...",
      "tests/test_checkpoint_dcp.py::test_dcp_resume_on_other_world_sizes_and_failures"),

@@ -83,6 +83,7 @@ def test_index_is_parsed_and_a_bad_one_named(tmp_path: Any) -> None:
     assert hf_files.parse_index(str(index)) == {"a": "model-1.safetensors"}
     for text, why in [("{", "JSONDecodeError"), ("[]", "no 'weight_map'"),
                       (json.dumps({"weight_map": {"a": "../x.safetensors"}}), "'a' maps to '../x.safetensors'"),
+                      (json.dumps({"weight_map": {"a": "/etc/x.safetensors"}}), "'a' maps to '/etc/x.safetensors'"),
                       (json.dumps({"weight_map": {"a": "x.bin"}}), "'a' maps to 'x.bin'")]:
         index.write_text(text)
         with pytest.raises(ValueError, match=rf"{index} is not a safetensors index \({why}.*save_pretrained"):
@@ -145,6 +146,69 @@ def test_a_shard_the_index_lists_must_be_there(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match=rf"{weight_map['model.norm.weight']} is missing: .* lists it in "
                                          rf"{hf_files.INDEX} but it is not there"):
         split(llama(tied=False), str(tmp_path))
+
+
+def _damage(path: Any, how: str) -> None:
+    """Damages a safetensors file the way a download or a stranger does."""
+    import struct
+
+    data = path.read_bytes()
+    size = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + size])
+    if how == "truncated":
+        path.write_bytes(data[:-10])
+    elif how == "huge-header":
+        path.write_bytes(struct.pack("<Q", 1 << 62) + data[8:])
+    elif how == "overlapping-offsets":
+        first, second = sorted((k for k in header if k != "__metadata__"),
+                               key=lambda k: header[k]["data_offsets"][0])[:2]
+        header[second]["data_offsets"] = header[first]["data_offsets"]
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + size:])
+    else:  # "pickle": a torch.save file renamed
+        torch.save({"weight": torch.ones(2)}, path)
+
+
+@pytest.mark.parametrize("how", ["truncated", "huge-header", "overlapping-offsets", "pickle"])
+def test_a_damaged_safetensors_file_is_named_with_the_tensor(tmp_path: Any, how: str) -> None:
+    """A damaged ``.safetensors`` file, given itself or as the shard of an index: a
+    ValueError naming the file (and the tensor being read) and the fix, not safetensors'
+    bare SafetensorError; a pickle is never unpickled."""
+    from safetensors.torch import save_file
+
+    model = nn.Linear(4, 3)
+    single = tmp_path / "weights.safetensors"
+    save_file(model.state_dict(), single)
+    _damage(single, how)
+    with pytest.raises(ValueError, match=rf"{single} is not a readable safetensors file: .*damaged, "
+                                         r"incomplete .*download or copy it again"):
+        hf_files.HfWeights(str(single))
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    save_file(model.state_dict(), sharded / "model-1.safetensors")
+    (sharded / hf_files.INDEX).write_text(json.dumps(
+        {"weight_map": {"weight": "model-1.safetensors", "bias": "model-1.safetensors"}}))
+    _damage(sharded / "model-1.safetensors", how)
+    with pytest.raises(ValueError, match=rf"{sharded / 'model-1.safetensors'} is not a readable safetensors "
+                                         r"file \(reading tensor 'weight'\)"):
+        split(model, str(sharded))
+
+
+def test_model_safetensors_beside_an_index_is_read_as_from_pretrained_reads_it(tmp_path: Any) -> None:
+    """A directory holding ``model.safetensors`` and an index of other shards: transformers'
+    ``from_pretrained`` reads ``model.safetensors``; so does ``pipe.load_state_dict``."""
+    llama(tied=False, seed=1).save_pretrained(tmp_path / "both")  # one model.safetensors
+    llama(tied=False, seed=2).save_pretrained(tmp_path / "sharded", max_shard_size=SHARD)
+    for name in os.listdir(tmp_path / "sharded"):
+        if name != hf_files.SINGLE and name.endswith((".safetensors", ".json")) and name != "config.json":
+            os.replace(tmp_path / "sharded" / name, tmp_path / "both" / name)
+    assert {hf_files.SINGLE, hf_files.INDEX} <= set(os.listdir(tmp_path / "both"))
+    expected = from_pretrained(str(tmp_path / "both")).state_dict()
+    parts, missing, unexpected = split(llama(tied=False), str(tmp_path / "both"))
+    assert missing == [] and unexpected == []
+    for key, value in parts[0].items():
+        assert torch.equal(value, expected[key]), f"{key}: not what from_pretrained loads"
 
 
 def test_a_state_dict_written_for_from_pretrained(tmp_path: Any) -> None:
