@@ -2,10 +2,13 @@
 ``pd.consolidate(..., format="hf")`` and ``pd.detect`` (``_checkpoint/hf_*.py``).
 
 One process: the index, detection, the errors (missing, unexpected, mis-shaped keys, a
-shard the index lists that is missing, an ``out_dir`` that holds other files), and a
-whole state dict written for ``from_pretrained``. Two ranks (pp2, a traced zoo Llama,
-tied and untied head): a directory transformers wrote in several shards is loaded per
-rank, counting every file each rank opens and every tensor and byte it reads (a
+shard the index lists that is missing), a whole state dict written for
+``from_pretrained``, and a save into the user's directory (docs/checkpoints.md, "Never
+delete what we did not write"): the user's files kept, only stale shards removed, a
+failed save changing nothing, a link written through, a file, a dangling link and a
+``model.safetensors`` refused; on one rank ``save_pretrained(pipe, ".")`` in a project.
+Two ranks (pp2, a traced zoo Llama, tied and untied head): a directory transformers
+wrote in several shards is loaded per rank, counting every file each rank opens and every tensor and byte it reads (a
 wrapped ``safe_open``: exactly its stages' share); 2 SGD steps equal the unsplit model
 loaded by ``from_pretrained``; ``pd.save_pretrained`` of the trained pipeline loads
 with ``from_pretrained`` to the pipeline's and the unsplit model's weights; a DCP
