@@ -8,11 +8,12 @@ delete what we did not write"): the user's files kept, only stale shards removed
 failed save changing nothing, a link written through, a file, a dangling link and a
 ``model.safetensors`` refused; on one rank ``save_pretrained(pipe, ".")`` in a project.
 Two ranks (pp2, a traced zoo Llama, tied and untied head): a directory transformers
-wrote in several shards is loaded per rank, counting every file each rank opens and every tensor and byte it reads (a
-wrapped ``safe_open``: exactly its stages' share); 2 SGD steps equal the unsplit model
-loaded by ``from_pretrained``; ``pd.save_pretrained`` of the trained pipeline loads
-with ``from_pretrained`` to the pipeline's and the unsplit model's weights; a DCP
-checkpoint consolidated with ``format="hf"`` loads the same. Four ranks (launch ``mesh``):
+wrote in several shards is loaded per rank, counting every file each rank opens and
+every tensor and byte it reads (a wrapped ``safe_open``: exactly its stages' share); 2
+SGD steps equal the unsplit model loaded by ``from_pretrained``; ``pd.save_pretrained``
+of the trained pipeline loads with ``from_pretrained`` to the pipeline's and the unsplit
+model's weights; a DCP checkpoint consolidated with ``format="hf"`` loads the same; a
+save whose rank 1 fails changes nothing in a directory holding the user's files. Four ranks (launch ``mesh``):
 pp2 x dp2 FSDP and pp2 x tp2 ranks read only their slices (``get_slice``), FSDP over TP
 its FSDP slices and the strided shards whole. Runs under pytest, or:
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -505,12 +507,43 @@ def check_errors_on_every_rank(root: str) -> None:
         assert torch.equal(value, want[key]), key
 
 
+def check_a_rank_failing_changes_nothing(root: str) -> None:
+    """pp2: a save keeps the user's files beside the model; rank 1's shard write failing
+    makes every rank raise, rank 0's staged shard is removed with the staging directory,
+    and every file is as it was (the previous save loads)."""
+    from pipedream_ext._checkpoint import hf_save
+
+    out = os.path.join(root, "failing")
+    pipe, _ = build_pipe(tied=False)
+    if dist.get_rank() == 0:
+        os.makedirs(out)
+        add_user_files(Path(out))
+    dist.barrier()
+    pd.save_pretrained(pipe, out)
+    before = files_of(out)
+    real = hf_save.save_file
+    if dist.get_rank() == 1:
+        hf_save.save_file = _failing_after(0, real)
+    try:
+        with pytest.raises(pd.CheckpointError, match=r"failed on rank 1: .*injected"):
+            pd.save_pretrained(pipe, out)
+    finally:
+        hf_save.save_file = real
+    dist.barrier()
+    assert files_of(out) == before
+    assert_no_staging(root)
+    loaded = from_pretrained(out).state_dict()
+    for key, value in pipe.state_dict().items():  # this rank's stage
+        assert torch.equal(loaded[key], value), key
+
+
 def weights_cases(world: int) -> Cases:
     cases = Cases()
     root = FromEnv("PDHFW_DIR", "/tmp/pdhfw")
     cases.add(check_round_trip, True, root, name="tied")
     cases.add(check_round_trip, False, root, name="untied")
     cases.add(check_errors_on_every_rank, root, name="errors")
+    cases.add(check_a_rank_failing_changes_nothing, root, name="failed-save")
     return cases
 
 
