@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
@@ -216,7 +217,14 @@ def test_a_save_adds_its_files_and_keeps_the_users(tmp_path: Any) -> None:
     assert len(set(weight_map.values())) > 2
     assert_loads(proj, first)
     add_user_files(proj)
+    crashed = proj / ".tmp-pipedream-0123456789ab"  # a killed save's staging directory
+    crashed.mkdir()
+    (crashed / "model-00001-of-00002.safetensors").write_text("partial")
+    (proj / ".tmp-pipedream-fedcba987654").mkdir()  # named like one, holding the user's file
+    (proj / ".tmp-pipedream-fedcba987654" / "x").write_text("mine")
     hf_save.write_state_dict(second.state_dict(), str(proj), second.config)
+    assert not crashed.exists() and (proj / ".tmp-pipedream-fedcba987654" / "x").read_text() == "mine"
+    shutil.rmtree(proj / ".tmp-pipedream-fedcba987654")  # (what assert_no_staging below looks for)
     assert sorted(n for n in os.listdir(proj) if n.endswith(".safetensors") and n not in USER_FILES) == \
         ["model-00001-of-00001.safetensors"]
     assert_loads(proj, second)
@@ -226,13 +234,14 @@ def test_a_save_adds_its_files_and_keeps_the_users(tmp_path: Any) -> None:
     assert_no_staging(tmp_path)
 
 
-def _failing_after(calls: int, real: Any) -> Any:
-    """``real``, raising ``OSError`` from its ``calls + 1``-th call on (a disk full, a crash)."""
+def _failing_after(calls: int, real: Any, last: str = "") -> Any:
+    """``real``, raising ``OSError`` from its ``calls + 1``-th call on (a disk full, a crash),
+    or with ``last`` from its first call whose last argument ends with ``last``."""
     count = [0]
 
     def call(*args: Any, **kwargs: Any) -> Any:
         count[0] += 1
-        if count[0] > calls:
+        if (str(args[-1]).endswith(last) if last else count[0] > calls):
             raise OSError(28, "No space left on device (injected)")
         return real(*args, **kwargs)
     return call
@@ -250,13 +259,16 @@ def test_a_failed_save_leaves_the_previous_one(tmp_path: Any, monkeypatch: pytes
     hf_save.write_state_dict(old.state_dict(), str(proj), old.config, max_shard_bytes=20_000)
     add_user_files(proj)
     before = files_of(proj)
-    for module, names in ((hf_save, ("save_file",)), (os, ("replace", "rename"))):
-        with monkeypatch.context() as patch:  # the second shard's write, or its move into place
+    # The second shard's write, its move into place, the index's move (after the shards'
+    # and config.json's): the stale shards must still be there.
+    for module, names, last in ((hf_save, ("save_file",), ""), (os, ("replace", "rename"), ""),
+                                (os, ("replace", "rename"), hf_files.INDEX)):
+        with monkeypatch.context() as patch:
             for name in names:
-                patch.setattr(module, name, _failing_after(1, getattr(module, name)))
+                patch.setattr(module, name, _failing_after(1, getattr(module, name), last))
             with pytest.raises(OSError, match="injected"):
                 hf_save.write_state_dict(new.state_dict(), str(proj), new.config, max_shard_bytes=40_000)
-        assert files_of(proj) == before, name
+        assert files_of(proj) == before, (names, last)
         assert_loads(proj, old)
         assert_no_staging(tmp_path)
     with monkeypatch.context() as patch:

@@ -34,11 +34,21 @@ STAGING_PREFIX = ".tmp-pipedream-"
 # for the safetensors weights without a variant): the only files a save removes.
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _STAGING = re.compile(re.escape(STAGING_PREFIX) + r"[0-9a-f]{12}")
+# What a staging directory holds besides shards (the configs save_pretrained writes).
+_STAGED = {hf_files.INDEX, "config.json", "generation_config.json"}
 
 
 def is_shard(name: str) -> bool:
     """Whether ``name`` is a weight shard's name as transformers (and this package) writes it."""
     return _SHARD.fullmatch(name) is not None
+
+
+def _left_by_a_crash(full: str) -> bool:
+    """Whether ``full`` is a staging directory a crashed save left: our name, a
+    directory (not a link) holding only the files a save stages."""
+    if not _STAGING.fullmatch(os.path.basename(full)) or os.path.islink(full) or not os.path.isdir(full):
+        return False
+    return all(is_shard(n) or n in _STAGED for n in os.listdir(full))
 
 
 def check_out_dir(out_dir: str, what: str) -> None:
@@ -99,7 +109,8 @@ def _move_all(folder: str, out_dir: str, names: List[str]) -> None:
 def publish(folder: str, out_dir: str) -> None:
     """Moves every file of the staging directory ``folder`` into ``out_dir`` (the index
     last), then removes the stale shards: ``model-*-of-*.safetensors`` the new save does
-    not name, and staging directories a crashed save left.
+    not name, and staging directories a crashed save left (holding only what a save
+    stages; anything else there is kept).
 
     A new shard that takes the name of an existing file the old index may name would,
     after a crash between two moves, leave the old index over a mixture of old and new
@@ -126,8 +137,7 @@ def publish(folder: str, out_dir: str) -> None:
         try:
             if is_shard(name) and name not in names and os.path.isfile(full):
                 os.remove(full)
-            elif (_STAGING.fullmatch(name) and full != os.path.join(out_dir, os.path.basename(folder))
-                  and os.path.isdir(full) and not os.path.islink(full)):
+            elif name != os.path.basename(folder) and _left_by_a_crash(full):
                 shutil.rmtree(full)
         except OSError as exc:  # the new save is complete; a leftover is harmless
             _log.warning("could not delete the stale %s: %s", full, exc)

@@ -99,8 +99,9 @@ def _finish(folder: str, out_dir: str, records: List[Dict[str, Any]], config: An
         if extra is not None:
             extra.save_pretrained(folder)
     for name in os.listdir(folder):  # the moves are durable only with their contents
-        with open(os.path.join(folder, name), "rb") as f:
-            os.fsync(f.fileno())
+        if os.path.isfile(os.path.join(folder, name)):
+            with open(os.path.join(folder, name), "rb") as f:
+                os.fsync(f.fileno())
     hf_directory.publish(folder, out_dir)
 
 
