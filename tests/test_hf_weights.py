@@ -223,13 +223,13 @@ def test_a_save_adds_its_files_and_keeps_the_users(tmp_path: Any) -> None:
     (proj / ".tmp-pipedream-fedcba987654").mkdir()  # named like one, holding the user's file
     (proj / ".tmp-pipedream-fedcba987654" / "x").write_text("mine")
     hf_save.write_state_dict(second.state_dict(), str(proj), second.config)
+    for name, text in USER_FILES.items():
+        assert (proj / name).read_text() == text, name
     assert not crashed.exists() and (proj / ".tmp-pipedream-fedcba987654" / "x").read_text() == "mine"
     shutil.rmtree(proj / ".tmp-pipedream-fedcba987654")  # (what assert_no_staging below looks for)
     assert sorted(n for n in os.listdir(proj) if n.endswith(".safetensors") and n not in USER_FILES) == \
         ["model-00001-of-00001.safetensors"]
     assert_loads(proj, second)
-    for name, text in USER_FILES.items():
-        assert (proj / name).read_text() == text, name
     assert os.listdir(tmp_path) == ["proj"]
     assert_no_staging(tmp_path)
 
