@@ -111,8 +111,24 @@ ROWS: List[Tuple[str, str, str, str]] = [
      "tests/test_hf_weights.py::test_a_damaged_safetensors_file_is_named_with_the_tensor"),
     ('hf-not-weights', '`pd.detect` (and `pipe.load_state_dict`) of a path that is no checkpoint, Hugging Face directory or torch file',
      r'not a format pipedream_ext reads; pass a checkpoint directory', 'tests/test_hf_weights.py::test_detect_names_each_format'),
-    ('hf-out-dir', '`pd.save_pretrained` or `consolidate(format="hf")` into a directory holding other files',
-     r'holds files and no Hugging Face weights .* pass an empty', 'tests/test_hf_weights.py::test_a_state_dict_written_for_from_pretrained'),
+    ('hf-out-dir', '`pd.save_pretrained` or `consolidate(format="hf")` into a directory holding other files '
+     "(a tokenizer, a README, `runs/`, a project's `src/` with `out_dir=\".\"`) or a previous save (which was "
+     "replaced whole, those files with it)",
+     r"none: the model's files are added and the others kept; only the previous save's "
+     r"model-\*-of-\*\.safetensors the new index does not name are removed",
+     'tests/test_hf_weights.py::test_save_pretrained_into_a_project_on_one_rank'),
+    ('hf-out-file', '`pd.save_pretrained` or `consolidate(format="hf")` with `out_dir` an existing file',
+     r'exists and is not a directory; pass a directory \(new, or one to add the model\'s files to\)',
+     'tests/test_hf_weights.py::test_out_dir_through_a_link_and_the_refusals'),
+    ('hf-out-link', '`out_dir` a symbolic link to a directory that does not exist (a link to a directory is '
+     'written through and stays a link)',
+     r'is a symbolic link to .*, which does not exist; create that directory or pass another out_dir',
+     'tests/test_hf_weights.py::test_out_dir_through_a_link_and_the_refusals'),
+    ('hf-out-single', "`out_dir` holds a `model.safetensors` (transformers' single-file save), which "
+     "`from_pretrained` would load instead of the new shards",
+     r'holds model\.safetensors \(a single-file save\), which from_pretrained would load instead of the new '
+     r'shards and model\.safetensors\.index\.json; move or delete it',
+     'tests/test_hf_weights.py::test_out_dir_through_a_link_and_the_refusals'),
     ('consolidate-format', '`pd.consolidate(ckpt, format="safetensors")`, or `format="hf"` without `out_dir`',
      r"consolidate\(format='safetensors'\): use format=None", 'tests/test_hf_weights.py::test_consolidate_arguments_are_checked'),
     # -- world, balance, replicas (2 ranks)
