@@ -12,16 +12,24 @@ place (:func:`compile_stage`) with the wrapper's own dynamo context, i.e. the us
 AOTAutograd compiles too. The module objects stay the same, so the optimizer,
 checkpoints and the executor see the same parameters as without compilation.
 
+A split backward (zero-bubble schedules: I, then W from the same graph) runs each
+compiled region's backward with the graph kept, which AOTAutograd refuses for a
+backward compiled with donated buffers (saved tensors it may overwrite, so the W pass
+would read clobbered ones): :func:`split_backward_compiles` turns them off around the
+step, as torch's error message says, for what compiles in it and for the check.
+
 Design and limits: docs/tracing.md#torchcompile.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-__all__ = ["COMPILED_PREFIX", "unwrap_compiled", "strip_compiled_prefix", "compile_stage"]
+__all__ = ["COMPILED_PREFIX", "unwrap_compiled", "strip_compiled_prefix", "compile_stage",
+           "split_backward_compiles"]
 
 #: What ``torch.compile``'s wrapper adds in front of every name of the model it wraps.
 COMPILED_PREFIX = "_orig_mod."
@@ -87,3 +95,24 @@ def compile_stage(module: nn.Module, context: CompileContext) -> None:
         return call(*args, **kwargs)
 
     module._compiled_call_impl = context(run)  # noqa: SLF001 - what nn.Module.compile sets
+
+
+def split_backward_compiles() -> ContextManager[Any]:
+    """A context in which AOTAutograd compiles no donated buffers and lets a compiled
+    backward run with the graph kept (``torch._functorch.config.donated_buffer=False``).
+
+    Wraps a step of a schedule that splits the backward: the stages' forwards compile
+    there (a compiled stage's first training call, and every recompile), so their
+    backwards keep every saved tensor for the W pass; the I pass runs in the same thread
+    on the CPU and checks the flag again. A graph compiled before the pipeline with
+    donated buffers is not recompiled (compile the model with ``torch.compile`` before
+    ``PipeDream``, not after running it). Without torch.compile in the process: no-op.
+
+    Returns:
+        The context manager (``torch._functorch.config.patch``, or a null context).
+    """
+    # Only a process that called torch.compile has imported AOTAutograd's config.
+    config = sys.modules.get("torch._functorch.config")
+    if config is None:
+        return contextlib.nullcontext()
+    return config.patch(donated_buffer=False)

@@ -19,6 +19,7 @@ replica per stage where their own list cannot (replicas, asynchronous schedules)
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import gc
 import logging
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from .. import _C, schedules
 from .._dist import collectives, faults
 from .._dist.groups import PipelineGroups, RankNames, p2p_protocol
+from .._frontend import compiled
 from . import optimizer_check, token_loss
 from .config import PipelineConfig
 from .eval_outputs import check_output_batch_dim, merge_microbatch_outputs, microbatch_rows
@@ -441,7 +443,10 @@ class FlushRunner(Runner):
         chunks = self._split(inputs, "inputs", m) if self.is_first else []
         context = self._context()
         loss_scale = context.loss_scale()
-        with self._forward.bound(context):
+        # A split backward keeps the graph for W: compiled stages without donated buffers.
+        split = compiled.split_backward_compiles() if self.config.traits.split_backward \
+            else contextlib.nullcontext()
+        with self._forward.bound(context), split:
             losses = self._run_executor(lambda: self.executor.run([list(c) for c in chunks]))
         if context.returned_tokens and context.deferred_error is None:
             mismatch = token_loss.returned_mismatch(self.targets.token_counts,
