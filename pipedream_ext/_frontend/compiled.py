@@ -23,9 +23,11 @@ Design and limits: docs/tracing.md#torchcompile.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import sys
-from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
+import torch
 from torch import nn
 
 __all__ = ["COMPILED_PREFIX", "unwrap_compiled", "strip_compiled_prefix", "compile_stage",
@@ -97,22 +99,30 @@ def compile_stage(module: nn.Module, context: CompileContext) -> None:
     module._compiled_call_impl = context(run)  # noqa: SLF001 - what nn.Module.compile sets
 
 
-def split_backward_compiles() -> ContextManager[Any]:
+@contextlib.contextmanager
+def split_backward_compiles() -> Iterator[None]:
     """A context in which AOTAutograd compiles no donated buffers and lets a compiled
     backward run with the graph kept (``torch._functorch.config.donated_buffer=False``).
 
     Wraps a step of a schedule that splits the backward: the stages' forwards compile
     there (a compiled stage's first training call, and every recompile), so their
-    backwards keep every saved tensor for the W pass; the I pass runs in the same thread
-    on the CPU and checks the flag again. A graph compiled before the pipeline with
-    donated buffers is not recompiled (compile the model with ``torch.compile`` before
-    ``PipeDream``, not after running it). Without torch.compile in the process: no-op.
-
-    Returns:
-        The context manager (``torch._functorch.config.patch``, or a null context).
+    backwards keep every saved tensor for the W pass, and the I pass checks the flag
+    again. The executor runs the backward through the C++ engine, not
+    ``torch.autograd``'s Python entry, so the context is stashed for the engine's
+    device threads as that entry does (a CUDA backward runs there and reads it). A graph
+    compiled with donated buffers before the pipeline is not recompiled (compile with
+    ``torch.compile`` before ``PipeDream``, not after training with it). Without
+    torch.compile in the process: nothing is changed.
     """
     # Only a process that called torch.compile has imported AOTAutograd's config.
     config = sys.modules.get("torch._functorch.config")
     if config is None:
-        return contextlib.nullcontext()
-    return config.patch(donated_buffer=False)
+        yield
+        return
+    with config.patch(donated_buffer=False):
+        # torch.autograd's _engine_run_backward does the same for its device threads.
+        torch._C._stash_obj_in_tls("context", contextvars.copy_context())  # noqa: SLF001 - torch internal
+        try:
+            yield
+        finally:
+            torch._C._remove_obj_from_tls("context")  # noqa: SLF001 - torch internal
