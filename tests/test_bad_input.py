@@ -200,8 +200,12 @@ ROWS: List[Tuple[str, str, str, str]] = [
      r"loss_fn's loss_sum averages over the batch.*sum over the tokens \(reduction='sum'\)",
      "tests/test_token_loss.py::test_token_mean_matches_the_unsplit_model"),
     ("tokens-none", "`loss_reduction='tokens'` on a batch without tokens (every target `-100`, on "
-     "every dp rank)", r"the batch holds no tokens: tokens_fn counted 0 in every microbatch",
+     "every dp rank), at any step", r"step\(\) number \d+: the batch holds no tokens: tokens_fn "
+     r"counted 0 in every microbatch.*nothing ran on any rank",
      "tests/test_token_loss.py::test_token_mean_matches_the_unsplit_model"),
+    ("tokens-fn-count", "`loss_reduction='tokens'` with a `tokens_fn` returning inf, NaN, a negative "
+     "or a fractional count, at any step", r"tokens_fn counted inf tokens in microbatch 0; a token "
+     r"count is a whole number >= 0", "tests/test_token_loss.py::test_token_mean_matches_the_unsplit_model"),
     ("tokens-count", "`loss_reduction='tokens'` with a `loss_fn` whose `n_tokens` is not what "
      "`tokens_fn` counts (a loss that shifts its labels, the default `tokens_fn`)",
      r"loss_fn returned n_tokens=\d+ for microbatch \d, but tokens_fn counted \d+ tokens in its "
