@@ -224,6 +224,58 @@ def test_materialize_is_the_rule_spelled_out_on_a_cpu_built_model() -> None:
     assert torch.equal(meta.model.rotary_emb.inv_freq, by_hand.model.rotary_emb.inv_freq)
 
 
+def _family(name: str) -> Tuple[Any, Any]:
+    """A tiny config of ``name``'s family with tensors large enough for statistics (64..128
+    wide), and its auto class."""
+    from transformers import (AutoModelForCausalLM, AutoModelForMaskedLM, BertConfig, GPT2Config,
+                              LlamaConfig, MixtralConfig, Qwen2Config)
+
+    common = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if name == "gpt2":
+        return GPT2Config(vocab_size=256, n_embd=128, n_layer=6, n_head=4, n_positions=64), \
+            AutoModelForCausalLM
+    if name == "bert":
+        return BertConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                          num_attention_heads=4, max_position_embeddings=64), AutoModelForMaskedLM
+    if name == "mixtral":
+        return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2), AutoModelForCausalLM
+    return (LlamaConfig if name == "llama" else Qwen2Config)(**common), AutoModelForCausalLM
+
+
+def _same_distribution(name: str, ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """Deterministic tensors (constants, integer buffers, rotary frequencies) equal; random
+    ones with the same mean and std within 6 sampling errors."""
+    if not theirs.is_floating_point() or theirs.numel() < 2 or float(theirs.std()) == 0.0 \
+            or "inv_freq" in name:
+        assert torch.equal(ours, theirs), f"{name}: {ours.flatten()[:4]} != {theirs.flatten()[:4]}"
+        return
+    n, std = theirs.numel(), float(theirs.double().std())
+    assert abs(float(ours.double().std()) - std) <= 6 * std / (2 * n) ** 0.5, \
+        f"{name}: std {float(ours.std()):.5f}, transformers' from_config {std:.5f}"
+    assert abs(float(ours.double().mean()) - float(theirs.double().mean())) <= 6 * 2 ** 0.5 * std / n ** 0.5, \
+        f"{name}: mean {float(ours.mean()):.5f}, transformers' {float(theirs.mean()):.5f}"
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", "bert", "mixtral"])
+def test_meta_initialisation_has_the_statistics_of_from_config(family: str) -> None:
+    """Every tensor of a meta-built model materialised with the model's rule (every
+    ``_init_weights`` call transformers makes on the whole model, parents included:
+    GPT-2's c_proj has std 0.02/sqrt(2 n_layer)) is distributed as from_config's."""
+    import pipedream_ext as pd
+
+    config, auto = _family(family)
+    ours = pd.materialize(on_meta(lambda: auto.from_config(config)), "cpu", seed=SEED)
+    torch.manual_seed(SEED)
+    theirs = auto.from_config(config)
+    want = theirs.state_dict()
+    assert list(ours.state_dict()) == list(want)
+    for name, value in ours.state_dict().items():
+        _same_distribution(name, value, want[name])
+    for name, value in theirs.named_buffers():  # non-persistent ones too
+        _same_distribution(name, ours.get_buffer(name), value)
+
+
 def test_fx_traced_meta_model_materialises_with_reset_parameters() -> None:
     import pipedream_ext as pd
 

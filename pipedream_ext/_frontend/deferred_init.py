@@ -325,7 +325,8 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
 def materialize_layer(layer: nn.Module, index: int, name: str, device: Union[str, torch.device],
                       seed: int = DEFAULT_INIT_SEED, init_fn: Optional[InitFn] = None,
                       memo: Optional[Memo] = None, *, direct: bool = False,
-                      init: Optional[InitFn] = None, init_name: str = "reset_parameters()") -> None:
+                      init: Optional[InitFn] = None, init_name: str = "reset_parameters()",
+                      ancestors: Sequence[Tuple[nn.Module, InitFn]] = ()) -> None:
     """Gives one top-level layer's meta tensors real values on ``device``, in place.
 
     Args:
@@ -341,6 +342,9 @@ def materialize_layer(layer: nn.Module, index: int, name: str, device: Union[str
         init: called as ``init(module)`` for every module owning meta tensors instead of
             ``module.reset_parameters()`` (a Hugging Face model's ``_init_weights``).
         init_name: how messages name ``init``.
+        ancestors: (``direct`` with ``init``) ``(module, init)`` for the modules holding
+            the unit, nearest first, each called after the unit's own ``init`` under its
+            seed and restricted to its tensors (:func:`_init_restricted`).
 
     Raises:
         ValueError: a tensor that ``reset_parameters()`` did not set (or, with
@@ -363,6 +367,8 @@ def materialize_layer(layer: nn.Module, index: int, name: str, device: Union[str
     with _seeded(layer_seed(seed, index), device), torch.no_grad():
         if init_fn is not None:
             init_fn(layer)
+        elif direct and init is not None:
+            _init_restricted(layer, [(layer, init), *ancestors])
         else:
             for module in owners:
                 if init is not None:
@@ -439,6 +445,67 @@ def init_units(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     return [(name, module) for name, module in model.named_modules() if _meta_names(module)]
 
 
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of ``t``'s shape and dtype (a parameter if ``t`` is one)."""
+    meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+
+
+def _init_restricted(unit: nn.Module, calls: Sequence[Tuple[nn.Module, InitFn]]) -> None:
+    """Calls ``init(module)`` for each ``(module, init)`` of ``calls`` in order, each
+    seeing only ``unit``'s own tensors with values.
+
+    Transformers' ``initialize_weights`` calls ``_init_weights`` on every module,
+    children before parents, and a parent may set its children's tensors (GPT-2's
+    attention scales ``c_proj.weight``). Every other tensor under ``module`` with
+    values is swapped for a meta stand-in during the call (meta ops draw no random
+    numbers and change nothing), so a unit's values follow the whole model's rule yet
+    do not depend on which other units are materialised with it.
+    """
+    keep = {id(t) for _, t, _ in _direct_tensors(unit)}
+    for module, init in calls:
+        swapped = []
+        for m in module.modules():
+            for owned in (m._parameters, m._buffers):  # noqa: SLF001 - direct ownership
+                swapped += [(owned, name, t) for name, t in owned.items()
+                            if t is not None and not t.is_meta and id(t) not in keep]
+        try:
+            for owned, name, t in swapped:
+                owned[name] = _stand_in(t)
+            init(module)
+        finally:
+            for owned, name, t in swapped:
+                owned[name] = t
+
+
+def _is_submodel(module: nn.Module) -> bool:
+    """A Hugging Face ``PreTrainedModel`` (its own ``_init_weights``, as transformers'
+    ``smart_apply`` dispatches it to the modules below it)."""
+    return callable(getattr(module, "_init_weights", None)) and \
+        callable(getattr(module, "_initialize_weights", None))
+
+
+def _unit_inits(model: nn.Module, units: Sequence[Tuple[str, nn.Module]], root: InitFn
+                ) -> List[Tuple[InitFn, List[Tuple[nn.Module, InitFn]]]]:
+    """Per unit: its initialiser and the ``(ancestor, initialiser)`` pairs above it,
+    nearest first (transformers' order: children before parents). Each module's
+    initialiser is the ``_init_weights`` of the nearest sub-model holding it, else
+    ``root`` (the model's)."""
+    inits: Dict[str, InitFn] = {"": root}
+    found: List[Tuple[InitFn, List[Tuple[nn.Module, InitFn]]]] = []
+    for name, module in units:
+        chain: List[Tuple[nn.Module, InitFn]] = [(model, root)]
+        parts = name.split(".") if name else []
+        for k in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:k])
+            if prefix not in inits:
+                sub = model.get_submodule(prefix)
+                inits[prefix] = sub._init_weights if _is_submodel(sub) else inits[".".join(parts[:k - 1])]  # noqa: SLF001
+            chain.append((model.get_submodule(prefix), inits[prefix]))
+        found.append((chain[-1][1], chain[-2::-1]))
+    return found
+
+
 def _unit_init(model: nn.Module) -> Tuple[Optional[InitFn], str]:
     """The model's own per-module initialiser (a Hugging Face ``PreTrainedModel``'s
     ``_init_weights``), else ``None`` (each module's ``reset_parameters()``)."""
@@ -484,8 +551,12 @@ def materialize_traced(model: nn.Module, device: Union[str, torch.device],
     (:func:`init_units`) is initialised alone, under the RNG seeded with
     ``layer_seed(seed, u)``, by ``init_fn(unit)``, else the model's
     ``_init_weights(unit)``, else ``unit.reset_parameters()``: each tensor gets the same
-    values whichever units are materialised with it. A tensor owned by several units
-    (tied) takes the first unit's values.
+    values whichever units are materialised with it. With ``_init_weights``, every
+    module holding the unit follows, nearest first, as transformers' ``initialize_weights``
+    calls it on the whole model (children before parents; a sub-model's own
+    ``_init_weights`` below it), each seeing only the unit's tensors with values: a parent
+    that sets its children's tensors (GPT-2 scales ``c_proj`` by ``1/sqrt(2 n_layer)``)
+    does so here too. A tensor owned by several units (tied) takes the first unit's values.
 
     Args:
         model: the whole model (only its meta tensors are replaced).
@@ -524,10 +595,13 @@ def materialize_traced(model: nn.Module, device: Union[str, torch.device],
         if wanted is None or any(i in wanted for i in ids):
             needed.add(u)
             needed.update(first[i] for i in ids)  # a tie: its first owner sets it
+    # A model's _init_weights: also every module holding the unit, as on the whole model.
+    chains = _unit_inits(model, units, init) if init is not None and init_fn is None else None
     for u in sorted(needed):
         name, module = units[u]
+        unit_init, ancestors = chains[u] if chains is not None else (init, [])
         materialize_layer(module, u, name, device, seed, init_fn, memo, direct=not layers,
-                          init=init, init_name=init_name)
+                          init=unit_init, init_name=init_name, ancestors=ancestors)
     return memo
 
 
