@@ -276,6 +276,46 @@ def test_meta_initialisation_has_the_statistics_of_from_config(family: str) -> N
         _same_distribution(name, ours.get_buffer(name), value)
 
 
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+
+class ParentInit(nn.Module):
+    """``_init_weights`` as transformers models write it: a parent (``Pair``) re-draws a
+    child's weight (``a``), which a later sibling's (``b``'s) turn must not redraw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pairs = nn.ModuleList(Pair() for _ in range(2))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=1.0)
+            nn.init.zeros_(module.bias)
+        if isinstance(module, Pair):
+            nn.init.normal_(module.a.weight, std=0.1)
+
+
+def test_a_parents_init_applies_to_a_units_tensors_whichever_units_are_materialised() -> None:
+    from pipedream_ext._frontend.deferred_init import materialize_traced
+
+    import pipedream_ext as pd
+
+    with torch.device("meta"):
+        whole, first, second = ParentInit(), ParentInit(), ParentInit()
+    pd.materialize(whole, seed=SEED)
+    assert 0.08 < float(whole.pairs[1].a.weight.detach().std()) < 0.12  # the parent's rule
+    assert 0.8 < float(whole.pairs[1].b.weight.detach().std()) < 1.2
+    # Each unit alone (as a rank holding only it): the values of the whole model.
+    materialize_traced(first, "cpu", SEED, tensors=[first.pairs[0].a.weight])
+    materialize_traced(second, "cpu", SEED, tensors=[second.pairs[0].b.weight])
+    assert first.pairs[0].b.weight.is_meta and second.pairs[0].a.weight.is_meta
+    assert torch.equal(first.pairs[0].a.weight, whole.pairs[0].a.weight)
+    assert torch.equal(second.pairs[0].b.weight, whole.pairs[0].b.weight)
+
+
 def test_fx_traced_meta_model_materialises_with_reset_parameters() -> None:
     import pipedream_ext as pd
 
