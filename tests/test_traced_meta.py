@@ -227,8 +227,15 @@ def test_materialize_is_the_rule_spelled_out_on_a_cpu_built_model() -> None:
 def _family(name: str) -> Tuple[Any, Any]:
     """A tiny config of ``name``'s family with tensors large enough for statistics (64..128
     wide), and its auto class."""
-    from transformers import (AutoModelForCausalLM, AutoModelForMaskedLM, BertConfig, GPT2Config,
-                              LlamaConfig, MixtralConfig, Qwen2Config)
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForMaskedLM,
+        BertConfig,
+        GPT2Config,
+        LlamaConfig,
+        MixtralConfig,
+        Qwen2Config,
+    )
 
     common = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -299,9 +306,8 @@ class ParentInit(nn.Module):
 
 
 def test_a_parents_init_applies_to_a_units_tensors_whichever_units_are_materialised() -> None:
-    from pipedream_ext._frontend.deferred_init import materialize_traced
-
     import pipedream_ext as pd
+    from pipedream_ext._frontend.deferred_init import materialize_traced
 
     with torch.device("meta"):
         whole, first, second = ParentInit(), ParentInit(), ParentInit()

@@ -45,7 +45,8 @@ from torch import nn
 
 __all__ = ["DEFAULT_INIT_SEED", "InitFn", "Memo", "layer_seed", "has_meta_tensors", "check_seed",
            "check_initialisable", "materialize_layer", "materialize", "init_units",
-           "check_traced_initialisable", "materialize_traced", "replace_materialized"]
+           "check_traced_initialisable", "materialize_traced", "replace_materialized",
+           "unset_tensors"]
 
 #: The base seed of deferred initialisation when none is given.
 DEFAULT_INIT_SEED = 0
@@ -182,6 +183,27 @@ def _is_sentinel(t: torch.Tensor) -> bool:
         if not bool(torch.isnan(chunk).all() if floating else (chunk == _SENTINEL_BYTE).all()):
             return False
     return True
+
+
+def unset_tensors(module: nn.Module) -> List[str]:
+    """The parameters and buffers of ``module`` still holding only the sentinel every
+    tensor materialised from the meta device starts as (a DTensor: this rank's shard):
+    what ``init_fn`` left to a state dict that never came.
+
+    Args:
+        module: a rank's stages (a model built on the meta device).
+
+    Returns:
+        Their names in ``module``, parameters first.
+    """
+    found = []
+    with torch.no_grad():
+        for name, t in (*module.named_parameters(), *module.named_buffers()):
+            local = t.to_local() if callable(getattr(t, "to_local", None)) else t
+            detectable = local.is_floating_point() or local.is_complex() or local.is_contiguous()
+            if not local.is_meta and local.numel() > 0 and detectable and _is_sentinel(local.detach()):
+                found.append(name)
+    return found
 
 
 @dataclasses.dataclass
@@ -493,7 +515,7 @@ def _unit_inits(model: nn.Module, units: Sequence[Tuple[str, nn.Module]], root: 
     ``root`` (the model's)."""
     inits: Dict[str, InitFn] = {"": root}
     found: List[Tuple[InitFn, List[Tuple[nn.Module, InitFn]]]] = []
-    for name, module in units:
+    for name, _ in units:
         chain: List[Tuple[nn.Module, InitFn]] = [(model, root)]
         parts = name.split(".") if name else []
         for k in range(1, len(parts) + 1):
