@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
@@ -347,8 +348,7 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
 def materialize_layer(layer: nn.Module, index: int, name: str, device: Union[str, torch.device],
                       seed: int = DEFAULT_INIT_SEED, init_fn: Optional[InitFn] = None,
                       memo: Optional[Memo] = None, *, direct: bool = False,
-                      init: Optional[InitFn] = None, init_name: str = "reset_parameters()",
-                      ancestors: Sequence[Tuple[nn.Module, InitFn]] = ()) -> None:
+                      init: Optional[InitFn] = None, init_name: str = "reset_parameters()") -> None:
     """Gives one top-level layer's meta tensors real values on ``device``, in place.
 
     Args:
@@ -364,9 +364,6 @@ def materialize_layer(layer: nn.Module, index: int, name: str, device: Union[str
         init: called as ``init(module)`` for every module owning meta tensors instead of
             ``module.reset_parameters()`` (a Hugging Face model's ``_init_weights``).
         init_name: how messages name ``init``.
-        ancestors: (``direct`` with ``init``) ``(module, init)`` for the modules holding
-            the unit, nearest first, each called after the unit's own ``init`` under its
-            seed and restricted to its tensors (:func:`_init_restricted`).
 
     Raises:
         ValueError: a tensor that ``reset_parameters()`` did not set (or, with
@@ -389,8 +386,6 @@ def materialize_layer(layer: nn.Module, index: int, name: str, device: Union[str
     with _seeded(layer_seed(seed, index), device), torch.no_grad():
         if init_fn is not None:
             init_fn(layer)
-        elif direct and init is not None:
-            _init_restricted(layer, [(layer, init), *ancestors])
         else:
             for module in owners:
                 if init is not None:
@@ -473,31 +468,58 @@ def _stand_in(t: torch.Tensor) -> torch.Tensor:
     return nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
 
 
-def _init_restricted(unit: nn.Module, calls: Sequence[Tuple[nn.Module, InitFn]]) -> None:
-    """Calls ``init(module)`` for each ``(module, init)`` of ``calls`` in order, each
-    seeing only ``unit``'s own tensors with values.
+#: A tensor slot: ``(owning module, its _parameters or _buffers, name, tensor)``.
+_Held = Tuple[nn.Module, Dict[str, Optional[torch.Tensor]], str, torch.Tensor]
 
-    Transformers' ``initialize_weights`` calls ``_init_weights`` on every module,
-    children before parents, and a parent may set its children's tensors (GPT-2's
-    attention scales ``c_proj.weight``). Every other tensor under ``module`` with
-    values is swapped for a meta stand-in during the call (meta ops draw no random
-    numbers and change nothing), so a unit's values follow the whole model's rule yet
-    do not depend on which other units are materialised with it.
-    """
-    keep = {id(t) for _, t, _ in _direct_tensors(unit)}
+
+def _slots(module: nn.Module, recurse: bool, meta: bool) -> List[_Held]:
+    """The slots of ``module`` (and below, with ``recurse``) holding meta tensors, or
+    (``meta=False``) tensors with values."""
+    return [(m, owned, name, t) for m in (module.modules() if recurse else [module])
+            for owned in (m._parameters, m._buffers)  # noqa: SLF001 - direct ownership
+            for name, t in owned.items() if t is not None and t.is_meta == meta]
+
+
+def _init_restricted(unit: nn.Module, calls: Sequence[Tuple[nn.Module, InitFn]],
+                     real: Sequence[_Held]) -> None:
+    """Calls ``init(module)`` for each ``(module, init)`` of ``calls`` in order, with the
+    tensors of ``real`` that ``unit`` does not own swapped for meta stand-ins meanwhile
+    (meta ops draw no random numbers and change nothing)."""
+    others = [slot for slot in real if slot[0] is not unit]
     for module, init in calls:
-        swapped = []
-        for m in module.modules():
-            for owned in (m._parameters, m._buffers):  # noqa: SLF001 - direct ownership
-                swapped += [(owned, name, t) for name, t in owned.items()
-                            if t is not None and not t.is_meta and id(t) not in keep]
         try:
-            for owned, name, t in swapped:
+            for _, owned, name, t in others:
                 owned[name] = _stand_in(t)
             init(module)
         finally:
-            for owned, name, t in swapped:
+            for _, owned, name, t in others:
                 owned[name] = t
+
+
+@contextlib.contextmanager
+def _one_unit_at_a_time(model: nn.Module, on: bool) -> Iterator[Tuple[List[_Held], List[_Held]]]:
+    """Keeps every tensor of ``model`` that a unit materialises on meta again once its unit
+    is done, until the end: then each unit's initialisation (its ancestors' included)
+    sees only its own tensors with values, without a walk over the model per unit.
+
+    Transformers' ``initialize_weights`` calls ``_init_weights`` on every module, children
+    before parents, and a parent may set its children's tensors (GPT-2's attention scales
+    ``c_proj.weight``): called for the modules holding a unit, it must set only that
+    unit's tensors, so that each gets the same values whichever units a rank holds.
+
+    Yields:
+        ``(real, done)``: the slots holding values before (never swapped for good; the
+        caller swaps them around each call, :func:`_init_restricted`), and a list to which
+        the caller appends each materialised unit's slots after putting their meta
+        tensors back; at the end every one gets its new tensor again.
+    """
+    real = _slots(model, True, False) if on else []
+    done: List[_Held] = []
+    try:
+        yield real, done
+    finally:
+        for _, owned, name, t in done:
+            owned[name] = t
 
 
 def _is_submodel(module: nn.Module) -> bool:
@@ -513,17 +535,17 @@ def _unit_inits(model: nn.Module, units: Sequence[Tuple[str, nn.Module]], root: 
     nearest first (transformers' order: children before parents). Each module's
     initialiser is the ``_init_weights`` of the nearest sub-model holding it, else
     ``root`` (the model's)."""
+    modules = dict(model.named_modules())
     inits: Dict[str, InitFn] = {"": root}
     found: List[Tuple[InitFn, List[Tuple[nn.Module, InitFn]]]] = []
     for name, _ in units:
         chain: List[Tuple[nn.Module, InitFn]] = [(model, root)]
         parts = name.split(".") if name else []
         for k in range(1, len(parts) + 1):
-            prefix = ".".join(parts[:k])
+            prefix, sub = ".".join(parts[:k]), modules[".".join(parts[:k])]
             if prefix not in inits:
-                sub = model.get_submodule(prefix)
                 inits[prefix] = sub._init_weights if _is_submodel(sub) else inits[".".join(parts[:k - 1])]  # noqa: SLF001
-            chain.append((model.get_submodule(prefix), inits[prefix]))
+            chain.append((sub, inits[prefix]))
         found.append((chain[-1][1], chain[-2::-1]))
     return found
 
@@ -619,11 +641,21 @@ def materialize_traced(model: nn.Module, device: Union[str, torch.device],
             needed.update(first[i] for i in ids)  # a tie: its first owner sets it
     # A model's _init_weights: also every module holding the unit, as on the whole model.
     chains = _unit_inits(model, units, init) if init is not None and init_fn is None else None
-    for u in sorted(needed):
-        name, module = units[u]
-        unit_init, ancestors = chains[u] if chains is not None else (init, [])
-        materialize_layer(module, u, name, device, seed, init_fn, memo, direct=not layers,
-                          init=unit_init, init_name=init_name, ancestors=ancestors)
+    with _one_unit_at_a_time(model, chains is not None) as (real, done):
+        for u in sorted(needed):
+            name, module = units[u]
+            unit_init = init
+            if chains is not None:
+                own, ancestors = chains[u]
+                unit_init = functools.partial(_init_restricted, calls=[(module, own), *ancestors],
+                                              real=real)
+                metas = _slots(module, False, True)
+            materialize_layer(module, u, name, device, seed, init_fn, memo, direct=not layers,
+                              init=unit_init, init_name=init_name)
+            if chains is not None:  # back on meta until every unit is done
+                for m, owned, key, meta in metas:
+                    done.append((m, owned, key, owned[key]))
+                    owned[key] = meta
     return memo
 
 
