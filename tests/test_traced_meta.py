@@ -202,26 +202,41 @@ def test_a_rank_materialises_only_its_stages_with_the_whole_models_values() -> N
                        whole["model.embed_tokens.weight"])
 
 
-def test_materialize_is_the_rule_spelled_out_on_a_cpu_built_model() -> None:
-    """Unit ``u`` (the ``u``-th module owning tensors) initialised alone by the model's
-    ``_init_weights`` under ``manual_seed(seed * 2**16 + u)``."""
-    from transformers import AutoModelForCausalLM
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_materialize_is_the_rule_spelled_out_on_a_cpu_built_model(family: str) -> None:
+    """Unit ``u`` (the ``u``-th module owning tensors) initialised by the model's
+    ``_init_weights`` under ``manual_seed(seed * 2**16 + u)``, then every module holding
+    it, nearest first (on these models a parent sets only tensors of units after the
+    one it is called for, which those redraw: the rule without the restriction)."""
+    from transformers import AutoModelForCausalLM, GPT2Config
 
     import pipedream_ext as pd
 
-    by_hand = AutoModelForCausalLM.from_config(llama_config())
-    units = [m for _, m in by_hand.named_modules()
+    config = llama_config() if family == "llama" else \
+        GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=4, n_positions=32)
+    by_hand = AutoModelForCausalLM.from_config(config)
+    named = dict(by_hand.named_modules())
+    units = [name for name, m in by_hand.named_modules()
              if list(m.parameters(recurse=False)) or list(m.buffers(recurse=False))]
+    seen: Dict[int, torch.Tensor] = {}
     with torch.no_grad():
-        for u, module in enumerate(units):
+        for u, name in enumerate(units):
+            own = [*named[name].parameters(recurse=False), *named[name].buffers(recurse=False)]
+            tied = [(t, t.clone()) for t in own if id(t) in seen]  # keeps its first unit's values
             torch.manual_seed(SEED * 2**16 + u)
-            by_hand._init_weights(module)
-    meta = pd.materialize(meta_llama(), "cpu", seed=SEED)
+            parts = name.split(".")
+            for k in range(len(parts), -1, -1):  # the unit, then its parents up to the model
+                by_hand._init_weights(named[".".join(parts[:k])])
+            for t, value in tied:
+                t.copy_(value)
+            seen.update((id(t), t) for t in own)
+    meta = pd.materialize(on_meta(lambda: AutoModelForCausalLM.from_config(config)), "cpu", seed=SEED)
     want = by_hand.state_dict()
     assert list(meta.state_dict()) == list(want)
     for name, value in meta.state_dict().items():
         assert torch.equal(value, want[name]), name
-    assert torch.equal(meta.model.rotary_emb.inv_freq, by_hand.model.rotary_emb.inv_freq)
+    for name, value in by_hand.named_buffers():
+        assert torch.equal(meta.get_buffer(name), value), name
 
 
 def _family(name: str) -> Tuple[Any, Any]:
