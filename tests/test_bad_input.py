@@ -93,7 +93,7 @@ ROWS: List[Tuple[str, str, str, str]] = [
      "`load_state_dict` (or a partial one, `strict=False`) brought it",
      r"step\(\): tensors built on the meta device were never set \(they still hold the NaN, for "
      r"integers the 0xA5 bytes, every new tensor starts as\): rank 0: '0\.bias', '2\.bias'; rank 1: "
-     r"'4\.bias', '6\.bias', '7\.bias'; init_fn left them",
+     r"'4\.bias', '6\.bias', '7\.bias'; nothing set them",
      "tests/test_deferred_init.py::test_meta_pipelines_train_like_the_unsplit_model_and_refuse_bad_input"),
     ("state-dict-unexpected", "`load_state_dict` with another model's state dict",
      r"the state dict has 3 key\(s\) this model does not have: '1\.weight', '1\.bias', 'head\.bias'",

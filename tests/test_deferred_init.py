@@ -238,7 +238,7 @@ def check_unset_tensors_raise_on_every_rank() -> None:
                         init_fn=skip_biases)
     x, y = batch(0)
     _expect(ValueError, r"step\(\): tensors built on the meta device were never set .*: rank 0: "
-            r"'0\.bias', '2\.bias'; rank 1: '4\.bias', '6\.bias', '7\.bias'; init_fn left them",
+            r"'0\.bias', '2\.bias'; rank 1: '4\.bias', '6\.bias', '7\.bias'; nothing set them",
             lambda: pipe.step(x, y))
     _expect(ValueError, r"load_state_dict failed on ranks 0, 1: state dict entries '0\.weight', "
             r"'0\.bias', .* are on the meta device, which has shapes but no values",
@@ -247,7 +247,7 @@ def check_unset_tensors_raise_on_every_rank() -> None:
     result = pipe.load_state_dict({k: v for k, v in state.items() if k != "6.bias"}, strict=False)
     assert result.missing_keys == (["6.bias"] if pipe.rank == 1 else [])
     _expect(ValueError, r"forward_only\(\): tensors built on the meta device were never set .*\): "
-            r"rank 1: '6\.bias'; init_fn", lambda: pipe.forward_only(x))
+            r"rank 1: '6\.bias'; nothing set them", lambda: pipe.forward_only(x))
     pipe.load_state_dict(state)
     ref = make_model()
     ref.load_state_dict(state)
@@ -374,7 +374,7 @@ def test_the_first_call_refuses_tensors_nothing_set(group: dist.ProcessGroup,
 
     pipe = pd.PipeDream(meta_model(), F.cross_entropy, microbatches=2, timeout=60, init_fn=skip_biases)
     x, y = batch(0)
-    unset = r"rank 0: '0\.bias', '2\.bias', '4\.bias', '6\.bias', '7\.bias'; init_fn left them"
+    unset = r"rank 0: '0\.bias', '2\.bias', '4\.bias', '6\.bias', '7\.bias'; nothing set them"
     _expect(ValueError, r"^step\(\): tensors built on the meta device were never set .*" + unset,
             lambda: pipe.step(x, y))
     _expect(ValueError, r"^forward_only\(\): .*" + unset, lambda: pipe.forward_only(x))
@@ -382,7 +382,7 @@ def test_the_first_call_refuses_tensors_nothing_set(group: dist.ProcessGroup,
     with caplog.at_level("WARNING", logger="pipedream_ext._pipe"):
         result = pipe.load_state_dict({k: v for k, v in state.items() if k != "6.bias"}, strict=False)
     assert result.missing_keys == ["6.bias"] and "load_state_dict(): tensors" in caplog.text
-    _expect(ValueError, r"step\(\): .*: rank 0: '6\.bias'; init_fn", lambda: pipe.step(x, y))
+    _expect(ValueError, r"step\(\): .*: rank 0: '6\.bias'; nothing set them", lambda: pipe.step(x, y))
     pipe.load_state_dict(state)
     ref = make_model()
     ref.load_state_dict(state)

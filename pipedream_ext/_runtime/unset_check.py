@@ -28,10 +28,11 @@ _log = logging.getLogger("pipedream_ext._pipe")
 
 _MESSAGE = (
     "{call}(): tensors built on the meta device were never set (they still hold the NaN, "
-    "for integers the 0xA5 bytes, every new tensor starts as): {found}; init_fn left them to "
-    "a state dict, and none set them (load_state_dict(strict=False) lists them in "
-    "missing_keys). Set them before training: in init_fn, with pipe.load_state_dict(a state "
-    "dict holding them), or in place through pipe.named_parameters() / pipe.named_buffers()")
+    "for integers the 0xA5 bytes, every new tensor starts as): {found}; nothing set them: "
+    "not init_fn (it may leave parameters and persistent buffers to a state dict), nor a load "
+    "(load_state_dict(strict=False) lists what it did not bring in missing_keys). Set them "
+    "before training: in init_fn, with pipe.load_state_dict(a state dict holding them), or in "
+    "place through pipe.named_parameters() / pipe.named_buffers()")
 
 
 class UnsetCheck:
