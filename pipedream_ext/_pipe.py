@@ -296,8 +296,10 @@ class PipeDream:
 
         Raises:
             ValueError: on every rank: unexpected keys, missing keys (naming the
-                stage), or a shape that differs (naming the key and both shapes); a
-                path of another format (a checkpoint directory: ``pd.load_checkpoint``).
+                stage), or a shape that differs (naming the key and both shapes); values
+                on the meta device (naming them); a path of another format (a
+                checkpoint directory: ``pd.load_checkpoint``). A load that leaves tensors of a
+                meta-built model unset logs a warning naming them (the first step refuses them).
         """
         loaded = load_path(self, state_dict, strict) if isinstance(state_dict, (str, os.PathLike)) \
             else reshard.load_state_dict(self, state_dict, strict)
@@ -343,7 +345,9 @@ class PipeDream:
 
         Raises:
             ValueError: inputs or targets missing where needed, a batch smaller than
-                ``microbatches``, or an optimizer missing (asynchronous) or passed (flush).
+                ``microbatches``, or an optimizer missing (asynchronous) or passed (flush);
+                on every rank, a model built on the meta device with tensors nothing set
+                (naming each rank's).
         """
         self._runner.step_calls += 1  # every call, those that raise too (a mesh compares them)
         return self._runner.step(self._agreed("step", inputs, targets), targets, optimizer)

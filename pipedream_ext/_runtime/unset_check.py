@@ -7,8 +7,8 @@ that no ``load_state_dict`` set (``strict=False``, a partial file) would make th
 first step's loss NaN and train on it. So the first ``step()`` or ``forward_only()``
 of such a pipeline looks for the sentinel in this rank's stages and, if any rank
 finds one, every rank raises the same error naming every such tensor per rank (one
-bounded exchange, ``collectives.raise_if_any_failed``); after it passed once, nothing
-is checked again. A ``load_state_dict`` that leaves some unset logs a warning at once.
+bounded exchange, ``collectives.gather_outcomes``); after it passed once, nothing is
+checked again. A ``load_state_dict`` that leaves some unset logs a warning at once.
 """
 from __future__ import annotations
 
@@ -84,7 +84,11 @@ class UnsetCheck:
         self.pending = False
 
     def after_load(self, what: str) -> None:
-        """Warns (this rank) about tensors a load left unset; the first call refuses them."""
+        """Warns (this rank) about tensors a load left unset; the first call refuses them.
+
+        Args:
+            what: the load, for the message (``"load_state_dict"``).
+        """
         if not self.pending:
             return
         unset = unset_tensors(self.module())
