@@ -89,6 +89,12 @@ ROWS: List[Tuple[str, str, str, str]] = [
      r"layer 0 \('0'\): init_fn assigned the buffer '0\.tab' a tensor of shape \[3, 4\] and dtype "
      r"torch\.float32, but the model built on the meta device has shape \[2, 4\]",
      "tests/test_units.py::test_initialisation_may_assign_a_buffer_anew"),
+    ("meta-unset-at-step", "a tensor of a meta-built model nothing set: `init_fn` skipped it and no "
+     "`load_state_dict` (or a partial one, `strict=False`) brought it",
+     r"step\(\): tensors built on the meta device were never set \(they still hold the NaN, for "
+     r"integers the 0xA5 bytes, every new tensor starts as\): rank 0: '0\.bias', '2\.bias'; rank 1: "
+     r"'4\.bias', '6\.bias', '7\.bias'; nothing set them",
+     "tests/test_deferred_init.py::test_meta_pipelines_train_like_the_unsplit_model_and_refuse_bad_input"),
     ("state-dict-unexpected", "`load_state_dict` with another model's state dict",
      r"the state dict has 3 key\(s\) this model does not have: '1\.weight', '1\.bias', 'head\.bias'",
      "tests/test_deferred_init.py::test_meta_pipelines_train_like_the_unsplit_model_and_refuse_bad_input"),
@@ -96,6 +102,10 @@ ROWS: List[Tuple[str, str, str, str]] = [
      r"the state dict lacks 1 key\(s\) of stage 1 \(layers 4-7\): '6\.bias' \(missing keys\)", "tests/test_deferred_init.py::test_meta_pipelines_train_like_the_unsplit_model_and_refuse_bad_input"),
     ("state-dict-shape", "`load_state_dict` with a tensor of another shape",
      r"'7\.weight' has shape \[4, 12\] but this model's is \[3, 12\]", "tests/test_deferred_init.py::test_meta_pipelines_train_like_the_unsplit_model_and_refuse_bad_input"),
+    ("state-dict-meta", "`load_state_dict` with the state dict of a model built on the meta device (any `strict`)",
+     r"state dict entries '0\.weight', '0\.bias', '2\.weight', '2\.bias', '3\.weight', '3\.bias', "
+     r"'3\.running_mean', '3\.running_var' and 7 more are on the meta device, which has shapes but no values",
+     "tests/test_deferred_init.py::test_a_meta_models_state_dict_is_refused_naming_its_entries"),
     ('hf-unexpected', "`pipe.load_state_dict(hf_dir)` with another model's weights (or `LlamaModel`'s for a `LlamaForCausalLM`)",
      r"holds 38 tensor\(s\) this model does not have: 'embed_tokens.weight'", 'tests/test_hf_weights.py::test_unexpected_and_mis_shaped_keys_are_named'),
     ('hf-missing', "`pipe.load_state_dict(hf_dir)` lacking a tensor of a stage (an untied head given a tied model's files)",
