@@ -471,6 +471,9 @@ class FlushRunner(Runner):
         # over ranks finishes in the background; reading the loss waits for it.
         local = sum(float(l) for l in losses if l is not None) / loss_scale if self.is_last else 0.0
         rows = int(as_tuple(inputs)[0].shape[0]) if self.is_first else None
+        if self.mesh_steps is not None:  # with tp: the batch's fingerprints, checked over tp
+            self.mesh_steps.note_batch(inputs if self.is_first else None,
+                                       targets if self.is_last else None)
         return self._batch_loss(context, local / self.loss_divisor, rows)
 
     def _batch_tokens(self) -> int:

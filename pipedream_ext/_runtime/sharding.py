@@ -45,7 +45,7 @@ from .._dist.groups import RankNames, bounded_group, checkpoint_group, side_grou
 from .config import PipelineConfig
 from .local_stages import LocalStages
 from .stage_call import as_tuple
-from .tensor_parallel import TensorParallel, local
+from .tensor_parallel import TensorParallel, check_sequence_length, local
 from .tp_init import materialize_sharded
 from .tp_tied import Ties
 
@@ -440,12 +440,15 @@ class DataParallel:
         return self.plan.tp_size * (self.plan.dp_size if self.loss_reduction == "mean" else 1)
 
     def check_batch(self, value: Any, microbatches: int, what: str) -> None:
-        """Each dp rank's batch must split evenly into microbatches: the global mean
-        weights every dp rank alike.
+        """Each dp rank's batch must split evenly into microbatches (the global mean
+        weights every dp rank alike), and with sequence parallelism its sequence over tp.
 
         Raises:
-            ValueError: naming the batch size and the fix.
+            ValueError: naming the batch size and the fix; a sequence length sequence
+                parallelism cannot split (``check_sequence_length``).
         """
+        if what == "inputs" and self.plan.tensor_parallel is not None:
+            check_sequence_length(self.plan.tensor_parallel, self.plan.tp_size, value)
         rows = as_tuple(value)[0].shape[0]
         if rows % microbatches:
             raise ValueError(f"{what} of this data-parallel rank have batch size {rows}, which "

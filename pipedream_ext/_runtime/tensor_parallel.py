@@ -37,8 +37,9 @@ from torch import nn
 from .. import schedules
 from .._dist import collectives
 
-__all__ = ["CutLayouts", "TensorParallel", "check_option", "check_split_points", "describe_plan",
-           "kept_calls", "local", "matched_patterns", "sequence_parallel"]
+__all__ = ["CutLayouts", "TensorParallel", "check_option", "check_sequence_length",
+           "check_split_points", "describe_plan", "kept_calls", "local", "matched_patterns",
+           "sequence_parallel"]
 
 def _qualified(value: Any) -> str:
     """A function's (or class's) qualified name, else its type's."""
@@ -140,6 +141,39 @@ def sequence_parallel(plan: Any) -> bool:
     from torch.distributed.tensor.parallel import SequenceParallel  # noqa: PLC0415 - only with tp
 
     return isinstance(plan, Mapping) and any(isinstance(v, SequenceParallel) for v in plan.values())
+
+
+def check_sequence_length(plan: Any, tp_size: int, inputs: Any) -> None:
+    """A dict plan's ``SequenceParallel`` styles shard the sequence dimension of the
+    activations (``sequence_dim``, 1 by default: ``[batch, seq, ...]``) evenly over the tp
+    ranks; the inputs' first tensor has that dimension (token ids ``[batch, seq]``). An
+    uneven sequence would give the tp ranks shards of different sizes, whose all-gather
+    Gloo aborts the process on (SIGABRT). A callable's styles cannot be seen: unchecked.
+
+    Args:
+        plan: the ``tensor_parallel`` value.
+        tp_size: the mesh's tp size.
+        inputs: the batch's inputs on stage 0's ranks (a tensor, tuple or dict).
+
+    Raises:
+        ValueError: the sequence length is not divisible by ``tp_size``, naming it and the fix.
+    """
+    from torch.distributed.tensor.parallel import SequenceParallel  # noqa: PLC0415 - only with tp
+    from torch.utils import _pytree  # noqa: PLC0415 - only with tp
+
+    if not isinstance(plan, Mapping) or tp_size == 1:
+        return
+    dims = sorted({s.sequence_sharding[0].dim for s in plan.values() if isinstance(s, SequenceParallel)
+                   and s.sequence_sharding[0].dim >= 0})
+    first = next((t for t in _pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)), None)
+    for dim in dims:
+        if first is not None and first.dim() > dim and first.shape[dim] % tp_size:
+            length = first.shape[dim]
+            raise ValueError(
+                f"inputs have sequence length {length} (dim {dim} of shape {list(first.shape)}), "
+                f"which does not split evenly over tp={tp_size}: tensor_parallel's SequenceParallel "
+                f"styles shard the sequence over the tp ranks in equal parts; use a sequence "
+                f"length divisible by {tp_size} (pad it to {-(-length // tp_size) * tp_size})")
 
 
 def _matches(pattern: str, name: str) -> bool:
