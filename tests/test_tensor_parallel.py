@@ -314,6 +314,87 @@ def check_refusals() -> None:
     pipe.close()
 
 
+def check_later_batches() -> None:
+    """After the first check_agreement steps, a step whose tp ranks were given different
+    batches fails on every rank when its loss is read (the loss all-reduce carries each
+    pipeline's batch fingerprint), naming the step and the tp ranks' pipelines."""
+    from test_bad_input import ROWS
+
+    import pipedream_ext as pd
+    from pipedream_ext._runtime.mesh_steps import StepMismatch
+
+    mesh = mesh_of((2, 1, 2))
+    pipe = pd.PipeDream(llama(), lm_loss, schedule="1f1b", microbatches=2, mesh=mesh, timeout=60,
+                        balance=BALANCE, tensor_parallel=plan(), check_agreement=1)
+    float(pipe.step(*batch(0)))  # checked by the agreement of the first step
+    float(pipe.step(*batch(1)))  # the same batch everywhere: passes the per-step check
+    x, y = batch(2)
+    if mesh["tp"].get_local_rank() == 1:
+        x = x.flip(0)  # as many rows, other samples: only a fingerprint tells
+    loss = pipe.step(x, y)
+    row = next(r[2] for r in ROWS if r[0] == "tp-batch-later")
+    with pytest.raises(StepMismatch, match=row) as info:
+        float(loss)
+    assert "step() number 2:" in str(info.value), str(info.value)
+    pipe.close()
+
+
+def check_plan_agreement() -> None:
+    """What a plan made of the stages is compared over the mesh at construction: a
+    dimension split unevenly, a callable that raises on one rank (after or before its
+    collectives) or splits a stage differently there fails every rank, naming it."""
+    from test_bad_input import ROWS
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import pipedream_ext as pd
+
+    def row(row_id: str) -> str:
+        return next(r[2] for r in ROWS if r[0] == row_id)
+
+    mesh = mesh_of((2, 1, 2))
+    rank = dist.get_rank()
+
+    def build(model: nn.Module, tensor_parallel: Any, timeout: float = 60, **kwargs: Any) -> Any:
+        return pd.PipeDream(model, lm_loss, schedule="1f1b", microbatches=2, mesh=mesh,
+                            timeout=timeout, tensor_parallel=tensor_parallel, **kwargs)
+
+    uneven = nn.Sequential(nn.Embedding(VOCAB, DIM), nn.Linear(DIM, 7), nn.ReLU(), nn.Linear(7, VOCAB))
+    with pytest.raises(ValueError, match=row("tp-uneven")) as info:
+        build(uneven, {"1": ColwiseParallel(), "3": RowwiseParallel()}, balance=[2, 2])
+    assert "'1.weight' (shape [7, 16]) on dim 0, of size 7, over tp=2" in str(info.value), str(info.value)
+
+    def raises_after(stage: nn.Module, tp_mesh: Any) -> None:
+        parallelize_blocks(stage, tp_mesh)
+        if rank == 3:
+            raise RuntimeError("plan failed on purpose")
+
+    def differs(stage: nn.Module, tp_mesh: Any) -> None:
+        if rank != 3:
+            return parallelize_blocks(stage, tp_mesh)
+        swapped = {k.removeprefix("*."): v for k, v in plan().items()}
+        swapped["attn.wo"] = ColwiseParallel()  # [16, 16]: as many bytes in the scatter
+        for child in stage.children():
+            if isinstance(child, Block):
+                parallelize_module(child, tp_mesh, swapped)
+
+    def raises_before(stage: nn.Module, tp_mesh: Any) -> None:
+        if rank == 3:
+            raise RuntimeError("plan failed on purpose")
+        parallelize_blocks(stage, tp_mesh)
+
+    with pytest.raises(RuntimeError, match=row("tp-plan-failed")) as info:
+        build(llama(), raises_after, balance=BALANCE)
+    assert "failed on rank 3 (pp 1, dp 0, tp 1): RuntimeError: plan failed on purpose" in str(info.value)
+    with pytest.raises(ValueError, match=row("tp-plan-differs")) as info:
+        build(llama(), differs, balance=BALANCE)
+    assert "'2.attn.wo.weight' is (Shard(dim=1),) over mesh ('tp',) on rank 2" in str(info.value)
+    assert "(Shard(dim=0),) over mesh ('tp',) on rank 3" in str(info.value), str(info.value)
+    # Last: rank 2 waits in its scatter for rank 3 until timeout=, then every rank fails.
+    with pytest.raises(RuntimeError, match=row("tp-plan-failed")) as info:
+        build(llama(), raises_before, timeout=3, balance=BALANCE)
+    assert "RuntimeError: plan failed on purpose" in str(info.value), str(info.value)
+
+
 def cases(world: int) -> Cases:
     c = Cases()
     c.add(check_plan_shards)
@@ -333,6 +414,8 @@ def cases(world: int) -> Cases:
     c.add(check_training, "zb-h1", shape=(1, 2, 2), data_parallel="fsdp", name="training-zb-h1-dp2-fsdp")
     c.add(check_stats_and_trace, name="stats-and-trace")
     c.add(check_refusals)
+    c.add(check_later_batches)
+    c.add(check_plan_agreement)
     return c
 
 

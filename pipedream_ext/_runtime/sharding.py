@@ -87,6 +87,7 @@ class MeshPlan:
         tensor_parallel: the plan (``PipeDream(tensor_parallel=...)``), or ``None``.
         tp_mesh: the 1-D mesh over this rank's tp group, on a group bounded by the
             pipeline's timeout (:meth:`create_groups`; with ``tensor_parallel`` only).
+        timeout: the pipeline's timeout in seconds (:meth:`create_groups`).
     """
 
     mesh: Any
@@ -100,6 +101,7 @@ class MeshPlan:
     tp_size: int = 1
     tensor_parallel: Any = None
     tp_mesh: Any = None
+    timeout: float = 0.0
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -151,6 +153,7 @@ class MeshPlan:
             timeout: seconds, for the checkpoint, pipeline, dp and world groups' operations.
         """
         me = dist.get_rank()
+        self.timeout = timeout
         for ranks in self.pipelines:
             side_group(ranks)
             checkpoint_group(ranks, timeout)
@@ -410,7 +413,8 @@ def _apply_tensor_parallel(plan: MeshPlan, stages: LocalStages) -> None:
     (``tp_tied.Ties``); meta layers (``stages.pending``) are parallelized on the meta
     device, then materialised shard by shard (``tp_init``)."""
     ties = Ties(stages[j] for j in stages)
-    TensorParallel(plan.tensor_parallel, plan.tp_mesh, plan.pp_group).apply(
+    TensorParallel(plan.tensor_parallel, plan.tp_mesh, plan.world_group, plan.names,
+                   plan.timeout).apply(
         {j: stages[j] for j in stages})
     ties.restore()  # before materialisation: a tie's later use keeps the first's values
     if stages.pending:

@@ -36,6 +36,8 @@ from torch import nn
 
 from .. import schedules
 from .._dist import collectives
+from .._dist.groups import RankNames
+from . import tp_agree
 
 __all__ = ["CutLayouts", "TensorParallel", "check_option", "check_sequence_length",
            "check_split_points", "describe_plan", "kept_calls", "local", "matched_patterns",
@@ -401,45 +403,81 @@ class TensorParallel:
     Args:
         plan: the ``tensor_parallel`` value.
         tp_mesh: the 1-D mesh over this rank's tp group.
-        pp_group: this rank's pipeline's group (to agree on the matched patterns).
+        world: the whole mesh's group (every rank agrees on the outcome, ``tp_agree``).
+        names: how messages name the mesh's ranks.
+        timeout: the pipeline's timeout in seconds (a peer held in a callable plan's
+            collective by a rank that raised is released after it: the exchange of
+            outcomes waits twice as long).
     """
 
-    def __init__(self, plan: Any, tp_mesh: Any, pp_group: dist.ProcessGroup) -> None:
-        self.plan, self.tp_mesh, self.pp_group = plan, tp_mesh, pp_group
+    def __init__(self, plan: Any, tp_mesh: Any, world: dist.ProcessGroup, names: RankNames,
+                 timeout: float) -> None:
+        self.plan, self.tp_mesh, self.world = plan, tp_mesh, world
+        self.names, self.timeout = names, timeout
 
     def apply(self, stages: Mapping[int, nn.Module]) -> None:
         """Broadcasts each stage from tp rank 0 and parallelizes it; collective over
-        the tp and pp groups.
+        the tp group and the whole mesh.
 
         Raises:
-            ValueError: a plan pattern that names no module of any stage (on every rank).
+            ValueError: on every rank: a plan pattern that names no module of any stage;
+                a stage split differently on its ranks, or a dimension split unevenly
+                (``tp_agree``); the plan raised ``ValueError`` on some rank.
+            RuntimeError: on every rank: the plan raised anything else on some rank
+                (naming the ranks and their exceptions).
         """
-        from torch.distributed.tensor.parallel import parallelize_module  # noqa: PLC0415 - only with tp
-
         group = self.tp_mesh.get_group()
-        matched: Dict[str, None] = {}
-        for module in stages.values():
-            with torch.no_grad():
+        with torch.no_grad():
+            for module in stages.values():
                 for t in list(module.parameters()) + list(module.buffers()):
                     if not t.is_meta:  # meta layers: equal on every rank as materialised (tp_init)
                         collectives.broadcast_data(t.detach(), 0, group)
-            if isinstance(self.plan, Mapping):
-                keys = matched_patterns(self.plan, module)
-                matched.update(dict.fromkeys(keys))
-                if keys:
-                    with warnings.catch_warnings():
-                        # "*" is tried against every child; what a pattern matches is
-                        # checked here over every stage (_refuse_unmatched) instead.
-                        warnings.filterwarnings("ignore", message="Parallelize plan key .* could "
-                                                "not be resolved")
-                        parallelize_module(module, self.tp_mesh, {k: self.plan[k] for k in keys})
-            else:
-                self.plan(module, self.tp_mesh)
+        matched: Dict[str, None] = {}
+        error: Optional[BaseException] = None
+        try:
+            for module in stages.values():
+                self._parallelize(module, matched)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            error = exc
+        payload = {"matched": list(matched)}
+        if error is None:
+            payload.update(layouts=tp_agree.layouts(stages), uneven=tp_agree.uneven(stages))
+        try:
+            gathered = collectives.gather_outcomes(
+                error, self.world, 2 * self.timeout, "applying the tensor_parallel plan",
+                payload=payload, names=self.names)
+        except (ValueError, RuntimeError) as exc:
+            raise type(exc)(
+                f"{exc}; a plan must do the same on every rank: a callable plan that raises or "
+                "differs on some ranks leaves its tp peers waiting in its collectives (they fail "
+                f"after timeout={self.timeout:g} s, naming them)") from exc
+        tp_agree.refuse_differences([g["layouts"] for g in gathered], self.names)
+        tp_agree.refuse_uneven(list({tuple(map(str, u)): u for g in gathered
+                                     for u in g["uneven"]}.values()))
         if isinstance(self.plan, Mapping):
-            self._refuse_unmatched(list(matched))
+            self._refuse_unmatched({k for g in gathered for k in g["matched"]})
 
-    def _refuse_unmatched(self, matched: List[str]) -> None:
-        found = {k for keys in collectives.all_gather_json(matched, self.pp_group) for k in keys}
+    def _parallelize(self, module: nn.Module, matched: Dict[str, None]) -> None:
+        """The plan applied to one stage: a dict's patterns that match its modules, each
+        rank cutting its own shards of the broadcast values (no communication), or the
+        callable."""
+        from torch.distributed.tensor.parallel import parallelize_module  # noqa: PLC0415 - only with tp
+
+        if not isinstance(self.plan, Mapping):
+            self.plan(module, self.tp_mesh)
+            return
+        keys = matched_patterns(self.plan, module)
+        matched.update(dict.fromkeys(keys))
+        if keys:
+            with warnings.catch_warnings():
+                # "*" is tried against every child; what a pattern matches is
+                # checked over every stage (_refuse_unmatched) instead.
+                warnings.filterwarnings("ignore", message="Parallelize plan key .* could "
+                                        "not be resolved")
+                parallelize_module(module, self.tp_mesh, {k: self.plan[k] for k in keys},
+                                   src_data_rank=None)
+
+    def _refuse_unmatched(self, found: Any) -> None:
         missing = [k for k in self.plan if k not in found]
         if missing:
             raise ValueError(
