@@ -14,7 +14,11 @@ order), with every flush schedule (the multi-chunk ones with 2 chunks per rank).
 cases clip (``pd.clip_grad_norm_`` against ``torch.nn.utils.clip_grad_norm_``), one runs
 pp1 x dp2 x tp2 and one pp2 x dp2 x tp1 (``data_parallel="replicate"``), one a ``("pp",
 "tp")`` mesh, one a callable plan; a slow launch runs pp2 x dp2 x tp2 on 8 ranks.
-What is not supported yet is refused by name (traced models: tests/test_tp_traced.py).
+What is not supported yet is refused by name (traced models: tests/test_tp_traced.py);
+so is, on every rank at construction, a plan that shards a dimension tp does not divide,
+or a callable plan that raises or splits a stage differently on one rank; a step after
+the first ``check_agreement`` whose tp ranks were given different batches fails on every
+rank when its loss is read.
 """
 from __future__ import annotations
 
@@ -339,60 +343,77 @@ def check_later_batches() -> None:
     pipe.close()
 
 
-def check_plan_agreement() -> None:
-    """What a plan made of the stages is compared over the mesh at construction: a
-    dimension split unevenly, a callable that raises on one rank (after or before its
-    collectives) or splits a stage differently there fails every rank, naming it."""
+def _row(row_id: str) -> str:
     from test_bad_input import ROWS
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    return next(r[2] for r in ROWS if r[0] == row_id)
+
+
+def _build(model: nn.Module, tensor_parallel: Any, timeout: float = 60, balance: Any = BALANCE) -> Any:
     import pipedream_ext as pd
 
-    def row(row_id: str) -> str:
-        return next(r[2] for r in ROWS if r[0] == row_id)
+    return pd.PipeDream(model, lm_loss, schedule="1f1b", microbatches=2, mesh=mesh_of((2, 1, 2)),
+                        timeout=timeout, tensor_parallel=tensor_parallel, balance=balance)
 
-    mesh = mesh_of((2, 1, 2))
-    rank = dist.get_rank()
 
-    def build(model: nn.Module, tensor_parallel: Any, timeout: float = 60, **kwargs: Any) -> Any:
-        return pd.PipeDream(model, lm_loss, schedule="1f1b", microbatches=2, mesh=mesh,
-                            timeout=timeout, tensor_parallel=tensor_parallel, **kwargs)
+def check_uneven_shards() -> None:
+    """A plan that shards a dimension tp does not divide is refused at construction on
+    every rank, naming the parameter, the dimension, its size and tp (torch's sharding
+    propagation failed on some ranks at the first step, their peers on a closed
+    connection)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     uneven = nn.Sequential(nn.Embedding(VOCAB, DIM), nn.Linear(DIM, 7), nn.ReLU(), nn.Linear(7, VOCAB))
-    with pytest.raises(ValueError, match=row("tp-uneven")) as info:
-        build(uneven, {"1": ColwiseParallel(), "3": RowwiseParallel()}, balance=[2, 2])
+    with pytest.raises(ValueError, match=_row("tp-uneven")) as info:
+        _build(uneven, {"1": ColwiseParallel(), "3": RowwiseParallel()}, balance=[2, 2])
     assert "'1.weight' (shape [7, 16]) on dim 0, of size 7, over tp=2" in str(info.value), str(info.value)
+
+
+def check_plan_raises() -> None:
+    """A callable plan that raises on one rank fails every rank at construction, naming
+    the rank and the exception: raised after its collectives, and before them (its tp
+    peer waits in the plan's scatter until timeout=, then every rank fails)."""
+    rank = dist.get_rank()
 
     def raises_after(stage: nn.Module, tp_mesh: Any) -> None:
         parallelize_blocks(stage, tp_mesh)
         if rank == 3:
             raise RuntimeError("plan failed on purpose")
 
-    def differs(stage: nn.Module, tp_mesh: Any) -> None:
-        if rank != 3:
-            return parallelize_blocks(stage, tp_mesh)
-        swapped = {k.removeprefix("*."): v for k, v in plan().items()}
-        swapped["attn.wo"] = ColwiseParallel()  # [16, 16]: as many bytes in the scatter
-        for child in stage.children():
-            if isinstance(child, Block):
-                parallelize_module(child, tp_mesh, swapped)
-
     def raises_before(stage: nn.Module, tp_mesh: Any) -> None:
         if rank == 3:
             raise RuntimeError("plan failed on purpose")
         parallelize_blocks(stage, tp_mesh)
 
-    with pytest.raises(RuntimeError, match=row("tp-plan-failed")) as info:
-        build(llama(), raises_after, balance=BALANCE)
-    assert "failed on rank 3 (pp 1, dp 0, tp 1): RuntimeError: plan failed on purpose" in str(info.value)
-    with pytest.raises(ValueError, match=row("tp-plan-differs")) as info:
-        build(llama(), differs, balance=BALANCE)
-    assert "'2.attn.wo.weight' is (Shard(dim=1),) over mesh ('tp',) on rank 2" in str(info.value)
-    assert "(Shard(dim=0),) over mesh ('tp',) on rank 3" in str(info.value), str(info.value)
-    # Last: rank 2 waits in its scatter for rank 3 until timeout=, then every rank fails.
-    with pytest.raises(RuntimeError, match=row("tp-plan-failed")) as info:
-        build(llama(), raises_before, timeout=3, balance=BALANCE)
-    assert "RuntimeError: plan failed on purpose" in str(info.value), str(info.value)
+    for fn, timeout in ((raises_after, 60), (raises_before, 3)):
+        with pytest.raises(RuntimeError, match=_row("tp-plan-failed")) as info:
+            _build(llama(), fn, timeout=timeout)
+        assert "3 (pp 1, dp 0, tp 1): RuntimeError" in str(info.value), str(info.value)
+        assert "RuntimeError: plan failed on purpose" in str(info.value), str(info.value)
+
+
+def check_plan_differs() -> None:
+    """A callable plan that splits a stage differently on one rank (wo column-wise
+    there: as many bytes in the scatter, so nothing fails on its own) is refused at
+    construction on every rank, naming the tensor, both placements and ranks."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    rank = dist.get_rank()
+
+    def differs(stage: nn.Module, tp_mesh: Any) -> None:
+        if rank != 3:
+            return parallelize_blocks(stage, tp_mesh)
+        swapped = {k.removeprefix("*."): v for k, v in plan().items()}
+        swapped["attn.wo"] = ColwiseParallel()
+        for child in stage.children():
+            if isinstance(child, Block):
+                parallelize_module(child, tp_mesh, swapped)
+
+    with pytest.raises(ValueError, match=_row("tp-plan-differs")) as info:
+        _build(llama(), differs)
+    text = str(info.value)
+    assert "'2.attn.wo.weight' is (Shard(dim=1),) over mesh ('tp',) on rank 2" in text, text
+    assert "(Shard(dim=0),) over mesh ('tp',) on rank 3" in text, text
 
 
 def cases(world: int) -> Cases:
@@ -415,7 +436,9 @@ def cases(world: int) -> Cases:
     c.add(check_stats_and_trace, name="stats-and-trace")
     c.add(check_refusals)
     c.add(check_later_batches)
-    c.add(check_plan_agreement)
+    c.add(check_uneven_shards)
+    c.add(check_plan_differs)
+    c.add(check_plan_raises)  # last: its tp peers time out in the plan's collective
     return c
 
 

@@ -88,6 +88,8 @@ class MeshPlan:
         tp_mesh: the 1-D mesh over this rank's tp group, on a group bounded by the
             pipeline's timeout (:meth:`create_groups`; with ``tensor_parallel`` only).
         timeout: the pipeline's timeout in seconds (:meth:`create_groups`).
+        plan_group: with ``tensor_parallel``, a group over every rank bounded by twice
+            the timeout, on which applying the plan is agreed (``TensorParallel.apply``).
     """
 
     mesh: Any
@@ -102,6 +104,7 @@ class MeshPlan:
     tensor_parallel: Any = None
     tp_mesh: Any = None
     timeout: float = 0.0
+    plan_group: Any = None
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -174,6 +177,9 @@ class MeshPlan:
                                                          mesh_dim_names=("dp",))
         if self.tensor_parallel is None:
             return
+        # Applying the plan is agreed on over the world with twice the timeout: a rank
+        # whose tp peer's plan raised before its collective waits that long in it first.
+        self.plan_group = bounded_group(self.world_ranks, 2 * timeout)
         tp_group = None
         for pp in range(len(self.pipelines[0])):
             for d in range(self.dp_size):
@@ -413,7 +419,7 @@ def _apply_tensor_parallel(plan: MeshPlan, stages: LocalStages) -> None:
     (``tp_tied.Ties``); meta layers (``stages.pending``) are parallelized on the meta
     device, then materialised shard by shard (``tp_init``)."""
     ties = Ties(stages[j] for j in stages)
-    TensorParallel(plan.tensor_parallel, plan.tp_mesh, plan.world_group, plan.names,
+    TensorParallel(plan.tensor_parallel, plan.tp_mesh, plan.plan_group, plan.names,
                    plan.timeout).apply(
         {j: stages[j] for j in stages})
     ties.restore()  # before materialisation: a tie's later use keeps the first's values

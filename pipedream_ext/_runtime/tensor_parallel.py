@@ -403,7 +403,8 @@ class TensorParallel:
     Args:
         plan: the ``tensor_parallel`` value.
         tp_mesh: the 1-D mesh over this rank's tp group.
-        world: the whole mesh's group (every rank agrees on the outcome, ``tp_agree``).
+        world: a group over the whole mesh bounded by twice the timeout (every rank
+            agrees on the outcome, ``tp_agree``).
         names: how messages name the mesh's ranks.
         timeout: the pipeline's timeout in seconds (a peer held in a callable plan's
             collective by a rank that raised is released after it: the exchange of
