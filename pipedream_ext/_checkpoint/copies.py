@@ -21,8 +21,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Tuple, Type
 
-import torch
-
 from .._dist import collectives
 from .._dist.fingerprint import tensor_digest
 from .view import PipelineView
