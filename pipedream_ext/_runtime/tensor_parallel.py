@@ -13,7 +13,12 @@ them in the unsplit model; a pattern matching no module of any stage is refused.
 
 Before the plan is applied every stage's parameters and buffers are broadcast from
 tp rank 0 (as DDP broadcasts rank 0's), so the tp ranks start from one model; the
-styles then shard (or replicate) from those values.
+styles then shard (or replicate) from those values, each rank cutting its own shards
+(``src_data_rank=None``: nothing is sent). Then one exchange over the mesh agrees on
+the outcome (``tp_agree``): a plan that raised on some rank, a stage split differently
+on two ranks or a dimension split unevenly fails every rank at construction. With
+``SequenceParallel`` styles every step's inputs must have a sequence length tp divides
+(:func:`check_sequence_length`).
 
 What a stage returns crosses the cut as it is, never gathered (``CutLayouts``): a
 plain tensor (replicated over tp after ``RowwiseParallel()``, a local sequence shard
