@@ -129,14 +129,29 @@ def check_sequence_length() -> None:
 
 
 class Uneven(nn.Module):
-    """Ends stage 0 with a DTensor sharded on a dim of odd size (dim 2 of [b, s, 7])."""
+    """Ends stage 0 with a DTensor sharded on a dim of odd size (dim 2 of [b, s, 7]: 4
+    and 3 columns), built from each tp rank's columns (a plan that shards a weight
+    unevenly is refused at construction, so only a forward can make one)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.proj = nn.Linear(DIM, 7)
+        self.tp_mesh: Any = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x)
+    def forward(self, x: torch.Tensor) -> Any:
+        from torch.distributed.tensor import DTensor, Shard
+
+        y = self.proj(x)
+        mine = y[..., :4] if self.tp_mesh.get_local_rank() == 0 else y[..., 4:]
+        return DTensor.from_local(mine.contiguous(), self.tp_mesh, (Shard(2),), run_check=False,
+                                  shape=y.shape, stride=y.stride())
+
+
+def give_mesh(stage: nn.Module, tp_mesh: Any) -> None:
+    """A callable plan: the Uneven layer gets the tp mesh."""
+    for module in stage.modules():
+        if isinstance(module, Uneven):
+            module.tp_mesh = tp_mesh
 
 
 def check_cannot_cross() -> None:
@@ -144,15 +159,12 @@ def check_cannot_cross() -> None:
     on the ranks that return it, naming stage, output, shape and fix; the ranks waiting
     for it fail after the timeout naming that first failure."""
     from test_bad_input import ROWS as BAD
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel
 
     import pipedream_ext as pd
 
     model = nn.Sequential(nn.Embedding(32, DIM), Uneven(), nn.Linear(7, 32))
     pipe = pd.PipeDream(model, lm_loss, schedule="1f1b", microbatches=2, mesh=mesh_of((2, 1, 2)),
-                        balance=[2, 1], timeout=5, tensor_parallel={
-                            "1.proj": ColwiseParallel(output_layouts=Shard(2), use_local_output=False)})
+                        balance=[2, 1], timeout=5, tensor_parallel=give_mesh)
     x, y = batch(0)
     with pytest.raises(Exception) as info:
         pipe.step(x, y)
