@@ -111,9 +111,9 @@ def check_mismatch() -> None:
 
 
 def check_sequence_length() -> None:
-    """A sequence length tp does not divide is refused on every rank before the forward
-    (Gloo's all-gather of the unequal sequence shards aborted the process); the pipeline
-    then trains on a divisible length."""
+    """A sequence length tp does not divide is refused on every rank before the forward,
+    by step() and forward_only() (Gloo's all-gather of the unequal sequence shards
+    aborted the process); the pipeline then trains on a divisible length."""
     from test_bad_input import ROWS as BAD
 
     import pipedream_ext as pd
@@ -121,8 +121,11 @@ def check_sequence_length() -> None:
     pipe = pd.PipeDream(llama(), lm_loss, schedule="1f1b", microbatches=2, mesh=mesh_of((2, 1, 2)),
                         balance=[2, 3], timeout=30, tensor_parallel=sp_plan())
     x, y = batch(0)
-    with pytest.raises(ValueError, match=next(r[2] for r in BAD if r[0] == "tp-sequence-length")):
+    row = next(r[2] for r in BAD if r[0] == "tp-sequence-length")
+    with pytest.raises(ValueError, match=row):
         pipe.step(x[:, :5], y[:, :5])
+    with pytest.raises(ValueError, match=row):
+        pipe.forward_only(x[:, :5])
     assert all(p.grad is None for p in pipe.parameters())
     assert float(pipe.step(x[:, :4], y[:, :4])) > 0
     pipe.close()

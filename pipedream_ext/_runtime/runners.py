@@ -52,6 +52,7 @@ from .stage_call import (
     split_microbatches,
 )
 from .step_loss import StepLoss
+from .tensor_parallel import check_sequence_length
 from .tied_grads import SharedGradients
 
 __all__ = ["Runner", "FlushRunner", "AsyncRunner", "make_runner"]
@@ -350,8 +351,8 @@ class Runner:
         all-reduce of stage 0's batch size and of a failure flag.
 
         Raises:
-            ValueError: a bad ``output_batch_dim``, missing inputs or a batch that
-                cannot be cut, on any rank (raised on every rank).
+            ValueError: a bad ``output_batch_dim``, missing inputs, a batch that cannot
+                be cut or a sequence length tp cannot split, on any rank (raised on every rank).
         """
         error: Optional[BaseException] = None
         chunks: List[Tuple[torch.Tensor, ...]] = []
@@ -359,6 +360,9 @@ class Runner:
         try:
             self._require(inputs, self.is_first, "inputs", "forward_only()")
             check_output_batch_dim(output_batch_dim)
+            if self.is_first and self.data_parallel is not None:  # before Gloo's uneven all-gather
+                plan = self.data_parallel.plan
+                check_sequence_length(plan.tensor_parallel, plan.tp_size, inputs)
             if runs and self.is_first:
                 chunks = self._split(inputs, "inputs", self.config.microbatches)  # type: ignore[arg-type]
                 batch = sum(c[0].shape[0] for c in chunks)
