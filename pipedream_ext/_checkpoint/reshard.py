@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .._dist import collectives
+from . import copies
 from .view import Pipeline
 
 __all__ = ["load_parts", "key_shapes", "gather_by_name", "copy_into_stages", "split_state_dict",
@@ -229,7 +230,8 @@ def load_parts(pipe: Pipeline, split: Callable[[Any], Tuple[StageStates, List[st
 
     Raises:
         ValueError, RuntimeError: on every rank, what any rank's ``split`` raised (or a
-            peer that did not arrive within the pipeline's timeout).
+            peer that did not arrive within the pipeline's timeout); ``ValueError``:
+            copies of one tensor (tied, replicated) would differ (``copies.check_copies``).
     """
     view = pipe.checkpoint_view
     if view.asynchronous:
@@ -243,6 +245,7 @@ def load_parts(pipe: Pipeline, split: Callable[[Any], Tuple[StageStates, List[st
     except Exception as exc:  # noqa: BLE001 - reported to every rank
         error = exc
     collectives.raise_if_any_failed(error, view.group, view.timeout, what)
+    copies.check_copies(view, parts, what)
     # strict=False: a non-strict load leaves the keys the source lacks as they are.
     copy_into_stages(view.stages, parts, strict=False)
     return IncompatibleKeys(missing, unexpected)

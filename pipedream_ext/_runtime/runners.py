@@ -54,6 +54,7 @@ from .stage_call import (
     split_microbatches,
 )
 from .step_loss import StepLoss
+from .tensor_parallel import check_sequence_length
 from .tied_grads import SharedGradients
 
 __all__ = ["Runner", "FlushRunner", "AsyncRunner", "make_runner"]
@@ -352,8 +353,8 @@ class Runner:
         all-reduce of stage 0's batch size and of a failure flag.
 
         Raises:
-            ValueError: a bad ``output_batch_dim``, missing inputs or a batch that
-                cannot be cut, on any rank (raised on every rank).
+            ValueError: a bad ``output_batch_dim``, missing inputs, a batch that cannot
+                be cut or a sequence length tp cannot split, on any rank (raised on every rank).
         """
         error: Optional[BaseException] = None
         chunks: List[Tuple[torch.Tensor, ...]] = []
@@ -361,6 +362,9 @@ class Runner:
         try:
             self._require(inputs, self.is_first, "inputs", "forward_only()")
             check_output_batch_dim(output_batch_dim)
+            if self.is_first and self.data_parallel is not None:  # before Gloo's uneven all-gather
+                plan = self.data_parallel.plan
+                check_sequence_length(plan.tensor_parallel, plan.tp_size, inputs)
             if runs and self.is_first:
                 chunks = self._split(inputs, "inputs", self.config.microbatches)  # type: ignore[arg-type]
                 batch = sum(c[0].shape[0] for c in chunks)
@@ -478,6 +482,9 @@ class FlushRunner(Runner):
         # over ranks finishes in the background; reading the loss waits for it.
         local = sum(float(l) for l in losses if l is not None) / loss_scale if self.is_last else 0.0
         rows = int(as_tuple(inputs)[0].shape[0]) if self.is_first else None
+        if self.mesh_steps is not None:  # with tp: the batch's fingerprints, checked over tp
+            self.mesh_steps.note_batch(inputs if self.is_first else None,
+                                       targets if self.is_last else None)
         return self._batch_loss(context, local / self.loss_divisor, rows)
 
     def _batch_tokens(self, targets: Any) -> int:
