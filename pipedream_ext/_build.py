@@ -116,6 +116,7 @@ class BuiltPipeline:
         runner: drives the executor step by step.
         agreement: the check of the first calls' batches on every rank.
         data_parallel: data parallelism over a mesh's ``dp`` dimension, else ``None``.
+        deferred: the model was built on the meta device (deferred initialisation).
     """
 
     config: PipelineConfig
@@ -133,6 +134,7 @@ class BuiltPipeline:
     runner: Runner
     agreement: StepAgreement
     data_parallel: Optional[DataParallel] = None
+    deferred: bool = False
 
 
 def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
@@ -208,7 +210,7 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
               schedule.num_stages, config.schedule, config.microbatches)
     return BuiltPipeline(config, device, cut.traced, cut.plan, cut.shared_parameters,
                          model_shapes, action_feed, schedule, groups, stages, observer, stage_fn,
-                         runner, agreement, data_parallel)
+                         runner, agreement, data_parallel, prepared.deferred)
 
 
 def _unwrap_compiled(args: PipelineArguments) -> Tuple[PipelineArguments, Optional[Callable[..., Any]]]:

@@ -36,6 +36,7 @@ from ._runtime.loss_scaling import attach_grad_scaler
 from ._runtime.options import ClipOption, PipelineOptions, document, from_call, keyword_options
 from ._runtime.stage_call import NonFiniteError, Tensors
 from ._runtime.step_loss import StepLoss
+from ._runtime.unset_check import UnsetCheck
 from .planner import Plan
 
 __all__ = ["ASYNCHRONOUS_SCHEDULES", "SYNCHRONOUS_SCHEDULES", "ClipOption", "NonFiniteError", "PipeDream",
@@ -116,6 +117,9 @@ class PipeDream:
         self._schedule, self._groups, self._stages = built.schedule, built.groups, built.stages
         self._observer, self._stage_fn = built.observer, built.stage_fn
         self._runner, self._agreement = built.runner, built.agreement
+        # A meta-built model: the first call refuses tensors nothing set (init_fn, partial loads).
+        self._unset = UnsetCheck(lambda: self.module, built.agreement.group, built.config.timeout,
+                                 built.deferred, built.agreement.names)
 
     # -- what the pipeline is: read-only, from what build_pipeline made ------------------
     @property
@@ -252,6 +256,14 @@ class PipeDream:
         """This rank's parameters, named as in the original model."""
         return self.module.named_parameters()
 
+    def buffers(self) -> Iterator[torch.Tensor]:
+        """Buffers of this rank's stages."""
+        return self.module.buffers()
+
+    def named_buffers(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """This rank's buffers, named as in the original model."""
+        return self.module.named_buffers()
+
     def state_dict(self) -> Dict[str, torch.Tensor]:
         """This rank's weights keyed by the original model's names."""
         return self.module.state_dict()
@@ -284,12 +296,15 @@ class PipeDream:
 
         Raises:
             ValueError: on every rank: unexpected keys, missing keys (naming the
-                stage), or a shape that differs (naming the key and both shapes); a
-                path of another format (a checkpoint directory: ``pd.load_checkpoint``).
+                stage), or a shape that differs (naming the key and both shapes); values
+                on the meta device (naming them); a path of another format (a
+                checkpoint directory: ``pd.load_checkpoint``). A load that leaves tensors of a
+                meta-built model unset logs a warning naming them (the first step refuses them).
         """
-        if isinstance(state_dict, (str, os.PathLike)):
-            return load_path(self, state_dict, strict)
-        return reshard.load_state_dict(self, state_dict, strict)
+        loaded = load_path(self, state_dict, strict) if isinstance(state_dict, (str, os.PathLike)) \
+            else reshard.load_state_dict(self, state_dict, strict)
+        self._unset.after_load("load_state_dict")
+        return loaded
 
     def train(self, mode: bool = True) -> "PipeDream":
         self.module.train(mode)
@@ -330,7 +345,9 @@ class PipeDream:
 
         Raises:
             ValueError: inputs or targets missing where needed, a batch smaller than
-                ``microbatches``, or an optimizer missing (asynchronous) or passed (flush).
+                ``microbatches``, or an optimizer missing (asynchronous) or passed (flush);
+                on every rank, a model built on the meta device with tensors nothing set
+                (naming each rank's).
         """
         self._runner.step_calls += 1  # every call, those that raise too (a mesh compares them)
         return self._runner.step(self._agreed("step", inputs, targets), targets, optimizer)
@@ -374,6 +391,7 @@ class PipeDream:
             model_io.positional_inputs(self.traced.input_names, inputs, f"{call}()")
         self._agreement.check(call, given, targets,
                               lambda: self._runner.validate(call, given, targets))
+        self._unset.check(call)
         return given
 
     def grad_scaler(self, **kwargs: Any) -> Any:

@@ -89,6 +89,12 @@ ROWS: List[Tuple[str, str, str, str]] = [
      r"layer 0 \('0'\): init_fn assigned the buffer '0\.tab' a tensor of shape \[3, 4\] and dtype "
      r"torch\.float32, but the model built on the meta device has shape \[2, 4\]",
      "tests/test_units.py::test_initialisation_may_assign_a_buffer_anew"),
+    ("meta-unset-at-step", "a tensor of a meta-built model nothing set: `init_fn` skipped it and no "
+     "`load_state_dict` (or a partial one, `strict=False`) brought it",
+     r"step\(\): tensors built on the meta device were never set \(they still hold the NaN, for "
+     r"integers the 0xA5 bytes, every new tensor starts as\): rank 0: '0\.bias', '2\.bias'; rank 1: "
+     r"'4\.bias', '6\.bias', '7\.bias'; nothing set them",
+     "tests/test_deferred_init.py::test_meta_pipelines_train_like_the_unsplit_model_and_refuse_bad_input"),
     ("state-dict-unexpected", "`load_state_dict` with another model's state dict",
      r"the state dict has 3 key\(s\) this model does not have: '1\.weight', '1\.bias', 'head\.bias'",
      "tests/test_deferred_init.py::test_meta_pipelines_train_like_the_unsplit_model_and_refuse_bad_input"),
@@ -96,6 +102,13 @@ ROWS: List[Tuple[str, str, str, str]] = [
      r"the state dict lacks 1 key\(s\) of stage 1 \(layers 4-7\): '6\.bias' \(missing keys\)", "tests/test_deferred_init.py::test_meta_pipelines_train_like_the_unsplit_model_and_refuse_bad_input"),
     ("state-dict-shape", "`load_state_dict` with a tensor of another shape",
      r"'7\.weight' has shape \[4, 12\] but this model's is \[3, 12\]", "tests/test_deferred_init.py::test_meta_pipelines_train_like_the_unsplit_model_and_refuse_bad_input"),
+    ("state-dict-meta", "`load_state_dict` with the state dict of a model built on the meta device (any `strict`)",
+     r"state dict entries '0\.weight', '0\.bias', '2\.weight', '2\.bias', '3\.weight', '3\.bias', "
+     r"'3\.running_mean', '3\.running_var' and 7 more are on the meta device, which has shapes but no values",
+     "tests/test_deferred_init.py::test_a_meta_models_state_dict_is_refused_naming_its_entries"),
+    ("load-copies", "`load_state_dict` (or `load_checkpoint`) that would leave copies of one tensor different: a state dict whose replicated norm weight differs per tp rank, or different values under two names of a tied parameter",
+     r"the copies of '[\w.]+'( \(shard [\w=,]+\))? would differ after the load \(.*\); they are one tensor \(tied, replicated over dp or tp, or one shard held by several ranks\) and would train apart",
+     "tests/test_tp_checkpoint.py::test_tensor_parallel_checkpoints"),
     ('hf-unexpected', "`pipe.load_state_dict(hf_dir)` with another model's weights (or `LlamaModel`'s for a `LlamaForCausalLM`)",
      r"holds 38 tensor\(s\) this model does not have: 'embed_tokens.weight'", 'tests/test_hf_weights.py::test_unexpected_and_mis_shaped_keys_are_named'),
     ('hf-missing', "`pipe.load_state_dict(hf_dir)` lacking a tensor of a stage (an untied head given a tied model's files)",
@@ -106,10 +119,29 @@ ROWS: List[Tuple[str, str, str, str]] = [
      r"is not a safetensors index \(no 'weight_map'", 'tests/test_hf_weights.py::test_index_is_parsed_and_a_bad_one_named'),
     ('hf-shard-missing', 'a shard the index lists is not in the directory',
      r'is missing: .* lists it in model.safetensors.index.json but it is not there', 'tests/test_hf_weights.py::test_a_shard_the_index_lists_must_be_there'),
+    ("hf-damaged", "a damaged `.safetensors` file (truncated, a huge header, overlapping offsets, a pickle renamed)",
+     r"is not a readable safetensors file \(reading tensor 'model\.norm\.weight'\): .*download or copy it again",
+     "tests/test_hf_weights.py::test_a_damaged_safetensors_file_is_named_with_the_tensor"),
     ('hf-not-weights', '`pd.detect` (and `pipe.load_state_dict`) of a path that is no checkpoint, Hugging Face directory or torch file',
      r'not a format pipedream_ext reads; pass a checkpoint directory', 'tests/test_hf_weights.py::test_detect_names_each_format'),
-    ('hf-out-dir', '`pd.save_pretrained` or `consolidate(format="hf")` into a directory holding other files',
-     r'holds files and no Hugging Face weights .* pass an empty', 'tests/test_hf_weights.py::test_a_state_dict_written_for_from_pretrained'),
+    ('hf-out-dir', '`pd.save_pretrained` or `consolidate(format="hf")` into a directory holding other files '
+     "(a tokenizer, a README, `runs/`, a project's `src/` with `out_dir=\".\"`) or a previous save (which was "
+     "replaced whole, those files with it)",
+     r"none: the model's files are added and the others kept; only the previous save's "
+     r"model-\*-of-\*\.safetensors the new index does not name are removed",
+     'tests/test_hf_weights.py::test_save_pretrained_into_a_project_on_one_rank'),
+    ('hf-out-file', '`pd.save_pretrained` or `consolidate(format="hf")` with `out_dir` an existing file',
+     r'exists and is not a directory; pass a directory \(new, or one to add the model\'s files to\)',
+     'tests/test_hf_weights.py::test_out_dir_through_a_link_and_the_refusals'),
+    ('hf-out-link', '`out_dir` a symbolic link to a directory that does not exist (a link to a directory is '
+     'written through and stays a link)',
+     r'is a symbolic link to .*, which does not exist; create that directory or pass another out_dir',
+     'tests/test_hf_weights.py::test_out_dir_through_a_link_and_the_refusals'),
+    ('hf-out-single', "`out_dir` holds a `model.safetensors` (transformers' single-file save), which "
+     "`from_pretrained` would load instead of the new shards",
+     r'holds model\.safetensors \(a single-file save\), which from_pretrained would load instead of the new '
+     r'shards and model\.safetensors\.index\.json; move or delete it',
+     'tests/test_hf_weights.py::test_out_dir_through_a_link_and_the_refusals'),
     ('consolidate-format', '`pd.consolidate(ckpt, format="safetensors")`, or `format="hf"` without `out_dir`',
      r"consolidate\(format='safetensors'\): use format=None", 'tests/test_hf_weights.py::test_consolidate_arguments_are_checked'),
     # -- world, balance, replicas (2 ranks)
@@ -181,8 +213,12 @@ ROWS: List[Tuple[str, str, str, str]] = [
      r"loss_fn's loss_sum averages over the batch.*sum over the tokens \(reduction='sum'\)",
      "tests/test_token_loss.py::test_token_mean_matches_the_unsplit_model"),
     ("tokens-none", "`loss_reduction='tokens'` on a batch without tokens (every target `-100`, on "
-     "every dp rank)", r"the batch holds no tokens: tokens_fn counted 0 in every microbatch",
+     "every dp rank), at any step", r"step\(\) number \d+: the batch holds no tokens: tokens_fn "
+     r"counted 0 in every microbatch.*nothing ran on any rank",
      "tests/test_token_loss.py::test_token_mean_matches_the_unsplit_model"),
+    ("tokens-fn-count", "`loss_reduction='tokens'` with a `tokens_fn` returning inf, NaN, a negative "
+     "or a fractional count, at any step", r"tokens_fn counted inf tokens in microbatch 0; a token "
+     r"count is a whole number >= 0", "tests/test_token_loss.py::test_token_mean_matches_the_unsplit_model"),
     ("tokens-count", "`loss_reduction='tokens'` with a `loss_fn` whose `n_tokens` is not what "
      "`tokens_fn` counts (a loss that shifts its labels, the default `tokens_fn`)",
      r"loss_fn returned n_tokens=\d+ for microbatch \d, but tokens_fn counted \d+ tokens in its "
@@ -334,6 +370,19 @@ ROWS: List[Tuple[str, str, str, str]] = [
      r"checkpoint but [4, 12] in this model / holds the state of a torch.optim.sgd.SGD, not of a "
      r"torch.optim.adam.Adam",
      "tests/test_checkpoint_dcp.py::test_dcp_resume_on_other_world_sizes_and_failures"),
+    ("dcp-untrusted-metadata", "a DCP checkpoint whose `.metadata` pickle references anything but DCP's "
+     "metadata classes (a crafted payload)",
+     r"\.metadata \(DCP metadata\) was refused: it references io\.open, which is not a class of DCP metadata",
+     "tests/test_checkpoint_dcp.py::test_an_untrusted_dcp_checkpoint_runs_no_code"),
+    ("dcp-untrusted-value", "a DCP checkpoint storing a value, or a model tensor declared as bytes, as a pickled payload",
+     r"the value of 'optim\.param_groups\.0\.weight\.lr' cannot be loaded with torch\.load\(weights_only=True\) / "
+     r"'0\.weight' is stored as BytesStorageMetadata, not as a tensor",
+     "tests/test_checkpoint_dcp.py::test_an_untrusted_dcp_checkpoint_runs_no_code"),
+    ("checkpoint-outside", "a checkpoint whose DCP metadata points to a data file outside it, or whose file or DCP "
+     "directory is a symbolic link out of it",
+     r"stores '0\.weight' in '\.\./\.\./outside/__0_0\.distcp', which is not a data file .*manifest\.json lists / "
+     r"is a symbolic link to .*, outside .*: copy the file in instead of linking it",
+     "tests/test_checkpoint_dcp.py::test_an_untrusted_dcp_checkpoint_runs_no_code"),
     ("dcp-async-failed", "the next save after an asynchronous save that failed",
      r"the asynchronous save of CKPT (generation 3) failed: ...",
      "tests/test_checkpoint_dcp.py::test_dcp_resume_on_other_world_sizes_and_failures"),
@@ -373,6 +422,15 @@ ROWS: List[Tuple[str, str, str, str]] = [
     ('tp-plan-unmatched', "a `tensor_parallel` plan pattern that names no module of any stage (`'*.attn.wz'`)",
      r"tensor_parallel pattern '[^']+' matches no module of any stage; patterns are fnmatch patterns over the original model's module names",
      'tests/test_tensor_parallel.py::test_tensor_parallel_matches_the_unsplit_model'),
+    ('tp-plan-failed', "a `tensor_parallel` callable plan that raises on some ranks (before or after its own collectives)",
+     r"applying the tensor_parallel plan failed on ranks? .*; a plan must do the same on every rank: a callable plan that raises or differs on some ranks leaves its tp peers waiting",
+     'tests/test_tensor_parallel.py::test_tensor_parallel_matches_the_unsplit_model'),
+    ('tp-plan-differs', "a `tensor_parallel` callable plan that splits a stage differently on one rank (reads the rank)",
+     r"tensor_parallel split stage \d+ differently on its ranks: '[\w.]+' is .* on rank \d+ .* but .* on rank \d+ .*; a plan must split every stage alike on every rank",
+     'tests/test_tensor_parallel.py::test_tensor_parallel_matches_the_unsplit_model'),
+    ('tp-uneven', "a `tensor_parallel` plan that shards a dimension tp does not divide (`ColwiseParallel()` on a `Linear(16, 7)` over tp=2)",
+     r"tensor_parallel shards '[\w.]+' \(shape \[\d+, \d+\]\) on dim \d, of size \d+, over tp=2, which does not divide it evenly.*: torch's sharding propagation then fails on some ranks only",
+     'tests/test_tensor_parallel.py::test_tensor_parallel_matches_the_unsplit_model'),
     ('tp-plan-type', "a `tensor_parallel` plan value that is not a `ParallelStyle` (`{'*.attn.wq': 'colwise'}`), or a plan that is neither a dict nor a callable",
      r"tensor_parallel(\[.*\] = .*: a plan maps module-name patterns \(str, e\.g\. '\*\.attn\.wq'\) to torch ParallelStyles|=.*; give a dict \{pattern: ParallelStyle\} or a callable fn\(stage_module, tp_mesh\))",
      'tests/test_tensor_parallel.py::test_tensor_parallel_matches_the_unsplit_model'),
@@ -400,8 +458,14 @@ ROWS: List[Tuple[str, str, str, str]] = [
     ('tp-batch', 'the tp ranks of a dp coordinate given different batches (first steps)',
      r"the tp ranks of dp coordinate 0 were given different inputs \(fingerprints: .*\); tensor parallelism splits the weights, not the batch",
      'tests/test_tensor_parallel.py::test_tensor_parallel_matches_the_unsplit_model'),
+    ('tp-batch-later', 'the tp ranks of a dp coordinate given different batches after the first `check_agreement` steps',
+     r"step\(\) number \d+: the tp ranks of dp coordinate 0 were given different inputs \(fingerprints: tp 0 \(ranks .*\) [0-9a-f]+, tp 1 \(ranks .*\) [0-9a-f]+\), so each tp rank trained its shards on another batch",
+     'tests/test_tensor_parallel.py::test_tensor_parallel_matches_the_unsplit_model'),
     ('tp-cut-placement', "a `DTensor` crossing a cut with another placement than the style on the receiving stage's first module declares (`PrepareModuleInput(input_layouts=Replicate())` after a `SequenceParallel()` norm)",
      r"stage 1 receives output 0 of stage 0 as a DTensor with Shard\(dim=1\), but its first module '4' has PrepareModuleInput with input_layouts Replicate\(\): make the plan agree on the cut",
+     'tests/test_tp_sequence.py::test_sequence_parallel_across_cuts'),
+    ('tp-sequence-length', 'a batch whose sequence length (dim 1 of the inputs) tp does not divide with a `SequenceParallel` style in the `tensor_parallel` plan',
+     r"inputs have sequence length 5 \(dim 1 of shape \[8, 5\]\), which does not split evenly over tp=2: tensor_parallel's SequenceParallel styles shard the sequence over the tp ranks in equal parts; use a sequence length divisible by 2 \(pad it to 6\)",
      'tests/test_tp_sequence.py::test_sequence_parallel_across_cuts'),
     ('tp-cut-dtensor', "a `DTensor` at a cut that cannot cross: sharded unevenly, over another mesh than `mesh['tp']`, another placement than `Replicate`/`Shard`/`Partial`, or placements that change between forwards",
      r"stage 0 returns a DTensor \(output 0, placements \(Shard\(dim=2\),\), shape .*\): dim 2 \(7\) does not split evenly over tp=2; the receiving stage rebuilds the DTensor from its local shard",

@@ -567,6 +567,45 @@ def test_killed_save_leaves_a_loadable_checkpoint(tmp_path) -> None:
     assert extra == {"step": step}
 
 
+def test_only_what_a_save_wrote_is_deleted(tmp_path, group) -> None:
+    """The clean-up after a save (superseded generations) and after a failed save (its
+    generation) deletes files and DCP directories this package wrote, never an entry
+    of the user's that looks like one: a link, a directory holding other files, a file
+    where we write a directory, a name with fewer digits than ours."""
+    import pipedream_ext as pd
+    from pipedream_ext._checkpoint import generations
+
+    ckpt, elsewhere = tmp_path / "ckpt", tmp_path / "mine.pt"
+    ckpt.mkdir()
+    elsewhere.write_text("mine")
+    user = {"g1-dcp/notes.txt": "x", "g000001-dcp/notes.txt": "x", "g000001-extra.pt/x": "x",
+            "g000001-stage000-optim.pt.tmp/x": "x", "g2-stage0-model.pt": "x", "g000003-dcp": "x"}
+    for name, text in user.items():
+        (ckpt / name).parent.mkdir(parents=True, exist_ok=True)
+        (ckpt / name).write_text(text)
+    os.symlink(elsewhere, ckpt / "g000001-stage000-model.pt")
+    torch.manual_seed(0)
+    pipe = pd.PipeDream(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), F.cross_entropy,
+                        schedule="1f1b", microbatches=1)
+    for fmt in ("pipedream", "pipedream", "dcp", "dcp", "pipedream"):  # each supersedes the one before
+        info = pd.save_checkpoint(ckpt, pipe, format=fmt)
+    assert info.generation == 8  # after the user's g000003-dcp
+    theirs = {name.split("/")[0] for name in user} | {"g000001-stage000-model.pt"}
+    assert set(os.listdir(ckpt)) == theirs | {"manifest.json", "g000008-stage000-model.pt"}
+    (ckpt / "g000009-stage000-model.pt.tmp").write_bytes(b"partial")
+    (ckpt / "g000009-dcp").mkdir()
+    (ckpt / "g000009-dcp" / "__0_0.distcp").write_bytes(b"partial")
+    for generation in (1, 3, 9):  # a failed save's clean-up
+        generations.remove_generation(str(ckpt), generation)
+    assert not (ckpt / "g000009-stage000-model.pt.tmp").exists() and not (ckpt / "g000009-dcp").exists()
+    for name, text in user.items():
+        assert (ckpt / name).read_text() == text, name
+    assert os.readlink(ckpt / "g000001-stage000-model.pt") == str(elsewhere) and elsewhere.read_text() == "mine"
+    state = pd.consolidate(ckpt)
+    for key, value in pipe.state_dict().items():
+        assert torch.equal(state[key], value), key
+
+
 if __name__ == "__main__":
     if os.environ.get("PDCKPT_PHASE") == "kill-loop":
         torch.set_num_threads(1)

@@ -31,7 +31,7 @@ import re
 import shutil
 import subprocess
 import sys
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 import torch
@@ -683,6 +683,220 @@ def test_async_save_pending_at_exit_is_finished_or_named(tmp_path, monkeypatch) 
                          r"checkpoint; call its result\(\) or pipe\.close\(\) on every rank", output), output
         assert "RuntimeWarning" in output, output
         assert manifest["generation"] == 1 and manifest["step"] == 1, (manifest, output)
+
+
+# --------------------------------------------------------------------------- untrusted files (1 rank, here)
+class _Payload:
+    """Unpickled by pickle (or torch.load(weights_only=False)), it creates ``marker``."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (open, (self.marker, "w"))
+
+
+def _rehash(ckpt: str, name: str) -> None:
+    """Records ``name`` of the DCP directory in the manifest with its size and sha256, as an
+    attacker who hands out the checkpoint would: the manifest's checks pass."""
+    from pipedream_ext._checkpoint import durable_io
+
+    with open(os.path.join(ckpt, "manifest.json")) as f:
+        manifest = json.load(f)
+    full = os.path.join(dcp_dir(ckpt), name)
+    manifest["dcp"]["files"][name] = {"bytes": os.path.getsize(full), "sha256": durable_io.sha256_of(full)}
+    with open(os.path.join(ckpt, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+
+
+def _edit_metadata(ckpt: str, edit: Callable[[Any], None]) -> None:
+    """Rewrites the checkpoint's DCP metadata after ``edit`` (a file this test saved)."""
+    import pickle
+
+    path = os.path.join(dcp_dir(ckpt), ".metadata")
+    with open(path, "rb") as f:
+        metadata = pickle.load(f)
+    edit(metadata)
+    with open(path, "wb") as f:
+        pickle.dump(metadata, f)
+    _rehash(ckpt, ".metadata")
+
+
+def _payload_file(ckpt: str, marker: str, fqns: List[str], tensor: bool = False) -> None:
+    """Stores ``fqns`` in a new data file holding a pickled payload, as DCP stores a
+    non-tensor value (``torch.save`` bytes); ``tensor=True`` also declares them bytes."""
+    import io as _io
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    buffer = _io.BytesIO()
+    torch.save(_Payload(marker), buffer)
+    with open(os.path.join(dcp_dir(ckpt), "__9_0.distcp"), "wb") as f:
+        f.write(buffer.getvalue())
+    _rehash(ckpt, "__9_0.distcp")
+
+    def edit(metadata: Any) -> None:
+        for fqn in fqns:
+            if tensor:
+                metadata.state_dict_metadata[fqn] = BytesStorageMetadata()
+            for index in [i for i in metadata.storage_data if i.fqn == fqn]:
+                del metadata.storage_data[index]
+            metadata.storage_data[MetadataIndex(fqn)] = _StorageInfo("__9_0.distcp", 0, len(buffer.getvalue()))
+    _edit_metadata(ckpt, edit)
+
+
+class _Untrusted:
+    """A genuine 1-rank DCP checkpoint (Adam: its hyperparameters are stored as bytes) and
+    a pipeline to load damaged copies into."""
+
+    def __init__(self, root: str) -> None:
+        import pipedream_ext as pd
+
+        self.root = root
+        pipe, opt, _ = build(dict(ADAM, balance=[8]))
+        train(pipe, opt, range(1))
+        self.good = os.path.join(root, "good")
+        pd.save_checkpoint(self.good, pipe, opt, step=1, format="dcp")
+        self.plain = os.path.join(root, "plain")  # format="pipedream": one torch.save file per stage
+        pd.save_checkpoint(self.plain, pipe, opt, step=1)
+        self.saved = {k: v.clone() for k, v in pipe.state_dict().items()}
+        self.betas = opt.param_groups[0]["betas"]
+        self.pipe, self.opt, _ = build(dict(ADAM, balance=[8]), seed=9)
+        self.weight = next(k for k in self.saved if k.endswith("weight"))
+        self.outside = os.path.join(root, "outside")  # a copy of the data files, elsewhere
+        shutil.copytree(dcp_dir(self.good), self.outside)
+        self.data = next(n for n in sorted(os.listdir(self.outside)) if n.endswith(".distcp"))
+
+    def copy(self, name: str) -> str:
+        shutil.copytree(self.good, os.path.join(self.root, name), symlinks=True)
+        return os.path.join(self.root, name)
+
+    def failures(self, bad: str, pattern: str, entry_points: str, marker: str) -> List[str]:
+        """What each entry point (c: pd.consolidate, x: the CLI, l: pd.load_checkpoint) did
+        wrong with ``bad``: no error, another message, the payload ran, a changed pipeline."""
+        import pipedream_ext as pd
+        from pipedream_ext import CheckpointError
+
+        def cli() -> None:
+            result = subprocess.run([sys.executable, "-m", "pipedream_ext", "consolidate", bad, "-o",
+                                     os.path.join(self.root, "out.pt")], capture_output=True, text=True,
+                                    cwd=ROOT, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+            if result.returncode != 2:
+                raise AssertionError(f"exit {result.returncode}: {result.stderr.strip()[-300:]}")
+            raise CheckpointError(result.stderr)  # the message, checked as the others
+
+        before = {k: v.clone() for k, v in self.pipe.state_dict().items()}
+        calls = {"c": ("pd.consolidate", lambda: pd.consolidate(bad)), "x": ("the CLI", cli),
+                 "l": ("pd.load_checkpoint", lambda: pd.load_checkpoint(bad, self.pipe, self.opt))}
+        wrong = []
+        for key in entry_points:
+            what, call = calls[key]
+            try:
+                call()
+                wrong.append(f"{what}: no error")
+            except CheckpointError as exc:
+                if not re.search(pattern, str(exc)):
+                    wrong.append(f"{what}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - listed
+                wrong.append(f"{what}: {type(exc).__name__}: {exc}")
+            if os.path.exists(marker):
+                wrong.append(f"{what}: the payload ran")
+                os.remove(marker)
+        if any(not torch.equal(v, before[k]) for k, v in self.pipe.state_dict().items()):
+            wrong.append("pd.load_checkpoint changed the pipeline")
+        return wrong
+
+
+@pytest.fixture(scope="module")
+def untrusted(group: dist.ProcessGroup, tmp_path_factory: pytest.TempPathFactory) -> _Untrusted:
+    return _Untrusted(str(tmp_path_factory.mktemp("untrusted")))
+
+
+def _pickle_metadata(u: _Untrusted, marker: str) -> Tuple[str, str, str]:
+    bad = u.copy("pickle")
+    with open(os.path.join(dcp_dir(bad), ".metadata"), "wb") as f:
+        f.write(__import__("pickle").dumps(_Payload(marker)))
+    _rehash(bad, ".metadata")
+    return bad, (r"pickle/g000001-dcp/\.metadata \(DCP metadata\) was refused: it references io\.open, "
+                 r"which is not a class of DCP metadata.*nothing of it was run"), "cxl"
+
+
+def _pickled_value(u: _Untrusted, marker: str) -> Tuple[str, str, str]:
+    bad = u.copy("value")
+    _payload_file(bad, marker, [f"optim.param_groups.{u.weight}.lr"])
+    return bad, (rf"the value of 'optim\.param_groups\.{re.escape(u.weight)}\.lr' cannot be loaded with "
+                 r"torch\.load\(weights_only=True\)"), "l"
+
+
+def _pickled_tensor(u: _Untrusted, marker: str) -> Tuple[str, str, str]:
+    bad = u.copy("tensor")
+    _payload_file(bad, marker, [f"model.{u.weight}"], tensor=True)
+    return bad, rf"'{re.escape(u.weight)}' is (stored as|listed in the manifest with shape .* but DCP's " \
+                rf"metadata has) BytesStorageMetadata", "cl"
+
+
+def _data_path_outside(u: _Untrusted, marker: str) -> Tuple[str, str, str]:
+    bad = u.copy("escape")
+    _edit_metadata(bad, lambda md: [setattr(info, "relative_path", f"../../outside/{u.data}")
+                                    for info in md.storage_data.values()])
+    return bad, (rf"escape/g000001-dcp/\.metadata \(DCP metadata\) stores '.*' in "
+                 rf"'\.\./\.\./outside/{u.data}', which is not a data file .*manifest\.json lists"), "cl"
+
+
+def _file_link_outside(u: _Untrusted, marker: str) -> Tuple[str, str, str]:
+    bad = u.copy("link")
+    os.remove(os.path.join(dcp_dir(bad), u.data))
+    os.symlink(os.path.join(u.outside, u.data), os.path.join(dcp_dir(bad), u.data))
+    return bad, (rf"link/g000001-dcp/{u.data} \(DCP data\) is a symbolic link to "
+                 rf"{re.escape(u.outside)}/{u.data}, outside .*: copy the file in instead of linking it"), "cl"
+
+
+def _directory_link_outside(u: _Untrusted, marker: str) -> Tuple[str, str, str]:
+    bad = u.copy("dirlink")
+    shutil.rmtree(dcp_dir(bad))
+    os.symlink(u.outside, dcp_dir(bad))
+    return bad, r"dirlink/g000001-dcp \(DCP directory\) is a symbolic link to .*outside", "cl"
+
+
+def _stage_file_link_outside(u: _Untrusted, marker: str) -> Tuple[str, str, str]:
+    bad = os.path.join(u.root, "stage-link")
+    shutil.copytree(u.plain, bad)
+    name = next(n for n in sorted(os.listdir(bad)) if n.endswith("-model.pt"))
+    os.replace(os.path.join(bad, name), os.path.join(u.root, name))
+    os.symlink(os.path.join(u.root, name), os.path.join(bad, name))
+    return bad, rf"stage-link/{name} \(weights of stage 0, layers 0\.\.7\) is a symbolic link to .*, outside", "cl"
+
+
+@pytest.mark.parametrize("attack", [_pickle_metadata, _pickled_value, _pickled_tensor, _data_path_outside,
+                                    _file_link_outside, _directory_link_outside, _stage_file_link_outside],
+                         ids=lambda f: f.__name__.strip("_").replace("_", "-"))
+def test_an_untrusted_dcp_checkpoint_runs_no_code(untrusted: _Untrusted, attack: Callable[..., Any],
+                                                  tmp_path: Any) -> None:
+    """A checkpoint from elsewhere (1 rank, this process; the manifest's sizes and sha256
+    match, as its author would make them): a crafted ``.metadata`` pickle, a value or a
+    tensor stored as a pickled payload, a data path or a symbolic link leading out of the
+    directory. ``pd.consolidate``, the CLI (exit 2) and ``pd.load_checkpoint`` refuse it
+    naming the file or entry; no payload runs; the pipeline is unchanged."""
+    marker = str(tmp_path / "payload-ran")
+    bad, pattern, entry_points = attack(untrusted, marker)
+    assert untrusted.failures(bad, pattern, entry_points, marker) == []
+
+
+def test_a_genuine_dcp_checkpoint_loads_and_a_pickled_pt_is_refused(untrusted: _Untrusted, tmp_path: Any) -> None:
+    """The refusals above leave genuine checkpoints alone (hyperparameters are read with
+    ``weights_only=True``); ``pipe.load_state_dict(path)`` of a ``.pt`` stays ``weights_only``."""
+    import pipedream_ext as pd
+
+    pd.load_checkpoint(untrusted.good, untrusted.pipe, untrusted.opt)
+    assert_state(untrusted.pipe, untrusted.saved, "a genuine DCP checkpoint", exact=True)
+    assert untrusted.opt.param_groups[0]["betas"] == untrusted.betas
+    assert set(pd.consolidate(untrusted.good)) == set(untrusted.saved)
+    marker = str(tmp_path / "payload-ran")
+    torch.save(_Payload(marker), tmp_path / "state.pt")
+    with pytest.raises(Exception, match=r"Weights only load failed"):
+        untrusted.pipe.load_state_dict(str(tmp_path / "state.pt"))
+    assert not os.path.exists(marker)
 
 
 if __name__ == "__main__":

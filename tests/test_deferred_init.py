@@ -7,13 +7,17 @@ Two torchrun launches, both under the ``meta`` fixture:
   SGD-momentum steps; ``pipedream``: like the same pipeline built whole, also
   after loading with minibatches in flight); bad input (missing / unexpected
   keys, wrong shape, a module without ``reset_parameters()``, a mask that
-  ``reset_parameters()`` does not set) raises on every rank naming it; a
-  meta-built pipeline with ``reset_parameters()`` saves a checkpoint.
+  ``reset_parameters()`` does not set) raises on every rank naming it; tensors
+  ``init_fn`` left unset are refused by the first step on every rank, naming each
+  rank's, until a load sets them, and a meta model's state dict is refused naming
+  its entries; a meta-built pipeline with ``reset_parameters()`` saves a checkpoint.
 * 4 ranks: the same with 4 stages saves another checkpoint, and the 2-rank
   checkpoint, consolidated, loads into a meta-built 4-rank pipeline.
 
 In this process: both checkpoints hold identical weights, equal to
-``pd.materialize`` and to a CPU model seeded layer by layer by hand.
+``pd.materialize`` and to a CPU model seeded layer by layer by hand; on one rank,
+``pipe.named_buffers()``, the first call's refusal of unset tensors (and the warning
+of a partial load) and the refusal of a meta model's state dict.
 
     PDMETA_DIR=/tmp/x torchrun --standalone --nproc-per-node 2 tests/test_deferred_init.py
 """
@@ -86,6 +90,16 @@ def pretrained() -> Dict[str, torch.Tensor]:
 def batch(step: int, n: int = 8):
     g = torch.Generator().manual_seed(100 + step)
     return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def skip_biases(layer: nn.Module) -> None:
+    """An ``init_fn`` that sets every weight and buffer but leaves the biases of the
+    ``Linear`` layers to a state dict (that may never come)."""
+    for module in layer.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.3)
+        elif isinstance(module, nn.BatchNorm1d):
+            module.reset_parameters()
 
 
 def _expect(error: Type[Exception], pattern: str, fn: Callable[[], object]) -> None:
@@ -193,7 +207,8 @@ def check_bad_input() -> None:
             if callable(getattr(module, "reset_parameters", None)):
                 module.reset_parameters()
 
-    for model in (no_reset, masked):
+    # A fresh masked model: the refused one kept the layers it had materialised (NaN).
+    for model in (no_reset, meta_model_masked()):
         pipe = pd.PipeDream(model, F.cross_entropy, microbatches=2, timeout=60, init_fn=init_fn)
         pipe.step(*batch(0))
     seed = dist.get_rank()  # a model that no single init_seed gives
@@ -210,6 +225,35 @@ def check_bad_input() -> None:
     _expect(RuntimeError, r"initialising the meta-device layers failed on rank 1: TypeError: init_fn bug",
             lambda: pd.PipeDream(meta_model_masked(), F.cross_entropy, microbatches=2, timeout=60,
                                  init_fn=broken))
+
+
+def check_unset_tensors_raise_on_every_rank() -> None:
+    """``init_fn`` left the biases unset: the first step raises on every rank naming each
+    rank's; a partial load (``strict=False``) leaves one, which ``forward_only`` refuses
+    too; a full load trains as the unsplit model. A meta model's state dict is refused,
+    on every rank, naming its entries, before anything is copied."""
+    import pipedream_ext as pd
+
+    pipe = pd.PipeDream(meta_model(), F.cross_entropy, schedule="1f1b", microbatches=2, timeout=60,
+                        init_fn=skip_biases)
+    x, y = batch(0)
+    _expect(ValueError, r"step\(\): tensors built on the meta device were never set .*: rank 0: "
+            r"'0\.bias', '2\.bias'; rank 1: '4\.bias', '6\.bias', '7\.bias'; nothing set them",
+            lambda: pipe.step(x, y))
+    _expect(ValueError, r"load_state_dict failed on ranks 0, 1: state dict entries '0\.weight', "
+            r"'0\.bias', .* are on the meta device, which has shapes but no values",
+            lambda: pipe.load_state_dict(meta_model().state_dict(), strict=False))
+    state = pretrained()
+    result = pipe.load_state_dict({k: v for k, v in state.items() if k != "6.bias"}, strict=False)
+    assert result.missing_keys == (["6.bias"] if pipe.rank == 1 else [])
+    _expect(ValueError, r"forward_only\(\): tensors built on the meta device were never set .*\): "
+            r"rank 1: '6\.bias'; nothing set them", lambda: pipe.forward_only(x))
+    pipe.load_state_dict(state)
+    ref = make_model()
+    ref.load_state_dict(state)
+    ref.eval(); pipe.eval()
+    expected = F.cross_entropy(ref(x), y).item()
+    assert abs(pipe.step(x, y) - expected) <= RTOL * max(1.0, abs(expected))
 
 
 def check_init_fn_may_assign_buffers() -> None:
@@ -281,6 +325,7 @@ def deferred_cases(world: int) -> Cases:
         cases.add(check_async_schedule_matches_whole_built)
         cases.add(check_bad_input)
         cases.add(check_init_fn_may_assign_buffers)
+        cases.add(check_unset_tensors_raise_on_every_rank)
         cases.add(save_reset_parameters_checkpoint)
     else:
         cases.add(save_reset_parameters_checkpoint)
@@ -305,6 +350,58 @@ def test_meta_pipelines_train_like_the_unsplit_model_and_refuse_bad_input(case: 
     if case.launch is FOUR:
         TWO.result(env={"PDMETA_DIR": meta_dir})  # its checkpoint first (run alone: pytest -k 4ranks)
     case.check(env={"PDMETA_DIR": meta_dir})
+
+
+def test_named_buffers_are_the_stages_buffers_by_the_models_names(group: dist.ProcessGroup) -> None:
+    import pipedream_ext as pd
+
+    model = make_model()
+    want = {name: b.clone() for name, b in model.named_buffers()}
+    pipe = pd.PipeDream(model, F.cross_entropy, microbatches=2, timeout=60)
+    held = dict(pipe.module.named_buffers())
+    got = list(pipe.named_buffers())
+    assert [name for name, _ in got] == list(want) == ["3.running_mean", "3.running_var",
+                                                        "3.num_batches_tracked"]
+    assert all(b is held[name] and torch.equal(b, want[name]) for name, b in got)
+    assert [id(b) for b in pipe.buffers()] == [id(b) for _, b in got]
+
+
+def test_the_first_call_refuses_tensors_nothing_set(group: dist.ProcessGroup,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """One rank: ``init_fn`` left the biases unset; step() and forward_only() refuse them by
+    name, a partial load warns about the one it leaves, a full load trains."""
+    import pipedream_ext as pd
+
+    pipe = pd.PipeDream(meta_model(), F.cross_entropy, microbatches=2, timeout=60, init_fn=skip_biases)
+    x, y = batch(0)
+    unset = r"rank 0: '0\.bias', '2\.bias', '4\.bias', '6\.bias', '7\.bias'; nothing set them"
+    _expect(ValueError, r"^step\(\): tensors built on the meta device were never set .*" + unset,
+            lambda: pipe.step(x, y))
+    _expect(ValueError, r"^forward_only\(\): .*" + unset, lambda: pipe.forward_only(x))
+    state = pretrained()
+    with caplog.at_level("WARNING", logger="pipedream_ext._pipe"):
+        result = pipe.load_state_dict({k: v for k, v in state.items() if k != "6.bias"}, strict=False)
+    assert result.missing_keys == ["6.bias"] and "load_state_dict(): tensors" in caplog.text
+    _expect(ValueError, r"step\(\): .*: rank 0: '6\.bias'; nothing set them", lambda: pipe.step(x, y))
+    pipe.load_state_dict(state)
+    ref = make_model()
+    ref.load_state_dict(state)
+    ref.eval(); pipe.eval()
+    expected = F.cross_entropy(ref(x), y).item()
+    assert abs(pipe.step(x, y) - expected) <= RTOL * max(1.0, abs(expected))
+
+
+def test_a_meta_models_state_dict_is_refused_naming_its_entries(group: dist.ProcessGroup) -> None:
+    import pipedream_ext as pd
+
+    pipe = pd.PipeDream(meta_model(), F.cross_entropy, microbatches=2, timeout=60)
+    before = {k: v.clone() for k, v in pipe.state_dict().items()}
+    for strict in (True, False):  # strict=False once failed copying: "Cannot copy out of meta tensor"
+        _expect(ValueError, r"load_state_dict failed on rank 0: state dict entries '0\.weight', "
+                r"'0\.bias', .* and 7 more are on the meta device, which has shapes but no values.*"
+                r"pd\.materialize\(model\)", lambda: pipe.load_state_dict(meta_model().state_dict(),
+                                                                       strict=strict))
+    assert all(torch.equal(v, before[k]) for k, v in pipe.state_dict().items())
 
 
 @pytest.fixture(scope="module")

@@ -2,14 +2,18 @@
 ``pd.consolidate(..., format="hf")`` and ``pd.detect`` (``_checkpoint/hf_*.py``).
 
 One process: the index, detection, the errors (missing, unexpected, mis-shaped keys, a
-shard the index lists that is missing, an ``out_dir`` that holds other files), and a
-whole state dict written for ``from_pretrained``. Two ranks (pp2, a traced zoo Llama,
-tied and untied head): a directory transformers wrote in several shards is loaded per
-rank, counting every file each rank opens and every tensor and byte it reads (a
-wrapped ``safe_open``: exactly its stages' share); 2 SGD steps equal the unsplit model
-loaded by ``from_pretrained``; ``pd.save_pretrained`` of the trained pipeline loads
-with ``from_pretrained`` to the pipeline's and the unsplit model's weights; a DCP
-checkpoint consolidated with ``format="hf"`` loads the same. Four ranks (launch ``mesh``):
+shard the index lists that is missing), a whole state dict written for
+``from_pretrained``, and a save into the user's directory (docs/checkpoints.md, "Never
+delete what we did not write"): the user's files kept, only stale shards removed, a
+failed save changing nothing, a link written through, a file, a dangling link and a
+``model.safetensors`` refused; on one rank ``save_pretrained(pipe, ".")`` in a project.
+Two ranks (pp2, a traced zoo Llama, tied and untied head): a directory transformers
+wrote in several shards is loaded per rank, counting every file each rank opens and
+every tensor and byte it reads (a wrapped ``safe_open``: exactly its stages' share); 2
+SGD steps equal the unsplit model loaded by ``from_pretrained``; ``pd.save_pretrained``
+of the trained pipeline loads with ``from_pretrained`` to the pipeline's and the unsplit
+model's weights; a DCP checkpoint consolidated with ``format="hf"`` loads the same; a
+save whose rank 1 fails changes nothing in a directory holding the user's files. Four ranks (launch ``mesh``):
 pp2 x dp2 FSDP and pp2 x tp2 ranks read only their slices (``get_slice``), FSDP over TP
 its FSDP slices and the strided shards whole. Runs under pytest, or:
 
@@ -20,7 +24,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -83,6 +89,7 @@ def test_index_is_parsed_and_a_bad_one_named(tmp_path: Any) -> None:
     assert hf_files.parse_index(str(index)) == {"a": "model-1.safetensors"}
     for text, why in [("{", "JSONDecodeError"), ("[]", "no 'weight_map'"),
                       (json.dumps({"weight_map": {"a": "../x.safetensors"}}), "'a' maps to '../x.safetensors'"),
+                      (json.dumps({"weight_map": {"a": "/etc/x.safetensors"}}), "'a' maps to '/etc/x.safetensors'"),
                       (json.dumps({"weight_map": {"a": "x.bin"}}), "'a' maps to 'x.bin'")]:
         index.write_text(text)
         with pytest.raises(ValueError, match=rf"{index} is not a safetensors index \({why}.*save_pretrained"):
@@ -147,6 +154,69 @@ def test_a_shard_the_index_lists_must_be_there(tmp_path: Any) -> None:
         split(llama(tied=False), str(tmp_path))
 
 
+def _damage(path: Any, how: str) -> None:
+    """Damages a safetensors file the way a download or a stranger does."""
+    import struct
+
+    data = path.read_bytes()
+    size = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + size])
+    if how == "truncated":
+        path.write_bytes(data[:-10])
+    elif how == "huge-header":
+        path.write_bytes(struct.pack("<Q", 1 << 62) + data[8:])
+    elif how == "overlapping-offsets":
+        first, second = sorted((k for k in header if k != "__metadata__"),
+                               key=lambda k: header[k]["data_offsets"][0])[:2]
+        header[second]["data_offsets"] = header[first]["data_offsets"]
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + size:])
+    else:  # "pickle": a torch.save file renamed
+        torch.save({"weight": torch.ones(2)}, path)
+
+
+@pytest.mark.parametrize("how", ["truncated", "huge-header", "overlapping-offsets", "pickle"])
+def test_a_damaged_safetensors_file_is_named_with_the_tensor(tmp_path: Any, how: str) -> None:
+    """A damaged ``.safetensors`` file, given itself or as the shard of an index: a
+    ValueError naming the file (and the tensor being read) and the fix, not safetensors'
+    bare SafetensorError; a pickle is never unpickled."""
+    from safetensors.torch import save_file
+
+    model = nn.Linear(4, 3)
+    single = tmp_path / "weights.safetensors"
+    save_file(model.state_dict(), single)
+    _damage(single, how)
+    with pytest.raises(ValueError, match=rf"{single} is not a readable safetensors file: .*damaged, "
+                                         r"incomplete .*download or copy it again"):
+        hf_files.HfWeights(str(single))
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    save_file(model.state_dict(), sharded / "model-1.safetensors")
+    (sharded / hf_files.INDEX).write_text(json.dumps(
+        {"weight_map": {"weight": "model-1.safetensors", "bias": "model-1.safetensors"}}))
+    _damage(sharded / "model-1.safetensors", how)
+    with pytest.raises(ValueError, match=rf"{sharded / 'model-1.safetensors'} is not a readable safetensors "
+                                         r"file \(reading tensor 'weight'\)"):
+        split(model, str(sharded))
+
+
+def test_model_safetensors_beside_an_index_is_read_as_from_pretrained_reads_it(tmp_path: Any) -> None:
+    """A directory holding ``model.safetensors`` and an index of other shards: transformers'
+    ``from_pretrained`` reads ``model.safetensors``; so does ``pipe.load_state_dict``."""
+    llama(tied=False, seed=1).save_pretrained(tmp_path / "both")  # one model.safetensors
+    llama(tied=False, seed=2).save_pretrained(tmp_path / "sharded", max_shard_size=SHARD)
+    for name in os.listdir(tmp_path / "sharded"):
+        if name != hf_files.SINGLE and name.endswith((".safetensors", ".json")) and name != "config.json":
+            os.replace(tmp_path / "sharded" / name, tmp_path / "both" / name)
+    assert {hf_files.SINGLE, hf_files.INDEX} <= set(os.listdir(tmp_path / "both"))
+    expected = from_pretrained(str(tmp_path / "both")).state_dict()
+    parts, missing, unexpected = split(llama(tied=False), str(tmp_path / "both"))
+    assert missing == [] and unexpected == []
+    for key, value in parts[0].items():
+        assert torch.equal(value, expected[key]), f"{key}: not what from_pretrained loads"
+
+
 def test_a_state_dict_written_for_from_pretrained(tmp_path: Any) -> None:
     """``consolidate(format="hf")``'s writer: shards, index, config; tied stored once."""
     from pipedream_ext._checkpoint import hf_save
@@ -159,12 +229,187 @@ def test_a_state_dict_written_for_from_pretrained(tmp_path: Any) -> None:
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     for key, value in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
-    (tmp_path / "mine").mkdir()
-    (tmp_path / "mine" / "notes.txt").write_text("keep me")
-    with pytest.raises(ValueError, match=r"mine holds files and no Hugging Face weights .* pass an empty"):
-        hf_save.write_state_dict(model.state_dict(), str(tmp_path / "mine"))
-    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
-    assert sorted(os.listdir(tmp_path)) == ["mine", "out"]  # no temporary directory left
+    assert os.listdir(tmp_path) == ["out"]  # no staging directory left, inside or beside
+
+
+# What a user keeps beside a model (and names a save must not take for its own shards).
+USER_FILES = {"tokenizer.json": "{}", "tokenizer_config.json": "{}", "special_tokens_map.json": "{}",
+              "README.md": "# my model", "notes.txt": "keep me", "runs/x": "a run", "src/a.py": "x = 1",
+              "data/d.csv": "1,2", "model-notes.txt": "mine", "pytorch_model-00001-of-00002.bin": "mine",
+              "model.fp16-00001-of-00002.safetensors": "mine"}
+
+
+def add_user_files(where: Any) -> None:
+    for name, text in USER_FILES.items():
+        (where / name).parent.mkdir(parents=True, exist_ok=True)
+        (where / name).write_text(text)
+
+
+def files_of(where: Any) -> Dict[str, bytes]:
+    """Every file under ``where`` (relative name -> bytes): what a failed save must keep."""
+    found = {}
+    for folder, _, names in os.walk(where):
+        for name in names:
+            full = os.path.join(folder, name)
+            is_link = os.path.islink(full)
+            found[os.path.relpath(full, where)] = (os.readlink(full).encode() if is_link
+                                                   else open(full, "rb").read())
+    return found
+
+
+def assert_no_staging(root: Any) -> None:
+    leftovers = [os.path.join(f, n) for f, dirs, names in os.walk(root) for n in dirs + names if ".tmp" in n]
+    assert not leftovers, leftovers
+
+
+def assert_loads(path: Any, model: nn.Module) -> None:
+    loaded = from_pretrained(str(path)).state_dict()
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded[key], value), key
+
+
+def test_a_save_adds_its_files_and_keeps_the_users(tmp_path: Any) -> None:
+    """Into a model directory where the user added a tokenizer, notes and a project:
+    they stay; a second save in fewer shards removes exactly the first save's stale
+    shards (tests/test_hf_weights.py::test_save_pretrained_into_a_project_on_one_rank
+    writes into a directory that held the user's files first)."""
+    from pipedream_ext._checkpoint import hf_save
+
+    proj = tmp_path / "proj"
+    first, second = llama(tied=False, seed=3), llama(tied=False, seed=4)
+    weight_map = hf_save.write_state_dict(first.state_dict(), str(proj), first.config, max_shard_bytes=20_000)
+    assert len(set(weight_map.values())) > 2
+    assert_loads(proj, first)
+    add_user_files(proj)
+    crashed = proj / ".tmp-pipedream-0123456789ab"  # a killed save's staging directory
+    crashed.mkdir()
+    (crashed / "model-00001-of-00002.safetensors").write_text("partial")
+    (proj / ".tmp-pipedream-fedcba987654").mkdir()  # named like one, holding the user's file
+    (proj / ".tmp-pipedream-fedcba987654" / "x").write_text("mine")
+    hf_save.write_state_dict(second.state_dict(), str(proj), second.config)
+    for name, text in USER_FILES.items():
+        assert (proj / name).read_text() == text, name
+    assert not crashed.exists() and (proj / ".tmp-pipedream-fedcba987654" / "x").read_text() == "mine"
+    shutil.rmtree(proj / ".tmp-pipedream-fedcba987654")  # (what assert_no_staging below looks for)
+    assert sorted(n for n in os.listdir(proj) if n.endswith(".safetensors") and n not in USER_FILES) == \
+        ["model-00001-of-00001.safetensors"]
+    assert_loads(proj, second)
+    assert os.listdir(tmp_path) == ["proj"]
+    assert_no_staging(tmp_path)
+
+
+def _failing_after(calls: int, real: Any, last: str = "") -> Any:
+    """``real``, raising ``OSError`` from its ``calls + 1``-th call on (a disk full, a crash),
+    or with ``last`` from its first call whose last argument ends with ``last``."""
+    count = [0]
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        if (str(args[-1]).endswith(last) if last else count[0] > calls):
+            raise OSError(28, "No space left on device (injected)")
+        return real(*args, **kwargs)
+    return call
+
+
+def test_a_failed_save_leaves_the_previous_one(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure between two shard writes, or between two moves into place, leaves
+    every file as it was, the previous save loadable and no staged file; when the new
+    shards take the old ones' names, a failure among the moves leaves no index (a
+    load fails) rather than the old index over a mixture of old and new shards."""
+    from pipedream_ext._checkpoint import hf_save
+
+    proj = tmp_path / "proj"
+    old, new = llama(tied=False, seed=3), llama(tied=False, seed=4)
+    hf_save.write_state_dict(old.state_dict(), str(proj), old.config, max_shard_bytes=20_000)
+    add_user_files(proj)
+    before = files_of(proj)
+    # The second shard's write, its move into place, the index's move (after the shards'
+    # and config.json's): the stale shards must still be there.
+    for module, names, last in ((hf_save, ("save_file",), ""), (os, ("replace", "rename"), ""),
+                                (os, ("replace", "rename"), hf_files.INDEX)):
+        with monkeypatch.context() as patch:
+            for name in names:
+                patch.setattr(module, name, _failing_after(1, getattr(module, name), last))
+            with pytest.raises(OSError, match="injected"):
+                hf_save.write_state_dict(new.state_dict(), str(proj), new.config, max_shard_bytes=40_000)
+        assert files_of(proj) == before, (names, last)
+        assert_loads(proj, old)
+        assert_no_staging(tmp_path)
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "replace", _failing_after(1, os.replace))
+        with pytest.raises(OSError, match="injected"):
+            hf_save.write_state_dict(new.state_dict(), str(proj), new.config, max_shard_bytes=20_000)
+    assert not (proj / hf_files.INDEX).exists()
+    with pytest.raises(ValueError, match="not a format pipedream_ext reads"):
+        pd.detect(proj)
+    for name, text in USER_FILES.items():
+        assert (proj / name).read_text() == text, name
+    assert_no_staging(tmp_path)
+    hf_save.write_state_dict(new.state_dict(), str(proj), new.config, max_shard_bytes=20_000)
+    assert_loads(proj, new)
+
+
+def test_out_dir_through_a_link_and_the_refusals(tmp_path: Any) -> None:
+    """A symbolic link to a directory is written through (it stays a link); a file, a
+    link to nothing and a directory holding ``model.safetensors`` (which from_pretrained
+    would load instead) are refused, nothing changed."""
+    from pipedream_ext._checkpoint import hf_save
+
+    model = llama(tied=True, seed=3)
+    (tmp_path / "target").mkdir()
+    os.symlink(tmp_path / "target", tmp_path / "link")
+    hf_save.write_state_dict(model.state_dict(), str(tmp_path / "link"), model.config, max_shard_bytes=20_000)
+    assert os.path.islink(tmp_path / "link") and hf_files.INDEX in os.listdir(tmp_path / "target")
+    assert_loads(tmp_path / "link", model)
+    assert sorted(os.listdir(tmp_path)) == ["link", "target"]
+    assert_no_staging(tmp_path)
+    (tmp_path / "file").write_text("mine")
+    os.symlink(tmp_path / "gone", tmp_path / "dangling")
+    model.save_pretrained(tmp_path / "single")
+    add_user_files(tmp_path / "single")
+    before = files_of(tmp_path)
+    for bad, why in [("file", "exists and is not a directory; pass a directory"),
+                     ("dangling", f"is a symbolic link to {tmp_path / 'gone'}, which does not exist"),
+                     ("single", f"holds {hf_files.SINGLE} .* which from_pretrained would load instead")]:
+        with pytest.raises(ValueError, match=rf"consolidate: {tmp_path / bad} {why}"):
+            hf_save.write_state_dict(model.state_dict(), str(tmp_path / bad))
+    assert files_of(tmp_path) == before and not os.path.lexists(tmp_path / "gone")
+
+
+def test_save_pretrained_into_a_project_on_one_rank(tmp_path: Any, group: Any,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``save_pretrained(pipe, ".")`` and ``consolidate(ckpt, format="hf", out_dir=".")``
+    in a project: its files stay, the shard holds the pipeline's weights; a failed
+    write raises and changes nothing."""
+    from safetensors.torch import load_file
+
+    from pipedream_ext._checkpoint import hf_save
+
+    project = tmp_path / "project"
+    project.mkdir()
+    add_user_files(project)
+    monkeypatch.chdir(project)
+    torch.manual_seed(0)
+    pipe = pd.PipeDream(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+                        nn.functional.cross_entropy, schedule="1f1b", microbatches=1)
+    shard = "model-00001-of-00001.safetensors"
+    assert set(pd.save_pretrained(pipe, ".").values()) == {shard}
+    saved = load_file(project / shard)
+    assert saved.keys() == pipe.state_dict().keys()
+    for key, value in pipe.state_dict().items():
+        assert torch.equal(saved[key], value), key
+    pd.save_checkpoint(tmp_path / "ckpt", pipe)
+    assert set(pd.consolidate(tmp_path / "ckpt", format="hf", out_dir=".")) == set(saved)
+    before = files_of(project)
+    with monkeypatch.context() as patch:
+        patch.setattr(hf_save, "save_file", _failing_after(0, hf_save.save_file))
+        with pytest.raises(pd.CheckpointError, match="save_pretrained .* failed on rank 0: .*injected"):
+            pd.save_pretrained(pipe, ".")
+    assert files_of(project) == before
+    for name, text in USER_FILES.items():
+        assert (project / name).read_text() == text, name
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "project"]
+    assert_no_staging(project)
 
 
 def test_consolidate_arguments_are_checked(tmp_path: Any) -> None:
@@ -338,12 +583,43 @@ def check_errors_on_every_rank(root: str) -> None:
         assert torch.equal(value, want[key]), key
 
 
+def check_a_rank_failing_changes_nothing(root: str) -> None:
+    """pp2: a save keeps the user's files beside the model; rank 1's shard write failing
+    makes every rank raise, rank 0's staged shard is removed with the staging directory,
+    and every file is as it was (the previous save loads)."""
+    from pipedream_ext._checkpoint import hf_save
+
+    out = os.path.join(root, "failing")
+    pipe, _ = build_pipe(tied=False)
+    if dist.get_rank() == 0:
+        os.makedirs(out)
+        add_user_files(Path(out))
+    dist.barrier()
+    pd.save_pretrained(pipe, out)
+    before = files_of(out)
+    real = hf_save.save_file
+    if dist.get_rank() == 1:
+        hf_save.save_file = _failing_after(0, real)
+    try:
+        with pytest.raises(pd.CheckpointError, match=r"failed on rank 1: .*injected"):
+            pd.save_pretrained(pipe, out)
+    finally:
+        hf_save.save_file = real
+    dist.barrier()
+    assert files_of(out) == before
+    assert_no_staging(root)
+    loaded = from_pretrained(out).state_dict()
+    for key, value in pipe.state_dict().items():  # this rank's stage
+        assert torch.equal(loaded[key], value), key
+
+
 def weights_cases(world: int) -> Cases:
     cases = Cases()
     root = FromEnv("PDHFW_DIR", "/tmp/pdhfw")
     cases.add(check_round_trip, True, root, name="tied")
     cases.add(check_round_trip, False, root, name="untied")
     cases.add(check_errors_on_every_rank, root, name="errors")
+    cases.add(check_a_rank_failing_changes_nothing, root, name="failed-save")
     return cases
 
 

@@ -14,7 +14,11 @@ order), with every flush schedule (the multi-chunk ones with 2 chunks per rank).
 cases clip (``pd.clip_grad_norm_`` against ``torch.nn.utils.clip_grad_norm_``), one runs
 pp1 x dp2 x tp2 and one pp2 x dp2 x tp1 (``data_parallel="replicate"``), one a ``("pp",
 "tp")`` mesh, one a callable plan; a slow launch runs pp2 x dp2 x tp2 on 8 ranks.
-What is not supported yet is refused by name (traced models: tests/test_tp_traced.py).
+What is not supported yet is refused by name (traced models: tests/test_tp_traced.py);
+so is, on every rank at construction, a plan that shards a dimension tp does not divide,
+or a callable plan that raises or splits a stage differently on one rank; a step after
+the first ``check_agreement`` whose tp ranks were given different batches fails on every
+rank when its loss is read.
 """
 from __future__ import annotations
 
@@ -314,6 +318,104 @@ def check_refusals() -> None:
     pipe.close()
 
 
+def check_later_batches() -> None:
+    """After the first check_agreement steps, a step whose tp ranks were given different
+    batches fails on every rank when its loss is read (the loss all-reduce carries each
+    pipeline's batch fingerprint), naming the step and the tp ranks' pipelines."""
+    from test_bad_input import ROWS
+
+    import pipedream_ext as pd
+    from pipedream_ext._runtime.mesh_steps import StepMismatch
+
+    mesh = mesh_of((2, 1, 2))
+    pipe = pd.PipeDream(llama(), lm_loss, schedule="1f1b", microbatches=2, mesh=mesh, timeout=60,
+                        balance=BALANCE, tensor_parallel=plan(), check_agreement=1)
+    float(pipe.step(*batch(0)))  # checked by the agreement of the first step
+    float(pipe.step(*batch(1)))  # the same batch everywhere: passes the per-step check
+    x, y = batch(2)
+    if mesh["tp"].get_local_rank() == 1:
+        x = x.flip(0)  # as many rows, other samples: only a fingerprint tells
+    loss = pipe.step(x, y)
+    row = next(r[2] for r in ROWS if r[0] == "tp-batch-later")
+    with pytest.raises(StepMismatch, match=row) as info:
+        float(loss)
+    assert "step() number 2:" in str(info.value), str(info.value)
+    pipe.close()
+
+
+def _row(row_id: str) -> str:
+    from test_bad_input import ROWS
+
+    return next(r[2] for r in ROWS if r[0] == row_id)
+
+
+def _build(model: nn.Module, tensor_parallel: Any, timeout: float = 60, balance: Any = BALANCE) -> Any:
+    import pipedream_ext as pd
+
+    return pd.PipeDream(model, lm_loss, schedule="1f1b", microbatches=2, mesh=mesh_of((2, 1, 2)),
+                        timeout=timeout, tensor_parallel=tensor_parallel, balance=balance)
+
+
+def check_uneven_shards() -> None:
+    """A plan that shards a dimension tp does not divide is refused at construction on
+    every rank, naming the parameter, the dimension, its size and tp (torch's sharding
+    propagation failed on some ranks at the first step, their peers on a closed
+    connection)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    uneven = nn.Sequential(nn.Embedding(VOCAB, DIM), nn.Linear(DIM, 7), nn.ReLU(), nn.Linear(7, VOCAB))
+    with pytest.raises(ValueError, match=_row("tp-uneven")) as info:
+        _build(uneven, {"1": ColwiseParallel(), "3": RowwiseParallel()}, balance=[2, 2])
+    assert "'1.weight' (shape [7, 16]) on dim 0, of size 7, over tp=2" in str(info.value), str(info.value)
+
+
+def check_plan_raises() -> None:
+    """A callable plan that raises on one rank fails every rank at construction, naming
+    the rank and the exception: raised after its collectives, and before them (its tp
+    peer waits in the plan's scatter until timeout=, then every rank fails)."""
+    rank = dist.get_rank()
+
+    def raises_after(stage: nn.Module, tp_mesh: Any) -> None:
+        parallelize_blocks(stage, tp_mesh)
+        if rank == 3:
+            raise RuntimeError("plan failed on purpose")
+
+    def raises_before(stage: nn.Module, tp_mesh: Any) -> None:
+        if rank == 3:
+            raise RuntimeError("plan failed on purpose")
+        parallelize_blocks(stage, tp_mesh)
+
+    for fn, timeout in ((raises_after, 60), (raises_before, 3)):
+        with pytest.raises(RuntimeError, match=_row("tp-plan-failed")) as info:
+            _build(llama(), fn, timeout=timeout)
+        assert "3 (pp 1, dp 0, tp 1): RuntimeError" in str(info.value), str(info.value)
+        assert "RuntimeError: plan failed on purpose" in str(info.value), str(info.value)
+
+
+def check_plan_differs() -> None:
+    """A callable plan that splits a stage differently on one rank (wo column-wise
+    there: as many bytes in the scatter, so nothing fails on its own) is refused at
+    construction on every rank, naming the tensor, both placements and ranks."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    rank = dist.get_rank()
+
+    def differs(stage: nn.Module, tp_mesh: Any) -> None:
+        if rank != 3:
+            return parallelize_blocks(stage, tp_mesh)
+        swapped = {k.removeprefix("*."): v for k, v in plan().items()}
+        swapped["attn.wo"] = ColwiseParallel()
+        for child in stage.children():
+            if isinstance(child, Block):
+                parallelize_module(child, tp_mesh, swapped)
+
+    with pytest.raises(ValueError, match=_row("tp-plan-differs")) as info:
+        _build(llama(), differs)
+    text = str(info.value)
+    assert "'2.attn.wo.weight' is (Shard(dim=1),) over mesh ('tp',) on rank 2" in text, text
+    assert "(Shard(dim=0),) over mesh ('tp',) on rank 3" in text, text
+
+
 def cases(world: int) -> Cases:
     c = Cases()
     c.add(check_plan_shards)
@@ -333,6 +435,10 @@ def cases(world: int) -> Cases:
     c.add(check_training, "zb-h1", shape=(1, 2, 2), data_parallel="fsdp", name="training-zb-h1-dp2-fsdp")
     c.add(check_stats_and_trace, name="stats-and-trace")
     c.add(check_refusals)
+    c.add(check_later_batches)
+    c.add(check_uneven_shards)
+    c.add(check_plan_differs)
+    c.add(check_plan_raises)  # last: its tp peers time out in the plan's collective
     return c
 
 

@@ -222,10 +222,63 @@ def check_bad_input(mesh_shape: Optional[Tuple[int, int]] = None) -> None:
     _expect_on_every_rank(r"loss_reduction='tokens' counts the tokens of a target tensor.*the "
                           r"targets are a tuple; pass tokens_fn=",
                           lambda: step(tupled, (y[rows], y[rows])))
+    # A tokens_fn giving inf / NaN / a negative or fractional count, after the first
+    # steps' agreement check (check_agreement=0): refused on every rank, naming the value;
+    # the pipeline then trains on the next batch.
+    given: Dict[str, Any] = {}
+    odd = pipeline("1f1b", check_agreement=0, timeout=20,
+                   tokens_fn=lambda t: given.get("count", (t != -100).sum()), **options)
+    for count, shown in ((torch.tensor(float("inf")), "inf"), (float("nan"), "nan"),
+                         (torch.tensor(-3), "-3"), (2.5, "2.5")):
+        given["count"] = count
+        _expect_on_every_rank(rf"step\(\) number 0 failed on .*tokens_fn counted {shown} tokens in "
+                              r"microbatch 0; a token count is a whole number >= 0",
+                              lambda: step(odd))
+    given.clear()
+    assert float(step(odd)) > 0
     # The fix of each: the same pipelines train.
     counted = pd.PipeDream(model(), shifted, schedule="1f1b", microbatches=4, loss_reduction="tokens",
                            tokens_fn=lambda t: (t[:, 1:] != -100).sum(), timeout=60, **options)
     assert float(step(counted)) > 0
+
+
+def check_batch_without_tokens(mesh_shape: Optional[Tuple[int, int]] = None) -> None:
+    """A batch of 0 tokens late in training (step() number 4, after the first steps'
+    agreement check), right after a batch whose gradients are not yet applied: every rank
+    raises the same error naming the step, nothing runs (the gradients stay the last
+    batch's), and training goes on as the unsplit model that skipped that batch."""
+    mesh = _mesh(*mesh_shape) if mesh_shape else None
+    options = {"mesh": mesh} if mesh is not None else {}
+    half = BATCH // 2
+    rows = slice(None) if mesh is None else slice(mesh["dp"].get_local_rank() * half,
+                                                  (mesh["dp"].get_local_rank() + 1) * half)
+    pipe, ref = pipeline("zb-h1", **options), model()
+    opt, ref_opt = OPTIMIZERS["adam"](pipe.parameters()), OPTIMIZERS["adam"](ref.parameters())
+    for step in range(6):
+        x, y = batch(step)
+        if step != 4:
+            expected = reference_loss(ref, x, y)
+            expected.backward()
+            loss = float(pipe.step(x[rows] if pipe.is_first else None,
+                                   y[rows] if pipe.is_last else None))
+            assert abs(loss - expected.item()) <= RTOL * max(1.0, abs(expected.item())), \
+                f"step {step}: loss {loss} != {expected.item()}"
+        if step == 3:  # the 0-token batch comes before this batch's optimizer step
+            grads = {n: full(p.grad).clone() for n, p in pipe.named_parameters()}
+            empty = torch.full_like(y, -100)
+            _expect_on_every_rank(r"^step\(\) number 4: the batch holds no tokens: tokens_fn "
+                                  r"counted 0 in every microbatch.*nothing ran on any rank",
+                                  lambda: pipe.step(x[rows] if pipe.is_first else None,
+                                                    empty[rows] if pipe.is_last else None))
+            for n, p in pipe.named_parameters():
+                assert torch.equal(full(p.grad), grads[n]), f"the 0-token step changed {n}.grad"
+        if step != 4:
+            opt.step(); opt.zero_grad()
+            ref_opt.step(); ref_opt.zero_grad()
+    ref_params = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(full(p.detach()), ref_params[name].detach(), rtol=RTOL,
+                                   atol=ATOL, msg=lambda m: f"after the skipped batch {name}: {m}")
 
 
 # --------------------------------------------------------------------------- pp 2 x dp 2, pp 2 x tp 2
@@ -274,6 +327,7 @@ def token_cases(world: int) -> Cases:
         cases.add(check_accumulated, "1f1b")
         cases.add(check_float16_with_scaler)
         cases.add(check_bad_input)
+        cases.add(check_batch_without_tokens)
         return cases
     for data_parallel in ("fsdp", "replicate"):
         for optimizer in OPTIMIZERS:
@@ -283,6 +337,7 @@ def token_cases(world: int) -> Cases:
     cases.add(check_tensor_parallel, "1f1b")
     cases.add(check_replicas, "1f1b")
     cases.add(check_bad_input, (2, 2))
+    cases.add(check_batch_without_tokens, (2, 2))
     return cases
 
 

@@ -20,6 +20,9 @@ test_tensor_parallel.py's Llama on 4 ranks (Gloo), AdamW:
 * ``load-state-dict``: ``pipe.load_state_dict(model.state_dict())`` into pp2 x tp2, pp1 x
   dp2 x tp2 (FSDP over TP) and pp2 x dp2 (FSDP): each rank takes its shards, the gathered
   weights equal the state dict's bit for bit, and training on equals the unsplit model.
+* ``load-differing-copies``: a state dict that would leave copies of one tensor different
+  (a replicated norm weight per tp rank, plain or a ``Replicate()`` DTensor; the two names
+  of a tied weight) fails on every rank and loads nothing.
 """
 from __future__ import annotations
 
@@ -191,10 +194,47 @@ def check_load_state_dict() -> None:
         built[0].close()
 
 
+def check_load_refuses_differing_copies() -> None:
+    """A load that would leave copies of one tensor different fails on every rank before
+    anything changes: a state dict whose replicated norm weight differs on one tp rank (a
+    plain tensor with plan(), a Replicate() DTensor with sequence parallelism), or whose
+    two names of the tied embedding/head weight hold different values."""
+    from test_bad_input import ROWS
+    from test_tp_compose import tied, tied_plan
+    from test_tp_sequence import sp_plan
+
+    import pipedream_ext as pd
+
+    row = next(r[2] for r in ROWS if r[0] == "load-copies")
+    tp_rank = dist.get_rank() % 2  # pp2 x tp2: ranks 1 and 3 are tp rank 1
+    for make, tp_plan, name, what in (
+            (llama, plan, "1.attn_norm.weight", "replicated over tp"),
+            (llama, sp_plan, "3.weight", "a Replicate() DTensor (SequenceParallel)"),
+            (lambda seed=0: tied(llama(seed)), tied_plan, "4.weight", "tied")):
+        pipe = pd.PipeDream(make(), lm_loss, schedule="1f1b", microbatches=2, mesh=mesh_of((2, 1, 2)),
+                            balance=BALANCE, timeout=60, tensor_parallel=tp_plan())
+        before = weights(pipe)
+        state = dict(make(3).state_dict())
+        if what == "tied" or tp_rank == 1:
+            state[name] = state[name] + 1.0
+        with pytest.raises(ValueError, match=row) as info:
+            pipe.load_state_dict(state)
+        text = str(info.value)
+        assert f"'{'0.weight' if what == 'tied' else name}'" in text and f"'{name}' on rank" in text, \
+            (what, text)
+        same(weights(pipe), before, f"{what}: nothing loaded", exact=True)
+        expected = make(3).state_dict()
+        pipe.load_state_dict(dict(expected))  # equal copies: loads
+        loaded = weights(pipe)
+        same(loaded, {k: expected[k] for k in loaded}, f"{what}: loaded", exact=True)
+        pipe.close()
+
+
 def cases(world: int) -> Cases:
     c = Cases()
     c.add(check_resume_across_shapes, FromEnv("PDTP_DIR"), name="resume-across-shapes")
     c.add(check_load_state_dict, name="load-state-dict")
+    c.add(check_load_refuses_differing_copies, name="load-differing-copies")
     return c
 
 

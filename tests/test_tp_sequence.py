@@ -11,8 +11,10 @@ embedding reduce-scattered to ``Shard(1)``, the head gathering its input. Betwee
 the activation is then a plain local shard ``[b, s/tp, d]``; with a cut after the final
 norm, a ``DTensor`` (``Shard(1)``) crosses as its local shard and arrives as a
 ``DTensor``. Each trains like the unsplit model (loss of every step, every step-0
-gradient, every weight after 3 AdamW steps, 1e-4 relative) on 1f1b, zb-h1 and zbv, and
-what crossed each cut is checked. Each placement's round trip is checked on its own. A
+gradient, every weight after 3 AdamW steps, 1e-4 relative) on 1f1b, zb-h1 and zbv (and
+1f1b clipped by ``pd.clip_grad_norm_``: the norm and the update equal torch's on the
+unsplit model), and what crossed each cut is checked. A sequence length tp does not
+divide is refused on every rank. Each placement's round trip is checked on its own. A
 plan whose placements disagree across a cut fails every rank with one message; a
 ``DTensor`` that cannot cross fails its rank by name and its peers name it.
 """
@@ -108,15 +110,51 @@ def check_mismatch() -> None:
     pipe.close()
 
 
+def check_sequence_length() -> None:
+    """A sequence length tp does not divide is refused on every rank before the forward,
+    by step() and forward_only() (Gloo's all-gather of the unequal sequence shards
+    aborted the process); the pipeline then trains on a divisible length."""
+    from test_bad_input import ROWS as BAD
+
+    import pipedream_ext as pd
+
+    pipe = pd.PipeDream(llama(), lm_loss, schedule="1f1b", microbatches=2, mesh=mesh_of((2, 1, 2)),
+                        balance=[2, 3], timeout=30, tensor_parallel=sp_plan())
+    x, y = batch(0)
+    row = next(r[2] for r in BAD if r[0] == "tp-sequence-length")
+    with pytest.raises(ValueError, match=row):
+        pipe.step(x[:, :5], y[:, :5])
+    with pytest.raises(ValueError, match=row):
+        pipe.forward_only(x[:, :5])
+    assert all(p.grad is None for p in pipe.parameters())
+    assert float(pipe.step(x[:, :4], y[:, :4])) > 0
+    pipe.close()
+
+
 class Uneven(nn.Module):
-    """Ends stage 0 with a DTensor sharded on a dim of odd size (dim 2 of [b, s, 7])."""
+    """Ends stage 0 with a DTensor sharded on a dim of odd size (dim 2 of [b, s, 7]: 4
+    and 3 columns), built from each tp rank's columns (a plan that shards a weight
+    unevenly is refused at construction, so only a forward can make one)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.proj = nn.Linear(DIM, 7)
+        self.tp_mesh: Any = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x)
+    def forward(self, x: torch.Tensor) -> Any:
+        from torch.distributed.tensor import DTensor, Shard
+
+        y = self.proj(x)
+        mine = y[..., :4] if self.tp_mesh.get_local_rank() == 0 else y[..., 4:]
+        return DTensor.from_local(mine.contiguous(), self.tp_mesh, (Shard(2),), run_check=False,
+                                  shape=y.shape, stride=y.stride())
+
+
+def give_mesh(stage: nn.Module, tp_mesh: Any) -> None:
+    """A callable plan: the Uneven layer gets the tp mesh."""
+    for module in stage.modules():
+        if isinstance(module, Uneven):
+            module.tp_mesh = tp_mesh
 
 
 def check_cannot_cross() -> None:
@@ -124,15 +162,12 @@ def check_cannot_cross() -> None:
     on the ranks that return it, naming stage, output, shape and fix; the ranks waiting
     for it fail after the timeout naming that first failure."""
     from test_bad_input import ROWS as BAD
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel
 
     import pipedream_ext as pd
 
     model = nn.Sequential(nn.Embedding(32, DIM), Uneven(), nn.Linear(7, 32))
     pipe = pd.PipeDream(model, lm_loss, schedule="1f1b", microbatches=2, mesh=mesh_of((2, 1, 2)),
-                        balance=[2, 1], timeout=5, tensor_parallel={
-                            "1.proj": ColwiseParallel(output_layouts=Shard(2), use_local_output=False)})
+                        balance=[2, 1], timeout=5, tensor_parallel=give_mesh)
     x, y = batch(0)
     with pytest.raises(Exception) as info:
         pipe.step(x, y)
@@ -189,11 +224,14 @@ def cases(world: int) -> Cases:
     c.add(check_sp_training, "1f1b", plain, name="sp-1f1b")
     c.add(check_sp_training, "zb-h1", plain, name="sp-zb-h1")
     c.add(check_sp_training, "zbv", plain, chunks=2, name="sp-zbv")
+    # pd.clip_grad_norm_ reduces the SP norms' Partial gradients: torch's norm and update.
+    c.add(check_sp_training, "1f1b", plain, clip=0.05, name="sp-clip-1f1b")
     # Cut after the final norm: its DTensor (Shard(1)) crosses to the head.
     c.add(check_sp_training, "1f1b", {0: "Shard(dim=1)"}, balance=[4, 1], name="dtensor-at-cut-1f1b")
     c.add(check_sp_training, "zbv", {**plain, 2: "Shard(dim=1)"}, chunks=2, balance=[1, 1, 2, 1],
           name="dtensor-at-cut-zbv")
     # Before check_mismatch: the job's first failure, which its peers' errors name.
+    c.add(check_sequence_length)
     c.add(check_cannot_cross)
     c.add(check_mismatch)
     return c

@@ -202,26 +202,139 @@ def test_a_rank_materialises_only_its_stages_with_the_whole_models_values() -> N
                        whole["model.embed_tokens.weight"])
 
 
-def test_materialize_is_the_rule_spelled_out_on_a_cpu_built_model() -> None:
-    """Unit ``u`` (the ``u``-th module owning tensors) initialised alone by the model's
-    ``_init_weights`` under ``manual_seed(seed * 2**16 + u)``."""
-    from transformers import AutoModelForCausalLM
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_materialize_is_the_rule_spelled_out_on_a_cpu_built_model(family: str) -> None:
+    """Unit ``u`` (the ``u``-th module owning tensors) initialised by the model's
+    ``_init_weights`` under ``manual_seed(seed * 2**16 + u)``, then every module holding
+    it, nearest first (on these models a parent sets only tensors of units after the
+    one it is called for, which those redraw: the rule without the restriction)."""
+    from transformers import AutoModelForCausalLM, GPT2Config
 
     import pipedream_ext as pd
 
-    by_hand = AutoModelForCausalLM.from_config(llama_config())
-    units = [m for _, m in by_hand.named_modules()
+    config = llama_config() if family == "llama" else \
+        GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=4, n_positions=32)
+    by_hand = AutoModelForCausalLM.from_config(config)
+    named = dict(by_hand.named_modules())
+    units = [name for name, m in by_hand.named_modules()
              if list(m.parameters(recurse=False)) or list(m.buffers(recurse=False))]
+    seen: Dict[int, torch.Tensor] = {}
     with torch.no_grad():
-        for u, module in enumerate(units):
+        for u, name in enumerate(units):
+            own = [*named[name].parameters(recurse=False), *named[name].buffers(recurse=False)]
+            tied = [(t, t.clone()) for t in own if id(t) in seen]  # keeps its first unit's values
             torch.manual_seed(SEED * 2**16 + u)
-            by_hand._init_weights(module)
-    meta = pd.materialize(meta_llama(), "cpu", seed=SEED)
+            parts = name.split(".")
+            for k in range(len(parts), -1, -1):  # the unit, then its parents up to the model
+                by_hand._init_weights(named[".".join(parts[:k])])
+            for t, value in tied:
+                t.copy_(value)
+            seen.update((id(t), t) for t in own)
+    meta = pd.materialize(on_meta(lambda: AutoModelForCausalLM.from_config(config)), "cpu", seed=SEED)
     want = by_hand.state_dict()
     assert list(meta.state_dict()) == list(want)
     for name, value in meta.state_dict().items():
         assert torch.equal(value, want[name]), name
-    assert torch.equal(meta.model.rotary_emb.inv_freq, by_hand.model.rotary_emb.inv_freq)
+    for name, value in by_hand.named_buffers():
+        assert torch.equal(meta.get_buffer(name), value), name
+
+
+def _family(name: str) -> Tuple[Any, Any]:
+    """A tiny config of ``name``'s family with tensors large enough for statistics (64..128
+    wide), and its auto class."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForMaskedLM,
+        BertConfig,
+        GPT2Config,
+        LlamaConfig,
+        MixtralConfig,
+        Qwen2Config,
+    )
+
+    common = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if name == "gpt2":
+        return GPT2Config(vocab_size=256, n_embd=128, n_layer=6, n_head=4, n_positions=64), \
+            AutoModelForCausalLM
+    if name == "bert":
+        return BertConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                          num_attention_heads=4, max_position_embeddings=64), AutoModelForMaskedLM
+    if name == "mixtral":
+        return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2), AutoModelForCausalLM
+    return (LlamaConfig if name == "llama" else Qwen2Config)(**common), AutoModelForCausalLM
+
+
+def _same_distribution(name: str, ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """Deterministic tensors (constants, integer buffers, rotary frequencies) equal; random
+    ones with the same mean and std within 6 sampling errors."""
+    if not theirs.is_floating_point() or theirs.numel() < 2 or float(theirs.std()) == 0.0 \
+            or "inv_freq" in name:
+        assert torch.equal(ours, theirs), f"{name}: {ours.flatten()[:4]} != {theirs.flatten()[:4]}"
+        return
+    n, std = theirs.numel(), float(theirs.double().std())
+    assert abs(float(ours.double().std()) - std) <= 6 * std / (2 * n) ** 0.5, \
+        f"{name}: std {float(ours.std()):.5f}, transformers' from_config {std:.5f}"
+    assert abs(float(ours.double().mean()) - float(theirs.double().mean())) <= 6 * 2 ** 0.5 * std / n ** 0.5, \
+        f"{name}: mean {float(ours.mean()):.5f}, transformers' {float(theirs.mean()):.5f}"
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", "bert", "mixtral"])
+def test_meta_initialisation_has_the_statistics_of_from_config(family: str) -> None:
+    """Every tensor of a meta-built model materialised with the model's rule (every
+    ``_init_weights`` call transformers makes on the whole model, parents included:
+    GPT-2's c_proj has std 0.02/sqrt(2 n_layer)) is distributed as from_config's."""
+    import pipedream_ext as pd
+
+    config, auto = _family(family)
+    ours = pd.materialize(on_meta(lambda: auto.from_config(config)), "cpu", seed=SEED)
+    torch.manual_seed(SEED)
+    theirs = auto.from_config(config)
+    want = theirs.state_dict()
+    assert list(ours.state_dict()) == list(want)
+    for name, value in ours.state_dict().items():
+        _same_distribution(name, value, want[name])
+    for name, value in theirs.named_buffers():  # non-persistent ones too
+        _same_distribution(name, ours.get_buffer(name), value)
+
+
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+
+class ParentInit(nn.Module):
+    """``_init_weights`` as transformers models write it: a parent (``Pair``) re-draws a
+    child's weight (``a``), which a later sibling's (``b``'s) turn must not redraw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pairs = nn.ModuleList(Pair() for _ in range(2))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=1.0)
+            nn.init.zeros_(module.bias)
+        if isinstance(module, Pair):
+            nn.init.normal_(module.a.weight, std=0.1)
+
+
+def test_a_parents_init_applies_to_a_units_tensors_whichever_units_are_materialised() -> None:
+    import pipedream_ext as pd
+    from pipedream_ext._frontend.deferred_init import materialize_traced
+
+    with torch.device("meta"):
+        whole, first, second = ParentInit(), ParentInit(), ParentInit()
+    pd.materialize(whole, seed=SEED)
+    assert 0.08 < float(whole.pairs[1].a.weight.detach().std()) < 0.12  # the parent's rule
+    assert 0.8 < float(whole.pairs[1].b.weight.detach().std()) < 1.2
+    # Each unit alone (as a rank holding only it): the values of the whole model.
+    materialize_traced(first, "cpu", SEED, tensors=[first.pairs[0].a.weight])
+    materialize_traced(second, "cpu", SEED, tensors=[second.pairs[0].b.weight])
+    assert first.pairs[0].b.weight.is_meta and second.pairs[0].a.weight.is_meta
+    assert torch.equal(first.pairs[0].a.weight, whole.pairs[0].a.weight)
+    assert torch.equal(second.pairs[0].b.weight, whole.pairs[0].b.weight)
 
 
 def test_fx_traced_meta_model_materialises_with_reset_parameters() -> None:

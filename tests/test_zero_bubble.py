@@ -141,6 +141,48 @@ def check_matches_unsplit_model(schedule: str, microbatches: int) -> None:
         pipe.close()
 
 
+# --------------------------------------------------------------------------- torch.compile
+def check_compiled_split_backward(schedule: str, microbatches: int) -> None:
+    """A model compiled with ``torch.compile`` before ``PipeDream``: the split backward
+    (I, then W from the same graph) runs each stage's compiled backward with the graph
+    kept, which torch refuses for a backward compiled with donated buffers (a stage whose
+    first backward is a full one compiles it so). Losses and weights after SGD-momentum
+    steps equal the uncompiled unsplit model's; every stage ran compiled."""
+    from test_user_code import counting_backend
+
+    import pipedream_ext as pd
+
+    calls: List[int] = []
+    chunks = 1 if schedule == "zb-h1" else 2
+    stages = dist.get_world_size() * chunks
+    ref = make_model()
+    pipe = pd.PipeDream(torch.compile(make_model(), backend=counting_backend(calls)),
+                        F.cross_entropy, schedule=schedule, microbatches=microbatches,
+                        chunks=chunks, balance=balance_for(stages) if chunks == 2 else None,
+                        timeout=60)
+    opt = make_optimizer("sgd", pipe.parameters())
+    ref_opt = make_optimizer("sgd", ref.parameters())
+    try:
+        for step in range(3):
+            # Other batch sizes each step: recompiled graphs (dynamic shapes), whose first
+            # backward can be a full one (compiled with donated buffers before the fix).
+            x, y = batch(n=8 + step, seed=10 + step)
+            ref_loss = F.cross_entropy(ref(x), y)
+            ref_loss.backward()
+            loss = float(pipe.step(x, y))
+            assert abs(loss - ref_loss.item()) <= RTOL * max(1.0, abs(ref_loss.item())), \
+                f"compiled {schedule} step {step}: loss {loss} != {ref_loss.item()}"
+            ref_opt.step(); ref_opt.zero_grad()
+            opt.step(); opt.zero_grad()
+    finally:
+        pipe.close()
+        torch._dynamo.reset()
+    assert len(calls) >= 3 * microbatches * chunks, f"{len(calls)} compiled calls"
+    ref_params = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        assert_close(p.detach(), ref_params[name].detach(), f"compiled {schedule}: weight {name}")
+
+
 # --------------------------------------------------------------------------- checkpoints
 def train(pipe, opt, steps: range) -> None:  # type: ignore[no-untyped-def]
     for t in steps:
@@ -216,6 +258,8 @@ def zero_bubble_cases(world: int) -> Cases:
         cases.add(check_matches_unsplit_model, schedule, m)
     root = os.environ.get("PDZB_DIR", "")  # the ranks'
     if world == 2:
+        for schedule, m in (("zb-h1", 2), ("zbv", 4), ("interleaved-zb", 2), ("dualpipev", 4)):
+            cases.add(check_compiled_split_backward, schedule, m)
         cases.add(save_zbv_checkpoint, root, name="save_zbv_checkpoint")
         cases.add(check_resume, root, "1f1b", chunks=1, balance=[3, 6], name="resume-1f1b-[3,6]")
     else:

@@ -31,7 +31,9 @@ storage: ``dcp_storage``, ``dcp_state`` (names both ways), ``dcp_files`` (file
 records, checks, consolidation), ``dcp_save`` (synchronous and asynchronous) and
 ``dcp_load``; the ``"hf"`` storage (Hugging Face directories, weights only, no
 manifest): ``hf_storage`` (``HfStorage``, ``detect``), ``hf_files`` (the index,
-reading one rank's share), ``hf_load`` and ``hf_save`` (``save_pretrained``).
+reading one rank's share), ``hf_load``, ``hf_save`` (``save_pretrained``) and
+``hf_directory`` (writing into the user's directory: staged files moved whole,
+nothing removed but a previous save's stale shards).
 Design notes: docs/checkpoints.md.
 """
 from .consolidate import consolidate

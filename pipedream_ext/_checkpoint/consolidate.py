@@ -27,13 +27,14 @@ def consolidate(path: PathLike, format: Optional[str] = None, out_dir: Optional[
     With ``format="hf"`` it also writes the state dict to ``out_dir`` as a Hugging
     Face model directory that ``from_pretrained`` loads (safetensors shards, their
     index; ``config.json`` from ``config``; a tied weight stored once, under its
-    first name), atomically (a temporary sibling renamed at the end).
+    first name), as ``save_pretrained`` does: each file staged inside ``out_dir`` and
+    moved into place whole, the index last; the other files in ``out_dir`` are kept,
+    only a previous save's stale shards are removed (docs/checkpoints.md).
 
     Args:
         path: the checkpoint directory.
         format: ``None`` (only return the state dict) or ``"hf"`` (write ``out_dir`` too).
-        out_dir: with ``format="hf"``: the directory to write (new, empty, or one
-            written before by ``save_pretrained``/``consolidate``).
+        out_dir: with ``format="hf"``: the directory to write into (created if missing).
         config: with ``format="hf"``: the model's ``PretrainedConfig`` (``model.config``),
             written as ``config.json``; ``None`` writes the weights alone.
 
@@ -42,7 +43,8 @@ def consolidate(path: PathLike, format: Optional[str] = None, out_dir: Optional[
 
     Raises:
         ValueError: a ``format`` other than ``None`` or ``"hf"``, ``format="hf"``
-            without ``out_dir``, or an ``out_dir`` holding other files.
+            without ``out_dir``, or an ``out_dir`` that is a file, a link to nothing
+            or holds a ``model.safetensors`` (``hf_directory.check_out_dir``).
         CheckpointError: no complete checkpoint, a missing, truncated or corrupt
             file, or a file whose tensors differ from the manifest (names the file
             and the entry).

@@ -15,21 +15,30 @@ from __future__ import annotations
 import collections
 import os
 import warnings
-from typing import Any, Dict, List, Mapping
+from typing import Any, Collection, Dict, List, Mapping, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint import CheckpointException, Metadata, TensorStorageMetadata
 
-from . import durable_io
+from . import dcp_safe, durable_io
 from .errors import CheckpointError
 
-__all__ = ["METADATA_FILE", "describe_failure", "data_files", "hash_share", "verify_files", "read_metadata",
-           "consolidate_dcp"]
+__all__ = ["METADATA_FILE", "generation_dir", "describe_failure", "data_files", "hash_share", "verify_files",
+           "read_metadata", "consolidate_dcp"]
 
 #: DCP's metadata file inside a generation directory (written last by DCP's coordinator).
 METADATA_FILE = ".metadata"
 _WHAT = {METADATA_FILE: "DCP metadata"}
+
+
+def generation_dir(directory: str, manifest: Mapping[str, Any], listed_in: str) -> str:
+    """The DCP directory the manifest names, inside ``directory`` (``durable_io.inside``).
+
+    Raises:
+        CheckpointError: a name or a symbolic link leading out of ``directory``.
+    """
+    return durable_io.inside(directory, manifest["dcp"]["directory"], "DCP directory", listed_in)
 
 
 def describe_failure(exc: BaseException) -> str:
@@ -98,17 +107,42 @@ def verify_files(dcp_dir: str, files: Mapping[str, Mapping[str, Any]], rank: int
                                  check_sha256=i % world_size == rank)
 
 
-def read_metadata(dcp_dir: str) -> Metadata:
-    """DCP's metadata of a generation directory (check it with :func:`verify_files` first).
+def _check_storage_paths(dcp_dir: str, metadata: Metadata, listed: Collection[str], listed_in: str) -> None:
+    """Every data file DCP's metadata points to is a plain name the manifest lists
+    (DCP opens ``dcp_dir/relative_path``: a crafted ``../`` or absolute path would read
+    outside the checkpoint)."""
+    storage = metadata.storage_data
+    if not isinstance(storage, dict) or not isinstance(metadata.state_dict_metadata, dict):
+        raise CheckpointError(f"{os.path.join(dcp_dir, METADATA_FILE)} ({_WHAT[METADATA_FILE]}) has no "
+                              "storage_data or state_dict_metadata mapping; the checkpoint is damaged")
+    for index, info in storage.items():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or name not in listed or name == METADATA_FILE:
+            raise CheckpointError(
+                f"{os.path.join(dcp_dir, METADATA_FILE)} ({_WHAT[METADATA_FILE]}) stores "
+                f"{getattr(index, 'fqn', index)!r} in {name!r}, which is not a data file {listed_in} "
+                "lists (a DCP checkpoint's files are inside its directory); the checkpoint was "
+                "altered or damaged: save it again")
+
+
+def read_metadata(dcp_dir: str, listed: Optional[Collection[str]] = None, listed_in: str = "") -> Metadata:
+    """DCP's metadata of a generation directory, unpickled without running code from it
+    (``dcp_safe.load_metadata``; check the files with :func:`verify_files` first).
+
+    Args:
+        dcp_dir: the generation directory.
+        listed: the file names the manifest lists; given, every data file the metadata
+            points to must be one of them.
+        listed_in: the manifest's path, for messages.
 
     Raises:
-        CheckpointError: it cannot be read.
+        CheckpointError: it cannot be read, references anything but DCP's metadata
+            classes, or points to a file the manifest does not list (naming it).
     """
-    try:
-        return FileSystemReader(dcp_dir).read_metadata()
-    except Exception as exc:  # any unpickling or I/O failure, reported with the file
-        raise CheckpointError(f"{os.path.join(dcp_dir, METADATA_FILE)} ({_WHAT[METADATA_FILE]}) cannot "
-                              f"be read: {type(exc).__name__}: {exc}") from exc
+    metadata = dcp_safe.load_metadata(os.path.join(dcp_dir, METADATA_FILE))
+    if listed is not None:
+        _check_storage_paths(dcp_dir, metadata, listed, listed_in)
+    return metadata
 
 
 def consolidate_dcp(directory: str, manifest: Mapping[str, Any], listed_in: str
@@ -132,9 +166,9 @@ def consolidate_dcp(directory: str, manifest: Mapping[str, Any], listed_in: str
             from the manifest's list.
     """
     record = manifest["dcp"]
-    dcp_dir = os.path.join(directory, record["directory"])
+    dcp_dir = generation_dir(directory, manifest, listed_in)
     verify_files(dcp_dir, record["files"], 0, 1, listed_in)
-    metadata = read_metadata(dcp_dir)
+    metadata = read_metadata(dcp_dir, record["files"], listed_in)
     listed = record["tensors"]
     request: Dict[str, torch.Tensor] = {}
     for key, entry in listed.items():
@@ -149,7 +183,8 @@ def consolidate_dcp(directory: str, manifest: Mapping[str, Any], listed_in: str
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-            dcp.load({"model": request}, storage_reader=FileSystemReader(dcp_dir), no_dist=True)
+            dcp.load({"model": request}, storage_reader=dcp_safe.CheckedReader(dcp_dir, metadata),
+                     planner=dcp_safe.SafeLoadPlanner(dcp_dir), no_dist=True)
     except (Exception, CheckpointException) as exc:  # DCP's read errors, reported with the directory
         raise CheckpointError(f"{dcp_dir}: reading the DCP checkpoint failed: "
                               f"{describe_failure(exc)}") from exc

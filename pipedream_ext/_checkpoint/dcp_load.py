@@ -23,15 +23,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import (
     CheckpointException,
-    DefaultLoadPlanner,
-    FileSystemReader,
     Metadata,
     TensorStorageMetadata,
 )
 
 from .._dist import collectives
 from .._frontend.tied_params import alias_names
-from . import dcp_files, dcp_state
+from . import dcp_files, dcp_safe, dcp_state
 from .errors import CheckpointError
 from .manifest import MANIFEST, check_layers, check_model_kind
 from .optimizer_state import class_name, state_dict_from_entries
@@ -71,7 +69,10 @@ def _check_model_keys(dcp_dir: str, metadata: Metadata, view: PipelineView) -> N
                               "(unexpected parameters or buffers: saved from another model?)")
     for key, shape in expected.items():
         md = saved[key]
-        if isinstance(md, TensorStorageMetadata) and tuple(md.size) != tuple(shape):
+        if not isinstance(md, TensorStorageMetadata):  # DCP would read it as a pickled object
+            raise CheckpointError(f"{dcp_dir}: {key!r} is stored as {type(md).__name__}, not as a tensor; "
+                                  "the checkpoint was altered or damaged: save it again")
+        if tuple(md.size) != tuple(shape):
             raise CheckpointError(f"{dcp_dir}: {key!r} has shape {list(md.size)} in the checkpoint "
                                   f"but {list(shape)} in this model")
 
@@ -90,10 +91,11 @@ def _check_optimizer(dcp_dir: str, manifest: Mapping[str, Any], directory: str,
 class DcpLoad(PreparedLoad):
     """A load that :func:`prepare` checked on this rank: the request for ``dcp.load``."""
 
-    def __init__(self, directory: str, dcp_dir: str, request: dcp_state.LoadRequest,
+    def __init__(self, directory: str, dcp_dir: str, metadata: Metadata, request: dcp_state.LoadRequest,
                  optimizer: Optional[torch.optim.Optimizer]) -> None:
         self.directory = directory
         self.dcp_dir = dcp_dir
+        self.metadata = metadata
         self.request = request
         self.optimizer = optimizer
 
@@ -113,8 +115,8 @@ class DcpLoad(PreparedLoad):
         optimizer_state: Optional[Dict[str, Any]] = None
         try:
             try:
-                dcp.load(self.request.state, storage_reader=FileSystemReader(self.dcp_dir),
-                         planner=DefaultLoadPlanner(allow_partial_load=False),
+                dcp.load(self.request.state, storage_reader=dcp_safe.CheckedReader(self.dcp_dir, self.metadata),
+                         planner=dcp_safe.SafeLoadPlanner(self.dcp_dir, allow_partial_load=False),
                          process_group=dcp_group(view))
             except (Exception, CheckpointException) as exc:  # DCP raises a failure on any rank on every rank
                 raise CheckpointError(f"{self.dcp_dir}: reading the DCP checkpoint failed: "
@@ -148,13 +150,14 @@ def prepare(directory: str, manifest: Mapping[str, Any], view: PipelineView,
         ValueError: the optimizer holds tensors that are not this rank's parameters.
     """
     manifest_path = os.path.join(directory, MANIFEST)
-    dcp_dir = os.path.join(directory, manifest["dcp"]["directory"])
+    dcp_dir = dcp_files.generation_dir(directory, manifest, manifest_path)
     dcp_files.verify_files(dcp_dir, manifest["dcp"]["files"], view.rank, view.world_size, manifest_path)
-    metadata = dcp_files.read_metadata(dcp_dir)
+    metadata = dcp_files.read_metadata(dcp_dir, manifest["dcp"]["files"], manifest_path)
     check_model_kind(manifest_path, manifest, view)
     if view.split_points is None:
         check_layers(manifest_path, manifest, view)
     _check_model_keys(dcp_dir, metadata, view)
     if optimizer is not None:
         _check_optimizer(dcp_dir, manifest, directory, optimizer)
-    return DcpLoad(directory, dcp_dir, dcp_state.LoadRequest(view, optimizer, metadata, dcp_dir), optimizer)
+    return DcpLoad(directory, dcp_dir, metadata, dcp_state.LoadRequest(view, optimizer, metadata, dcp_dir),
+                   optimizer)

@@ -17,7 +17,7 @@ from .._dist import signals
 from .errors import CheckpointError
 
 __all__ = ["PathLike", "HashingWriter", "fsync_directory", "atomic_write", "atomic_torch_save",
-           "sha256_of", "verified_path", "load_verified"]
+           "sha256_of", "inside", "verified_path", "load_verified"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -133,6 +133,36 @@ def sha256_of(path: str) -> str:
     return digest.hexdigest()
 
 
+def inside(directory: str, name: str, what: str, listed_in: str) -> str:
+    """``directory/name``, where that is a plain name whose file (links followed) is
+    inside ``directory``: names in a checkpoint come from a file anyone could have
+    written, and a link could lead a load to any file of the machine.
+
+    Args:
+        directory: the directory the name is in.
+        name: the name, as a file lists it.
+        what: what the file holds, for messages.
+        listed_in: the file listing the name, for messages.
+
+    Returns:
+        The path ``directory/name``.
+
+    Raises:
+        CheckpointError: a name with a directory part (``..``, an absolute path) or a
+            symbolic link leading out of ``directory``, naming it.
+    """
+    if not isinstance(name, str) or not name or os.path.basename(name) != name or name in (".", ".."):
+        raise CheckpointError(f"{listed_in}: bad file name {name!r} for {what} (a plain name in "
+                              f"{directory} is expected); the checkpoint was altered or damaged")
+    full = os.path.join(directory, name)
+    real, base = os.path.realpath(full), os.path.realpath(directory)
+    if os.path.commonpath([real, base]) != base or real == base:
+        raise CheckpointError(f"{full} ({what}) is a symbolic link to {real}, outside {directory}; a "
+                              "checkpoint's files must be inside its directory: copy the file in "
+                              "instead of linking it")
+    return full
+
+
 def verified_path(directory: str, record: Mapping[str, Any], what: str, listed_in: str,
                   check_sha256: bool = True) -> str:
     """The full path of a file a record names, after checking it.
@@ -149,13 +179,11 @@ def verified_path(directory: str, record: Mapping[str, Any], what: str, listed_i
         ``directory/record["file"]``.
 
     Raises:
-        CheckpointError: a bad file name, or the file is missing, has another size
-            (truncated, overwritten) or another sha256 (corrupt).
+        CheckpointError: a bad file name (:func:`inside`), or the file is missing, has
+            another size (truncated, overwritten) or another sha256 (corrupt).
     """
     name = record.get("file")
-    if not isinstance(name, str) or not name or os.path.basename(name) != name or name in (".", ".."):
-        raise CheckpointError(f"{listed_in}: bad file name {name!r} for {what}")
-    full = os.path.join(directory, name)
+    full = inside(directory, name, what, listed_in)  # type: ignore[arg-type]
     if not os.path.isfile(full):
         raise CheckpointError(f"{directory} is not a complete checkpoint: {name} ({what}) is missing")
     size = os.path.getsize(full)

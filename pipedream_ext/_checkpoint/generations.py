@@ -4,6 +4,11 @@ A new save's files never take the name of a file the current manifest names, and
 superseded files are deleted only after the new manifest is in place, so a crash
 at any moment leaves the previous checkpoint loadable. A save that failed removes
 its own generation's files (:func:`remove_generation`), never another's.
+
+Only what this package wrote is ever deleted: a name it writes (``g`` and at least
+six digits: ``model_file``'s, ``dcp_directory``'s) of the kind it writes there (a
+regular file, not a link; a DCP directory holding only what ``dcp.save`` writes).
+Anything else in the directory, whatever its name, is the user's and stays.
 """
 from __future__ import annotations
 
@@ -22,9 +27,12 @@ __all__ = ["model_file", "optimizer_file", "extra_file", "dcp_directory", "next_
 
 _log = logging.getLogger(__name__)
 
-# Files and DCP directories this package owns inside a checkpoint directory (only
-# these are ever deleted).
-_OWN_FILE = re.compile(r"^g(\d+)-(?:(?:stage\d+-(?:model|optim)|extra)\.pt(?:\.tmp)?|dcp)$")
+# The names of the files and DCP directories this package writes in a checkpoint
+# directory (``{generation:06d}``, ``stage{stage:03d}``): the only names deleted.
+_OWN_FILE = re.compile(r"^g(\d{6,})-(?:(?:stage\d{3,}-(?:model|optim)|extra)\.pt(?:\.tmp)?|dcp)$")
+# What dcp.save (FileSystemWriter) writes into its directory: the only entries a DCP
+# directory may hold to be deleted as ours.
+_DCP_ENTRY = re.compile(r"(?:__\d+)?\.metadata(?:\.tmp)?|__\d+_\d+\.distcp")
 
 
 def model_file(generation: int, stage: int) -> str:
@@ -90,20 +98,42 @@ def next_generation(directory: str) -> int:
     return max(generations) + 1
 
 
+def _own(directory: str, name: str) -> bool:
+    """Whether ``directory/name`` is something this package wrote: our name, and a
+    regular file (``.pt``) or a DCP directory holding only DCP's files (``-dcp``)."""
+    if not _OWN_FILE.match(name):
+        return False
+    full = os.path.join(directory, name)
+    if os.path.islink(full):
+        return False
+    if name.endswith("-dcp"):
+        try:
+            return os.path.isdir(full) and all(_DCP_ENTRY.fullmatch(n) for n in os.listdir(full))
+        except OSError:  # gone meanwhile (ranks sharing the directory race): nothing to do
+            return False
+    return os.path.isfile(full)
+
+
 def remove_superseded(directory: str, keep: Sequence[str]) -> None:
     """Deletes this package's files and DCP directories in ``directory`` that ``keep``
-    (the current manifest's) does not name; one that cannot be deleted is logged."""
+    (the current manifest's) does not name; one that cannot be deleted, or that has
+    our name but not our kind (``_own``), is logged and kept."""
     keep_set = set(keep)
     for name in os.listdir(directory):
-        if _OWN_FILE.match(name) and name not in keep_set:
-            full = os.path.join(directory, name)
-            try:
-                if os.path.isdir(full) and not os.path.islink(full):
-                    shutil.rmtree(full)
-                else:
-                    os.remove(full)
-            except OSError as exc:  # the checkpoint is complete; leftovers are harmless
-                _log.warning("could not delete superseded checkpoint file %s: %s", full, exc)
+        if name in keep_set or not _OWN_FILE.match(name):
+            continue
+        full = os.path.join(directory, name)
+        if not _own(directory, name):
+            _log.warning("not deleting %s: named like a checkpoint file, but not one this package "
+                         "wrote (a link, or a directory holding other files than dcp.save's)", full)
+            continue
+        try:
+            if os.path.isdir(full):
+                shutil.rmtree(full)
+            else:
+                os.remove(full)
+        except OSError as exc:  # the checkpoint is complete; leftovers are harmless
+            _log.warning("could not delete superseded checkpoint file %s: %s", full, exc)
 
 
 def _remove(full: str) -> None:
@@ -141,7 +171,7 @@ def remove_generation(directory: str, generation: int) -> None:
         return
     for name in names:
         match = _OWN_FILE.match(name)
-        if match and int(match.group(1)) == generation:
+        if match and int(match.group(1)) == generation and _own(directory, name):
             full = os.path.join(directory, name)
             try:
                 _remove(full)

@@ -3,7 +3,9 @@
 A Hugging Face model directory (what ``save_pretrained`` writes) holds ``config.json``
 and either one ``model.safetensors`` or several shards listed by
 ``model.safetensors.index.json`` (``{"metadata": {"total_size": n}, "weight_map":
-{key: file}}``). :class:`HfWeights` parses that listing without opening any shard
+{key: file}}``); a directory holding both is read as ``from_pretrained`` reads it: its
+``model.safetensors``. Index entries must be plain file names in the directory, and a
+damaged file is named with the tensor being read. :class:`HfWeights` parses that listing without opening any shard
 (a single ``.safetensors`` file is its own listing: its header); :class:`ShareReader`
 opens a shard only when this rank asks for one of its tensors (``safe_open``, a
 memory map) and reads only that tensor, or with a DTensor (FSDP, tensor
@@ -18,10 +20,10 @@ import os
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-__all__ = ["CONFIG", "INDEX", "SINGLE", "HfWeights", "ShareReader", "is_hf", "local_bounds"]
+__all__ = ["CONFIG", "INDEX", "SINGLE", "HfWeights", "ShareReader", "is_hf", "local_bounds", "open_safetensors"]
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -64,6 +66,30 @@ def parse_index(index_path: str) -> Dict[str, str]:
     return dict(weight_map)
 
 
+def _damaged(path: str, key: Optional[str], exc: BaseException) -> ValueError:
+    tensor = f" (reading tensor {key!r})" if key is not None else ""
+    return ValueError(f"{path} is not a readable safetensors file{tensor}: {exc}; it is damaged, "
+                      "incomplete (an interrupted download or copy?) or not safetensors at all "
+                      "(a renamed pickle is refused, never unpickled): download or copy it again")
+
+
+def open_safetensors(path: str, key: Optional[str] = None) -> Any:
+    """``safe_open(path)`` on the CPU, its header checked by safetensors.
+
+    Args:
+        path: the file.
+        key: the tensor wanted from it, for messages.
+
+    Raises:
+        ValueError: a damaged file (truncated, a header too large, overlapping offsets,
+            not safetensors), naming it and the tensor.
+    """
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except (SafetensorError, OSError) as exc:
+        raise _damaged(path, key, exc) from exc
+
+
 class HfWeights:
     """Which file holds each tensor of a Hugging Face directory or ``.safetensors`` file.
 
@@ -80,15 +106,17 @@ class HfWeights:
                 raise ValueError(f"{path} is not a .safetensors file; pass a Hugging Face model "
                                  f"directory ({CONFIG} with {SINGLE} or {INDEX}) or a .safetensors file")
             self.folder, single = os.path.split(os.path.abspath(path))
-            with safe_open(path, framework="pt") as f:  # the header only
+            with open_safetensors(path) as f:  # the header only
                 self.files = {key: single for key in f.keys()}
+        elif os.path.isfile(os.path.join(path, SINGLE)):
+            # model.safetensors first, also beside an index: transformers' from_pretrained
+            # (modeling_utils._get_resolved_checkpoint_files) reads it then
+            self.folder = path
+            with open_safetensors(os.path.join(path, SINGLE)) as f:
+                self.files = {key: SINGLE for key in f.keys()}
         elif os.path.isfile(os.path.join(path, INDEX)):
             self.folder = path
             self.files = parse_index(os.path.join(path, INDEX))
-        elif os.path.isfile(os.path.join(path, SINGLE)):
-            self.folder = path
-            with safe_open(os.path.join(path, SINGLE), framework="pt") as f:
-                self.files = {key: SINGLE for key in f.keys()}
         else:
             what = "no such file or directory" if not os.path.exists(path) else \
                 f"a directory without {SINGLE} or {INDEX}"
@@ -135,30 +163,38 @@ class ShareReader:
         self.tensors: List[str] = []
         self.bytes = 0
 
-    def _file(self, name: str) -> Any:
+    def _file(self, name: str, key: str) -> Any:
         if name not in self._open:
             full = os.path.join(self.weights.folder, name)
             if not os.path.isfile(full):
                 raise ValueError(f"{full} is missing: {self.weights.path} lists it in {INDEX} "
                                  "but it is not there (an incomplete download or copy?)")
-            self._open[name] = safe_open(full, framework="pt", device="cpu")
+            self._open[name] = open_safetensors(full, key)
             self.opened.append(name)
         return self._open[name]
 
     def shape(self, key: str) -> Tuple[int, ...]:
         """The shape of ``key`` in its file (the header only)."""
-        return tuple(self._file(self.weights.files[key]).get_slice(key).get_shape())
+        return tuple(self._file(self.weights.files[key], key).get_slice(key).get_shape())
+
+    def _value(self, key: str, bounds: Optional[List[Tuple[int, int]]]) -> torch.Tensor:
+        """``key``'s whole value, or the part within ``bounds``."""
+        name = self.weights.files[key]
+        file = self._file(name, key)
+        try:
+            part = file.get_slice(key)
+            if bounds is not None:
+                return part[tuple(slice(a, b) for a, b in bounds)]
+            return part[:] if len(part.get_shape()) else file.get_tensor(key)
+        except SafetensorError as exc:
+            raise _damaged(os.path.join(self.weights.folder, name), key, exc) from exc
 
     def read(self, key: str, current: torch.Tensor) -> torch.Tensor:
         """``key``'s value laid out as ``current`` holds it: the whole tensor, or for a
         DTensor this rank's shard (only its slice read where :func:`local_bounds` knows it;
         else the whole value, cut locally)."""
-        part = self._file(self.weights.files[key]).get_slice(key)
         bounds = local_bounds(current)
-        if bounds is None:
-            value = part[:] if len(part.get_shape()) else self._file(self.weights.files[key]).get_tensor(key)
-        else:
-            value = part[tuple(slice(a, b) for a, b in bounds)]
+        value = self._value(key, bounds)
         self.tensors.append(key)
         self.bytes += value.numel() * value.element_size()
         if not isinstance(current, DTensor):

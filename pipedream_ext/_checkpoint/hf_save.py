@@ -9,22 +9,22 @@ parameter is stored once, under its first name in the model
 (``model.embed_tokens.weight``, not ``lm_head.weight``), as transformers stores it.
 
 Phases, as ``save_checkpoint``'s: (1) every rank checks its part and rank 0 the
-directory and picks a temporary sibling ``<out_dir>.tmp-<token>``; one exchange
-makes a bad argument anywhere fail everywhere before anything is written; (2) each
-stage's leader writes its file into the temporary directory: a DTensor (FSDP
-shards, tensor parallelism) is gathered tensor by tensor within the stage's ranks
-(``full_tensor``) to the leader only, so a rank holds at most its stage whole,
-never the model; (3) rank 0 checks every file, writes the index and configs, and
-renames the temporary directory to ``out_dir`` (an existing Hugging Face directory
-there is replaced only then). A failure anywhere removes the temporary directory
-and leaves ``out_dir`` as it was.
+directory (``hf_directory.check_out_dir``) and picks a token; one exchange makes a
+bad argument anywhere fail everywhere before anything is written; (2) each stage's
+leader writes its file into the staging directory ``<out_dir>/.tmp-pipedream-<token>``:
+a DTensor (FSDP shards, tensor parallelism) is gathered tensor by tensor within the
+stage's ranks (``full_tensor``) to the leader only, so a rank holds at most its stage
+whole, never the model; (3) rank 0 checks every file, writes the index and configs
+there and moves each file into ``out_dir`` (the index last), then removes the
+previous save's stale shards (``hf_directory.publish``). Nothing else in ``out_dir``
+is touched. A failure anywhere removes the staging directory (each rank its own
+files) and leaves ``out_dir`` as it was.
 """
 from __future__ import annotations
 
 import collections
 import json
 import os
-import shutil
 import uuid
 from typing import Any, Dict, List, Mapping, Optional
 
@@ -35,8 +35,7 @@ from torch.distributed.tensor import DTensor
 from .._dist import collectives
 from .._frontend.tied_params import alias_names
 from . import directory as directory_check
-from . import hf_files
-from .durable_io import fsync_directory
+from . import hf_directory, hf_files
 from .errors import CheckpointError
 from .view import Pipeline, PipelineView
 
@@ -66,18 +65,6 @@ def _stored_keys(view: PipelineView, j: int) -> List[str]:
     return keys
 
 
-def _check_out_dir(out_dir: str) -> None:
-    """Rank 0: refuses an ``out_dir`` whose contents a save would replace and that is
-    not a Hugging Face directory (nothing the user had is lost)."""
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise ValueError(f"save_pretrained: {out_dir} exists and is not a directory; pass a new "
-                         "directory or one save_pretrained wrote")
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not hf_files.is_hf(out_dir):
-        raise ValueError(f"save_pretrained: {out_dir} holds files and no Hugging Face weights "
-                         f"({hf_files.INDEX} or {hf_files.SINGLE}); it would be replaced: pass an "
-                         "empty or new directory, or a previous save_pretrained directory")
-
-
 def _write_file(folder: str, name: str, tensors: Mapping[str, torch.Tensor]) -> Dict[str, Any]:
     """Writes one shard (contiguous CPU tensors, ``{"format": "pt"}`` as transformers
     expects) and fsyncs it; returns its record."""
@@ -92,7 +79,8 @@ def _write_file(folder: str, name: str, tensors: Mapping[str, torch.Tensor]) -> 
 
 def _finish(folder: str, out_dir: str, records: List[Dict[str, Any]], config: Any,
             generation_config: Any) -> None:
-    """Rank 0: checks every shard, writes the index and configs, renames ``folder`` to ``out_dir``."""
+    """Rank 0: checks every shard, writes the index and configs into the staging
+    directory ``folder`` and moves its files into ``out_dir`` (``hf_directory.publish``)."""
     for record in records:
         full = os.path.join(folder, record["file"])
         size = os.path.getsize(full) if os.path.isfile(full) else None
@@ -110,20 +98,11 @@ def _finish(folder: str, out_dir: str, records: List[Dict[str, Any]], config: An
     for extra in (config, generation_config):
         if extra is not None:
             extra.save_pretrained(folder)
-    fsync_directory(folder)
-    old = None
-    if os.path.isdir(out_dir):
-        old = f"{folder}-old"
-        os.rename(out_dir, old)
-    os.rename(folder, out_dir)
-    fsync_directory(os.path.dirname(os.path.abspath(out_dir)))
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _temporary(out_dir: str, token: str) -> str:
-    """The temporary sibling a save writes into (``token``: rank 0's, the same on every rank)."""
-    return f"{os.path.abspath(out_dir).rstrip(os.sep)}.tmp-{token}"
+    for name in os.listdir(folder):  # the moves are durable only with their contents
+        if os.path.isfile(os.path.join(folder, name)):
+            with open(os.path.join(folder, name), "rb") as f:
+                os.fsync(f.fileno())
+    hf_directory.publish(folder, out_dir)
 
 
 def _hf_parts(model_like: Any, config: Any) -> Any:
@@ -153,14 +132,17 @@ def _stage_tensors(view: PipelineView, j: int, keep: bool) -> "collections.Order
 
 
 def _agree(view: PipelineView, out_dir: str) -> Dict[str, Any]:
-    """Phase 1: checks, the temporary directory, which stages write (one exchange)."""
+    """Phase 1: checks, the staging directory, which stages write (one exchange);
+    ``"created"``: rank 0 found no ``out_dir`` (a failed save removes the one it made)."""
     error: Optional[BaseException] = None
     counts: Dict[str, int] = {}
     token = ""
+    created = False
     try:
         counts = {str(j): len(_stored_keys(view, j)) for j in view.stages if view.is_leader(j)}
         if view.rank == 0:
-            _check_out_dir(out_dir)
+            hf_directory.check_out_dir(out_dir, "save_pretrained")
+            created = not os.path.isdir(out_dir)
             token = uuid.uuid4().hex[:12]
     except Exception as exc:  # noqa: BLE001 - reported to every rank
         error = exc
@@ -171,7 +153,17 @@ def _agree(view: PipelineView, out_dir: str) -> Dict[str, Any]:
     directory_check.check_same(f"save_pretrained {out_dir}", [e["directory"] for e in gathered],
                                "nothing was written")
     writing = sorted({int(j) for e in gathered for j, n in e["counts"].items() if n})
-    return {"folder": _temporary(out_dir, gathered[0]["token"]), "files": {j: k for k, j in enumerate(writing)}}
+    return {"folder": hf_directory.staging(out_dir, gathered[0]["token"]), "created": created,
+            "files": {j: k for k, j in enumerate(writing)}}
+
+
+def _remove_own(paths: List[str]) -> None:
+    """Removes the staged files this rank wrote (a failed save; rank 0 removes the rest)."""
+    for path in paths:
+        try:
+            os.remove(path)
+        except OSError:  # already gone: rank 0 removed the staging directory first
+            pass
 
 
 def save_pretrained(pipe: Pipeline, out_dir: str, config: Any = None) -> Dict[str, str]:
@@ -185,16 +177,20 @@ def save_pretrained(pipe: Pipeline, out_dir: str, config: Any = None) -> Dict[st
     FSDP, tensor parallelism) are gathered one tensor at a time within the stage's
     ranks to its leader, so no rank holds more than its stage whole. Rank 0 writes
     ``model.safetensors.index.json``, ``config.json`` and ``generation_config.json``
-    (the model's, when it has them) and renames the temporary directory to
-    ``out_dir`` last: a failure anywhere leaves ``out_dir`` as it was. Keys are the
-    unsplit model's names (those of the Hugging Face model the pipeline wraps); a
-    tied weight is stored once, under its first name (``model.embed_tokens.weight``),
-    as transformers stores it. An asynchronous pipeline is flushed first.
+    (the model's, when it has them). Like transformers' ``save_pretrained`` it adds
+    its files to ``out_dir`` and keeps everything else there (a tokenizer, a README,
+    other directories); it removes only the shards of a previous save that the new
+    one does not name, after the new index is in place. Every file is staged inside
+    ``out_dir`` and moved into place whole (``os.replace``), the index last; a failure
+    anywhere before the moves leaves ``out_dir`` as it was. A symbolic link
+    ``out_dir`` is written through. Keys are the unsplit model's names (those of the
+    Hugging Face model the pipeline wraps); a tied weight is stored once, under its
+    first name (``model.embed_tokens.weight``), as transformers stores it. An
+    asynchronous pipeline is flushed first.
 
     Args:
         pipe: the pipeline.
-        out_dir: the directory to write: new, empty, or a Hugging Face directory
-            (replaced once the new one is complete).
+        out_dir: the directory to write into (created if missing).
         config: the ``PretrainedConfig`` to write as ``config.json``; by default the
             model's own (``model.config``, kept by ``PipeDream``); ``None`` on a model
             without one writes the weights alone.
@@ -203,9 +199,9 @@ def save_pretrained(pipe: Pipeline, out_dir: str, config: Any = None) -> Dict[st
         The index's ``weight_map`` (tensor name -> shard file), on every rank.
 
     Raises:
-        ValueError: on every rank: ``out_dir`` is a file or holds files and no Hugging
-            Face weights, ranks given different directories, or a ``config`` without
-            ``save_pretrained``.
+        ValueError: on every rank: ``out_dir`` is a file, a link to nothing, or holds
+            a ``model.safetensors`` (``hf_directory.check_out_dir``), ranks given
+            different directories, or a ``config`` without ``save_pretrained``.
         CheckpointError: on every rank: writing failed on some rank, or rank 0 does not
             see a file another rank wrote (nothing was replaced).
     """
@@ -218,20 +214,20 @@ def save_pretrained(pipe: Pipeline, out_dir: str, config: Any = None) -> Dict[st
     folder, files = plan["folder"], plan["files"]
     error: Optional[BaseException] = None
     records: List[Dict[str, Any]] = []
+    done = False
     try:
-        os.makedirs(folder, exist_ok=True)
-        for j in view.stages:
-            tensors = _stage_tensors(view, j, keep=view.is_leader(j))
-            if tensors:
-                records.append(_write_file(folder, shard_name(files[j], len(files)), tensors))
-    except Exception as exc:  # noqa: BLE001 - reported to every rank
-        error = exc
-    try:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            for j in view.stages:
+                tensors = _stage_tensors(view, j, keep=view.is_leader(j))
+                if tensors:
+                    records.append(_write_file(folder, shard_name(files[j], len(files)), tensors))
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            error = exc
         gathered = collectives.gather_outcomes(error, view.group, view.timeout,
                                                f"save_pretrained {out_dir}", payload=records,
                                                failure=CheckpointError)
         records = sorted((r for rank_records in gathered for r in rank_records), key=lambda r: r["file"])
-        error = None
         if view.rank == 0:
             try:
                 _finish(folder, out_dir, records, config, generation)
@@ -240,27 +236,19 @@ def save_pretrained(pipe: Pipeline, out_dir: str, config: Any = None) -> Dict[st
         collectives.gather_outcomes(error, view.group, view.timeout,
                                     f"save_pretrained {out_dir} (writing {hf_files.INDEX})",
                                     failure=CheckpointError)
+        done = True
     finally:
-        if view.rank == 0 and os.path.isdir(folder):
-            shutil.rmtree(folder, ignore_errors=True)
+        if view.rank == 0:
+            hf_directory.discard(folder, out_dir, plan["created"] and not done)
+        elif not done:
+            _remove_own([os.path.join(folder, r["file"]) for r in records])
     return {k: r["file"] for r in records for k in r["tensors"]}
 
 
-def write_state_dict(state_dict: Mapping[str, torch.Tensor], out_dir: str, config: Any = None,
-                     max_shard_bytes: int = MAX_SHARD_BYTES) -> Dict[str, str]:
-    """Writes a whole state dict as a Hugging Face directory, in this process (atomic:
-    a temporary sibling renamed at the end). Tensors sharing storage (a tied weight
-    under several names) are stored once, under the first name.
-
-    Returns:
-        The index's ``weight_map``.
-
-    Raises:
-        ValueError: ``out_dir`` holds other files, or ``config`` has no ``save_pretrained``.
-    """
-    out_dir = os.fspath(out_dir)
-    _check_out_dir(out_dir)
-    config, _ = _hf_parts(None, config)
+def _split(state_dict: Mapping[str, torch.Tensor],
+           max_shard_bytes: int) -> List["collections.OrderedDict[str, torch.Tensor]"]:
+    """``state_dict`` in shards of at most ``max_shard_bytes`` (a bigger tensor alone),
+    each tensor once (a tied weight under its first name)."""
     seen = set()
     shards: List["collections.OrderedDict[str, torch.Tensor]"] = [collections.OrderedDict()]
     size = 0
@@ -275,12 +263,44 @@ def write_state_dict(state_dict: Mapping[str, torch.Tensor], out_dir: str, confi
             size = 0
         shards[-1][key] = value
         size += nbytes
-    folder = _temporary(out_dir, uuid.uuid4().hex[:12])
+    return shards
+
+
+def write_state_dict(state_dict: Mapping[str, torch.Tensor], out_dir: str, config: Any = None,
+                     max_shard_bytes: int = MAX_SHARD_BYTES) -> Dict[str, str]:
+    """Writes a whole state dict as a Hugging Face directory, in this process, into
+    ``out_dir`` as ``save_pretrained`` does (other files kept, the previous save's stale
+    shards removed once the new index is in place, every file staged and moved whole).
+    Tensors sharing storage (a tied weight under several names) are stored once,
+    under the first name.
+
+    Args:
+        state_dict: the whole model's tensors.
+        out_dir: the directory to write into (created if missing).
+        config: the ``PretrainedConfig`` to write as ``config.json``, or ``None``.
+        max_shard_bytes: the largest shard (a bigger tensor gets a shard of its own).
+
+    Returns:
+        The index's ``weight_map``.
+
+    Raises:
+        ValueError: ``out_dir`` is a file, a link to nothing or holds a
+            ``model.safetensors`` (``hf_directory.check_out_dir``), or ``config`` has
+            no ``save_pretrained``.
+        OSError: writing failed (``out_dir`` is left as it was).
+    """
+    out_dir = os.fspath(out_dir)
+    hf_directory.check_out_dir(out_dir, "consolidate")
+    config, _ = _hf_parts(None, config)
+    shards = _split(state_dict, max_shard_bytes)
+    created = not os.path.isdir(out_dir)
+    folder = hf_directory.staging(out_dir, uuid.uuid4().hex[:12])
+    done = False
     try:
         os.makedirs(folder)
         records = [_write_file(folder, shard_name(k, len(shards)), part) for k, part in enumerate(shards)]
         _finish(folder, out_dir, records, config, None)
+        done = True
     finally:
-        if os.path.isdir(folder):
-            shutil.rmtree(folder, ignore_errors=True)
+        hf_directory.discard(folder, out_dir, created and not done)
     return {k: r["file"] for r in records for k in r["tensors"]}

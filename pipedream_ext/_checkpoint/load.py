@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .._dist import collectives
-from . import dcp_save, reshard
+from . import copies, dcp_save, reshard
 from . import directory as directory_check
 from .durable_io import PathLike
 from .errors import CheckpointError
@@ -61,7 +61,8 @@ def load_checkpoint(path: PathLike, pipe: Pipeline,
         CheckpointError: on every rank, if any rank found the checkpoint missing,
             incomplete (no manifest, a missing or truncated file), corrupt, or not
             matching the model or optimizer; the message names the file and the
-            parameter.
+            parameter; or copies of one tensor (tied, replicated over dp or tp) would
+            differ (``copies.check_copies``).
         ValueError: the optimizer holds tensors that are not this rank's parameters,
             or ``path`` resolves to another directory on some rank.
     """
@@ -94,6 +95,7 @@ def load_checkpoint(path: PathLike, pipe: Pipeline,
                               "it changed while loading (nothing was loaded)")
     assert prepared is not None  # every rank prepared, or the exchange raised
     weights, optimizer_state = prepared.read(view)
+    copies.check_copies(view, weights, f"loading checkpoint {directory}", CheckpointError)
     reshard.copy_into_stages(view.stages, weights, strict=True)
     if optimizer is not None and optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .._dist import collectives
+from . import copies
 from .view import Pipeline
 
 __all__ = ["load_parts", "key_shapes", "gather_by_name", "copy_into_stages", "split_state_dict",
@@ -125,6 +126,19 @@ def _check_whole_dict(state_dict: Any, model_shapes: Mapping[str, Tuple[int, ...
     return unexpected
 
 
+def _refuse_meta(state_dict: Mapping[str, Any], keys: List[str]) -> None:
+    """Raises ValueError naming the entries of ``keys`` that are on the meta device
+    (shapes without values: nothing could be copied from them)."""
+    meta = [k for k in keys if isinstance(state_dict.get(k), torch.Tensor) and state_dict[k].is_meta]
+    if meta:
+        raise ValueError(
+            f"state dict entr{'ies' if len(meta) > 1 else 'y'} {_listed(meta)} "
+            f"{'are' if len(meta) > 1 else 'is'} on the meta device, which has shapes but no "
+            "values (the state dict of a model built under torch.device('meta')?); pass a "
+            "state dict with values: of a materialised model (pd.materialize(model)), a file "
+            "(torch.load(path, mmap=True)) or pd.consolidate(checkpoint)")
+
+
 def _laid_out_like(value: Optional[torch.Tensor], current: torch.Tensor) -> Optional[torch.Tensor]:
     """``value`` (a whole tensor) as ``current`` holds it: a DTensor (tensor parallelism,
     FSDP over a mesh's ``dp``) takes this rank's shard by its placements, cut locally
@@ -153,9 +167,11 @@ def split_state_dict(state_dict: Mapping[str, Any], model_shapes: Mapping[str, T
     Raises:
         ValueError: (strict) keys the model does not have, keys this rank's stages
             need that the dict lacks (naming the stage); any shape that differs
-            (naming the key and both shapes); a value that is not a tensor.
+            (naming the key and both shapes); a value that is not a tensor; values of
+            this rank's keys on the meta device (naming them).
     """
     unexpected = _check_whole_dict(state_dict, model_shapes, strict)
+    _refuse_meta(state_dict, [key for module in stages.values() for key in module.state_dict()])
     parts, absent = gather_by_name(stages, lambda key, current: _laid_out_like(state_dict.get(key), current))
     missing: List[str] = []
     for j, keys in absent.items():
@@ -214,7 +230,8 @@ def load_parts(pipe: Pipeline, split: Callable[[Any], Tuple[StageStates, List[st
 
     Raises:
         ValueError, RuntimeError: on every rank, what any rank's ``split`` raised (or a
-            peer that did not arrive within the pipeline's timeout).
+            peer that did not arrive within the pipeline's timeout); ``ValueError``:
+            copies of one tensor (tied, replicated) would differ (``copies.check_copies``).
     """
     view = pipe.checkpoint_view
     if view.asynchronous:
@@ -228,6 +245,7 @@ def load_parts(pipe: Pipeline, split: Callable[[Any], Tuple[StageStates, List[st
     except Exception as exc:  # noqa: BLE001 - reported to every rank
         error = exc
     collectives.raise_if_any_failed(error, view.group, view.timeout, what)
+    copies.check_copies(view, parts, what)
     # strict=False: a non-strict load leaves the keys the source lacks as they are.
     copy_into_stages(view.stages, parts, strict=False)
     return IncompatibleKeys(missing, unexpected)

@@ -12,16 +12,26 @@ place (:func:`compile_stage`) with the wrapper's own dynamo context, i.e. the us
 AOTAutograd compiles too. The module objects stay the same, so the optimizer,
 checkpoints and the executor see the same parameters as without compilation.
 
+A split backward (zero-bubble schedules: I, then W from the same graph) runs each
+compiled region's backward with the graph kept, which AOTAutograd refuses for a
+backward compiled with donated buffers (saved tensors it may overwrite, so the W pass
+would read clobbered ones): :func:`split_backward_compiles` turns them off around the
+step, as torch's error message says, for what compiles in it and for the check.
+
 Design and limits: docs/tracing.md#torchcompile.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import sys
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
+import torch
 from torch import nn
 
-__all__ = ["COMPILED_PREFIX", "unwrap_compiled", "strip_compiled_prefix", "compile_stage"]
+__all__ = ["COMPILED_PREFIX", "unwrap_compiled", "strip_compiled_prefix", "compile_stage",
+           "split_backward_compiles"]
 
 #: What ``torch.compile``'s wrapper adds in front of every name of the model it wraps.
 COMPILED_PREFIX = "_orig_mod."
@@ -87,3 +97,32 @@ def compile_stage(module: nn.Module, context: CompileContext) -> None:
         return call(*args, **kwargs)
 
     module._compiled_call_impl = context(run)  # noqa: SLF001 - what nn.Module.compile sets
+
+
+@contextlib.contextmanager
+def split_backward_compiles() -> Iterator[None]:
+    """A context in which AOTAutograd compiles no donated buffers and lets a compiled
+    backward run with the graph kept (``torch._functorch.config.donated_buffer=False``).
+
+    Wraps a step of a schedule that splits the backward: the stages' forwards compile
+    there (a compiled stage's first training call, and every recompile), so their
+    backwards keep every saved tensor for the W pass, and the I pass checks the flag
+    again. The executor runs the backward through the C++ engine, not
+    ``torch.autograd``'s Python entry, so the context is stashed for the engine's
+    device threads as that entry does (a CUDA backward runs there and reads it). A graph
+    compiled with donated buffers before the pipeline is not recompiled (compile with
+    ``torch.compile`` before ``PipeDream``, not after training with it). Without
+    torch.compile in the process: nothing is changed.
+    """
+    # Only a process that called torch.compile has imported AOTAutograd's config.
+    config = sys.modules.get("torch._functorch.config")
+    if config is None:
+        yield
+        return
+    with config.patch(donated_buffer=False):
+        # torch.autograd's _engine_run_backward does the same for its device threads.
+        torch._C._stash_obj_in_tls("context", contextvars.copy_context())  # noqa: SLF001 - torch internal
+        try:
+            yield
+        finally:
+            torch._C._remove_obj_from_tls("context")  # noqa: SLF001 - torch internal

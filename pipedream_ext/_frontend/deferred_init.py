@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
@@ -45,7 +46,8 @@ from torch import nn
 
 __all__ = ["DEFAULT_INIT_SEED", "InitFn", "Memo", "layer_seed", "has_meta_tensors", "check_seed",
            "check_initialisable", "materialize_layer", "materialize", "init_units",
-           "check_traced_initialisable", "materialize_traced", "replace_materialized"]
+           "check_traced_initialisable", "materialize_traced", "replace_materialized",
+           "unset_tensors"]
 
 #: The base seed of deferred initialisation when none is given.
 DEFAULT_INIT_SEED = 0
@@ -182,6 +184,27 @@ def _is_sentinel(t: torch.Tensor) -> bool:
         if not bool(torch.isnan(chunk).all() if floating else (chunk == _SENTINEL_BYTE).all()):
             return False
     return True
+
+
+def unset_tensors(module: nn.Module) -> List[str]:
+    """The parameters and buffers of ``module`` still holding only the sentinel every
+    tensor materialised from the meta device starts as (a DTensor: this rank's shard):
+    what ``init_fn`` left to a state dict that never came.
+
+    Args:
+        module: a rank's stages (a model built on the meta device).
+
+    Returns:
+        Their names in ``module``, parameters first.
+    """
+    found = []
+    with torch.no_grad():
+        for name, t in (*module.named_parameters(), *module.named_buffers()):
+            local = t.to_local() if callable(getattr(t, "to_local", None)) else t
+            detectable = local.is_floating_point() or local.is_complex() or local.is_contiguous()
+            if not local.is_meta and local.numel() > 0 and detectable and _is_sentinel(local.detach()):
+                found.append(name)
+    return found
 
 
 @dataclasses.dataclass
@@ -439,6 +462,94 @@ def init_units(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     return [(name, module) for name, module in model.named_modules() if _meta_names(module)]
 
 
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of ``t``'s shape and dtype (a parameter if ``t`` is one)."""
+    meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+
+
+#: A tensor slot: ``(owning module, its _parameters or _buffers, name, tensor)``.
+_Held = Tuple[nn.Module, Dict[str, Optional[torch.Tensor]], str, torch.Tensor]
+
+
+def _slots(module: nn.Module, recurse: bool, meta: bool) -> List[_Held]:
+    """The slots of ``module`` (and below, with ``recurse``) holding meta tensors, or
+    (``meta=False``) tensors with values."""
+    return [(m, owned, name, t) for m in (module.modules() if recurse else [module])
+            for owned in (m._parameters, m._buffers)  # noqa: SLF001 - direct ownership
+            for name, t in owned.items() if t is not None and t.is_meta == meta]
+
+
+def _init_restricted(unit: nn.Module, calls: Sequence[Tuple[nn.Module, InitFn]],
+                     real: Sequence[_Held]) -> None:
+    """Calls ``init(module)`` for each ``(module, init)`` of ``calls`` in order, with the
+    tensors of ``real`` that ``unit`` does not own swapped for meta stand-ins meanwhile
+    (meta ops draw no random numbers and change nothing)."""
+    others = [slot for slot in real if slot[0] is not unit]
+    for module, init in calls:
+        try:
+            for _, owned, name, t in others:
+                owned[name] = _stand_in(t)
+            init(module)
+        finally:
+            for _, owned, name, t in others:
+                owned[name] = t
+
+
+@contextlib.contextmanager
+def _one_unit_at_a_time(model: nn.Module, on: bool) -> Iterator[Tuple[List[_Held], List[_Held]]]:
+    """Keeps every tensor of ``model`` that a unit materialises on meta again once its unit
+    is done, until the end: then each unit's initialisation (its ancestors' included)
+    sees only its own tensors with values, without a walk over the model per unit.
+
+    Transformers' ``initialize_weights`` calls ``_init_weights`` on every module, children
+    before parents, and a parent may set its children's tensors (GPT-2's attention scales
+    ``c_proj.weight``): called for the modules holding a unit, it must set only that
+    unit's tensors, so that each gets the same values whichever units a rank holds.
+
+    Yields:
+        ``(real, done)``: the slots holding values before (never swapped for good; the
+        caller swaps them around each call, :func:`_init_restricted`), and a list to which
+        the caller appends each materialised unit's slots after putting their meta
+        tensors back; at the end every one gets its new tensor again.
+    """
+    real = _slots(model, True, False) if on else []
+    done: List[_Held] = []
+    try:
+        yield real, done
+    finally:
+        for _, owned, name, t in done:
+            owned[name] = t
+
+
+def _is_submodel(module: nn.Module) -> bool:
+    """A Hugging Face ``PreTrainedModel`` (its own ``_init_weights``, as transformers'
+    ``smart_apply`` dispatches it to the modules below it)."""
+    return callable(getattr(module, "_init_weights", None)) and \
+        callable(getattr(module, "_initialize_weights", None))
+
+
+def _unit_inits(model: nn.Module, units: Sequence[Tuple[str, nn.Module]], root: InitFn
+                ) -> List[Tuple[InitFn, List[Tuple[nn.Module, InitFn]]]]:
+    """Per unit: its initialiser and the ``(ancestor, initialiser)`` pairs above it,
+    nearest first (transformers' order: children before parents). Each module's
+    initialiser is the ``_init_weights`` of the nearest sub-model holding it, else
+    ``root`` (the model's)."""
+    modules = dict(model.named_modules())
+    inits: Dict[str, InitFn] = {"": root}
+    found: List[Tuple[InitFn, List[Tuple[nn.Module, InitFn]]]] = []
+    for name, _ in units:
+        chain: List[Tuple[nn.Module, InitFn]] = [(model, root)]
+        parts = name.split(".") if name else []
+        for k in range(1, len(parts) + 1):
+            prefix, sub = ".".join(parts[:k]), modules[".".join(parts[:k])]
+            if prefix not in inits:
+                inits[prefix] = sub._init_weights if _is_submodel(sub) else inits[".".join(parts[:k - 1])]  # noqa: SLF001
+            chain.append((sub, inits[prefix]))
+        found.append((chain[-1][1], chain[-2::-1]))
+    return found
+
+
 def _unit_init(model: nn.Module) -> Tuple[Optional[InitFn], str]:
     """The model's own per-module initialiser (a Hugging Face ``PreTrainedModel``'s
     ``_init_weights``), else ``None`` (each module's ``reset_parameters()``)."""
@@ -484,8 +595,12 @@ def materialize_traced(model: nn.Module, device: Union[str, torch.device],
     (:func:`init_units`) is initialised alone, under the RNG seeded with
     ``layer_seed(seed, u)``, by ``init_fn(unit)``, else the model's
     ``_init_weights(unit)``, else ``unit.reset_parameters()``: each tensor gets the same
-    values whichever units are materialised with it. A tensor owned by several units
-    (tied) takes the first unit's values.
+    values whichever units are materialised with it. With ``_init_weights``, every
+    module holding the unit follows, nearest first, as transformers' ``initialize_weights``
+    calls it on the whole model (children before parents; a sub-model's own
+    ``_init_weights`` below it), each seeing only the unit's tensors with values: a parent
+    that sets its children's tensors (GPT-2 scales ``c_proj`` by ``1/sqrt(2 n_layer)``)
+    does so here too. A tensor owned by several units (tied) takes the first unit's values.
 
     Args:
         model: the whole model (only its meta tensors are replaced).
@@ -524,10 +639,23 @@ def materialize_traced(model: nn.Module, device: Union[str, torch.device],
         if wanted is None or any(i in wanted for i in ids):
             needed.add(u)
             needed.update(first[i] for i in ids)  # a tie: its first owner sets it
-    for u in sorted(needed):
-        name, module = units[u]
-        materialize_layer(module, u, name, device, seed, init_fn, memo, direct=not layers,
-                          init=init, init_name=init_name)
+    # A model's _init_weights: also every module holding the unit, as on the whole model.
+    chains = _unit_inits(model, units, init) if init is not None and init_fn is None else None
+    with _one_unit_at_a_time(model, chains is not None) as (real, done):
+        for u in sorted(needed):
+            name, module = units[u]
+            unit_init = init
+            if chains is not None:
+                own, ancestors = chains[u]
+                unit_init = functools.partial(_init_restricted, calls=[(module, own), *ancestors],
+                                              real=real)
+                metas = _slots(module, False, True)
+            materialize_layer(module, u, name, device, seed, init_fn, memo, direct=not layers,
+                              init=unit_init, init_name=init_name)
+            if chains is not None:  # back on meta until every unit is done
+                for m, owned, key, meta in metas:
+                    done.append((m, owned, key, owned[key]))
+                    owned[key] = meta
     return memo
 
 

@@ -23,6 +23,11 @@ Which rank counts which gradient:
   the same averaged gradient) on dp rank 0 only, as a replica's leader counts it;
   with tensor parallelism on the pipeline of ``(dp, tp) = (0, 0)`` only (every tp rank
   holds the same plain gradient);
+* a ``DTensor`` gradient with a ``Partial`` placement (a ``SequenceParallel()`` norm's
+  weight: each tp rank holds its sequence shard's part of the sum) is reduced to
+  ``Replicate`` first (:func:`reduce_partial_gradients`, one all-reduce over its mesh),
+  as torch's ``clip_grad_norm_`` reduces it (its norm redistributes a ``Partial``
+  input); the optimizer then reads the reduced gradient;
 * with tensor parallelism, a ``DTensor`` whose mesh lacks one of the ``dp`` and ``tp``
   dimensions is replicated along it (a tp DTensor over dp with ``"replicate"``, an
   FSDP shard of a plain parameter over tp): only coordinate 0 of that dimension
@@ -55,7 +60,7 @@ from .._dist import collectives
 from .local_stages import LocalStages
 
 __all__ = ["GradientClipper", "check_max_norm", "check_norm_type", "check_updates_aligned",
-           "parse_clip_option"]
+           "parse_clip_option", "reduce_partial_gradients"]
 
 # Gradient dtypes the all-reduce flags (the norm takes their promotion).
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -144,6 +149,24 @@ def _is_dtensor(grad: torch.Tensor) -> bool:
     """A ``torch.distributed.tensor.DTensor`` (duck-typed: importing it costs start-up
     time for a case that only FSDP2 creates)."""
     return hasattr(grad, "device_mesh") and hasattr(grad, "placements") and hasattr(grad, "to_local")
+
+
+def reduce_partial_gradients(parameters: Any) -> None:
+    """Replaces every ``DTensor`` gradient with a ``Partial`` placement by its reduced
+    value (``Replicate`` on that mesh dimension): collective over the gradient's mesh,
+    in parameter order, the same on every rank of it (one stage, one model).
+
+    Args:
+        parameters: the parameters whose gradients to reduce (in one order on every rank).
+    """
+    from torch.distributed.tensor import Replicate  # noqa: PLC0415 - only with DTensors
+
+    for p in parameters:
+        grad = p.grad
+        if grad is None or not _is_dtensor(grad) or not any(pl.is_partial() for pl in grad.placements):
+            continue
+        p.grad = grad.redistribute(grad.device_mesh, [Replicate() if pl.is_partial() else pl
+                                                      for pl in grad.placements])
 
 
 def _counted_shard(grad: Any) -> bool:
@@ -237,6 +260,7 @@ class GradientClipper:
             RuntimeError: ``error_if_nonfinite`` and a NaN or inf norm (torch's
                 message, every rank, nothing scaled), or the all-reduce failed.
         """
+        reduce_partial_gradients(self.module.parameters())
         counted, local = self.local_gradients()
         total = self.total_norm(counted, norm_type, foreach)
         if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):

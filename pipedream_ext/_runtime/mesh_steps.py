@@ -16,15 +16,22 @@ that reads them needs no other exchange to say who differs. The first
 all-reduce and raise before ``step()`` returns; later steps check it when the loss is
 read, and at the latest at the start of the next step but one (by then it has long
 finished: the wait costs nothing).
+
+With tensor parallelism every tp rank of a dp coordinate must be given the same batch
+(the first ``check_agreement`` steps compare fingerprints in ``StepAgreement``); the
+same all-reduce then also carries each pipeline's batch fingerprint (its inputs' on
+stage 0, its targets' on the last stage: 52 bits of the batch's digest each, exact in
+float64), so a later step given different batches on its tp ranks fails as well, naming
+the step and the ranks, instead of training each tp rank's shards on another batch.
 """
 from __future__ import annotations
 
 import collections
-from typing import Callable, Deque, List, Optional
+from typing import Any, Callable, Deque, List, Optional
 
 import torch
 
-from .._dist.agreement import unequal_dp_rows
+from .._dist.agreement import batch_fingerprint, unequal_dp_rows
 from .._dist.groups import RankNames
 from .step_loss import StepLoss
 
@@ -54,10 +61,27 @@ class MeshSteps:
         self.dp_rank = next(d for d, p in enumerate(self.pipelines) if rank in p)
         #: Losses whose all-reduce is not checked yet (oldest first).
         self.pending: Deque[StepLoss] = collections.deque()
+        self.tp_size = names.tp_size
+        #: This step's batch fingerprints (inputs, targets) where this rank saw them.
+        self._batch: List[Optional[float]] = [None, None]
+
+    def note_batch(self, inputs: Any, targets: Any) -> None:
+        """Keeps this step's fingerprints of what this rank was given (``None``: not
+        given here) for :meth:`values`; with tensor parallelism only (free without).
+
+        Args:
+            inputs: the batch's inputs on stage 0's rank, else ``None``.
+            targets: the batch's targets on the last stage's rank, else ``None``.
+        """
+        if self.tp_size > 1:
+            seen = batch_fingerprint(inputs, targets)
+            self._batch = [None if seen[k] is None else float(int(seen[k]["digest"][:13], 16))
+                           for k in ("inputs", "targets")]
 
     def values(self, loss: float, failed: bool, call: int, rows: Optional[int]) -> torch.Tensor:
         """What this rank adds to the sum: ``[loss, failed, call per rank..., rows per dp
-        rank...]`` (float64; its own slots only, zeros elsewhere).
+        rank...]`` and with tensor parallelism ``[inputs' fingerprint per pipeline...,
+        targets' fingerprint per pipeline...]`` (float64; its own slots only, zeros elsewhere).
 
         Args:
             loss: this rank's share of the batch loss.
@@ -65,11 +89,16 @@ class MeshSteps:
             call: this ``step()`` call's number (counting calls that raised).
             rows: the batch's rows on stage 0's rank, else ``None``.
         """
-        t = torch.zeros(2 + self.world + self.dp, dtype=torch.float64)
+        prints = 2 * self.dp if self.tp_size > 1 else 0
+        t = torch.zeros(2 + self.world + self.dp + prints, dtype=torch.float64)
         t[0], t[1] = loss, 1.0 if failed else 0.0
         t[2 + self.rank] = call
         if rows is not None:
             t[2 + self.world + self.dp_rank] = rows
+        for k, value in enumerate(self._batch if prints else ()):
+            if value is not None:
+                t[2 + self.world + (k + 1) * self.dp + self.dp_rank] = value
+        self._batch = [None, None]
         return t
 
     def check(self, total: torch.Tensor) -> None:
@@ -82,7 +111,7 @@ class MeshSteps:
             StepMismatch: naming each rank's call or each dp rank's rows, and the fix.
         """
         calls = [int(c) for c in total[2:2 + self.world].tolist()]
-        rows = [int(n) for n in total[2 + self.world:].tolist()]
+        rows = [int(n) for n in total[2 + self.world:2 + self.world + self.dp].tolist()]
         me = self.names.of_global(self.rank)
         if len(set(calls)) > 1:
             raise StepMismatch(
@@ -99,6 +128,31 @@ class MeshSteps:
                 f"{me}: step() number {calls[0]} ran with batches of different sizes on the "
                 "data-parallel ranks, so its gradients are not the unsplit model's: "
                 + unequal_dp_rows(self.names, [p[0] for p in self.pipelines], rows))
+        if self.tp_size > 1:
+            self._check_tp_batches(total[2 + self.world + self.dp:].tolist(), calls[0])
+
+    def _check_tp_batches(self, prints: List[float], call: int) -> None:
+        """Every tp rank of a dp coordinate was given one batch: equal fingerprints of
+        stage 0's inputs and of the last stage's targets over its pipelines.
+
+        Raises:
+            StepMismatch: naming the step, the dp coordinate and each rank's fingerprint.
+        """
+        tp = self.tp_size
+        for kind, offset in (("inputs", 0), ("targets", self.dp)):
+            for d in range(0, self.dp, tp):
+                seen = [(c - d, prints[offset + c]) for c in range(d, d + tp)]
+                if len({value for _, value in seen}) > 1:
+                    each = ", ".join(f"tp {t} ({self.names.many(self.pipelines[d + t])}) {int(v):013x}"
+                                     for t, v in seen)
+                    raise StepMismatch(
+                        f"{self.names.of_global(self.rank)}: step() number {call}: the tp ranks of "
+                        f"dp coordinate {d // tp} were given different {kind} (fingerprints: "
+                        f"{each}), so each tp rank trained its shards on another batch and the "
+                        "weights are no longer the unsplit model's; tensor parallelism splits the "
+                        "weights, not the batch: give every tp rank of a dp coordinate the same "
+                        "batch (DistributedSampler(dataset, num_replicas=mesh['dp'].size(), "
+                        "rank=mesh['dp'].get_local_rank()))")
 
     def _by_value(self, values: List[int], word: Callable[[int], str]) -> str:
         groups: "collections.OrderedDict[int, List[int]]" = collections.OrderedDict()

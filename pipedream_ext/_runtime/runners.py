@@ -19,6 +19,7 @@ replica per stage where their own list cannot (replicas, asynchronous schedules)
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import gc
 import logging
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from .. import _C, schedules
 from .._dist import collectives, faults
 from .._dist.groups import PipelineGroups, RankNames, p2p_protocol
+from .._frontend import compiled
 from . import optimizer_check, token_loss
 from .config import PipelineConfig
 from .eval_outputs import check_output_batch_dim, merge_microbatch_outputs, microbatch_rows
@@ -52,6 +54,7 @@ from .stage_call import (
     split_microbatches,
 )
 from .step_loss import StepLoss
+from .tensor_parallel import check_sequence_length
 from .tied_grads import SharedGradients
 
 __all__ = ["Runner", "FlushRunner", "AsyncRunner", "make_runner"]
@@ -355,8 +358,8 @@ class Runner:
         all-reduce of stage 0's batch size and of a failure flag.
 
         Raises:
-            ValueError: a bad ``output_batch_dim``, missing inputs or a batch that
-                cannot be cut, on any rank (raised on every rank).
+            ValueError: a bad ``output_batch_dim``, missing inputs, a batch that cannot
+                be cut or a sequence length tp cannot split, on any rank (raised on every rank).
         """
         error: Optional[BaseException] = None
         chunks: List[Tuple[torch.Tensor, ...]] = []
@@ -364,6 +367,9 @@ class Runner:
         try:
             self._require(inputs, self.is_first, "inputs", "forward_only()")
             check_output_batch_dim(output_batch_dim)
+            if self.is_first and self.data_parallel is not None:  # before Gloo's uneven all-gather
+                plan = self.data_parallel.plan
+                check_sequence_length(plan.tensor_parallel, plan.tp_size, inputs)
             if runs and self.is_first:
                 chunks = self._split(inputs, "inputs", self.config.microbatches)  # type: ignore[arg-type]
                 batch = sum(c[0].shape[0] for c in chunks)
@@ -435,16 +441,21 @@ class FlushRunner(Runner):
         self._require(targets, self.is_last, "targets")
         if self.data_parallel is not None:
             self._check_dp_batch(inputs, targets)
-            self.data_parallel.before_step()
-        chunks = self._split(inputs, "inputs", m) if self.is_first else []
         if self.is_last:
             self.targets.clear()
+        if self.config.loss_reduction == "tokens":  # on every rank, before anything runs
+            self.targets.divide_by_tokens(self._batch_tokens(targets))
+        elif self.is_last:
             self.targets.add(targets, m, 0, self.device)
-            if self.config.loss_reduction == "tokens":
-                self.targets.divide_by_tokens(self._batch_tokens())
+        if self.data_parallel is not None:
+            self.data_parallel.before_step()
+        chunks = self._split(inputs, "inputs", m) if self.is_first else []
         context = self._context()
         loss_scale = context.loss_scale()
-        with self._forward.bound(context):
+        # A split backward keeps the graph for W: compiled stages without donated buffers.
+        split = compiled.split_backward_compiles() if self.config.traits.split_backward \
+            else contextlib.nullcontext()
+        with self._forward.bound(context), split:
             losses = self._run_executor(lambda: self.executor.run([list(c) for c in chunks]))
         if context.returned_tokens and context.deferred_error is None:
             mismatch = token_loss.returned_mismatch(self.targets.token_counts,
@@ -476,29 +487,54 @@ class FlushRunner(Runner):
         # over ranks finishes in the background; reading the loss waits for it.
         local = sum(float(l) for l in losses if l is not None) / loss_scale if self.is_last else 0.0
         rows = int(as_tuple(inputs)[0].shape[0]) if self.is_first else None
+        if self.mesh_steps is not None:  # with tp: the batch's fingerprints, checked over tp
+            self.mesh_steps.note_batch(inputs if self.is_first else None,
+                                       targets if self.is_last else None)
         return self._batch_loss(context, local / self.loss_divisor, rows)
 
-    def _batch_tokens(self) -> int:
-        """``loss_reduction="tokens"``: the batch's token count, this rank's microbatches'
-        summed over the dp ranks (their last stages, one small all-reduce per step).
+    def _batch_tokens(self, targets: Any) -> int:
+        """``loss_reduction="tokens"``: the batch's token count, known to every rank before
+        anything runs (one small all-reduce over the step's ranks per step).
+
+        The last stages count their targets (``tokens_fn``, held in :attr:`targets`); the
+        all-reduce sums them over the dp ranks, each dp part counted once (a replicated
+        last stage and the tp ranks hold the same targets), and carries a failure flag,
+        so a ``tokens_fn`` refused on one rank, or a batch without tokens, raises the
+        same error on every rank and no rank is left waiting on another's forward.
 
         Raises:
+            ValueError: ``tokens_fn`` refused on a rank (naming it), or 0 tokens in the
+                whole batch; on every rank, with nothing run (gradients as before).
             RuntimeError: the all-reduce failed or timed out, naming the rank and step.
         """
-        local = self.targets.local_tokens()
-        if self.data_parallel is None or self.data_parallel.plan.dp_size == 1:
-            return local
-        plan = self.data_parallel.plan
+        error: Optional[BaseException] = None
+        local = 0.0
+        if self.is_last:
+            try:
+                self.targets.add(targets, self.config.microbatches, 0, self.device)
+                copies = len(self.schedule.stage_ranks(self.num_stages - 1)) * \
+                    (1 if self.data_parallel is None else self.data_parallel.plan.tp_size)
+                local = self.targets.local_tokens() / copies
+            except ValueError as exc:
+                error = exc
+        step = self.steps_run
         try:
-            total = collectives.all_reduce_bounded(torch.tensor([local], dtype=torch.float64),
-                                                   plan.dp_group, dist.ReduceOp.SUM,
-                                                   self.config.timeout)
-        except RuntimeError as exc:  # Gloo names an address: say which ranks and step
+            total = collectives.all_reduce_bounded(
+                torch.tensor([local, 1.0 if error is not None else 0.0], dtype=torch.float64),
+                self.step_group, dist.ReduceOp.SUM, self.config.timeout)
+        except RuntimeError as exc:  # Gloo names an address: say which rank and step
             raise RuntimeError(
-                f"{self.names.of_group(self.groups.rank)}: the all-reduce of the token count over "
-                f"mesh['dp'] (with {self.names.many([p[self.groups.rank] for p in plan.pipelines])})"
-                f" in step {self.steps_run} failed or timed out: {exc}") from exc
-        return int(total[0])
+                f"{self.names.of_group(self.groups.rank)}: the all-reduce of the token count "
+                f"before step {step} failed or timed out: {exc}") from exc
+        if total[1] > 0:
+            self.targets.clear()
+            collectives.raise_if_any_failed(error, self.step_group, self.config.timeout,
+                                            f"step() number {step}", self._mesh_names)
+        tokens = int(round(float(total[0])))
+        if tokens == 0:  # every rank sees the same sum: all raise, none runs
+            self.targets.clear()
+            raise ValueError(f"step() number {step}: {token_loss.no_tokens()}")
+        return tokens
 
     def _batch_loss(self, context: StepContext, local: float, rows: Optional[int] = None
                     ) -> Union[StepLoss, float]:

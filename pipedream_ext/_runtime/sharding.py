@@ -45,7 +45,7 @@ from .._dist.groups import RankNames, bounded_group, checkpoint_group, side_grou
 from .config import PipelineConfig
 from .local_stages import LocalStages
 from .stage_call import as_tuple
-from .tensor_parallel import TensorParallel, local
+from .tensor_parallel import TensorParallel, check_sequence_length, local
 from .tp_init import materialize_sharded
 from .tp_tied import Ties
 
@@ -87,6 +87,9 @@ class MeshPlan:
         tensor_parallel: the plan (``PipeDream(tensor_parallel=...)``), or ``None``.
         tp_mesh: the 1-D mesh over this rank's tp group, on a group bounded by the
             pipeline's timeout (:meth:`create_groups`; with ``tensor_parallel`` only).
+        timeout: the pipeline's timeout in seconds (:meth:`create_groups`).
+        plan_group: with ``tensor_parallel``, a group over every rank bounded by twice
+            the timeout, on which applying the plan is agreed (``TensorParallel.apply``).
     """
 
     mesh: Any
@@ -100,6 +103,8 @@ class MeshPlan:
     tp_size: int = 1
     tensor_parallel: Any = None
     tp_mesh: Any = None
+    timeout: float = 0.0
+    plan_group: Any = None
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -151,6 +156,7 @@ class MeshPlan:
             timeout: seconds, for the checkpoint, pipeline, dp and world groups' operations.
         """
         me = dist.get_rank()
+        self.timeout = timeout
         for ranks in self.pipelines:
             side_group(ranks)
             checkpoint_group(ranks, timeout)
@@ -171,6 +177,9 @@ class MeshPlan:
                                                          mesh_dim_names=("dp",))
         if self.tensor_parallel is None:
             return
+        # Applying the plan is agreed on over the world with twice the timeout: a rank
+        # whose tp peer's plan raised before its collective waits that long in it first.
+        self.plan_group = bounded_group(self.world_ranks, 2 * timeout)
         tp_group = None
         for pp in range(len(self.pipelines[0])):
             for d in range(self.dp_size):
@@ -410,7 +419,8 @@ def _apply_tensor_parallel(plan: MeshPlan, stages: LocalStages) -> None:
     (``tp_tied.Ties``); meta layers (``stages.pending``) are parallelized on the meta
     device, then materialised shard by shard (``tp_init``)."""
     ties = Ties(stages[j] for j in stages)
-    TensorParallel(plan.tensor_parallel, plan.tp_mesh, plan.pp_group).apply(
+    TensorParallel(plan.tensor_parallel, plan.tp_mesh, plan.plan_group, plan.names,
+                   plan.timeout).apply(
         {j: stages[j] for j in stages})
     ties.restore()  # before materialisation: a tie's later use keeps the first's values
     if stages.pending:
@@ -440,12 +450,15 @@ class DataParallel:
         return self.plan.tp_size * (self.plan.dp_size if self.loss_reduction == "mean" else 1)
 
     def check_batch(self, value: Any, microbatches: int, what: str) -> None:
-        """Each dp rank's batch must split evenly into microbatches: the global mean
-        weights every dp rank alike.
+        """Each dp rank's batch must split evenly into microbatches (the global mean
+        weights every dp rank alike), and with sequence parallelism its sequence over tp.
 
         Raises:
-            ValueError: naming the batch size and the fix.
+            ValueError: naming the batch size and the fix; a sequence length sequence
+                parallelism cannot split (``check_sequence_length``).
         """
+        if what == "inputs" and self.plan.tensor_parallel is not None:
+            check_sequence_length(self.plan.tensor_parallel, self.plan.tp_size, value)
         rows = as_tuple(value)[0].shape[0]
         if rows % microbatches:
             raise ValueError(f"{what} of this data-parallel rank have batch size {rows}, which "

@@ -159,7 +159,8 @@ class Targets:
 
     def divide_by_tokens(self, total: int) -> None:
         """Every held microbatch's loss becomes ``loss_sum / total`` (``total``: the
-        batch's token count over every dp rank; 0 is refused by the loss, see
+        batch's token count over every dp rank; 0 is refused on every rank before the
+        step runs, ``FlushRunner._batch_tokens``; the loss refuses it too,
         :meth:`StageFunction._loss`)."""
         self.total_tokens = total
         share = 1.0 / total if total else 0.0

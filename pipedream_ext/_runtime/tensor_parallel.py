@@ -13,7 +13,12 @@ them in the unsplit model; a pattern matching no module of any stage is refused.
 
 Before the plan is applied every stage's parameters and buffers are broadcast from
 tp rank 0 (as DDP broadcasts rank 0's), so the tp ranks start from one model; the
-styles then shard (or replicate) from those values.
+styles then shard (or replicate) from those values, each rank cutting its own shards
+(``src_data_rank=None``: nothing is sent). Then one exchange over the mesh agrees on
+the outcome (``tp_agree``): a plan that raised on some rank, a stage split differently
+on two ranks or a dimension split unevenly fails every rank at construction. With
+``SequenceParallel`` styles every step's inputs must have a sequence length tp divides
+(:func:`check_sequence_length`).
 
 What a stage returns crosses the cut as it is, never gathered (``CutLayouts``): a
 plain tensor (replicated over tp after ``RowwiseParallel()``, a local sequence shard
@@ -36,9 +41,12 @@ from torch import nn
 
 from .. import schedules
 from .._dist import collectives
+from .._dist.groups import RankNames
+from . import tp_agree
 
-__all__ = ["CutLayouts", "TensorParallel", "check_option", "check_split_points", "describe_plan",
-           "kept_calls", "local", "matched_patterns", "sequence_parallel"]
+__all__ = ["CutLayouts", "TensorParallel", "check_option", "check_sequence_length",
+           "check_split_points", "describe_plan", "kept_calls", "local", "matched_patterns",
+           "sequence_parallel"]
 
 def _qualified(value: Any) -> str:
     """A function's (or class's) qualified name, else its type's."""
@@ -140,6 +148,39 @@ def sequence_parallel(plan: Any) -> bool:
     from torch.distributed.tensor.parallel import SequenceParallel  # noqa: PLC0415 - only with tp
 
     return isinstance(plan, Mapping) and any(isinstance(v, SequenceParallel) for v in plan.values())
+
+
+def check_sequence_length(plan: Any, tp_size: int, inputs: Any) -> None:
+    """A dict plan's ``SequenceParallel`` styles shard the sequence dimension of the
+    activations (``sequence_dim``, 1 by default: ``[batch, seq, ...]``) evenly over the tp
+    ranks; the inputs' first tensor has that dimension (token ids ``[batch, seq]``). An
+    uneven sequence would give the tp ranks shards of different sizes, whose all-gather
+    Gloo aborts the process on (SIGABRT). A callable's styles cannot be seen: unchecked.
+
+    Args:
+        plan: the ``tensor_parallel`` value.
+        tp_size: the mesh's tp size.
+        inputs: the batch's inputs on stage 0's ranks (a tensor, tuple or dict).
+
+    Raises:
+        ValueError: the sequence length is not divisible by ``tp_size``, naming it and the fix.
+    """
+    from torch.distributed.tensor.parallel import SequenceParallel  # noqa: PLC0415 - only with tp
+    from torch.utils import _pytree  # noqa: PLC0415 - only with tp
+
+    if not isinstance(plan, Mapping) or tp_size == 1:
+        return
+    dims = sorted({s.sequence_sharding[0].dim for s in plan.values() if isinstance(s, SequenceParallel)
+                   and s.sequence_sharding[0].dim >= 0})
+    first = next((t for t in _pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)), None)
+    for dim in dims:
+        if first is not None and first.dim() > dim and first.shape[dim] % tp_size:
+            length = first.shape[dim]
+            raise ValueError(
+                f"inputs have sequence length {length} (dim {dim} of shape {list(first.shape)}), "
+                f"which does not split evenly over tp={tp_size}: tensor_parallel's SequenceParallel "
+                f"styles shard the sequence over the tp ranks in equal parts; use a sequence "
+                f"length divisible by {tp_size} (pad it to {-(-length // tp_size) * tp_size})")
 
 
 def _matches(pattern: str, name: str) -> bool:
@@ -367,45 +408,82 @@ class TensorParallel:
     Args:
         plan: the ``tensor_parallel`` value.
         tp_mesh: the 1-D mesh over this rank's tp group.
-        pp_group: this rank's pipeline's group (to agree on the matched patterns).
+        world: a group over the whole mesh bounded by twice the timeout (every rank
+            agrees on the outcome, ``tp_agree``).
+        names: how messages name the mesh's ranks.
+        timeout: the pipeline's timeout in seconds (a peer held in a callable plan's
+            collective by a rank that raised is released after it: the exchange of
+            outcomes waits twice as long).
     """
 
-    def __init__(self, plan: Any, tp_mesh: Any, pp_group: dist.ProcessGroup) -> None:
-        self.plan, self.tp_mesh, self.pp_group = plan, tp_mesh, pp_group
+    def __init__(self, plan: Any, tp_mesh: Any, world: dist.ProcessGroup, names: RankNames,
+                 timeout: float) -> None:
+        self.plan, self.tp_mesh, self.world = plan, tp_mesh, world
+        self.names, self.timeout = names, timeout
 
     def apply(self, stages: Mapping[int, nn.Module]) -> None:
         """Broadcasts each stage from tp rank 0 and parallelizes it; collective over
-        the tp and pp groups.
+        the tp group and the whole mesh.
 
         Raises:
-            ValueError: a plan pattern that names no module of any stage (on every rank).
+            ValueError: on every rank: a plan pattern that names no module of any stage;
+                a stage split differently on its ranks, or a dimension split unevenly
+                (``tp_agree``); the plan raised ``ValueError`` on some rank.
+            RuntimeError: on every rank: the plan raised anything else on some rank
+                (naming the ranks and their exceptions).
         """
-        from torch.distributed.tensor.parallel import parallelize_module  # noqa: PLC0415 - only with tp
-
         group = self.tp_mesh.get_group()
-        matched: Dict[str, None] = {}
-        for module in stages.values():
-            with torch.no_grad():
+        with torch.no_grad():
+            for module in stages.values():
                 for t in list(module.parameters()) + list(module.buffers()):
                     if not t.is_meta:  # meta layers: equal on every rank as materialised (tp_init)
                         collectives.broadcast_data(t.detach(), 0, group)
-            if isinstance(self.plan, Mapping):
-                keys = matched_patterns(self.plan, module)
-                matched.update(dict.fromkeys(keys))
-                if keys:
-                    with warnings.catch_warnings():
-                        # "*" is tried against every child; what a pattern matches is
-                        # checked here over every stage (_refuse_unmatched) instead.
-                        warnings.filterwarnings("ignore", message="Parallelize plan key .* could "
-                                                "not be resolved")
-                        parallelize_module(module, self.tp_mesh, {k: self.plan[k] for k in keys})
-            else:
-                self.plan(module, self.tp_mesh)
+        matched: Dict[str, None] = {}
+        error: Optional[BaseException] = None
+        try:
+            for module in stages.values():
+                self._parallelize(module, matched)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            error = exc
+        payload = {"matched": list(matched)}
+        if error is None:
+            payload.update(layouts=tp_agree.layouts(stages), uneven=tp_agree.uneven(stages))
+        try:
+            gathered = collectives.gather_outcomes(
+                error, self.world, 2 * self.timeout, "applying the tensor_parallel plan",
+                payload=payload, names=self.names)
+        except (ValueError, RuntimeError) as exc:
+            raise type(exc)(
+                f"{exc}; a plan must do the same on every rank: a callable plan that raises or "
+                "differs on some ranks leaves its tp peers waiting in its collectives (they fail "
+                f"after timeout={self.timeout:g} s, naming them)") from exc
+        tp_agree.refuse_differences([g["layouts"] for g in gathered], self.names)
+        tp_agree.refuse_uneven(list({tuple(map(str, u)): u for g in gathered
+                                     for u in g["uneven"]}.values()))
         if isinstance(self.plan, Mapping):
-            self._refuse_unmatched(list(matched))
+            self._refuse_unmatched({k for g in gathered for k in g["matched"]})
 
-    def _refuse_unmatched(self, matched: List[str]) -> None:
-        found = {k for keys in collectives.all_gather_json(matched, self.pp_group) for k in keys}
+    def _parallelize(self, module: nn.Module, matched: Dict[str, None]) -> None:
+        """The plan applied to one stage: a dict's patterns that match its modules, each
+        rank cutting its own shards of the broadcast values (no communication), or the
+        callable."""
+        from torch.distributed.tensor.parallel import parallelize_module  # noqa: PLC0415 - only with tp
+
+        if not isinstance(self.plan, Mapping):
+            self.plan(module, self.tp_mesh)
+            return
+        keys = matched_patterns(self.plan, module)
+        matched.update(dict.fromkeys(keys))
+        if keys:
+            with warnings.catch_warnings():
+                # "*" is tried against every child; what a pattern matches is
+                # checked over every stage (_refuse_unmatched) instead.
+                warnings.filterwarnings("ignore", message="Parallelize plan key .* could "
+                                        "not be resolved")
+                parallelize_module(module, self.tp_mesh, {k: self.plan[k] for k in keys},
+                                   src_data_rank=None)
+
+    def _refuse_unmatched(self, found: Any) -> None:
         missing = [k for k in self.plan if k not in found]
         if missing:
             raise ValueError(

@@ -21,6 +21,7 @@ at the end of every step, and run the backward on sums (an fp16 overflow sooner)
 """
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -70,9 +71,12 @@ def microbatch_tokens(tokens_fn: Callable[[Any], Any], targets: Sequence[Any]) -
                 if tensors else [])
     values = [next(read) if isinstance(n, torch.Tensor) else float(n) for n in counts]
     for i, v in enumerate(values):
-        if v < 0 or v != int(v):
+        # inf and NaN first: int() of them raises OverflowError / ValueError naming neither.
+        if not math.isfinite(v) or v < 0 or v != int(v):
             raise ValueError(f"tokens_fn counted {v:g} tokens in microbatch {i}; a token count is "
-                             "a whole number >= 0")
+                             "a whole number >= 0 (a tokens_fn dividing by 0 or summing a float "
+                             "mask gives inf/NaN or fractions: count the tokens, e.g. "
+                             f"(target != {IGNORE_INDEX}).sum())")
     return [int(v) for v in values]
 
 
@@ -120,11 +124,13 @@ def returned_mismatch(counted: Dict[int, int], returned: Dict[int, Any]) -> Opti
 
 
 def no_tokens() -> str:
-    """The problem of a batch whose token count is 0."""
+    """The problem of a batch whose token count is 0 (every rank raises it before the
+    step runs: the unsplit model's ``loss_sum / 0`` would be NaN and its gradients too)."""
     return ("the batch holds no tokens: tokens_fn counted 0 in every microbatch (with a mesh: "
             f"of every dp rank; by default every target is {IGNORE_INDEX}), and "
-            "loss_reduction='tokens' divides by the batch's token count; skip batches without "
-            "tokens")
+            "loss_reduction='tokens' divides by the batch's token count (0/0: NaN); nothing ran "
+            "on any rank and every gradient is as before this call: skip batches without tokens "
+            "(or catch this ValueError on every rank and go on with the next batch)")
 
 
 def _is_count(value: Any) -> bool:
