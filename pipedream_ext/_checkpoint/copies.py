@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Mapping, Tuple, Type
 
 from .._dist import collectives
+from .._dist.collectives import is_dtensor
 from .._dist.fingerprint import tensor_digest
 from .view import PipelineView
 
@@ -31,14 +32,10 @@ __all__ = ["check_copies"]
 CopyKey = Tuple[str, str]
 
 
-def _is_dtensor(value: Any) -> bool:
-    return hasattr(value, "device_mesh") and hasattr(value, "placements") and hasattr(value, "to_local")
-
-
 def _shard(current: Any) -> str:
     """Which shard of the whole tensor ``current`` holds: its coordinates on the mesh
     dimensions it is sharded over (``""`` for a whole tensor)."""
-    if not _is_dtensor(current):
+    if not is_dtensor(current):
         return ""
     coordinate = current.device_mesh.get_coordinate() or []
     names = current.device_mesh.mesh_dim_names or tuple(str(i) for i in range(len(coordinate)))
@@ -66,9 +63,9 @@ def _digests(view: PipelineView, parts: Mapping[int, Mapping[str, Any]]) -> Dict
         part = parts.get(j, {})
         for name, current in module.state_dict(keep_vars=True).items():
             value = part.get(name, current)
-            local = value.to_local() if _is_dtensor(value) else value
+            local = value.to_local() if is_dtensor(value) else value
             # Compared as the copy will hold it (load_state_dict casts to its dtype).
-            local = local.to((current.to_local() if _is_dtensor(current) else current).dtype)
+            local = local.to((current.to_local() if is_dtensor(current) else current).dtype)
             key = f"{canonical.get(name, name)}|{_shard(current)}"
             found.setdefault(key, []).append([name, tensor_digest(local), name in part])
     return found

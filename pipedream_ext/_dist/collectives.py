@@ -25,9 +25,15 @@ import torch.distributed as dist
 
 from .groups import RankNames
 
-__all__ = ["metadata_device", "all_reduce", "all_reduce_start", "all_reduce_bounded", "all_reduce_data",
+__all__ = ["is_dtensor", "metadata_device", "all_reduce", "all_reduce_start", "all_reduce_bounded", "all_reduce_data",
            "broadcast_data", "broadcast_bytes", "gather_bytes", "all_gather_json", "measure_bandwidth", "barrier",
            "raise_if_any_failed", "gather_outcomes", "failure_entry"]
+
+
+def is_dtensor(value: Any) -> bool:
+    """A ``torch.distributed.tensor.DTensor`` (FSDP2's or tensor parallelism's), duck-typed:
+    importing the class costs start-up time for cases that only FSDP2 or TP create."""
+    return hasattr(value, "device_mesh") and hasattr(value, "placements") and hasattr(value, "to_local")
 
 
 def _backend_device_types(group: dist.ProcessGroup) -> set:

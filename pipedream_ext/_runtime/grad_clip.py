@@ -57,6 +57,7 @@ from torch import nn
 
 from .. import _C
 from .._dist import collectives
+from .._dist.collectives import is_dtensor
 from .local_stages import LocalStages
 
 __all__ = ["GradientClipper", "check_max_norm", "check_norm_type", "check_updates_aligned",
@@ -145,12 +146,6 @@ def check_updates_aligned(feed: Any, schedule: str, microbatches: int,
         f"of ranks ({world}), or a flush schedule and pd.clip_grad_norm_")
 
 
-def _is_dtensor(grad: torch.Tensor) -> bool:
-    """A ``torch.distributed.tensor.DTensor`` (duck-typed: importing it costs start-up
-    time for a case that only FSDP2 creates)."""
-    return hasattr(grad, "device_mesh") and hasattr(grad, "placements") and hasattr(grad, "to_local")
-
-
 def reduce_partial_gradients(parameters: Any) -> None:
     """Replaces every ``DTensor`` gradient with a ``Partial`` placement by its reduced
     value (``Replicate`` on that mesh dimension): collective over the gradient's mesh,
@@ -163,7 +158,7 @@ def reduce_partial_gradients(parameters: Any) -> None:
 
     for p in parameters:
         grad = p.grad
-        if grad is None or not _is_dtensor(grad) or not any(pl.is_partial() for pl in grad.placements):
+        if grad is None or not is_dtensor(grad) or not any(pl.is_partial() for pl in grad.placements):
             continue
         p.grad = grad.redistribute(grad.device_mesh, [Replicate() if pl.is_partial() else pl
                                                       for pl in grad.placements])
@@ -232,7 +227,7 @@ class GradientClipper:
             grad = p.grad
             if grad is None:
                 continue
-            if _is_dtensor(grad):  # a tied copy's shards: counted on its first use's stage
+            if is_dtensor(grad):  # a tied copy's shards: counted on its first use's stage
                 piece = grad.to_local()
                 counts = id(p) not in self._skip and self._first_outside(grad) and _counted_shard(grad)
             else:

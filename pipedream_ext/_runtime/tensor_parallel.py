@@ -41,6 +41,7 @@ from torch import nn
 
 from .. import schedules
 from .._dist import collectives
+from .._dist.collectives import is_dtensor
 from .._dist.groups import RankNames
 from . import tp_agree
 
@@ -195,10 +196,6 @@ def matched_patterns(plan: Mapping[str, Any], module: nn.Module) -> List[str]:
     return [k for k in plan if any(_matches(k, n) for n in names)]
 
 
-def _is_dtensor(value: Any) -> bool:
-    return hasattr(value, "device_mesh") and hasattr(value, "placements") and hasattr(value, "to_local")
-
-
 #: ``Partial`` reductions a layout code can name (its second number indexes this).
 _PARTIAL_OPS = ("sum", "avg", "max", "min")
 #: Layout codes: what one output of a stage is (the first number of its pair).
@@ -266,7 +263,7 @@ class CutLayouts:
 
     def _placement(self, stage: int, k: int, value: torch.Tensor) -> Any:
         """``value``'s placement over the tp mesh, ``None`` for a plain tensor."""
-        if not _is_dtensor(value):
+        if not is_dtensor(value):
             return None
         where = f"stage {stage} returns a DTensor (output {k}, placements {tuple(value.placements)}"
         mesh = value.device_mesh
@@ -349,7 +346,7 @@ class CutLayouts:
         """
         flat = output if isinstance(output, (tuple, list)) else (output,)
         for k, value in enumerate(flat):
-            if _is_dtensor(value):
+            if is_dtensor(value):
                 raise ValueError(
                     f"the last stage (stage {stage}) returns a DTensor (output {k}, placements "
                     f"{tuple(value.placements)}): loss_fn and the caller get plain tensors "
@@ -495,4 +492,4 @@ class TensorParallel:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """A ``DTensor``'s local shard, or ``t``."""
-    return t.to_local() if _is_dtensor(t) else t
+    return t.to_local() if is_dtensor(t) else t

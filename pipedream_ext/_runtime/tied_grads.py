@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._dist import collectives
+from .._dist.collectives import is_dtensor
 from .._frontend.tied_params import SharedParameter
 from .local_stages import LocalStages
 
@@ -122,7 +123,7 @@ class SharedGradients:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                elif _is_dtensor(p.grad) and tuple(p.grad.placements) != tuple(p.placements):
+                elif is_dtensor(p.grad) and tuple(p.grad.placements) != tuple(p.placements):
                     # tensor parallelism: a row-wise embedding's weight (Shard(0)) gets a
                     # Replicate gradient; the copies' shards line up as the weights do.
                     p.grad = p.grad.redistribute(p.device_mesh, p.placements)
@@ -135,10 +136,6 @@ class SharedGradients:
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return hasattr(t, "to_local") and hasattr(t, "placements")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

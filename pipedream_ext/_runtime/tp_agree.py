@@ -19,13 +19,10 @@ from typing import Any, Dict, List, Mapping, Sequence
 
 from torch import nn
 
+from .._dist.collectives import is_dtensor
 from .._dist.groups import RankNames
 
 __all__ = ["layouts", "refuse_differences", "refuse_uneven", "uneven"]
-
-
-def _is_dtensor(value: Any) -> bool:
-    return hasattr(value, "device_mesh") and hasattr(value, "placements") and hasattr(value, "to_local")
 
 
 def _tensors(module: nn.Module) -> List[Any]:
@@ -34,7 +31,7 @@ def _tensors(module: nn.Module) -> List[Any]:
 
 
 def _layout(t: Any) -> str:
-    if not _is_dtensor(t):
+    if not is_dtensor(t):
         return "not split"
     return f"{tuple(t.placements)} over mesh {tuple(t.device_mesh.mesh_dim_names or ())}"
 
@@ -50,7 +47,7 @@ def uneven(stages: Mapping[int, nn.Module]) -> List[List[Any]]:
     found = []
     for module in stages.values():
         for name, t in _tensors(module):
-            if not _is_dtensor(t):
+            if not is_dtensor(t):
                 continue
             names = t.device_mesh.mesh_dim_names or ()
             for i, placement in enumerate(t.placements):

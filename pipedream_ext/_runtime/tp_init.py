@@ -26,6 +26,7 @@ from typing import Any, Dict, List
 import torch
 from torch import nn
 
+from .._dist.collectives import is_dtensor
 from .local_stages import LocalStages, Replacements
 
 __all__ = ["materialize_sharded"]
@@ -46,10 +47,6 @@ class _Sharded:
         return self.module._parameters if self.is_param else self.module._buffers  # noqa: SLF001 - direct ownership
 
 
-def _is_dtensor(value: Any) -> bool:
-    return hasattr(value, "device_mesh") and hasattr(value, "placements") and hasattr(value, "to_local")
-
-
 def _sharded_tensors(layer: nn.Module) -> List[_Sharded]:
     """The meta ``DTensor`` parameters and buffers of ``layer``'s modules, each where it sits."""
     found = []
@@ -57,7 +54,7 @@ def _sharded_tensors(layer: nn.Module) -> List[_Sharded]:
         owned = [(n, t, True) for n, t in module._parameters.items()]  # noqa: SLF001 - direct ownership
         owned += [(n, t, False) for n, t in module._buffers.items()]  # noqa: SLF001
         for name, t, is_param in owned:
-            if t is not None and t.is_meta and _is_dtensor(t):
+            if t is not None and t.is_meta and is_dtensor(t):
                 found.append(_Sharded(module, name, is_param, t.device_mesh, tuple(t.placements),
                                       t.requires_grad))
     return found
@@ -83,7 +80,7 @@ def materialize_sharded(stages: LocalStages) -> None:
         with torch.no_grad():
             for slot in sharded[id(layer)]:
                 value = slot.owned()[slot.name]
-                if id(value) in replaced or _is_dtensor(value):  # a tie: sharded already
+                if id(value) in replaced or is_dtensor(value):  # a tie: sharded already
                     slot.owned()[slot.name] = replaced.get(id(value), value)
                     continue
                 split = distribute_tensor(value.detach(), slot.mesh, slot.placements, src_data_rank=None)
