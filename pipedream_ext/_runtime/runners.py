@@ -33,7 +33,8 @@ from .. import _C, schedules
 from .._dist import collectives, faults
 from .._dist.groups import PipelineGroups, RankNames, p2p_protocol
 from .._frontend import compiled
-from . import optimizer_check, token_loss
+from . import loss_reduction as token_loss
+from . import optimizer_check
 from .config import PipelineConfig
 from .eval_outputs import check_output_batch_dim, merge_microbatch_outputs, microbatch_rows
 from .grad_clip import GradientClipper, check_max_norm, check_norm_type

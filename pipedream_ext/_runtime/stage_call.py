@@ -23,7 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from . import token_loss
+from . import loss_reduction as token_loss
 from .local_stages import LocalStages
 
 if TYPE_CHECKING:
