@@ -175,7 +175,7 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
         group = mesh.pp_group  # its ranks, in its order, every wait bounded by timeout=
     groups = PipelineGroups.create(group, stage_ranks, config.timeout)
     data_parallel = make_data_parallel(
-        mesh, config.loss_reduction,
+        mesh, config.loss_reduction.averages_over_dp,
         lambda: schedule.actions(groups.rank, comm=False))
     stages = _local_stages(args, prepared, cut, schedule.stages_of_rank(groups.rank), device,
                            groups, config.timeout, data_parallel)

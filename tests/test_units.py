@@ -32,6 +32,7 @@ from pipedream_ext._runtime import options
 from pipedream_ext._runtime.config import PipelineConfig
 from pipedream_ext._runtime.eval_outputs import merge_microbatch_outputs
 from pipedream_ext._runtime.local_stages import LocalStages
+from pipedream_ext._runtime.loss_reduction import SumLoss
 from pipedream_ext._runtime.options import PipelineOptions
 from pipedream_ext._runtime.sharding import keep_unsharded_after, mesh_pipelines
 from pipedream_ext._runtime.stage_call import (
@@ -336,8 +337,8 @@ def test_stage_function_refuses_bad_losses_and_checks_the_reduction() -> None:
                          torch.device("cpu"))
     fn = StageFunction(stages, lambda out, t: F.cross_entropy(out, t, reduction="sum"), 2,
                        torch.device("cpu"), None, raise_at_once=True, rank=0,
-                       loss_reduction="sum")
-    ctx = StepContext(0, Targets("sum"))
+                       loss_reduction=SumLoss())
+    ctx = StepContext(0, Targets(SumLoss()))
     ctx.targets.add(y, 2, 0, torch.device("cpu"))
     x = torch.randn(6, 4)
     total = sum(fn(ctx, 1, i, fn(ctx, 0, i, [x[3 * i:3 * i + 3]], []), [])[0] for i in range(2))

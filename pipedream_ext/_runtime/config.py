@@ -8,11 +8,12 @@ names. Pure: tested in one process.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
 from .. import schedules
+from .loss_reduction import LossReduction
 from .options import PipelineOptions, checked
 
 __all__ = ["PipelineConfig"]
@@ -29,6 +30,8 @@ class PipelineConfig:
         microbatches: (as every other field: the option, checked) ``pipedream``: per minibatch update.
         timeout: a float.
         clip_grad_norm: ``(max_norm, norm_type)`` (``grad_clip.parse_clip_option``), or ``None``.
+        loss_reduction: the options ``loss_reduction`` and ``tokens_fn`` as one object
+            (``loss_reduction.from_option``): the runtime asks it, never compares the name.
     """
 
     schedule: str
@@ -40,8 +43,7 @@ class PipelineConfig:
     recompute: bool
     autocast: Optional[torch.dtype]
     check_finite: Optional[str]
-    loss_reduction: str
-    tokens_fn: Optional[Callable[[Any], Any]]
+    loss_reduction: LossReduction
     check_agreement: int
     clip_grad_norm: Optional[Tuple[float, float]]
 

@@ -32,6 +32,7 @@ from .. import _C, schedules
 from .._frontend import deferred_init
 from ..planner import Plan
 from .grad_clip import parse_clip_option
+from .loss_reduction import LossReduction, from_option, reduction_type
 from .stage_call import Tensors
 from .tensor_parallel import check_option as _check_tensor_parallel
 from .tensor_parallel import describe_plan
@@ -62,17 +63,21 @@ class Option:
         check: ``check(value, options)`` raises ``ValueError`` (naming the value and the fix)
             for a value that needs no process group to refuse; run in field order, so a check
             may read the options checked before it (``options.schedule``).
-        convert: the value ``PipelineConfig`` holds, or ``None``: the runtime does not read it.
+        convert: the value ``PipelineConfig`` holds, ``convert(value, *others)`` (``others``:
+            the options named in ``reads``), or ``None``: the runtime does not read it itself.
         agreed: the JSON value every rank compares at construction (of the converted value),
             or ``None``: not compared.
+        reads: the other options ``convert`` takes after the value, by name
+            (``loss_reduction``'s object holds ``tokens_fn``).
     """
 
     doc: str
     group: str
     position: Optional[int] = None
     check: Optional[Callable[[Any, "PipelineOptions"], None]] = None
-    convert: Optional[Callable[[Any], Any]] = None
+    convert: Optional[Callable[..., Any]] = None
     agreed: Optional[Callable[[Any], Any]] = None
+    reads: Tuple[str, ...] = ()
 
 
 def option(default: Any, doc: str, **spec: Any) -> Any:
@@ -138,27 +143,15 @@ def _check_autocast(autocast: Optional[torch.dtype], options: "PipelineOptions")
 
 
 def _check_loss_reduction(loss_reduction: str, options: "PipelineOptions") -> None:
-    if loss_reduction not in ("mean", "sum", "tokens"):
-        raise ValueError(f"loss_reduction={loss_reduction!r}; use 'mean' (loss_fn averages over "
-                         "the batch, the default), 'sum' (it adds) or 'tokens' (it returns "
-                         "(loss_sum, n_tokens))")
-    if loss_reduction == "tokens" and schedules.traits(options.schedule).asynchronous:
-        raise ValueError(f"loss_reduction='tokens' divides by the token count of the whole batch "
-                         f"before its backwards, but schedule {options.schedule!r} updates the "
-                         "weights inside the pipeline, minibatch by minibatch; use a flush "
-                         f"schedule ({', '.join(schedules.synchronous_names())})")
+    reduction_type(loss_reduction).check_schedule(options.schedule)
 
 
 def _check_tokens_fn(tokens_fn: Optional[Callable[[Any], Any]], options: "PipelineOptions") -> None:
-    if tokens_fn is None:
-        return
-    if options.loss_reduction != "tokens":
-        raise ValueError(f"tokens_fn={tokens_fn!r} counts the tokens loss_reduction='tokens' "
-                         f"divides by, but loss_reduction={options.loss_reduction!r}; pass "
-                         "loss_reduction='tokens' or drop tokens_fn")
-    if not callable(tokens_fn):
-        raise ValueError(f"tokens_fn={tokens_fn!r} is not callable; pass tokens_fn(target) -> the "
-                         "number of tokens in the targets of a microbatch")
+    from_option(options.loss_reduction, tokens_fn)  # the reduction refuses a tokens_fn it cannot use
+
+
+def _reduction_name(reduction: LossReduction) -> str:
+    return reduction.name
 
 
 def _check_finite(check_finite: Optional[str], options: "PipelineOptions") -> None:
@@ -293,13 +286,14 @@ class PipelineOptions:
         and the pipeline trains on the global token mean, every microbatch's (and with a ``mesh`` every dp
         rank's) ``loss_sum`` over the whole batch's tokens, counted from the targets before the step runs
         (``tokens_fn``).""",
-        group="numerics", position=19, check=_check_loss_reduction, convert=_same, agreed=_same)
+        group="numerics", position=19, check=_check_loss_reduction, convert=from_option,
+        agreed=_reduction_name, reads=("tokens_fn",))
     tokens_fn: Optional[Callable[[Any], Any]] = option(None, """
         ``loss_reduction="tokens"``: ``tokens_fn(target)`` counts the tokens of a microbatch's targets
         (a number or a 0-d tensor); default: a target tensor's elements other than ``-100`` (PyTorch's and
         transformers' ``ignore_index``). Each microbatch's count must equal the ``n_tokens`` its
         ``loss_fn`` returns (checked every step).""",
-        group="numerics", check=_check_tokens_fn, convert=_same)
+        group="numerics", check=_check_tokens_fn)
     check_finite: Optional[str] = option(None, """
         ``"raise"`` or ``"skip"``: after every step, find the first stage whose forward output
         (or, in the backward, the last stage whose gradients) holds NaN or inf and report it with the step
@@ -364,14 +358,21 @@ def checked(options: PipelineOptions) -> Dict[str, Any]:
     for f, spec in _options():
         if spec.check is not None:
             spec.check(getattr(options, f.name), options)
-    return {f.name: spec.convert(getattr(options, f.name)) for f, spec in _options()
+    return {f.name: _converted(f, spec, options) for f, spec in _options()
             if spec.convert is not None}
+
+
+def _converted(field: "dataclasses.Field[Any]", spec: Option, options: PipelineOptions) -> Any:
+    """The value of option ``field`` the runtime reads (as given, without a convert)."""
+    value = getattr(options, field.name)
+    if spec.convert is None:
+        return value
+    return spec.convert(value, *(getattr(options, name) for name in spec.reads))
 
 
 def agreed_values(options: PipelineOptions) -> Dict[str, Any]:
     """The options every rank compares at construction, as JSON values, by name (checked ones)."""
-    return {f.name: spec.agreed(spec.convert(getattr(options, f.name))
-                                if spec.convert is not None else getattr(options, f.name))
+    return {f.name: spec.agreed(_converted(f, spec, options))
             for f, spec in _options() if spec.agreed is not None}
 
 

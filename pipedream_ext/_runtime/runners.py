@@ -33,12 +33,12 @@ from .. import _C, schedules
 from .._dist import collectives, faults
 from .._dist.groups import PipelineGroups, RankNames, p2p_protocol
 from .._frontend import compiled
-from . import loss_reduction as token_loss
 from . import optimizer_check
 from .config import PipelineConfig
 from .eval_outputs import check_output_batch_dim, merge_microbatch_outputs, microbatch_rows
 from .grad_clip import GradientClipper, check_max_norm, check_norm_type
 from .local_stages import LocalStages
+from .loss_reduction import no_tokens, returned_mismatch
 from .mesh_steps import MeshSteps, StepMismatch
 from .observe import Observer
 from .sharding import DataParallel
@@ -130,7 +130,7 @@ class Runner:
         self.groups = groups
         self.stage_fn = stage_fn
         #: Targets and loss shares by microbatch, until their backward (``StepContext.targets``).
-        self.targets = Targets(config.loss_reduction, config.tokens_fn)
+        self.targets = Targets(config.loss_reduction)
         #: What every call's StepContext starts from (``pipe.autocast``, ``pipe.grad_scaler()``,
         #: data parallelism's hook before each forward).
         self.settings = StepSettings(
@@ -144,7 +144,8 @@ class Runner:
         # The batch loss (and the end-of-step checks) over every pipeline of a mesh:
         # the dp ranks' losses, divided to the global batch's mean.
         self.step_group = groups.group if data_parallel is None else data_parallel.plan.world_group
-        self.loss_divisor = 1 if data_parallel is None else data_parallel.loss_divisor
+        self.loss_divisor = 1 if data_parallel is None else config.loss_reduction.divisor(
+            data_parallel.plan.dp_size, data_parallel.plan.tp_size)
         #: How messages name ranks: on a mesh global ranks with their coordinates.
         self.names = RankNames(list(range(groups.world_size))) if data_parallel is None \
             else data_parallel.plan.names
@@ -230,7 +231,7 @@ class Runner:
             self._require(targets, self.is_last, "targets")
             if targets is not None and self.is_last:
                 check_batch(targets, per_call, "targets")
-                if self.config.loss_reduction == "tokens":  # tokens_fn on these targets
+                if self.config.loss_reduction.counts_tokens:  # tokens_fn on these targets
                     self.targets.count(targets, per_call, self.device)
             self._check_dp_batch(inputs, targets)
 
@@ -444,7 +445,7 @@ class FlushRunner(Runner):
             self._check_dp_batch(inputs, targets)
         if self.is_last:
             self.targets.clear()
-        if self.config.loss_reduction == "tokens":  # on every rank, before anything runs
+        if self.config.loss_reduction.counts_tokens:  # on every rank, before anything runs
             self.targets.divide_by_tokens(self._batch_tokens(targets))
         elif self.is_last:
             self.targets.add(targets, m, 0, self.device)
@@ -459,8 +460,7 @@ class FlushRunner(Runner):
         with self._forward.bound(context), split:
             losses = self._run_executor(lambda: self.executor.run([list(c) for c in chunks]))
         if context.returned_tokens and context.deferred_error is None:
-            mismatch = token_loss.returned_mismatch(self.targets.token_counts,
-                                                    context.returned_tokens)
+            mismatch = returned_mismatch(self.targets.token_counts, context.returned_tokens)
             if mismatch is not None:  # raised by every rank, as a bad loss (_batch_loss)
                 context.deferred_error = ValueError(mismatch)
         if self.data_parallel is not None:
@@ -534,7 +534,7 @@ class FlushRunner(Runner):
         tokens = int(round(float(total[0])))
         if tokens == 0:  # every rank sees the same sum: all raise, none runs
             self.targets.clear()
-            raise ValueError(f"step() number {step}: {token_loss.no_tokens()}")
+            raise ValueError(f"step() number {step}: {no_tokens()}")
         return tokens
 
     def _batch_loss(self, context: StepContext, local: float, rows: Optional[int] = None

@@ -433,21 +433,15 @@ class DataParallel:
     Args:
         plan: the mesh.
         stages: this rank's stages.
-        loss_reduction: ``"mean"``, ``"sum"`` or ``"tokens"`` (how dp ranks' losses and
-            gradients add up: averaged for ``"mean"``; summed otherwise, a token mean's
-            losses being already divided by the whole batch's tokens).
+        average_over_dp: dp ranks' gradients are averaged (``loss_reduction="mean"``), else
+            summed (``"sum"``, and ``"tokens"``, whose losses are already divided by the
+            whole batch's tokens): ``LossReduction.averages_over_dp``.
     """
 
-    def __init__(self, plan: MeshPlan, stages: LocalStages, loss_reduction: str) -> None:
+    def __init__(self, plan: MeshPlan, stages: LocalStages, average_over_dp: bool) -> None:
         self.plan = plan
         self.stages = stages
-        self.loss_reduction = loss_reduction
-
-    @property
-    def loss_divisor(self) -> int:
-        """What the sum of the pipelines' losses is divided by: the global batch's mean
-        (each tp rank of a dp coordinate computes the same loss: counted once)."""
-        return self.plan.tp_size * (self.plan.dp_size if self.loss_reduction == "mean" else 1)
+        self.average_over_dp = average_over_dp
 
     def check_batch(self, value: Any, microbatches: int, what: str) -> None:
         """Each dp rank's batch must split evenly into microbatches (the global mean
@@ -508,9 +502,9 @@ class FsdpStages(DataParallel):
         (the rest as :class:`DataParallel`)
     """
 
-    def __init__(self, plan: MeshPlan, stages: Optional[LocalStages], loss_reduction: str,
+    def __init__(self, plan: MeshPlan, stages: Optional[LocalStages], average_over_dp: bool,
                  keep_unsharded: Set[Tuple[int, int]]) -> None:
-        super().__init__(plan, stages, loss_reduction)  # type: ignore[arg-type]
+        super().__init__(plan, stages, average_over_dp)  # type: ignore[arg-type]
         self.keep_unsharded = keep_unsharded
         self.units = 0
 
@@ -524,7 +518,7 @@ class FsdpStages(DataParallel):
         if self.plan.mp_policy is not None:
             kwargs["mp_policy"] = self.plan.mp_policy
         sharded = fully_shard(module, **kwargs)
-        if self.loss_reduction != "mean":  # dp ranks' gradients add up, as their losses do
+        if not self.average_over_dp:  # dp ranks' gradients add up, as their losses do
             sharded.set_gradient_divide_factor(1.0)
             # A plain SUM (then a division by 1): Gloo has no PREMUL_SUM.
             sharded.set_force_sum_reduction_for_comms(True)
@@ -678,7 +672,7 @@ class ReplicatedStages(DataParallel):
                 grads = [local(p.grad) for p in params]
                 flat = torch.cat([g.reshape(-1) for g in grads])
                 collectives.all_reduce_data(flat, group)
-                if self.loss_reduction == "mean":
+                if self.average_over_dp:
                     flat /= self.plan.dp_size
                 offset = 0
                 for g in grads:
@@ -686,18 +680,19 @@ class ReplicatedStages(DataParallel):
                     offset += g.numel()
 
 
-def make_data_parallel(plan: Optional[MeshPlan], loss_reduction: str,
+def make_data_parallel(plan: Optional[MeshPlan], average_over_dp: bool,
                        actions: Callable[[], Sequence[schedules.Action]]
                        ) -> Optional[DataParallel]:
     """The data-parallel policy of ``plan`` before the stages exist (FSDP shards them
     as they are built), or ``None`` without a mesh.
 
     Args:
+        average_over_dp: dp ranks' gradients are averaged, else summed (:class:`DataParallel`).
         actions: this rank's compute actions (for :func:`keep_unsharded_after`).
     """
     if plan is None:
         return None
     if plan.data_parallel == "fsdp" and (plan.tensor_parallel is None or plan.dp_size > 1):
         keep = keep_unsharded_after(actions()) if plan.reshard_after_forward else set()
-        return FsdpStages(plan, None, loss_reduction, keep)
-    return ReplicatedStages(plan, None, loss_reduction)  # type: ignore[arg-type]
+        return FsdpStages(plan, None, average_over_dp, keep)
+    return ReplicatedStages(plan, None, average_over_dp)  # type: ignore[arg-type]

@@ -23,8 +23,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from . import loss_reduction as token_loss
 from .local_stages import LocalStages
+from .loss_reduction import LossReduction, MeanLoss, no_tokens
 
 if TYPE_CHECKING:
     from .tensor_parallel import CutLayouts
@@ -106,52 +106,46 @@ class Targets:
     them (a recomputed forward computes the loss again).
 
     Args:
-        loss_reduction: ``"mean"`` (a microbatch's loss is scaled by its share of the
-            batch), ``"sum"`` (not scaled: the batch's loss is the sum) or ``"tokens"``
-            (scaled by 1 / the batch's token count, :meth:`divide_by_tokens`).
-        tokens_fn: ``"tokens"``: counts a microbatch's tokens (default
-            :func:`token_loss.count_tokens`).
+        loss_reduction: each microbatch's share of the loss and its token count
+            (``LossReduction.shares``, ``LossReduction.count_tokens``); default :class:`MeanLoss`.
     """
 
-    def __init__(self, loss_reduction: str = "mean",
-                 tokens_fn: Optional[Callable[[Any], Any]] = None) -> None:
+    def __init__(self, loss_reduction: Optional[LossReduction] = None) -> None:
         self._by_microbatch: Dict[int, Tuple[Any, float]] = {}
-        self.loss_reduction = loss_reduction
-        self.tokens_fn = tokens_fn if tokens_fn is not None else token_loss.count_tokens
-        #: ``"tokens"``: each held microbatch's token count (``tokens_fn`` of its targets).
+        self.loss_reduction = loss_reduction if loss_reduction is not None else MeanLoss()
+        #: A token mean's: each held microbatch's token count (``tokens_fn`` of its targets).
         self.token_counts: Dict[int, int] = {}
-        #: ``"tokens"``: what the losses are divided by (:meth:`divide_by_tokens`).
+        #: A token mean's: what the losses are divided by (:meth:`divide_by_tokens`).
         self.total_tokens: Optional[int] = None
 
     def add(self, targets: Any, count: int, first: int, device: torch.device) -> None:
         """Splits ``targets`` into ``count`` microbatches numbered from ``first``; each
-        one's scale is its share of the batch (mean reduction) or 1 (sum; tokens until
-        :meth:`divide_by_tokens`).
+        one's scale is its share of the batch (``LossReduction.shares``: a mean's rows, else
+        1, a token mean's until :meth:`divide_by_tokens`).
 
         Raises:
-            ValueError: what :func:`check_batch` refuses; ``"tokens"``: what
-                :func:`token_loss.microbatch_tokens` refuses.
+            ValueError: what :func:`check_batch` refuses; what the reduction's
+                ``count_tokens`` refuses.
         """
         chunks = [c[0] if len(c) == 1 else c
                   for c in split_microbatches(targets, count, device, "targets")]
-        if self.loss_reduction == "tokens":
-            counts = token_loss.microbatch_tokens(self.tokens_fn, chunks)
+        counts = self.loss_reduction.count_tokens(chunks)
+        if counts is not None:
             self.token_counts.update({first + i: n for i, n in enumerate(counts)})
-        total = sum(as_tuple(c)[0].shape[0] for c in chunks)
-        for i, c in enumerate(chunks):
-            share = as_tuple(c)[0].shape[0] / total if self.loss_reduction == "mean" else 1.0
+        shares = self.loss_reduction.shares([as_tuple(c)[0].shape[0] for c in chunks])
+        for i, (c, share) in enumerate(zip(chunks, shares)):
             self._by_microbatch[first + i] = (c, share)
 
-    def count(self, targets: Any, count: int, device: torch.device) -> List[int]:
-        """``"tokens"``: the token count of each of ``count`` microbatches of ``targets``,
-        without holding them (the first calls' check on every rank).
+    def count(self, targets: Any, count: int, device: torch.device) -> Optional[List[int]]:
+        """A token mean's token count of each of ``count`` microbatches of ``targets``,
+        without holding them (the first calls' check on every rank); ``None`` for a
+        reduction that counts no tokens.
 
         Raises:
             ValueError: what :meth:`add` refuses.
         """
         chunks = split_microbatches(targets, count, device, "targets")
-        return token_loss.microbatch_tokens(self.tokens_fn, [c[0] if len(c) == 1 else c
-                                                             for c in chunks])
+        return self.loss_reduction.count_tokens([c[0] if len(c) == 1 else c for c in chunks])
 
     def local_tokens(self) -> int:
         """The tokens of the microbatches held (this rank's part of the batch)."""
@@ -213,7 +207,7 @@ class StepContext:
             structure and its leaves that are not tensors (the executor returns the tensors).
         returned_tokens: found with ``loss_reduction="tokens"``: the ``n_tokens`` each
             microbatch's ``loss_fn`` returned (checked against the targets' count after
-            the step, :func:`token_loss.returned_mismatch`).
+            the step, ``loss_reduction.returned_mismatch``).
     """
 
     step_index: int
@@ -306,9 +300,9 @@ class StageFunction:
         recompute: the executor runs each training forward twice, first without
             autograd, then again (with it) before the backward; the second run must
             not update running statistics a second time (see :meth:`_run_again`).
-        loss_reduction: ``"mean"`` or ``"sum"``: how ``loss_fn`` reduces over a batch
-            (checked on the first microbatch, :meth:`_check_reduction`); ``"tokens"``:
-            it returns ``(loss_sum, n_tokens)`` (:mod:`token_loss`).
+        loss_reduction: what ``loss_fn`` returns and how it reduces over a batch (checked
+            on the first microbatch, ``LossReduction.check_reduction``); default
+            :class:`MeanLoss`.
         rank_name: how messages name this rank (default ``"rank {rank}"``).
         cuts: with ``tensor_parallel``: what crosses a cut (a ``DTensor`` as its local
             shard and its layout, wrapped back on the receiving stage), else ``None``.
@@ -317,7 +311,8 @@ class StageFunction:
     def __init__(self, stages: LocalStages, loss_fn: Callable[..., torch.Tensor],
                  num_stages: int, device: torch.device,
                  check_finite: Optional[str], raise_at_once: bool, rank: int,
-                 recompute: bool = False, loss_reduction: str = "mean",
+                 recompute: bool = False,
+                 loss_reduction: Optional[LossReduction] = None,
                  rank_name: Optional[str] = None, cuts: Optional["CutLayouts"] = None) -> None:
         self.stages = stages
         self.cuts = cuts
@@ -330,7 +325,7 @@ class StageFunction:
         #: How messages name this rank (on a mesh: its global rank and coordinates).
         self.rank_name = rank_name if rank_name is not None else f"rank {rank}"
         self.recompute = recompute
-        self.loss_reduction = loss_reduction
+        self.loss_reduction = loss_reduction if loss_reduction is not None else MeanLoss()
         #: Whether the loss's reduction over the batch is still to be checked (once per
         #: pipeline, on the first microbatch whose loss is computed).
         self.reduction_unchecked = True
@@ -482,14 +477,10 @@ class StageFunction:
 
     def _loss(self, context: StepContext, out: Any, microbatch: int) -> torch.Tensor:
         target, share = context.targets[microbatch]
-        if self.loss_reduction == "tokens":
-            loss, problem = self._token_loss(context, out, target, microbatch)
-        else:
-            loss = self.loss_fn(out, target)
-            problem = self._loss_problem(loss)
+        loss, problem = self._reduced_loss(context, out, target, microbatch)
         if problem is None and self.reduction_unchecked:
             self.reduction_unchecked = False
-            problem = self._check_reduction(out, target, loss)
+            problem = self.loss_reduction.check_reduction(self.loss_fn, out, target, loss)
         if problem is not None:
             # Found on this rank only: the step ends with a zero loss (zero gradients) on
             # every rank, which then raise it together (FlushRunner.step).
@@ -500,17 +491,16 @@ class StageFunction:
             loss = context.grad_scaler.scale(loss)
         return loss
 
-    def _token_loss(self, context: StepContext, out: Any, target: Any, microbatch: int
-                    ) -> Tuple[Any, Optional[str]]:
-        """``loss_sum`` of ``loss_fn``'s ``(loss_sum, n_tokens)`` (its ``n_tokens`` kept in
-        ``context``), or what is wrong: the pair, or a batch without tokens."""
-        if context.targets.total_tokens == 0:
-            return None, token_loss.no_tokens()
-        pair, problem = token_loss.split_loss(self.loss_fn(out, target))
-        if pair is None:
-            return None, problem
-        context.returned_tokens[microbatch] = pair[1]
-        return pair[0], None
+    def _reduced_loss(self, context: StepContext, out: Any, target: Any, microbatch: int
+                      ) -> Tuple[Any, Optional[str]]:
+        """The loss the reduction reads in ``loss_fn``'s value (a token mean's ``n_tokens``
+        kept in ``context``), or what is wrong: the value, or a batch without tokens."""
+        if context.targets.total_tokens == 0:  # refused before the step too (_batch_tokens)
+            return None, no_tokens()
+        read = self.loss_reduction.read(self.loss_fn(out, target))
+        if read.n_tokens is not None:
+            context.returned_tokens[microbatch] = read.n_tokens
+        return read.loss, read.problem
 
     def _defer(self, context: StepContext, problem: str) -> None:
         """Keeps ``problem`` for the end of the call, when every rank raises it
@@ -523,66 +513,6 @@ class StageFunction:
             raise ValueError(f"{self.rank_name}: step {context.step_index}: {problem}")
         if context.deferred_error is None:
             context.deferred_error = ValueError(problem)
-
-    def _loss_problem(self, loss: Any) -> Optional[str]:
-        """What is wrong with what ``loss_fn`` returned, or ``None``."""
-        where = "loss_fn"
-        if not isinstance(loss, torch.Tensor):
-            value = f"{loss!r}"[:80]
-            return (f"{where} returned a {type(loss).__name__} ({value}); it must return a "
-                    "scalar tensor that autograd can differentiate (return the loss tensor, not "
-                    "loss.item() or a tuple of values)")
-        if loss.numel() != 1:
-            return (f"{where} returned a tensor of shape {tuple(loss.shape)}; it must return a "
-                    "scalar (use reduction='mean')")
-        return None
-
-    def _check_reduction(self, out: Any, target: Any, loss: torch.Tensor) -> Optional[str]:
-        """Whether ``loss_fn`` reduces as ``loss_reduction`` says, from its value on the
-        first microbatch repeated twice (a mean stays, a sum doubles); once, no grad.
-        Inconclusive (no tensor target, a loss of 0, another ratio): no verdict."""
-        rows = next((t.shape[0] for t in pytree.tree_leaves(target)
-                     if isinstance(t, torch.Tensor) and t.dim() > 0), None)
-        if rows is None:
-            return None
-
-        def twice(value: Any) -> Any:
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
-                return torch.cat([value, value])
-            return value
-
-        with torch.no_grad():
-            try:
-                doubled = self.loss_fn(pytree.tree_map(twice, out), pytree.tree_map(twice, target))
-            except Exception:  # noqa: BLE001 - a loss_fn that cannot take it: no verdict
-                return None
-        if self.loss_reduction == "tokens":
-            doubled = doubled[0] if isinstance(doubled, (tuple, list)) and doubled else None
-        base = float(loss.detach())
-        if not isinstance(doubled, torch.Tensor) or doubled.numel() != 1 or abs(base) < 1e-12:
-            return None
-        # A loss_fn returning the model's own loss (nanoGPT's ``out[1]``) gives a tensor
-        # that requires grad, even under no_grad: float() of it warns.
-        ratio = float(doubled.detach()) / base
-        where = "loss_fn"
-        if abs(ratio - 2.0) < 1e-3 and self.loss_reduction == "mean":
-            return (f"{where} sums over the batch (its value on a microbatch repeated twice is "
-                    f"{ratio:.3f}x its value), but the pipeline takes a mean-reduced loss and "
-                    "scales each microbatch's loss by its share of the batch, which would give "
-                    "gradients 1/microbatches of the unsplit model's: use reduction='mean', or "
-                    "pass loss_reduction='sum' to PipeDream")
-        if abs(ratio - 1.0) < 1e-3 and self.loss_reduction == "tokens":
-            return (f"{where}'s loss_sum averages over the batch (its value on a microbatch "
-                    "repeated twice is its value), but loss_reduction='tokens' adds the "
-                    "microbatches' loss_sum and divides by the batch's token count, so a mean "
-                    "would shrink each microbatch's loss and gradients by its token count: return "
-                    "the sum over the tokens (reduction='sum')")
-        if abs(ratio - 1.0) < 1e-3 and self.loss_reduction == "sum":
-            return (f"{where} averages over the batch (its value on a microbatch repeated twice "
-                    "is its value), but loss_reduction='sum' adds the microbatches' losses "
-                    "unscaled, which would give gradients microbatches times the unsplit "
-                    "model's: drop loss_reduction='sum' (the default is 'mean')")
-        return None
 
 
 def _zero_loss(out: Any) -> torch.Tensor:
