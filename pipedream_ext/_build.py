@@ -67,7 +67,13 @@ from ._runtime.sharding import (
     resolve_mesh,
 )
 from ._runtime.stage_call import StageFunction, Tensors
-from ._runtime.tensor_parallel import CutLayouts, check_split_points, kept_calls, sequence_parallel
+from ._runtime.tensor_parallel import (
+    CutLayouts,
+    LayoutExchange,
+    check_split_points,
+    kept_calls,
+    sequence_parallel,
+)
 from ._runtime.tied_grads import SharedGradients
 from ._runtime.tp_tied import refuse_split_ties as refuse_split_ties_over_tp
 from .planner import Plan
@@ -192,7 +198,8 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     shared_gradients.synchronize_values()
     observer = _observer(args.trace, groups, stages, config, device, mesh)
     cuts = CutLayouts(mesh.tp_mesh, mesh.tensor_parallel, {j: stages[j] for j in stages},
-                      device) if mesh is not None and mesh.tp_mesh is not None else None
+                      LayoutExchange.agree(mesh.world_group, mesh.copy, config.timeout)
+                      ) if mesh is not None and mesh.tp_mesh is not None else None
     stage_fn = _stage_function(args.loss_fn, cut.traced, stages, schedule, groups, config, device,
                                mesh.names.of_group(groups.rank) if mesh is not None else None, cuts)
     runner = make_runner(config, schedule, action_feed, stages, groups, stage_fn, observer, device,

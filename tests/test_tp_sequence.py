@@ -189,21 +189,30 @@ def check_layouts() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-    from pipedream_ext._runtime.tensor_parallel import CutLayouts
+    from pipedream_ext._runtime.tensor_parallel import CutLayouts, LayoutExchange
 
     tp = mesh_of((2, 1, 2))["tp"]
-    cuts = CutLayouts(tp, {}, {}, torch.device("cpu"))
+    exchange = LayoutExchange(dist.HashStore(), "cuts", timeout=5)
+    cuts = CutLayouts(tp, {}, {}, exchange)
     local, ids = torch.randn(2, 3, 4), torch.arange(6)
     for stage, placement in enumerate((Replicate(), Shard(1), Shard(2), Partial("avg"))):
         sent = cuts.send(stage, [DTensor.from_local(local, tp, (placement,), run_check=False), ids])
-        assert not any(isinstance(t, DTensor) for t in sent) and sent[-1].dtype == torch.int64
+        # Only the tensors cross: the layout went to the exchange, as metadata.
+        assert len(sent) == 2 and not any(isinstance(t, DTensor) for t in sent), sent
+        assert exchange.store.num_keys() == 1, "one layout published, once per stage"
         (value, plain), problem = cuts.receive(stage + 1, sent)
+        assert exchange.store.num_keys() == 0, "the receiver took it"
         assert problem is None and plain is ids, (problem, plain)
         assert isinstance(value, DTensor) and value.placements == (placement,), value
         assert torch.equal(value.to_local(), local) and value.device_mesh is tp
         grown = [2 * n if isinstance(placement, Shard) and d == placement.dim else n
                  for d, n in enumerate(local.shape)]
         assert list(value.shape) == grown, (placement, value.shape)
+    again, _ = cuts.receive(2, cuts.send(1, [DTensor.from_local(local, tp, (Shard(1),),
+                                                                run_check=False), ids]))
+    assert again[0].placements == (Shard(1),) and exchange.store.num_keys() == 0, "read once"
+    with pytest.raises(ValueError, match=r"stage 2 received 1 tensors and a layout of 2"):
+        cuts.receive(2, [local])
     with pytest.raises(ValueError, match=r"stage 1 returned output 0 as Replicate\(\), but as "
                                          r"Shard\(dim=1\) in its first forward; what a stage returns "
                                          "at a cut must keep its placements"):

@@ -44,6 +44,7 @@ from pipedream_ext._runtime.stage_call import (
     check_batch,
     split_microbatches,
 )
+from pipedream_ext._runtime.tensor_parallel import CutLayout, LayoutExchange
 from pipedream_ext.planner import plan
 
 
@@ -984,3 +985,23 @@ def test_rank_names_say_global_ranks_with_mesh_coordinates() -> None:
                                      "rank 3 (pp 1, dp 1) failed (is rank 3 (pp 1, dp 1) alive?)")
     assert names.translate("rank 3 (pp 1, dp 1) and rank 7") == "rank 3 (pp 1, dp 1) and rank 7"
     assert RankNames([0, 1]).translate(text) == text  # no mesh: the pipeline's own numbers
+
+
+def test_cut_layouts_travel_as_text_once_and_a_missing_one_names_its_stage() -> None:
+    """A stage's placements at its cut, as the exchange carries them: every placement
+    that can cross comes back equal, is read once, and one that never arrives fails
+    after the timeout naming the stage; what cannot cross is refused."""
+    from torch.distributed import HashStore
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    layout = CutLayout((None, Replicate(), Shard(1), Shard(-1), *map(Partial, ("sum", "avg", "max", "min"))))
+    assert layout.encode() == "plain,replicate,shard:1,shard:-1,partial:sum,partial:avg,partial:max,partial:min"
+    exchange = LayoutExchange(HashStore(), "pipeline/0", timeout=0.1)
+    exchange.publish(2, layout)
+    assert exchange.take(2) == layout
+    with pytest.raises(RuntimeError, match=r"the output layout of stage 2 did not arrive within timeout=0.1 s"):
+        exchange.take(2)
+    with pytest.raises(ValueError, match=r"placement Partial\(prod\) cannot cross a cut"):
+        CutLayout((Partial("prod"),)).encode()
+    with pytest.raises(ValueError, match="'shard:x' names no placement"):
+        CutLayout.decode("plain,shard:x")

@@ -305,7 +305,7 @@ class StageFunction:
             :class:`MeanLoss`.
         rank_name: how messages name this rank (default ``"rank {rank}"``).
         cuts: with ``tensor_parallel``: what crosses a cut (a ``DTensor`` as its local
-            shard and its layout, wrapped back on the receiving stage), else ``None``.
+            shard, wrapped back on the receiving stage by its published ``CutLayout``), else ``None``.
     """
 
     def __init__(self, stages: LocalStages, loss_fn: Callable[..., torch.Tensor],

@@ -22,15 +22,20 @@ on two ranks or a dimension split unevenly fails every rank at construction. Wit
 
 What a stage returns crosses the cut as it is, never gathered (``CutLayouts``): a
 plain tensor (replicated over tp after ``RowwiseParallel()``, a local sequence shard
-``[b, s/tp, d]`` with sequence parallelism), or a ``DTensor`` as its local shard, with
-one int64 layout tensor appended to the stage's outputs that the next stage reads to
-wrap the shard back as a ``DTensor`` with the same placement over its own tp mesh. A
+``[b, s/tp, d]`` with sequence parallelism), or a ``DTensor`` as its local shard, which
+the next stage wraps back as a ``DTensor`` with the same placement over its own tp mesh.
+The placements travel as metadata, not on the wire: each stage's :class:`CutLayout` is
+published once, at its first forward, and read once by the next stage
+(:class:`LayoutExchange`); every later forward is checked against it on the host. A
 placement the next stage's first module declares otherwise fails the step on every
 rank; a ``DTensor`` that cannot cross is refused by name.
 """
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import fnmatch
+import os
 import re
 import warnings
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -45,7 +50,7 @@ from .._dist.collectives import is_dtensor
 from .._dist.groups import RankNames
 from . import tp_agree
 
-__all__ = ["CutLayouts", "TensorParallel", "check_option", "check_sequence_length",
+__all__ = ["CutLayout", "CutLayouts", "LayoutExchange", "TensorParallel", "check_option", "check_sequence_length",
            "check_split_points", "describe_plan", "kept_calls", "local", "matched_patterns",
            "sequence_parallel"]
 
@@ -196,51 +201,140 @@ def matched_patterns(plan: Mapping[str, Any], module: nn.Module) -> List[str]:
     return [k for k in plan if any(_matches(k, n) for n in names)]
 
 
-#: ``Partial`` reductions a layout code can name (its second number indexes this).
+#: ``Partial`` reductions that can cross a cut.
 _PARTIAL_OPS = ("sum", "avg", "max", "min")
-#: Layout codes: what one output of a stage is (the first number of its pair).
-_PLAIN, _REPLICATE, _SHARD, _PARTIAL = 0, 1, 2, 3
 
 
 def _placement_name(placement: Any) -> str:
     return "a plain tensor" if placement is None else repr(placement)
 
 
-class CutLayouts:
-    """What a stage's outputs are at a cut, sent with them: a ``DTensor`` crosses as its
-    local shard and arrives as a ``DTensor`` with the same placement over the receiving
-    rank's tp mesh.
+@dataclasses.dataclass(frozen=True)
+class CutLayout:
+    """What one stage's outputs are at its cut, in order: ``None`` for a plain tensor,
+    else the ``DTensor``'s placement over the tp mesh (``Replicate()``, ``Shard(d)``,
+    ``Partial(op)``).
 
-    With ``tensor_parallel`` every stage but the last appends one int64 tensor to its
-    outputs, two numbers per output (plain, ``Replicate()``, ``Shard(d)``,
-    ``Partial(op)``); every stage but the first strips it from its inputs and wraps each
-    local shard back with ``DTensor.from_local(..., run_check=False)`` (autograd passes
-    the gradient back through ``from_local`` and ``to_local``). The wire carries only
-    dtypes and shapes, so the layout travels as data. The sender checks each forward's
-    placements against the stage's first (host metadata, free); the receiver reads the
-    layout once per stage (one device-to-host copy) and checks it against what the
-    plan declares for the stage's first module.
+    Attributes:
+        placements: one entry per output.
+    """
+
+    placements: Tuple[Any, ...]
+
+    def encode(self) -> str:
+        """The layout as text, one word per output (``"plain,shard:1,partial:sum"``).
+
+        Raises:
+            ValueError: a placement that cannot cross a cut.
+        """
+        words = [_code(p) for p in self.placements]
+        bad = [p for p, word in zip(self.placements, words) if word is None]
+        if bad:
+            raise ValueError(f"placement {bad[0]!r} cannot cross a cut")
+        return ",".join(word for word in words if word is not None)
+
+    @classmethod
+    def decode(cls, text: str) -> "CutLayout":
+        """The layout :meth:`encode` wrote.
+
+        Raises:
+            ValueError: a word that names no placement.
+        """
+        return cls(tuple(_placement_of(word) for word in text.split(",") if word))
+
+
+class LayoutExchange:
+    """Where each stage's :class:`CutLayout` goes, once per pipeline: the sending stage
+    publishes it at its first forward, the receiving stage reads (and removes) it at
+    its own, from a key/value store (the default group's, as torch's own rendezvous
+    metadata travels). The store is out of band: nothing joins the pipeline's
+    transfers, whose order NCCL's rules fix. The sender publishes before its first
+    output leaves, so the reader, which runs only once that output arrived, finds it.
+
+    Args:
+        store: a ``torch.distributed.Store``.
+        prefix: this pipeline's keys, unique to the pipeline object and its ``(dp, tp)``
+            copy (a layout left by a pipeline that failed is never read by the next).
+        timeout: seconds a read waits for its layout.
+    """
+
+    def __init__(self, store: Any, prefix: str, timeout: float) -> None:
+        self.store, self.prefix, self.timeout = store, prefix, timeout
+
+    @classmethod
+    def agree(cls, world: dist.ProcessGroup, pipeline: int, timeout: float) -> "LayoutExchange":
+        """The exchange of this rank's pipeline, its keys named by a token rank 0 of
+        ``world`` draws (two small broadcasts, collective over ``world``).
+
+        Args:
+            world: a group over every rank of the mesh.
+            pipeline: this rank's pipeline (its ``(dp, tp)`` copy).
+            timeout: seconds a read waits for its layout.
+        """
+        mine = os.urandom(8) if dist.get_rank(world) == 0 else None
+        token = collectives.broadcast_bytes(mine, 0, world).hex()
+        store = dist.distributed_c10d._get_default_store()  # noqa: SLF001 - no public accessor
+        return cls(store, f"pipedream_ext/cut_layouts/{token}/{pipeline}", timeout)
+
+    def _key(self, stage: int) -> str:
+        return f"{self.prefix}/{stage}"
+
+    def publish(self, stage: int, layout: CutLayout) -> None:
+        """Stage ``stage``'s output layout, for the next stage to read."""
+        self.store.set(self._key(stage), layout.encode())
+
+    def take(self, stage: int) -> CutLayout:
+        """Stage ``stage``'s output layout, removed from the store.
+
+        Raises:
+            RuntimeError: it did not arrive within the timeout.
+        """
+        key = self._key(stage)
+        try:
+            self.store.wait([key], datetime.timedelta(seconds=self.timeout))
+        except dist.DistStoreError as exc:
+            raise RuntimeError(
+                f"the output layout of stage {stage} did not arrive within timeout="
+                f"{self.timeout:g} s (key {key!r}): its ranks failed or run another pipeline") from exc
+        text = self.store.get(key).decode()
+        self.store.delete_key(key)
+        return CutLayout.decode(text)
+
+
+class CutLayouts:
+    """What a stage's outputs are at a cut: a ``DTensor`` crosses as its local shard and
+    arrives as a ``DTensor`` with the same placement over the receiving rank's tp mesh.
+
+    With ``tensor_parallel`` every stage but the last publishes its :class:`CutLayout`
+    at its first forward (:class:`LayoutExchange`); every stage but the first reads the
+    previous stage's once and wraps each local shard back with
+    ``DTensor.from_local(..., run_check=False)`` (autograd passes the gradient back
+    through ``from_local`` and ``to_local``). Only tensors cross the wire. The sender
+    checks every later forward's placements against its first (host metadata, free),
+    the receiver every later forward's tensor count; the receiver also checks the
+    layout against what the plan declares for the stage's first module.
 
     Args:
         tp_mesh: this rank's 1-D tp mesh.
         plan: the ``tensor_parallel`` value (a dict's styles declare input layouts).
         stages: this rank's stages by index.
-        device: the stages' device (the layout tensor's).
+        exchange: where the layouts go.
     """
 
     def __init__(self, tp_mesh: Any, plan: Any, stages: Mapping[int, nn.Module],
-                 device: torch.device) -> None:
-        self.tp_mesh, self.device = tp_mesh, device
+                 exchange: LayoutExchange) -> None:
+        self.tp_mesh, self.exchange = tp_mesh, exchange
         self.tp_size = tp_mesh.size()
         self._tp_ranks = sorted(tp_mesh.mesh.flatten().tolist())
-        self._sent: Dict[int, Tuple[List[Any], torch.Tensor]] = {}
+        self._sent: Dict[int, List[Any]] = {}
         self._received: Dict[int, List[Any]] = {}
         self._mismatch: Dict[int, Optional[str]] = {}
         self._declared = {j: _declared_input_layout(plan, m) for j, m in stages.items()}
 
     # -- the sending side ------------------------------------------------------------------
     def send(self, stage: int, values: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        """Stage ``stage``'s outputs as they cross the cut: local shards, and the layout.
+        """Stage ``stage``'s outputs as they cross the cut: local shards (its layout
+        published at its first forward).
 
         Raises:
             ValueError: a ``DTensor`` over another mesh than the tp mesh, with a placement
@@ -248,18 +342,17 @@ class CutLayouts:
                 unevenly, or whose placements differ from the stage's first forward.
         """
         placements = [self._placement(stage, k, v) for k, v in enumerate(values)]
-        if stage not in self._sent:  # one layout tensor per stage: no copy to the device per forward
-            codes = [c for p in placements for c in _code(p)]
-            self._sent[stage] = placements, torch.tensor(codes, dtype=torch.int64, device=self.device)
-        first, layout = self._sent[stage]
-        for k, (was, now) in enumerate(zip(first, placements)):
+        if stage not in self._sent:
+            self.exchange.publish(stage, CutLayout(tuple(placements)))
+            self._sent[stage] = placements
+        for k, (was, now) in enumerate(zip(self._sent[stage], placements)):
             if was != now:
                 raise ValueError(
                     f"stage {stage} returned output {k} as {_placement_name(now)}, but as "
                     f"{_placement_name(was)} in its first forward; what a stage returns at a cut "
                     "must keep its placements from one microbatch (and step) to the next (its "
                     "receiver wraps it as it first arrived)")
-        return [v.to_local() if p is not None else v for v, p in zip(values, placements)] + [layout]
+        return [v.to_local() if p is not None else v for v, p in zip(values, placements)]
 
     def _placement(self, stage: int, k: int, value: torch.Tensor) -> Any:
         """``value``'s placement over the tp mesh, ``None`` for a plain tensor."""
@@ -286,8 +379,9 @@ class CutLayouts:
     # -- the receiving side ----------------------------------------------------------------
     def receive(self, stage: int, inputs: Sequence[torch.Tensor]
                 ) -> Tuple[List[torch.Tensor], Optional[str]]:
-        """Stage ``stage``'s inputs as its modules see them: the layout stripped, each local
-        shard of a ``DTensor`` wrapped back; and a problem found, or ``None``.
+        """Stage ``stage``'s inputs as its modules see them, each local shard of a
+        ``DTensor`` wrapped back (the previous stage's layout read at the first call);
+        and a problem found, or ``None``.
 
         The problem (the stage's first module declares another input placement than the
         one that arrived: its style would misread the shard) does not stop the forward,
@@ -296,9 +390,9 @@ class CutLayouts:
         """
         from torch.distributed.tensor import DTensor  # noqa: PLC0415 - only with tp
 
-        values, layout = list(inputs[:-1]), inputs[-1]
+        values = list(inputs)
         if stage not in self._received:
-            self._received[stage] = _decode(layout.tolist())
+            self._received[stage] = list(self.exchange.take(stage - 1).placements)
             self._mismatch[stage] = self._declared_mismatch(stage, values[0].dim() if values else 0)
         placements, problem = self._received[stage], self._mismatch[stage]
         if len(placements) != len(values):
@@ -355,27 +449,39 @@ class CutLayouts:
                     "output_layouts=Replicate()))")
 
 
-def _code(placement: Any) -> Optional[Tuple[int, int]]:
-    """A placement's two layout numbers (``None``: a plain tensor), or ``None`` for one
-    that cannot cross a cut."""
+def _code(placement: Any) -> Optional[str]:
+    """A placement's word in a :class:`CutLayout` (``None``: a plain tensor), or ``None``
+    for one that cannot cross a cut."""
     if placement is None:
-        return (_PLAIN, 0)
+        return "plain"
     kind = type(placement).__name__
     if kind == "Replicate":
-        return (_REPLICATE, 0)
+        return "replicate"
     if kind == "Shard":
-        return (_SHARD, placement.dim)
+        return f"shard:{placement.dim}"
     if kind == "Partial" and placement.reduce_op in _PARTIAL_OPS:
-        return (_PARTIAL, _PARTIAL_OPS.index(placement.reduce_op))
+        return f"partial:{placement.reduce_op}"
     return None
 
 
-def _decode(codes: List[int]) -> List[Any]:
+def _placement_of(word: str) -> Any:
+    """The placement :func:`_code` named ``word``.
+
+    Raises:
+        ValueError: a word that names no placement.
+    """
     from torch.distributed.tensor import Partial, Replicate, Shard  # noqa: PLC0415 - only with tp
 
-    kinds = {_PLAIN: lambda _: None, _REPLICATE: lambda _: Replicate(), _SHARD: Shard,
-             _PARTIAL: lambda op: Partial(_PARTIAL_OPS[op])}
-    return [kinds[kind](arg) for kind, arg in zip(codes[::2], codes[1::2])]
+    kind, _, arg = word.partition(":")
+    if kind == "plain" and not arg:
+        return None
+    if kind == "replicate" and not arg:
+        return Replicate()
+    if kind == "shard" and arg.lstrip("-").isdigit():
+        return Shard(int(arg))
+    if kind == "partial" and arg in _PARTIAL_OPS:
+        return Partial(arg)
+    raise ValueError(f"{word!r} names no placement a cut carries")
 
 
 def _same_placement(declared: Any, arrived: Any, ndim: int) -> bool:
