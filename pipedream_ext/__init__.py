@@ -2,11 +2,6 @@
 import logging
 import os
 
-import torch  # noqa: F401  (loads libc10/libtorch that _C links against)
-
-from ._torch_check import load_extension
-
-_C = load_extension()  # fails early, naming both torch versions, if _C does not fit
 from . import schedules
 from ._checkpoint import (
     CheckpointError,
@@ -18,6 +13,7 @@ from ._checkpoint import (
     save_checkpoint,
     save_pretrained,
 )
+from ._extension import _C as _C  # re-exported: tests and users reach the extension as pipedream_ext._C
 from ._frontend.deferred_init import layer_seed, materialize
 from ._pipe import NonFiniteError, PipeDream, clip_grad_norm_
 from ._planning.profiler import profile

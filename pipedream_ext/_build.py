@@ -23,12 +23,13 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from . import _C, schedules
+from . import schedules
 from ._checkpoint import reshard
 from ._dist import collectives, signals
 from ._dist.agreement import StepAgreement, agree_at_construction
 from ._dist.fingerprint import layers_fingerprint
 from ._dist.groups import PipelineGroups, init_default_group
+from ._extension import _C
 from ._frontend import compiled, deferred_init, export, model_io
 from ._frontend.graph_split import (
     TracedSplit,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from . import _C
+from ._extension import _C
 
 __all__ = ["COLORS", "DEFAULT_WIDTH", "image_size", "check_png_path", "draw_schedule"]
 

@@ -31,7 +31,7 @@ from typing import (
     Union,
 )
 
-from . import _C
+from ._extension import _C
 
 __all__ = ["MESH_DIMS", "SHARDINGS", "Plan", "ProfileGraph", "Stage", "Topology", "load_profile",
            "plan"]

@@ -26,7 +26,8 @@ import json
 import os
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-from . import _C, _viz
+from . import _viz
+from ._extension import _C
 
 __all__ = ["Action", "ActionKind", "Schedule", "SimulationResult", "TransferKey", "build", "names",
            "parse_action", "traits", "synchronous_names", "asynchronous_names"]

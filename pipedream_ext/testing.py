@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from . import _C
+from ._extension import _C
 
 __all__ = ["NCCL_RULES", "SplitBackward", "asynchronous_layout_error", "count_antichain_states",
            "register_nccl_rules_backend"]

@@ -3,17 +3,24 @@
 Benchmarks and examples use the public API only; inside the package no import cycle (function-level
 imports included), no import of another module's private names, functions under 100 lines and classes
 under 450, in Python and C++. The layers themselves are import-linter's contract (pyproject.toml,
-``make lint``)."""
+``make lint``); here, no import points up them or to the package root, function-level ones
+included, and docs/architecture.md's ownership table names every module."""
 from __future__ import annotations
 
 import ast
 import re
 from pathlib import Path
-from typing import Dict, Iterator, List, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import pytest
 
-__all__ = ["private_uses", "cpp_function_lengths"]
+try:
+    import tomllib
+except ImportError:  # Python < 3.11
+    tomllib = None
+
+__all__ = ["private_uses", "contract_layers", "upward_imports", "ownership_table_names",
+           "cpp_function_lengths"]
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "pipedream_ext"
@@ -86,15 +93,15 @@ MAX_FUNCTION_LINES = 100
 MAX_CLASS_LINES = 450
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def _package_modules() -> Dict[str, Path]:
-    return {_module_name(p): p for p in sorted(PACKAGE_DIR.rglob("*.py"))}
+def _package_modules(package_dir: Path = PACKAGE_DIR) -> Dict[str, Path]:
+    return {_module_name(p, package_dir.parent): p for p in sorted(package_dir.rglob("*.py"))}
 
 
 def _resolve(importer: str, is_package: bool, node: ast.ImportFrom) -> str:
@@ -167,6 +174,141 @@ def test_no_module_imports_another_modules_private_names():
                     bad.append(f"{modules[importer].relative_to(ROOT)}:{node.lineno} imports "
                                f"{alias.name} from {source}")
     assert not bad, "make the name public in its own module:\n" + "\n".join(bad)
+
+
+# -- the layers: every import points down, and every module has an owner --------------------
+
+def contract_layers(pyproject: Path = ROOT / "pyproject.toml") -> Tuple[List[List[str]], Dict[str, Any]]:
+    """The import-linter layers contract: its layers top first (each a list of the sibling
+    modules ``a | b`` names) and the contract itself."""
+    reader = tomllib or pytest.importorskip("tomli")  # Python < 3.11: import-linter's reader
+    config = reader.loads(pyproject.read_text())["tool"]["importlinter"]
+    contract = next(c for c in config["contracts"] if c["type"] == "layers")
+    return [[name.strip() for name in layer.split("|")] for layer in contract["layers"]], contract
+
+
+def _layer_of(module: str, layers: List[List[str]]) -> Optional[int]:
+    """The index of ``module``'s layer (0 is the top), ``None`` if no layer holds it."""
+    for index, layer in enumerate(layers):
+        if any(module == name or module.startswith(name + ".") for name in layer):
+            return index
+    return None
+
+
+def _nearest_module(target: str, modules: Dict[str, Path]) -> str:
+    """The Python module an import lands in: ``pkg._C`` (a compiled extension, not a
+    file the import graph sees) lands in ``pkg`` itself, as import-linter counts it."""
+    while target not in modules and "." in target:
+        target = target.rsplit(".", 1)[0]
+    return target
+
+
+def upward_imports(modules: Dict[str, Path], layers: List[List[str]]) -> List[str]:
+    """``file:line importer -> target`` for every import (function-level ones included)
+    that reaches the package root or a layer above the importer's; a module in no layer
+    is named too, since nothing can be said of its arrows."""
+    found = [f"{module} is in no layer of the contract" for module in sorted(modules)
+             if module != PACKAGE and _layer_of(module, layers) is None]
+    for importer, _source, node, targets in _imports(modules):
+        own = _layer_of(importer, layers)
+        if own is None:  # the root, above every layer, or a module named above
+            continue
+        where = f"{modules[importer].relative_to(modules[PACKAGE].parent.parent)}:{node.lineno}"
+        for target in [_nearest_module(target, modules) for target in targets]:
+            layer = _layer_of(target, layers)
+            if target == PACKAGE or (layer is not None and layer < own):
+                found.append(f"{where} {importer} -> {target}")
+    return found
+
+
+def test_upward_imports_are_found(tmp_path: Path) -> None:
+    """The checker itself: an import of the root, of a compiled module (which lands in the
+    root) and of a higher layer is named; imports down, within a folder and of the own
+    layer are not."""
+    package = tmp_path / PACKAGE
+    (package / "_low").mkdir(parents=True)
+    (package / "__init__.py").write_text("from . import high\n")
+    (package / "high.py").write_text("from ._low import a\n")
+    (package / "_low" / "__init__.py").write_text("")
+    (package / "_low" / "a.py").write_text("from . import b\nfrom .. import _C\n"
+                                           "def f():\n    from .. import high\n")
+    (package / "_low" / "b.py").write_text("import pipedream_ext\nfrom .a import f\n")
+    layers = [[f"{PACKAGE}.high"], [f"{PACKAGE}._low"]]
+    found = [line.split(" ", 1)[1] for line in upward_imports(_package_modules(package), layers)]
+    assert found == [f"{PACKAGE}._low.a -> {PACKAGE}", f"{PACKAGE}._low.a -> {PACKAGE}.high",
+                     f"{PACKAGE}._low.b -> {PACKAGE}"], found
+    assert upward_imports(_package_modules(package), [[f"{PACKAGE}.high"]]) == [
+        f"{PACKAGE}._low{suffix} is in no layer of the contract" for suffix in ("", ".a", ".b")]
+
+
+def test_every_import_points_down_the_layers() -> None:
+    """No module imports the package root or a layer above its own (pyproject.toml's
+    contract, which import-linter enforces but without function-level imports and with
+    exceptions allowed): the contract excepts nothing."""
+    layers, contract = contract_layers()
+    assert not contract.get("ignore_imports"), ("the layers contract ignores imports; make each "
+                                                "import point down instead")
+    upward = upward_imports(_package_modules(), layers)
+    assert not upward, ("imports of the package root or of a higher layer (import _C from "
+                        "pipedream_ext._extension; move shared code down):\n" + "\n".join(upward))
+
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+OWNERSHIP_HEADING = "## Who owns what"
+
+
+def ownership_table_names(text: str) -> Set[str]:
+    """The package paths the ownership table of ``docs/architecture.md`` names.
+
+    Rule (stated under the table): each row's first column names modules in backticks by
+    their path relative to ``pipedream_ext/``; a later name in the same cell without a
+    ``/`` is in the folder of the cell's first name; a folder (``_dist/``) names its
+    ``__init__.py``. Names of ``csrc/`` and other names not ending in ``.py`` or ``/`` are
+    not modules."""
+    section = text.split(OWNERSHIP_HEADING, 1)[1].split("\n## ", 1)[0]
+    names: Set[str] = set()
+    for row in section.splitlines():
+        if not row.startswith("|") or set(row) <= set("|- "):
+            continue
+        cell = [name for name in re.findall(r"`([^`]+)`", row.split("|")[1])
+                if name.endswith((".py", "/")) and not name.startswith("csrc/")]
+        first = cell[0] if cell else ""
+        folder = first if first.endswith("/") else first[: first.rfind("/") + 1]
+        names.update(cell[:1] + [name if "/" in name else folder + name for name in cell[1:]])
+    return names
+
+
+def _documented_path(path: Path) -> str:
+    """How the ownership table names the module in ``path``."""
+    relative = path.relative_to(PACKAGE_DIR)
+    if path.name == "__init__.py" and relative.parent.parts:
+        return f"{relative.parent.as_posix()}/"
+    return relative.as_posix()
+
+
+def test_ownership_table_names_are_read() -> None:
+    """The reader itself: first columns of that section only, folders and short names."""
+    text = ("# A\n| `x.py` | a |\n" + OWNERSHIP_HEADING + "\n| file | owns |\n|---|---|\n"
+            "| `_a/one.py`, `two.py` | `not_a_name.py` |\n| `_b/` | init |\n"
+            "| `__init__.py`, `y.py` | root |\n| `_c/`, `three.py`, `_d/` | c |\n"
+            "| `csrc/c.cpp`, `csrc/x/` | C++ |\n## Next\n| `z.py` |\n")
+    assert ownership_table_names(text) == {"_a/one.py", "_a/two.py", "_b/", "__init__.py", "y.py",
+                                           "_c/", "_c/three.py", "_d/"}
+
+
+def test_every_module_is_named_in_the_ownership_table() -> None:
+    """docs/architecture.md's "Who owns what" names every module of the package, and
+    only modules that exist."""
+    named = ownership_table_names(ARCHITECTURE.read_text())
+    modules = {_documented_path(path) for path in PACKAGE_DIR.rglob("*.py")}
+    missing, stale = sorted(modules - named), sorted(named - modules)
+    problems = [f"not named (add a row, or the name to its folder's row): {name}" for name in missing]
+    problems += [f"named but no such module (rename or remove it): {name}" for name in stale]
+    assert not problems, (
+        f"{ARCHITECTURE.relative_to(ROOT)}, the table under '{OWNERSHIP_HEADING}':\n  "
+        + "\n  ".join(problems) + "\nIts first column names a module in backticks by its path "
+        "relative to pipedream_ext/ (a later name in a cell without '/' is in the folder of the "
+        "cell's first name; a folder such as `_dist/` names its __init__.py).")
 
 
 def _python_sizes() -> Iterator[Tuple[str, str, int]]:

@@ -174,7 +174,8 @@ SUITES = {
     # gpipe, 1f1b, interleaved-1f1b, zb-h1 on 4 ranks, replicas, recompute, forward_only,
     # balance="auto", uneven batches (2 and 3 ranks: on Gloo)
     "runtime": ["tests/test_runtime.py::test_flush_schedules_match_the_unsplit_model", "-k", "4ranks"],
-    # zbv, dualpipev, interleaved-zb (2 and 4 ranks) and V checkpoints
+    # zbv, dualpipev, interleaved-zb (2 and 4 ranks) and V checkpoints (the compiled cases
+    # stay on Gloo: compiling changes no transfer)
     "zero-bubble": ["tests/test_zero_bubble.py"],
     # pipedream, vertical sync, pipedream-2bw with replicated stages on 3 and 4 ranks
     # (streams: always the split protocol; the 2-rank 1000-step run stays on Gloo)

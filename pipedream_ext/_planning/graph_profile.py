@@ -45,7 +45,7 @@ import torch.fx as fx
 from torch import nn
 from tqdm import tqdm
 
-from .. import _C
+from .._extension import _C
 from .._frontend.fx_graph import compute_nodes, value_kinds
 from .._frontend.graph_split import trace_model
 from .timing import Timer, preserved

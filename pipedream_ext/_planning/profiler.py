@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .. import _C
+from .._extension import _C
 from .graph_profile import profile_traced
 from .sequential import profile_sequential
 

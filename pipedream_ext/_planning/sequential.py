@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from .. import _C
+from .._extension import _C
 from .timing import Timer, preserved
 
 __all__ = ["profile_sequential"]

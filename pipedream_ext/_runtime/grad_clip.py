@@ -55,9 +55,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import _C
 from .._dist import collectives
 from .._dist.collectives import is_dtensor
+from .._extension import _C
 from .local_stages import LocalStages
 
 __all__ = ["GradientClipper", "check_max_norm", "check_norm_type", "check_updates_aligned",

@@ -17,8 +17,8 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from .. import _C
 from .._dist import collectives
+from .._extension import _C
 
 __all__ = ["Observer"]
 

@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import _C, schedules
+from .. import schedules
+from .._extension import _C
 from .._frontend import deferred_init
 from ..planner import Plan
 from .grad_clip import parse_clip_option

@@ -29,9 +29,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from .. import _C, schedules
+from .. import schedules
 from .._dist import collectives, faults
 from .._dist.groups import PipelineGroups, RankNames, p2p_protocol
+from .._extension import _C
 from .._frontend import compiled
 from . import optimizer_check
 from .config import PipelineConfig
