@@ -4,6 +4,6 @@ import shutil
 
 from _multiprocess import ROOT
 
-import pipedream_ext as pd  # noqa: F401 - the page's blocks use it
+import pipedream_ext as pd
 
 shutil.copy(os.path.join(ROOT, "tests", "data", "profiles", "gnmt_large.txt"), "graph.txt")

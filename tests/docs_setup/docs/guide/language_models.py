@@ -1,11 +1,11 @@
 """docs/guide/language_models.md's examples: a small language model on padded rows, and a
 tiny Llama (transformers) on packed rows of two documents each."""
 import torch
-import torch.nn.functional as F  # noqa: F401 - the page's blocks use it
+import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import pipedream_ext as pd  # noqa: F401 - the page's blocks use it
+import pipedream_ext as pd
 
 VOCAB = 32
 torch.manual_seed(0)
