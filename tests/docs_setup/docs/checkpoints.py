@@ -1,4 +1,4 @@
-"""docs/checkpoints.md's examples: an 8-layer MLP, and a tiny 18-layer Llama saved as a
+"""docs/checkpoints.md's examples: an 8-layer MLP, and a tiny 2-layer Llama saved as a
 Hugging Face directory ("llama-dir") with a batch of token ids."""
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ model, step = make_model(), 0
 if dist.get_rank() == 0:
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
-                                 num_hidden_layers=18, num_attention_heads=2, num_key_value_heads=1,
+                                 num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                                  max_position_embeddings=32)).save_pretrained("llama-dir")
 dist.barrier()
 ids = torch.randint(0, 32, (8, 6))

@@ -41,7 +41,7 @@ model = FlaggedResNet(blocks=[1, 1, 2], widths=[8, 16, 16], in_channels=1)
 resnet = ResNet(blocks=[1, 1, 2], widths=[8, 16, 16], in_channels=1)
 loss_fn = F.cross_entropy
 x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 10, (16,))
-gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=8, n_embd=32, n_head=2, vocab_size=64))
+gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64))
 ids, targets = torch.randint(0, 11, (8, 6)), torch.randint(0, 11, (8, 6))
 m = torch.ones_like(ids)
 config = SimpleNamespace(n_layer=8)
