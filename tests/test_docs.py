@@ -80,7 +80,15 @@ def _folder_name(page: str) -> str:
 
 def check_page(page: str, folders: str) -> None:
     """Runs the page's setup script, then its blocks, in the page's folder (shared by
-    the ranks), in one namespace."""
+    the ranks), in one namespace.
+
+    Args:
+        page: the page, relative to the checkout (``docs/guide/training.md``).
+        folders: the launch's folder; the page runs in a subfolder of its own.
+
+    Raises:
+        Exception: whatever the page's setup or one of its blocks raised.
+    """
     import torch.distributed as dist
 
     folder = os.path.join(folders, _folder_name(page))
@@ -99,6 +107,7 @@ def check_page(page: str, folders: str) -> None:
 
 
 def docs_cases(world: int) -> Cases:
+    """One case per page that has Python blocks, named after the page."""
     cases = Cases()
     for page in pages():
         if python_blocks((ROOT / page).read_text(encoding="utf-8")):
