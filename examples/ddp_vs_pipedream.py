@@ -16,7 +16,7 @@ slightly stale weights). With the same data order both runs follow nearly the
 same loss curve.
 
 Every line where the two paths differ is marked ``# DDP`` or ``# PIPELINE``.
-README.md ("Moving from DDP") shows them as a diff; a test keeps it honest.
+docs/guide/ddp.md ("Moving from DDP") shows them as a diff; a test keeps it honest.
 The script exits with status 1 if the test accuracy is below --min-accuracy.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """examples/ddp_vs_pipedream.py: DDP and a pipeline train the same model to the same
-accuracy, and README.md's "Moving from DDP" diff matches the example."""
+accuracy, and the "Moving from DDP" diff of docs/guide/ddp.md matches the example."""
 from __future__ import annotations
 
 import os
@@ -51,7 +51,7 @@ def runs(saved: str) -> Dict[str, subprocess.CompletedProcess]:
 
 
 def test_both_ways_save_the_whole_model(runs, saved):
-    """The README's last diff lines: DDP's rank-0 save of model.module and the pipeline's
+    """The guide's last diff lines: DDP's rank-0 save of model.module and the pipeline's
     consolidated checkpoint both load into the unsplit model, every layer, and give back
     the test accuracy each run measured (the trained whole model, not one stage)."""
     import importlib.util
@@ -91,15 +91,18 @@ def test_ddp_and_pipeline_train_alike(runs):
     assert abs(loss_ddp - loss_pipe) <= 0.1 * loss_ddp
 
 
-# -- the README diff ------------------------------------------------------------------
+# -- the guide's diff (docs/guide/ddp.md) -----------------------------------------------
 
-def _readme_diff() -> List[str]:
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as handle:
+GUIDE = os.path.join(ROOT, "docs", "guide", "ddp.md")
+
+
+def _guide_diff() -> List[str]:
+    with open(GUIDE, encoding="utf-8") as handle:
         text = handle.read()
-    section = text.split("## Moving from DDP", 1)
-    assert len(section) == 2, "README.md has no 'Moving from DDP' section"
+    section = text.split("# Moving from DDP", 1)
+    assert len(section) == 2, "docs/guide/ddp.md has no 'Moving from DDP' section"
     match = re.search(r"```diff\n(.*?)```", section[1], re.S)
-    assert match, "no ```diff block in README.md's 'Moving from DDP'"
+    assert match, "no ```diff block in docs/guide/ddp.md's 'Moving from DDP'"
     return match.group(1).splitlines()
 
 
@@ -119,23 +122,23 @@ def _example_lines() -> Dict[str, List[str]]:
 
 
 def test_readme_diff_sides_are_valid_python():
-    diff = _readme_diff()
+    diff = _guide_diff()
     assert any(l.startswith("+") for l in diff) and any(l.startswith("-") for l in diff)
     for l in diff:
         assert l == "" or l[0] in " +-", f"not a diff line: {l!r}"
     before = "\n".join(l[1:] for l in diff if l[:1] in ("", " ", "-"))
     after = "\n".join(l[1:] for l in diff if l[:1] in ("", " ", "+"))
-    compile(textwrap.dedent(before), "README diff (DDP side)", "exec")
-    compile(textwrap.dedent(after), "README diff (pipeline side)", "exec")
+    compile(textwrap.dedent(before), "guide diff (DDP side)", "exec")
+    compile(textwrap.dedent(after), "guide diff (pipeline side)", "exec")
 
 
 def test_readme_diff_lines_are_the_examples_marked_lines():
     example = _example_lines()
-    for line in _readme_diff():
+    for line in _guide_diff():
         if line[:1] not in ("+", "-") or not _code(line[1:]):
             continue
         code = _code(line[1:])
-        assert code in example, f"README diff line not in examples/ddp_vs_pipedream.py: {line!r}"
+        assert code in example, f"guide diff line not in examples/ddp_vs_pipedream.py: {line!r}"
         if code.startswith(("import ", "from ")):
             continue
         # Statements must sit on the matching path of the example: `# PIPELINE` for

@@ -9,7 +9,7 @@ Each row of a batch holds several documents one after another, as transformers'
 restarting at 0 at each document, no ``attention_mask``, and the first token of each
 document a ``-100`` label. Without an ``attention_mask``, transformers derives from
 such ``position_ids`` a block-diagonal causal mask (``masking_utils``: a token attends
-to the earlier tokens of its own document only; README "Language-model batches").
+to the earlier tokens of its own document only; docs/guide/language_models.md).
 The zoo's Llama (sdpa attention) and Qwen2 (eager attention, tied embedding and head)
 are traced on a sample whose documents end elsewhere than in any training batch
 (torch.export: the traced graph computes the mask from each batch's ``position_ids``),

@@ -151,5 +151,5 @@ def test_readme_example_image_has_the_documented_size():
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.path.join(root, "docs", "images", "schedule_1f1b.png")
-    assert _png_size(path) == _plot.image_size(4)  # made by the command in README.md
+    assert _png_size(path) == _plot.image_size(4)  # made by the command in docs/guide/schedules.md
     assert _has(_colors(path), _plot.COLORS["F"]) and _has(_colors(path), _plot.COLORS["B"])

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("doc", ["README.md", "benchmarks/README.md"] +
-                         sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")))
+                         sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md")))
 def test_every_image_and_local_link_of_the_docs_resolves(doc: str) -> None:
     import re
 
