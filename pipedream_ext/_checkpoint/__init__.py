@@ -37,11 +37,11 @@ nothing removed but a previous save's stale shards).
 Design notes: docs/checkpoints.md.
 """
 from .consolidate import consolidate
-from .dcp_save import PendingCheckpoint, finish_pending
+from .dcp.save import PendingCheckpoint, finish_pending
 from .durable_io import atomic_torch_save
 from .errors import CheckpointError
-from .hf_save import save_pretrained
-from .hf_storage import HF, HfStorage, detect, load_path
+from .hf.save import save_pretrained
+from .hf.storage import HF, HfStorage, detect, load_path
 from .load import load_checkpoint
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointInfo
 from .save import save_checkpoint

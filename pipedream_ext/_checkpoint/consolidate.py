@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 
 from .durable_io import PathLike
-from .hf_storage import HF, WRITERS
+from .hf.storage import HF, WRITERS
 from .storages import read_manifest, storage_of
 
 __all__ = ["consolidate"]

@@ -15,8 +15,9 @@ from typing import Any, Dict, Optional
 import torch
 
 from .._dist import collectives
-from . import copies, dcp_save, reshard
+from . import copies, reshard
 from . import directory as directory_check
+from .dcp import save as dcp_save
 from .durable_io import PathLike
 from .errors import CheckpointError
 from .manifest import CheckpointInfo, load_file

@@ -20,8 +20,9 @@ from typing import Any, Optional, Union
 
 import torch
 
-from . import dcp_save, storages
-from .dcp_save import PendingCheckpoint
+from . import storages
+from .dcp import save as dcp_save
+from .dcp.save import PendingCheckpoint
 from .durable_io import PathLike
 from .manifest import CheckpointInfo
 from .storage import CheckpointStorage

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any, Dict, Mapping
 
 from . import manifest as manifest_format
-from .dcp_storage import DcpStorage
+from .dcp.storage import DcpStorage
 from .durable_io import PathLike
-from .stage_files import StageFilesStorage
+from .stage_files.storage import StageFilesStorage
 from .storage import CheckpointStorage
 
 __all__ = ["STORAGES", "DEFAULT", "FORMATS", "storage_named", "storage_name", "storage_of",

@@ -32,12 +32,13 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from .._dist import collectives
-from .._frontend.tied_params import alias_names
-from . import directory as directory_check
-from . import hf_directory, hf_files
-from .errors import CheckpointError
-from .view import Pipeline, PipelineView
+from ..._dist import collectives
+from ..._frontend.tied_params import alias_names
+from .. import directory as directory_check
+from ..errors import CheckpointError
+from ..view import Pipeline, PipelineView
+from . import directory as hf_directory
+from . import files as hf_files
 
 __all__ = ["save_pretrained", "write_state_dict", "shard_name", "MAX_SHARD_BYTES"]
 

@@ -17,14 +17,15 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from .._dist import collectives
-from .._frontend.tied_params import alias_names
-from . import durable_io, generations, phases, stage_files_load
-from .errors import CheckpointError
-from .manifest import CheckpointInfo, load_file, stage_what
-from .optimizer_state import optimizer_by_stage
-from .storage import CheckpointStorage, PreparedLoad
-from .view import PipelineView
+from ..._dist import collectives
+from ..._frontend.tied_params import alias_names
+from .. import durable_io, generations, phases
+from ..errors import CheckpointError
+from ..manifest import CheckpointInfo, load_file, stage_what
+from ..optimizer_state import optimizer_by_stage
+from ..storage import CheckpointStorage, PreparedLoad
+from ..view import PipelineView
+from . import load as stage_files_load
 
 __all__ = ["StageFilesStorage"]
 

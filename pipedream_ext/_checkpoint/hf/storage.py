@@ -16,12 +16,15 @@ from typing import Any, ClassVar, Dict, Mapping
 
 import torch
 
-from . import hf_files, hf_load, hf_save, reshard
-from .durable_io import PathLike
-from .manifest import MANIFEST
-from .reshard import IncompatibleKeys
-from .storages import read_manifest, storage_name
-from .view import Pipeline
+from .. import reshard
+from ..durable_io import PathLike
+from ..manifest import MANIFEST
+from ..reshard import IncompatibleKeys
+from ..storages import read_manifest, storage_name
+from ..view import Pipeline
+from . import files as hf_files
+from . import load as hf_load
+from . import save as hf_save
 
 __all__ = ["HfStorage", "HF", "WRITERS", "detect", "load_path", "TORCH_SUFFIXES"]
 

@@ -15,10 +15,12 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from . import dcp_files, dcp_load, dcp_save
-from .manifest import MANIFEST
-from .storage import CheckpointStorage, PreparedLoad
-from .view import PipelineView
+from ..manifest import MANIFEST
+from ..storage import CheckpointStorage, PreparedLoad
+from ..view import PipelineView
+from . import files as dcp_files
+from . import load as dcp_load
+from . import save as dcp_save
 
 __all__ = ["DcpStorage"]
 

@@ -34,14 +34,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter, Metadata
 
-from .._dist import collectives
-from .._frontend.tied_params import alias_names
-from . import dcp_files, dcp_state, durable_io, generations, phases
-from .errors import CheckpointError
-from .manifest import CheckpointInfo
-from .optimizer_state import class_name
-from .storage import CheckpointStorage
-from .view import PipelineView, dcp_group
+from ..._dist import collectives
+from ..._frontend.tied_params import alias_names
+from .. import durable_io, generations, phases
+from ..errors import CheckpointError
+from ..manifest import CheckpointInfo
+from ..optimizer_state import class_name
+from ..storage import CheckpointStorage
+from ..view import PipelineView, dcp_group
+from . import files as dcp_files
+from . import state as dcp_state
 
 __all__ = ["PendingCheckpoint", "save_dcp", "finish_pending"]
 
