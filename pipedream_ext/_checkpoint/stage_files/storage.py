@@ -1,35 +1,30 @@
 """The ``"pipedream"`` storage: one ``torch.save`` file per stage, the manifest last.
 
-Saving (``save_checkpoint(format="pipedream")``, the default): the stage leaders
-(replica 0) write their stages' weights and optimizer files under new names, rank
-0 the ``extra`` file; an exchange gathers every file's record (size, sha256, the
-tensors' names, shapes and dtypes) for ``phases.commit``. Loading re-shards by name
-from whichever stage files hold each key (``stage_files_load``); consolidating
-concatenates the stage files in layer order. Layout: docs/checkpoints.md.
+Saving (``save_checkpoint(format="pipedream")``, the default; the driver runs the
+sequence): the stage leaders (replica 0) write their stages' weights and optimizer
+files under new names; each file's record (size, sha256, the tensors' names, shapes
+and dtypes) goes into its stage's manifest record. Loading re-shards by name from
+whichever stage files hold each key (``load``); consolidating concatenates the
+stage files in layer order. Layout: docs/checkpoints.md.
 """
 from __future__ import annotations
 
 import collections
-import logging
 import os
-import time
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from ..._dist import collectives
 from ..._frontend.tied_params import alias_names
-from .. import durable_io, generations, phases
+from .. import durable_io, generations
 from ..errors import CheckpointError
-from ..manifest import CheckpointInfo, load_file, stage_what
+from ..manifest import load_file, stage_what
 from ..optimizer_state import optimizer_by_stage
-from ..storage import CheckpointStorage, PreparedLoad
+from ..storage import CheckpointStorage, FileRecord, PreparedLoad, SaveJob, Written
 from ..view import PipelineView
 from . import load as stage_files_load
 
 __all__ = ["StageFilesStorage"]
-
-_log = logging.getLogger(__name__)
 
 
 def _describe(t: torch.Tensor) -> Dict[str, Any]:
@@ -38,7 +33,7 @@ def _describe(t: torch.Tensor) -> Dict[str, Any]:
 
 def _write_stage(view: PipelineView, j: int, directory: str, generation: int,
                  optimizer_part: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    """Writes local stage ``j``'s weights (and optimizer) file; returns its record."""
+    """Writes local stage ``j``'s weights (and optimizer) file; returns its manifest fields."""
     module = view.stages[j]
     aliases = alias_names(view.shared_parameters, stage=j)
     state = module.state_dict()  # detached views, no copies
@@ -55,64 +50,7 @@ def _write_stage(view: PipelineView, j: int, directory: str, generation: int,
         optim["class"] = optimizer_part["class"]
         held = {n for g in optimizer_part["param_groups"] for n in g["params"]}
         optim["params"] = [n for n, _ in module.named_parameters() if n in held]
-    return dict(phases.stage_record(view, j), model=model, optimizer=optim)
-
-
-def _write_files(view: PipelineView, directory: str, generation: int,
-                 optimizer_parts: Dict[int, Dict[str, Any]],
-                 extra: Any) -> Tuple[List[Dict[str, Any]], Optional[Dict[str, Any]], List[Dict[str, Any]]]:
-    """Phase 2: stage leaders write their files under new names, rank 0 ``extra``.
-
-    Returns:
-        Every stage's record (in stage order), ``extra``'s record and every rank's
-        ``phases.written_by``, on every rank.
-
-    Raises:
-        CheckpointError: writing failed on some rank (on every rank); rank 0 removed
-            the new generation's files.
-    """
-    error: Optional[BaseException] = None
-    records: List[Dict[str, Any]] = []
-    extra_record: Optional[Dict[str, Any]] = None
-    try:
-        os.makedirs(directory, exist_ok=True)
-        for j in view.stages:
-            if view.is_leader(j):  # replicas hold the leader's weights
-                records.append(_write_stage(view, j, directory, generation, optimizer_parts.get(j)))
-        if view.rank == 0 and extra is not None:
-            extra_record = durable_io.atomic_torch_save(extra, directory,
-                                                        generations.extra_file(generation))
-        durable_io.fsync_directory(directory)
-    except Exception as exc:  # noqa: BLE001 - reported to every rank
-        error = exc
-    try:
-        gathered = collectives.gather_outcomes(
-            error, view.group, view.timeout, f"saving checkpoint {directory}",
-            payload={"stages": records, "extra": extra_record,
-                     "written": phases.written_by(directory, generation)},
-            failure=CheckpointError)
-    except BaseException:
-        phases.abandon(view, directory, generation)
-        raise
-    stages = sorted((s for entry in gathered for s in entry["stages"]), key=lambda s: s["stage"])
-    return stages, gathered[0]["extra"], [entry["written"] for entry in gathered]
-
-
-def _save_files(storage: CheckpointStorage, view: PipelineView, directory: str,
-                optimizer: Optional[torch.optim.Optimizer], step: Any, extra: Any) -> CheckpointInfo:
-    """The per-stage-files format: check, write, commit."""
-    start = phases.agree_to_start(view, directory, optimizer, step, extra,
-                                  lambda: optimizer_by_stage(view, optimizer) if optimizer is not None else {})
-    stages, extra_record, writers = _write_files(view, directory, start.generation, start.prepared, extra)
-    manifest = phases.build_manifest(view, start.generation, start.step, stages, extra_record,
-                                     storage,
-                                     next((s["optimizer"]["class"] for s in stages if s["optimizer"]), None))
-    files: List[phases.FileRecord] = [("", s["model"], f"weights of stage {s['stage']}") for s in stages]
-    files += [("", s["optimizer"], f"optimizer state of stage {s['stage']}") for s in stages if s["optimizer"]]
-    files += [("", manifest["extra"], "extra")] if manifest["extra"] else []
-    phases.commit(view, directory, manifest, [record["file"] for _, record, _ in files], files, writers)
-    return CheckpointInfo(path=directory, generation=start.generation, step=start.step, extra=extra,
-                          manifest=manifest)
+    return {"model": model, "optimizer": optim}
 
 
 def _add_stage(directory: str, stage: Mapping[str, Any],
@@ -155,15 +93,28 @@ class StageFilesStorage(CheckpointStorage):
     def check_pipeline(self, view: PipelineView) -> None:
         view.refuse_mesh(f"save_checkpoint(format={self.name!r})")
 
-    def save(self, view: PipelineView, directory: str, optimizer: Optional[torch.optim.Optimizer],
-             step: Any, extra: Any, async_save: bool) -> CheckpointInfo:
-        started = time.perf_counter()
-        info = _save_files(self, view, directory, optimizer, step, extra)
-        if view.rank == 0:
-            _log.info("saved checkpoint %s (generation %d, step %s, %d stages) in %.2f s",
-                      directory, info.generation, info.step, len(info.manifest["stages"]),
-                      time.perf_counter() - started)
-        return info
+    def prepare_save(self, view: PipelineView, optimizer: Optional[torch.optim.Optimizer]) -> Any:
+        """The optimizer's state per local stage, by parameter name."""
+        return optimizer_by_stage(view, optimizer) if optimizer is not None else {}
+
+    def write(self, job: SaveJob) -> Dict[int, Dict[str, Any]]:
+        """Stage leaders (replica 0) write their stages' files; returns their fields."""
+        view = job.view
+        fields = {j: _write_stage(view, j, job.directory, job.generation, job.prepared.get(j))
+                  for j in view.stages if view.is_leader(j)}  # replicas hold the leader's weights
+        durable_io.fsync_directory(job.directory)
+        return fields
+
+    def written(self, job: SaveJob, handle: Dict[int, Dict[str, Any]]) -> Written:
+        return Written(stages=handle, payload={})
+
+    def complete_manifest(self, job: SaveJob, manifest: Dict[str, Any],
+                          gathered: Sequence[Dict[str, Any]]) -> Tuple[List[FileRecord], List[str]]:
+        stages = manifest["stages"]
+        files: List[FileRecord] = [("", s["model"], f"weights of stage {s['stage']}") for s in stages]
+        files += [("", s["optimizer"], f"optimizer state of stage {s['stage']}")
+                  for s in stages if s["optimizer"]]
+        return files, [str(record["file"]) for _, record, _ in files]
 
     def prepare_load(self, directory: str, manifest: Mapping[str, Any], view: PipelineView,
                      optimizer: Optional[torch.optim.Optimizer]) -> PreparedLoad:
