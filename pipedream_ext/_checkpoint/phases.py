@@ -154,8 +154,6 @@ def _check_visible(directory: str, files: Sequence[FileRecord]) -> None:
                                   "was not written and the previous checkpoint was kept")
 
 
-
-
 class CheckpointSave(SaveSession):
     """``save_checkpoint``'s session of the save driver: generation, ``extra`` and
     manifest around one format's hooks (module docstring).
