@@ -11,15 +11,17 @@ import collections
 import json
 import pathlib
 import re
-from typing import Any, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import pytest
 import torch
+from torch import nn
 
 import pipedream_ext as pd
 from pipedream_ext._checkpoint import FORMAT, FORMATS, MANIFEST, STORAGES, CheckpointError, CheckpointStorage
 from pipedream_ext._checkpoint import storages as storage_table
-from pipedream_ext._checkpoint.storage import PreparedLoad
+from pipedream_ext._checkpoint.stage_files.storage import StageFilesStorage
+from pipedream_ext._checkpoint.storage import PreparedLoad, SaveJob, Written
 from pipedream_ext._checkpoint.view import PipelineView
 
 _PACKAGE = pathlib.Path(pd.__file__).parent
@@ -94,3 +96,65 @@ def test_no_module_but_the_table_compares_format_names() -> None:
              for number, line in enumerate(path.read_text().splitlines(), 1)
              if compared.search(line.split("#")[0])]
     assert found == [], found
+
+
+class _RecordingStorage(StageFilesStorage):
+    """The per-stage files format under another name, noting each save hook the driver
+    calls; ``fail_in`` names a hook that raises instead."""
+
+    name = "recording"
+
+    def __init__(self, fail_in: str = "") -> None:
+        self.calls: List[str] = []
+        self.fail_in = fail_in
+
+    def _note(self, hook: str) -> None:
+        self.calls.append(hook)
+        if hook == self.fail_in:
+            raise OSError(f"injected in {hook}")
+
+    def check_pipeline(self, view: PipelineView) -> None:
+        self._note("check_pipeline")
+        super().check_pipeline(view)
+
+    def prepare_save(self, view: PipelineView, optimizer: Optional[torch.optim.Optimizer]) -> Any:
+        self._note("prepare_save")
+        return super().prepare_save(view, optimizer)
+
+    def write(self, job: SaveJob) -> Dict[int, Dict[str, Any]]:
+        self._note("write")
+        return super().write(job)
+
+    def written(self, job: SaveJob, handle: Dict[int, Dict[str, Any]]) -> Written:
+        self._note("written")
+        return super().written(job, handle)
+
+    def complete_manifest(self, job: SaveJob, manifest: Dict[str, Any], gathered: Sequence[Dict[str, Any]]) -> Any:
+        self._note("complete_manifest")
+        return super().complete_manifest(job, manifest, gathered)
+
+
+def test_the_driver_calls_a_formats_hooks_in_order(tmp_path, group, monkeypatch) -> None:
+    """A format's save hooks run in the documented order (driver.py); a write that
+    fails, before or after its files are on disk, fails the save on every rank, and
+    the driver removes the new generation's files (the previous checkpoint stays
+    loadable)."""
+    torch.manual_seed(0)
+    pipe = pd.PipeDream(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+                        nn.functional.cross_entropy, schedule="1f1b", microbatches=1)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    storage = _RecordingStorage()
+    monkeypatch.setitem(STORAGES, storage.name, storage)
+    info = pd.save_checkpoint(tmp_path, pipe, opt, step=3, extra={"note": "x"}, format=storage.name)
+    assert storage.calls == ["check_pipeline", "prepare_save", "write", "written", "complete_manifest"]
+    assert info.generation == 1 and info.manifest["storage"] == storage.name
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert before == ["g000001-extra.pt", "g000001-stage000-model.pt", "g000001-stage000-optim.pt", MANIFEST]
+    for hook in ("write", "written"):
+        monkeypatch.setitem(STORAGES, storage.name, _RecordingStorage(fail_in=hook))
+        with pytest.raises(CheckpointError, match=f"saving checkpoint {re.escape(str(tmp_path))} failed on "
+                                                  f"rank 0: OSError: injected in {hook}"):
+            pd.save_checkpoint(tmp_path, pipe, opt, step=4, extra={"note": "y"}, format=storage.name)
+        assert sorted(p.name for p in tmp_path.iterdir()) == before, hook
+    loaded = pd.load_checkpoint(tmp_path, pipe, opt)
+    assert (loaded.generation, loaded.step, loaded.extra) == (1, 3, {"note": "x"})

@@ -41,7 +41,9 @@ from _multiprocess import CaseRef, Cases, FromEnv, Launch, parametrize_cases, wo
 from _zoo import ZOO, reference_step  # noqa: E402
 
 import pipedream_ext as pd  # noqa: E402
-from pipedream_ext._checkpoint import MANIFEST, hf_files, hf_load  # noqa: E402
+from pipedream_ext._checkpoint import MANIFEST  # noqa: E402
+from pipedream_ext._checkpoint.hf import files as hf_files  # noqa: E402
+from pipedream_ext._checkpoint.hf import load as hf_load  # noqa: E402
 from pipedream_ext._checkpoint.view import PipelineView  # noqa: E402
 
 HERE = os.path.abspath(__file__)
@@ -219,7 +221,7 @@ def test_model_safetensors_beside_an_index_is_read_as_from_pretrained_reads_it(t
 
 def test_a_state_dict_written_for_from_pretrained(tmp_path: Any) -> None:
     """``consolidate(format="hf")``'s writer: shards, index, config; tied stored once."""
-    from pipedream_ext._checkpoint import hf_save
+    from pipedream_ext._checkpoint.hf import save as hf_save
 
     model = llama(tied=True, seed=3)
     weight_map = hf_save.write_state_dict(model.state_dict(), str(tmp_path / "out"), model.config,
@@ -273,7 +275,7 @@ def test_a_save_adds_its_files_and_keeps_the_users(tmp_path: Any) -> None:
     they stay; a second save in fewer shards removes exactly the first save's stale
     shards (tests/test_hf_weights.py::test_save_pretrained_into_a_project_on_one_rank
     writes into a directory that held the user's files first)."""
-    from pipedream_ext._checkpoint import hf_save
+    from pipedream_ext._checkpoint.hf import save as hf_save
 
     proj = tmp_path / "proj"
     first, second = llama(tied=False, seed=3), llama(tied=False, seed=4)
@@ -316,7 +318,7 @@ def test_a_failed_save_leaves_the_previous_one(tmp_path: Any, monkeypatch: pytes
     every file as it was, the previous save loadable and no staged file; when the new
     shards take the old ones' names, a failure among the moves leaves no index (a
     load fails) rather than the old index over a mixture of old and new shards."""
-    from pipedream_ext._checkpoint import hf_save
+    from pipedream_ext._checkpoint.hf import save as hf_save
 
     proj = tmp_path / "proj"
     old, new = llama(tied=False, seed=3), llama(tied=False, seed=4)
@@ -353,7 +355,7 @@ def test_out_dir_through_a_link_and_the_refusals(tmp_path: Any) -> None:
     """A symbolic link to a directory is written through (it stays a link); a file, a
     link to nothing and a directory holding ``model.safetensors`` (which from_pretrained
     would load instead) are refused, nothing changed."""
-    from pipedream_ext._checkpoint import hf_save
+    from pipedream_ext._checkpoint.hf import save as hf_save
 
     model = llama(tied=True, seed=3)
     (tmp_path / "target").mkdir()
@@ -383,7 +385,7 @@ def test_save_pretrained_into_a_project_on_one_rank(tmp_path: Any, group: Any,
     write raises and changes nothing."""
     from safetensors.torch import load_file
 
-    from pipedream_ext._checkpoint import hf_save
+    from pipedream_ext._checkpoint.hf import save as hf_save
 
     project = tmp_path / "project"
     project.mkdir()
@@ -587,7 +589,7 @@ def check_a_rank_failing_changes_nothing(root: str) -> None:
     """pp2: a save keeps the user's files beside the model; rank 1's shard write failing
     makes every rank raise, rank 0's staged shard is removed with the staging directory,
     and every file is as it was (the previous save loads)."""
-    from pipedream_ext._checkpoint import hf_save
+    from pipedream_ext._checkpoint.hf import save as hf_save
 
     out = os.path.join(root, "failing")
     pipe, _ = build_pipe(tied=False)

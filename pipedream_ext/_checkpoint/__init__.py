@@ -17,36 +17,34 @@ Layout of ``path/`` (generation ``g`` = one completed save)::
     g000002-extra.pt                 the ``extra`` object given by rank 0
     g000003-dcp/                     format="dcp": DCP's .metadata and __{rank}_{i}.distcp
 
-Modules, one job each: ``save``, ``load`` and ``consolidate`` (what every format
-shares), ``storage`` (``CheckpointStorage``: the interface of one format) and
-``storages`` (``STORAGES``, the table by name that ``format=`` and a manifest's
-``storage`` look up), ``durable_io`` (atomic writes, sha256, verified loads),
-``manifest`` (its format; which stage holds a key; layer checks), ``generations``
-(file names, clean-up), ``extra``, ``optimizer_state`` (by parameter name),
-``phases`` (what every save shares: arguments, generation, commit), ``directory``
-(the same directory on every rank, checked), ``reshard`` (by name, shared with
-``pipe.load_state_dict``), ``view`` (what they read of a pipeline); the
-``"pipedream"`` storage: ``stage_files`` and ``stage_files_load``; the ``"dcp"``
-storage: ``dcp_storage``, ``dcp_state`` (names both ways), ``dcp_files`` (file
-records, checks, consolidation), ``dcp_save`` (synchronous and asynchronous) and
-``dcp_load``; the ``"hf"`` storage (Hugging Face directories, weights only, no
-manifest): ``hf_storage`` (``HfStorage``, ``detect``), ``hf_files`` (the index,
-reading one rank's share), ``hf_load``, ``hf_save`` (``save_pretrained``) and
-``hf_directory`` (writing into the user's directory: staged files moved whole,
-nothing removed but a previous save's stale shards).
+Modules, one job each: ``save``, ``load`` and ``consolidate`` (the public calls),
+``driver`` (the one collective sequence of every save and load: agree, write,
+gather, commit; a format answers hooks), ``phases`` (``CheckpointSave``:
+generation, ``extra`` and manifest around a format's hooks), ``pending``
+(asynchronous saves in progress), ``storage`` (``CheckpointStorage``: the hooks of
+one format) and ``storages`` (``STORAGES``, the one table of formats by name that
+``format=`` and a manifest's ``storage`` look up; ``detect``), ``durable_io``
+(atomic writes, sha256, verified loads), ``manifest`` (its format; which stage
+holds a key; layer checks), ``generations`` (file names, clean-up), ``extra``,
+``optimizer_state`` (by parameter name), ``directory`` (the same directory on
+every rank, checked), ``reshard`` (by name, shared with ``pipe.load_state_dict``),
+``view`` (what they read of a pipeline); one folder per format: ``stage_files/``
+(``"pipedream"``), ``dcp/`` (``"dcp"``, synchronous and asynchronous), ``hf/``
+(``"hf"``: Hugging Face directories, weights only, no manifest;
+``save_pretrained``) and ``torch_file`` (``"torch"``: a ``torch.save`` file).
 Design notes: docs/checkpoints.md.
 """
 from .consolidate import consolidate
-from .dcp_save import PendingCheckpoint, finish_pending
 from .durable_io import atomic_torch_save
 from .errors import CheckpointError
-from .hf_save import save_pretrained
-from .hf_storage import HF, HfStorage, detect, load_path
+from .hf.save import save_pretrained
+from .hf.storage import HF, HfStorage
 from .load import load_checkpoint
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointInfo
+from .pending import PendingCheckpoint, finish_pending
 from .save import save_checkpoint
 from .storage import CheckpointStorage
-from .storages import FORMATS, STORAGES, read_manifest
+from .storages import FORMATS, STORAGES, detect, load_path, read_manifest
 from .view import Pipeline, PipelineView
 
 __all__ = [

@@ -8,8 +8,7 @@ from typing import Any, Optional
 import torch
 
 from .durable_io import PathLike
-from .hf_storage import HF, WRITERS
-from .storages import read_manifest, storage_of
+from .storages import WRITERS, read_manifest, state_dict_writer, storage_of
 
 __all__ = ["consolidate"]
 
@@ -49,14 +48,14 @@ def consolidate(path: PathLike, format: Optional[str] = None, out_dir: Optional[
             file, or a file whose tensors differ from the manifest (names the file
             and the entry).
     """
-    writer = None if format is None else WRITERS.get(format) if isinstance(format, str) else None
+    writer = state_dict_writer(format)
     if format is not None and writer is None:
         raise ValueError(f"consolidate(format={format!r}): use format=None (the state dict) or "
                          f"{' or '.join(f'format={name!r}' for name in WRITERS)} (also a Hugging "
                          "Face directory in out_dir)")
     if (writer is None) != (out_dir is None):
         raise ValueError(f"consolidate: out_dir={out_dir!r} with format={format!r}; pass both "
-                         f"format={HF.name!r} and out_dir=, or neither")
+                         f"format={WRITERS[0]!r} and out_dir=, or neither")
     directory = os.fspath(path)
     manifest = read_manifest(directory)
     state = storage_of(manifest).consolidate(directory, manifest)

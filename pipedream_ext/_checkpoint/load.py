@@ -1,32 +1,27 @@
 """``load_checkpoint``: restore a checkpoint into any balance, replica layout or world size.
 
-The manifest names the storage (``storages.storage_of``), which checks and reads:
-each rank gathers its stages' tensors by name (:mod:`.reshard`) from whichever
-stage files of the checkpoint hold them, checking every file against the
-manifest (:mod:`.stage_files_load`), or (a DCP checkpoint, :mod:`.dcp_load`) asks
-DCP for them by name; nothing changes unless every rank succeeded.
+After the pending save and the flush, the load driver (``driver.load``) reads the
+manifest, which names the format (``storages.open_manifest``), whose
+``prepare_load`` checks: each rank gathers its stages' tensors by name
+(:mod:`.reshard`) from whichever stage files of the checkpoint hold them, checking
+every file against the manifest (``stage_files.load``), or (a DCP checkpoint,
+``dcp.load``) asks DCP for them by name; nothing changes unless every rank succeeded.
 """
 from __future__ import annotations
 
-import logging
 import os
-from typing import Any, Dict, Optional
+from typing import Optional
 
 import torch
 
-from .._dist import collectives
-from . import copies, dcp_save, reshard
-from . import directory as directory_check
+from . import driver
 from .durable_io import PathLike
-from .errors import CheckpointError
-from .manifest import CheckpointInfo, load_file
-from .storage import PreparedLoad
-from .storages import read_manifest, storage_name, storage_of
+from .manifest import CheckpointInfo
+from .pending import finish_pending
+from .storages import open_manifest, storage_name
 from .view import Pipeline
 
 __all__ = ["load_checkpoint"]
-
-_log = logging.getLogger(__name__)
 
 
 def load_checkpoint(path: PathLike, pipe: Pipeline,
@@ -68,39 +63,7 @@ def load_checkpoint(path: PathLike, pipe: Pipeline,
     """
     directory = os.fspath(path)
     view = pipe.checkpoint_view
-    dcp_save.finish_pending(view)
+    finish_pending(view)
     if view.asynchronous:
         pipe.flush()
-    error = None
-    manifest: Dict[str, Any] = {}
-    prepared: Optional[PreparedLoad] = None
-    extra: Any = None
-    try:
-        manifest = read_manifest(directory)
-        prepared = storage_of(manifest).prepare_load(directory, manifest, view, optimizer)
-        if manifest.get("extra"):
-            extra = load_file(directory, manifest["extra"], "extra", "cpu")
-    except Exception as exc:  # noqa: BLE001 - reported to every rank
-        error = exc
-    gathered = collectives.gather_outcomes(
-        error, view.group, view.timeout, f"loading checkpoint {directory}",
-        payload={"storage": storage_name(manifest), "generation": manifest.get("generation"),
-                 "directory": directory_check.describe(directory)}, failure=CheckpointError)
-    directory_check.check_same(f"loading checkpoint {directory}", [e["directory"] for e in gathered],
-                               "nothing was loaded")
-    read = sorted({(e["generation"], e["storage"]) for e in gathered})
-    if len(read) > 1:  # a save replaced the manifest while the ranks read it
-        raise CheckpointError(f"loading checkpoint {directory}: the ranks read manifests of different "
-                              f"generations or formats ({', '.join(f'generation {g} ({s})' for g, s in read)}); "
-                              "it changed while loading (nothing was loaded)")
-    assert prepared is not None  # every rank prepared, or the exchange raised
-    weights, optimizer_state = prepared.read(view)
-    copies.check_copies(view, weights, f"loading checkpoint {directory}", CheckpointError)
-    reshard.copy_into_stages(view.stages, weights, strict=True)
-    if optimizer is not None and optimizer_state is not None:
-        optimizer.load_state_dict(optimizer_state)
-    if view.rank == 0:
-        _log.info("loaded checkpoint %s (generation %s, step %s)", directory,
-                  manifest.get("generation"), manifest.get("step"))
-    return CheckpointInfo(path=directory, generation=int(manifest["generation"]),
-                          step=manifest.get("step"), extra=extra, manifest=manifest)
+    return driver.load(directory, view, optimizer, open_manifest, storage_name)

@@ -1,46 +1,40 @@
-"""What every save shares, whatever stores its tensors: the first and last phases.
+"""What every checkpoint save shares, whatever format stores its tensors.
 
-1. :func:`agree_to_start`: every rank checks its arguments and prepares what it
-   will write, rank 0 picks the generation; one exchange makes a bad argument
-   anywhere fail everywhere before anything is written, and checks that every rank
-   means the same directory (``directory.check_same``);
-2. (the storage's own writing, ``storage.CheckpointStorage.save``: ``stage_files.py``
-   per-stage files, ``dcp_save.py`` DCP);
-   if it fails anywhere, rank 0 removes the new generation's files
-   (:func:`abandon`);
-3. :func:`commit`: rank 0 checks that every rank wrote the same generation into
-   the same directory and that it sees every file the manifest will name, writes
-   ``manifest.json`` atomically, then deletes superseded files; one exchange makes
-   every rank return or raise together.
-
-Also the manifest's common fields (:func:`build_manifest`) from the stage records
-(:func:`stage_record`) the writing phase gathered.
+:class:`CheckpointSave` is ``save_checkpoint``'s session of the save driver
+(``driver.save``, which runs the phases in order): (1) every rank checks its
+arguments and prepares what it will write (the format's ``prepare_save``), rank 0
+picks the generation; (2) rank 0 writes ``extra``, every rank its format's files
+(``write``); (3) the records of every rank's files (``written``) and the manifest
+(:func:`build_manifest`, the format's ``complete_manifest``); (4) rank 0 checks
+that every rank wrote the same generation into the same directory and that it sees
+every file the manifest will name, writes ``manifest.json`` atomically, then
+deletes superseded files; if anything fails, rank 0 removes the new generation's
+files (:func:`abandon`).
 """
 from __future__ import annotations
 
 import datetime
+import logging
 import numbers
 import os
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+import time
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-from .._dist import collectives
-from . import directory as directory_check
-from . import generations
+from . import durable_io, generations
 from . import manifest as manifest_format
+from .driver import SaveSession
 from .errors import CheckpointError
 from .extra import check_extra
-from .manifest import FORMAT, MANIFEST
-from .storage import CheckpointStorage
+from .manifest import FORMAT, MANIFEST, CheckpointInfo
+from .optimizer_state import class_name
+from .storage import CheckpointStorage, FileRecord, SaveJob
 from .view import PipelineView
 
-__all__ = ["Start", "checked_step", "agree_to_start", "written_by", "abandon", "stage_record",
-           "build_manifest", "commit"]
+__all__ = ["CheckpointSave", "checked_step", "written_by", "abandon", "stage_record", "build_manifest"]
 
-#: A file the manifest will name: (its folder inside the checkpoint directory, its
-#: record with ``file`` and ``bytes``, what it holds).
-FileRecord = Tuple[str, Mapping[str, Any], str]
+_log = logging.getLogger(__name__)
 
 
 def checked_step(step: Any) -> Optional[int]:
@@ -62,64 +56,6 @@ def _new_generation(directory: str) -> int:
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise CheckpointError(f"{directory} exists and is not a directory")
     return generations.next_generation(directory) if os.path.isdir(directory) else 1
-
-
-class Start(NamedTuple):
-    """What phase 1 agreed on."""
-
-    generation: int
-    step: Optional[int]
-    prepared: Any  # what this rank's ``prepare`` returned
-
-
-def agree_to_start(view: PipelineView, directory: str, optimizer: Optional[torch.optim.Optimizer],
-                   step: Any, extra: Any, prepare: Callable[[], Any]) -> Start:
-    """Phase 1: local checks, this rank's preparation and the generation (nothing written yet).
-
-    Args:
-        view: the pipeline.
-        directory: the checkpoint directory.
-        optimizer: this rank's optimizer or ``None``.
-        step: the step to record.
-        extra: rank 0's ``extra``.
-        prepare: builds what this rank will write (raises ``ValueError`` for an
-            optimizer holding foreign tensors).
-
-    Returns:
-        The generation (the same on every rank), the checked step and ``prepare()``.
-
-    Raises:
-        ValueError: a bad argument on any rank, an optimizer given on some ranks
-            with parameters but not on others, or ranks given different directories.
-        CheckpointError: another failure on any rank.
-    """
-    error: Optional[BaseException] = None
-    generation = 0
-    prepared: Any = None
-    try:
-        step = checked_step(step)
-        if view.rank == 0:
-            check_extra(extra)
-        prepared = prepare()
-        if view.rank == 0:
-            generation = _new_generation(directory)
-    except Exception as exc:  # noqa: BLE001 - reported to every rank
-        error = exc
-    has_params = any(True for _ in view.module.parameters())
-    gathered = collectives.gather_outcomes(
-        error, view.group, view.timeout, f"saving checkpoint {directory}",
-        payload={"generation": generation, "optimizer": optimizer is not None, "has_params": has_params,
-                 "directory": directory_check.describe(directory)},
-        failure=CheckpointError)
-    directory_check.check_same(f"saving checkpoint {directory}", [e["directory"] for e in gathered],
-                               "nothing was written or deleted")
-    with_opt = [r for r, e in enumerate(gathered) if e["optimizer"]]
-    without_opt = [r for r, e in enumerate(gathered) if e["has_params"] and not e["optimizer"]]
-    if with_opt and without_opt:
-        raise ValueError(f"saving checkpoint {directory}: optimizer= was given on ranks {with_opt} but "
-                         f"not on ranks {without_opt}, whose stages have parameters; pass each rank's "
-                         "optimizer (None only on ranks without parameters)")
-    return Start(int(gathered[0]["generation"]), step, prepared)
 
 
 def written_by(directory: str, generation: int) -> Dict[str, Any]:
@@ -218,39 +154,120 @@ def _check_visible(directory: str, files: Sequence[FileRecord]) -> None:
                                   "was not written and the previous checkpoint was kept")
 
 
-def commit(view: PipelineView, directory: str, manifest: Dict[str, Any], keep: Sequence[str],
-           files: Sequence[FileRecord], writers: Sequence[Mapping[str, Any]]) -> None:
-    """Phase 3: rank 0 checks the writes, writes the manifest last, then removes
-    superseded files; if it cannot, it removes the new generation's files instead.
+class CheckpointSave(SaveSession):
+    """``save_checkpoint``'s session of the save driver: generation, ``extra`` and
+    manifest around one format's hooks (module docstring).
 
     Args:
+        storage: the format that writes the tensors.
         view: the pipeline.
         directory: the checkpoint directory.
-        manifest: the new manifest.
-        keep: the files and directories it names (everything else of ours goes).
-        files: every file it names, with its record (rank 0 checks it sees them).
-        writers: every rank's :func:`written_by`, from the writing phase's exchange.
-
-    Raises:
-        CheckpointError: the writes do not check out or the manifest could not be
-            written (on every rank); the previous checkpoint is kept.
+        optimizer: this rank's optimizer or ``None``.
+        step: the step to record.
+        extra: rank 0's ``extra``.
+        async_save: whether the format writes in the background.
     """
-    error: Optional[BaseException] = None
-    stages = manifest["stages"]
-    generation = int(manifest["generation"])
-    if view.rank == 0:
+
+    def __init__(self, storage: CheckpointStorage, view: PipelineView, directory: str,
+                 optimizer: Optional[torch.optim.Optimizer], step: Any, extra: Any, async_save: bool) -> None:
+        self.storage = storage
+        self.view = view
+        self.directory = directory
+        self.what = f"saving checkpoint {directory}"
+        self.untouched = "nothing was written or deleted"
+        self.committed = MANIFEST
+        self.asynchronous = async_save
+        self._arguments = (optimizer, step, extra)
+        self._job: Optional[SaveJob] = None
+        self._extra_record: Optional[Dict[str, Any]] = None
+        self._manifest: Dict[str, Any] = {}
+        self._files: List[FileRecord] = []
+        self._keep: List[str] = []
+        self._writers: List[Mapping[str, Any]] = []
+        self._started = time.perf_counter()
+
+    @property
+    def job(self) -> SaveJob:
+        """What the format's hooks see (set once the ranks agreed)."""
+        assert self._job is not None, "the ranks have not agreed yet"
+        return self._job
+
+    def plan(self) -> Dict[str, Any]:
+        optimizer, step, extra = self._arguments
+        has_params = any(True for _ in self.view.module.parameters())
+        self._job = SaveJob(self.view, self.directory, 0, checked_step(step), optimizer, None, self.asynchronous)
+        if self.view.rank == 0:
+            check_extra(extra)
+        self._job.prepared = self.storage.prepare_save(self.view, optimizer)
+        generation = _new_generation(self.directory) if self.view.rank == 0 else 0
+        return {"generation": generation, "optimizer": optimizer is not None, "has_params": has_params}
+
+    def agreed(self, gathered: List[Dict[str, Any]]) -> None:
+        with_opt = [r for r, e in enumerate(gathered) if e["optimizer"]]
+        without_opt = [r for r, e in enumerate(gathered) if e["has_params"] and not e["optimizer"]]
+        if with_opt and without_opt:
+            raise ValueError(f"saving checkpoint {self.directory}: optimizer= was given on ranks {with_opt} "
+                             f"but not on ranks {without_opt}, whose stages have parameters; pass each "
+                             "rank's optimizer (None only on ranks without parameters)")
+        self.generation = self.job.generation = int(gathered[0]["generation"])
+
+    def write(self) -> Any:
+        """Rank 0's ``extra``, then the format's files: the format writes even where
+        ``extra`` failed, as its write may be collective (DCP's)."""
+        error: Optional[BaseException] = None
+        extra = self._arguments[2]
         try:
-            _check_writers(directory, generation, writers)
-            if len(stages) != view.num_stages:
-                raise CheckpointError(f"{directory}: got files for {len(stages)} of "
-                                      f"{view.num_stages} stages")
-            _check_visible(directory, files)
-            manifest_format.write_manifest(directory, manifest)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            os.makedirs(self.directory, exist_ok=True)
+            if self.view.rank == 0 and extra is not None:
+                self._extra_record = durable_io.atomic_torch_save(
+                    extra, self.directory, generations.extra_file(self.generation))
+        except Exception as exc:  # noqa: BLE001 - raised after the format's write
             error = exc
-            abandon(view, directory, generation)
-        else:
-            generations.remove_superseded(directory, keep)
-    collectives.gather_outcomes(error, view.group, view.timeout,
-                                f"saving checkpoint {directory} (writing {MANIFEST})",
-                                failure=CheckpointError)
+        try:
+            handle = self.storage.write(self.job)
+        except Exception as exc:  # noqa: BLE001 - the first error is reported
+            error = error or exc
+        if error is not None:
+            raise error
+        return handle
+
+    def written(self, handle: Any) -> Dict[str, Any]:
+        own = self.storage.written(self.job, handle)
+        optimizer = self._arguments[0]
+        stages = [dict(stage_record(self.view, j), **own.stages.get(j, {}))
+                  for j in sorted(self.view.stages) if self.view.is_leader(j)]
+        return {"stages": stages, "extra": self._extra_record, "format": own.payload,
+                "optimizer": class_name(optimizer) if optimizer is not None else None,
+                "written": written_by(self.directory, self.generation)}
+
+    def collect(self, gathered: List[Any]) -> None:
+        stages = sorted((s for entry in gathered for s in entry["stages"]), key=lambda s: s["stage"])
+        optimizer_class = next((e["optimizer"] for e in gathered if e["optimizer"]), None)
+        manifest = build_manifest(self.view, self.generation, self.job.step, stages, gathered[0]["extra"],
+                                  self.storage, optimizer_class)
+        files, keep = self.storage.complete_manifest(self.job, manifest, [e["format"] for e in gathered])
+        if manifest["extra"]:
+            files.append(("", manifest["extra"], "extra"))
+            keep.append(manifest["extra"]["file"])
+        self._manifest, self._files, self._keep = manifest, files, keep
+        self._writers = [entry["written"] for entry in gathered]
+
+    def commit(self) -> None:
+        _check_writers(self.directory, self.generation, self._writers)
+        stages = self._manifest["stages"]
+        if len(stages) != self.view.num_stages:
+            raise CheckpointError(f"{self.directory}: got files for {len(stages)} of "
+                                  f"{self.view.num_stages} stages")
+        _check_visible(self.directory, self._files)
+        manifest_format.write_manifest(self.directory, self._manifest)
+        generations.remove_superseded(self.directory, self._keep)
+
+    def abandon(self) -> None:
+        abandon(self.view, self.directory, self.generation)
+
+    def result(self) -> CheckpointInfo:
+        if self.view.rank == 0:
+            _log.info("saved checkpoint %s (format %r, generation %d, step %s) in %.2f s", self.directory,
+                      self.storage.name, self.generation, self.job.step, time.perf_counter() - self._started)
+        return CheckpointInfo(path=self.directory, generation=self.generation, step=self.job.step,
+                              extra=self._arguments[2], manifest=self._manifest)

@@ -1,14 +1,14 @@
-"""``save_checkpoint``: three collective phases, the manifest written last.
+"""``save_checkpoint``: the format's row, then the save driver's phases.
 
-1. check (``phases.agree_to_start``): every rank checks its arguments and its
-   directory, rank 0 picks the generation; an exchange makes a bad argument
-   anywhere fail everywhere before anything is written;
-2. write: the storage ``format`` names (``storages.STORAGES``): stage leaders
-   (replica 0) write their stages' files under new names (``stage_files``), or
-   every rank writes its part of one DCP directory (``dcp_save``); a failure
-   anywhere removes the new generation's files;
-3. commit (``phases.commit``): rank 0 checks the writes, writes ``manifest.json``
-   atomically, then deletes superseded files.
+The format named by ``format=`` (``storages.STORAGES``) answers the hooks that
+``driver.save`` calls over a ``phases.CheckpointSave``: (1) agree: every rank
+checks its arguments and its directory, rank 0 picks the generation; an exchange
+makes a bad argument anywhere fail everywhere before anything is written; (2)
+write: rank 0 writes ``extra``, then stage leaders (replica 0) write their
+stages' files (``"pipedream"``), or every rank its part of one DCP directory
+(``"dcp"``); (3) gather: every rank's file records, the manifest; (4) commit: rank
+0 checks the writes, writes ``manifest.json`` atomically, then deletes superseded
+files; a failure anywhere removes the new generation's files.
 
 A crash or error at any moment leaves the previous checkpoint loadable
 (docs/checkpoints.md, "Crash analysis").
@@ -20,10 +20,11 @@ from typing import Any, Optional, Union
 
 import torch
 
-from . import dcp_save, storages
-from .dcp_save import PendingCheckpoint
+from . import driver, storages
 from .durable_io import PathLike
 from .manifest import CheckpointInfo
+from .pending import PendingCheckpoint, finish_pending
+from .phases import CheckpointSave
 from .storage import CheckpointStorage
 from .storages import DEFAULT, STORAGES
 from .view import Pipeline
@@ -102,7 +103,7 @@ def save_checkpoint(path: PathLike, pipe: Pipeline, optimizer: Optional[torch.op
     directory = os.fspath(path)
     view = pipe.checkpoint_view
     storage.check_pipeline(view)
-    dcp_save.finish_pending(view)
+    finish_pending(view)
     if view.asynchronous:
         pipe.flush()
-    return storage.save(view, directory, optimizer, step, extra, async_save)
+    return driver.save(CheckpointSave(storage, view, directory, optimizer, step, extra, async_save))

@@ -27,15 +27,17 @@ from torch.distributed.checkpoint import (
     TensorStorageMetadata,
 )
 
-from .._dist import collectives
-from .._frontend.tied_params import alias_names
-from . import dcp_files, dcp_safe, dcp_state
-from .errors import CheckpointError
-from .manifest import MANIFEST, check_layers, check_model_kind
-from .optimizer_state import class_name, state_dict_from_entries
-from .reshard import StageStates
-from .storage import PreparedLoad
-from .view import PipelineView, dcp_group
+from ..._dist import collectives
+from ..._frontend.tied_params import alias_names
+from ..errors import CheckpointError
+from ..manifest import MANIFEST, check_layers, check_model_kind
+from ..optimizer_state import class_name, state_dict_from_entries
+from ..reshard import StageStates
+from ..storage import PreparedLoad
+from ..view import PipelineView, dcp_group
+from . import files as dcp_files
+from . import safe as dcp_safe
+from . import state as dcp_state
 
 __all__ = ["DcpLoad", "prepare"]
 

@@ -8,15 +8,16 @@ stage that stores tensors, in stage order, written by that stage's leader),
 parameter is stored once, under its first name in the model
 (``model.embed_tokens.weight``, not ``lm_head.weight``), as transformers stores it.
 
-Phases, as ``save_checkpoint``'s: (1) every rank checks its part and rank 0 the
-directory (``hf_directory.check_out_dir``) and picks a token; one exchange makes a
+Phases, the save driver's (``driver.save``, with :class:`HfSave`'s hooks), as
+``save_checkpoint``'s: (1) every rank checks its part and rank 0 the
+directory (``directory.check_out_dir``) and picks a token; one exchange makes a
 bad argument anywhere fail everywhere before anything is written; (2) each stage's
 leader writes its file into the staging directory ``<out_dir>/.tmp-pipedream-<token>``:
 a DTensor (FSDP shards, tensor parallelism) is gathered tensor by tensor within the
 stage's ranks (``full_tensor``) to the leader only, so a rank holds at most its stage
 whole, never the model; (3) rank 0 checks every file, writes the index and configs
 there and moves each file into ``out_dir`` (the index last), then removes the
-previous save's stale shards (``hf_directory.publish``). Nothing else in ``out_dir``
+previous save's stale shards (``directory.publish``). Nothing else in ``out_dir``
 is touched. A failure anywhere removes the staging directory (each rank its own
 files) and leaves ``out_dir`` as it was.
 """
@@ -26,20 +27,21 @@ import collections
 import json
 import os
 import uuid
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping
 
 import torch
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from .._dist import collectives
-from .._frontend.tied_params import alias_names
-from . import directory as directory_check
-from . import hf_directory, hf_files
-from .errors import CheckpointError
-from .view import Pipeline, PipelineView
+from ..._frontend.tied_params import alias_names
+from .. import driver
+from ..driver import SaveSession
+from ..errors import CheckpointError
+from ..view import Pipeline, PipelineView
+from . import directory as hf_directory
+from . import files as hf_files
 
-__all__ = ["save_pretrained", "write_state_dict", "shard_name", "MAX_SHARD_BYTES"]
+__all__ = ["HfSave", "save_pretrained", "write_state_dict", "shard_name", "MAX_SHARD_BYTES"]
 
 #: ``write_state_dict``'s shard size (transformers' default ``max_shard_size="50GB"``
 #: would make one file; smaller shards let a pipeline's ranks read their own).
@@ -131,32 +133,6 @@ def _stage_tensors(view: PipelineView, j: int, keep: bool) -> "collections.Order
     return tensors
 
 
-def _agree(view: PipelineView, out_dir: str) -> Dict[str, Any]:
-    """Phase 1: checks, the staging directory, which stages write (one exchange);
-    ``"created"``: rank 0 found no ``out_dir`` (a failed save removes the one it made)."""
-    error: Optional[BaseException] = None
-    counts: Dict[str, int] = {}
-    token = ""
-    created = False
-    try:
-        counts = {str(j): len(_stored_keys(view, j)) for j in view.stages if view.is_leader(j)}
-        if view.rank == 0:
-            hf_directory.check_out_dir(out_dir, "save_pretrained")
-            created = not os.path.isdir(out_dir)
-            token = uuid.uuid4().hex[:12]
-    except Exception as exc:  # noqa: BLE001 - reported to every rank
-        error = exc
-    gathered = collectives.gather_outcomes(
-        error, view.group, view.timeout, f"save_pretrained {out_dir}",
-        payload={"counts": counts, "token": token, "directory": directory_check.describe(out_dir)},
-        failure=CheckpointError)
-    directory_check.check_same(f"save_pretrained {out_dir}", [e["directory"] for e in gathered],
-                               "nothing was written")
-    writing = sorted({int(j) for e in gathered for j, n in e["counts"].items() if n})
-    return {"folder": hf_directory.staging(out_dir, gathered[0]["token"]), "created": created,
-            "files": {j: k for k, j in enumerate(writing)}}
-
-
 def _remove_own(paths: List[str]) -> None:
     """Removes the staged files this rank wrote (a failed save; rank 0 removes the rest)."""
     for path in paths:
@@ -164,6 +140,80 @@ def _remove_own(paths: List[str]) -> None:
             os.remove(path)
         except OSError:  # already gone: rank 0 removed the staging directory first
             pass
+
+
+class HfSave(SaveSession):
+    """``save_pretrained``'s session of the save driver (module docstring's phases).
+
+    Args:
+        view: the pipeline.
+        out_dir: the directory to write into.
+        config: the ``config.json`` to write (``None``: none).
+        generation_config: the ``generation_config.json`` to write (``None``: none).
+    """
+
+    def __init__(self, view: PipelineView, out_dir: str, config: Any, generation_config: Any) -> None:
+        self.view = view
+        self.directory = out_dir
+        self.what = f"save_pretrained {out_dir}"
+        self.untouched = "nothing was written"
+        self.committed = hf_files.INDEX
+        self._configs = (config, generation_config)
+        self._created = False  # rank 0 found no out_dir: a failed save removes the one it made
+        self._folder = ""
+        self._shards: Dict[int, int] = {}  # stage -> its shard's index
+        self._own: List[Dict[str, Any]] = []  # the records of the files this rank wrote
+        self._records: List[Dict[str, Any]] = []  # every rank's, by file name
+
+    def plan(self) -> Dict[str, Any]:
+        """Which stages write a file; rank 0 checks ``out_dir`` and picks a token."""
+        view = self.view
+        counts = {str(j): len(_stored_keys(view, j)) for j in view.stages if view.is_leader(j)}
+        token = ""
+        if view.rank == 0:
+            hf_directory.check_out_dir(self.directory, "save_pretrained")
+            self._created = not os.path.isdir(self.directory)
+            token = uuid.uuid4().hex[:12]
+        return {"counts": counts, "token": token}
+
+    def agreed(self, gathered: List[Dict[str, Any]]) -> None:
+        writing = sorted({int(j) for e in gathered for j, n in e["counts"].items() if n})
+        self._folder = hf_directory.staging(self.directory, gathered[0]["token"])
+        self._shards = {j: k for k, j in enumerate(writing)}
+
+    def write(self) -> List[Dict[str, Any]]:
+        """Each stage's leader writes its shard into the staging directory."""
+        view = self.view
+        os.makedirs(self._folder, exist_ok=True)
+        for j in view.stages:
+            tensors = _stage_tensors(view, j, keep=view.is_leader(j))
+            if tensors:
+                self._own.append(_write_file(self._folder, shard_name(self._shards[j], len(self._shards)),
+                                             tensors))
+        return self._own
+
+    def written(self, handle: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        return handle
+
+    def collect(self, gathered: List[Any]) -> None:
+        self._records = sorted((r for rank_records in gathered for r in rank_records), key=lambda r: r["file"])
+
+    def commit(self) -> None:
+        """Checks every shard, writes the index and configs, moves them into place."""
+        _finish(self._folder, self.directory, self._records, *self._configs)
+        hf_directory.discard(self._folder, self.directory, False)
+
+    def abandon(self) -> None:
+        """Rank 0 removes the staging directory (and an ``out_dir`` it created), the
+        others the files they wrote."""
+        if self.view.rank == 0:
+            hf_directory.discard(self._folder, self.directory, self._created)
+        else:
+            _remove_own([os.path.join(self._folder, r["file"]) for r in self._own])
+
+    def result(self) -> Dict[str, str]:
+        """The index's ``weight_map``."""
+        return {k: r["file"] for r in self._records for k in r["tensors"]}
 
 
 def save_pretrained(pipe: Pipeline, out_dir: str, config: Any = None) -> Dict[str, str]:
@@ -210,39 +260,7 @@ def save_pretrained(pipe: Pipeline, out_dir: str, config: Any = None) -> Dict[st
         pipe.flush()
     out_dir = os.fspath(out_dir)
     config, generation = _hf_parts(pipe, config)
-    plan = _agree(view, out_dir)
-    folder, files = plan["folder"], plan["files"]
-    error: Optional[BaseException] = None
-    records: List[Dict[str, Any]] = []
-    done = False
-    try:
-        try:
-            os.makedirs(folder, exist_ok=True)
-            for j in view.stages:
-                tensors = _stage_tensors(view, j, keep=view.is_leader(j))
-                if tensors:
-                    records.append(_write_file(folder, shard_name(files[j], len(files)), tensors))
-        except Exception as exc:  # noqa: BLE001 - reported to every rank
-            error = exc
-        gathered = collectives.gather_outcomes(error, view.group, view.timeout,
-                                               f"save_pretrained {out_dir}", payload=records,
-                                               failure=CheckpointError)
-        records = sorted((r for rank_records in gathered for r in rank_records), key=lambda r: r["file"])
-        if view.rank == 0:
-            try:
-                _finish(folder, out_dir, records, config, generation)
-            except Exception as exc:  # noqa: BLE001 - reported to every rank
-                error = exc
-        collectives.gather_outcomes(error, view.group, view.timeout,
-                                    f"save_pretrained {out_dir} (writing {hf_files.INDEX})",
-                                    failure=CheckpointError)
-        done = True
-    finally:
-        if view.rank == 0:
-            hf_directory.discard(folder, out_dir, plan["created"] and not done)
-        elif not done:
-            _remove_own([os.path.join(folder, r["file"]) for r in records])
-    return {k: r["file"] for r in records for k in r["tensors"]}
+    return driver.save(HfSave(view, out_dir, config, generation))
 
 
 def _split(state_dict: Mapping[str, torch.Tensor],

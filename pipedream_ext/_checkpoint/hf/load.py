@@ -18,9 +18,10 @@ import collections
 import logging
 from typing import Dict, List, Optional, Tuple
 
-from . import hf_files, reshard
-from .reshard import IncompatibleKeys, StageStates
-from .view import Pipeline, PipelineView
+from .. import reshard
+from ..reshard import IncompatibleKeys, StageStates
+from ..view import Pipeline, PipelineView
+from . import files as hf_files
 
 __all__ = ["load_hf", "split_hf"]
 

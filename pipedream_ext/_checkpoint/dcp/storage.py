@@ -1,24 +1,26 @@
 """The ``"dcp"`` storage: one torch.distributed.checkpoint directory per generation.
 
 Every rank writes its part of ``g000003-dcp/`` with ``dcp.save`` (or
-``dcp.async_save``), by the unsplit model's names (``dcp_state``); the manifest
-lists that directory's files with their sizes and sha256 (``dcp_files``), which
-DCP does not keep. Saving: ``dcp_save``; loading (DCP re-shards): ``dcp_load``;
-consolidating: ``dcp_files.consolidate_dcp``. Design notes: docs/checkpoints.md,
+``dcp.async_save``), by the unsplit model's names (``state``); the manifest
+lists that directory's files with their sizes and sha256 (``files``), which
+DCP does not keep. Saving: ``save``'s hooks; loading (DCP re-shards): ``load``;
+consolidating: ``files.consolidate_dcp``. Design notes: docs/checkpoints.md,
 "DCP checkpoints".
 """
 from __future__ import annotations
 
 import collections
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from . import dcp_files, dcp_load, dcp_save
-from .manifest import MANIFEST
-from .storage import CheckpointStorage, PreparedLoad
-from .view import PipelineView
+from ..manifest import MANIFEST
+from ..storage import CheckpointStorage, FileRecord, PreparedLoad, SaveJob, Written
+from ..view import PipelineView
+from . import files as dcp_files
+from . import load as dcp_load
+from . import save as dcp_save
 
 __all__ = ["DcpStorage"]
 
@@ -35,9 +37,18 @@ class DcpStorage(CheckpointStorage):
     manifest_version = 2
     asynchronous = True
 
-    def save(self, view: PipelineView, directory: str, optimizer: Optional[torch.optim.Optimizer],
-             step: Any, extra: Any, async_save: bool) -> Any:
-        return dcp_save.save_dcp(self, view, directory, optimizer, step, extra, async_save)
+    def prepare_save(self, view: PipelineView, optimizer: Optional[torch.optim.Optimizer]) -> Any:
+        return dcp_save.state_to_save(view, optimizer)
+
+    def write(self, job: SaveJob) -> Any:
+        return dcp_save.write(job)
+
+    def written(self, job: SaveJob, handle: Any) -> Written:
+        return dcp_save.written(job, handle)
+
+    def complete_manifest(self, job: SaveJob, manifest: Dict[str, Any],
+                          gathered: Sequence[Dict[str, Any]]) -> Tuple[List[FileRecord], List[str]]:
+        return dcp_save.complete_manifest(job, manifest, gathered)
 
     def prepare_load(self, directory: str, manifest: Mapping[str, Any], view: PipelineView,
                      optimizer: Optional[torch.optim.Optimizer]) -> PreparedLoad:

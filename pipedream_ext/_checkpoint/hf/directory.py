@@ -21,8 +21,8 @@ import re
 import shutil
 from typing import List
 
-from . import hf_files
-from .durable_io import fsync_directory
+from ..durable_io import fsync_directory
+from . import files as hf_files
 
 __all__ = ["STAGING_PREFIX", "is_shard", "check_out_dir", "staging", "publish", "discard"]
 

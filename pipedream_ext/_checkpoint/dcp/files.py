@@ -21,8 +21,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, Metadata, TensorStorageMetadata
 
-from . import dcp_safe, durable_io
-from .errors import CheckpointError
+from .. import durable_io
+from ..errors import CheckpointError
+from . import safe as dcp_safe
 
 __all__ = ["METADATA_FILE", "generation_dir", "describe_failure", "data_files", "hash_share", "verify_files",
            "read_metadata", "consolidate_dcp"]

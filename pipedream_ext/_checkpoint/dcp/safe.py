@@ -19,7 +19,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, M
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 __all__ = ["ALLOWED_GLOBALS", "MetadataUnpickler", "load_metadata", "CheckedReader", "SafeLoadPlanner"]
 

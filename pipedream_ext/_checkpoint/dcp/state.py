@@ -33,11 +33,11 @@ from torch import nn
 from torch.distributed.checkpoint import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from .._frontend.tied_params import alias_names
-from .errors import CheckpointError
-from .optimizer_state import hyperparameters, parameter_names
-from .reshard import StageStates
-from .view import PipelineView
+from ..._frontend.tied_params import alias_names
+from ..errors import CheckpointError
+from ..optimizer_state import hyperparameters, parameter_names
+from ..reshard import StageStates
+from ..view import PipelineView
 
 __all__ = ["MODEL", "OPTIM", "model_to_save", "optimizer_to_save", "LoadRequest"]
 

@@ -13,13 +13,13 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from . import reshard
-from .errors import CheckpointError
-from .manifest import MANIFEST, check_layers, check_model_kind, load_file, owner_of_key, stage_what
-from .optimizer_state import optimizer_state_for
-from .reshard import StageStates
-from .storage import PreparedLoad
-from .view import PipelineView
+from .. import reshard
+from ..errors import CheckpointError
+from ..manifest import MANIFEST, check_layers, check_model_kind, load_file, owner_of_key, stage_what
+from ..optimizer_state import optimizer_state_for
+from ..reshard import StageStates
+from ..storage import PreparedLoad
+from ..view import PipelineView
 
 __all__ = ["prepare"]
 
