@@ -36,6 +36,7 @@ from ._frontend.graph_split import (
     reorder_cuts,
     split_model,
 )
+from ._frontend.local_stages import LocalStages
 from ._frontend.partition import Partition, resolve_partition
 from ._frontend.tied_params import (
     SharedParameter,
@@ -43,6 +44,16 @@ from ._frontend.tied_params import (
     find_shared,
     find_shared_in_stages,
 )
+from ._parallel.data_parallel import (
+    DataParallel,
+    MeshPlan,
+    check_schedule,
+    make_data_parallel,
+    refuse_split_ties,
+    resolve_mesh,
+)
+from ._parallel.tensor_parallel import CutLayouts, check_split_points, kept_calls, sequence_parallel
+from ._parallel.tp_tied import refuse_split_ties as refuse_split_ties_over_tp
 from ._planning.graph_profile import (
     GraphGroups,
     plan_split_labels,
@@ -54,22 +65,11 @@ from ._planning.startup import auto_plan, check_plan_world, partition_from_plan
 from ._runtime import optimizer_check
 from ._runtime.config import PipelineConfig
 from ._runtime.grad_clip import check_updates_aligned
-from ._runtime.local_stages import LocalStages
 from ._runtime.observe import Observer
 from ._runtime.options import PipelineOptions, agreed_values
 from ._runtime.runners import Runner, make_runner
-from ._runtime.sharding import (
-    DataParallel,
-    MeshPlan,
-    check_schedule,
-    make_data_parallel,
-    refuse_split_ties,
-    resolve_mesh,
-)
 from ._runtime.stage_call import StageFunction, Tensors
-from ._runtime.tensor_parallel import CutLayouts, check_split_points, kept_calls, sequence_parallel
 from ._runtime.tied_grads import SharedGradients
-from ._runtime.tp_tied import refuse_split_ties as refuse_split_ties_over_tp
 from .planner import Plan
 
 __all__ = ["BuiltPipeline", "CutModel", "PipelineArguments", "PlannedTrace", "PreparedModel",

@@ -20,6 +20,7 @@ from torch import nn
 from pipedream_ext import _C, PipeDream, schedules
 from pipedream_ext._cli import schedule as schedule_cli
 from pipedream_ext._dist.groups import RankNames
+from pipedream_ext._frontend.local_stages import LocalStages
 from pipedream_ext._frontend.partition import even_balance, resolve_partition
 from pipedream_ext._frontend.tied_params import (
     alias_names,
@@ -27,13 +28,12 @@ from pipedream_ext._frontend.tied_params import (
     describe,
     find_shared,
 )
+from pipedream_ext._parallel.data_parallel import keep_unsharded_after, mesh_pipelines
 from pipedream_ext._planning.startup import cluster_shape, partition_from_plan
 from pipedream_ext._runtime import options
 from pipedream_ext._runtime.config import PipelineConfig
 from pipedream_ext._runtime.eval_outputs import merge_microbatch_outputs
-from pipedream_ext._runtime.local_stages import LocalStages
 from pipedream_ext._runtime.options import PipelineOptions
-from pipedream_ext._runtime.sharding import keep_unsharded_after, mesh_pipelines
 from pipedream_ext._runtime.stage_call import (
     NonFiniteError,
     StageFunction,

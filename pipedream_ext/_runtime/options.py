@@ -30,11 +30,11 @@ from torch import nn
 
 from .. import _C, schedules
 from .._frontend import deferred_init
+from .._parallel.tensor_parallel import check_option as _check_tensor_parallel
+from .._parallel.tensor_parallel import describe_plan
 from ..planner import Plan
 from .grad_clip import parse_clip_option
 from .stage_call import Tensors
-from .tensor_parallel import check_option as _check_tensor_parallel
-from .tensor_parallel import describe_plan
 
 __all__ = ["ClipOption", "Option", "PipelineOptions", "agreed_values", "checked", "document",
            "from_call", "keyword_options", "option", "signature", "summary"]

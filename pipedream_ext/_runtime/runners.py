@@ -33,14 +33,15 @@ from .. import _C, schedules
 from .._dist import collectives, faults
 from .._dist.groups import PipelineGroups, RankNames, p2p_protocol
 from .._frontend import compiled
+from .._frontend.local_stages import LocalStages
+from .._parallel.data_parallel import DataParallel
+from .._parallel.tensor_parallel import check_sequence_length
 from . import optimizer_check, token_loss
 from .config import PipelineConfig
 from .eval_outputs import check_output_batch_dim, merge_microbatch_outputs, microbatch_rows
 from .grad_clip import GradientClipper, check_max_norm, check_norm_type
-from .local_stages import LocalStages
 from .mesh_steps import MeshSteps, StepMismatch
 from .observe import Observer
-from .sharding import DataParallel
 from .stage_call import (
     NonFiniteError,
     StageFunction,
@@ -54,7 +55,6 @@ from .stage_call import (
     split_microbatches,
 )
 from .step_loss import StepLoss
-from .tensor_parallel import check_sequence_length
 from .tied_grads import SharedGradients
 
 __all__ = ["Runner", "FlushRunner", "AsyncRunner", "make_runner"]

@@ -23,11 +23,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from .._frontend.local_stages import LocalStages
 from . import token_loss
-from .local_stages import LocalStages
 
 if TYPE_CHECKING:
-    from .tensor_parallel import CutLayouts
+    from .._parallel.tensor_parallel import CutLayouts
 
 __all__ = ["NonFiniteError", "Tensors", "as_tuple", "check_batch", "split_microbatches", "Targets",
            "StepContext", "StepSettings", "StepCallback", "StageFunction"]

@@ -42,9 +42,9 @@ from torch import nn
 from .. import schedules
 from .._dist import collectives
 from .._dist.groups import RankNames, bounded_group, checkpoint_group, side_group
-from .config import PipelineConfig
-from .local_stages import LocalStages
-from .stage_call import as_tuple
+from .._frontend.local_stages import LocalStages
+from .._runtime.config import PipelineConfig
+from .._runtime.stage_call import as_tuple
 from .tensor_parallel import TensorParallel, check_sequence_length, local
 from .tp_init import materialize_sharded
 from .tp_tied import Ties
