@@ -28,7 +28,8 @@ from pipedream_ext._frontend.tied_params import (
     describe,
     find_shared,
 )
-from pipedream_ext._parallel.data_parallel import keep_unsharded_after, mesh_pipelines
+from pipedream_ext._parallel.dims import mesh_pipelines
+from pipedream_ext._parallel.fsdp import keep_unsharded_after
 from pipedream_ext._planning.startup import cluster_shape, partition_from_plan
 from pipedream_ext._runtime import options
 from pipedream_ext._runtime.config import PipelineConfig
