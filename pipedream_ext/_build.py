@@ -37,6 +37,7 @@ from ._frontend.graph_split import (
     reorder_cuts,
     split_model,
 )
+from ._frontend.local_stages import LocalStages
 from ._frontend.partition import Partition, resolve_partition
 from ._frontend.tied_params import (
     SharedParameter,
@@ -44,6 +45,18 @@ from ._frontend.tied_params import (
     find_shared,
     find_shared_in_stages,
 )
+from ._parallel.data_parallel import DataParallel
+from ._parallel.dims import ParallelDims, check_schedule, resolve_dims
+from ._parallel.fsdp import refuse_split_ties
+from ._parallel.parallelize import data_parallel_policy, parallelize_stages
+from ._parallel.tensor_parallel import (
+    CutLayouts,
+    LayoutExchange,
+    check_split_points,
+    kept_calls,
+    sequence_parallel,
+)
+from ._parallel.tp_tied import refuse_split_ties as refuse_split_ties_over_tp
 from ._planning.graph_profile import (
     GraphGroups,
     plan_split_labels,
@@ -55,28 +68,11 @@ from ._planning.startup import auto_plan, check_plan_world, partition_from_plan
 from ._runtime import optimizer_check
 from ._runtime.config import PipelineConfig
 from ._runtime.grad_clip import check_updates_aligned
-from ._runtime.local_stages import LocalStages
 from ._runtime.observe import Observer
 from ._runtime.options import PipelineOptions, agreed_values
 from ._runtime.runners import Runner, make_runner
-from ._runtime.sharding import (
-    DataParallel,
-    MeshPlan,
-    check_schedule,
-    make_data_parallel,
-    refuse_split_ties,
-    resolve_mesh,
-)
 from ._runtime.stage_call import StageFunction, Tensors
-from ._runtime.tensor_parallel import (
-    CutLayouts,
-    LayoutExchange,
-    check_split_points,
-    kept_calls,
-    sequence_parallel,
-)
 from ._runtime.tied_grads import SharedGradients
-from ._runtime.tp_tied import refuse_split_ties as refuse_split_ties_over_tp
 from .planner import Plan
 
 __all__ = ["BuiltPipeline", "CutModel", "PipelineArguments", "PlannedTrace", "PreparedModel",
@@ -122,7 +118,8 @@ class BuiltPipeline:
         stage_fn: the executor's forward callback.
         runner: drives the executor step by step.
         agreement: the check of the first calls' batches on every rank.
-        data_parallel: data parallelism over a mesh's ``dp`` dimension, else ``None``.
+        dims: how the run is split (pp, dp, tp), with or without a mesh.
+        data_parallel: data parallelism's policy (its hooks do nothing with ``dp = 1``).
         deferred: the model was built on the meta device (deferred initialisation).
     """
 
@@ -140,7 +137,8 @@ class BuiltPipeline:
     stage_fn: StageFunction
     runner: Runner
     agreement: StepAgreement
-    data_parallel: Optional[DataParallel] = None
+    dims: ParallelDims
+    data_parallel: DataParallel
     deferred: bool = False
 
 
@@ -164,61 +162,53 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     model_shapes = reshard.key_shapes(args.module)
     config = args.checked_config()
     device = _join_default_group(args.device, config.timeout)
-    mesh = _mesh_plan(args, prepared, config)
-    group = mesh.mesh["pp"].get_group() if mesh is not None else \
-        args.process_group if args.process_group is not None else dist.group.WORLD
-    cut = cut_model(args, prepared, config, group, mesh)
+    dims = _parallel_dims(args, config)
+    cut = cut_model(args, prepared, config, dims)
     _refuse_shared_if_asynchronous(config, cut.shared_parameters)
-    cut.traced = _agree_everywhere(args, group, cut,
-                                   prepared.init_seed if prepared.deferred else None, mesh)
+    cut.traced = _agree_everywhere(args, cut, prepared.init_seed if prepared.deferred else None, dims)
     action_feed, schedule = _build_schedule(config, cut.partition)
     if config.clip_grad_norm is not None:
         check_updates_aligned(action_feed, config.schedule, config.microbatches,
                               list(cut.partition.replicas))
     stage_ranks = [schedule.stage_ranks(j) for j in range(schedule.num_stages)]
-    if mesh is not None:
-        refuse_split_ties(mesh, _tied_units(args.module, cut, stage_ranks))
-        mesh.create_groups(config.timeout)
-        group = mesh.pp_group  # its ranks, in its order, every wait bounded by timeout=
-    groups = PipelineGroups.create(group, stage_ranks, config.timeout)
-    data_parallel = make_data_parallel(
-        mesh, config.loss_reduction.averages_over_dp,
-        lambda: schedule.actions(groups.rank, comm=False))
+    refuse_split_ties(dims, _tied_units(args.module, cut, stage_ranks))
+    dims.create_groups(config.timeout)  # on a mesh, pp_group's waits are now bounded by timeout=
+    groups = PipelineGroups.create(dims.pp_group, stage_ranks, config.timeout)
+    data_parallel = data_parallel_policy(dims, config.loss_reduction.averages_over_dp,
+                                         lambda: schedule.actions(groups.rank, comm=False))
     stages = _local_stages(args, prepared, cut, schedule.stages_of_rank(groups.rank), device,
-                           groups, config.timeout, data_parallel)
+                           config.timeout, dims, data_parallel)
     _broadcast_replicas(stages, groups)
-    if mesh is not None and mesh.tensor_parallel is not None:
+    if dims.tp_enabled:
         refuse_split_ties_over_tp(cut.shared_parameters, stages.module, groups.group)
     if compile_context is not None:
         for j in stages:
             compiled.compile_stage(stages[j], compile_context)
     shared_gradients = SharedGradients(cut.shared_parameters, stages, stage_ranks, groups.group,
-                                       config.timeout, mesh.pipelines if mesh else None)
+                                       config.timeout, dims.pipelines)
     # Every copy starts as the first use's stage has it (meta layers are
     # initialised per rank, each from its own layer's seed).
     shared_gradients.synchronize_values()
-    observer = _observer(args.trace, groups, stages, config, device, mesh)
-    cuts = CutLayouts(mesh.tp_mesh, mesh.tensor_parallel, {j: stages[j] for j in stages},
-                      LayoutExchange.agree(mesh.world_group, mesh.copy, config.timeout)
-                      ) if mesh is not None and mesh.tp_mesh is not None else None
+    observer = _observer(args.trace, groups, stages, config, device, dims)
+    cuts = CutLayouts(dims.tp_mesh, dims.tensor_parallel, {j: stages[j] for j in stages},
+                      LayoutExchange.agree(dims.world_group, dims.copy, config.timeout)
+                      ) if dims.tp_enabled else None
     stage_fn = _stage_function(args.loss_fn, cut.traced, stages, schedule, groups, config, device,
-                               mesh.names.of_group(groups.rank) if mesh is not None else None, cuts)
+                               dims.names.of_group(groups.rank), cuts)
+    input_names = None if cut.traced is None or cut.traced.input_names is None else \
+        list(cut.traced.input_names)
     runner = make_runner(config, schedule, action_feed, stages, groups, stage_fn, observer, device,
-                         shared_gradients=shared_gradients, data_parallel=data_parallel)
-    if cut.traced is not None and cut.traced.input_names is not None:
-        runner.input_names = list(cut.traced.input_names)
+                         data_parallel, shared_gradients=shared_gradients, input_names=input_names)
     # Over a mesh every pipeline agrees at once: what one refuses, all raise.
-    agreement = StepAgreement(groups.group if mesh is None else mesh.world_group,
-                              stage_ranks[0], stage_ranks[-1], config.check_agreement,
-                              mesh.names if mesh is not None else None,
-                              mesh.tp_size if mesh is not None else 1)
+    agreement = StepAgreement(dims.world_group, stage_ranks[0], stage_ranks[-1],
+                              config.check_agreement, dims.names, dims.tp_size, runner.validate)
     optimizer_check.watch(stages.module, originals, groups.rank)
     _log.info("rank %d: stages %s (layers %s) of %d, schedule %s, %d microbatches",
               groups.rank, stages.indices, [stages.layers[j] for j in stages.indices],
               schedule.num_stages, config.schedule, config.microbatches)
     return BuiltPipeline(config, device, cut.traced, cut.plan, cut.shared_parameters,
                          model_shapes, action_feed, schedule, groups, stages, observer, stage_fn,
-                         runner, agreement, data_parallel, prepared.deferred)
+                         runner, agreement, dims, data_parallel, prepared.deferred)
 
 
 def _unwrap_compiled(args: PipelineArguments) -> Tuple[PipelineArguments, Optional[Callable[..., Any]]]:
@@ -232,19 +222,18 @@ def _unwrap_compiled(args: PipelineArguments) -> Tuple[PipelineArguments, Option
         args.split_points)), context
 
 
-def _mesh_plan(args: PipelineArguments, prepared: "PreparedModel",
-               config: PipelineConfig) -> Optional[MeshPlan]:
-    """``mesh`` and the data-parallel arguments, checked (``_runtime.sharding``).
+def _parallel_dims(args: PipelineArguments, config: PipelineConfig) -> ParallelDims:
+    """``mesh`` (or ``process_group``) and the data-parallel arguments, checked
+    (``_parallel.dims``).
 
     Raises:
-        ValueError: what ``resolve_mesh`` and ``check_schedule`` refuse.
+        ValueError: what ``resolve_dims`` and ``check_schedule`` refuse.
     """
-    mesh = resolve_mesh(args.mesh, args.data_parallel, args.process_group, args.replicas,
+    dims = resolve_dims(args.mesh, args.data_parallel, args.process_group, args.replicas,
                         args.reshard_after_forward, args.mp_policy, args.tensor_parallel)
-    if mesh is not None:
-        check_schedule(mesh, config,
-                       planned=_is_plan(args.balance) and not isinstance(args.module, nn.Sequential))
-    return mesh
+    check_schedule(dims, config.schedule, config.asynchronous,
+                   planned=_is_plan(args.balance) and not isinstance(args.module, nn.Sequential))
+    return dims
 
 
 # -- before any communication -----------------------------------------------------------
@@ -473,18 +462,19 @@ class CutModel:
 
 
 def cut_model(args: PipelineArguments, prepared: PreparedModel, config: PipelineConfig,
-              group: dist.ProcessGroup, mesh: Optional[MeshPlan] = None) -> CutModel:
+              dims: ParallelDims) -> CutModel:
     """Resolves the partition: layer counts, split points or a plan (collective when
-    ``balance="auto"``: rank 0 profiles and plans, every rank gets the plan).
+    ``balance="auto"``: rank 0 profiles and plans, every rank gets the plan), over the
+    pipeline's group (``dims.pp_group``).
 
     Raises:
         ValueError: counts, split points or a plan that do not fit the model or the world.
     """
     traced, plan = prepared.traced, None
     if prepared.planned is not None:  # a traced model cut as a plan of its graph profile says
-        plan = _load_plan(args, config, group, prepared.planned.profile_fn(args.loss_fn))
+        plan = _load_plan(args, config, dims, prepared.planned.profile_fn(args.loss_fn))
         traced = prepared.planned.split(plan)
-    world = dist.get_world_size(group)
+    world = dims.pp_size
     if traced is not None:
         partition = _traced_partition(traced, plan, world, args.replicas, config.chunks)
         num_layers = partition.num_stages
@@ -492,8 +482,8 @@ def cut_model(args: PipelineArguments, prepared: PreparedModel, config: Pipeline
     else:
         balance, replicas = args.balance, args.replicas
         if _is_plan(balance):
-            plan = _load_plan(args, config, group, mesh=mesh)
-            balance, replicas = partition_from_plan(plan, len(args.module), world, **_sharding_of(mesh))
+            plan = _load_plan(args, config, dims)
+            balance, replicas = partition_from_plan(plan, len(args.module), world, **dims.planner_sizes())
         partition = resolve_partition(len(args.module), world, config.chunks, balance, replicas)
         num_layers = len(args.module)
         shared = find_shared(args.module, partition)
@@ -516,17 +506,8 @@ def _traced_partition(traced: TracedSplit, plan: Optional[Plan], world: int,
     return resolve_partition(stages, world, chunks, [1] * stages, replicas)
 
 
-def _sharding_of(mesh: Optional[MeshPlan]) -> Dict[str, Any]:
-    """The planner's ``data_parallel``, ``sharding`` and ``tensor_parallel`` (the tp size
-    with ``tensor_parallel=``, else ``None``) for a mesh (none without one)."""
-    if mesh is None:
-        return {}
-    return {"data_parallel": mesh.dp_size, "sharding": mesh.data_parallel,
-            "tensor_parallel": mesh.tp_size if mesh.tensor_parallel is not None else None}
-
-
-def _load_plan(args: PipelineArguments, config: PipelineConfig, group: dist.ProcessGroup,
-               profile_fn: Optional[Callable[[], Any]] = None, mesh: Optional[MeshPlan] = None) -> Plan:
+def _load_plan(args: PipelineArguments, config: PipelineConfig, dims: ParallelDims,
+               profile_fn: Optional[Callable[[], Any]] = None) -> Plan:
     """The plan ``balance`` names: given, read from a file, or made at start-up
     (``"auto"``: rank 0 profiles, with ``profile_fn`` for a traced model, and plans; with
     a mesh, for its pp dimension with ``dp`` ranks per stage and ``tp`` in each, every
@@ -537,15 +518,14 @@ def _load_plan(args: PipelineArguments, config: PipelineConfig, group: dist.Proc
     if isinstance(balance, Plan):
         plan = balance
     elif str(balance) == "auto":
-        sequence = {} if mesh is None or mesh.tensor_parallel is None else \
-            {"sequence_parallel": sequence_parallel(mesh.tensor_parallel)}
+        sequence = {"sequence_parallel": sequence_parallel(dims.tensor_parallel)} \
+            if dims.tp_enabled else {}
         plan = auto_plan(args.module, args.loss_fn, args.sample, args.bandwidth, config.traits,
-                         group if mesh is None else dist.group.WORLD, profile_fn,
-                         **_sharding_of(mesh), **sequence)
+                         dims.world_group, profile_fn, **dims.planner_sizes(), **sequence)
     else:
         assert isinstance(balance, (str, os.PathLike))
         plan = Plan.load(balance)
-    if dist.get_rank(group) == 0:
+    if dist.get_rank(dims.pp_group) == 0:
         _log.info("pipeline plan (%s cost model, predicted %.2fx over data parallelism):"
                   "\n%s", plan.cost_model, plan.speedup_over_dp, plan.table())
     return plan
@@ -590,18 +570,17 @@ def _tied_units(module: nn.Module, cut: CutModel, stage_ranks: Sequence[Sequence
     return tied
 
 
-def _agree_everywhere(args: PipelineArguments, group: dist.ProcessGroup,
-                      cut: CutModel, init_seed: Optional[int],
-                      mesh: Optional[MeshPlan] = None) -> Optional[TracedSplit]:
+def _agree_everywhere(args: PipelineArguments, cut: CutModel, init_seed: Optional[int],
+                      dims: ParallelDims) -> Optional[TracedSplit]:
     """Fails on every rank if ranks disagree on the arguments or on what any stage
     computes (``agree_at_construction``).
 
     Args:
         init_seed: the seed of a meta model (replicas would get different weights), else
             ``None``.
-        mesh: the mesh: its shape and data-parallel settings are agreed too, over every
-            rank of the mesh (one exchange), so that what one pipeline's ranks refuse
-            reaches the other pipelines' ranks too.
+        dims: the run's dims: on a mesh its shape and data-parallel settings are agreed
+            too, over every rank of the mesh (one exchange), so that what one pipeline's
+            ranks refuse reaches the other pipelines' ranks too.
 
     Returns:
         The traced stages, with the values crossing each cut in rank 0's order when
@@ -622,17 +601,14 @@ def _agree_everywhere(args: PipelineArguments, group: dist.ProcessGroup,
         "input names": None if traced is None else traced.input_names}
     if init_seed is not None:
         agreed["init_seed"] = init_seed
-    if mesh is not None:
-        agreed.update(mesh.describe())
+    agreed.update(dims.describe())
     if traced is not None:
         assert traced.fingerprint is not None
         fingerprint = traced.fingerprint
     else:
         fingerprint = layers_fingerprint(args.module, partition.bounds())
-    if mesh is None:
-        orders = agree_at_construction(group, agreed, fingerprint)
-    else:  # the pipelines of the mesh are one pipeline's copies: one exchange, every rank
-        orders = agree_at_construction(dist.group.WORLD, agreed, fingerprint, mesh.names)
+    # The pipelines of a mesh are one pipeline's copies: one exchange, every rank.
+    orders = agree_at_construction(dims.world_group, agreed, fingerprint, dims.names)
     if orders is not None and traced is not None:
         return reorder_cuts(traced, orders)
     return traced
@@ -655,26 +631,24 @@ def _build_schedule(config: PipelineConfig, partition: Partition
 
 
 def _local_stages(args: PipelineArguments, prepared: PreparedModel, cut: CutModel,
-                  indices: Sequence[int], device: torch.device, groups: PipelineGroups,
-                  timeout: float, data_parallel: Optional[DataParallel] = None) -> LocalStages:
-    """This rank's layers (sharded or replicated over a mesh's ``dp`` with
-    ``data_parallel``); with meta layers, every rank raises if any rank's
-    initialisation failed (it runs user code), so no rank waits on a dead peer."""
+                  indices: Sequence[int], device: torch.device, timeout: float,
+                  dims: ParallelDims, data_parallel: DataParallel) -> LocalStages:
+    """This rank's layers, parallelized (``parallelize_stages``: tensor parallelism, then
+    sharded or replicated over a mesh's ``dp``); with meta layers, every rank raises if
+    any rank's initialisation failed (it runs user code), so no rank waits on a dead peer."""
     def build() -> LocalStages:
         built = LocalStages(args.module, cut.partition, indices, device, prepared.init_seed,
                             args.init_fn,
                             traced=cut.traced.stages if cut.traced is not None else None,
-                            after_layer=data_parallel.after_layer if data_parallel else None,
+                            after_layer=data_parallel.after_layer,
                             # with tp the plan shards meta layers before they are materialised
-                            defer_meta=prepared.deferred and data_parallel is not None
-                            and data_parallel.plan.tensor_parallel is not None)
+                            defer_meta=prepared.deferred and dims.tp_enabled)
         if cut.traced is not None and cut.traced.tracer == "export":
             # Tensors the graph creates: on this rank's device. Before FSDP wraps the
             # stages: recompiling a GraphModule whose class fully_shard replaced recurses.
             for j in built:
                 export.retarget_devices(built[j], device)
-        if data_parallel is not None:
-            data_parallel.attach(built)
+        parallelize_stages(built, dims, data_parallel)
         return built
 
     if not prepared.deferred:
@@ -686,9 +660,8 @@ def _local_stages(args: PipelineArguments, prepared: PreparedModel, cut: CutMode
     except Exception as exc:  # noqa: BLE001 - reported to every rank
         error = exc
     # Over a mesh every pipeline raises (the dp peers of a failed rank share its layers).
-    collectives.raise_if_any_failed(error, groups.group if data_parallel is None else
-                                    dist.group.WORLD, timeout, "initialising the meta-device layers",
-                                    data_parallel.plan.names if data_parallel else None)
+    collectives.raise_if_any_failed(error, dims.world_group, timeout,
+                                    "initialising the meta-device layers", dims.world_names)
     assert stages is not None
     return stages
 
@@ -711,18 +684,18 @@ def _broadcast_replicas(stages: LocalStages, groups: PipelineGroups) -> None:
 
 def _observer(trace: Optional[Union[str, os.PathLike]], groups: PipelineGroups,
               stages: LocalStages, config: PipelineConfig, device: torch.device,
-              mesh: Optional[MeshPlan] = None) -> Observer:
+              dims: ParallelDims) -> Observer:
     """Stats and, with ``trace`` or ``PIPEDREAM_TRACE``, the Chrome trace: over a mesh one
     trace of every rank (each pipeline's group alone would have each pipeline's rank 0
     write its own trace to the same path)."""
     if trace is None:
         trace = os.environ.get("PIPEDREAM_TRACE") or None
     path = os.fspath(trace) if trace is not None else None
-    if mesh is None:
+    if not dims.on_mesh:  # the pipeline's own numbers
         return Observer(groups.rank, stages.indices, groups.group, config.schedule, path, device)
     rank = dist.get_rank()
-    return Observer(rank, stages.indices, mesh.world_group, config.schedule, path, device,
-                    rank_name=mesh.names.of_global(rank))
+    return Observer(rank, stages.indices, dims.world_group, config.schedule, path, device,
+                    rank_name=dims.names.of_global(rank))
 
 
 def _stage_function(loss_fn: Callable[..., torch.Tensor], traced: Optional[TracedSplit],

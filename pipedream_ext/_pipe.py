@@ -32,6 +32,7 @@ from ._dist import faults
 from ._frontend import model_io
 from ._frontend.graph_split import TracedSplit
 from ._frontend.partition import even_balance
+from ._parallel.dims import ParallelDims
 from ._runtime.loss_scaling import attach_grad_scaler
 from ._runtime.options import ClipOption, PipelineOptions, document, from_call, keyword_options
 from ._runtime.stage_call import NonFiniteError, Tensors
@@ -117,6 +118,9 @@ class PipeDream:
         self._schedule, self._groups, self._stages = built.schedule, built.groups, built.stages
         self._observer, self._stage_fn = built.observer, built.stage_fn
         self._runner, self._agreement = built.runner, built.agreement
+        self._dims = built.dims
+        #: ``step()`` calls made, those that raised included (the runner's mesh check compares them).
+        self._step_calls = 0
         # A meta-built model: the first call refuses tensors nothing set (init_fn, partial loads).
         self._unset = UnsetCheck(lambda: self.module, built.agreement.group, built.config.timeout,
                                  built.deferred, built.agreement.names)
@@ -245,7 +249,7 @@ class PipeDream:
         stage's ranks, the whole model's key shapes, the shared parameters and the
         layout (see ``pipedream_ext/_checkpoint/view.py``)."""
         return _checkpoint_view(self, self._groups, self._schedule, self._stages, self._model_shapes,
-                                self._runner.data_parallel)
+                                self._dims)
 
     # -- module-like API ------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -349,8 +353,9 @@ class PipeDream:
                 on every rank, a model built on the meta device with tensors nothing set
                 (naming each rank's).
         """
-        self._runner.step_calls += 1  # every call, those that raise too (a mesh compares them)
-        return self._runner.step(self._agreed("step", inputs, targets), targets, optimizer)
+        call = self._step_calls
+        self._step_calls += 1  # every call, those that raise too (a mesh compares them)
+        return self._runner.step(self._agreed("step", inputs, targets), targets, optimizer, call)
 
     @faults.names_first_failure
     def flush(self) -> None:
@@ -389,8 +394,7 @@ class PipeDream:
         graph's tuple), once the first calls' agreement check passed on every rank."""
         given = inputs if self.traced is None else \
             model_io.positional_inputs(self.traced.input_names, inputs, f"{call}()")
-        self._agreement.check(call, given, targets,
-                              lambda: self._runner.validate(call, given, targets))
+        self._agreement.check(call, given, targets)
         self._unset.check(call)
         return given
 
@@ -505,10 +509,10 @@ def _saveable(value: Any) -> Any:
 
 
 def _checkpoint_view(pipe: PipeDream, groups: Any, schedule: Any, stages: Any,
-                     model_shapes: Dict[str, Tuple[int, ...]], data_parallel: Any) -> PipelineView:
+                     model_shapes: Dict[str, Tuple[int, ...]], dims: ParallelDims) -> PipelineView:
     """:attr:`PipeDream.checkpoint_view`, built from the pipeline's parts."""
     fields = _view_ranks(pipe.rank, pipe.world_size, pipe.group, groups.checkpoint, pipe.timeout,
-                         [schedule.stage_ranks(j) for j in range(pipe.num_stages)], data_parallel)
+                         [schedule.stage_ranks(j) for j in range(pipe.num_stages)], dims)
     return PipelineView(
         timeout=pipe.timeout, device=pipe.device, module=pipe.module,
         stages={j: stages[j] for j in pipe.local_stages}, stage_layers=pipe.stage_layers,
@@ -519,14 +523,13 @@ def _checkpoint_view(pipe: PipeDream, groups: Any, schedule: Any, stages: Any,
 
 
 def _view_ranks(rank: int, world_size: int, group: Any, checkpoint: Any, timeout: float,
-                stage_ranks: List[List[int]], data_parallel: Any) -> Dict[str, Any]:
+                stage_ranks: List[List[int]], dims: ParallelDims) -> Dict[str, Any]:
     """``PipelineView``'s ranks and groups: the pipeline's, or with a mesh every
-    pipeline's (``MeshPlan.checkpoint_layout``)."""
+    pipeline's (``ParallelDims.checkpoint_layout``)."""
     fields = dict(rank=rank, world_size=world_size, group=group, stage_ranks=stage_ranks,
                   checkpoint_group=checkpoint, data_parallel=None)
-    if data_parallel is not None:
-        plan = data_parallel.plan
-        fields.update(plan.checkpoint_layout(stage_ranks, timeout), data_parallel=plan.data_parallel)
+    if dims.on_mesh:
+        fields.update(dims.checkpoint_layout(stage_ranks, timeout), data_parallel=dims.data_parallel)
     return fields
 
 

@@ -375,8 +375,8 @@ def test_export_dropout_follows_train_and_eval() -> None:
     """The exported graph's dropout calls the model's own nn.Dropout modules, so
     pipe.eval() turns it off as in the unsplit model."""
     from pipedream_ext._frontend.graph_split import split_model
+    from pipedream_ext._frontend.local_stages import LocalStages
     from pipedream_ext._frontend.partition import resolve_partition
-    from pipedream_ext._runtime.local_stages import LocalStages
 
     model = make_gpt2(dropout=0.3)
     inputs, _ = make_batch(4, 8, 0, False)

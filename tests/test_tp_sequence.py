@@ -61,7 +61,7 @@ def check_sp_training(schedule: str, crossing: Dict[int, str], **kwargs: Any) ->
     """check_training with sp_plan(), and what crossed each cut this rank sent over:
     stage j's output a local sequence shard [microbatch rows, SEQ / 2, DIM], as a plain
     tensor or (``crossing[j]`` "Shard(dim=1)") a DTensor with that placement."""
-    from pipedream_ext._runtime.tensor_parallel import CutLayouts
+    from pipedream_ext._parallel.tensor_parallel import CutLayouts
 
     sent = set()
     send = CutLayouts.send
@@ -189,7 +189,7 @@ def check_layouts() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-    from pipedream_ext._runtime.tensor_parallel import CutLayouts, LayoutExchange
+    from pipedream_ext._parallel.tensor_parallel import CutLayouts, LayoutExchange
 
     tp = mesh_of((2, 1, 2))["tp"]
     exchange = LayoutExchange(dist.HashStore(), "cuts", timeout=5)

@@ -162,8 +162,8 @@ def _prepare(model: nn.Module, split_points: List[str], sample: Any, **options: 
 
 
 def _stages_of(model: nn.Module, prepared: Any, indices: List[int]) -> Any:
+    from pipedream_ext._frontend.local_stages import LocalStages
     from pipedream_ext._frontend.partition import resolve_partition
-    from pipedream_ext._runtime.local_stages import LocalStages
 
     count = len(prepared.traced.stages)
     partition = resolve_partition(count, count, 1, [1] * count, None)

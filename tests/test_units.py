@@ -20,6 +20,7 @@ from torch import nn
 from pipedream_ext import _C, PipeDream, schedules
 from pipedream_ext._cli import schedule as schedule_cli
 from pipedream_ext._dist.groups import RankNames
+from pipedream_ext._frontend.local_stages import LocalStages
 from pipedream_ext._frontend.partition import even_balance, resolve_partition
 from pipedream_ext._frontend.tied_params import (
     alias_names,
@@ -27,14 +28,17 @@ from pipedream_ext._frontend.tied_params import (
     describe,
     find_shared,
 )
+from pipedream_ext._parallel.data_parallel import DataParallel, ReplicatedStages
+from pipedream_ext._parallel.dims import ParallelDims, mesh_pipelines
+from pipedream_ext._parallel.fsdp import FsdpStages, keep_unsharded_after
+from pipedream_ext._parallel.parallelize import data_parallel_policy
+from pipedream_ext._parallel.tensor_parallel import CutLayout, LayoutExchange
 from pipedream_ext._planning.startup import cluster_shape, partition_from_plan
 from pipedream_ext._runtime import options
 from pipedream_ext._runtime.config import PipelineConfig
 from pipedream_ext._runtime.eval_outputs import merge_microbatch_outputs
-from pipedream_ext._runtime.local_stages import LocalStages
-from pipedream_ext._runtime.loss_reduction import SumLoss
+from pipedream_ext._runtime.loss_reduction import MeanLoss, SumLoss
 from pipedream_ext._runtime.options import PipelineOptions
-from pipedream_ext._runtime.sharding import keep_unsharded_after, mesh_pipelines
 from pipedream_ext._runtime.stage_call import (
     NonFiniteError,
     StageFunction,
@@ -44,7 +48,6 @@ from pipedream_ext._runtime.stage_call import (
     check_batch,
     split_microbatches,
 )
-from pipedream_ext._runtime.tensor_parallel import CutLayout, LayoutExchange
 from pipedream_ext.planner import plan
 
 
@@ -962,6 +965,41 @@ def test_mesh_pipelines_follow_torchs_local_ranks_and_refuse_orders_without_stag
     with pytest.raises(ValueError, match=r"mesh \[\[0, 3\], \[2, 1\]\] cannot run a pipeline: .*in "
                                          r"the dp group \[0, 3\] rank 0 is pp rank 0, rank 3 is pp rank 1"):
         mesh_pipelines([[0, 3], [2, 1]])
+
+
+def test_parallel_dims_without_a_mesh_are_one_pipeline_whose_hooks_do_nothing() -> None:
+    """No mesh is not a second code path: a plain group's dims are pp=N, dp=tp=1, and the
+    policy the runners call has hooks that do nothing; a mesh's dims pick FSDP, replicas,
+    or (a ("pp", "tp") mesh) no data parallelism at all."""
+    plain = ParallelDims(None, "fsdp", False, None, [[0, 1, 2]])
+    assert (plain.pp_size, plain.dp_size, plain.tp_size) == (3, 1, 1) and plain.pp_enabled
+    assert not (plain.on_mesh or plain.dp_enabled or plain.tp_enabled or plain.fsdp_enabled
+                or plain.replicate_enabled)
+    assert plain.describe() == {} and plain.planner_sizes() == {} and plain.coordinates is None
+    assert plain.names.of_group(2) == "rank 2" and plain.world_names is None
+    policy = data_parallel_policy(plain, True, lambda: [])
+    assert type(policy) is DataParallel and policy.after_layer is None
+    assert MeanLoss().divisor(plain.dp_size, plain.tp_size) == 1
+    policy.check_batch(torch.zeros(3, 2), 2, "inputs")  # off a mesh: stage_call's check alone
+    policy.before_step(), policy.after_step(), policy.after_evaluation()
+
+    pp_dp = ParallelDims(object(), "fsdp", False, None, [[0, 2], [1, 3]])  # 2 x 2 ("pp", "dp")
+    assert pp_dp.fsdp_enabled and not pp_dp.replicate_enabled and pp_dp.dp_enabled
+    assert pp_dp.planner_sizes() == {"data_parallel": 2, "sharding": "fsdp", "tensor_parallel": None}
+    fsdp = data_parallel_policy(pp_dp, True, lambda: [])
+    assert type(fsdp) is FsdpStages and fsdp.average_over_dp and fsdp.after_layer == fsdp.shard_layer
+    assert MeanLoss().divisor(pp_dp.dp_size, pp_dp.tp_size) == 2
+    with pytest.raises(ValueError, match="inputs of this data-parallel rank have batch size 3"):
+        fsdp.check_batch(torch.zeros(3, 2), 2, "inputs")
+    replicate = dataclasses.replace(pp_dp, data_parallel="replicate")
+    assert type(data_parallel_policy(replicate, True, lambda: [])) is ReplicatedStages
+    assert not data_parallel_policy(replicate, False, lambda: []).average_over_dp
+    assert SumLoss().divisor(replicate.dp_size, replicate.tp_size) == 1
+    pp_tp = ParallelDims(object(), "fsdp", False, None, [[0, 2], [1, 3]], tp_size=2, tensor_parallel={})
+    assert pp_tp.tp_enabled and not (pp_tp.dp_enabled or pp_tp.fsdp_enabled or pp_tp.replicate_enabled)
+    tp_only = data_parallel_policy(pp_tp, True, lambda: [])
+    assert type(tp_only) is DataParallel
+    assert MeanLoss().divisor(pp_tp.dp_size, pp_tp.tp_size) == 2  # tp ranks' losses count once
 
 
 def test_fsdp_keeps_a_stage_unsharded_after_a_forward_whose_next_backward_is_a_w() -> None:

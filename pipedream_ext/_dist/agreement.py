@@ -172,12 +172,17 @@ class StepAgreement:
             (0: none).
         names: on a mesh, its pipelines and how messages name ranks (``group`` is then
             the world); ``None``: ``group`` is the one pipeline.
+        tp_size: a mesh's tp size (1 without).
+        validate: this rank's own checks of a call's arguments, ``validate(call, inputs,
+            targets)``; what it raises is raised on every rank (``None``: none).
     """
 
     def __init__(self, group: dist.ProcessGroup, first_ranks: Sequence[int],
                  last_ranks: Sequence[int], check_steps: int,
-                 names: Optional[RankNames] = None, tp_size: int = 1) -> None:
+                 names: Optional[RankNames] = None, tp_size: int = 1,
+                 validate: Optional[Callable[[str, Any, Any], None]] = None) -> None:
         self.group = group
+        self.validate = validate
         self.rank = dist.get_rank(group)
         self.first_ranks, self.last_ranks = list(first_ranks), list(last_ranks)
         self.check_steps = check_steps
@@ -190,8 +195,7 @@ class StepAgreement:
         #: ``dp * tp_size + tp`` must be given the same batch.
         self.tp_size = tp_size
 
-    def check(self, call: str, inputs: Any, targets: Any,
-              validate: Optional[Callable[[], None]] = None) -> None:
+    def check(self, call: str, inputs: Any, targets: Any) -> None:
         """Agrees on call ``call`` (``"step"`` or ``"forward_only"``) before it runs.
 
         Collective for the first ``check_steps`` calls of each kind; free after.
@@ -200,8 +204,6 @@ class StepAgreement:
             call: ``"step"`` or ``"forward_only"``.
             inputs: what this rank was given (``None``: nothing).
             targets: likewise.
-            validate: this rank's own checks of the arguments; what it raises is
-                raised on every rank.
 
         Raises:
             ValueError: on every rank: ranks in different calls, an argument a rank
@@ -215,9 +217,9 @@ class StepAgreement:
             return  # the call's own checks raise on this rank
         me = self.names.of_global(self.rank)
         error = None
-        if validate is not None:
+        if self.validate is not None:
             try:
-                validate()
+                self.validate(call, inputs, targets)
             except ValueError as exc:
                 error = str(exc) if str(exc).startswith(me) else f"{me}: {exc}"
         mine = {"call": f"{call}() number {index}", "error": error,

@@ -58,7 +58,7 @@ from torch import nn
 from .._dist import collectives
 from .._dist.collectives import is_dtensor
 from .._extension import _C
-from .local_stages import LocalStages
+from .._frontend.local_stages import LocalStages
 
 __all__ = ["GradientClipper", "check_max_norm", "check_norm_type", "check_updates_aligned",
            "parse_clip_option", "reduce_partial_gradients"]

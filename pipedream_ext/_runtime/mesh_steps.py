@@ -27,7 +27,7 @@ the step and the ranks, instead of training each tp rank's shards on another bat
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Deque, List, Optional
+from typing import Any, Callable, Deque, List, Optional, Tuple, Union
 
 import torch
 
@@ -35,7 +35,7 @@ from .._dist.agreement import batch_fingerprint, unequal_dp_rows
 from .._dist.groups import RankNames
 from .step_loss import StepLoss
 
-__all__ = ["MeshSteps", "StepMismatch"]
+__all__ = ["MeshSteps", "PipelineSteps", "StepMismatch"]
 
 
 class StepMismatch(RuntimeError):
@@ -43,7 +43,41 @@ class StepMismatch(RuntimeError):
     batches of different sizes, in a step that ran (found after it ran)."""
 
 
-class MeshSteps:
+class PipelineSteps:
+    """The batch loss's all-reduce of one pipeline (no mesh): the loss and a failure flag,
+    nothing else to keep in step; :class:`MeshSteps` adds the mesh's checks."""
+
+    def values(self, loss: float, failed: bool, call: int, rows: Optional[int]) -> torch.Tensor:
+        """What this rank adds to the all-reduce: its loss share and whether it failed.
+
+        Args:
+            loss: this rank's share of the batch loss.
+            failed: a bad loss found on this rank.
+            call: this rank's ``step()`` call number (unused: one pipeline).
+            rows: the batch's rows on stage 0's rank (unused: one pipeline).
+        """
+        return torch.tensor([loss, 1.0 if failed else 0.0], dtype=torch.float64)
+
+    def in_background(self, loss: float, call: int, rows: Optional[int]
+                      ) -> Tuple[Union[float, torch.Tensor], Optional[Callable[[torch.Tensor], None]]]:
+        """What a step whose loss is summed in the background all-reduces, and the check
+        of the sum when read: the loss alone, unchecked."""
+        return loss, None
+
+    def check(self, total: torch.Tensor) -> None:
+        """Nothing to check: one pipeline."""
+
+    def track(self, loss: StepLoss) -> StepLoss:
+        return loss
+
+    def note_batch(self, inputs: Any, targets: Any) -> None:
+        """Nothing to note: one pipeline."""
+
+    def check_before_step(self) -> None:
+        """Nothing to check: one pipeline."""
+
+
+class MeshSteps(PipelineSteps):
     """This rank's part of the check: the values it adds and the test of the sums.
 
     Args:
@@ -160,6 +194,11 @@ class MeshSteps:
             groups.setdefault(value, []).append(rank)
         return "; ".join(f"{self.names.many(ranks)} in {word(value)}"
                          for value, ranks in groups.items())
+
+    def in_background(self, loss: float, call: int, rows: Optional[int]
+                      ) -> Tuple[Union[float, torch.Tensor], Optional[Callable[[torch.Tensor], None]]]:
+        """The loss with this rank's call and rows, checked when the sum is read."""
+        return self.values(loss, False, call, rows), self.check
 
     def track(self, loss: StepLoss) -> StepLoss:
         """Keeps ``loss`` (its all-reduce still running) to check before later steps."""

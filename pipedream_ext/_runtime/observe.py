@@ -38,7 +38,7 @@ class Observer:
         rank: this rank in ``group`` (the trace's process id).
         stages: this rank's stage indices.
         group: the group whose ranks' spans one trace merges: the pipeline's, or over a
-            mesh every rank's (``MeshPlan.world_group``: one track per rank of the mesh).
+            mesh every rank's (``ParallelDims.world_group``: one track per rank of the mesh).
         schedule: the schedule's name (recorded in the trace).
         trace_path: where :meth:`write_trace` writes, or ``None`` (not tracing).
         device: this rank's device; on CUDA, :meth:`stats` adds its memory.

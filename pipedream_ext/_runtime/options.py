@@ -31,12 +31,12 @@ from torch import nn
 from .. import schedules
 from .._extension import _C
 from .._frontend import deferred_init
+from .._parallel.tensor_parallel import check_option as _check_tensor_parallel
+from .._parallel.tensor_parallel import describe_plan
 from ..planner import Plan
 from .grad_clip import parse_clip_option
 from .loss_reduction import LossReduction, from_option, reduction_type
 from .stage_call import Tensors
-from .tensor_parallel import check_option as _check_tensor_parallel
-from .tensor_parallel import describe_plan
 
 __all__ = ["ClipOption", "Option", "PipelineOptions", "agreed_values", "checked", "document",
            "from_call", "keyword_options", "option", "signature", "summary"]

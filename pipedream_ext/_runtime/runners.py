@@ -34,15 +34,16 @@ from .._dist import collectives, faults
 from .._dist.groups import PipelineGroups, RankNames, p2p_protocol
 from .._extension import _C
 from .._frontend import compiled
+from .._frontend.local_stages import LocalStages
+from .._parallel.data_parallel import DataParallel
+from .._parallel.tensor_parallel import check_sequence_length
 from . import optimizer_check
 from .config import PipelineConfig
 from .eval_outputs import check_output_batch_dim, merge_microbatch_outputs, microbatch_rows
 from .grad_clip import GradientClipper, check_max_norm, check_norm_type
-from .local_stages import LocalStages
 from .loss_reduction import no_tokens, returned_mismatch
-from .mesh_steps import MeshSteps, StepMismatch
+from .mesh_steps import MeshSteps, PipelineSteps, StepMismatch
 from .observe import Observer
-from .sharding import DataParallel
 from .stage_call import (
     NonFiniteError,
     StageFunction,
@@ -56,7 +57,6 @@ from .stage_call import (
     split_microbatches,
 )
 from .step_loss import StepLoss
-from .tensor_parallel import check_sequence_length
 from .tied_grads import SharedGradients
 
 __all__ = ["Runner", "FlushRunner", "AsyncRunner", "make_runner"]
@@ -114,17 +114,20 @@ class Runner:
             with the context of the call being run (:meth:`_context`).
         observer: stats and trace.
         device: the stages' device.
+        data_parallel: data parallelism's policy, whose hooks the runner calls around
+            each step (they do nothing with ``dp = 1``); on a mesh the batch loss is
+            reduced over every rank.
         shared_gradients: sums the gradients of parameters shared by stages
             (flush schedules; ``None`` or empty: none).
-        data_parallel: data parallelism over a mesh's ``dp`` dimension (``None``: none);
-            the batch loss is then reduced over every rank.
+        input_names: a traced model's named inputs, in the order the runner gets them
+            (for messages), else ``None``.
     """
 
     def __init__(self, config: PipelineConfig, schedule: "schedules.Schedule",
                  stages: LocalStages, groups: PipelineGroups, stage_fn: StageFunction,
-                 observer: Observer, device: torch.device,
+                 observer: Observer, device: torch.device, data_parallel: DataParallel,
                  shared_gradients: Optional[SharedGradients] = None,
-                 data_parallel: Optional[DataParallel] = None) -> None:
+                 input_names: Optional[List[str]] = None) -> None:
         self.config = config
         self.schedule = schedule
         self.stages = stages
@@ -134,40 +137,33 @@ class Runner:
         self.targets = Targets(config.loss_reduction)
         #: What every call's StepContext starts from (``pipe.autocast``, ``pipe.grad_scaler()``,
         #: data parallelism's hook before each forward).
-        self.settings = StepSettings(
-            config.autocast, None, data_parallel.before_forward if data_parallel is not None else None)
+        self.settings = StepSettings(config.autocast, None, data_parallel.before_forward)
         # The executors' forward callback: stage_fn with the context bound for each call.
         self._forward = StepCallback(stage_fn)
         self.observer = observer
         self.device = device
         self.shared_gradients = shared_gradients
         self.data_parallel = data_parallel
+        self.dims = dims = data_parallel.dims
         # The batch loss (and the end-of-step checks) over every pipeline of a mesh:
         # the dp ranks' losses, divided to the global batch's mean.
-        self.step_group = groups.group if data_parallel is None else data_parallel.plan.world_group
-        self.loss_divisor = 1 if data_parallel is None else config.loss_reduction.divisor(
-            data_parallel.plan.dp_size, data_parallel.plan.tp_size)
+        self.step_group = dims.world_group
+        self.loss_divisor = config.loss_reduction.divisor(dims.dp_size, dims.tp_size)
         #: How messages name ranks: on a mesh global ranks with their coordinates.
-        self.names = RankNames(list(range(groups.world_size))) if data_parallel is None \
-            else data_parallel.plan.names
-        self._mesh_names = None if data_parallel is None else self.names
-        #: On a mesh: every step's ranks and batch sizes checked through the loss all-reduce.
-        self.mesh_steps = None if data_parallel is None else MeshSteps(self.names, dist.get_rank())
+        self.names: RankNames = dims.names
+        #: The batch loss's all-reduce; on a mesh it checks every step's ranks and batch sizes.
+        self.steps = MeshSteps(self.names, dist.get_rank()) if dims.on_mesh else PipelineSteps()
         self.num_stages = schedule.num_stages
         self.steps_run = 0  # steps run (flush) or admitted (asynchronous), for messages
-        #: ``step()`` calls made, those that raised included (``PipeDream.step`` counts).
-        self.step_calls = 0
         #: A traced model's named inputs, in the order the runner gets them (for messages).
-        self.input_names: Optional[List[str]] = None
+        self.input_names = input_names
         # With a mesh the norm covers every pipeline: the whole world, plain (replicated)
         # gradients counted on dp rank 0 only, FSDP shards on every rank.
         self.clipper = GradientClipper(
             stages, [schedule.stage_ranks(j) for j in range(self.num_stages)], groups.rank,
             self.step_group, device, config.timeout,
             shared_gradients.counted_elsewhere() if shared_gradients is not None else (),
-            count_plain=data_parallel is None or data_parallel.plan.copy == 0,
-            coordinates=None if data_parallel is None or data_parallel.plan.tensor_parallel is None
-            else {"dp": data_parallel.plan.dp_rank, "tp": data_parallel.plan.tp_rank},
+            count_plain=dims.copy == 0, coordinates=dims.coordinates,
             name=self.names.of_group(groups.rank))
         # The clipper, not the runner: the executor holding the callback must not hold the runner.
         self._update = _OptimizerStep(None if config.clip_grad_norm is None else
@@ -237,10 +233,11 @@ class Runner:
             self._check_dp_batch(inputs, targets)
 
     def _check_dp_batch(self, inputs: Any, targets: Any) -> None:
-        """On a mesh: this rank's inputs and targets split into equal microbatches."""
-        if self.data_parallel is None:
-            return
+        """On a mesh: this rank's inputs and targets split into equal microbatches, and
+        with tensor parallelism the inputs' sequence over tp."""
         if self.is_first:
+            if self.dims.tp_enabled:
+                check_sequence_length(self.dims.tensor_parallel, self.dims.tp_size, inputs)
             self.data_parallel.check_batch(inputs, self.config.microbatches, "inputs")
         if self.is_last:
             self.data_parallel.check_batch(targets, self.config.microbatches, "targets")
@@ -253,7 +250,7 @@ class Runner:
         try:
             return run()
         except Exception as exc:
-            if self.data_parallel is not None and exc.args and isinstance(exc.args[0], str):
+            if self.dims.on_mesh and exc.args and isinstance(exc.args[0], str):
                 me = self.names.of_group(self.groups.rank)
                 text = self.names.translate(exc.args[0])
                 exc.args = (text if text.startswith(me) else f"{me}: {text}",) + tuple(exc.args[1:])
@@ -349,8 +346,7 @@ class Runner:
                         result = merge_microbatch_outputs(per_microbatch, rows, output_batch_dim)
                 except Exception as exc:  # noqa: BLE001 - reported to every rank
                     error = exc
-        if self.data_parallel is not None:
-            self.data_parallel.after_evaluation()
+        self.data_parallel.after_evaluation()
         self._agree_on_error(error, "forward_only()")
         return result
 
@@ -370,9 +366,8 @@ class Runner:
         try:
             self._require(inputs, self.is_first, "inputs", "forward_only()")
             check_output_batch_dim(output_batch_dim)
-            if self.is_first and self.data_parallel is not None:  # before Gloo's uneven all-gather
-                plan = self.data_parallel.plan
-                check_sequence_length(plan.tensor_parallel, plan.tp_size, inputs)
+            if self.is_first and self.dims.tp_enabled:  # before Gloo's uneven all-gather
+                check_sequence_length(self.dims.tensor_parallel, self.dims.tp_size, inputs)
             if runs and self.is_first:
                 chunks = self._split(inputs, "inputs", self.config.microbatches)  # type: ignore[arg-type]
                 batch = sum(c[0].shape[0] for c in chunks)
@@ -391,7 +386,7 @@ class Runner:
                                          self.groups.group)[0]
         if failed:
             collectives.raise_if_any_failed(error, self.groups.group, self.config.timeout, what,
-                                            self._mesh_names)
+                                            self.dims.world_names)
 
     # -- the family's contract -------------------------------------------------------------
     def clip_grad_norm(self, max_norm: Any, norm_type: Any, error_if_nonfinite: bool,
@@ -405,7 +400,9 @@ class Runner:
                                  bool(error_if_nonfinite), foreach)
 
     def step(self, inputs: Optional[Tensors], targets: Optional[Any],
-             optimizer: Optional[torch.optim.Optimizer]) -> Optional[float]:
+             optimizer: Optional[torch.optim.Optimizer], call: int) -> Optional[float]:
+        """One ``PipeDream.step``; ``call``: its number, calls that raised included (a
+        mesh compares every rank's)."""
         raise NotImplementedError
 
     def flush(self) -> None:
@@ -420,11 +417,17 @@ class FlushRunner(Runner):
     """One batch per ``step``, flushed; the user steps the optimizer afterwards."""
 
     def step(self, inputs: Optional[Tensors], targets: Optional[Any],
-             optimizer: Optional[torch.optim.Optimizer]) -> Union[StepLoss, float]:
+             optimizer: Optional[torch.optim.Optimizer], call: int) -> Union[StepLoss, float]:
         """Runs forward and backward of one batch through the pipeline.
 
         Leaves on every local parameter the gradient of ``loss_fn(model(inputs),
         targets)`` of the unsplit model over the whole batch.
+
+        Args:
+            inputs: the batch (stage 0's ranks).
+            targets: its targets (the last stage's ranks).
+            optimizer: must be ``None`` (the user steps it after the flush).
+            call: this ``step()`` call's number (a mesh compares every rank's).
 
         Returns:
             The batch's mean loss, on every rank, as a :class:`StepLoss` whose all-reduce
@@ -437,46 +440,72 @@ class FlushRunner(Runner):
         if optimizer is not None:
             raise ValueError(f"schedule {self.config.schedule!r} flushes every step: call "
                              "optimizer.step() yourself after pipe.step(x, y)")
-        m = self.config.microbatches
-        if self.mesh_steps is not None:  # the step before the last was in step everywhere
-            self.mesh_steps.check_before_step()
+        self.steps.check_before_step()  # on a mesh: the step before the last was in step everywhere
         self._require(inputs, self.is_first, "inputs")
         self._require(targets, self.is_last, "targets")
-        if self.data_parallel is not None:
-            self._check_dp_batch(inputs, targets)
+        self._check_dp_batch(inputs, targets)
+        self._hold_targets(targets)
+        self.data_parallel.before_step()
+        context = self._context()
+        loss_scale = context.loss_scale()
+        losses = self._run_batch(inputs, context)
+        self._check_returned_tokens(context)
+        self._synchronize_gradients()
+        self._finish_step()
+        # Each last-stage replica holds the scaled losses of its microbatches.
+        local = sum(float(l) for l in losses if l is not None) / loss_scale if self.is_last else 0.0
+        self.steps.note_batch(inputs if self.is_first else None, targets if self.is_last else None)
+        rows = int(as_tuple(inputs)[0].shape[0]) if self.is_first else None
+        return self._batch_loss(context, local / self.loss_divisor, call, rows)
+
+    def _hold_targets(self, targets: Any) -> None:
+        """The last stage's targets, held by microbatch until their backward; with
+        ``loss_reduction="tokens"`` divided by the batch's token count (every rank)."""
         if self.is_last:
             self.targets.clear()
         if self.config.loss_reduction.counts_tokens:  # on every rank, before anything runs
             self.targets.divide_by_tokens(self._batch_tokens(targets))
         elif self.is_last:
-            self.targets.add(targets, m, 0, self.device)
-        if self.data_parallel is not None:
-            self.data_parallel.before_step()
-        chunks = self._split(inputs, "inputs", m) if self.is_first else []
-        context = self._context()
-        loss_scale = context.loss_scale()
+            self.targets.add(targets, self.config.microbatches, 0, self.device)
+
+    def _run_batch(self, inputs: Optional[Tensors], context: StepContext) -> List[Optional[torch.Tensor]]:
+        """The executor's run of this rank's action list over the batch's microbatches.
+
+        Returns:
+            The last stage's (scaled) loss of each microbatch (``None`` elsewhere).
+        """
+        chunks = self._split(inputs, "inputs", self.config.microbatches) if self.is_first else []
         # A split backward keeps the graph for W: compiled stages without donated buffers.
         split = compiled.split_backward_compiles() if self.config.traits.split_backward \
             else contextlib.nullcontext()
         with self._forward.bound(context), split:
-            losses = self._run_executor(lambda: self.executor.run([list(c) for c in chunks]))
+            return self._run_executor(lambda: self.executor.run([list(c) for c in chunks]))
+
+    def _check_returned_tokens(self, context: StepContext) -> None:
+        """A loss that returned its token counts must match ``tokens_fn``'s: a mismatch is
+        raised by every rank, as a bad loss is (:meth:`_batch_loss`)."""
         if context.returned_tokens and context.deferred_error is None:
             mismatch = returned_mismatch(self.targets.token_counts, context.returned_tokens)
             if mismatch is not None:  # raised by every rank, as a bad loss (_batch_loss)
                 context.deferred_error = ValueError(mismatch)
-        if self.data_parallel is not None:
-            # Every stage's last backward ran: gradients synchronised over dp once.
-            try:
-                self.data_parallel.after_step()
-            except RuntimeError as exc:  # Gloo names an address: say which ranks and step
-                plan = self.data_parallel.plan
-                raise RuntimeError(
-                    f"{self.names.of_group(self.groups.rank)}: the gradient synchronisation over "
-                    f"mesh['dp'] ({plan.data_parallel}, with "
-                    f"{self.names.many([p[self.groups.rank] for p in plan.pipelines])}) in step "
-                    f"{self.steps_run} failed or timed out: {exc}") from exc
+
+    def _synchronize_gradients(self) -> None:
+        """Every stage's last backward ran: gradients synchronised over dp once, then the
+        gradients of parameters shared by stages summed (after the replicas' all-reduce
+        inside the executor's run, before the user's ``opt.step()``).
+
+        Raises:
+            RuntimeError: an all-reduce failed or timed out, naming the ranks and step.
+        """
+        try:
+            self.data_parallel.after_step()
+        except RuntimeError as exc:  # Gloo names an address: say which ranks and step
+            raise RuntimeError(
+                f"{self.names.of_group(self.groups.rank)}: the gradient synchronisation over "
+                f"mesh['dp'] ({self.dims.data_parallel}, with "
+                f"{self.names.many([p[self.groups.rank] for p in self.dims.pipelines])}) in step "
+                f"{self.steps_run} failed or timed out: {exc}") from exc
         if self.shared_gradients:
-            # After the replicas' all-reduce inside run(), before the user's opt.step().
             try:
                 self.shared_gradients.reduce()
             except RuntimeError as exc:
@@ -484,15 +513,6 @@ class FlushRunner(Runner):
                                    "all-reduce of shared "
                                    f"parameters in step {self.steps_run} failed or timed out: "
                                    f"{exc}") from exc
-        self._finish_step()
-        # Each last-stage replica holds the scaled losses of its microbatches. The sum
-        # over ranks finishes in the background; reading the loss waits for it.
-        local = sum(float(l) for l in losses if l is not None) / loss_scale if self.is_last else 0.0
-        rows = int(as_tuple(inputs)[0].shape[0]) if self.is_first else None
-        if self.mesh_steps is not None:  # with tp: the batch's fingerprints, checked over tp
-            self.mesh_steps.note_batch(inputs if self.is_first else None,
-                                       targets if self.is_last else None)
-        return self._batch_loss(context, local / self.loss_divisor, rows)
 
     def _batch_tokens(self, targets: Any) -> int:
         """``loss_reduction="tokens"``: the batch's token count, known to every rank before
@@ -514,8 +534,7 @@ class FlushRunner(Runner):
         if self.is_last:
             try:
                 self.targets.add(targets, self.config.microbatches, 0, self.device)
-                copies = len(self.schedule.stage_ranks(self.num_stages - 1)) * \
-                    (1 if self.data_parallel is None else self.data_parallel.plan.tp_size)
+                copies = len(self.schedule.stage_ranks(self.num_stages - 1)) * self.dims.tp_size
                 local = self.targets.local_tokens() / copies
             except ValueError as exc:
                 error = exc
@@ -531,14 +550,14 @@ class FlushRunner(Runner):
         if total[1] > 0:
             self.targets.clear()
             collectives.raise_if_any_failed(error, self.step_group, self.config.timeout,
-                                            f"step() number {step}", self._mesh_names)
+                                            f"step() number {step}", self.dims.world_names)
         tokens = int(round(float(total[0])))
         if tokens == 0:  # every rank sees the same sum: all raise, none runs
             self.targets.clear()
             raise ValueError(f"step() number {step}: {no_tokens()}")
         return tokens
 
-    def _batch_loss(self, context: StepContext, local: float, rows: Optional[int] = None
+    def _batch_loss(self, context: StepContext, local: float, call: int, rows: Optional[int] = None
                     ) -> Union[StepLoss, float]:
         """The batch's mean loss on every rank: ``local`` summed over the group.
 
@@ -547,46 +566,42 @@ class FlushRunner(Runner):
         every rank before anybody's optimizer steps). Later steps only start it: a
         :class:`StepLoss` waits when read; a bad loss then raises on its rank alone and
         its peers fail naming that rank when they next need it. On a mesh the all-reduce
-        also carries every rank's call and every dp rank's ``rows`` (``mesh_steps``).
+        also carries every rank's call and every dp rank's ``rows`` (``MeshSteps``).
 
         Args:
             context: the step's context (a bad loss it found, where NaN/inf appeared).
             local: this rank's share of the loss.
+            call: this ``step()`` call's number.
             rows: the batch's rows on stage 0's rank, else ``None``.
         """
         rank, step = self.names.of_group(self.groups.rank), self.steps_run - 1
         describe = lambda: f"{rank}: the all-reduce of the batch loss after step {step}"  # noqa: E731
         deferred = context.deferred_error
-        steps = self.mesh_steps
+        steps = self.steps
         if step < self.config.check_agreement or self.config.check_finite:
-            values = torch.tensor([local, 1.0 if deferred else 0.0], dtype=torch.float64) \
-                if steps is None else steps.values(local, deferred is not None,
-                                                   self.step_calls - 1, rows)
+            values = steps.values(local, deferred is not None, call, rows)
             try:
                 total = collectives.all_reduce_bounded(values, self.step_group, dist.ReduceOp.SUM,
                                                        self.config.timeout)
             except RuntimeError as exc:  # Gloo names an address; say which rank and step
                 raise RuntimeError(f"{describe()} failed or timed out: {exc}") from exc
-            if steps is not None:
-                try:
-                    steps.check(total)
-                except StepMismatch:
-                    self._drop_gradients()
-                    raise
+            try:
+                steps.check(total)
+            except StepMismatch:
+                self._drop_gradients()
+                raise
             if total[1] > 0:
                 self._drop_gradients()  # the zero loss's gradients: not the model's
                 collectives.raise_if_any_failed(deferred, self.step_group, self.config.timeout,
-                                                 f"step() number {step}", self._mesh_names)
+                                                 f"step() number {step}", self.dims.world_names)
             if self.config.check_finite and self._check_finite_step(context):
                 return float("nan")
             return StepLoss.of(float(total[0]))
         if deferred is not None:
             self._drop_gradients()
             raise deferred
-        if steps is None:
-            return self._loss_in_background(local, self.step_group, describe)
-        values = steps.values(local, False, self.step_calls - 1, rows)
-        return steps.track(self._loss_in_background(values, self.step_group, describe, steps.check))
+        values, check = steps.in_background(local, call, rows)
+        return steps.track(self._loss_in_background(values, self.step_group, describe, check))
 
     def _drop_gradients(self) -> None:
         """Sets every local gradient to ``None`` (a step whose gradients are not the model's)."""
@@ -673,7 +688,7 @@ class AsyncRunner(Runner):
         return super().forward_only(inputs, output_batch_dim, restore)
 
     def step(self, inputs: Optional[Tensors], targets: Optional[Any],
-             optimizer: Optional[torch.optim.Optimizer]) -> Optional[float]:
+             optimizer: Optional[torch.optim.Optimizer], call: int) -> Optional[float]:
         """Admits one minibatch (2bw: one batch of ``microbatches``) into the pipeline.
 
         Runs this rank's actions up to the forward of that minibatch: the backwards
@@ -690,6 +705,7 @@ class AsyncRunner(Runner):
         Raises:
             ValueError: no optimizer, or inputs/targets missing where needed.
         """
+        del call  # no mesh with asynchronous schedules (check_schedule)
         if optimizer is None and any(True for _ in self.stages.module.parameters()):
             raise ValueError(f"schedule {self.config.schedule!r} updates weights inside the "
                              "pipeline: pass your optimizer, pipe.step(x, y, optimizer=opt)")

@@ -23,11 +23,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .local_stages import LocalStages
+from .._frontend.local_stages import LocalStages
 from .loss_reduction import LossReduction, MeanLoss, no_tokens
 
 if TYPE_CHECKING:
-    from .tensor_parallel import CutLayouts
+    from .._parallel.tensor_parallel import CutLayouts
 
 __all__ = ["NonFiniteError", "Tensors", "as_tuple", "check_batch", "split_microbatches", "Targets",
            "StepContext", "StepSettings", "StepCallback", "StageFunction"]

@@ -26,8 +26,8 @@ from torch import nn
 
 from .._dist import collectives
 from .._dist.collectives import is_dtensor
+from .._frontend.local_stages import LocalStages
 from .._frontend.tied_params import SharedParameter
-from .local_stages import LocalStages
 
 __all__ = ["SharedGradients"]
 

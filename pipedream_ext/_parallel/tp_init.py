@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .._dist.collectives import is_dtensor
-from .local_stages import LocalStages, Replacements
+from .._frontend.local_stages import LocalStages, Replacements
 
 __all__ = ["materialize_sharded"]
 

@@ -15,7 +15,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .._frontend.deferred_init import (
+from .deferred_init import (
     DEFAULT_INIT_SEED,
     InitFn,
     Memo,
@@ -24,8 +24,8 @@ from .._frontend.deferred_init import (
     materialize_traced,
     replace_materialized,
 )
-from .._frontend.graph_split import merge_stage_modules
-from .._frontend.partition import Partition
+from .graph_split import merge_stage_modules
+from .partition import Partition
 
 __all__ = ["LocalStages", "Replacements"]
 
