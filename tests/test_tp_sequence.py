@@ -239,9 +239,11 @@ def cases(world: int) -> Cases:
     c.add(check_sp_training, "1f1b", {0: "Shard(dim=1)"}, balance=[4, 1], name="dtensor-at-cut-1f1b")
     c.add(check_sp_training, "zbv", {**plain, 2: "Shard(dim=1)"}, chunks=2, balance=[1, 1, 2, 1],
           name="dtensor-at-cut-zbv")
-    # Before check_mismatch: the job's first failure, which its peers' errors name.
-    c.add(check_sequence_length)
+    # The launch's first failing pipeline: its waiting ranks name the job's first failure,
+    # which must be this case's own (a failure recorded by an earlier case stays the
+    # job's first for timeout + 30 s, and a rank does not name its own).
     c.add(check_cannot_cross)
+    c.add(check_sequence_length)
     c.add(check_mismatch)
     return c
 
