@@ -1,24 +1,26 @@
 """pipedream_ext: pipeline-parallel training in the style of PipeDream."""
+import importlib
 import logging
 import os
+from typing import TYPE_CHECKING, Any, List
 
 from . import schedules
-from ._checkpoint import (
-    CheckpointError,
-    CheckpointInfo,
-    PendingCheckpoint,
-    consolidate,
-    detect,
-    load_checkpoint,
-    save_checkpoint,
-    save_pretrained,
-)
 from ._extension import _C as _C  # re-exported: tests and users reach the extension as pipedream_ext._C
 from ._frontend.deferred_init import layer_seed, materialize
 from ._pipe import NonFiniteError, PipeDream, clip_grad_norm_
 from ._planning.profiler import profile
 from ._runtime.step_loss import StepLoss
 from .planner import Plan, ProfileGraph, Stage, Topology, load_profile, plan
+
+if TYPE_CHECKING:
+    from ._checkpoint.consolidate import consolidate
+    from ._checkpoint.errors import CheckpointError
+    from ._checkpoint.hf.save import save_pretrained
+    from ._checkpoint.load import load_checkpoint
+    from ._checkpoint.manifest import CheckpointInfo
+    from ._checkpoint.pending import PendingCheckpoint
+    from ._checkpoint.save import save_checkpoint
+    from ._checkpoint.storages import detect
 
 __all__ = [
     "schedules",
@@ -45,6 +47,33 @@ __all__ = [
     "layer_seed",
 ]
 __version__ = "0.1.0"
+
+# The checkpoint calls' modules, imported on first use (PEP 562): DCP, DTensor and
+# safetensors cost a second of every rank's start-up, and a pipeline that never
+# saves needs none of them (tests/test_import_cost.py).
+_CHECKPOINT_HOMES = {
+    "save_checkpoint": "save", "load_checkpoint": "load", "consolidate": "consolidate",
+    "save_pretrained": "hf.save", "detect": "storages", "CheckpointError": "errors",
+    "CheckpointInfo": "manifest", "PendingCheckpoint": "pending",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A checkpoint call, imported from its module on first use.
+
+    Raises:
+        AttributeError: not a public name of this package.
+    """
+    home = _CHECKPOINT_HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"._checkpoint.{home}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 def _configure_logging_from_env() -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from .._checkpoint import atomic_torch_save, consolidate, read_manifest
+from .._checkpoint import atomic_torch_save, read_manifest
+from .._checkpoint.consolidate import consolidate
 
 __all__ = ["register"]
 
