@@ -13,14 +13,16 @@ from ._runtime.step_loss import StepLoss
 from .planner import Plan, ProfileGraph, Stage, Topology, load_profile, plan
 
 if TYPE_CHECKING:
-    from ._checkpoint.consolidate import consolidate
-    from ._checkpoint.errors import CheckpointError
-    from ._checkpoint.hf.save import save_pretrained
-    from ._checkpoint.load import load_checkpoint
-    from ._checkpoint.manifest import CheckpointInfo
-    from ._checkpoint.pending import PendingCheckpoint
-    from ._checkpoint.save import save_checkpoint
-    from ._checkpoint.storages import detect
+    from ._checkpoint import (
+        CheckpointError,
+        CheckpointInfo,
+        PendingCheckpoint,
+        consolidate,
+        detect,
+        load_checkpoint,
+        save_checkpoint,
+        save_pretrained,
+    )
 
 __all__ = [
     "schedules",
@@ -48,26 +50,23 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-# The checkpoint calls' modules, imported on first use (PEP 562): DCP, DTensor and
-# safetensors cost a second of every rank's start-up, and a pipeline that never
-# saves needs none of them (tests/test_import_cost.py).
-_CHECKPOINT_HOMES = {
-    "save_checkpoint": "save", "load_checkpoint": "load", "consolidate": "consolidate",
-    "save_pretrained": "hf.save", "detect": "storages", "CheckpointError": "errors",
-    "CheckpointInfo": "manifest", "PendingCheckpoint": "pending",
-}
+# The checkpoint calls, imported on first use (PEP 562): DCP, DTensor and
+# safetensors cost a second of start-up, and a process that never saves needs none
+# of them (tests/test_import_cost.py).
+_CHECKPOINT_NAMES = frozenset({
+    "save_checkpoint", "load_checkpoint", "consolidate", "save_pretrained", "detect",
+    "CheckpointError", "CheckpointInfo", "PendingCheckpoint"})
 
 
 def __getattr__(name: str) -> Any:
-    """A checkpoint call, imported from its module on first use.
+    """A checkpoint call, imported from ``_checkpoint`` on first use.
 
     Raises:
         AttributeError: not a public name of this package.
     """
-    home = _CHECKPOINT_HOMES.get(name)
-    if home is None:
+    if name not in _CHECKPOINT_NAMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"._checkpoint.{home}", __name__), name)
+    value = getattr(importlib.import_module("._checkpoint", __name__), name)
     globals()[name] = value
     return value
 

@@ -1,8 +1,9 @@
 """``import pipedream_ext`` leaves the checkpoint formats' heavy dependencies unloaded.
 
-Every rank of every launch imports the package: DCP, DTensor and safetensors come in
-only with the checkpoint calls that need them (PEP 562 attributes of the package and
-of ``_checkpoint``). The check runs in a fresh interpreter, since this one has them.
+Every rank of every launch imports the package, and every ``python -m pipedream_ext``
+its command line: DCP, DTensor and safetensors come in only with the checkpoint calls
+that need them (PEP 562 attributes of the package and of ``_checkpoint``). The check
+runs in a fresh interpreter, since this one has them.
 """
 from __future__ import annotations
 
@@ -17,12 +18,13 @@ DEFERRED = ("torch.distributed.tensor", "torch.distributed.checkpoint", "safeten
 _PROBE = """
 import json, sys
 import pipedream_ext as pd
+import pipedream_ext.__main__
 loaded_at_import = [m for m in {deferred!r} if m in sys.modules]
 calls = [pd.save_checkpoint, pd.load_checkpoint, pd.consolidate, pd.save_pretrained, pd.detect]
 print(json.dumps({{"at_import": loaded_at_import,
                    "after_calls": [m for m in {deferred!r} if m in sys.modules],
                    "calls": [c.__module__ + "." + c.__name__ for c in calls],
-                   "consolidate_module": type(pd._checkpoint.consolidate).__name__}}))
+                   "package_consolidate": pd._checkpoint.consolidate is pd.consolidate}}))
 """
 
 
@@ -33,7 +35,7 @@ def _probe() -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_import_defers_checkpoint_dependencies_until_a_checkpoint_call() -> None:
+def test_import_and_cli_defer_checkpoint_dependencies_until_a_checkpoint_call() -> None:
     result = _probe()
     assert result["at_import"] == []
     # Asking for the calls imports them (so the probe above can see a regression).
@@ -45,4 +47,5 @@ def test_import_defers_checkpoint_dependencies_until_a_checkpoint_call() -> None
         "pipedream_ext._checkpoint.hf.save.save_pretrained",
         "pipedream_ext._checkpoint.storages.detect",
     ]
-    assert result["consolidate_module"] == "module"
+    # The function, not the submodule of the same name that importing it bound.
+    assert result["package_consolidate"]

@@ -38,6 +38,7 @@ import importlib
 from typing import TYPE_CHECKING, Any, List
 
 if TYPE_CHECKING:
+    from .consolidate import consolidate
     from .durable_io import atomic_torch_save
     from .errors import CheckpointError
     from .hf.save import save_pretrained
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
 __all__ = [
     "save_checkpoint",
     "load_checkpoint",
+    "consolidate",
     "save_pretrained",
     "detect",
     "HF",
@@ -77,10 +79,10 @@ __all__ = [
 # Each public name's module. They are imported on first use (PEP 562) so that a
 # pipeline that never saves does not pay for DCP, DTensor and safetensors at start-up
 # (tests/test_import_cost.py): importing one light submodule (``reshard``, ``pending``)
-# runs this file first. ``consolidate`` is left out: it is also a submodule's name,
-# and importing that submodule would replace a function set here by the module.
+# runs this file first. ``consolidate`` is also its submodule's name: resolving it
+# here binds the function over the submodule the import bound.
 _HOMES = {
-    "atomic_torch_save": "durable_io", "CheckpointError": "errors",
+    "consolidate": "consolidate", "atomic_torch_save": "durable_io", "CheckpointError": "errors",
     "save_pretrained": "hf.save", "HF": "hf.storage", "HfStorage": "hf.storage",
     "load_checkpoint": "load", "FORMAT": "manifest", "FORMAT_VERSION": "manifest",
     "MANIFEST": "manifest", "CheckpointInfo": "manifest", "PendingCheckpoint": "pending",
