@@ -1,24 +1,28 @@
 """pipedream_ext: pipeline-parallel training in the style of PipeDream."""
+import importlib
 import logging
 import os
+from typing import TYPE_CHECKING, Any, List
 
 from . import schedules
-from ._checkpoint import (
-    CheckpointError,
-    CheckpointInfo,
-    PendingCheckpoint,
-    consolidate,
-    detect,
-    load_checkpoint,
-    save_checkpoint,
-    save_pretrained,
-)
 from ._extension import _C as _C  # re-exported: tests and users reach the extension as pipedream_ext._C
 from ._frontend.deferred_init import layer_seed, materialize
 from ._pipe import NonFiniteError, PipeDream, clip_grad_norm_
 from ._planning.profiler import profile
 from ._runtime.step_loss import StepLoss
 from .planner import Plan, ProfileGraph, Stage, Topology, load_profile, plan
+
+if TYPE_CHECKING:
+    from ._checkpoint import (
+        CheckpointError,
+        CheckpointInfo,
+        PendingCheckpoint,
+        consolidate,
+        detect,
+        load_checkpoint,
+        save_checkpoint,
+        save_pretrained,
+    )
 
 __all__ = [
     "schedules",
@@ -45,6 +49,30 @@ __all__ = [
     "layer_seed",
 ]
 __version__ = "0.1.0"
+
+# The checkpoint calls, imported on first use (PEP 562): DCP, DTensor and
+# safetensors cost a second of start-up, and a process that never saves needs none
+# of them (tests/test_import_cost.py).
+_CHECKPOINT_NAMES = frozenset({
+    "save_checkpoint", "load_checkpoint", "consolidate", "save_pretrained", "detect",
+    "CheckpointError", "CheckpointInfo", "PendingCheckpoint"})
+
+
+def __getattr__(name: str) -> Any:
+    """A checkpoint call, imported from ``_checkpoint`` on first use.
+
+    Raises:
+        AttributeError: not a public name of this package.
+    """
+    if name not in _CHECKPOINT_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module("._checkpoint", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 def _configure_logging_from_env() -> None:

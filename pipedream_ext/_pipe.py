@@ -25,9 +25,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import schedules
+from . import _checkpoint, schedules
 from ._build import PipelineArguments, build_pipeline
-from ._checkpoint import PipelineView, finish_pending, load_path, reshard
+from ._checkpoint import reshard
+from ._checkpoint.pending import finish_pending
+from ._checkpoint.view import PipelineView
 from ._dist import faults
 from ._frontend import model_io
 from ._frontend.graph_split import TracedSplit
@@ -305,7 +307,8 @@ class PipeDream:
                 checkpoint directory: ``pd.load_checkpoint``). A load that leaves tensors of a
                 meta-built model unset logs a warning naming them (the first step refuses them).
         """
-        loaded = load_path(self, state_dict, strict) if isinstance(state_dict, (str, os.PathLike)) \
+        # _checkpoint.load_path imports the file formats on first use, not at start-up.
+        loaded = _checkpoint.load_path(self, state_dict, strict) if isinstance(state_dict, (str, os.PathLike)) \
             else reshard.load_state_dict(self, state_dict, strict)
         self._unset.after_load("load_state_dict")
         return loaded

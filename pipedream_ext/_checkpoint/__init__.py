@@ -34,18 +34,22 @@ every rank, checked), ``reshard`` (by name, shared with ``pipe.load_state_dict``
 ``save_pretrained``) and ``torch_file`` (``"torch"``: a ``torch.save`` file).
 Design notes: docs/checkpoints.md.
 """
-from .consolidate import consolidate
-from .durable_io import atomic_torch_save
-from .errors import CheckpointError
-from .hf.save import save_pretrained
-from .hf.storage import HF, HfStorage
-from .load import load_checkpoint
-from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointInfo
-from .pending import PendingCheckpoint, finish_pending
-from .save import save_checkpoint
-from .storage import CheckpointStorage
-from .storages import FORMATS, STORAGES, detect, load_path, read_manifest
-from .view import Pipeline, PipelineView
+import importlib
+from typing import TYPE_CHECKING, Any, List
+
+if TYPE_CHECKING:
+    from .consolidate import consolidate
+    from .durable_io import atomic_torch_save
+    from .errors import CheckpointError
+    from .hf.save import save_pretrained
+    from .hf.storage import HF, HfStorage
+    from .load import load_checkpoint
+    from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, CheckpointInfo
+    from .pending import PendingCheckpoint, finish_pending
+    from .save import save_checkpoint
+    from .storage import CheckpointStorage
+    from .storages import FORMATS, STORAGES, detect, load_path, read_manifest
+    from .view import Pipeline, PipelineView
 
 __all__ = [
     "save_checkpoint",
@@ -71,3 +75,37 @@ __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
 ]
+
+# Each public name's module. They are imported on first use (PEP 562) so that a
+# pipeline that never saves does not pay for DCP, DTensor and safetensors at start-up
+# (tests/test_import_cost.py): importing one light submodule (``reshard``, ``pending``)
+# runs this file first. ``consolidate`` is also its submodule's name: resolving it
+# here binds the function over the submodule the import bound.
+_HOMES = {
+    "consolidate": "consolidate", "atomic_torch_save": "durable_io", "CheckpointError": "errors",
+    "save_pretrained": "hf.save", "HF": "hf.storage", "HfStorage": "hf.storage",
+    "load_checkpoint": "load", "FORMAT": "manifest", "FORMAT_VERSION": "manifest",
+    "MANIFEST": "manifest", "CheckpointInfo": "manifest", "PendingCheckpoint": "pending",
+    "finish_pending": "pending", "save_checkpoint": "save", "CheckpointStorage": "storage",
+    "FORMATS": "storages", "STORAGES": "storages", "detect": "storages", "load_path": "storages",
+    "read_manifest": "storages", "Pipeline": "view", "PipelineView": "view",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A public name of this package, imported from its module on first use.
+
+    Raises:
+        AttributeError: not a public name (``from . import <submodule>`` then imports the
+            submodule, as for any package).
+    """
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -22,7 +22,6 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .._dist import collectives
 from . import copies
@@ -143,8 +142,11 @@ def _laid_out_like(value: Optional[torch.Tensor], current: torch.Tensor) -> Opti
     """``value`` (a whole tensor) as ``current`` holds it: a DTensor (tensor parallelism,
     FSDP over a mesh's ``dp``) takes this rank's shard by its placements, cut locally
     (``src_data_rank=None``: every rank has the whole value, nothing is sent)."""
-    if value is None or not isinstance(current, DTensor):
+    if value is None or not collectives.is_dtensor(current):
         return value
+    # Only reached with a DTensor, so torch.distributed.tensor is loaded already; at
+    # module level it would cost every rank's start-up.
+    from torch.distributed.tensor import distribute_tensor  # noqa: PLC0415 - only with DTensors
     return distribute_tensor(value.detach().to(current.device), current.device_mesh, current.placements,
                              src_data_rank=None)
 

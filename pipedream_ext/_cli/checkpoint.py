@@ -10,19 +10,20 @@ from __future__ import annotations
 import argparse
 import os
 
-from .._checkpoint import atomic_torch_save, consolidate, read_manifest
+# Attributes read when the command runs: the formats load then, not for every command.
+from .. import _checkpoint
 
 __all__ = ["register"]
 
 
 def _run_consolidate(args: argparse.Namespace) -> int:
-    manifest = read_manifest(args.checkpoint)
-    state = consolidate(args.checkpoint)
+    manifest = _checkpoint.read_manifest(args.checkpoint)
+    state = _checkpoint.consolidate(args.checkpoint)
     output = os.path.abspath(args.output)
     directory, name = os.path.split(output)
     try:
         os.makedirs(directory, exist_ok=True)
-        atomic_torch_save(state, directory, name)  # never leaves a half-written model.pt
+        _checkpoint.atomic_torch_save(state, directory, name)  # never leaves a half-written model.pt
     except OSError as exc:
         raise RuntimeError(f"cannot write {args.output}: {exc}") from exc
     # A tied parameter is one tensor under several names (and stored once).

@@ -44,8 +44,8 @@ x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 10, (16,))
 gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64))
 ids, targets = torch.randint(0, 11, (8, 6)), torch.randint(0, 11, (8, 6))
 m = torch.ones_like(ids)
-config = SimpleNamespace(n_layer=8)
-cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+config = SimpleNamespace(n_layer=7)
+cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 pp, dp, tp, split_points = 2, 1, 1, ["layers.1"]
 llama = build()

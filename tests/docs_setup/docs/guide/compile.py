@@ -12,5 +12,5 @@ def GPT(config: SimpleNamespace) -> NanoGPT:  # nanoGPT's name
     return NanoGPT(export_only=False, blocks=config.n_layer)
 
 
-config = SimpleNamespace(n_layer=8)
+config = SimpleNamespace(n_layer=7)
 x, y = torch.randint(0, 11, (8, 6)), torch.randint(0, 11, (8, 6))

@@ -9,7 +9,7 @@ import pipedream_ext as pd
 from examples.finetune_minilm import classifier_class
 
 MiniLMClassifier = classifier_class()
-config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=6, num_attention_heads=2,
+config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
                     intermediate_size=64, max_position_embeddings=32, num_labels=4,
                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 model_dir = "pretrained"

@@ -16,7 +16,7 @@ for row in range(8):  # each row ends in a different amount of padding
     labels[row, 6 - row % 4:] = -100
 
 llama = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                     num_hidden_layers=4, num_attention_heads=4,
+                                     num_hidden_layers=3, num_attention_heads=4,
                                      num_key_value_heads=2, max_position_embeddings=64))
 ids = torch.randint(0, VOCAB, (4, 12))
 pos = torch.cat([torch.arange(5), torch.arange(7)]).repeat(4, 1)  # documents of 5 and 7 tokens
