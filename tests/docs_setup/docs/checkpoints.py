@@ -3,22 +3,11 @@ Hugging Face directory ("llama-dir") with a batch of token ids."""
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _docs_models import causal_lm_loss as loss_fn
+from _docs_models import make_mlp as make_model
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import pipedream_ext as pd
-
-
-def make_model() -> torch.nn.Sequential:
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(4):
-        layers += [torch.nn.Linear(16, 16), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers)
-
-
-def loss_fn(out, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
-
 
 model, step = make_model(), 0
 if dist.get_rank() == 0:

@@ -3,17 +3,11 @@ and a learning-rate schedule), and a tiny Llama saved as a Hugging Face director
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _docs_models import causal_lm_loss as loss_fn
+from _docs_models import make_mlp as make_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import pipedream_ext as pd
-
-
-def make_model() -> torch.nn.Sequential:
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(4):
-        layers += [torch.nn.Linear(16, 16), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers)
 
 
 def make_scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
@@ -38,7 +32,3 @@ if dist.get_rank() == 0:
 dist.barrier()
 ids = torch.randint(0, 32, (4, 8))
 sample = ({"input_ids": ids}, ids)
-
-
-def loss_fn(out, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
