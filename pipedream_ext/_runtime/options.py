@@ -262,7 +262,7 @@ class PipelineOptions:
     reshard_after_forward: bool = option(False, """
         ``"fsdp"``: free the gathered weights after each forward.""", group="placement", position=23)
     mp_policy: Optional[Any] = option(None, """
-        ``"fsdp"``: FSDP's ``MixedPrecisionPolicy`` (README "Pipeline + FSDP").""",
+        ``"fsdp"``: FSDP's ``MixedPrecisionPolicy`` (docs/guide/fsdp_2d.md).""",
         group="placement", position=24)
     tensor_parallel: Optional[Any] = option(None, """
         with a ``("pp", "dp", "tp")`` (or ``("pp", "tp")``) ``mesh``: tensor parallelism inside each
@@ -270,7 +270,7 @@ class PipelineOptions:
         model's module names, ``*`` one name component, as ``parallelize_module`` reads them; each stage's
         modules get what ``parallelize_module(model, mesh["tp"], plan)`` gives them) or a callable
         ``fn(stage_module, tp_mesh)``. Every tp rank of a dp coordinate is given the same batch. An
-        ``nn.Sequential`` with a flush schedule; README "Tensor parallelism inside stages" lists what is
+        ``nn.Sequential`` with a flush schedule; docs/guide/tensor_parallel.md lists what is
         refused.""", group="placement", check=_check_tensor_parallel, agreed=describe_plan)
 
     # -- numerics ---------------------------------------------------------------------------
