@@ -377,10 +377,7 @@ def microbatch_tokens(tokens_fn: Callable[[Any], Any], targets: Sequence[Any]) -
         if not _is_count(n):
             raise ValueError(f"tokens_fn returned {_show(n)} for microbatch {i}; it must return the "
                              "microbatch's token count, a number or a 0-d tensor")
-    tensors = [n.detach().reshape(()) for n in counts if isinstance(n, torch.Tensor)]
-    read = iter(torch.stack([t.to(tensors[0].device, torch.float64) for t in tensors]).tolist()
-                if tensors else [])
-    values = [next(read) if isinstance(n, torch.Tensor) else float(n) for n in counts]
+    values = _read_numbers(counts)
     for i, v in enumerate(values):
         # inf and NaN first: int() of them raises OverflowError / ValueError naming neither.
         if not math.isfinite(v) or v < 0 or v != int(v):
@@ -419,11 +416,7 @@ def returned_mismatch(counted: Dict[int, int], returned: Dict[int, Any]) -> Opti
     """The first microbatch whose ``n_tokens`` from ``loss_fn`` is not the count
     ``tokens_fn`` gave (one read of the returned tensors), or ``None``."""
     microbatches = sorted(returned)
-    tensors = [returned[i].detach().reshape(()).to(torch.float64) for i in microbatches
-               if isinstance(returned[i], torch.Tensor)]
-    read = iter(torch.stack([t.to(tensors[0].device) for t in tensors]).tolist() if tensors else [])
-    for i in microbatches:
-        value = next(read) if isinstance(returned[i], torch.Tensor) else float(returned[i])
+    for i, value in zip(microbatches, _read_numbers([returned[i] for i in microbatches])):
         if value != counted[i]:
             return (f"loss_fn returned n_tokens={value:g} for microbatch {i}, but tokens_fn counted "
                     f"{counted[i]} tokens in its targets (default: the elements other than "
@@ -442,6 +435,14 @@ def no_tokens() -> str:
             "loss_reduction='tokens' divides by the batch's token count (0/0: NaN); nothing ran "
             "on any rank and every gradient is as before this call: skip batches without tokens "
             "(or catch this ValueError on every rank and go on with the next batch)")
+
+
+def _read_numbers(values: Sequence[Any]) -> List[float]:
+    """Numbers and 0-d tensors as floats, the tensors read in one go (one device sync)."""
+    tensors = [v.detach().reshape(()) for v in values if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack([t.to(tensors[0].device, torch.float64) for t in tensors]).tolist()
+                if tensors else [])
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
 
 
 def _is_count(value: Any) -> bool:
