@@ -1,0 +1,146 @@
+// Choosing the whole configuration of a run: schedule, chunks, microbatches,
+// balance, recompute per stage and mesh (pp, dp, tp), scored by one cost model
+// that predicts the step time and the peak memory of every rank. See
+// docs/planner.md, "Choosing the whole configuration".
+//
+// Legend: l layer, j stage (pp * chunks of them), r rank of one pipeline,
+// i microbatch, b samples of one microbatch.
+//
+// The cost model (predictConfiguration):
+//   - every layer's forward / backward costs are affine in b
+//     (t(b) = fixed + perSample * b: two profiled microbatch sizes fix both);
+//     a stage's F, B (I and W for split-backward schedules) are the sums over
+//     its layers, divided by tp, plus MachineCosts::actionSeconds per action;
+//     recompute adds the stage's forward to its B (to I when split);
+//   - the schedule the runtime would run (buildSchedule) is simulated
+//     (simulate.h) with those costs and with boundary transfers of
+//     latencySeconds + bytes / bandwidth; the makespan is the pipeline's time;
+//   - ranks sharing cores (ranksPerNode > cores) stretch the compute;
+//   - per step: stepSeconds, the optimizer (optimizerSecondsPerByte times the
+//     rank's parameter bytes) and the data-parallel gradient all-reduce (or
+//     FSDP's reduce-scatter + all-gather) of every stage over dp;
+//   - memory per rank: weights, gradients and optimizer state
+//     (optimizerStateFactor x weights; / dp under FSDP; / tp), plus the
+//     activations in flight as the simulator counts them for the schedule
+//     (peakActivations x the stage's stashed bytes per microbatch; only the
+//     stage's input with recompute, plus one microbatch being recomputed).
+//
+// The search (searchConfigurations) returns the best configuration under this
+// model: exactly what enumerateConfigurations (every point of the space
+// scored) returns, only faster (bounds prune what cannot win).
+#pragma once
+
+#include <array>
+#include <string>
+#include <vector>
+
+namespace pipedream {
+
+// One layer of the chain stages are cut from. A traced model's groups in
+// topological order are such a chain; `outputBytesPerSample` then is what
+// crosses a cut placed after this layer (the live activations).
+struct LayerCost {
+  double forwardFixed = 0.0;         // seconds per microbatch, whatever its size
+  double forwardPerSample = 0.0;     // seconds per sample
+  double backwardFixed = 0.0;        // input + weight gradients
+  double backwardPerSample = 0.0;
+  double weightShare = 0.5;          // share of the backward that is the weight gradient (W)
+  double outputBytesPerSample = 0.0; // sent to the next stage when cut after this layer
+  double stashBytesPerSample = 0.0;  // saved for its backward (autograd's saved tensors)
+  double inputBytesPerSample = 0.0;  // its input (what recompute keeps)
+  double parameterBytes = 0.0;
+};
+
+// What the machine adds to the layers' compute, measured at start-up by a
+// short calibration (pipedream_ext/_planning/calibration.py).
+struct MachineCosts {
+  double actionSeconds = 0.0;       // runtime overhead per F/B/I/W action
+  double sendSeconds = 0.0;         // rank time to post one boundary send
+  double stepSeconds = 0.0;         // per step: the step call, loss all-reduce, set-up
+  double latencySeconds = 0.0;      // point-to-point, per message
+  double bandwidth = 1e10;          // point-to-point bytes/s
+  double allReduceLatencySeconds = 0.0;  // per all-reduce call (dp, tp)
+  double allReduceBandwidth = 1e10;      // ring all-reduce bus bytes/s
+  double optimizerSecondsPerByte = 0.0;  // the optimizer's step per parameter byte
+  int cores = 0;         // cores the ranks of one node share; 0 = one core per rank
+  int ranksPerNode = 0;  // 0 = every rank on one node
+};
+
+enum class RecomputeChoice {
+  kNever,   // no stage recomputes
+  kAlways,  // every stage recomputes
+  kSearch,  // the search decides per stage (per rank for multi-chunk schedules)
+};
+
+// What the search may choose. A field with one value fixes that choice.
+struct SearchSpace {
+  int worldSize = 1;
+  int batchSize = 1;  // samples per step of ONE pipeline (each dp rank gets its own batch)
+  std::vector<std::string> schedules;  // candidate names (scheduleNames())
+  std::vector<int> interleavedChunks = {2};  // chunk counts tried for interleaved schedules
+  std::vector<int> microbatches;       // candidate counts, each <= batchSize
+  std::vector<std::array<int, 3>> meshes;  // (pp, dp, tp) candidates, pp * dp * tp = worldSize;
+                                            // empty = {(worldSize, 1, 1)}
+  std::vector<int> balance;            // fixed layers per stage, or empty (searched)
+  RecomputeChoice recompute = RecomputeChoice::kNever;
+  std::vector<int> recomputeStages;    // fixed 0/1 per stage (overrides `recompute`), or empty
+  double memoryBytes = 0.0;            // per rank; 0 = unlimited
+  double optimizerStateFactor = 2.0;   // optimizer state bytes per weight byte (Adam: 2)
+  bool fsdp = false;                   // dp shards weights, gradients and optimizer state
+  int candidates = 5;                  // runners-up kept in SearchResult::candidates
+};
+
+// Predicted costs of one configuration. Per-rank vectors have pp entries (the
+// ranks of one pipeline; every dp/tp copy predicts the same).
+struct Prediction {
+  double stepSeconds = 0.0;          // the whole step: pipeline + per-step costs
+  double pipelineSeconds = 0.0;      // the simulated makespan
+  double overheadSeconds = 0.0;      // stepSeconds' fixed part and the optimizer
+  double allReduceSeconds = 0.0;     // dp / FSDP collectives per step
+  std::vector<double> computeSeconds;   // per rank: F/B/I/W (with actionSeconds)
+  std::vector<double> waitSeconds;      // per rank: idle in the makespan (bubble, transfers)
+  std::vector<double> transferSeconds;  // per rank: posting sends
+  std::vector<double> peakBytes;        // per rank
+  double bubbleFraction = 0.0;
+  bool fits = true;  // every rank's peakBytes <= memoryBytes (or no limit)
+};
+
+struct Configuration {
+  std::string schedule;
+  int chunks = 1;
+  int microbatches = 1;
+  int pp = 1, dp = 1, tp = 1;
+  std::vector<int> balance;    // layers per stage, pp * chunks entries
+  std::vector<int> replicas;   // PipeDream replicas per stage (predict only); empty = 1 each
+  std::vector<int> recompute;  // 0/1 per stage
+  Prediction prediction;
+};
+
+struct SearchResult {
+  bool feasible = false;  // some configuration fits memoryBytes
+  Configuration best;
+  std::vector<Configuration> candidates;  // runners-up, best first, `best` excluded
+  long long evaluated = 0;  // configurations simulated
+  long long pruned = 0;     // configurations ruled out by a bound
+};
+
+// Fills `config.prediction`. Throws std::invalid_argument naming the bad value
+// (unknown schedule, balance not summing to the layers, ...).
+Prediction predictConfiguration(const std::vector<LayerCost>& layers, int batchSize,
+                                const MachineCosts& machine, const Configuration& config,
+                                double memoryBytes = 0.0, double optimizerStateFactor = 2.0,
+                                bool fsdp = false);
+
+// The best configuration under the cost model (ties: fewer stages, then the
+// order of `space.schedules`, then fewer microbatches). Throws
+// std::invalid_argument for an invalid space (empty lists, a mesh whose
+// product is not worldSize, microbatches > batchSize, ...).
+SearchResult searchConfigurations(const std::vector<LayerCost>& layers,
+                                  const MachineCosts& machine, const SearchSpace& space);
+
+// Every point of `space` scored by predictConfiguration (tests compare it with
+// searchConfigurations; exponential in the layers).
+SearchResult enumerateConfigurations(const std::vector<LayerCost>& layers,
+                                     const MachineCosts& machine, const SearchSpace& space);
+
+}  // namespace pipedream
