@@ -371,6 +371,99 @@ Prediction PointModel::predict(const std::vector<int>& balance,
   return p;
 }
 
+namespace {
+
+// Times of one kind of action, indexed by (stage, microbatch).
+class EndTimes {
+ public:
+  EndTimes(int stages, int microbatches)
+      : microbatches_(microbatches), ends_(static_cast<size_t>(stages) * microbatches, -1.0),
+        at_(ends_.size(), -1) {}
+  void set(int stage, int microbatch, double end, int index) {
+    ends_[slot(stage, microbatch)] = end;
+    at_[slot(stage, microbatch)] = index;
+  }
+  double end(int stage, int microbatch) const { return ends_[slot(stage, microbatch)]; }
+  int index(int stage, int microbatch) const { return at_[slot(stage, microbatch)]; }
+
+ private:
+  size_t slot(int stage, int microbatch) const {
+    return static_cast<size_t>(stage) * microbatches_ + microbatch;
+  }
+  int microbatches_;
+  std::vector<double> ends_;
+  std::vector<int> at_;
+};
+
+bool tight(double a, double b) { return std::abs(a - b) <= 1e-12 * std::max(1.0, std::abs(b)); }
+
+}  // namespace
+
+// Walks back from the action that ends last: each step takes a dependency
+// that ended exactly when the action started (the data it waited for, or the
+// rank's previous action).
+CriticalPath PointModel::criticalPath(const std::vector<int>& balance,
+                                      const std::vector<int>& recompute) const {
+  const Schedule& schedule = schedules_.front();
+  const StageCosts costs = stageCosts(starts(balance), recompute);
+  const SimulationResult sim = simulate(schedule, costs, Recording::kFull);
+  const auto& line = sim.timeline;
+  const int total = schedule.totalMicrobatches();
+  EndTimes forward(stages_, total), grad(stages_, total);
+  std::vector<int> previous(line.size(), -1), lastOfRank(ranks_, -1);
+  int last = -1;
+  for (size_t x = 0; x < line.size(); ++x) {
+    const TimedAction& t = line[x];
+    const Action& a = t.action;
+    previous[x] = lastOfRank[t.rank];
+    lastOfRank[t.rank] = static_cast<int>(x);
+    if (a.kind == ActionKind::kForward) forward.set(a.stage, a.microbatch, t.end, static_cast<int>(x));
+    if (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput) {
+      grad.set(a.stage, a.microbatch, t.end, static_cast<int>(x));
+    }
+    if (last < 0 || t.end > line[last].end) last = static_cast<int>(x);
+  }
+  CriticalPath path;
+  path.forward.assign(stages_, 0.0);
+  path.backward.assign(stages_, 0.0);
+  path.weight.assign(stages_, 0.0);
+  path.comm.assign(std::max(0, stages_ - 1), 0.0);
+  for (int x = last; x >= 0;) {
+    const TimedAction& t = line[x];
+    const Action& a = t.action;
+    const int j = a.stage, i = a.microbatch;
+    if (a.kind == ActionKind::kForward) path.forward[j] += 1;
+    if (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput) path.backward[j] += 1;
+    if (a.kind == ActionKind::kBackwardWeight || (a.kind == ActionKind::kBackward && split_)) {
+      path.weight[j] += 1;
+    }
+    if (t.start <= 0.0) break;
+    int next = -1;
+    auto crossing = [&](int from, int to) { return firstRank_[from] != firstRank_[to]; };
+    if (a.kind == ActionKind::kForward && j > 0) {
+      const double comm = crossing(j - 1, j) ? costs.comm[j - 1] : 0.0;
+      if (tight(forward.end(j - 1, i) + comm, t.start)) {
+        next = forward.index(j - 1, i);
+        if (crossing(j - 1, j)) path.comm[j - 1] += 1;
+      }
+    } else if (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput) {
+      if (tight(forward.end(j, i), t.start)) {
+        next = forward.index(j, i);
+      } else if (j + 1 < stages_) {
+        const double comm = crossing(j, j + 1) ? costs.comm[j] : 0.0;
+        if (tight(grad.end(j + 1, i) + comm, t.start)) {
+          next = grad.index(j + 1, i);
+          if (crossing(j, j + 1)) path.comm[j] += 1;
+        }
+      }
+    } else if (a.kind == ActionKind::kBackwardWeight && tight(grad.end(j, i), t.start)) {
+      next = grad.index(j, i);
+    }
+    x = next >= 0 ? next : previous[x];
+  }
+  return path;
+}
+
 // Per rank: the sends it posts in one step (counted like busy time: the last
 // window minus the one before, for an asynchronous schedule).
 void PointModel::countSends() {

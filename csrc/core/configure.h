@@ -15,7 +15,15 @@
 //   - the schedule the runtime would run (buildSchedule) is simulated
 //     (simulate.h) with those costs and with boundary transfers of
 //     latencySeconds + bytes / bandwidth; the makespan is the pipeline's time;
-//   - ranks sharing cores (ranksPerNode > cores) stretch the compute;
+//   - b, a microbatch's samples, is ceil(batchSize / microbatches): the
+//     runtime splits with torch.tensor_split, whose first microbatches are
+//     the largest (pipedream: a step is one minibatch, the whole batch);
+//   - ranks sharing cores (ranksPerNode > cores, else every rank on one node)
+//     stretch the compute: the pipeline takes max(makespan, R x the average
+//     busy time of a rank / cores) for R ranks on a node, every rank's
+//     compute scaled alike (the node's demand spread over its cores);
+//   - an asynchronous schedule never drains: its step is the difference of
+//     the simulated makespans of two windows and one (fill and drain cancel);
 //   - per step: stepSeconds, the optimizer (optimizerSecondsPerByte times the
 //     rank's parameter bytes) and the data-parallel gradient all-reduce (or
 //     FSDP's reduce-scatter + all-gather) of every stage over dp;
@@ -132,7 +140,15 @@ Prediction predictConfiguration(const std::vector<LayerCost>& layers, int batchS
                                 bool fsdp = false);
 
 // The best configuration under the cost model (ties: fewer stages, then the
-// order of `space.schedules`, then fewer microbatches). Throws
+// order of `space.schedules`, then fewer microbatches, the order of
+// `space.meshes`, fewer chunks, the smaller balance and recompute list;
+// improvements below 1e-10 of the step are not searched for, so of two
+// configurations that close either may come back). When nothing fits,
+// `feasible` is false and `best` is the smallest peak scored. Runners-up are
+// the best configuration of each other (mesh, schedule, chunks, microbatches)
+// that fits. Recompute kSearch: per stage (per rank for multi-chunk
+// schedules); with a flush schedule only where the rank does not fit without
+// it (the makespan never shrinks when an action costs more). Throws
 // std::invalid_argument for an invalid space (empty lists, a mesh whose
 // product is not worldSize, microbatches > batchSize, ...).
 SearchResult searchConfigurations(const std::vector<LayerCost>& layers,

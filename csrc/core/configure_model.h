@@ -51,6 +51,14 @@ struct StageCost {
   double weight = 0.0;
 };
 
+// How often each stage's F, B (I), W and boundary transfer lie on a critical
+// path of the schedule: the path's length is their dot product with any
+// costs, a lower bound on the makespan for every balance (the dependencies do
+// not depend on the costs).
+struct CriticalPath {
+  std::vector<double> forward, backward, weight, comm;  // per stage (comm: per boundary)
+};
+
 class PointModel {
  public:
   // Throws std::invalid_argument when the schedule refuses the point.
@@ -80,6 +88,8 @@ class PointModel {
   bool asynchronous() const { return asynchronous_; }
   bool sendsForward(int stage) const;
   bool sendsBackward(int stage) const;
+  // The critical path of the simulated flush schedule at `balance`.
+  CriticalPath criticalPath(const std::vector<int>& balance, const std::vector<int>& recompute) const;
   // 0 when ranks do not share cores, else ranks per core of a node.
   double sharedRanks() const;
 

@@ -5,8 +5,11 @@
 //     waits for the forwards of the stages before it (head) and, without a
 //     split backward, its last backward is followed by theirs (tail);
 //   - one microbatch's forwards and backwards through every stage are a chain;
-//   - the stages still to cut are at least the min-max partition of the
-//     remaining layers (dynamic programming, per microbatch count);
+//   - the stages still to cut take at least the least, over the cuts of the
+//     remaining layers, of the largest such path (dynamic programming);
+//   - a critical path of the min-max balance's simulation is a chain of
+//     dependencies at every balance: its length is exact over the stages cut
+//     and the least over the cuts of the rest (dynamic programming);
 //   - the simulator is monotone in every action cost (a list schedule run in
 //     a fixed order), so recomputation, which only adds cost, is chosen only
 //     where the rank does not fit without it;
@@ -45,24 +48,34 @@ bool cannotBeat(double bound, double threshold) {
   return bound * (1 - kRounding) >= threshold * (1 - kTie);
 }
 
-// Per-microbatch work of stages cut from the layers at one microbatch size,
-// and the min-max partition of every suffix of the layers into s stages.
+// Per-microbatch work of `stages` stages cut from the layers at one microbatch
+// size, and a bound on every suffix of the layers cut into the last s stages:
+// stage k starting at layer a waits for the forwards of the layers before a
+// (head) and, without a split backward, its last backward is followed by
+// theirs (tail); in between it is busy with its own microbatches. The least,
+// over the cuts, of the largest such path is found by dynamic programming.
 class WorkTable {
  public:
   WorkTable(const std::vector<LayerCost>& layers, int samples, int tp, bool split,
-            double actionSeconds, int microbatches)
+            double actionSeconds, int microbatches, int stages)
       : layers_(static_cast<int>(layers.size())),
+        stages_(stages),
         fixed_(actionSeconds * (split ? 3 : 2)),
         chainFixed_(actionSeconds * 2),
+        split_(split),
+        act_(actionSeconds),
         n_(microbatches),
         work_(layers_ + 1, 0.0),
-        chain_(layers_ + 1, 0.0) {
+        chain_(layers_ + 1, 0.0),
+        head_(layers_ + 1, 0.0) {
     for (int l = 0; l < layers_; ++l) {
       const LayerCost& c = layers[l];
       const double forward = (c.forwardFixed + c.forwardPerSample * samples) / tp;
       const double backward = (c.backwardFixed + c.backwardPerSample * samples) / tp;
+      const double input = split ? (1 - c.weightShare) * backward : backward;
       work_[l + 1] = work_[l] + forward + backward;
-      chain_[l + 1] = chain_[l] + forward + (split ? (1 - c.weightShare) * backward : backward);
+      chain_[l + 1] = chain_[l] + forward + input;
+      head_[l + 1] = head_[l] + forward;
     }
   }
 
@@ -70,23 +83,37 @@ class WorkTable {
   double busy(int a, int e) const { return n_ * (work_[e] - work_[a] + fixed_); }
   // One microbatch's forward and backward (input gradient) through [a, e) in s stages.
   double chain(int a, int e, int s) const { return chain_[e] - chain_[a] + s * chainFixed_; }
-  double totalBusy(int stages) const { return n_ * (work_[layers_] + stages * fixed_); }
+  double totalBusy() const { return n_ * (work_[layers_] + stages_ * fixed_); }
+  // Stage k of layers [a, e): its first forward waits for the forwards of
+  // the stages before (head); the last of its backwards (input gradients
+  // when split) is followed by theirs (tail); in between its rank runs all
+  // of its F and B (or F and I, before that last I) one after the other.
+  double path(int k, int a, int e) const {
+    const double chainBefore = chain_[a] + k * chainFixed_;
+    const double chainOwn = n_ * (chain_[e] - chain_[a] + chainFixed_);
+    if (!split_) return chainBefore + busy(a, e);
+    return std::max(head_[a] + k * act_ + busy(a, e), chainBefore + chainOwn);
+  }
 
-  // The least largest stage busy time of layers [a, L) cut into s stages.
-  double minMax(int s, int a) {
+  // The least, over the cuts of layers [a, L) into the last s stages, of the
+  // largest path of those stages.
+  double suffix(int s, int a) {
     if (s == 0) return a == layers_ ? 0.0 : kInf;
     ensure(s);
     return table_[s][a];
   }
 
-  // A balance of the layers into `stages` stages reaching minMax(stages, 0).
-  std::vector<int> minMaxBalance(int stages) {
+  // A balance reaching suffix(stages, 0).
+  std::vector<int> bestBalance() {
     std::vector<int> balance;
     int a = 0;
-    for (int s = stages; s > 0; --s) {
-      const double target = minMax(s, a);
+    for (int s = stages_; s > 0; --s) {
+      const double target = suffix(s, a);
+      const int k = stages_ - s;
       int e = a + 1;
-      while (e < layers_ - (s - 1) && std::max(busy(a, e), minMax(s - 1, e)) > target) ++e;
+      while (e < layers_ - (s - 1) && std::max(path(k, a, e), suffix(s - 1, e)) > target) {
+        ++e;
+      }
       if (s == 1) e = layers_;
       balance.push_back(e - a);
       a = e;
@@ -97,32 +124,73 @@ class WorkTable {
  private:
   void ensure(int s) {
     while (static_cast<int>(table_.size()) <= s) {
-      const int k = static_cast<int>(table_.size());
+      const int size = static_cast<int>(table_.size());
       std::vector<double> row(layers_ + 1, kInf);
-      for (int a = 0; a < layers_; ++a) {
-        if (k == 0) break;
-        if (k == 1) {
-          row[a] = busy(a, layers_);
+      if (size == 0) row[layers_] = 0.0;
+      const int k = stages_ - size;  // the stage this row's first cut makes
+      for (int a = 0; size > 0 && a < layers_; ++a) {
+        if (size == 1) {
+          row[a] = path(k, a, layers_);
           continue;
         }
         double best = kInf;
-        for (int e = a + 1; e <= layers_ - (k - 1); ++e) {
-          const double here = busy(a, e);
+        for (int e = a + 1; e <= layers_ - (size - 1); ++e) {
+          const double here = path(k, a, e);
           if (here >= best) break;  // later cuts only make this stage longer
-          best = std::min(best, std::max(here, table_[k - 1][e]));
+          best = std::min(best, std::max(here, table_[size - 1][e]));
         }
         row[a] = best;
       }
-      if (k == 0) row[layers_] = 0.0;
       table_.push_back(std::move(row));
     }
   }
 
-  int layers_;
+  int layers_, stages_;
   double fixed_, chainFixed_;
+  bool split_;
+  double act_;
   int n_;
-  std::vector<double> work_, chain_;
+  std::vector<double> work_, chain_, head_;
   std::vector<std::vector<double>> table_;
+};
+
+// A critical path of the schedule at one balance, as a bound for every
+// balance: its length is exact over the stages cut so far, and the least, over
+// the cuts of the remaining layers, of its length over the remaining stages
+// (dynamic programming) bounds the rest.
+class PathBound {
+ public:
+  PathBound(const PointModel& model, CriticalPath path, int layers)
+      : model_(model), path_(std::move(path)), stages_(model.stages()), layers_(layers),
+        rest_(stages_ + 1, std::vector<double>(layers_ + 1, kInf)) {
+    rest_[stages_][layers_] = 0.0;
+    for (int k = stages_ - 1; k >= 0; --k) {
+      for (int a = k; a < layers_; ++a) {
+        double best = kInf;
+        for (int e = a + 1; e <= layers_ - (stages_ - 1 - k); ++e) {
+          if (rest_[k + 1][e] < kInf) best = std::min(best, stage(k, a, e, false) + rest_[k + 1][e]);
+        }
+        rest_[k][a] = best;
+      }
+    }
+  }
+
+  // Stage k of layers [a, e): its share of the path's length.
+  double stage(int k, int a, int e, bool recompute) const {
+    const StageCost c = model_.stageCost(k, a, e, recompute);
+    double length = path_.forward[k] * c.forward + path_.backward[k] * c.backward +
+                    path_.weight[k] * c.weight;
+    if (k + 1 < stages_ && path_.comm[k] > 0) length += path_.comm[k] * model_.commSeconds(e);
+    return length;
+  }
+  // The least share of stages k.. cut from layers [a, L).
+  double rest(int k, int a) const { return rest_[k][a]; }
+
+ private:
+  const PointModel& model_;
+  CriticalPath path_;
+  int stages_, layers_;
+  std::vector<std::vector<double>> rest_;
 };
 
 double sharedRanksOf(const MachineCosts& machine, int world) {
@@ -165,18 +233,18 @@ struct Context {
   const std::vector<LayerCost>& layers;
   const MachineCosts& machine;
   const SearchSpace& space;
-  std::map<std::tuple<int, int, bool>, std::unique_ptr<WorkTable>> tables;
+  std::map<std::tuple<int, int, bool, int>, std::unique_ptr<WorkTable>> tables;
   double totalParameters = 0.0;
   long long evaluated = 0;
   long long pruned = 0;
 
   WorkTable& table(const SpacePoint& point, bool split) {
     const int m = point.microbatches;
-    auto& slot = tables[{m, point.mesh[2], split}];
+    auto& slot = tables[{m, point.mesh[2], split, point.stages()}];
     if (!slot) {
       const int samples = (space.batchSize + m - 1) / m;
       slot = std::make_unique<WorkTable>(layers, samples, point.mesh[2], split,
-                                         machine.actionSeconds, m);
+                                         machine.actionSeconds, m, point.stages());
     }
     return *slot;
   }
@@ -201,12 +269,16 @@ class PointSearch {
   // The best configuration of the point that can matter, if any; `fallback`
   // keeps the smallest peak seen when nothing fits.
   bool run(Ranked& best, Ranked& fallback, bool& anyFallback) {
-    const std::vector<int> seed = c_.space.balance.empty() ? table_.minMaxBalance(stages_)
+    const std::vector<int> seed = c_.space.balance.empty() ? table_.bestBalance()
                                                            : c_.space.balance;
     scoreSeed(seed, fallback, anyFallback);
+    if (bounded_ && c_.space.balance.empty()) {
+      paths_.emplace_back(model_, model_.criticalPath(seed, std::vector<int>(stages_, 0)), layers_);
+    }
     State state;
     state.rankBusy.assign(ranks_, 0.0);
     state.rankBytes.assign(ranks_, 0.0);
+    state.pathPrefix.assign(paths_.size(), 0.0);
     descend(0, state);
     if (!found_) return false;
     best = std::move(best_);
@@ -222,6 +294,7 @@ class PointSearch {
     double pathBound = 0.0;       // the largest makespan bound of the stages cut so far
     std::vector<double> rankBusy;
     std::vector<double> rankBytes;
+    std::vector<double> pathPrefix;  // per critical path: its length over the stages cut so far
   };
 
   double threshold() const { return std::min(bar_, found_ ? best_.config.prediction.stepSeconds : kInf); }
@@ -291,20 +364,24 @@ class PointSearch {
   std::vector<int> lastStage_;
   bool found_ = false;
   Ranked best_;
+  std::vector<PathBound> paths_;
 };
 
 // The step-time bound of a prefix whose stage j ends at layer e.
 double PointSearch::bound(int j, int e, const State& next) {
   double makespan = next.pathBound;
-  if (j + 1 < stages_) makespan = std::max(makespan, table_.minMax(stages_ - 1 - j, e));
+  if (j + 1 < stages_) makespan = std::max(makespan, table_.suffix(stages_ - 1 - j, e));
   makespan = std::max(makespan, next.chain + table_.chain(e, layers_, stages_ - 1 - j));
+  for (size_t p = 0; p < paths_.size(); ++p) {
+    makespan = std::max(makespan, next.pathPrefix[p] + paths_[p].rest(j + 1, e));
+  }
   double rankBytes = c_.totalParameters / ranks_;
   for (int r = 0; r < ranks_; ++r) {
     makespan = std::max(makespan, next.rankBusy[r]);
     rankBytes = std::max(rankBytes, next.rankBytes[r]);
   }
   const int world = point_.mesh[0] * point_.mesh[1] * point_.mesh[2];
-  const double shared = sharedRanksOf(c_.machine, world) * table_.totalBusy(stages_) / ranks_;
+  const double shared = sharedRanksOf(c_.machine, world) * table_.totalBusy() / ranks_;
   return std::max(makespan, shared) + stepTermsBound(c_.machine, point_, c_.space.fsdp, rankBytes);
 }
 
@@ -329,20 +406,25 @@ void PointSearch::descend(int j, const State& state) {
     const StageCost s = model_.stageCost(j, a, e, recompute_[j] != 0);
     const double busy = point_.microbatches * (s.forward + s.backward + s.weight);
     const double comm = j + 1 < stages_ && model_.rankOf(j + 1) != rank ? model_.commSeconds(e) : 0.0;
-    const double stagePath = state.head + busy + (split ? 0.0 : state.tail);
+    const double own = point_.microbatches * (s.forward + s.backward);
+    const double stagePath = split ? std::max(state.head + busy, state.head + state.tail + own)
+                                   : state.head + busy + state.tail;
     next.pathBound = std::max(state.pathBound, stagePath);
     next.head += s.forward + comm;
     next.tail += s.backward + comm;
     next.chain += s.forward + s.backward + comm;
     next.rankBusy[rank] = lastStage_[rank] == j ? rankBusy(rank) : state.rankBusy[rank] + busy;
     next.rankBytes[rank] += model_.parameterBytes(a, e);
+    for (size_t p = 0; p < paths_.size(); ++p) {
+      next.pathPrefix[p] += paths_[p].stage(j, a, e, recompute_[j] != 0);
+    }
     if (bounded_) {
       const double here = bound(j, e, next);
       if (cannotBeat(here, threshold())) {
         ++c_.pruned;
-        const double own = stagePath + stepTermsBound(c_.machine, point_, c_.space.fsdp, 0.0);
+        const double alone = stagePath + stepTermsBound(c_.machine, point_, c_.space.fsdp, 0.0);
         recompute_ = saved;
-        if (cannotBeat(own, threshold())) break;  // the stage only grows with e
+        if (cannotBeat(alone, threshold())) break;  // the stage only grows with e
         continue;
       }
     }
@@ -379,10 +461,10 @@ double pointBound(Context& c, const SpacePoint& point) {
   WorkTable& table = c.table(point, traits.splitBackward);
   const int stages = point.stages();
   const int layers = static_cast<int>(c.layers.size());
-  double makespan = std::max(table.chain(0, layers, stages), table.totalBusy(stages) / point.mesh[0]);
-  if (c.space.balance.empty()) makespan = std::max(makespan, table.minMax(stages, 0));
+  double makespan = std::max(table.chain(0, layers, stages), table.totalBusy() / point.mesh[0]);
+  if (c.space.balance.empty()) makespan = std::max(makespan, table.suffix(stages, 0));
   const int world = point.mesh[0] * point.mesh[1] * point.mesh[2];
-  const double shared = sharedRanksOf(c.machine, world) * table.totalBusy(stages) / point.mesh[0];
+  const double shared = sharedRanksOf(c.machine, world) * table.totalBusy() / point.mesh[0];
   return std::max(makespan, shared) + terms;
 }
 
