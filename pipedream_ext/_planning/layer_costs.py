@@ -17,11 +17,12 @@ How each number is measured (one process, no communication):
 - weight share: each backward first runs for the inputs' gradients alone
   (``torch.autograd.grad`` with the graph kept: the I of split-backward schedules),
   then whole; the share is ``1 - I / B``;
-- kept bytes: the storages autograd saves for the layer's backward
-  (``torch.autograd.graph.saved_tensors_hooks``) and its outputs, each storage once,
-  neither the layer's inputs (the layer before keeps them, or the stage's input does)
-  nor parameters. A stage keeps, per microbatch in flight, its input plus the sum of
-  its layers' kept bytes;
+- kept bytes: the storages autograd saves for the backward
+  (``torch.autograd.graph.saved_tensors_hooks``; the loss's with the last layer),
+  each counted once, for the layer that made it (a Linear's input is its producer's; a
+  model input is no layer's), never the model's parameters and buffers. A stage keeps,
+  per microbatch in flight, its input plus the sum of its layers' kept bytes (exactly,
+  but for a stage output no layer saves);
 - a traced model's output bytes after a group are the bytes of every value made at
   or before it and used after it (the live set ``graph_split`` sends across such a
   cut: model inputs and skip connections included); its input bytes are those of the
@@ -361,8 +362,7 @@ def _live_bytes(chain: _Chain, env: Dict[Hashable, Any]) -> List[float]:
 
 
 def _kept_bytes(chain: _Chain, env: Dict[Hashable, Any], inputs: Sequence[Any], loss_fn: LossFn,
-                target: Any, timer: Timer, parameters: Dict[int, int]) -> Tuple[List[float],
-                                                                                  List[float]]:
+                target: Any, timer: Timer, state: Dict[int, int]) -> Tuple[List[float], List[float]]:
     """One untimed forward with autograd's saved tensors recorded: the bytes each unit
     keeps for its backward (module docstring) and the live bytes of every cut."""
     env.update(zip(chain.inputs, inputs))
@@ -375,7 +375,7 @@ def _kept_bytes(chain: _Chain, env: Dict[Hashable, Any], inputs: Sequence[Any], 
     for g, unit in enumerate(chain.units):
         maker.update((ptr, g) for k in unit.outs for ptr in _storages(_flat(env[k])))
     kept = [0.0] * len(chain.units)
-    counted = set(parameters)
+    counted = set(state)
     for g, storages in enumerate(saved):
         for ptr, size in storages.items():
             owner = maker.get(ptr, g)
@@ -386,12 +386,12 @@ def _kept_bytes(chain: _Chain, env: Dict[Hashable, Any], inputs: Sequence[Any], 
 
 
 def _measure_size(chain: _Chain, inputs: Sequence[Any], loss_fn: LossFn, target: Any,
-                  timer: Timer, steps: int, warmup: int, parameters: Sequence[nn.Parameter]
-                  ) -> _Sized:
+                  timer: Timer, steps: int, warmup: int, parameters: Sequence[nn.Parameter],
+                  state: Dict[int, int]) -> _Sized:
     """The medians over ``steps`` steps after ``warmup`` of every unit's times (the loss's
-    with the last unit) and, from one untimed step first, its bytes."""
-    kept, live = _kept_bytes(chain, {}, inputs, loss_fn, target, timer,
-                             _storages(list(parameters)))
+    with the last unit) and, from one untimed step first, its bytes (``state``: the
+    storages of the model's parameters and buffers, never counted)."""
+    kept, live = _kept_bytes(chain, {}, inputs, loss_fn, target, timer, state)
     n = len(chain.units)
     times: List[List[List[float]]] = [[[] for _ in range(n)] for _ in range(3)]
     for step_index in range(warmup + steps):
@@ -548,9 +548,11 @@ def measure_layer_costs(module: nn.Module, sample: Tuple[Any, Any], loss_fn: Los
     sizes = _checked_sizes(microbatch_sizes, batch)
     timer = Timer(device)
     parameters = list(module.parameters())
+    state = _storages(parameters + list(module.buffers()))  # the model's, not a microbatch's
     with preserved([module], device):
         sized = [_measure_size(chain, _microbatch(values, b, batch), loss_fn,
-                               _microbatch(sample[1], b, batch), timer, steps, warmup, parameters)
+                               _microbatch(sample[1], b, batch), timer, steps, warmup, parameters,
+                               state)
                  for b in sizes]
     costs = LayerCosts(_costs(chain, sizes, sized), [u.name for u in chain.units],
                        chain.group_ids, sizes)
