@@ -11,7 +11,9 @@ Owns the machine's side of the configuration search's cost model
 - the runtime's own overheads, on our runtime: rank 0 times a one-stage pipeline of
   one ``Linear(1, 1)`` (built with ``pipeline``, ``PipeDream``'s constructor, on a
   group of rank 0 alone) at two microbatch counts and fits ``step = step_seconds +
-  actions * action_seconds`` (a forward and a backward action per microbatch);
+  actions * action_seconds`` (a forward and a backward action per microbatch); this
+  and the optimizer are timed on the thread's CPU clock when the CPU computes with one
+  thread (other processes on the cores do not stretch them), the probes on the wall clock;
 - the optimizer: ``torch.optim.Adam`` steps on a scratch tensor, seconds per byte;
 - cores this process may use (``os.sched_getaffinity``) and ranks per node
   (torchrun's ``LOCAL_WORLD_SIZE``).
@@ -57,14 +59,23 @@ def _delta(timeout: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=timeout)
 
 
-def _median_seconds(run: Callable[[], None], rounds: int, warmup: int = 1) -> float:
+def _median_seconds(run: Callable[[], None], rounds: int, warmup: int = 1,
+                    clock: Callable[[], float] = time.perf_counter) -> float:
     times = []
     for i in range(warmup + rounds):
-        start = time.perf_counter()
+        start = clock()
         run()
         if i >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
     return statistics.median(times)
+
+
+def _compute_clock(device: torch.device) -> Callable[[], float]:
+    """For work that only computes: this thread's CPU time when it computes on the CPU
+    with one thread (immune to other processes on the cores, as ``layer_costs`` times
+    layers), else the wall clock."""
+    return time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 \
+        else time.perf_counter
 
 
 def _probe_device(group: dist.ProcessGroup, device: torch.device) -> torch.device:
@@ -159,7 +170,8 @@ def _overheads(pipeline: PipelineFactory, group: dist.ProcessGroup, device: torc
                         balance=[1], process_group=group, device=device, timeout=timeout)
         x, y = torch.zeros(m, 1, device=device), torch.zeros(m, 1, device=device)
         try:
-            steps.append(_median_seconds(lambda: pipe.step(x, y), 7, warmup=2))
+            steps.append(_median_seconds(lambda: pipe.step(x, y), 15, warmup=3,
+                                         clock=_compute_clock(device)))
         finally:
             pipe.close()
     step, action = _fit_line([2 * m for m in _MICROBATCHES], steps)
@@ -176,7 +188,7 @@ def _optimizer_seconds_per_byte(device: torch.device) -> float:
         optimizer.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    return _median_seconds(step, _ROUNDS, warmup=2) / _LARGE
+    return _median_seconds(step, _ROUNDS, warmup=2, clock=_compute_clock(device)) / _LARGE
 
 
 def _local(pipeline: PipelineFactory, group: dist.ProcessGroup, device: torch.device,
