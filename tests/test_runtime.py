@@ -170,7 +170,8 @@ def check_recompute_per_stage(schedule: str) -> None:
 
 
 def check_calibrate() -> None:
-    """The machine's costs: measured within seconds, finite, the same on every rank."""
+    """The machine's costs: measured within seconds, finite, the same on every rank, and a
+    pipeline builds after them."""
     import pipedream_ext as pd
     from pipedream_ext._dist import collectives
     from pipedream_ext._planning.calibration import calibrate
@@ -182,6 +183,10 @@ def check_calibrate() -> None:
     assert costs.cores >= 1 and costs.ranks_per_node == dist.get_world_size(), costs
     everyone = collectives.all_gather_json(costs.to_dict(), dist.group.WORLD)
     assert all(c == everyone[0] for c in everyone), everyone
+    # Rank 0's probe pipeline left every rank's group creation in step: a pipeline builds.
+    pipe = pd.PipeDream(make_model(), F.cross_entropy, schedule="1f1b", microbatches=2, timeout=60)
+    pipe.step(*batch())
+    pipe.close()
 
 
 def check_auto_balance() -> None:

@@ -29,13 +29,14 @@ import logging
 import os
 import statistics
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .._dist import collectives
+from .._dist.groups import checkpoint_group, side_group
 from ..configuration import MachineCosts
 
 __all__ = ["calibrate", "calibrate_local"]
@@ -211,23 +212,41 @@ def _describe(costs: MachineCosts) -> str:
 
 # -- the entry points ---------------------------------------------------------------------
 @contextlib.contextmanager
-def _group_of_one(device: torch.device, members: Optional[List[int]] = None
-                  ) -> Iterator[dist.ProcessGroup]:
-    """A process group of this rank alone (``members``: its global rank), made by this
-    rank only; without a default group, a one-process default group for the body."""
-    if not dist.is_initialized():
-        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        try:
-            yield dist.group.WORLD
-        finally:
-            dist.destroy_process_group()
+def _local_group(device: torch.device) -> Iterator[dist.ProcessGroup]:
+    """The group of this process alone: the default group of a one-process world, made for
+    the body when there is none.
+
+    Raises:
+        ValueError: a default group of several processes (its ranks must calibrate
+            together: :func:`calibrate`).
+    """
+    if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            raise ValueError(f"calibrate_local runs in a process of its own, but this one is rank "
+                             f"{dist.get_rank()} of {dist.get_world_size()}; call calibrate(group, "
+                             "device, ...) on every rank instead")
+        yield dist.group.WORLD
         return
-    group = dist.new_group(members or [dist.get_rank()], use_local_synchronization=True)
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
-        yield group
+        yield dist.group.WORLD
     finally:
-        dist.destroy_process_group(group)
+        dist.destroy_process_group()
+
+
+def _group_of_rank0(group: dist.ProcessGroup, timeout: float) -> Optional[dist.ProcessGroup]:
+    """A group of ``group``'s rank 0 alone, for its probe pipeline (``None`` on other ranks).
+
+    ``new_group`` is collective over the default group, in order, and so are the groups a
+    pipeline makes for its ranks (side channel, checkpoints): every rank makes all three
+    here, so the pipeline finds them made and the ranks' later groups stay in step.
+    """
+    ranks = [dist.get_global_rank(group, 0)]
+    alone = dist.new_group(ranks, timeout=_delta(timeout))
+    side_group(ranks)
+    checkpoint_group(ranks, timeout)
+    return alone if dist.get_rank(group) == 0 else None
 
 
 def _broadcast_json(payload: Optional[Dict[str, Any]], group: dist.ProcessGroup,
@@ -254,8 +273,11 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, *, timeout: float,
     Takes a fraction of a second on a CPU machine: two probes between ranks 0 and 1, two
     all-reduces over the group, and on rank 0 a one-rank pipeline and a few Adam steps.
 
+    Every rank of the default group must call it, in the same order as its other group
+    creations (it makes a group of rank 0 alone, which ``new_group`` makes collective).
+
     Args:
-        group: every rank of the run (each must call this).
+        group: the ranks whose costs are measured (each must call this).
         device: this rank's pipeline device (probes use it when the group has a backend
             for it, else the group's metadata device).
         timeout: seconds any wait on another rank may take.
@@ -278,10 +300,10 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, *, timeout: float,
         values.update(_point_to_point(group, probe, timeout))
         values.update(_all_reduce(group, probe, timeout))
     payload = None
-    if dist.get_rank(group) == 0:
+    alone = _group_of_rank0(group, timeout)
+    if alone is not None:
         try:
-            with _group_of_one(device, [dist.get_global_rank(group, 0)]) as alone:
-                local = _local(pipeline, alone, device, timeout)
+            local = _local(pipeline, alone, device, timeout)
             local["ranks_per_node"] = values["ranks_per_node"]
             payload = {"costs": MachineCosts.from_dict({**values, **local}).to_dict()}
         except Exception as exc:  # noqa: BLE001 - reported to every rank
@@ -300,8 +322,8 @@ def calibrate_local(device: torch.device, *, pipeline: PipelineFactory,
     """The costs one process can measure (no peers): the runtime's overheads, the
     optimizer, cores; latency, bandwidth and all-reduce keep the cost model's defaults.
 
-    Runs on a process group of this rank alone (a one-process default group for the call
-    when none exists, destroyed after).
+    Runs on the default group of a one-process world (made for the call when there is
+    none, destroyed after).
 
     Args:
         device: where the pipeline would run.
@@ -310,10 +332,13 @@ def calibrate_local(device: torch.device, *, pipeline: PipelineFactory,
 
     Returns:
         The machine's costs (the cost model's defaults for latency and bandwidth).
+
+    Raises:
+        ValueError: this process is one rank of several (use :func:`calibrate`).
     """
     start = time.perf_counter()
     device = torch.device(device)
-    with _group_of_one(device) as group:
+    with _local_group(device) as group:
         costs = MachineCosts.from_dict(_local(pipeline, group, device, timeout))
     log.info("calibrated (one process) in %.2f s: %s", time.perf_counter() - start,
              _describe(costs))
