@@ -89,7 +89,7 @@ def test_plan_json_errors_name_the_file_and_field(tmp_path: Path) -> None:
 PLAN_JSON_KEYS = ["format", "version", "cost_model", "topology", "num_workers", "used_workers",
                   "time_per_stage", "data_parallel_time", "speedup_over_dp", "single_worker_time",
                   "state_kind", "num_states", "coarsened", "chain", "options", "data_parallel",
-                  "sharding", "tensor_parallel", "sequence_parallel", "stages", "ranks"]
+                  "sharding", "tensor_parallel", "sequence_parallel", "stages", "configuration", "ranks"]
 STAGE_JSON_KEYS = ["nodes", "replicas", "ranks", "time", "compute_seconds", "parameter_bytes",
                    "activation_bytes", "memory_bytes", "model_state_bytes",
                    "stashed_activation_bytes", "tensor_parallel_seconds", "layers"]
