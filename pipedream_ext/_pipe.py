@@ -115,8 +115,7 @@ class PipeDream:
         self.plan: Optional[Plan] = built.plan
         #: The configuration run, with its prediction (planner.md#choosing-the-whole-configuration), or None.
         self.configuration: Optional[Configuration] = built.configuration
-        #: Parameters used by layers of several stages (tied weights), each kept by
-        #: every stage that uses it; see _frontend/tied_params.py.
+        #: Parameters used by layers of several stages (tied weights), kept by each: _frontend/tied_params.py.
         self.shared_parameters = built.shared_parameters
         #: Every state_dict key of the whole model and its shape (for load_state_dict).
         self._model_shapes = built.model_shapes
@@ -167,7 +166,8 @@ class PipeDream:
         return self.config.vertical_sync
 
     @property
-    def recompute(self) -> bool:
+    def recompute(self) -> Union[bool, Tuple[bool, ...]]:
+        """``recompute`` as given: a bool, or one per stage."""
         return self.config.recompute
 
     @property

@@ -13,15 +13,19 @@ How each number is measured (one process, no communication):
 
 - times: every layer runs forward and backward on its own, on detached copies of
   its inputs (as ``sequential`` and ``graph_profile`` profile), the median over
-  ``steps`` steps after ``warmup``; the loss is timed with the last layer;
+  ``steps`` steps after ``warmup``, gradients accumulating as over a step's
+  microbatches; the loss is timed with the last layer. The clock is the thread's CPU
+  time when the layers compute on the CPU with one thread (as ranks run: immune to
+  other processes on the cores), else ``timing.Timer``'s;
 - weight share: each backward first runs for the inputs' gradients alone
   (``torch.autograd.grad`` with the graph kept: the I of split-backward schedules),
   then whole; the share is ``1 - I / B``;
-- kept bytes: the storages autograd saves for the layer's backward
-  (``torch.autograd.graph.saved_tensors_hooks``) and its outputs, each storage once,
-  neither the layer's inputs (the layer before keeps them, or the stage's input does)
-  nor parameters. A stage keeps, per microbatch in flight, its input plus the sum of
-  its layers' kept bytes;
+- kept bytes: the storages autograd saves for the backward
+  (``torch.autograd.graph.saved_tensors_hooks``; the loss's with the last layer),
+  each counted once, for the layer that made it (a Linear's input is its producer's; a
+  model input is no layer's), never the model's parameters and buffers. A stage keeps,
+  per microbatch in flight, its input plus the sum of its layers' kept bytes (exactly,
+  but for a stage output no layer saves);
 - a traced model's output bytes after a group are the bytes of every value made at
   or before it and used after it (the live set ``graph_split`` sends across such a
   cut: model inputs and skip connections included); its input bytes are those of the
@@ -37,6 +41,7 @@ import inspect
 import logging
 import operator
 import statistics
+import time
 from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -181,6 +186,28 @@ class _Chain:
     result_keys: List[Hashable]
     result: Callable[[Dict[Hashable, Any]], Any]
     group_ids: Optional[List[str]]
+
+
+class _ThreadClock(Timer):
+    """This thread's CPU time: what a layer computes, whatever else the cores run (other
+    processes sharing them would stretch the wall clock at random; the cost model adds
+    the sharing of cores by the ranks itself). Only for one-thread CPU compute."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+
+    def start(self) -> Any:
+        return time.thread_time()
+
+    def stop(self, start: Any) -> Callable[[], float]:
+        elapsed = (time.thread_time() - start) * 1e3
+        return lambda: elapsed
+
+
+def _clock(device: torch.device) -> Timer:
+    """The thread's CPU time for one-thread CPU compute, else ``Timer`` (wall clock or
+    CUDA events)."""
+    return _ThreadClock() if device.type == "cpu" and torch.get_num_threads() == 1 else Timer(device)
 
 
 def _parameter_bytes(module: nn.Module) -> float:
@@ -361,8 +388,7 @@ def _live_bytes(chain: _Chain, env: Dict[Hashable, Any]) -> List[float]:
 
 
 def _kept_bytes(chain: _Chain, env: Dict[Hashable, Any], inputs: Sequence[Any], loss_fn: LossFn,
-                target: Any, timer: Timer, parameters: Dict[int, int]) -> Tuple[List[float],
-                                                                                  List[float]]:
+                target: Any, timer: Timer, state: Dict[int, int]) -> Tuple[List[float], List[float]]:
     """One untimed forward with autograd's saved tensors recorded: the bytes each unit
     keeps for its backward (module docstring) and the live bytes of every cut."""
     env.update(zip(chain.inputs, inputs))
@@ -375,7 +401,7 @@ def _kept_bytes(chain: _Chain, env: Dict[Hashable, Any], inputs: Sequence[Any], 
     for g, unit in enumerate(chain.units):
         maker.update((ptr, g) for k in unit.outs for ptr in _storages(_flat(env[k])))
     kept = [0.0] * len(chain.units)
-    counted = set(parameters)
+    counted = set(state)
     for g, storages in enumerate(saved):
         for ptr, size in storages.items():
             owner = maker.get(ptr, g)
@@ -386,17 +412,18 @@ def _kept_bytes(chain: _Chain, env: Dict[Hashable, Any], inputs: Sequence[Any], 
 
 
 def _measure_size(chain: _Chain, inputs: Sequence[Any], loss_fn: LossFn, target: Any,
-                  timer: Timer, steps: int, warmup: int, parameters: Sequence[nn.Parameter]
-                  ) -> _Sized:
+                  timer: Timer, steps: int, warmup: int, parameters: Sequence[nn.Parameter],
+                  state: Dict[int, int]) -> _Sized:
     """The medians over ``steps`` steps after ``warmup`` of every unit's times (the loss's
-    with the last unit) and, from one untimed step first, its bytes."""
-    kept, live = _kept_bytes(chain, {}, inputs, loss_fn, target, timer,
-                             _storages(list(parameters)))
+    with the last unit) and, from one untimed step first, its bytes (``state``: the
+    storages of the model's parameters and buffers, never counted)."""
+    kept, live = _kept_bytes(chain, {}, inputs, loss_fn, target, timer, state)
     n = len(chain.units)
     times: List[List[List[float]]] = [[[] for _ in range(n)] for _ in range(3)]
+    for p in parameters:
+        p.grad = None
     for step_index in range(warmup + steps):
-        for p in parameters:
-            p.grad = None
+        # Gradients accumulate from step to step, as over a step's microbatches.
         env: Dict[Hashable, Any] = dict(zip(chain.inputs, inputs))
         step = _forward(chain, env, timer, None)
         grads, loss_f, loss_b = _loss(chain, env, loss_fn, target, timer, None)
@@ -438,16 +465,36 @@ def _weight_share(unit: _Unit, backward: float, inputs_only: float) -> float:
     return min(1.0, max(0.0, 1.0 - inputs_only / backward))
 
 
-def _costs(chain: _Chain, sizes: Sequence[int], sized: Sequence[_Sized]) -> List[Dict[str, float]]:
-    """Each unit's :data:`LAYER_COST_KEYS` from the per-size measurements (seconds, bytes)."""
+def _harness_seconds(timer: Timer, device: torch.device, steps: int) -> Tuple[float, float]:
+    """What timing one layer on its own adds to its forward and its backward (a view and its
+    backward, in seconds): a stage runs its layers in one forward and one backward call,
+    and the runtime's own cost per action is the calibration's."""
+    forward, backward = [], []
+    for _ in range(steps + 1):
+        x = torch.zeros(1, device=device, requires_grad=True)
+        t0 = timer.start()
+        y = x.view_as(x)
+        forward.append(timer.stop(t0))
+        t0 = timer.start()
+        torch.autograd.backward([y], [torch.ones_like(y)])
+        backward.append(timer.stop(t0))
+    timer.sync()
+    return (statistics.median(f() for f in forward[1:]) / 1e3,
+            statistics.median(b() for b in backward[1:]) / 1e3)
+
+
+def _costs(chain: _Chain, sizes: Sequence[int], sized: Sequence[_Sized],
+           harness: Tuple[float, float]) -> List[Dict[str, float]]:
+    """Each unit's :data:`LAYER_COST_KEYS` from the per-size measurements (seconds, bytes),
+    less what timing it on its own added (``harness``: forward, backward seconds)."""
     top, b = sized[-1], sizes[-1]
     layers = []
     for g, unit in enumerate(chain.units):
         f_fixed, f_per = _fit(sizes, [m.forward[g] / 1e3 for m in sized])
         b_fixed, b_per = _fit(sizes, [m.backward[g] / 1e3 for m in sized])
         layers.append({
-            "forward_fixed": f_fixed, "forward_per_sample": f_per,
-            "backward_fixed": b_fixed, "backward_per_sample": b_per,
+            "forward_fixed": max(0.0, f_fixed - harness[0]), "forward_per_sample": f_per,
+            "backward_fixed": max(0.0, b_fixed - harness[1]), "backward_per_sample": b_per,
             "weight_share": _weight_share(unit, top.backward[g], top.inputs_only[g]),
             "output_bytes_per_sample": top.live[g + 1] / b,
             "stash_bytes_per_sample": top.kept[g] / b,
@@ -546,13 +593,16 @@ def measure_layer_costs(module: nn.Module, sample: Tuple[Any, Any], loss_fn: Los
         raise ValueError("the sample's inputs hold no tensor with a batch dimension")
     batch, device = tensors[0].size(0), tensors[0].device
     sizes = _checked_sizes(microbatch_sizes, batch)
-    timer = Timer(device)
+    timer = _clock(device)
     parameters = list(module.parameters())
+    state = _storages(parameters + list(module.buffers()))  # the model's, not a microbatch's
     with preserved([module], device):
         sized = [_measure_size(chain, _microbatch(values, b, batch), loss_fn,
-                               _microbatch(sample[1], b, batch), timer, steps, warmup, parameters)
+                               _microbatch(sample[1], b, batch), timer, steps, warmup, parameters,
+                               state)
                  for b in sizes]
-    costs = LayerCosts(_costs(chain, sizes, sized), [u.name for u in chain.units],
+        harness = _harness_seconds(timer, device, max(steps, 5))
+    costs = LayerCosts(_costs(chain, sizes, sized, harness), [u.name for u in chain.units],
                        chain.group_ids, sizes)
     log.info("measured %d layers of %s at microbatch sizes %s over %d steps: %.2f ms forward, "
              "%.2f ms backward per sample", len(costs.layers), type(module).__name__, sizes, steps,
