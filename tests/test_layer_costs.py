@@ -7,6 +7,7 @@ measured times for structure (finite, >= 0); bytes are checked exactly.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -17,6 +18,7 @@ from torch import nn
 
 from pipedream_ext._planning import layer_costs as lc
 from pipedream_ext._planning.graph_profile import trace_groups
+from pipedream_ext.configuration import LayerCost, MachineCosts
 
 FLOAT = 4  # bytes
 
@@ -58,7 +60,8 @@ def test_sequential_bytes_are_exact_and_times_well_formed() -> None:
                                    warmup=1)
     assert costs.group_of is None and costs.microbatch_sizes == [4, 16]
     assert costs.names[1] == "1 (Linear)" and len(costs.layers) == 5
-    by = {k: [layer[k] for layer in costs.layers] for k in lc.LAYER_COST_KEYS}
+    by = {f.name: [getattr(layer, f.name) for layer in costs.layers]
+          for f in dataclasses.fields(LayerCost)}
     assert by["input_bytes_per_sample"] == [8 * FLOAT, 16 * FLOAT, 32 * FLOAT, 32 * FLOAT, 32 * FLOAT]
     assert by["output_bytes_per_sample"] == [16 * FLOAT, 32 * FLOAT, 32 * FLOAT, 32 * FLOAT, 4 * FLOAT]
     assert by["parameter_bytes"] == [(8 * 16 + 16) * FLOAT, (16 * 32 + 32) * FLOAT, 0.0, 64 * FLOAT,
@@ -99,15 +102,15 @@ def test_traced_chain_sends_the_live_set_of_each_cut() -> None:
     grouped = trace_groups(model, (x,))
     costs = lc.measure_layer_costs(model, (x, y), F.mse_loss, steps=1, warmup=0, grouped=grouped)
     assert costs.group_of == [g.id for g in grouped.groups] and len(costs.layers) == 3
-    out = [c["output_bytes_per_sample"] for c in costs.layers]
-    inputs = [c["input_bytes_per_sample"] for c in costs.layers]
+    out = [c.output_bytes_per_sample for c in costs.layers]
+    inputs = [c.input_bytes_per_sample for c in costs.layers]
     # After a: its output and the skipped input; after b's group (b, relu, add): the sum.
     assert out == [2 * 8 * FLOAT, 8 * FLOAT, 4 * FLOAT]
     assert inputs == [8 * FLOAT, 2 * 8 * FLOAT, 8 * FLOAT]
     # a's output is kept by b (made by a); b's group makes relu's result and the sum (kept
     # by relu and c); the loss keeps c's output and the target.
-    assert [c["stash_bytes_per_sample"] for c in costs.layers] == [8 * FLOAT, 2 * 8 * FLOAT, 2 * 4 * FLOAT]
-    assert [c["parameter_bytes"] for c in costs.layers] == [72 * FLOAT, 72 * FLOAT, 36 * FLOAT]
+    assert [c.stash_bytes_per_sample for c in costs.layers] == [8 * FLOAT, 2 * 8 * FLOAT, 2 * 4 * FLOAT]
+    assert [c.parameter_bytes for c in costs.layers] == [72 * FLOAT, 72 * FLOAT, 36 * FLOAT]
     assert costs.stage_nodes([2, 1]) == [costs.group_of[:2], costs.group_of[2:]]
     stage_of = lc.traced_stage_of(grouped, costs, [1, 2])
     assert {n: stage_of[n] for n in ("a", "b", "c")} == {"a": 0, "b": 1, "c": 1}
@@ -120,8 +123,8 @@ def test_costs_round_trip_and_bad_input_is_refused() -> None:
     costs = lc.measure_layer_costs(chain(), sample(), F.mse_loss, steps=1, warmup=0)
     assert lc.LayerCosts.from_dict(costs.to_dict()) == costs
     bad = costs.to_dict()
-    bad["layers"][0].pop("weight_share")
-    with pytest.raises(ValueError, match="layer 0 of the layer costs must have exactly the keys"):
+    bad["layers"][0]["weight_fraction"] = 0.5
+    with pytest.raises(ValueError, match=r"layer cost: unknown key\(s\) \['weight_fraction'\]"):
         lc.LayerCosts.from_dict(bad)
     with pytest.raises(ValueError, match=r"microbatch_sizes=\[0\] must be sample counts between 1 "
                                          r"and the sample's batch of 32"):
@@ -134,13 +137,13 @@ def test_costs_round_trip_and_bad_input_is_refused() -> None:
 
 def test_calibrate_local_measures_the_runtime_and_the_optimizer() -> None:
     import pipedream_ext as pd
-    from pipedream_ext._planning.calibration import MACHINE_COST_KEYS, calibrate_local
+    from pipedream_ext._planning.calibration import calibrate_local
 
     assert not dist.is_initialized()
     costs = calibrate_local(torch.device("cpu"), pipeline=pd.PipeDream)
     assert not dist.is_initialized()  # its one-process group is gone
-    assert list(costs) == list(MACHINE_COST_KEYS)
+    assert isinstance(costs, MachineCosts)
     for key in ("action_seconds", "step_seconds", "optimizer_seconds_per_byte"):
-        assert 0 < costs[key] < float("inf"), (key, costs[key])
-    assert costs["cores"] >= 1 and costs["ranks_per_node"] >= 1
-    assert costs["latency_seconds"] == 0.0 and costs["bandwidth"] == 1e10  # no peer: defaults
+        assert 0 < getattr(costs, key) < float("inf"), (key, costs)
+    assert costs.cores >= 1 and costs.ranks_per_node >= 1
+    assert costs.latency_seconds == 0.0 and costs.bandwidth == MachineCosts().bandwidth  # no peer

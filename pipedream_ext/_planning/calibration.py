@@ -11,7 +11,9 @@ Owns the machine's side of the configuration search's cost model
 - the runtime's own overheads, on our runtime: rank 0 times a one-stage pipeline of
   one ``Linear(1, 1)`` (built with ``pipeline``, ``PipeDream``'s constructor, on a
   group of rank 0 alone) at two microbatch counts and fits ``step = step_seconds +
-  actions * action_seconds`` (a forward and a backward action per microbatch);
+  actions * action_seconds`` (a forward and a backward action per microbatch); this
+  and the optimizer are timed on the thread's CPU clock when the CPU computes with one
+  thread (other processes on the cores do not stretch them), the probes on the wall clock;
 - the optimizer: ``torch.optim.Adam`` steps on a scratch tensor, seconds per byte;
 - cores this process may use (``os.sched_getaffinity``) and ranks per node
   (torchrun's ``LOCAL_WORLD_SIZE``).
@@ -34,15 +36,11 @@ import torch.distributed as dist
 from torch import nn
 
 from .._dist import collectives
+from ..configuration import MachineCosts
 
-__all__ = ["MACHINE_COST_KEYS", "calibrate", "calibrate_local"]
+__all__ = ["calibrate", "calibrate_local"]
 
 log = logging.getLogger(__name__)
-
-#: The fields of the machine's costs (``configuration.MachineCosts``, csrc/core/configure.h).
-MACHINE_COST_KEYS = ("action_seconds", "send_seconds", "step_seconds", "latency_seconds",
-                     "bandwidth", "all_reduce_latency_seconds", "all_reduce_bandwidth",
-                     "optimizer_seconds_per_byte", "cores", "ranks_per_node")
 
 #: ``PipeDream``'s constructor (``_planning`` sits below the pipeline, so it is passed in).
 PipelineFactory = Callable[..., Any]
@@ -57,14 +55,23 @@ def _delta(timeout: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=timeout)
 
 
-def _median_seconds(run: Callable[[], None], rounds: int, warmup: int = 1) -> float:
+def _median_seconds(run: Callable[[], None], rounds: int, warmup: int = 1,
+                    clock: Callable[[], float] = time.perf_counter) -> float:
     times = []
     for i in range(warmup + rounds):
-        start = time.perf_counter()
+        start = clock()
         run()
         if i >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
     return statistics.median(times)
+
+
+def _compute_clock(device: torch.device) -> Callable[[], float]:
+    """For work that only computes: this thread's CPU time when it computes on the CPU
+    with one thread (immune to other processes on the cores, as ``layer_costs`` times
+    layers), else the wall clock."""
+    return time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 \
+        else time.perf_counter
 
 
 def _probe_device(group: dist.ProcessGroup, device: torch.device) -> torch.device:
@@ -159,7 +166,8 @@ def _overheads(pipeline: PipelineFactory, group: dist.ProcessGroup, device: torc
                         balance=[1], process_group=group, device=device, timeout=timeout)
         x, y = torch.zeros(m, 1, device=device), torch.zeros(m, 1, device=device)
         try:
-            steps.append(_median_seconds(lambda: pipe.step(x, y), 7, warmup=2))
+            steps.append(_median_seconds(lambda: pipe.step(x, y), 15, warmup=3,
+                                         clock=_compute_clock(device)))
         finally:
             pipe.close()
     step, action = _fit_line([2 * m for m in _MICROBATCHES], steps)
@@ -176,7 +184,7 @@ def _optimizer_seconds_per_byte(device: torch.device) -> float:
         optimizer.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    return _median_seconds(step, _ROUNDS, warmup=2) / _LARGE
+    return _median_seconds(step, _ROUNDS, warmup=2, clock=_compute_clock(device)) / _LARGE
 
 
 def _local(pipeline: PipelineFactory, group: dist.ProcessGroup, device: torch.device,
@@ -191,25 +199,14 @@ def _local(pipeline: PipelineFactory, group: dist.ProcessGroup, device: torch.de
     return values
 
 
-def _machine_costs(values: Dict[str, Any]) -> Dict[str, Any]:
-    """``values`` completed with the cost model's defaults, in :data:`MACHINE_COST_KEYS` order."""
-    defaults = {"action_seconds": 0.0, "send_seconds": 0.0, "step_seconds": 0.0,
-                "latency_seconds": 0.0, "bandwidth": 1e10, "all_reduce_latency_seconds": 0.0,
-                "all_reduce_bandwidth": 1e10, "optimizer_seconds_per_byte": 0.0, "cores": 0,
-                "ranks_per_node": 0}
-    merged = {k: values.get(k, defaults[k]) for k in MACHINE_COST_KEYS}
-    merged["cores"], merged["ranks_per_node"] = int(merged["cores"]), int(merged["ranks_per_node"])
-    return merged
-
-
-def _describe(costs: Dict[str, Any]) -> str:
-    return (f"step {costs['step_seconds'] * 1e3:.3f} ms + {costs['action_seconds'] * 1e6:.1f} us "
-            f"per action, send post {costs['send_seconds'] * 1e6:.1f} us, p2p "
-            f"{costs['latency_seconds'] * 1e6:.1f} us + {costs['bandwidth'] / 1e9:.2f} GB/s, "
-            f"all-reduce {costs['all_reduce_latency_seconds'] * 1e6:.1f} us + "
-            f"{costs['all_reduce_bandwidth'] / 1e9:.2f} GB/s, Adam "
-            f"{costs['optimizer_seconds_per_byte'] * 1e9:.3f} ns/byte, {costs['cores']} cores for "
-            f"{costs['ranks_per_node']} ranks per node")
+def _describe(costs: MachineCosts) -> str:
+    return (f"step {costs.step_seconds * 1e3:.3f} ms + {costs.action_seconds * 1e6:.1f} us per "
+            f"action, send post {costs.send_seconds * 1e6:.1f} us, p2p "
+            f"{costs.latency_seconds * 1e6:.1f} us + {costs.bandwidth / 1e9:.2f} GB/s, all-reduce "
+            f"{costs.all_reduce_latency_seconds * 1e6:.1f} us + "
+            f"{costs.all_reduce_bandwidth / 1e9:.2f} GB/s, Adam "
+            f"{costs.optimizer_seconds_per_byte * 1e9:.3f} ns/byte, {costs.cores} cores for "
+            f"{costs.ranks_per_node} ranks per node")
 
 
 # -- the entry points ---------------------------------------------------------------------
@@ -251,7 +248,7 @@ def _broadcast_json(payload: Optional[Dict[str, Any]], group: dist.ProcessGroup,
 
 
 def calibrate(group: dist.ProcessGroup, device: torch.device, *, timeout: float,
-              pipeline: PipelineFactory) -> Dict[str, Any]:
+              pipeline: PipelineFactory) -> MachineCosts:
     """Measures the machine's costs (module docstring); collective over ``group``.
 
     Takes a fraction of a second on a CPU machine: two probes between ranks 0 and 1, two
@@ -265,8 +262,8 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, *, timeout: float,
         pipeline: ``PipeDream`` (its constructor: ``_planning`` cannot import it).
 
     Returns:
-        The machine's costs, a dict of :data:`MACHINE_COST_KEYS` (seconds, bytes/s,
-        counts), the same on every rank (rank 0's measurement).
+        The machine's costs (seconds, bytes/s, counts), the same on every rank (rank 0's
+        measurement; what it cannot measure, the cost model's defaults).
 
     Raises:
         RuntimeError: rank 0's measurement failed (on every rank, with its message), or a
@@ -286,20 +283,20 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, *, timeout: float,
             with _group_of_one(device, [dist.get_global_rank(group, 0)]) as alone:
                 local = _local(pipeline, alone, device, timeout)
             local["ranks_per_node"] = values["ranks_per_node"]
-            payload = {"costs": _machine_costs({**values, **local})}
+            payload = {"costs": MachineCosts.from_dict({**values, **local}).to_dict()}
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             payload = {"error": f"{type(exc).__name__}: {exc}"}
     answer = _broadcast_json(payload, group, timeout)
     if "error" in answer:
         raise RuntimeError(f"calibrating the machine's costs failed on rank 0: {answer['error']}")
-    costs = answer["costs"]
+    costs = MachineCosts.from_dict(answer["costs"])
     if dist.get_rank(group) == 0:
         log.info("calibrated in %.2f s: %s", time.perf_counter() - start, _describe(costs))
     return costs
 
 
 def calibrate_local(device: torch.device, *, pipeline: PipelineFactory,
-                    timeout: float = 60.0) -> Dict[str, Any]:
+                    timeout: float = 60.0) -> MachineCosts:
     """The costs one process can measure (no peers): the runtime's overheads, the
     optimizer, cores; latency, bandwidth and all-reduce keep the cost model's defaults.
 
@@ -312,12 +309,12 @@ def calibrate_local(device: torch.device, *, pipeline: PipelineFactory,
         timeout: seconds the probe pipeline may wait.
 
     Returns:
-        A dict of :data:`MACHINE_COST_KEYS`.
+        The machine's costs (the cost model's defaults for latency and bandwidth).
     """
     start = time.perf_counter()
     device = torch.device(device)
     with _group_of_one(device) as group:
-        costs = _machine_costs(_local(pipeline, group, device, timeout))
+        costs = MachineCosts.from_dict(_local(pipeline, group, device, timeout))
     log.info("calibrated (one process) in %.2f s: %s", time.perf_counter() - start,
              _describe(costs))
     return costs

@@ -49,18 +49,14 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ..configuration import LayerCost
 from .graph_profile import GraphGroups, group_boundaries, group_module, trace_groups
 from .timing import Timer, preserved
 
-__all__ = ["LAYER_COST_KEYS", "LayerCosts", "default_microbatch_sizes", "measure_layer_costs",
+__all__ = ["LayerCosts", "default_microbatch_sizes", "measure_layer_costs",
            "traced_stage_of"]
 
 log = logging.getLogger(__name__)
-
-#: The fields of a layer's cost (``configuration.LayerCost``, csrc/core/configure.h).
-LAYER_COST_KEYS = ("forward_fixed", "forward_per_sample", "backward_fixed", "backward_per_sample",
-                   "weight_share", "output_bytes_per_sample", "stash_bytes_per_sample",
-                   "input_bytes_per_sample", "parameter_bytes")
 
 LossFn = Optional[Callable[[Any, Any], torch.Tensor]]
 
@@ -70,7 +66,7 @@ class LayerCosts:
     """A model as the chain of layers the configuration search cuts into stages.
 
     Attributes:
-        layers: one cost per layer (a dict of :data:`LAYER_COST_KEYS`), in chain order.
+        layers: one cost per layer, in chain order.
         names: a label per layer (``"3 (Linear)"``; a traced group's description).
         group_of: for a traced model, the graph profile's node id of each layer
             (``graph_profile.Group.id``: what a balance over these layers puts in each
@@ -79,14 +75,14 @@ class LayerCosts:
         microbatch_sizes: the samples per microbatch the times were fitted from.
     """
 
-    layers: List[Dict[str, float]]
+    layers: List[LayerCost]
     names: List[str]
     group_of: Optional[List[str]] = None
     microbatch_sizes: List[int] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> Dict[str, Any]:
         """The costs as a JSON-able dict (:meth:`from_dict` reads it back)."""
-        return {"layers": [dict(layer) for layer in self.layers], "names": list(self.names),
+        return {"layers": [layer.to_dict() for layer in self.layers], "names": list(self.names),
                 "group_of": None if self.group_of is None else list(self.group_of),
                 "microbatch_sizes": list(self.microbatch_sizes)}
 
@@ -95,20 +91,15 @@ class LayerCosts:
         """Reads :meth:`to_dict`'s dict back.
 
         Raises:
-            ValueError: a missing key, a layer with unknown or missing fields, or lists
-                of different lengths.
+            ValueError: a missing key, a layer that is not a dict or has unknown fields,
+                or lists of different lengths.
         """
         try:
             layers, names = list(d["layers"]), [str(n) for n in d["names"]]
         except (KeyError, TypeError) as exc:
             raise ValueError(f"layer costs need 'layers' and 'names' lists (got keys "
                              f"{sorted(d) if isinstance(d, Mapping) else type(d).__name__})") from exc
-        parsed = []
-        for i, layer in enumerate(layers):
-            if not isinstance(layer, Mapping) or set(layer) != set(LAYER_COST_KEYS):
-                raise ValueError(f"layer {i} of the layer costs must have exactly the keys "
-                                 f"{list(LAYER_COST_KEYS)} (got {layer!r})")
-            parsed.append({k: float(layer[k]) for k in LAYER_COST_KEYS})
+        parsed = [LayerCost.from_dict(layer) for layer in layers]  # missing fields: defaults
         group_of = d.get("group_of")
         if len(names) != len(parsed) or (group_of is not None and len(group_of) != len(parsed)):
             raise ValueError(f"layer costs list {len(parsed)} layers but {len(names)} names"
@@ -484,22 +475,20 @@ def _harness_seconds(timer: Timer, device: torch.device, steps: int) -> Tuple[fl
 
 
 def _costs(chain: _Chain, sizes: Sequence[int], sized: Sequence[_Sized],
-           harness: Tuple[float, float]) -> List[Dict[str, float]]:
-    """Each unit's :data:`LAYER_COST_KEYS` from the per-size measurements (seconds, bytes),
+           harness: Tuple[float, float]) -> List[LayerCost]:
+    """Each unit's :class:`LayerCost` from the per-size measurements (seconds, bytes),
     less what timing it on its own added (``harness``: forward, backward seconds)."""
     top, b = sized[-1], sizes[-1]
     layers = []
     for g, unit in enumerate(chain.units):
         f_fixed, f_per = _fit(sizes, [m.forward[g] / 1e3 for m in sized])
         b_fixed, b_per = _fit(sizes, [m.backward[g] / 1e3 for m in sized])
-        layers.append({
-            "forward_fixed": max(0.0, f_fixed - harness[0]), "forward_per_sample": f_per,
-            "backward_fixed": max(0.0, b_fixed - harness[1]), "backward_per_sample": b_per,
-            "weight_share": _weight_share(unit, top.backward[g], top.inputs_only[g]),
-            "output_bytes_per_sample": top.live[g + 1] / b,
-            "stash_bytes_per_sample": top.kept[g] / b,
-            "input_bytes_per_sample": top.live[g] / b,
-            "parameter_bytes": unit.parameter_bytes})
+        layers.append(LayerCost(
+            forward_fixed=max(0.0, f_fixed - harness[0]), forward_per_sample=f_per,
+            backward_fixed=max(0.0, b_fixed - harness[1]), backward_per_sample=b_per,
+            weight_share=_weight_share(unit, top.backward[g], top.inputs_only[g]),
+            output_bytes_per_sample=top.live[g + 1] / b, stash_bytes_per_sample=top.kept[g] / b,
+            input_bytes_per_sample=top.live[g] / b, parameter_bytes=unit.parameter_bytes))
     return layers
 
 
@@ -606,6 +595,6 @@ def measure_layer_costs(module: nn.Module, sample: Tuple[Any, Any], loss_fn: Los
                        chain.group_ids, sizes)
     log.info("measured %d layers of %s at microbatch sizes %s over %d steps: %.2f ms forward, "
              "%.2f ms backward per sample", len(costs.layers), type(module).__name__, sizes, steps,
-             1e3 * sum(c["forward_per_sample"] for c in costs.layers),
-             1e3 * sum(c["backward_per_sample"] for c in costs.layers))
+             1e3 * sum(c.forward_per_sample for c in costs.layers),
+             1e3 * sum(c.backward_per_sample for c in costs.layers))
     return costs
