@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -30,7 +31,7 @@ from .._pipe import PipeDream
 from .._planning import choose
 from .._planning.calibration import calibrate_local
 from .._planning.profiler import profile
-from ..configuration import MachineCosts, microbatch_candidates
+from ..configuration import microbatch_candidates
 from ..planner import SHARDINGS, load_profile, plan
 from .arg_types import float_list, int_list
 
@@ -90,13 +91,13 @@ def _run_auto(args: argparse.Namespace) -> int:
     for w in args.workers:
         world *= w
     # The calibration times our own runtime (a one-rank PipeDream).
-    machine = dict(calibrate_local(torch.device(args.device), pipeline=PipeDream),
-                   bandwidth=args.bandwidth[0])
+    machine = dataclasses.replace(calibrate_local(torch.device(args.device), pipeline=PipeDream),
+                                  bandwidth=args.bandwidth[0])
     request = choose.Request(
         schedules=choose.schedule_candidates(args.schedule, 1, len(costs.layers), world),
         microbatches=microbatch_candidates(args.batch_size), chunks=(2,), balance=None,
         recompute=args.recompute, memory=args.memory, mesh=(world, 1, 1), fsdp=False)
-    best, result = choose.search_profile(costs, MachineCosts(**machine), request, args.batch_size)
+    best, result = choose.search_profile(costs, machine, request, args.batch_size)
     if args.output:
         result.save(args.output)
     if args.json:

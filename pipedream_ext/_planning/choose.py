@@ -161,8 +161,8 @@ def _on_rank_zero(measuring: Measuring, what: str, compute: Callable[[MachineCos
     first = [dist.get_global_rank(group, 0)]
     side_group(first)
     checkpoint_group(first, measuring.timeout)
-    machine = MachineCosts(**calibrate(group, measuring.device, timeout=measuring.timeout,
-                                       pipeline=measuring.pipeline))
+    machine = calibrate(group, measuring.device, timeout=measuring.timeout,
+                        pipeline=measuring.pipeline)
     payload: Optional[bytes] = None
     error: Optional[BaseException] = None
     if dist.get_rank(group) == 0:
@@ -196,7 +196,7 @@ def choose(measuring: Measuring, request: Request) -> Tuple[Configuration, Plan]
         started = time.perf_counter()
         costs = measuring.costs(request.microbatches)
         measured = time.perf_counter()
-        best = configuration.search(_layer_costs(costs), machine,
+        best = configuration.search(costs.layers, machine,
                                     **request.search_arguments(batch))
         _log.info("measured %d layers in %.2f s, searched in %.3f s", len(costs.layers),
                   measured - started, time.perf_counter() - measured)
@@ -221,16 +221,12 @@ def predict_fixed(measuring: Measuring, fixed: Configuration, memory: Optional[f
 
     def predict(machine: MachineCosts) -> str:
         costs = measuring.costs([fixed.microbatches])
-        prediction = configuration.predict(_layer_costs(costs), machine, fixed, batch,
+        prediction = configuration.predict(costs.layers, machine, fixed, batch,
                                            memory=memory, fsdp=fsdp)
         return json.dumps(dataclasses.replace(fixed, prediction=prediction).to_dict())
 
     text = _on_rank_zero(measuring, "predicting the configuration", predict)
     return Configuration.from_dict(json.loads(text))
-
-
-def _layer_costs(costs: LayerCosts) -> List[LayerCost]:
-    return [LayerCost(**layer) for layer in costs.layers]
 
 
 def plan_of(chosen: Configuration, costs: LayerCosts, batch: int, machine: MachineCosts,
@@ -242,7 +238,7 @@ def plan_of(chosen: Configuration, costs: LayerCosts, batch: int, machine: Machi
     layers' compute over every rank): a bound, not a prediction.
     """
     pp, dp, tp = chosen.mesh
-    layers = _layer_costs(costs)
+    layers = costs.layers
     sched = schedules.build(chosen.schedule, stages=pp, microbatches=chosen.microbatches,
                             chunks=chosen.chunks)
     size = batch / chosen.microbatches
@@ -306,13 +302,12 @@ def costs_of_profile(graph: Any, batch_size: int) -> LayerCosts:
     first = nodes[order[0]]
     layers, inputs = [], first["activation_bytes"] if first["description"].startswith("Input") else 0.0
     for n in chain:
-        layers.append({"forward_fixed": 0.0, "forward_per_sample": n["forward_ms"] / 1e3 / batch_size,
-                       "backward_fixed": 0.0,
-                       "backward_per_sample": n["backward_ms"] / 1e3 / batch_size,
-                       "weight_share": 0.5, "output_bytes_per_sample": n["activation_bytes"] / batch_size,
-                       "stash_bytes_per_sample": n["activation_bytes"] / batch_size,
-                       "input_bytes_per_sample": inputs / batch_size,
-                       "parameter_bytes": float(n["parameter_bytes"])})
+        layers.append(LayerCost(
+            forward_per_sample=n["forward_ms"] / 1e3 / batch_size,
+            backward_per_sample=n["backward_ms"] / 1e3 / batch_size,
+            output_bytes_per_sample=n["activation_bytes"] / batch_size,
+            stash_bytes_per_sample=n["activation_bytes"] / batch_size,
+            input_bytes_per_sample=inputs / batch_size, parameter_bytes=float(n["parameter_bytes"])))
         inputs = n["activation_bytes"]
     return LayerCosts(layers, [str(n["description"]) for n in chain], None, [batch_size])
 
@@ -325,5 +320,5 @@ def search_profile(costs: LayerCosts, machine: MachineCosts, request: Request,
     Raises:
         ValueError: nothing fits ``memory``, or a bad search space.
     """
-    best = configuration.search(_layer_costs(costs), machine, **request.search_arguments(batch_size))
+    best = configuration.search(costs.layers, machine, **request.search_arguments(batch_size))
     return best, plan_of(best, costs, batch_size, machine, request.fsdp)
