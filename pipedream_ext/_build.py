@@ -178,7 +178,7 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     _check_search(args, prepared)
     device = _join_default_group(args.device, config.timeout)
     dims = _parallel_dims(args, config)
-    args, chosen, chosen_plan = _choose_configuration(args, dims, device, config.timeout)
+    args, chosen, chosen_plan = _choose_configuration(args, prepared, dims, device, config.timeout)
     config = args.checked_config()
     check_schedule(dims, config.schedule, config.asynchronous, planned=False)
     cut = cut_model(args, prepared, config, dims)
@@ -384,7 +384,7 @@ def prepare_model(args: PipelineArguments) -> PreparedModel:
         if deferred:  # before tracing: every unit needs an initialiser
             deferred_init.check_traced_initialisable(module, args.init_fn)
         traced = _trace_stages(args)
-    elif not isinstance(module, nn.Sequential) and _is_plan(balance):
+    elif not isinstance(module, nn.Sequential) and (_is_plan(balance) or searched(args)):
         planned = PlannedTrace.trace(module, args.sample, args.concrete_args)
     elif not isinstance(module, nn.Sequential):
         raise ValueError(f"module must be an nn.Sequential (got {type(module).__name__}); "
@@ -499,10 +499,10 @@ def _check_search(args: PipelineArguments, prepared: PreparedModel) -> None:
 
 def _search_refusal(args: PipelineArguments, prepared: PreparedModel) -> str:
     """Why the search cannot run these arguments (``""``: it can)."""
-    if not isinstance(args.module, nn.Sequential):
-        return ("the planner chooses the configuration of an nn.Sequential (its layers "
-                "are the chain it cuts); for another model fix schedule, microbatches and "
-                "recompute and use balance='auto' or split_points")
+    if not isinstance(args.module, nn.Sequential) and prepared.planned is None:
+        return ("the planner cuts an nn.Sequential's layers or a traced model's groups; with "
+                "split_points the stages are fixed: drop split_points (and give balance='auto' "
+                "or None), or fix schedule, microbatches and recompute")
     if prepared.deferred:
         return ("measuring the layers runs them, which the meta device cannot; build the "
                 "model on a real device, or fix schedule, microbatches and recompute")
@@ -519,8 +519,8 @@ def _search_refusal(args: PipelineArguments, prepared: PreparedModel) -> str:
     return ""
 
 
-def _choose_configuration(args: PipelineArguments, dims: ParallelDims, device: torch.device,
-                          timeout: float
+def _choose_configuration(args: PipelineArguments, prepared: PreparedModel, dims: ParallelDims,
+                          device: torch.device, timeout: float
                           ) -> Tuple[PipelineArguments, Optional[Configuration], Optional[Plan]]:
     """The arguments with the planner's choices in place, the configuration and its plan:
     searched when an option is ``"auto"`` (collective: ``choose.choose``), read from a plan
@@ -531,17 +531,20 @@ def _choose_configuration(args: PipelineArguments, dims: ParallelDims, device: t
             an option given differs from.
     """
     if searched(args):
+        traced = None if prepared.planned is None else prepared.planned.grouped
         request = choose.Request(
-            schedules=choose.schedule_candidates(args.schedule, args.chunks, len(args.module),
-                                                 dims.pp_size),
+            schedules=choose.schedule_candidates(
+                args.schedule, args.chunks,
+                len(args.module) if traced is None else len(traced.groups), dims.pp_size,
+                multi_chunk=traced is None),
             microbatches=configuration.microbatch_candidates(choose.sample_rows(args.sample))
             if args.microbatches == AUTO else [int(args.microbatches)],
             chunks=(args.chunks,) if args.chunks != 1 else (2,),
             balance=None if args.balance in (None, AUTO) else list(args.balance),
             recompute=_recompute_request(args.recompute), memory=args.memory,
             mesh=(dims.pp_size, dims.dp_size, dims.tp_size), fsdp=dims.fsdp_enabled)
-        chosen, plan = choose.choose(_measuring(args, dims, device, timeout), request)
-        return _resolved(args, chosen), chosen, plan
+        chosen, plan = choose.choose(_measuring(args, dims, device, timeout, traced), request)
+        return _resolved(args, prepared, chosen, plan), chosen, plan
     plan = _saved_plan(args.balance)
     if plan is None or plan.configuration is None:
         return args, None, None
@@ -551,14 +554,14 @@ def _choose_configuration(args: PipelineArguments, dims: ParallelDims, device: t
                          f"mesh, but this run has {(dims.pp_size, dims.dp_size, dims.tp_size)}; "
                          "re-plan for this world (python -m pipedream_ext plan --auto)")
     _check_saved_agrees(args, saved)
-    return _resolved(args, saved), saved, plan
+    return _resolved(args, prepared, saved, plan), saved, plan
 
 
 def _measuring(args: PipelineArguments, dims: ParallelDims, device: torch.device,
-               timeout: float) -> choose.Measuring:
+               timeout: float, grouped: Optional[GraphGroups] = None) -> choose.Measuring:
     assert args.sample is not None and args.pipeline is not None
     return choose.Measuring(args.module, args.loss_fn, args.sample, dims.world_group, device,
-                            timeout, args.pipeline)
+                            timeout, args.pipeline, args.concrete_args, grouped)
 
 
 def _recompute_request(recompute: Any) -> Union[str, List[bool]]:
@@ -605,10 +608,15 @@ def _check_saved_agrees(args: PipelineArguments, saved: Configuration) -> None:
                              f"{value!r}); drop {name} to run the plan's, or re-plan")
 
 
-def _resolved(args: PipelineArguments, chosen: Configuration) -> PipelineArguments:
+def _resolved(args: PipelineArguments, prepared: PreparedModel, chosen: Configuration,
+              plan: Plan) -> PipelineArguments:
     """``args`` with the configuration's schedule, microbatches, chunks, balance, replicas
-    and recompute."""
-    return dataclasses.replace(args, **_chosen_values(chosen))
+    and recompute; a traced model is cut as ``plan``'s stages list its groups (as with
+    ``balance="auto"``)."""
+    values = _chosen_values(chosen)
+    if prepared.planned is not None:
+        values["balance"] = plan
+    return dataclasses.replace(args, **values)
 
 
 def _predict_fixed(args: PipelineArguments, prepared: PreparedModel, config: PipelineConfig,

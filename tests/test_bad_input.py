@@ -74,9 +74,9 @@ ROWS: List[Tuple[str, str, str, str]] = [
     # -- the planner's choices (schedule="auto", microbatches="auto", recompute="auto", memory=)
     ("auto-no-sample", "`schedule='auto'` (or `microbatches`, `recompute`) without `sample`",
      r"schedule='auto' measures the model's layers on one batch: pass sample=\(inputs, targets\)", "here"),
-    ("auto-not-sequential", "`microbatches='auto'` for a model that is not an `nn.Sequential`",
-     r"microbatches='auto': the planner chooses the configuration of an nn\.Sequential.*fix schedule, "
-     r"microbatches and recompute and use balance='auto' or split_points", "here"),
+    ("auto-split-points", "`microbatches='auto'` with `split_points=` (stages fixed)",
+     r"microbatches='auto': the planner cuts an nn\.Sequential's layers or a traced model's groups; "
+     r"with split_points the stages are fixed", "here"),
     ("auto-replicas", "`schedule='auto'` with `replicas=`",
      r"schedule='auto': the search runs straight stages \(data parallelism: mesh=\); drop replicas", "here"),
     ("auto-asynchronous", "`microbatches='auto'` with `schedule='pipedream'`",
@@ -589,7 +589,7 @@ IN_PROCESS: Dict[str, Callable[[], Any]] = {
     "init-seed": lambda: _pd().PipeDream(model(), **pipe_kwargs(init_seed=-1)),
     "meta-auto-balance": lambda: _pd().PipeDream(_meta_model(), balance="auto", **pipe_kwargs()),
     "auto-no-sample": lambda: _pd().PipeDream(model(), **pipe_kwargs(schedule="auto")),
-    "auto-not-sequential": lambda: _pd().PipeDream(_Traceable(), balance="auto", **pipe_kwargs(
+    "auto-split-points": lambda: _pd().PipeDream(_Traceable(), split_points=["b"], **pipe_kwargs(
         microbatches="auto", sample=(torch.randn(4, 6), torch.randint(0, 3, (4,))))),
     "auto-replicas": lambda: _pd().PipeDream(model(), replicas=[1, 1], **pipe_kwargs(
         schedule="auto", sample=(torch.randn(4, 6), torch.randint(0, 3, (4,))))),

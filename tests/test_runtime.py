@@ -290,6 +290,42 @@ def check_auto_configuration() -> None:
         os.remove(path)
 
 
+class Branchy(nn.Module):
+    """Not an nn.Sequential: torch.fx traces it (a skip connection crosses a cut)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c, self.d = (nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 16),
+                                          nn.Linear(16, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        h = h + torch.tanh(self.b(h))
+        return self.d(torch.relu(self.c(h)))
+
+
+def check_auto_configuration_traced() -> None:
+    """A traced model with schedule/microbatches="auto": cut as the chosen balance over its
+    groups; loss and gradients equal the unsplit model's."""
+    import pipedream_ext as pd
+
+    x, y = batch(n=16)
+    pipe = pd.PipeDream(Branchy(), F.cross_entropy, schedule="auto", microbatches="auto",
+                        sample=(x, y), timeout=60)
+    chosen = pipe.configuration
+    assert _same_everywhere(json.dumps(chosen.to_dict(), sort_keys=True)), "ranks chose differently"
+    assert pipe.split_points and pipe.num_stages == len(chosen.balance) == dist.get_world_size()
+    assert pipe.microbatches == chosen.microbatches and pipe.schedule_name == chosen.schedule
+    ref = Branchy()
+    want = F.cross_entropy(ref(x), y)
+    want.backward()
+    assert abs(pipe.step(x, y) - want.item()) <= 1e-5
+    expected = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        assert_close(p.grad, expected[name].grad, f"traced {chosen.balance} grad {name}")
+
+
 def check_memory_forces_recompute() -> None:
     """memory= between the peaks predicted with and without recompute: the search
     recomputes; one below every peak is refused naming the limit."""
@@ -512,6 +548,7 @@ def runtime_cases(world: int) -> Cases:
     cases.add(check_auto_balance)
     if world == 2:
         cases.add(check_auto_configuration)
+        cases.add(check_auto_configuration_traced)
         cases.add(check_memory_forces_recompute)
         cases.add(check_prediction_warning)
     cases.add(check_forward_only)

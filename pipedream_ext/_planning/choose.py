@@ -18,7 +18,7 @@ import itertools
 import json
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from .._dist.groups import checkpoint_group, side_group
 from ..configuration import Configuration, LayerCost, MachineCosts
 from ..planner import Plan, Stage, Topology
 from .calibration import calibrate
+from .graph_profile import GraphGroups
 from .layer_costs import LayerCosts, default_microbatch_sizes, measure_layer_costs
 
 __all__ = ["COST_MODEL", "Measuring", "Request", "choose", "costs_of_profile", "plan_of",
@@ -75,10 +76,12 @@ class Request:
                     interleaved_chunks=self.chunks, fsdp=self.fsdp)
 
 
-def schedule_candidates(schedule: str, chunks: int, num_layers: int, pp: int) -> List[str]:
+def schedule_candidates(schedule: str, chunks: int, num_layers: int, pp: int,
+                        multi_chunk: bool = True) -> List[str]:
     """The flush schedules ``schedule="auto"`` tries (``[schedule]`` when one is named):
     with ``chunks`` above 1 only those running that many chunks per rank; multi-chunk ones
-    only when the model has a layer for each of their ``pp * chunks`` stages."""
+    only when the model has a layer for each of their ``pp * chunks`` stages (and
+    ``multi_chunk``: a traced model's plan places one stage per rank)."""
     if schedule != "auto":
         return [schedule]
     names = []
@@ -88,7 +91,7 @@ def schedule_candidates(schedule: str, chunks: int, num_layers: int, pp: int) ->
         if not traits.multi_chunk:
             if chunks == 1:
                 names.append(name)
-        elif traits.fixed_chunks in (0, chunks) or chunks == 1:
+        elif multi_chunk and (traits.fixed_chunks in (0, chunks) or chunks == 1):
             if num_layers >= pp * runs:
                 names.append(name)
     return names
@@ -130,6 +133,8 @@ class Measuring:
         device: this rank's device.
         timeout: seconds any wait may take.
         pipeline: ``PipeDream``'s constructor (the calibration times our runtime).
+        concrete_args: a traced model's fixed non-tensor ``forward`` arguments.
+        grouped: a traced model's groups (the chain the search cuts), else ``None``.
     """
 
     module: nn.Module
@@ -139,11 +144,14 @@ class Measuring:
     device: torch.device
     timeout: float
     pipeline: Callable[..., Any]
+    concrete_args: Optional[Mapping[str, Any]] = None
+    grouped: Optional[GraphGroups] = None
 
     def costs(self, microbatches: Sequence[int]) -> LayerCosts:
         """The layers' costs on the sample, timed at the microbatch sizes ``microbatches`` make."""
         return measure_layer_costs(self.module, self.sample, self.loss_fn, microbatch_sizes=
-                                   _microbatch_sizes(microbatches, sample_rows(self.sample)))
+                                   _microbatch_sizes(microbatches, sample_rows(self.sample)),
+                                   concrete_args=self.concrete_args, grouped=self.grouped)
 
 
 def _on_rank_zero(measuring: Measuring, what: str, compute: Callable[[MachineCosts], str]) -> str:
