@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._dist import collectives
+from .._dist.groups import checkpoint_group, side_group
 from ..configuration import MachineCosts
 
 __all__ = ["calibrate", "calibrate_local"]
@@ -277,6 +278,13 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, *, timeout: float,
         values.update(_point_to_point(group, probe, timeout))
         values.update(_all_reduce(group, probe, timeout))
     payload = None
+    # The probe pipeline on rank 0 alone uses the side and checkpoint groups of rank 0's
+    # global rank: made here on every rank first (new_group is collective over the default
+    # group, in order; both are shared per ranks), since rank 0 alone making them would
+    # name every later group differently on each rank (a pipeline built next would hang).
+    first = [dist.get_global_rank(group, 0)]
+    side_group(first)
+    checkpoint_group(first, timeout)
     if dist.get_rank(group) == 0:
         try:
             with _group_of_one(device, [dist.get_global_rank(group, 0)]) as alone:

@@ -27,7 +27,6 @@ from torch import nn
 
 from .. import configuration, schedules
 from .._dist import collectives
-from .._dist.groups import checkpoint_group, side_group
 from ..configuration import Configuration, LayerCost, MachineCosts
 from ..planner import Plan, Stage, Topology
 from .calibration import calibrate
@@ -162,13 +161,6 @@ def _on_rank_zero(measuring: Measuring, what: str, compute: Callable[[MachineCos
         ValueError: what ``compute`` raised on rank 0 (the original exception there).
     """
     group = measuring.group
-    # The calibration times a one-rank pipeline on rank 0 alone. The side and checkpoint
-    # groups it would create there are made here on every rank first (new_group is
-    # collective over the default group, in order; both are shared per ranks), so every
-    # rank's later groups keep the same names.
-    first = [dist.get_global_rank(group, 0)]
-    side_group(first)
-    checkpoint_group(first, measuring.timeout)
     machine = calibrate(group, measuring.device, timeout=measuring.timeout,
                         pipeline=measuring.pipeline)
     payload: Optional[bytes] = None
