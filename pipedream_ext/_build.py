@@ -473,11 +473,13 @@ def _check_search(args: PipelineArguments, prepared: PreparedModel) -> None:
     """What the configuration search needs, checked before any communication.
 
     Raises:
-        ValueError: ``"auto"`` without ``sample``, with what it cannot search yet (a model
-            that is not an ``nn.Sequential``, a meta-device model, replicas, a saved plan,
-            an asynchronous schedule), or ``memory`` with nothing left to search.
+        ValueError: ``"auto"`` without ``sample``, with what it cannot search yet
+            (``split_points``, a traced model on a mesh, a meta-device model, replicas, a
+            saved plan without a configuration, an asynchronous schedule), or ``memory``
+            with nothing left to search.
     """
-    left = searched(args)
+    # A plan file recording a configuration fixes what is left to the planner.
+    left = [] if _saved_configuration(args.balance) is not None else searched(args)
     if AUTO in (args.mesh, args.data_parallel):
         raise ValueError(f"mesh={args.mesh!r}, data_parallel={args.data_parallel!r}: the planner "
                          "does not choose the mesh or the data parallelism yet; give a DeviceMesh "
@@ -503,6 +505,9 @@ def _search_refusal(args: PipelineArguments, prepared: PreparedModel) -> str:
         return ("the planner cuts an nn.Sequential's layers or a traced model's groups; with "
                 "split_points the stages are fixed: drop split_points (and give balance='auto' "
                 "or None), or fix schedule, microbatches and recompute")
+    if prepared.planned is not None and args.mesh is not None:
+        return ("a traced model's chosen stages run without a mesh (as with balance='auto'); "
+                "use an nn.Sequential on a mesh, or drop mesh")
     if prepared.deferred:
         return ("measuring the layers runs them, which the meta device cannot; build the "
                 "model on a real device, or fix schedule, microbatches and recompute")
@@ -510,9 +515,9 @@ def _search_refusal(args: PipelineArguments, prepared: PreparedModel) -> str:
         return ("the search runs straight stages (data parallelism: mesh=); drop replicas, "
                 "or fix schedule, microbatches and recompute")
     if _is_plan(args.balance) and str(args.balance) != AUTO:
-        return ("balance names a saved plan, which fixes the stages; pass balance='auto' "
-                "(or layer counts, or None) to search, or a plan saved with its configuration "
-                "(python -m pipedream_ext plan --auto, pipe.plan.save) without 'auto'")
+        return ("balance names a saved plan of stages and replicas only; pass balance='auto' "
+                "(or layer counts, or None) to search, or a plan that records its configuration "
+                "(python -m pipedream_ext plan --auto, or pipe.plan.save after a search)")
     if args.schedule != AUTO and schedules.traits(args.schedule).asynchronous:
         return (f"the planner predicts flush schedules, but schedule={args.schedule!r} is "
                 "asynchronous; give microbatches and recompute, or schedule='auto'")
@@ -530,6 +535,17 @@ def _choose_configuration(args: PipelineArguments, prepared: PreparedModel, dims
         ValueError: nothing fits ``memory``; a saved configuration another mesh's or one
             an option given differs from.
     """
+    plan = _saved_configuration(args.balance)
+    if plan is not None:
+        assert plan.configuration is not None
+        saved = configuration.Configuration.from_dict(plan.configuration)
+        shape = (dims.pp_size, dims.dp_size, dims.tp_size)
+        if tuple(saved.mesh) != shape:
+            raise ValueError(f"the plan's configuration runs on a (pp, dp, tp) = "
+                             f"{tuple(saved.mesh)} mesh, but this run has {shape}; re-plan for "
+                             "this world (python -m pipedream_ext plan --auto)")
+        _check_saved_agrees(args, saved)
+        return _resolved(args, prepared, saved, plan), saved, plan
     if searched(args):
         traced = None if prepared.planned is None else prepared.planned.grouped
         request = choose.Request(
@@ -545,16 +561,7 @@ def _choose_configuration(args: PipelineArguments, prepared: PreparedModel, dims
             mesh=(dims.pp_size, dims.dp_size, dims.tp_size), fsdp=dims.fsdp_enabled)
         chosen, plan = choose.choose(_measuring(args, dims, device, timeout, traced), request)
         return _resolved(args, prepared, chosen, plan), chosen, plan
-    plan = _saved_plan(args.balance)
-    if plan is None or plan.configuration is None:
-        return args, None, None
-    saved = configuration.Configuration.from_dict(plan.configuration)
-    if tuple(saved.mesh) != (dims.pp_size, dims.dp_size, dims.tp_size):
-        raise ValueError(f"the plan's configuration runs on a (pp, dp, tp) = {tuple(saved.mesh)} "
-                         f"mesh, but this run has {(dims.pp_size, dims.dp_size, dims.tp_size)}; "
-                         "re-plan for this world (python -m pipedream_ext plan --auto)")
-    _check_saved_agrees(args, saved)
-    return _resolved(args, prepared, saved, plan), saved, plan
+    return args, None, None
 
 
 def _measuring(args: PipelineArguments, dims: ParallelDims, device: torch.device,
@@ -573,13 +580,12 @@ def _recompute_request(recompute: Any) -> Union[str, List[bool]]:
     return [bool(r) for r in recompute]
 
 
-def _saved_plan(balance: Any) -> Optional[Plan]:
-    """The plan ``balance`` names (a :class:`Plan` or a file), else ``None``."""
-    if isinstance(balance, Plan):
-        return balance
-    if isinstance(balance, (str, os.PathLike)) and str(balance) != AUTO:
-        return Plan.load(balance)
-    return None
+def _saved_configuration(balance: Any) -> Optional[Plan]:
+    """The plan ``balance`` names (a :class:`Plan` or a file) when it records a whole
+    configuration, else ``None``."""
+    plan = balance if isinstance(balance, Plan) else Plan.load(balance) \
+        if isinstance(balance, (str, os.PathLike)) and str(balance) != AUTO else None
+    return plan if plan is not None and plan.configuration is not None else None
 
 
 def _chosen_values(chosen: Configuration) -> Dict[str, Any]:

@@ -281,6 +281,10 @@ def check_auto_configuration() -> None:
     assert again.configuration.to_dict() == chosen.to_dict()
     assert (again.schedule_name, again.microbatches, again.chunks, again.balance) == \
         (pipe.schedule_name, pipe.microbatches, pipe.chunks, pipe.balance)
+    # "auto" beside such a file takes the file's choice (no sample: nothing is measured).
+    auto = pd.PipeDream(make_model(), F.cross_entropy, balance=path, schedule="auto",
+                        microbatches="auto", timeout=60)
+    assert auto.configuration.to_dict() == chosen.to_dict() and auto.schedule_name == chosen.schedule
     other = "gpipe" if chosen.schedule != "gpipe" else "1f1b"
     with pytest.raises(ValueError, match=rf"schedule='{other}' differs from the plan's configuration "
                                          rf"\(schedule='{chosen.schedule}'\)"):
