@@ -14,16 +14,18 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import inspect
+import itertools
 import logging
 import os
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+import warnings
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from . import schedules
+from . import configuration, schedules
 from ._checkpoint import reshard
 from ._dist import collectives, signals
 from ._dist.agreement import StepAgreement, agree_at_construction
@@ -57,6 +59,7 @@ from ._parallel.tensor_parallel import (
     sequence_parallel,
 )
 from ._parallel.tp_tied import refuse_split_ties as refuse_split_ties_over_tp
+from ._planning import choose
 from ._planning.graph_profile import (
     GraphGroups,
     plan_split_labels,
@@ -69,10 +72,11 @@ from ._runtime import optimizer_check
 from ._runtime.config import PipelineConfig
 from ._runtime.grad_clip import check_updates_aligned
 from ._runtime.observe import Observer
-from ._runtime.options import PipelineOptions, agreed_values
+from ._runtime.options import AUTO, PipelineOptions, agreed_values, provisional, searched
 from ._runtime.runners import Runner, make_runner
 from ._runtime.stage_call import StageFunction, Tensors
 from ._runtime.tied_grads import SharedGradients
+from .configuration import Configuration
 from .planner import Plan
 
 __all__ = ["BuiltPipeline", "CutModel", "PipelineArguments", "PlannedTrace", "PreparedModel",
@@ -89,14 +93,20 @@ class PipelineArguments(PipelineOptions):
 
     module: nn.Module
     loss_fn: Callable[..., torch.Tensor]
+    #: The options the user gave (the others took their defaults): a saved configuration
+    #: fixes those left, and refuses one given otherwise.
+    given: FrozenSet[str] = frozenset()
+    #: ``PipeDream``'s constructor: the start-up calibration times a pipeline of its own.
+    pipeline: Optional[Callable[..., Any]] = None
 
     def checked_config(self) -> PipelineConfig:
-        """The options that need no process group, checked (``PipelineConfig.of``).
+        """The options that need no process group, checked (``PipelineConfig.of``); what
+        is left to the planner (``"auto"``) as a value it may choose (``options.provisional``).
 
         Raises:
             ValueError: a bad value, named with its fix.
         """
-        return PipelineConfig.of(self)
+        return PipelineConfig.of(provisional(self))
 
 
 @dataclasses.dataclass
@@ -121,6 +131,9 @@ class BuiltPipeline:
         dims: how the run is split (pp, dp, tp), with or without a mesh.
         data_parallel: data parallelism's policy (its hooks do nothing with ``dp = 1``).
         deferred: the model was built on the meta device (deferred initialisation).
+        configuration: the configuration run with its prediction (chosen by the planner,
+            read from a plan file, or the user's, predicted when ``sample`` was given), else
+            ``None``.
     """
 
     config: PipelineConfig
@@ -140,6 +153,7 @@ class BuiltPipeline:
     dims: ParallelDims
     data_parallel: DataParallel
     deferred: bool = False
+    configuration: Optional[Configuration] = None
 
 
 def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
@@ -161,9 +175,16 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     prepared = prepare_model(args)
     model_shapes = reshard.key_shapes(args.module)
     config = args.checked_config()
+    _check_search(args, prepared)
     device = _join_default_group(args.device, config.timeout)
     dims = _parallel_dims(args, config)
+    args, chosen, chosen_plan = _choose_configuration(args, prepared, dims, device, config.timeout)
+    config = args.checked_config()
+    check_schedule(dims, config.schedule, config.asynchronous, planned=False)
     cut = cut_model(args, prepared, config, dims)
+    cut.plan = chosen_plan or cut.plan
+    if chosen is None:
+        chosen, cut.plan = _predict_fixed(args, prepared, config, cut, dims, device)
     _refuse_shared_if_asynchronous(config, cut.shared_parameters)
     cut.traced = _agree_everywhere(args, cut, prepared.init_seed if prepared.deferred else None, dims)
     action_feed, schedule = _build_schedule(config, cut.partition)
@@ -192,6 +213,8 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     # initialised per rank, each from its own layer's seed).
     shared_gradients.synchronize_values()
     observer = _observer(args.trace, groups, stages, config, device, dims)
+    if chosen is not None and chosen.prediction is not None:
+        observer.expect(chosen.prediction, _pipeline_rank(groups.rank, cut.partition))
     cuts = CutLayouts(dims.tp_mesh, dims.tensor_parallel, {j: stages[j] for j in stages},
                       LayoutExchange.agree(dims.world_group, dims.copy, config.timeout)
                       ) if dims.tp_enabled else None
@@ -208,9 +231,11 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     _log.info("rank %d: stages %s (layers %s) of %d, schedule %s, %d microbatches",
               groups.rank, stages.indices, [stages.layers[j] for j in stages.indices],
               schedule.num_stages, config.schedule, config.microbatches)
+    if chosen is not None and dist.get_rank(dims.world_group) == 0:
+        _log.info("configuration:\n%s", chosen.summary())
     return BuiltPipeline(config, device, cut.traced, cut.plan, cut.shared_parameters,
                          model_shapes, action_feed, schedule, groups, stages, observer, stage_fn,
-                         runner, agreement, dims, data_parallel, prepared.deferred)
+                         runner, agreement, dims, data_parallel, prepared.deferred, chosen)
 
 
 def _unwrap_compiled(args: PipelineArguments) -> Tuple[PipelineArguments, Optional[Callable[..., Any]]]:
@@ -359,7 +384,7 @@ def prepare_model(args: PipelineArguments) -> PreparedModel:
         if deferred:  # before tracing: every unit needs an initialiser
             deferred_init.check_traced_initialisable(module, args.init_fn)
         traced = _trace_stages(args)
-    elif not isinstance(module, nn.Sequential) and _is_plan(balance):
+    elif not isinstance(module, nn.Sequential) and (_is_plan(balance) or searched(args)):
         planned = PlannedTrace.trace(module, args.sample, args.concrete_args)
     elif not isinstance(module, nn.Sequential):
         raise ValueError(f"module must be an nn.Sequential (got {type(module).__name__}); "
@@ -441,6 +466,197 @@ def _join_default_group(device: Optional[Union[str, torch.device]],
     init_default_group(chosen, datetime.timedelta(seconds=timeout))
     signals.install()
     return chosen
+
+
+# -- the configuration: chosen, read from a plan file, or predicted ----------------------------
+def _check_search(args: PipelineArguments, prepared: PreparedModel) -> None:
+    """What the configuration search needs, checked before any communication.
+
+    Raises:
+        ValueError: ``"auto"`` without ``sample``, with what it cannot search yet
+            (``split_points``, a traced model on a mesh, a meta-device model, replicas, a
+            saved plan without a configuration, an asynchronous schedule), or ``memory``
+            with nothing left to search.
+    """
+    # A plan file recording a configuration fixes what is left to the planner.
+    left = [] if _saved_configuration(args.balance) is not None else searched(args)
+    if AUTO in (args.mesh, args.data_parallel):
+        raise ValueError(f"mesh={args.mesh!r}, data_parallel={args.data_parallel!r}: the planner "
+                         "does not choose the mesh or the data parallelism yet; give a DeviceMesh "
+                         "and 'fsdp' or 'replicate' (it then chooses within them)")
+    if not left:
+        if args.memory is not None:
+            raise ValueError(f"memory={args.memory!r} limits what the planner chooses, but every "
+                             "choice is fixed; pass schedule='auto', microbatches='auto' or "
+                             "recompute='auto' (with sample=) to let it search, or drop memory")
+        return
+    what = " and ".join(f"{name}='auto'" for name in left)
+    if args.sample is None:
+        raise ValueError(f"{what} measures the model's layers on one batch: pass "
+                         "sample=(inputs, targets), one batch of one pipeline")
+    refusal = _search_refusal(args, prepared)
+    if refusal:
+        raise ValueError(f"{what}: {refusal}")
+
+
+def _search_refusal(args: PipelineArguments, prepared: PreparedModel) -> str:
+    """Why the search cannot run these arguments (``""``: it can)."""
+    if not isinstance(args.module, nn.Sequential) and prepared.planned is None:
+        return ("the planner cuts an nn.Sequential's layers or a traced model's groups; with "
+                "split_points the stages are fixed: drop split_points (and give balance='auto' "
+                "or None), or fix schedule, microbatches and recompute")
+    if prepared.planned is not None and args.mesh is not None:
+        return ("a traced model's chosen stages run without a mesh (as with balance='auto'); "
+                "use an nn.Sequential on a mesh, or drop mesh")
+    if prepared.deferred:
+        return ("measuring the layers runs them, which the meta device cannot; build the "
+                "model on a real device, or fix schedule, microbatches and recompute")
+    if args.replicas is not None:
+        return ("the search runs straight stages (data parallelism: mesh=); drop replicas, "
+                "or fix schedule, microbatches and recompute")
+    if _is_plan(args.balance) and str(args.balance) != AUTO:
+        return ("balance names a saved plan of stages and replicas only; pass balance='auto' "
+                "(or layer counts, or None) to search, or a plan that records its configuration "
+                "(python -m pipedream_ext plan --auto, or pipe.plan.save after a search)")
+    if args.schedule != AUTO and schedules.traits(args.schedule).asynchronous:
+        return (f"the planner predicts flush schedules, but schedule={args.schedule!r} is "
+                "asynchronous; give microbatches and recompute, or schedule='auto'")
+    return ""
+
+
+def _choose_configuration(args: PipelineArguments, prepared: PreparedModel, dims: ParallelDims,
+                          device: torch.device, timeout: float
+                          ) -> Tuple[PipelineArguments, Optional[Configuration], Optional[Plan]]:
+    """The arguments with the planner's choices in place, the configuration and its plan:
+    searched when an option is ``"auto"`` (collective: ``choose.choose``), read from a plan
+    file that records one, or ``args`` unchanged and ``None``.
+
+    Raises:
+        ValueError: nothing fits ``memory``; a saved configuration another mesh's or one
+            an option given differs from.
+    """
+    plan = _saved_configuration(args.balance)
+    if plan is not None:
+        assert plan.configuration is not None
+        saved = configuration.Configuration.from_dict(plan.configuration)
+        shape = (dims.pp_size, dims.dp_size, dims.tp_size)
+        if tuple(saved.mesh) != shape:
+            raise ValueError(f"the plan's configuration runs on a (pp, dp, tp) = "
+                             f"{tuple(saved.mesh)} mesh, but this run has {shape}; re-plan for "
+                             "this world (python -m pipedream_ext plan --auto)")
+        _check_saved_agrees(args, saved)
+        return _resolved(args, prepared, saved, plan), saved, plan
+    if searched(args):
+        traced = None if prepared.planned is None else prepared.planned.grouped
+        request = choose.Request(
+            schedules=choose.schedule_candidates(
+                args.schedule, args.chunks,
+                len(args.module) if traced is None else len(traced.groups), dims.pp_size,
+                multi_chunk=traced is None),
+            microbatches=configuration.microbatch_candidates(choose.sample_rows(args.sample))
+            if args.microbatches == AUTO else [int(args.microbatches)],
+            chunks=(args.chunks,) if args.chunks != 1 else (2,),
+            balance=None if args.balance in (None, AUTO) else list(args.balance),
+            recompute=_recompute_request(args.recompute), memory=args.memory,
+            mesh=(dims.pp_size, dims.dp_size, dims.tp_size), fsdp=dims.fsdp_enabled)
+        chosen, plan = choose.choose(_measuring(args, dims, device, timeout, traced), request)
+        return _resolved(args, prepared, chosen, plan), chosen, plan
+    return args, None, None
+
+
+def _measuring(args: PipelineArguments, dims: ParallelDims, device: torch.device,
+               timeout: float, grouped: Optional[GraphGroups] = None) -> choose.Measuring:
+    assert args.sample is not None and args.pipeline is not None
+    return choose.Measuring(args.module, args.loss_fn, args.sample, dims.world_group, device,
+                            timeout, args.pipeline, args.concrete_args, grouped)
+
+
+def _recompute_request(recompute: Any) -> Union[str, List[bool]]:
+    """The search's ``recompute``: ``"search"`` for ``"auto"``, a bool for every stage, or the list."""
+    if isinstance(recompute, str):
+        return "search"
+    if isinstance(recompute, bool):
+        return "always" if recompute else "never"
+    return [bool(r) for r in recompute]
+
+
+def _saved_configuration(balance: Any) -> Optional[Plan]:
+    """The plan ``balance`` names (a :class:`Plan` or a file) when it records a whole
+    configuration, else ``None``."""
+    plan = balance if isinstance(balance, Plan) else Plan.load(balance) \
+        if isinstance(balance, (str, os.PathLike)) and str(balance) != AUTO else None
+    return plan if plan is not None and plan.configuration is not None else None
+
+
+def _chosen_values(chosen: Configuration) -> Dict[str, Any]:
+    """The options a configuration sets, as ``PipeDream`` takes them."""
+    recompute = [bool(r) for r in chosen.recompute]
+    return {"schedule": chosen.schedule, "microbatches": chosen.microbatches,
+            "chunks": chosen.chunks, "balance": list(chosen.balance),
+            "replicas": list(chosen.replicas) if any(r != 1 for r in chosen.replicas) else None,
+            "recompute": recompute[0] if len(set(recompute)) == 1 else recompute}
+
+
+def _check_saved_agrees(args: PipelineArguments, saved: Configuration) -> None:
+    """A saved configuration fixes what the user left; what they gave must agree.
+
+    Raises:
+        ValueError: naming the first option given with another value than the plan's.
+    """
+    for name, value in _chosen_values(saved).items():
+        if name == "balance" or name not in args.given:
+            continue
+        mine = getattr(args, name)
+        same = mine == value or (name == "recompute" and isinstance(mine, bool) and
+                                 all(bool(r) == mine for r in saved.recompute))
+        if mine != AUTO and not same:
+            raise ValueError(f"{name}={mine!r} differs from the plan's configuration ({name}="
+                             f"{value!r}); drop {name} to run the plan's, or re-plan")
+
+
+def _resolved(args: PipelineArguments, prepared: PreparedModel, chosen: Configuration,
+              plan: Plan) -> PipelineArguments:
+    """``args`` with the configuration's schedule, microbatches, chunks, balance, replicas
+    and recompute; a traced model is cut as ``plan``'s stages list its groups (as with
+    ``balance="auto"``)."""
+    values = _chosen_values(chosen)
+    if prepared.planned is not None:
+        values["balance"] = plan
+    return dataclasses.replace(args, **values)
+
+
+def _predict_fixed(args: PipelineArguments, prepared: PreparedModel, config: PipelineConfig,
+                   cut: "CutModel", dims: ParallelDims, device: torch.device
+                   ) -> Tuple[Optional[Configuration], Optional[Plan]]:
+    """The prediction of the configuration the user fixed, when ``sample`` lets the layers
+    be measured (an ``nn.Sequential`` on a real device, a flush schedule; collective), and
+    the plan recording it; else ``None`` and the plan unchanged. A configuration the
+    cost model cannot predict (a sample smaller than the microbatches) is named in a warning."""
+    if args.sample is None or args.pipeline is None or cut.traced is not None or \
+            prepared.deferred or config.asynchronous:
+        return None, cut.plan
+    fixed = Configuration(
+        schedule=config.schedule, chunks=config.chunks, microbatches=config.microbatches,
+        balance=list(cut.partition.balance), replicas=list(cut.partition.replicas),
+        recompute=config.recompute_stages(cut.partition.num_stages),
+        mesh=(dims.pp_size, dims.dp_size, dims.tp_size), prediction=None, candidates=[])
+    try:
+        predicted = choose.predict_fixed(_measuring(args, dims, device, config.timeout), fixed,
+                                         args.memory, dims.fsdp_enabled)
+    except ValueError as exc:  # the same on every rank: rank 0's error was broadcast
+        warnings.warn(f"no prediction of this configuration: {exc}", stacklevel=4)
+        return None, cut.plan
+    plan = None if cut.plan is None else dataclasses.replace(cut.plan,
+                                                             configuration=predicted.to_dict())
+    return predicted, plan
+
+
+def _pipeline_rank(rank: int, partition: Partition) -> int:
+    """The index of a prediction's per-rank entries for this rank: its rank in the
+    pipeline, or with replicas its stage (the prediction counts a replicated stage once)."""
+    if not partition.replicated:
+        return rank
+    return next(j for j, end in enumerate(itertools.accumulate(partition.replicas)) if rank < end)
 
 
 # -- the partition, the same on every rank --------------------------------------------------

@@ -40,6 +40,7 @@ from ._runtime.options import ClipOption, PipelineOptions, document, from_call, 
 from ._runtime.stage_call import NonFiniteError, Tensors
 from ._runtime.step_loss import StepLoss
 from ._runtime.unset_check import UnsetCheck
+from .configuration import Configuration
 from .planner import Plan
 
 __all__ = ["ASYNCHRONOUS_SCHEDULES", "SYNCHRONOUS_SCHEDULES", "ClipOption", "NonFiniteError", "PipeDream",
@@ -101,26 +102,26 @@ class PipeDream:
     def __init__(self, module: nn.Module, loss_fn: Callable[..., torch.Tensor], *args: Any,
                  **options: Any) -> None:
         # Options given positionally (the old signature) still work, with a DeprecationWarning.
-        built = build_pipeline(PipelineArguments(module=module, loss_fn=loss_fn,
-                                                 **from_call("PipeDream", args, options)))
+        given = from_call("PipeDream", args, options)
+        built = build_pipeline(PipelineArguments(module=module, loss_fn=loss_fn, given=frozenset(given),
+                                                 pipeline=type(self), **given))
         self.config, self.device, self.loss_fn = built.config, built.device, loss_fn
-        #: The model's own configuration and generation configuration (a transformers
-        #: model's ``config``/``generation_config``, else None): what save_pretrained writes.
+        #: A transformers model's ``config``/``generation_config`` (else None): what save_pretrained writes.
         self.model_config = _saveable(getattr(module, "config", None))
         self.generation_config = _saveable(getattr(module, "generation_config", None))
         #: The traced model's stages (``split_points`` or a plan), else None (an nn.Sequential).
         self.traced: Optional[TracedSplit] = built.traced
-        #: The plan the stages come from (balance="auto" or a saved plan), else None.
+        #: The plan the stages come from (balance="auto", a saved plan or the configuration chosen), else None.
         self.plan: Optional[Plan] = built.plan
-        #: Parameters used by layers of several stages (tied weights), each kept by
-        #: every stage that uses it; see _frontend/tied_params.py.
+        #: The configuration run, with its prediction (planner.md#choosing-the-whole-configuration), or None.
+        self.configuration: Optional[Configuration] = built.configuration
+        #: Parameters used by layers of several stages (tied weights), kept by each: _frontend/tied_params.py.
         self.shared_parameters = built.shared_parameters
         #: Every state_dict key of the whole model and its shape (for load_state_dict).
         self._model_shapes = built.model_shapes
         self._schedule, self._groups, self._stages = built.schedule, built.groups, built.stages
         self._observer, self._stage_fn = built.observer, built.stage_fn
-        self._runner, self._agreement = built.runner, built.agreement
-        self._dims = built.dims
+        self._runner, self._agreement, self._dims = built.runner, built.agreement, built.dims
         #: ``step()`` calls made, those that raised included (the runner's mesh check compares them).
         self._step_calls = 0
         # A meta-built model: the first call refuses tensors nothing set (init_fn, partial loads).
@@ -454,8 +455,9 @@ class PipeDream:
             On a CUDA device also ``cuda_memory_allocated`` and
             ``cuda_peak_memory_allocated`` (bytes held by this rank's stages, now and
             at most since construction or :meth:`reset_stats`).
-            Queues, now: ``held_targets``, ``executor_actions``, ``executor_position``.
-            Local to this rank: no communication.
+            Queues, now: ``held_targets``, ``executor_actions``, ``executor_position``. With a
+            prediction (:attr:`configuration`): ``predicted_step_seconds`` and
+            ``measured_step_seconds`` (steps 3-7's median, ``None`` before). Local: no communication.
         """
         return {**self._observer.stats(self._runner.executor), **self._runner.queue_sizes()}
 

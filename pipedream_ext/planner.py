@@ -415,6 +415,11 @@ class Plan:
         tensor_parallel: tensor-parallel ranks inside each data-parallel rank of a
             stage (a ``(pp, dp, tp)`` mesh), or ``None`` for a plan without them.
         sequence_parallel: with ``tensor_parallel``: activations are sharded too.
+        configuration: the whole configuration of the run the plan was made or predicted
+            for (``pipedream_ext.configuration.Configuration.to_dict``: schedule, chunks,
+            microbatches, balance, replicas, recompute per stage, mesh, prediction), or
+            ``None`` (a plan of stages and replicas only). ``balance="plan.json"`` then fixes
+            all of it.
     """
 
     # from_dict reads (and reports the first bad field) in declaration order;
@@ -441,6 +446,8 @@ class Plan:
     sharding: Optional[str] = _schema_field(_optional(_as_str), default=None, position=14)
     tensor_parallel: Optional[int] = _schema_field(_optional(_as_int), default=None, position=15)
     sequence_parallel: bool = _schema_field(_as_bool, default=False, position=16)
+    configuration: Optional[Dict[str, Any]] = _schema_field(_optional(_as_dict), default=None,
+                                                            position=18)
 
     @property
     def layers(self) -> Optional[List[Tuple[int, int]]]:
@@ -896,4 +903,4 @@ def plan(
         Plan, raw, "the C++ planner's result", from_planner=True, topology=topo, options=options,
         data_parallel=dp.degree if dp else None, sharding=dp.sharding if dp else None,
         tensor_parallel=tp.degree if tp else None,
-        sequence_parallel=bool(tp and tp.sequence_parallel))
+        sequence_parallel=bool(tp and tp.sequence_parallel), configuration=None)

@@ -32,7 +32,7 @@ ROWS: List[Tuple[str, str, str, str]] = [
      r"module must be an nn\.Sequential \(got Linear\); wrap your layers in torch\.nn\.Sequential", "here"),
     ("schedule-name", "unknown schedule `1f1c`",
      r"schedule '1f1c' is not supported by the runtime; choose one of gpipe, 1f1b", "here"),
-    ("microbatches", "`microbatches=0`", r"microbatches must be a positive integer \(got 0\)", "here"),
+    ("microbatches", "`microbatches=0`", r"microbatches must be a positive integer or 'auto' \(got 0\)", "here"),
     ("chunks", "`chunks=2` with `1f1b`", r"chunks=2 needs schedule='interleaved-1f1b'", "here"),
     ("v-chunks", "`schedule='zbv'` (or `dualpipev`) without `chunks=2`",
      r"schedule 'zbv' places exactly 2 chunks per rank in a V \(rank r holds stages r and 2p-1-r; "
@@ -71,6 +71,27 @@ ROWS: List[Tuple[str, str, str, str]] = [
     ("init-seed", "`init_seed=-1`", r"init_seed=-1 is not an integer in \[0, 2\*\*16\)", "here"),
     ("meta-auto-balance", "`balance='auto'` with a model on the meta device",
      r"balance='auto' profiles the model, which cannot run on the meta device", "here"),
+    # -- the planner's choices (schedule="auto", microbatches="auto", recompute="auto", memory=)
+    ("auto-no-sample", "`schedule='auto'` (or `microbatches`, `recompute`) without `sample`",
+     r"schedule='auto' measures the model's layers on one batch: pass sample=\(inputs, targets\)", "here"),
+    ("auto-split-points", "`microbatches='auto'` with `split_points=` (stages fixed)",
+     r"microbatches='auto': the planner cuts an nn\.Sequential's layers or a traced model's groups; "
+     r"with split_points the stages are fixed", "here"),
+    ("auto-replicas", "`schedule='auto'` with `replicas=`",
+     r"schedule='auto': the search runs straight stages \(data parallelism: mesh=\); drop replicas", "here"),
+    ("auto-asynchronous", "`microbatches='auto'` with `schedule='pipedream'`",
+     r"microbatches='auto': the planner predicts flush schedules, but schedule='pipedream' is "
+     r"asynchronous", "here"),
+    ("auto-mesh", "`mesh='auto'` (or `data_parallel='auto'`)",
+     r"the planner does not choose the mesh or the data parallelism yet", "here"),
+    ("memory-value", "`memory=-1`", r"memory must be bytes per rank > 0, or None for no limit \(got -1\)", "here"),
+    ("memory-nothing-searched", "`memory=` with every choice fixed",
+     r"memory=8000000000\.0 limits what the planner chooses, but every choice is fixed", "here"),
+    ("memory-nothing-fits", "`memory=` below what any configuration needs",
+     r"memory", "tests/test_runtime.py::check_memory_forces_recompute"),
+    ("plan-configuration-differs", "an option given otherwise than a plan file's configuration",
+     r"schedule='gpipe' differs from the plan's configuration \(schedule='1f1b'\); drop schedule",
+     "tests/test_runtime.py::check_auto_configuration"),
     # -- deferred initialisation and load_state_dict (every rank raises the same error)
     ("meta-no-reset", "a module on the meta device without `reset_parameters()`, no `init_fn`",
      r"module '1\.1' \(Scale: gain\) has parameters or buffers on the meta device but no "
@@ -567,11 +588,32 @@ IN_PROCESS: Dict[str, Callable[[], Any]] = {
                                                                         clip_grad_norm=(1.0, 0))),
     "init-seed": lambda: _pd().PipeDream(model(), **pipe_kwargs(init_seed=-1)),
     "meta-auto-balance": lambda: _pd().PipeDream(_meta_model(), balance="auto", **pipe_kwargs()),
+    "auto-no-sample": lambda: _pd().PipeDream(model(), **pipe_kwargs(schedule="auto")),
+    "auto-split-points": lambda: _pd().PipeDream(_Traceable(), split_points=["b"], **pipe_kwargs(
+        microbatches="auto", sample=(torch.randn(4, 6), torch.randint(0, 3, (4,))))),
+    "auto-replicas": lambda: _pd().PipeDream(model(), replicas=[1, 1], **pipe_kwargs(
+        schedule="auto", sample=(torch.randn(4, 6), torch.randint(0, 3, (4,))))),
+    "auto-asynchronous": lambda: _pd().PipeDream(model(), **pipe_kwargs(
+        schedule="pipedream", microbatches="auto", sample=(torch.randn(4, 6), torch.randint(0, 3, (4,))))),
+    "auto-mesh": lambda: _pd().PipeDream(model(), mesh="auto", **pipe_kwargs(schedule="auto")),
+    "memory-value": lambda: _pd().PipeDream(model(), **pipe_kwargs(memory=-1)),
+    "memory-nothing-searched": lambda: _pd().PipeDream(model(), **pipe_kwargs(memory=8e9)),
     "no-launcher": lambda: _pd().PipeDream(model(), **pipe_kwargs()),
     "module-compile": lambda: _pd().PipeDream(_compiled_in_place(), **pipe_kwargs()),
     "schedule-text": lambda: _pd().schedules.build("1f1b", stages=2, microbatches=2).with_actions(
         "rank 0: 0F0 0Q0\nrank 1: 1F0"),
 }
+
+
+class _Traceable(nn.Module):
+    """A model that is not an ``nn.Sequential`` (torch.fx traces it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 12), nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
 
 
 def _compiled_in_place() -> nn.Sequential:

@@ -89,7 +89,7 @@ def test_plan_json_errors_name_the_file_and_field(tmp_path: Path) -> None:
 PLAN_JSON_KEYS = ["format", "version", "cost_model", "topology", "num_workers", "used_workers",
                   "time_per_stage", "data_parallel_time", "speedup_over_dp", "single_worker_time",
                   "state_kind", "num_states", "coarsened", "chain", "options", "data_parallel",
-                  "sharding", "tensor_parallel", "sequence_parallel", "stages", "ranks"]
+                  "sharding", "tensor_parallel", "sequence_parallel", "stages", "configuration", "ranks"]
 STAGE_JSON_KEYS = ["nodes", "replicas", "ranks", "time", "compute_seconds", "parameter_bytes",
                    "activation_bytes", "memory_bytes", "model_state_bytes",
                    "stashed_activation_bytes", "tensor_parallel_seconds", "layers"]
@@ -334,6 +334,43 @@ def test_cli_plan_errors(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     rc, _, err = _cli(capsys, ["plan", "--profile", str(DATA / "alexnet.txt"), "--workers", "4,4",
                                "--bandwidth", "1e9"])
     assert rc == 2 and "bandwidth" in err
+
+
+def test_cli_plan_auto_chooses_the_whole_configuration(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """plan --auto on a chain profile: a table of the best configurations, first the one
+    the plan file records (stages over the layers it balances); a memory limit nothing
+    fits, a branching profile and a missing --batch-size are refused."""
+    import torch
+    from torch import nn
+
+    from pipedream_ext.configuration import Configuration
+
+    torch.manual_seed(0)
+    graph = tmp_path / "graph.txt"
+    pe.profile(nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)]), torch.randn(16, 32),
+               steps=2, warmup=1, output=str(graph))
+    common = ["plan", "--auto", "--profile", str(graph), "--workers", "2", "--bandwidth", "1e9"]
+    rc, out, _ = _cli(capsys, common + ["--batch-size", "16", "-o", str(tmp_path / "plan.json")])
+    assert rc == 0
+    plan = pe.Plan.load(tmp_path / "plan.json")
+    chosen = Configuration.from_dict(plan.configuration)
+    best = out.splitlines()[1].split()
+    assert best[:2] == ["best", chosen.schedule] and int(best[3]) == chosen.microbatches, out
+    assert len(out.splitlines()) == 2 + len(chosen.candidates) + 1  # the header, "wrote ..."
+    assert sum(chosen.balance) == 6 and chosen.mesh == (2, 1, 1)
+    assert chosen.predicted_step_seconds > 0 and chosen.microbatches in range(1, 17)
+    starts = [sum(chosen.balance[:j]) for j in range(len(chosen.balance))]
+    assert plan.cost_model == "configuration" and \
+        [s.layers for s in plan.stages] == [(a, a + n) for a, n in zip(starts, chosen.balance)]
+    rc, _, err = _cli(capsys, common + ["--batch-size", "16", "--memory", "1"])
+    assert rc == 2 and "no configuration fits memory=1 bytes per rank" in err, err
+    rc, _, err = _cli(capsys, common + ["--batch-size", "0"])
+    assert rc == 2 and "--batch-size 0" in err, err
+    rc, _, err = _cli(capsys, common[:3] + [str(DATA / "alexnet.txt")] + common[4:] + ["--batch-size", "8"])
+    assert rc == 2 and "this profile branches: plan it without --auto" in err, err
+    rc, _, err = _cli(capsys, common)
+    assert rc == 2 and "--auto needs --batch-size" in err, err
 
 
 @pytest.mark.parametrize("path", SHIPPED_PROFILES, ids=lambda p: p.stem)

@@ -10,7 +10,9 @@ so it asserts numerical equality, not just "it ran".
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import sys
 import time
 from typing import Callable, Dict, List, Optional
@@ -224,6 +226,176 @@ def check_auto_balance() -> None:
         os.remove(path)
 
 
+def _same_everywhere(text: str) -> bool:
+    """Every rank holds the same ``text`` (its CRC-32 all-reduced as min and max)."""
+    import zlib
+
+    digest = torch.tensor([zlib.crc32(text.encode())], dtype=torch.int64)
+    low, high = digest.clone(), digest.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    return low.item() == high.item()
+
+
+def _train_like_the_unsplit_model(pipe, steps: int = 4) -> None:
+    """Loss every step and weights after ``steps`` SGD-momentum steps equal the unsplit model's."""
+    ref = make_model()
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        x, y = batch(n=16, seed=20 + step)
+        want = F.cross_entropy(ref(x), y)
+        want.backward()
+        loss = pipe.step(x, y)
+        assert abs(loss - want.item()) <= 1e-5 * max(1.0, abs(want.item())), (step, loss, want.item())
+        opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
+    expected = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        assert_close(p.detach(), expected[name].detach(), f"{pipe.schedule_name} weight {name}")
+
+
+def _plan_path(tag: str) -> str:
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"pipedream_{tag}_{os.environ.get('MASTER_PORT', 'x')}.json")
+
+
+def check_auto_configuration() -> None:
+    """schedule/microbatches/recompute="auto": one configuration on every rank, a flush
+    schedule, trained exactly like the unsplit model; its plan file fixes all of it again,
+    and an option given otherwise than the file says is refused."""
+    import pipedream_ext as pd
+
+    x, y = batch(n=16)
+    pipe = pd.PipeDream(make_model(), F.cross_entropy, schedule="auto", microbatches="auto",
+                        recompute="auto", sample=(x, y), timeout=60)
+    chosen = pipe.configuration
+    assert chosen is not None and chosen.prediction is not None
+    assert _same_everywhere(json.dumps(chosen.to_dict(), sort_keys=True)), "ranks chose differently"
+    assert chosen.schedule in pd.schedules.synchronous_names() and pipe.schedule_name == chosen.schedule
+    assert (pipe.microbatches, pipe.chunks, pipe.balance) == \
+        (chosen.microbatches, chosen.chunks, list(chosen.balance))
+    assert chosen.predicted_step_seconds > 0 and len(chosen.predicted_peak_bytes) == dist.get_world_size()
+    assert chosen.summary() and chosen.table().count("\n") >= len(chosen.candidates)
+    _train_like_the_unsplit_model(pipe)
+    path = _plan_path("configuration")
+    if dist.get_rank() == 0:
+        pipe.plan.save(path)
+    dist.barrier()
+    again = pd.PipeDream(make_model(), F.cross_entropy, balance=path, timeout=60)
+    assert again.configuration.to_dict() == chosen.to_dict()
+    assert (again.schedule_name, again.microbatches, again.chunks, again.balance) == \
+        (pipe.schedule_name, pipe.microbatches, pipe.chunks, pipe.balance)
+    # "auto" beside such a file takes the file's choice (no sample: nothing is measured).
+    auto = pd.PipeDream(make_model(), F.cross_entropy, balance=path, schedule="auto",
+                        microbatches="auto", timeout=60)
+    assert auto.configuration.to_dict() == chosen.to_dict() and auto.schedule_name == chosen.schedule
+    other = "gpipe" if chosen.schedule != "gpipe" else "1f1b"
+    with pytest.raises(ValueError, match=rf"schedule='{other}' differs from the plan's configuration "
+                                         rf"\(schedule='{chosen.schedule}'\)"):
+        pd.PipeDream(make_model(), F.cross_entropy, balance=path, schedule=other, timeout=60)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.remove(path)
+
+
+class Branchy(nn.Module):
+    """Not an nn.Sequential: torch.fx traces it (a skip connection crosses a cut)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c, self.d = (nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 16),
+                                          nn.Linear(16, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        h = h + torch.tanh(self.b(h))
+        return self.d(torch.relu(self.c(h)))
+
+
+def check_auto_configuration_traced() -> None:
+    """A traced model with schedule/microbatches="auto": cut as the chosen balance over its
+    groups; loss and gradients equal the unsplit model's."""
+    import pipedream_ext as pd
+
+    x, y = batch(n=16)
+    pipe = pd.PipeDream(Branchy(), F.cross_entropy, schedule="auto", microbatches="auto",
+                        sample=(x, y), timeout=60)
+    chosen = pipe.configuration
+    assert _same_everywhere(json.dumps(chosen.to_dict(), sort_keys=True)), "ranks chose differently"
+    assert pipe.split_points and pipe.num_stages == len(chosen.balance) == dist.get_world_size()
+    assert pipe.microbatches == chosen.microbatches and pipe.schedule_name == chosen.schedule
+    ref = Branchy()
+    want = F.cross_entropy(ref(x), y)
+    want.backward()
+    assert abs(pipe.step(x, y) - want.item()) <= 1e-5
+    expected = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        assert_close(p.grad, expected[name].grad, f"traced {chosen.balance} grad {name}")
+
+
+def check_memory_forces_recompute() -> None:
+    """memory= between the peaks predicted with and without recompute: the search
+    recomputes; one below every peak is refused naming the limit."""
+    import pipedream_ext as pd
+
+    x, y = batch(n=16)
+    fixed = dict(schedule="gpipe", microbatches=4, balance=[4, 4], sample=(x, y), timeout=60)
+    # A configuration the user fixed is predicted too (sample= given).
+    peaks = [max(pd.PipeDream(make_model(), F.cross_entropy, recompute=r, **fixed)
+                 .configuration.predicted_peak_bytes) for r in (False, True)]
+    assert peaks[1] < peaks[0], peaks  # else the limit below could not force anything
+    limit = (peaks[0] + peaks[1]) / 2
+    pipe = pd.PipeDream(make_model(), F.cross_entropy, recompute="auto", memory=limit, **fixed)
+    assert any(pipe.configuration.recompute), pipe.configuration.to_dict()
+    assert max(pipe.configuration.predicted_peak_bytes) <= limit
+    _train_like_the_unsplit_model(pipe)
+    with pytest.raises(ValueError, match=r"memory"):
+        pd.PipeDream(make_model(), F.cross_entropy, recompute="auto", memory=peaks[1] / 100, **fixed)
+
+
+def check_prediction_warning() -> None:
+    """A prediction far from what runs (a plan file whose prediction was made 1000x too
+    fast): one warning per rank after the first steps, naming the largest term; stats()
+    keeps both step times."""
+    import warnings
+
+    import pipedream_ext as pd
+
+    x, y = batch(n=16)
+    pipe = pd.PipeDream(make_model(), F.cross_entropy, schedule="1f1b", microbatches="auto",
+                        sample=(x, y), timeout=60)
+    assert pipe.schedule_name == "1f1b" and pipe.plan.configuration is not None
+    doctored = json.loads(pipe.plan.to_json())
+    prediction = doctored["configuration"]["prediction"]
+    for key in ("step_seconds", "pipeline_seconds", "overhead_seconds", "all_reduce_seconds"):
+        prediction[key] /= 1000
+    for key in ("compute_seconds", "wait_seconds", "transfer_seconds"):
+        prediction[key] = [v / 1000 for v in prediction[key]]
+    path = _plan_path("doctored")
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            json.dump(doctored, f)
+    dist.barrier()
+    slow = pd.PipeDream(make_model(), F.cross_entropy, balance=path, timeout=60)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(10):
+            slow.step(x, y)
+    mine = [str(w.message) for w in caught if "predicted" in str(w.message)]
+    assert len(mine) == 1, mine
+    assert re.search(r"measured step time [\d.]+ ms differs from the predicted [\d.]+ ms by more "
+                     r"than 25%; the largest difference is (compute|waits|transfers|all-reduce|"
+                     r"overhead)", mine[0]), mine[0]
+    stats = slow.stats()
+    assert stats["predicted_step_seconds"] == pytest.approx(prediction["step_seconds"])
+    assert stats["measured_step_seconds"] > 1.25 * stats["predicted_step_seconds"]
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.remove(path)
+
+
 def check_forward_only() -> None:
     import pipedream_ext as pd
 
@@ -383,6 +555,11 @@ def runtime_cases(world: int) -> Cases:
     cases.add(check_recompute_per_stage, "interleaved-1f1b")
     cases.add(check_calibrate)
     cases.add(check_auto_balance)
+    if world == 2:
+        cases.add(check_auto_configuration)
+        cases.add(check_auto_configuration_traced)
+        cases.add(check_memory_forces_recompute)
+        cases.add(check_prediction_warning)
     cases.add(check_forward_only)
     cases.add(check_forward_only_merge)
     cases.add(check_symmetric_bad_input)

@@ -1043,3 +1043,43 @@ def test_cut_layouts_travel_as_text_once_and_a_missing_one_names_its_stage() -> 
         CutLayout((Partial("prod"),)).encode()
     with pytest.raises(ValueError, match="'shard:x' names no placement"):
         CutLayout.decode("plain,shard:x")
+
+
+def test_prediction_check_warns_once_naming_the_largest_term(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps 3-7 measured (the time between step ends, the executor's kinds per term):
+    within 25% no warning; off by more, one warning naming the term that differs most;
+    a stats reset restarts the measurement."""
+    from pipedream_ext._runtime import prediction_check as pc
+
+    def run(check: "pc.PredictionCheck", step_ms: float, kinds_per_step: dict, steps: int = 10,
+            reset_at: Optional[int] = None) -> list:
+        clock = [0.0]
+        totals: dict = {}
+        monkeypatch.setattr(pc.time, "perf_counter", lambda: clock[0])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(steps):
+                clock[0] += step_ms / 1e3
+                for kind, ms in kinds_per_step.items():
+                    totals[kind] = totals.get(kind, 0.0) + ms / 1e3
+                if step == reset_at:
+                    totals.clear()
+                    check.restart()
+                check.after_step(lambda: dict(totals))
+        return [str(w.message) for w in caught]
+
+    predicted = {"compute": 2e-3, "waits": 1e-3, "transfers": 0.0, "all-reduce": 0.0, "overhead": 1e-3}
+    close = pc.PredictionCheck(4e-3, predicted, "rank 0")
+    assert run(close, 4.5, {"F": 1.0, "B": 1.0, "RECV_F": 1.0}) == []
+    assert close.stats() == {"predicted_step_seconds": 4e-3, "measured_step_seconds": pytest.approx(4.5e-3)}
+    slow = pc.PredictionCheck(4e-3, predicted, "rank 1")
+    messages = run(slow, 10.0, {"F": 1.0, "B": 1.0, "RECV_F": 6.0, "SEND_F": 0.5})
+    assert len(messages) == 1, messages
+    assert re.search(r"rank 1: measured step time 10\.000 ms differs from the predicted 4\.000 ms by "
+                     r"more than 25%; the largest difference is waits: measured 6\.000 ms per step, "
+                     r"predicted 1\.000 ms", messages[0]), messages[0]
+    assert pc.measured_terms({}, {"F": 2.0, "W": 1.0, "SEND_WAIT": 1.0, "ALLREDUCE": 0.5}, 2, 3.0) == \
+        {"compute": 1.5, "waits": 0.5, "transfers": 0.0, "all-reduce": 0.25, "overhead": 0.75}
+    reset = pc.PredictionCheck(4e-3, predicted, "rank 0")
+    assert run(reset, 4.0, {"F": 2.0}, steps=6, reset_at=3) == [] and reset.measured is None
+    assert len(run(reset, 40.0, {"F": 2.0}, steps=6)) == 1 and reset.measured == pytest.approx(0.04)

@@ -10,10 +10,15 @@
         --data-parallel 2 --sharding fsdp --tensor-parallel 2 --sequence-parallel \
         --tp-bandwidth 1e11
       (a (pp 4, dp 2, tp 2) mesh: 16 ranks, each stage's 2 x 2 ranks consecutive)
+    python -m pipedream_ext plan --auto --profile graph.txt --batch-size 64 --workers 4 \
+        --bandwidth 1e9 --memory 2e9 -o plan.json
+      (the whole configuration: schedule, microbatches, balance, recompute; a table of the
+      best ones; the plan file fixes all of it: PipeDream(..., balance="plan.json"))
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -22,8 +27,12 @@ import sys
 import torch
 from torch import nn
 
+from .._pipe import PipeDream
+from .._planning import choose
+from .._planning.calibration import calibrate_local
 from .._planning.profiler import profile
-from ..planner import SHARDINGS, plan
+from ..configuration import microbatch_candidates
+from ..planner import SHARDINGS, load_profile, plan
 from .arg_types import float_list, int_list
 
 __all__ = ["register"]
@@ -71,7 +80,38 @@ def _run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_auto(args: argparse.Namespace) -> int:
+    """``plan --auto``: the whole configuration of a chain profile, searched with this
+    machine's calibrated costs (``calibrate_local``) and the given bandwidth."""
+    if args.batch_size is None:
+        raise ValueError("--auto needs --batch-size: the samples per step of one pipeline, the "
+                         "batch the profile was taken with")
+    costs = choose.costs_of_profile(load_profile(args.profile), args.batch_size)
+    world = 1
+    for w in args.workers:
+        world *= w
+    # The calibration times our own runtime (a one-rank PipeDream).
+    machine = dataclasses.replace(calibrate_local(torch.device(args.device), pipeline=PipeDream),
+                                  bandwidth=args.bandwidth[0])
+    request = choose.Request(
+        schedules=choose.schedule_candidates(args.schedule, 1, len(costs.layers), world),
+        microbatches=microbatch_candidates(args.batch_size), chunks=(2,), balance=None,
+        recompute=args.recompute, memory=args.memory, mesh=(world, 1, 1), fsdp=False)
+    best, result = choose.search_profile(costs, machine, request, args.batch_size)
+    if args.output:
+        result.save(args.output)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(best.table())
+        if args.output:
+            print(f"wrote {args.output}")
+    return 0
+
+
 def _run_plan(args: argparse.Namespace) -> int:
+    if args.auto:
+        return _run_auto(args)
     result = plan(
         args.profile,
         workers=args.workers,
@@ -178,6 +218,17 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
                    help="use PipeDream's antichain states only up to N of them (else topological cuts)")
     q.add_argument("--work-budget", type=float, default=1.5e8, metavar="W",
                    help="DP updates allowed before falling back to cuts / coarsening them")
+    q.add_argument("--auto", action="store_true",
+                   help="choose the whole configuration (schedule, microbatches, balance, "
+                        "recompute) of a chain profile for --workers ranks with this machine's "
+                        "calibrated costs and --bandwidth; prints the best configurations")
+    q.add_argument("--batch-size", type=int, default=None, metavar="B",
+                   help="with --auto: samples per step (the batch the profile was taken with)")
+    q.add_argument("--schedule", default="auto",
+                   help="with --auto: a flush schedule to keep fixed (default: choose one)")
+    q.add_argument("--recompute", choices=["never", "always", "search"], default="search",
+                   help="with --auto: recompute no stage, every stage, or choose per stage")
+    q.add_argument("--device", default="cpu", help="with --auto: where the calibration runs")
     q.add_argument("-o", "--output", help="plan.json to write")
     q.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     q.set_defaults(func=_run_plan)

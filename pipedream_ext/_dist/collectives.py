@@ -27,7 +27,8 @@ from .groups import RankNames
 
 __all__ = ["is_dtensor", "metadata_device", "all_reduce", "all_reduce_start", "all_reduce_bounded", "all_reduce_data",
            "broadcast_data", "broadcast_bytes", "gather_bytes", "all_gather_json", "measure_bandwidth", "barrier",
-           "raise_if_any_failed", "gather_outcomes", "failure_entry"]
+           "raise_if_any_failed", "gather_outcomes", "failure_entry", "post_send", "post_receive",
+           "all_reduce_waited", "broadcast_waited"]
 
 
 def is_dtensor(value: Any) -> bool:
@@ -356,3 +357,25 @@ def measure_bandwidth(group: dist.ProcessGroup, a: int, b: int, size: int = 4 <<
     # Only a and b measured; the others contribute 0 and the maximum is theirs.
     seconds = all_reduce([seconds], group, op=dist.ReduceOp.MAX)[0]
     return 2 * rounds * size / max(seconds, 1e-9)
+
+
+def post_send(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup) -> Any:
+    """Posts a send of ``tensor`` to global rank ``peer`` (the calibration's probes; the
+    caller picks a device ``group`` has a backend for); returns its work to wait on."""
+    return dist.isend(tensor, peer, group=group)
+
+
+def post_receive(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup) -> Any:
+    """Posts a receive into ``tensor`` from global rank ``peer``; returns its work."""
+    return dist.irecv(tensor, peer, group=group)
+
+
+def all_reduce_waited(tensor: torch.Tensor, group: dist.ProcessGroup, timeout: float) -> None:
+    """Sums ``tensor`` over ``group`` in place, waiting at most ``timeout`` seconds."""
+    dist.all_reduce(tensor, group=group, async_op=True).wait(datetime.timedelta(seconds=timeout))
+
+
+def broadcast_waited(tensor: torch.Tensor, src: int, group: dist.ProcessGroup, timeout: float) -> None:
+    """``tensor`` from global rank ``src`` on every rank of ``group``, waiting at most
+    ``timeout`` seconds."""
+    dist.broadcast(tensor, src=src, group=group, async_op=True).wait(datetime.timedelta(seconds=timeout))

@@ -93,11 +93,11 @@ def _ping_pong(group: dist.ProcessGroup, buffer: torch.Tensor, timeout: float) -
 
     def round_trip() -> None:
         if rank == 0:
-            dist.isend(buffer, peer, group=group).wait(_delta(timeout))
-            dist.irecv(buffer, peer, group=group).wait(_delta(timeout))
+            collectives.post_send(buffer, peer, group).wait(_delta(timeout))
+            collectives.post_receive(buffer, peer, group).wait(_delta(timeout))
         else:
-            dist.irecv(buffer, peer, group=group).wait(_delta(timeout))
-            dist.isend(buffer, peer, group=group).wait(_delta(timeout))
+            collectives.post_receive(buffer, peer, group).wait(_delta(timeout))
+            collectives.post_send(buffer, peer, group).wait(_delta(timeout))
     return _median_seconds(round_trip, _ROUNDS) / 2
 
 
@@ -109,11 +109,11 @@ def _post_seconds(group: dist.ProcessGroup, device: torch.device, timeout: float
     peer = dist.get_global_rank(group, 1 - rank)
     buffers = [torch.zeros(256, device=device) for _ in range(count)]
     if rank == 1:
-        for work in [dist.irecv(b, peer, group=group) for b in buffers]:
+        for work in [collectives.post_receive(b, peer, group) for b in buffers]:
             work.wait(_delta(timeout))
         return 0.0
     start = time.perf_counter()
-    works = [dist.isend(b, peer, group=group) for b in buffers]
+    works = [collectives.post_send(b, peer, group) for b in buffers]
     posted = time.perf_counter() - start
     for work in works:
         work.wait(_delta(timeout))
@@ -139,7 +139,7 @@ def _all_reduce(group: dist.ProcessGroup, device: torch.device, timeout: float) 
     large = torch.zeros(_LARGE // 4, device=device)
 
     def reduce(t: torch.Tensor) -> Callable[[], None]:
-        return lambda: dist.all_reduce(t, group=group, async_op=True).wait(_delta(timeout))
+        return lambda: collectives.all_reduce_waited(t, group, timeout)
     latency = _median_seconds(reduce(small), _ROUNDS)
     seconds = _median_seconds(reduce(large), _ROUNDS)
     moved = 2 * (world - 1) / world * _LARGE
@@ -260,8 +260,7 @@ def _broadcast_json(payload: Optional[Dict[str, Any]], group: dist.ProcessGroup,
             data = json.dumps({"error": str(payload)[:_BUFFER // 2]}).encode()
         buffer[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     buffer = buffer.to(device)
-    dist.broadcast(buffer, src=dist.get_global_rank(group, 0), group=group,
-                   async_op=True).wait(_delta(timeout))
+    collectives.broadcast_waited(buffer, dist.get_global_rank(group, 0), group, timeout)
     raw = buffer.cpu().numpy().tobytes().rstrip(b"\0")
     return json.loads(raw.decode())
 

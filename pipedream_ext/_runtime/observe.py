@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from .._dist import collectives
 from .._extension import _C
+from .prediction_check import PredictionCheck
 
 __all__ = ["Observer"]
 
@@ -58,6 +59,13 @@ class Observer:
         self._spans: List[Span] = []
         self._retired = _C.RuntimeStats()  # executors already replaced
         self._written: Set[str] = set()  # paths this observer wrote a trace to
+        self._check: Optional[PredictionCheck] = None
+
+    def expect(self, prediction: Any, index: int) -> None:
+        """Compares the first steps with ``prediction`` (a ``configuration.Prediction``;
+        ``index``: this rank's entry in its per-rank lists): ``prediction_check``."""
+        self._check = PredictionCheck(prediction.step_seconds, prediction.breakdown(index),
+                                      self.rank_name)
 
     @property
     def tracing(self) -> bool:
@@ -65,7 +73,10 @@ class Observer:
         return self.trace_path is not None or _log.isEnabledFor(logging.DEBUG)
 
     def after_step(self, executor: Any, step: int) -> None:
-        """Moves the step's spans to the trace and/or the debug log."""
+        """Moves the step's spans to the trace and/or the debug log; compares the first
+        steps with the prediction (if any)."""
+        if self._check is not None:
+            self._check.after_step(lambda: self.stats(executor)["seconds_by_kind"])
         if not executor.action_logging:
             return
         spans = executor.take_action_log()
@@ -87,6 +98,8 @@ class Observer:
         merged = self._retired.merge(executor.stats()).as_dict()
         merged["rank"] = self.rank
         merged["stages"] = list(self.stages)
+        if self._check is not None:
+            merged.update(self._check.stats())
         if self.device.type == "cuda":
             # This rank's stages together: what the caching allocator holds for tensors.
             merged["cuda_memory_allocated"] = torch.cuda.memory_allocated(self.device)
@@ -96,6 +109,8 @@ class Observer:
     def reset(self, executor: Any) -> None:
         self._retired = _C.RuntimeStats()
         executor.reset_stats()
+        if self._check is not None:
+            self._check.restart()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 

@@ -38,8 +38,9 @@ from .grad_clip import parse_clip_option
 from .loss_reduction import LossReduction, from_option, reduction_type
 from .stage_call import Tensors
 
-__all__ = ["ClipOption", "Option", "PipelineOptions", "agreed_values", "checked", "document",
-           "from_call", "keyword_options", "option", "signature", "summary"]
+__all__ = ["AUTO", "SEARCHED", "ClipOption", "Option", "PipelineOptions", "agreed_values", "checked",
+           "document", "from_call", "keyword_options", "option", "provisional", "searched", "signature",
+           "summary"]
 
 #: ``PipeDream(clip_grad_norm=...)``: ``max_norm`` or ``(max_norm, norm_type)``.
 ClipOption = Optional[Union[float, Tuple[float, float]]]
@@ -101,12 +102,13 @@ def _check_schedule(schedule: str, _: "PipelineOptions") -> None:
     runnable = schedules.synchronous_names() + schedules.asynchronous_names()
     if schedule not in runnable:
         raise ValueError(f"schedule {schedule!r} is not supported by the runtime; choose one "
-                         f"of {', '.join(runnable)}")
+                         f"of {', '.join(runnable)}, or 'auto' to let the planner choose a flush "
+                         "schedule")
 
 
 def _check_microbatches(microbatches: int, _: "PipelineOptions") -> None:
-    if not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(f"microbatches must be a positive integer (got {microbatches!r})")
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive integer or 'auto' (got {microbatches!r})")
 
 
 def _check_chunks(chunks: int, options: "PipelineOptions") -> None:
@@ -172,6 +174,15 @@ def _check_clip(clip_grad_norm: ClipOption, options: "PipelineOptions") -> None:
                          "opt.step()")
 
 
+def _check_memory(memory: Optional[float], _: "PipelineOptions") -> None:
+    if memory is None:
+        return
+    if isinstance(memory, bool) or not isinstance(memory, (int, float)) or \
+            not math.isfinite(memory) or memory <= 0:
+        raise ValueError(f"memory must be bytes per rank > 0, or None for no limit (got "
+                         f"{memory!r}); e.g. memory=8e9")
+
+
 def _check_agreement(check_agreement: int, _: "PipelineOptions") -> None:
     if isinstance(check_agreement, bool) or not isinstance(check_agreement, int) or \
             check_agreement < 0:
@@ -210,17 +221,21 @@ class PipelineOptions:
     # -- schedule ---------------------------------------------------------------------------
     schedule: str = option("1f1b", """
         one of :data:`SYNCHRONOUS_SCHEDULES` or :data:`ASYNCHRONOUS_SCHEDULES` (what each means:
-        ``schedules.traits(name)``). With ``pipedream`` every ``step`` is one minibatch and one weight
-        update per stage (weight stashing); with ``pipedream-2bw`` one batch of ``microbatches`` and one
-        update (at most 2 weight versions). Both take the optimizer in ``step(x, y, optimizer=opt)`` and
-        need ``flush()``.""", group="schedule", position=0, check=_check_schedule, convert=_same,
-        agreed=_same)
-    microbatches: int = option(4, """
-        microbatches per ``step`` (the batch is split on dim 0).""",
+        ``schedules.traits(name)``), or ``"auto"``: the planner chooses among the flush schedules (with
+        ``sample``; docs/planner.md, "Choosing the whole configuration"). With ``pipedream`` every
+        ``step`` is one minibatch and one weight update per stage (weight stashing); with
+        ``pipedream-2bw`` one batch of ``microbatches`` and one update (at most 2 weight versions). Both
+        take the optimizer in ``step(x, y, optimizer=opt)`` and need ``flush()``.""", group="schedule",
+        position=0, check=_check_schedule, convert=_same, agreed=_same)
+    microbatches: Union[int, str] = option(4, """
+        microbatches per ``step`` (the batch is split on dim 0), or ``"auto"``: chosen by the planner
+        (with ``sample``).""",
         group="schedule", position=1, check=_check_microbatches, convert=_same, agreed=_same)
     chunks: int = option(1, """
         model chunks per rank (``interleaved-1f1b``, ``interleaved-zb``; exactly 2 for ``zbv`` and
-        ``dualpipev``).""", group="schedule", position=3, check=_check_chunks, convert=_same, agreed=_same)
+        ``dualpipev``); with ``schedule="auto"`` the planner chooses them (a value above 1 keeps only
+        the schedules that run that many).""", group="schedule", position=3, check=_check_chunks,
+        convert=_same, agreed=_same)
     vertical_sync: bool = option(False, """
         ``pipedream`` only: every stage uses, for a minibatch, the weight version stage 0 used.""",
         group="schedule", position=7, check=_check_vertical_sync, convert=bool, agreed=_same)
@@ -260,6 +275,10 @@ class PipelineOptions:
     bandwidth: Optional[Sequence[float]] = option(None, """
         bytes/s per topology level (within a node, then between nodes) for ``balance="auto"``;
         measured with a short probe if omitted.""", group="split", position=11)
+    memory: Optional[float] = option(None, """
+        bytes per rank the planner's choice must fit (weights, gradients, optimizer state and the
+        activations in flight), with ``schedule``, ``microbatches`` or ``recompute`` ``"auto"``; ``None``:
+        no limit.""", group="split", check=_check_memory, agreed=_same)
 
     # -- placement --------------------------------------------------------------------------
     process_group: Optional[dist.ProcessGroup] = option(None, """
@@ -326,11 +345,12 @@ class PipelineOptions:
         ``pipedream-2bw``: ``max_norm`` or ``(max_norm, norm_type)``: clip each update's
         gradients by the whole model's norm (flush: :func:`clip_grad_norm_`).""",
         group="numerics", position=25, check=_check_clip, convert=parse_clip_option, agreed=_clip_json)
-    recompute: Union[bool, Sequence[bool]] = option(False, """
+    recompute: Union[bool, Sequence[bool], str] = option(False, """
         keep only each stage's inputs during the forward and recompute its activations in the
         backward (same result, with the CPU and CUDA RNG states restored so dropout draws the same masks).
         A list of one bool per stage recomputes only the stages marked ``True`` (``[True, False]``: stage 0);
-        the stages one rank runs (``chunks`` > 1) must agree.""",
+        the stages one rank runs (``chunks`` > 1) must agree. ``"auto"``: the planner chooses per stage
+        (with ``sample``; what fits ``memory`` and runs fastest).""",
         group="numerics", position=8, check=_check_recompute, convert=_recompute_value,
         agreed=_recompute_json)
 
@@ -364,6 +384,37 @@ class PipelineOptions:
         ``DistributedSampler`` kept from a DDP script) fail on every rank before anything is sent. ``0``
         turns it off; later calls cost nothing.""",
         group="debugging", position=20, check=_check_agreement, convert=_same, agreed=_same)
+
+
+# -- what the planner chooses ----------------------------------------------------------------
+#: The value that leaves an option to the planner.
+AUTO = "auto"
+#: The options the configuration search may choose (``_planning/choose.py``).
+SEARCHED = ("schedule", "microbatches", "recompute")
+
+
+def searched(options: "PipelineOptions") -> List[str]:
+    """The options of :data:`SEARCHED` left to the planner (``"auto"``), in that order."""
+    return [name for name in SEARCHED if isinstance(getattr(options, name), str)
+            and getattr(options, name) == AUTO]
+
+
+def provisional(options: "PipelineOptions") -> "PipelineOptions":
+    """``options`` with every ``"auto"`` replaced by a value of the kind the planner may
+    choose, so that the other options' checks run before any communication: a flush
+    schedule (one that runs ``chunks`` chunks when above 1), 1 microbatch, no recompute.
+    The chosen values are checked again once known."""
+    left = searched(options)
+    if not left:
+        return options
+    values: Dict[str, Any] = {"microbatches": 1, "recompute": False}
+    if "schedule" in left:
+        values["schedule"] = next(
+            name for name in schedules.synchronous_names()
+            if (options.chunks == 1 and not schedules.traits(name).multi_chunk) or
+            (options.chunks != 1 and schedules.traits(name).multi_chunk and
+             schedules.traits(name).fixed_chunks in (0, options.chunks)))
+    return dataclasses.replace(options, **{k: v for k, v in values.items() if k in left})
 
 
 # -- reading the fields ---------------------------------------------------------------------

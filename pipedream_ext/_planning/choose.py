@@ -1,0 +1,324 @@
+"""Choosing the whole configuration at start-up: ``schedule="auto"``, ``microbatches="auto"``,
+``recompute="auto"`` and ``memory=``, and the prediction of a configuration the user fixed.
+
+Collective, as ``startup.auto_plan`` is: every rank joins the calibration
+(``calibration.calibrate``: the machine's per-action, per-step and transfer costs),
+rank 0 measures the layers' affine costs on the sample (``layer_costs``) and either
+searches (``configuration.search``) or predicts the configuration the user fixed
+(``configuration.predict``); every rank gets the same result as JSON bytes (no pickle),
+and an error on rank 0 is raised on every rank. A search's result comes as a
+:class:`~pipedream_ext.planner.Plan` holding the whole configuration (``Plan.configuration``),
+so that ``pipe.plan.save`` writes what ``balance="plan.json"`` fixes again.
+What the user fixed enters the search space as its only value (:class:`Request`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import time
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .. import configuration, schedules
+from .._dist import collectives
+from ..configuration import Configuration, LayerCost, MachineCosts
+from ..planner import Plan, Stage, Topology
+from .calibration import calibrate
+from .graph_profile import GraphGroups
+from .layer_costs import LayerCosts, default_microbatch_sizes, measure_layer_costs
+
+__all__ = ["COST_MODEL", "Measuring", "Request", "choose", "costs_of_profile", "plan_of",
+           "predict_fixed", "sample_rows", "schedule_candidates", "search_profile"]
+
+_log = logging.getLogger(__name__)
+
+#: The plan's ``cost_model`` for a configuration the search chose.
+COST_MODEL = "configuration"
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What the user left to the planner and what they fixed, as a search space.
+
+    Attributes:
+        schedules: candidate schedule names (one: fixed).
+        microbatches: candidate counts (one: fixed).
+        chunks: chunk counts tried for multi-chunk schedules.
+        balance: fixed layers per stage, or ``None`` (searched).
+        recompute: ``"never"``, ``"always"``, ``"search"`` or one bool per stage.
+        memory: bytes per rank, or ``None`` (no limit).
+        mesh: ``(pp, dp, tp)``.
+        fsdp: data parallelism shards weights, gradients and optimizer state.
+    """
+
+    schedules: List[str]
+    microbatches: List[int]
+    chunks: Tuple[int, ...]
+    balance: Optional[List[int]]
+    recompute: Union[str, List[bool]]
+    memory: Optional[float]
+    mesh: Tuple[int, int, int]
+    fsdp: bool
+
+    def search_arguments(self, batch_size: int) -> Dict[str, Any]:
+        """The keywords of ``configuration.search`` for a pipeline given ``batch_size`` samples."""
+        pp, dp, tp = self.mesh
+        return dict(world_size=pp * dp * tp, batch_size=batch_size, schedules=list(self.schedules),
+                    microbatches=list(self.microbatches), meshes=[self.mesh],
+                    balance=self.balance, recompute=self.recompute, memory=self.memory,
+                    interleaved_chunks=self.chunks, fsdp=self.fsdp)
+
+
+def schedule_candidates(schedule: str, chunks: int, num_layers: int, pp: int,
+                        multi_chunk: bool = True) -> List[str]:
+    """The flush schedules ``schedule="auto"`` tries (``[schedule]`` when one is named):
+    with ``chunks`` above 1 only those running that many chunks per rank; multi-chunk ones
+    only when the model has a layer for each of their ``pp * chunks`` stages (and
+    ``multi_chunk``: a traced model's plan places one stage per rank)."""
+    if schedule != "auto":
+        return [schedule]
+    names = []
+    for name in configuration.flush_schedules():
+        traits = schedules.traits(name)
+        runs = traits.fixed_chunks or (chunks if chunks != 1 else 2)
+        if not traits.multi_chunk:
+            if chunks == 1:
+                names.append(name)
+        elif multi_chunk and (traits.fixed_chunks in (0, chunks) or chunks == 1):
+            if num_layers >= pp * runs:
+                names.append(name)
+    return names
+
+
+def sample_rows(sample: Any) -> int:
+    """Rows of the sample's inputs (their first tensor's dim 0): the batch one pipeline gets.
+
+    Raises:
+        ValueError: no tensor in the sample's inputs.
+    """
+    leaves = [t for t in pytree.tree_leaves(sample[0]) if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if not leaves:
+        raise ValueError("sample=(inputs, targets) holds no tensor with a batch dimension in its "
+                         "inputs; the planner sizes microbatches from it: pass one batch")
+    return int(leaves[0].shape[0])
+
+
+def _microbatch_sizes(request_microbatches: Sequence[int], batch: int) -> List[int]:
+    """The microbatch sizes the layers are timed at (the affine fit needs two): the
+    smallest and the largest microbatch the candidates make, or with one size that one
+    and ``layer_costs``' default pair."""
+    sizes = {max(1, batch // max(request_microbatches)),
+             max(1, -(-batch // min(request_microbatches)))}
+    if len(sizes) == 1:
+        sizes.update(default_microbatch_sizes(batch))
+    return sorted(sizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Measuring:
+    """What measuring the model (rank 0) and the machine (every rank) needs.
+
+    Attributes:
+        module: the whole model (an ``nn.Sequential``).
+        loss_fn: the pipeline's loss.
+        sample: ``(inputs, targets)`` of one batch of one pipeline.
+        group: every rank of the run (a mesh's every rank).
+        device: this rank's device.
+        timeout: seconds any wait may take.
+        pipeline: ``PipeDream``'s constructor (the calibration times our runtime).
+        concrete_args: a traced model's fixed non-tensor ``forward`` arguments.
+        grouped: a traced model's groups (the chain the search cuts), else ``None``.
+    """
+
+    module: nn.Module
+    loss_fn: Callable[..., torch.Tensor]
+    sample: Tuple[Any, Any]
+    group: dist.ProcessGroup
+    device: torch.device
+    timeout: float
+    pipeline: Callable[..., Any]
+    concrete_args: Optional[Mapping[str, Any]] = None
+    grouped: Optional[GraphGroups] = None
+
+    def costs(self, microbatches: Sequence[int]) -> LayerCosts:
+        """The layers' costs on the sample, timed at the microbatch sizes ``microbatches`` make."""
+        return measure_layer_costs(self.module, self.sample, self.loss_fn, microbatch_sizes=
+                                   _microbatch_sizes(microbatches, sample_rows(self.sample)),
+                                   concrete_args=self.concrete_args, grouped=self.grouped)
+
+
+def _on_rank_zero(measuring: Measuring, what: str, compute: Callable[[MachineCosts], str]) -> str:
+    """Every rank calibrates; rank 0 runs ``compute(machine)`` (JSON text); every rank gets
+    that text, or raises rank 0's error.
+
+    Raises:
+        ValueError: what ``compute`` raised on rank 0 (the original exception there).
+    """
+    group = measuring.group
+    machine = calibrate(group, measuring.device, timeout=measuring.timeout,
+                        pipeline=measuring.pipeline)
+    payload: Optional[bytes] = None
+    error: Optional[BaseException] = None
+    if dist.get_rank(group) == 0:
+        try:
+            payload = b"C" + compute(machine).encode()
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            error = exc
+            payload = b"E" + f"{type(exc).__name__}: {exc}".encode()
+    data = collectives.broadcast_bytes(payload, 0, group)
+    if data[:1] == b"E":
+        if error is not None:
+            raise error
+        raise ValueError(f"{what}: rank 0 failed: {data[1:].decode()}")
+    return data[1:].decode()
+
+
+def choose(measuring: Measuring, request: Request) -> Tuple[Configuration, Plan]:
+    """Searches the best configuration of ``request`` (collective over ``measuring.group``).
+
+    Returns:
+        The chosen configuration (with its prediction and runners-up), the same on every
+        rank, and the plan recording it.
+
+    Raises:
+        ValueError: on every rank: nothing fits ``memory`` (naming the smallest peak),
+            or what measuring or searching raised on rank 0.
+    """
+    batch = sample_rows(measuring.sample)
+
+    def search(machine: MachineCosts) -> str:
+        started = time.perf_counter()
+        costs = measuring.costs(request.microbatches)
+        measured = time.perf_counter()
+        best = configuration.search(costs.layers, machine,
+                                    **request.search_arguments(batch))
+        _log.info("measured %d layers in %.2f s, searched in %.3f s", len(costs.layers),
+                  measured - started, time.perf_counter() - measured)
+        return plan_of(best, costs, batch, machine, request.fsdp).to_json(indent=None)
+
+    plan = Plan.from_json(_on_rank_zero(measuring, "choosing the configuration", search))
+    assert plan.configuration is not None
+    return Configuration.from_dict(plan.configuration), plan
+
+
+def predict_fixed(measuring: Measuring, fixed: Configuration, memory: Optional[float],
+                  fsdp: bool) -> Configuration:
+    """The prediction of a configuration the user fixed (collective over ``measuring.group``).
+
+    Returns:
+        ``fixed`` with its prediction, the same on every rank.
+
+    Raises:
+        ValueError: on every rank, what measuring or predicting raised on rank 0.
+    """
+    batch = sample_rows(measuring.sample)
+
+    def predict(machine: MachineCosts) -> str:
+        costs = measuring.costs([fixed.microbatches])
+        prediction = configuration.predict(costs.layers, machine, fixed, batch,
+                                           memory=memory, fsdp=fsdp)
+        return json.dumps(dataclasses.replace(fixed, prediction=prediction).to_dict())
+
+    text = _on_rank_zero(measuring, "predicting the configuration", predict)
+    return Configuration.from_dict(json.loads(text))
+
+
+def plan_of(chosen: Configuration, costs: LayerCosts, batch: int, machine: MachineCosts,
+            fsdp: bool) -> Plan:
+    """The plan file of a chosen configuration: a stage per pipeline stage (its layers,
+    ranks, compute per step and the peak bytes of its rank) and the whole configuration.
+
+    ``data_parallel_time`` is plain data parallelism without its communication (the
+    layers' compute over every rank): a bound, not a prediction.
+    """
+    pp, dp, tp = chosen.mesh
+    layers = costs.layers
+    sched = schedules.build(chosen.schedule, stages=pp, microbatches=chosen.microbatches,
+                            chunks=chosen.chunks)
+    size = batch / chosen.microbatches
+    assert chosen.prediction is not None
+    peaks = chosen.prediction.peak_bytes
+    chain = costs.group_of is None  # an nn.Sequential; a traced model's stages list its groups
+    nodes = [[str(l) for l in range(lo, lo + n)] for lo, n in
+             zip(itertools.accumulate([0] + chosen.balance[:-1]), chosen.balance)] if chain \
+        else costs.stage_nodes(chosen.balance)
+    stages, start = [], 0
+    for j, count in enumerate(chosen.balance):
+        part = layers[start:start + count]
+        compute = chosen.microbatches * sum(
+            c.forward_fixed + c.backward_fixed + size * (c.forward_per_sample + c.backward_per_sample)
+            for c in part) / tp
+        ranks = list(sched.stage_ranks(j))
+        stages.append(Stage(nodes=nodes[j], replicas=1, ranks=ranks, time=compute,
+                            compute_seconds=compute,
+                            parameter_bytes=sum(c.parameter_bytes for c in part),
+                            memory_bytes=max(peaks[r] for r in ranks),
+                            layers=(start, start + count) if chain else None))
+        start += count
+    single = sum(c.forward_fixed + c.backward_fixed +
+                 batch * (c.forward_per_sample + c.backward_per_sample) for c in layers)
+    bottleneck = max(s.time for s in stages)
+    ideal_dp = single / (pp * dp * tp)
+    mesh = {} if dp * tp == 1 else {"data_parallel": dp, "sharding": "fsdp" if fsdp else "replicate",
+                                    "tensor_parallel": tp if tp > 1 else None}
+    return Plan(stages=stages, time_per_stage=bottleneck, data_parallel_time=ideal_dp,
+                speedup_over_dp=ideal_dp / bottleneck if bottleneck > 0 else 0.0,
+                single_worker_time=single, num_workers=pp, used_workers=pp, cost_model=COST_MODEL,
+                topology=Topology(workers=(pp,), bandwidth=(machine.bandwidth,)), chain=chain,
+                configuration=chosen.to_dict(), **mesh)
+
+
+def costs_of_profile(graph: Any, batch_size: int) -> LayerCosts:
+    """A chain profile's layers (``graph.txt`` of an ``nn.Sequential``, profiled at
+    ``batch_size`` samples) as the search's layer costs: times and bytes per sample (no
+    fixed part: one profiled size cannot tell it), what a layer keeps for its backward
+    taken as its output.
+
+    Raises:
+        ValueError: a branching profile, or ``batch_size`` below 1.
+    """
+    if batch_size < 1:
+        raise ValueError(f"--batch-size {batch_size}: the samples the profile was taken with, >= 1")
+    nodes = {n["id"]: n for n in graph.nodes()}
+    after: Dict[str, List[str]] = {}
+    before: Dict[str, List[str]] = {}
+    for a, b in graph.edges():
+        after.setdefault(a, []).append(b)
+        before.setdefault(b, []).append(a)
+    if any(len(v) > 1 for v in list(after.values()) + list(before.values())):
+        raise ValueError("plan --auto cuts a chain of layers (the profile of an nn.Sequential); "
+                         "this profile branches: plan it without --auto")
+    node = next(i for i in nodes if i not in before)
+    order = [node]
+    while after.get(order[-1]):
+        order.append(after[order[-1]][0])
+    chain = [nodes[i] for i in order if not nodes[i]["description"].startswith("Input")]
+    first = nodes[order[0]]
+    layers, inputs = [], first["activation_bytes"] if first["description"].startswith("Input") else 0.0
+    for n in chain:
+        layers.append(LayerCost(
+            forward_per_sample=n["forward_ms"] / 1e3 / batch_size,
+            backward_per_sample=n["backward_ms"] / 1e3 / batch_size,
+            output_bytes_per_sample=n["activation_bytes"] / batch_size,
+            stash_bytes_per_sample=n["activation_bytes"] / batch_size,
+            input_bytes_per_sample=inputs / batch_size, parameter_bytes=float(n["parameter_bytes"])))
+        inputs = n["activation_bytes"]
+    return LayerCosts(layers, [str(n["description"]) for n in chain], None, [batch_size])
+
+
+def search_profile(costs: LayerCosts, machine: MachineCosts, request: Request,
+                   batch_size: int) -> Tuple[Configuration, Plan]:
+    """The best configuration of ``request`` for layer costs known already (the CLI's
+    ``plan --auto``), and its plan.
+
+    Raises:
+        ValueError: nothing fits ``memory``, or a bad search space.
+    """
+    best = configuration.search(costs.layers, machine, **request.search_arguments(batch_size))
+    return best, plan_of(best, costs, batch_size, machine, request.fsdp)
