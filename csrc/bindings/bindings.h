@@ -15,6 +15,8 @@ void bindSchedules(pybind11::module_& m);
 void bindSimulator(pybind11::module_& m);
 // Profile graphs and the partition planner (csrc/core/profile_graph.h, planner.h).
 void bindPlanner(pybind11::module_& m);
+// The whole-configuration search and its cost model, over dicts (csrc/core/configure.h).
+void bindConfigure(pybind11::module_& m);
 // Runtime statistics, the split backward, the NCCL-rules test backend and the
 // pipeline executor (csrc/runtime).
 void bindRuntime(pybind11::module_& m);

@@ -8,5 +8,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pipedream::bindSchedules(m);
   pipedream::bindSimulator(m);
   pipedream::bindPlanner(m);
+  pipedream::bindConfigure(m);
   pipedream::bindRuntime(m);
 }

@@ -1,0 +1,467 @@
+#include "configure.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <set>
+#include <stdexcept>
+#include <utility>
+
+#include "configure_model.h"
+#include "generators.h"
+#include "simulate.h"
+#include "traits.h"
+
+namespace pipedream {
+
+namespace {
+
+std::string str(int value) { return std::to_string(value); }
+std::string str(double value) { return std::to_string(value); }
+
+[[noreturn]] void fail(const std::string& message) { throw std::invalid_argument(message); }
+
+std::string joined(const std::vector<int>& values) {
+  std::string out = "[";
+  for (size_t k = 0; k < values.size(); ++k) out += (k ? ", " : "") + str(values[k]);
+  return out + "]";
+}
+
+void checkNonNegative(double value, const std::string& name) {
+  if (!std::isfinite(value) || value < 0) {
+    fail(name + " must be finite and >= 0 (got " + str(value) + ")");
+  }
+}
+
+}  // namespace
+
+// --- checks --------------------------------------------------------------------
+
+void checkLayers(const std::vector<LayerCost>& layers) {
+  if (layers.empty()) fail("layers is empty; give one LayerCost per layer of the chain");
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const LayerCost& c = layers[l];
+    const std::string at = "layer " + str(static_cast<int>(l)) + ": ";
+    checkNonNegative(c.forwardFixed, at + "forward_fixed");
+    checkNonNegative(c.forwardPerSample, at + "forward_per_sample");
+    checkNonNegative(c.backwardFixed, at + "backward_fixed");
+    checkNonNegative(c.backwardPerSample, at + "backward_per_sample");
+    checkNonNegative(c.outputBytesPerSample, at + "output_bytes_per_sample");
+    checkNonNegative(c.stashBytesPerSample, at + "stash_bytes_per_sample");
+    checkNonNegative(c.inputBytesPerSample, at + "input_bytes_per_sample");
+    checkNonNegative(c.parameterBytes, at + "parameter_bytes");
+    if (!(c.weightShare >= 0 && c.weightShare <= 1)) {
+      fail(at + "weight_share must be in [0, 1] (got " + str(c.weightShare) + ")");
+    }
+  }
+}
+
+void checkMachine(const MachineCosts& m) {
+  checkNonNegative(m.actionSeconds, "action_seconds");
+  checkNonNegative(m.sendSeconds, "send_seconds");
+  checkNonNegative(m.stepSeconds, "step_seconds");
+  checkNonNegative(m.latencySeconds, "latency_seconds");
+  checkNonNegative(m.allReduceLatencySeconds, "all_reduce_latency_seconds");
+  checkNonNegative(m.optimizerSecondsPerByte, "optimizer_seconds_per_byte");
+  if (!std::isfinite(m.bandwidth) || m.bandwidth <= 0) {
+    fail("bandwidth must be finite and > 0 bytes/s (got " + str(m.bandwidth) + ")");
+  }
+  if (!std::isfinite(m.allReduceBandwidth) || m.allReduceBandwidth <= 0) {
+    fail("all_reduce_bandwidth must be finite and > 0 bytes/s (got " + str(m.allReduceBandwidth) +
+         ")");
+  }
+  if (m.cores < 0) fail("cores must be >= 0 (0: one core per rank; got " + str(m.cores) + ")");
+  if (m.ranksPerNode < 0) {
+    fail("ranks_per_node must be >= 0 (0: every rank on one node; got " + str(m.ranksPerNode) + ")");
+  }
+}
+
+void checkMemoryArguments(double memoryBytes, double optimizerStateFactor) {
+  checkNonNegative(memoryBytes, "memory_bytes");
+  checkNonNegative(optimizerStateFactor, "optimizer_state_factor");
+}
+
+// --- one point of the space ------------------------------------------------------
+
+namespace {
+
+// Sums of a per-layer quantity over [begin, end) in O(1).
+class PrefixSums {
+ public:
+  PrefixSums() = default;
+  template <typename F>
+  PrefixSums(const std::vector<LayerCost>& layers, F value) : sums_(layers.size() + 1, 0.0) {
+    for (size_t l = 0; l < layers.size(); ++l) sums_[l + 1] = sums_[l] + value(layers[l]);
+  }
+  double over(int begin, int end) const { return sums_[end] - sums_[begin]; }
+
+ private:
+  std::vector<double> sums_;
+};
+
+}  // namespace
+
+struct PointModel::Sums {
+  PrefixSums forward, backward, weight, stash, deferred, parameters;
+};
+
+PointModel::PointModel(const std::vector<LayerCost>& layers, int batchSize,
+                       const MachineCosts& machine, const PointOptions& options)
+    : layers_(layers), machine_(machine), options_(options), sums_(std::make_shared<Sums>()) {
+  const ScheduleTraits& traits = scheduleTraits(options.schedule);
+  asynchronous_ = traits.asynchronous;
+  split_ = traits.splitBackward;
+  // A step's batch is split into its microbatches with torch.tensor_split: the
+  // first ones are the largest (pipedream: one minibatch, the whole batch).
+  const int perStep = traits.microbatchesPerStep(options.microbatches);
+  samples_ = (batchSize + perStep - 1) / perStep;
+  const double b = samples_;
+  sums_->forward = PrefixSums(layers, [b](const LayerCost& c) {
+    return c.forwardFixed + c.forwardPerSample * b;
+  });
+  sums_->backward = PrefixSums(layers, [b](const LayerCost& c) {
+    return c.backwardFixed + c.backwardPerSample * b;
+  });
+  sums_->weight = PrefixSums(layers, [b](const LayerCost& c) {
+    return c.weightShare * (c.backwardFixed + c.backwardPerSample * b);
+  });
+  sums_->stash = PrefixSums(layers, [b](const LayerCost& c) { return c.stashBytesPerSample * b; });
+  // A deferred weight gradient keeps each layer's input and output gradient.
+  sums_->deferred = PrefixSums(layers, [b](const LayerCost& c) {
+    return std::min(c.stashBytesPerSample, c.inputBytesPerSample + c.outputBytesPerSample) * b;
+  });
+  sums_->parameters = PrefixSums(layers, [](const LayerCost& c) { return c.parameterBytes; });
+  buildSchedules(traits);
+}
+
+void PointModel::buildSchedules(const ScheduleTraits& traits) {
+  ScheduleOptions o;
+  o.name = options_.schedule;
+  o.chunks = options_.chunks;
+  o.microbatches = options_.microbatches;
+  o.replicas = options_.replicas;
+  o.stages = traits.multiChunk ? options_.pp
+                               : (options_.replicas.empty() ? options_.pp
+                                                            : static_cast<int>(options_.replicas.size()));
+  // An asynchronous schedule never drains: one step is the difference between
+  // a window of two and one (the fill and drain cancel).
+  schedules_.push_back(buildSchedule(o));
+  if (asynchronous_) {
+    if (traits.updateRule == UpdateRule::kPerMinibatch) {
+      o.microbatches *= 2;
+      stepScale_ = 1.0 / options_.microbatches;
+    } else {
+      o.batches = 2;
+    }
+    schedules_.push_back(buildSchedule(o));
+  }
+  const Schedule& shape = schedules_.back();
+  const Layout& layout = shape.layout();
+  stages_ = layout.numStages();
+  ranks_ = layout.numRanks();
+  firstRank_.resize(stages_);
+  for (int j = 0; j < stages_; ++j) firstRank_[j] = layout.stageRanks(j).front();
+  replicaCounts_ = layout.replicaCounts();
+  versions_.assign(stages_, 1);
+  if (traits.stashWeights) {
+    SimulationResult figures;
+    computeMemoryFigures(shape, figures);
+    versions_ = figures.peakWeightVersions;
+  }
+  buildMemoryShapes(shape);
+  countSends();
+}
+
+// For every rank: the distinct count vectors (in-flight and deferred
+// microbatches per stage it holds) its list passes through, and the ones
+// just before each backward (where a recomputing stage rebuilds its stash).
+void PointModel::buildMemoryShapes(const Schedule& schedule) {
+  const Layout& layout = schedule.layout();
+  rankStages_.assign(ranks_, {});
+  shapes_.assign(ranks_, {});
+  for (int r = 0; r < ranks_; ++r) {
+    rankStages_[r] = layout.stagesOfRank(r);
+    const int k = static_cast<int>(rankStages_[r].size());
+    std::vector<int> count(2 * k, 0);
+    std::set<std::pair<int, std::vector<int>>> seen;
+    auto local = [&](int stage) {
+      return static_cast<int>(std::find(rankStages_[r].begin(), rankStages_[r].end(), stage) -
+                              rankStages_[r].begin());
+    };
+    for (const Action& a : schedule.actions(r)) {
+      if (!isCompute(a.kind)) continue;
+      const int s = local(a.stage);
+      if (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput) {
+        seen.insert({s, count});
+      }
+      if (a.kind == ActionKind::kForward) {
+        ++count[2 * s];
+      } else if (a.kind == ActionKind::kBackward) {
+        --count[2 * s];
+      } else if (a.kind == ActionKind::kBackwardInput) {
+        --count[2 * s];
+        ++count[2 * s + 1];
+      } else if (a.kind == ActionKind::kBackwardWeight) {
+        --count[2 * s + 1];
+      }
+      seen.insert({-1, count});
+    }
+    for (const auto& entry : seen) shapes_[r].push_back({entry.first, entry.second});
+  }
+}
+
+std::vector<int> PointModel::starts(const std::vector<int>& balance) const {
+  std::vector<int> out(balance.size() + 1, 0);
+  for (size_t j = 0; j < balance.size(); ++j) out[j + 1] = out[j] + balance[j];
+  return out;
+}
+
+bool PointModel::sendsForward(int j) const {
+  return j + 1 < stages_ && firstRank_[j + 1] != firstRank_[j];
+}
+
+bool PointModel::sendsBackward(int j) const { return j > 0 && firstRank_[j - 1] != firstRank_[j]; }
+
+StageCost PointModel::stageCost(int j, int a, int e, bool recompute) const {
+  const double tp = options_.tp;
+  const double act = machine_.actionSeconds;
+  const double send = machine_.sendSeconds;
+  const double forward = sums_->forward.over(a, e) / tp;
+  const double full = sums_->backward.over(a, e) / tp;
+  const double weight = split_ ? sums_->weight.over(a, e) / tp : 0.0;
+  StageCost c;
+  c.forward = forward + act + (sendsForward(j) ? send : 0.0);
+  c.backward = full - weight + (recompute ? forward : 0.0) + act + (sendsBackward(j) ? send : 0.0);
+  c.weight = split_ ? weight + act : 0.0;
+  return c;
+}
+
+double PointModel::commSeconds(int e) const {
+  return machine_.latencySeconds + layers_[e - 1].outputBytesPerSample * samples_ / machine_.bandwidth;
+}
+
+StageCosts PointModel::stageCosts(const std::vector<int>& start,
+                                  const std::vector<int>& recompute) const {
+  StageCosts c;
+  c.forward.resize(stages_);
+  c.backward.resize(stages_);
+  if (split_) c.weight.resize(stages_);
+  c.comm.resize(std::max(0, stages_ - 1));
+  c.allReduce.assign(stages_, 0.0);
+  for (int j = 0; j < stages_; ++j) {
+    const int a = start[j], e = start[j + 1];
+    const StageCost cost = stageCost(j, a, e, !recompute.empty() && recompute[j] != 0);
+    c.forward[j] = cost.forward;
+    c.backward[j] = cost.backward;
+    if (split_) c.weight[j] = cost.weight;
+    if (j + 1 < stages_) c.comm[j] = commSeconds(e);
+    const int r = replicaCounts_[j];
+    if (r > 1) {
+      c.allReduce[j] = machine_.allReduceLatencySeconds +
+                       2.0 * (r - 1) / r * sums_->parameters.over(a, e) / machine_.allReduceBandwidth;
+    }
+  }
+  return c;
+}
+
+double PointModel::parameterBytes(int a, int e) const { return sums_->parameters.over(a, e); }
+
+double PointModel::stateBytes(int rank, const std::vector<int>& start) const {
+  const double shards = options_.tp * (options_.fsdp ? options_.dp : 1);
+  double bytes = 0.0;
+  for (int j : rankStages_[rank]) {
+    const double weights = sums_->parameters.over(start[j], start[j + 1]);
+    bytes += weights * (versions_[j] + 1.0 + options_.optimizerStateFactor) / shards;
+  }
+  return bytes;
+}
+
+double PointModel::peakBytes(int rank, const std::vector<int>& start,
+                             const std::vector<int>& recompute) const {
+  const auto& stages = rankStages_[rank];
+  const size_t k = stages.size();
+  std::vector<double> keep(2 * k), rebuilt(k, 0.0);
+  for (size_t s = 0; s < k; ++s) {
+    const int j = stages[s];
+    const int a = start[j], e = start[j + 1];
+    const bool again = !recompute.empty() && recompute[j] != 0;
+    const double stash = sums_->stash.over(a, e);
+    keep[2 * s] = again ? layers_[a].inputBytesPerSample * samples_ : stash;
+    keep[2 * s + 1] = sums_->deferred.over(a, e);
+    if (again) rebuilt[s] = stash;
+  }
+  double activations = 0.0;
+  for (const MemoryPoint& point : shapes_[rank]) {
+    if (point.backwardOf >= 0 && rebuilt[point.backwardOf] == 0.0) continue;
+    double bytes = point.backwardOf >= 0 ? rebuilt[point.backwardOf] : 0.0;
+    for (size_t x = 0; x < 2 * k; ++x) bytes += point.counts[x] * keep[x];
+    activations = std::max(activations, bytes);
+  }
+  return stateBytes(rank, start) + activations;
+}
+
+// The per-step collectives and fixed costs of one rank.
+void PointModel::stepTerms(const std::vector<int>& start, Prediction& p) const {
+  const int dp = options_.dp;
+  double overhead = 0.0, allReduce = 0.0;
+  for (int r = 0; r < ranks_; ++r) {
+    double bytes = 0.0;
+    for (int j : rankStages_[r]) bytes += sums_->parameters.over(start[j], start[j + 1]);
+    bytes /= options_.tp;
+    const double calls = static_cast<double>(rankStages_[r].size()) * (options_.fsdp ? 2 : 1);
+    if (dp > 1) {
+      allReduce = std::max(allReduce, calls * machine_.allReduceLatencySeconds +
+                                          2.0 * (dp - 1) / dp * bytes / machine_.allReduceBandwidth);
+    }
+    const double owned = options_.fsdp ? bytes / dp : bytes;
+    overhead = std::max(overhead, machine_.optimizerSecondsPerByte * owned);
+  }
+  p.overheadSeconds = machine_.stepSeconds + overhead;
+  p.allReduceSeconds = allReduce;
+}
+
+// Ranks of one node when they share its cores (1 when they do not).
+double PointModel::sharedRanks() const {
+  const int world = options_.pp * options_.dp * options_.tp;
+  const int onNode = machine_.ranksPerNode > 0 ? std::min(machine_.ranksPerNode, world) : world;
+  return machine_.cores > 0 && onNode > machine_.cores ? static_cast<double>(onNode) / machine_.cores
+                                                       : 0.0;
+}
+
+Prediction PointModel::predict(const std::vector<int>& balance,
+                               const std::vector<int>& recompute) const {
+  const std::vector<int> start = starts(balance);
+  const StageCosts costs = stageCosts(start, recompute);
+  Prediction p;
+  std::vector<double> busy(ranks_, 0.0);
+  double makespan = 0.0;
+  for (size_t w = 0; w < schedules_.size(); ++w) {
+    const SimulationResult sim = simulate(schedules_[w], costs, Recording::kNone);
+    const double sign = w + 1 == schedules_.size() ? 1.0 : -1.0;
+    makespan += sign * sim.makespan;
+    for (int r = 0; r < ranks_; ++r) busy[r] += sign * sim.busyTimePerRank[r];
+  }
+  makespan = std::max(0.0, makespan * stepScale_);
+  double total = 0.0;
+  for (double& t : busy) {
+    t = std::max(0.0, t * stepScale_);
+    total += t;
+  }
+  // Ranks sharing cores: the node's demand (its ranks' average busy time each)
+  // spread over its cores, when that exceeds the simulated makespan.
+  const double shared = sharedRanks();
+  const double pipeline = std::max(makespan, shared * total / ranks_);
+  const double stretch = makespan > 0 ? pipeline / makespan : 1.0;
+  p.pipelineSeconds = pipeline;
+  for (int r = 0; r < ranks_; ++r) {
+    const double transfer = std::min(busy[r], sendsPerStep_[r] * machine_.sendSeconds) * stretch;
+    p.transferSeconds.push_back(transfer);
+    p.computeSeconds.push_back(busy[r] * stretch - transfer);
+    p.waitSeconds.push_back(std::max(0.0, pipeline - busy[r] * stretch));
+  }
+  p.bubbleFraction = pipeline > 0 ? std::max(0.0, 1.0 - total * stretch / (ranks_ * pipeline)) : 0.0;
+  stepTerms(start, p);
+  p.stepSeconds = p.pipelineSeconds + p.overheadSeconds + p.allReduceSeconds;
+  for (int r = 0; r < ranks_; ++r) {
+    p.peakBytes.push_back(peakBytes(r, start, recompute));
+    if (options_.memoryBytes > 0 && p.peakBytes.back() > options_.memoryBytes) p.fits = false;
+  }
+  return p;
+}
+
+// Per rank: the sends it posts in one step (counted like busy time: the last
+// window minus the one before, for an asynchronous schedule).
+void PointModel::countSends() {
+  sendsPerStep_.assign(ranks_, 0.0);
+  for (size_t w = 0; w < schedules_.size(); ++w) {
+    const double sign = w + 1 == schedules_.size() ? 1.0 : -1.0;
+    for (int r = 0; r < ranks_; ++r) {
+      for (const Action& a : schedules_[w].actions(r)) {
+        const bool forward = a.kind == ActionKind::kForward && sendsForward(a.stage);
+        const bool backward = (a.kind == ActionKind::kBackward ||
+                               a.kind == ActionKind::kBackwardInput) && sendsBackward(a.stage);
+        if (forward || backward) sendsPerStep_[r] += sign * stepScale_;
+      }
+    }
+  }
+}
+
+// --- predictConfiguration ---------------------------------------------------------
+
+namespace {
+
+void checkConfiguration(const std::vector<LayerCost>& layers, int batchSize, const Configuration& c) {
+  if (batchSize < 1) fail("batch_size must be >= 1 (got " + str(batchSize) + ")");
+  if (c.pp < 1 || c.dp < 1 || c.tp < 1) {
+    fail("mesh (pp, dp, tp) must be >= 1 each (got (" + str(c.pp) + ", " + str(c.dp) + ", " +
+         str(c.tp) + "))");
+  }
+  if (c.chunks < 1) fail("chunks must be >= 1 (got " + str(c.chunks) + ")");
+  if (c.microbatches < 1 || c.microbatches > batchSize) {
+    fail("microbatches must be in 1.." + str(batchSize) + " (every microbatch needs a sample of "
+         "the batch of " + str(batchSize) + "; got " + str(c.microbatches) + ")");
+  }
+  const int layerCount = static_cast<int>(layers.size());
+  int stages = c.pp * c.chunks;
+  if (!c.replicas.empty()) {
+    stages = static_cast<int>(c.replicas.size());
+    const int ranks = std::accumulate(c.replicas.begin(), c.replicas.end(), 0);
+    if (c.chunks != 1) fail("replicas need chunks=1 (got chunks=" + str(c.chunks) + ")");
+    if (*std::min_element(c.replicas.begin(), c.replicas.end()) < 1 || ranks != c.pp) {
+      fail("replicas " + joined(c.replicas) + " must be >= 1 each and sum to pp=" + str(c.pp));
+    }
+  }
+  if (static_cast<int>(c.balance.size()) != stages) {
+    fail("balance " + joined(c.balance) + " must give the layers of each of the " + str(stages) +
+         " stages (pp * chunks" + std::string(c.replicas.empty() ? "" : ", or one per replicated stage") +
+         ")");
+  }
+  if (std::accumulate(c.balance.begin(), c.balance.end(), 0) != layerCount ||
+      *std::min_element(c.balance.begin(), c.balance.end()) < 1) {
+    fail("balance " + joined(c.balance) + " must be >= 1 per stage and sum to the " +
+         str(layerCount) + " layers");
+  }
+  if (!c.recompute.empty()) {
+    const bool binary = std::all_of(c.recompute.begin(), c.recompute.end(),
+                                    [](int v) { return v == 0 || v == 1; });
+    if (static_cast<int>(c.recompute.size()) != stages || !binary) {
+      fail("recompute " + joined(c.recompute) + " must give 0 or 1 for each of the " + str(stages) +
+           " stages");
+    }
+  }
+}
+
+}  // namespace
+
+PointOptions pointOptions(const Configuration& config, double memoryBytes,
+                          double optimizerStateFactor, bool fsdp) {
+  PointOptions o;
+  o.schedule = config.schedule;
+  o.chunks = config.chunks;
+  o.microbatches = config.microbatches;
+  o.pp = config.pp;
+  o.dp = config.dp;
+  o.tp = config.tp;
+  o.replicas = config.replicas;
+  o.memoryBytes = memoryBytes;
+  o.optimizerStateFactor = optimizerStateFactor;
+  o.fsdp = fsdp;
+  return o;
+}
+
+Prediction predictConfiguration(const std::vector<LayerCost>& layers, int batchSize,
+                                const MachineCosts& machine, const Configuration& config,
+                                double memoryBytes, double optimizerStateFactor, bool fsdp) {
+  checkLayers(layers);
+  checkMachine(machine);
+  checkMemoryArguments(memoryBytes, optimizerStateFactor);
+  scheduleTraits(config.schedule);  // names the known schedules if unknown
+  checkConfiguration(layers, batchSize, config);
+  const PointModel model(layers, batchSize, machine,
+                         pointOptions(config, memoryBytes, optimizerStateFactor, fsdp));
+  return model.predict(config.balance, config.recompute);
+}
+
+}  // namespace pipedream

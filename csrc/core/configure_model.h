@@ -1,0 +1,113 @@
+// The cost model of configure.h for one point of the search space (schedule,
+// chunks, microbatches, mesh, replicas): the schedule is built once and every
+// (balance, recompute) scored against it. Shared by predictConfiguration,
+// enumerateConfigurations and searchConfigurations, so all three compute
+// bit-identical predictions. Internal to csrc/core.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "configure.h"
+#include "schedule.h"
+#include "simulate.h"
+#include "traits.h"
+
+namespace pipedream {
+
+// Throw std::invalid_argument naming the bad value.
+void checkLayers(const std::vector<LayerCost>& layers);
+void checkMachine(const MachineCosts& machine);
+void checkMemoryArguments(double memoryBytes, double optimizerStateFactor);
+
+struct PointOptions {
+  std::string schedule;
+  int chunks = 1;
+  int microbatches = 1;
+  int pp = 1, dp = 1, tp = 1;
+  std::vector<int> replicas;  // empty: 1 each
+  double memoryBytes = 0.0;
+  double optimizerStateFactor = 2.0;
+  bool fsdp = false;
+};
+
+PointOptions pointOptions(const Configuration& config, double memoryBytes,
+                          double optimizerStateFactor, bool fsdp);
+
+// A count vector a rank's list passes through: in-flight and deferred
+// microbatches of each stage it holds (2 entries per stage), taken just before
+// a backward of its stage `backwardOf` (or after any action: -1).
+struct MemoryPoint {
+  int backwardOf = -1;
+  std::vector<int> counts;
+};
+
+// One stage's action costs as the simulator takes them (simulate.h): F, B
+// (I when split) and W (0 unless split).
+struct StageCost {
+  double forward = 0.0;
+  double backward = 0.0;
+  double weight = 0.0;
+};
+
+class PointModel {
+ public:
+  // Throws std::invalid_argument when the schedule refuses the point.
+  PointModel(const std::vector<LayerCost>& layers, int batchSize, const MachineCosts& machine,
+             const PointOptions& options);
+
+  int stages() const { return stages_; }
+  int ranks() const { return ranks_; }
+  int samples() const { return samples_; }
+  const std::vector<int>& rankStages(int rank) const { return rankStages_[rank]; }
+  // The first rank holding stage j.
+  int rankOf(int stage) const { return firstRank_[stage]; }
+
+  // The prediction for `balance` (layers per stage) and `recompute` (0/1 per
+  // stage, or empty: none); arguments are not checked.
+  Prediction predict(const std::vector<int>& balance, const std::vector<int>& recompute) const;
+  // Rank r's peak bytes, `start` the stages' first layers (stages + 1 entries).
+  double peakBytes(int rank, const std::vector<int>& start, const std::vector<int>& recompute) const;
+  std::vector<int> starts(const std::vector<int>& balance) const;
+  StageCosts stageCosts(const std::vector<int>& start, const std::vector<int>& recompute) const;
+  // Stage j holding layers [a, e).
+  StageCost stageCost(int j, int a, int e, bool recompute) const;
+  // The transfer of a boundary after layer e - 1 (when it crosses ranks).
+  double commSeconds(int e) const;
+  double parameterBytes(int a, int e) const;
+  bool splitBackward() const { return split_; }
+  bool asynchronous() const { return asynchronous_; }
+  bool sendsForward(int stage) const;
+  bool sendsBackward(int stage) const;
+  // 0 when ranks do not share cores, else ranks per core of a node.
+  double sharedRanks() const;
+
+ private:
+  struct Sums;
+  void buildSchedules(const ScheduleTraits& traits);
+  void buildMemoryShapes(const Schedule& schedule);
+  void countSends();
+  double stateBytes(int rank, const std::vector<int>& start) const;
+  void stepTerms(const std::vector<int>& start, Prediction& p) const;
+
+  const std::vector<LayerCost>& layers_;
+  MachineCosts machine_;
+  PointOptions options_;
+  std::shared_ptr<Sums> sums_;
+  bool asynchronous_ = false;
+  bool split_ = false;
+  int samples_ = 1;         // b: samples of the largest microbatch
+  double stepScale_ = 1.0;  // steps per simulated window difference, inverted
+  int stages_ = 0;
+  int ranks_ = 0;
+  std::vector<Schedule> schedules_;  // one, or two windows for an asynchronous schedule
+  std::vector<int> firstRank_;
+  std::vector<int> replicaCounts_;
+  std::vector<int> versions_;  // weight versions per stage
+  std::vector<std::vector<int>> rankStages_;
+  std::vector<std::vector<MemoryPoint>> shapes_;
+  std::vector<double> sendsPerStep_;
+};
+
+}  // namespace pipedream

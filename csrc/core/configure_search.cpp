@@ -1,0 +1,436 @@
+// searchConfigurations: branch and bound over the points of the space and,
+// inside each, over the balances (stage by stage), with admissible lower
+// bounds on the step time:
+//   - a rank's makespan is at least its busy time; a stage's first forward
+//     waits for the forwards of the stages before it (head) and, without a
+//     split backward, its last backward is followed by theirs (tail);
+//   - one microbatch's forwards and backwards through every stage are a chain;
+//   - the stages still to cut are at least the min-max partition of the
+//     remaining layers (dynamic programming, per microbatch count);
+//   - the simulator is monotone in every action cost (a list schedule run in
+//     a fixed order), so recomputation, which only adds cost, is chosen only
+//     where the rank does not fit without it;
+//   - a rank whose layers are all cut and that does not fit prunes the prefix.
+// Points are visited by their bound, the min-max balance of each is scored
+// first, and a prefix is dropped when its bound cannot beat the point's best
+// nor enter the runners-up. Asynchronous schedules (the step is a difference
+// of two windows, not a makespan) are pruned by memory only.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <stdexcept>
+#include <tuple>
+#include <vector>
+
+#include "configure.h"
+#include "configure_model.h"
+#include "configure_space.h"
+#include "traits.h"
+
+namespace pipedream {
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+// Sums taken in another order than the simulator's differ by far less.
+constexpr double kRounding = 1e-12;
+// Improvements below this share of the step are not searched for (they would
+// make every near-tie of a symmetric instance a branch).
+constexpr double kTie = 1e-10;
+
+bool cannotBeat(double bound, double threshold) {
+  return bound * (1 - kRounding) >= threshold * (1 - kTie);
+}
+
+// Per-microbatch work of stages cut from the layers at one microbatch size,
+// and the min-max partition of every suffix of the layers into s stages.
+class WorkTable {
+ public:
+  WorkTable(const std::vector<LayerCost>& layers, int samples, int tp, bool split,
+            double actionSeconds, int microbatches)
+      : layers_(static_cast<int>(layers.size())),
+        fixed_(actionSeconds * (split ? 3 : 2)),
+        chainFixed_(actionSeconds * 2),
+        n_(microbatches),
+        work_(layers_ + 1, 0.0),
+        chain_(layers_ + 1, 0.0) {
+    for (int l = 0; l < layers_; ++l) {
+      const LayerCost& c = layers[l];
+      const double forward = (c.forwardFixed + c.forwardPerSample * samples) / tp;
+      const double backward = (c.backwardFixed + c.backwardPerSample * samples) / tp;
+      work_[l + 1] = work_[l] + forward + backward;
+      chain_[l + 1] = chain_[l] + forward + (split ? (1 - c.weightShare) * backward : backward);
+    }
+  }
+
+  // A stage of layers [a, e) over all microbatches of a step.
+  double busy(int a, int e) const { return n_ * (work_[e] - work_[a] + fixed_); }
+  // One microbatch's forward and backward (input gradient) through [a, e) in s stages.
+  double chain(int a, int e, int s) const { return chain_[e] - chain_[a] + s * chainFixed_; }
+  double totalBusy(int stages) const { return n_ * (work_[layers_] + stages * fixed_); }
+
+  // The least largest stage busy time of layers [a, L) cut into s stages.
+  double minMax(int s, int a) {
+    if (s == 0) return a == layers_ ? 0.0 : kInf;
+    ensure(s);
+    return table_[s][a];
+  }
+
+  // A balance of the layers into `stages` stages reaching minMax(stages, 0).
+  std::vector<int> minMaxBalance(int stages) {
+    std::vector<int> balance;
+    int a = 0;
+    for (int s = stages; s > 0; --s) {
+      const double target = minMax(s, a);
+      int e = a + 1;
+      while (e < layers_ - (s - 1) && std::max(busy(a, e), minMax(s - 1, e)) > target) ++e;
+      if (s == 1) e = layers_;
+      balance.push_back(e - a);
+      a = e;
+    }
+    return balance;
+  }
+
+ private:
+  void ensure(int s) {
+    while (static_cast<int>(table_.size()) <= s) {
+      const int k = static_cast<int>(table_.size());
+      std::vector<double> row(layers_ + 1, kInf);
+      for (int a = 0; a < layers_; ++a) {
+        if (k == 0) break;
+        if (k == 1) {
+          row[a] = busy(a, layers_);
+          continue;
+        }
+        double best = kInf;
+        for (int e = a + 1; e <= layers_ - (k - 1); ++e) {
+          const double here = busy(a, e);
+          if (here >= best) break;  // later cuts only make this stage longer
+          best = std::min(best, std::max(here, table_[k - 1][e]));
+        }
+        row[a] = best;
+      }
+      if (k == 0) row[layers_] = 0.0;
+      table_.push_back(std::move(row));
+    }
+  }
+
+  int layers_;
+  double fixed_, chainFixed_;
+  int n_;
+  std::vector<double> work_, chain_;
+  std::vector<std::vector<double>> table_;
+};
+
+double sharedRanksOf(const MachineCosts& machine, int world) {
+  const int onNode = machine.ranksPerNode > 0 ? std::min(machine.ranksPerNode, world) : world;
+  return machine.cores > 0 && onNode > machine.cores ? static_cast<double>(onNode) / machine.cores
+                                                     : 0.0;
+}
+
+// Lower bounds on the per-step terms (stepSeconds, optimizer, all-reduce) from
+// the largest parameter bytes a rank is known to hold.
+double stepTermsBound(const MachineCosts& machine, const SpacePoint& point, bool fsdp,
+                      double rankBytes) {
+  const int dp = point.mesh[1];
+  const double bytes = rankBytes / point.mesh[2];
+  double bound = machine.stepSeconds + machine.optimizerSecondsPerByte * (fsdp ? bytes / dp : bytes);
+  if (dp > 1) {
+    bound += point.chunks * (fsdp ? 2 : 1) * machine.allReduceLatencySeconds +
+             2.0 * (dp - 1) / dp * bytes / machine.allReduceBandwidth;
+  }
+  return bound;
+}
+
+// Completed points' best step times (those that fit), for the runners-up.
+class Standings {
+ public:
+  explicit Standings(int candidates) : keep_(candidates + 1) {}
+  void add(double step) {
+    steps_.insert(std::upper_bound(steps_.begin(), steps_.end(), step), step);
+    if (static_cast<int>(steps_.size()) > keep_) steps_.pop_back();
+  }
+  // What a point's best must beat to be the best or a runner-up.
+  double bar() const { return static_cast<int>(steps_.size()) < keep_ ? kInf : steps_.back(); }
+
+ private:
+  int keep_;
+  std::vector<double> steps_;
+};
+
+struct Context {
+  const std::vector<LayerCost>& layers;
+  const MachineCosts& machine;
+  const SearchSpace& space;
+  std::map<std::tuple<int, int, bool>, std::unique_ptr<WorkTable>> tables;
+  double totalParameters = 0.0;
+  long long evaluated = 0;
+  long long pruned = 0;
+
+  WorkTable& table(const SpacePoint& point, bool split) {
+    const int m = point.microbatches;
+    auto& slot = tables[{m, point.mesh[2], split}];
+    if (!slot) {
+      const int samples = (space.batchSize + m - 1) / m;
+      slot = std::make_unique<WorkTable>(layers, samples, point.mesh[2], split,
+                                         machine.actionSeconds, m);
+    }
+    return *slot;
+  }
+};
+
+// Branch and bound over the balances (and recompute choices) of one point.
+class PointSearch {
+ public:
+  PointSearch(Context& context, const SpacePoint& point, const PointModel& model, double bar)
+      : c_(context), point_(point), model_(model), bar_(bar),
+        stages_(model.stages()), ranks_(model.ranks()), layers_(static_cast<int>(context.layers.size())),
+        bounded_(!model.asynchronous()),
+        table_(context.table(point, model.splitBackward())),
+        start_(stages_ + 1, 0), recompute_(stages_, 0), lastStage_(ranks_, 0) {
+    for (int r = 0; r < ranks_; ++r) lastStage_[r] = model.rankStages(r).back();
+    const bool fixedList = !c_.space.recomputeStages.empty();
+    if (fixedList) recompute_ = c_.space.recomputeStages;
+    if (c_.space.recompute == RecomputeChoice::kAlways && !fixedList) recompute_.assign(stages_, 1);
+    searching_ = !fixedList && c_.space.recompute == RecomputeChoice::kSearch;
+  }
+
+  // The best configuration of the point that can matter, if any; `fallback`
+  // keeps the smallest peak seen when nothing fits.
+  bool run(Ranked& best, Ranked& fallback, bool& anyFallback) {
+    const std::vector<int> seed = c_.space.balance.empty() ? table_.minMaxBalance(stages_)
+                                                           : c_.space.balance;
+    scoreSeed(seed, fallback, anyFallback);
+    State state;
+    state.rankBusy.assign(ranks_, 0.0);
+    state.rankBytes.assign(ranks_, 0.0);
+    descend(0, state);
+    if (!found_) return false;
+    best = std::move(best_);
+    return true;
+  }
+
+ private:
+  struct State {
+    int next = 0;                 // first layer not cut yet
+    double head = 0.0;            // forwards (and transfers) before the next stage
+    double tail = 0.0;            // backwards (input gradients) before the next stage
+    double chain = 0.0;           // one microbatch through the stages cut so far
+    double pathBound = 0.0;       // the largest makespan bound of the stages cut so far
+    std::vector<double> rankBusy;
+    std::vector<double> rankBytes;
+  };
+
+  double threshold() const { return std::min(bar_, found_ ? best_.config.prediction.stepSeconds : kInf); }
+
+  void consider(Ranked r) {
+    if (!r.config.prediction.fits) return;
+    if (!found_ || better(r, best_)) {
+      best_ = std::move(r);
+      found_ = true;
+    }
+  }
+
+  // The min-max balance, recompute decided per rank as the search would.
+  void scoreSeed(const std::vector<int>& seed, Ranked& fallback, bool& anyFallback) {
+    std::vector<int> recompute = recompute_;
+    start_ = model_.starts(seed);
+    bool fits = true;
+    for (int r = 0; r < ranks_; ++r) fits = decideRank(r, recompute) && fits;
+    Ranked r = ranked(point_, seed, recompute, model_.predict(seed, recompute));
+    ++c_.evaluated;
+    if (!r.config.prediction.fits) {
+      if (!anyFallback || better(r, fallback)) fallback = r;
+      anyFallback = true;
+    }
+    if (fits) consider(std::move(r));
+  }
+
+  bool fitsRank(int rank, const std::vector<int>& recompute) const {
+    const double limit = c_.space.memoryBytes;
+    return limit <= 0 || model_.peakBytes(rank, start_, recompute) <= limit;
+  }
+
+  // Recompute for a rank whose stages are all cut: none if it fits without,
+  // else all of its stages (when the search decides). False: it cannot fit.
+  bool decideRank(int rank, std::vector<int>& recompute) const {
+    if (!searching_) return fitsRank(rank, recompute);
+    for (int j : model_.rankStages(rank)) recompute[j] = 0;
+    if (fitsRank(rank, recompute)) return true;
+    for (int j : model_.rankStages(rank)) recompute[j] = 1;
+    return fitsRank(rank, recompute);
+  }
+
+  double rankBusy(int rank) const {
+    double busy = 0.0;
+    for (int j : model_.rankStages(rank)) {
+      if (start_[j + 1] <= start_[j]) continue;
+      const StageCost s = model_.stageCost(j, start_[j], start_[j + 1], recompute_[j] != 0);
+      busy += point_.microbatches * (s.forward + s.backward + s.weight);
+    }
+    return busy;
+  }
+
+  void descend(int j, const State& state);
+  void leaf();
+  double bound(int j, int e, const State& next) ;
+
+  Context& c_;
+  const SpacePoint& point_;
+  const PointModel& model_;
+  double bar_;
+  int stages_, ranks_, layers_;
+  bool bounded_;
+  bool searching_ = false;
+  WorkTable& table_;
+  std::vector<int> start_;
+  std::vector<int> recompute_;
+  std::vector<int> lastStage_;
+  bool found_ = false;
+  Ranked best_;
+};
+
+// The step-time bound of a prefix whose stage j ends at layer e.
+double PointSearch::bound(int j, int e, const State& next) {
+  double makespan = next.pathBound;
+  if (j + 1 < stages_) makespan = std::max(makespan, table_.minMax(stages_ - 1 - j, e));
+  makespan = std::max(makespan, next.chain + table_.chain(e, layers_, stages_ - 1 - j));
+  double rankBytes = c_.totalParameters / ranks_;
+  for (int r = 0; r < ranks_; ++r) {
+    makespan = std::max(makespan, next.rankBusy[r]);
+    rankBytes = std::max(rankBytes, next.rankBytes[r]);
+  }
+  const int world = point_.mesh[0] * point_.mesh[1] * point_.mesh[2];
+  const double shared = sharedRanksOf(c_.machine, world) * table_.totalBusy(stages_) / ranks_;
+  return std::max(makespan, shared) + stepTermsBound(c_.machine, point_, c_.space.fsdp, rankBytes);
+}
+
+void PointSearch::descend(int j, const State& state) {
+  const int a = state.next;
+  const int lastEnd = c_.space.balance.empty() ? layers_ - (stages_ - 1 - j) : a + c_.space.balance[j];
+  const int firstEnd = c_.space.balance.empty() ? (j + 1 == stages_ ? layers_ : a + 1) : lastEnd;
+  const bool split = model_.splitBackward();
+  for (int e = firstEnd; e <= lastEnd; ++e) {
+    start_[j] = a;
+    start_[j + 1] = e;
+    const std::vector<int> saved = recompute_;
+    const int rank = model_.rankOf(j);
+    // Memory grows with the stage's layers: a rank that cannot fit now never will.
+    if (lastStage_[rank] == j && !decideRank(rank, recompute_)) {
+      ++c_.pruned;
+      recompute_ = saved;
+      break;
+    }
+    State next = state;
+    next.next = e;
+    const StageCost s = model_.stageCost(j, a, e, recompute_[j] != 0);
+    const double busy = point_.microbatches * (s.forward + s.backward + s.weight);
+    const double comm = j + 1 < stages_ && model_.rankOf(j + 1) != rank ? model_.commSeconds(e) : 0.0;
+    const double stagePath = state.head + busy + (split ? 0.0 : state.tail);
+    next.pathBound = std::max(state.pathBound, stagePath);
+    next.head += s.forward + comm;
+    next.tail += s.backward + comm;
+    next.chain += s.forward + s.backward + comm;
+    next.rankBusy[rank] = lastStage_[rank] == j ? rankBusy(rank) : state.rankBusy[rank] + busy;
+    next.rankBytes[rank] += model_.parameterBytes(a, e);
+    if (bounded_) {
+      const double here = bound(j, e, next);
+      if (cannotBeat(here, threshold())) {
+        ++c_.pruned;
+        const double own = stagePath + stepTermsBound(c_.machine, point_, c_.space.fsdp, 0.0);
+        recompute_ = saved;
+        if (cannotBeat(own, threshold())) break;  // the stage only grows with e
+        continue;
+      }
+    }
+    if (j + 1 == stages_) {
+      leaf();
+    } else {
+      descend(j + 1, next);
+    }
+    recompute_ = saved;
+  }
+}
+
+void PointSearch::leaf() {
+  std::vector<int> balance(stages_);
+  for (int j = 0; j < stages_; ++j) balance[j] = start_[j + 1] - start_[j];
+  if (!bounded_ && searching_) {
+    // A difference of two windows is not monotone in the costs: every choice.
+    for (const auto& recompute : recomputeChoices(point_, model_, c_.space)) {
+      ++c_.evaluated;
+      consider(ranked(point_, balance, recompute, model_.predict(balance, recompute)));
+    }
+    return;
+  }
+  ++c_.evaluated;
+  consider(ranked(point_, balance, recompute_, model_.predict(balance, recompute_)));
+}
+
+// The bound of a point before its schedule is built.
+double pointBound(Context& c, const SpacePoint& point) {
+  const ScheduleTraits& traits = scheduleTraits(point.schedule);
+  const double terms =
+      stepTermsBound(c.machine, point, c.space.fsdp, c.totalParameters / point.mesh[0]);
+  if (traits.asynchronous) return terms;
+  WorkTable& table = c.table(point, traits.splitBackward);
+  const int stages = point.stages();
+  const int layers = static_cast<int>(c.layers.size());
+  double makespan = std::max(table.chain(0, layers, stages), table.totalBusy(stages) / point.mesh[0]);
+  if (c.space.balance.empty()) makespan = std::max(makespan, table.minMax(stages, 0));
+  const int world = point.mesh[0] * point.mesh[1] * point.mesh[2];
+  const double shared = sharedRanksOf(c.machine, world) * table.totalBusy(stages) / point.mesh[0];
+  return std::max(makespan, shared) + terms;
+}
+
+}  // namespace
+
+SearchResult searchConfigurations(const std::vector<LayerCost>& layers,
+                                  const MachineCosts& machine, const SearchSpace& space) {
+  checkSpace(layers, machine, space);
+  Context c{layers, machine, space, {}, 0.0, 0, 0};
+  for (const LayerCost& l : layers) c.totalParameters += l.parameterBytes;
+  std::vector<std::pair<double, SpacePoint>> points;
+  for (const SpacePoint& p : spacePoints(layers, space)) points.push_back({pointBound(c, p), p});
+  std::stable_sort(points.begin(), points.end(),
+                   [](const auto& x, const auto& y) { return x.first < y.first; });
+  Standings standings(space.candidates);
+  std::vector<Ranked> pointBests;
+  Ranked fallback;
+  bool anyFallback = false, anyBuilt = false;
+  std::string refusal;
+  for (const auto& [bound, point] : points) {
+    const double bar = standings.bar();
+    if (cannotBeat(bound, bar)) {
+      ++c.pruned;
+      continue;
+    }
+    std::unique_ptr<PointModel> model;
+    try {
+      model = std::make_unique<PointModel>(layers, space.batchSize, machine, pointOptions(point, space));
+    } catch (const std::invalid_argument& e) {
+      if (refusal.empty()) refusal = e.what();
+      continue;
+    }
+    anyBuilt = true;
+    Ranked best;
+    if (PointSearch(c, point, *model, bar).run(best, fallback, anyFallback)) {
+      standings.add(best.config.prediction.stepSeconds);
+      pointBests.push_back(std::move(best));
+    }
+  }
+  if (!anyBuilt && pointBests.empty()) {
+    throw std::invalid_argument(
+        "no configuration of the space can run: every (mesh, schedule, chunks, microbatches) "
+        "needs more stages than the " + std::to_string(layers.size()) +
+        " layers, does not match the fixed balance or recompute list, or the schedule refuses it" +
+        (refusal.empty() ? std::string() : " (" + refusal + ")"));
+  }
+  if (pointBests.empty()) pointBests.push_back(fallback);
+  return resultOf(std::move(pointBests), space.candidates, c.evaluated, c.pruned);
+}
+
+}  // namespace pipedream

@@ -1,0 +1,399 @@
+// The whole-configuration search: searchConfigurations against the exhaustive
+// enumeration on random instances, hand-checked predictions, bad input.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "configure.h"
+#include "generators.h"
+#include "simulate.h"
+#include "test_helpers.h"
+
+namespace pipedream {
+namespace {
+
+using testing_helpers::errorOf;
+
+// Four equal layers: F = 1 and B = 2 seconds per sample, 10 stashed bytes and
+// 1 input byte per sample, 100 parameter bytes each.
+std::vector<LayerCost> uniformLayers(int count = 4) {
+  LayerCost l;
+  l.forwardPerSample = 1;
+  l.backwardPerSample = 2;
+  l.stashBytesPerSample = 10;
+  l.inputBytesPerSample = 1;
+  l.parameterBytes = 100;
+  return std::vector<LayerCost>(count, l);
+}
+
+Configuration twoStages(const std::string& schedule = "1f1b", int m = 4) {
+  Configuration c;
+  c.schedule = schedule;
+  c.pp = 2;
+  c.microbatches = m;
+  c.balance = {2, 2};
+  return c;
+}
+
+double simulatedMakespan(const std::string& name, int p, int m, double f, double b, double comm) {
+  ScheduleOptions o;
+  o.name = name;
+  o.stages = p;
+  o.microbatches = m;
+  return simulate(buildSchedule(o), StageCosts::uniform(p, f, b, -1, comm)).makespan;
+}
+
+// --- hand-checked predictions ---------------------------------------------------
+
+TEST(PredictConfiguration, OneFOneBUniformIsFillPlusSteadyState) {
+  // b = 1 sample per microbatch: F = 2, B = 4 per stage; (m + p - 1)(F + B).
+  const Prediction p = predictConfiguration(uniformLayers(), 4, MachineCosts{}, twoStages());
+  EXPECT_DOUBLE_EQ(p.pipelineSeconds, (4 + 2 - 1) * (2.0 + 4.0));
+  EXPECT_DOUBLE_EQ(p.stepSeconds, p.pipelineSeconds);
+  ASSERT_EQ(p.computeSeconds.size(), 2u);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_DOUBLE_EQ(p.computeSeconds[r], 4 * 6.0);
+    EXPECT_DOUBLE_EQ(p.computeSeconds[r] + p.waitSeconds[r] + p.transferSeconds[r],
+                     p.pipelineSeconds);
+  }
+  EXPECT_DOUBLE_EQ(p.bubbleFraction, 1.0 - 48.0 / (2 * 30.0));
+}
+
+TEST(PredictConfiguration, TransfersAreTheSimulatorsAndBatchSplitsLikeTensorSplit) {
+  MachineCosts m;
+  m.latencySeconds = 0.25;
+  m.bandwidth = 4;  // 1 output byte per sample, b = 2 samples: 0.5 s
+  auto layers = uniformLayers();
+  for (auto& l : layers) l.outputBytesPerSample = 1;
+  // batch 7 in 4 microbatches: torch.tensor_split's largest has 2 samples.
+  const Prediction p = predictConfiguration(layers, 7, m, twoStages());
+  EXPECT_DOUBLE_EQ(p.pipelineSeconds, simulatedMakespan("1f1b", 2, 4, 4.0, 8.0, 0.75));
+  EXPECT_GT(p.pipelineSeconds, (4 + 2 - 1) * 12.0);
+}
+
+TEST(PredictConfiguration, RecomputeAddsTheForwardToTheBackwardAndKeepsOnlyInputs) {
+  Configuration c = twoStages();
+  c.recompute = {1, 1};
+  const Prediction p = predictConfiguration(uniformLayers(), 4, MachineCosts{}, c);
+  EXPECT_DOUBLE_EQ(p.pipelineSeconds, (4 + 2 - 1) * (2.0 + 4.0 + 2.0));
+  // Rank 0: 200 weight bytes x (weights, gradients, 2 x Adam state) = 800, two
+  // microbatches' inputs (1 byte) in flight and one stash (20) being rebuilt.
+  EXPECT_DOUBLE_EQ(p.peakBytes[0], 800 + 2 * 1 + 20);
+  EXPECT_DOUBLE_EQ(p.peakBytes[1], 800 + 1 * 1 + 20);
+}
+
+TEST(PredictConfiguration, MemoryCountsStateAndActivationsInFlight) {
+  const Prediction p = predictConfiguration(uniformLayers(), 4, MachineCosts{}, twoStages(), 830.0);
+  // 1F1B: rank 0 holds p = 2 microbatches' stashes (20 bytes each), rank 1 one.
+  EXPECT_DOUBLE_EQ(p.peakBytes[0], 800 + 2 * 20);
+  EXPECT_DOUBLE_EQ(p.peakBytes[1], 800 + 1 * 20);
+  EXPECT_FALSE(p.fits);  // 840 > 830
+  const Prediction gpipe =
+      predictConfiguration(uniformLayers(), 4, MachineCosts{}, twoStages("gpipe"), 900.0);
+  EXPECT_DOUBLE_EQ(gpipe.peakBytes[0], 800 + 4 * 20);  // every microbatch in flight
+  EXPECT_TRUE(gpipe.fits);
+  const Prediction adamFree =
+      predictConfiguration(uniformLayers(), 4, MachineCosts{}, twoStages(), 0.0, 0.0);
+  EXPECT_DOUBLE_EQ(adamFree.peakBytes[1], 400 + 20);
+}
+
+TEST(PredictConfiguration, FsdpDividesStateAndPaysReduceScatterPlusAllGather) {
+  MachineCosts m;
+  m.allReduceLatencySeconds = 0.5;
+  m.allReduceBandwidth = 100;
+  Configuration c = twoStages();
+  c.dp = 2;
+  const Prediction replicated = predictConfiguration(uniformLayers(), 4, m, c);
+  const Prediction sharded = predictConfiguration(uniformLayers(), 4, m, c, 0.0, 2.0, true);
+  // 200 bytes per rank: ring volume 2 (dp - 1) / dp x 200 / 100 = 2 s.
+  EXPECT_DOUBLE_EQ(replicated.allReduceSeconds, 0.5 + 2.0);
+  EXPECT_DOUBLE_EQ(sharded.allReduceSeconds, 2 * 0.5 + 2.0);
+  EXPECT_DOUBLE_EQ(replicated.peakBytes[1], 800 + 20);
+  EXPECT_DOUBLE_EQ(sharded.peakBytes[1], 400 + 20);
+  EXPECT_DOUBLE_EQ(replicated.stepSeconds, 30 + 2.5);
+}
+
+TEST(PredictConfiguration, RanksSharingCoresStretchThePipeline) {
+  MachineCosts m;
+  m.cores = 1;
+  // Two ranks busy 24 s each on one core: 48 s, more than the 30 s makespan.
+  const Prediction shared = predictConfiguration(uniformLayers(), 4, m, twoStages());
+  EXPECT_DOUBLE_EQ(shared.pipelineSeconds, 48.0);
+  EXPECT_DOUBLE_EQ(shared.computeSeconds[0], 24.0 * 48.0 / 30.0);  // every rank slowed alike
+  m.cores = 2;
+  EXPECT_DOUBLE_EQ(predictConfiguration(uniformLayers(), 4, m, twoStages()).pipelineSeconds, 30.0);
+  m.cores = 1;
+  m.ranksPerNode = 1;  // one rank per node: nothing shared
+  EXPECT_DOUBLE_EQ(predictConfiguration(uniformLayers(), 4, m, twoStages()).pipelineSeconds, 30.0);
+}
+
+TEST(PredictConfiguration, PerStepTermsAndOverheads) {
+  MachineCosts m;
+  m.stepSeconds = 1;
+  m.optimizerSecondsPerByte = 0.01;  // 200 bytes per rank: 2 s
+  m.actionSeconds = 0.5;
+  m.sendSeconds = 0.25;
+  const Prediction p = predictConfiguration(uniformLayers(), 4, m, twoStages());
+  EXPECT_DOUBLE_EQ(p.overheadSeconds, 3.0);
+  // F = 2 + 0.5 + 0.25 (rank 0 sends forward), B = 4 + 0.5 (+ 0.25 on rank 1).
+  EXPECT_DOUBLE_EQ(p.transferSeconds[0], 4 * 0.25);
+  EXPECT_DOUBLE_EQ(p.transferSeconds[1], 4 * 0.25);
+  EXPECT_DOUBLE_EQ(p.computeSeconds[0], 4 * 7.0);
+  EXPECT_DOUBLE_EQ(p.stepSeconds, p.pipelineSeconds + 3.0);
+}
+
+TEST(PredictConfiguration, AsynchronousStepIsTheSteadyState) {
+  // pipedream: one minibatch (the whole batch of 4) per step; stage busy
+  // F + B = 8 + 16 per minibatch is the steady state.
+  const Prediction p =
+      predictConfiguration(uniformLayers(), 4, MachineCosts{}, twoStages("pipedream", 4));
+  EXPECT_NEAR(p.pipelineSeconds, 24.0, 1e-9);
+  // pipedream-2bw: a batch of 4 microbatches per step, no flush: 4 x 6.
+  const Prediction twoBw =
+      predictConfiguration(uniformLayers(), 4, MachineCosts{}, twoStages("pipedream-2bw", 4));
+  EXPECT_NEAR(twoBw.pipelineSeconds, 24.0, 1e-9);
+  // Two weight versions of every stage (2BW) in the memory.
+  EXPECT_GT(twoBw.peakBytes[1], 800 + 20);
+}
+
+TEST(PredictConfiguration, ReplicasAreScoredInPredict) {
+  // Three layers on stage 0: busy 4 x 9 = 36 alone, 2 x 9 = 18 per replica.
+  Configuration c = twoStages("1f1b", 4);
+  c.balance = {3, 1};
+  const Prediction straight = predictConfiguration(uniformLayers(), 4, MachineCosts{}, c);
+  c.pp = 3;
+  c.replicas = {2, 1};
+  const Prediction p = predictConfiguration(uniformLayers(), 4, MachineCosts{}, c);
+  ASSERT_EQ(p.peakBytes.size(), 3u);
+  EXPECT_GE(straight.pipelineSeconds, 36.0);
+  EXPECT_LT(p.pipelineSeconds, 36.0);
+}
+
+// --- bad input --------------------------------------------------------------------
+
+TEST(PredictConfiguration, BadInputNamesTheValue) {
+  const auto layers = uniformLayers();
+  Configuration c = twoStages();
+  c.schedule = "nope";
+  EXPECT_NE(errorOf([&] { predictConfiguration(layers, 4, MachineCosts{}, c); }).find("'nope'"),
+            std::string::npos);
+  c = twoStages();
+  c.balance = {1, 2};
+  EXPECT_NE(errorOf([&] { predictConfiguration(layers, 4, MachineCosts{}, c); }).find("[1, 2]"),
+            std::string::npos);
+  c = twoStages("1f1b", 5);
+  EXPECT_NE(errorOf([&] { predictConfiguration(layers, 4, MachineCosts{}, c); }).find("got 5"),
+            std::string::npos);
+  auto bad = layers;
+  bad[2].forwardPerSample = -1;
+  EXPECT_NE(errorOf([&] { predictConfiguration(bad, 4, MachineCosts{}, twoStages()); })
+                .find("layer 2: forward_per_sample"),
+            std::string::npos);
+  c = twoStages("dualpipev", 2);  // dualpipev needs m >= 2p
+  c.chunks = 2;
+  c.balance = {1, 1, 1, 1};
+  EXPECT_NE(errorOf([&] { predictConfiguration(layers, 4, MachineCosts{}, c); }).find("dualpipev"),
+            std::string::npos);
+}
+
+TEST(SearchConfigurations, BadSpaceNamesTheValue) {
+  const auto layers = uniformLayers();
+  SearchSpace s;
+  s.worldSize = 4;
+  s.batchSize = 8;
+  s.schedules = {"1f1b"};
+  s.microbatches = {4};
+  s.meshes = {{2, 1, 1}};
+  EXPECT_NE(errorOf([&] { searchConfigurations(layers, MachineCosts{}, s); }).find("(2, 1, 1)"),
+            std::string::npos);
+  s.meshes = {};
+  s.microbatches = {16};
+  EXPECT_NE(errorOf([&] { searchConfigurations(layers, MachineCosts{}, s); }).find("16"),
+            std::string::npos);
+  s.microbatches = {4};
+  s.schedules = {};
+  EXPECT_NE(errorOf([&] { searchConfigurations(layers, MachineCosts{}, s); }).find("schedules"),
+            std::string::npos);
+  s.schedules = {"1f1b"};
+  s.worldSize = 8;  // 8 stages of 4 layers
+  EXPECT_NE(errorOf([&] { enumerateConfigurations(layers, MachineCosts{}, s); })
+                .find("no configuration"),
+            std::string::npos);
+}
+
+// --- the search against the enumeration -------------------------------------------
+
+TEST(SearchConfigurations, PicksTheBetterScheduleAndRecomputesOnlyWhereMemoryNeedsIt) {
+  SearchSpace s;
+  s.worldSize = 2;
+  s.batchSize = 8;
+  s.schedules = {"gpipe", "1f1b"};
+  s.microbatches = {8};
+  s.recompute = RecomputeChoice::kSearch;
+  // 1F1B keeps 2 stashes of 20 bytes on rank 0 (840 bytes with the state),
+  // 1 on rank 1 (820); GPipe all 8 on both (960). With 835 bytes 1F1B
+  // recomputes on rank 0 only, GPipe on both.
+  s.memoryBytes = 835;
+  const SearchResult r = searchConfigurations(uniformLayers(), MachineCosts{}, s);
+  ASSERT_TRUE(r.feasible);
+  EXPECT_EQ(r.best.schedule, "1f1b");
+  EXPECT_EQ(r.best.balance, (std::vector<int>{2, 2}));
+  EXPECT_EQ(r.best.recompute, (std::vector<int>{1, 0}));
+  ASSERT_FALSE(r.candidates.empty());
+  EXPECT_EQ(r.candidates[0].schedule, "gpipe");
+  EXPECT_EQ(r.candidates[0].recompute, (std::vector<int>{1, 1}));
+  s.memoryBytes = 0;  // unlimited: no recomputation, the same makespan, the earlier schedule
+  const SearchResult unlimited = searchConfigurations(uniformLayers(), MachineCosts{}, s);
+  EXPECT_EQ(unlimited.best.schedule, "gpipe");
+  EXPECT_EQ(unlimited.best.recompute, (std::vector<int>{0, 0}));
+  s.memoryBytes = 700;  // below the weights and optimizer state of any split
+  EXPECT_FALSE(searchConfigurations(uniformLayers(), MachineCosts{}, s).feasible);
+  EXPECT_FALSE(enumerateConfigurations(uniformLayers(), MachineCosts{}, s).feasible);
+}
+
+struct Instance {
+  std::vector<LayerCost> layers;
+  MachineCosts machine;
+  SearchSpace space;
+};
+
+std::vector<std::array<int, 3>> meshesOf(int world, std::mt19937& rng) {
+  std::vector<std::array<int, 3>> all;
+  for (int pp = 1; pp <= world; ++pp) {
+    for (int tp = 1; pp * tp <= world; ++tp) {
+      if (world % (pp * tp) == 0) all.push_back({pp, world / (pp * tp), tp});
+    }
+  }
+  std::shuffle(all.begin(), all.end(), rng);
+  all.resize(1 + rng() % all.size());
+  return all;
+}
+
+Instance randomInstance(std::mt19937& rng) {
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  Instance x;
+  const int layers = 3 + static_cast<int>(rng() % 5);
+  for (int l = 0; l < layers; ++l) {
+    LayerCost c;
+    c.forwardFixed = 0.2 * u(rng);
+    c.forwardPerSample = u(rng);
+    c.backwardFixed = 0.4 * u(rng);
+    c.backwardPerSample = 2 * u(rng);
+    c.weightShare = u(rng);
+    c.outputBytesPerSample = 1e3 * u(rng);
+    c.stashBytesPerSample = 1e4 * u(rng);
+    c.inputBytesPerSample = c.outputBytesPerSample;
+    c.parameterBytes = rng() % 3 == 0 ? 0.0 : 1e5 * u(rng);
+    x.layers.push_back(c);
+  }
+  MachineCosts& m = x.machine;
+  m.actionSeconds = 0.05 * u(rng);
+  m.sendSeconds = 0.02 * u(rng);
+  m.stepSeconds = u(rng);
+  m.latencySeconds = 0.1 * u(rng);
+  m.bandwidth = 1e4 + 1e5 * u(rng);
+  m.allReduceLatencySeconds = 0.1 * u(rng);
+  m.allReduceBandwidth = 1e5 + 1e6 * u(rng);
+  m.optimizerSecondsPerByte = 1e-6 * u(rng);
+  m.cores = static_cast<int>(rng() % 3);
+  m.ranksPerNode = rng() % 2 == 0 ? 0 : 2;
+  SearchSpace& s = x.space;
+  s.worldSize = 2 + static_cast<int>(rng() % 3);
+  s.batchSize = 4 + static_cast<int>(rng() % 9);
+  s.meshes = meshesOf(s.worldSize, rng);
+  std::vector<std::string> names = scheduleNames();
+  std::shuffle(names.begin(), names.end(), rng);
+  s.schedules.assign(names.begin(), names.begin() + 2 + rng() % 3);
+  for (int k = 0; k < 3; ++k) s.microbatches.push_back(1 + static_cast<int>(rng() % s.batchSize));
+  std::sort(s.microbatches.begin(), s.microbatches.end());
+  s.microbatches.erase(std::unique(s.microbatches.begin(), s.microbatches.end()),
+                       s.microbatches.end());
+  s.interleavedChunks = rng() % 2 ? std::vector<int>{2} : std::vector<int>{2, 3};
+  const RecomputeChoice choices[] = {RecomputeChoice::kNever, RecomputeChoice::kAlways,
+                                     RecomputeChoice::kSearch, RecomputeChoice::kSearch};
+  s.recompute = choices[rng() % 4];
+  s.fsdp = rng() % 4 == 0;
+  s.candidates = 3;
+  return x;
+}
+
+std::string describe(const Configuration& c) {
+  std::string out = c.schedule + " v=" + std::to_string(c.chunks) + " m=" +
+                    std::to_string(c.microbatches) + " mesh=" + std::to_string(c.pp) + "x" +
+                    std::to_string(c.dp) + "x" + std::to_string(c.tp) + " balance=";
+  for (int b : c.balance) out += std::to_string(b) + ",";
+  out += " recompute=";
+  for (int r : c.recompute) out += std::to_string(r);
+  return out + " step=" + std::to_string(c.prediction.stepSeconds);
+}
+
+void expectSameResult(const SearchResult& found, const SearchResult& all, const Instance& x,
+                      std::string what) {
+  const auto& layers = x.layers;
+  const auto& machine = x.machine;
+  const auto& space = x.space;
+  what += ": found " + describe(found.best) + ", enumerated " + describe(all.best);
+  ASSERT_EQ(found.feasible, all.feasible) << what;
+  if (!all.feasible) return;
+  const double expected = all.best.prediction.stepSeconds;
+  EXPECT_NEAR(found.best.prediction.stepSeconds, expected, 1e-9 * expected) << what;
+  const Configuration& f = found.best;
+  const Configuration& e = all.best;
+  const bool same = f.schedule == e.schedule && f.microbatches == e.microbatches &&
+                    f.chunks == e.chunks && f.pp == e.pp && f.dp == e.dp && f.tp == e.tp &&
+                    f.balance == e.balance && f.recompute == e.recompute;
+  if (!same) {
+    // Only a tie may differ: the configuration found, predicted on its own,
+    // scores what the enumeration's best does.
+    const Prediction again = predictConfiguration(layers, space.batchSize, machine, f,
+                                                  space.memoryBytes, space.optimizerStateFactor,
+                                                  space.fsdp);
+    EXPECT_TRUE(again.fits) << what;
+    EXPECT_NEAR(again.stepSeconds, expected, 1e-9 * expected) << what;
+  }
+  ASSERT_EQ(found.candidates.size(), all.candidates.size()) << what;
+  for (size_t k = 0; k < all.candidates.size(); ++k) {
+    const double step = all.candidates[k].prediction.stepSeconds;
+    EXPECT_NEAR(found.candidates[k].prediction.stepSeconds, step, 1e-9 * step) << what << " #" << k;
+  }
+}
+
+TEST(SearchConfigurations, EqualsTheEnumerationOnRandomInstances) {
+  std::mt19937 rng(39);
+  int compared = 0, infeasible = 0, recomputing = 0, pruning = 0;
+  for (int trial = 0; trial < 80; ++trial) {
+    Instance x = randomInstance(rng);
+    const std::string what = "instance " + std::to_string(trial);
+    SearchResult unlimited;
+    try {
+      unlimited = enumerateConfigurations(x.layers, x.machine, x.space);
+    } catch (const std::invalid_argument&) {
+      continue;  // no point of this space can run (stages > layers, schedules refusing m)
+    }
+    // A memory limit between 60% and 110% of the unlimited best's peak: some
+    // instances fit as they are, some need recomputation, some nothing fits.
+    double peak = 0.0;
+    for (double bytes : unlimited.best.prediction.peakBytes) peak = std::max(peak, bytes);
+    x.space.memoryBytes = peak * (0.6 + 0.5 * std::uniform_real_distribution<double>()(rng));
+    const SearchResult all = enumerateConfigurations(x.layers, x.machine, x.space);
+    const SearchResult found = searchConfigurations(x.layers, x.machine, x.space);
+    expectSameResult(found, all, x, what);
+    ++compared;
+    infeasible += all.feasible ? 0 : 1;
+    const auto& rc = all.best.recompute;
+    recomputing += all.feasible && std::count(rc.begin(), rc.end(), 1) > 0 ? 1 : 0;
+    pruning += found.pruned > 0 ? 1 : 0;
+  }
+  // The instances cover what they are meant to.
+  EXPECT_GE(compared, 50);
+  EXPECT_GE(infeasible, 3);
+  EXPECT_GE(recomputing, 3);
+  EXPECT_GE(pruning, 10);
+}
+
+}  // namespace
+}  // namespace pipedream

@@ -1,0 +1,175 @@
+"""pipedream_ext.configuration: the whole-configuration search and its predictions, in
+process (the exhaustive comparison is GoogleTest's, tests/cpp/test_configure.cpp)."""
+from __future__ import annotations
+
+import doctest
+import json
+from typing import List
+
+import pytest
+
+from pipedream_ext import configuration
+from pipedream_ext._extension import _C
+from pipedream_ext.configuration import (
+    Configuration,
+    LayerCost,
+    MachineCosts,
+    Prediction,
+    _binding_dict,
+    flush_schedules,
+    microbatch_candidates,
+    predict,
+    search,
+)
+
+
+def _layers(count: int = 4, stash: float = 10.0) -> List[LayerCost]:
+    """Equal layers: F = 1, B = 2 seconds per sample, 100 parameter bytes."""
+    return [LayerCost(forward_per_sample=1.0, backward_per_sample=2.0,
+                      stash_bytes_per_sample=stash, input_bytes_per_sample=1.0,
+                      parameter_bytes=100.0)] * count
+
+
+def _two_stages(schedule: str = "1f1b", microbatches: int = 4) -> Configuration:
+    return Configuration(schedule=schedule, microbatches=microbatches, balance=[2, 2],
+                         mesh=(2, 1, 1))
+
+
+def test_predict_matches_the_binding_and_the_hand_count() -> None:
+    machine = MachineCosts(step_seconds=1.0, optimizer_seconds_per_byte=0.01)
+    p = predict(_layers(), machine, _two_stages(), batch_size=4)
+    raw = _C.predict_configuration([layer.to_dict() for layer in _layers()], 4,
+                                   machine.to_dict(), _binding_dict(_two_stages()))
+    assert p == Prediction.from_dict(raw)
+    # 1F1B, p = 2, m = 4, F = 2 and B = 4 per stage: (m + p - 1)(F + B), plus the step
+    # (1 s) and the optimizer over 200 bytes per rank (2 s).
+    assert p.pipeline_seconds == pytest.approx(30.0)
+    assert p.step_seconds == pytest.approx(33.0)
+    assert p.peak_bytes == pytest.approx([800 + 2 * 20, 800 + 20])
+    for rank in range(2):
+        assert sum(p.breakdown(rank).values()) == pytest.approx(p.step_seconds)
+    with pytest.raises(ValueError, match="rank 2"):
+        p.breakdown(2)
+
+
+def test_configuration_round_trips_through_json() -> None:
+    best = search(_layers(), MachineCosts(), world_size=2, batch_size=8,
+                  schedules=["gpipe", "1f1b"], microbatches=[2, 4, 8], recompute="search",
+                  memory=900.0, candidates=2)
+    text = json.dumps(best.to_dict())
+    again = Configuration.from_dict(json.loads(text))
+    assert again == best
+    assert len(again.candidates) == 2 and again.candidates[0].prediction is not None
+    assert again.predicted_step_seconds == best.prediction.step_seconds
+    assert again.predicted_peak_bytes == best.prediction.peak_bytes
+    with pytest.raises(ValueError, match="unknown key.*'schedul'"):
+        Configuration.from_dict({"schedul": "1f1b", "microbatches": 2, "balance": [4]})
+    with pytest.raises(ValueError, match="mesh"):
+        Configuration.from_dict({"schedule": "1f1b", "microbatches": 2, "balance": [4],
+                                 "mesh": [1, 1]})
+
+
+def test_search_picks_the_schedule_that_fits_and_recomputes_only_where_needed() -> None:
+    # 1F1B keeps 2 stashes of 20 bytes on rank 0 (840 bytes with the state), GPipe all
+    # 8 (960): under 835 bytes 1F1B recomputes on rank 0 only, GPipe on both ranks.
+    best = search(_layers(), MachineCosts(), world_size=2, batch_size=8,
+                  schedules=["gpipe", "1f1b"], microbatches=[8], recompute="search",
+                  memory=835.0)
+    assert (best.schedule, best.balance, best.recompute) == ("1f1b", [2, 2], [True, False])
+    assert best.candidates[0].schedule == "gpipe"
+    assert best.candidates[0].recompute == [True, True]
+    assert best.prediction.fits and max(best.predicted_peak_bytes) <= 835.0
+    unlimited = search(_layers(), MachineCosts(), world_size=2, batch_size=8,
+                       schedules=["gpipe", "1f1b"], microbatches=[8], recompute="search")
+    assert unlimited.recompute == [False, False]
+    assert unlimited.predicted_step_seconds < best.predicted_step_seconds
+
+
+def test_search_equals_the_enumeration_with_a_mesh_and_every_flush_schedule() -> None:
+    layers = [LayerCost(forward_per_sample=f, backward_per_sample=2 * f, parameter_bytes=1e4,
+                        stash_bytes_per_sample=100.0, output_bytes_per_sample=10.0)
+              for f in (1.0, 3.0, 2.0, 0.5, 1.5, 2.5)]
+    machine = MachineCosts(action_seconds=0.01, latency_seconds=0.05, bandwidth=1e3,
+                           all_reduce_bandwidth=1e5, step_seconds=0.2, cores=2)
+    space = {"world_size": 4, "batch_size": 8, "schedules": flush_schedules(),
+             "microbatches": [2, 4, 8], "meshes": [[4, 1, 1], [2, 2, 1]],
+             "recompute": "search", "memory_bytes": 1e5, "candidates": 3}
+    dicts = [layer.to_dict() for layer in layers]
+    found = _C.search_configurations(dicts, machine.to_dict(), space)
+    every = _C.enumerate_configurations(dicts, machine.to_dict(), space)
+    assert found["feasible"] and every["feasible"]
+    assert found["best"]["prediction"]["step_seconds"] == pytest.approx(
+        every["best"]["prediction"]["step_seconds"], rel=1e-9)
+    assert found["evaluated"] < every["evaluated"]
+
+
+def test_nothing_fits_names_the_limit_and_the_smallest_peak() -> None:
+    with pytest.raises(ValueError, match=r"memory=700 bytes per rank: the smallest peak found "
+                                         r"is \d+ bytes"):
+        search(_layers(), MachineCosts(), world_size=2, batch_size=8,
+               schedules=["1f1b"], microbatches=[8], recompute="search", memory=700.0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"schedules": ["nope"]}, "unknown schedule 'nope'"),
+    ({"microbatches": [9]}, "microbatches .*9"),
+    ({"meshes": [(4, 1, 1)]}, r"mesh \(4, 1, 1\)"),
+    ({"recompute": "sometimes"}, "recompute must be"),
+    ({"memory": -1.0}, "memory must be a positive number"),
+    ({"balance": [1, 2]}, r"balance \[1, 2\]"),
+])
+def test_bad_space_names_the_value(kwargs: dict, message: str) -> None:
+    arguments = dict(world_size=2, batch_size=8, schedules=["1f1b"], microbatches=[4])
+    arguments.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        search(_layers(), MachineCosts(), **arguments)
+
+
+def test_bad_configuration_and_dict_keys_name_the_value() -> None:
+    bad = _two_stages()
+    bad.balance = [3, 2]
+    with pytest.raises(ValueError, match=r"balance \[3, 2\]"):
+        predict(_layers(), MachineCosts(), bad, batch_size=4)
+    with pytest.raises(ValueError, match="unknown machine key 'cpus'"):
+        _C.predict_configuration([], 4, {"cpus": 2}, {})
+    with pytest.raises(ValueError, match="unknown key"):
+        LayerCost.from_dict({"forward": 1.0})
+    assert MachineCosts.from_dict(MachineCosts(cores=2).to_dict()) == MachineCosts(cores=2)
+
+
+def test_fixed_recompute_list_and_asynchronous_schedules_are_scored() -> None:
+    fixed = search(_layers(), MachineCosts(), world_size=2, batch_size=8, schedules=["1f1b"],
+                   microbatches=[8], recompute=[True, False], balance=[2, 2])
+    assert fixed.recompute == [True, False]
+    assert fixed.candidates == []
+    # PipeDream never flushes: its steady state beats every flush schedule here, and it
+    # is chosen only because it is named.
+    best = search(_layers(), MachineCosts(), world_size=2, batch_size=8,
+                  schedules=["1f1b", "pipedream"], microbatches=[8])
+    assert best.schedule == "pipedream"
+    assert "pipedream" not in flush_schedules()
+
+
+def test_microbatch_candidates() -> None:
+    assert microbatch_candidates(1) == [1]
+    assert microbatch_candidates(24) == [1, 2, 3, 4, 6, 8, 12, 16, 24]
+    assert microbatch_candidates(7) == [1, 2, 4, 7]
+    many = microbatch_candidates(720, limit=12)
+    assert len(many) == 12 and {1, 2, 4, 512, 720} <= set(many)
+    with pytest.raises(ValueError, match="batch_size"):
+        microbatch_candidates(0)
+
+
+def test_table_and_summary_name_the_choice() -> None:
+    best = search(_layers(), MachineCosts(), world_size=2, batch_size=8,
+                  schedules=["gpipe", "1f1b"], microbatches=[4, 8], candidates=2)
+    lines = best.table().splitlines()
+    assert len(lines) == 1 + 1 + 2
+    assert lines[1].split()[:2] == ["best", best.schedule]
+    summary = best.summary()
+    assert best.schedule in summary and "predicted step" in summary
+
+
+def test_module_example_runs() -> None:
+    failures, _ = doctest.testmod(configuration)
+    assert failures == 0
