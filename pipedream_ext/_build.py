@@ -171,6 +171,8 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
         check_updates_aligned(action_feed, config.schedule, config.microbatches,
                               list(cut.partition.replicas))
     stage_ranks = [schedule.stage_ranks(j) for j in range(schedule.num_stages)]
+    recomputes = config.rank_recomputes([schedule.stages_of_rank(r)
+                                         for r in range(schedule.num_ranks)])
     refuse_split_ties(dims, _tied_units(args.module, cut, stage_ranks))
     dims.create_groups(config.timeout)  # on a mesh, pp_group's waits are now bounded by timeout=
     groups = PipelineGroups.create(dims.pp_group, stage_ranks, config.timeout)
@@ -194,7 +196,7 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
                       LayoutExchange.agree(dims.world_group, dims.copy, config.timeout)
                       ) if dims.tp_enabled else None
     stage_fn = _stage_function(args.loss_fn, cut.traced, stages, schedule, groups, config, device,
-                               dims.names.of_group(groups.rank), cuts)
+                               recomputes[groups.rank], dims.names.of_group(groups.rank), cuts)
     input_names = None if cut.traced is None or cut.traced.input_names is None else \
         list(cut.traced.input_names)
     runner = make_runner(config, schedule, action_feed, stages, groups, stage_fn, observer, device,
@@ -701,16 +703,17 @@ def _observer(trace: Optional[Union[str, os.PathLike]], groups: PipelineGroups,
 def _stage_function(loss_fn: Callable[..., torch.Tensor], traced: Optional[TracedSplit],
                     stages: LocalStages, schedule: "schedules.Schedule",
                     groups: PipelineGroups, config: PipelineConfig,
-                    device: torch.device, rank_name: Optional[str] = None,
+                    device: torch.device, recompute: bool, rank_name: Optional[str] = None,
                     cuts: Optional[CutLayouts] = None) -> StageFunction:
-    """The executor's forward callback over this rank's stages (``rank_name``: how its
-    messages name the rank; default ``"rank {rank}"``; ``cuts``: with tensor parallelism,
-    what crosses a cut)."""
+    """The executor's forward callback over this rank's stages (``recompute``: whether
+    this rank's stages recompute, ``PipelineConfig.rank_recomputes``; ``rank_name``: how
+    its messages name the rank; default ``"rank {rank}"``; ``cuts``: with tensor
+    parallelism, what crosses a cut)."""
     # An exported model's last stage returns its output's tensors flat; loss_fn gets
     # the model's own structure (a ModelOutput) back.
     spec = traced.output_spec if traced is not None else None
     stage_loss = loss_fn if spec is None else model_io.RestoredLoss(loss_fn, spec)
     return StageFunction(stages, stage_loss, schedule.num_stages, device,
                          config.check_finite, raise_at_once=config.asynchronous,
-                         rank=groups.rank, recompute=config.recompute,
+                         rank=groups.rank, recompute=recompute,
                          loss_reduction=config.loss_reduction, rank_name=rank_name, cuts=cuts)

@@ -165,7 +165,8 @@ class PipeDream:
         return self.config.vertical_sync
 
     @property
-    def recompute(self) -> bool:
+    def recompute(self) -> Union[bool, Tuple[bool, ...]]:
+        """``recompute`` as given: a bool, or one per stage."""
         return self.config.recompute
 
     @property

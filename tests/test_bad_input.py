@@ -55,6 +55,8 @@ ROWS: List[Tuple[str, str, str, str]] = [
     ("autocast-dtype", "`autocast=torch.float64`", r"autocast=torch\.float64 is not a reduced-precision dtype", "here"),
     ("autocast-async-fp16", "`autocast=torch.float16` with `pipedream`", r"needs loss scaling", "here"),
     ("check-finite", "`check_finite='warn'`", r"check_finite='warn'; use None, 'raise' or 'skip'", "here"),
+    ("recompute-type", "`recompute=[1, 0]` (not bools) or `recompute=[]`",
+     r"recompute=\[1, 0\] must be True, False or a list of one bool per stage", "here"),
     ("clip-option-flush", "`clip_grad_norm=1.0` with `1f1b` (a flush schedule)",
      r"clip_grad_norm=1\.0 is for asynchronous schedules, which step the optimizer themselves; with "
      r"schedule '1f1b' you step it: call pd\.clip_grad_norm_\(pipe, max_norm\) between pipe\.step\(x, y\) "
@@ -153,6 +155,13 @@ ROWS: List[Tuple[str, str, str, str]] = [
     ("replicas-zero", "`replicas=[0, 2]`", r"replicas \[0, 2\] has a count below 1", "here"),
     ("too-few-layers", "more stages than layers", r"the model has 1 layers but 2 stages are needed", "here"),
     ("config-mismatch", "ranks built with different arguments", r"ranks disagree on the pipeline configuration", "here"),
+    ("recompute-stages", "`recompute=[True, False, True]` on 2 stages",
+     r"recompute=\[True, False, True\] lists 3 stages but the pipeline has 2; give one bool per "
+     r"stage, or True / False for all", "here"),
+    ("recompute-rank", "`recompute=[True, True, False, False]` with `zbv` on 2 ranks (rank 0 runs "
+     "stages 0 and 3)",
+     r"recompute=\[True, True, False, False\] recomputes some but not all of stages \[0, 3\], which "
+     r"rank 0 runs \(schedule 'zbv', chunks=2\); a rank recomputes all its stages or none", "here"),
     # -- every rank agrees: the same graph, model, calls and batch (tests/test_agreement.py)
     ("graph-mismatch", "a traced forward that differs by rank (split points, chunks, replicas or `balance='auto'`)",
      r"ranks traced different graphs: stage 0 differs between rank 0 and rank 1: rank 1 has "
@@ -552,6 +561,7 @@ IN_PROCESS: Dict[str, Callable[[], Any]] = {
     "autocast-async-fp16": lambda: _pd().PipeDream(
         model(), **pipe_kwargs(schedule="pipedream", autocast=torch.float16)),
     "check-finite": lambda: _pd().PipeDream(model(), **pipe_kwargs(check_finite="warn")),
+    "recompute-type": lambda: _pd().PipeDream(model(), **pipe_kwargs(recompute=[1, 0])),
     "clip-option-flush": lambda: _pd().PipeDream(model(), **pipe_kwargs(clip_grad_norm=1.0)),
     "clip-option-value": lambda: _pd().PipeDream(model(), **pipe_kwargs(schedule="pipedream",
                                                                         clip_grad_norm=(1.0, 0))),
@@ -632,7 +642,7 @@ def _gradient(shape: Tuple[int, int]) -> Tuple[torch.Tensor, torch.Tensor]:
 # Rows refused at construction on 2 ranks (world size, replicas, a config that differs
 # between the ranks, a plan file), each its own case.
 WORLD_ROWS = ("balance-count", "balance-sum", "balance-empty", "world-size", "replicas-zero",
-              "too-few-layers", "config-mismatch", "plan-file")
+              "too-few-layers", "config-mismatch", "plan-file", "recompute-stages", "recompute-rank")
 
 
 def check_world_row(row_id: str) -> None:
@@ -653,6 +663,9 @@ def check_world_row(row_id: str) -> None:
         "replicas-zero": lambda: pd.PipeDream(model(), replicas=[0, 2], **pipe_kwargs()),
         "too-few-layers": lambda: pd.PipeDream(model(1), **pipe_kwargs()),
         "config-mismatch": lambda: pd.PipeDream(model(), **pipe_kwargs(microbatches=mb)),
+        "recompute-stages": lambda: pd.PipeDream(model(), **pipe_kwargs(recompute=[True, False, True])),
+        "recompute-rank": lambda: pd.PipeDream(model(), **pipe_kwargs(
+            schedule="zbv", chunks=2, recompute=[True, True, False, False])),
     }[row_id]
     _expect(row_id, build)
 
@@ -749,6 +762,7 @@ def test_two_rank_rows(case: CaseRef) -> None:
 def test_every_row_is_tested_here_or_names_an_existing_test() -> None:
     here = set(IN_PROCESS) | {"balance-count", "balance-sum", "balance-empty", "world-size",
                               "replicas-zero", "too-few-layers", "config-mismatch", "plan-file",
+                              "recompute-stages", "recompute-rank",
                               "optimizer-before-pipeline", "loss-shape", "peer-magic", "peer-count",
                               "peer-negative-size", "peer-dtype", "peer-order", "peer-gradient-shape"}
     for row_id, _what, _message_re, where in ROWS:

@@ -141,6 +141,50 @@ def check_recompute_with_dropout() -> None:
                                    msg=lambda m: f"recompute changed {name}: {m}")
 
 
+def check_recompute_per_stage(schedule: str) -> None:
+    """recompute= one bool per stage: only the marked stages run their forwards twice (a
+    forward hook counts them), and loss and gradients still equal the unsplit model's."""
+    import pipedream_ext as pd
+
+    world, chunks, m = dist.get_world_size(), 2 if schedule == "interleaved-1f1b" else 1, 4
+    # Rank 0's stages recompute (every chunk of it), the others' do not.
+    marked = [j % world == 0 for j in range(world * chunks)]
+    ref = make_model()
+    pipe = pd.PipeDream(make_model(), F.cross_entropy, schedule=schedule, microbatches=m,
+                        chunks=chunks, recompute=marked, timeout=60)
+    assert pipe.recompute == tuple(marked)
+    calls: List[int] = []
+    layers = list(pipe.module.children())
+    for layer in layers:
+        layer.register_forward_hook(lambda *_: calls.append(1))
+    x, y = batch(seed=3)
+    ref_loss = F.cross_entropy(ref(x), y)
+    ref_loss.backward()
+    loss = float(pipe.step(x, y))
+    assert abs(loss - ref_loss.item()) <= 1e-5 * max(1.0, abs(ref_loss.item())), (loss, ref_loss)
+    ref_params = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        assert_close(p.grad, ref_params[name].grad, f"{schedule} recompute={marked} grad of {name}")
+    expected = len(layers) * m * (2 if dist.get_rank() == 0 else 1)
+    assert len(calls) == expected, f"rank {dist.get_rank()}: {len(calls)} layer forwards, not {expected}"
+
+
+def check_calibrate() -> None:
+    """The machine's costs: measured within seconds, finite, the same on every rank."""
+    import pipedream_ext as pd
+    from pipedream_ext._dist import collectives
+    from pipedream_ext._planning.calibration import MACHINE_COST_KEYS, calibrate
+
+    costs = calibrate(dist.group.WORLD, torch.device("cpu"), timeout=60, pipeline=pd.PipeDream)
+    assert list(costs) == list(MACHINE_COST_KEYS)
+    for key in ("action_seconds", "step_seconds", "latency_seconds", "bandwidth",
+                "all_reduce_latency_seconds", "all_reduce_bandwidth", "optimizer_seconds_per_byte"):
+        assert 0 < costs[key] < float("inf"), (key, costs[key])
+    assert costs["cores"] >= 1 and costs["ranks_per_node"] == dist.get_world_size(), costs
+    everyone = collectives.all_gather_json(costs, dist.group.WORLD)
+    assert all(c == everyone[0] for c in everyone), everyone
+
+
 def check_auto_balance() -> None:
     """balance="auto": the same plan on every rank, gradients equal the unsplit model's,
     and the saved plan.json rebuilds the same stages."""
@@ -331,6 +375,9 @@ def runtime_cases(world: int) -> Cases:
     cases.add(check_gradients_and_training, "1f1b", 4, recompute=True)
     cases.add(check_gradients_and_training, "zb-h1", 4, recompute=True)
     cases.add(check_recompute_with_dropout)
+    cases.add(check_recompute_per_stage, "1f1b")
+    cases.add(check_recompute_per_stage, "interleaved-1f1b")
+    cases.add(check_calibrate)
     cases.add(check_auto_balance)
     cases.add(check_forward_only)
     cases.add(check_forward_only_merge)

@@ -50,8 +50,8 @@ from .._frontend.fx_graph import compute_nodes, value_kinds
 from .._frontend.graph_split import trace_model
 from .timing import Timer, preserved
 
-__all__ = ["Group", "GraphGroups", "group_graph", "trace_groups", "profile_groups",
-           "profile_traced", "plan_stage_of", "plan_split_labels"]
+__all__ = ["Group", "GraphGroups", "group_graph", "trace_groups", "group_boundaries", "group_module",
+           "profile_groups", "profile_traced", "plan_stage_of", "plan_split_labels"]
 
 log = logging.getLogger(__name__)
 
@@ -283,7 +283,7 @@ def trace_groups(model: nn.Module, inputs: Tuple[torch.Tensor, ...],
     return group_graph(gm, value_kinds(gm, inputs), max_groups, depth)
 
 
-def _group_module(gm: fx.GraphModule, nodes: Sequence[fx.Node], ins: Sequence[fx.Node],
+def group_module(gm: fx.GraphModule, nodes: Sequence[fx.Node], ins: Sequence[fx.Node],
                   outs: Sequence[fx.Node]) -> fx.GraphModule:
     """``ins`` -> the group's operations -> the tuple of ``outs`` (the model's own modules)."""
     graph = fx.Graph()
@@ -341,8 +341,8 @@ def profile_groups(grouped: GraphGroups, inputs: Tuple[torch.Tensor, ...],
     if steps < 1 or warmup < 0:
         raise ValueError(f"steps={steps} must be >= 1 and warmup={warmup} >= 0")
     gm, groups = grouped.gm, grouped.groups
-    ins, outs = _group_boundaries(grouped)
-    modules = [_group_module(gm, group.nodes, ins[g], outs[g]) for g, group in enumerate(groups)]
+    ins, outs = group_boundaries(grouped)
+    modules = [group_module(gm, group.nodes, ins[g], outs[g]) for g, group in enumerate(groups)]
     device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
     timer = Timer(device)
     fwd: List[List[float]] = [[] for _ in groups]
@@ -375,7 +375,7 @@ Nodes = List[List[fx.Node]]
 Thunks = List[Callable[[], float]]
 
 
-def _group_boundaries(grouped: GraphGroups) -> Tuple[Nodes, Nodes]:
+def group_boundaries(grouped: GraphGroups) -> Tuple[Nodes, Nodes]:
     """Each group's inputs (placeholders and other groups' values) and outputs (values a
     node outside the group uses)."""
     ins: Nodes = []

@@ -8,7 +8,7 @@ names. Pure: tested in one process.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 
@@ -40,7 +40,7 @@ class PipelineConfig:
     chunks: int
     timeout: float
     vertical_sync: bool
-    recompute: bool
+    recompute: Union[bool, Tuple[bool, ...]]
     autocast: Optional[torch.dtype]
     check_finite: Optional[str]
     loss_reduction: LossReduction
@@ -66,6 +66,40 @@ class PipelineConfig:
         """The runtime's view of ``options``, checked (see :meth:`checked`)."""
         values = checked(options)
         return cls(traits=schedules.traits(options.schedule), **values)
+
+    def recompute_stages(self, num_stages: int) -> List[bool]:
+        """Whether each of the pipeline's ``num_stages`` stages recomputes its forward.
+
+        Raises:
+            ValueError: ``recompute`` lists another number of stages.
+        """
+        if isinstance(self.recompute, bool):
+            return [self.recompute] * num_stages
+        if len(self.recompute) != num_stages:
+            raise ValueError(f"recompute={list(self.recompute)} lists {len(self.recompute)} stages but "
+                             f"the pipeline has {num_stages}; give one bool per stage, or True / "
+                             "False for all")
+        return list(self.recompute)
+
+    def rank_recomputes(self, stages_of_rank: List[List[int]]) -> List[bool]:
+        """Whether each rank recomputes (the executor decides per rank), from the stages
+        each rank runs.
+
+        Raises:
+            ValueError: ``recompute`` lists another number of stages, or the stages one
+                rank runs differ (naming the rank, its stages and the fix).
+        """
+        per_stage = self.recompute_stages(1 + max(j for stages in stages_of_rank for j in stages))
+        out = []
+        for rank, stages in enumerate(stages_of_rank):
+            values = {per_stage[j] for j in stages}
+            if len(values) > 1:
+                raise ValueError(f"recompute={list(per_stage)} recomputes some but not all of stages "
+                                 f"{list(stages)}, which rank {rank} runs (schedule {self.schedule!r}, "
+                                 f"chunks={self.chunks}); a rank recomputes all its stages or none: "
+                                 f"give the same value to stages {list(stages)}")
+            out.append(values.pop() if values else False)
+        return out
 
     @property
     def asynchronous(self) -> bool:

@@ -183,6 +183,25 @@ def _clip_json(clip: Optional[Tuple[float, float]]) -> Optional[List[float]]:
     return None if clip is None else list(clip)
 
 
+def _check_recompute(recompute: Union[bool, Sequence[bool]], _: "PipelineOptions") -> None:
+    """A bool, or one bool per stage (their count is checked once the stages are known:
+    ``PipelineConfig.recompute_stages``)."""
+    if isinstance(recompute, bool):
+        return
+    if not isinstance(recompute, (list, tuple)) or not recompute or \
+            not all(isinstance(r, bool) for r in recompute):
+        raise ValueError(f"recompute={recompute!r} must be True, False or a list of one bool per "
+                         "stage (e.g. recompute=[True, False] for 2 stages: stage 0 recomputes)")
+
+
+def _recompute_value(recompute: Union[bool, Sequence[bool]]) -> Union[bool, Tuple[bool, ...]]:
+    return recompute if isinstance(recompute, bool) else tuple(recompute)
+
+
+def _recompute_json(recompute: Union[bool, Tuple[bool, ...]]) -> Union[bool, List[bool]]:
+    return recompute if isinstance(recompute, bool) else list(recompute)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PipelineOptions:
     """``PipeDream``'s options as the user gave them, keyword-only, grouped as its
@@ -307,10 +326,13 @@ class PipelineOptions:
         ``pipedream-2bw``: ``max_norm`` or ``(max_norm, norm_type)``: clip each update's
         gradients by the whole model's norm (flush: :func:`clip_grad_norm_`).""",
         group="numerics", position=25, check=_check_clip, convert=parse_clip_option, agreed=_clip_json)
-    recompute: bool = option(False, """
+    recompute: Union[bool, Sequence[bool]] = option(False, """
         keep only each stage's inputs during the forward and recompute its activations in the
-        backward (same result, with the CPU and CUDA RNG states restored so dropout draws the same masks).""",
-        group="numerics", position=8, convert=bool, agreed=_same)
+        backward (same result, with the CPU and CUDA RNG states restored so dropout draws the same masks).
+        A list of one bool per stage recomputes only the stages marked ``True`` (``[True, False]``: stage 0);
+        the stages one rank runs (``chunks`` > 1) must agree.""",
+        group="numerics", position=8, check=_check_recompute, convert=_recompute_value,
+        agreed=_recompute_json)
 
     # -- initialisation ---------------------------------------------------------------------
     init_seed: int = option(deferred_init.DEFAULT_INIT_SEED, """

@@ -189,7 +189,7 @@ class Runner:
             self.groups.side if side is None else side, self.config.timeout,
             self._forward, self.stages.parameters_by_stage(), str(self.device),
             update=self._update if traits.stash_weights else None,
-            replica_groups=self.groups.replica_groups, recompute=self.config.recompute,
+            replica_groups=self.groups.replica_groups, recompute=self.stage_fn.recompute,
             protocol=p2p_protocol(group, self.device, traits.streaming))
         # PIPEDREAM_LOG=debug (or a DEBUG level on this logger) logs every action.
         executor.action_logging = self.observer.tracing

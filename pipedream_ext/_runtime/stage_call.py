@@ -297,9 +297,10 @@ class StageFunction:
             not finite; ``raise_at_once`` raises :class:`NonFiniteError` right there.
         raise_at_once: raise in the callback instead of after the step
             (asynchronous schedules, which have no end of step to agree at).
-        recompute: the executor runs each training forward twice, first without
-            autograd, then again (with it) before the backward; the second run must
-            not update running statistics a second time (see :meth:`_run_again`).
+        recompute: this rank's stages recompute (``PipelineConfig.rank_recomputes``):
+            the executor runs each training forward twice, first without autograd, then
+            again (with it) before the backward; the second run must not update running
+            statistics a second time (see :meth:`_run_again`).
         loss_reduction: what ``loss_fn`` returns and how it reduces over a batch (checked
             on the first microbatch, ``LossReduction.check_reduction``); default
             :class:`MeanLoss`.
