@@ -296,19 +296,41 @@ def model_batches(name: str, batch: int, seed: int, count: int = 4) -> List[Tupl
             for _ in range(count)]
 
 
-def bytes_held(params: Sequence[Any], optimizer: Any) -> float:
-    """Bytes of the distinct tensors a rank holds between steps: its weights and optimizer state."""
+def bytes_held(params: Sequence[Any], optimizer: Optional[Any]) -> float:
+    """Bytes of the distinct tensors a rank holds between steps: its weights and optimizer
+    state (``optimizer`` None: weights only)."""
     import torch
 
     seen, total = set(), 0
-    tensors = list(params) + [v for state in optimizer.state.values() for v in state.values()
-                              if isinstance(v, torch.Tensor)]
+    states = optimizer.state.values() if optimizer is not None else ()
+    tensors = list(params) + [v for state in states for v in state.values() if isinstance(v, torch.Tensor)]
     for t in tensors:
         ptr = t.untyped_storage().data_ptr()
         if ptr not in seen:
             seen.add(ptr)
             total += t.untyped_storage().nbytes()
     return float(total)
+
+
+def on_every_rank(fn: Callable[[], Any]) -> Any:
+    """``fn()``, raising on every rank when it raised on any (so no rank goes on into a
+    collective its failed peers never reach)."""
+    import torch
+    import torch.distributed as dist
+
+    error: Optional[BaseException] = None
+    try:
+        out = fn()
+    except Exception as exc:  # re-raised below, after the peers know
+        LOG.exception("rank %d failed", dist.get_rank())
+        error, out = exc, None
+    failed = torch.tensor([0.0 if error is None else 1.0])
+    dist.all_reduce(failed)
+    if error is not None:
+        raise error
+    if failed.item():
+        raise RuntimeError("failed on another rank (see its log)")
+    return out
 
 
 def run_config(cfg: Dict[str, Any], args: argparse.Namespace, batches: Sequence[Tuple[Any, Any]]) -> Dict[str, Any]:
@@ -320,18 +342,23 @@ def run_config(cfg: Dict[str, Any], args: argparse.Namespace, batches: Sequence[
 
     import pipedream_ext as pd
 
-    model, loss_fn = build_model(args.model, args.seed)
-    pipe = pd.PipeDream(model, loss_fn, schedule=cfg["schedule"], microbatches=cfg["microbatches"],
-                        chunks=cfg["chunks"], balance=cfg["balance"], recompute=cfg["recompute"],
-                        timeout=args.pipe_timeout)
-    params = list(pipe.parameters())
-    opt = torch.optim.Adam(params, lr=args.lr)
+    def build() -> Tuple[Any, List[Any], Optional[Any]]:
+        model, loss_fn = build_model(args.model, args.seed)
+        pipe = pd.PipeDream(model, loss_fn, schedule=cfg["schedule"], microbatches=cfg["microbatches"],
+                            chunks=cfg["chunks"], balance=cfg["balance"], recompute=cfg["recompute"],
+                            timeout=args.pipe_timeout)
+        params = list(pipe.parameters())
+        # A stage of parameter-free layers (ReLU, pooling) has nothing to optimise.
+        return pipe, params, torch.optim.Adam(params, lr=args.lr) if params else None
+
+    pipe, params, opt = on_every_rank(build)
 
     def one(i: int) -> None:
         x, y = batches[i % len(batches)]
         pipe.step(x, y)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
     pipe.train()
     for i in range(args.warmup):
@@ -384,12 +411,12 @@ def search_space(spec: Dict[str, Any], world: int) -> Dict[str, Any]:
             "interleaved_chunks": (spec["chunks"],), "candidates": 5}
 
 
-def auto_config(spec: Dict[str, Any], machine: Any, world: int) -> Dict[str, Any]:
+def auto_config(spec: Dict[str, Any], machine: Dict[str, Any], world: int) -> Dict[str, Any]:
     """The planner's choice over the grid's space, as a configuration to run ("auto")."""
     from pipedream_ext import configuration
 
-    layers = [configuration.LayerCost(**d) for d in spec["layers"]]
-    best = configuration.search(layers, machine, **search_space(spec, world))
+    layers = [configuration.LayerCost.from_dict(d) for d in spec["layers"]]
+    best = configuration.search(layers, configuration.MachineCosts.from_dict(machine), **search_space(spec, world))
     rc = [bool(x) for x in best.recompute]
     cfg = {"schedule": best.schedule, "chunks": best.chunks, "microbatches": best.microbatches,
            "balance": list(best.balance), "balance_kind": "auto",
@@ -398,35 +425,28 @@ def auto_config(spec: Dict[str, Any], machine: Any, world: int) -> Dict[str, Any
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    """One rank of a launch: the machine's calibration, the planner's choice (rank 0,
-    broadcast), then every configuration of ``--spec`` and the choice, one after another."""
+    """One rank of a launch: the machine's calibration (``--worker calibrate``), or every
+    configuration of ``--spec`` one after another (``--worker run``).
+
+    The calibration has a launch of its own: it builds a probe pipeline on rank 0 alone,
+    whose ``new_group`` calls the other ranks never make, so a pipeline built after it in
+    the same process group would wait for them forever."""
     def body(result: Dict[str, Any]) -> None:
         import torch
         import torch.distributed as dist
 
         from pipedream_ext import diagnostics
 
+        if args.worker == "calibrate":
+            t0 = time.perf_counter()
+            result["machine"] = diagnostics.calibrate(dist.group.WORLD, torch.device("cpu"),
+                                                      timeout=args.pipe_timeout).to_dict()
+            result["calibration_s"] = time.perf_counter() - t0
+            return
         spec = json.loads(Path(args.spec).read_text())
-        t0 = time.perf_counter()
-        machine = diagnostics.calibrate(dist.group.WORLD, torch.device("cpu"), timeout=args.pipe_timeout)
-        result["calibration_s"] = time.perf_counter() - t0
-        result["machine"] = machine.to_dict()
-        configs = list(spec["configs"])
-        if not args.no_auto:
-            box: List[Any] = [None]
-            if dist.get_rank() == 0:
-                try:
-                    box[0] = auto_config(spec, machine, dist.get_world_size())
-                except ValueError as exc:  # nothing fits: reported, the grid still runs
-                    box[0] = {"error": str(exc)}
-            dist.broadcast_object_list(box, src=0)
-            if "error" in box[0]:
-                result["auto_error"] = box[0]["error"]
-            else:
-                configs.append(box[0])
         batches = model_batches(args.model, spec["batch"], args.seed)
         result["runs"] = []
-        for cfg in configs:
+        for cfg in spec["configs"]:
             result["runs"].append(run_config_safely(cfg, args, batches))
             LOG.info("rank %d: %s done", dist.get_rank(), cfg["key"])
 
@@ -487,8 +507,6 @@ def measure_costs(name: str, args: argparse.Namespace) -> Dict[str, Any]:
 def prediction_of(layers: Sequence[Any], machine: Any, cfg: Dict[str, Any], world: int,
                   batch: int) -> Dict[str, Any]:
     """``configuration.predict`` of one run's configuration, as a dict."""
-    import dataclasses
-
     from pipedream_ext import configuration
 
     stages = len(cfg["balance"])
@@ -497,8 +515,7 @@ def prediction_of(layers: Sequence[Any], machine: Any, cfg: Dict[str, Any], worl
     conf = configuration.Configuration(schedule=cfg["schedule"], chunks=cfg["chunks"],
                                        microbatches=cfg["microbatches"], balance=list(cfg["balance"]),
                                        replicas=[1] * stages, recompute=rc, mesh=(world, 1, 1))
-    pred = configuration.predict(layers, machine, conf, batch)
-    return {k: v for k, v in dataclasses.asdict(pred).items()}
+    return configuration.predict(layers, machine, conf, batch).to_dict()
 
 
 def build_rows(raw: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -508,9 +525,10 @@ def build_rows(raw: Dict[str, Any]) -> List[Dict[str, Any]]:
 
     rows = []
     for name, model in raw["models"].items():
-        layers = [configuration.LayerCost(**d) for d in model["layer_costs"]["layers"]]
+        layers = [configuration.LayerCost.from_dict(d) for d in model["layer_costs"]["layers"]]
         for world, launch in model["launches"].items():
-            machine = configuration.MachineCosts(**launch["machine"]) if "machine" in launch else None
+            costs = raw["machines"].get(world, {})
+            machine = None if "error" in costs else configuration.MachineCosts.from_dict(costs)
             for run in launch.get("runs", []):
                 row = {k: v for k, v in run.items() if k != "ranks"}
                 row.update(model=name, world=int(world))
@@ -616,12 +634,29 @@ def plot(rows: Sequence[Dict[str, Any]], path: Path) -> None:
     h.save_figure(fig, path)
 
 
+def calibrate_worlds(args: argparse.Namespace, raw: Dict[str, Any]) -> None:
+    """One calibration launch per world size: ``raw["machines"][world]`` (or the error)."""
+    script = Path(__file__).resolve()
+    for world in args.workers:
+        result = h.launch_torchrun(script, world, ["--worker", "calibrate"] + h.forward(args, "pipe_timeout"),
+                                   JSON_TAG, args.timeout)
+        raw["launch_s"][f"calibrate {world}"] = result.get("launch_s", 0.0)
+        if "machine" in result:
+            raw["machines"][str(world)] = result["machine"]
+            LOG.info("%d ranks: machine costs %s", world, result["machine"])
+        else:
+            LOG.error("%d ranks: calibration failed: %s", world, result.get("error"))
+            raw["machines"][str(world)] = {"error": result.get("error", "no result")}
+
+
 def measure_all(args: argparse.Namespace, command: str, info: Dict[str, str]) -> Dict[str, Any]:
-    """Layer costs of every model and one launch per (model, world size); the raw results."""
+    """Machine costs per world size, layer costs of every model and one launch per (model,
+    world size) running the grid and the planner's choice; the raw results."""
     script = Path(__file__).resolve()
     common = h.forward(args, "pipe_timeout", "steps", "warmup", "seed", "lr")
     raw: Dict[str, Any] = {"machine": info, "command": command, "options": h.run_options(args, "report_only"),
-                           "models": {}, "launch_s": {}}
+                           "models": {}, "machines": {}, "launch_s": {}}
+    calibrate_worlds(args, raw)
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             LOG.info("%s: measuring layer costs", name)
@@ -629,20 +664,25 @@ def measure_all(args: argparse.Namespace, command: str, info: Dict[str, str]) ->
             model: Dict[str, Any] = {"layer_costs": costs, "launches": {}}
             raw["models"][name] = model
             for world in args.workers:
-                configs = grid_configs(args, len(costs["layers"]), world)
                 spec = {"batch": MODELS[name]["batch"], "schedules": args.schedules,
                         "microbatches": args.microbatches, "chunks": args.chunks, "layers": costs["layers"],
-                        "configs": configs}
+                        "configs": grid_configs(args, len(costs["layers"]), world)}
+                launch: Dict[str, Any] = {}
+                machine = raw["machines"][str(world)]
+                if not args.no_auto and "error" not in machine:
+                    try:
+                        spec["configs"].append(auto_config(spec, machine, world))
+                    except ValueError as exc:  # nothing fits: reported, the grid still runs
+                        launch["auto_error"] = str(exc)
                 path = Path(tmp) / f"spec_{name}_{world}.json"
                 path.write_text(json.dumps(spec))
-                LOG.info("%s, %d ranks: %d configurations", name, world, len(configs))
+                LOG.info("%s, %d ranks: %d configurations", name, world, len(spec["configs"]))
                 result = h.launch_torchrun(script, world, ["--worker", "run", "--spec", str(path), "--model", name]
-                                           + (["--no-auto"] if args.no_auto else []) + common, JSON_TAG,
-                                           args.timeout)
+                                           + common, JSON_TAG, args.timeout)
                 raw["launch_s"][f"{name} {world}"] = result.get("launch_s", 0.0)
                 if "error" in result:
                     LOG.error("%s, %d ranks: %s", name, world, result["error"])
-                model["launches"][str(world)] = result
+                model["launches"][str(world)] = {**result, **launch}
     return raw
 
 
@@ -653,9 +693,9 @@ def report(raw: Dict[str, Any], rows: List[Dict[str, Any]], total_s: float) -> s
               for m in raw["models"] for w in sorted({r["world"] for r in rows if r["model"] == m})]
     summaries = [(label, accuracy_summary(rs)) for label, rs in groups]
     summaries.append(("all", accuracy_summary(rows)))
-    machines = [f"{m}, {w} ranks: " + ", ".join(f"{k}={v:.3g}" for k, v in launch["machine"].items())
-                for m, model in raw["models"].items() for w, launch in model["launches"].items()
-                if "machine" in launch]
+    machines = [f"{w} ranks: " + (machine["error"] if "error" in machine else
+                                  ", ".join(f"{k}={v:.3g}" for k, v in machine.items()))
+                for w, machine in raw["machines"].items()]
     auto_errors = [f"{m}, {w} ranks: {launch['auto_error']}" for m, model in raw["models"].items()
                    for w, launch in model["launches"].items() if "auto_error" in launch]
     launch_text = ", ".join(f"{k} {v:.0f} s" for k, v in raw["launch_s"].items())
@@ -674,7 +714,7 @@ def report(raw: Dict[str, Any], rows: List[Dict[str, Any]], total_s: float) -> s
              "`zero_grad`). Peak memory per rank: weights and optimizer state held at the probe's start plus the "
              "largest amount allocated above it during one step (torch.profiler memory events, as "
              "benchmarks/memory.py). Predicted: `configuration.predict` with the layer costs measured in the "
-             "driver and the machine costs calibrated at the start of each launch. Error = measured / "
+             "driver and the machine costs calibrated per world size (a launch of its own). Error = measured / "
              "predicted - 1.", "",
              "## Accuracy", ""]
     lines += summary_table(summaries)
@@ -685,7 +725,7 @@ def report(raw: Dict[str, Any], rows: List[Dict[str, Any]], total_s: float) -> s
               "rest of the step: the runtime's own time, the `step` call, the optimizer, the loss all-reduce; "
               "predicted: per-step costs and the optimizer).", ""]
     lines += terms_table(groups)
-    lines += ["", "Machine costs calibrated per launch:", ""] + [f"* {m}" for m in machines]
+    lines += ["", "Machine costs (`diagnostics.calibrate`, one launch per world size):", ""] + [f"* {m}" for m in machines]
     if auto_errors:
         lines += ["", "The planner found no configuration:", ""] + [f"* {e}" for e in auto_errors]
     lines += ["", "## Every run", ""] + runs_table(rows)
@@ -717,7 +757,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     def ints(s: str) -> List[int]:
         return [int(v) for v in s.split(",") if v]
 
-    p = h.make_parser(__doc__, ("run",))
+    p = h.make_parser(__doc__, ("run", "calibrate"))
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--models", type=names, default=list(MODELS), help="default: digits,gpt,mlp")
