@@ -55,8 +55,8 @@ import _harness as h
 from _harness import pct
 
 __all__ = ["MODELS", "accuracy_summary", "balance_for", "draw_grid", "error_stats", "main", "measured_step",
-           "measured_terms", "parse_args", "plot", "predicted_terms", "relative_error", "run_config",
-           "run_driver", "run_worker", "spearman", "summary_table", "time_breakdown"]
+           "measured_terms", "overhead_parts", "overhead_table", "parse_args", "plot", "predicted_terms",
+           "relative_error", "run_config", "run_driver", "run_worker", "spearman", "summary_table", "time_breakdown"]
 
 LOG = logging.getLogger("plan_accuracy")
 JSON_TAG = "PLAN_ACCURACY_JSON "
@@ -197,6 +197,18 @@ def measured_terms(rank: Dict[str, Any], step_s: float) -> Dict[str, float]:
            "transfers": sum(kinds.get(k, 0.0) for k in SEND_KINDS) / steps}
     out["overhead"] = step_s - sum(out.values())
     return out
+
+
+def overhead_parts(rank: Dict[str, Any], step_s: float) -> Dict[str, float]:
+    """One rank's overhead (:func:`measured_terms`) in parts, seconds per step:
+    ``optimizer`` (the user's ``opt.step()`` and ``zero_grad``, mean over steps), ``runtime``
+    (inside the runtime but in no F/B/I/W, wait or send span) and ``outside`` (the rest: the
+    ``step`` call around the runtime, the loss all-reduce, the ranks' drift)."""
+    kinds, steps = rank["seconds_by_kind"], rank["steps"]
+    spans = sum(kinds.get(k, 0.0) for k in COMPUTE_KINDS + WAIT_KINDS + SEND_KINDS) / steps
+    optimizer = statistics.mean(rank["optimizer_s"]) if rank.get("optimizer_s") else 0.0
+    runtime = max(rank["busy_s"] / steps - spans, 0.0)
+    return {"optimizer": optimizer, "runtime": runtime, "outside": step_s - spans - optimizer - runtime}
 
 
 def predicted_terms(prediction: Dict[str, Any], rank: int) -> Dict[str, float]:
@@ -353,12 +365,16 @@ def run_config(cfg: Dict[str, Any], args: argparse.Namespace, batches: Sequence[
 
     pipe, params, opt = on_every_rank(build)
 
+    optimizer_s: List[float] = []
+
     def one(i: int) -> None:
         x, y = batches[i % len(batches)]
         pipe.step(x, y)
         if opt is not None:
+            t0 = time.perf_counter()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            optimizer_s.append(time.perf_counter() - t0)
 
     pipe.train()
     for i in range(args.warmup):
@@ -369,13 +385,16 @@ def run_config(cfg: Dict[str, Any], args: argparse.Namespace, batches: Sequence[
         one(args.warmup)
     pipe.reset_stats()
     dist.barrier()
+    optimizer_s.clear()
     times = []
     for i in range(args.steps):
         t0 = time.perf_counter()
         one(args.warmup + 1 + i)
         times.append(time.perf_counter() - t0)
     st = pipe.stats()
-    mine = {"rank": dist.get_rank(), "step_s": times, "steps": args.steps, "held_bytes": held,
+    mine = {"rank": dist.get_rank(), "step_s": times, "optimizer_s": optimizer_s or [0.0] * len(times),
+            "steps": args.steps, "held_bytes": held, "parameter_bytes": float(sum(p.nbytes for p in params)),
+            "parameter_tensors": len(params),
             "window_peak_bytes": float(window.peak), "peak_bytes": held + window.peak,
             "seconds_by_kind": st["seconds_by_kind"], "busy_s": st["busy_s"],
             "bubble_fraction": st["bubble_fraction"], "peak_activations": st["peak_activations"]}
@@ -514,7 +533,7 @@ def prediction_of(layers: Sequence[Any], machine: Any, cfg: Dict[str, Any], worl
     rc = [bool(rc)] * stages if isinstance(rc, bool) else [bool(x) for x in rc]
     conf = configuration.Configuration(schedule=cfg["schedule"], chunks=cfg["chunks"],
                                        microbatches=cfg["microbatches"], balance=list(cfg["balance"]),
-                                       replicas=[1] * stages, recompute=rc, mesh=(world, 1, 1))
+                                       recompute=rc, mesh=(world, 1, 1))
     return configuration.predict(layers, machine, conf, batch).to_dict()
 
 
@@ -537,6 +556,9 @@ def build_rows(raw: Dict[str, Any]) -> List[Dict[str, Any]]:
                     row["step_s"] = measured_step([r["step_s"] for r in ranks])
                     row["peak_bytes"] = [r["peak_bytes"] for r in ranks]
                     row["terms"] = [measured_terms(r, row["step_s"]) for r in ranks]
+                    row["overhead_parts"] = [overhead_parts(r, row["step_s"]) for r in ranks]
+                    row["parameter_bytes"] = [r.get("parameter_bytes", 0.0) for r in ranks]
+                row["machine_costs"] = None if machine is None else machine.to_dict()
                 row["prediction"] = (prediction_of(layers, machine, run, int(world), MODELS[name]["batch"])
                                      if machine is not None else None)
                 rows.append(row)
@@ -590,6 +612,26 @@ def terms_table(groups: Sequence[Tuple[str, Sequence[Dict[str, Any]]]]) -> List[
         lines.append(h.table_row([label] + [
             f"{1e3 * b[t]['measured']:.2f} / {1e3 * b[t]['predicted']:.2f}, {1e3 * b[t]['difference']:+.2f}"
             for t in TERMS]))
+    return lines
+
+
+def overhead_table(groups: Sequence[Tuple[str, Sequence[Dict[str, Any]]]]) -> List[str]:
+    """Per group, the measured overhead's parts (median over runs and ranks, ms per step)
+    against the machine costs' per-step terms."""
+    lines = h.table(["runs", "optimizer: measured / predicted (ms)", "runtime outside spans (ms)",
+                     "outside the runtime: measured / predicted step_seconds (ms)"])
+    for label, rows in groups:
+        ok = [r for r in rows if "error" not in r and r.get("machine_costs") and r.get("overhead_parts")]
+        if not ok:
+            continue
+        parts = [p for r in ok for p in r["overhead_parts"]]
+        pred_opt = [r["machine_costs"]["optimizer_seconds_per_byte"] * b for r in ok for b in r["parameter_bytes"]]
+        step = statistics.median(r["machine_costs"]["step_seconds"] for r in ok)
+        lines.append(h.table_row([
+            label, f"{1e3 * statistics.median(p['optimizer'] for p in parts):.2f} / "
+                   f"{1e3 * statistics.median(pred_opt):.2f}",
+            f"{1e3 * statistics.median(p['runtime'] for p in parts):.2f}",
+            f"{1e3 * statistics.median(p['outside'] for p in parts):.2f} / {1e3 * step:.2f}"]))
     return lines
 
 
@@ -725,7 +767,13 @@ def report(raw: Dict[str, Any], rows: List[Dict[str, Any]], total_s: float) -> s
               "rest of the step: the runtime's own time, the `step` call, the optimizer, the loss all-reduce; "
               "predicted: per-step costs and the optimizer).", ""]
     lines += terms_table(groups)
-    lines += ["", "Machine costs (`diagnostics.calibrate`, one launch per world size):", ""] + [f"* {m}" for m in machines]
+    lines += ["", "The overhead in parts (median over runs and ranks): the user's optimizer step and `zero_grad` "
+              "against `optimizer_seconds_per_byte` x the rank's parameter bytes; the runtime's time outside its "
+              "F/B/I/W, wait and send spans (predicted inside compute, as `action_seconds` per action); the rest of "
+              "the step outside the runtime against `step_seconds`.", ""]
+    lines += overhead_table(groups)
+    lines += ["", "Machine costs (`diagnostics.calibrate`, one launch per world size):", ""]
+    lines += [f"* {m}" for m in machines]
     if auto_errors:
         lines += ["", "The planner found no configuration:", ""] + [f"* {e}" for e in auto_errors]
     lines += ["", "## Every run", ""] + runs_table(rows)
@@ -734,6 +782,8 @@ def report(raw: Dict[str, Any], rows: List[Dict[str, Any]], total_s: float) -> s
 
 
 def run_driver(args: argparse.Namespace) -> int:
+    """The study (or, with ``--report-only``, its report from saved measurements); exit
+    status 1 when a run failed."""
     t_start = time.perf_counter()
     out_dir = Path(args.out_dir)
     if args.report_only:
@@ -742,6 +792,8 @@ def run_driver(args: argparse.Namespace) -> int:
         info, command = h.start_report(LOG)
         raw = measure_all(args, command, info)
         raw["measure_s"] = time.perf_counter() - t_start
+        # The measurements first: a report that fails can be made again with --report-only.
+        h.write_results(out_dir, "plan_accuracy", "(no report yet)", {"raw": raw}, echo=False)
     rows = build_rows(raw)
     text = report(raw, rows, raw.get("measure_s", 0.0))
     h.write_results(out_dir, "plan_accuracy", text, {"raw": raw, "rows": rows})

@@ -180,6 +180,15 @@ def test_measured_and_predicted_terms():
         {"compute": 2.0, "waits": 0.25, "transfers": 0.0, "overhead": 0.5})
 
 
+def test_overhead_parts_split_what_no_span_covers():
+    rank = {"steps": 2, "busy_s": 8.0, "optimizer_s": [0.5, 1.5],
+            "seconds_by_kind": {"F": 1.0, "B": 2.0, "RECV_F": 1.0, "SEND_F": 1.0}}
+    # spans 2.5 per step, runtime 4 - 2.5 = 1.5, optimizer 1.0, the rest of a 6 s step 1.0
+    assert plan_accuracy.overhead_parts(rank, 6.0) == pytest.approx({"optimizer": 1.0, "runtime": 1.5,
+                                                                     "outside": 1.0})
+    assert plan_accuracy.overhead_parts({**rank, "optimizer_s": []}, 6.0)["optimizer"] == 0.0
+
+
 def _row(key, step, pred_step, peaks, pred_peaks, auto=False):
     pred = {"step_seconds": pred_step, "peak_bytes": pred_peaks, "compute_seconds": [step / 2] * len(peaks),
             "wait_seconds": [0.0] * len(peaks), "transfer_seconds": [0.0] * len(peaks), "overhead_seconds": 0.0,
