@@ -237,9 +237,10 @@ def time_breakdown(rows: Sequence[Dict[str, Any]]) -> Dict[str, Dict[str, float]
     return out
 
 
-def accuracy_summary(rows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+def accuracy_summary(rows: Sequence[Dict[str, Any]], choice: bool = True) -> Dict[str, Any]:
     """The study's numbers for a set of measured and predicted rows: step time and peak
-    memory errors, rank correlation, and the planner's choice against the best measured.
+    memory errors, rank correlation, and (``choice``: the rows are one model on one world
+    size) the planner's choice against the best measured.
 
     Each row has ``step_s``, ``prediction`` (``step_seconds``, ``peak_bytes``),
     ``peak_bytes`` (measured, per rank) and ``auto`` (the planner's choice)."""
@@ -248,7 +249,7 @@ def accuracy_summary(rows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     mem_err = [relative_error(p, m) for r in ok for p, m in zip(r["prediction"]["peak_bytes"], r["peak_bytes"])]
     out = {"runs": len(ok), "step": error_stats(step_err), "memory": error_stats(mem_err),
            "spearman": spearman([r["prediction"]["step_seconds"] for r in ok], [r["step_s"] for r in ok])}
-    if ok:
+    if ok and choice:
         best = min(ok, key=lambda r: r["step_s"])
         auto = [r for r in ok if r.get("auto")]
         grid = [r for r in ok if not r.get("auto")]
@@ -576,8 +577,8 @@ def summary_table(groups: Sequence[Tuple[str, Dict[str, Any]]]) -> List[str]:
         lines.append(h.table_row([
             label, s["runs"], pct(st["median_abs"]), pct(st["worst_abs"]), pct(st["median"]),
             h.fmt(s["spearman"]), pct(mem["median_abs"]), pct(mem["worst_abs"]),
-            f"{pct(s.get('auto_vs_best'))} ({s.get('auto') or 'not run'})",
-            f"{pct(s.get('picked_vs_best'))} ({s.get('picked')})",
+            f"{pct(s.get('auto_vs_best'))} ({s.get('auto') or 'not run'})" if "best" in s else "",
+            f"{pct(s.get('picked_vs_best'))} ({s.get('picked')})" if "best" in s else "",
             f"{s.get('best')}: {1e3 * s['best_s']:.2f} ms" if s.get("best") else "n/a"]))
     return lines
 
@@ -734,7 +735,7 @@ def report(raw: Dict[str, Any], rows: List[Dict[str, Any]], total_s: float) -> s
     groups = [(f"{m}, {w} ranks", [r for r in rows if r["model"] == m and r["world"] == w])
               for m in raw["models"] for w in sorted({r["world"] for r in rows if r["model"] == m})]
     summaries = [(label, accuracy_summary(rs)) for label, rs in groups]
-    summaries.append(("all", accuracy_summary(rows)))
+    summaries.append(("all", accuracy_summary(rows, choice=False)))
     machines = [f"{w} ranks: " + (machine["error"] if "error" in machine else
                                   ", ".join(f"{k}={v:.3g}" for k, v in machine.items()))
                 for w, machine in raw["machines"].items()]

@@ -212,6 +212,7 @@ def test_accuracy_summary_of_runs():
     assert (s["best"], s["auto"], s["picked"]) == ("a", "auto", "a")
     assert s["auto_vs_best"] == pytest.approx(0.1)
     assert s["picked_vs_best"] == pytest.approx(0.0)
+    assert "best" not in plan_accuracy.accuracy_summary(rows, choice=False)  # several models: no best
     b = plan_accuracy.time_breakdown(rows[:4])
     assert b["compute"]["difference"] == pytest.approx(0.0)
     assert b["waits"]["measured"] == pytest.approx(statistics.median([0.275, 0.5, 0.75, 0.3025]))
