@@ -1,65 +1,78 @@
-"""How good is the profile-plan-run loop? Predicted against measured stage times and
-throughput for the digits CNN (examples/train_digits.py) on this machine.
+"""How well does the configuration planner predict what runs? Predicted against measured
+step time and peak memory for three models, on 2 and 4 ranks of this machine, over a grid
+of schedules x microbatches x balance x recompute, and the planner's own choice against
+the best configuration measured.
 
-1. **Profile** the example's CNN with ``pd.profile`` at the microbatch size used in
-   training (``--batch-size`` / ``--microbatches`` = 64 / 4 = 16 samples), in this
-   process with one thread (like every rank), on real digits.
-2. **Bandwidth**: ``--bandwidth`` bytes/s, or measured with a Gloo ping-pong of
-   ``--probe-bytes`` between two local ranks (the probe ``balance="auto"`` uses).
-3. **Plan** for each of ``--workers`` (2 and 4) with each of ``--cost-models``
-   (``pipedream`` with ``--compression`` as PipeDream's activation compression
-   ratio, default none, i.e. boundary transfers free as in PipeDream's optimizer;
-   ``default``, which always pays them).
-4. **Run** every plan under ``torch.distributed.run`` (one launch per world size,
-   the plans one after another in it, Gloo, one thread per rank) with ``1f1b``
-   (``--batch-size`` per step in ``--microbatches``), and plans of the
-   ``pipedream`` model also with ``pipedream`` (asynchronous PipeDream, one minibatch
-   of batch-size/microbatches per step: the steady state PipeDream's cost model
-   describes). ``--warmup`` steps, a flush, then ``--steps`` timed steps (pipedream:
-   ``--steps`` x microbatches minibatches, the same samples), Adam as in the example.
-5. **Compare** per stage: predicted compute per microbatch (the plan's
-   ``compute_seconds`` = the profiled forward+backward of the stage's layers on one
-   worker) against measured ``pipe.stats()["seconds_by_kind"]`` F+B (+I+W) per
-   microbatch that rank ran; the plan's stage ``time`` (per microbatch of the
-   pipeline: compute / replicas plus what the cost model charges for all-reduce and
-   transfers) against the measured share (F+B+ALLREDUCE seconds per microbatch of
-   the pipeline, the slowest replica); per run: the plan's steady-state throughput
-   (microbatch / ``time_per_stage``) and the schedule simulated with the profiled
-   per-stage costs (bubble and flush included) against measured samples/s (samples
-   / slowest rank's wall time, final flush included). Relative error =
-   measured / predicted - 1.
+1. **Layer costs** (driver, one process, one thread): for each model, per layer affine
+   forward/backward costs, saved-tensor, input and output bytes and parameter bytes,
+   measured at two microbatch sizes (``--batch`` / 8 and / 2) by
+   ``pipedream_ext.diagnostics.measure_layer_costs``.
+2. **Grid**: every valid (schedule, microbatches, balance, recompute) of ``--schedules``
+   x ``--microbatches`` x ``--balances`` (``even``: layers split evenly; ``skewed``: one
+   layer moved from the last stage to the first) x recompute off/on, ``--configs`` of
+   them drawn with ``--seed`` (the same draw for every run of the script).
+3. **Run** (one ``torch.distributed.run`` launch per model and world size, Gloo, one
+   thread per rank): first ``pipedream_ext.diagnostics.calibrate`` (the machine costs:
+   runtime overheads, latency, bandwidth, optimizer seconds per byte, cores), then on rank
+   0 ``configuration.search`` over the grid's space (balance and recompute per stage
+   searched) and its choice is run beside the grid's configurations ("auto"). Each
+   configuration: ``pd.PipeDream(...)``, Adam, ``--warmup`` steps, one step under the
+   memory probe, ``--steps`` timed steps (``pipe.step`` + ``opt.step()`` +
+   ``opt.zero_grad()``).
+4. **Measure**: step time = median over the timed steps of the slowest rank's step;
+   peak memory per rank = bytes held at the probe's start (weights, optimizer state) +
+   the largest amount allocated above it during one step (torch.profiler memory events,
+   the method of benchmarks/memory.py); per rank and step, where the time goes
+   (``pipe.stats()``: compute F/B/I/W, waits on peers, posting sends, the rest).
+5. **Predict** (driver): ``configuration.predict`` with the model's layer costs and the
+   launch's machine costs, for every configuration; error = measured / predicted - 1.
+   Reported: median and worst |error| of step time, Spearman rank correlation of
+   predicted and measured step times, peak memory error, and the measured step time of
+   the planner's choice against the best one measured.
 
-Writes ``<out-dir>/plan_accuracy.md`` (tables, machine, command),
-``<out-dir>/plan_accuracy.json`` (raw) and ``<out-dir>/plan_accuracy.png``.
-Command, from the repository root (about a minute on an idle 2-core machine):
+Writes ``<out-dir>/plan_accuracy.md``, ``.json`` (raw measurements: ``--report-only``
+re-reads it) and ``.png`` (predicted vs measured). Command, from the repository root
+(about 8 minutes on an idle 2-core machine):
 
-    python3 benchmarks/plan_accuracy.py [--workers 2,4] [--steps 100] [--bandwidth 1e9]
+    python3 benchmarks/plan_accuracy.py [--models digits,gpt,mlp] [--workers 2,4] [--configs 24]
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
-import math
+import random
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as h
 from _harness import pct
 
-__all__ = ["async_minibatches", "breakdown_table", "build_rows", "describe_plan", "main", "measured_stages",
-           "merge_rows", "parse_args", "plot", "predictions", "profile_digits", "relative_error", "replica_share",
-           "run_config", "run_config_safely", "run_driver", "run_label", "run_table", "run_worker",
-           "runtime_rejects", "schedules_for", "short", "stage_profile_costs", "stage_table", "time_breakdown"]
+__all__ = ["MODELS", "accuracy_summary", "balance_for", "draw_grid", "error_stats", "main", "measured_step",
+           "measured_terms", "overhead_parts", "overhead_table", "parse_args", "plot", "predicted_terms",
+           "relative_error", "run_config", "run_driver", "run_worker", "spearman", "summary_table", "time_breakdown"]
 
 LOG = logging.getLogger("plan_accuracy")
 JSON_TAG = "PLAN_ACCURACY_JSON "
+MIB = float(1 << 20)
 COMPUTE_KINDS = ("F", "B", "I", "W")
+WAIT_KINDS = ("RECV_F", "RECV_B", "SEND_WAIT", "ALLREDUCE")
+SEND_KINDS = ("SEND_F", "SEND_B")
+TERMS = ("compute", "waits", "transfers", "overhead")
+#: The models of the study: batch (samples per step) and what builds them in a worker.
+MODELS: Dict[str, Dict[str, Any]] = {
+    "digits": {"batch": 64, "text": "examples/train_digits.py's CNN (10 layers), real digits"},
+    "gpt": {"batch": 16, "text": "examples/models.py's `gpt_sequential(6, 64, 4, 32)` (10 layers: embedding, "
+                                 "6 blocks, LayerNorm, tied head, flatten), random bytes, sequence 32"},
+    "mlp": {"batch": 64, "text": "`_harness.mlp([256, 1024, 256, 1024, 256, 1024, 256, 10])` (13 layers), "
+                                 "random data"},
+}
 
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -70,179 +83,325 @@ def relative_error(predicted: Optional[float], measured: Optional[float]) -> Opt
     return measured / predicted - 1.0
 
 
-def replica_share(total: int, replicas: int, index: int) -> int:
-    """Microbatches out of ``total`` that replica ``index`` of ``replicas`` runs
-    (round robin: microbatch i goes to replica i mod replicas)."""
-    if not 0 <= index < replicas:
-        raise ValueError(f"replica index {index} out of range for {replicas} replicas")
-    return len(range(index, total, replicas))
+def balance_for(kind: str, layers: int, stages: int) -> Optional[List[int]]:
+    """Layers per stage: ``even`` (differing by at most one, the longer stages first) or
+    ``skewed`` (even, then one layer of the last stage that has more than one moved to
+    stage 0).
 
+    Returns:
+        The balance, or None when ``skewed`` cannot differ from ``even`` (every stage
+        after the first has one layer).
 
-def stage_profile_costs(nodes: Sequence[Dict[str, Any]], layers: Tuple[int, int]) -> Dict[str, float]:
-    """Profiled forward / backward seconds and output bytes of layers ``[start, end)``.
-
-    ``nodes`` are ``ProfileGraph.nodes()`` of a chain profile: ``node1`` is the Input,
-    ``node{i+2}`` layer i."""
-    by_id = {n["id"]: n for n in nodes}
-    start, end = layers
-    picked = [by_id[f"node{i + 2}"] for i in range(start, end)]
-    return {"forward_s": sum(n["forward_ms"] for n in picked) / 1e3,
-            "backward_s": sum(n["backward_ms"] for n in picked) / 1e3,
-            "output_bytes": float(picked[-1]["activation_bytes"]) if picked else 0.0,
-            "parameter_bytes": float(sum(n["parameter_bytes"] for n in picked))}
-
-
-def measured_stages(ranks: Sequence[Dict[str, Any]], pipeline_microbatches: int) -> Dict[int, Dict[str, float]]:
-    """Per stage, from every rank's stats of one timed run.
-
-    Each rank dict has ``stage``, ``replica``, ``replicas``, ``seconds_by_kind``.
-    ``pipeline_microbatches`` is how many microbatches (minibatches for pipedream)
-    went through the pipeline in the timed run.
-
-    Returns per stage: ``compute_s`` (mean over replicas of F+B+I+W seconds per
-    microbatch the replica ran), ``stage_s`` (slowest replica's F+B+I+W+ALLREDUCE
-    seconds per microbatch of the pipeline), ``allreduce_s`` (likewise, all-reduce
-    only), ``replicas``.
+    Raises:
+        ValueError: fewer layers than stages, or an unknown kind.
     """
-    out: Dict[int, Dict[str, float]] = {}
-    stages = sorted({r["stage"] for r in ranks})
-    for j in stages:
-        members = [r for r in ranks if r["stage"] == j]
-        per_mb, shares, allreduce = [], [], []
-        for r in members:
-            kinds = r["seconds_by_kind"]
-            compute = sum(kinds.get(k, 0.0) for k in COMPUTE_KINDS)
-            ran = replica_share(pipeline_microbatches, r["replicas"], r["replica"])
-            per_mb.append(compute / ran if ran else 0.0)
-            shares.append((compute + kinds.get("ALLREDUCE", 0.0)) / pipeline_microbatches)
-            allreduce.append(kinds.get("ALLREDUCE", 0.0) / pipeline_microbatches)
-        out[j] = {"compute_s": statistics.mean(per_mb), "stage_s": max(shares),
-                  "allreduce_s": max(allreduce), "replicas": float(members[0]["replicas"])}
+    if layers < stages:
+        raise ValueError(f"{layers} layers cannot fill {stages} stages")
+    base, extra = divmod(layers, stages)
+    even = [base + (1 if j < extra else 0) for j in range(stages)]
+    if kind == "even":
+        return even
+    if kind != "skewed":
+        raise ValueError(f"unknown balance kind {kind!r}; use even or skewed")
+    donors = [j for j in range(1, stages) if even[j] > 1]
+    if not donors:
+        return None
+    even[donors[-1]] -= 1
+    even[0] += 1
+    return even
+
+
+def draw_grid(schedules: Sequence[str], microbatches: Sequence[int], balances: Sequence[str],
+              recompute: Sequence[bool], count: int, seed: int,
+              valid: Callable[[Dict[str, Any]], bool]) -> List[Dict[str, Any]]:
+    """``count`` configurations drawn without replacement from the valid points of the grid
+    (all of them when fewer), in the grid's order.
+
+    Args:
+        schedules, microbatches, balances, recompute: the grid's axes.
+        count: how many to draw.
+        seed: the draw's seed (the same seed gives the same configurations).
+        valid: whether a point ``{"schedule", "microbatches", "balance_kind", "recompute"}`` can run.
+    """
+    points = [{"schedule": s, "microbatches": m, "balance_kind": b, "recompute": r}
+              for s, m, b, r in itertools.product(schedules, microbatches, balances, recompute)]
+    points = [p for p in points if valid(p)]
+    if len(points) <= count:
+        return points
+    keep = set(random.Random(seed).sample(range(len(points)), count))
+    return [p for i, p in enumerate(points) if i in keep]
+
+
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> Optional[float]:
+    """Spearman's rank correlation (average ranks for ties); None for fewer than 3 pairs
+    or a constant side."""
+    if len(xs) != len(ys):
+        raise ValueError(f"{len(xs)} predicted against {len(ys)} measured values")
+    if len(xs) < 3:
+        return None
+
+    def ranks(v: Sequence[float]) -> List[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2.0
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sxx = sum((a - mx) ** 2 for a in rx)
+    syy = sum((b - my) ** 2 for b in ry)
+    if sxx == 0 or syy == 0:
+        return None
+    return sxy / (sxx * syy) ** 0.5
+
+
+def error_stats(errors: Sequence[Optional[float]]) -> Dict[str, Optional[float]]:
+    """Median and worst absolute relative error, and the median signed one (None when empty)."""
+    vals = [e for e in errors if e is not None]
+    if not vals:
+        return {"median_abs": None, "worst_abs": None, "median": None, "n": 0}
+    return {"median_abs": statistics.median(abs(e) for e in vals), "worst_abs": max(abs(e) for e in vals),
+            "median": statistics.median(vals), "n": len(vals)}
+
+
+def measured_step(step_seconds: Sequence[Sequence[float]]) -> float:
+    """Step time of a run: per step the slowest rank, then the median over steps.
+
+    Args:
+        step_seconds: per rank, the wall time of each timed step.
+    """
+    steps = len(step_seconds[0])
+    if not steps or any(len(r) != steps for r in step_seconds):
+        raise ValueError(f"ranks timed different numbers of steps: {[len(r) for r in step_seconds]}")
+    return statistics.median(max(r[i] for r in step_seconds) for i in range(steps))
+
+
+def measured_terms(rank: Dict[str, Any], step_s: float) -> Dict[str, float]:
+    """Where one rank's step goes, in seconds per step, from its ``pipe.stats()``.
+
+    ``compute``: F+B+I+W; ``waits``: blocked on receives, sends and all-reduces;
+    ``transfers``: posting sends; ``overhead``: the rest of ``step_s`` (the runtime's own
+    time, the ``step`` call around it, the optimizer, the loss all-reduce).
+    """
+    kinds, steps = rank["seconds_by_kind"], rank["steps"]
+    out = {"compute": sum(kinds.get(k, 0.0) for k in COMPUTE_KINDS) / steps,
+           "waits": sum(kinds.get(k, 0.0) for k in WAIT_KINDS) / steps,
+           "transfers": sum(kinds.get(k, 0.0) for k in SEND_KINDS) / steps}
+    out["overhead"] = step_s - sum(out.values())
     return out
 
 
-def merge_rows(rows: Sequence[Dict[str, Any]], same: Sequence[str]) -> List[Dict[str, Any]]:
-    """Rows that agree on every field in ``same`` become one row whose ``plans`` lists
-    every merged row's ``plan_name`` (order kept): plans with the same partition ran once."""
-    merged: Dict[Tuple[Any, ...], Dict[str, Any]] = {}
-    for row in rows:
-        key = tuple(round(v, 9) if isinstance(v, float) else str(v) for v in (row.get(f) for f in same))
-        if key in merged:
-            merged[key]["plans"].append(row["plan_name"])
-        else:
-            merged[key] = {**row, "plans": [row["plan_name"]]}
-    return list(merged.values())
+def overhead_parts(rank: Dict[str, Any], step_s: float) -> Dict[str, float]:
+    """One rank's overhead (:func:`measured_terms`) in parts, seconds per step:
+    ``optimizer`` (the user's ``opt.step()`` and ``zero_grad``, mean over steps), ``runtime``
+    (inside the runtime but in no F/B/I/W, wait or send span) and ``outside`` (the rest: the
+    ``step`` call around the runtime, the loss all-reduce, the ranks' drift)."""
+    kinds, steps = rank["seconds_by_kind"], rank["steps"]
+    spans = sum(kinds.get(k, 0.0) for k in COMPUTE_KINDS + WAIT_KINDS + SEND_KINDS) / steps
+    optimizer = statistics.mean(rank["optimizer_s"]) if rank.get("optimizer_s") else 0.0
+    runtime = max(rank["busy_s"] / steps - spans, 0.0)
+    return {"optimizer": optimizer, "runtime": runtime, "outside": step_s - spans - optimizer - runtime}
 
 
-def async_minibatches(steps: int, microbatches: int, replicas: Sequence[int]) -> int:
-    """Minibatches of a pipedream run with the samples of ``steps`` batches, rounded up to
-    a multiple of the lcm of the replica counts (the runtime flushes only after whole
-    rounds of replicas)."""
-    period = 1
-    for r in replicas:
-        period = period * r // math.gcd(period, r)
-    n = steps * microbatches
-    return -(-n // period) * period
+def predicted_terms(prediction: Dict[str, Any], rank: int) -> Dict[str, float]:
+    """The prediction's terms for ``rank``, in seconds per step (the same four as
+    :func:`measured_terms`; overhead includes the all-reduce, zero without data parallelism)."""
+    return {"compute": prediction["compute_seconds"][rank], "waits": prediction["wait_seconds"][rank],
+            "transfers": prediction["transfer_seconds"][rank],
+            "overhead": prediction["overhead_seconds"] + prediction["all_reduce_seconds"]}
 
 
-WAIT_KINDS = ("RECV_F", "RECV_B", "SEND_WAIT", "ALLREDUCE")
-SEND_KINDS = ("SEND_F", "SEND_B")
+def time_breakdown(rows: Sequence[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
+    """Per term, the median over rows and ranks of measured and predicted seconds per step
+    and of measured - predicted (rows without a prediction are left out)."""
+    out: Dict[str, Dict[str, float]] = {}
+    for term in TERMS:
+        meas, pred = [], []
+        for row in rows:
+            if row.get("prediction") is None:
+                continue
+            for r, terms in enumerate(row["terms"]):
+                meas.append(terms[term])
+                pred.append(predicted_terms(row["prediction"], r)[term])
+        if meas:
+            out[term] = {"measured": statistics.median(meas), "predicted": statistics.median(pred),
+                         "difference": statistics.median(m - p for m, p in zip(meas, pred))}
+    return out
 
 
-def time_breakdown(ranks: Sequence[Dict[str, Any]], steps: int) -> Dict[str, float]:
-    """Where a rank's wall time per step goes, mean over ranks (seconds per step).
+def accuracy_summary(rows: Sequence[Dict[str, Any]], choice: bool = True) -> Dict[str, Any]:
+    """The study's numbers for a set of measured and predicted rows: step time and peak
+    memory errors, rank correlation, and (``choice``: the rows are one model on one world
+    size) the planner's choice against the best measured.
 
-    ``compute``: F+B+I+W; ``waits``: blocked on receives, sends and all-reduces;
-    ``sends``: posting sends; ``update``: U (asynchronous optimizer steps); ``other``:
-    the rest of the time inside the runtime; ``outside``: wall time outside it (the
-    Python step call, the optimizer step of flush schedules, the loss all-reduce)."""
-    keys = ("wall", "compute", "waits", "sends", "update", "other", "outside")
-    total = {k: 0.0 for k in keys}
-    for r in ranks:
-        kinds = r["seconds_by_kind"]
-        part = {"wall": r["elapsed_s"], "compute": sum(kinds.get(k, 0.0) for k in COMPUTE_KINDS),
-                "waits": sum(kinds.get(k, 0.0) for k in WAIT_KINDS),
-                "sends": sum(kinds.get(k, 0.0) for k in SEND_KINDS), "update": kinds.get("U", 0.0)}
-        part["other"] = max(r["busy_s"] - part["compute"] - part["waits"] - part["sends"] - part["update"], 0.0)
-        part["outside"] = max(r["elapsed_s"] - r["busy_s"], 0.0)
-        for k in keys:
-            total[k] += part[k] / steps / len(ranks)
-    return total
+    Each row has ``step_s``, ``prediction`` (``step_seconds``, ``peak_bytes``),
+    ``peak_bytes`` (measured, per rank) and ``auto`` (the planner's choice)."""
+    ok = [r for r in rows if "error" not in r and r.get("prediction")]
+    step_err = [relative_error(r["prediction"]["step_seconds"], r["step_s"]) for r in ok]
+    mem_err = [relative_error(p, m) for r in ok for p, m in zip(r["prediction"]["peak_bytes"], r["peak_bytes"])]
+    out = {"runs": len(ok), "step": error_stats(step_err), "memory": error_stats(mem_err),
+           "spearman": spearman([r["prediction"]["step_seconds"] for r in ok], [r["step_s"] for r in ok])}
+    if ok and choice:
+        best = min(ok, key=lambda r: r["step_s"])
+        auto = [r for r in ok if r.get("auto")]
+        grid = [r for r in ok if not r.get("auto")]
+        picked = min(grid, key=lambda r: r["prediction"]["step_seconds"]) if grid else None
+        out.update(best=best["key"], best_s=best["step_s"],
+                   auto=auto[0]["key"] if auto else None,
+                   auto_vs_best=relative_error(best["step_s"], auto[0]["step_s"]) if auto else None,
+                   picked=picked["key"] if picked else None,
+                   picked_vs_best=relative_error(best["step_s"], picked["step_s"]) if picked else None)
+    return out
 
 
-def describe_plan(layers: Sequence[Sequence[int]], replicas: Sequence[int]) -> str:
-    """``[0,3)x1 [3,10)x1``: layer ranges and replica counts per stage."""
-    return " ".join(f"[{a},{b})x{r}" for (a, b), r in zip(layers, replicas))
+def config_key(cfg: Dict[str, Any]) -> str:
+    """``1f1b M4 even rc`` (``rc``: recompute; a list of stages for the planner's choice)."""
+    rc = cfg["recompute"]
+    rc_text = ("rc" if rc else "-") if isinstance(rc, bool) else "rc" + "".join("1" if x else "0" for x in rc)
+    chunks = f" c{cfg['chunks']}" if cfg.get("chunks", 1) > 1 else ""
+    return f"{cfg['schedule']}{chunks} M{cfg['microbatches']} {cfg['balance_kind']} {rc_text}"
 
 
 # ----------------------------------------------------------------------------- worker
-def _digits():
-    """examples/train_digits.py's ``make_model`` and ``load_digits``."""
-    module = h.digits()
-    return module.make_model, module.load_digits
+def gpt_loss(logits: Any, targets: Any) -> Any:
+    """Next-byte cross entropy: (batch * time, vocab) logits against (batch, time) targets."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits, targets.reshape(-1))
 
 
-def run_config(cfg: Dict[str, Any], args: argparse.Namespace, batches) -> Dict[str, Any]:
-    """One plan with one schedule: warm-up, flush, timed steps; every rank's stats."""
+def build_model(name: str, seed: int) -> Tuple[Any, Callable[..., Any]]:
+    """The study's model ``name`` (an ``nn.Sequential``, the same on every rank) and its loss."""
+    import torch
+    import torch.nn.functional as F
+
+    if name == "digits":
+        return h.digits().make_model(seed), F.cross_entropy
+    if name == "gpt":
+        torch.manual_seed(seed)
+        return h.models().gpt_sequential(6, 64, 4, 32), gpt_loss
+    if name == "mlp":
+        return h.mlp([256, 1024, 256, 1024, 256, 1024, 256, 10], seed), F.cross_entropy
+    raise ValueError(f"unknown model {name!r}; use one of {sorted(MODELS)}")
+
+
+def model_batches(name: str, batch: int, seed: int, count: int = 4) -> List[Tuple[Any, Any]]:
+    """``count`` batches of ``batch`` samples for model ``name`` (real digits for ``digits``)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    if name == "digits":
+        train, _ = h.digits().load_digits(seed)
+        xs, ys = train.tensors
+        return [(xs[i * batch:(i + 1) * batch], ys[i * batch:(i + 1) * batch]) for i in range(count)]
+    if name == "gpt":
+        ids = [torch.randint(0, 256, (batch, 33), generator=g) for _ in range(count)]
+        return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in ids]
+    return [(torch.randn(batch, 256, generator=g), torch.randint(0, 10, (batch,), generator=g))
+            for _ in range(count)]
+
+
+def bytes_held(params: Sequence[Any], optimizer: Optional[Any]) -> float:
+    """Bytes of the distinct tensors a rank holds between steps: its weights and optimizer
+    state (``optimizer`` None: weights only)."""
+    import torch
+
+    seen, total = set(), 0
+    states = optimizer.state.values() if optimizer is not None else ()
+    tensors = list(params) + [v for state in states for v in state.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+    return float(total)
+
+
+def on_every_rank(fn: Callable[[], Any]) -> Any:
+    """``fn()``, raising on every rank when it raised on any (so no rank goes on into a
+    collective its failed peers never reach)."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
+
+    error: Optional[BaseException] = None
+    try:
+        out = fn()
+    except Exception as exc:  # re-raised below, after the peers know
+        LOG.exception("rank %d failed", dist.get_rank())
+        error, out = exc, None
+    failed = torch.tensor([0.0 if error is None else 1.0])
+    dist.all_reduce(failed)
+    if error is not None:
+        raise error
+    if failed.item():
+        raise RuntimeError("failed on another rank (see its log)")
+    return out
+
+
+def run_config(cfg: Dict[str, Any], args: argparse.Namespace, batches: Sequence[Tuple[Any, Any]]) -> Dict[str, Any]:
+    """One configuration: warm-up, one step under the memory probe, timed steps; every rank's
+    step times, peak bytes and ``pipe.stats()``."""
+    import memory
+    import torch
+    import torch.distributed as dist
 
     import pipedream_ext as pd
 
-    make_model, _ = _digits()
-    rank = dist.get_rank()
-    M = args.microbatches
-    pipe = pd.PipeDream(make_model(args.seed), F.cross_entropy, schedule=cfg["schedule"],
-                        microbatches=M, balance=cfg["plan"], timeout=args.pipe_timeout)
-    params = list(pipe.parameters())
-    opt = torch.optim.Adam(params, lr=args.lr) if params else None
-    if pipe.asynchronous:
-        mb = args.batch_size // M
-        feed = [(x[i * mb:(i + 1) * mb], y[i * mb:(i + 1) * mb]) for x, y in batches for i in range(M)]
-        warmup = async_minibatches(args.warmup, M, pipe.replicas)
-        steps, samples_per_step = async_minibatches(args.steps, M, pipe.replicas), mb
+    def build() -> Tuple[Any, List[Any], Optional[Any]]:
+        model, loss_fn = build_model(args.model, args.seed)
+        pipe = pd.PipeDream(model, loss_fn, schedule=cfg["schedule"], microbatches=cfg["microbatches"],
+                            chunks=cfg["chunks"], balance=cfg["balance"], recompute=cfg["recompute"],
+                            timeout=args.pipe_timeout)
+        params = list(pipe.parameters())
+        # A stage of parameter-free layers (ReLU, pooling) has nothing to optimise.
+        return pipe, params, torch.optim.Adam(params, lr=args.lr) if params else None
 
-        def one(i: int) -> None:
-            x, y = feed[i % len(feed)]
-            pipe.step(x, y, optimizer=opt)
-    else:
-        feed = list(batches)
-        warmup, steps, samples_per_step = args.warmup, args.steps, args.batch_size
+    pipe, params, opt = on_every_rank(build)
 
-        def one(i: int) -> None:
-            x, y = feed[i % len(feed)]
-            pipe.step(x, y)
-            if opt is not None:
-                opt.step()
-                opt.zero_grad()
+    optimizer_s: List[float] = []
+
+    def one(i: int) -> None:
+        x, y = batches[i % len(batches)]
+        pipe.step(x, y)
+        if opt is not None:
+            t0 = time.perf_counter()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            optimizer_s.append(time.perf_counter() - t0)
 
     pipe.train()
-    for i in range(warmup):
+    for i in range(args.warmup):
         one(i)
-    pipe.flush()
+    dist.barrier()
+    held = bytes_held(params, opt)
+    with memory.Window(torch.device("cpu")) as window:
+        one(args.warmup)
     pipe.reset_stats()
     dist.barrier()
-    t0 = time.perf_counter()
-    for i in range(steps):
-        one(warmup + i)
-    pipe.flush()
-    elapsed = time.perf_counter() - t0
-    wall = torch.tensor([elapsed], dtype=torch.float64)
-    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    optimizer_s.clear()
+    times = []
+    for i in range(args.steps):
+        t0 = time.perf_counter()
+        one(args.warmup + 1 + i)
+        times.append(time.perf_counter() - t0)
     st = pipe.stats()
-    stage = pipe.stage_index
-    mine = {"rank": rank, "stage": stage, "replica": pipe.schedule.stage_ranks(stage).index(rank),
-            "replicas": pipe.replicas[stage], "elapsed_s": elapsed,
-            "seconds_by_kind": st["seconds_by_kind"], "compute_s": st["compute_s"], "wait_s": st["wait_s"],
-            "busy_s": st["busy_s"], "bubble_fraction": st["bubble_fraction"]}
-    gathered: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+    mine = {"rank": dist.get_rank(), "step_s": times, "optimizer_s": optimizer_s or [0.0] * len(times),
+            "steps": args.steps, "held_bytes": held, "parameter_bytes": float(sum(p.nbytes for p in params)),
+            "parameter_tensors": len(params),
+            "window_peak_bytes": float(window.peak), "peak_bytes": held + window.peak,
+            "seconds_by_kind": st["seconds_by_kind"], "busy_s": st["busy_s"],
+            "bubble_fraction": st["bubble_fraction"], "peak_activations": st["peak_activations"]}
+    ranks = h.all_gather_json(mine)
     dist.barrier()
-    return {"key": cfg["key"], "schedule": cfg["schedule"], "wall_s": float(wall.item()),
-            "steps": steps, "samples": steps * samples_per_step,
-            "pipeline_microbatches": steps * (1 if pipe.asynchronous else M),
-            "samples_per_s": steps * samples_per_step / float(wall.item()), "ranks": gathered}
+    return {**cfg, "ranks": ranks}
 
 
 def run_config_safely(cfg: Dict[str, Any], args: argparse.Namespace, batches) -> Dict[str, Any]:
@@ -255,396 +414,427 @@ def run_config_safely(cfg: Dict[str, Any], args: argparse.Namespace, batches) ->
         failed = torch.zeros(1)
     except Exception as exc:  # reported as data
         LOG.exception("rank %d: %s failed", dist.get_rank(), cfg["key"])
-        out = {"key": cfg["key"], "error": f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"}
+        out = {**cfg, "error": f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"}
         failed = torch.ones(1)
     dist.all_reduce(failed)  # an exception inside a collective above leaves the others waiting
     if failed.item() and "error" not in out:
-        out = {"key": cfg["key"], "error": "failed on another rank (see its log)"}
+        out = {**cfg, "error": "failed on another rank (see its log)"}
     return out
 
 
+def search_space(spec: Dict[str, Any], world: int) -> Dict[str, Any]:
+    """Keyword arguments of ``configuration.search`` for the grid's space on ``world`` ranks:
+    its schedules and microbatch counts, pipelines only (mesh (world, 1, 1)), balance and
+    recompute per stage searched."""
+    return {"world_size": world, "batch_size": spec["batch"], "schedules": list(spec["schedules"]),
+            "microbatches": list(spec["microbatches"]), "meshes": [(world, 1, 1)], "recompute": "search",
+            "interleaved_chunks": (spec["chunks"],), "candidates": 5}
+
+
+def auto_config(spec: Dict[str, Any], machine: Dict[str, Any], world: int) -> Dict[str, Any]:
+    """The planner's choice over the grid's space, as a configuration to run ("auto")."""
+    from pipedream_ext import configuration
+
+    layers = [configuration.LayerCost.from_dict(d) for d in spec["layers"]]
+    best = configuration.search(layers, configuration.MachineCosts.from_dict(machine), **search_space(spec, world))
+    rc = [bool(x) for x in best.recompute]
+    cfg = {"schedule": best.schedule, "chunks": best.chunks, "microbatches": best.microbatches,
+           "balance": list(best.balance), "balance_kind": "auto",
+           "recompute": rc[0] if len(set(rc)) == 1 else rc, "auto": True}
+    return {**cfg, "key": "auto: " + config_key(cfg)}
+
+
 def run_worker(args: argparse.Namespace) -> int:
-    """One rank: the bandwidth probe (``--worker bandwidth``) or every configuration of
-    ``--configs`` (``--worker run``)."""
+    """One rank of a launch: the machine's calibration (``--worker calibrate``), or every
+    configuration of ``--spec`` one after another (``--worker run``).
+
+    The calibration has a launch of its own: it builds a probe pipeline on rank 0 alone,
+    whose ``new_group`` calls the other ranks never make, so a pipeline built after it in
+    the same process group would wait for them forever."""
     def body(result: Dict[str, Any]) -> None:
+        import torch
         import torch.distributed as dist
 
-        if args.worker == "bandwidth":
-            result["bandwidth"] = h.measure_bandwidth(dist.group.WORLD, 0, 1, size=args.probe_bytes,
-                                                    rounds=args.probe_rounds)
+        from pipedream_ext import diagnostics
+
+        if args.worker == "calibrate":
+            t0 = time.perf_counter()
+            result["machine"] = diagnostics.calibrate(dist.group.WORLD, torch.device("cpu"),
+                                                      timeout=args.pipe_timeout).to_dict()
+            result["calibration_s"] = time.perf_counter() - t0
             return
-        _, load_digits = _digits()
-        train, _ = load_digits(args.seed)
-        X, Y = train.tensors
-        B = args.batch_size
-        batches = [(X[i * B:(i + 1) * B], Y[i * B:(i + 1) * B]) for i in range(len(X) // B)]
-        configs = json.loads(Path(args.configs).read_text())
-        result["runs"] = [run_config_safely(cfg, args, batches) for cfg in configs]
+        spec = json.loads(Path(args.spec).read_text())
+        batches = model_batches(args.model, spec["batch"], args.seed)
+        result["runs"] = []
+        for cfg in spec["configs"]:
+            result["runs"].append(run_config_safely(cfg, args, batches))
+            LOG.info("rank %d: %s done", dist.get_rank(), cfg["key"])
 
     return h.worker(JSON_TAG, body, backend="gloo")
 
 
 # ----------------------------------------------------------------------------- driver
-def profile_digits(args: argparse.Namespace):
-    """The digits CNN profiled at the training microbatch size, one thread."""
-    import torch
-    import torch.nn.functional as F
-
-    import pipedream_ext as pd
-
-    torch.set_num_threads(1)
-    make_model, load_digits = _digits()
-    train, _ = load_digits(args.seed)
-    mb = args.batch_size // args.microbatches
-    x, y = train.tensors[0][:mb], train.tensors[1][:mb]
-    return pd.profile(make_model(args.seed), x, loss_fn=F.cross_entropy, target=y,
-                      steps=args.profile_steps, warmup=args.profile_warmup)
-
-
-def predictions(plan, nodes: Sequence[Dict[str, Any]], schedule: str, args: argparse.Namespace,
-                bandwidth: float) -> Dict[str, Any]:
-    """Per-stage predictions of a plan and the simulated throughput of ``schedule``."""
+def chunks_of(schedule: str, interleaved: int) -> int:
+    """Chunks per rank the runtime runs ``schedule`` with: its fixed count, ``interleaved``
+    for the other multi-chunk schedules, else 1."""
     from pipedream_ext import schedules
 
-    M, B = args.microbatches, args.batch_size
-    mb = B // M
-    stages = []
-    for st in plan.stages:
-        costs = stage_profile_costs(nodes, st.layers)
-        stages.append({"layers": list(st.layers), "replicas": st.replicas, "time_s": st.time,
-                       "compute_s": st.compute_seconds, **costs})
-    p = len(stages)
-    replicas = [s["replicas"] for s in stages]
-    t_comm = [s["output_bytes"] / bandwidth for s in stages[:-1]]
-    t_ar = [2 * (r - 1) / r * s["parameter_bytes"] / bandwidth for s, r in zip(stages, replicas)]
-    if schedule == "pipedream":
-        n = async_minibatches(args.steps, M, replicas)
-        sim = schedules.build("pipedream", stages=p, microbatches=n, replicas=replicas)
-        samples = n * mb
-    else:
-        sim = schedules.build(schedule, stages=p, microbatches=M, replicas=replicas)
-        samples = B
-    res = sim.simulate(t_f=[s["forward_s"] for s in stages], t_b=[s["backward_s"] for s in stages],
-                       t_comm=t_comm, t_allreduce=t_ar)
-    return {"stages": stages, "steady_samples_per_s": mb / plan.time_per_stage,
-            "simulated_samples_per_s": samples / res.makespan, "simulated_bubble": res.bubble_fraction,
-            "time_per_stage_s": plan.time_per_stage}
+    t = schedules.traits(schedule)
+    return t.fixed_chunks or (interleaved if t.multi_chunk else 1)
 
 
-def build_rows(plans: Dict[Tuple[int, str], Any], runs: Dict[Tuple[int, str, str], Dict[str, Any]],
-               nodes: Sequence[Dict[str, Any]], args: argparse.Namespace,
-               bandwidth: float) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
-    """Stage rows and throughput rows for every (workers, cost model, schedule) run."""
-    stage_rows, run_rows = [], []
-    for (w, cm, variant), plan in plans.items():
-        for schedule in schedules_for(cm, args):
-            run = runs.get((w, cm, variant, schedule))
-            pred = predictions(plan, nodes, schedule, args, bandwidth)
-            label = run_label(w, cm, variant, schedule)
-            plan_text = describe_plan([s["layers"] for s in pred["stages"]], plan.replicas)
-            plan_name = f"{cm}{' (straight)' if variant == 'straight' else ''}"
-            base = {"label": label, "plan_name": plan_name, "workers": w, "cost_model": cm, "variant": variant,
-                    "schedule": schedule, "plan": plan_text, "speedup": plan.speedup_over_dp}
-            if run is None or "error" in run:
-                run_rows.append({**base, "error": (run or {}).get("error", "not run"),
-                                 "rejected": bool((run or {}).get("rejected")), **pred})
-                continue
-            meas = measured_stages(run["ranks"], run["pipeline_microbatches"])
-            for j, ps in enumerate(pred["stages"]):
-                m = meas.get(j, {})
-                stage_rows.append({
-                    **base, "stage": j,
-                    "layers": ps["layers"], "replicas": ps["replicas"],
-                    "pred_compute_ms": ps["compute_s"] * 1e3,
-                    "meas_compute_ms": m.get("compute_s", float("nan")) * 1e3,
-                    "compute_err": relative_error(ps["compute_s"], m.get("compute_s")),
-                    "pred_stage_ms": ps["time_s"] * 1e3,
-                    "meas_stage_ms": m.get("stage_s", float("nan")) * 1e3,
-                    "stage_err": relative_error(ps["time_s"], m.get("stage_s")),
-                    "meas_allreduce_ms": m.get("allreduce_s", 0.0) * 1e3,
-                })
-            bubbles = [r["bubble_fraction"] for r in run["ranks"]]
-            run_rows.append({**base, **pred,
-                             "measured_samples_per_s": run["samples_per_s"], "wall_s": run["wall_s"],
-                             "measured_bubble": statistics.mean(bubbles),
-                             "steady_err": relative_error(pred["steady_samples_per_s"], run["samples_per_s"]),
-                             "simulated_err": relative_error(pred["simulated_samples_per_s"],
-                                                             run["samples_per_s"]),
-                             "breakdown": time_breakdown(run["ranks"], run["steps"])})
-    stage_rows = merge_rows(stage_rows, ("workers", "plan", "schedule", "stage", "pred_stage_ms"))
-    run_rows = merge_rows(run_rows, ("workers", "plan", "schedule", "steady_samples_per_s",
-                                     "simulated_samples_per_s", "error"))
-    for row in stage_rows + run_rows:
-        row["label"] = f"{row['workers']} workers, {row['schedule']}: {' = '.join(row['plans'])}"
-    return stage_rows, run_rows
+def grid_configs(args: argparse.Namespace, layers: int, world: int) -> List[Dict[str, Any]]:
+    """The configurations of the grid that run for a model of ``layers`` layers on ``world``
+    ranks (the schedule builds, the balance exists), drawn as :func:`draw_grid` says."""
+    from pipedream_ext import schedules
 
+    def valid(p: Dict[str, Any]) -> bool:
+        chunks = chunks_of(p["schedule"], args.chunks)
+        if world * chunks > layers or balance_for(p["balance_kind"], layers, world * chunks) is None:
+            return False
+        try:
+            schedules.build(p["schedule"], stages=world, microbatches=p["microbatches"], chunks=chunks)
+        except ValueError:
+            return False
+        return True
 
-def run_label(workers: int, cost_model: str, variant: str, schedule: str) -> str:
-    """``4 workers, pipedream model (straight), 1f1b``."""
-    return f"{workers} workers, {cost_model} model{' (straight)' if variant == 'straight' else ''}, {schedule}"
-
-
-def runtime_rejects(schedule: str, replicas: Sequence[int]) -> Optional[str]:
-    """The runtime's own check of an asynchronous layout (None if it accepts it)."""
-    if schedule not in ("pipedream", "pipedream-2bw"):
-        return None
-    import pipedream_ext.testing as pdt
-
-    error = pdt.asynchronous_layout_error(schedule, len(replicas), 1, replicas)
-    return None if error is None else f"runtime rejects the layout: {error}"
-
-
-def schedules_for(cost_model: str, args: argparse.Namespace) -> List[str]:
-    """1f1b for every plan; pipedream (async) too for plans of the pipedream model."""
-    out = ["1f1b"]
-    if cost_model == "pipedream" and not args.no_async:
-        out.append("pipedream")
+    out = []
+    for p in draw_grid(args.schedules, args.microbatches, args.balances, (False, True), args.configs,
+                       args.seed + world, valid):
+        chunks = chunks_of(p["schedule"], args.chunks)
+        cfg = {**p, "chunks": chunks, "balance": balance_for(p["balance_kind"], layers, world * chunks),
+               "auto": False}
+        out.append({**cfg, "key": config_key(cfg)})
     return out
 
 
-def stage_table(rows: List[Dict[str, Any]]) -> List[str]:
-    """Per stage: predicted against measured compute and stage time."""
-    return h.table(["run", "stage", "layers", "replicas", "predicted F+B per microbatch (ms)", "measured (ms)",
-                    "error", "predicted stage time (ms)", "measured (ms)", "error", "of which all-reduce (ms)"],
-                   [[r["label"], r["stage"], f"[{r['layers'][0]}, {r['layers'][1]})", r["replicas"],
-                     f"{r['pred_compute_ms']:.3f}", f"{r['meas_compute_ms']:.3f}", pct(r["compute_err"]),
-                     f"{r['pred_stage_ms']:.3f}", f"{r['meas_stage_ms']:.3f}", pct(r["stage_err"]),
-                     f"{r['meas_allreduce_ms']:.3f}"] for r in rows])
+def measure_costs(name: str, args: argparse.Namespace) -> Dict[str, Any]:
+    """The model's per-layer costs (``diagnostics.measure_layer_costs`` at batch / 8 and
+    batch / 2, one thread, in this process) as a JSON-able dict."""
+    import torch
+
+    from pipedream_ext import diagnostics
+
+    torch.set_num_threads(1)
+    batch = MODELS[name]["batch"]
+    model, loss_fn = build_model(name, args.seed)
+    sample = model_batches(name, batch, args.seed, count=1)[0]
+    costs = diagnostics.measure_layer_costs(model, sample, loss_fn,
+                                            microbatch_sizes=[max(1, batch // 8), max(1, batch // 2)])
+    return costs.to_dict()
 
 
-def breakdown_table(rows: List[Dict[str, Any]]) -> List[str]:
-    """Per run: where a step's wall time goes."""
-    lines = h.table(["run", "wall per step (ms)", "F+B", "waiting on peers", "posting sends",
-                     "optimizer in runtime (U)", "other runtime", "outside the runtime"])
+def prediction_of(layers: Sequence[Any], machine: Any, cfg: Dict[str, Any], world: int,
+                  batch: int) -> Dict[str, Any]:
+    """``configuration.predict`` of one run's configuration, as a dict."""
+    from pipedream_ext import configuration
+
+    stages = len(cfg["balance"])
+    rc = cfg["recompute"]
+    rc = [bool(rc)] * stages if isinstance(rc, bool) else [bool(x) for x in rc]
+    conf = configuration.Configuration(schedule=cfg["schedule"], chunks=cfg["chunks"],
+                                       microbatches=cfg["microbatches"], balance=list(cfg["balance"]),
+                                       recompute=rc, mesh=(world, 1, 1))
+    return configuration.predict(layers, machine, conf, batch).to_dict()
+
+
+def build_rows(raw: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """One row per run: its configuration, measured step time, peak bytes and terms per
+    rank, and the prediction (None when the launch gave no machine costs)."""
+    from pipedream_ext import configuration
+
+    rows = []
+    for name, model in raw["models"].items():
+        layers = [configuration.LayerCost.from_dict(d) for d in model["layer_costs"]["layers"]]
+        for world, launch in model["launches"].items():
+            costs = raw["machines"].get(world, {})
+            machine = None if "error" in costs else configuration.MachineCosts.from_dict(costs)
+            for run in launch.get("runs", []):
+                row = {k: v for k, v in run.items() if k != "ranks"}
+                row.update(model=name, world=int(world))
+                if "error" not in run:
+                    ranks = run["ranks"]
+                    row["step_s"] = measured_step([r["step_s"] for r in ranks])
+                    row["peak_bytes"] = [r["peak_bytes"] for r in ranks]
+                    row["terms"] = [measured_terms(r, row["step_s"]) for r in ranks]
+                    row["overhead_parts"] = [overhead_parts(r, row["step_s"]) for r in ranks]
+                    row["parameter_bytes"] = [r.get("parameter_bytes", 0.0) for r in ranks]
+                row["machine_costs"] = None if machine is None else machine.to_dict()
+                row["prediction"] = (prediction_of(layers, machine, run, int(world), MODELS[name]["batch"])
+                                     if machine is not None else None)
+                rows.append(row)
+    return rows
+
+
+def summary_table(groups: Sequence[Tuple[str, Dict[str, Any]]]) -> List[str]:
+    """One line per group of runs (:func:`accuracy_summary`), against the issue's targets."""
+    lines = h.table(["runs", "n", "step time: median abs error (target 10%)", "worst (25%)", "median signed",
+                     "Spearman (>= 0.8)", "peak memory: median abs error", "worst (15%)",
+                     "planner's choice vs best measured (10%)", "grid's predicted best vs best measured",
+                     "best measured"])
+    for label, s in groups:
+        st, mem = s["step"], s["memory"]
+        lines.append(h.table_row([
+            label, s["runs"], pct(st["median_abs"]), pct(st["worst_abs"]), pct(st["median"]),
+            h.fmt(s["spearman"]), pct(mem["median_abs"]), pct(mem["worst_abs"]),
+            f"{pct(s.get('auto_vs_best'))} ({s.get('auto') or 'not run'})" if "best" in s else "",
+            f"{pct(s.get('picked_vs_best'))} ({s.get('picked')})" if "best" in s else "",
+            f"{s.get('best')}: {1e3 * s['best_s']:.2f} ms" if s.get("best") else "n/a"]))
+    return lines
+
+
+def runs_table(rows: Sequence[Dict[str, Any]]) -> List[str]:
+    """Every run: predicted and measured step time and the largest peak of its ranks."""
+    lines = h.table(["model", "ranks", "configuration", "balance", "predicted step (ms)", "measured (ms)",
+                     "error", "predicted peak, max rank (MiB)", "measured (MiB)", "error"])
     for r in rows:
-        b = r.get("breakdown")
+        cells = [r["model"], r["world"], r["key"], "-".join(map(str, r["balance"]))]
+        if "error" in r:
+            lines.append(h.table_row(cells + [f"failed: {r['error'][:160]}", "", "", "", "", ""]))
+            continue
+        p = r["prediction"]
+        pred_step = p["step_seconds"] if p else None
+        pred_peak = max(p["peak_bytes"]) if p else None
+        meas_peak = max(r["peak_bytes"])
+        lines.append(h.table_row(cells + [
+            h.fmt(None if pred_step is None else 1e3 * pred_step), f"{1e3 * r['step_s']:.2f}",
+            pct(relative_error(pred_step, r["step_s"])), h.fmt(None if pred_peak is None else pred_peak / MIB),
+            f"{meas_peak / MIB:.2f}", pct(relative_error(pred_peak, meas_peak))]))
+    return lines
+
+
+def terms_table(groups: Sequence[Tuple[str, Sequence[Dict[str, Any]]]]) -> List[str]:
+    """Per group, per term: the median over runs and ranks of measured and predicted ms per step."""
+    lines = h.table(["runs"] + [f"{t}: measured / predicted (ms), median difference" for t in TERMS])
+    for label, rows in groups:
+        b = time_breakdown(rows)
         if not b:
             continue
-        wall = b["wall"] or 1e-12
-        lines.append(h.table_row([r["label"], f"{1e3 * b['wall']:.2f}"]
-                                 + [f"{1e3 * b[k]:.2f} ({100 * b[k] / wall:.0f}%)"
-                                    for k in ("compute", "waits", "sends", "update", "other", "outside")]))
+        lines.append(h.table_row([label] + [
+            f"{1e3 * b[t]['measured']:.2f} / {1e3 * b[t]['predicted']:.2f}, {1e3 * b[t]['difference']:+.2f}"
+            for t in TERMS]))
     return lines
 
 
-def run_table(rows: List[Dict[str, Any]]) -> List[str]:
-    """Per run: predicted (plan, simulated) against measured throughput and bubble."""
-    lines = h.table(["run", "plan (layers x replicas)", "predicted speedup over DP",
-                     "predicted samples/s, plan steady state", "predicted, schedule simulated",
-                     "measured samples/s", "error vs steady state", "error vs simulated",
-                     "simulated / measured bubble"])
-    for r in rows:
-        cells = [r["label"], r["plan"], f"{r.get('speedup', 0):.2f}", f"{r['steady_samples_per_s']:.0f}",
-                 f"{r['simulated_samples_per_s']:.0f}"]
-        if "error" in r:
-            cells += [f"{'not run' if r.get('rejected') else 'failed'}: {r['error'][:160]}", "", "", ""]
-        else:
-            cells += [f"{r['measured_samples_per_s']:.0f}", pct(r["steady_err"]), pct(r["simulated_err"]),
-                      f"{r['simulated_bubble']:.2f} / {r['measured_bubble']:.2f}"]
-        lines.append(h.table_row(cells))
+def overhead_table(groups: Sequence[Tuple[str, Sequence[Dict[str, Any]]]]) -> List[str]:
+    """Per group, the measured overhead's parts (median over runs and ranks, ms per step)
+    against the machine costs' per-step terms."""
+    lines = h.table(["runs", "optimizer: measured / predicted (ms)", "runtime outside spans (ms)",
+                     "outside the runtime: measured / predicted step_seconds (ms)"])
+    for label, rows in groups:
+        ok = [r for r in rows if "error" not in r and r.get("machine_costs") and r.get("overhead_parts")]
+        if not ok:
+            continue
+        parts = [p for r in ok for p in r["overhead_parts"]]
+        pred_opt = [r["machine_costs"]["optimizer_seconds_per_byte"] * b for r in ok for b in r["parameter_bytes"]]
+        step = statistics.median(r["machine_costs"]["step_seconds"] for r in ok)
+        lines.append(h.table_row([
+            label, f"{1e3 * statistics.median(p['optimizer'] for p in parts):.2f} / "
+                   f"{1e3 * statistics.median(pred_opt):.2f}",
+            f"{1e3 * statistics.median(p['runtime'] for p in parts):.2f}",
+            f"{1e3 * statistics.median(p['outside'] for p in parts):.2f} / {1e3 * step:.2f}"]))
     return lines
 
 
-def short(row: Dict[str, Any]) -> str:
-    """Compact plot label of a run row."""
-    names = "/".join(n.replace("pipedream", "pd").replace("default", "def").replace(" (straight)", "-str")
-                     for n in row.get("plans", [row.get("plan_name", "")]))
-    return f"{row['workers']}w {row['schedule']} {names}"
-
-
-def plot(stage_rows: List[Dict[str, Any]], run_rows: List[Dict[str, Any]], path: Path) -> None:
+def plot(rows: Sequence[Dict[str, Any]], path: Path) -> None:
+    """Predicted against measured step time and peak memory (log axes, y = x and +-25% lines)."""
     plt = h.pyplot()
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.2), gridspec_kw={"width_ratios": [3, 2]})
-    labels = [f"{short(r)} s{r['stage']}" for r in stage_rows]
-    xs = range(len(stage_rows))
-    ax1.bar([x - 0.2 for x in xs], [r["pred_compute_ms"] for r in stage_rows], 0.4, label="predicted (profile)",
-            color="#4c72b0")
-    ax1.bar([x + 0.2 for x in xs], [r["meas_compute_ms"] for r in stage_rows], 0.4,
-            label="measured (stats F+B)", color="#dd8452")
-    ax1.set_xticks(list(xs))
-    ax1.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
-    ax1.set_ylabel("forward+backward per microbatch (ms)")
-    ax1.set_title("Per stage: predicted vs measured compute")
-    ax1.legend(fontsize=8)
-    ok = [r for r in run_rows if "error" not in r]
-    xs2 = range(len(ok))
-    ax2.bar([x - 0.27 for x in xs2], [r["steady_samples_per_s"] for r in ok], 0.27, label="plan, steady state",
-            color="#4c72b0")
-    ax2.bar(list(xs2), [r["simulated_samples_per_s"] for r in ok], 0.27, label="plan + schedule simulated",
-            color="#8172b3")
-    ax2.bar([x + 0.27 for x in xs2], [r["measured_samples_per_s"] for r in ok], 0.27, label="measured",
-            color="#dd8452")
-    ax2.set_xticks(list(xs2))
-    ax2.set_xticklabels([short(r) for r in ok], rotation=40,
-                        ha="right", fontsize=7)
-    ax2.set_ylabel("samples/s")
-    ax2.set_title("Throughput: predicted vs measured")
-    ax2.legend(fontsize=8)
+    ok = [r for r in rows if "error" not in r and r.get("prediction")]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.4))
+    colors = {"digits": "#4c72b0", "gpt": "#dd8452", "mlp": "#55a868"}
+    markers = {2: "o", 4: "^"}
+    panels = [(axes[0], lambda r: [r["prediction"]["step_seconds"] * 1e3], lambda r: [r["step_s"] * 1e3],
+               "step time (ms)"),
+              (axes[1], lambda r: [b / MIB for b in r["prediction"]["peak_bytes"]],
+               lambda r: [b / MIB for b in r["peak_bytes"]], "peak memory per rank (MiB)")]
+    for ax, pred, meas, what in panels:
+        values = []
+        for (model, world), color in ((k, colors.get(k[0], "k")) for k in sorted({(r["model"], r["world"])
+                                                                                   for r in ok})):
+            mine = [r for r in ok if r["model"] == model and r["world"] == world]
+            xs = [v for r in mine for v in pred(r)]
+            ys = [v for r in mine for v in meas(r)]
+            values += xs + ys
+            ax.scatter(xs, ys, c=color, marker=markers.get(world, "s"), s=22, alpha=0.75,
+                       label=f"{model}, {world} ranks")
+            ax.scatter([x for r in mine if r.get("auto") for x in pred(r)],
+                       [y for r in mine if r.get("auto") for y in meas(r)], facecolors="none",
+                       edgecolors="k", marker="o", s=110, linewidths=1.2)
+        if values:
+            lo, hi = min(values) * 0.8, max(values) * 1.25
+            ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
+            for f, style in ((1.1, ":"), (1.25, "--")):
+                ax.plot([lo, hi], [lo * f, hi * f], "k" + style, lw=0.6)
+                ax.plot([lo, hi], [lo / f, hi / f], "k" + style, lw=0.6)
+            ax.set_xlim(lo, hi)
+            ax.set_ylim(lo, hi)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"predicted {what}")
+        ax.set_ylabel(f"measured {what}")
+        ax.set_title(f"{what}: measured vs predicted (lines: y = x, +-10%, +-25%)", fontsize=9)
+    axes[0].legend(fontsize=7, title="circled: planner's choice", title_fontsize=7)
     h.save_figure(fig, path)
 
 
+def calibrate_worlds(args: argparse.Namespace, raw: Dict[str, Any]) -> None:
+    """One calibration launch per world size: ``raw["machines"][world]`` (or the error)."""
+    script = Path(__file__).resolve()
+    for world in args.workers:
+        result = h.launch_torchrun(script, world, ["--worker", "calibrate"] + h.forward(args, "pipe_timeout"),
+                                   JSON_TAG, args.timeout)
+        raw["launch_s"][f"calibrate {world}"] = result.get("launch_s", 0.0)
+        if "machine" in result:
+            raw["machines"][str(world)] = result["machine"]
+            LOG.info("%d ranks: machine costs %s", world, result["machine"])
+        else:
+            LOG.error("%d ranks: calibration failed: %s", world, result.get("error"))
+            raw["machines"][str(world)] = {"error": result.get("error", "no result")}
+
+
+def measure_all(args: argparse.Namespace, command: str, info: Dict[str, str]) -> Dict[str, Any]:
+    """Machine costs per world size, layer costs of every model and one launch per (model,
+    world size) running the grid and the planner's choice; the raw results."""
+    script = Path(__file__).resolve()
+    common = h.forward(args, "pipe_timeout", "steps", "warmup", "seed", "lr")
+    raw: Dict[str, Any] = {"machine": info, "command": command, "options": h.run_options(args, "report_only"),
+                           "models": {}, "machines": {}, "launch_s": {}}
+    calibrate_worlds(args, raw)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models:
+            LOG.info("%s: measuring layer costs", name)
+            costs = measure_costs(name, args)
+            model: Dict[str, Any] = {"layer_costs": costs, "launches": {}}
+            raw["models"][name] = model
+            for world in args.workers:
+                spec = {"batch": MODELS[name]["batch"], "schedules": args.schedules,
+                        "microbatches": args.microbatches, "chunks": args.chunks, "layers": costs["layers"],
+                        "configs": grid_configs(args, len(costs["layers"]), world)}
+                launch: Dict[str, Any] = {}
+                machine = raw["machines"][str(world)]
+                if not args.no_auto and "error" not in machine:
+                    try:
+                        spec["configs"].append(auto_config(spec, machine, world))
+                    except ValueError as exc:  # nothing fits: reported, the grid still runs
+                        launch["auto_error"] = str(exc)
+                path = Path(tmp) / f"spec_{name}_{world}.json"
+                path.write_text(json.dumps(spec))
+                LOG.info("%s, %d ranks: %d configurations", name, world, len(spec["configs"]))
+                result = h.launch_torchrun(script, world, ["--worker", "run", "--spec", str(path), "--model", name]
+                                           + common, JSON_TAG, args.timeout)
+                raw["launch_s"][f"{name} {world}"] = result.get("launch_s", 0.0)
+                if "error" in result:
+                    LOG.error("%s, %d ranks: %s", name, world, result["error"])
+                model["launches"][str(world)] = {**result, **launch}
+    return raw
+
+
+def report(raw: Dict[str, Any], rows: List[Dict[str, Any]], total_s: float) -> str:
+    """The Markdown report of a study."""
+    opts = raw["options"]
+    groups = [(f"{m}, {w} ranks", [r for r in rows if r["model"] == m and r["world"] == w])
+              for m in raw["models"] for w in sorted({r["world"] for r in rows if r["model"] == m})]
+    summaries = [(label, accuracy_summary(rs)) for label, rs in groups]
+    summaries.append(("all", accuracy_summary(rows, choice=False)))
+    machines = [f"{w} ranks: " + (machine["error"] if "error" in machine else
+                                  ", ".join(f"{k}={v:.3g}" for k, v in machine.items()))
+                for w, machine in raw["machines"].items()]
+    auto_errors = [f"{m}, {w} ranks: {launch['auto_error']}" for m, model in raw["models"].items()
+                   for w, launch in model["launches"].items() if "auto_error" in launch]
+    launch_text = ", ".join(f"{k} {v:.0f} s" for k, v in raw["launch_s"].items())
+    lines = ["# Configuration planner: predicted vs measured", "",
+             f"Command: `{raw['command']}` (total {total_s:.0f} s; launches: {launch_text}).", "",
+             h.machine_line(raw["machine"]) + " One thread per rank, Gloo.", "",
+             "Models: " + "; ".join(f"**{m}** ({MODELS[m]['text']}, batch {MODELS[m]['batch']})"
+                                   for m in raw["models"]) + ". Adam (lr "
+             f"{opts['lr']}), {opts['warmup']} warm-up steps, one step under the memory probe, "
+             f"{opts['steps']} timed steps per configuration. Grid: {', '.join(opts['schedules'])} x "
+             f"microbatches {opts['microbatches']} x balance {', '.join(opts['balances'])} x recompute off/on, "
+             f"{opts['configs']} drawn per model and world size (seed {opts['seed']}), plus the planner's "
+             "choice (`configuration.search` over the same schedules and microbatch counts, balance and "
+             "recompute per stage searched).", "",
+             "Step time: median over timed steps of the slowest rank's step (`pipe.step` + `opt.step()` + "
+             "`zero_grad`). Peak memory per rank: weights and optimizer state held at the probe's start plus the "
+             "largest amount allocated above it during one step (torch.profiler memory events, as "
+             "benchmarks/memory.py). Predicted: `configuration.predict` with the layer costs measured in the "
+             "driver and the machine costs calibrated per world size (a launch of its own). Error = measured / "
+             "predicted - 1.", "",
+             "## Accuracy", ""]
+    lines += summary_table(summaries)
+    lines += ["", "## Where the time goes", "",
+              "Per rank and step (median over the runs and ranks of each group), measured from `pipe.stats()` "
+              "against the prediction's terms: compute (F, B, I, W), waits (receives, sends, all-reduces; the "
+              "prediction's idle time in the simulated makespan), transfers (posting sends) and overhead (the "
+              "rest of the step: the runtime's own time, the `step` call, the optimizer, the loss all-reduce; "
+              "predicted: per-step costs and the optimizer).", ""]
+    lines += terms_table(groups)
+    lines += ["", "The overhead in parts (median over runs and ranks): the user's optimizer step and `zero_grad` "
+              "against `optimizer_seconds_per_byte` x the rank's parameter bytes; the runtime's time outside its "
+              "F/B/I/W, wait and send spans (predicted inside compute, as `action_seconds` per action); the rest of "
+              "the step outside the runtime against `step_seconds`.", ""]
+    lines += overhead_table(groups)
+    lines += ["", "Machine costs (`diagnostics.calibrate`, one launch per world size):", ""]
+    lines += [f"* {m}" for m in machines]
+    if auto_errors:
+        lines += ["", "The planner found no configuration:", ""] + [f"* {e}" for e in auto_errors]
+    lines += ["", "## Every run", ""] + runs_table(rows)
+    lines += ["", "![predicted vs measured](plan_accuracy.png)", ""]
+    return "\n".join(lines)
+
+
 def run_driver(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    import pipedream_ext as pd
-
+    """The study (or, with ``--report-only``, its report from saved measurements); exit
+    status 1 when a run failed."""
     t_start = time.perf_counter()
     out_dir = Path(args.out_dir)
-    info, command = h.start_report(LOG)
-    script = Path(__file__).resolve()
-    common = h.forward(args, "pipe_timeout", "batch_size", "microbatches", "steps", "warmup", "seed", "lr")
-
-    LOG.info("profiling the digits CNN at microbatch %d", args.batch_size // args.microbatches)
-    graph = profile_digits(args)
-    nodes = graph.nodes()
-    single_ms = sum(n["forward_ms"] + n["backward_ms"] for n in nodes)
-    if args.bandwidth:
-        bandwidth, bw_source = args.bandwidth, "given (--bandwidth)"
+    if args.report_only:
+        raw = json.loads(Path(args.report_only).read_text())["raw"]
     else:
-        r = h.launch_torchrun(script, 2, ["--worker", "bandwidth"] + h.forward(args, "probe_bytes", "probe_rounds"),
-                              JSON_TAG, args.timeout)
-        if "error" in r:
-            LOG.error("bandwidth probe failed: %s", r["error"])
-            return 1
-        bandwidth = r["bandwidth"]
-        bw_source = (f"measured: Gloo ping-pong of {args.probe_bytes} bytes x {args.probe_rounds} rounds "
-                     "between 2 local ranks")
-    LOG.info("bandwidth %.3g B/s (%s)", bandwidth, bw_source)
-
-    plans: Dict[Tuple[int, str], Any] = {}
-    runs: Dict[Tuple[int, str, str], Dict[str, Any]] = {}
-    launches: Dict[int, float] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for w in tqdm(args.workers, desc="world sizes", unit="launch"):
-            configs, owners = [], {}
-            for cm in args.cost_models:
-                for variant in args.variants:
-                    ratio = args.compression if cm == "pipedream" else None
-                    plan = pd.plan(graph, workers=[w], bandwidth=[bandwidth], cost_model=cm,
-                                   activation_compression_ratio=ratio, straight=variant == "straight")
-                    plans[(w, cm, variant)] = plan
-                    path = Path(tmp) / f"plan_{w}_{cm}_{variant}.json"
-                    plan.save(path)
-                    for schedule in schedules_for(cm, args):
-                        owner = (w, cm, variant, schedule)
-                        rejected = runtime_rejects(schedule, plan.replicas)
-                        if rejected:
-                            LOG.warning("%s: %s", run_label(*owner), rejected)
-                            runs[owner] = {"error": rejected, "rejected": True}
-                            continue
-                        # Plans with the same partition run once per schedule.
-                        key = f"{describe_plan(plan.layers, plan.replicas)}|{schedule}"
-                        if key not in owners:
-                            owners[key] = []
-                            configs.append({"key": key, "plan": str(path), "schedule": schedule})
-                        owners[key].append(owner)
-            cfg_path = Path(tmp) / f"configs_{w}.json"
-            cfg_path.write_text(json.dumps(configs))
-            LOG.info("%d workers: %d runs: %s", w, len(configs), [c["key"] for c in configs])
-            result = h.launch_torchrun(script, w, ["--worker", "run", "--configs", str(cfg_path)] + common,
-                                     JSON_TAG, args.timeout)
-            launches[w] = result.get("launch_s", 0.0)
-            if "error" in result:
-                LOG.error("%d workers: %s", w, result["error"])
-            for run in result.get("runs", []):
-                for owner in owners[run["key"]]:
-                    runs[owner] = run
-                if "error" in run:
-                    LOG.error("%d workers %s: %s", w, run["key"], run["error"])
-                else:
-                    LOG.info("%d workers %s: %.0f samples/s", w, run["key"], run["samples_per_s"])
-            for owner_list in owners.values():
-                for owner in owner_list:
-                    runs.setdefault(owner, {"error": result.get("error", "no result")})
-
-    stage_rows, run_rows = build_rows(plans, runs, nodes, args, bandwidth)
-    total_s = time.perf_counter() - t_start
-    mb = args.batch_size // args.microbatches
-    lines = ["# Planner: predicted vs measured (digits CNN)", "",
-             h.command_sentence(command, total_s, launches), "",
-             h.machine_line(info) + " One thread per rank (torch.set_num_threads(1), OMP_NUM_THREADS=1), Gloo.", "",
-             f"Model: examples/train_digits.py's CNN (10 layers), real digits, Adam lr={args.lr}. Profile: "
-             f"`pd.profile` at the training microbatch of {mb} samples (batch {args.batch_size} / "
-             f"{args.microbatches} microbatches), median of {args.profile_steps} steps after "
-             f"{args.profile_warmup}, one thread: forward+backward of the whole model {single_ms:.3f} ms per "
-             f"microbatch. Bandwidth {bandwidth:.3g} B/s ({bw_source}). Plans: "
-             + ", ".join(f"`pd.plan(workers=[{w}], cost_model='{cm}'{', straight=True' if v == 'straight' else ''})`"
-                         for (w, cm, v) in plans)
-             + (f", pipedream model with activation compression ratio {args.compression}" if args.compression
-                else ", pipedream model without a compression ratio (boundary transfers free, PipeDream's default)")
-             + f". Runs: {args.warmup} warm-up steps, a flush, then {args.steps} timed steps of "
-             f"{args.batch_size} samples (1f1b) or {args.steps * args.microbatches} minibatches of {mb} "
-             "(pipedream, async; warm-up and timed minibatches rounded up to a multiple of the lcm of the replica "
-             "counts, as the runtime flushes only after whole rounds); one launch per world size.", "",
-             "## Per stage", "",
-             "Predicted F+B per microbatch: the plan's `compute_seconds` (profiled forward+backward of the "
-             "stage's layers, one worker). Measured: `seconds_by_kind` F+B per microbatch the rank ran (mean "
-             "over replicas). Predicted stage time: the plan's per-stage `time` per microbatch of the pipeline "
-             "(compute / replicas plus the cost model's all-reduce and transfer charges). Measured stage time: "
-             "(F+B+ALLREDUCE seconds) per microbatch of the pipeline, slowest replica (all-reduce seconds "
-             "include waiting for the other replica). Error = measured / predicted - 1.", ""]
-    lines += stage_table(stage_rows)
-    lines += ["", "## Throughput", "",
-              f"Plan steady state: microbatch ({mb}) / `time_per_stage` (PipeDream's prediction, no flush, no "
-              "bubble). Schedule simulated: the schedule engine's simulator with the profiled per-stage forward "
-              "and backward times, transfers of each boundary's output bytes and ring all-reduce of replicated "
-              "stages at the bandwidth above (1f1b: one batch with its fill and drain; pipedream: the "
-              f"{args.steps * args.microbatches} timed minibatches). Measured: samples / slowest rank's wall "
-              "time (optimizer steps and final flush included). Bubble: simulated bubble fraction vs the mean "
-              "over ranks of `stats()['bubble_fraction']`.", ""]
-    lines += run_table(run_rows)
-    lines += ["", "## Where the time goes", "",
-              "Per step (pipedream: per minibatch), mean over the run's ranks, from `pipe.stats()` and the rank's "
-              "wall time: forward and backward compute; waiting on peers (receives, sends, all-reduce); posting "
-              "sends; optimizer steps inside the runtime (pipedream); the rest of the runtime's time; and wall time "
-              "outside the runtime (the Python `step` call around it, the flush schedules' optimizer step and "
-              "loss all-reduce).", ""]
-    lines += breakdown_table(run_rows)
-    lines += ["", "Plot: `plan_accuracy.png` (per stage F+B per microbatch, predicted vs measured; throughput).", ""]
-    h.write_results(out_dir, "plan_accuracy", "\n".join(lines), {
-        "machine": info, "command": command, "bandwidth": bandwidth, "bandwidth_source": bw_source,
-         "profile_nodes": nodes, "plans": {"|".join(map(str, k)): p.to_dict() for k, p in plans.items()},
-         "stage_rows": stage_rows, "run_rows": run_rows,
-        "runs": {"|".join(map(str, k)): v for k, v in runs.items()}, "total_s": total_s})
-    plot(stage_rows, run_rows, out_dir / "plan_accuracy.png")
-    LOG.info("done in %.0f s", total_s)
-    # A layout the runtime rejects up front is reported, not a failure of this benchmark.
-    failed = [r for r in run_rows if "error" in r and not r.get("rejected")]
-    return 1 if failed else 0
+        info, command = h.start_report(LOG)
+        raw = measure_all(args, command, info)
+        raw["measure_s"] = time.perf_counter() - t_start
+        # The measurements first: a report that fails can be made again with --report-only.
+        h.write_results(out_dir, "plan_accuracy", "(no report yet)", {"raw": raw}, echo=False)
+    rows = build_rows(raw)
+    text = report(raw, rows, raw.get("measure_s", 0.0))
+    h.write_results(out_dir, "plan_accuracy", text, {"raw": raw, "rows": rows})
+    plot(rows, out_dir / "plan_accuracy.png")
+    LOG.info("done in %.0f s", time.perf_counter() - t_start)
+    return 1 if any("error" in r for r in rows) else 0
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = h.make_parser(__doc__, ("run", "bandwidth"))
-    p.add_argument("--configs", help=argparse.SUPPRESS)
-    p.add_argument("--workers", type=lambda s: [int(v) for v in s.split(",")], default=[2, 4],
-                   help="world sizes to plan and run for (comma-separated, default 2,4)")
-    p.add_argument("--cost-models", type=lambda s: s.split(","), default=["pipedream", "default"])
-    p.add_argument("--variants", type=lambda s: s.split(","), default=["free", "straight"],
-                   help="plans per cost model: 'free' (the planner's choice of stages and replicas) and/or "
-                        "'straight' (one worker per stage, a real pipeline)")
-    p.add_argument("--compression", type=float, default=None,
-                   help="activation compression ratio for the pipedream model (default: none, transfers free)")
-    p.add_argument("--bandwidth", type=float, default=None, help="bytes/s (default: measured)")
-    p.add_argument("--probe-bytes", type=int, default=4 << 20, help="bandwidth probe message size")
-    p.add_argument("--probe-rounds", type=int, default=5)
-    p.add_argument("--batch-size", type=int, default=64, help="as in examples/train_digits.py")
-    p.add_argument("--microbatches", type=int, default=4, help="as in examples/train_digits.py")
-    p.add_argument("--steps", type=int, default=100, help="timed steps (pipedream: x microbatches minibatches)")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--profile-steps", type=int, default=30)
-    p.add_argument("--profile-warmup", type=int, default=5)
-    p.add_argument("--no-async", action="store_true", help="skip the pipedream (async) runs")
-    p.add_argument("--lr", type=float, default=2e-3)
+    def names(s: str) -> List[str]:
+        return [v for v in s.split(",") if v]
+
+    def ints(s: str) -> List[int]:
+        return [int(v) for v in s.split(",") if v]
+
+    p = h.make_parser(__doc__, ("run", "calibrate"))
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--models", type=names, default=list(MODELS), help="default: digits,gpt,mlp")
+    p.add_argument("--workers", type=ints, default=[2, 4], help="world sizes (default 2,4)")
+    p.add_argument("--schedules", type=names, default=["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"])
+    p.add_argument("--chunks", type=int, default=2, help="chunks per rank of interleaved schedules")
+    p.add_argument("--microbatches", type=ints, default=[2, 4, 8])
+    p.add_argument("--balances", type=names, default=["even", "skewed"])
+    p.add_argument("--configs", type=int, default=24, help="configurations drawn per model and world size")
+    p.add_argument("--no-auto", action="store_true", help="do not run the planner's choice")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per torchrun launch")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per torchrun launch")
     p.add_argument("--pipe-timeout", type=float, default=120.0, help="PipeDream(timeout=) in the workers")
+    p.add_argument("--report-only", metavar="JSON", help="re-read a study's plan_accuracy.json: predictions "
+                   "and report again, no measurement")
     args = p.parse_args(argv)
-    if args.batch_size % args.microbatches:
-        p.error("--batch-size must be divisible by --microbatches")
-    for cm in args.cost_models:
-        if cm not in ("pipedream", "default"):
-            p.error(f"unknown cost model {cm!r}; use pipedream and/or default")
+    for m in args.models:
+        if m not in MODELS:
+            p.error(f"unknown model {m!r}; use {','.join(MODELS)}")
+    if args.warmup < 1 or args.steps < 1:
+        p.error("--warmup and --steps must be at least 1")
     return args
 
 

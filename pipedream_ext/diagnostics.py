@@ -18,6 +18,12 @@ time, for two purposes (docs/tracing.md "Diagnostics"):
       timing = pdd.time_split(model, ["layer3"], (x,))
       print(timing.total_s, timing.phases_s, timing.graph_nodes)
 
+What the configuration planner sees (``pipedream_ext.configuration``; docs/planner.md):
+:func:`measure_layer_costs` times a model's layers in this process and
+:func:`calibrate` measures the machine's costs over a group (both as
+``PipeDream(sample=...)`` does before choosing), so a study can predict configurations
+with ``configuration.predict`` without building a pipeline for each.
+
 Beside construction, :func:`late_receive_waits` reads a merged Chrome trace
 (``PipeDream(trace=...)``) for receive waits that a later message released: waits for
 data the peer had already sent that ended only after the peer started its next send.
@@ -36,17 +42,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import configuration
 from ._dist.agreement import StepAgreement, agree_at_construction
 from ._dist.collectives import measure_bandwidth
 from ._dist.fingerprint import StagesFingerprint, graph_fingerprint, layers_fingerprint
 from ._frontend import export, graph_split
 from ._frontend.fx_graph import count_stages, node_stages
 from ._frontend.graph_split import TracedSplit, split_model
+from ._pipe import PipeDream
+from ._planning import calibration
+from ._planning.layer_costs import LayerCosts, measure_layer_costs
 from ._runtime.late_waits import LateWait, late_receive_waits
 
-__all__ = ["PHASES", "LateWait", "SplitTiming", "StagesFingerprint", "TracedSplit", "check_batches_agree",
-           "check_stages_agree", "describe_stage", "fingerprint_layers", "fingerprint_split",
-           "late_receive_waits", "measure_bandwidth", "time_split", "trace_split"]
+__all__ = ["PHASES", "LateWait", "LayerCosts", "SplitTiming", "StagesFingerprint", "TracedSplit", "calibrate",
+           "check_batches_agree", "check_stages_agree", "describe_stage", "fingerprint_layers", "fingerprint_split",
+           "late_receive_waits", "measure_bandwidth", "measure_layer_costs", "time_split", "trace_split"]
 
 Inputs = Union[Tuple[torch.Tensor, ...], Mapping[str, torch.Tensor]]
 
@@ -269,3 +279,26 @@ def check_batches_agree(inputs: Any, targets: Any, group: Optional[dist.ProcessG
     if last_ranks is None:
         last_ranks = [dist.get_world_size(group) - 1]
     StepAgreement(group, first_ranks, last_ranks, check_steps=1).check("step", inputs, targets)
+
+
+def calibrate(group: dist.ProcessGroup, device: Union[str, torch.device], *,
+              timeout: float = 60.0) -> configuration.MachineCosts:
+    """The machine's costs the configuration planner uses (runtime overheads per action
+    and step, send posting, latency, bandwidth, all-reduce, optimizer per byte, cores),
+    measured over ``group`` in a fraction of a second.
+
+    Collective: every rank of ``group`` calls it and gets rank 0's measurement.
+
+    Args:
+        group: the ranks of the run.
+        device: this rank's pipeline device.
+        timeout: seconds any wait on another rank may take.
+
+    Returns:
+        The costs, for ``configuration.predict`` and ``configuration.search``.
+
+    Raises:
+        RuntimeError: the measurement failed on rank 0, or a peer did not answer in time.
+    """
+    costs = calibration.calibrate(group, torch.device(device), timeout=timeout, pipeline=PipeDream)
+    return configuration.MachineCosts.from_dict(costs)

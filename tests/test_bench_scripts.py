@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -113,61 +114,117 @@ def test_recompute_table_reports_the_saving():
 
 
 # ----------------------------------------------------------------------------- plan accuracy
-NODES = [{"id": "node1", "forward_ms": 0.0, "backward_ms": 0.0, "activation_bytes": 64.0, "parameter_bytes": 0.0}] + [
-    {"id": f"node{i + 2}", "forward_ms": float(i + 1), "backward_ms": 2.0 * (i + 1),
-     "activation_bytes": 100.0 * (i + 1), "parameter_bytes": 10.0 * i} for i in range(4)]
-
-
-def test_stage_profile_costs_sums_the_stage_layers():
-    c = plan_accuracy.stage_profile_costs(NODES, (1, 3))  # layers 1, 2: node3, node4
-    assert c == {"forward_s": pytest.approx(0.005), "backward_s": pytest.approx(0.010),
-                 "output_bytes": 300.0, "parameter_bytes": 30.0}
-
-
-def test_replica_share_round_robin():
-    assert [plan_accuracy.replica_share(5, 2, k) for k in range(2)] == [3, 2]
-    assert [plan_accuracy.replica_share(8, 3, k) for k in range(3)] == [3, 3, 2]
-    assert plan_accuracy.replica_share(4, 1, 0) == 4
+def test_balance_for_even_and_skewed():
+    assert plan_accuracy.balance_for("even", 10, 4) == [3, 3, 2, 2]
+    assert plan_accuracy.balance_for("skewed", 10, 4) == [4, 3, 2, 1]
+    assert plan_accuracy.balance_for("skewed", 10, 2) == [6, 4]
+    assert plan_accuracy.balance_for("skewed", 8, 8) is None  # one layer per stage: nothing to move
+    assert plan_accuracy.balance_for("skewed", 9, 8) is None  # only stage 0 has two
     with pytest.raises(ValueError):
-        plan_accuracy.replica_share(4, 2, 2)
+        plan_accuracy.balance_for("even", 3, 4)
+    with pytest.raises(ValueError):
+        plan_accuracy.balance_for("random", 10, 2)
 
 
-def test_async_minibatches_round_up_to_whole_replica_rounds():
-    assert plan_accuracy.async_minibatches(5, 4, [1, 1]) == 20
-    assert plan_accuracy.async_minibatches(5, 4, [3, 1]) == 21
-    assert plan_accuracy.async_minibatches(5, 4, [2, 3]) == 24
-    assert plan_accuracy.async_minibatches(1, 4, [4]) == 4
+def test_draw_grid_is_a_seeded_subset_of_the_valid_points_in_grid_order():
+    def draw(count, seed):
+        return plan_accuracy.draw_grid(["gpipe", "1f1b"], [2, 4], ["even", "skewed"], [False, True], count, seed,
+                                       lambda p: not (p["schedule"] == "gpipe" and p["microbatches"] == 2))
+    everything = draw(100, 0)
+    assert len(everything) == 12 and all(not (p["schedule"] == "gpipe" and p["microbatches"] == 2)
+                                         for p in everything)
+    five = draw(5, 3)
+    assert len(five) == 5 and five == draw(5, 3)
+    assert five == [p for p in everything if p in five]  # grid order kept
+    assert any(draw(5, s) != five for s in range(4, 10))
 
 
-def test_measured_stages_per_microbatch_and_share():
-    ranks = [
-        # stage 0 on two replicas: 10 pipeline microbatches, 5 each
-        {"stage": 0, "replica": 0, "replicas": 2, "seconds_by_kind": {"F": 0.5, "B": 1.0, "ALLREDUCE": 0.5}},
-        {"stage": 0, "replica": 1, "replicas": 2, "seconds_by_kind": {"F": 1.0, "B": 1.5, "ALLREDUCE": 0.1}},
-        {"stage": 1, "replica": 0, "replicas": 1, "seconds_by_kind": {"F": 1.0, "I": 0.5, "W": 0.5, "RECV_F": 9.0}},
-    ]
-    m = plan_accuracy.measured_stages(ranks, 10)
-    assert m[0]["compute_s"] == pytest.approx((1.5 / 5 + 2.5 / 5) / 2)
-    assert m[0]["stage_s"] == pytest.approx(max(2.0, 2.6) / 10)
-    assert m[0]["allreduce_s"] == pytest.approx(0.05)
-    assert m[1]["compute_s"] == pytest.approx(0.2)  # waits (RECV_F) are not compute
-    assert m[1]["stage_s"] == pytest.approx(0.2)
+def test_spearman_rank_correlation():
+    assert plan_accuracy.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert plan_accuracy.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # ranks 1,2,3,4 against 1,3,2,4: 1 - 6 * 2 / (4 * 15) = 0.8
+    assert plan_accuracy.spearman([1, 2, 3, 4], [1.0, 5.0, 2.0, 9.0]) == pytest.approx(0.8)
+    # ties take average ranks: (1, 2.5, 2.5, 4) against (1, 2, 3, 4)
+    assert plan_accuracy.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486833)
+    assert plan_accuracy.spearman([1, 2], [2, 1]) is None
+    assert plan_accuracy.spearman([1, 1, 1], [1, 2, 3]) is None
+    with pytest.raises(ValueError):
+        plan_accuracy.spearman([1, 2, 3], [1, 2])
 
 
-def test_time_breakdown_splits_wall_time():
-    ranks = [{"elapsed_s": 10.0, "busy_s": 8.0,
-              "seconds_by_kind": {"F": 1.0, "B": 2.0, "RECV_B": 3.0, "SEND_F": 0.5, "SEND_WAIT": 0.5}},
-             {"elapsed_s": 12.0, "busy_s": 12.0, "seconds_by_kind": {"F": 2.0, "B": 2.0, "ALLREDUCE": 6.0, "U": 1.0}}]
-    b = plan_accuracy.time_breakdown(ranks, steps=2)
-    assert b == pytest.approx({"wall": 5.5, "compute": 1.75, "waits": 2.375, "sends": 0.125, "update": 0.25,
-                               "other": 0.5, "outside": 0.5})
-
-
-def test_relative_error_and_formatting():
+def test_error_stats_and_relative_error():
+    s = plan_accuracy.error_stats([0.1, -0.3, None, 0.05])
+    assert s == {"median_abs": pytest.approx(0.1), "worst_abs": pytest.approx(0.3), "median": pytest.approx(0.05),
+                 "n": 3}
+    assert plan_accuracy.error_stats([None])["median_abs"] is None
     assert plan_accuracy.relative_error(2.0, 3.0) == pytest.approx(0.5)
     assert plan_accuracy.relative_error(0.0, 3.0) is None
     assert plan_accuracy.relative_error(None, 3.0) is None
     assert util.pct(0.5) == "+50%" and util.pct(-0.25) == "-25%" and util.pct(None) == "n/a"
+
+
+def test_measured_step_is_the_median_of_the_slowest_rank_per_step():
+    assert plan_accuracy.measured_step([[1.0, 5.0, 2.0], [3.0, 1.0, 2.5]]) == pytest.approx(3.0)
+    with pytest.raises(ValueError):
+        plan_accuracy.measured_step([[1.0, 2.0], [1.0]])
+
+
+def test_measured_and_predicted_terms():
+    rank = {"steps": 2, "seconds_by_kind": {"F": 1.0, "B": 2.0, "W": 1.0, "RECV_F": 0.5, "RECV_B": 0.5,
+                                            "SEND_F": 0.2, "ALLREDUCE": 1.0}}
+    assert plan_accuracy.measured_terms(rank, 5.0) == pytest.approx(
+        {"compute": 2.0, "waits": 1.0, "transfers": 0.1, "overhead": 1.9})
+    pred = {"compute_seconds": [1.0, 2.0], "wait_seconds": [0.5, 0.25], "transfer_seconds": [0.1, 0.0],
+            "overhead_seconds": 0.3, "all_reduce_seconds": 0.2}
+    assert plan_accuracy.predicted_terms(pred, 1) == pytest.approx(
+        {"compute": 2.0, "waits": 0.25, "transfers": 0.0, "overhead": 0.5})
+
+
+def test_overhead_parts_split_what_no_span_covers():
+    rank = {"steps": 2, "busy_s": 8.0, "optimizer_s": [0.5, 1.5],
+            "seconds_by_kind": {"F": 1.0, "B": 2.0, "RECV_F": 1.0, "SEND_F": 1.0}}
+    # spans 2.5 per step, runtime 4 - 2.5 = 1.5, optimizer 1.0, the rest of a 6 s step 1.0
+    assert plan_accuracy.overhead_parts(rank, 6.0) == pytest.approx({"optimizer": 1.0, "runtime": 1.5,
+                                                                     "outside": 1.0})
+    assert plan_accuracy.overhead_parts({**rank, "optimizer_s": []}, 6.0)["optimizer"] == 0.0
+
+
+def _row(key, step, pred_step, peaks, pred_peaks, auto=False):
+    pred = {"step_seconds": pred_step, "peak_bytes": pred_peaks, "compute_seconds": [step / 2] * len(peaks),
+            "wait_seconds": [0.0] * len(peaks), "transfer_seconds": [0.0] * len(peaks), "overhead_seconds": 0.0,
+            "all_reduce_seconds": 0.0}
+    terms = [{"compute": step / 2, "waits": step / 4, "transfers": 0.0, "overhead": step / 4}] * len(peaks)
+    return {"key": key, "step_s": step, "prediction": pred, "peak_bytes": peaks, "terms": terms, "auto": auto}
+
+
+def test_accuracy_summary_of_runs():
+    rows = [_row("a", 1.1, 1.0, [100.0, 50.0], [100.0, 40.0]),
+            _row("b", 2.0, 2.5, [10.0, 10.0], [10.0, 10.0]),
+            _row("c", 3.0, 3.0, [1.0, 1.0], [1.0, 1.0]),
+            _row("auto", 1.21, 0.9, [1.0, 1.0], [1.0, 1.0], auto=True),
+            {"key": "broken", "error": "boom"}]
+    s = plan_accuracy.accuracy_summary(rows)
+    assert s["runs"] == 4
+    assert s["step"]["median_abs"] == pytest.approx((0.1 + 0.2) / 2)
+    assert s["step"]["worst_abs"] == pytest.approx(1.21 / 0.9 - 1)
+    assert s["memory"]["worst_abs"] == pytest.approx(0.25)
+    assert s["spearman"] == pytest.approx(0.8)  # predicted order a, auto swapped
+    assert (s["best"], s["auto"], s["picked"]) == ("a", "auto", "a")
+    assert s["auto_vs_best"] == pytest.approx(0.1)
+    assert s["picked_vs_best"] == pytest.approx(0.0)
+    assert "best" not in plan_accuracy.accuracy_summary(rows, choice=False)  # several models: no best
+    b = plan_accuracy.time_breakdown(rows[:4])
+    assert b["compute"]["difference"] == pytest.approx(0.0)
+    assert b["waits"]["measured"] == pytest.approx(statistics.median([0.275, 0.5, 0.75, 0.3025]))
+
+
+def test_config_key_names_the_choices():
+    cfg = {"schedule": "interleaved-1f1b", "chunks": 2, "microbatches": 4, "balance_kind": "even",
+           "recompute": True}
+    assert plan_accuracy.config_key(cfg) == "interleaved-1f1b c2 M4 even rc"
+    assert plan_accuracy.config_key({**cfg, "chunks": 1, "schedule": "1f1b", "recompute": False}) == "1f1b M4 even -"
+    assert plan_accuracy.config_key({**cfg, "balance_kind": "auto", "recompute": [True, False]}).endswith(
+        "auto rc10")
 
 
 def test_failure_lines_pick_the_error_out_of_torchrun_output():
@@ -177,15 +234,6 @@ def test_failure_lines_pick_the_error_out_of_torchrun_output():
     assert util.failure_lines(text) == ["terminate called after throwing an instance of 'c10::Error'",
                                         "what():  boom", "Signal 6 (SIGABRT) received by PID 7"]
     assert util.failure_lines("a\nb\nc", limit=2) == ["b", "c"]
-
-
-def test_merge_rows_joins_plans_with_the_same_partition():
-    rows = [{"plan_name": "pipedream", "workers": 2, "plan": "[0,3)x1 [3,10)x1", "t": 1.0},
-            {"plan_name": "default (straight)", "workers": 2, "plan": "[0,3)x1 [3,10)x1", "t": 1.0},
-            {"plan_name": "default", "workers": 2, "plan": "[0,10)x2", "t": 1.0},
-            {"plan_name": "other", "workers": 2, "plan": "[0,3)x1 [3,10)x1", "t": 2.0}]
-    merged = plan_accuracy.merge_rows(rows, ("workers", "plan", "t"))
-    assert [m["plans"] for m in merged] == [["pipedream", "default (straight)"], ["default"], ["other"]]
 
 
 # ----------------------------------------------------------------------------- soak
