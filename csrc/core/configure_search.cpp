@@ -13,6 +13,10 @@
 //   - the simulator is monotone in every action cost (a list schedule run in
 //     a fixed order), so recomputation, which only adds cost, is chosen only
 //     where the rank does not fit without it;
+//   - the same monotonicity: simulating the stages cut so far at their costs
+//     and the rest at the least any stage of the remaining layers can cost
+//     bounds the makespan (inner levels of the tree only: it costs a
+//     simulation);
 //   - a rank whose layers are all cut and that does not fit prunes the prefix.
 // Points are visited by their bound, the min-max balance of each is scored
 // first, and a prefix is dropped when its bound cannot beat the point's best
@@ -349,7 +353,8 @@ class PointSearch {
 
   void descend(int j, const State& state);
   void leaf();
-  double bound(int j, int e, const State& next) ;
+  double bound(int j, int e, const State& next);
+  double simulatedBound(int j, int e) const;
 
   Context& c_;
   const SpacePoint& point_;
@@ -383,6 +388,31 @@ double PointSearch::bound(int j, int e, const State& next) {
   const int world = point_.mesh[0] * point_.mesh[1] * point_.mesh[2];
   const double shared = sharedRanksOf(c_.machine, world) * table_.totalBusy() / ranks_;
   return std::max(makespan, shared) + stepTermsBound(c_.machine, point_, c_.space.fsdp, rankBytes);
+}
+
+// The simulator is monotone in every cost: the stages cut so far at their
+// costs and the rest at the least any of them can have bound the makespan.
+double PointSearch::simulatedBound(int j, int e) const {
+  StageCosts costs;
+  costs.forward.resize(stages_);
+  costs.backward.resize(stages_);
+  if (model_.splitBackward()) costs.weight.resize(stages_);
+  costs.comm.assign(std::max(0, stages_ - 1), 0.0);
+  costs.allReduce.assign(stages_, 0.0);
+  for (int k = 0; k < stages_; ++k) {
+    const StageCost s = k <= j ? model_.stageCost(k, start_[k], start_[k + 1], recompute_[k] != 0)
+                               : model_.cheapestStage(k, e);
+    costs.forward[k] = s.forward;
+    costs.backward[k] = s.backward;
+    if (model_.splitBackward()) costs.weight[k] = s.weight;
+    if (k < j) costs.comm[k] = model_.commSeconds(start_[k + 1]);
+    if (k == j) costs.comm[k] = model_.commSeconds(e);
+    if (k > j && k + 1 < stages_) costs.comm[k] = c_.machine.latencySeconds;
+  }
+  const double makespan = model_.makespan(costs);
+  const int world = point_.mesh[0] * point_.mesh[1] * point_.mesh[2];
+  const double shared = sharedRanksOf(c_.machine, world) * table_.totalBusy() / ranks_;
+  return std::max(makespan, shared) + stepTermsBound(c_.machine, point_, c_.space.fsdp, 0.0);
 }
 
 void PointSearch::descend(int j, const State& state) {
@@ -419,7 +449,10 @@ void PointSearch::descend(int j, const State& state) {
       next.pathPrefix[p] += paths_[p].stage(j, a, e, recompute_[j] != 0);
     }
     if (bounded_) {
-      const double here = bound(j, e, next);
+      double here = bound(j, e, next);
+      if (!cannotBeat(here, threshold()) && j > 0 && j + 2 < stages_) {
+        here = std::max(here, simulatedBound(j, e));  // costs a simulation: inner levels only
+      }
       if (cannotBeat(here, threshold())) {
         ++c_.pruned;
         const double alone = stagePath + stepTermsBound(c_.machine, point_, c_.space.fsdp, 0.0);
