@@ -1,45 +1,55 @@
 """What this machine adds to the layers' compute, measured at start-up: ``calibrate``.
 
 Owns the machine's side of the configuration search's cost model
-(csrc/core/configure.h, ``MachineCosts``), measured in a few hundred milliseconds:
+(csrc/core/configure.h, ``MachineCosts``), measured in well under two seconds:
 
 - point-to-point latency and bandwidth between group ranks 0 and 1: a ping-pong of a
   one-element message, then of 4 MiB (``latency + bytes / bandwidth`` each way), and
   the time rank 0 takes to post a send (``isend`` of a small message, not waiting);
 - all-reduce latency and bus bandwidth over the group: one float, then 4 MiB (a ring
   moves ``2 (n - 1) / n`` of the bytes);
-- the runtime's own overheads, on our runtime: rank 0 times a one-stage pipeline of
-  one ``Linear(1, 1)`` (built with ``pipeline``, ``PipeDream``'s constructor, on a
-  group of rank 0 alone) at two microbatch counts and fits ``step = step_seconds +
-  actions * action_seconds`` (a forward and a backward action per microbatch); this
-  and the optimizer are timed on the thread's CPU clock when the CPU computes with one
-  thread (other processes on the cores do not stretch them), the probes on the wall clock;
+- the runtime's own overheads, on our runtime over ALL ranks of the group: a pipeline of
+  one ``Linear(1, 1)`` per rank, schedule 1f1b (what ``PipeDream``'s constructor
+  builds for the user, so the loss all-reduce, the step's synchronisation with peers and
+  the executor's actions all count), timed at two microbatch counts. ``step_seconds``
+  and ``action_seconds`` are fitted against the cost model itself: ``measured(m) =
+  step_seconds + predict(m)`` with the measured send, latency and bandwidth and
+  layers of no cost (bisection on ``action_seconds`` for the difference between the two
+  counts, then ``step_seconds`` from both; both kept >= 0);
 - the optimizer: ``torch.optim.Adam`` steps on a scratch tensor, seconds per byte;
 - cores this process may use (``os.sched_getaffinity``) and ranks per node
   (torchrun's ``LOCAL_WORLD_SIZE``).
 
+Latency-like probes keep the minimum of several rounds (other processes on the cores
+only ever add to them); the step probes keep the lower quartile (a step of the run waits
+on peers like the probe's, but spikes from other processes on the cores are left out).
 Rank 0's values reach every rank as JSON (no pickle); every wait has a timeout.
+
+The result is cached per process, keyed by the group's global ranks and the device: a
+later ``calibrate`` over the same ranks (every ``PipeDream(sample=...)`` calls it)
+returns it after one all-reduce that checks every rank has the entry;
+``recalibrate=True`` (or :func:`clear_cache`) measures again.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import logging
 import os
 import statistics
 import time
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .._dist import collectives
-from .._dist.groups import checkpoint_group, side_group
-from ..configuration import MachineCosts
+from ..configuration import Configuration, LayerCost, MachineCosts, predict
 
-__all__ = ["calibrate", "calibrate_local"]
+__all__ = ["calibrate", "calibrate_local", "clear_cache", "fit_overheads"]
 
 log = logging.getLogger(__name__)
 
@@ -47,24 +57,35 @@ log = logging.getLogger(__name__)
 PipelineFactory = Callable[..., Any]
 
 _LARGE = 4 << 20  # bytes of the bandwidth probes
-_ROUNDS = 5       # timed repetitions of each probe (the median is kept)
+_ROUNDS = 9       # timed repetitions of each latency-like probe (the minimum is kept)
 _BUFFER = 4096    # bytes of the broadcast carrying rank 0's JSON
-_MICROBATCHES = (2, 16)  # the overhead probe's two microbatch counts
+_MICROBATCHES = (2, 6)  # the overhead probe's two microbatch counts
+_STEP_ROUNDS = 12  # timed steps at each count (the lower quartile is kept), after 3 warm-ups
+
+#: Calibrated costs of this process by (the group's global ranks, device); every rank
+#: of a group stores its entry in the same call, after the same broadcast.
+_CACHE: Dict[Tuple[Tuple[int, ...], str], MachineCosts] = {}
 
 
 def _delta(timeout: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=timeout)
 
 
-def _median_seconds(run: Callable[[], None], rounds: int, warmup: int = 1,
-                    clock: Callable[[], float] = time.perf_counter) -> float:
+def _times(run: Callable[[], None], rounds: int, warmup: int = 1,
+           clock: Callable[[], float] = time.perf_counter) -> List[float]:
     times = []
     for i in range(warmup + rounds):
         start = clock()
         run()
         if i >= warmup:
             times.append(clock() - start)
-    return statistics.median(times)
+    return times
+
+
+def _min_seconds(run: Callable[[], None], rounds: int = _ROUNDS, warmup: int = 1,
+                 clock: Callable[[], float] = time.perf_counter) -> float:
+    """The fastest of ``rounds`` runs: load from other processes only adds time."""
+    return min(_times(run, rounds, warmup, clock))
 
 
 def _compute_clock(device: torch.device) -> Callable[[], float]:
@@ -98,7 +119,7 @@ def _ping_pong(group: dist.ProcessGroup, buffer: torch.Tensor, timeout: float) -
         else:
             collectives.post_receive(buffer, peer, group).wait(_delta(timeout))
             collectives.post_send(buffer, peer, group).wait(_delta(timeout))
-    return _median_seconds(round_trip, _ROUNDS) / 2
+    return _min_seconds(round_trip) / 2
 
 
 def _post_seconds(group: dist.ProcessGroup, device: torch.device, timeout: float) -> float:
@@ -108,16 +129,18 @@ def _post_seconds(group: dist.ProcessGroup, device: torch.device, timeout: float
         return 0.0
     peer = dist.get_global_rank(group, 1 - rank)
     buffers = [torch.zeros(256, device=device) for _ in range(count)]
-    if rank == 1:
-        for work in [collectives.post_receive(b, peer, group) for b in buffers]:
+    fastest = float("inf")
+    for _ in range(_ROUNDS):
+        if rank == 1:
+            for work in [collectives.post_receive(b, peer, group) for b in buffers]:
+                work.wait(_delta(timeout))
+            continue
+        start = time.perf_counter()
+        works = [collectives.post_send(b, peer, group) for b in buffers]
+        fastest = min(fastest, (time.perf_counter() - start) / count)
+        for work in works:
             work.wait(_delta(timeout))
-        return 0.0
-    start = time.perf_counter()
-    works = [collectives.post_send(b, peer, group) for b in buffers]
-    posted = time.perf_counter() - start
-    for work in works:
-        work.wait(_delta(timeout))
-    return posted / count
+    return 0.0 if rank == 1 else fastest
 
 
 def _point_to_point(group: dist.ProcessGroup, device: torch.device,
@@ -140,39 +163,84 @@ def _all_reduce(group: dist.ProcessGroup, device: torch.device, timeout: float) 
 
     def reduce(t: torch.Tensor) -> Callable[[], None]:
         return lambda: collectives.all_reduce_waited(t, group, timeout)
-    latency = _median_seconds(reduce(small), _ROUNDS)
-    seconds = _median_seconds(reduce(large), _ROUNDS)
+    latency = _min_seconds(reduce(small))
+    seconds = _min_seconds(reduce(large))
     moved = 2 * (world - 1) / world * _LARGE
     return {"all_reduce_latency_seconds": latency,
             "all_reduce_bandwidth": moved / max(seconds - latency, 1e-9)}
 
 
-# -- on rank 0 alone ----------------------------------------------------------------------
-def _fit_line(xs: Sequence[float], ys: Sequence[float]) -> Tuple[float, float]:
-    """``(intercept, slope)`` through two points, both kept >= 0."""
-    slope = max(0.0, (ys[1] - ys[0]) / (xs[1] - xs[0]))
-    return max(0.0, ys[0] - slope * xs[0]), slope
+# -- the runtime's overheads, fitted against the cost model -------------------------------
+def _step_times(pipeline: PipelineFactory, group: dist.ProcessGroup, device: torch.device,
+                timeout: float) -> List[float]:
+    """Seconds of one step (lower quartile of ``_STEP_ROUNDS``) of a pipeline of one ``Linear(1, 1)`` per rank of
+    ``group`` (1f1b, one sample per microbatch) at each of ``_MICROBATCHES``; collective.
 
-
-def _overheads(pipeline: PipelineFactory, group: dist.ProcessGroup, device: torch.device,
-               timeout: float) -> Dict[str, float]:
-    """The runtime's per-step and per-action seconds: a one-stage pipeline of a
-    ``Linear(1, 1)`` on ``group`` (one rank), timed at two microbatch counts."""
+    The wall clock, as the run's steps wait on peers; on a group of one process computing
+    on the CPU with one thread, the thread's CPU clock (other processes on the cores do
+    not stretch it)."""
+    world = dist.get_world_size(group)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(1, 1)).to(device)
+        model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(world)]).to(device)
+    clock = _compute_clock(device) if world == 1 else time.perf_counter
     steps = []
     for m in _MICROBATCHES:
-        pipe = pipeline(model, nn.functional.mse_loss, schedule="gpipe", microbatches=m,
-                        balance=[1], process_group=group, device=device, timeout=timeout)
+        pipe = pipeline(model, nn.functional.mse_loss, schedule="1f1b", microbatches=m,
+                        balance=[1] * world, process_group=group, device=device,
+                        timeout=timeout)
         x, y = torch.zeros(m, 1, device=device), torch.zeros(m, 1, device=device)
         try:
-            steps.append(_median_seconds(lambda: pipe.step(x, y), 15, warmup=3,
-                                         clock=_compute_clock(device)))
+            times = _times(lambda: pipe.step(x, y), _STEP_ROUNDS, warmup=3, clock=clock)
+            steps.append(statistics.quantiles(times, n=4)[0])
         finally:
             pipe.close()
-    step, action = _fit_line([2 * m for m in _MICROBATCHES], steps)
-    return {"step_seconds": step, "action_seconds": action}
+    return steps
+
+
+def _probe_seconds(machine: MachineCosts, ranks: int, microbatches: int,
+                   action_seconds: float) -> float:
+    """What the cost model predicts for the probe pipeline without ``step_seconds``."""
+    probe = LayerCost(output_bytes_per_sample=4.0, input_bytes_per_sample=4.0)
+    config = Configuration(schedule="1f1b", microbatches=microbatches, balance=[1] * ranks,
+                           mesh=(ranks, 1, 1))
+    machine = dataclasses.replace(machine, action_seconds=action_seconds, step_seconds=0.0,
+                                  optimizer_seconds_per_byte=0.0)
+    return predict([probe] * ranks, machine, config, batch_size=microbatches).step_seconds
+
+
+def fit_overheads(machine: MachineCosts, ranks: int, microbatches: Sequence[int],
+                  measured: Sequence[float]) -> Tuple[float, float]:
+    """``(step_seconds, action_seconds)`` such that ``step_seconds + predict(m)`` (the
+    probe pipeline, with ``machine``'s send, latency and bandwidth) matches the measured
+    step at both microbatch counts: bisection on ``action_seconds`` for the difference,
+    then ``step_seconds`` as the mean remainder; both kept >= 0.
+
+    Args:
+        machine: the measured costs (its action and step seconds are ignored).
+        ranks: the probe pipeline's stages (one per rank).
+        microbatches: the two microbatch counts, increasing.
+        measured: seconds of one step at each count.
+
+    Returns:
+        ``(step_seconds, action_seconds)``.
+    """
+    def slope(action: float) -> float:
+        return (_probe_seconds(machine, ranks, microbatches[1], action)
+                - _probe_seconds(machine, ranks, microbatches[0], action))
+    target = measured[1] - measured[0]
+    low, high = 0.0, 1e-6
+    if slope(low) >= target:
+        high = 0.0
+    else:
+        while slope(high) < target and high < 10.0:  # predicted time grows with actions
+            low, high = high, high * 4
+        for _ in range(30):
+            middle = (low + high) / 2
+            low, high = (middle, high) if slope(middle) < target else (low, middle)
+    remainders = [t - _probe_seconds(machine, ranks, m, high)
+                  for m, t in zip(microbatches, measured)]
+    return max(0.0, statistics.mean(remainders)), high
 
 
 def _optimizer_seconds_per_byte(device: torch.device) -> float:
@@ -185,19 +253,22 @@ def _optimizer_seconds_per_byte(device: torch.device) -> float:
         optimizer.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    return _median_seconds(step, _ROUNDS, warmup=2, clock=_compute_clock(device)) / _LARGE
+    return _min_seconds(step, warmup=2, clock=_compute_clock(device)) / _LARGE
 
 
-def _local(pipeline: PipelineFactory, group: dist.ProcessGroup, device: torch.device,
-           timeout: float) -> Dict[str, float]:
-    """What one process measures: the runtime's overheads, the optimizer, cores and ranks
-    per node."""
-    values = _overheads(pipeline, group, device, timeout)
-    values["optimizer_seconds_per_byte"] = _optimizer_seconds_per_byte(device)
-    values["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-        os.cpu_count() or 1
-    values["ranks_per_node"] = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return values
+def _local(device: torch.device) -> Dict[str, float]:
+    """What one process measures alone: the optimizer, cores and ranks per node."""
+    return {"optimizer_seconds_per_byte": _optimizer_seconds_per_byte(device),
+            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
+            os.cpu_count() or 1,
+            "ranks_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}
+
+
+def _with_overheads(values: Dict[str, Any], ranks: int, steps: Sequence[float]) -> MachineCosts:
+    """``values`` as costs, with the step and action seconds fitted to the probe's steps."""
+    machine = MachineCosts.from_dict(values)
+    step, action = fit_overheads(machine, ranks, _MICROBATCHES, steps)
+    return dataclasses.replace(machine, step_seconds=step, action_seconds=action)
 
 
 def _describe(costs: MachineCosts) -> str:
@@ -235,18 +306,24 @@ def _local_group(device: torch.device) -> Iterator[dist.ProcessGroup]:
         dist.destroy_process_group()
 
 
-def _group_of_rank0(group: dist.ProcessGroup, timeout: float) -> Optional[dist.ProcessGroup]:
-    """A group of ``group``'s rank 0 alone, for its probe pipeline (``None`` on other ranks).
+def _cached(key: Tuple[Tuple[int, ...], str], group: dist.ProcessGroup, recalibrate: bool,
+            timeout: float) -> Optional[MachineCosts]:
+    """The cached costs when every rank of ``group`` has them and none asked to measure
+    again, else None on every rank.
 
-    ``new_group`` is collective over the default group, in order, and so are the groups a
-    pipeline makes for its ranks (side channel, checkpoints): every rank makes all three
-    here, so the pipeline finds them made and the ranks' later groups stay in step.
+    Every rank stores its entry in the same call after the same broadcast, so they agree
+    by construction; but a rank whose broadcast timed out (or that cleared its cache, or
+    passed ``recalibrate``) would skip the collectives the others run and hang them, so
+    one all-reduce counts the ranks that will use the entry.
     """
-    ranks = [dist.get_global_rank(group, 0)]
-    alone = dist.new_group(ranks, timeout=_delta(timeout))
-    side_group(ranks)
-    checkpoint_group(ranks, timeout)
-    return alone if dist.get_rank(group) == 0 else None
+    mine = _CACHE.get(key) if not recalibrate else None
+    if dist.get_world_size(group) > 1:
+        count = torch.tensor([0.0 if mine is None else 1.0],
+                             device=collectives.metadata_device(group))
+        collectives.all_reduce_waited(count, group, timeout)
+        if int(count.item()) != dist.get_world_size(group):
+            return None
+    return mine
 
 
 def _broadcast_json(payload: Optional[Dict[str, Any]], group: dist.ProcessGroup,
@@ -266,14 +343,16 @@ def _broadcast_json(payload: Optional[Dict[str, Any]], group: dist.ProcessGroup,
 
 
 def calibrate(group: dist.ProcessGroup, device: torch.device, *, timeout: float,
-              pipeline: PipelineFactory) -> MachineCosts:
+              pipeline: PipelineFactory, recalibrate: bool = False) -> MachineCosts:
     """Measures the machine's costs (module docstring); collective over ``group``.
 
-    Takes a fraction of a second on a CPU machine: two probes between ranks 0 and 1, two
-    all-reduces over the group, and on rank 0 a one-rank pipeline and a few Adam steps.
+    Takes well under two seconds on a CPU machine of 2 to 4 ranks: probes between ranks 0
+    and 1, all-reduces over the group, the probe pipeline over every rank and, on rank 0,
+    a few Adam steps. A later call over the same ranks and device returns the cached
+    costs (after one all-reduce checking every rank has them).
 
-    Every rank of the default group must call it, in the same order as its other group
-    creations (it makes a group of rank 0 alone, which ``new_group`` makes collective).
+    Every rank of ``group`` must call it; it makes no group of its own (the probe
+    pipeline's groups are those of a pipeline over ``group``, made on every rank alike).
 
     Args:
         group: the ranks whose costs are measured (each must call this).
@@ -281,6 +360,8 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, *, timeout: float,
             for it, else the group's metadata device).
         timeout: seconds any wait on another rank may take.
         pipeline: ``PipeDream`` (its constructor: ``_planning`` cannot import it).
+        recalibrate: measure again even when the costs are cached (on any rank: all
+            of them measure).
 
     Returns:
         The machine's costs (seconds, bytes/s, counts), the same on every rank (rank 0's
@@ -290,44 +371,50 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, *, timeout: float,
         RuntimeError: rank 0's measurement failed (on every rank, with its message), or a
             peer did not answer within ``timeout``.
     """
-    start = time.perf_counter()
     device = torch.device(device)
+    key = (tuple(dist.get_process_group_ranks(group)), str(device))
+    cached = _cached(key, group, recalibrate, timeout)
+    if cached is not None:
+        return cached
+    start = time.perf_counter()
     probe = _probe_device(group, device)
-    values: Dict[str, Any] = {"ranks_per_node": int(os.environ.get(
-        "LOCAL_WORLD_SIZE", dist.get_world_size(group)))}
-    if dist.get_world_size(group) > 1:
+    world = dist.get_world_size(group)
+    values: Dict[str, Any] = {}
+    if world > 1:
         values.update(_point_to_point(group, probe, timeout))
         values.update(_all_reduce(group, probe, timeout))
+    steps = _step_times(pipeline, group, device, timeout)
     payload = None
-    alone = _group_of_rank0(group, timeout)
-    if alone is not None:
+    if dist.get_rank(group) == 0:
         try:
-            local = _local(pipeline, alone, device, timeout)
-            local["ranks_per_node"] = values["ranks_per_node"]
-            payload = {"costs": MachineCosts.from_dict({**values, **local}).to_dict()}
+            values.update(_local(device))
+            values["ranks_per_node"] = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            payload = {"costs": _with_overheads(values, world, steps).to_dict()}
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             payload = {"error": f"{type(exc).__name__}: {exc}"}
     answer = _broadcast_json(payload, group, timeout)
     if "error" in answer:
         raise RuntimeError(f"calibrating the machine's costs failed on rank 0: {answer['error']}")
-    costs = MachineCosts.from_dict(answer["costs"])
+    costs = _CACHE[key] = MachineCosts.from_dict(answer["costs"])
     if dist.get_rank(group) == 0:
-        log.info("calibrated in %.2f s: %s", time.perf_counter() - start, _describe(costs))
+        log.info("calibrated in %.2f s (probe steps %s ms): %s", time.perf_counter() - start,
+                 "/".join(f"{t * 1e3:.2f}" for t in steps), _describe(costs))
     return costs
 
 
 def calibrate_local(device: torch.device, *, pipeline: PipelineFactory,
-                    timeout: float = 60.0) -> MachineCosts:
+                    timeout: float = 60.0, recalibrate: bool = False) -> MachineCosts:
     """The costs one process can measure (no peers): the runtime's overheads, the
     optimizer, cores; latency, bandwidth and all-reduce keep the cost model's defaults.
 
     Runs on the default group of a one-process world (made for the call when there is
-    none, destroyed after).
+    none, destroyed after). Cached per process and device, as :func:`calibrate`.
 
     Args:
         device: where the pipeline would run.
         pipeline: ``PipeDream`` (its constructor).
         timeout: seconds the probe pipeline may wait.
+        recalibrate: measure again even when the costs are cached.
 
     Returns:
         The machine's costs (the cost model's defaults for latency and bandwidth).
@@ -335,10 +422,20 @@ def calibrate_local(device: torch.device, *, pipeline: PipelineFactory,
     Raises:
         ValueError: this process is one rank of several (use :func:`calibrate`).
     """
-    start = time.perf_counter()
     device = torch.device(device)
+    key = ((), str(device))
+    if not recalibrate and key in _CACHE:
+        return _CACHE[key]
+    start = time.perf_counter()
     with _local_group(device) as group:
-        costs = MachineCosts.from_dict(_local(pipeline, group, device, timeout))
+        steps = _step_times(pipeline, group, device, timeout)
+        costs = _CACHE[key] = _with_overheads(_local(device), 1, steps)
     log.info("calibrated (one process) in %.2f s: %s", time.perf_counter() - start,
              _describe(costs))
     return costs
+
+
+def clear_cache() -> None:
+    """Forgets every calibrated cost of this process: the next :func:`calibrate` (on
+    every rank of its group) or :func:`calibrate_local` measures again."""
+    _CACHE.clear()
