@@ -282,17 +282,19 @@ def check_batches_agree(inputs: Any, targets: Any, group: Optional[dist.ProcessG
 
 
 def calibrate(group: dist.ProcessGroup, device: Union[str, torch.device], *,
-              timeout: float = 60.0) -> configuration.MachineCosts:
+              timeout: float = 60.0, recalibrate: bool = False) -> configuration.MachineCosts:
     """The machine's costs the configuration planner uses (runtime overheads per action
     and step, send posting, latency, bandwidth, all-reduce, optimizer per byte, cores),
     measured over ``group`` in a fraction of a second.
 
-    Collective: every rank of ``group`` calls it and gets rank 0's measurement.
+    Collective: every rank of ``group`` calls it and gets rank 0's measurement. Cached per
+    process for the group's ranks and device (what ``PipeDream(sample=...)`` reuses).
 
     Args:
         group: the ranks of the run.
         device: this rank's pipeline device.
         timeout: seconds any wait on another rank may take.
+        recalibrate: measure again even when the costs are cached.
 
     Returns:
         The costs, for ``configuration.predict`` and ``configuration.search``.
@@ -300,5 +302,5 @@ def calibrate(group: dist.ProcessGroup, device: Union[str, torch.device], *,
     Raises:
         RuntimeError: the measurement failed on rank 0, or a peer did not answer in time.
     """
-    costs = calibration.calibrate(group, torch.device(device), timeout=timeout, pipeline=PipeDream)
-    return configuration.MachineCosts.from_dict(costs)
+    return calibration.calibrate(group, torch.device(device), timeout=timeout,
+                                 pipeline=PipeDream, recalibrate=recalibrate)

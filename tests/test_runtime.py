@@ -175,6 +175,7 @@ def check_calibrate() -> None:
     """The machine's costs: measured within seconds, finite, the same on every rank, and a
     pipeline builds after them."""
     import pipedream_ext as pd
+    from pipedream_ext import diagnostics
     from pipedream_ext._dist import collectives
     from pipedream_ext._planning.calibration import calibrate
 
@@ -190,8 +191,7 @@ def check_calibrate() -> None:
     assert all(c == everyone[0] for c in everyone), everyone
     # Cached for these ranks and device; recalibrate=True measures again on every rank.
     assert calibrate(dist.group.WORLD, torch.device("cpu"), timeout=60, pipeline=pd.PipeDream) is costs
-    again = calibrate(dist.group.WORLD, torch.device("cpu"), timeout=60, pipeline=pd.PipeDream,
-                      recalibrate=True)
+    again = diagnostics.calibrate(dist.group.WORLD, "cpu", timeout=60, recalibrate=True)
     assert again is not costs and again.cores == costs.cores, (again, costs)
     assert calibrate(dist.group.WORLD, torch.device("cpu"), timeout=60, pipeline=pd.PipeDream) is again
     # The probe pipeline over every rank left the ranks' group creation in step: a pipeline builds.
