@@ -63,6 +63,8 @@ class LayerCost:
     stash_bytes_per_sample: float = 0.0
     input_bytes_per_sample: float = 0.0
     parameter_bytes: float = 0.0
+    parameter_tensors: float = 0.0
+    largest_parameter_bytes: float = 0.0
 
     def to_dict(self) -> Dict[str, float]:
         """Returns the fields by name (the binding's layer dict; JSON-able)."""
@@ -82,7 +84,8 @@ class LayerCost:
 class MachineCosts:
     """What the machine adds to the layers' compute (measured at start-up by
     ``_planning.calibration``): per-action, per-send and per-step overheads, point-to-point
-    and all-reduce latency and bandwidth, the optimizer's seconds per parameter byte,
+    and all-reduce latency and bandwidth, the optimizer's seconds per parameter byte and
+    per parameter tensor,
     and the cores the ranks of one node share (0: one core per rank)."""
 
     action_seconds: float = 0.0
@@ -93,6 +96,7 @@ class MachineCosts:
     all_reduce_latency_seconds: float = 0.0
     all_reduce_bandwidth: float = 1e10
     optimizer_seconds_per_byte: float = 0.0
+    optimizer_seconds_per_tensor: float = 0.0
     cores: int = 0
     ranks_per_node: int = 0
 
