@@ -51,7 +51,10 @@ class LayerCost:
     ``output_bytes_per_sample`` is what a cut after this layer sends;
     ``stash_bytes_per_sample`` what its backward keeps (autograd's saved tensors);
     ``input_bytes_per_sample`` what recomputation keeps instead; ``weight_share`` the
-    part of the backward that is the weight gradient (split-backward schedules).
+    part of the backward that is the weight gradient (split-backward schedules);
+    ``parameter_tensors`` how many tensors its parameters are (the optimizer pays per
+    tensor) and ``largest_parameter_bytes`` the largest one (Adam's step and a fresh
+    gradient are transients of that size).
     """
 
     forward_fixed: float = 0.0
