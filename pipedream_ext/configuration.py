@@ -51,7 +51,10 @@ class LayerCost:
     ``output_bytes_per_sample`` is what a cut after this layer sends;
     ``stash_bytes_per_sample`` what its backward keeps (autograd's saved tensors);
     ``input_bytes_per_sample`` what recomputation keeps instead; ``weight_share`` the
-    part of the backward that is the weight gradient (split-backward schedules).
+    part of the backward that is the weight gradient (split-backward schedules);
+    ``parameter_tensors`` how many tensors its parameters are (the optimizer pays per
+    tensor) and ``largest_parameter_bytes`` the largest one (Adam's step and a fresh
+    gradient are transients of that size).
     """
 
     forward_fixed: float = 0.0
@@ -63,6 +66,8 @@ class LayerCost:
     stash_bytes_per_sample: float = 0.0
     input_bytes_per_sample: float = 0.0
     parameter_bytes: float = 0.0
+    parameter_tensors: float = 0.0
+    largest_parameter_bytes: float = 0.0
 
     def to_dict(self) -> Dict[str, float]:
         """Returns the fields by name (the binding's layer dict; JSON-able)."""
@@ -82,7 +87,8 @@ class LayerCost:
 class MachineCosts:
     """What the machine adds to the layers' compute (measured at start-up by
     ``_planning.calibration``): per-action, per-send and per-step overheads, point-to-point
-    and all-reduce latency and bandwidth, the optimizer's seconds per parameter byte,
+    and all-reduce latency and bandwidth, the optimizer's seconds per parameter byte and
+    per parameter tensor,
     and the cores the ranks of one node share (0: one core per rank)."""
 
     action_seconds: float = 0.0
@@ -93,6 +99,7 @@ class MachineCosts:
     all_reduce_latency_seconds: float = 0.0
     all_reduce_bandwidth: float = 1e10
     optimizer_seconds_per_byte: float = 0.0
+    optimizer_seconds_per_tensor: float = 0.0
     cores: int = 0
     ranks_per_node: int = 0
 

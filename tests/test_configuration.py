@@ -45,7 +45,9 @@ def test_predict_matches_the_binding_and_the_hand_count() -> None:
     # (1 s) and the optimizer over 200 bytes per rank (2 s).
     assert p.pipeline_seconds == pytest.approx(30.0)
     assert p.step_seconds == pytest.approx(33.0)
-    assert p.peak_bytes == pytest.approx([800 + 2 * 20, 800 + 20])
+    # The state, the stashes (20 bytes) and received inputs (1) in flight and a backward's
+    # input gradient (1).
+    assert p.peak_bytes == pytest.approx([800 + 2 * 21 + 1, 800 + 21 + 1])
     for rank in range(2):
         assert sum(p.breakdown(rank).values()) == pytest.approx(p.step_seconds)
     with pytest.raises(ValueError, match="rank 2"):
@@ -70,8 +72,9 @@ def test_configuration_round_trips_through_json() -> None:
 
 
 def test_search_picks_the_schedule_that_fits_and_recomputes_only_where_needed() -> None:
-    # 1F1B keeps 2 stashes of 20 bytes on rank 0 (840 bytes with the state), GPipe all
-    # 8 (960): under 835 bytes 1F1B recomputes on rank 0 only, GPipe on both ranks.
+    # 1F1B keeps 2 stashes of 20 bytes and inputs of 1 on rank 0 (843 bytes with the state
+    # and a backward's input gradient), GPipe all 8 (969): under 835 bytes 1F1B recomputes
+    # on rank 0 only, GPipe on both ranks.
     best = search(_layers(), MachineCosts(), world_size=2, batch_size=8,
                   schedules=["gpipe", "1f1b"], microbatches=[8], recompute="search",
                   memory=835.0)

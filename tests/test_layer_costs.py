@@ -66,6 +66,9 @@ def test_sequential_bytes_are_exact_and_times_well_formed() -> None:
     assert by["output_bytes_per_sample"] == [16 * FLOAT, 32 * FLOAT, 32 * FLOAT, 32 * FLOAT, 4 * FLOAT]
     assert by["parameter_bytes"] == [(8 * 16 + 16) * FLOAT, (16 * 32 + 32) * FLOAT, 0.0, 64 * FLOAT,
                                      (32 * 4 + 4) * FLOAT]
+    assert by["parameter_tensors"] == [2.0, 2.0, 0.0, 2.0, 2.0]  # weights and biases
+    assert by["largest_parameter_bytes"] == [8 * 16 * FLOAT, 16 * 32 * FLOAT, 0.0, 32 * FLOAT,
+                                             32 * 4 * FLOAT]
     # Kept bytes, each storage once for the layer that made it. Layer 0 (Linear + ReLU):
     # autograd saves the input (the sample's: no layer's) and ReLU's result. Layer 1's
     # output is saved by nobody (ReLU keeps its own result), layer 2's result is saved by
@@ -111,6 +114,8 @@ def test_traced_chain_sends_the_live_set_of_each_cut() -> None:
     # by relu and c); the loss keeps c's output and the target.
     assert [c.stash_bytes_per_sample for c in costs.layers] == [8 * FLOAT, 2 * 8 * FLOAT, 2 * 4 * FLOAT]
     assert [c.parameter_bytes for c in costs.layers] == [72 * FLOAT, 72 * FLOAT, 36 * FLOAT]
+    assert [c.parameter_tensors for c in costs.layers] == [2.0, 2.0, 2.0]
+    assert [c.largest_parameter_bytes for c in costs.layers] == [64 * FLOAT, 64 * FLOAT, 32 * FLOAT]
     assert costs.stage_nodes([2, 1]) == [costs.group_of[:2], costs.group_of[2:]]
     stage_of = lc.traced_stage_of(grouped, costs, [1, 2])
     assert {n: stage_of[n] for n in ("a", "b", "c")} == {"a": 0, "b": 1, "c": 1}
@@ -147,6 +152,7 @@ def test_calibrate_local_measures_the_runtime_and_the_optimizer() -> None:
     # Fitted against the cost model and kept >= 0: one of them may be 0 on a noisy machine.
     assert 0 <= costs.step_seconds < 1 and 0 <= costs.action_seconds < 1, costs
     assert costs.step_seconds + costs.action_seconds > 0, costs
+    assert 0 <= costs.optimizer_seconds_per_tensor < float("inf"), costs
     assert costs.cores >= 1 and costs.ranks_per_node >= 1
     assert costs.latency_seconds == 0.0 and costs.bandwidth == MachineCosts().bandwidth  # no peer
     # Cached per process and device; recalibrate measures again (and replaces the entry).

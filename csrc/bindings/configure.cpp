@@ -54,7 +54,9 @@ LayerCost layerFromDict(const py::dict& d) {
             {"output_bytes_per_sample", into(c.outputBytesPerSample)},
             {"stash_bytes_per_sample", into(c.stashBytesPerSample)},
             {"input_bytes_per_sample", into(c.inputBytesPerSample)},
-            {"parameter_bytes", into(c.parameterBytes)}},
+            {"parameter_bytes", into(c.parameterBytes)},
+            {"parameter_tensors", into(c.parameterTensors)},
+            {"largest_parameter_bytes", into(c.largestParameterBytes)}},
            "layer");
   return c;
 }
@@ -76,6 +78,7 @@ MachineCosts machineFromDict(const py::dict& d) {
             {"all_reduce_latency_seconds", into(m.allReduceLatencySeconds)},
             {"all_reduce_bandwidth", into(m.allReduceBandwidth)},
             {"optimizer_seconds_per_byte", into(m.optimizerSecondsPerByte)},
+            {"optimizer_seconds_per_tensor", into(m.optimizerSecondsPerTensor)},
             {"cores", into(m.cores)},
             {"ranks_per_node", into(m.ranksPerNode)}},
            "machine");

@@ -52,6 +52,8 @@ void checkLayers(const std::vector<LayerCost>& layers) {
     checkNonNegative(c.stashBytesPerSample, at + "stash_bytes_per_sample");
     checkNonNegative(c.inputBytesPerSample, at + "input_bytes_per_sample");
     checkNonNegative(c.parameterBytes, at + "parameter_bytes");
+    checkNonNegative(c.parameterTensors, at + "parameter_tensors");
+    checkNonNegative(c.largestParameterBytes, at + "largest_parameter_bytes");
     if (!(c.weightShare >= 0 && c.weightShare <= 1)) {
       fail(at + "weight_share must be in [0, 1] (got " + str(c.weightShare) + ")");
     }
@@ -65,6 +67,7 @@ void checkMachine(const MachineCosts& m) {
   checkNonNegative(m.latencySeconds, "latency_seconds");
   checkNonNegative(m.allReduceLatencySeconds, "all_reduce_latency_seconds");
   checkNonNegative(m.optimizerSecondsPerByte, "optimizer_seconds_per_byte");
+  checkNonNegative(m.optimizerSecondsPerTensor, "optimizer_seconds_per_tensor");
   if (!std::isfinite(m.bandwidth) || m.bandwidth <= 0) {
     fail("bandwidth must be finite and > 0 bytes/s (got " + str(m.bandwidth) + ")");
   }
@@ -104,7 +107,7 @@ class PrefixSums {
 }  // namespace
 
 struct PointModel::Sums {
-  PrefixSums forward, backward, weight, stash, deferred, parameters;
+  PrefixSums forward, backward, weight, stash, deferred, parameters, tensors;
 };
 
 PointModel::PointModel(const std::vector<LayerCost>& layers, int batchSize,
@@ -133,6 +136,7 @@ PointModel::PointModel(const std::vector<LayerCost>& layers, int batchSize,
     return std::min(c.stashBytesPerSample, c.inputBytesPerSample + c.outputBytesPerSample) * b;
   });
   sums_->parameters = PrefixSums(layers, [](const LayerCost& c) { return c.parameterBytes; });
+  sums_->tensors = PrefixSums(layers, [](const LayerCost& c) { return c.parameterTensors; });
   cheapestFrom_.assign(layers.size() + 1, StageCost{});
   const double inf = std::numeric_limits<double>::infinity();
   cheapestFrom_.back() = StageCost{inf, inf, inf};
@@ -293,6 +297,7 @@ StageCosts PointModel::stageCosts(const std::vector<int>& start,
 }
 
 double PointModel::parameterBytes(int a, int e) const { return sums_->parameters.over(a, e); }
+double PointModel::parameterTensors(int a, int e) const { return sums_->tensors.over(a, e); }
 
 double PointModel::stateBytes(int rank, const std::vector<int>& start) const {
   const double shards = options_.tp * (options_.fsdp ? options_.dp : 1);
@@ -304,28 +309,50 @@ double PointModel::stateBytes(int rank, const std::vector<int>& start) const {
   return bytes;
 }
 
+// Transients of layers [a, e): the backward's working memory (one layer's
+// output and input gradients, and a fresh parameter gradient before it is
+// accumulated) and the largest parameter tensor. Maxima over the layers, so
+// both only grow as a stage takes more layers (the search prunes on that).
+PointModel::Transients PointModel::transients(int a, int e) const {
+  Transients t;
+  for (int l = a; l < e; ++l) {
+    const LayerCost& c = layers_[l];
+    const double gradients = (c.inputBytesPerSample + c.outputBytesPerSample) * samples_;
+    t.backward = std::max(t.backward, gradients + c.largestParameterBytes / options_.tp);
+    t.largestParameter = std::max(t.largestParameter, c.largestParameterBytes);
+  }
+  return t;
+}
+
 double PointModel::peakBytes(int rank, const std::vector<int>& start,
                              const std::vector<int>& recompute) const {
   const auto& stages = rankStages_[rank];
   const size_t k = stages.size();
-  std::vector<double> keep(2 * k), rebuilt(k, 0.0);
+  std::vector<double> keep(2 * k), working(k, 0.0);
+  double largest = 0.0;
   for (size_t s = 0; s < k; ++s) {
     const int j = stages[s];
     const int a = start[j], e = start[j + 1];
     const bool again = !recompute.empty() && recompute[j] != 0;
     const double stash = sums_->stash.over(a, e);
-    keep[2 * s] = again ? layers_[a].inputBytesPerSample * samples_ : stash;
+    // The stage holds its received input either way; recompute keeps only it.
+    const double input = a < e ? layers_[a].inputBytesPerSample * samples_ : 0.0;
+    keep[2 * s] = again ? input : stash + input;
     keep[2 * s + 1] = sums_->deferred.over(a, e);
-    if (again) rebuilt[s] = stash;
+    const Transients t = transients(a, e);
+    working[s] = t.backward + (again ? stash : 0.0);
+    largest = std::max(largest, t.largestParameter);
   }
   double activations = 0.0;
   for (const MemoryPoint& point : shapes_[rank]) {
-    if (point.backwardOf >= 0 && rebuilt[point.backwardOf] == 0.0) continue;
-    double bytes = point.backwardOf >= 0 ? rebuilt[point.backwardOf] : 0.0;
+    double bytes = point.backwardOf >= 0 ? working[point.backwardOf] : 0.0;
     for (size_t x = 0; x < 2 * k; ++x) bytes += point.counts[x] * keep[x];
     activations = std::max(activations, bytes);
   }
-  return stateBytes(rank, start) + activations;
+  // The optimizer's step runs after the activations are freed.
+  const double shards = options_.tp * (options_.fsdp ? options_.dp : 1);
+  const double state = stateBytes(rank, start);
+  return std::max(state + activations, state + 2.0 * largest / shards);
 }
 
 // The per-step collectives and fixed costs of one rank.
@@ -333,8 +360,11 @@ void PointModel::stepTerms(const std::vector<int>& start, Prediction& p) const {
   const int dp = options_.dp;
   double overhead = 0.0, allReduce = 0.0;
   for (int r = 0; r < ranks_; ++r) {
-    double bytes = 0.0;
-    for (int j : rankStages_[r]) bytes += sums_->parameters.over(start[j], start[j + 1]);
+    double bytes = 0.0, tensors = 0.0;
+    for (int j : rankStages_[r]) {
+      bytes += sums_->parameters.over(start[j], start[j + 1]);
+      tensors += sums_->tensors.over(start[j], start[j + 1]);
+    }
     bytes /= options_.tp;
     const double calls = static_cast<double>(rankStages_[r].size()) * (options_.fsdp ? 2 : 1);
     if (dp > 1) {
@@ -342,7 +372,8 @@ void PointModel::stepTerms(const std::vector<int>& start, Prediction& p) const {
                                           2.0 * (dp - 1) / dp * bytes / machine_.allReduceBandwidth);
     }
     const double owned = options_.fsdp ? bytes / dp : bytes;
-    overhead = std::max(overhead, machine_.optimizerSecondsPerByte * owned);
+    overhead = std::max(overhead, machine_.optimizerSecondsPerByte * owned +
+                                      machine_.optimizerSecondsPerTensor * tensors);
   }
   p.overheadSeconds = machine_.stepSeconds + overhead;
   p.allReduceSeconds = allReduce;

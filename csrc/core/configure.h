@@ -25,13 +25,18 @@
 //   - an asynchronous schedule never drains: its step is the difference of
 //     the simulated makespans of two windows and one (fill and drain cancel);
 //   - per step: stepSeconds, the optimizer (optimizerSecondsPerByte times the
-//     rank's parameter bytes) and the data-parallel gradient all-reduce (or
+//     rank's parameter bytes plus optimizerSecondsPerTensor times its
+//     parameter tensors) and the data-parallel gradient all-reduce (or
 //     FSDP's reduce-scatter + all-gather) of every stage over dp;
 //   - memory per rank: weights, gradients and optimizer state
 //     (optimizerStateFactor x weights; / dp under FSDP; / tp), plus the
 //     activations in flight as the simulator counts them for the schedule
-//     (peakActivations x the stage's stashed bytes per microbatch; only the
-//     stage's input with recompute, plus one microbatch being recomputed).
+//     (peakActivations x the stage's stashed bytes and its received input per
+//     microbatch; only the input with recompute, plus one microbatch being
+//     recomputed), plus before a backward its working memory (the largest
+//     layer's output gradient + input gradient, and its largest parameter
+//     tensor's fresh gradient); or, if larger, the optimizer's step: the state
+//     plus twice the rank's largest parameter tensor (Adam's temporaries).
 //
 // The search (searchConfigurations) returns the best configuration under this
 // model: exactly what enumerateConfigurations (every point of the space
@@ -57,6 +62,8 @@ struct LayerCost {
   double stashBytesPerSample = 0.0;  // saved for its backward (autograd's saved tensors)
   double inputBytesPerSample = 0.0;  // its input (what recompute keeps)
   double parameterBytes = 0.0;
+  double parameterTensors = 0.0;       // the optimizer pays per tensor
+  double largestParameterBytes = 0.0;  // its largest parameter tensor (transients)
 };
 
 // What the machine adds to the layers' compute, measured at start-up by a
@@ -70,6 +77,7 @@ struct MachineCosts {
   double allReduceLatencySeconds = 0.0;  // per all-reduce call (dp, tp)
   double allReduceBandwidth = 1e10;      // ring all-reduce bus bytes/s
   double optimizerSecondsPerByte = 0.0;  // the optimizer's step per parameter byte
+  double optimizerSecondsPerTensor = 0.0;  // and per parameter tensor (per-tensor kernels)
   int cores = 0;         // cores the ranks of one node share; 0 = one core per rank
   int ranksPerNode = 0;  // 0 = every rank on one node
 };

@@ -84,6 +84,7 @@ class PointModel {
   // The transfer of a boundary after layer e - 1 (when it crosses ranks).
   double commSeconds(int e) const;
   double parameterBytes(int a, int e) const;
+  double parameterTensors(int a, int e) const;
   bool splitBackward() const { return split_; }
   bool asynchronous() const { return asynchronous_; }
   bool sendsForward(int stage) const;
@@ -103,6 +104,11 @@ class PointModel {
   void buildSchedules(const ScheduleTraits& traits);
   void buildMemoryShapes(const Schedule& schedule);
   void countSends();
+  struct Transients {
+    double backward = 0.0;          // working memory of the largest layer's backward
+    double largestParameter = 0.0;  // bytes of the largest parameter tensor
+  };
+  Transients transients(int a, int e) const;
   double stateBytes(int rank, const std::vector<int>& start) const;
   void stepTerms(const std::vector<int>& start, Prediction& p) const;
 

@@ -203,13 +203,22 @@ double sharedRanksOf(const MachineCosts& machine, int world) {
                                                      : 0.0;
 }
 
+// The optimizer's step on one rank holding `bytes` in `tensors` parameter tensors.
+double optimizerSeconds(const MachineCosts& machine, const SpacePoint& point, bool fsdp,
+                        double bytes, double tensors) {
+  const double held = bytes / point.mesh[2];
+  return machine.optimizerSecondsPerByte * (fsdp ? held / point.mesh[1] : held) +
+         machine.optimizerSecondsPerTensor * tensors;
+}
+
 // Lower bounds on the per-step terms (stepSeconds, optimizer, all-reduce) from
-// the largest parameter bytes a rank is known to hold.
+// the largest parameter bytes a rank is known to hold and a lower bound on
+// the slowest rank's optimizer step.
 double stepTermsBound(const MachineCosts& machine, const SpacePoint& point, bool fsdp,
-                      double rankBytes) {
+                      double rankBytes, double optimizer) {
   const int dp = point.mesh[1];
   const double bytes = rankBytes / point.mesh[2];
-  double bound = machine.stepSeconds + machine.optimizerSecondsPerByte * (fsdp ? bytes / dp : bytes);
+  double bound = machine.stepSeconds + optimizer;
   if (dp > 1) {
     bound += point.chunks * (fsdp ? 2 : 1) * machine.allReduceLatencySeconds +
              2.0 * (dp - 1) / dp * bytes / machine.allReduceBandwidth;
@@ -239,6 +248,7 @@ struct Context {
   const SearchSpace& space;
   std::map<std::tuple<int, int, bool, int>, std::unique_ptr<WorkTable>> tables;
   double totalParameters = 0.0;
+  double totalTensors = 0.0;
   long long evaluated = 0;
   long long pruned = 0;
 
@@ -282,6 +292,7 @@ class PointSearch {
     State state;
     state.rankBusy.assign(ranks_, 0.0);
     state.rankBytes.assign(ranks_, 0.0);
+    state.rankTensors.assign(ranks_, 0.0);
     state.pathPrefix.assign(paths_.size(), 0.0);
     descend(0, state);
     if (!found_) return false;
@@ -298,6 +309,7 @@ class PointSearch {
     double pathBound = 0.0;       // the largest makespan bound of the stages cut so far
     std::vector<double> rankBusy;
     std::vector<double> rankBytes;
+    std::vector<double> rankTensors;
     std::vector<double> pathPrefix;  // per critical path: its length over the stages cut so far
   };
 
@@ -381,13 +393,18 @@ double PointSearch::bound(int j, int e, const State& next) {
     makespan = std::max(makespan, next.pathPrefix[p] + paths_[p].rest(j + 1, e));
   }
   double rankBytes = c_.totalParameters / ranks_;
+  // The slowest optimizer is at least the average and any rank's known part.
+  double optimizer = optimizerSeconds(c_.machine, point_, c_.space.fsdp, rankBytes,
+                                      c_.totalTensors / ranks_);
   for (int r = 0; r < ranks_; ++r) {
     makespan = std::max(makespan, next.rankBusy[r]);
     rankBytes = std::max(rankBytes, next.rankBytes[r]);
+    optimizer = std::max(optimizer, optimizerSeconds(c_.machine, point_, c_.space.fsdp,
+                                                     next.rankBytes[r], next.rankTensors[r]));
   }
   const int world = point_.mesh[0] * point_.mesh[1] * point_.mesh[2];
   const double shared = sharedRanksOf(c_.machine, world) * table_.totalBusy() / ranks_;
-  return std::max(makespan, shared) + stepTermsBound(c_.machine, point_, c_.space.fsdp, rankBytes);
+  return std::max(makespan, shared) + stepTermsBound(c_.machine, point_, c_.space.fsdp, rankBytes, optimizer);
 }
 
 // The simulator is monotone in every cost: the stages cut so far at their
@@ -412,7 +429,7 @@ double PointSearch::simulatedBound(int j, int e) const {
   const double makespan = model_.makespan(costs);
   const int world = point_.mesh[0] * point_.mesh[1] * point_.mesh[2];
   const double shared = sharedRanksOf(c_.machine, world) * table_.totalBusy() / ranks_;
-  return std::max(makespan, shared) + stepTermsBound(c_.machine, point_, c_.space.fsdp, 0.0);
+  return std::max(makespan, shared) + stepTermsBound(c_.machine, point_, c_.space.fsdp, 0.0, 0.0);
 }
 
 void PointSearch::descend(int j, const State& state) {
@@ -445,6 +462,7 @@ void PointSearch::descend(int j, const State& state) {
     next.chain += s.forward + s.backward + comm;
     next.rankBusy[rank] = lastStage_[rank] == j ? rankBusy(rank) : state.rankBusy[rank] + busy;
     next.rankBytes[rank] += model_.parameterBytes(a, e);
+    next.rankTensors[rank] += model_.parameterTensors(a, e);
     for (size_t p = 0; p < paths_.size(); ++p) {
       next.pathPrefix[p] += paths_[p].stage(j, a, e, recompute_[j] != 0);
     }
@@ -455,7 +473,7 @@ void PointSearch::descend(int j, const State& state) {
       }
       if (cannotBeat(here, threshold())) {
         ++c_.pruned;
-        const double alone = stagePath + stepTermsBound(c_.machine, point_, c_.space.fsdp, 0.0);
+        const double alone = stagePath + stepTermsBound(c_.machine, point_, c_.space.fsdp, 0.0, 0.0);
         recompute_ = saved;
         if (cannotBeat(alone, threshold())) break;  // the stage only grows with e
         continue;
@@ -488,8 +506,10 @@ void PointSearch::leaf() {
 // The bound of a point before its schedule is built.
 double pointBound(Context& c, const SpacePoint& point) {
   const ScheduleTraits& traits = scheduleTraits(point.schedule);
-  const double terms =
-      stepTermsBound(c.machine, point, c.space.fsdp, c.totalParameters / point.mesh[0]);
+  const double rankBytes = c.totalParameters / point.mesh[0];
+  const double terms = stepTermsBound(
+      c.machine, point, c.space.fsdp, rankBytes,
+      optimizerSeconds(c.machine, point, c.space.fsdp, rankBytes, c.totalTensors / point.mesh[0]));
   if (traits.asynchronous) return terms;
   WorkTable& table = c.table(point, traits.splitBackward);
   const int stages = point.stages();
@@ -507,7 +527,10 @@ SearchResult searchConfigurations(const std::vector<LayerCost>& layers,
                                   const MachineCosts& machine, const SearchSpace& space) {
   checkSpace(layers, machine, space);
   Context c{layers, machine, space, {}, 0.0, 0, 0};
-  for (const LayerCost& l : layers) c.totalParameters += l.parameterBytes;
+  for (const LayerCost& l : layers) {
+    c.totalParameters += l.parameterBytes;
+    c.totalTensors += l.parameterTensors;
+  }
   std::vector<std::pair<double, SpacePoint>> points;
   for (const SpacePoint& p : spacePoints(layers, space)) points.push_back({pointBound(c, p), p});
   std::stable_sort(points.begin(), points.end(),

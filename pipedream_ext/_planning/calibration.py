@@ -59,6 +59,7 @@ PipelineFactory = Callable[..., Any]
 _LARGE = 4 << 20  # bytes of the bandwidth probes
 _ROUNDS = 9       # timed repetitions of each latency-like probe (the minimum is kept)
 _BUFFER = 4096    # bytes of the broadcast carrying rank 0's JSON
+_TENSORS = 64    # tensors of the optimizer's per-tensor probe
 _MICROBATCHES = (2, 6)  # the overhead probe's two microbatch counts
 _STEP_ROUNDS = 12  # timed steps at each count (the lower quartile is kept), after 3 warm-ups
 
@@ -243,22 +244,34 @@ def fit_overheads(machine: MachineCosts, ranks: int, microbatches: Sequence[int]
     return max(0.0, statistics.mean(remainders)), high
 
 
-def _optimizer_seconds_per_byte(device: torch.device) -> float:
-    """``torch.optim.Adam``'s step time per parameter byte (a 4 MiB scratch tensor)."""
-    weight = nn.Parameter(torch.zeros(_LARGE // 4, device=device))
-    weight.grad = torch.ones_like(weight)
-    optimizer = torch.optim.Adam([weight], lr=1e-3)
+def _adam_seconds(device: torch.device, tensors: int) -> float:
+    """``torch.optim.Adam``'s step time over ``_LARGE`` bytes of scratch parameters split
+    into ``tensors`` equal tensors."""
+    weights = [nn.Parameter(torch.zeros(_LARGE // 4 // tensors, device=device))
+               for _ in range(tensors)]
+    for weight in weights:
+        weight.grad = torch.ones_like(weight)
+    optimizer = torch.optim.Adam(weights, lr=1e-3)
 
     def step() -> None:
         optimizer.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    return _min_seconds(step, warmup=2, clock=_compute_clock(device)) / _LARGE
+    return _min_seconds(step, warmup=2, clock=_compute_clock(device))
+
+
+def _optimizer_costs(device: torch.device) -> Dict[str, float]:
+    """Adam's step per parameter byte and per parameter tensor: the same bytes as one
+    tensor and as ``_TENSORS`` tensors (the difference is the per-tensor cost)."""
+    one, many = _adam_seconds(device, 1), _adam_seconds(device, _TENSORS)
+    per_tensor = max(0.0, (many - one) / (_TENSORS - 1))
+    return {"optimizer_seconds_per_tensor": per_tensor,
+            "optimizer_seconds_per_byte": max(0.0, one - per_tensor) / _LARGE}
 
 
 def _local(device: torch.device) -> Dict[str, float]:
     """What one process measures alone: the optimizer, cores and ranks per node."""
-    return {"optimizer_seconds_per_byte": _optimizer_seconds_per_byte(device),
+    return {**_optimizer_costs(device),
             "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
             os.cpu_count() or 1,
             "ranks_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}
@@ -277,7 +290,8 @@ def _describe(costs: MachineCosts) -> str:
             f"{costs.latency_seconds * 1e6:.1f} us + {costs.bandwidth / 1e9:.2f} GB/s, all-reduce "
             f"{costs.all_reduce_latency_seconds * 1e6:.1f} us + "
             f"{costs.all_reduce_bandwidth / 1e9:.2f} GB/s, Adam "
-            f"{costs.optimizer_seconds_per_byte * 1e9:.3f} ns/byte, {costs.cores} cores for "
+            f"{costs.optimizer_seconds_per_byte * 1e9:.3f} ns/byte + "
+            f"{costs.optimizer_seconds_per_tensor * 1e6:.1f} us/tensor, {costs.cores} cores for "
             f"{costs.ranks_per_node} ranks per node")
 
 

@@ -165,6 +165,8 @@ class _Unit:
     outs: List[Hashable]
     name: str
     parameter_bytes: float
+    parameter_tensors: float = 0.0
+    largest_parameter_bytes: float = 0.0
 
 
 @dataclasses.dataclass
@@ -205,9 +207,17 @@ def _parameter_bytes(module: nn.Module) -> float:
     return float(sum(p.numel() * p.element_size() for p in module.parameters()))
 
 
+def _tensor_sizes(parameters: Sequence[torch.Tensor]) -> Tuple[float, float]:
+    """How many parameter tensors (the optimizer pays per tensor) and the largest one's bytes
+    (Adam's step and a fresh gradient are transients of that size)."""
+    sizes = [p.numel() * p.element_size() for p in parameters]
+    return float(len(sizes)), float(max(sizes, default=0))
+
+
 def _sequential_chain(module: nn.Sequential) -> _Chain:
     units = [_Unit(lambda vs, layer=layer: [layer(vs[0])], [i], [i + 1],
-                   f"{name} ({type(layer).__name__})", _parameter_bytes(layer))
+                   f"{name} ({type(layer).__name__})", _parameter_bytes(layer),
+                   *_tensor_sizes(list(layer.parameters())))
              for i, (name, layer) in enumerate(module.named_children())]
     n = len(units)
     return _Chain(units, [0], [n], lambda env: env[n], None)
@@ -219,8 +229,9 @@ def _traced_chain(grouped: GraphGroups) -> _Chain:
     units = []
     for g, group in enumerate(grouped.groups):
         runner = group_module(gm, group.nodes, ins[g], outs[g])
+        tensors = list({id(p): p for p in map(gm.get_parameter, group.parameters)}.values())
         units.append(_Unit(lambda vs, runner=runner: list(runner(*vs)), list(ins[g]), list(outs[g]),
-                           group.description, group.parameter_bytes))
+                           group.description, group.parameter_bytes, *_tensor_sizes(tensors)))
     output = next(n for n in gm.graph.nodes if n.op == "output")
     keys = [a for a in output.all_input_nodes if a.op != "get_attr"]
 
@@ -488,7 +499,9 @@ def _costs(chain: _Chain, sizes: Sequence[int], sized: Sequence[_Sized],
             backward_fixed=max(0.0, b_fixed - harness[1]), backward_per_sample=b_per,
             weight_share=_weight_share(unit, top.backward[g], top.inputs_only[g]),
             output_bytes_per_sample=top.live[g + 1] / b, stash_bytes_per_sample=top.kept[g] / b,
-            input_bytes_per_sample=top.live[g] / b, parameter_bytes=unit.parameter_bytes))
+            input_bytes_per_sample=top.live[g] / b, parameter_bytes=unit.parameter_bytes,
+            parameter_tensors=unit.parameter_tensors,
+            largest_parameter_bytes=unit.largest_parameter_bytes))
     return layers
 
 

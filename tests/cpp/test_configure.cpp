@@ -81,24 +81,53 @@ TEST(PredictConfiguration, RecomputeAddsTheForwardToTheBackwardAndKeepsOnlyInput
   const Prediction p = predictConfiguration(uniformLayers(), 4, MachineCosts{}, c);
   EXPECT_DOUBLE_EQ(p.pipelineSeconds, (4 + 2 - 1) * (2.0 + 4.0 + 2.0));
   // Rank 0: 200 weight bytes x (weights, gradients, 2 x Adam state) = 800, two
-  // microbatches' inputs (1 byte) in flight and one stash (20) being rebuilt.
-  EXPECT_DOUBLE_EQ(p.peakBytes[0], 800 + 2 * 1 + 20);
-  EXPECT_DOUBLE_EQ(p.peakBytes[1], 800 + 1 * 1 + 20);
+  // microbatches' inputs (1 byte) in flight and one stash (20) being rebuilt,
+  // plus the backward's working memory (a layer's input gradient: 1 byte).
+  EXPECT_DOUBLE_EQ(p.peakBytes[0], 800 + 2 * 1 + 20 + 1);
+  EXPECT_DOUBLE_EQ(p.peakBytes[1], 800 + 1 * 1 + 20 + 1);
 }
 
 TEST(PredictConfiguration, MemoryCountsStateAndActivationsInFlight) {
-  const Prediction p = predictConfiguration(uniformLayers(), 4, MachineCosts{}, twoStages(), 830.0);
-  // 1F1B: rank 0 holds p = 2 microbatches' stashes (20 bytes each), rank 1 one.
-  EXPECT_DOUBLE_EQ(p.peakBytes[0], 800 + 2 * 20);
-  EXPECT_DOUBLE_EQ(p.peakBytes[1], 800 + 1 * 20);
-  EXPECT_FALSE(p.fits);  // 840 > 830
+  const Prediction p = predictConfiguration(uniformLayers(), 4, MachineCosts{}, twoStages(), 840.0);
+  // 1F1B: rank 0 holds p = 2 microbatches' stashes (20 bytes each) and received
+  // inputs (1 byte each), rank 1 one; a backward adds its working memory (1).
+  EXPECT_DOUBLE_EQ(p.peakBytes[0], 800 + 2 * 21 + 1);
+  EXPECT_DOUBLE_EQ(p.peakBytes[1], 800 + 1 * 21 + 1);
+  EXPECT_FALSE(p.fits);  // 843 > 840
   const Prediction gpipe =
       predictConfiguration(uniformLayers(), 4, MachineCosts{}, twoStages("gpipe"), 900.0);
-  EXPECT_DOUBLE_EQ(gpipe.peakBytes[0], 800 + 4 * 20);  // every microbatch in flight
+  EXPECT_DOUBLE_EQ(gpipe.peakBytes[0], 800 + 4 * 21 + 1);  // every microbatch in flight
   EXPECT_TRUE(gpipe.fits);
   const Prediction adamFree =
       predictConfiguration(uniformLayers(), 4, MachineCosts{}, twoStages(), 0.0, 0.0);
-  EXPECT_DOUBLE_EQ(adamFree.peakBytes[1], 400 + 20);
+  EXPECT_DOUBLE_EQ(adamFree.peakBytes[1], 400 + 22);
+}
+
+TEST(PredictConfiguration, OptimizerPaysPerTensorAndItsStepIsAPeak) {
+  MachineCosts m;
+  m.optimizerSecondsPerByte = 0.01;   // 200 bytes per rank: 2 s
+  m.optimizerSecondsPerTensor = 0.5;  // 4 tensors per rank: 2 s
+  auto layers = uniformLayers();
+  for (auto& l : layers) {
+    l.parameterTensors = 2;
+    l.largestParameterBytes = 80;
+  }
+  const Prediction p = predictConfiguration(layers, 4, m, twoStages());
+  EXPECT_DOUBLE_EQ(p.overheadSeconds, 2.0 + 2.0);
+  // Adam's step: the state (800) and two temporaries of the largest tensor
+  // (960), more than the backward's 800 + 2 x 21 + (1 + a fresh 80-byte
+  // gradient) = 923 on rank 0.
+  EXPECT_DOUBLE_EQ(p.peakBytes[0], 800 + 2 * 80);
+  EXPECT_DOUBLE_EQ(p.peakBytes[1], 800 + 2 * 80);
+  for (auto& l : layers) l.stashBytesPerSample = 100;  // now the backward's peak is larger
+  const Prediction stashed = predictConfiguration(layers, 4, m, twoStages());
+  EXPECT_DOUBLE_EQ(stashed.peakBytes[0], 800 + 2 * 201 + 81);
+  EXPECT_DOUBLE_EQ(stashed.peakBytes[1], 800 + 1 * 201 + 81);
+  Configuration c = twoStages();
+  c.tp = 2;  // tensor parallelism shards every tensor (the count stays)
+  const Prediction tp = predictConfiguration(layers, 4, m, c);
+  EXPECT_DOUBLE_EQ(tp.overheadSeconds, 1.0 + 2.0);
+  EXPECT_DOUBLE_EQ(tp.peakBytes[1], 400 + 201 + 41);
 }
 
 TEST(PredictConfiguration, FsdpDividesStateAndPaysReduceScatterPlusAllGather) {
@@ -112,8 +141,8 @@ TEST(PredictConfiguration, FsdpDividesStateAndPaysReduceScatterPlusAllGather) {
   // 200 bytes per rank: ring volume 2 (dp - 1) / dp x 200 / 100 = 2 s.
   EXPECT_DOUBLE_EQ(replicated.allReduceSeconds, 0.5 + 2.0);
   EXPECT_DOUBLE_EQ(sharded.allReduceSeconds, 2 * 0.5 + 2.0);
-  EXPECT_DOUBLE_EQ(replicated.peakBytes[1], 800 + 20);
-  EXPECT_DOUBLE_EQ(sharded.peakBytes[1], 400 + 20);
+  EXPECT_DOUBLE_EQ(replicated.peakBytes[1], 800 + 22);
+  EXPECT_DOUBLE_EQ(sharded.peakBytes[1], 400 + 22);
   EXPECT_DOUBLE_EQ(replicated.stepSeconds, 30 + 2.5);
 }
 
@@ -234,9 +263,10 @@ TEST(SearchConfigurations, PicksTheBetterScheduleAndRecomputesOnlyWhereMemoryNee
   s.schedules = {"gpipe", "1f1b"};
   s.microbatches = {8};
   s.recompute = RecomputeChoice::kSearch;
-  // 1F1B keeps 2 stashes of 20 bytes on rank 0 (840 bytes with the state),
-  // 1 on rank 1 (820); GPipe all 8 on both (960). With 835 bytes 1F1B
-  // recomputes on rank 0 only, GPipe on both.
+  // 1F1B keeps 2 stashes of 20 bytes and received inputs of 1 on rank 0 (843
+  // bytes with the state and a backward's 1 byte of working memory), 1 on
+  // rank 1 (822); GPipe all 8 on both (969). With 835 bytes 1F1B recomputes
+  // on rank 0 only (823), GPipe on both (829).
   s.memoryBytes = 835;
   const SearchResult r = searchConfigurations(uniformLayers(), MachineCosts{}, s);
   ASSERT_TRUE(r.feasible);
@@ -288,6 +318,8 @@ Instance randomInstance(std::mt19937& rng) {
     c.stashBytesPerSample = 1e4 * u(rng);
     c.inputBytesPerSample = c.outputBytesPerSample;
     c.parameterBytes = rng() % 3 == 0 ? 0.0 : 1e5 * u(rng);
+    c.parameterTensors = c.parameterBytes > 0 ? 1.0 + rng() % 4 : 0.0;
+    c.largestParameterBytes = c.parameterBytes * (0.25 + 0.75 * u(rng));
     x.layers.push_back(c);
   }
   MachineCosts& m = x.machine;
@@ -299,6 +331,7 @@ Instance randomInstance(std::mt19937& rng) {
   m.allReduceLatencySeconds = 0.1 * u(rng);
   m.allReduceBandwidth = 1e5 + 1e6 * u(rng);
   m.optimizerSecondsPerByte = 1e-6 * u(rng);
+  m.optimizerSecondsPerTensor = 0.01 * u(rng);
   m.cores = static_cast<int>(rng() % 3);
   m.ranksPerNode = rng() % 2 == 0 ? 0 : 2;
   SearchSpace& s = x.space;
