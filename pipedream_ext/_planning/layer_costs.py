@@ -404,8 +404,8 @@ def _kept_bytes(chain: _Chain, env: Dict[Hashable, Any], inputs: Sequence[Any], 
         maker.update((ptr, g) for k in unit.outs for ptr in _storages(_flat(env[k])))
     kept = [0.0] * len(chain.units)
     counted = set(state)
-    for g, storages in enumerate(saved):
-        for ptr, size in storages.items():
+    for g, sizes in enumerate(saved):
+        for ptr, size in sizes.items():
             owner = maker.get(ptr, g)
             if ptr not in counted and owner >= 0:
                 kept[owner] += size
