@@ -172,6 +172,19 @@ def _all_reduce(group: dist.ProcessGroup, device: torch.device, timeout: float) 
 
 
 # -- the runtime's overheads, fitted against the cost model -------------------------------
+@contextlib.contextmanager
+def _quiet_pipeline_log() -> Iterator[None]:
+    """The probe pipeline's start-up lines are not the user's pipeline: kept out of the log
+    (warnings still pass)."""
+    logger = logging.getLogger("pipedream_ext._pipe")
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _step_times(pipeline: PipelineFactory, group: dist.ProcessGroup, device: torch.device,
                 timeout: float) -> List[float]:
     """Seconds of one step (lower quartile of ``_STEP_ROUNDS``) of a pipeline of one ``Linear(1, 1)`` per rank of
@@ -187,9 +200,10 @@ def _step_times(pipeline: PipelineFactory, group: dist.ProcessGroup, device: tor
     clock = _compute_clock(device) if world == 1 else time.perf_counter
     steps = []
     for m in _MICROBATCHES:
-        pipe = pipeline(model, nn.functional.mse_loss, schedule="1f1b", microbatches=m,
-                        balance=[1] * world, process_group=group, device=device,
-                        timeout=timeout)
+        with _quiet_pipeline_log():
+            pipe = pipeline(model, nn.functional.mse_loss, schedule="1f1b", microbatches=m,
+                            balance=[1] * world, process_group=group, device=device,
+                            timeout=timeout)
         x, y = torch.zeros(m, 1, device=device), torch.zeros(m, 1, device=device)
         try:
             times = _times(lambda: pipe.step(x, y), _STEP_ROUNDS, warmup=3, clock=clock)
