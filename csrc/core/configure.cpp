@@ -21,13 +21,8 @@ namespace {
 std::string str(int value) { return std::to_string(value); }
 std::string str(double value) { return std::to_string(value); }
 
-[[noreturn]] void fail(const std::string& message) { throw std::invalid_argument(message); }
-
-std::string joined(const std::vector<int>& values) {
-  std::string out = "[";
-  for (size_t k = 0; k < values.size(); ++k) out += (k ? ", " : "") + str(values[k]);
-  return out + "]";
-}
+using configure_detail::fail;
+using configure_detail::joined;
 
 void checkNonNegative(double value, const std::string& name) {
   if (!std::isfinite(value) || value < 0) {

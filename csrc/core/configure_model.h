@@ -6,6 +6,7 @@
 #pragma once
 
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,23 @@
 #include "traits.h"
 
 namespace pipedream {
+
+// What configure*.cpp's checks share to word their errors.
+namespace configure_detail {
+
+[[noreturn]] inline void fail(const std::string& message) {
+  throw std::invalid_argument(message);
+}
+
+inline std::string joined(const std::vector<int>& values) {
+  std::string out = "[";
+  for (size_t k = 0; k < values.size(); ++k) {
+    out += (k ? ", " : "") + std::to_string(values[k]);
+  }
+  return out + "]";
+}
+
+}  // namespace configure_detail
 
 // Throw std::invalid_argument naming the bad value.
 void checkLayers(const std::vector<LayerCost>& layers);

@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <tuple>
 
+#include "configure_model.h"
 #include "generators.h"
 #include "traits.h"
 
@@ -16,13 +17,8 @@ namespace {
 
 std::string str(int value) { return std::to_string(value); }
 
-[[noreturn]] void fail(const std::string& message) { throw std::invalid_argument(message); }
-
-std::string joined(const std::vector<int>& values) {
-  std::string out = "[";
-  for (size_t k = 0; k < values.size(); ++k) out += (k ? ", " : "") + str(values[k]);
-  return out + "]";
-}
+using configure_detail::fail;
+using configure_detail::joined;
 
 void checkMeshes(const SearchSpace& space) {
   for (const auto& mesh : space.meshes) {
