@@ -566,6 +566,7 @@ def test_mesh_planning_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
     graph = _heavy_chain()
     world = types.SimpleNamespace(get_world_size=lambda group: 4, get_rank=lambda group: 0)
     monkeypatch.setattr(startup, "dist", world)
+    monkeypatch.setattr(startup.collectives, "dist", world)  # from_rank_zero asks it the rank
     monkeypatch.setattr(startup.collectives, "broadcast_bytes", lambda payload, src, group: payload)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
 
@@ -818,6 +819,7 @@ def test_balance_auto_plans_for_the_meshs_tensor_parallel_size(monkeypatch: pyte
     graph = _exact_blocks()
     world = types.SimpleNamespace(get_world_size=lambda group: 8, get_rank=lambda group: 0)
     monkeypatch.setattr(startup, "dist", world)
+    monkeypatch.setattr(startup.collectives, "dist", world)  # from_rank_zero asks it the rank
     monkeypatch.setattr(startup.collectives, "broadcast_bytes", lambda payload, src, group: payload)
     probes: List["tuple[int, int]"] = []
 

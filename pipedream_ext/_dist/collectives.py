@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime
 import json
 import time
-from typing import Any, Dict, List, Optional, Tuple, Type, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,8 @@ import torch.distributed as dist
 from .groups import RankNames
 
 __all__ = ["is_dtensor", "metadata_device", "all_reduce", "all_reduce_start", "all_reduce_bounded", "all_reduce_data",
-           "broadcast_data", "broadcast_bytes", "gather_bytes", "all_gather_json", "measure_bandwidth", "barrier",
+           "broadcast_data", "broadcast_bytes", "from_rank_zero", "gather_bytes", "all_gather_json",
+           "measure_bandwidth", "barrier",
            "raise_if_any_failed", "gather_outcomes", "failure_entry", "post_send", "post_receive",
            "all_reduce_waited", "broadcast_waited"]
 
@@ -169,6 +170,36 @@ def broadcast_bytes(payload: Optional[bytes], src: int, group: dist.ProcessGroup
     buffer = _to_tensor(payload if mine and payload else b"", size, device)
     dist.broadcast(buffer, src=global_src, group=group)
     return buffer.cpu().numpy().tobytes()
+
+
+def from_rank_zero(compute: Callable[[], str], group: dist.ProcessGroup, failed: str) -> str:
+    """Runs ``compute`` on group rank 0 and gives every rank its text (UTF-8, no pickle).
+
+    Collective: every rank of ``group`` calls it; only rank 0 runs ``compute``.
+
+    Args:
+        compute: what rank 0 runs; its text reaches every rank.
+        group: the process group.
+        failed: how the other ranks' error begins when ``compute`` raised on rank 0.
+
+    Raises:
+        Exception: on rank 0, what ``compute`` raised; on the others a ``ValueError``
+            ``"<failed>: <type>: <message>"``, so no rank waits on a rank that failed.
+    """
+    payload: Optional[bytes] = None
+    error: Optional[BaseException] = None
+    if dist.get_rank(group) == 0:
+        try:
+            payload = b"T" + compute().encode()
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            error = exc
+            payload = b"E" + f"{type(exc).__name__}: {exc}".encode()
+    data = broadcast_bytes(payload, 0, group)
+    if data[:1] == b"E":
+        if error is not None:
+            raise error
+        raise ValueError(f"{failed}: {data[1:].decode()}")
+    return data[1:].decode()
 
 
 def _gathered_lengths(size: int, group: dist.ProcessGroup, device: torch.device) -> List[int]:

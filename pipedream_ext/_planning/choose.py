@@ -163,20 +163,7 @@ def _on_rank_zero(measuring: Measuring, what: str, compute: Callable[[MachineCos
     group = measuring.group
     machine = calibrate(group, measuring.device, timeout=measuring.timeout,
                         pipeline=measuring.pipeline)
-    payload: Optional[bytes] = None
-    error: Optional[BaseException] = None
-    if dist.get_rank(group) == 0:
-        try:
-            payload = b"C" + compute(machine).encode()
-        except Exception as exc:  # noqa: BLE001 - reported to every rank
-            error = exc
-            payload = b"E" + f"{type(exc).__name__}: {exc}".encode()
-    data = collectives.broadcast_bytes(payload, 0, group)
-    if data[:1] == b"E":
-        if error is not None:
-            raise error
-        raise ValueError(f"{what}: rank 0 failed: {data[1:].decode()}")
-    return data[1:].decode()
+    return collectives.from_rank_zero(lambda: compute(machine), group, f"{what}: rank 0 failed")
 
 
 def choose(measuring: Measuring, request: Request) -> Tuple[Configuration, Plan]:

@@ -173,33 +173,22 @@ def auto_plan(module: nn.Module, loss_fn: Callable[..., torch.Tensor],
         "tensor_parallel": tensor_parallel, "sequence_parallel": sequence_parallel,
         "tensor_parallel_bandwidth": collectives.measure_bandwidth(group, 0, 1)
         if bandwidth is None and tp > 1 else None}
-    payload = None
-    error: Optional[BaseException] = None
-    if dist.get_rank(group) == 0:
-        try:
-            inputs, targets = sample
-            started = time.perf_counter()
-            graph = profile_fn() if profile_fn is not None else \
-                profile(module, inputs, loss_fn=loss_fn, target=targets, steps=10, warmup=3)
-            profiled = time.perf_counter()
-            chosen = make_plan(graph, workers=workers, bandwidth=bandwidths, cost_model="default",
-                               straight=bool(traits.planner_straight) or None,
-                               two_bw=bool(traits.planner_two_versions),
-                               data_parallel=data_parallel, sharding=sharding, **tp_options)
-            _log.info("profiled %d nodes in %.2f s, planned over %d %s states in %.3f s",
-                      len(graph), profiled - started, chosen.num_states, chosen.state_kind,
-                      time.perf_counter() - profiled)
-            payload = b"P" + chosen.to_json(indent=None).encode()
-        except Exception as exc:  # noqa: BLE001 - reported to every rank
-            error = exc
-            payload = b"E" + f"{type(exc).__name__}: {exc}".encode()
-    data = collectives.broadcast_bytes(payload, 0, group)
-    if data[:1] == b"E":
-        if error is not None:
-            raise error
-        raise ValueError(f'balance="auto": rank 0 could not profile and plan the model: '
-                         f"{data[1:].decode()}")
-    return Plan.from_json(data[1:].decode())
+    def profile_and_plan() -> str:
+        inputs, targets = sample
+        started = time.perf_counter()
+        graph = profile_fn() if profile_fn is not None else \
+            profile(module, inputs, loss_fn=loss_fn, target=targets, steps=10, warmup=3)
+        profiled = time.perf_counter()
+        chosen = make_plan(graph, workers=workers, bandwidth=bandwidths, cost_model="default",
+                           straight=bool(traits.planner_straight) or None,
+                           two_bw=bool(traits.planner_two_versions),
+                           data_parallel=data_parallel, sharding=sharding, **tp_options)
+        _log.info("profiled %d nodes in %.2f s, planned over %d %s states in %.3f s",
+                  len(graph), profiled - started, chosen.num_states, chosen.state_kind,
+                  time.perf_counter() - profiled)
+        return chosen.to_json(indent=None)
+    return Plan.from_json(collectives.from_rank_zero(
+        profile_and_plan, group, 'balance="auto": rank 0 could not profile and plan the model'))
 
 
 def _check_plan_mesh(plan: Plan, data_parallel: int, sharding: Optional[str],
