@@ -51,7 +51,7 @@ from torch.utils import _pytree as pytree
 
 from ..configuration import LayerCost
 from .graph_profile import GraphGroups, group_boundaries, group_module, trace_groups
-from .timing import Timer, preserved
+from .timing import Timer, leaf_inputs, preserved
 
 __all__ = ["LayerCosts", "default_microbatch_sizes", "measure_layer_costs",
            "traced_stage_of"]
@@ -242,15 +242,6 @@ def _traced_chain(grouped: GraphGroups) -> _Chain:
     return _Chain(units, list(grouped.inputs), keys, result, [g.id for g in grouped.groups])
 
 
-def _leaf(value: Any) -> Any:
-    def one(t: torch.Tensor) -> torch.Tensor:
-        d = t.detach()
-        if d.is_floating_point() or d.is_complex():
-            d.requires_grad_(True)
-        return d
-    return pytree.tree_map_only(torch.Tensor, one, value)
-
-
 def _flat(value: Any) -> List[torch.Tensor]:
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
@@ -302,7 +293,7 @@ def _forward(chain: _Chain, env: Dict[Hashable, Any], timer: Timer,
     the storages each unit saves for its backward."""
     step = _Step([], [], [], [], [])
     for g, unit in enumerate(chain.units):
-        x = [_leaf(env[k]) for k in unit.ins]
+        x = [leaf_inputs(env[k]) for k in unit.ins]
         with _counted(None if kept is None else kept[g]):
             t0 = timer.start()
             y = unit.call(x)
@@ -318,7 +309,7 @@ def _loss(chain: _Chain, env: Dict[Hashable, Any], loss_fn: LossFn, target: Any,
                                                    Callable[[], float]]:
     """The loss (or the output's sum) on leaf copies of the outputs, and its backward:
     each output key's gradients and the two times (thunks, as ``Timer.stop``)."""
-    leaves = {k: _leaf(env[k]) for k in chain.result_keys}
+    leaves = {k: leaf_inputs(env[k]) for k in chain.result_keys}
     with _counted(kept):
         t0 = timer.start()
         root = loss_fn(chain.result({**env, **leaves}), target) if loss_fn is not None else \

@@ -20,7 +20,7 @@ from torch import nn
 from tqdm import tqdm
 
 from .._extension import _C
-from .timing import Timer, preserved
+from .timing import Timer, leaf_inputs, preserved
 
 __all__ = ["profile_sequential"]
 
@@ -41,18 +41,6 @@ def _tensors(x: Any) -> List[torch.Tensor]:
     )
 
 
-def _detach(x: Any) -> Any:
-    def one(t: torch.Tensor) -> torch.Tensor:
-        d = t.detach()
-        if d.is_floating_point() or d.is_complex():
-            d.requires_grad_(True)
-        return d
-
-    if isinstance(x, torch.Tensor):
-        return one(x)
-    return type(x)(one(t) for t in x)
-
-
 def _bytes(x: Any) -> float:
     return float(sum(t.numel() * t.element_size() for t in _tensors(x)))
 
@@ -66,7 +54,7 @@ def _forward(layers: List[nn.Module], sample_input: Any, loss_fn: LossFn, target
     loss = None
     h: Any = sample_input
     for i, layer in enumerate(layers):
-        x = _detach(h)
+        x = leaf_inputs(h)
         t0 = timer.start()
         y = layer(*x) if isinstance(x, (tuple, list)) else layer(x)
         if i == len(layers) - 1:

@@ -12,8 +12,9 @@ from typing import Any, Callable, Iterator, List, Sequence
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
-__all__ = ["Timer", "preserved"]
+__all__ = ["Timer", "leaf_inputs", "preserved"]
 
 
 class Timer:
@@ -42,6 +43,17 @@ class Timer:
     def sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
+
+
+def leaf_inputs(value: Any) -> Any:
+    """``value`` with every tensor detached, floating and complex ones as new autograd
+    leaves: a layer timed on them runs its own backward only, not its producers'."""
+    def one(t: torch.Tensor) -> torch.Tensor:
+        d = t.detach()
+        if d.is_floating_point() or d.is_complex():
+            d.requires_grad_(True)
+        return d
+    return pytree.tree_map_only(torch.Tensor, one, value)
 
 
 @contextlib.contextmanager
