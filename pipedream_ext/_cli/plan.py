@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import math
 import os
 import sys
 
@@ -32,7 +33,7 @@ from .._planning import choose
 from .._planning.calibration import calibrate_local
 from .._planning.profiler import profile
 from ..configuration import microbatch_candidates
-from ..planner import SHARDINGS, load_profile, plan
+from ..planner import SHARDINGS, Plan, load_profile, plan
 from .arg_types import float_list, int_list
 
 __all__ = ["register"]
@@ -87,9 +88,7 @@ def _run_auto(args: argparse.Namespace) -> int:
         raise ValueError("--auto needs --batch-size: the samples per step of one pipeline, the "
                          "batch the profile was taken with")
     costs = choose.costs_of_profile(load_profile(args.profile), args.batch_size)
-    world = 1
-    for w in args.workers:
-        world *= w
+    world = math.prod(args.workers)
     # The calibration times our own runtime (a one-rank PipeDream).
     machine = dataclasses.replace(calibrate_local(torch.device(args.device), pipeline=PipeDream),
                                   bandwidth=args.bandwidth[0])
@@ -98,12 +97,17 @@ def _run_auto(args: argparse.Namespace) -> int:
         microbatches=microbatch_candidates(args.batch_size), chunks=(2,), balance=None,
         recompute=args.recompute, memory=args.memory, mesh=(world, 1, 1), fsdp=False)
     best, result = choose.search_profile(costs, machine, request, args.batch_size)
+    return _report(result, best.table(), args)
+
+
+def _report(result: Plan, table: str, args: argparse.Namespace) -> int:
+    """Writes the plan to ``--output`` and prints it as JSON (``--json``) or as ``table``."""
     if args.output:
         result.save(args.output)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
-        print(best.table())
+        print(table)
         if args.output:
             print(f"wrote {args.output}")
     return 0
@@ -132,15 +136,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         tensor_parallel_bandwidth=args.tp_bandwidth,
         tensor_parallel_all_reduces=args.tp_all_reduces,
     )
-    if args.output:
-        result.save(args.output)
-    if args.json:
-        print(json.dumps(result.to_dict()))
-    else:
-        print(result.table())
-        if args.output:
-            print(f"wrote {args.output}")
-    return 0
+    return _report(result, result.table(), args)
 
 
 def register(subparsers: "argparse._SubParsersAction") -> None:
