@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <memory>
 #include <numeric>
 #include <set>
@@ -132,16 +131,6 @@ PointModel::PointModel(const std::vector<LayerCost>& layers, int batchSize,
   });
   sums_->parameters = PrefixSums(layers, [](const LayerCost& c) { return c.parameterBytes; });
   sums_->tensors = PrefixSums(layers, [](const LayerCost& c) { return c.parameterTensors; });
-  cheapestFrom_.assign(layers.size() + 1, StageCost{});
-  const double inf = std::numeric_limits<double>::infinity();
-  cheapestFrom_.back() = StageCost{inf, inf, inf};
-  for (size_t l = layers.size(); l-- > 0;) {
-    const double f = sums_->forward.over(l, l + 1), g = sums_->backward.over(l, l + 1);
-    const double w = split_ ? sums_->weight.over(l, l + 1) : 0.0;
-    const StageCost& after = cheapestFrom_[l + 1];
-    cheapestFrom_[l] = StageCost{std::min(f, after.forward), std::min(g - w, after.backward),
-                                 std::min(w, after.weight)};
-  }
   buildSchedules(traits);
 }
 
@@ -244,18 +233,6 @@ StageCost PointModel::stageCost(int j, int a, int e, bool recompute) const {
   c.forward = forward + act + (sendsForward(j) ? send : 0.0);
   c.backward = full - weight + (recompute ? forward : 0.0) + act + (sendsBackward(j) ? send : 0.0);
   c.weight = split_ ? weight + act : 0.0;
-  return c;
-}
-
-StageCost PointModel::cheapestStage(int j, int from) const {
-  const double tp = options_.tp;
-  const double act = machine_.actionSeconds;
-  const double send = machine_.sendSeconds;
-  const StageCost& least = cheapestFrom_[from];
-  StageCost c;
-  c.forward = least.forward / tp + act + (sendsForward(j) ? send : 0.0);
-  c.backward = least.backward / tp + act + (sendsBackward(j) ? send : 0.0);
-  c.weight = split_ ? least.weight / tp + act : 0.0;
   return c;
 }
 

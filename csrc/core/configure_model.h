@@ -107,11 +107,10 @@ class PointModel {
   bool asynchronous() const { return asynchronous_; }
   bool sendsForward(int stage) const;
   bool sendsBackward(int stage) const;
-  // The least costs any stage j cut from layers [from, L) can have: each of
-  // F, B (I), W that of the cheapest single layer there.
-  StageCost cheapestStage(int j, int from) const;
   // The simulated makespan of a flush schedule for per-stage costs.
   double makespan(const StageCosts& costs) const;
+  // The schedule makespan() simulates.
+  const Schedule& schedule() const { return schedules_.front(); }
   // The critical path of the simulated flush schedule at `balance`.
   CriticalPath criticalPath(const std::vector<int>& balance, const std::vector<int>& recompute) const;
   // 0 when ranks do not share cores, else ranks per core of a node.
@@ -147,7 +146,6 @@ class PointModel {
   std::vector<std::vector<int>> rankStages_;
   std::vector<std::vector<MemoryPoint>> shapes_;
   std::vector<double> sendsPerStep_;
-  std::vector<StageCost> cheapestFrom_;  // per layer: the least single-layer costs from it on
 };
 
 }  // namespace pipedream

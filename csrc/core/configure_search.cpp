@@ -14,14 +14,20 @@
 //     a fixed order), so recomputation, which only adds cost, is chosen only
 //     where the rank does not fit without it;
 //   - the same monotonicity: simulating the stages cut so far at their costs
-//     and the rest at the least any stage of the remaining layers can cost
-//     bounds the makespan (inner levels of the tree only: it costs a
-//     simulation);
+//     and each later stage at the least a stage can cost whose first layer
+//     lies where that stage's can (at least one layer per stage before and
+//     after it) bounds the makespan; a replay of the schedule
+//     (MakespanReplay, replay.h) makes that simulation cheap enough for every
+//     node the cheaper bounds leave;
 //   - a rank whose layers are all cut and that does not fit prunes the prefix.
-// Points are visited by their bound, the min-max balance of each is scored
-// first, and a prefix is dropped when its bound cannot beat the point's best
-// nor enter the runners-up. Asynchronous schedules (the step is a difference
-// of two windows, not a makespan) are pruned by memory only.
+// Phase 1 visits the points by their bound and scores the min-max balance of
+// each (its seed) until the bound cannot beat the (candidates + 1)-th best
+// seed: the points after that can be neither the best nor a runner-up. Phase
+// 2 searches the seeded points, the best seeds first; a point's bar is the
+// (candidates + 1)-th best of the other points (their seeds or their searched
+// bests), and a prefix is dropped when its bound cannot beat the point's best
+// nor that bar. Asynchronous schedules (the step is a difference of two
+// windows, not a makespan) are pruned by memory only.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -35,6 +41,7 @@
 #include "configure.h"
 #include "configure_model.h"
 #include "configure_space.h"
+#include "replay.h"
 #include "traits.h"
 
 namespace pipedream {
@@ -267,8 +274,8 @@ struct Context {
 // Branch and bound over the balances (and recompute choices) of one point.
 class PointSearch {
  public:
-  PointSearch(Context& context, const SpacePoint& point, const PointModel& model, double bar)
-      : c_(context), point_(point), model_(model), bar_(bar),
+  PointSearch(Context& context, const SpacePoint& point, const PointModel& model)
+      : c_(context), point_(point), model_(model),
         stages_(model.stages()), ranks_(model.ranks()), layers_(static_cast<int>(context.layers.size())),
         bounded_(!model.asynchronous()),
         table_(context.table(point, model.splitBackward())),
@@ -280,14 +287,21 @@ class PointSearch {
     searching_ = !fixedList && c_.space.recompute == RecomputeChoice::kSearch;
   }
 
-  // The best configuration of the point that can matter, if any; `fallback`
-  // keeps the smallest peak seen when nothing fits.
-  bool run(Ranked& best, Ranked& fallback, bool& anyFallback) {
-    const std::vector<int> seed = c_.space.balance.empty() ? table_.bestBalance()
-                                                           : c_.space.balance;
-    scoreSeed(seed, fallback, anyFallback);
+  // Scores the min-max balance; true when it fits (then seedStep() is its step).
+  bool seed(Ranked& fallback, bool& anyFallback) {
+    const std::vector<int> balance = c_.space.balance.empty() ? table_.bestBalance()
+                                                              : c_.space.balance;
+    scoreSeed(balance, fallback, anyFallback);
+    seed_ = balance;
+    return found_;
+  }
+  double seedStep() const { return best_.config.prediction.stepSeconds; }
+
+  // The best configuration of the point that can beat `bar`, if any (after seed()).
+  bool search(double bar) {
+    bar_ = bar;
     if (bounded_ && c_.space.balance.empty()) {
-      paths_.emplace_back(model_, model_.criticalPath(seed, std::vector<int>(stages_, 0)), layers_);
+      paths_.emplace_back(model_, model_.criticalPath(seed_, std::vector<int>(stages_, 0)), layers_);
     }
     State state;
     state.rankBusy.assign(ranks_, 0.0);
@@ -295,10 +309,11 @@ class PointSearch {
     state.rankTensors.assign(ranks_, 0.0);
     state.pathPrefix.assign(paths_.size(), 0.0);
     descend(0, state);
-    if (!found_) return false;
-    best = std::move(best_);
-    return true;
+    return found_;
   }
+
+  // The point's best found (after search(), or the seed when not searched).
+  Ranked& best() { return best_; }
 
  private:
   struct State {
@@ -366,12 +381,13 @@ class PointSearch {
   void descend(int j, const State& state);
   void leaf();
   double bound(int j, int e, const State& next);
-  double simulatedBound(int j, int e) const;
+  double simulatedBound(int j, int e);
+  StageCost cheapestStage(int k, int first, int last) const;
 
   Context& c_;
   const SpacePoint& point_;
   const PointModel& model_;
-  double bar_;
+  double bar_ = kInf;
   int stages_, ranks_, layers_;
   bool bounded_;
   bool searching_ = false;
@@ -381,7 +397,9 @@ class PointSearch {
   std::vector<int> lastStage_;
   bool found_ = false;
   Ranked best_;
+  std::vector<int> seed_;
   std::vector<PathBound> paths_;
+  std::unique_ptr<MakespanReplay> replay_;  // the schedule's makespan, for simulatedBound
 };
 
 // The step-time bound of a prefix whose stage j ends at layer e.
@@ -407,9 +425,25 @@ double PointSearch::bound(int j, int e, const State& next) {
   return std::max(makespan, shared) + stepTermsBound(c_.machine, point_, c_.space.fsdp, rankBytes, optimizer);
 }
 
+// Stage k whose first layer lies in [first, last] holds that layer: each of
+// its costs is at least that of the cheapest single layer there (a stage's
+// costs are sums over its layers plus per-action terms; recompute only adds).
+StageCost PointSearch::cheapestStage(int k, int first, int last) const {
+  StageCost least = model_.stageCost(k, first, first + 1, false);
+  for (int l = first + 1; l <= last; ++l) {
+    const StageCost c = model_.stageCost(k, l, l + 1, false);
+    least.forward = std::min(least.forward, c.forward);
+    least.backward = std::min(least.backward, c.backward);
+    least.weight = std::min(least.weight, c.weight);
+  }
+  return least;
+}
+
 // The simulator is monotone in every cost: the stages cut so far at their
-// costs and the rest at the least any of them can have bound the makespan.
-double PointSearch::simulatedBound(int j, int e) const {
+// costs and the rest at the least any of them can have bound the makespan
+// (stage k > j starts at layer e + (k - j - 1) or later, and leaves at least
+// one layer to each stage after it).
+double PointSearch::simulatedBound(int j, int e) {
   StageCosts costs;
   costs.forward.resize(stages_);
   costs.backward.resize(stages_);
@@ -418,15 +452,16 @@ double PointSearch::simulatedBound(int j, int e) const {
   costs.allReduce.assign(stages_, 0.0);
   for (int k = 0; k < stages_; ++k) {
     const StageCost s = k <= j ? model_.stageCost(k, start_[k], start_[k + 1], recompute_[k] != 0)
-                               : model_.cheapestStage(k, e);
+                               : cheapestStage(k, e + (k - j - 1), layers_ - (stages_ - k));
     costs.forward[k] = s.forward;
     costs.backward[k] = s.backward;
     if (model_.splitBackward()) costs.weight[k] = s.weight;
     if (k < j) costs.comm[k] = model_.commSeconds(start_[k + 1]);
-    if (k == j) costs.comm[k] = model_.commSeconds(e);
+    if (k == j && k + 1 < stages_) costs.comm[k] = model_.commSeconds(e);
     if (k > j && k + 1 < stages_) costs.comm[k] = c_.machine.latencySeconds;
   }
-  const double makespan = model_.makespan(costs);
+  if (!replay_) replay_ = std::make_unique<MakespanReplay>(model_.schedule(), costs);
+  const double makespan = replay_->compiled() ? replay_->makespan(costs) : model_.makespan(costs);
   const int world = point_.mesh[0] * point_.mesh[1] * point_.mesh[2];
   const double shared = sharedRanksOf(c_.machine, world) * table_.totalBusy() / ranks_;
   return std::max(makespan, shared) + stepTermsBound(c_.machine, point_, c_.space.fsdp, 0.0, 0.0);
@@ -468,8 +503,8 @@ void PointSearch::descend(int j, const State& state) {
     }
     if (bounded_) {
       double here = bound(j, e, next);
-      if (!cannotBeat(here, threshold()) && j > 0 && j + 2 < stages_) {
-        here = std::max(here, simulatedBound(j, e));  // costs a simulation: inner levels only
+      if (!cannotBeat(here, threshold())) {
+        here = std::max(here, simulatedBound(j, e));  // the costliest bound: last
       }
       if (cannotBeat(here, threshold())) {
         ++c_.pruned;
@@ -503,6 +538,31 @@ void PointSearch::leaf() {
   consider(ranked(point_, balance, recompute_, model_.predict(balance, recompute_)));
 }
 
+// The smallest seed steps (the points' min-max balances that fit) seen so far.
+class Seeds {
+ public:
+  explicit Seeds(int keep) : keep_(keep) {}
+  void add(double step) { steps_.insert(std::upper_bound(steps_.begin(), steps_.end(), step), step); }
+  // The keep-th smallest seed: the keep-th best point is at least that good.
+  double bar() const {
+    return keep_ <= static_cast<int>(steps_.size()) ? steps_[keep_ - 1] : kInf;
+  }
+
+ private:
+  int keep_;
+  std::vector<double> steps_;
+};
+
+// A point that can matter: its model and its search, kept between the phases.
+struct Visited {
+  Visited(double b, const SpacePoint& p) : bound(b), point(p) {}
+  double bound;
+  SpacePoint point;
+  std::unique_ptr<PointModel> model;
+  std::unique_ptr<PointSearch> search;
+  bool seeded = false;
+};
+
 // The bound of a point before its schedule is built.
 double pointBound(Context& c, const SpacePoint& point) {
   const ScheduleTraits& traits = scheduleTraits(point.schedule);
@@ -535,30 +595,54 @@ SearchResult searchConfigurations(const std::vector<LayerCost>& layers,
   for (const SpacePoint& p : spacePoints(layers, space)) points.push_back({pointBound(c, p), p});
   std::stable_sort(points.begin(), points.end(),
                    [](const auto& x, const auto& y) { return x.first < y.first; });
-  Standings standings(space.candidates);
-  std::vector<Ranked> pointBests;
+  // Phase 1, by bound: every point that can matter scores its min-max balance
+  // (its seed). The (candidates + 1)-th smallest seed of the other points bounds
+  // what a point's best must beat to be the best or a runner-up.
+  Seeds seeds(space.candidates + 1);
+  std::vector<std::unique_ptr<Visited>> visited;
   Ranked fallback;
   bool anyFallback = false, anyBuilt = false;
   std::string refusal;
   for (const auto& [bound, point] : points) {
-    const double bar = standings.bar();
-    if (cannotBeat(bound, bar)) {
+    if (cannotBeat(bound, seeds.bar())) {
       ++c.pruned;
       continue;
     }
-    std::unique_ptr<PointModel> model;
+    auto v = std::make_unique<Visited>(bound, point);
     try {
-      model = std::make_unique<PointModel>(layers, space.batchSize, machine, pointOptions(point, space));
+      v->model = std::make_unique<PointModel>(layers, space.batchSize, machine, pointOptions(point, space));
     } catch (const std::invalid_argument& e) {
       if (refusal.empty()) refusal = e.what();
       continue;
     }
     anyBuilt = true;
-    Ranked best;
-    if (PointSearch(c, point, *model, bar).run(best, fallback, anyFallback)) {
-      standings.add(best.config.prediction.stepSeconds);
-      pointBests.push_back(std::move(best));
+    v->search = std::make_unique<PointSearch>(c, v->point, *v->model);
+    v->seeded = v->search->seed(fallback, anyFallback);
+    if (v->seeded) seeds.add(v->search->seedStep());
+    visited.push_back(std::move(v));
+  }
+  // Phase 2, the best seeds first: branch and bound inside each point.
+  std::stable_sort(visited.begin(), visited.end(), [](const auto& x, const auto& y) {
+    return x->seeded != y->seeded ? x->seeded : x->seeded && x->search->seedStep() < y->search->seedStep();
+  });
+  Standings standings(space.candidates);
+  std::vector<Ranked> pointBests;
+  for (auto& v : visited) {
+    // The bar may count the point's own seed: then its seed is already at
+    // least as good as the bar, and the point keeps it.
+    const double bar = std::min(standings.bar(), seeds.bar());
+    bool found = v->seeded;
+    if (cannotBeat(v->bound, bar)) {
+      ++c.pruned;
+    } else {
+      found = v->search->search(bar);
     }
+    // A seeded point keeps at least its seed: the other points' bars counted it.
+    if (found) {
+      standings.add(v->search->best().config.prediction.stepSeconds);
+      pointBests.push_back(std::move(v->search->best()));
+    }
+    v.reset();
   }
   if (!anyBuilt && pointBests.empty()) {
     throw std::invalid_argument(

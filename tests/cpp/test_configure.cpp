@@ -428,5 +428,41 @@ TEST(SearchConfigurations, EqualsTheEnumerationOnRandomInstances) {
   EXPECT_GE(pruning, 10);
 }
 
+// Nearly as many stages as layers, every flush schedule: the space where
+// near-equal balances abound, and where the points' seeds bound the runners-up,
+// the later stages' windows bound their costs and the simulation is replayed
+// at every node. Still the enumeration's result.
+TEST(SearchConfigurations, EqualsTheEnumerationWhenStagesNearlyMatchLayers) {
+  std::mt19937 rng(96);
+  std::vector<std::string> flush;
+  for (const std::string& name : scheduleNames()) {
+    if (!scheduleTraits(name).asynchronous) flush.push_back(name);
+  }
+  long long searched = 0, enumerated = 0;
+  int pruning = 0;
+  for (int trial = 0; trial < 12; ++trial) {
+    Instance x = randomInstance(rng);
+    while (x.layers.size() < 9) {
+      const Instance more = randomInstance(rng);
+      x.layers.insert(x.layers.end(), more.layers.begin(), more.layers.end());
+    }
+    x.layers.resize(9 + trial % 2);
+    x.space.worldSize = 8;
+    x.space.meshes = {{8, 1, 1}, {4, 2, 1}};
+    x.space.schedules = flush;
+    x.space.interleavedChunks = {2};
+    x.space.recompute = RecomputeChoice::kNever;
+    x.space.memoryBytes = 0.0;
+    const SearchResult all = enumerateConfigurations(x.layers, x.machine, x.space);
+    const SearchResult found = searchConfigurations(x.layers, x.machine, x.space);
+    expectSameResult(found, all, x, "instance " + std::to_string(trial));
+    searched += found.evaluated;
+    enumerated += all.evaluated;
+    pruning += found.pruned > 0 ? 1 : 0;
+  }
+  EXPECT_EQ(pruning, 12);
+  EXPECT_LT(searched * 10, enumerated);  // the bounds do prune
+}
+
 }  // namespace
 }  // namespace pipedream
