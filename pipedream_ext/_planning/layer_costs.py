@@ -26,6 +26,10 @@ How each number is measured (one process, no communication):
   model input is no layer's), never the model's parameters and buffers. A stage keeps,
   per microbatch in flight, its input plus the sum of its layers' kept bytes (exactly,
   but for a stage output no layer saves);
+- optimizer: ``torch.optim.Adam``'s step and ``zero_grad`` over copies of each layer's
+  parameters, less the same over one one-element parameter (the per-step part, the
+  calibration's ``step_seconds``). Adam is assumed (the user's optimizer does not exist
+  yet when the planner runs), as ``optimizer_state_factor=2`` assumes for memory;
 - a traced model's output bytes after a group are the bytes of every value made at
   or before it and used after it (the live set ``graph_split`` sends across such a
   cut: model inputs and skip connections included); its input bytes are those of the
@@ -167,6 +171,7 @@ class _Unit:
     parameter_bytes: float
     parameter_tensors: float = 0.0
     largest_parameter_bytes: float = 0.0
+    parameters: List[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -217,7 +222,7 @@ def _tensor_sizes(parameters: Sequence[torch.Tensor]) -> Tuple[float, float]:
 def _sequential_chain(module: nn.Sequential) -> _Chain:
     units = [_Unit(lambda vs, layer=layer: [layer(vs[0])], [i], [i + 1],
                    f"{name} ({type(layer).__name__})", _parameter_bytes(layer),
-                   *_tensor_sizes(list(layer.parameters())))
+                   *_tensor_sizes(list(layer.parameters())), list(layer.parameters()))
              for i, (name, layer) in enumerate(module.named_children())]
     n = len(units)
     return _Chain(units, [0], [n], lambda env: env[n], None)
@@ -231,7 +236,8 @@ def _traced_chain(grouped: GraphGroups) -> _Chain:
         runner = group_module(gm, group.nodes, ins[g], outs[g])
         tensors = list({id(p): p for p in map(gm.get_parameter, group.parameters)}.values())
         units.append(_Unit(lambda vs, runner=runner: list(runner(*vs)), list(ins[g]), list(outs[g]),
-                           group.description, group.parameter_bytes, *_tensor_sizes(tensors)))
+                           group.description, group.parameter_bytes, *_tensor_sizes(tensors),
+                           tensors))
     output = next(n for n in gm.graph.nodes if n.op == "output")
     keys = [a for a in output.all_input_nodes if a.op != "get_attr"]
 
@@ -476,10 +482,39 @@ def _harness_seconds(timer: Timer, device: torch.device, steps: int) -> Tuple[fl
             statistics.median(b() for b in backward[1:]) / 1e3)
 
 
+def _adam_seconds(parameters: Sequence[torch.Tensor], timer: Timer, steps: int) -> float:
+    """Median seconds of ``torch.optim.Adam``'s step and ``zero_grad`` over copies of
+    ``parameters`` (gradients of ones), after one step that creates its state."""
+    copies = [nn.Parameter(p.detach().clone()) for p in parameters]
+    optimizer = torch.optim.Adam(copies, lr=1e-3)
+    times = []
+    for _ in range(steps + 1):
+        for p in copies:
+            p.grad = torch.ones_like(p)
+        t0 = timer.start()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(timer.stop(t0))
+    timer.sync()
+    return statistics.median(t() for t in times[1:]) / 1e3
+
+
+def _optimizer_seconds(chain: _Chain, device: torch.device, timer: Timer,
+                       steps: int) -> List[float]:
+    """Each unit's share of the optimizer's step: Adam over its parameters less Adam over
+    one one-element parameter (the per-step part a rank pays once: the calibration's).
+    The planner cannot know the user's optimizer before it is made: Adam is assumed, as
+    ``optimizer_state_factor=2`` assumes for memory."""
+    base = _adam_seconds([torch.zeros(1, device=device)], timer, steps)
+    return [max(0.0, _adam_seconds(u.parameters, timer, steps) - base) if u.parameters else 0.0
+            for u in chain.units]
+
+
 def _costs(chain: _Chain, sizes: Sequence[int], sized: Sequence[_Sized],
-           harness: Tuple[float, float]) -> List[LayerCost]:
+           harness: Tuple[float, float], optimizer: Sequence[float]) -> List[LayerCost]:
     """Each unit's :class:`LayerCost` from the per-size measurements (seconds, bytes),
-    less what timing it on its own added (``harness``: forward, backward seconds)."""
+    less what timing it on its own added (``harness``: forward, backward seconds), with
+    its optimizer seconds."""
     top, b = sized[-1], sizes[-1]
     layers = []
     for g, unit in enumerate(chain.units):
@@ -492,7 +527,7 @@ def _costs(chain: _Chain, sizes: Sequence[int], sized: Sequence[_Sized],
             output_bytes_per_sample=top.live[g + 1] / b, stash_bytes_per_sample=top.kept[g] / b,
             input_bytes_per_sample=top.live[g] / b, parameter_bytes=unit.parameter_bytes,
             parameter_tensors=unit.parameter_tensors,
-            largest_parameter_bytes=unit.largest_parameter_bytes))
+            largest_parameter_bytes=unit.largest_parameter_bytes, optimizer_seconds=optimizer[g]))
     return layers
 
 
@@ -595,7 +630,8 @@ def measure_layer_costs(module: nn.Module, sample: Tuple[Any, Any], loss_fn: Los
                                state)
                  for b in sizes]
         harness = _harness_seconds(timer, device, max(steps, 5))
-    costs = LayerCosts(_costs(chain, sizes, sized, harness), [u.name for u in chain.units],
+        optimizer = _optimizer_seconds(chain, device, timer, max(steps, 5))
+    costs = LayerCosts(_costs(chain, sizes, sized, harness, optimizer), [u.name for u in chain.units],
                        chain.group_ids, sizes)
     log.info("measured %d layers of %s at microbatch sizes %s over %d steps: %.2f ms forward, "
              "%.2f ms backward per sample", len(costs.layers), type(module).__name__, sizes, steps,
