@@ -27,9 +27,10 @@ How each number is measured (one process, no communication):
   per microbatch in flight, its input plus the sum of its layers' kept bytes (exactly,
   but for a stage output no layer saves);
 - optimizer: ``torch.optim.Adam``'s step and ``zero_grad`` over copies of each layer's
-  parameters, less the same over one one-element parameter (the per-step part, the
-  calibration's ``step_seconds``). Adam is assumed (the user's optimizer does not exist
-  yet when the planner runs), as ``optimizer_state_factor=2`` assumes for memory;
+  parameters, less the per-step part every step pays once (the calibration's
+  ``step_seconds``), scaled to Adam over all layers right after a forward and backward
+  (colder caches, fresh gradients). Adam is assumed (the user's optimizer does not
+  exist yet when the planner runs), as ``optimizer_state_factor=2`` assumes for memory;
 - a traced model's output bytes after a group are the bytes of every value made at
   or before it and used after it (the live set ``graph_split`` sends across such a
   cut: model inputs and skip connections included); its input bytes are those of the
@@ -482,15 +483,20 @@ def _harness_seconds(timer: Timer, device: torch.device, steps: int) -> Tuple[fl
             statistics.median(b() for b in backward[1:]) / 1e3)
 
 
-def _adam_seconds(parameters: Sequence[torch.Tensor], timer: Timer, steps: int) -> float:
+def _adam_seconds(parameters: Sequence[torch.Tensor], timer: Timer, steps: int,
+                  before: Optional[Callable[[], None]] = None) -> float:
     """Median seconds of ``torch.optim.Adam``'s step and ``zero_grad`` over copies of
-    ``parameters`` (gradients of ones), after one step that creates its state."""
+    ``parameters``, after one step that creates its state. Each step's gradients are the
+    parameters' own after ``before()`` (a forward and backward: the caches and the
+    allocator as a training step leaves them), or ones."""
     copies = [nn.Parameter(p.detach().clone()) for p in parameters]
     optimizer = torch.optim.Adam(copies, lr=1e-3)
     times = []
     for _ in range(steps + 1):
-        for p in copies:
-            p.grad = torch.ones_like(p)
+        if before is not None:
+            before()
+        for copy, p in zip(copies, parameters):
+            copy.grad = p.grad if before is not None and p.grad is not None else torch.ones_like(copy)
         t0 = timer.start()
         optimizer.step()
         optimizer.zero_grad()
@@ -499,15 +505,31 @@ def _adam_seconds(parameters: Sequence[torch.Tensor], timer: Timer, steps: int) 
     return statistics.median(t() for t in times[1:]) / 1e3
 
 
-def _optimizer_seconds(chain: _Chain, device: torch.device, timer: Timer,
-                       steps: int) -> List[float]:
-    """Each unit's share of the optimizer's step: Adam over its parameters less Adam over
-    one one-element parameter (the per-step part a rank pays once: the calibration's).
-    The planner cannot know the user's optimizer before it is made: Adam is assumed, as
+def _optimizer_seconds(chain: _Chain, timer: Timer, steps: int,
+                       train_step: Callable[[], None]) -> List[float]:
+    """Each unit's share of the optimizer's step: Adam over its parameters less the
+    per-step part a rank pays once (the calibration's ``step_seconds`` holds it), scaled
+    to Adam over all of them right after a training step (colder caches, fresh
+    gradients: what a rank's step sees).
+
+    The per-step part ``fixed`` is what the units' separate steps count once each and
+    the step over all of them once: ``(sum of unit steps - all) / (units - 1)``. The
+    planner cannot know the user's optimizer before it is made: Adam is assumed, as
     ``optimizer_state_factor=2`` assumes for memory."""
-    base = _adam_seconds([torch.zeros(1, device=device)], timer, steps)
-    return [max(0.0, _adam_seconds(u.parameters, timer, steps) - base) if u.parameters else 0.0
-            for u in chain.units]
+    owners = [g for g, u in enumerate(chain.units) if u.parameters]
+    shares = [0.0] * len(chain.units)
+    if not owners:
+        return shares
+    alone = {g: _adam_seconds(chain.units[g].parameters, timer, steps) for g in owners}
+    every = [p for g in owners for p in chain.units[g].parameters]
+    together = _adam_seconds(every, timer, steps)
+    in_step = _adam_seconds(every, timer, steps, before=train_step)
+    fixed = (sum(alone.values()) - together) / (len(owners) - 1) if len(owners) > 1 else 0.0
+    fixed = min(max(0.0, fixed), min(alone.values()))
+    scale = in_step / together if together > 0 else 1.0
+    for g in owners:
+        shares[g] = (alone[g] - fixed) * scale
+    return shares
 
 
 def _costs(chain: _Chain, sizes: Sequence[int], sized: Sequence[_Sized],
@@ -630,7 +652,14 @@ def measure_layer_costs(module: nn.Module, sample: Tuple[Any, Any], loss_fn: Los
                                state)
                  for b in sizes]
         harness = _harness_seconds(timer, device, max(steps, 5))
-        optimizer = _optimizer_seconds(chain, device, timer, max(steps, 5))
+        top = sizes[-1]
+
+        def train_step() -> None:  # one step at the largest size, as _measure_size runs it
+            env: Dict[Hashable, Any] = dict(zip(chain.inputs, _microbatch(values, top, batch)))
+            step = _forward(chain, env, timer, None)
+            grads = _loss(chain, env, loss_fn, _microbatch(sample[1], top, batch), timer, None)[0]
+            _backward(chain, step, grads, timer)
+        optimizer = _optimizer_seconds(chain, timer, max(steps, 5), train_step)
     costs = LayerCosts(_costs(chain, sizes, sized, harness, optimizer), [u.name for u in chain.units],
                        chain.group_ids, sizes)
     log.info("measured %d layers of %s at microbatch sizes %s over %d steps: %.2f ms forward, "
