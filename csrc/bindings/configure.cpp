@@ -56,7 +56,8 @@ LayerCost layerFromDict(const py::dict& d) {
             {"input_bytes_per_sample", into(c.inputBytesPerSample)},
             {"parameter_bytes", into(c.parameterBytes)},
             {"parameter_tensors", into(c.parameterTensors)},
-            {"largest_parameter_bytes", into(c.largestParameterBytes)}},
+            {"largest_parameter_bytes", into(c.largestParameterBytes)},
+            {"optimizer_seconds", into(c.optimizerSeconds)}},
            "layer");
   return c;
 }
@@ -72,6 +73,7 @@ MachineCosts machineFromDict(const py::dict& d) {
   readDict(d,
            {{"action_seconds", into(m.actionSeconds)},
             {"send_seconds", into(m.sendSeconds)},
+            {"send_seconds_per_byte", into(m.sendSecondsPerByte)},
             {"step_seconds", into(m.stepSeconds)},
             {"latency_seconds", into(m.latencySeconds)},
             {"bandwidth", into(m.bandwidth)},
