@@ -177,8 +177,10 @@ class Prediction:
 class Configuration:
     """One whole configuration: what the planner chose (or the user fixed) and what it
     predicts. ``recompute`` has one flag per stage, ``balance`` the layers per stage
-    (``pp * chunks`` stages), ``mesh`` is ``(pp, dp, tp)``; ``candidates`` are the
-    runners-up of a search, best first, each with its prediction."""
+    (``pp * chunks`` stages), ``mesh`` is ``(pp, dp, tp)``; ``data_parallel`` how dp
+    holds the stages (``"fsdp"`` or ``"replicate"``; ``None`` with ``dp = 1`` or in a plan
+    file written before it was recorded); ``candidates`` are the runners-up of a search,
+    best first, each with its prediction."""
 
     schedule: str
     microbatches: int
@@ -189,6 +191,7 @@ class Configuration:
     mesh: Tuple[int, int, int] = (1, 1, 1)
     prediction: Optional[Prediction] = None
     candidates: List["Configuration"] = dataclasses.field(default_factory=list)
+    data_parallel: Optional[str] = None
 
     @property
     def predicted_step_seconds(self) -> Optional[float]:
@@ -205,7 +208,7 @@ class Configuration:
         return {"schedule": self.schedule, "chunks": self.chunks,
                 "microbatches": self.microbatches, "balance": list(self.balance),
                 "replicas": list(self.replicas), "recompute": list(self.recompute),
-                "mesh": list(self.mesh),
+                "mesh": list(self.mesh), "data_parallel": self.data_parallel,
                 "prediction": None if self.prediction is None else self.prediction.to_dict(),
                 "candidates": [c.to_dict() for c in self.candidates]}
 
@@ -214,7 +217,8 @@ class Configuration:
         """Reads :meth:`to_dict`'s form back.
 
         Raises:
-            ValueError: an unknown or missing key, or a mesh that is not three counts.
+            ValueError: an unknown or missing key, a mesh that is not three counts, or a
+                ``data_parallel`` other than ``"fsdp"``, ``"replicate"`` or ``None``.
         """
         fields = _strict_fields(cls, d, "configuration")
         for key in ("schedule", "microbatches", "balance"):
@@ -223,13 +227,17 @@ class Configuration:
         mesh = tuple(int(x) for x in fields.get("mesh", (1, 1, 1)))
         if len(mesh) != 3:
             raise ValueError(f"configuration: mesh must be (pp, dp, tp) (got {list(mesh)})")
+        data_parallel = fields.get("data_parallel")
+        if data_parallel not in (None, "fsdp", "replicate"):
+            raise ValueError(f"configuration: data_parallel must be 'fsdp', 'replicate' or null "
+                             f"(got {data_parallel!r})")
         prediction = fields.get("prediction")
         return cls(schedule=str(fields["schedule"]), microbatches=int(fields["microbatches"]),
                    balance=[int(x) for x in fields["balance"]],
                    chunks=int(fields.get("chunks", 1)),
                    replicas=[int(x) for x in fields.get("replicas", [])],
                    recompute=[bool(x) for x in fields.get("recompute", [])],
-                   mesh=(mesh[0], mesh[1], mesh[2]),
+                   mesh=(mesh[0], mesh[1], mesh[2]), data_parallel=data_parallel,
                    prediction=None if prediction is None else Prediction.from_dict(prediction),
                    candidates=[cls.from_dict(c) for c in fields.get("candidates", [])])
 
@@ -248,7 +256,8 @@ class Configuration:
         pp, dp, tp = self.mesh
         recompute = [j for j, r in enumerate(self.recompute) if r]
         lines = [f"configuration: schedule {self.schedule} (chunks {self.chunks}), "
-                 f"{self.microbatches} microbatches, mesh pp={pp} dp={dp} tp={tp}",
+                 f"{self.microbatches} microbatches, mesh pp={pp} dp={dp} tp={tp}"
+                 + (f" ({self.data_parallel})" if self.data_parallel else ""),
                  f"  balance {self.balance}, recompute stages {recompute or 'none'}"]
         if self.prediction is not None:
             p = self.prediction
@@ -288,7 +297,8 @@ def _row(config: Configuration) -> List[str]:
     p = config.prediction
     recompute = "".join("1" if r else "0" for r in config.recompute) or "-"
     return [config.schedule, str(config.chunks), str(config.microbatches),
-            "x".join(str(x) for x in config.mesh), ",".join(str(x) for x in config.balance),
+            "x".join(str(x) for x in config.mesh) +
+            (f" {config.data_parallel}" if config.data_parallel else ""), ",".join(str(x) for x in config.balance),
             recompute,
             "-" if p is None else f"{p.step_seconds * 1e3:.3f}",
             "-" if p is None else f"{p.bubble_fraction:.2f}",

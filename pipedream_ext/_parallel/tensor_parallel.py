@@ -52,7 +52,7 @@ from . import tp_agree
 
 __all__ = ["CutLayout", "CutLayouts", "LayoutExchange", "TensorParallel", "check_option", "check_sequence_length",
            "check_split_points", "describe_plan", "kept_calls", "local", "matched_patterns",
-           "sequence_parallel"]
+           "sequence_parallel", "uneven_split"]
 
 def _qualified(value: Any) -> str:
     """A function's (or class's) qualified name, else its type's."""
@@ -187,6 +187,37 @@ def check_sequence_length(plan: Any, tp_size: int, inputs: Any) -> None:
                 f"which does not split evenly over tp={tp_size}: tensor_parallel's SequenceParallel "
                 f"styles shard the sequence over the tp ranks in equal parts; use a sequence "
                 f"length divisible by {tp_size} (pad it to {-(-length // tp_size) * tp_size})")
+
+
+def uneven_split(plan: Any, module: nn.Module, tp_size: int) -> Optional[str]:
+    """What a dict plan would split unevenly over ``tp_size`` ranks (``mesh="auto"`` keeps
+    such a tp out of its candidates): the first ``nn.Linear`` or ``nn.Embedding`` a
+    ``ColwiseParallel`` or ``RowwiseParallel`` pattern matches whose split dimension tp
+    does not divide (column-wise: a Linear's outputs, an Embedding's width; row-wise: a
+    Linear's inputs, an Embedding's rows), as ``"name: size over tp"``; ``None`` when
+    every split is even, or for a callable (whose splits cannot be seen: the runtime
+    refuses an uneven one at construction, ``tp_agree``).
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel  # noqa: PLC0415 - only with tp
+
+    if not isinstance(plan, Mapping) or tp_size == 1:
+        return None
+    for name, sub in module.named_modules():
+        for pattern, style in plan.items():
+            if not name or not _matches(pattern, name):
+                continue
+            column = isinstance(style, ColwiseParallel)
+            if not column and not isinstance(style, RowwiseParallel):
+                continue
+            if isinstance(sub, nn.Linear):
+                size = sub.out_features if column else sub.in_features
+            elif isinstance(sub, nn.Embedding):
+                size = sub.embedding_dim if column else sub.num_embeddings
+            else:
+                continue
+            if size % tp_size:
+                return f"{name} ({type(style).__name__}): {size} over tp={tp_size}"
+    return None
 
 
 def _matches(pattern: str, name: str) -> bool:
