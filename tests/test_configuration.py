@@ -10,7 +10,6 @@ import json
 from typing import List
 
 import pytest
-
 from torch import nn
 
 from pipedream_ext import configuration
