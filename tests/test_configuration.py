@@ -196,11 +196,11 @@ def test_module_example_runs() -> None:
 
 
 # -- mesh="auto" and data_parallel="auto" (the frontend's searches) ---------------------------
-def _request(meshes, fsdp=(False, True), global_batch=False, memory=None):
+def _request(meshes, fsdp=(False, True), global_batch=False, memory=None, microbatches=None):
     from pipedream_ext._parallel.auto_mesh import runs_on_device_mesh
     from pipedream_ext._planning.choose import Request
 
-    return Request(schedules=["1f1b"], microbatches=None, chunks=(2,), balance=None,
+    return Request(schedules=["1f1b"], microbatches=microbatches, chunks=(2,), balance=None,
                    recompute="never", memory=memory, meshes=meshes, fsdp=fsdp,
                    global_batch=global_batch,
                    on_mesh=[m for m in meshes if runs_on_device_mesh(m)])
@@ -253,6 +253,12 @@ def test_mesh_auto_compares_every_factorisation_on_one_global_batch() -> None:
     # Costly collectives: the pipeline over the world wins.
     slow = MachineCosts(all_reduce_latency_seconds=1e3)
     assert best_of(_layers(), slow, request, 8)[0].mesh == (4, 1, 1)
+    # 3 microbatches: only the pipeline without a mesh may split 8 rows unevenly.
+    three = _request(meshes, global_batch=True, microbatches=[3])
+    assert best_of(_layers(), machine, three, 8)[0].mesh == (4, 1, 1)
+    with pytest.raises(ValueError, match=r"microbatches=\[3\] fits no pipeline's batch of the "
+                                         r"candidate meshes \[\[2, 2, 1\]\]"):
+        best_of(_layers(), machine, _request([(2, 2, 1)], global_batch=True, microbatches=[3]), 8)
 
 
 def test_tensor_parallel_sizes_are_those_the_plan_splits_evenly() -> None:

@@ -35,7 +35,7 @@ from .layer_costs import LayerCosts, default_microbatch_sizes, measure_layer_cos
 
 __all__ = ["COST_MODEL", "Measuring", "Request", "best_of", "choose", "costs_of_profile",
            "microbatch_sizes", "plan_of", "predict_fixed", "sample_rows", "schedule_candidates",
-           "search_profile"]
+           "search_profile", "unsearchable"]
 
 _log = logging.getLogger(__name__)
 
@@ -124,9 +124,7 @@ def best_of(layers: Sequence[LayerCost], machine: MachineCosts, request: Request
     """
     searches = request.searches(rows)
     if not searches:
-        raise ValueError(f"no candidate mesh {[list(m) for m in request.meshes]} can split the "
-                         f"sample's {rows} rows into microbatches {request.microbatches}: give a "
-                         "sample whose rows every data-parallel size divides, or other microbatches")
+        raise unsearchable(request, rows)
     found: List[Tuple[Configuration, int]] = []
     errors = []
     for batch, fsdp, arguments in searches:
@@ -146,6 +144,17 @@ def best_of(layers: Sequence[LayerCost], machine: MachineCosts, request: Request
     best, batch = found[0]
     best.candidates = [c for c, _ in found[1:candidates + 1]]
     return best, batch
+
+
+def unsearchable(request: Request, rows: int) -> ValueError:
+    """The error of a request with no search (:meth:`Request.searches` empty): its fixed
+    microbatch count fits no candidate pipeline's batch."""
+    split = " split over dp" if request.global_batch else ""
+    return ValueError(
+        f"microbatches={request.microbatches} fits no pipeline's batch of the candidate meshes "
+        f"{[list(m) for m in request.meshes]} (the sample's {rows} rows{split}): a count must "
+        "be at most a pipeline's rows and, on a mesh, divide them; give microbatches='auto' or "
+        "such a count")
 
 
 def schedule_candidates(schedule: str, chunks: int, num_layers: int, pp: int,
@@ -255,9 +264,11 @@ def choose(measuring: Measuring, request: Request) -> Tuple[Configuration, Plan]
 
     def search(machine: MachineCosts) -> str:
         started = time.perf_counter()
+        searches = request.searches(rows)
+        if not searches:
+            raise unsearchable(request, rows)
         costs = measuring.costs([(batch, arguments["microbatches"])
-                                 for batch, _, arguments in request.searches(rows)] or
-                                [(rows, request.microbatches or [1])])
+                                 for batch, _, arguments in searches])
         measured = time.perf_counter()
         best, batch = best_of(costs.layers, machine, request, rows)
         _log.info("measured %d layers in %.2f s, searched in %.3f s", len(costs.layers),
