@@ -56,7 +56,9 @@ LayerCost layerFromDict(const py::dict& d) {
             {"input_bytes_per_sample", into(c.inputBytesPerSample)},
             {"parameter_bytes", into(c.parameterBytes)},
             {"parameter_tensors", into(c.parameterTensors)},
-            {"largest_parameter_bytes", into(c.largestParameterBytes)}},
+            {"largest_parameter_bytes", into(c.largestParameterBytes)},
+            {"tp_collectives", into(c.tpCollectives)},
+            {"tp_collective_bytes_per_sample", into(c.tpCollectiveBytesPerSample)}},
            "layer");
   return c;
 }
@@ -80,7 +82,8 @@ MachineCosts machineFromDict(const py::dict& d) {
             {"optimizer_seconds_per_byte", into(m.optimizerSecondsPerByte)},
             {"optimizer_seconds_per_tensor", into(m.optimizerSecondsPerTensor)},
             {"cores", into(m.cores)},
-            {"ranks_per_node", into(m.ranksPerNode)}},
+            {"ranks_per_node", into(m.ranksPerNode)},
+            {"fsdp_call_seconds", into(m.fsdpCallSeconds)}},
            "machine");
   return m;
 }

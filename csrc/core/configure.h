@@ -26,8 +26,13 @@
 //     the simulated makespans of two windows and one (fill and drain cancel);
 //   - per step: stepSeconds, the optimizer (optimizerSecondsPerByte times the
 //     rank's parameter bytes plus optimizerSecondsPerTensor times its
-//     parameter tensors) and the data-parallel gradient all-reduce (or
-//     FSDP's reduce-scatter + all-gather) of every stage over dp;
+//     parameter tensors) and the data-parallel gradient all-reduce of every
+//     stage over dp (replicate: one flat all-reduce per stage), or FSDP's
+//     calls as the runtime issues them: one all-gather and one reduce-scatter
+//     per unit (a layer with parameters) per step, fsdpCallSeconds each;
+//   - tensor parallelism: each microbatch's forward and backward of a layer
+//     add its tpCollectives all-reduces over tp (half in each), not divided
+//     by tp;
 //   - memory per rank: weights, gradients and optimizer state
 //     (optimizerStateFactor x weights; / dp under FSDP; / tp), plus the
 //     activations in flight as the simulator counts them for the schedule
@@ -64,6 +69,12 @@ struct LayerCost {
   double parameterBytes = 0.0;
   double parameterTensors = 0.0;       // the optimizer pays per tensor
   double largestParameterBytes = 0.0;  // its largest parameter tensor (transients)
+  // Tensor parallelism (tp > 1) over this layer: the collectives a plan adds per
+  // microbatch, forward and backward together (Megatron: a row-parallel output
+  // all-reduce in forward, a column-parallel input-gradient all-reduce in
+  // backward), and the bytes per sample they reduce. 0: the plan leaves it whole.
+  double tpCollectives = 0.0;
+  double tpCollectiveBytesPerSample = 0.0;
 };
 
 // What the machine adds to the layers' compute, measured at start-up by a
@@ -80,6 +91,10 @@ struct MachineCosts {
   double optimizerSecondsPerTensor = 0.0;  // and per parameter tensor (per-tensor kernels)
   int cores = 0;         // cores the ranks of one node share; 0 = one core per rank
   int ranksPerNode = 0;  // 0 = every rank on one node
+  // One FSDP collective call of one unit in a step (its all-gather or its
+  // reduce-scatter, with the hooks and copies around it); 0 = an all-reduce's
+  // latency.
+  double fsdpCallSeconds = 0.0;
 };
 
 enum class RecomputeChoice {

@@ -220,7 +220,8 @@ double stepTermsBound(const MachineCosts& machine, const SpacePoint& point, bool
   const double bytes = rankBytes / point.mesh[2];
   double bound = machine.stepSeconds + optimizer;
   if (dp > 1) {
-    bound += point.chunks * (fsdp ? 2 : 1) * machine.allReduceLatencySeconds +
+    // FSDP's calls are per unit (a layer with parameters): a stage may have none.
+    bound += (fsdp ? 0 : point.chunks) * machine.allReduceLatencySeconds +
              2.0 * (dp - 1) / dp * bytes / machine.allReduceBandwidth;
   }
   return bound;
