@@ -376,11 +376,12 @@ double PointModel::peakBytes(int rank, const std::vector<int>& start,
 }
 
 // The seconds of a rank's per-step dp calls, as the runtime issues them:
-// replicate, one flat all-reduce per stage (data_parallel.py); FSDP, one
-// all-gather (the first forward; reshard_after_forward=False keeps it for the
-// step) and one reduce-scatter (deferred to the step's end) per unit (fsdp.py).
-double PointModel::collectiveCalls(size_t stages, double units) const {
-  if (!options_.fsdp) return static_cast<double>(stages) * machine_.allReduceLatencySeconds;
+// replicate, one flat all-reduce per stage with parameters (data_parallel.py);
+// FSDP, one all-gather (the first forward; reshard_after_forward=False keeps it
+// for the step) and one reduce-scatter (deferred to the step's end) per unit
+// (fsdp.py).
+double PointModel::collectiveCalls(double stages, double units) const {
+  if (!options_.fsdp) return stages * machine_.allReduceLatencySeconds;
   const double call = machine_.fsdpCallSeconds > 0 ? machine_.fsdpCallSeconds
                                                    : machine_.allReduceLatencySeconds;
   return 2.0 * units * call;
@@ -391,15 +392,17 @@ void PointModel::stepTerms(const std::vector<int>& start, Prediction& p) const {
   const int dp = options_.dp;
   double overhead = 0.0, allReduce = 0.0;
   for (int r = 0; r < ranks_; ++r) {
-    double bytes = 0.0, tensors = 0.0, units = 0.0;
+    double bytes = 0.0, tensors = 0.0, units = 0.0, holding = 0.0;
     for (int j : rankStages_[r]) {
       bytes += sums_->parameters.over(start[j], start[j + 1]);
       tensors += sums_->tensors.over(start[j], start[j + 1]);
-      units += sums_->units.over(start[j], start[j + 1]);
+      const double stageUnits = sums_->units.over(start[j], start[j + 1]);
+      units += stageUnits;
+      holding += stageUnits > 0 ? 1.0 : 0.0;
     }
     bytes /= options_.tp;
     if (dp > 1) {
-      allReduce = std::max(allReduce, collectiveCalls(rankStages_[r].size(), units) +
+      allReduce = std::max(allReduce, collectiveCalls(holding, units) +
                                           2.0 * (dp - 1) / dp * bytes / machine_.allReduceBandwidth);
     }
     const double owned = options_.fsdp ? bytes / dp : bytes;

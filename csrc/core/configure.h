@@ -26,8 +26,8 @@
 //     the simulated makespans of two windows and one (fill and drain cancel);
 //   - per step: stepSeconds, the optimizer (optimizerSecondsPerByte times the
 //     rank's parameter bytes plus optimizerSecondsPerTensor times its
-//     parameter tensors) and the data-parallel gradient all-reduce of every
-//     stage over dp (replicate: one flat all-reduce per stage), or FSDP's
+//     parameter tensors) and the data-parallel gradient all-reduce over dp
+//     (replicate: one flat all-reduce per stage with parameters), or FSDP's
 //     calls as the runtime issues them: one all-gather and one reduce-scatter
 //     per unit (a layer with parameters) per step, fsdpCallSeconds each;
 //   - tensor parallelism: each microbatch's forward and backward of a layer

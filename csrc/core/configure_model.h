@@ -129,7 +129,7 @@ class PointModel {
   Transients transients(int a, int e) const;
   double stateBytes(int rank, const std::vector<int>& start) const;
   void stepTerms(const std::vector<int>& start, Prediction& p) const;
-  double collectiveCalls(size_t stages, double units) const;
+  double collectiveCalls(double stages, double units) const;
 
   const std::vector<LayerCost>& layers_;
   MachineCosts machine_;

@@ -165,7 +165,12 @@ TEST(PredictConfiguration, FsdpPaysItsMeasuredCallPerUnitWithParameters) {
   // Replicate ignores it: one all-reduce per stage.
   const Prediction replicated = predictConfiguration(layers, 4, m, c);
   EXPECT_DOUBLE_EQ(replicated.allReduceSeconds, 0.5 + 2.0);
+  // A stage without parameters makes no call, replicated or sharded.
+  for (LayerCost& l : layers) l.parameterBytes = 0;
+  EXPECT_DOUBLE_EQ(predictConfiguration(layers, 4, m, c).allReduceSeconds, 0.0);
+  EXPECT_DOUBLE_EQ(predictConfiguration(layers, 4, m, c, 0.0, 2.0, true).allReduceSeconds, 0.0);
   // dp = 1: nothing to synchronise.
+  layers = uniformLayers();
   c.dp = 1;
   EXPECT_DOUBLE_EQ(predictConfiguration(layers, 4, m, c, 0.0, 2.0, true).allReduceSeconds, 0.0);
 }
