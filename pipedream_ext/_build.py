@@ -47,7 +47,7 @@ from ._frontend.tied_params import (
     find_shared,
     find_shared_in_stages,
 )
-from ._parallel import auto_mesh
+from ._parallel import auto_mesh, tp_costs
 from ._parallel.data_parallel import DataParallel
 from ._parallel.dims import ParallelDims, check_schedule, resolve_dims
 from ._parallel.fsdp import refuse_split_ties
@@ -608,6 +608,12 @@ def _request(args: PipelineArguments, given: Optional[ParallelDims],
     if given is None:
         world = dist.get_world_size()
         tps = auto_mesh.tp_sizes(world, args.tensor_parallel, args.module, args.sample[0])
+        traffic = _tp_traffic(args, traced, tps)
+        if traffic is None and len(tps) > 1:
+            _log.info("mesh='auto': tp %s left out: a callable tensor_parallel plan's collectives "
+                      "cannot be seen, so the cost model could not price them (a dict plan can "
+                      "be; or give a mesh)", tps[1:])
+            tps = [1]
         meshes = auto_mesh.mesh_candidates(world, rows, layers, tps)
         if not meshes:
             raise ValueError(
@@ -619,6 +625,7 @@ def _request(args: PipelineArguments, given: Optional[ParallelDims],
     else:
         meshes = [(given.pp_size, given.dp_size, given.tp_size)]
         on_mesh = meshes if given.on_mesh else []
+        traffic = _tp_traffic(args, traced, [given.tp_size])
     fsdp = (False, True) if args.data_parallel == AUTO else \
         (given.fsdp_enabled,) if given is not None else (args.data_parallel == "fsdp",)
     return choose.Request(
@@ -628,7 +635,18 @@ def _request(args: PipelineArguments, given: Optional[ParallelDims],
         chunks=(args.chunks,) if args.chunks != 1 else (2,),
         balance=None if args.balance in (None, AUTO) else list(args.balance),
         recompute=_recompute_request(args.recompute), memory=args.memory, meshes=meshes,
-        fsdp=fsdp, global_batch=given is None, on_mesh=on_mesh)
+        fsdp=fsdp, global_batch=given is None, on_mesh=on_mesh,
+        tp_traffic=traffic or ())
+
+
+def _tp_traffic(args: PipelineArguments, traced: Optional[GraphGroups],
+                tps: Sequence[int]) -> Optional[List[Tuple[float, float]]]:
+    """The collectives ``args.tensor_parallel`` adds per layer of the chain
+    (``tp_costs.plan_traffic``): ``[]`` without tp > 1 or for a traced model (not priced),
+    ``None`` for a callable plan."""
+    if args.tensor_parallel is None or max(tps) == 1 or traced is not None:
+        return []
+    return tp_costs.plan_traffic(args.tensor_parallel, args.module, args.sample[0])
 
 
 def _placed(args: PipelineArguments, chosen: Configuration,

@@ -54,7 +54,10 @@ class LayerCost:
     part of the backward that is the weight gradient (split-backward schedules);
     ``parameter_tensors`` how many tensors its parameters are (the optimizer pays per
     tensor) and ``largest_parameter_bytes`` the largest one (Adam's step and a fresh
-    gradient are transients of that size).
+    gradient are transients of that size). ``tp_collectives`` and
+    ``tp_collective_bytes_per_sample``: the all-reduces a ``tensor_parallel=`` plan adds to
+    one microbatch's forward and backward of this layer at ``tp > 1`` and the bytes per
+    sample they reduce (0: the plan leaves the layer whole).
     """
 
     forward_fixed: float = 0.0
@@ -68,6 +71,8 @@ class LayerCost:
     parameter_bytes: float = 0.0
     parameter_tensors: float = 0.0
     largest_parameter_bytes: float = 0.0
+    tp_collectives: float = 0.0
+    tp_collective_bytes_per_sample: float = 0.0
 
     def to_dict(self) -> Dict[str, float]:
         """Returns the fields by name (the binding's layer dict; JSON-able)."""
@@ -89,7 +94,9 @@ class MachineCosts:
     ``_planning.calibration``): per-action, per-send and per-step overheads, point-to-point
     and all-reduce latency and bandwidth, the optimizer's seconds per parameter byte and
     per parameter tensor,
-    and the cores the ranks of one node share (0: one core per rank)."""
+    and the cores the ranks of one node share (0: one core per rank);
+    ``fsdp_call_seconds``: one FSDP collective call of one unit in a step (its all-gather
+    or reduce-scatter with the hooks and copies around it; 0: an all-reduce's latency)."""
 
     action_seconds: float = 0.0
     send_seconds: float = 0.0
@@ -102,6 +109,7 @@ class MachineCosts:
     optimizer_seconds_per_tensor: float = 0.0
     cores: int = 0
     ranks_per_node: int = 0
+    fsdp_call_seconds: float = 0.0
 
     def to_dict(self) -> Dict[str, Any]:
         """Returns the fields by name (the binding's machine dict; JSON-able)."""

@@ -271,3 +271,56 @@ def test_tensor_parallel_sizes_are_those_the_plan_splits_evenly() -> None:
     assert tp_sizes(4, None, model, None) == [1]
     assert tp_sizes(4, plan, model, None) == [1, 2]  # 6 outputs do not split over 4
     assert tp_sizes(4, lambda stage, mesh: None, model, None) == [1, 2, 4]  # unseen: the runtime checks
+
+
+def test_fsdp_pays_its_measured_call_per_unit_and_loses_where_calls_are_costly() -> None:
+    from pipedream_ext._planning.choose import best_of
+
+    # 4 layers with parameters on the one stage of (1, 2, 1): 4 units, an all-gather and
+    # a reduce-scatter each per step (the runtime's calls, _parallel/fsdp.py).
+    config = Configuration(schedule="gpipe", microbatches=1, balance=[4], mesh=(1, 2, 1))
+    free = predict(_layers(), MachineCosts(), config, 4, fsdp=True).all_reduce_seconds
+    measured = MachineCosts(fsdp_call_seconds=0.5)
+    paid = predict(_layers(), measured, config, 4, fsdp=True).all_reduce_seconds
+    assert paid == pytest.approx(free + 4 * 2 * 0.5)
+    # Replicate pays one all-reduce per stage, whatever FSDP's calls cost.
+    assert predict(_layers(), measured, config, 4).all_reduce_seconds == pytest.approx(
+        predict(_layers(), MachineCosts(), config, 4).all_reduce_seconds)
+    # A costly optimizer alone favours FSDP (1/dp of it per rank); FSDP's measured calls
+    # (8 of them) outweigh the optimizer it saves: replicate is chosen.
+    costly = MachineCosts(optimizer_seconds_per_byte=0.01)
+    assert best_of(_layers(), costly, _request([(2, 2, 1)]), 8)[0].data_parallel == "fsdp"
+    calls = dataclasses.replace(costly, fsdp_call_seconds=1.0)
+    assert best_of(_layers(), calls, _request([(2, 2, 1)]), 8)[0].data_parallel == "replicate"
+    assert MachineCosts.from_dict(calls.to_dict()) == calls
+
+
+def test_tensor_parallel_collectives_are_priced_from_a_dict_plan() -> None:
+    import torch
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from pipedream_ext._parallel.tp_costs import plan_traffic
+    from pipedream_ext._planning.choose import best_of, with_tp_traffic
+
+    block = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    model = nn.Sequential(nn.Linear(4, 8), block, nn.Sequential(nn.ReLU()), nn.Linear(8, 2))
+    plan = {"1.0": ColwiseParallel(), "1.2": RowwiseParallel(),
+            "3": RowwiseParallel(input_layouts=Shard(1), output_layouts=Shard(1))}
+    x = torch.randn(5, 4)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    traffic = plan_traffic(plan, model, x)
+    # Layer 1 (Megatron's pair): the column-parallel input gradient (8 floats) in
+    # backward, the row-parallel output (8 floats) in forward; layer 3's sequence-sharded
+    # output: a reduce-scatter and an all-gather of its 2 floats; the rest: nothing.
+    assert traffic == [(0.0, 0.0), (2.0, 64.0), (0.0, 0.0), (2.0, 8.0)]
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert plan_traffic(lambda stage, mesh: None, model, x) is None  # a callable: unseen
+    # The search sees them: tp 2 with its all-reduces loses to dp 2 on costly calls.
+    layers = with_tp_traffic(_layers(), [(2.0, 64.0)] * 4)
+    assert layers[0].tp_collectives == 2.0 and with_tp_traffic(_layers(), []) == _layers()
+    slow = MachineCosts(all_reduce_latency_seconds=10.0)
+    free, _ = best_of(_layers(), slow, _request([(1, 1, 2), (1, 2, 1)]), 8)
+    assert free.mesh == (1, 1, 2), free.table()  # unpriced: tp halves the compute
+    priced, _ = best_of(layers, slow, _request([(1, 1, 2), (1, 2, 1)]), 8)
+    assert priced.mesh == (1, 2, 1), priced.table()

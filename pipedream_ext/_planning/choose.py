@@ -30,6 +30,7 @@ from .._dist import collectives
 from ..configuration import Configuration, LayerCost, MachineCosts
 from ..planner import Plan, Stage, Topology
 from .calibration import calibrate
+from .fsdp_calibration import fsdp_call_seconds
 from .graph_profile import GraphGroups
 from .layer_costs import LayerCosts, default_microbatch_sizes, measure_layer_costs
 
@@ -65,6 +66,9 @@ class Request:
             getting ``rows / dp`` of it (``mesh="auto"``); else one pipeline's batch.
         on_mesh: the meshes that run on a DeviceMesh, whose every dp rank's batch must
             split into equal microbatches (the others run without one: any count).
+        tp_traffic: per layer of the chain, the collectives a ``tensor_parallel`` plan
+            adds at ``tp > 1`` (``(calls per microbatch, bytes per sample)``,
+            ``_parallel.tp_costs``), or empty (none).
     """
 
     schedules: List[str]
@@ -77,6 +81,7 @@ class Request:
     fsdp: Tuple[bool, ...] = (False,)
     global_batch: bool = False
     on_mesh: Sequence[Mesh] = ()
+    tp_traffic: Sequence[Tuple[float, float]] = ()
 
     def batch_of(self, rows: int, dp: int) -> int:
         """Samples per step of one pipeline: ``rows`` of the sample, split over ``dp``
@@ -144,6 +149,16 @@ def best_of(layers: Sequence[LayerCost], machine: MachineCosts, request: Request
     best, batch = found[0]
     best.candidates = [c for c, _ in found[1:candidates + 1]]
     return best, batch
+
+
+def with_tp_traffic(layers: Sequence[LayerCost],
+                    traffic: Sequence[Tuple[float, float]]) -> List[LayerCost]:
+    """``layers`` with a tensor-parallel plan's collectives (:attr:`Request.tp_traffic`;
+    empty: ``layers`` as they are)."""
+    if not traffic:
+        return list(layers)
+    return [dataclasses.replace(layer, tp_collectives=calls, tp_collective_bytes_per_sample=size)
+            for layer, (calls, size) in zip(layers, traffic)]
 
 
 def unsearchable(request: Request, rows: int) -> ValueError:
@@ -236,8 +251,10 @@ class Measuring:
                                    concrete_args=self.concrete_args, grouped=self.grouped)
 
 
-def _on_rank_zero(measuring: Measuring, what: str, compute: Callable[[MachineCosts], str]) -> str:
-    """Every rank calibrates; rank 0 runs ``compute(machine)`` (JSON text); every rank gets
+def _on_rank_zero(measuring: Measuring, what: str, compute: Callable[[MachineCosts], str],
+                  fsdp: bool = False) -> str:
+    """Every rank calibrates (with ``fsdp``, FSDP's calls too:
+    ``fsdp_calibration``); rank 0 runs ``compute(machine)`` (JSON text); every rank gets
     that text, or raises rank 0's error.
 
     Raises:
@@ -246,6 +263,9 @@ def _on_rank_zero(measuring: Measuring, what: str, compute: Callable[[MachineCos
     group = measuring.group
     machine = calibrate(group, measuring.device, timeout=measuring.timeout,
                         pipeline=measuring.pipeline)
+    if fsdp:
+        machine = dataclasses.replace(machine, fsdp_call_seconds=fsdp_call_seconds(
+            group, measuring.device, timeout=measuring.timeout, pipeline=measuring.pipeline))
     return collectives.from_rank_zero(lambda: compute(machine), group, f"{what}: rank 0 failed")
 
 
@@ -270,12 +290,15 @@ def choose(measuring: Measuring, request: Request) -> Tuple[Configuration, Plan]
         costs = measuring.costs([(batch, arguments["microbatches"])
                                  for batch, _, arguments in searches])
         measured = time.perf_counter()
-        best, batch = best_of(costs.layers, machine, request, rows)
+        best, batch = best_of(with_tp_traffic(costs.layers, request.tp_traffic), machine,
+                              request, rows)
         _log.info("measured %d layers in %.2f s, searched in %.3f s", len(costs.layers),
                   measured - started, time.perf_counter() - measured)
         return plan_of(best, costs, batch, machine).to_json(indent=None)
 
-    plan = Plan.from_json(_on_rank_zero(measuring, "choosing the configuration", search))
+    scores_fsdp = any(fsdp and dp > 1 for fsdp in request.fsdp for _, dp, _ in request.meshes)
+    plan = Plan.from_json(_on_rank_zero(measuring, "choosing the configuration", search,
+                                        fsdp=scores_fsdp))
     assert plan.configuration is not None
     return Configuration.from_dict(plan.configuration), plan
 
@@ -298,7 +321,8 @@ def predict_fixed(measuring: Measuring, fixed: Configuration, memory: Optional[f
                                            memory=memory, fsdp=fsdp)
         return json.dumps(dataclasses.replace(fixed, prediction=prediction).to_dict())
 
-    text = _on_rank_zero(measuring, "predicting the configuration", predict)
+    text = _on_rank_zero(measuring, "predicting the configuration", predict,
+                         fsdp=fsdp and fixed.mesh[1] > 1)
     return Configuration.from_dict(json.loads(text))
 
 
