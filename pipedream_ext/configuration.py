@@ -96,7 +96,9 @@ class MachineCosts:
     per parameter tensor,
     and the cores the ranks of one node share (0: one core per rank);
     ``fsdp_call_seconds``: one FSDP collective call of one unit in a step (its all-gather
-    or reduce-scatter with the hooks and copies around it; 0: an all-reduce's latency)."""
+    or reduce-scatter with the hooks and copies around it) and ``replicate_call_seconds``
+    one replicated stage's gradient all-reduce in a step, also the price of a
+    tensor-parallel collective call (0: an all-reduce's latency)."""
 
     action_seconds: float = 0.0
     send_seconds: float = 0.0
@@ -110,6 +112,7 @@ class MachineCosts:
     cores: int = 0
     ranks_per_node: int = 0
     fsdp_call_seconds: float = 0.0
+    replicate_call_seconds: float = 0.0
 
     def to_dict(self) -> Dict[str, Any]:
         """Returns the fields by name (the binding's machine dict; JSON-able)."""

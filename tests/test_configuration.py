@@ -283,14 +283,18 @@ def test_fsdp_pays_its_measured_call_per_unit_and_loses_where_calls_are_costly()
     measured = MachineCosts(fsdp_call_seconds=0.5)
     paid = predict(_layers(), measured, config, 4, fsdp=True).all_reduce_seconds
     assert paid == pytest.approx(free + 4 * 2 * 0.5)
-    # Replicate pays one all-reduce per stage, whatever FSDP's calls cost.
+    # Replicate pays one all-reduce per stage, whatever FSDP's calls cost, at its own
+    # measured call.
     assert predict(_layers(), measured, config, 4).all_reduce_seconds == pytest.approx(
         predict(_layers(), MachineCosts(), config, 4).all_reduce_seconds)
+    replicated = dataclasses.replace(measured, replicate_call_seconds=0.25)
+    assert predict(_layers(), replicated, config, 4).all_reduce_seconds == pytest.approx(
+        predict(_layers(), MachineCosts(), config, 4).all_reduce_seconds + 0.25)
     # A costly optimizer alone favours FSDP (1/dp of it per rank); FSDP's measured calls
     # (8 of them) outweigh the optimizer it saves: replicate is chosen.
     costly = MachineCosts(optimizer_seconds_per_byte=0.01)
     assert best_of(_layers(), costly, _request([(2, 2, 1)]), 8)[0].data_parallel == "fsdp"
-    calls = dataclasses.replace(costly, fsdp_call_seconds=1.0)
+    calls = dataclasses.replace(costly, fsdp_call_seconds=1.0, replicate_call_seconds=1.0)
     assert best_of(_layers(), calls, _request([(2, 2, 1)]), 8)[0].data_parallel == "replicate"
     assert MachineCosts.from_dict(calls.to_dict()) == calls
 

@@ -83,7 +83,8 @@ MachineCosts machineFromDict(const py::dict& d) {
             {"optimizer_seconds_per_tensor", into(m.optimizerSecondsPerTensor)},
             {"cores", into(m.cores)},
             {"ranks_per_node", into(m.ranksPerNode)},
-            {"fsdp_call_seconds", into(m.fsdpCallSeconds)}},
+            {"fsdp_call_seconds", into(m.fsdpCallSeconds)},
+            {"replicate_call_seconds", into(m.replicateCallSeconds)}},
            "machine");
   return m;
 }

@@ -66,6 +66,7 @@ void checkMachine(const MachineCosts& m) {
   checkNonNegative(m.optimizerSecondsPerByte, "optimizer_seconds_per_byte");
   checkNonNegative(m.optimizerSecondsPerTensor, "optimizer_seconds_per_tensor");
   checkNonNegative(m.fsdpCallSeconds, "fsdp_call_seconds");
+  checkNonNegative(m.replicateCallSeconds, "replicate_call_seconds");
   if (!std::isfinite(m.bandwidth) || m.bandwidth <= 0) {
     fail("bandwidth must be finite and > 0 bytes/s (got " + str(m.bandwidth) + ")");
   }
@@ -107,10 +108,14 @@ class PrefixSums {
 namespace {
 
 // A layer's tensor-parallel all-reduces of one microbatch of b samples (ring:
-// 2 (tp - 1) / tp of the bytes each way); none at tp = 1.
+// 2 (tp - 1) / tp of the bytes each way); none at tp = 1. Each call costs what
+// an all-reduce inside a step was measured to (replicateCallSeconds), else
+// an all-reduce's latency.
 double tpCollectiveSeconds(const LayerCost& c, const MachineCosts& machine, int tp, double b) {
   if (tp <= 1) return 0.0;
-  return c.tpCollectives * machine.allReduceLatencySeconds +
+  const double call = machine.replicateCallSeconds > 0 ? machine.replicateCallSeconds
+                                                       : machine.allReduceLatencySeconds;
+  return c.tpCollectives * call +
          2.0 * (tp - 1) / tp * c.tpCollectiveBytesPerSample * b / machine.allReduceBandwidth;
 }
 
@@ -381,7 +386,10 @@ double PointModel::peakBytes(int rank, const std::vector<int>& start,
 // for the step) and one reduce-scatter (deferred to the step's end) per unit
 // (fsdp.py).
 double PointModel::collectiveCalls(double stages, double units) const {
-  if (!options_.fsdp) return stages * machine_.allReduceLatencySeconds;
+  if (!options_.fsdp) {
+    return stages * (machine_.replicateCallSeconds > 0 ? machine_.replicateCallSeconds
+                                                        : machine_.allReduceLatencySeconds);
+  }
   const double call = machine_.fsdpCallSeconds > 0 ? machine_.fsdpCallSeconds
                                                    : machine_.allReduceLatencySeconds;
   return 2.0 * units * call;

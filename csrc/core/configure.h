@@ -27,12 +27,13 @@
 //   - per step: stepSeconds, the optimizer (optimizerSecondsPerByte times the
 //     rank's parameter bytes plus optimizerSecondsPerTensor times its
 //     parameter tensors) and the data-parallel gradient all-reduce over dp
-//     (replicate: one flat all-reduce per stage with parameters), or FSDP's
+//     (replicate: one flat all-reduce per stage with parameters,
+//     replicateCallSeconds each), or FSDP's
 //     calls as the runtime issues them: one all-gather and one reduce-scatter
 //     per unit (a layer with parameters) per step, fsdpCallSeconds each;
 //   - tensor parallelism: each microbatch's forward and backward of a layer
-//     add its tpCollectives all-reduces over tp (half in each), not divided
-//     by tp;
+//     add its tpCollectives all-reduces over tp (half in each, a measured
+//     in-step call each: replicateCallSeconds), not divided by tp;
 //   - memory per rank: weights, gradients and optimizer state
 //     (optimizerStateFactor x weights; / dp under FSDP; / tp), plus the
 //     activations in flight as the simulator counts them for the schedule
@@ -95,6 +96,10 @@ struct MachineCosts {
   // reduce-scatter, with the hooks and copies around it); 0 = an all-reduce's
   // latency.
   double fsdpCallSeconds = 0.0;
+  // One replicated stage's gradient all-reduce in a step (with the mesh's
+  // per-step work around it; also the price of a tp collective call);
+  // 0 = an all-reduce's latency.
+  double replicateCallSeconds = 0.0;
 };
 
 enum class RecomputeChoice {

@@ -30,9 +30,9 @@ from .._dist import collectives
 from ..configuration import Configuration, LayerCost, MachineCosts
 from ..planner import Plan, Stage, Topology
 from .calibration import calibrate
-from .fsdp_calibration import fsdp_call_seconds
 from .graph_profile import GraphGroups
 from .layer_costs import LayerCosts, default_microbatch_sizes, measure_layer_costs
+from .mesh_calibration import mesh_costs
 
 __all__ = ["COST_MODEL", "Measuring", "Request", "best_of", "choose", "costs_of_profile",
            "microbatch_sizes", "plan_of", "predict_fixed", "sample_rows", "schedule_candidates",
@@ -252,10 +252,10 @@ class Measuring:
 
 
 def _on_rank_zero(measuring: Measuring, what: str, compute: Callable[[MachineCosts], str],
-                  fsdp: bool = False) -> str:
-    """Every rank calibrates (with ``fsdp``, FSDP's calls too:
-    ``fsdp_calibration``); rank 0 runs ``compute(machine)`` (JSON text); every rank gets
-    that text, or raises rank 0's error.
+                  shardings: Sequence[bool] = ()) -> str:
+    """Every rank calibrates (with ``shardings``, the data parallelism scored: each a
+    ``Request.fsdp`` value, its in-step calls too, ``mesh_calibration``); rank 0 runs
+    ``compute(machine)`` (JSON text); every rank gets that text, or raises rank 0's error.
 
     Raises:
         ValueError: what ``compute`` raised on rank 0 (the original exception there).
@@ -263,9 +263,9 @@ def _on_rank_zero(measuring: Measuring, what: str, compute: Callable[[MachineCos
     group = measuring.group
     machine = calibrate(group, measuring.device, timeout=measuring.timeout,
                         pipeline=measuring.pipeline)
-    if fsdp:
-        machine = dataclasses.replace(machine, fsdp_call_seconds=fsdp_call_seconds(
-            group, measuring.device, timeout=measuring.timeout, pipeline=measuring.pipeline))
+    if shardings:
+        machine = mesh_costs(group, measuring.device, machine, timeout=measuring.timeout,
+                             pipeline=measuring.pipeline, fsdp=any(shardings))
     return collectives.from_rank_zero(lambda: compute(machine), group, f"{what}: rank 0 failed")
 
 
@@ -296,9 +296,10 @@ def choose(measuring: Measuring, request: Request) -> Tuple[Configuration, Plan]
                   measured - started, time.perf_counter() - measured)
         return plan_of(best, costs, batch, machine).to_json(indent=None)
 
-    scores_fsdp = any(fsdp and dp > 1 for fsdp in request.fsdp for _, dp, _ in request.meshes)
+    # A mesh with dp or tp > 1: its in-step calls measured.
+    meshes = any(dp * tp > 1 for _, dp, tp in request.meshes)
     plan = Plan.from_json(_on_rank_zero(measuring, "choosing the configuration", search,
-                                        fsdp=scores_fsdp))
+                                        request.fsdp if meshes else ()))
     assert plan.configuration is not None
     return Configuration.from_dict(plan.configuration), plan
 
@@ -322,7 +323,7 @@ def predict_fixed(measuring: Measuring, fixed: Configuration, memory: Optional[f
         return json.dumps(dataclasses.replace(fixed, prediction=prediction).to_dict())
 
     text = _on_rank_zero(measuring, "predicting the configuration", predict,
-                         fsdp=fsdp and fixed.mesh[1] > 1)
+                         (fsdp,) if fixed.mesh[1] * fixed.mesh[2] > 1 else ())
     return Configuration.from_dict(json.loads(text))
 
 

@@ -162,9 +162,13 @@ TEST(PredictConfiguration, FsdpPaysItsMeasuredCallPerUnitWithParameters) {
   // Rank 1: 2 units x (all-gather + reduce-scatter) x 3 s + 200 bytes' ring volume
   // 2 s; rank 0 (1 unit, 100 bytes) is faster: the slowest rank counts.
   EXPECT_DOUBLE_EQ(sharded.allReduceSeconds, 2 * 2 * 3.0 + 2.0);
-  // Replicate ignores it: one all-reduce per stage.
+  // Replicate ignores it: one all-reduce per stage, at its own measured call.
   const Prediction replicated = predictConfiguration(layers, 4, m, c);
   EXPECT_DOUBLE_EQ(replicated.allReduceSeconds, 0.5 + 2.0);
+  m.replicateCallSeconds = 1.5;
+  EXPECT_DOUBLE_EQ(predictConfiguration(layers, 4, m, c).allReduceSeconds, 1.5 + 2.0);
+  EXPECT_DOUBLE_EQ(predictConfiguration(layers, 4, m, c, 0.0, 2.0, true).allReduceSeconds,
+                   sharded.allReduceSeconds);
   // A stage without parameters makes no call, replicated or sharded.
   for (LayerCost& l : layers) l.parameterBytes = 0;
   EXPECT_DOUBLE_EQ(predictConfiguration(layers, 4, m, c).allReduceSeconds, 0.0);
@@ -199,6 +203,11 @@ TEST(PredictConfiguration, TensorParallelCollectivesAreHalfForwardHalfBackward) 
   c.recompute = {1, 1};
   const Prediction again = predictConfiguration(layers, 4, m, c);
   EXPECT_DOUBLE_EQ(again.pipelineSeconds, simulatedMakespan("gpipe", 2, 4, 3.0, 7.0, 0.0));
+  // A measured in-step call prices each: 2 x 1.5 + 1 = 4 s per layer; F = 1 + 4, B = 2 + 4.
+  c.recompute = {};
+  m.replicateCallSeconds = 1.5;
+  const Prediction measured = predictConfiguration(layers, 4, m, c);
+  EXPECT_DOUBLE_EQ(measured.pipelineSeconds, simulatedMakespan("gpipe", 2, 4, 5.0, 6.0, 0.0));
 }
 
 TEST(PredictConfiguration, RanksSharingCoresStretchThePipeline) {
@@ -390,6 +399,7 @@ Instance randomInstance(std::mt19937& rng) {
   m.optimizerSecondsPerByte = 1e-6 * u(rng);
   m.optimizerSecondsPerTensor = 0.01 * u(rng);
   m.fsdpCallSeconds = rng() % 2 == 0 ? 0.0 : 0.2 * u(rng);
+  m.replicateCallSeconds = rng() % 2 == 0 ? 0.0 : 0.2 * u(rng);
   m.cores = static_cast<int>(rng() % 3);
   m.ranksPerNode = rng() % 2 == 0 ? 0 : 2;
   SearchSpace& s = x.space;
