@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from .._planning.timing import preserved
-from .tensor_parallel import _matches
+from .tensor_parallel import pattern_matches
 
 __all__ = ["plan_traffic"]
 
@@ -85,7 +85,7 @@ def plan_traffic(plan: Any, module: nn.Sequential, inputs: Any) -> Optional[Traf
     seen: Dict[str, Tuple[float, float]] = {}
     handles = []
     for name, sub in module.named_modules():
-        style = next((s for p, s in plan.items() if name and _matches(p, name)), None)
+        style = next((s for p, s in plan.items() if name and pattern_matches(p, name)), None)
         if style is None:
             continue
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..configuration import Configuration, LayerCost, MachineCosts, predict
-from .calibration import _probe_device, _quiet_pipeline_log
+from .calibration import probe_device, quiet_pipeline_log
 
 __all__ = ["clear_cache", "mesh_costs"]
 
@@ -53,7 +53,7 @@ def _probe_step(pipeline: PipelineFactory, mesh: Any, units: int, sharding: str,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(units)]).to(device)
-    with _quiet_pipeline_log():
+    with quiet_pipeline_log():
         pipe = pipeline(model, nn.functional.mse_loss, schedule="gpipe", microbatches=1,
                         balance=[units], mesh=mesh, data_parallel=sharding, device=device,
                         timeout=timeout)
@@ -117,7 +117,7 @@ def mesh_costs(group: dist.ProcessGroup, device: torch.device, machine: MachineC
             one = _probe_step(pipeline, mesh, 1, "fsdp", device, timeout)
             many = _probe_step(pipeline, mesh, _UNITS, "fsdp", device, timeout)
             measured[1] = max(0.0, (many - one) / (2 * (_UNITS - 1)))
-        values = torch.tensor(measured, dtype=torch.float64, device=_probe_device(group, device))
+        values = torch.tensor(measured, dtype=torch.float64, device=probe_device(group, device))
         dist.broadcast(values, dist.get_global_rank(group, 0), group=group)
         _CACHE[key] = {"replicate_call_seconds": float(values[0]),
                        "fsdp_call_seconds": float(values[1])}
