@@ -6,9 +6,9 @@ Run under ``torchrun --nproc_per_node N benchmarks/mesh_choice.py MODEL`` (MODEL
 Linear(128, 64)`` + ``Linear(64, 4)`` with a Colwise/Rowwise plan). ``PipeDream(...,
 sample=(x, y), mesh="auto", data_parallel="auto", schedule="gpipe", microbatches=1)`` on a
 32-row global batch chooses; then every candidate of its configuration (the best and the
-runners-up) is built on its own mesh and stepped ``--steps`` times with SGD (a barrier
-before each step): rank 0 prints one line per candidate, predicted and measured (the
-median after ``--warmup``) milliseconds.
+runners-up) is built on its own mesh and stepped ``--steps`` times with Adam (the
+optimizer the cost model prices; a barrier before each step): rank 0 prints one line
+per candidate, predicted and measured (the median after ``--warmup``) milliseconds.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def measure(kind: str, chosen: Any, x: torch.Tensor, y: torch.Tensor, steps: int
     part = ROWS // dp
     first = pipe.data_parallel_rank * part
     xb, yb = x[first:first + part], y[first:first + part]
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.01)
+    opt = torch.optim.Adam(pipe.parameters(), lr=0.001)
     times: List[float] = []
     for _ in range(warmup + steps):
         dist.barrier()

@@ -55,8 +55,9 @@ import _harness as h
 from _harness import pct
 
 __all__ = ["MODELS", "accuracy_summary", "balance_for", "draw_grid", "error_stats", "main", "measured_step",
-           "measured_terms", "overhead_parts", "overhead_table", "parse_args", "plot", "predicted_terms",
-           "relative_error", "run_config", "run_driver", "run_worker", "spearman", "summary_table", "time_breakdown"]
+           "measured_terms", "optimizer_of", "overhead_parts", "overhead_table", "parse_args", "plot",
+           "predicted_terms", "relative_error", "run_config", "run_driver", "run_worker", "spearman",
+           "summary_table", "time_breakdown"]
 
 LOG = logging.getLogger("plan_accuracy")
 JSON_TAG = "PLAN_ACCURACY_JSON "
@@ -538,6 +539,18 @@ def prediction_of(layers: Sequence[Any], machine: Any, cfg: Dict[str, Any], worl
     return configuration.predict(layers, machine, conf, batch).to_dict()
 
 
+def optimizer_of(layers: Sequence[Any], machine: Any, cfg: Dict[str, Any], world: int) -> List[float]:
+    """The prediction's optimizer step of each rank: its layers' ``optimizer_seconds`` plus
+    the machine's per-byte and per-tensor terms (stage ``j`` runs on rank ``j % world``)."""
+    bounds = list(itertools.accumulate(cfg["balance"], initial=0))
+    out = [0.0] * world
+    for j in range(len(cfg["balance"])):
+        for layer in layers[bounds[j]:bounds[j + 1]]:
+            out[j % world] += (layer.optimizer_seconds + machine.optimizer_seconds_per_byte * layer.parameter_bytes
+                               + machine.optimizer_seconds_per_tensor * layer.parameter_tensors)
+    return out
+
+
 def build_rows(raw: Dict[str, Any]) -> List[Dict[str, Any]]:
     """One row per run: its configuration, measured step time, peak bytes and terms per
     rank, and the prediction (None when the launch gave no machine costs)."""
@@ -558,8 +571,9 @@ def build_rows(raw: Dict[str, Any]) -> List[Dict[str, Any]]:
                     row["peak_bytes"] = [r["peak_bytes"] for r in ranks]
                     row["terms"] = [measured_terms(r, row["step_s"]) for r in ranks]
                     row["overhead_parts"] = [overhead_parts(r, row["step_s"]) for r in ranks]
-                    row["parameter_bytes"] = [r.get("parameter_bytes", 0.0) for r in ranks]
                 row["machine_costs"] = None if machine is None else machine.to_dict()
+                if machine is not None and "error" not in run:
+                    row["predicted_optimizer"] = optimizer_of(layers, machine, run, int(world))
                 row["prediction"] = (prediction_of(layers, machine, run, int(world), MODELS[name]["batch"])
                                      if machine is not None else None)
                 rows.append(row)
@@ -622,11 +636,11 @@ def overhead_table(groups: Sequence[Tuple[str, Sequence[Dict[str, Any]]]]) -> Li
     lines = h.table(["runs", "optimizer: measured / predicted (ms)", "runtime outside spans (ms)",
                      "outside the runtime: measured / predicted step_seconds (ms)"])
     for label, rows in groups:
-        ok = [r for r in rows if "error" not in r and r.get("machine_costs") and r.get("overhead_parts")]
+        ok = [r for r in rows if "error" not in r and r.get("predicted_optimizer") and r.get("overhead_parts")]
         if not ok:
             continue
         parts = [p for r in ok for p in r["overhead_parts"]]
-        pred_opt = [r["machine_costs"]["optimizer_seconds_per_byte"] * b for r in ok for b in r["parameter_bytes"]]
+        pred_opt = [t for r in ok for t in r["predicted_optimizer"]]
         step = statistics.median(r["machine_costs"]["step_seconds"] for r in ok)
         lines.append(h.table_row([
             label, f"{1e3 * statistics.median(p['optimizer'] for p in parts):.2f} / "
@@ -769,9 +783,10 @@ def report(raw: Dict[str, Any], rows: List[Dict[str, Any]], total_s: float) -> s
               "predicted: per-step costs and the optimizer).", ""]
     lines += terms_table(groups)
     lines += ["", "The overhead in parts (median over runs and ranks): the user's optimizer step and `zero_grad` "
-              "against `optimizer_seconds_per_byte` x the rank's parameter bytes; the runtime's time outside its "
-              "F/B/I/W, wait and send spans (predicted inside compute, as `action_seconds` per action); the rest of "
-              "the step outside the runtime against `step_seconds`.", ""]
+              "against the rank's layers' `optimizer_seconds` (Adam over copies of their parameters, less its "
+              "per-step part, which `step_seconds` holds); the runtime's time outside its F/B/I/W, wait and send "
+              "spans (predicted inside compute, as `action_seconds` per action); the rest of the step outside the "
+              "runtime against `step_seconds`.", ""]
     lines += overhead_table(groups)
     lines += ["", "Machine costs (`diagnostics.calibrate`, one launch per world size):", ""]
     lines += [f"* {m}" for m in machines]

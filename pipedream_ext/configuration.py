@@ -54,7 +54,9 @@ class LayerCost:
     part of the backward that is the weight gradient (split-backward schedules);
     ``parameter_tensors`` how many tensors its parameters are (the optimizer pays per
     tensor) and ``largest_parameter_bytes`` the largest one (Adam's step and a fresh
-    gradient are transients of that size). ``tp_collectives`` and
+    gradient are transients of that size); ``optimizer_seconds`` the optimizer's step
+    over its parameters, measured (``measure_layer_costs`` times Adam's; 0: the
+    machine's per-byte and per-tensor estimate alone). ``tp_collectives`` and
     ``tp_collective_bytes_per_sample``: the all-reduces a ``tensor_parallel=`` plan adds to
     one microbatch's forward and backward of this layer at ``tp > 1`` and the bytes per
     sample they reduce (0: the plan leaves the layer whole).
@@ -71,6 +73,7 @@ class LayerCost:
     parameter_bytes: float = 0.0
     parameter_tensors: float = 0.0
     largest_parameter_bytes: float = 0.0
+    optimizer_seconds: float = 0.0
     tp_collectives: float = 0.0
     tp_collective_bytes_per_sample: float = 0.0
 
@@ -91,17 +94,18 @@ class LayerCost:
 @dataclasses.dataclass(frozen=True)
 class MachineCosts:
     """What the machine adds to the layers' compute (measured at start-up by
-    ``_planning.calibration``): per-action, per-send and per-step overheads, point-to-point
-    and all-reduce latency and bandwidth, the optimizer's seconds per parameter byte and
-    per parameter tensor,
-    and the cores the ranks of one node share (0: one core per rank);
-    ``fsdp_call_seconds``: one FSDP collective call of one unit in a step (its all-gather
-    or reduce-scatter with the hooks and copies around it) and ``replicate_call_seconds``
-    one replicated stage's gradient all-reduce in a step, also the price of a
-    tensor-parallel collective call (0: an all-reduce's latency)."""
+    ``_planning.calibration``): per-action, per-send (and per byte sent) and per-step
+    overheads, point-to-point and all-reduce latency and bandwidth, the optimizer's
+    seconds per parameter byte and per parameter tensor (added to the layers' measured
+    ``optimizer_seconds``), and the cores the ranks of one node share (0: one core per
+    rank); ``fsdp_call_seconds``: one FSDP collective call of one unit in a step (its
+    all-gather or reduce-scatter with the hooks and copies around it) and
+    ``replicate_call_seconds`` one replicated stage's gradient all-reduce in a step, also
+    the price of a tensor-parallel collective call (0: an all-reduce's latency)."""
 
     action_seconds: float = 0.0
     send_seconds: float = 0.0
+    send_seconds_per_byte: float = 0.0
     step_seconds: float = 0.0
     latency_seconds: float = 0.0
     bandwidth: float = 1e10

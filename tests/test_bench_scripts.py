@@ -189,6 +189,16 @@ def test_overhead_parts_split_what_no_span_covers():
     assert plan_accuracy.overhead_parts({**rank, "optimizer_s": []}, 6.0)["optimizer"] == 0.0
 
 
+def test_optimizer_of_sums_each_ranks_layers():
+    from types import SimpleNamespace as NS
+
+    layers = [NS(optimizer_seconds=t, parameter_bytes=100.0, parameter_tensors=2.0) for t in (1.0, 2.0, 4.0, 8.0)]
+    machine = NS(optimizer_seconds_per_byte=0.01, optimizer_seconds_per_tensor=0.5)
+    # Interleaved: stages 0 and 2 on rank 0 (layers 0 and 2), 1 and 3 on rank 1; each layer adds 1 + 1.
+    assert plan_accuracy.optimizer_of(layers, machine, {"balance": [1, 1, 1, 1]}, 2) == [9.0, 14.0]
+    assert plan_accuracy.optimizer_of(layers, machine, {"balance": [3, 1]}, 2) == [13.0, 10.0]
+
+
 def _row(key, step, pred_step, peaks, pred_peaks, auto=False):
     pred = {"step_seconds": pred_step, "peak_bytes": pred_peaks, "compute_seconds": [step / 2] * len(peaks),
             "wait_seconds": [0.0] * len(peaks), "transfer_seconds": [0.0] * len(peaks), "overhead_seconds": 0.0,

@@ -58,7 +58,8 @@ LayerCost layerFromDict(const py::dict& d) {
             {"parameter_tensors", into(c.parameterTensors)},
             {"largest_parameter_bytes", into(c.largestParameterBytes)},
             {"tp_collectives", into(c.tpCollectives)},
-            {"tp_collective_bytes_per_sample", into(c.tpCollectiveBytesPerSample)}},
+            {"tp_collective_bytes_per_sample", into(c.tpCollectiveBytesPerSample)},
+            {"optimizer_seconds", into(c.optimizerSeconds)}},
            "layer");
   return c;
 }
@@ -74,6 +75,7 @@ MachineCosts machineFromDict(const py::dict& d) {
   readDict(d,
            {{"action_seconds", into(m.actionSeconds)},
             {"send_seconds", into(m.sendSeconds)},
+            {"send_seconds_per_byte", into(m.sendSecondsPerByte)},
             {"step_seconds", into(m.stepSeconds)},
             {"latency_seconds", into(m.latencySeconds)},
             {"bandwidth", into(m.bandwidth)},

@@ -49,6 +49,7 @@ void checkLayers(const std::vector<LayerCost>& layers) {
     checkNonNegative(c.parameterBytes, at + "parameter_bytes");
     checkNonNegative(c.parameterTensors, at + "parameter_tensors");
     checkNonNegative(c.largestParameterBytes, at + "largest_parameter_bytes");
+    checkNonNegative(c.optimizerSeconds, at + "optimizer_seconds");
     checkNonNegative(c.tpCollectives, at + "tp_collectives");
     checkNonNegative(c.tpCollectiveBytesPerSample, at + "tp_collective_bytes_per_sample");
     if (!(c.weightShare >= 0 && c.weightShare <= 1)) {
@@ -60,6 +61,7 @@ void checkLayers(const std::vector<LayerCost>& layers) {
 void checkMachine(const MachineCosts& m) {
   checkNonNegative(m.actionSeconds, "action_seconds");
   checkNonNegative(m.sendSeconds, "send_seconds");
+  checkNonNegative(m.sendSecondsPerByte, "send_seconds_per_byte");
   checkNonNegative(m.stepSeconds, "step_seconds");
   checkNonNegative(m.latencySeconds, "latency_seconds");
   checkNonNegative(m.allReduceLatencySeconds, "all_reduce_latency_seconds");
@@ -122,7 +124,7 @@ double tpCollectiveSeconds(const LayerCost& c, const MachineCosts& machine, int 
 }  // namespace
 
 struct PointModel::Sums {
-  PrefixSums forward, backward, weight, stash, deferred, parameters, tensors;
+  PrefixSums forward, backward, weight, stash, deferred, parameters, tensors, optimizer;
   PrefixSums units;   // FSDP units: layers with parameters
   PrefixSums tpComm;  // tensor parallelism's all-reduces per microbatch (F + B)
 };
@@ -154,6 +156,7 @@ PointModel::PointModel(const std::vector<LayerCost>& layers, int batchSize,
   });
   sums_->parameters = PrefixSums(layers, [](const LayerCost& c) { return c.parameterBytes; });
   sums_->tensors = PrefixSums(layers, [](const LayerCost& c) { return c.parameterTensors; });
+  sums_->optimizer = PrefixSums(layers, [](const LayerCost& c) { return c.optimizerSeconds; });
   sums_->units = PrefixSums(layers, [](const LayerCost& c) { return c.parameterBytes > 0 ? 1.0 : 0.0; });
   sums_->tpComm = PrefixSums(layers, [&](const LayerCost& c) {
     return tpCollectiveSeconds(c, machine, options.tp, b);
@@ -262,7 +265,6 @@ bool PointModel::sendsBackward(int j) const { return j > 0 && firstRank_[j - 1] 
 StageCost PointModel::stageCost(int j, int a, int e, bool recompute) const {
   const double tp = options_.tp;
   const double act = machine_.actionSeconds;
-  const double send = machine_.sendSeconds;
   const double forward = sums_->forward.over(a, e) / tp;
   const double full = sums_->backward.over(a, e) / tp;
   const double weight = split_ ? sums_->weight.over(a, e) / tp : 0.0;
@@ -270,9 +272,9 @@ StageCost PointModel::stageCost(int j, int a, int e, bool recompute) const {
   // column-parallel layers pair up), the backward's in I (input gradients).
   const double collective = sums_->tpComm.over(a, e) / 2.0;
   StageCost c;
-  c.forward = forward + collective + act + (sendsForward(j) ? send : 0.0);
+  c.forward = forward + collective + act + (sendsForward(j) ? postSeconds(e - 1, true) : 0.0);
   c.backward = full - weight + collective + (recompute ? forward + collective : 0.0) + act +
-               (sendsBackward(j) ? send : 0.0);
+               (sendsBackward(j) ? postSeconds(a, false) : 0.0);
   c.weight = split_ ? weight + act : 0.0;
   return c;
 }
@@ -291,6 +293,14 @@ StageCost PointModel::cheapestStage(int j, int from) const {
 
 double PointModel::makespan(const StageCosts& costs) const {
   return simulate(schedules_.front(), costs, Recording::kNone).makespan;
+}
+
+// The sender's time to post the activation after layer l (forward) or the
+// gradient of layer l's input (backward).
+double PointModel::postSeconds(int l, bool forward) const {
+  const LayerCost& c = layers_[l];
+  const double bytes = (forward ? c.outputBytesPerSample : c.inputBytesPerSample) * samples_;
+  return machine_.sendSeconds + machine_.sendSecondsPerByte * bytes;
 }
 
 double PointModel::commSeconds(int e) const {
@@ -396,8 +406,10 @@ double PointModel::collectiveCalls(double stages, double units) const {
 }
 
 // The per-step collectives and fixed costs of one rank.
-void PointModel::stepTerms(const std::vector<int>& start, Prediction& p) const {
+void PointModel::stepTerms(const std::vector<int>& start, Prediction& p,
+                           std::vector<double>& optimizer) const {
   const int dp = options_.dp;
+  optimizer.assign(ranks_, 0.0);
   double overhead = 0.0, allReduce = 0.0;
   for (int r = 0; r < ranks_; ++r) {
     double bytes = 0.0, tensors = 0.0, units = 0.0, holding = 0.0;
@@ -414,8 +426,12 @@ void PointModel::stepTerms(const std::vector<int>& start, Prediction& p) const {
                                           2.0 * (dp - 1) / dp * bytes / machine_.allReduceBandwidth);
     }
     const double owned = options_.fsdp ? bytes / dp : bytes;
-    overhead = std::max(overhead, machine_.optimizerSecondsPerByte * owned +
-                                      machine_.optimizerSecondsPerTensor * tensors);
+    double measured = 0.0;
+    for (int j : rankStages_[r]) measured += sums_->optimizer.over(start[j], start[j + 1]);
+    measured /= options_.tp * (options_.fsdp ? dp : 1);
+    optimizer[r] = measured + machine_.optimizerSecondsPerByte * owned +
+                   machine_.optimizerSecondsPerTensor * tensors;
+    overhead = std::max(overhead, optimizer[r]);
   }
   p.overheadSeconds = machine_.stepSeconds + overhead;
   p.allReduceSeconds = allReduce;
@@ -455,14 +471,31 @@ Prediction PointModel::predict(const std::vector<int>& balance,
   const double stretch = makespan > 0 ? pipeline / makespan : 1.0;
   p.pipelineSeconds = pipeline;
   for (int r = 0; r < ranks_; ++r) {
-    const double transfer = std::min(busy[r], sendsPerStep_[r] * machine_.sendSeconds) * stretch;
+    double posting = 0.0;
+    for (const SendCount& s : sendCounts_[r]) {
+      const int a = start[s.stage], e = start[s.stage + 1];
+      posting += s.forward * postSeconds(e - 1, true) + s.backward * postSeconds(a, false);
+    }
+    const double transfer = std::min(busy[r], posting) * stretch;
     p.transferSeconds.push_back(transfer);
     p.computeSeconds.push_back(busy[r] * stretch - transfer);
     p.waitSeconds.push_back(std::max(0.0, pipeline - busy[r] * stretch));
   }
   p.bubbleFraction = pipeline > 0 ? std::max(0.0, 1.0 - total * stretch / (ranks_ * pipeline)) : 0.0;
-  stepTerms(start, p);
+  std::vector<double> optimizer;
+  stepTerms(start, p, optimizer);
   p.stepSeconds = p.pipelineSeconds + p.overheadSeconds + p.allReduceSeconds;
+  if (shared > 0) {
+    // The optimizer steps share the cores too: the node's whole demand per
+    // step, spread over its cores, bounds the step from below.
+    double work = 0.0;
+    for (int r = 0; r < ranks_; ++r) work += busy[r] + optimizer[r];
+    const double demand = shared * work / ranks_ + machine_.stepSeconds + p.allReduceSeconds;
+    if (demand > p.stepSeconds) {
+      p.overheadSeconds += demand - p.stepSeconds;
+      p.stepSeconds = demand;
+    }
+  }
   for (int r = 0; r < ranks_; ++r) {
     p.peakBytes.push_back(peakBytes(r, start, recompute));
     if (options_.memoryBytes > 0 && p.peakBytes.back() > options_.memoryBytes) p.fits = false;
@@ -563,10 +596,14 @@ CriticalPath PointModel::criticalPath(const std::vector<int>& balance,
   return path;
 }
 
-// Per rank: the sends it posts in one step (counted like busy time: the last
-// window minus the one before, for an asynchronous schedule).
+// Per rank and stage: the sends it posts in one step, each way (counted like
+// busy time: the last window minus the one before, for an asynchronous
+// schedule).
 void PointModel::countSends() {
-  sendsPerStep_.assign(ranks_, 0.0);
+  sendCounts_.assign(ranks_, {});
+  for (int r = 0; r < ranks_; ++r) {
+    for (int j : rankStages_[r]) sendCounts_[r].push_back(SendCount{j, 0.0, 0.0});
+  }
   for (size_t w = 0; w < schedules_.size(); ++w) {
     const double sign = w + 1 == schedules_.size() ? 1.0 : -1.0;
     for (int r = 0; r < ranks_; ++r) {
@@ -574,7 +611,11 @@ void PointModel::countSends() {
         const bool forward = a.kind == ActionKind::kForward && sendsForward(a.stage);
         const bool backward = (a.kind == ActionKind::kBackward ||
                                a.kind == ActionKind::kBackwardInput) && sendsBackward(a.stage);
-        if (forward || backward) sendsPerStep_[r] += sign * stepScale_;
+        if (!forward && !backward) continue;
+        for (SendCount& s : sendCounts_[r]) {
+          if (s.stage != a.stage) continue;
+          (forward ? s.forward : s.backward) += sign * stepScale_;
+        }
       }
     }
   }

@@ -10,7 +10,9 @@
 //   - every layer's forward / backward costs are affine in b
 //     (t(b) = fixed + perSample * b: two profiled microbatch sizes fix both);
 //     a stage's F, B (I and W for split-backward schedules) are the sums over
-//     its layers, divided by tp, plus MachineCosts::actionSeconds per action;
+//     its layers, divided by tp, plus MachineCosts::actionSeconds per action
+//     and, for an action that sends, sendSeconds + sendSecondsPerByte x the
+//     bytes it sends (the rank's own time to post it);
 //     recompute adds the stage's forward to its B (to I when split);
 //   - the schedule the runtime would run (buildSchedule) is simulated
 //     (simulate.h) with those costs and with boundary transfers of
@@ -21,16 +23,20 @@
 //   - ranks sharing cores (ranksPerNode > cores, else every rank on one node)
 //     stretch the compute: the pipeline takes max(makespan, R x the average
 //     busy time of a rank / cores) for R ranks on a node, every rank's
-//     compute scaled alike (the node's demand spread over its cores);
+//     compute scaled alike (the node's demand spread over its cores); and the
+//     step takes at least R x (the average busy time + optimizer step of a
+//     rank) / cores + the per-step and all-reduce terms (the optimizer steps
+//     share the cores too; the excess counts as overhead);
 //   - an asynchronous schedule never drains: its step is the difference of
 //     the simulated makespans of two windows and one (fill and drain cancel);
-//   - per step: stepSeconds, the optimizer (optimizerSecondsPerByte times the
-//     rank's parameter bytes plus optimizerSecondsPerTensor times its
-//     parameter tensors) and the data-parallel gradient all-reduce over dp
-//     (replicate: one flat all-reduce per stage with parameters,
-//     replicateCallSeconds each), or FSDP's
-//     calls as the runtime issues them: one all-gather and one reduce-scatter
-//     per unit (a layer with parameters) per step, fsdpCallSeconds each;
+//   - per step: stepSeconds, the optimizer (the sum of the rank's layers'
+//     optimizerSeconds, plus optimizerSecondsPerByte times its parameter bytes
+//     and optimizerSecondsPerTensor times its parameter tensors; / dp under
+//     FSDP, / tp) of the slowest rank and the data-parallel gradient all-reduce
+//     over dp (replicate: one flat all-reduce per stage with parameters,
+//     replicateCallSeconds each), or FSDP's calls as the runtime issues them:
+//     one all-gather and one reduce-scatter per unit (a layer with parameters)
+//     per step, fsdpCallSeconds each;
 //   - tensor parallelism: each microbatch's forward and backward of a layer
 //     add its tpCollectives all-reduces over tp (half in each, a measured
 //     in-step call each: replicateCallSeconds), not divided by tp;
@@ -70,6 +76,7 @@ struct LayerCost {
   double parameterBytes = 0.0;
   double parameterTensors = 0.0;       // the optimizer pays per tensor
   double largestParameterBytes = 0.0;  // its largest parameter tensor (transients)
+  double optimizerSeconds = 0.0;       // the optimizer's step over its parameters (measured)
   // Tensor parallelism (tp > 1) over this layer: the collectives a plan adds per
   // microbatch, forward and backward together (Megatron: a row-parallel output
   // all-reduce in forward, a column-parallel input-gradient all-reduce in
@@ -83,13 +90,16 @@ struct LayerCost {
 struct MachineCosts {
   double actionSeconds = 0.0;       // runtime overhead per F/B/I/W action
   double sendSeconds = 0.0;         // rank time to post one boundary send
+  double sendSecondsPerByte = 0.0;  // and per byte it sends (copies, socket writes)
   double stepSeconds = 0.0;         // per step: the step call, loss all-reduce, set-up
   double latencySeconds = 0.0;      // point-to-point, per message
   double bandwidth = 1e10;          // point-to-point bytes/s
   double allReduceLatencySeconds = 0.0;  // per all-reduce call (dp, tp)
   double allReduceBandwidth = 1e10;      // ring all-reduce bus bytes/s
-  double optimizerSecondsPerByte = 0.0;  // the optimizer's step per parameter byte
-  double optimizerSecondsPerTensor = 0.0;  // and per parameter tensor (per-tensor kernels)
+  // The optimizer's step per parameter byte and per parameter tensor, on top
+  // of the layers' measured optimizerSeconds (for layers measured without it).
+  double optimizerSecondsPerByte = 0.0;
+  double optimizerSecondsPerTensor = 0.0;
   int cores = 0;         // cores the ranks of one node share; 0 = one core per rank
   int ranksPerNode = 0;  // 0 = every rank on one node
   // One FSDP collective call of one unit in a step (its all-gather or its

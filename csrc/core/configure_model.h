@@ -101,6 +101,9 @@ class PointModel {
   StageCost stageCost(int j, int a, int e, bool recompute) const;
   // The transfer of a boundary after layer e - 1 (when it crosses ranks).
   double commSeconds(int e) const;
+  // The sender's time to post what crosses after layer l (forward) or the
+  // gradient of layer l's input (backward).
+  double postSeconds(int l, bool forward) const;
   double parameterBytes(int a, int e) const;
   double parameterTensors(int a, int e) const;
   bool splitBackward() const { return split_; }
@@ -128,8 +131,13 @@ class PointModel {
   };
   Transients transients(int a, int e) const;
   double stateBytes(int rank, const std::vector<int>& start) const;
-  void stepTerms(const std::vector<int>& start, Prediction& p) const;
+  // Fills p's overhead and all-reduce terms, and each rank's optimizer step.
+  void stepTerms(const std::vector<int>& start, Prediction& p, std::vector<double>& optimizer) const;
   double collectiveCalls(double stages, double units) const;
+  struct SendCount {
+    int stage = 0;
+    double forward = 0.0, backward = 0.0;  // sends per step
+  };
 
   const std::vector<LayerCost>& layers_;
   MachineCosts machine_;
@@ -147,7 +155,7 @@ class PointModel {
   std::vector<int> versions_;  // weight versions per stage
   std::vector<std::vector<int>> rankStages_;
   std::vector<std::vector<MemoryPoint>> shapes_;
-  std::vector<double> sendsPerStep_;
+  std::vector<std::vector<SendCount>> sendCounts_;  // per rank, one per stage it holds
   std::vector<StageCost> cheapestFrom_;  // per layer: the least single-layer costs from it on
 };
 

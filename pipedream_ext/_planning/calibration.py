@@ -5,18 +5,22 @@ Owns the machine's side of the configuration search's cost model
 
 - point-to-point latency and bandwidth between group ranks 0 and 1: a ping-pong of a
   one-element message, then of 4 MiB (``latency + bytes / bandwidth`` each way), and
-  the time rank 0 takes to post a send (``isend`` of a small message, not waiting);
+  the time rank 0 takes to post a send (``isend``, not waiting) of 1 KiB and of 256 KiB
+  (per send and per byte: posting copies and writes the bytes);
 - all-reduce latency and bus bandwidth over the group: one float, then 4 MiB (a ring
   moves ``2 (n - 1) / n`` of the bytes);
 - the runtime's own overheads, on our runtime over ALL ranks of the group: a pipeline of
   one ``Linear(1, 1)`` per rank, schedule 1f1b (what ``PipeDream``'s constructor
   builds for the user, so the loss all-reduce, the step's synchronisation with peers and
-  the executor's actions all count), timed at two microbatch counts. ``step_seconds``
-  and ``action_seconds`` are fitted against the cost model itself: ``measured(m) =
-  step_seconds + predict(m)`` with the measured send, latency and bandwidth and
-  layers of no cost (bisection on ``action_seconds`` for the difference between the two
-  counts, then ``step_seconds`` from both; both kept >= 0);
-- the optimizer: ``torch.optim.Adam`` steps on a scratch tensor, seconds per byte;
+  the executor's actions all count), timed at two microbatch counts.
+  ``action_seconds`` is what its ``pipe.stats()`` shows per F/B action (the compute
+  spans and the runtime's time outside any span), ``send_seconds`` the larger of the
+  bare ``isend``'s and its send spans per send; ``step_seconds`` is the rest of the
+  measured step: ``measured(m) - predict(m)`` with the measured action, send, latency and
+  bandwidth costs and layers of no cost (mean over the counts, >= 0), plus the
+  optimizer's per-step cost: ``torch.optim.Adam``'s step and ``zero_grad`` over one
+  one-element parameter (the parameters' own share is each layer's
+  ``optimizer_seconds``, measured by ``measure_layer_costs``);
 - cores this process may use (``os.sched_getaffinity``) and ranks per node
   (torchrun's ``LOCAL_WORLD_SIZE``).
 
@@ -49,8 +53,8 @@ from torch import nn
 from .._dist import collectives
 from ..configuration import Configuration, LayerCost, MachineCosts, predict
 
-__all__ = ["calibrate", "calibrate_local", "clear_cache", "fit_overheads", "probe_device",
-           "quiet_pipeline_log"]
+__all__ = ["calibrate", "calibrate_local", "clear_cache", "probe_device", "quiet_pipeline_log",
+           "step_overhead"]
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +64,7 @@ PipelineFactory = Callable[..., Any]
 _LARGE = 4 << 20  # bytes of the bandwidth probes
 _ROUNDS = 9       # timed repetitions of each latency-like probe (the minimum is kept)
 _BUFFER = 4096    # bytes of the broadcast carrying rank 0's JSON
-_TENSORS = 64    # tensors of the optimizer's per-tensor probe
+_POST_SMALL, _POST_LARGE = 1 << 10, 256 << 10  # bytes of the send-posting probes
 _MICROBATCHES = (2, 6)  # the overhead probe's two microbatch counts
 _STEP_ROUNDS = 12  # timed steps at each count (the lower quartile is kept), after 3 warm-ups
 
@@ -124,13 +128,15 @@ def _ping_pong(group: dist.ProcessGroup, buffer: torch.Tensor, timeout: float) -
     return _min_seconds(round_trip) / 2
 
 
-def _post_seconds(group: dist.ProcessGroup, device: torch.device, timeout: float) -> float:
-    """Rank 0's time to post one small send (rank 1 receives them; others wait)."""
+def _post_seconds(group: dist.ProcessGroup, device: torch.device, timeout: float,
+                  elements: int) -> float:
+    """Rank 0's time to post one send of ``elements`` floats (rank 1 receives them;
+    others wait)."""
     rank, count = dist.get_rank(group), 16
     if rank > 1:
         return 0.0
     peer = dist.get_global_rank(group, 1 - rank)
-    buffers = [torch.zeros(256, device=device) for _ in range(count)]
+    buffers = [torch.zeros(elements, device=device) for _ in range(count)]
     fastest = float("inf")
     for _ in range(_ROUNDS):
         if rank == 1:
@@ -152,8 +158,11 @@ def _point_to_point(group: dist.ProcessGroup, device: torch.device,
     large = torch.zeros(_LARGE // 4, device=device)
     latency = _ping_pong(group, small, timeout)
     one_way = _ping_pong(group, large, timeout)
-    send = _post_seconds(group, device, timeout)
-    return {"latency_seconds": latency, "send_seconds": send,
+    # Posting a send copies and writes its bytes: per send, and per byte from a large one.
+    send = _post_seconds(group, device, timeout, _POST_SMALL // 4)
+    send_large = _post_seconds(group, device, timeout, _POST_LARGE // 4)
+    per_byte = max(0.0, send_large - send) / (_POST_LARGE - _POST_SMALL)
+    return {"latency_seconds": latency, "send_seconds": send, "send_seconds_per_byte": per_byte,
             "bandwidth": _LARGE / max(one_way - latency, 1e-9)}
 
 
@@ -187,9 +196,12 @@ def quiet_pipeline_log() -> Iterator[None]:
 
 
 def _step_times(pipeline: PipelineFactory, group: dist.ProcessGroup, device: torch.device,
-                timeout: float) -> List[float]:
-    """Seconds of one step (lower quartile of ``_STEP_ROUNDS``) of a pipeline of one ``Linear(1, 1)`` per rank of
-    ``group`` (1f1b, one sample per microbatch) at each of ``_MICROBATCHES``; collective.
+                timeout: float) -> Tuple[List[float], Dict[str, float]]:
+    """Seconds of one step (lower quartile of ``_STEP_ROUNDS``) of a pipeline of one
+    ``Linear(1, 1)`` per rank of ``group`` (1f1b, one sample per microbatch) at each of
+    ``_MICROBATCHES``, and from this rank's ``pipe.stats()`` its seconds per F or B action
+    (the runtime's time in them and outside any span) and per send it posts (0.0 with
+    one rank); collective.
 
     The wall clock, as the run's steps wait on peers; on a group of one process computing
     on the CPU with one thread, the thread's CPU clock (other processes on the cores do
@@ -199,7 +211,7 @@ def _step_times(pipeline: PipelineFactory, group: dist.ProcessGroup, device: tor
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(world)]).to(device)
     clock = _compute_clock(device) if world == 1 else time.perf_counter
-    steps = []
+    steps, actions, sends = [], [], []
     for m in _MICROBATCHES:
         with quiet_pipeline_log():
             pipe = pipeline(model, nn.functional.mse_loss, schedule="1f1b", microbatches=m,
@@ -207,106 +219,105 @@ def _step_times(pipeline: PipelineFactory, group: dist.ProcessGroup, device: tor
                             timeout=timeout)
         x, y = torch.zeros(m, 1, device=device), torch.zeros(m, 1, device=device)
         try:
-            times = _times(lambda: pipe.step(x, y), _STEP_ROUNDS, warmup=3, clock=clock)
+            _times(lambda: pipe.step(x, y), 0, warmup=3)
+            pipe.reset_stats()
+            times = _times(lambda: pipe.step(x, y), _STEP_ROUNDS, warmup=0, clock=clock)
             steps.append(statistics.quantiles(times, n=4)[0])
+            stats = pipe.stats()
+            actions.append(_action_seconds(stats, 2 * m))
+            kinds = stats["seconds_by_kind"]
+            posting = kinds.get("SEND_F", 0.0) + kinds.get("SEND_B", 0.0)
+            sends.append(posting / stats["sends"] if stats.get("sends") else 0.0)
         finally:
             pipe.close()
-    return steps
+    return steps, {"action_seconds": statistics.mean(actions), "send_seconds": min(sends)}
 
 
-def _probe_seconds(machine: MachineCosts, ranks: int, microbatches: int,
-                   action_seconds: float) -> float:
+def _action_seconds(stats: Dict[str, Any], per_step: int) -> float:
+    """Seconds per F/B action of a rank running ``per_step`` of them per step: its compute
+    spans and its runtime time outside any span (waits and sends excluded)."""
+    kinds = stats["seconds_by_kind"]
+    compute = sum(kinds.get(k, 0.0) for k in ("F", "B", "I", "W"))
+    outside = max(0.0, stats["busy_s"] - sum(kinds.values()))
+    return (compute + outside) / max(1, stats["steps"] * per_step)
+
+
+def _probe_seconds(machine: MachineCosts, ranks: int, microbatches: int) -> float:
     """What the cost model predicts for the probe pipeline without ``step_seconds``."""
     probe = LayerCost(output_bytes_per_sample=4.0, input_bytes_per_sample=4.0)
     config = Configuration(schedule="1f1b", microbatches=microbatches, balance=[1] * ranks,
                            mesh=(ranks, 1, 1))
-    machine = dataclasses.replace(machine, action_seconds=action_seconds, step_seconds=0.0,
-                                  optimizer_seconds_per_byte=0.0)
+    machine = dataclasses.replace(machine, step_seconds=0.0, optimizer_seconds_per_byte=0.0,
+                                  optimizer_seconds_per_tensor=0.0)
     return predict([probe] * ranks, machine, config, batch_size=microbatches).step_seconds
 
 
-def fit_overheads(machine: MachineCosts, ranks: int, microbatches: Sequence[int],
-                  measured: Sequence[float]) -> Tuple[float, float]:
-    """``(step_seconds, action_seconds)`` such that ``step_seconds + predict(m)`` (the
-    probe pipeline, with ``machine``'s send, latency and bandwidth) matches the measured
-    step at both microbatch counts: bisection on ``action_seconds`` for the difference,
-    then ``step_seconds`` as the mean remainder; both kept >= 0.
+def step_overhead(machine: MachineCosts, ranks: int, microbatches: Sequence[int],
+                  measured: Sequence[float]) -> float:
+    """``step_seconds`` such that ``step_seconds + predict(m)`` (the probe pipeline, with
+    ``machine``'s action, send, latency and bandwidth costs) matches the measured steps:
+    the mean remainder over the microbatch counts, kept >= 0.
 
     Args:
-        machine: the measured costs (its action and step seconds are ignored).
+        machine: the measured costs (its step seconds are ignored).
         ranks: the probe pipeline's stages (one per rank).
-        microbatches: the two microbatch counts, increasing.
+        microbatches: the microbatch counts measured.
         measured: seconds of one step at each count.
 
     Returns:
-        ``(step_seconds, action_seconds)``.
+        The per-step seconds.
     """
-    def slope(action: float) -> float:
-        return (_probe_seconds(machine, ranks, microbatches[1], action)
-                - _probe_seconds(machine, ranks, microbatches[0], action))
-    target = measured[1] - measured[0]
-    low, high = 0.0, 1e-6
-    if slope(low) >= target:
-        high = 0.0
-    else:
-        while slope(high) < target and high < 10.0:  # predicted time grows with actions
-            low, high = high, high * 4
-        for _ in range(30):
-            middle = (low + high) / 2
-            low, high = (middle, high) if slope(middle) < target else (low, middle)
-    remainders = [t - _probe_seconds(machine, ranks, m, high)
+    remainders = [t - _probe_seconds(machine, ranks, m)
                   for m, t in zip(microbatches, measured)]
-    return max(0.0, statistics.mean(remainders)), high
+    return max(0.0, statistics.mean(remainders))
 
 
-def _adam_seconds(device: torch.device, tensors: int) -> float:
-    """``torch.optim.Adam``'s step time over ``_LARGE`` bytes of scratch parameters split
-    into ``tensors`` equal tensors."""
-    weights = [nn.Parameter(torch.zeros(_LARGE // 4 // tensors, device=device))
-               for _ in range(tensors)]
-    for weight in weights:
-        weight.grad = torch.ones_like(weight)
-    optimizer = torch.optim.Adam(weights, lr=1e-3)
+def _optimizer_step_seconds(device: torch.device) -> float:
+    """``torch.optim.Adam``'s step and ``zero_grad`` over one one-element parameter: what
+    a rank's optimizer costs per step whatever its parameters (the layers' own share is
+    ``LayerCost.optimizer_seconds``, measured by ``measure_layer_costs`` the same way)."""
+    weight = nn.Parameter(torch.zeros(1, device=device))
+    optimizer = torch.optim.Adam([weight], lr=1e-3)
 
     def step() -> None:
+        weight.grad = torch.ones_like(weight)
         optimizer.step()
+        optimizer.zero_grad()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     return _min_seconds(step, warmup=2, clock=_compute_clock(device))
 
 
-def _optimizer_costs(device: torch.device) -> Dict[str, float]:
-    """Adam's step per parameter byte and per parameter tensor: the same bytes as one
-    tensor and as ``_TENSORS`` tensors (the difference is the per-tensor cost)."""
-    one, many = _adam_seconds(device, 1), _adam_seconds(device, _TENSORS)
-    per_tensor = max(0.0, (many - one) / (_TENSORS - 1))
-    return {"optimizer_seconds_per_tensor": per_tensor,
-            "optimizer_seconds_per_byte": max(0.0, one - per_tensor) / _LARGE}
-
-
 def _local(device: torch.device) -> Dict[str, float]:
     """What one process measures alone: the optimizer, cores and ranks per node."""
-    return {**_optimizer_costs(device),
+    return {"optimizer_step_seconds": _optimizer_step_seconds(device),
             "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
             os.cpu_count() or 1,
             "ranks_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}
 
 
-def _with_overheads(values: Dict[str, Any], ranks: int, steps: Sequence[float]) -> MachineCosts:
-    """``values`` as costs, with the step and action seconds fitted to the probe's steps."""
-    machine = MachineCosts.from_dict(values)
-    step, action = fit_overheads(machine, ranks, _MICROBATCHES, steps)
-    return dataclasses.replace(machine, step_seconds=step, action_seconds=action)
+def _with_overheads(values: Dict[str, Any], ranks: int, steps: Sequence[float],
+                    runtime: Dict[str, float]) -> MachineCosts:
+    """``values`` as costs, with the probe pipeline's seconds per action and per send (the
+    runtime's send when it costs more than a bare ``isend``: its protocol and the threads
+    it wakes) and the step seconds fitted to the probe's steps, plus the optimizer's
+    per-step cost (``optimizer_step_seconds``)."""
+    values = dict(values)
+    optimizer = values.pop("optimizer_step_seconds", 0.0)
+    machine = dataclasses.replace(
+        MachineCosts.from_dict(values), action_seconds=runtime["action_seconds"],
+        send_seconds=max(values.get("send_seconds", 0.0), runtime["send_seconds"]))
+    step = step_overhead(machine, ranks, _MICROBATCHES, steps)
+    return dataclasses.replace(machine, step_seconds=step + optimizer)
 
 
 def _describe(costs: MachineCosts) -> str:
     return (f"step {costs.step_seconds * 1e3:.3f} ms + {costs.action_seconds * 1e6:.1f} us per "
-            f"action, send post {costs.send_seconds * 1e6:.1f} us, p2p "
+            f"action, send post {costs.send_seconds * 1e6:.1f} us + "
+            f"{costs.send_seconds_per_byte * 1e12:.0f} us/MB, p2p "
             f"{costs.latency_seconds * 1e6:.1f} us + {costs.bandwidth / 1e9:.2f} GB/s, all-reduce "
             f"{costs.all_reduce_latency_seconds * 1e6:.1f} us + "
-            f"{costs.all_reduce_bandwidth / 1e9:.2f} GB/s, Adam "
-            f"{costs.optimizer_seconds_per_byte * 1e9:.3f} ns/byte + "
-            f"{costs.optimizer_seconds_per_tensor * 1e6:.1f} us/tensor, {costs.cores} cores for "
+            f"{costs.all_reduce_bandwidth / 1e9:.2f} GB/s, {costs.cores} cores for "
             f"{costs.ranks_per_node} ranks per node")
 
 
@@ -412,13 +423,13 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, *, timeout: float,
     if world > 1:
         values.update(_point_to_point(group, probe, timeout))
         values.update(_all_reduce(group, probe, timeout))
-    steps = _step_times(pipeline, group, device, timeout)
+    steps, runtime = _step_times(pipeline, group, device, timeout)
     payload = None
     if dist.get_rank(group) == 0:
         try:
             values.update(_local(device))
             values["ranks_per_node"] = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-            payload = {"costs": _with_overheads(values, world, steps).to_dict()}
+            payload = {"costs": _with_overheads(values, world, steps, runtime).to_dict()}
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             payload = {"error": f"{type(exc).__name__}: {exc}"}
     answer = _broadcast_json(payload, group, timeout)
@@ -457,8 +468,8 @@ def calibrate_local(device: torch.device, *, pipeline: PipelineFactory,
         return _CACHE[key]
     start = time.perf_counter()
     with _local_group(device) as group:
-        steps = _step_times(pipeline, group, device, timeout)
-        costs = _CACHE[key] = _with_overheads(_local(device), 1, steps)
+        steps, runtime = _step_times(pipeline, group, device, timeout)
+        costs = _CACHE[key] = _with_overheads(_local(device), 1, steps, runtime)
     log.info("calibrated (one process) in %.2f s: %s", time.perf_counter() - start,
              _describe(costs))
     return costs

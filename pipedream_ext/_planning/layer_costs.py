@@ -26,6 +26,11 @@ How each number is measured (one process, no communication):
   model input is no layer's), never the model's parameters and buffers. A stage keeps,
   per microbatch in flight, its input plus the sum of its layers' kept bytes (exactly,
   but for a stage output no layer saves);
+- optimizer: ``torch.optim.Adam``'s step and ``zero_grad`` over copies of each layer's
+  parameters, less the per-step part every step pays once (the calibration's
+  ``step_seconds``), scaled to Adam over all layers right after a forward and backward
+  (colder caches, fresh gradients). Adam is assumed (the user's optimizer does not
+  exist yet when the planner runs), as ``optimizer_state_factor=2`` assumes for memory;
 - a traced model's output bytes after a group are the bytes of every value made at
   or before it and used after it (the live set ``graph_split`` sends across such a
   cut: model inputs and skip connections included); its input bytes are those of the
@@ -167,6 +172,7 @@ class _Unit:
     parameter_bytes: float
     parameter_tensors: float = 0.0
     largest_parameter_bytes: float = 0.0
+    parameters: List[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -217,7 +223,7 @@ def _tensor_sizes(parameters: Sequence[torch.Tensor]) -> Tuple[float, float]:
 def _sequential_chain(module: nn.Sequential) -> _Chain:
     units = [_Unit(lambda vs, layer=layer: [layer(vs[0])], [i], [i + 1],
                    f"{name} ({type(layer).__name__})", _parameter_bytes(layer),
-                   *_tensor_sizes(list(layer.parameters())))
+                   *_tensor_sizes(list(layer.parameters())), list(layer.parameters()))
              for i, (name, layer) in enumerate(module.named_children())]
     n = len(units)
     return _Chain(units, [0], [n], lambda env: env[n], None)
@@ -231,7 +237,8 @@ def _traced_chain(grouped: GraphGroups) -> _Chain:
         runner = group_module(gm, group.nodes, ins[g], outs[g])
         tensors = list({id(p): p for p in map(gm.get_parameter, group.parameters)}.values())
         units.append(_Unit(lambda vs, runner=runner: list(runner(*vs)), list(ins[g]), list(outs[g]),
-                           group.description, group.parameter_bytes, *_tensor_sizes(tensors)))
+                           group.description, group.parameter_bytes, *_tensor_sizes(tensors),
+                           tensors))
     output = next(n for n in gm.graph.nodes if n.op == "output")
     keys = [a for a in output.all_input_nodes if a.op != "get_attr"]
 
@@ -476,10 +483,60 @@ def _harness_seconds(timer: Timer, device: torch.device, steps: int) -> Tuple[fl
             statistics.median(b() for b in backward[1:]) / 1e3)
 
 
+def _adam_seconds(parameters: Sequence[torch.Tensor], timer: Timer, steps: int,
+                  before: Optional[Callable[[], None]] = None) -> float:
+    """Median seconds of ``torch.optim.Adam``'s step and ``zero_grad`` over copies of
+    ``parameters``, after one step that creates its state. Each step's gradients are the
+    parameters' own after ``before()`` (a forward and backward: the caches and the
+    allocator as a training step leaves them), or ones."""
+    copies = [nn.Parameter(p.detach().clone()) for p in parameters]
+    optimizer = torch.optim.Adam(copies, lr=1e-3)
+    times = []
+    for _ in range(steps + 1):
+        if before is not None:
+            before()
+        for copy, p in zip(copies, parameters):
+            copy.grad = p.grad if before is not None and p.grad is not None else torch.ones_like(copy)
+        t0 = timer.start()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(timer.stop(t0))
+    timer.sync()
+    return statistics.median(t() for t in times[1:]) / 1e3
+
+
+def _optimizer_seconds(chain: _Chain, timer: Timer, steps: int,
+                       train_step: Callable[[], None]) -> List[float]:
+    """Each unit's share of the optimizer's step: Adam over its parameters less the
+    per-step part a rank pays once (the calibration's ``step_seconds`` holds it), scaled
+    to Adam over all of them right after a training step (colder caches, fresh
+    gradients: what a rank's step sees).
+
+    The per-step part ``fixed`` is what the units' separate steps count once each and
+    the step over all of them once: ``(sum of unit steps - all) / (units - 1)``. The
+    planner cannot know the user's optimizer before it is made: Adam is assumed, as
+    ``optimizer_state_factor=2`` assumes for memory."""
+    owners = [g for g, u in enumerate(chain.units) if u.parameters]
+    shares = [0.0] * len(chain.units)
+    if not owners:
+        return shares
+    alone = {g: _adam_seconds(chain.units[g].parameters, timer, steps) for g in owners}
+    every = [p for g in owners for p in chain.units[g].parameters]
+    together = _adam_seconds(every, timer, steps)
+    in_step = _adam_seconds(every, timer, steps, before=train_step)
+    fixed = (sum(alone.values()) - together) / (len(owners) - 1) if len(owners) > 1 else 0.0
+    fixed = min(max(0.0, fixed), min(alone.values()))
+    scale = in_step / together if together > 0 else 1.0
+    for g in owners:
+        shares[g] = (alone[g] - fixed) * scale
+    return shares
+
+
 def _costs(chain: _Chain, sizes: Sequence[int], sized: Sequence[_Sized],
-           harness: Tuple[float, float]) -> List[LayerCost]:
+           harness: Tuple[float, float], optimizer: Sequence[float]) -> List[LayerCost]:
     """Each unit's :class:`LayerCost` from the per-size measurements (seconds, bytes),
-    less what timing it on its own added (``harness``: forward, backward seconds)."""
+    less what timing it on its own added (``harness``: forward, backward seconds), with
+    its optimizer seconds."""
     top, b = sized[-1], sizes[-1]
     layers = []
     for g, unit in enumerate(chain.units):
@@ -492,7 +549,7 @@ def _costs(chain: _Chain, sizes: Sequence[int], sized: Sequence[_Sized],
             output_bytes_per_sample=top.live[g + 1] / b, stash_bytes_per_sample=top.kept[g] / b,
             input_bytes_per_sample=top.live[g] / b, parameter_bytes=unit.parameter_bytes,
             parameter_tensors=unit.parameter_tensors,
-            largest_parameter_bytes=unit.largest_parameter_bytes))
+            largest_parameter_bytes=unit.largest_parameter_bytes, optimizer_seconds=optimizer[g]))
     return layers
 
 
@@ -595,7 +652,15 @@ def measure_layer_costs(module: nn.Module, sample: Tuple[Any, Any], loss_fn: Los
                                state)
                  for b in sizes]
         harness = _harness_seconds(timer, device, max(steps, 5))
-    costs = LayerCosts(_costs(chain, sizes, sized, harness), [u.name for u in chain.units],
+        top = sizes[-1]
+
+        def train_step() -> None:  # one step at the largest size, as _measure_size runs it
+            env: Dict[Hashable, Any] = dict(zip(chain.inputs, _microbatch(values, top, batch)))
+            step = _forward(chain, env, timer, None)
+            grads = _loss(chain, env, loss_fn, _microbatch(sample[1], top, batch), timer, None)[0]
+            _backward(chain, step, grads, timer)
+        optimizer = _optimizer_seconds(chain, timer, max(steps, 5), train_step)
+    costs = LayerCosts(_costs(chain, sizes, sized, harness, optimizer), [u.name for u in chain.units],
                        chain.group_ids, sizes)
     log.info("measured %d layers of %s at microbatch sizes %s over %d steps: %.2f ms forward, "
              "%.2f ms backward per sample", len(costs.layers), type(module).__name__, sizes, steps,

@@ -239,6 +239,42 @@ TEST(PredictConfiguration, PerStepTermsAndOverheads) {
   EXPECT_DOUBLE_EQ(p.stepSeconds, p.pipelineSeconds + 3.0);
 }
 
+TEST(PredictConfiguration, SendsPayPerByteAndLayersCarryTheirOptimizerStep) {
+  MachineCosts m;
+  m.sendSeconds = 0.25;
+  m.sendSecondsPerByte = 0.5;
+  m.optimizerSecondsPerByte = 0.01;  // 200 bytes per rank: 2 s, on top of the layers' own
+  auto layers = uniformLayers();
+  for (auto& l : layers) {
+    l.outputBytesPerSample = 2;
+    l.optimizerSeconds = 0.5;
+  }
+  const Prediction p = predictConfiguration(layers, 4, m, twoStages());
+  // Rank 0 posts 2 bytes forward (0.25 + 1), rank 1 a 1-byte input gradient (0.25 + 0.5).
+  EXPECT_DOUBLE_EQ(p.transferSeconds[0], 4 * 1.25);
+  EXPECT_DOUBLE_EQ(p.transferSeconds[1], 4 * 0.75);
+  EXPECT_DOUBLE_EQ(p.computeSeconds[0], 4 * (2 + 1.25 + 4) - 4 * 1.25);
+  EXPECT_DOUBLE_EQ(p.overheadSeconds, 2 * 0.5 + 2.0);
+  Configuration c = twoStages();
+  c.tp = 2;  // each rank steps half of every tensor
+  EXPECT_DOUBLE_EQ(predictConfiguration(layers, 4, m, c).overheadSeconds, 0.5 + 1.0);
+}
+
+TEST(PredictConfiguration, RanksSharingCoresShareTheirOptimizerStepsToo) {
+  MachineCosts m;
+  m.cores = 1;
+  auto layers = uniformLayers();
+  for (auto& l : layers) l.optimizerSeconds = 3;
+  // Two ranks, one core: busy 24 s + optimizer 6 s each, 60 s of demand, more
+  // than the stretched pipeline (48 s) + the slowest optimizer (6 s).
+  const Prediction p = predictConfiguration(layers, 4, m, twoStages());
+  EXPECT_DOUBLE_EQ(p.pipelineSeconds, 48.0);
+  EXPECT_DOUBLE_EQ(p.stepSeconds, 60.0);
+  EXPECT_DOUBLE_EQ(p.overheadSeconds, 12.0);
+  m.cores = 2;  // nothing shared: the slowest rank's optimizer after the pipeline
+  EXPECT_DOUBLE_EQ(predictConfiguration(layers, 4, m, twoStages()).stepSeconds, 30.0 + 6.0);
+}
+
 TEST(PredictConfiguration, AsynchronousStepIsTheSteadyState) {
   // pipedream: one minibatch (the whole batch of 4) per step; stage busy
   // F + B = 8 + 16 per minibatch is the steady state.
@@ -384,6 +420,7 @@ Instance randomInstance(std::mt19937& rng) {
     c.parameterBytes = rng() % 3 == 0 ? 0.0 : 1e5 * u(rng);
     c.parameterTensors = c.parameterBytes > 0 ? 1.0 + rng() % 4 : 0.0;
     c.largestParameterBytes = c.parameterBytes * (0.25 + 0.75 * u(rng));
+    c.optimizerSeconds = 1e-6 * c.largestParameterBytes;  // no draw: instances stay as they were
     c.tpCollectives = rng() % 2 == 0 ? 0.0 : 1.0 + rng() % 3;
     c.tpCollectiveBytesPerSample = c.tpCollectives * 1e3 * u(rng);
     x.layers.push_back(c);
@@ -391,6 +428,7 @@ Instance randomInstance(std::mt19937& rng) {
   MachineCosts& m = x.machine;
   m.actionSeconds = 0.05 * u(rng);
   m.sendSeconds = 0.02 * u(rng);
+  m.sendSecondsPerByte = 1e-5 * m.sendSeconds;
   m.stepSeconds = u(rng);
   m.latencySeconds = 0.1 * u(rng);
   m.bandwidth = 1e4 + 1e5 * u(rng);
