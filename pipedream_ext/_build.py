@@ -47,6 +47,7 @@ from ._frontend.tied_params import (
     find_shared,
     find_shared_in_stages,
 )
+from ._parallel import auto_mesh, tp_costs
 from ._parallel.data_parallel import DataParallel
 from ._parallel.dims import ParallelDims, check_schedule, resolve_dims
 from ._parallel.fsdp import refuse_split_ties
@@ -177,8 +178,7 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     config = args.checked_config()
     _check_search(args, prepared)
     device = _join_default_group(args.device, config.timeout)
-    dims = _parallel_dims(args, config)
-    args, chosen, chosen_plan = _choose_configuration(args, prepared, dims, device, config.timeout)
+    args, dims, chosen, chosen_plan = _choose_configuration(args, prepared, config, device)
     config = args.checked_config()
     check_schedule(dims, config.schedule, config.asynchronous, planned=False)
     cut = cut_model(args, prepared, config, dims)
@@ -475,28 +475,54 @@ def _check_search(args: PipelineArguments, prepared: PreparedModel) -> None:
     Raises:
         ValueError: ``"auto"`` without ``sample``, with what it cannot search yet
             (``split_points``, a traced model on a mesh, a meta-device model, replicas, a
-            saved plan without a configuration, an asynchronous schedule), or ``memory``
-            with nothing left to search.
+            saved plan without a configuration, an asynchronous schedule; with
+            ``mesh="auto"``: ``process_group``, ``mp_policy``, ``reshard_after_forward``),
+            ``data_parallel="auto"`` without a mesh, or ``memory`` with nothing left to
+            search.
     """
     # A plan file recording a configuration fixes what is left to the planner.
     left = [] if _saved_configuration(args.balance) is not None else searched(args)
-    if AUTO in (args.mesh, args.data_parallel):
-        raise ValueError(f"mesh={args.mesh!r}, data_parallel={args.data_parallel!r}: the planner "
-                         "does not choose the mesh or the data parallelism yet; give a DeviceMesh "
-                         "and 'fsdp' or 'replicate' (it then chooses within them)")
+    refusal = _placement_refusal(args)
+    if refusal:
+        raise ValueError(refusal)
     if not left:
         if args.memory is not None:
             raise ValueError(f"memory={args.memory!r} limits what the planner chooses, but every "
-                             "choice is fixed; pass schedule='auto', microbatches='auto' or "
-                             "recompute='auto' (with sample=) to let it search, or drop memory")
+                             "choice is fixed; pass schedule='auto', microbatches='auto', "
+                             "recompute='auto', mesh='auto' or data_parallel='auto' (with sample=) "
+                             "to let it search, or drop memory")
         return
     what = " and ".join(f"{name}='auto'" for name in left)
     if args.sample is None:
+        batch = ("one step's batch of the whole run (every data-parallel rank's part together)"
+                 if args.mesh == AUTO else "one batch of one pipeline")
         raise ValueError(f"{what} measures the model's layers on one batch: pass "
-                         "sample=(inputs, targets), one batch of one pipeline")
+                         f"sample=(inputs, targets), {batch}")
     refusal = _search_refusal(args, prepared)
     if refusal:
         raise ValueError(f"{what}: {refusal}")
+
+
+def _placement_refusal(args: PipelineArguments) -> str:
+    """Why ``mesh="auto"`` or ``data_parallel="auto"`` cannot run with these arguments
+    (``""``: they can)."""
+    if args.data_parallel == AUTO and args.mesh is None:
+        return ("data_parallel='auto' chooses how a mesh's 'dp' ranks hold the stages, but there "
+                "is no mesh; pass mesh='auto' (the planner factors the world) or a DeviceMesh, or "
+                "drop data_parallel")
+    if args.data_parallel == AUTO and args.mp_policy is not None:
+        return ("data_parallel='auto' with mp_policy= is not supported: mp_policy configures FSDP, "
+                "which the planner may not choose; give data_parallel='fsdp'")
+    if args.mesh != AUTO:
+        return ""
+    if args.process_group is not None:
+        return ("mesh='auto' builds its mesh over every rank of the default group; drop "
+                "process_group")
+    if args.mp_policy is not None or args.reshard_after_forward:
+        return ("mesh='auto' with mp_policy or reshard_after_forward is not supported: they "
+                "configure FSDP, which the chosen mesh may not run; give a DeviceMesh and "
+                "data_parallel='fsdp', or drop them")
+    return ""
 
 
 def _search_refusal(args: PipelineArguments, prepared: PreparedModel) -> str:
@@ -504,13 +530,14 @@ def _search_refusal(args: PipelineArguments, prepared: PreparedModel) -> str:
     if not isinstance(args.module, nn.Sequential) and prepared.planned is None:
         return ("the planner cuts an nn.Sequential's layers or a traced model's groups; with "
                 "split_points the stages are fixed: drop split_points (and give balance='auto' "
-                "or None), or fix schedule, microbatches and recompute")
+                "or None), or fix schedule, microbatches, recompute, mesh and data_parallel")
     if prepared.planned is not None and args.mesh is not None:
         return ("a traced model's chosen stages run without a mesh (as with balance='auto'); "
                 "use an nn.Sequential on a mesh, or drop mesh")
     if prepared.deferred:
         return ("measuring the layers runs them, which the meta device cannot; build the "
-                "model on a real device, or fix schedule, microbatches and recompute")
+                "model on a real device, or fix schedule, microbatches, recompute, mesh and "
+                "data_parallel")
     if args.replicas is not None:
         return ("the search runs straight stages (data parallelism: mesh=); drop replicas, "
                 "or fix schedule, microbatches and recompute")
@@ -524,50 +551,123 @@ def _search_refusal(args: PipelineArguments, prepared: PreparedModel) -> str:
     return ""
 
 
-def _choose_configuration(args: PipelineArguments, prepared: PreparedModel, dims: ParallelDims,
-                          device: torch.device, timeout: float
-                          ) -> Tuple[PipelineArguments, Optional[Configuration], Optional[Plan]]:
-    """The arguments with the planner's choices in place, the configuration and its plan:
-    searched when an option is ``"auto"`` (collective: ``choose.choose``), read from a plan
-    file that records one, or ``args`` unchanged and ``None``.
+def _choose_configuration(args: PipelineArguments, prepared: PreparedModel,
+                          config: PipelineConfig, device: torch.device
+                          ) -> Tuple[PipelineArguments, ParallelDims, Optional[Configuration],
+                                     Optional[Plan]]:
+    """The arguments with the planner's choices in place (``mesh="auto"``: the chosen
+    mesh built), the run's dims, the configuration and its plan: searched when an option
+    is ``"auto"`` (collective: ``choose.choose``), read from a plan file that records one,
+    or ``args`` unchanged and ``None``.
 
     Raises:
-        ValueError: nothing fits ``memory``; a saved configuration another mesh's or one
-            an option given differs from.
+        ValueError: nothing fits ``memory``; no mesh ``mesh="auto"`` may build; a saved
+            configuration another mesh's or one an option given differs from.
     """
     plan = _saved_configuration(args.balance)
     if plan is not None:
         assert plan.configuration is not None
         saved = configuration.Configuration.from_dict(plan.configuration)
+        if saved.data_parallel is None and saved.mesh[1] > 1:  # written before it was recorded
+            saved.data_parallel = plan.sharding
+        _check_saved_agrees(args, saved)
+        args = _placed(_resolved(args, prepared, saved, plan), saved, device)
+        dims = _parallel_dims(args, config)
         shape = (dims.pp_size, dims.dp_size, dims.tp_size)
         if tuple(saved.mesh) != shape:
             raise ValueError(f"the plan's configuration runs on a (pp, dp, tp) = "
-                             f"{tuple(saved.mesh)} mesh, but this run has {shape}; re-plan for "
-                             "this world (python -m pipedream_ext plan --auto)")
-        _check_saved_agrees(args, saved)
-        return _resolved(args, prepared, saved, plan), saved, plan
+                             f"{tuple(saved.mesh)} mesh, but this run has {shape}; pass "
+                             "mesh='auto' to build the plan's, or re-plan for this world "
+                             "(python -m pipedream_ext plan --auto)")
+        return args, dims, saved, plan
     if searched(args):
+        given = None if args.mesh == AUTO else _parallel_dims(
+            dataclasses.replace(args, data_parallel="fsdp") if args.data_parallel == AUTO
+            else args, config)
         traced = None if prepared.planned is None else prepared.planned.grouped
-        request = choose.Request(
-            schedules=choose.schedule_candidates(
-                args.schedule, args.chunks,
-                len(args.module) if traced is None else len(traced.groups), dims.pp_size,
-                multi_chunk=traced is None),
-            microbatches=configuration.microbatch_candidates(choose.sample_rows(args.sample))
-            if args.microbatches == AUTO else [int(args.microbatches)],
-            chunks=(args.chunks,) if args.chunks != 1 else (2,),
-            balance=None if args.balance in (None, AUTO) else list(args.balance),
-            recompute=_recompute_request(args.recompute), memory=args.memory,
-            mesh=(dims.pp_size, dims.dp_size, dims.tp_size), fsdp=dims.fsdp_enabled)
-        chosen, plan = choose.choose(_measuring(args, dims, device, timeout, traced), request)
-        return _resolved(args, prepared, chosen, plan), chosen, plan
-    return args, None, None
+        group = dist.group.WORLD if given is None else given.world_group
+        chosen, plan = choose.choose(_measuring(args, group, device, config.timeout, traced),
+                                     _request(args, given, traced))
+        args = _placed(_resolved(args, prepared, chosen, plan), chosen, device)
+        return args, _parallel_dims(args, config), chosen, plan
+    return args, _parallel_dims(args, config), None, None
 
 
-def _measuring(args: PipelineArguments, dims: ParallelDims, device: torch.device,
+def _request(args: PipelineArguments, given: Optional[ParallelDims],
+             traced: Optional[GraphGroups]) -> choose.Request:
+    """The search space of ``args`` on the mesh ``given`` (``None``: ``mesh="auto"``,
+    every factorisation of the world the run supports, the sample the global batch).
+
+    Raises:
+        ValueError: ``mesh="auto"`` and no factorisation of the world fits the model's
+            layers and the sample's rows.
+    """
+    assert args.sample is not None
+    rows = choose.sample_rows(args.sample)
+    layers = len(args.module) if traced is None else len(traced.groups)
+    if given is None:
+        world = dist.get_world_size()
+        tps = auto_mesh.tp_sizes(world, args.tensor_parallel, args.module, args.sample[0])
+        traffic = _tp_traffic(args, traced, tps)
+        if traffic is None and len(tps) > 1:
+            _log.info("mesh='auto': tp %s left out: a callable tensor_parallel plan's collectives "
+                      "cannot be seen, so the cost model could not price them (a dict plan can "
+                      "be; or give a mesh)", tps[1:])
+            tps = [1]
+        meshes = auto_mesh.mesh_candidates(world, rows, layers, tps)
+        if not meshes:
+            raise ValueError(
+                f"mesh='auto' finds no (pp, dp, tp) for {world} ranks: pp must be at most the "
+                f"model's {layers} layers, dp must divide the sample's {rows} rows (the whole "
+                f"run's batch), tp must be one of {tps} (1 without tensor_parallel=, else the "
+                "sizes its plan splits evenly); give a sample whose rows dp divides, or a mesh")
+        on_mesh = [m for m in meshes if auto_mesh.runs_on_device_mesh(m)]
+    else:
+        meshes = [(given.pp_size, given.dp_size, given.tp_size)]
+        on_mesh = meshes if given.on_mesh else []
+        traffic = _tp_traffic(args, traced, [given.tp_size])
+    fsdp = (False, True) if args.data_parallel == AUTO else \
+        (given.fsdp_enabled,) if given is not None else (args.data_parallel == "fsdp",)
+    return choose.Request(
+        schedules=choose.schedule_candidates(args.schedule, args.chunks, layers,
+                                             min(m[0] for m in meshes), multi_chunk=traced is None),
+        microbatches=None if args.microbatches == AUTO else [int(args.microbatches)],
+        chunks=(args.chunks,) if args.chunks != 1 else (2,),
+        balance=None if args.balance in (None, AUTO) else list(args.balance),
+        recompute=_recompute_request(args.recompute), memory=args.memory, meshes=meshes,
+        fsdp=fsdp, global_batch=given is None, on_mesh=on_mesh,
+        tp_traffic=traffic or ())
+
+
+def _tp_traffic(args: PipelineArguments, traced: Optional[GraphGroups],
+                tps: Sequence[int]) -> Optional[List[Tuple[float, float]]]:
+    """The collectives ``args.tensor_parallel`` adds per layer of the chain
+    (``tp_costs.plan_traffic``): ``[]`` without tp > 1 or for a traced model (not priced),
+    ``None`` for a callable plan."""
+    if args.tensor_parallel is None or max(tps) == 1 or traced is not None:
+        return []
+    return tp_costs.plan_traffic(args.tensor_parallel, args.module, args.sample[0])
+
+
+def _placed(args: PipelineArguments, chosen: Configuration,
+            device: torch.device) -> PipelineArguments:
+    """``args`` with the chosen placement: ``mesh="auto"`` built as ``chosen.mesh`` (the
+    same shape on every rank; with ``tp = 1`` no tensor parallelism), ``data_parallel``
+    left ``"auto"`` with ``dp = 1`` as ``"replicate"`` (nothing to hold)."""
+    values: Dict[str, Any] = {}
+    if args.mesh == AUTO:
+        values["mesh"] = auto_mesh.build_mesh(chosen.mesh, device.type)
+        if chosen.mesh[2] == 1:
+            values["tensor_parallel"] = None
+    if args.data_parallel == AUTO:
+        values["data_parallel"] = "replicate"
+    return dataclasses.replace(args, **values)
+
+
+def _measuring(args: PipelineArguments, group: dist.ProcessGroup, device: torch.device,
                timeout: float, grouped: Optional[GraphGroups] = None) -> choose.Measuring:
     assert args.sample is not None and args.pipeline is not None
-    return choose.Measuring(args.module, args.loss_fn, args.sample, dims.world_group, device,
+    return choose.Measuring(args.module, args.loss_fn, args.sample, group, device,
                             timeout, args.pipeline, args.concrete_args, grouped)
 
 
@@ -591,10 +691,13 @@ def _saved_configuration(balance: Any) -> Optional[Plan]:
 def _chosen_values(chosen: Configuration) -> Dict[str, Any]:
     """The options a configuration sets, as ``PipeDream`` takes them."""
     recompute = [bool(r) for r in chosen.recompute]
-    return {"schedule": chosen.schedule, "microbatches": chosen.microbatches,
-            "chunks": chosen.chunks, "balance": list(chosen.balance),
-            "replicas": list(chosen.replicas) if any(r != 1 for r in chosen.replicas) else None,
-            "recompute": recompute[0] if len(set(recompute)) == 1 else recompute}
+    values = {"schedule": chosen.schedule, "microbatches": chosen.microbatches,
+              "chunks": chosen.chunks, "balance": list(chosen.balance),
+              "replicas": list(chosen.replicas) if any(r != 1 for r in chosen.replicas) else None,
+              "recompute": recompute[0] if len(set(recompute)) == 1 else recompute}
+    if chosen.data_parallel is not None:
+        values["data_parallel"] = chosen.data_parallel
+    return values
 
 
 def _check_saved_agrees(args: PipelineArguments, saved: Configuration) -> None:
@@ -639,9 +742,11 @@ def _predict_fixed(args: PipelineArguments, prepared: PreparedModel, config: Pip
         schedule=config.schedule, chunks=config.chunks, microbatches=config.microbatches,
         balance=list(cut.partition.balance), replicas=list(cut.partition.replicas),
         recompute=config.recompute_stages(cut.partition.num_stages),
-        mesh=(dims.pp_size, dims.dp_size, dims.tp_size), prediction=None, candidates=[])
+        mesh=(dims.pp_size, dims.dp_size, dims.tp_size), prediction=None, candidates=[],
+        data_parallel=dims.data_parallel if dims.dp_enabled else None)
     try:
-        predicted = choose.predict_fixed(_measuring(args, dims, device, config.timeout), fixed,
+        predicted = choose.predict_fixed(_measuring(args, dims.world_group, device,
+                                                    config.timeout), fixed,
                                          args.memory, dims.fsdp_enabled)
     except ValueError as exc:  # the same on every rank: rank 0's error was broadcast
         warnings.warn(f"no prediction of this configuration: {exc}", stacklevel=4)

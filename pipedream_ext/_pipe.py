@@ -52,7 +52,29 @@ SYNCHRONOUS_SCHEDULES = tuple(schedules.synchronous_names())
 ASYNCHRONOUS_SCHEDULES = tuple(schedules.asynchronous_names())
 
 
-class PipeDream:
+class _DataParallelPart:
+    """Which part of each global batch this rank feeds: with a mesh's ``dp`` ranks (given,
+    or chosen by ``mesh="auto"``) every pipeline copy trains on its own rows of the batch.
+    Read by ``PipeDream`` from the run's ``ParallelDims`` (``_dims``)."""
+
+    _dims: ParallelDims
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's data-parallel rank, ``0 <= rank < data_parallel_size`` (0 without
+        dp): it feeds rows ``[rank * n / size, (rank + 1) * n / size)`` of an ``n``-row
+        global batch, e.g. ``DistributedSampler(..., num_replicas=pipe.data_parallel_size,
+        rank=pipe.data_parallel_rank)``; every pp and tp rank of one copy feeds the same."""
+        return self._dims.dp_rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Copies of the pipeline over which each global batch is split (``mesh["dp"]``'s
+        size; 1 without a mesh)."""
+        return self._dims.dp_size
+
+
+class PipeDream(_DataParallelPart):
     """Pipeline-parallel training of a model over the ranks of a process group.
 
     An ``nn.Sequential`` is cut between its children (``balance``); any other

@@ -56,7 +56,10 @@ class LayerCost:
     tensor) and ``largest_parameter_bytes`` the largest one (Adam's step and a fresh
     gradient are transients of that size); ``optimizer_seconds`` the optimizer's step
     over its parameters, measured (``measure_layer_costs`` times Adam's; 0: the
-    machine's per-byte and per-tensor estimate alone).
+    machine's per-byte and per-tensor estimate alone). ``tp_collectives`` and
+    ``tp_collective_bytes_per_sample``: the all-reduces a ``tensor_parallel=`` plan adds to
+    one microbatch's forward and backward of this layer at ``tp > 1`` and the bytes per
+    sample they reduce (0: the plan leaves the layer whole).
     """
 
     forward_fixed: float = 0.0
@@ -71,6 +74,8 @@ class LayerCost:
     parameter_tensors: float = 0.0
     largest_parameter_bytes: float = 0.0
     optimizer_seconds: float = 0.0
+    tp_collectives: float = 0.0
+    tp_collective_bytes_per_sample: float = 0.0
 
     def to_dict(self) -> Dict[str, float]:
         """Returns the fields by name (the binding's layer dict; JSON-able)."""
@@ -93,7 +98,10 @@ class MachineCosts:
     overheads, point-to-point and all-reduce latency and bandwidth, the optimizer's
     seconds per parameter byte and per parameter tensor (added to the layers' measured
     ``optimizer_seconds``), and the cores the ranks of one node share (0: one core per
-    rank)."""
+    rank); ``fsdp_call_seconds``: one FSDP collective call of one unit in a step (its
+    all-gather or reduce-scatter with the hooks and copies around it) and
+    ``replicate_call_seconds`` one replicated stage's gradient all-reduce in a step, also
+    the price of a tensor-parallel collective call (0: an all-reduce's latency)."""
 
     action_seconds: float = 0.0
     send_seconds: float = 0.0
@@ -107,6 +115,8 @@ class MachineCosts:
     optimizer_seconds_per_tensor: float = 0.0
     cores: int = 0
     ranks_per_node: int = 0
+    fsdp_call_seconds: float = 0.0
+    replicate_call_seconds: float = 0.0
 
     def to_dict(self) -> Dict[str, Any]:
         """Returns the fields by name (the binding's machine dict; JSON-able)."""
@@ -182,8 +192,10 @@ class Prediction:
 class Configuration:
     """One whole configuration: what the planner chose (or the user fixed) and what it
     predicts. ``recompute`` has one flag per stage, ``balance`` the layers per stage
-    (``pp * chunks`` stages), ``mesh`` is ``(pp, dp, tp)``; ``candidates`` are the
-    runners-up of a search, best first, each with its prediction."""
+    (``pp * chunks`` stages), ``mesh`` is ``(pp, dp, tp)``; ``data_parallel`` how dp
+    holds the stages (``"fsdp"`` or ``"replicate"``; ``None`` with ``dp = 1`` or in a plan
+    file written before it was recorded); ``candidates`` are the runners-up of a search,
+    best first, each with its prediction."""
 
     schedule: str
     microbatches: int
@@ -194,6 +206,7 @@ class Configuration:
     mesh: Tuple[int, int, int] = (1, 1, 1)
     prediction: Optional[Prediction] = None
     candidates: List["Configuration"] = dataclasses.field(default_factory=list)
+    data_parallel: Optional[str] = None
 
     @property
     def predicted_step_seconds(self) -> Optional[float]:
@@ -210,7 +223,7 @@ class Configuration:
         return {"schedule": self.schedule, "chunks": self.chunks,
                 "microbatches": self.microbatches, "balance": list(self.balance),
                 "replicas": list(self.replicas), "recompute": list(self.recompute),
-                "mesh": list(self.mesh),
+                "mesh": list(self.mesh), "data_parallel": self.data_parallel,
                 "prediction": None if self.prediction is None else self.prediction.to_dict(),
                 "candidates": [c.to_dict() for c in self.candidates]}
 
@@ -219,7 +232,8 @@ class Configuration:
         """Reads :meth:`to_dict`'s form back.
 
         Raises:
-            ValueError: an unknown or missing key, or a mesh that is not three counts.
+            ValueError: an unknown or missing key, a mesh that is not three counts, or a
+                ``data_parallel`` other than ``"fsdp"``, ``"replicate"`` or ``None``.
         """
         fields = _strict_fields(cls, d, "configuration")
         for key in ("schedule", "microbatches", "balance"):
@@ -228,13 +242,17 @@ class Configuration:
         mesh = tuple(int(x) for x in fields.get("mesh", (1, 1, 1)))
         if len(mesh) != 3:
             raise ValueError(f"configuration: mesh must be (pp, dp, tp) (got {list(mesh)})")
+        data_parallel = fields.get("data_parallel")
+        if data_parallel not in (None, "fsdp", "replicate"):
+            raise ValueError(f"configuration: data_parallel must be 'fsdp', 'replicate' or null "
+                             f"(got {data_parallel!r})")
         prediction = fields.get("prediction")
         return cls(schedule=str(fields["schedule"]), microbatches=int(fields["microbatches"]),
                    balance=[int(x) for x in fields["balance"]],
                    chunks=int(fields.get("chunks", 1)),
                    replicas=[int(x) for x in fields.get("replicas", [])],
                    recompute=[bool(x) for x in fields.get("recompute", [])],
-                   mesh=(mesh[0], mesh[1], mesh[2]),
+                   mesh=(mesh[0], mesh[1], mesh[2]), data_parallel=data_parallel,
                    prediction=None if prediction is None else Prediction.from_dict(prediction),
                    candidates=[cls.from_dict(c) for c in fields.get("candidates", [])])
 
@@ -253,7 +271,8 @@ class Configuration:
         pp, dp, tp = self.mesh
         recompute = [j for j, r in enumerate(self.recompute) if r]
         lines = [f"configuration: schedule {self.schedule} (chunks {self.chunks}), "
-                 f"{self.microbatches} microbatches, mesh pp={pp} dp={dp} tp={tp}",
+                 f"{self.microbatches} microbatches, mesh pp={pp} dp={dp} tp={tp}"
+                 + (f" ({self.data_parallel})" if self.data_parallel else ""),
                  f"  balance {self.balance}, recompute stages {recompute or 'none'}"]
         if self.prediction is not None:
             p = self.prediction
@@ -293,7 +312,8 @@ def _row(config: Configuration) -> List[str]:
     p = config.prediction
     recompute = "".join("1" if r else "0" for r in config.recompute) or "-"
     return [config.schedule, str(config.chunks), str(config.microbatches),
-            "x".join(str(x) for x in config.mesh), ",".join(str(x) for x in config.balance),
+            "x".join(str(x) for x in config.mesh) +
+            (f" {config.data_parallel}" if config.data_parallel else ""), ",".join(str(x) for x in config.balance),
             recompute,
             "-" if p is None else f"{p.step_seconds * 1e3:.3f}",
             "-" if p is None else f"{p.bubble_fraction:.2f}",

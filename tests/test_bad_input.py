@@ -82,8 +82,20 @@ ROWS: List[Tuple[str, str, str, str]] = [
     ("auto-asynchronous", "`microbatches='auto'` with `schedule='pipedream'`",
      r"microbatches='auto': the planner predicts flush schedules, but schedule='pipedream' is "
      r"asynchronous", "here"),
-    ("auto-mesh", "`mesh='auto'` (or `data_parallel='auto'`)",
-     r"the planner does not choose the mesh or the data parallelism yet", "here"),
+    ("auto-mesh", "`mesh='auto'` without `sample` (one step's batch of the whole run)",
+     r"mesh='auto' measures the model's layers on one batch: pass sample=\(inputs, targets\), one "
+     r"step's batch of the whole run", "here"),
+    ("auto-mesh-split-points", "`mesh='auto'` with `split_points=` (stages fixed)",
+     r"mesh='auto': the planner cuts an nn\.Sequential's layers or a traced model's groups; with "
+     r"split_points the stages are fixed", "here"),
+    ("auto-mesh-fsdp-options", "`mesh='auto'` with `reshard_after_forward` or `mp_policy`",
+     r"mesh='auto' with mp_policy or reshard_after_forward is not supported", "here"),
+    ("auto-mesh-factorisation", "`mesh='auto'` and no `(pp, dp, tp)` fits the layers and the rows",
+     r"mesh='auto' finds no \(pp, dp, tp\) for 2 ranks: pp must be at most the model's 1 layers, "
+     r"dp must divide the sample's 3 rows", "here"),
+    ("auto-data-parallel-no-mesh", "`data_parallel='auto'` without a mesh",
+     r"data_parallel='auto' chooses how a mesh's 'dp' ranks hold the stages, but there is no mesh",
+     "here"),
     ("memory-value", "`memory=-1`", r"memory must be bytes per rank > 0, or None for no limit \(got -1\)", "here"),
     ("memory-nothing-searched", "`memory=` with every choice fixed",
      r"memory=8000000000\.0 limits what the planner chooses, but every choice is fixed", "here"),
@@ -595,7 +607,14 @@ IN_PROCESS: Dict[str, Callable[[], Any]] = {
         schedule="auto", sample=(torch.randn(4, 6), torch.randint(0, 3, (4,))))),
     "auto-asynchronous": lambda: _pd().PipeDream(model(), **pipe_kwargs(
         schedule="pipedream", microbatches="auto", sample=(torch.randn(4, 6), torch.randint(0, 3, (4,))))),
-    "auto-mesh": lambda: _pd().PipeDream(model(), mesh="auto", **pipe_kwargs(schedule="auto")),
+    "auto-mesh": lambda: _pd().PipeDream(model(), mesh="auto", **pipe_kwargs()),
+    "auto-mesh-split-points": lambda: _pd().PipeDream(_Traceable(), split_points=["b"], mesh="auto",
+                                                      **pipe_kwargs(sample=(torch.randn(4, 6),
+                                                                            torch.randint(0, 3, (4,))))),
+    "auto-mesh-fsdp-options": lambda: _pd().PipeDream(model(), mesh="auto", reshard_after_forward=True,
+                                                      **pipe_kwargs()),
+    "auto-data-parallel-no-mesh": lambda: _pd().PipeDream(model(), data_parallel="auto",
+                                                          **pipe_kwargs()),
     "memory-value": lambda: _pd().PipeDream(model(), **pipe_kwargs(memory=-1)),
     "memory-nothing-searched": lambda: _pd().PipeDream(model(), **pipe_kwargs(memory=8e9)),
     "no-launcher": lambda: _pd().PipeDream(model(), **pipe_kwargs()),
@@ -684,7 +703,8 @@ def _gradient(shape: Tuple[int, int]) -> Tuple[torch.Tensor, torch.Tensor]:
 # Rows refused at construction on 2 ranks (world size, replicas, a config that differs
 # between the ranks, a plan file), each its own case.
 WORLD_ROWS = ("balance-count", "balance-sum", "balance-empty", "world-size", "replicas-zero",
-              "too-few-layers", "config-mismatch", "plan-file", "recompute-stages", "recompute-rank")
+              "too-few-layers", "config-mismatch", "plan-file", "recompute-stages", "recompute-rank",
+              "auto-mesh-factorisation")
 
 
 def check_world_row(row_id: str) -> None:
@@ -708,6 +728,9 @@ def check_world_row(row_id: str) -> None:
         "recompute-stages": lambda: pd.PipeDream(model(), **pipe_kwargs(recompute=[True, False, True])),
         "recompute-rank": lambda: pd.PipeDream(model(), **pipe_kwargs(
             schedule="zbv", chunks=2, recompute=[True, True, False, False])),
+        # 1 layer: pp 1, so dp 2, which does not divide 3 rows (refused before the search)
+        "auto-mesh-factorisation": lambda: pd.PipeDream(model(1), mesh="auto", **pipe_kwargs(
+            sample=(torch.randn(3, 6), torch.randint(0, 3, (3,))))),
     }[row_id]
     _expect(row_id, build)
 
@@ -804,7 +827,7 @@ def test_two_rank_rows(case: CaseRef) -> None:
 def test_every_row_is_tested_here_or_names_an_existing_test() -> None:
     here = set(IN_PROCESS) | {"balance-count", "balance-sum", "balance-empty", "world-size",
                               "replicas-zero", "too-few-layers", "config-mismatch", "plan-file",
-                              "recompute-stages", "recompute-rank",
+                              "recompute-stages", "recompute-rank", "auto-mesh-factorisation",
                               "optimizer-before-pipeline", "loss-shape", "peer-magic", "peer-count",
                               "peer-negative-size", "peer-dtype", "peer-order", "peer-gradient-shape"}
     for row_id, _what, _message_re, where in ROWS:

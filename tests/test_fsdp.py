@@ -16,6 +16,7 @@ configurations (a worker loops over them).
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
@@ -520,6 +521,109 @@ class _Wrapped(nn.Module):
         return self.body(x)
 
 
+# --------------------------------------------------------------------------- mesh="auto"
+def wide(seed: int = 0) -> nn.Sequential:
+    """Three layers, the middle one most of the weights (66 KB): with AdamW the planner
+    predicts more than 400 KB for a rank holding it replicated, at most 224 KB as FSDP's
+    shard over dp 2 or 4."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Sequential(nn.Linear(WIDTH, 128), nn.Tanh()),
+                         nn.Sequential(nn.Linear(128, 128), nn.Tanh()), nn.Linear(128, CLASSES))
+
+
+def train_like_unsplit(pipe: Any, ref: nn.Module, optimizer: str, what: str) -> None:
+    """STEPS steps, each dp rank feeding ``pipe.data_parallel_rank``'s rows of the global
+    batch: every loss, and every weight after the steps, equal the unsplit model's."""
+    dp, rows = pipe.data_parallel_rank, BATCH // pipe.data_parallel_size
+    params = list(pipe.parameters())
+    opt = OPTIMIZERS[optimizer](params) if params else None
+    ref_opt = OPTIMIZERS[optimizer](ref.parameters())
+    part = slice(dp * rows, (dp + 1) * rows)
+    for step in range(STEPS):
+        x, y = global_batch(100 + step)
+        ref_loss = F.cross_entropy(ref(x), y)
+        ref_loss.backward()
+        loss = float(pipe.step(x[part] if pipe.is_first else None, y[part] if pipe.is_last else None))
+        assert abs(loss - ref_loss.item()) <= RTOL * max(1.0, abs(ref_loss.item())), \
+            f"{what} step {step}: loss {loss} != {ref_loss.item()}"
+        ref_opt.step(); ref_opt.zero_grad()
+        if opt is not None:
+            opt.step(); opt.zero_grad()
+    expected = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(full(p.detach()), expected[name].detach(), rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"{what} weight {name}: {m}")
+
+
+def same_everywhere(text: str) -> bool:
+    gathered: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, text)
+    return len(set(gathered)) == 1
+
+
+def check_auto_mesh() -> None:
+    """mesh="auto" (the sample: one step's batch of the whole run) builds the (pp, dp, tp)
+    its configuration names, the same on every rank; each dp rank feeds
+    ``pipe.data_parallel_rank``'s rows and the run trains as the unsplit model on the
+    global batch (SGD-momentum); the plan file with mesh="auto" builds it again. A choice
+    of (4, 1, 1) runs without a mesh (AdamW)."""
+    import pipedream_ext as pd
+
+    x, y = global_batch(0)
+    pipe = pd.PipeDream(mlp(), F.cross_entropy, schedule="auto", microbatches="auto", mesh="auto",
+                        sample=(x, y), timeout=60)
+    chosen = pipe.configuration
+    pp, dp, tp = chosen.mesh
+    assert same_everywhere(json.dumps(chosen.to_dict(), sort_keys=True)), "ranks chose differently"
+    assert pp * dp * tp == 4 and tp == 1 and pipe.data_parallel_size == dp, chosen.table()
+    assert pipe.num_stages == len(chosen.balance) == pp * chosen.chunks, chosen.table()
+    assert chosen.data_parallel == ("fsdp" if dp > 1 else None), chosen.table()  # the default
+    assert (BATCH // dp) % pipe.microbatches == 0, chosen.table()
+    gathered: List[Any] = [None] * 4
+    dist.all_gather_object(gathered, pipe.data_parallel_rank)
+    assert sorted(gathered) == sorted(list(range(dp)) * pp), gathered
+    train_like_unsplit(pipe, mlp(), "sgd", f"mesh='auto' {chosen.mesh}")
+    path = os.path.join(os.environ[CKPT_ENV], "auto-mesh-plan.json")
+    if dist.get_rank() == 0:
+        pipe.plan.save(path)
+    dist.barrier()
+    again = pd.PipeDream(mlp(), F.cross_entropy, balance=path, mesh="auto", timeout=60)
+    assert again.configuration.to_dict() == chosen.to_dict()
+    assert (again.data_parallel_size, again.balance, again.microbatches) == \
+        (dp, pipe.balance, pipe.microbatches)
+    # Four stages fixed: only (4, 1, 1) can run them, without a mesh, any microbatch count.
+    plain = pd.PipeDream(mlp(), F.cross_entropy, schedule="1f1b", microbatches=3, balance=[2] * 4,
+                         mesh="auto", sample=(x, y), timeout=60)
+    assert plain.configuration.mesh == (4, 1, 1) and plain.configuration.data_parallel is None
+    assert plain.data_parallel_size == 1 and not plain._dims.on_mesh
+    train_like_unsplit(plain, mlp(), "adamw", "mesh='auto' (4, 1, 1)")
+
+
+def check_auto_data_parallel() -> None:
+    """data_parallel="auto" with memory= only FSDP's shards fit (:func:`wide`): fsdp on
+    the mesh mesh="auto" chose (dp 2 or 4), trained as the unsplit model (AdamW); on a
+    given mesh too (its sample one dp rank's batch); without a limit the choice the cost
+    model made is the one that runs."""
+    import pipedream_ext as pd
+
+    x, y = global_batch(0)
+    pipe = pd.PipeDream(wide(), F.cross_entropy, schedule="1f1b", microbatches="auto", mesh="auto",
+                        data_parallel="auto", memory=3e5, sample=(x, y), timeout=60)
+    chosen = pipe.configuration
+    assert chosen.mesh[1] > 1 and chosen.data_parallel == "fsdp", chosen.table()
+    assert max(chosen.predicted_peak_bytes) <= 3e5, chosen.table()
+    assert type(pipe._runner.data_parallel).__name__ == "FsdpStages"
+    train_like_unsplit(pipe, wide(), "adamw", f"data_parallel='auto' {chosen.mesh}")
+    half = BATCH // 2
+    given = dict(schedule="1f1b", microbatches=2, mesh=make_mesh(2, 2), data_parallel="auto",
+                 sample=(x[:half], y[:half]), timeout=60)
+    fitted = pd.PipeDream(wide(), F.cross_entropy, memory=3e5, **given)
+    assert fitted.configuration.data_parallel == "fsdp", fitted.configuration.table()
+    free = pd.PipeDream(wide(), F.cross_entropy, **given)
+    kind = {"fsdp": "FsdpStages", "replicate": "ReplicatedStages"}
+    assert type(free._runner.data_parallel).__name__ == kind[free.configuration.data_parallel]
+
+
 def case_name(case: Case) -> str:
     """The pytest id of ``case``: its schedule and mesh, then the fields set otherwise
     than by default."""
@@ -545,6 +649,8 @@ def fsdp_cases(kind: str) -> Callable[[int], Cases]:
             out.add(check_dp_batches_and_steps)
             out.add(check_grad_scaler_skips_on_every_pipeline)
             out.add(check_auto_plan)
+            out.add(check_auto_mesh)
+            out.add(check_auto_data_parallel)
             out.add(check_dcp_mesh_save_fsdp)
         for case in cases(kind):
             out.add(check_case, case, name=case_name(case))
@@ -562,7 +668,8 @@ def test_fsdp_representative_case_and_refusals(case: CaseRef) -> None:
     """zb-h1, pp 2 x dp 2, AdamW, a weight tied across the two stages: losses, weights and
     one reduce-scatter per unit per step; pd.clip_grad_norm_ (fsdp p=2, replicate p=inf);
     an asynchronous DCP save of the fsdp pipeline resumed on the same mesh; balance="auto"
-    with a mesh; and every refusal of a mesh (one launch)."""
+    with a mesh; mesh="auto" and data_parallel="auto"; and every refusal of a mesh (one
+    launch)."""
     case.check()
 
 

@@ -193,6 +193,38 @@ def check_training(schedule: str, shape=(2, 1, 2), names=("pp", "dp", "tp"),
     return pipe
 
 
+def check_auto_mesh() -> None:
+    """mesh="auto" with the plan: the planner chooses (pp, dp, tp) among the factorisations
+    the plan splits evenly (16- and 32-wide layers: tp 1, 2 or 4), every rank builds that
+    mesh, and the run trains as the unsplit model on the global batch (the sample: all
+    2 * ROWS rows of a step; each dp rank feeds pipe.data_parallel_rank's part)."""
+    import pipedream_ext as pd
+
+    x, y = batch(0, 2 * ROWS)
+    pipe = pd.PipeDream(llama(), lm_loss, schedule="1f1b", microbatches=2, mesh="auto",
+                        tensor_parallel=plan(), sample=(x, y), timeout=60)
+    pp, dp, tp = pipe.configuration.mesh
+    assert pp * dp * tp == 4 and pipe.data_parallel_size == dp, pipe.configuration.table()
+    gathered: list = [None] * 4
+    dist.all_gather_object(gathered, pipe.configuration.mesh)
+    assert len(set(gathered)) == 1, gathered
+    ref = llama()
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.01, eps=1e-4)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, eps=1e-4)
+    rows = 2 * ROWS // dp
+    part = slice(pipe.data_parallel_rank * rows, (pipe.data_parallel_rank + 1) * rows)
+    for step in range(STEPS):
+        x, y = batch(step, 2 * ROWS)
+        loss = pipe.step(x[part], y[part])
+        ref_loss = lm_loss(ref(x), y)
+        ref_loss.backward()
+        close(torch.as_tensor(float(loss)), ref_loss, f"mesh {pipe.configuration.mesh} loss of step {step}")
+        opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
+    refs = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        close(p, refs[name], f"mesh {pipe.configuration.mesh} weight {name}")
+
+
 def check_plan_shards() -> None:
     """The plan really shards: wq/wk/wv/w1/w3 are DTensors Shard(0) over the tp mesh,
     wo/w2 Shard(1), each rank holding half the rows (columns); the rest plain. Every tp
@@ -432,6 +464,7 @@ def cases(world: int) -> Cases:
           name="training-dp2-fsdp")
     c.add(check_training, "zb-h1", shape=(1, 2, 2), data_parallel="fsdp", name="training-zb-h1-dp2-fsdp")
     c.add(check_stats_and_trace, name="stats-and-trace")
+    c.add(check_auto_mesh, name="auto-mesh")
     c.add(check_refusals)
     c.add(check_later_batches)
     c.add(check_uneven_shards)

@@ -57,6 +57,8 @@ LayerCost layerFromDict(const py::dict& d) {
             {"parameter_bytes", into(c.parameterBytes)},
             {"parameter_tensors", into(c.parameterTensors)},
             {"largest_parameter_bytes", into(c.largestParameterBytes)},
+            {"tp_collectives", into(c.tpCollectives)},
+            {"tp_collective_bytes_per_sample", into(c.tpCollectiveBytesPerSample)},
             {"optimizer_seconds", into(c.optimizerSeconds)}},
            "layer");
   return c;
@@ -82,7 +84,9 @@ MachineCosts machineFromDict(const py::dict& d) {
             {"optimizer_seconds_per_byte", into(m.optimizerSecondsPerByte)},
             {"optimizer_seconds_per_tensor", into(m.optimizerSecondsPerTensor)},
             {"cores", into(m.cores)},
-            {"ranks_per_node", into(m.ranksPerNode)}},
+            {"ranks_per_node", into(m.ranksPerNode)},
+            {"fsdp_call_seconds", into(m.fsdpCallSeconds)},
+            {"replicate_call_seconds", into(m.replicateCallSeconds)}},
            "machine");
   return m;
 }

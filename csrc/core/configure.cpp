@@ -49,6 +49,8 @@ void checkLayers(const std::vector<LayerCost>& layers) {
     checkNonNegative(c.parameterTensors, at + "parameter_tensors");
     checkNonNegative(c.largestParameterBytes, at + "largest_parameter_bytes");
     checkNonNegative(c.optimizerSeconds, at + "optimizer_seconds");
+    checkNonNegative(c.tpCollectives, at + "tp_collectives");
+    checkNonNegative(c.tpCollectiveBytesPerSample, at + "tp_collective_bytes_per_sample");
     if (!(c.weightShare >= 0 && c.weightShare <= 1)) {
       fail(at + "weight_share must be in [0, 1] (got " + str(c.weightShare) + ")");
     }
@@ -64,6 +66,8 @@ void checkMachine(const MachineCosts& m) {
   checkNonNegative(m.allReduceLatencySeconds, "all_reduce_latency_seconds");
   checkNonNegative(m.optimizerSecondsPerByte, "optimizer_seconds_per_byte");
   checkNonNegative(m.optimizerSecondsPerTensor, "optimizer_seconds_per_tensor");
+  checkNonNegative(m.fsdpCallSeconds, "fsdp_call_seconds");
+  checkNonNegative(m.replicateCallSeconds, "replicate_call_seconds");
   if (!std::isfinite(m.bandwidth) || m.bandwidth <= 0) {
     fail("bandwidth must be finite and > 0 bytes/s (got " + str(m.bandwidth) + ")");
   }
@@ -102,8 +106,26 @@ class PrefixSums {
 
 }  // namespace
 
+namespace {
+
+// A layer's tensor-parallel all-reduces of one microbatch of b samples (ring:
+// 2 (tp - 1) / tp of the bytes each way); none at tp = 1. Each call costs what
+// an all-reduce inside a step was measured to (replicateCallSeconds), else
+// an all-reduce's latency.
+double tpCollectiveSeconds(const LayerCost& c, const MachineCosts& machine, int tp, double b) {
+  if (tp <= 1) return 0.0;
+  const double call = machine.replicateCallSeconds > 0 ? machine.replicateCallSeconds
+                                                       : machine.allReduceLatencySeconds;
+  return c.tpCollectives * call +
+         2.0 * (tp - 1) / tp * c.tpCollectiveBytesPerSample * b / machine.allReduceBandwidth;
+}
+
+}  // namespace
+
 struct PointModel::Sums {
   PrefixSums forward, backward, weight, stash, deferred, parameters, tensors, optimizer;
+  PrefixSums units;   // FSDP units: layers with parameters
+  PrefixSums tpComm;  // tensor parallelism's all-reduces per microbatch (F + B)
 };
 
 PointModel::PointModel(const std::vector<LayerCost>& layers, int batchSize,
@@ -134,6 +156,10 @@ PointModel::PointModel(const std::vector<LayerCost>& layers, int batchSize,
   sums_->parameters = PrefixSums(layers, [](const LayerCost& c) { return c.parameterBytes; });
   sums_->tensors = PrefixSums(layers, [](const LayerCost& c) { return c.parameterTensors; });
   sums_->optimizer = PrefixSums(layers, [](const LayerCost& c) { return c.optimizerSeconds; });
+  sums_->units = PrefixSums(layers, [](const LayerCost& c) { return c.parameterBytes > 0 ? 1.0 : 0.0; });
+  sums_->tpComm = PrefixSums(layers, [&](const LayerCost& c) {
+    return tpCollectiveSeconds(c, machine, options.tp, b);
+  });
   buildSchedules(traits);
 }
 
@@ -231,9 +257,12 @@ StageCost PointModel::stageCost(int j, int a, int e, bool recompute) const {
   const double forward = sums_->forward.over(a, e) / tp;
   const double full = sums_->backward.over(a, e) / tp;
   const double weight = split_ ? sums_->weight.over(a, e) / tp : 0.0;
+  // tp's collectives are not divided by tp; half each way (row- and
+  // column-parallel layers pair up), the backward's in I (input gradients).
+  const double collective = sums_->tpComm.over(a, e) / 2.0;
   StageCost c;
-  c.forward = forward + act + (sendsForward(j) ? postSeconds(e - 1, true) : 0.0);
-  c.backward = full - weight + (recompute ? forward : 0.0) + act +
+  c.forward = forward + collective + act + (sendsForward(j) ? postSeconds(e - 1, true) : 0.0);
+  c.backward = full - weight + collective + (recompute ? forward + collective : 0.0) + act +
                (sendsBackward(j) ? postSeconds(a, false) : 0.0);
   c.weight = split_ ? weight + act : 0.0;
   return c;
@@ -338,6 +367,21 @@ double PointModel::peakBytes(int rank, const std::vector<int>& start,
   return std::max(state + activations, state + 2.0 * largest / shards);
 }
 
+// The seconds of a rank's per-step dp calls, as the runtime issues them:
+// replicate, one flat all-reduce per stage with parameters (data_parallel.py);
+// FSDP, one all-gather (the first forward; reshard_after_forward=False keeps it
+// for the step) and one reduce-scatter (deferred to the step's end) per unit
+// (fsdp.py).
+double PointModel::collectiveCalls(double stages, double units) const {
+  if (!options_.fsdp) {
+    return stages * (machine_.replicateCallSeconds > 0 ? machine_.replicateCallSeconds
+                                                        : machine_.allReduceLatencySeconds);
+  }
+  const double call = machine_.fsdpCallSeconds > 0 ? machine_.fsdpCallSeconds
+                                                   : machine_.allReduceLatencySeconds;
+  return 2.0 * units * call;
+}
+
 // The per-step collectives and fixed costs of one rank.
 void PointModel::stepTerms(const std::vector<int>& start, Prediction& p,
                            std::vector<double>& optimizer) const {
@@ -345,15 +389,17 @@ void PointModel::stepTerms(const std::vector<int>& start, Prediction& p,
   optimizer.assign(ranks_, 0.0);
   double overhead = 0.0, allReduce = 0.0;
   for (int r = 0; r < ranks_; ++r) {
-    double bytes = 0.0, tensors = 0.0;
+    double bytes = 0.0, tensors = 0.0, units = 0.0, holding = 0.0;
     for (int j : rankStages_[r]) {
       bytes += sums_->parameters.over(start[j], start[j + 1]);
       tensors += sums_->tensors.over(start[j], start[j + 1]);
+      const double stageUnits = sums_->units.over(start[j], start[j + 1]);
+      units += stageUnits;
+      holding += stageUnits > 0 ? 1.0 : 0.0;
     }
     bytes /= options_.tp;
-    const double calls = static_cast<double>(rankStages_[r].size()) * (options_.fsdp ? 2 : 1);
     if (dp > 1) {
-      allReduce = std::max(allReduce, calls * machine_.allReduceLatencySeconds +
+      allReduce = std::max(allReduce, collectiveCalls(holding, units) +
                                           2.0 * (dp - 1) / dp * bytes / machine_.allReduceBandwidth);
     }
     const double owned = options_.fsdp ? bytes / dp : bytes;

@@ -32,8 +32,14 @@
 //   - per step: stepSeconds, the optimizer (the sum of the rank's layers'
 //     optimizerSeconds, plus optimizerSecondsPerByte times its parameter bytes
 //     and optimizerSecondsPerTensor times its parameter tensors; / dp under
-//     FSDP, / tp) of the slowest rank and the data-parallel gradient all-reduce (or
-//     FSDP's reduce-scatter + all-gather) of every stage over dp;
+//     FSDP, / tp) of the slowest rank and the data-parallel gradient all-reduce
+//     over dp (replicate: one flat all-reduce per stage with parameters,
+//     replicateCallSeconds each), or FSDP's calls as the runtime issues them:
+//     one all-gather and one reduce-scatter per unit (a layer with parameters)
+//     per step, fsdpCallSeconds each;
+//   - tensor parallelism: each microbatch's forward and backward of a layer
+//     add its tpCollectives all-reduces over tp (half in each, a measured
+//     in-step call each: replicateCallSeconds), not divided by tp;
 //   - memory per rank: weights, gradients and optimizer state
 //     (optimizerStateFactor x weights; / dp under FSDP; / tp), plus the
 //     activations in flight as the simulator counts them for the schedule
@@ -71,6 +77,12 @@ struct LayerCost {
   double parameterTensors = 0.0;       // the optimizer pays per tensor
   double largestParameterBytes = 0.0;  // its largest parameter tensor (transients)
   double optimizerSeconds = 0.0;       // the optimizer's step over its parameters (measured)
+  // Tensor parallelism (tp > 1) over this layer: the collectives a plan adds per
+  // microbatch, forward and backward together (Megatron: a row-parallel output
+  // all-reduce in forward, a column-parallel input-gradient all-reduce in
+  // backward), and the bytes per sample they reduce. 0: the plan leaves it whole.
+  double tpCollectives = 0.0;
+  double tpCollectiveBytesPerSample = 0.0;
 };
 
 // What the machine adds to the layers' compute, measured at start-up by a
@@ -90,6 +102,14 @@ struct MachineCosts {
   double optimizerSecondsPerTensor = 0.0;
   int cores = 0;         // cores the ranks of one node share; 0 = one core per rank
   int ranksPerNode = 0;  // 0 = every rank on one node
+  // One FSDP collective call of one unit in a step (its all-gather or its
+  // reduce-scatter, with the hooks and copies around it); 0 = an all-reduce's
+  // latency.
+  double fsdpCallSeconds = 0.0;
+  // One replicated stage's gradient all-reduce in a step (with the mesh's
+  // per-step work around it; also the price of a tp collective call);
+  // 0 = an all-reduce's latency.
+  double replicateCallSeconds = 0.0;
 };
 
 enum class RecomputeChoice {

@@ -132,6 +132,7 @@ class PointModel {
   double stateBytes(int rank, const std::vector<int>& start) const;
   // Fills p's overhead and all-reduce terms, and each rank's optimizer step.
   void stepTerms(const std::vector<int>& start, Prediction& p, std::vector<double>& optimizer) const;
+  double collectiveCalls(double stages, double units) const;
   struct SendCount {
     int stage = 0;
     double forward = 0.0, backward = 0.0;  // sends per step

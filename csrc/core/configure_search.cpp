@@ -221,14 +221,14 @@ double optimizerSeconds(const MachineCosts& machine, const SpacePoint& point, bo
 // Lower bounds on the per-step terms (stepSeconds, optimizer, all-reduce) from
 // the largest parameter bytes a rank is known to hold and a lower bound on
 // the slowest rank's optimizer step.
-double stepTermsBound(const MachineCosts& machine, const SpacePoint& point, bool fsdp,
+double stepTermsBound(const MachineCosts& machine, const SpacePoint& point, bool /*fsdp*/,
                       double rankBytes, double optimizer) {
   const int dp = point.mesh[1];
   const double bytes = rankBytes / point.mesh[2];
   double bound = machine.stepSeconds + optimizer;
   if (dp > 1) {
-    bound += point.chunks * (fsdp ? 2 : 1) * machine.allReduceLatencySeconds +
-             2.0 * (dp - 1) / dp * bytes / machine.allReduceBandwidth;
+    // No call latency: a stage without parameters makes none (replicate or FSDP).
+    bound += 2.0 * (dp - 1) / dp * bytes / machine.allReduceBandwidth;
   }
   return bound;
 }

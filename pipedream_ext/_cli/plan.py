@@ -95,7 +95,7 @@ def _run_auto(args: argparse.Namespace) -> int:
     request = choose.Request(
         schedules=choose.schedule_candidates(args.schedule, 1, len(costs.layers), world),
         microbatches=microbatch_candidates(args.batch_size), chunks=(2,), balance=None,
-        recompute=args.recompute, memory=args.memory, mesh=(world, 1, 1), fsdp=False)
+        recompute=args.recompute, memory=args.memory, meshes=[(world, 1, 1)])
     best, result = choose.search_profile(costs, machine, request, args.batch_size)
     return _report(result, best.table(), args)
 

@@ -52,7 +52,7 @@ from . import tp_agree
 
 __all__ = ["CutLayout", "CutLayouts", "LayoutExchange", "TensorParallel", "check_option", "check_sequence_length",
            "check_split_points", "describe_plan", "kept_calls", "local", "matched_patterns",
-           "sequence_parallel"]
+           "pattern_matches", "sequence_parallel", "uneven_split"]
 
 def _qualified(value: Any) -> str:
     """A function's (or class's) qualified name, else its type's."""
@@ -125,7 +125,7 @@ def kept_calls(plan: Any, module: nn.Module) -> List[str]:
     so their styles' hooks run in the stages; ``[]`` for no plan or a callable."""
     if not isinstance(plan, Mapping):
         return []
-    return [n for n, _ in module.named_modules() if n and any(_matches(k, n) for k in plan)]
+    return [n for n, _ in module.named_modules() if n and any(pattern_matches(k, n) for k in plan)]
 
 
 def check_split_points(plan: Any, module: nn.Module, split_points: Sequence[Any]) -> None:
@@ -139,7 +139,7 @@ def check_split_points(plan: Any, module: nn.Module, split_points: Sequence[Any]
     for name in kept_calls(plan, module):
         inside = [p for p in split_points if isinstance(p, str) and p.startswith(name + ".")]
         if inside:
-            pattern = next(k for k in plan if _matches(k, name))
+            pattern = next(k for k in plan if pattern_matches(k, name))
             raise ValueError(
                 f"split point {inside[0]!r} is inside {name!r}, which tensor_parallel pattern "
                 f"{pattern!r} keeps as one module call (its style's hooks run on that call, so "
@@ -189,7 +189,40 @@ def check_sequence_length(plan: Any, tp_size: int, inputs: Any) -> None:
                 f"length divisible by {tp_size} (pad it to {-(-length // tp_size) * tp_size})")
 
 
-def _matches(pattern: str, name: str) -> bool:
+def uneven_split(plan: Any, module: nn.Module, tp_size: int) -> Optional[str]:
+    """What a dict plan would split unevenly over ``tp_size`` ranks (``mesh="auto"`` keeps
+    such a tp out of its candidates): the first ``nn.Linear`` or ``nn.Embedding`` a
+    ``ColwiseParallel`` or ``RowwiseParallel`` pattern matches whose split dimension tp
+    does not divide (column-wise: a Linear's outputs, an Embedding's width; row-wise: a
+    Linear's inputs, an Embedding's rows), as ``"name: size over tp"``; ``None`` when
+    every split is even, or for a callable (whose splits cannot be seen: the runtime
+    refuses an uneven one at construction, ``tp_agree``).
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel  # noqa: PLC0415 - only with tp
+
+    if not isinstance(plan, Mapping) or tp_size == 1:
+        return None
+    for name, sub in module.named_modules():
+        for pattern, style in plan.items():
+            if not name or not pattern_matches(pattern, name):
+                continue
+            column = isinstance(style, ColwiseParallel)
+            if not column and not isinstance(style, RowwiseParallel):
+                continue
+            if isinstance(sub, nn.Linear):
+                size = sub.out_features if column else sub.in_features
+            elif isinstance(sub, nn.Embedding):
+                size = sub.embedding_dim if column else sub.num_embeddings
+            else:
+                continue
+            if size % tp_size:
+                return f"{name} ({type(style).__name__}): {size} over tp={tp_size}"
+    return None
+
+
+def pattern_matches(pattern: str, name: str) -> bool:
+    """Whether a plan's ``pattern`` names the module ``name`` (as ``parallelize_module``
+    matches them: one fnmatch per name component)."""
     atoms, parts = pattern.split("."), name.split(".")
     return len(atoms) == len(parts) and all(fnmatch.fnmatch(p, a) for p, a in zip(parts, atoms))
 
@@ -198,7 +231,7 @@ def matched_patterns(plan: Mapping[str, Any], module: nn.Module) -> List[str]:
     """The plan's patterns that name a module of ``module`` (as ``parallelize_module``
     matches them: one fnmatch per name component)."""
     names = [n for n, _ in module.named_modules() if n]
-    return [k for k in plan if any(_matches(k, n) for n in names)]
+    return [k for k in plan if any(pattern_matches(k, n) for n in names)]
 
 
 #: ``Partial`` reductions that can cross a cut.
@@ -500,7 +533,7 @@ def _declared_input_layout(plan: Any, stage: nn.Module) -> Optional[Tuple[str, s
     name = next(iter(stage._modules))  # noqa: SLF001 - an nn.Sequential's child names
     for pattern, style in plan.items():
         layouts = getattr(style, "input_layouts", None)
-        if _matches(pattern, name) and isinstance(layouts, tuple) and layouts and layouts[0] is not None:
+        if pattern_matches(pattern, name) and isinstance(layouts, tuple) and layouts and layouts[0] is not None:
             return name, type(style).__name__, layouts[0]
     return None
 

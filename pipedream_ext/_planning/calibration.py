@@ -53,7 +53,8 @@ from torch import nn
 from .._dist import collectives
 from ..configuration import Configuration, LayerCost, MachineCosts, predict
 
-__all__ = ["calibrate", "calibrate_local", "clear_cache", "step_overhead"]
+__all__ = ["calibrate", "calibrate_local", "clear_cache", "probe_device", "quiet_pipeline_log",
+           "step_overhead"]
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ def _compute_clock(device: torch.device) -> Callable[[], float]:
         else time.perf_counter
 
 
-def _probe_device(group: dist.ProcessGroup, device: torch.device) -> torch.device:
+def probe_device(group: dist.ProcessGroup, device: torch.device) -> torch.device:
     """Where probe tensors live: the pipeline's device when the group has a backend for it
     (what boundary tensors see), else the group's metadata device."""
     types = {str(getattr(t, "type", t)) for t in group._device_types}  # noqa: SLF001 - no public accessor
@@ -182,7 +183,7 @@ def _all_reduce(group: dist.ProcessGroup, device: torch.device, timeout: float) 
 
 # -- the runtime's overheads, fitted against the cost model -------------------------------
 @contextlib.contextmanager
-def _quiet_pipeline_log() -> Iterator[None]:
+def quiet_pipeline_log() -> Iterator[None]:
     """The probe pipeline's start-up lines are not the user's pipeline: kept out of the log
     (warnings still pass)."""
     logger = logging.getLogger("pipedream_ext._pipe")
@@ -212,7 +213,7 @@ def _step_times(pipeline: PipelineFactory, group: dist.ProcessGroup, device: tor
     clock = _compute_clock(device) if world == 1 else time.perf_counter
     steps, actions, sends = [], [], []
     for m in _MICROBATCHES:
-        with _quiet_pipeline_log():
+        with quiet_pipeline_log():
             pipe = pipeline(model, nn.functional.mse_loss, schedule="1f1b", microbatches=m,
                             balance=[1] * world, process_group=group, device=device,
                             timeout=timeout)
@@ -416,7 +417,7 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, *, timeout: float,
     if cached is not None:
         return cached
     start = time.perf_counter()
-    probe = _probe_device(group, device)
+    probe = probe_device(group, device)
     world = dist.get_world_size(group)
     values: Dict[str, Any] = {}
     if world > 1:

@@ -32,14 +32,19 @@ from ..planner import Plan, Stage, Topology
 from .calibration import calibrate
 from .graph_profile import GraphGroups
 from .layer_costs import LayerCosts, default_microbatch_sizes, measure_layer_costs
+from .mesh_calibration import mesh_costs
 
-__all__ = ["COST_MODEL", "Measuring", "Request", "choose", "costs_of_profile", "plan_of",
-           "predict_fixed", "sample_rows", "schedule_candidates", "search_profile"]
+__all__ = ["COST_MODEL", "Measuring", "Request", "best_of", "choose", "costs_of_profile",
+           "microbatch_sizes", "plan_of", "predict_fixed", "sample_rows", "schedule_candidates",
+           "search_profile", "unsearchable"]
 
 _log = logging.getLogger(__name__)
 
 #: The plan's ``cost_model`` for a configuration the search chose.
 COST_MODEL = "configuration"
+
+
+Mesh = Tuple[int, int, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,31 +53,123 @@ class Request:
 
     Attributes:
         schedules: candidate schedule names (one: fixed).
-        microbatches: candidate counts (one: fixed).
+        microbatches: candidate counts (one: fixed), or ``None``: the counts worth trying
+            for each pipeline's batch (``configuration.microbatch_candidates``).
         chunks: chunk counts tried for multi-chunk schedules.
         balance: fixed layers per stage, or ``None`` (searched).
         recompute: ``"never"``, ``"always"``, ``"search"`` or one bool per stage.
         memory: bytes per rank, or ``None`` (no limit).
-        mesh: ``(pp, dp, tp)``.
-        fsdp: data parallelism shards weights, gradients and optimizer state.
+        meshes: candidate ``(pp, dp, tp)`` (one: fixed).
+        fsdp: how data parallelism holds the stages, each tried where ``dp > 1``
+            (``(False, True)``: ``data_parallel="auto"``): sharded (FSDP) or replicated.
+        global_batch: the sample is the whole run's batch, each of the ``dp`` pipelines
+            getting ``rows / dp`` of it (``mesh="auto"``); else one pipeline's batch.
+        on_mesh: the meshes that run on a DeviceMesh, whose every dp rank's batch must
+            split into equal microbatches (the others run without one: any count).
+        tp_traffic: per layer of the chain, the collectives a ``tensor_parallel`` plan
+            adds at ``tp > 1`` (``(calls per microbatch, bytes per sample)``,
+            ``_parallel.tp_costs``), or empty (none).
     """
 
     schedules: List[str]
-    microbatches: List[int]
+    microbatches: Optional[List[int]]
     chunks: Tuple[int, ...]
     balance: Optional[List[int]]
     recompute: Union[str, List[bool]]
     memory: Optional[float]
-    mesh: Tuple[int, int, int]
-    fsdp: bool
+    meshes: List[Mesh]
+    fsdp: Tuple[bool, ...] = (False,)
+    global_batch: bool = False
+    on_mesh: Sequence[Mesh] = ()
+    tp_traffic: Sequence[Tuple[float, float]] = ()
 
-    def search_arguments(self, batch_size: int) -> Dict[str, Any]:
-        """The keywords of ``configuration.search`` for a pipeline given ``batch_size`` samples."""
-        pp, dp, tp = self.mesh
-        return dict(world_size=pp * dp * tp, batch_size=batch_size, schedules=list(self.schedules),
-                    microbatches=list(self.microbatches), meshes=[self.mesh],
-                    balance=self.balance, recompute=self.recompute, memory=self.memory,
-                    interleaved_chunks=self.chunks, fsdp=self.fsdp)
+    def batch_of(self, rows: int, dp: int) -> int:
+        """Samples per step of one pipeline: ``rows`` of the sample, split over ``dp``
+        when it is the whole run's batch."""
+        return rows // dp if self.global_batch else rows
+
+    def searches(self, rows: int) -> List[Tuple[int, bool, Dict[str, Any]]]:
+        """One search per pipeline batch, microbatch rule and data parallelism: each
+        ``(batch, fsdp, keywords of configuration.search)``; a mesh whose batch no
+        candidate count fits is left out."""
+        out = []
+        groups: Dict[Tuple[int, bool], List[Mesh]] = {}
+        for mesh in self.meshes:
+            even = tuple(mesh) in {tuple(m) for m in self.on_mesh}
+            groups.setdefault((mesh[1], even), []).append(mesh)
+        for (dp, even), meshes in groups.items():
+            batch = self.batch_of(rows, dp)
+            counts = [m for m in (self.microbatches or configuration.microbatch_candidates(batch))
+                      if m <= batch and (not even or batch % m == 0)]
+            if batch < 1 or not counts:
+                continue
+            for fsdp in (self.fsdp if dp > 1 else (False,)):
+                pp, _, tp = meshes[0]
+                out.append((batch, fsdp, dict(
+                    world_size=pp * dp * tp, batch_size=batch, schedules=list(self.schedules),
+                    microbatches=counts, meshes=meshes, balance=self.balance,
+                    recompute=self.recompute, memory=self.memory,
+                    interleaved_chunks=self.chunks, fsdp=fsdp)))
+        return out
+
+
+def best_of(layers: Sequence[LayerCost], machine: MachineCosts, request: Request, rows: int,
+            candidates: int = 5) -> Tuple[Configuration, int]:
+    """The best configuration of every search of ``request`` (one per pipeline batch
+    and data parallelism: ``configuration.search`` scores one batch and one sharding),
+    by predicted step time, each search's runners-up merged.
+
+    Returns:
+        The best configuration (``data_parallel`` recorded where ``dp > 1``) with the
+        ``candidates`` best others, and its pipeline's batch.
+
+    Raises:
+        ValueError: no search space (no count fits a pipeline's batch), or nothing fits
+            ``memory`` in any search (each one's smallest peak named).
+    """
+    searches = request.searches(rows)
+    if not searches:
+        raise unsearchable(request, rows)
+    found: List[Tuple[Configuration, int]] = []
+    errors = []
+    for batch, fsdp, arguments in searches:
+        try:
+            best = configuration.search(layers, machine, **arguments)
+        except ValueError as exc:
+            errors.append(str(exc))
+            continue
+        for c in [best] + best.candidates:
+            c.candidates = []
+            c.data_parallel = ("fsdp" if fsdp else "replicate") if c.mesh[1] > 1 else None
+            found.append((c, batch))
+    if not found:
+        raise ValueError(errors[0] if len(errors) == 1 else
+                         "no configuration fits on any mesh or data parallelism: " + "; ".join(errors))
+    found.sort(key=lambda cb: cb[0].predicted_step_seconds or 0.0)  # stable: search order on ties
+    best, batch = found[0]
+    best.candidates = [c for c, _ in found[1:candidates + 1]]
+    return best, batch
+
+
+def with_tp_traffic(layers: Sequence[LayerCost],
+                    traffic: Sequence[Tuple[float, float]]) -> List[LayerCost]:
+    """``layers`` with a tensor-parallel plan's collectives (:attr:`Request.tp_traffic`;
+    empty: ``layers`` as they are)."""
+    if not traffic:
+        return list(layers)
+    return [dataclasses.replace(layer, tp_collectives=calls, tp_collective_bytes_per_sample=size)
+            for layer, (calls, size) in zip(layers, traffic)]
+
+
+def unsearchable(request: Request, rows: int) -> ValueError:
+    """The error of a request with no search (:meth:`Request.searches` empty): its fixed
+    microbatch count fits no candidate pipeline's batch."""
+    split = " split over dp" if request.global_batch else ""
+    return ValueError(
+        f"microbatches={request.microbatches} fits no pipeline's batch of the candidate meshes "
+        f"{[list(m) for m in request.meshes]} (the sample's {rows} rows{split}): a count must "
+        "be at most a pipeline's rows and, on a mesh, divide them; give microbatches='auto' or "
+        "such a count")
 
 
 def schedule_candidates(schedule: str, chunks: int, num_layers: int, pp: int,
@@ -109,14 +206,14 @@ def sample_rows(sample: Any) -> int:
     return int(leaves[0].shape[0])
 
 
-def _microbatch_sizes(request_microbatches: Sequence[int], batch: int) -> List[int]:
+def microbatch_sizes(searches: Sequence[Tuple[int, Sequence[int]]]) -> List[int]:
     """The microbatch sizes the layers are timed at (the affine fit needs two): the
-    smallest and the largest microbatch the candidates make, or with one size that one
-    and ``layer_costs``' default pair."""
-    sizes = {max(1, batch // max(request_microbatches)),
-             max(1, -(-batch // min(request_microbatches)))}
+    smallest and the largest microbatch any ``(batch, counts)`` makes, or with one size
+    that one and ``layer_costs``' default pair."""
+    sizes = {min(max(1, batch // max(counts)) for batch, counts in searches),
+             max(-(-batch // min(counts)) for batch, counts in searches)}
     if len(sizes) == 1:
-        sizes.update(default_microbatch_sizes(batch))
+        sizes.update(default_microbatch_sizes(max(batch for batch, _ in searches)))
     return sorted(sizes)
 
 
@@ -146,16 +243,19 @@ class Measuring:
     concrete_args: Optional[Mapping[str, Any]] = None
     grouped: Optional[GraphGroups] = None
 
-    def costs(self, microbatches: Sequence[int]) -> LayerCosts:
-        """The layers' costs on the sample, timed at the microbatch sizes ``microbatches`` make."""
-        return measure_layer_costs(self.module, self.sample, self.loss_fn, microbatch_sizes=
-                                   _microbatch_sizes(microbatches, sample_rows(self.sample)),
+    def costs(self, searches: Sequence[Tuple[int, Sequence[int]]]) -> LayerCosts:
+        """The layers' costs on the sample, timed at the microbatch sizes the ``(batch,
+        microbatch counts)`` of ``searches`` make (:func:`microbatch_sizes`)."""
+        return measure_layer_costs(self.module, self.sample, self.loss_fn,
+                                   microbatch_sizes=microbatch_sizes(searches),
                                    concrete_args=self.concrete_args, grouped=self.grouped)
 
 
-def _on_rank_zero(measuring: Measuring, what: str, compute: Callable[[MachineCosts], str]) -> str:
-    """Every rank calibrates; rank 0 runs ``compute(machine)`` (JSON text); every rank gets
-    that text, or raises rank 0's error.
+def _on_rank_zero(measuring: Measuring, what: str, compute: Callable[[MachineCosts], str],
+                  shardings: Sequence[bool] = ()) -> str:
+    """Every rank calibrates (with ``shardings``, the data parallelism scored: each a
+    ``Request.fsdp`` value, its in-step calls too, ``mesh_calibration``); rank 0 runs
+    ``compute(machine)`` (JSON text); every rank gets that text, or raises rank 0's error.
 
     Raises:
         ValueError: what ``compute`` raised on rank 0 (the original exception there).
@@ -163,6 +263,9 @@ def _on_rank_zero(measuring: Measuring, what: str, compute: Callable[[MachineCos
     group = measuring.group
     machine = calibrate(group, measuring.device, timeout=measuring.timeout,
                         pipeline=measuring.pipeline)
+    if shardings:
+        machine = mesh_costs(group, measuring.device, machine, timeout=measuring.timeout,
+                             pipeline=measuring.pipeline, fsdp=any(shardings))
     return collectives.from_rank_zero(lambda: compute(machine), group, f"{what}: rank 0 failed")
 
 
@@ -177,19 +280,26 @@ def choose(measuring: Measuring, request: Request) -> Tuple[Configuration, Plan]
         ValueError: on every rank: nothing fits ``memory`` (naming the smallest peak),
             or what measuring or searching raised on rank 0.
     """
-    batch = sample_rows(measuring.sample)
+    rows = sample_rows(measuring.sample)
 
     def search(machine: MachineCosts) -> str:
         started = time.perf_counter()
-        costs = measuring.costs(request.microbatches)
+        searches = request.searches(rows)
+        if not searches:
+            raise unsearchable(request, rows)
+        costs = measuring.costs([(batch, arguments["microbatches"])
+                                 for batch, _, arguments in searches])
         measured = time.perf_counter()
-        best = configuration.search(costs.layers, machine,
-                                    **request.search_arguments(batch))
+        best, batch = best_of(with_tp_traffic(costs.layers, request.tp_traffic), machine,
+                              request, rows)
         _log.info("measured %d layers in %.2f s, searched in %.3f s", len(costs.layers),
                   measured - started, time.perf_counter() - measured)
-        return plan_of(best, costs, batch, machine, request.fsdp).to_json(indent=None)
+        return plan_of(best, costs, batch, machine).to_json(indent=None)
 
-    plan = Plan.from_json(_on_rank_zero(measuring, "choosing the configuration", search))
+    # A mesh with dp or tp > 1: its in-step calls measured.
+    meshes = any(dp * tp > 1 for _, dp, tp in request.meshes)
+    plan = Plan.from_json(_on_rank_zero(measuring, "choosing the configuration", search,
+                                        request.fsdp if meshes else ()))
     assert plan.configuration is not None
     return Configuration.from_dict(plan.configuration), plan
 
@@ -207,19 +317,20 @@ def predict_fixed(measuring: Measuring, fixed: Configuration, memory: Optional[f
     batch = sample_rows(measuring.sample)
 
     def predict(machine: MachineCosts) -> str:
-        costs = measuring.costs([fixed.microbatches])
+        costs = measuring.costs([(batch, [fixed.microbatches])])
         prediction = configuration.predict(costs.layers, machine, fixed, batch,
                                            memory=memory, fsdp=fsdp)
         return json.dumps(dataclasses.replace(fixed, prediction=prediction).to_dict())
 
-    text = _on_rank_zero(measuring, "predicting the configuration", predict)
+    text = _on_rank_zero(measuring, "predicting the configuration", predict,
+                         (fsdp,) if fixed.mesh[1] * fixed.mesh[2] > 1 else ())
     return Configuration.from_dict(json.loads(text))
 
 
-def plan_of(chosen: Configuration, costs: LayerCosts, batch: int, machine: MachineCosts,
-            fsdp: bool) -> Plan:
-    """The plan file of a chosen configuration: a stage per pipeline stage (its layers,
-    ranks, compute per step and the peak bytes of its rank) and the whole configuration.
+def plan_of(chosen: Configuration, costs: LayerCosts, batch: int, machine: MachineCosts) -> Plan:
+    """The plan file of a chosen configuration (``batch``: its pipeline's samples per
+    step): a stage per pipeline stage (its layers, ranks, compute per step and the peak
+    bytes of its rank) and the whole configuration.
 
     ``data_parallel_time`` is plain data parallelism without its communication (the
     layers' compute over every rank): a bound, not a prediction.
@@ -252,7 +363,8 @@ def plan_of(chosen: Configuration, costs: LayerCosts, batch: int, machine: Machi
                  batch * (c.forward_per_sample + c.backward_per_sample) for c in layers)
     bottleneck = max(s.time for s in stages)
     ideal_dp = single / (pp * dp * tp)
-    mesh = {} if dp * tp == 1 else {"data_parallel": dp, "sharding": "fsdp" if fsdp else "replicate",
+    mesh = {} if dp * tp == 1 else {"data_parallel": dp,
+                                    "sharding": chosen.data_parallel or "replicate",
                                     "tensor_parallel": tp if tp > 1 else None}
     return Plan(stages=stages, time_per_stage=bottleneck, data_parallel_time=ideal_dp,
                 speedup_over_dp=ideal_dp / bottleneck if bottleneck > 0 else 0.0,
@@ -307,5 +419,5 @@ def search_profile(costs: LayerCosts, machine: MachineCosts, request: Request,
     Raises:
         ValueError: nothing fits ``memory``, or a bad search space.
     """
-    best = configuration.search(costs.layers, machine, **request.search_arguments(batch_size))
-    return best, plan_of(best, costs, batch_size, machine, request.fsdp)
+    best, batch = best_of(costs.layers, machine, request, batch_size)
+    return best, plan_of(best, costs, batch, machine)

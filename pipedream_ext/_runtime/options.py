@@ -277,8 +277,8 @@ class PipelineOptions:
         measured with a short probe if omitted.""", group="split", position=11)
     memory: Optional[float] = option(None, """
         bytes per rank the planner's choice must fit (weights, gradients, optimizer state and the
-        activations in flight), with ``schedule``, ``microbatches`` or ``recompute`` ``"auto"``; ``None``:
-        no limit.""", group="split", check=_check_memory, agreed=_same)
+        activations in flight), with ``schedule``, ``microbatches``, ``recompute``, ``mesh`` or
+        ``data_parallel`` ``"auto"``; ``None``: no limit.""", group="split", check=_check_memory, agreed=_same)
 
     # -- placement --------------------------------------------------------------------------
     process_group: Optional[dist.ProcessGroup] = option(None, """
@@ -293,10 +293,14 @@ class PipelineOptions:
     mesh: Optional[Any] = option(None, """
         a ``("pp", "dp")`` DeviceMesh over every rank: the pipeline runs on ``mesh["pp"]``, one copy per
         ``dp`` rank, each ``step`` given that rank's part; ``("pp", "dp", "tp")`` or ``("pp", "tp")`` with
-        ``tensor_parallel``.""", group="placement", position=21)
+        ``tensor_parallel``. ``"auto"``: the planner factors the world into ``(pp, dp, tp)`` and builds the
+        mesh (with ``sample``, then one step's batch of the whole run; each dp rank feeds its part,
+        ``pipe.data_parallel_rank`` of ``pipe.data_parallel_size``; docs/planner.md, "Choosing the
+        mesh").""", group="placement", position=21)
     data_parallel: str = option("fsdp", """
         with ``mesh``: ``"fsdp"`` (FSDP2 ``fully_shard`` of each layer over ``mesh["dp"]``) or
-        ``"replicate"`` (gradients averaged over it after each step).""", group="placement", position=22)
+        ``"replicate"`` (gradients averaged over it after each step); ``"auto"``: the planner chooses
+        (with ``sample``; what fits ``memory`` and runs fastest).""", group="placement", position=22)
     reshard_after_forward: bool = option(False, """
         ``"fsdp"``: free the gathered weights after each forward.""", group="placement", position=23)
     mp_policy: Optional[Any] = option(None, """
@@ -390,7 +394,7 @@ class PipelineOptions:
 #: The value that leaves an option to the planner.
 AUTO = "auto"
 #: The options the configuration search may choose (``_planning/choose.py``).
-SEARCHED = ("schedule", "microbatches", "recompute")
+SEARCHED = ("schedule", "microbatches", "recompute", "mesh", "data_parallel")
 
 
 def searched(options: "PipelineOptions") -> List[str]:

@@ -138,12 +138,76 @@ TEST(PredictConfiguration, FsdpDividesStateAndPaysReduceScatterPlusAllGather) {
   c.dp = 2;
   const Prediction replicated = predictConfiguration(uniformLayers(), 4, m, c);
   const Prediction sharded = predictConfiguration(uniformLayers(), 4, m, c, 0.0, 2.0, true);
-  // 200 bytes per rank: ring volume 2 (dp - 1) / dp x 200 / 100 = 2 s.
+  // 200 bytes per rank: ring volume 2 (dp - 1) / dp x 200 / 100 = 2 s. Replicate:
+  // one flat all-reduce per stage; FSDP: an all-gather and a reduce-scatter per
+  // unit (each of the rank's 2 layers has parameters), an all-reduce's latency
+  // each while fsdpCallSeconds is not measured.
   EXPECT_DOUBLE_EQ(replicated.allReduceSeconds, 0.5 + 2.0);
-  EXPECT_DOUBLE_EQ(sharded.allReduceSeconds, 2 * 0.5 + 2.0);
+  EXPECT_DOUBLE_EQ(sharded.allReduceSeconds, 2 * 2 * 0.5 + 2.0);
   EXPECT_DOUBLE_EQ(replicated.peakBytes[1], 800 + 22);
   EXPECT_DOUBLE_EQ(sharded.peakBytes[1], 400 + 22);
   EXPECT_DOUBLE_EQ(replicated.stepSeconds, 30 + 2.5);
+}
+
+TEST(PredictConfiguration, FsdpPaysItsMeasuredCallPerUnitWithParameters) {
+  MachineCosts m;
+  m.allReduceLatencySeconds = 0.5;
+  m.allReduceBandwidth = 100;
+  m.fsdpCallSeconds = 3;
+  std::vector<LayerCost> layers = uniformLayers();
+  layers[0].parameterBytes = 0;  // an activation: no unit, no call
+  Configuration c = twoStages();
+  c.dp = 2;
+  const Prediction sharded = predictConfiguration(layers, 4, m, c, 0.0, 2.0, true);
+  // Rank 1: 2 units x (all-gather + reduce-scatter) x 3 s + 200 bytes' ring volume
+  // 2 s; rank 0 (1 unit, 100 bytes) is faster: the slowest rank counts.
+  EXPECT_DOUBLE_EQ(sharded.allReduceSeconds, 2 * 2 * 3.0 + 2.0);
+  // Replicate ignores it: one all-reduce per stage, at its own measured call.
+  const Prediction replicated = predictConfiguration(layers, 4, m, c);
+  EXPECT_DOUBLE_EQ(replicated.allReduceSeconds, 0.5 + 2.0);
+  m.replicateCallSeconds = 1.5;
+  EXPECT_DOUBLE_EQ(predictConfiguration(layers, 4, m, c).allReduceSeconds, 1.5 + 2.0);
+  EXPECT_DOUBLE_EQ(predictConfiguration(layers, 4, m, c, 0.0, 2.0, true).allReduceSeconds,
+                   sharded.allReduceSeconds);
+  // A stage without parameters makes no call, replicated or sharded.
+  for (LayerCost& l : layers) l.parameterBytes = 0;
+  EXPECT_DOUBLE_EQ(predictConfiguration(layers, 4, m, c).allReduceSeconds, 0.0);
+  EXPECT_DOUBLE_EQ(predictConfiguration(layers, 4, m, c, 0.0, 2.0, true).allReduceSeconds, 0.0);
+  // dp = 1: nothing to synchronise.
+  layers = uniformLayers();
+  c.dp = 1;
+  EXPECT_DOUBLE_EQ(predictConfiguration(layers, 4, m, c, 0.0, 2.0, true).allReduceSeconds, 0.0);
+}
+
+TEST(PredictConfiguration, TensorParallelCollectivesAreHalfForwardHalfBackward) {
+  MachineCosts m;
+  m.allReduceLatencySeconds = 0.5;
+  m.allReduceBandwidth = 10;
+  std::vector<LayerCost> layers = uniformLayers();
+  for (LayerCost& l : layers) {
+    l.tpCollectives = 2;                // a row- and a column-parallel Linear
+    l.tpCollectiveBytesPerSample = 10;  // reduced per sample
+  }
+  Configuration c = twoStages("gpipe", 4);
+  c.tp = 2;
+  // b = 1: per layer and microbatch 2 x 0.5 + 2 (tp - 1) / tp x 10 / 10 = 2 s,
+  // not divided by tp; a stage of 2 layers: F = 2 / 2 + 2 = 3, B = 4 / 2 + 2 = 4.
+  const Prediction p = predictConfiguration(layers, 4, m, c);
+  EXPECT_DOUBLE_EQ(p.pipelineSeconds, simulatedMakespan("gpipe", 2, 4, 3.0, 4.0, 0.0));
+  // tp = 1 leaves them out: F = 2, B = 4.
+  c.tp = 1;
+  const Prediction whole = predictConfiguration(layers, 4, m, c);
+  EXPECT_DOUBLE_EQ(whole.pipelineSeconds, simulatedMakespan("gpipe", 2, 4, 2.0, 4.0, 0.0));
+  // Recompute repeats the forward's collective: B = 4 + 3.
+  c.tp = 2;
+  c.recompute = {1, 1};
+  const Prediction again = predictConfiguration(layers, 4, m, c);
+  EXPECT_DOUBLE_EQ(again.pipelineSeconds, simulatedMakespan("gpipe", 2, 4, 3.0, 7.0, 0.0));
+  // A measured in-step call prices each: 2 x 1.5 + 1 = 4 s per layer; F = 1 + 4, B = 2 + 4.
+  c.recompute = {};
+  m.replicateCallSeconds = 1.5;
+  const Prediction measured = predictConfiguration(layers, 4, m, c);
+  EXPECT_DOUBLE_EQ(measured.pipelineSeconds, simulatedMakespan("gpipe", 2, 4, 5.0, 6.0, 0.0));
 }
 
 TEST(PredictConfiguration, RanksSharingCoresStretchThePipeline) {
@@ -357,6 +421,8 @@ Instance randomInstance(std::mt19937& rng) {
     c.parameterTensors = c.parameterBytes > 0 ? 1.0 + rng() % 4 : 0.0;
     c.largestParameterBytes = c.parameterBytes * (0.25 + 0.75 * u(rng));
     c.optimizerSeconds = 1e-6 * c.largestParameterBytes;  // no draw: instances stay as they were
+    c.tpCollectives = rng() % 2 == 0 ? 0.0 : 1.0 + rng() % 3;
+    c.tpCollectiveBytesPerSample = c.tpCollectives * 1e3 * u(rng);
     x.layers.push_back(c);
   }
   MachineCosts& m = x.machine;
@@ -370,6 +436,8 @@ Instance randomInstance(std::mt19937& rng) {
   m.allReduceBandwidth = 1e5 + 1e6 * u(rng);
   m.optimizerSecondsPerByte = 1e-6 * u(rng);
   m.optimizerSecondsPerTensor = 0.01 * u(rng);
+  m.fsdpCallSeconds = rng() % 2 == 0 ? 0.0 : 0.2 * u(rng);
+  m.replicateCallSeconds = rng() % 2 == 0 ? 0.0 : 0.2 * u(rng);
   m.cores = static_cast<int>(rng() % 3);
   m.ranksPerNode = rng() % 2 == 0 ? 0 : 2;
   SearchSpace& s = x.space;
