@@ -175,3 +175,23 @@ def test_step_overhead_recovers_the_cost_models_step_seconds(ranks: int) -> None
         assert step_overhead(machine, ranks, counts, measured) == pytest.approx(step, rel=1e-6, abs=1e-9)
     # Steps faster than the model's own prediction (noise): no negative cost.
     assert step_overhead(MachineCosts(action_seconds=1e-3), ranks, counts, [1e-6, 1e-6]) == 0.0
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_shared_core_action_seconds_recovers_the_growth_per_action(ranks: int) -> None:
+    """More ranks than cores: the per-action cost that makes the probe's predicted step
+    grow with the microbatches as measured comes back; never below the spans' floor."""
+    from pipedream_ext._planning.calibration import _probe_seconds, shared_core_action_seconds
+
+    counts = (2, 6)
+    base = MachineCosts(send_seconds=20e-6, latency_seconds=150e-6, bandwidth=1e9, cores=2,
+                        ranks_per_node=2 * ranks)
+    for floor, true in ((50e-6, 400e-6), (100e-6, 100e-6), (0.0, 1e-3)):
+        truth = dataclasses.replace(base, action_seconds=true)
+        measured = [2e-3 + _probe_seconds(truth, ranks, m) for m in counts]
+        found = shared_core_action_seconds(dataclasses.replace(base, action_seconds=floor), ranks,
+                                           counts, measured)
+        assert found == pytest.approx(true, rel=1e-4, abs=1e-9)
+    # A growth below what the floor predicts (noise) keeps the floor.
+    floor = dataclasses.replace(base, action_seconds=300e-6)
+    assert shared_core_action_seconds(floor, ranks, counts, [5e-3, 5e-3]) == 300e-6

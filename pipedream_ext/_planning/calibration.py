@@ -54,7 +54,7 @@ from .._dist import collectives
 from ..configuration import Configuration, LayerCost, MachineCosts, predict
 
 __all__ = ["calibrate", "calibrate_local", "clear_cache", "probe_device", "quiet_pipeline_log",
-           "step_overhead"]
+           "shared_core_action_seconds", "step_overhead"]
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +272,40 @@ def step_overhead(machine: MachineCosts, ranks: int, microbatches: Sequence[int]
     return max(0.0, statistics.mean(remainders))
 
 
+def shared_core_action_seconds(machine: MachineCosts, ranks: int, microbatches: Sequence[int],
+                               measured: Sequence[float]) -> float:
+    """Seconds per action when a node runs more ranks than it has cores: at least the
+    runtime's own (``machine.action_seconds``, from the spans), and as much more as makes
+    the probe's predicted step grow from the fewest to the most microbatches as the
+    measured one did (bisection). A rank whose message arrives waits for a core before it
+    acts again; the spans do not show that wait, the step's growth per action does.
+
+    Args:
+        machine: the measured costs (``action_seconds`` the floor).
+        ranks: the probe pipeline's stages (one per rank).
+        microbatches: the microbatch counts measured, increasing.
+        measured: seconds of one step at each count.
+
+    Returns:
+        The per-action seconds.
+    """
+    def growth(action: float) -> float:
+        at = dataclasses.replace(machine, action_seconds=action)
+        return _probe_seconds(at, ranks, microbatches[-1]) - _probe_seconds(at, ranks, microbatches[0])
+    target = measured[-1] - measured[0]
+    low = high = machine.action_seconds
+    if growth(low) >= target:
+        return low
+    step = max(low, 1e-6)
+    while growth(high) < target and high < 10.0:  # the predicted step grows with the actions
+        low, high = high, high + step
+        step *= 2
+    for _ in range(30):
+        middle = (low + high) / 2
+        low, high = (middle, high) if growth(middle) < target else (low, middle)
+    return high
+
+
 def _optimizer_step_seconds(device: torch.device) -> float:
     """``torch.optim.Adam``'s step and ``zero_grad`` over one one-element parameter: what
     a rank's optimizer costs per step whatever its parameters (the layers' own share is
@@ -307,6 +341,9 @@ def _with_overheads(values: Dict[str, Any], ranks: int, steps: Sequence[float],
     machine = dataclasses.replace(
         MachineCosts.from_dict(values), action_seconds=runtime["action_seconds"],
         send_seconds=max(values.get("send_seconds", 0.0), runtime["send_seconds"]))
+    if ranks > 1 and machine.cores > 0 and machine.ranks_per_node > machine.cores:
+        machine = dataclasses.replace(machine, action_seconds=shared_core_action_seconds(
+            machine, ranks, _MICROBATCHES, steps))
     step = step_overhead(machine, ranks, _MICROBATCHES, steps)
     return dataclasses.replace(machine, step_seconds=step + optimizer)
 
