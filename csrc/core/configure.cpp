@@ -57,6 +57,13 @@ void checkLayers(const std::vector<LayerCost>& layers) {
   }
 }
 
+double estimatedOptimizerSeconds(const MachineCosts& machine, double bytes, double tensors,
+                                 int tp, int dp, bool fsdp) {
+  const double held = bytes / tp;
+  return machine.optimizerSecondsPerByte * (fsdp ? held / dp : held) +
+         machine.optimizerSecondsPerTensor * tensors;
+}
+
 void checkMachine(const MachineCosts& m) {
   checkNonNegative(m.actionSeconds, "action_seconds");
   checkNonNegative(m.sendSeconds, "send_seconds");
@@ -389,25 +396,22 @@ void PointModel::stepTerms(const std::vector<int>& start, Prediction& p,
   optimizer.assign(ranks_, 0.0);
   double overhead = 0.0, allReduce = 0.0;
   for (int r = 0; r < ranks_; ++r) {
-    double bytes = 0.0, tensors = 0.0, units = 0.0, holding = 0.0;
+    double bytes = 0.0, tensors = 0.0, units = 0.0, holding = 0.0, measured = 0.0;
     for (int j : rankStages_[r]) {
       bytes += sums_->parameters.over(start[j], start[j + 1]);
       tensors += sums_->tensors.over(start[j], start[j + 1]);
+      measured += sums_->optimizer.over(start[j], start[j + 1]);
       const double stageUnits = sums_->units.over(start[j], start[j + 1]);
       units += stageUnits;
       holding += stageUnits > 0 ? 1.0 : 0.0;
     }
-    bytes /= options_.tp;
     if (dp > 1) {
-      allReduce = std::max(allReduce, collectiveCalls(holding, units) +
-                                          2.0 * (dp - 1) / dp * bytes / machine_.allReduceBandwidth);
+      allReduce = std::max(allReduce, collectiveCalls(holding, units) + 2.0 * (dp - 1) / dp *
+                                          (bytes / options_.tp) / machine_.allReduceBandwidth);
     }
-    const double owned = options_.fsdp ? bytes / dp : bytes;
-    double measured = 0.0;
-    for (int j : rankStages_[r]) measured += sums_->optimizer.over(start[j], start[j + 1]);
     measured /= options_.tp * (options_.fsdp ? dp : 1);
-    optimizer[r] = measured + machine_.optimizerSecondsPerByte * owned +
-                   machine_.optimizerSecondsPerTensor * tensors;
+    optimizer[r] = measured + estimatedOptimizerSeconds(machine_, bytes, tensors, options_.tp, dp,
+                                                        options_.fsdp);
     overhead = std::max(overhead, optimizer[r]);
   }
   p.overheadSeconds = machine_.stepSeconds + overhead;

@@ -37,6 +37,13 @@ inline std::string joined(const std::vector<int>& values) {
 // Throw std::invalid_argument naming the bad value.
 void checkLayers(const std::vector<LayerCost>& layers);
 void checkMachine(const MachineCosts& machine);
+
+// The optimizer's step a rank holding `bytes` of parameters in `tensors`
+// tensors pays by the machine's per-byte and per-tensor costs (its bytes
+// divided by tp, and by dp under FSDP); the layers' measured optimizerSeconds
+// come on top. The prediction and the search's bounds both use it.
+double estimatedOptimizerSeconds(const MachineCosts& machine, double bytes, double tensors,
+                                 int tp, int dp, bool fsdp);
 void checkMemoryArguments(double memoryBytes, double optimizerStateFactor);
 
 struct PointOptions {

@@ -213,16 +213,14 @@ double sharedRanksOf(const MachineCosts& machine, int world) {
 // The optimizer's step on one rank holding `bytes` in `tensors` parameter tensors.
 double optimizerSeconds(const MachineCosts& machine, const SpacePoint& point, bool fsdp,
                         double bytes, double tensors) {
-  const double held = bytes / point.mesh[2];
-  return machine.optimizerSecondsPerByte * (fsdp ? held / point.mesh[1] : held) +
-         machine.optimizerSecondsPerTensor * tensors;
+  return estimatedOptimizerSeconds(machine, bytes, tensors, point.mesh[2], point.mesh[1], fsdp);
 }
 
 // Lower bounds on the per-step terms (stepSeconds, optimizer, all-reduce) from
 // the largest parameter bytes a rank is known to hold and a lower bound on
 // the slowest rank's optimizer step.
-double stepTermsBound(const MachineCosts& machine, const SpacePoint& point, bool /*fsdp*/,
-                      double rankBytes, double optimizer) {
+double stepTermsBound(const MachineCosts& machine, const SpacePoint& point, double rankBytes,
+                      double optimizer) {
   const int dp = point.mesh[1];
   const double bytes = rankBytes / point.mesh[2];
   double bound = machine.stepSeconds + optimizer;
@@ -422,7 +420,7 @@ double PointSearch::bound(int j, int e, const State& next) {
   }
   const int world = point_.mesh[0] * point_.mesh[1] * point_.mesh[2];
   const double shared = sharedRanksOf(c_.machine, world) * table_.totalBusy() / ranks_;
-  return std::max(makespan, shared) + stepTermsBound(c_.machine, point_, c_.space.fsdp, rankBytes, optimizer);
+  return std::max(makespan, shared) + stepTermsBound(c_.machine, point_, rankBytes, optimizer);
 }
 
 // Stage k whose first layer lies in [first, last] holds that layer: each of
@@ -464,7 +462,7 @@ double PointSearch::simulatedBound(int j, int e) {
   const double makespan = replay_->compiled() ? replay_->makespan(costs) : model_.makespan(costs);
   const int world = point_.mesh[0] * point_.mesh[1] * point_.mesh[2];
   const double shared = sharedRanksOf(c_.machine, world) * table_.totalBusy() / ranks_;
-  return std::max(makespan, shared) + stepTermsBound(c_.machine, point_, c_.space.fsdp, 0.0, 0.0);
+  return std::max(makespan, shared) + stepTermsBound(c_.machine, point_, 0.0, 0.0);
 }
 
 void PointSearch::descend(int j, const State& state) {
@@ -508,7 +506,7 @@ void PointSearch::descend(int j, const State& state) {
       }
       if (cannotBeat(here, threshold())) {
         ++c_.pruned;
-        const double alone = stagePath + stepTermsBound(c_.machine, point_, c_.space.fsdp, 0.0, 0.0);
+        const double alone = stagePath + stepTermsBound(c_.machine, point_, 0.0, 0.0);
         recompute_ = saved;
         if (cannotBeat(alone, threshold())) break;  // the stage only grows with e
         continue;
@@ -538,21 +536,6 @@ void PointSearch::leaf() {
   consider(ranked(point_, balance, recompute_, model_.predict(balance, recompute_)));
 }
 
-// The smallest seed steps (the points' min-max balances that fit) seen so far.
-class Seeds {
- public:
-  explicit Seeds(int keep) : keep_(keep) {}
-  void add(double step) { steps_.insert(std::upper_bound(steps_.begin(), steps_.end(), step), step); }
-  // The keep-th smallest seed: the keep-th best point is at least that good.
-  double bar() const {
-    return keep_ <= static_cast<int>(steps_.size()) ? steps_[keep_ - 1] : kInf;
-  }
-
- private:
-  int keep_;
-  std::vector<double> steps_;
-};
-
 // A point that can matter: its model and its search, kept between the phases.
 struct Visited {
   Visited(double b, const SpacePoint& p) : bound(b), point(p) {}
@@ -568,7 +551,7 @@ double pointBound(Context& c, const SpacePoint& point) {
   const ScheduleTraits& traits = scheduleTraits(point.schedule);
   const double rankBytes = c.totalParameters / point.mesh[0];
   const double terms = stepTermsBound(
-      c.machine, point, c.space.fsdp, rankBytes,
+      c.machine, point, rankBytes,
       optimizerSeconds(c.machine, point, c.space.fsdp, rankBytes, c.totalTensors / point.mesh[0]));
   if (traits.asynchronous) return terms;
   WorkTable& table = c.table(point, traits.splitBackward);
@@ -598,7 +581,7 @@ SearchResult searchConfigurations(const std::vector<LayerCost>& layers,
   // Phase 1, by bound: every point that can matter scores its min-max balance
   // (its seed). The (candidates + 1)-th smallest seed of the other points bounds
   // what a point's best must beat to be the best or a runner-up.
-  Seeds seeds(space.candidates + 1);
+  Standings seeds(space.candidates);
   std::vector<std::unique_ptr<Visited>> visited;
   Ranked fallback;
   bool anyFallback = false, anyBuilt = false;

@@ -82,15 +82,12 @@ double MakespanReplay::makespan(const StageCosts& costs) const {
                                 " stages of the shape compiled with (split backward: " +
                                 (split_ ? "yes" : "no") + ") expected");
   }
-  // F, B, I, W per stage as simulate() charges them.
+  // F, B, I, W per stage as simulate() charges them (the op's `cost` index).
+  static constexpr ActionKind kCharged[] = {ActionKind::kForward, ActionKind::kBackward,
+                                            ActionKind::kBackwardInput, ActionKind::kBackwardWeight};
   cost_.assign(4 * static_cast<size_t>(stages_), 0.0);
-  for (int j = 0; j < stages_; ++j) {
-    const double b = costs.backward[j];
-    const double w = split_ ? costs.weight[j] : 0.0;
-    cost_[j] = costs.forward[j];
-    cost_[stages_ + j] = split_ ? b + w : b;
-    cost_[2 * stages_ + j] = split_ ? b : b / 2;
-    cost_[3 * stages_ + j] = split_ ? w : b / 2;
+  for (int k = 0; k < 4; ++k) {
+    for (int j = 0; j < stages_; ++j) cost_[k * stages_ + j] = actionCost(kCharged[k], j, costs);
   }
   free_.assign(ranks_, 0.0);
   for (size_t k = 0; k < ops_.size(); ++k) {

@@ -223,7 +223,6 @@ class Simulator {
         ranks_(schedule.numRanks()),
         total_(schedule.totalMicrobatches()),
         lowered_(schedule.isLowered()),
-        split_(!costs.weight.empty()),
         recording_(recording),
         forwardDone_(stages_, total_),
         gradDone_(stages_, total_),
@@ -257,18 +256,7 @@ class Simulator {
   }
 
  private:
-  double costOf(const Action& a) const {
-    switch (a.kind) {
-      case ActionKind::kForward: return costs_.forward[a.stage];
-      case ActionKind::kBackward:
-        return split_ ? costs_.backward[a.stage] + costs_.weight[a.stage] : costs_.backward[a.stage];
-      case ActionKind::kBackwardInput:
-        return split_ ? costs_.backward[a.stage] : costs_.backward[a.stage] / 2;
-      case ActionKind::kBackwardWeight:
-        return split_ ? costs_.weight[a.stage] : costs_.backward[a.stage] / 2;
-      default: return 0.0;
-    }
-  }
+  double costOf(const Action& a) const { return actionCost(a.kind, a.stage, costs_); }
 
   bool inRange(const Action& a) const {
     return a.stage >= 0 && a.stage < stages_ &&
@@ -426,7 +414,6 @@ class Simulator {
   const int ranks_;
   const int total_;
   const bool lowered_;  // RECVs are in the lists (else latencies apply directly)
-  const bool split_;    // costs_.weight given: I and W have their own costs
   const Recording recording_;
   EventTable forwardDone_, gradDone_;
   EventTable sentForward_, sentBackward_;

@@ -84,6 +84,23 @@ class DeadlockError : public std::invalid_argument {
   int step_;
 };
 
+// The rank time an action of `kind` on `stage` takes under `costs` (the rule
+// above: F, B, I, W; every other kind takes none). Shared with the makespan
+// replay (replay.h), which must charge exactly what the simulator does.
+inline double actionCost(ActionKind kind, int stage, const StageCosts& costs) {
+  const bool split = !costs.weight.empty();
+  switch (kind) {
+    case ActionKind::kForward: return costs.forward[stage];
+    case ActionKind::kBackward:
+      return split ? costs.backward[stage] + costs.weight[stage] : costs.backward[stage];
+    case ActionKind::kBackwardInput:
+      return split ? costs.backward[stage] : costs.backward[stage] / 2;
+    case ActionKind::kBackwardWeight:
+      return split ? costs.weight[stage] : costs.backward[stage] / 2;
+    default: return 0.0;
+  }
+}
+
 SimulationResult simulate(const Schedule& schedule, const StageCosts& costs);
 
 // What a simulation records beyond makespan, busy times and bubbles: all of
