@@ -18,18 +18,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .._planning.timing import preserved
+from .._planning.timing import preserved, tensor_bytes
 from .tensor_parallel import pattern_matches
 
 __all__ = ["plan_traffic"]
 
 #: Per top-level layer: (collective calls per microbatch forward + backward, bytes per sample).
 Traffic = List[Tuple[float, float]]
-
-
-def _bytes(value: Any) -> float:
-    return float(sum(t.numel() * t.element_size() for t in tree_leaves(value)
-                     if isinstance(t, torch.Tensor)))
 
 
 def _calls(layouts: Any) -> float:
@@ -46,7 +41,7 @@ def _module_traffic(style: Any, inputs: Any, output: Any, rows: int) -> Tuple[fl
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel  # noqa: PLC0415
 
     calls = bytes_ = 0.0
-    in_bytes, out_bytes = _bytes(inputs) / rows, _bytes(output) / rows
+    in_bytes, out_bytes = tensor_bytes(inputs) / rows, tensor_bytes(output) / rows
     needs_grad = any(t.is_floating_point() for t in tree_leaves(inputs) if isinstance(t, torch.Tensor))
     if isinstance(style, ColwiseParallel):
         if needs_grad:  # the input gradient, summed over the output columns' ranks

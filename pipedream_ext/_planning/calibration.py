@@ -44,7 +44,7 @@ import logging
 import os
 import statistics
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -53,10 +53,13 @@ from torch import nn
 from .._dist import collectives
 from ..configuration import Configuration, LayerCost, MachineCosts, predict
 
-__all__ = ["calibrate", "calibrate_local", "clear_cache", "probe_device", "quiet_pipeline_log",
-           "shared_core_action_seconds", "step_overhead"]
+__all__ = ["cached_on_every_rank", "calibrate", "calibrate_local", "clear_cache", "probe_device",
+           "quiet_pipeline_log", "shared_core_action_seconds", "step_overhead"]
 
 log = logging.getLogger(__name__)
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 #: ``PipeDream``'s constructor (``_planning`` sits below the pipeline, so it is passed in).
 PipelineFactory = Callable[..., Any]
@@ -383,17 +386,24 @@ def _local_group(device: torch.device) -> Iterator[dist.ProcessGroup]:
         dist.destroy_process_group()
 
 
-def _cached(key: Tuple[Tuple[int, ...], str], group: dist.ProcessGroup, recalibrate: bool,
-            timeout: float) -> Optional[MachineCosts]:
-    """The cached costs when every rank of ``group`` has them and none asked to measure
-    again, else None on every rank.
+def cached_on_every_rank(cache: Dict[K, V], key: K, group: dist.ProcessGroup, timeout: float,
+                         recalibrate: bool = False) -> Optional[V]:
+    """``cache[key]`` when every rank of ``group`` has it and none asked to measure
+    again, else None on every rank (collective).
 
     Every rank stores its entry in the same call after the same broadcast, so they agree
     by construction; but a rank whose broadcast timed out (or that cleared its cache, or
     passed ``recalibrate``) would skip the collectives the others run and hang them, so
     one all-reduce counts the ranks that will use the entry.
+
+    Args:
+        cache: this process's measured values by key.
+        key: the group's entry (its global ranks and device, at least).
+        group: every rank that measures together.
+        timeout: seconds the all-reduce may wait.
+        recalibrate: this rank wants to measure again.
     """
-    mine = _CACHE.get(key) if not recalibrate else None
+    mine = cache.get(key) if not recalibrate else None
     if dist.get_world_size(group) > 1:
         count = torch.tensor([0.0 if mine is None else 1.0],
                              device=collectives.metadata_device(group))
@@ -450,7 +460,7 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, *, timeout: float,
     """
     device = torch.device(device)
     key = (tuple(dist.get_process_group_ranks(group)), str(device))
-    cached = _cached(key, group, recalibrate, timeout)
+    cached = cached_on_every_rank(_CACHE, key, group, timeout, recalibrate)
     if cached is not None:
         return cached
     start = time.perf_counter()

@@ -56,7 +56,7 @@ from torch.utils import _pytree as pytree
 
 from ..configuration import LayerCost
 from .graph_profile import GraphGroups, group_boundaries, group_module, trace_groups
-from .timing import Timer, leaf_inputs, preserved
+from .timing import Timer, leaf_inputs, preserved, tensor_bytes
 
 __all__ = ["LayerCosts", "default_microbatch_sizes", "measure_layer_costs",
            "traced_stage_of"]
@@ -253,10 +253,6 @@ def _flat(value: Any) -> List[torch.Tensor]:
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def _bytes(value: Any) -> float:
-    return float(sum(t.numel() * t.element_size() for t in _flat(value)))
-
-
 def _storages(tensors: Sequence[torch.Tensor]) -> Dict[int, int]:
     """data pointer -> bytes of each distinct storage behind ``tensors``."""
     out: Dict[int, int] = {}
@@ -383,7 +379,7 @@ def _live_bytes(chain: _Chain, env: Dict[Hashable, Any]) -> List[float]:
         made.update((k, g) for k in unit.outs)
         used.update((k, g) for k in unit.ins)
     used.update((k, len(chain.units)) for k in chain.result_keys)
-    return [sum(_bytes(env[k]) for k, g in made.items() if g <= cut < used.get(k, -1))
+    return [sum(tensor_bytes(env[k]) for k, g in made.items() if g <= cut < used.get(k, -1))
             for cut in range(-1, len(chain.units))]
 
 

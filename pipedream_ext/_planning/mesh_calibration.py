@@ -27,10 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._dist import collectives
 from ..configuration import Configuration, LayerCost, MachineCosts, predict
-from .calibration import probe_device, quiet_pipeline_log
+from .calibration import cached_on_every_rank, probe_device, quiet_pipeline_log
 
-__all__ = ["clear_cache", "mesh_costs"]
+__all__ = ["mesh_costs"]
 
 _log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def _probe_step(pipeline: PipelineFactory, mesh: Any, units: int, sharding: str,
     times: List[float] = []
     try:
         for k in range(_WARMUP + _ROUNDS):
-            dist.barrier(mesh.get_group("dp"))
+            collectives.barrier(mesh.get_group("dp"), timeout)
             start = time.perf_counter()
             pipe.step(x, y)
             if k >= _WARMUP:
@@ -108,7 +109,8 @@ def mesh_costs(group: dist.ProcessGroup, device: torch.device, machine: MachineC
     if world == 1 or world != dist.get_world_size():
         return machine
     key = (tuple(dist.get_process_group_ranks(group)), str(device), fsdp)
-    if key not in _CACHE:
+    costs = cached_on_every_rank(_CACHE, key, group, timeout)
+    if costs is None:
         start = time.perf_counter()
         mesh = init_device_mesh(device.type, (1, world), mesh_dim_names=("pp", "dp"))
         replicated = _probe_step(pipeline, mesh, 1, "replicate", device, timeout)
@@ -118,16 +120,11 @@ def mesh_costs(group: dist.ProcessGroup, device: torch.device, machine: MachineC
             many = _probe_step(pipeline, mesh, _UNITS, "fsdp", device, timeout)
             measured[1] = max(0.0, (many - one) / (2 * (_UNITS - 1)))
         values = torch.tensor(measured, dtype=torch.float64, device=probe_device(group, device))
-        dist.broadcast(values, dist.get_global_rank(group, 0), group=group)
-        _CACHE[key] = {"replicate_call_seconds": float(values[0]),
-                       "fsdp_call_seconds": float(values[1])}
+        collectives.broadcast_waited(values, dist.get_global_rank(group, 0), group, timeout)
+        costs = _CACHE[key] = {"replicate_call_seconds": float(values[0]),
+                               "fsdp_call_seconds": float(values[1])}
         if dist.get_rank(group) == 0:
             _log.info("data parallelism calibrated in %.2f s: %.3f ms per replicated all-reduce, "
                       "%.3f ms per FSDP call, in a step", time.perf_counter() - start,
                       values[0] * 1e3, values[1] * 1e3)
-    return dataclasses.replace(machine, **_CACHE[key])
-
-
-def clear_cache() -> None:
-    """Forgets the measured costs (tests)."""
-    _CACHE.clear()
+    return dataclasses.replace(machine, **costs)

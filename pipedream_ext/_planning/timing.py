@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["Timer", "leaf_inputs", "preserved"]
+__all__ = ["Timer", "leaf_inputs", "preserved", "tensor_bytes"]
 
 
 class Timer:
@@ -54,6 +54,12 @@ def leaf_inputs(value: Any) -> Any:
             d.requires_grad_(True)
         return d
     return pytree.tree_map_only(torch.Tensor, one, value)
+
+
+def tensor_bytes(value: Any) -> float:
+    """The bytes of every tensor in ``value`` (any nesting of containers)."""
+    return float(sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value)
+                     if isinstance(t, torch.Tensor)))
 
 
 @contextlib.contextmanager
