@@ -31,6 +31,7 @@ from torch import nn
 from .._pipe import PipeDream
 from .._planning import choose
 from .._planning.calibration import calibrate_local
+from .._planning.profile_chain import MAX_LAYERS, chain_of_profile
 from .._planning.profiler import profile
 from ..configuration import microbatch_candidates
 from ..planner import SHARDINGS, Plan, load_profile, plan
@@ -82,12 +83,14 @@ def _run_profile(args: argparse.Namespace) -> int:
 
 
 def _run_auto(args: argparse.Namespace) -> int:
-    """``plan --auto``: the whole configuration of a chain profile, searched with this
-    machine's calibrated costs (``calibrate_local``) and the given bandwidth."""
+    """``plan --auto``: the whole configuration of a profile (a branching one as a chain
+    in topological order: ``profile_chain``), searched with this machine's calibrated
+    costs (``calibrate_local``) and the given bandwidth."""
     if args.batch_size is None:
         raise ValueError("--auto needs --batch-size: the samples per step of one pipeline, the "
                          "batch the profile was taken with")
-    costs = choose.costs_of_profile(load_profile(args.profile), args.batch_size)
+    chain = chain_of_profile(load_profile(args.profile), args.batch_size, args.max_layers)
+    costs = chain.costs
     world = math.prod(args.workers)
     # The calibration times our own runtime (a one-rank PipeDream).
     machine = dataclasses.replace(calibrate_local(torch.device(args.device), pipeline=PipeDream),
@@ -96,7 +99,7 @@ def _run_auto(args: argparse.Namespace) -> int:
         schedules=choose.schedule_candidates(args.schedule, 1, len(costs.layers), world),
         microbatches=microbatch_candidates(args.batch_size), chunks=(2,), balance=None,
         recompute=args.recompute, memory=args.memory, meshes=[(world, 1, 1)])
-    best, result = choose.search_profile(costs, machine, request, args.batch_size)
+    best, result = choose.search_profile(chain, machine, request, args.batch_size)
     return _report(result, best.table(), args)
 
 
@@ -216,8 +219,11 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
                    help="DP updates allowed before falling back to cuts / coarsening them")
     q.add_argument("--auto", action="store_true",
                    help="choose the whole configuration (schedule, microbatches, balance, "
-                        "recompute) of a chain profile for --workers ranks with this machine's "
+                        "recompute) for --workers ranks with this machine's "
                         "calibrated costs and --bandwidth; prints the best configurations")
+    q.add_argument("--max-layers", type=int, default=MAX_LAYERS, metavar="N",
+                   help="with --auto: merge a branching profile's nodes into at most N layers of "
+                        f"consecutive nodes, cut where few bytes cross (default {MAX_LAYERS})")
     q.add_argument("--batch-size", type=int, default=None, metavar="B",
                    help="with --auto: samples per step (the batch the profile was taken with)")
     q.add_argument("--schedule", default="auto",

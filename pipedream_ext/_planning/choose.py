@@ -33,8 +33,9 @@ from .calibration import calibrate
 from .graph_profile import GraphGroups
 from .layer_costs import LayerCosts, default_microbatch_sizes, measure_layer_costs
 from .mesh_calibration import mesh_costs
+from .profile_chain import ProfileChain
 
-__all__ = ["COST_MODEL", "Measuring", "Request", "best_of", "choose", "costs_of_profile",
+__all__ = ["COST_MODEL", "Measuring", "Request", "best_of", "choose",
            "microbatch_sizes", "plan_of", "predict_fixed", "sample_rows", "schedule_candidates",
            "search_profile", "unsearchable"]
 
@@ -327,10 +328,12 @@ def predict_fixed(measuring: Measuring, fixed: Configuration, memory: Optional[f
     return Configuration.from_dict(json.loads(text))
 
 
-def plan_of(chosen: Configuration, costs: LayerCosts, batch: int, machine: MachineCosts) -> Plan:
+def plan_of(chosen: Configuration, costs: LayerCosts, batch: int, machine: MachineCosts,
+            stage_nodes: Optional[List[List[str]]] = None) -> Plan:
     """The plan file of a chosen configuration (``batch``: its pipeline's samples per
     step): a stage per pipeline stage (its layers, ranks, compute per step and the peak
-    bytes of its rank) and the whole configuration.
+    bytes of its rank) and the whole configuration. ``stage_nodes``: the profile node
+    ids of each stage where the chain is a branching profile's (``profile_chain``).
 
     ``data_parallel_time`` is plain data parallelism without its communication (the
     layers' compute over every rank): a bound, not a prediction.
@@ -342,10 +345,11 @@ def plan_of(chosen: Configuration, costs: LayerCosts, batch: int, machine: Machi
     size = batch / chosen.microbatches
     assert chosen.prediction is not None
     peaks = chosen.prediction.peak_bytes
-    chain = costs.group_of is None  # an nn.Sequential; a traced model's stages list its groups
+    # An nn.Sequential; a traced model's or a branching profile's stages list its nodes.
+    chain = costs.group_of is None and stage_nodes is None
     nodes = [[str(l) for l in range(lo, lo + n)] for lo, n in
              zip(itertools.accumulate([0] + chosen.balance[:-1]), chosen.balance)] if chain \
-        else costs.stage_nodes(chosen.balance)
+        else stage_nodes if stage_nodes is not None else costs.stage_nodes(chosen.balance)
     stages, start = [], 0
     for j, count in enumerate(chosen.balance):
         part = layers[start:start + count]
@@ -373,51 +377,14 @@ def plan_of(chosen: Configuration, costs: LayerCosts, batch: int, machine: Machi
                 configuration=chosen.to_dict(), **mesh)
 
 
-def costs_of_profile(graph: Any, batch_size: int) -> LayerCosts:
-    """A chain profile's layers (``graph.txt`` of an ``nn.Sequential``, profiled at
-    ``batch_size`` samples) as the search's layer costs: times and bytes per sample (no
-    fixed part: one profiled size cannot tell it), what a layer keeps for its backward
-    taken as its output.
-
-    Raises:
-        ValueError: a branching profile, or ``batch_size`` below 1.
-    """
-    if batch_size < 1:
-        raise ValueError(f"--batch-size {batch_size}: the samples the profile was taken with, >= 1")
-    nodes = {n["id"]: n for n in graph.nodes()}
-    after: Dict[str, List[str]] = {}
-    before: Dict[str, List[str]] = {}
-    for a, b in graph.edges():
-        after.setdefault(a, []).append(b)
-        before.setdefault(b, []).append(a)
-    if any(len(v) > 1 for v in list(after.values()) + list(before.values())):
-        raise ValueError("plan --auto cuts a chain of layers (the profile of an nn.Sequential); "
-                         "this profile branches: plan it without --auto")
-    node = next(i for i in nodes if i not in before)
-    order = [node]
-    while after.get(order[-1]):
-        order.append(after[order[-1]][0])
-    chain = [nodes[i] for i in order if not nodes[i]["description"].startswith("Input")]
-    first = nodes[order[0]]
-    layers, inputs = [], first["activation_bytes"] if first["description"].startswith("Input") else 0.0
-    for n in chain:
-        layers.append(LayerCost(
-            forward_per_sample=n["forward_ms"] / 1e3 / batch_size,
-            backward_per_sample=n["backward_ms"] / 1e3 / batch_size,
-            output_bytes_per_sample=n["activation_bytes"] / batch_size,
-            stash_bytes_per_sample=n["activation_bytes"] / batch_size,
-            input_bytes_per_sample=inputs / batch_size, parameter_bytes=float(n["parameter_bytes"])))
-        inputs = n["activation_bytes"]
-    return LayerCosts(layers, [str(n["description"]) for n in chain], None, [batch_size])
-
-
-def search_profile(costs: LayerCosts, machine: MachineCosts, request: Request,
+def search_profile(chain: ProfileChain, machine: MachineCosts, request: Request,
                    batch_size: int) -> Tuple[Configuration, Plan]:
-    """The best configuration of ``request`` for layer costs known already (the CLI's
+    """The best configuration of ``request`` for a profile's chain (the CLI's
     ``plan --auto``), and its plan.
 
     Raises:
         ValueError: nothing fits ``memory``, or a bad search space.
     """
-    best, batch = best_of(costs.layers, machine, request, batch_size)
-    return best, plan_of(best, costs, batch, machine)
+    best, batch = best_of(chain.costs.layers, machine, request, batch_size)
+    return best, plan_of(best, chain.costs, batch, machine,
+                         None if chain.nodes is None else chain.stage_nodes(best.balance))
