@@ -21,10 +21,6 @@ Owns the machine's side of the configuration search's cost model
   optimizer's per-step cost: ``torch.optim.Adam``'s step and ``zero_grad`` over one
   one-element parameter (the parameters' own share is each layer's
   ``optimizer_seconds``, measured by ``measure_layer_costs``);
-- with several ranks, ``optimizer_seconds_per_byte``: what Adam's step takes per
-  parameter byte beyond one process's CPU time when every rank steps at once (ranks
-  sharing a node slow each other's memory-bound steps; the layers' ``optimizer_seconds``
-  are measured alone): rank 0 alone, then all ranks together, over 2 MiB of parameters;
 - cores this process may use (``os.sched_getaffinity``) and ranks per node
   (torchrun's ``LOCAL_WORLD_SIZE``).
 
@@ -74,8 +70,6 @@ _BUFFER = 4096    # bytes of the broadcast carrying rank 0's JSON
 _POST_SMALL, _POST_LARGE = 1 << 10, 256 << 10  # bytes of the send-posting probes
 _MICROBATCHES = (2, 6)  # the overhead probe's two microbatch counts
 _STEP_ROUNDS = 12  # timed steps at each count (the lower quartile is kept), after 3 warm-ups
-_ADAM_BYTES = 2 << 20  # parameter bytes of the concurrent optimizer probe (two tensors)
-_ADAM_ROUNDS = 8       # its steps per rank, alone and all ranks at once
 
 #: Calibrated costs of this process by (the group's global ranks, device); every rank
 #: of a group stores its entry in the same call, after the same broadcast.
@@ -331,40 +325,6 @@ def _optimizer_step_seconds(device: torch.device) -> float:
     return _min_seconds(step, warmup=2, clock=_compute_clock(device))
 
 
-def _concurrent_optimizer_per_byte(group: dist.ProcessGroup, device: torch.device,
-                                   timeout: float) -> float:
-    """Seconds per parameter byte that ``torch.optim.Adam``'s step takes beyond one
-    process's own CPU time when every rank of ``group`` steps at once (what a flush
-    pipeline's ranks do after their last backward), on rank 0; 0.0 elsewhere. Collective.
-
-    Adam streams its state through memory: ranks sharing a node's cores and memory slow
-    each other's steps, which the layers' ``optimizer_seconds`` (one process, its thread's
-    CPU time) do not show. Rank 0 times ``_ADAM_ROUNDS`` steps over ``_ADAM_BYTES`` alone
-    (the fastest, CPU clock), then every rank the same steps together (wall clock, the
-    mean over ranks); the difference per byte, >= 0.
-    """
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    weights = [nn.Parameter(torch.zeros(_ADAM_BYTES // 8, device=device)) for _ in range(2)]
-    for weight in weights:  # kept: a step's gradients exist before it (no allocation timed)
-        weight.grad = torch.ones_like(weight)
-    optimizer = torch.optim.Adam(weights, lr=1e-3)
-
-    def step() -> None:
-        optimizer.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    step()  # Adam's state
-    alone = _min_seconds(step, _ADAM_ROUNDS, clock=_compute_clock(device)) if rank == 0 else 0.0
-    collectives.barrier(group, timeout)
-    start = time.perf_counter()
-    for _ in range(_ADAM_ROUNDS):
-        step()
-    together = torch.tensor([(time.perf_counter() - start) / _ADAM_ROUNDS / world],
-                            dtype=torch.float64, device=collectives.metadata_device(group))
-    collectives.all_reduce_waited(together, group, timeout)
-    return max(0.0, float(together.item()) - alone) / _ADAM_BYTES if rank == 0 else 0.0
-
-
 def _local(device: torch.device) -> Dict[str, float]:
     """What one process measures alone: the optimizer, cores and ranks per node."""
     return {"optimizer_step_seconds": _optimizer_step_seconds(device),
@@ -510,8 +470,6 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, *, timeout: float,
     if world > 1:
         values.update(_point_to_point(group, probe, timeout))
         values.update(_all_reduce(group, probe, timeout))
-        values["optimizer_seconds_per_byte"] = _concurrent_optimizer_per_byte(group, device,
-                                                                              timeout)
     steps, runtime = _step_times(pipeline, group, device, timeout)
     payload = None
     if dist.get_rank(group) == 0:
