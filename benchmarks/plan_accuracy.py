@@ -63,7 +63,7 @@ LOG = logging.getLogger("plan_accuracy")
 JSON_TAG = "PLAN_ACCURACY_JSON "
 MIB = float(1 << 20)
 COMPUTE_KINDS = ("F", "B", "I", "W")
-WAIT_KINDS = ("RECV_F", "RECV_B", "SEND_WAIT", "ALLREDUCE")
+WAIT_KINDS = ("RECV_F", "RECV_B", "SEND_WAIT", "ALLREDUCE", "TIED_ALLREDUCE")
 SEND_KINDS = ("SEND_F", "SEND_B")
 TERMS = ("compute", "waits", "transfers", "overhead")
 #: The models of the study: batch (samples per step) and what builds them in a worker.
@@ -188,7 +188,8 @@ def measured_step(step_seconds: Sequence[Sequence[float]]) -> float:
 def measured_terms(rank: Dict[str, Any], step_s: float) -> Dict[str, float]:
     """Where one rank's step goes, in seconds per step, from its ``pipe.stats()``.
 
-    ``compute``: F+B+I+W; ``waits``: blocked on receives, sends and all-reduces;
+    ``compute``: F+B+I+W; ``waits``: blocked on receives, sends and all-reduces (the
+    replicas' and the tied weights' gradients);
     ``transfers``: posting sends; ``overhead``: the rest of ``step_s`` (the runtime's own
     time, the ``step`` call around it, the optimizer, the loss all-reduce).
     """
@@ -777,7 +778,8 @@ def report(raw: Dict[str, Any], rows: List[Dict[str, Any]], total_s: float) -> s
     lines += summary_table(summaries)
     lines += ["", "## Where the time goes", "",
               "Per rank and step (median over the runs and ranks of each group), measured from `pipe.stats()` "
-              "against the prediction's terms: compute (F, B, I, W), waits (receives, sends, all-reduces; the "
+              "against the prediction's terms: compute (F, B, I, W), waits (receives, sends, all-reduces of the "
+              "replicas' and of tied weights' gradients; the "
               "prediction's idle time in the simulated makespan), transfers (posting sends) and overhead (the "
               "rest of the step: the runtime's own time, the `step` call, the optimizer, the loss all-reduce; "
               "predicted: per-step costs and the optimizer).", ""]

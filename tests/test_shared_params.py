@@ -119,6 +119,12 @@ def check_matches_unsplit(schedule: str, balance: List[int], replicas: Optional[
         opt, ref_opt = make_opt(pipe.parameters()), make_opt(ref.parameters())
         train_both(pipe, ref, opt, ref_opt, STEPS, 100, f"{what} {opt_name}")
         assert_weights_equal(pipe, ref, f"{what} after {STEPS} {opt_name} steps")
+        # A rank holding one copy waits in the all-reduce summing the copies' gradients:
+        # a wait in stats(); a rank holding both uses (or neither) runs none.
+        stats = pipe.stats()
+        waited = stats["seconds_by_kind"].get("TIED_ALLREDUCE")
+        assert (waited is not None) == (len(local_layers & {0, 4}) == 1), (what, stats)
+        assert waited is None or 0 < waited <= stats["wait_s"] <= stats["busy_s"], (what, stats)
 
 
 def check_meta_built(schedule: str, balance: List[int],

@@ -21,7 +21,7 @@ from .._dist import collectives
 from .._extension import _C
 from .prediction_check import PredictionCheck
 
-__all__ = ["Observer"]
+__all__ = ["OUTSIDE_WAITS", "Observer"]
 
 _log = logging.getLogger("pipedream_ext._pipe")
 
@@ -30,6 +30,12 @@ _THREADS = {"compute": 0, "update": 0, "send": 1, "wait": 1, "allreduce": 2}
 _THREAD_NAMES = (("compute", 0), ("comm", 1), ("allreduce", 2))
 
 Span = Tuple[str, str, int, int]  # (name, category, start_us, duration_us)
+
+#: Waits on other ranks that the step spends outside the executor, by kind: the
+#: all-reduce summing a tied parameter's gradient over its stages (``SharedGradients``).
+#: The first stage to finish its backward waits there for the last one; the cost model
+#: counts that as idle time, so ``stats()`` counts it as a wait.
+OUTSIDE_WAITS = ("TIED_ALLREDUCE",)
 
 
 class Observer:
@@ -58,6 +64,7 @@ class Observer:
         self.trace_path = trace_path
         self._spans: List[Span] = []
         self._retired = _C.RuntimeStats()  # executors already replaced
+        self._outside: Dict[str, float] = {}  # OUTSIDE_WAITS seconds since the last reset
         self._written: Set[str] = set()  # paths this observer wrote a trace to
         self._check: Optional[PredictionCheck] = None
 
@@ -87,6 +94,15 @@ class Observer:
         if self.trace_path is not None:
             self._spans.extend(spans)
 
+    def record_wait(self, kind: str, seconds: float) -> None:
+        """Adds ``seconds`` that the step waited outside the executor (``kind``, one of
+        :data:`OUTSIDE_WAITS`) to :meth:`stats`' ``seconds_by_kind``, ``wait_s`` and
+        ``busy_s``."""
+        if kind not in OUTSIDE_WAITS:
+            raise ValueError(f"kind {kind!r} is not a wait outside the executor; use one of "
+                             f"{OUTSIDE_WAITS}")
+        self._outside[kind] = self._outside.get(kind, 0.0) + seconds
+
     def retire(self, executor: Any) -> None:
         """Keeps the stats and spans of an executor about to be replaced."""
         self._retired = self._retired.merge(executor.stats())
@@ -96,6 +112,12 @@ class Observer:
     def stats(self, executor: Any) -> Dict[str, Any]:
         """This rank's stats since construction or :meth:`reset` (see ``PipeDream.stats``)."""
         merged = self._retired.merge(executor.stats()).as_dict()
+        for kind, seconds in self._outside.items():
+            merged["seconds_by_kind"][kind] = merged["seconds_by_kind"].get(kind, 0.0) + seconds
+            merged["wait_s"] += seconds
+            merged["busy_s"] += seconds
+        if self._outside and merged["busy_s"] > 0:
+            merged["bubble_fraction"] = 1.0 - merged["compute_s"] / merged["busy_s"]
         merged["rank"] = self.rank
         merged["stages"] = list(self.stages)
         if self._check is not None:
@@ -108,6 +130,7 @@ class Observer:
 
     def reset(self, executor: Any) -> None:
         self._retired = _C.RuntimeStats()
+        self._outside = {}
         executor.reset_stats()
         if self._check is not None:
             self._check.restart()

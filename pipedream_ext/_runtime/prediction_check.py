@@ -27,9 +27,11 @@ FIRST, LAST = 3, 7
 #: The relative difference of measured and predicted step time that warns.
 TOLERANCE = 0.25
 
-# The executor's action kinds (csrc/core/action.cpp kTokens, plus its SEND_WAIT) by term
-# of a prediction's breakdown; the rest of a step is overhead.
-_TERMS = {"compute": ("F", "B", "I", "W"), "waits": ("RECV_F", "RECV_B", "SEND_WAIT"),
+# The executor's action kinds (csrc/core/action.cpp kTokens, plus its SEND_WAIT) and the
+# step's waits outside it (observe.OUTSIDE_WAITS: the tied weights' all-reduce, where the
+# first rank to finish waits for the last, idle time in the prediction) by term of a
+# prediction's breakdown; the rest of a step is overhead.
+_TERMS = {"compute": ("F", "B", "I", "W"), "waits": ("RECV_F", "RECV_B", "SEND_WAIT", "TIED_ALLREDUCE"),
           "transfers": ("SEND_F", "SEND_B"), "all-reduce": ("ALLREDUCE",)}
 
 

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import gc
 import logging
+import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -507,7 +508,9 @@ class FlushRunner(Runner):
                 f"{self.steps_run} failed or timed out: {exc}") from exc
         if self.shared_gradients:
             try:
+                start = time.perf_counter()
                 self.shared_gradients.reduce()
+                self.observer.record_wait("TIED_ALLREDUCE", time.perf_counter() - start)
             except RuntimeError as exc:
                 raise RuntimeError(f"{self.names.of_group(self.groups.rank)}: the gradient "
                                    "all-reduce of shared "
