@@ -7,9 +7,12 @@
 //   - one microbatch's forwards and backwards through every stage are a chain;
 //   - the stages still to cut take at least the least, over the cuts of the
 //     remaining layers, of the largest such path (dynamic programming);
-//   - a critical path of the min-max balance's simulation is a chain of
-//     dependencies at every balance: its length is exact over the stages cut
-//     and the least over the cuts of the rest (dynamic programming);
+//   - a critical path of a simulation is a chain of dependencies at every
+//     balance: its length is exact over the stages cut and the least over the
+//     cuts of the rest (dynamic programming; PathBound, path_bound.h). The
+//     min-max balance's path is one; where only the simulated bound (below)
+//     prunes a node, its simulation's critical path is collected too, so the
+//     nodes like it are pruned by the cheap bounds (at most kMaxPaths);
 //   - the simulator is monotone in every action cost (a list schedule run in
 //     a fixed order), so recomputation, which only adds cost, is chosen only
 //     where the rank does not fit without it;
