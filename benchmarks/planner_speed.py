@@ -64,10 +64,10 @@ def _search_case(layers: int, ranks: int, batch: int, out: "multiprocessing.Queu
                               cores=8, ranks_per_node=8)
     meshes = [(pp, ranks // pp, 1) for pp in range(1, min(layers, ranks) + 1) if ranks % pp == 0]
     microbatches = [1 << k for k in range(batch.bit_length()) if 1 << k <= batch]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.thread_time()
     best = pc.search(costs, machine, world_size=ranks, batch_size=batch,
                      schedules=pc.flush_schedules(), microbatches=microbatches, meshes=meshes)
-    out.put((time.perf_counter() - t0, len(meshes), len(microbatches),
+    out.put((time.perf_counter() - t0, time.thread_time() - cpu0, len(meshes), len(microbatches),
              f"{best.schedule} v={best.chunks} m={best.microbatches} mesh={best.mesh}, "
              f"{best.predicted_step_seconds * 1e3:.1f} ms"))
 
@@ -75,10 +75,12 @@ def _search_case(layers: int, ranks: int, batch: int, out: "multiprocessing.Queu
 def _configure_speed(cases: str, batch: int, limit: float) -> None:
     """Prints the whole-configuration search's time per case (stopped after ``limit`` s)."""
     print(f"Whole-configuration search (`configuration.search`, one thread), batch {batch} per "
-          f"pipeline, seven flush schedules; a case is stopped after {limit:.0f} s.")
+          f"pipeline, seven flush schedules; a case is stopped after {limit:.0f} s of wall time. "
+          "Search time is wall clock; search CPU is the searching thread's CPU time "
+          "(time.thread_time: fairer on a shared machine).")
     print()
     print("\n".join(h.table(["layers", "ranks", "meshes", "microbatch counts", "search time (s)",
-                            "best (predicted step)"])))
+                            "search CPU (s)", "best (predicted step)"])))
     context = multiprocessing.get_context("fork")
     for case in cases.split(","):
         layers, ranks = (int(x) for x in case.split("x"))
@@ -89,10 +91,11 @@ def _configure_speed(cases: str, batch: int, limit: float) -> None:
         if worker.is_alive():
             worker.terminate()
             worker.join()
-            row = [str(layers), str(ranks), "", "", f"> {limit:.0f} (stopped)", ""]
+            row = [str(layers), str(ranks), "", "", f"> {limit:.0f} (stopped)", "", ""]
         else:
-            seconds, meshes, counts, best = queue.get()
-            row = [str(layers), str(ranks), str(meshes), str(counts), f"{seconds:.3f}", best]
+            seconds, cpu, meshes, counts, best = queue.get()
+            row = [str(layers), str(ranks), str(meshes), str(counts), f"{seconds:.3f}", f"{cpu:.3f}",
+                   best]
         print(h.table_row(row))
         sys.stdout.flush()
 

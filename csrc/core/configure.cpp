@@ -517,8 +517,11 @@ bool tight(double a, double b) { return std::abs(a - b) <= 1e-12 * std::max(1.0,
 // rank's previous action).
 CriticalPath PointModel::criticalPath(const std::vector<int>& balance,
                                       const std::vector<int>& recompute) const {
+  return criticalPath(stageCosts(starts(balance), recompute));
+}
+
+CriticalPath PointModel::criticalPath(const StageCosts& costs) const {
   const Schedule& schedule = schedules_.front();
-  const StageCosts costs = stageCosts(starts(balance), recompute);
   const SimulationResult sim = simulate(schedule, costs, Recording::kFull);
   const auto& line = sim.timeline;
   const int total = schedule.totalMicrobatches();

@@ -123,6 +123,9 @@ class PointModel {
   const Schedule& schedule() const { return schedules_.front(); }
   // The critical path of the simulated flush schedule at `balance`.
   CriticalPath criticalPath(const std::vector<int>& balance, const std::vector<int>& recompute) const;
+  // The same for any per-stage costs of the flush schedule (a chain of its
+  // dependencies, so a lower bound on the makespan at every cost).
+  CriticalPath criticalPath(const StageCosts& costs) const;
   // 0 when ranks do not share cores, else ranks per core of a node.
   double sharedRanks() const;
 

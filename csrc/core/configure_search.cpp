@@ -7,9 +7,12 @@
 //   - one microbatch's forwards and backwards through every stage are a chain;
 //   - the stages still to cut take at least the least, over the cuts of the
 //     remaining layers, of the largest such path (dynamic programming);
-//   - a critical path of the min-max balance's simulation is a chain of
-//     dependencies at every balance: its length is exact over the stages cut
-//     and the least over the cuts of the rest (dynamic programming);
+//   - a critical path of a simulation is a chain of dependencies at every
+//     balance: its length is exact over the stages cut and the least over the
+//     cuts of the rest (dynamic programming; PathBound, path_bound.h). The
+//     min-max balance's path is one; where only the simulated bound (below)
+//     prunes a node, its simulation's critical path is collected too, so the
+//     nodes like it are pruned by the cheap bounds (at most kMaxPaths);
 //   - the simulator is monotone in every action cost (a list schedule run in
 //     a fixed order), so recomputation, which only adds cost, is chosen only
 //     where the rank does not fit without it;
@@ -41,6 +44,7 @@
 #include "configure.h"
 #include "configure_model.h"
 #include "configure_space.h"
+#include "path_bound.h"
 #include "replay.h"
 #include "traits.h"
 
@@ -54,6 +58,10 @@ constexpr double kRounding = 1e-12;
 // Improvements below this share of the step are not searched for (they would
 // make every near-tie of a symmetric instance a branch).
 constexpr double kTie = 1e-10;
+
+// Critical paths a point's search collects at most (each costs a table and a
+// term of every node's bound).
+constexpr int kMaxPaths = 64;
 
 bool cannotBeat(double bound, double threshold) {
   return bound * (1 - kRounding) >= threshold * (1 - kTie);
@@ -165,45 +173,6 @@ class WorkTable {
   std::vector<std::vector<double>> table_;
 };
 
-// A critical path of the schedule at one balance, as a bound for every
-// balance: its length is exact over the stages cut so far, and the least, over
-// the cuts of the remaining layers, of its length over the remaining stages
-// (dynamic programming) bounds the rest.
-class PathBound {
- public:
-  PathBound(const PointModel& model, CriticalPath path, int layers)
-      : model_(model), path_(std::move(path)), stages_(model.stages()), layers_(layers),
-        rest_(stages_ + 1, std::vector<double>(layers_ + 1, kInf)) {
-    rest_[stages_][layers_] = 0.0;
-    for (int k = stages_ - 1; k >= 0; --k) {
-      for (int a = k; a < layers_; ++a) {
-        double best = kInf;
-        for (int e = a + 1; e <= layers_ - (stages_ - 1 - k); ++e) {
-          if (rest_[k + 1][e] < kInf) best = std::min(best, stage(k, a, e, false) + rest_[k + 1][e]);
-        }
-        rest_[k][a] = best;
-      }
-    }
-  }
-
-  // Stage k of layers [a, e): its share of the path's length.
-  double stage(int k, int a, int e, bool recompute) const {
-    const StageCost c = model_.stageCost(k, a, e, recompute);
-    double length = path_.forward[k] * c.forward + path_.backward[k] * c.backward +
-                    path_.weight[k] * c.weight;
-    if (k + 1 < stages_ && path_.comm[k] > 0) length += path_.comm[k] * model_.commSeconds(e);
-    return length;
-  }
-  // The least share of stages k.. cut from layers [a, L).
-  double rest(int k, int a) const { return rest_[k][a]; }
-
- private:
-  const PointModel& model_;
-  CriticalPath path_;
-  int stages_, layers_;
-  std::vector<std::vector<double>> rest_;
-};
-
 double sharedRanksOf(const MachineCosts& machine, int world) {
   const int onNode = machine.ranksPerNode > 0 ? std::min(machine.ranksPerNode, world) : world;
   return machine.cores > 0 && onNode > machine.cores ? static_cast<double>(onNode) / machine.cores
@@ -299,13 +268,12 @@ class PointSearch {
   bool search(double bar) {
     bar_ = bar;
     if (bounded_ && c_.space.balance.empty()) {
-      paths_.emplace_back(model_, model_.criticalPath(seed_, std::vector<int>(stages_, 0)), layers_);
+      addPath(model_.criticalPath(seed_, std::vector<int>(stages_, 0)), -1);
     }
     State state;
     state.rankBusy.assign(ranks_, 0.0);
     state.rankBytes.assign(ranks_, 0.0);
     state.rankTensors.assign(ranks_, 0.0);
-    state.pathPrefix.assign(paths_.size(), 0.0);
     descend(0, state);
     return found_;
   }
@@ -323,7 +291,6 @@ class PointSearch {
     std::vector<double> rankBusy;
     std::vector<double> rankBytes;
     std::vector<double> rankTensors;
-    std::vector<double> pathPrefix;  // per critical path: its length over the stages cut so far
   };
 
   double threshold() const { return std::min(bar_, found_ ? best_.config.prediction.stepSeconds : kInf); }
@@ -376,10 +343,11 @@ class PointSearch {
     return busy;
   }
 
+  void addPath(const CriticalPath& path, int j);
   void descend(int j, const State& state);
   void leaf();
-  double bound(int j, int e, const State& next);
-  double simulatedBound(int j, int e);
+  double bound(int j, int e, const State& next, const StageCost& stage, double boundary);
+  double simulatedBound(int j, int e, StageCosts& costs);
   StageCost cheapestStage(int k, int first, int last) const;
 
   Context& c_;
@@ -396,18 +364,26 @@ class PointSearch {
   bool found_ = false;
   Ranked best_;
   std::vector<int> seed_;
-  std::vector<PathBound> paths_;
+  // A collected critical path and its length over stages 0..k-1 as cut on
+  // the way to the current node (prefix[k]).
+  struct Collected {
+    Collected(PathBound b, int stages) : bound(std::move(b)), prefix(stages + 1, 0.0) {}
+    PathBound bound;
+    std::vector<double> prefix;
+  };
+  // The last to prune first; the one pruning least recently is replaced.
+  std::vector<std::unique_ptr<Collected>> paths_;
+  StageCosts costs_;  // simulatedBound's scratch
   std::unique_ptr<MakespanReplay> replay_;  // the schedule's makespan, for simulatedBound
 };
 
 // The step-time bound of a prefix whose stage j ends at layer e.
-double PointSearch::bound(int j, int e, const State& next) {
+// `stage`: stage j's costs; `boundary`: its boundary's transfer.
+double PointSearch::bound(int j, int e, const State& next, const StageCost& stage,
+                          double boundary) {
   double makespan = next.pathBound;
   if (j + 1 < stages_) makespan = std::max(makespan, table_.suffix(stages_ - 1 - j, e));
   makespan = std::max(makespan, next.chain + table_.chain(e, layers_, stages_ - 1 - j));
-  for (size_t p = 0; p < paths_.size(); ++p) {
-    makespan = std::max(makespan, next.pathPrefix[p] + paths_[p].rest(j + 1, e));
-  }
   double rankBytes = c_.totalParameters / ranks_;
   // The slowest optimizer is at least the average and any rank's known part.
   double optimizer = optimizerSeconds(c_.machine, point_, c_.space.fsdp, rankBytes,
@@ -420,7 +396,21 @@ double PointSearch::bound(int j, int e, const State& next) {
   }
   const int world = point_.mesh[0] * point_.mesh[1] * point_.mesh[2];
   const double shared = sharedRanksOf(c_.machine, world) * table_.totalBusy() / ranks_;
-  return std::max(makespan, shared) + stepTermsBound(c_.machine, point_, rankBytes, optimizer);
+  const double terms = stepTermsBound(c_.machine, point_, rankBytes, optimizer);
+  double result = std::max(makespan, shared) + terms;
+  // The collected paths last, the last to prune first: the loop stops at a
+  // prune (the node has no children that would read the later prefixes).
+  const double bar = threshold();
+  for (size_t p = 0; p < paths_.size(); ++p) {
+    Collected& path = *paths_[p];
+    path.prefix[j + 1] = path.prefix[j] + path.bound.stage(j, stage, boundary);
+    result = std::max(result, path.prefix[j + 1] + path.bound.rest(j + 1, e) + terms);
+    if (cannotBeat(result, bar)) {
+      std::rotate(paths_.begin(), paths_.begin() + p, paths_.begin() + p + 1);
+      break;
+    }
+  }
+  return result;
 }
 
 // Stage k whose first layer lies in [first, last] holds that layer: each of
@@ -441,8 +431,7 @@ StageCost PointSearch::cheapestStage(int k, int first, int last) const {
 // costs and the rest at the least any of them can have bound the makespan
 // (stage k > j starts at layer e + (k - j - 1) or later, and leaves at least
 // one layer to each stage after it).
-double PointSearch::simulatedBound(int j, int e) {
-  StageCosts costs;
+double PointSearch::simulatedBound(int j, int e, StageCosts& costs) {
   costs.forward.resize(stages_);
   costs.backward.resize(stages_);
   if (model_.splitBackward()) costs.weight.resize(stages_);
@@ -463,6 +452,21 @@ double PointSearch::simulatedBound(int j, int e) {
   const int world = point_.mesh[0] * point_.mesh[1] * point_.mesh[2];
   const double shared = sharedRanksOf(c_.machine, world) * table_.totalBusy() / ranks_;
   return std::max(makespan, shared) + stepTermsBound(c_.machine, point_, 0.0, 0.0);
+}
+
+// Adds a critical path's bound; the node at depth j has its stages 0..j cut
+// (start_). Its length over them is counted without recomputation when the
+// search decides it (a later sibling may undo a decision; recompute only adds).
+void PointSearch::addPath(const CriticalPath& path, int j) {
+  auto added = std::make_unique<Collected>(PathBound(model_, path, layers_), stages_);
+  for (int k = 0; k <= j; ++k) {
+    const StageCost cost = model_.stageCost(k, start_[k], start_[k + 1],
+                                            !searching_ && recompute_[k] != 0);
+    const double boundary = k + 1 < stages_ ? model_.commSeconds(start_[k + 1]) : 0.0;
+    added->prefix[k + 1] = added->prefix[k] + added->bound.stage(k, cost, boundary);
+  }
+  if (static_cast<int>(paths_.size()) >= kMaxPaths) paths_.pop_back();
+  paths_.insert(paths_.begin(), std::move(added));
 }
 
 void PointSearch::descend(int j, const State& state) {
@@ -496,13 +500,16 @@ void PointSearch::descend(int j, const State& state) {
     next.rankBusy[rank] = lastStage_[rank] == j ? rankBusy(rank) : state.rankBusy[rank] + busy;
     next.rankBytes[rank] += model_.parameterBytes(a, e);
     next.rankTensors[rank] += model_.parameterTensors(a, e);
-    for (size_t p = 0; p < paths_.size(); ++p) {
-      next.pathPrefix[p] += paths_[p].stage(j, a, e, recompute_[j] != 0);
-    }
     if (bounded_) {
-      double here = bound(j, e, next);
+      const double boundary = j + 1 < stages_ ? model_.commSeconds(e) : 0.0;
+      double here = bound(j, e, next, s, boundary);
       if (!cannotBeat(here, threshold())) {
-        here = std::max(here, simulatedBound(j, e));  // the costliest bound: last
+        here = std::max(here, simulatedBound(j, e, costs_));  // the costliest bound: last
+        // Where only the simulation prunes, its critical path becomes a
+        // cheap bound for the nodes like this one.
+        if (cannotBeat(here, threshold()) && c_.space.balance.empty()) {
+          addPath(model_.criticalPath(costs_), j);
+        }
       }
       if (cannotBeat(here, threshold())) {
         ++c_.pruned;

@@ -4,14 +4,20 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <memory>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "configure.h"
+#include "configure_model.h"
 #include "generators.h"
+#include "path_bound.h"
 #include "simulate.h"
 #include "test_helpers.h"
+#include "traits.h"
 
 namespace pipedream {
 namespace {
@@ -499,6 +505,86 @@ void expectSameResult(const SearchResult& found, const SearchResult& all, const 
     const double step = all.candidates[k].prediction.stepSeconds;
     EXPECT_NEAR(found.candidates[k].prediction.stepSeconds, step, 1e-9 * step) << what << " #" << k;
   }
+}
+
+// Every balance of `layers` layers into `stages` stages, as first layers (stages + 1 entries).
+void forEachStarts(int layers, int stages, std::vector<int>& start, int j,
+                   const std::function<void(const std::vector<int>&)>& visit) {
+  if (j == stages) {
+    visit(start);
+    return;
+  }
+  const int last = j + 1 == stages ? layers : layers - (stages - 1 - j);
+  for (int e = j + 1 == stages ? layers : start[j] + 1; e <= last; ++e) {
+    start[j + 1] = e;
+    forEachStarts(layers, stages, start, j + 1, visit);
+  }
+}
+
+// The search collects critical paths of simulations at other costs (its
+// simulated bound's) and bounds a prefix by each path's length over the stages
+// cut plus the least, over the cuts of the rest, of its length over the rest
+// (PathBound). That bound must never exceed the makespan of any completion of
+// the prefix, and a path must be as long as the makespan at the costs it came from.
+TEST(SearchConfigurations, CollectedPathBoundNeverExceedsAnyCompletion) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  std::vector<std::string> flush;
+  for (const std::string& name : scheduleNames()) {
+    if (!scheduleTraits(name).asynchronous) flush.push_back(name);
+  }
+  int checked = 0, tight = 0;
+  for (int trial = 0; trial < 40; ++trial) {
+    Instance x = randomInstance(rng);
+    while (x.layers.size() < 7) x.layers.push_back(x.layers[rng() % x.layers.size()]);
+    const int layers = static_cast<int>(x.layers.size());
+    PointOptions options;
+    options.schedule = flush[trial % flush.size()];
+    options.chunks = scheduleTraits(options.schedule).multiChunk ? 2 : 1;
+    options.pp = options.chunks == 2 ? 2 + static_cast<int>(rng() % 2) : 3 + static_cast<int>(rng() % 2);
+    options.microbatches = 1 + static_cast<int>(rng() % 6);
+    std::unique_ptr<PointModel> model;
+    try {
+      model = std::make_unique<PointModel>(x.layers, 8, x.machine, options);
+    } catch (const std::invalid_argument&) {
+      continue;  // the schedule refuses this point (e.g. too few microbatches)
+    }
+    const int stages = model->stages();
+    if (stages > layers) continue;
+    // A path from random costs of the schedule's shape (as the simulated
+    // bound's: any costs), and one from a balance's own costs.
+    std::vector<int> source(stages + 1, 0);
+    for (int j = 1; j < stages; ++j) source[j] = j;
+    source[stages] = layers;
+    StageCosts random = model->stageCosts(source, {});
+    for (double& c : random.forward) c *= 0.2 + u(rng);
+    for (double& c : random.backward) c *= 0.2 + u(rng);
+    for (double& c : random.weight) c *= 0.2 + u(rng);
+    for (double& c : random.comm) c *= u(rng);
+    const StageCosts own = model->stageCosts(source, {});
+    for (const StageCosts* costs : std::vector<const StageCosts*>{&random, &own}) {
+      const PathBound bound(*model, model->criticalPath(*costs), layers);
+      std::vector<int> start(stages + 1, 0);
+      forEachStarts(layers, stages, start, 0, [&](const std::vector<int>& s) {
+        const double makespan = model->makespan(model->stageCosts(s, {}));
+        double prefix = 0.0;
+        for (int j = 0; j < stages; ++j) {
+          const double boundary = j + 1 < stages ? model->commSeconds(s[j + 1]) : 0.0;
+          prefix += bound.stage(j, model->stageCost(j, s[j], s[j + 1], false), boundary);
+          const double least = prefix + bound.rest(j + 1, s[j + 1]);
+          EXPECT_LE(least, makespan * (1 + 1e-12))
+              << options.schedule << " trial " << trial << " prefix " << j;
+          ++checked;
+        }
+        if (costs == &own && s == source) {
+          EXPECT_NEAR(prefix, makespan, 1e-9 * makespan) << options.schedule;
+          ++tight;
+        }
+      });
+    }
+  }
+  EXPECT_GE(checked, 1000);
+  EXPECT_GE(tight, 20);
 }
 
 TEST(SearchConfigurations, EqualsTheEnumerationOnRandomInstances) {
