@@ -30,7 +30,7 @@ TOLERANCE = 0.25
 # The executor's action kinds (csrc/core/action.cpp kTokens, plus its SEND_WAIT) by term
 # of a prediction's breakdown; the rest of a step is overhead.
 _TERMS = {"compute": ("F", "B", "I", "W"), "waits": ("RECV_F", "RECV_B", "SEND_WAIT"),
-          "transfers": ("SEND_F", "SEND_B"), "all-reduce": ("ALLREDUCE",)}
+          "transfers": ("SEND_F", "SEND_B", "RECV_POST"), "all-reduce": ("ALLREDUCE",)}
 
 
 def measured_terms(before: Dict[str, float], after: Dict[str, float], steps: int,
