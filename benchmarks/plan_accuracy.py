@@ -64,7 +64,7 @@ JSON_TAG = "PLAN_ACCURACY_JSON "
 MIB = float(1 << 20)
 COMPUTE_KINDS = ("F", "B", "I", "W")
 WAIT_KINDS = ("RECV_F", "RECV_B", "SEND_WAIT", "ALLREDUCE", "TIED_ALLREDUCE")
-SEND_KINDS = ("SEND_F", "SEND_B")
+SEND_KINDS = ("SEND_F", "SEND_B", "RECV_POST")
 TERMS = ("compute", "waits", "transfers", "overhead")
 #: The models of the study: batch (samples per step) and what builds them in a worker.
 MODELS: Dict[str, Dict[str, Any]] = {

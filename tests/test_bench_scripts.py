@@ -171,9 +171,9 @@ def test_measured_step_is_the_median_of_the_slowest_rank_per_step():
 
 def test_measured_and_predicted_terms():
     rank = {"steps": 2, "seconds_by_kind": {"F": 1.0, "B": 2.0, "W": 1.0, "RECV_F": 0.5, "RECV_B": 0.5,
-                                            "SEND_F": 0.2, "ALLREDUCE": 1.0}}
+                                            "SEND_F": 0.2, "RECV_POST": 0.2, "ALLREDUCE": 1.0}}
     assert plan_accuracy.measured_terms(rank, 5.0) == pytest.approx(
-        {"compute": 2.0, "waits": 1.0, "transfers": 0.1, "overhead": 1.9})
+        {"compute": 2.0, "waits": 1.0, "transfers": 0.2, "overhead": 1.8})
     pred = {"compute_seconds": [1.0, 2.0], "wait_seconds": [0.5, 0.25], "transfer_seconds": [0.1, 0.0],
             "overhead_seconds": 0.3, "all_reduce_seconds": 0.2}
     assert plan_accuracy.predicted_terms(pred, 1) == pytest.approx(

@@ -59,7 +59,8 @@ def check_stats_and_trace() -> None:
     assert stats["host_syncs"] == 0, stats
     assert stats["steps"] == STEPS and stats["peak_activations"] == (2 if rank == 0 else 1), stats
     assert 0 < stats["compute_s"] <= stats["busy_s"] and 0 <= stats["bubble_fraction"] < 1, stats
-    assert set(stats["seconds_by_kind"]) >= {"F", "B"}, stats
+    # Posting receives is a span of its own ("RECV_POST"), not time outside every span.
+    assert set(stats["seconds_by_kind"]) >= {"F", "B", "RECV_POST"}, stats
     # A send is released once the schedule proves it received (csrc/core/receipt.h):
     # rank 1's gradient of microbatch i when rank 0's forward of i + 2 arrives, so 1F1B
     # on 2 ranks holds 2 sends at most, not one per microbatch (M = 4).
@@ -93,6 +94,16 @@ def check_stats_and_trace() -> None:
                 (r, actual, expected)
         # Waits on receives are on the receiving rank only.
         assert any("RECV_F" in n for n in spans[1]) and not any("RECV_F" in n for n in spans[0])
+        # Every receive posted, every step, as "post <action>" (the wait keeps the
+        # action's own name, which a trace pairs with its send).
+        for r in (0, 1):
+            posted = collections.Counter(f"post {a}" for a in schedule.actions(r, comm=True)
+                                         if a.kind in (pd.schedules.ActionKind.RECV_F,
+                                                       pd.schedules.ActionKind.RECV_B))
+            actual = collections.Counter({n: c for n, c in spans[r].items() if n.startswith("post ")})
+            assert posted and actual == collections.Counter({n: c * STEPS for n, c in posted.items()}), \
+                (r, actual, posted)
+        assert {e["cat"] for e in trace["traceEvents"] if e["name"].startswith("post ")} == {"post"}
         names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
         assert names == {"rank 0: stages [0]", "rank 1: stages [1]"}, names
     pipe.close()  # writes the trace again with what ran since: nothing, so the file stays

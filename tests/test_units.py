@@ -1082,6 +1082,8 @@ def test_prediction_check_warns_once_naming_the_largest_term(monkeypatch: pytest
         {"compute": 1.5, "waits": 0.5, "transfers": 0.0, "all-reduce": 0.25, "overhead": 0.75}
     # The tied weights' all-reduce outside the executor is a wait (the prediction's idle time).
     assert pc.measured_terms({}, {"F": 2.0, "RECV_B": 1.0, "TIED_ALLREDUCE": 3.0}, 2, 4.0)["waits"] == 2.0
+    # Posting a receive is a transfer's cost, like posting a send.
+    assert pc.measured_terms({}, {"F": 2.0, "SEND_B": 0.5, "RECV_POST": 0.5}, 2, 3.0)["transfers"] == 0.5
     reset = pc.PredictionCheck(4e-3, predicted, "rank 0")
     assert run(reset, 4.0, {"F": 2.0}, steps=6, reset_at=3) == [] and reset.measured is None
     assert len(run(reset, 40.0, {"F": 2.0}, steps=6)) == 1 and reset.measured == pytest.approx(0.04)

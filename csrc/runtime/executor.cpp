@@ -497,6 +497,11 @@ void PipelineExecutor::accountAction(const Action& a, TimePoint start) {
     account(kindToken(a.kind), a.toString(), "send", start, false);
   } else if (a.kind == ActionKind::kUpdate && traits_.updateRule != UpdateRule::kCallerPerBatch) {
     account("U", a.toString(), "update", start, false);
+  } else if (a.kind == ActionKind::kRecvForward || a.kind == ActionKind::kRecvBackward) {
+    // Posting a receive costs the rank a buffer and a socket write (Gloo tells
+    // the sender the buffer is ready): a transfer's cost like posting a send.
+    // Named apart from the wait ("1RECV_F0"), which a trace pairs with its send.
+    account("RECV_POST", "post " + a.toString(), "post", start, false);
   }
 }
 

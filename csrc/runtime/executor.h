@@ -38,7 +38,8 @@
 //
 // Observability: stats() is a RuntimeStats (csrc/core/runtime_stats.h)
 // snapshot since construction or resetStats(): time in compute actions,
-// time blocked on peers, wall time inside run*(), the engine's transfer
+// time blocked on peers, time posting sends and receives ("RECV_POST"),
+// wall time inside run*(), the engine's transfer
 // counters and the weight stores' copies; with the action log on, every
 // action (and every wait on a peer) is also recorded as a span with
 // wall-clock microseconds (takeActionLog()); the Python side turns these

@@ -15,7 +15,7 @@ Owns the machine's side of the configuration search's cost model
   the executor's actions all count), timed at two microbatch counts.
   ``action_seconds`` is what its ``pipe.stats()`` shows per F/B action (the compute
   spans and the runtime's time outside any span), ``send_seconds`` the larger of the
-  bare ``isend``'s and its send spans per send; ``step_seconds`` is the rest of the
+  bare ``isend``'s and its send spans per send (with the posts of as many receives); ``step_seconds`` is the rest of the
   measured step: ``measured(m) - predict(m)`` with the measured action, send, latency and
   bandwidth costs and layers of no cost (mean over the counts, >= 0), plus the
   optimizer's per-step cost: ``torch.optim.Adam``'s step and ``zero_grad`` over one
@@ -203,8 +203,8 @@ def _step_times(pipeline: PipelineFactory, group: dist.ProcessGroup, device: tor
     """Seconds of one step (lower quartile of ``_STEP_ROUNDS``) of a pipeline of one
     ``Linear(1, 1)`` per rank of ``group`` (1f1b, one sample per microbatch) at each of
     ``_MICROBATCHES``, and from this rank's ``pipe.stats()`` its seconds per F or B action
-    (the runtime's time in them and outside any span) and per send it posts (0.0 with
-    one rank); collective.
+    (the runtime's time in them and outside any span) and per send it posts, with a
+    receive's post (0.0 with one rank); collective.
 
     The wall clock, as the run's steps wait on peers; on a group of one process computing
     on the CPU with one thread, the thread's CPU clock (other processes on the cores do
@@ -229,7 +229,9 @@ def _step_times(pipeline: PipelineFactory, group: dist.ProcessGroup, device: tor
             stats = pipe.stats()
             actions.append(_action_seconds(stats, 2 * m))
             kinds = stats["seconds_by_kind"]
-            posting = kinds.get("SEND_F", 0.0) + kinds.get("SEND_B", 0.0)
+            # A rank posts as many receives as sends (each boundary crossed both ways):
+            # a receive's post (its buffer, Gloo's ready note) is charged to the send.
+            posting = sum(kinds.get(k, 0.0) for k in ("SEND_F", "SEND_B", "RECV_POST"))
             sends.append(posting / stats["sends"] if stats.get("sends") else 0.0)
         finally:
             pipe.close()

@@ -26,7 +26,7 @@ __all__ = ["OUTSIDE_WAITS", "Observer"]
 _log = logging.getLogger("pipedream_ext._pipe")
 
 # Chrome trace threads by span category.
-_THREADS = {"compute": 0, "update": 0, "send": 1, "wait": 1, "allreduce": 2}
+_THREADS = {"compute": 0, "update": 0, "send": 1, "post": 1, "wait": 1, "allreduce": 2}
 _THREAD_NAMES = (("compute", 0), ("comm", 1), ("allreduce", 2))
 
 Span = Tuple[str, str, int, int]  # (name, category, start_us, duration_us)

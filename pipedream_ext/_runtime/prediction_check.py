@@ -32,7 +32,7 @@ TOLERANCE = 0.25
 # first rank to finish waits for the last, idle time in the prediction) by term of a
 # prediction's breakdown; the rest of a step is overhead.
 _TERMS = {"compute": ("F", "B", "I", "W"), "waits": ("RECV_F", "RECV_B", "SEND_WAIT", "TIED_ALLREDUCE"),
-          "transfers": ("SEND_F", "SEND_B"), "all-reduce": ("ALLREDUCE",)}
+          "transfers": ("SEND_F", "SEND_B", "RECV_POST"), "all-reduce": ("ALLREDUCE",)}
 
 
 def measured_terms(before: Dict[str, float], after: Dict[str, float], steps: int,
