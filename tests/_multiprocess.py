@@ -41,6 +41,9 @@ RESULTS_ENV = "PIPEDREAM_TEST_RESULTS"
 RESYNC_AFTER_FAILURE_S = 120.0
 # The pseudo case of every launch: all ranks ran every case and exited with status 0.
 EXIT_CASE = "exit-status"
+# The backend of the ranks' default group, set by the pytest side (``Launch.backend``).
+BACKEND_ENV = "PIPEDREAM_TEST_BACKEND"
+BACKENDS = ("gloo", "nccl_rules")
 _TAIL = 6000
 
 
@@ -183,6 +186,13 @@ class Launch:
             (removed after the launch).
         init_group: False where the cases create the default group themselves (PipeDream
             does on a GPU).
+        backend: the ranks' default group: "gloo", or "nccl_rules" (NCCL's point-to-point
+            rules on the CPU, ``pipedream_ext.testing``); ``PIPEDREAM_TEST_BACKEND`` in
+            pytest's environment overrides it for every launch (tests/test_nccl_rules.py).
+            The default name of a ``nccl_rules`` launch ends in ``-nccl_rules``.
+
+    Raises:
+        ValueError: an unknown ``backend``.
     """
 
     script: str
@@ -193,9 +203,13 @@ class Launch:
     marks: Tuple[Any, ...] = ()
     dirs: Tuple[str, ...] = ()
     init_group: bool = True
+    backend: str = "gloo"
 
     def __post_init__(self) -> None:
-        self.name = self.name or f"{self.world}ranks"
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r}: use one of {BACKENDS}")
+        suffix = "" if self.backend == "gloo" else f"-{self.backend}"
+        self.name = self.name or f"{self.world}ranks{suffix}"
         self._result: Optional[LaunchResult] = None
         self._env: Optional[Dict[str, str]] = None
 
@@ -222,7 +236,8 @@ class Launch:
                 for sub in ranks_env.values():
                     os.mkdir(sub)
                 results = ranks_env[RESULTS_ENV]
-                ranks_env.update(env, **{LAUNCH_ENV: self.name})
+                ranks_env.update(env, **{LAUNCH_ENV: self.name,
+                                         BACKEND_ENV: os.environ.get(BACKEND_ENV) or self.backend})
                 started = time.time()
                 run = launch_torchrun(self.script, self.world, self.timeout, ranks_env)
                 self._result = LaunchResult(self, run, _read_records(results, self.world),
@@ -245,6 +260,27 @@ class CaseRef:
         fails with the tracebacks of the ranks that failed this case, or the launch's output
         where a rank has no result for it."""
         self.launch.result(env).check(self.case)
+
+
+def strict_and_gloo(script: str, world: int, cases: Callable[[int], Cases],
+                    **kwargs: Any) -> Tuple[Launch, Launch]:
+    """The launch on ``nccl_rules`` and its twin on Gloo, marked slow: `make test` runs
+    each case once, on the stricter backend (the same cases, the same exactness checks,
+    NCCL's rules on top), `make test-all` on both.
+
+    Args:
+        kwargs: ``Launch``'s other arguments; a ``name`` gets ``-nccl_rules`` appended on
+            the strict launch.
+
+    Returns:
+        The ``nccl_rules`` launch, then the Gloo one.
+    """
+    marks = tuple(kwargs.pop("marks", ()))
+    name = kwargs.pop("name", "")
+    strict = Launch(script, world, cases, name=name and f"{name}-nccl_rules", marks=marks,
+                    backend="nccl_rules", **kwargs)
+    gloo = Launch(script, world, cases, name=name, marks=(*marks, pytest.mark.slow), **kwargs)
+    return strict, gloo
 
 
 def parametrize_cases(*launches: Launch) -> Any:
@@ -322,9 +358,6 @@ class LaunchResult:
 
 
 # --------------------------------------------------------------------------- the ranks' side
-# The backend the worker side runs on: "gloo" (default), or "nccl_rules" to run a
-# suite under NCCL's point-to-point rules on the CPU (tests/test_nccl_rules.py).
-BACKEND_ENV = "PIPEDREAM_TEST_BACKEND"
 
 
 def init_test_group() -> None:
@@ -418,6 +451,7 @@ def worker_main(launches: Sequence[Launch]) -> None:
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     launch = _chosen_launch(launches)
+    os.environ.setdefault(BACKEND_ENV, launch.backend)  # run directly: the launch's own
     if launch.init_group:
         init_test_group()
     records = _Records(rank)

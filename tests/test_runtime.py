@@ -27,6 +27,7 @@ from _multiprocess import (
     Launch,
     launch_raw,
     parametrize_cases,
+    strict_and_gloo,
     worker_main,
 )
 from torch import nn
@@ -604,7 +605,9 @@ def fault_case(case: str) -> None:
 
 
 # --------------------------------------------------------------------------- pytest side
-LAUNCHES = [Launch(HERE, world, runtime_cases) for world in (2, 3, 4)]
+# 2 and 3 ranks on Gloo, 4 ranks under NCCL's rules (`make test-all`: on Gloo too).
+LAUNCHES = [Launch(HERE, 2, runtime_cases), Launch(HERE, 3, runtime_cases),
+            *strict_and_gloo(HERE, 4, runtime_cases)]
 
 
 @parametrize_cases(*LAUNCHES)
