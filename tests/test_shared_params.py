@@ -220,11 +220,12 @@ def tied_lm_cases(world: int) -> Cases:
 
 
 # --------------------------------------------------------------------------- pytest side
-# `make test` runs the 3-rank case (replicas [2, 1] and [1, 2]) on the nccl_rules
-# backend; `make test-all` on Gloo too.
+# `make test` runs the 3-rank case (a middle stage, replicas [2, 1] and [1, 2]) on the
+# nccl_rules backend; `make test-all` on Gloo too, and 4 ranks (middle stages and
+# replicas again, another size).
 LAUNCHES = [Launch(HERE, 2, tied_lm_cases, dirs=("SHARED_PARAMS_DIR",)),
             *strict_and_gloo(HERE, 3, tied_lm_cases, dirs=("SHARED_PARAMS_DIR",)),
-            Launch(HERE, 4, tied_lm_cases, dirs=("SHARED_PARAMS_DIR",))]
+            Launch(HERE, 4, tied_lm_cases, dirs=("SHARED_PARAMS_DIR",), marks=(pytest.mark.slow,))]
 
 
 @parametrize_cases(*LAUNCHES)
