@@ -46,6 +46,8 @@ EXIT_CASE = "exit-status"
 BACKEND_ENV = "PIPEDREAM_TEST_BACKEND"
 BACKENDS = ("gloo", "nccl_rules")
 _TAIL = 6000
+# Every launch this pytest session ran, for the summary of the slowest (tests/conftest.py).
+FINISHED: List["LaunchResult"] = []
 
 
 def free_port() -> int:
@@ -317,6 +319,7 @@ class Launch:
                 run = launch_ranks(self.script, self.world, self.timeout, ranks_env)
                 self._result = LaunchResult(self, run, _read_records(results, self.world),
                                             time.time() - started)
+                FINISHED.append(self._result)
             self._env = env
         elif env != self._env:
             raise ValueError(f"launch {self.name} ran with env {self._env}, asked again with {env}")
@@ -401,6 +404,14 @@ class LaunchResult:
             how = f"exited with status {self.run.returncode} after {self.seconds:.0f} s"
         return (f"the launch of {os.path.basename(self.launch.script)} on {self.launch.world} ranks "
                 f"({self.launch.name}) {how}; its output's tail:\n{self.run.stdout[-_TAIL:]}")
+
+    def slowest_cases(self, count: int) -> List[Tuple[str, float]]:
+        """The ``count`` cases that took longest (seconds on their slowest rank)."""
+        seconds: Dict[str, float] = {}
+        for records in self.ranks:
+            for name, record in records.items():
+                seconds[name] = max(seconds.get(name, 0.0), record.get("seconds", 0.0))
+        return sorted(seconds.items(), key=lambda item: -item[1])[:count]
 
     def check(self, case: str) -> None:
         """Fails (pytest.fail) naming every rank that failed ``case`` or has no result."""
