@@ -1,9 +1,10 @@
 """Test selection: tests marked ``slow`` run only under `make test-all`.
 
-`make test` (CI, a fresh clone, under 30 minutes) runs everything else; `make
-test-all` sets ``PIPEDREAM_TEST_ALL=1`` and runs the slow ones too (the whole
-transformers zoo of tests/test_zoo.py). ``group``: a 1-rank Gloo group for the tests of
-one process.
+`make test` (CI, a fresh clone, under 25 minutes is the aim) runs everything else;
+`make test-all` sets ``PIPEDREAM_TEST_ALL=1`` and runs the slow ones too, each a
+repeat in kind of something `make test` runs (docs/testing.md, "What only `make
+test-all` runs"). With ``--durations``, the summary also lists the slowest launches.
+``group``: a 1-rank Gloo group for the tests of one process.
 """
 from __future__ import annotations
 
