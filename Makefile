@@ -72,7 +72,9 @@ test: setup
 	$(MAKE) py-test
 
 # Everything `make test` runs, plus the tests marked slow (the whole transformers zoo of
-# tests/test_zoo.py; `make test` runs a representative part of it): see tests/conftest.py.
+# tests/test_zoo.py, other world sizes, the Gloo twins of the nccl_rules launches): each
+# repeats in kind something `make test` runs (docs/testing.md, "What only `make test-all`
+# runs"; the mark: tests/conftest.py).
 test-all: setup
 	$(MAKE) lint
 	$(MAKE) cpp-test

@@ -1,8 +1,8 @@
 """Shared launcher for the multi-process test files (they run under pytest, which
-starts them with torchrun, or directly under torchrun).
+starts their ranks as torchrun would, or directly under torchrun).
 
 A test file lists its checks as named cases (``Cases``), groups them into launches
-(``Launch``: one torchrun run of ``world`` ranks going through the cases in order), and
+(``Launch``: one run of ``world`` ranks going through the cases in order), and
 parametrizes its pytest functions over them (``parametrize_cases``). Launching the ranks
 is the expensive part, so a launch runs once per pytest session however many of its
 cases are selected; every rank writes one JSON line per case (name, passed, traceback)
@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -41,7 +42,12 @@ RESULTS_ENV = "PIPEDREAM_TEST_RESULTS"
 RESYNC_AFTER_FAILURE_S = 120.0
 # The pseudo case of every launch: all ranks ran every case and exited with status 0.
 EXIT_CASE = "exit-status"
+# The backend of the ranks' default group, set by the pytest side (``Launch.backend``).
+BACKEND_ENV = "PIPEDREAM_TEST_BACKEND"
+BACKENDS = ("gloo", "nccl_rules")
 _TAIL = 6000
+# Every launch this pytest session ran, for the summary of the slowest (tests/conftest.py).
+FINISHED: List["LaunchResult"] = []
 
 
 def free_port() -> int:
@@ -77,6 +83,79 @@ def launch_torchrun(script: str, world: int, timeout: float = 600,
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
         out, _ = proc.communicate()
         return subprocess.CompletedProcess(cmd, None, out + f"\n[killed after {timeout:.0f} s]", "")
+
+
+def _reader(fd: int, chunks: List[str]) -> threading.Thread:
+    """A thread that reads ``fd`` to its end into ``chunks``."""
+    def read() -> None:
+        with open(fd, errors="replace") as f:
+            for line in f:
+                chunks.append(line)
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+
+def _kill_all(procs: Sequence[subprocess.Popen]) -> None:
+    for proc in procs:  # each rank and what it started: its own session
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for proc in procs:
+        proc.wait()
+
+
+def launch_ranks(script: str, world: int, timeout: float = 600,
+                 env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """Runs ``script`` on ``world`` local ranks (one thread each) as ``torchrun --standalone``
+    does, without torchrun's own interpreter (an ``import torch`` before any rank starts,
+    seconds per launch on 2 cores): this process hosts the store the ranks rendezvous on
+    (torchrun's agent store), each rank gets torchrun's environment, and the first rank to
+    exit non-zero ends the others (torchrun's default too). For what torchrun itself does
+    (restarts, its agent), use ``launch_torchrun``.
+
+    Returns:
+        The result, every rank's stdout and stderr together in ``stdout``; ``returncode``
+        is that of the first rank that failed (0 when none did), None when the launch ran
+        past ``timeout`` (then every rank is killed, with what it started).
+    """
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    common = dict(env or {}, WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0",
+                  GROUP_WORLD_SIZE="1", ROLE_NAME="default", ROLE_WORLD_SIZE=str(world),
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
+                  TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
+                  TORCHELASTIC_RUN_ID="none", TORCHELASTIC_USE_AGENT_STORE=str(True))
+    cmd = [sys.executable, script]
+    read_fd, write_fd = os.pipe()
+    chunks: List[str] = []
+    procs: List[subprocess.Popen] = []
+    try:
+        for rank in range(world):
+            rank_env = _rank_env(dict(common, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank)))
+            procs.append(subprocess.Popen(cmd, env=rank_env, stdout=write_fd, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+    finally:
+        os.close(write_fd)
+    reader = _reader(read_fd, chunks)
+    deadline, returncode, note = time.time() + timeout, 0, ""
+    while True:
+        codes = [proc.poll() for proc in procs]
+        failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            returncode = failed[0][1]
+            note = f"\n[rank {failed[0][0]} exited with status {returncode}; the other ranks were killed]"
+            break
+        if all(code == 0 for code in codes):
+            break
+        if time.time() > deadline:
+            returncode, note = None, f"\n[killed after {timeout:.0f} s]"
+            break
+        time.sleep(0.05)
+    _kill_all(procs)
+    reader.join(timeout=10)  # a grandchild may still hold the pipe: take what came
+    del store
+    return subprocess.CompletedProcess(cmd, returncode, "".join(chunks) + note, "")
 
 
 def launch_raw(script: str, world: int, case: str, timeout: float = 120,
@@ -169,7 +248,8 @@ class Cases:
 
 @dataclass
 class Launch:
-    """One torchrun launch of a test file: ``world`` ranks run ``cases(world)`` in order.
+    """One launch of a test file (``launch_ranks``: torchrun's environment, without its
+    interpreter): ``world`` ranks run ``cases(world)`` in order.
 
     Args:
         script: the test file (its ``__main__`` calls ``worker_main`` with its launches).
@@ -183,6 +263,13 @@ class Launch:
             (removed after the launch).
         init_group: False where the cases create the default group themselves (PipeDream
             does on a GPU).
+        backend: the ranks' default group: "gloo", or "nccl_rules" (NCCL's point-to-point
+            rules on the CPU, ``pipedream_ext.testing``); ``PIPEDREAM_TEST_BACKEND`` in
+            pytest's environment overrides it for every launch (tests/test_nccl_rules.py).
+            The default name of a ``nccl_rules`` launch ends in ``-nccl_rules``.
+
+    Raises:
+        ValueError: an unknown ``backend``.
     """
 
     script: str
@@ -193,9 +280,13 @@ class Launch:
     marks: Tuple[Any, ...] = ()
     dirs: Tuple[str, ...] = ()
     init_group: bool = True
+    backend: str = "gloo"
 
     def __post_init__(self) -> None:
-        self.name = self.name or f"{self.world}ranks"
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r}: use one of {BACKENDS}")
+        suffix = "" if self.backend == "gloo" else f"-{self.backend}"
+        self.name = self.name or f"{self.world}ranks{suffix}"
         self._result: Optional[LaunchResult] = None
         self._env: Optional[Dict[str, str]] = None
 
@@ -222,11 +313,13 @@ class Launch:
                 for sub in ranks_env.values():
                     os.mkdir(sub)
                 results = ranks_env[RESULTS_ENV]
-                ranks_env.update(env, **{LAUNCH_ENV: self.name})
+                ranks_env.update(env, **{LAUNCH_ENV: self.name,
+                                         BACKEND_ENV: os.environ.get(BACKEND_ENV) or self.backend})
                 started = time.time()
-                run = launch_torchrun(self.script, self.world, self.timeout, ranks_env)
+                run = launch_ranks(self.script, self.world, self.timeout, ranks_env)
                 self._result = LaunchResult(self, run, _read_records(results, self.world),
                                             time.time() - started)
+                FINISHED.append(self._result)
             self._env = env
         elif env != self._env:
             raise ValueError(f"launch {self.name} ran with env {self._env}, asked again with {env}")
@@ -245,6 +338,27 @@ class CaseRef:
         fails with the tracebacks of the ranks that failed this case, or the launch's output
         where a rank has no result for it."""
         self.launch.result(env).check(self.case)
+
+
+def strict_and_gloo(script: str, world: int, cases: Callable[[int], Cases],
+                    **kwargs: Any) -> Tuple[Launch, Launch]:
+    """The launch on ``nccl_rules`` and its twin on Gloo, marked slow: `make test` runs
+    each case once, on the stricter backend (the same cases, the same exactness checks,
+    NCCL's rules on top), `make test-all` on both.
+
+    Args:
+        kwargs: ``Launch``'s other arguments; a ``name`` gets ``-nccl_rules`` appended on
+            the strict launch.
+
+    Returns:
+        The ``nccl_rules`` launch, then the Gloo one.
+    """
+    marks = tuple(kwargs.pop("marks", ()))
+    name = kwargs.pop("name", "")
+    strict = Launch(script, world, cases, name=name and f"{name}-nccl_rules", marks=marks,
+                    backend="nccl_rules", **kwargs)
+    gloo = Launch(script, world, cases, name=name, marks=(*marks, pytest.mark.slow), **kwargs)
+    return strict, gloo
 
 
 def parametrize_cases(*launches: Launch) -> Any:
@@ -291,6 +405,14 @@ class LaunchResult:
         return (f"the launch of {os.path.basename(self.launch.script)} on {self.launch.world} ranks "
                 f"({self.launch.name}) {how}; its output's tail:\n{self.run.stdout[-_TAIL:]}")
 
+    def slowest_cases(self, count: int) -> List[Tuple[str, float]]:
+        """The ``count`` cases that took longest (seconds on their slowest rank)."""
+        seconds: Dict[str, float] = {}
+        for records in self.ranks:
+            for name, record in records.items():
+                seconds[name] = max(seconds.get(name, 0.0), record.get("seconds", 0.0))
+        return sorted(seconds.items(), key=lambda item: -item[1])[:count]
+
     def check(self, case: str) -> None:
         """Fails (pytest.fail) naming every rank that failed ``case`` or has no result."""
         if case == EXIT_CASE:
@@ -322,9 +444,6 @@ class LaunchResult:
 
 
 # --------------------------------------------------------------------------- the ranks' side
-# The backend the worker side runs on: "gloo" (default), or "nccl_rules" to run a
-# suite under NCCL's point-to-point rules on the CPU (tests/test_nccl_rules.py).
-BACKEND_ENV = "PIPEDREAM_TEST_BACKEND"
 
 
 def init_test_group() -> None:
@@ -412,12 +531,13 @@ def _run_cases(cases: Cases, records: _Records, store: dist.Store, world: int) -
 
 
 def worker_main(launches: Sequence[Launch]) -> None:
-    """The torchrun side: the test group, then every case of the chosen launch, each rank
+    """The ranks' side: the test group, then every case of the chosen launch, each rank
     writing each case's result (run directly under torchrun: printing it, and exiting
     with status 1 if a case failed here)."""
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     launch = _chosen_launch(launches)
+    os.environ.setdefault(BACKEND_ENV, launch.backend)  # run directly: the launch's own
     if launch.init_group:
         init_test_group()
     records = _Records(rank)

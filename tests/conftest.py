@@ -1,14 +1,15 @@
 """Test selection: tests marked ``slow`` run only under `make test-all`.
 
-`make test` (CI, a fresh clone, under 30 minutes) runs everything else; `make
-test-all` sets ``PIPEDREAM_TEST_ALL=1`` and runs the slow ones too (the whole
-transformers zoo of tests/test_zoo.py). ``group``: a 1-rank Gloo group for the tests of
-one process.
+`make test` (CI, a fresh clone, under 25 minutes is the aim) runs everything else;
+`make test-all` sets ``PIPEDREAM_TEST_ALL=1`` and runs the slow ones too, each a
+repeat in kind of something `make test` runs (docs/testing.md, "What only `make
+test-all` runs"). With ``--durations``, the summary also lists the slowest launches.
+``group``: a 1-rank Gloo group for the tests of one process.
 """
 from __future__ import annotations
 
 import os
-from typing import Iterator, List
+from typing import Any, Iterator, List
 
 import pytest
 import torch.distributed as dist
@@ -21,6 +22,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The slowest launches of tests/_multiprocess.py with their slowest cases: pytest's
+    --durations charges a whole launch to whichever of its ids ran first."""
+    from _multiprocess import FINISHED
+
+    if not FINISHED or terminalreporter.config.getoption("durations") is None:
+        return
+    terminalreporter.write_sep("=", "slowest launches (start-up included) and their slowest cases")
+    for result in sorted(FINISHED, key=lambda r: -r.seconds)[:25]:
+        cases = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in result.slowest_cases(3))
+        terminalreporter.write_line(f"{result.seconds:6.1f}s {os.path.basename(result.launch.script)} "
+                                    f"{result.launch.name}: {cases}")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _multiprocess import BACKEND_ENV, CaseRef, Cases, Launch, parametrize_cases, worker_main
+from _multiprocess import BACKEND_ENV, CaseRef, Cases, Launch, parametrize_cases, strict_and_gloo, worker_main
 from torch import nn
 from torch.func import functional_call
 
@@ -252,10 +252,10 @@ def async_cases(world: int) -> Cases:
     return cases
 
 
-# `make test` runs 3 and 4 ranks on the stricter nccl_rules backend (tests/test_nccl_rules.py:
-# streams use the split protocol on every backend); `make test-all` here on Gloo too.
-LAUNCHES = [Launch(HERE, world, async_cases, marks=(pytest.mark.slow,) if world > 2 else ())
-            for world in (2, 3, 4)]
+# `make test` runs 3 and 4 ranks on the stricter nccl_rules backend (streams use the split
+# protocol on every backend); `make test-all` on Gloo too.
+LAUNCHES = [Launch(HERE, 2, async_cases), *strict_and_gloo(HERE, 3, async_cases),
+            *strict_and_gloo(HERE, 4, async_cases)]
 
 
 @parametrize_cases(*LAUNCHES)

@@ -28,7 +28,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import pytest
 import torch
@@ -42,6 +42,7 @@ from _multiprocess import (
     Launch,
     free_port,
     parametrize_cases,
+    strict_and_gloo,
     worker_main,
 )
 from torch import nn
@@ -448,8 +449,10 @@ def save_cases(world: int) -> Cases:
     return cases
 
 
-SAVE = Launch(HERE, 3, save_cases, name="save", timeout=300)
-RESUME = Launch(HERE, 2, resume_cases, name="resume", timeout=300)
+# `make test` saves and resumes under NCCL's rules, `make test-all` on Gloo too (each
+# backend resumes what it saved).
+SAVE, SAVE_GLOO = strict_and_gloo(HERE, 3, save_cases, name="save", timeout=300)
+RESUME, RESUME_GLOO = strict_and_gloo(HERE, 2, resume_cases, name="resume", timeout=300)
 
 
 def phase_kill_loop(root: str) -> None:
@@ -470,18 +473,30 @@ def phase_kill_loop(root: str) -> None:
 
 # --------------------------------------------------------------------------- pytest side
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Checkpoints after N steps, the weights then, and the uninterrupted N + M references."""
-    root = str(tmp_path_factory.mktemp("checkpoints"))
-    SAVE.check_all(env={"PDCKPT_DIR": root})
-    return root
+def saved_by(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Launch], str]:
+    """The folder ``save``'s launch (run the first time it is asked for) wrote: checkpoints
+    after N steps, the weights then, and the uninterrupted N + M references."""
+    folders: Dict[str, str] = {}
+
+    def folder(launch: Launch) -> str:
+        if launch.name not in folders:
+            folders[launch.name] = str(tmp_path_factory.mktemp("checkpoints"))
+            launch.check_all(env={"PDCKPT_DIR": folders[launch.name]})
+        return folders[launch.name]
+    return folder
 
 
-@parametrize_cases(RESUME)
-def test_resume_in_other_processes_equals_an_uninterrupted_run(case: CaseRef, saved: str) -> None:
+@pytest.fixture(scope="module")
+def saved(saved_by: Callable[[Launch], str]) -> str:
+    return saved_by(SAVE)
+
+
+@parametrize_cases(RESUME, RESUME_GLOO)
+def test_resume_in_other_processes_equals_an_uninterrupted_run(case: CaseRef,
+                                                               saved_by: Callable[[Launch], str]) -> None:
     """3 -> 2 ranks, other balance, replicas -> none -> data parallel, interleaved
     -> gpipe, pipedream and 2bw; broken checkpoints, interrupted saves."""
-    case.check(env={"PDCKPT_DIR": saved})
+    case.check(env={"PDCKPT_DIR": saved_by(SAVE if case.launch is RESUME else SAVE_GLOO)})
 
 
 def test_consolidate_gives_the_unsplit_models_state_dict(saved: str, tmp_path) -> None:
@@ -611,4 +626,4 @@ if __name__ == "__main__":
         torch.set_num_threads(1)
         phase_kill_loop(os.environ["PDCKPT_DIR"])
     else:
-        worker_main([SAVE, RESUME])
+        worker_main([SAVE, RESUME, SAVE_GLOO, RESUME_GLOO])

@@ -29,6 +29,7 @@ def test_digits_example_reaches_95_percent():
     assert "epoch 12: train loss" in result.stderr  # logged per epoch
 
 
+@pytest.mark.slow  # another schedule of the same example: `make test-all`
 def test_digits_example_other_schedules_run():
     result = _train("--schedule", "interleaved-1f1b", "--chunks", "2", "--epochs", "1",
                     "--min-accuracy", "0")
@@ -36,6 +37,7 @@ def test_digits_example_other_schedules_run():
     assert "TEST ACCURACY" in result.stdout
 
 
+@pytest.mark.slow  # pipedream reaches 95% with replicas below too: `make test-all`
 def test_digits_example_asynchronous_pipedream_reaches_95_percent():
     result = _train("--schedule", "pipedream")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]

@@ -27,6 +27,7 @@ from _multiprocess import (
     Launch,
     launch_raw,
     parametrize_cases,
+    strict_and_gloo,
     worker_main,
 )
 from torch import nn
@@ -555,8 +556,8 @@ def runtime_cases(world: int) -> Cases:
         cases.add(check_gradients_and_training, "1f1b", 4, replicas=layout)
         cases.add(check_gradients_and_training, "gpipe", 6, replicas=layout)
         cases.add(check_gradients_and_training, "zb-h1", 5, replicas=layout)  # split backward, replicated
-    if world == 3:
-        cases.add(check_gradients_and_training, "zb-h1", 4, replicas=[2, 1], recompute=True)
+    if world > 2:  # split backward, replicated and recomputed at once
+        cases.add(check_gradients_and_training, "zb-h1", 4, replicas=[2] + [1] * (world - 2), recompute=True)
     cases.add(check_gradients_and_training, "1f1b", 4, recompute=True)
     cases.add(check_gradients_and_training, "zb-h1", 4, recompute=True)
     cases.add(check_recompute_with_dropout)
@@ -604,7 +605,10 @@ def fault_case(case: str) -> None:
 
 
 # --------------------------------------------------------------------------- pytest side
-LAUNCHES = [Launch(HERE, world, runtime_cases) for world in (2, 3, 4)]
+# `make test`: 2 ranks on Gloo (the fused protocol's default), 4 under NCCL's rules;
+# `make test-all` also 3 ranks (other replica layouts of the same kinds) and 4 on Gloo.
+LAUNCHES = [Launch(HERE, 2, runtime_cases), Launch(HERE, 3, runtime_cases, marks=(pytest.mark.slow,)),
+            *strict_and_gloo(HERE, 4, runtime_cases)]
 
 
 @parametrize_cases(*LAUNCHES)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import CaseRef, Cases, Launch, parametrize_cases, worker_main
+from _multiprocess import CaseRef, Cases, Launch, parametrize_cases, strict_and_gloo, worker_main
 
 RTOL, ATOL = 1e-5, 1e-6
 HERE = os.path.abspath(__file__)
@@ -226,10 +226,12 @@ def tied_lm_cases(world: int) -> Cases:
 
 
 # --------------------------------------------------------------------------- pytest side
-# `make test` runs the 3-rank case (replicas [2, 1] and [1, 2]) on the nccl_rules
-# backend (tests/test_nccl_rules.py); `make test-all` on Gloo too.
-LAUNCHES = [Launch(HERE, world, tied_lm_cases, dirs=("SHARED_PARAMS_DIR",),
-                   marks=(pytest.mark.slow,) if world == 3 else ()) for world in (2, 3, 4)]
+# `make test` runs the 3-rank case (a middle stage, replicas [2, 1] and [1, 2]) on the
+# nccl_rules backend; `make test-all` on Gloo too, and 4 ranks (middle stages and
+# replicas again, another size).
+LAUNCHES = [Launch(HERE, 2, tied_lm_cases, dirs=("SHARED_PARAMS_DIR",)),
+            *strict_and_gloo(HERE, 3, tied_lm_cases, dirs=("SHARED_PARAMS_DIR",)),
+            Launch(HERE, 4, tied_lm_cases, dirs=("SHARED_PARAMS_DIR",), marks=(pytest.mark.slow,))]
 
 
 @parametrize_cases(*LAUNCHES)

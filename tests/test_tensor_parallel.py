@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import CaseRef, Cases, Launch, parametrize_cases, worker_main
+from _multiprocess import CaseRef, Cases, Launch, parametrize_cases, strict_and_gloo, worker_main
 
 HERE = os.path.abspath(__file__)
 RTOL, ATOL = 1e-4, 1e-5
@@ -484,11 +484,13 @@ def mesh_3d_cases(world: int) -> Cases:
     return c
 
 
-LAUNCH = Launch(HERE, 4, cases, timeout=300)
+# `make test` runs pp2 x tp2 under NCCL's rules (every group the mesh and the pipeline
+# create on nccl_rules), `make test-all` on Gloo too.
+LAUNCHES = strict_and_gloo(HERE, 4, cases, timeout=300)
 MESH_3D = Launch(HERE, 8, mesh_3d_cases, name="8ranks", timeout=300, marks=(pytest.mark.slow,))
 
 
-@parametrize_cases(LAUNCH)
+@parametrize_cases(*LAUNCHES)
 def test_tensor_parallel_matches_the_unsplit_model(case: CaseRef) -> None:
     case.check()
 
@@ -500,4 +502,4 @@ def test_tensor_parallel_on_a_pp2_dp2_tp2_mesh(case: CaseRef) -> None:
 
 
 if __name__ == "__main__":
-    worker_main([LAUNCH, MESH_3D])
+    worker_main([*LAUNCHES, MESH_3D])

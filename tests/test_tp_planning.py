@@ -24,7 +24,7 @@ import pytest
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import CaseRef, Cases, Launch, parametrize_cases, worker_main
+from _multiprocess import CaseRef, Cases, parametrize_cases, strict_and_gloo, worker_main
 from test_tensor_parallel import BALANCE, batch, check_training, llama, lm_loss, mesh_of, plan
 
 HERE = os.path.abspath(__file__)
@@ -158,13 +158,14 @@ def cases(world: int) -> Cases:
     return c
 
 
-LAUNCH = Launch(HERE, 4, cases, timeout=300)
+# `make test` runs them under NCCL's rules, `make test-all` on Gloo too.
+LAUNCHES = strict_and_gloo(HERE, 4, cases, timeout=300)
 
 
-@parametrize_cases(LAUNCH)
+@parametrize_cases(*LAUNCHES)
 def test_tp_planning_matches_the_unsplit_model(case: CaseRef) -> None:
     case.check()
 
 
 if __name__ == "__main__":
-    worker_main([LAUNCH])
+    worker_main(LAUNCHES)

@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from _multiprocess import (
     CaseRef,
     Cases,
-    Launch,
     launch_raw,
     parametrize_cases,
+    strict_and_gloo,
     worker_main,
 )
 from torch import nn
@@ -229,7 +229,8 @@ def variable_shapes_cases(world: int) -> Cases:
     return cases
 
 
-LAUNCH = Launch(HERE, 2, variable_shapes_cases)  # written for 2 ranks
+# Written for 2 ranks; `make test` runs them under NCCL's rules, `make test-all` on Gloo too.
+LAUNCHES = strict_and_gloo(HERE, 2, variable_shapes_cases)
 
 
 # --------------------------------------------------------------------------- bad peers
@@ -279,7 +280,7 @@ def fault_case(case: str) -> None:
 
 
 # --------------------------------------------------------------------------- pytest side
-@parametrize_cases(LAUNCH)
+@parametrize_cases(*LAUNCHES)
 def test_shapes_that_change_every_step_match_the_references(case: CaseRef) -> None:
     case.check()
 
@@ -308,7 +309,7 @@ def main() -> None:
         dist.init_process_group("gloo")
         fault_case(sys.argv[2])
         return
-    worker_main([LAUNCH])
+    worker_main(LAUNCHES)
 
 
 if __name__ == "__main__":

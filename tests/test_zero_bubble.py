@@ -1,8 +1,8 @@
 """Zero-bubble schedules with several chunks per rank (zbv, dualpipev, interleaved-zb)
 run by the runtime: equal to the unsplit model, and checkpoints re-shard between
-their layouts and straight ones (CPU, Gloo, processes on localhost).
+their layouts and straight ones (CPU, processes on localhost).
 
-One torchrun launch per world size runs every case:
+One launch per world size runs every case (under NCCL's rules; `make test-all` also on Gloo):
 
 * 2 ranks: every schedule against the unsplit model (loss of every step, gradients
   of the first, every weight after SGD-momentum and Adam steps), evaluation with
@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _multiprocess import BACKEND_ENV, CaseRef, Cases, Launch, parametrize_cases, worker_main
+from _multiprocess import CaseRef, Cases, Launch, parametrize_cases, strict_and_gloo, worker_main
 from torch import nn
 
 HERE = os.path.abspath(__file__)
@@ -258,17 +258,13 @@ def zero_bubble_cases(world: int) -> Cases:
         cases.add(check_matches_unsplit_model, schedule, m)
     root = os.environ.get("PDZB_DIR", "")  # the ranks'
     if world == 2:
-        # Compiling changes what runs inside a stage, never what crosses a boundary: under
-        # nccl_rules (test_nccl_rules.py re-runs this file) the uncompiled cases of the same
-        # schedules prove the transfers, so the compiled ones run on Gloo only.
         # Each compiled case is ~20 s of compiling on 2 cores: `make test` keeps one schedule
         # with one chunk per rank and one V schedule; `make test-all` adds the other two.
-        if os.environ.get(BACKEND_ENV, "gloo") != "nccl_rules":
-            compiled = [("zb-h1", 2), ("zbv", 4)]
-            if os.environ.get("PIPEDREAM_TEST_ALL") == "1":
-                compiled += [("interleaved-zb", 2), ("dualpipev", 4)]
-            for schedule, m in compiled:
-                cases.add(check_compiled_split_backward, schedule, m)
+        compiled = [("zb-h1", 2), ("zbv", 4)]
+        if os.environ.get("PIPEDREAM_TEST_ALL") == "1":
+            compiled += [("interleaved-zb", 2), ("dualpipev", 4)]
+        for schedule, m in compiled:
+            cases.add(check_compiled_split_backward, schedule, m)
         cases.add(save_zbv_checkpoint, root, name="save_zbv_checkpoint")
         cases.add(check_resume, root, "1f1b", chunks=1, balance=[3, 6], name="resume-1f1b-[3,6]")
     else:
@@ -283,19 +279,30 @@ def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tmp_path_factory.mktemp("zero_bubble"))
 
 
-TWO, FOUR = (Launch(HERE, world, zero_bubble_cases) for world in (2, 4))
+# `make test` runs both world sizes under NCCL's rules, `make test-all` on Gloo too; each
+# backend's 4 ranks load the checkpoint its 2 ranks saved (a folder per backend).
+TWO, TWO_GLOO = strict_and_gloo(HERE, 2, zero_bubble_cases)
+FOUR, FOUR_GLOO = strict_and_gloo(HERE, 4, zero_bubble_cases)
+SAVER = {FOUR.name: TWO, FOUR_GLOO.name: TWO_GLOO}
 
 
-@parametrize_cases(TWO)
+def _folder(root: str, launch: Launch) -> Dict[str, str]:
+    folder = os.path.join(root, launch.backend)
+    os.makedirs(folder, exist_ok=True)
+    return {"PDZB_DIR": folder}
+
+
+@parametrize_cases(TWO, TWO_GLOO)
 def test_two_ranks_match_the_unsplit_model_and_save_a_v_checkpoint(case: CaseRef, checkpoint_dir: str) -> None:
-    case.check(env={"PDZB_DIR": checkpoint_dir})
+    case.check(env=_folder(checkpoint_dir, case.launch))
 
 
-@parametrize_cases(FOUR)
+@parametrize_cases(FOUR, FOUR_GLOO)
 def test_four_ranks_match_the_unsplit_model_and_reshard_the_v_checkpoint(case: CaseRef,
                                                                          checkpoint_dir: str) -> None:
-    TWO.result(env={"PDZB_DIR": checkpoint_dir})  # the checkpoint first (run alone: pytest -k four)
-    case.check(env={"PDZB_DIR": checkpoint_dir})
+    saver = SAVER[case.launch.name]
+    saver.result(env=_folder(checkpoint_dir, saver))  # the checkpoint first (run alone: pytest -k four)
+    case.check(env=_folder(checkpoint_dir, case.launch))
 
 if __name__ == "__main__":
-    worker_main([TWO, FOUR])
+    worker_main([TWO, TWO_GLOO, FOUR, FOUR_GLOO])
