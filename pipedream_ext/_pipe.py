@@ -467,8 +467,7 @@ class PipeDream(_DataParallelPart):
             ``peak_activations`` (most microbatches stashed at once),
             ``peak_sends_in_flight`` (most sends whose buffers were held at once),
             ``peak_weight_versions`` (per stage; asynchronous schedules),
-            ``seconds_by_kind`` (``F``, ``B``, ``RECV_F`` waits, ``RECV_POST`` posts,
-            ``TIED_ALLREDUCE``, ...), and the transfer
+            ``seconds_by_kind`` (``F``, ``B``, ``RECV_F``, ``RECV_POST``, ``TIED_ALLREDUCE``, ...), and the transfer
             counts ``sends``, ``receives``, ``messages_sent`` (on the wire, data and
             side channel), ``preposted_receives`` (receives whose data was posted
             before their consumer waited), ``redirected_sends`` (larger than their
