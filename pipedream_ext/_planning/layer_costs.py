@@ -58,7 +58,7 @@ from ..configuration import LayerCost
 from .graph_profile import GraphGroups, group_boundaries, group_module, trace_groups
 from .timing import Timer, leaf_inputs, preserved, tensor_bytes
 
-__all__ = ["LayerCosts", "default_microbatch_sizes", "measure_layer_costs",
+__all__ = ["LayerCosts", "balance_bounds", "default_microbatch_sizes", "measure_layer_costs",
            "traced_stage_of"]
 
 log = logging.getLogger(__name__)
@@ -123,11 +123,16 @@ class LayerCosts:
         if self.group_of is None:
             raise ValueError("stage_nodes is for a traced model's layer costs; an "
                              "nn.Sequential's balance counts its children directly")
-        bounds = _balance_bounds(balance, len(self.layers))
+        bounds = balance_bounds(balance, len(self.layers))
         return [self.group_of[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
 
 
-def _balance_bounds(balance: Sequence[int], num_layers: int) -> List[int]:
+def balance_bounds(balance: Sequence[int], num_layers: int) -> List[int]:
+    """The first layer of each stage of ``balance``, then ``num_layers``.
+
+    Raises:
+        ValueError: counts that are not positive ints summing to ``num_layers``.
+    """
     if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in balance) or \
             sum(balance) != num_layers:
         raise ValueError(f"balance={list(balance)} must be positive layer counts summing to the "
@@ -150,7 +155,7 @@ def traced_stage_of(grouped: GraphGroups, costs: LayerCosts, balance: Sequence[i
     if costs.group_of != ids:
         raise ValueError(f"the layer costs list groups {costs.group_of} but this model's graph "
                          f"has {ids}; measure the costs on this model's default grouping")
-    bounds = _balance_bounds(balance, len(ids))
+    bounds = balance_bounds(balance, len(ids))
     stage = [j for j, (lo, hi) in enumerate(zip(bounds, bounds[1:])) for _ in range(lo, hi)]
     return {n.name: stage[g] for n, g in grouped.group_of.items()}
 

@@ -25,7 +25,7 @@ import heapq
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from ..configuration import LayerCost
-from .layer_costs import LayerCosts
+from .layer_costs import LayerCosts, balance_bounds
 
 __all__ = ["MAX_LAYERS", "ProfileChain", "chain_of_profile"]
 
@@ -51,11 +51,8 @@ class ProfileChain:
     def stage_nodes(self, balance: Sequence[int]) -> List[List[str]]:
         """The node ids each stage of ``balance`` holds (a branching profile only)."""
         assert self.nodes is not None, "a chain profile's stages hold layer ranges"
-        out, start = [], 0
-        for count in balance:
-            out.append([n for layer in self.nodes[start:start + count] for n in layer])
-            start += count
-        return out
+        bounds = balance_bounds(balance, len(self.nodes))
+        return [[n for layer in self.nodes[lo:hi] for n in layer] for lo, hi in zip(bounds, bounds[1:])]
 
 
 def _is_input(node: Mapping[str, Any]) -> bool:
@@ -145,7 +142,7 @@ def chain_of_profile(graph: Any, batch_size: int, max_layers: int = MAX_LAYERS) 
     for a, b in graph.edges():
         after.setdefault(a, []).append(b)
         before.setdefault(b, []).append(a)
-    branching = any(len(v) > 1 for v in list(after.values()) + list(before.values()))
+    branching = not graph.is_chain()
     order = _topological(list(nodes), after, before)
     position = {n: i for i, n in enumerate(order)}
     # An input sits just before its first consumer (its bytes cross from there on).
