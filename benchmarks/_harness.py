@@ -7,6 +7,8 @@
   whose rank 0 printed no result) keeps its whole output in a log file, and the
   error names that file and the lines of the output that say what went wrong
   (:func:`failure_lines`);
+* how quiet the machine was: :class:`CpuWatch` (the CPU time other processes and the
+  hypervisor took while a command ran; :func:`launch_torchrun` records it);
 * workers: :func:`worker` runs one rank's body under ``torch.distributed`` and prints
   its JSON result for the driver;
 * formatting and results: :func:`fmt`, :func:`pct`, :func:`table`, :func:`table_row`,
@@ -22,6 +24,7 @@ import json
 import logging
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -30,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 __all__ = ["RESULTS", "ROOT", "all_gather_json", "apply_smoke", "check_step_args", "command_line", "command_sentence",
-           "CommandFailed", "cpu_model", "digits", "failure_lines", "fmt", "forward", "launch_failed",
+           "CommandFailed", "cpu_model", "CpuWatch", "digits", "failure_lines", "fmt", "forward", "launch_failed",
            "launch_torchrun", "machine_info", "machine_line", "main", "make_parser", "measure_bandwidth", "mlp",
            "models", "pct", "pyplot", "run_command", "save_figure", "setup_logging", "start_report", "table",
            "table_row", "worker", "write_results"]
@@ -81,6 +84,58 @@ def machine_line(info: Dict[str, str]) -> str:
     return (f"Machine: os.cpu_count()={info['cpu_count']}, CPU {info['cpu_model']}, torch {info['torch']}, "
             f"Python {info['python']}, {info['platform']}, CUDA: {info['cuda']}; load average at start "
             f"{info['loadavg_at_start']} (1/5/15 min).")
+
+
+class CpuWatch:
+    """The CPU time others took while a command ran: entered before it starts, left after
+    it was waited for (so its processes' time is in ``RUSAGE_CHILDREN``).
+
+    ``others_share``: the node's busy CPU time (``/proc/stat``: user, nice, system, irq,
+    softirq) less this process's and its waited-for descendants', as a share of the
+    wall time times the CPUs: what other processes took from the cores (two ranks
+    per core look alike in the numbers measured, whatever the cost model says).
+    ``steal_share``: the time the hypervisor ran something else on the virtual CPUs.
+    Both are None where ``/proc/stat`` does not exist.
+    """
+
+    def __init__(self) -> None:
+        self.others_share: Optional[float] = None
+        self.steal_share: Optional[float] = None
+        self._start: Optional[Tuple[float, Tuple[float, float], float]] = None
+
+    @staticmethod
+    def _node() -> Optional[Tuple[float, float]]:
+        """Busy and stolen seconds of all CPUs since boot, or None off Linux."""
+        try:
+            fields = [float(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except (OSError, ValueError):
+            return None
+        tick = float(os.sysconf("SC_CLK_TCK"))
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0.0] * 8)[:8]
+        return (user + nice + system + irq + softirq) / tick, steal / tick
+
+    @staticmethod
+    def _ours() -> float:
+        seconds = 0.0
+        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+            usage = resource.getrusage(who)
+            seconds += usage.ru_utime + usage.ru_stime
+        return seconds
+
+    def __enter__(self) -> "CpuWatch":
+        node = self._node()
+        self._start = None if node is None else (time.perf_counter(), node, self._ours())
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        node = self._node()
+        if self._start is None or node is None:
+            return
+        t0, (busy0, steal0), ours0 = self._start
+        capacity = (time.perf_counter() - t0) * (os.cpu_count() or 1)
+        if capacity > 0:
+            self.others_share = max(0.0, (node[0] - busy0) - (self._ours() - ours0)) / capacity
+            self.steal_share = max(0.0, node[1] - steal0) / capacity
 
 
 def command_line(argv: Optional[Sequence[str]] = None) -> str:
@@ -220,7 +275,8 @@ def launch_torchrun(script: Path, nproc: int, args: Sequence[str], tag: str, tim
         check: raise on failure instead of reporting it in the result.
 
     Returns:
-        Rank 0's JSON object plus ``launch_s``. A failed launch (non-zero exit,
+        Rank 0's JSON object plus ``launch_s`` and, on Linux, ``others_cpu_share`` and
+        ``steal_share`` (:class:`CpuWatch`: how quiet the machine was). A failed launch (non-zero exit,
         time-out, no result line) also has ``error`` (what failed and the lines that
         name the error) and ``log`` (the file that keeps its whole output); whatever
         rank 0 reported before it failed is kept.
@@ -234,16 +290,19 @@ def launch_torchrun(script: Path, nproc: int, args: Sequence[str], tag: str, tim
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.update(env_extra or {})
     t0 = time.perf_counter()
-    try:
-        proc = run_command(cmd, timeout, env=env, ok=lambda out: _tagged(out, tag) is not None)
-        out = _tagged(proc.stdout, tag) or {}
-    except CommandFailed as exc:
-        if check:
-            raise
-        out = _tagged(exc.stdout, tag) or {}
-        out.update(error=exc.summary, log=exc.log)
-        LOG.error("launch of %s failed: %s", Path(script).name, exc)
+    with CpuWatch() as watch:
+        try:
+            proc = run_command(cmd, timeout, env=env, ok=lambda out: _tagged(out, tag) is not None)
+            out = _tagged(proc.stdout, tag) or {}
+        except CommandFailed as exc:
+            if check:
+                raise
+            out = _tagged(exc.stdout, tag) or {}
+            out.update(error=exc.summary, log=exc.log)
+            LOG.error("launch of %s failed: %s", Path(script).name, exc)
     out["launch_s"] = time.perf_counter() - t0
+    if watch.others_share is not None:
+        out.update(others_cpu_share=watch.others_share, steal_share=watch.steal_share)
     return out
 
 

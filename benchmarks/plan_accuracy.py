@@ -19,7 +19,12 @@ the best configuration measured.
    configuration: ``pd.PipeDream(...)``, Adam, ``--warmup`` steps, one step under the
    memory probe, ``--steps`` timed steps (``pipe.step`` + ``opt.step()`` +
    ``opt.zero_grad()``).
-4. **Measure**: step time = median over the timed steps of the slowest rank's step;
+   With ``--repeats N`` every launch runs N times (in rounds: every launch once, then
+   again), the same configurations each time.
+4. **Measure**: step time = median over the timed steps of the slowest rank's step, then
+   the median over the rounds (how far the rounds lie apart is reported: the machine's own
+   noise, which no cost model predicts); the CPU share other processes and the hypervisor
+   took during each launch (``_harness.CpuWatch``) is reported beside it;
    peak memory per rank = bytes held at the probe's start (weights, optimizer state) +
    the largest amount allocated above it during one step (torch.profiler memory events,
    the method of benchmarks/memory.py); per rank and step, where the time goes
@@ -32,9 +37,9 @@ the best configuration measured.
 
 Writes ``<out-dir>/plan_accuracy.md``, ``.json`` (raw measurements: ``--report-only``
 re-reads it) and ``.png`` (predicted vs measured). Command, from the repository root
-(about 8 minutes on an idle 2-core machine):
+(about 4 minutes per round on an idle 2-core machine):
 
-    python3 benchmarks/plan_accuracy.py [--models digits,gpt,mlp] [--workers 2,4] [--configs 24]
+    python3 benchmarks/plan_accuracy.py [--models digits,gpt,mlp] [--workers 2,4] [--configs 24] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -56,7 +61,7 @@ from _harness import pct
 
 __all__ = ["MODELS", "accuracy_summary", "balance_for", "draw_grid", "error_stats", "main", "measured_step",
            "measured_terms", "optimizer_of", "overhead_parts", "overhead_table", "parse_args", "plot",
-           "predicted_terms", "relative_error", "run_config", "run_driver", "run_worker", "spearman",
+           "predicted_terms", "round_spread", "relative_error", "run_config", "run_driver", "run_worker", "spearman",
            "summary_table", "time_breakdown"]
 
 LOG = logging.getLogger("plan_accuracy")
@@ -249,8 +254,10 @@ def accuracy_summary(rows: Sequence[Dict[str, Any]], choice: bool = True) -> Dic
     ok = [r for r in rows if "error" not in r and r.get("prediction")]
     step_err = [relative_error(r["prediction"]["step_seconds"], r["step_s"]) for r in ok]
     mem_err = [relative_error(p, m) for r in ok for p, m in zip(r["prediction"]["peak_bytes"], r["peak_bytes"])]
+    spreads = [round_spread(r["step_s_rounds"]) for r in ok if len(r.get("step_s_rounds", [])) > 1]
     out = {"runs": len(ok), "step": error_stats(step_err), "memory": error_stats(mem_err),
-           "spearman": spearman([r["prediction"]["step_seconds"] for r in ok], [r["step_s"] for r in ok])}
+           "spearman": spearman([r["prediction"]["step_seconds"] for r in ok], [r["step_s"] for r in ok]),
+           "round_spread": statistics.median(spreads) if spreads else None}
     if ok and choice:
         best = min(ok, key=lambda r: r["step_s"])
         auto = [r for r in ok if r.get("auto")]
@@ -262,6 +269,12 @@ def accuracy_summary(rows: Sequence[Dict[str, Any]], choice: bool = True) -> Dic
                    picked=picked["key"] if picked else None,
                    picked_vs_best=relative_error(best["step_s"], picked["step_s"]) if picked else None)
     return out
+
+
+def round_spread(steps: Sequence[float]) -> float:
+    """How far one configuration's measured step times of several launches lie apart:
+    (largest - smallest) / median."""
+    return (max(steps) - min(steps)) / statistics.median(steps)
 
 
 def config_key(cfg: Dict[str, Any]) -> str:
@@ -552,9 +565,26 @@ def optimizer_of(layers: Sequence[Any], machine: Any, cfg: Dict[str, Any], world
     return out
 
 
+def _rounds_of(launch: Dict[str, Any], repeats: Sequence[Dict[str, Any]], key: str) -> List[Dict[str, Any]]:
+    """Every round's run of configuration ``key`` that did not fail (the first launch
+    alone for a study measured before rounds existed)."""
+    rounds = [r for rep in (repeats or [launch]) for r in rep.get("runs", []) if r.get("key") == key]
+    return [r for r in rounds if "error" not in r]
+
+
+def _median_round(rounds: Sequence[Dict[str, Any]]) -> Tuple[Dict[str, Any], float, List[float]]:
+    """The round whose measured step time is the median (the lower one of an even count),
+    that step time and every round's."""
+    steps = [measured_step([r["step_s"] for r in run["ranks"]]) for run in rounds]
+    order = sorted(range(len(rounds)), key=lambda i: steps[i])
+    middle = order[(len(order) - 1) // 2]
+    return rounds[middle], steps[middle], steps
+
+
 def build_rows(raw: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """One row per run: its configuration, measured step time, peak bytes and terms per
-    rank, and the prediction (None when the launch gave no machine costs)."""
+    """One row per configuration: measured step time (the median of its rounds, and each
+    round's), peak bytes and terms per rank of that median round, and the prediction (None
+    when the launch gave no machine costs)."""
     from pipedream_ext import configuration
 
     rows = []
@@ -563,12 +593,14 @@ def build_rows(raw: Dict[str, Any]) -> List[Dict[str, Any]]:
         for world, launch in model["launches"].items():
             costs = raw["machines"].get(world, {})
             machine = None if "error" in costs else configuration.MachineCosts.from_dict(costs)
+            repeats = model.get("repeats", {}).get(world, [])
             for run in launch.get("runs", []):
                 row = {k: v for k, v in run.items() if k != "ranks"}
                 row.update(model=name, world=int(world))
-                if "error" not in run:
-                    ranks = run["ranks"]
-                    row["step_s"] = measured_step([r["step_s"] for r in ranks])
+                rounds = _rounds_of(launch, repeats, run["key"]) if "error" not in run else []
+                if rounds:
+                    median, row["step_s"], row["step_s_rounds"] = _median_round(rounds)
+                    ranks = median["ranks"]
                     row["peak_bytes"] = [r["peak_bytes"] for r in ranks]
                     row["terms"] = [measured_terms(r, row["step_s"]) for r in ranks]
                     row["overhead_parts"] = [overhead_parts(r, row["step_s"]) for r in ranks]
@@ -581,17 +613,24 @@ def build_rows(raw: Dict[str, Any]) -> List[Dict[str, Any]]:
     return rows
 
 
+def quiet_text(quiet: Optional[Dict[str, float]]) -> str:
+    """`` (others 3%, steal 0%)`` for a launch's :class:`_harness.CpuWatch` shares, or ''."""
+    if not quiet:
+        return ""
+    return f" (others {quiet['others_cpu_share']:.0%}, steal {quiet['steal_share']:.0%})"
+
+
 def summary_table(groups: Sequence[Tuple[str, Dict[str, Any]]]) -> List[str]:
     """One line per group of runs (:func:`accuracy_summary`), against the issue's targets."""
     lines = h.table(["runs", "n", "step time: median abs error (target 10%)", "worst (25%)", "median signed",
-                     "Spearman (>= 0.8)", "peak memory: median abs error", "worst (15%)",
+                     "Spearman (>= 0.8)", "launches apart (median)", "peak memory: median abs error", "worst (15%)",
                      "planner's choice vs best measured (10%)", "grid's predicted best vs best measured",
                      "best measured"])
     for label, s in groups:
         st, mem = s["step"], s["memory"]
         lines.append(h.table_row([
             label, s["runs"], pct(st["median_abs"]), pct(st["worst_abs"]), pct(st["median"]),
-            h.fmt(s["spearman"]), pct(mem["median_abs"]), pct(mem["worst_abs"]),
+            h.fmt(s["spearman"]), pct(s.get("round_spread")), pct(mem["median_abs"]), pct(mem["worst_abs"]),
             f"{pct(s.get('auto_vs_best'))} ({s.get('auto') or 'not run'})" if "best" in s else "",
             f"{pct(s.get('picked_vs_best'))} ({s.get('picked')})" if "best" in s else "",
             f"{s.get('best')}: {1e3 * s['best_s']:.2f} ms" if s.get("best") else "n/a"]))
@@ -707,40 +746,59 @@ def calibrate_worlds(args: argparse.Namespace, raw: Dict[str, Any]) -> None:
             raw["machines"][str(world)] = {"error": result.get("error", "no result")}
 
 
+def _spec_of(name: str, world: int, costs: Dict[str, Any], raw: Dict[str, Any], args: argparse.Namespace,
+             launch: Dict[str, Any]) -> Dict[str, Any]:
+    """The configurations one (model, world size) launch runs: the grid and, unless
+    ``--no-auto``, the planner's choice (an error finding it is kept in ``launch``)."""
+    spec = {"batch": MODELS[name]["batch"], "schedules": args.schedules, "microbatches": args.microbatches,
+            "chunks": args.chunks, "layers": costs["layers"],
+            "configs": grid_configs(args, len(costs["layers"]), world)}
+    machine = raw["machines"][str(world)]
+    if not args.no_auto and "error" not in machine:
+        try:
+            spec["configs"].append(auto_config(spec, machine, world))
+        except ValueError as exc:  # nothing fits: reported, the grid still runs
+            launch["auto_error"] = str(exc)
+    return spec
+
+
 def measure_all(args: argparse.Namespace, command: str, info: Dict[str, str]) -> Dict[str, Any]:
-    """Machine costs per world size, layer costs of every model and one launch per (model,
-    world size) running the grid and the planner's choice; the raw results."""
+    """Machine costs per world size, layer costs of every model and ``--repeats`` rounds of
+    one launch per (model, world size) running the grid and the planner's choice (the same
+    configurations every round: launch-to-launch noise is measured, not averaged away
+    unseen); the raw results, ``launches[world]`` the first round and ``repeats[world]``
+    every round."""
     script = Path(__file__).resolve()
     common = h.forward(args, "pipe_timeout", "steps", "warmup", "seed", "lr")
     raw: Dict[str, Any] = {"machine": info, "command": command, "options": h.run_options(args, "report_only"),
-                           "models": {}, "machines": {}, "launch_s": {}}
+                           "models": {}, "machines": {}, "launch_s": {}, "quiet": {}}
     calibrate_worlds(args, raw)
     with tempfile.TemporaryDirectory() as tmp:
+        specs: Dict[Tuple[str, int], Path] = {}
         for name in args.models:
             LOG.info("%s: measuring layer costs", name)
             costs = measure_costs(name, args)
-            model: Dict[str, Any] = {"layer_costs": costs, "launches": {}}
-            raw["models"][name] = model
+            raw["models"][name] = {"layer_costs": costs, "launches": {}, "repeats": {}}
             for world in args.workers:
-                spec = {"batch": MODELS[name]["batch"], "schedules": args.schedules,
-                        "microbatches": args.microbatches, "chunks": args.chunks, "layers": costs["layers"],
-                        "configs": grid_configs(args, len(costs["layers"]), world)}
                 launch: Dict[str, Any] = {}
-                machine = raw["machines"][str(world)]
-                if not args.no_auto and "error" not in machine:
-                    try:
-                        spec["configs"].append(auto_config(spec, machine, world))
-                    except ValueError as exc:  # nothing fits: reported, the grid still runs
-                        launch["auto_error"] = str(exc)
-                path = Path(tmp) / f"spec_{name}_{world}.json"
-                path.write_text(json.dumps(spec))
-                LOG.info("%s, %d ranks: %d configurations", name, world, len(spec["configs"]))
+                spec = _spec_of(name, world, costs, raw, args, launch)
+                raw["models"][name]["launches"][str(world)] = launch
+                specs[name, world] = Path(tmp) / f"spec_{name}_{world}.json"
+                specs[name, world].write_text(json.dumps(spec))
+        for round_ in range(args.repeats):
+            for (name, world), path in specs.items():
+                LOG.info("%s, %d ranks: round %d of %d", name, world, round_ + 1, args.repeats)
                 result = h.launch_torchrun(script, world, ["--worker", "run", "--spec", str(path), "--model", name]
                                            + common, JSON_TAG, args.timeout)
-                raw["launch_s"][f"{name} {world}"] = result.get("launch_s", 0.0)
+                label = f"{name} {world}" + (f" #{round_ + 1}" if args.repeats > 1 else "")
+                raw["launch_s"][label] = result.get("launch_s", 0.0)
+                raw["quiet"][label] = {k: result[k] for k in ("others_cpu_share", "steal_share") if k in result}
                 if "error" in result:
                     LOG.error("%s, %d ranks: %s", name, world, result["error"])
-                model["launches"][str(world)] = {**result, **launch}
+                model = raw["models"][name]
+                model["repeats"].setdefault(str(world), []).append(result)
+                if round_ == 0:
+                    model["launches"][str(world)] = {**result, **model["launches"][str(world)]}
     return raw
 
 
@@ -756,7 +814,9 @@ def report(raw: Dict[str, Any], rows: List[Dict[str, Any]], total_s: float) -> s
                 for w, machine in raw["machines"].items()]
     auto_errors = [f"{m}, {w} ranks: {launch['auto_error']}" for m, model in raw["models"].items()
                    for w, launch in model["launches"].items() if "auto_error" in launch]
-    launch_text = ", ".join(f"{k} {v:.0f} s" for k, v in raw["launch_s"].items())
+    launch_text = ", ".join(f"{k} {v:.0f} s{quiet_text(raw.get('quiet', {}).get(k))}"
+                            for k, v in raw["launch_s"].items())
+    rounds = opts.get("repeats", 1)
     lines = ["# Configuration planner: predicted vs measured", "",
              f"Command: `{raw['command']}` (total {total_s:.0f} s; launches: {launch_text}).", "",
              h.machine_line(raw["machine"]) + " One thread per rank, Gloo.", "",
@@ -769,7 +829,11 @@ def report(raw: Dict[str, Any], rows: List[Dict[str, Any]], total_s: float) -> s
              "choice (`configuration.search` over the same schedules and microbatch counts, balance and "
              "recompute per stage searched).", "",
              "Step time: median over timed steps of the slowest rank's step (`pipe.step` + `opt.step()` + "
-             "`zero_grad`). Peak memory per rank: weights and optimizer state held at the probe's start plus the "
+             f"`zero_grad`), then the median over {rounds} launch{'es' if rounds > 1 else ''} of the same "
+             "configurations (*launches apart*: the median over configurations of (slowest - fastest) / "
+             "median of their launches: what the machine itself varies). In brackets after each launch: the "
+             "share of the CPUs other processes (*others*) and the hypervisor (*steal*) took meanwhile. "
+             "Peak memory per rank: weights and optimizer state held at the probe's start plus the "
              "largest amount allocated above it during one step (torch.profiler memory events, as "
              "benchmarks/memory.py). Predicted: `configuration.predict` with the layer costs measured in the "
              "driver and the machine costs calibrated per world size (a launch of its own). Error = measured / "
@@ -839,6 +903,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--configs", type=int, default=24, help="configurations drawn per model and world size")
     p.add_argument("--no-auto", action="store_true", help="do not run the planner's choice")
     p.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
+    p.add_argument("--repeats", type=int, default=1, help="launches of every (model, world size), the "
+                   "same configurations each time; the step time is their median (default 1)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -850,8 +916,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     for m in args.models:
         if m not in MODELS:
             p.error(f"unknown model {m!r}; use {','.join(MODELS)}")
-    if args.warmup < 1 or args.steps < 1:
-        p.error("--warmup and --steps must be at least 1")
+    if args.warmup < 1 or args.steps < 1 or args.repeats < 1:
+        p.error("--warmup, --steps and --repeats must be at least 1")
     return args
 
 

@@ -228,6 +228,46 @@ def test_accuracy_summary_of_runs():
     assert b["waits"]["measured"] == pytest.approx(statistics.median([0.275, 0.5, 0.75, 0.3025]))
 
 
+def test_rounds_of_a_configuration_give_the_median_round_and_their_spread():
+    def run(key, steps):  # two ranks, the slowest rank's median step is max(steps)
+        return {"key": key, "ranks": [{"step_s": [steps[0]] * 3}, {"step_s": [steps[1]] * 3}]}
+    repeats = [{"runs": [run("a", (1.0, 2.0)), run("b", (5.0, 1.0))]},
+               {"runs": [run("a", (3.0, 1.0)), {"key": "b", "error": "boom"}]},
+               {"runs": [run("a", (2.5, 0.5))]}]
+    rounds = plan_accuracy._rounds_of(repeats[0], repeats, "a")
+    assert len(rounds) == 3
+    median, step, steps = plan_accuracy._median_round(rounds)
+    assert (step, steps) == (2.5, [2.0, 3.0, 2.5]) and median is rounds[2]
+    assert plan_accuracy._rounds_of(repeats[0], repeats, "b") == [repeats[0]["runs"][1]]  # failed rounds left out
+    assert plan_accuracy._median_round(plan_accuracy._rounds_of(repeats[0], repeats[:2], "a"))[1] == 2.0  # lower
+    assert plan_accuracy._rounds_of(repeats[0], [], "a") == [repeats[0]["runs"][0]]  # a study without rounds
+    assert plan_accuracy.round_spread([2.0, 3.0, 2.5]) == pytest.approx(0.4)
+    rows = [{**_row("a", 1.0, 1.0, [1.0], [1.0]), "step_s_rounds": [1.0, 1.2, 1.1]},
+            {**_row("b", 2.0, 2.0, [1.0], [1.0]), "step_s_rounds": [2.0]}]
+    assert plan_accuracy.accuracy_summary(rows)["round_spread"] == pytest.approx(0.2 / 1.1)
+    assert plan_accuracy.accuracy_summary(rows[1:])["round_spread"] is None  # one round: no spread
+    assert plan_accuracy.quiet_text({"others_cpu_share": 0.034, "steal_share": 0.0}) == " (others 3%, steal 0%)"
+    assert plan_accuracy.quiet_text(None) == ""
+
+
+def test_cpu_watch_counts_what_others_took_of_the_cpus(monkeypatch):
+    node = iter([(100.0, 5.0), (103.0, 5.5)])  # busy and stolen seconds of all CPUs
+    ours = iter([10.0, 11.5])  # this process and its waited-for children
+    clock = iter([50.0, 52.0])
+    monkeypatch.setattr(util.CpuWatch, "_node", staticmethod(lambda: next(node)))
+    monkeypatch.setattr(util.CpuWatch, "_ours", staticmethod(lambda: next(ours)))
+    monkeypatch.setattr(util.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(util.os, "cpu_count", lambda: 2)
+    with util.CpuWatch() as watch:
+        pass
+    assert watch.others_share == pytest.approx((3.0 - 1.5) / 4.0)
+    assert watch.steal_share == pytest.approx(0.5 / 4.0)
+    monkeypatch.setattr(util.CpuWatch, "_node", staticmethod(lambda: None))  # no /proc/stat
+    with util.CpuWatch() as off:
+        pass
+    assert off.others_share is None and off.steal_share is None
+
+
 def test_config_key_names_the_choices():
     cfg = {"schedule": "interleaved-1f1b", "chunks": 2, "microbatches": 4, "balance_kind": "even",
            "recompute": True}
