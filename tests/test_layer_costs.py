@@ -82,9 +82,23 @@ def test_sequential_bytes_are_exact_and_times_well_formed() -> None:
         assert all(math.isfinite(v) and v >= 0 for v in by[key]), (key, by[key])
     assert all(f + p > 0 for f, p in zip(by["forward_fixed"], by["forward_per_sample"]))
     assert by["weight_share"][2] == 0.0 and all(0 <= w <= 1 for w in by["weight_share"])
+    # On stage 0 the batch carries no gradient: the first layer's backward is all weight
+    # gradient; the next Linear also computes its input's.
+    assert by["weight_share"][0] == 1.0 and by["weight_share"][1] < 1.0
     # Adam's step over each layer's parameters beyond its per-step part: none without any.
     assert by["optimizer_seconds"][2] == 0.0 and sum(by["optimizer_seconds"]) > 0, by["optimizer_seconds"]
     assert all(0 <= v < 1 for v in by["optimizer_seconds"]), by["optimizer_seconds"]
+
+
+def test_layers_fed_only_by_data_compute_no_input_gradient() -> None:
+    """What only the batch made carries no gradient on stage 0: a Linear after a ReLU of the
+    data computes its weights' gradient alone (the profile must not count an input gradient
+    the pipeline never computes), a Linear after it both."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ReLU(), nn.Linear(8, 16), nn.Linear(16, 4))
+    costs = lc.measure_layer_costs(model, sample(), F.mse_loss, steps=1, warmup=0)
+    shares = [layer.weight_share for layer in costs.layers]
+    assert shares[0] == 0.0 and shares[1] == 1.0 and shares[2] < 1.0
 
 
 def test_the_model_is_left_as_it_was() -> None:

@@ -12,7 +12,9 @@ parameters' bytes.
 How each number is measured (one process, no communication):
 
 - times: every layer runs forward and backward on its own, on detached copies of
-  its inputs (as ``sequential`` and ``graph_profile`` profile), the median over
+  its inputs (as ``sequential`` and ``graph_profile`` profile; the model's data and
+  what only data made carry no gradient, as on stage 0: the first layer's backward
+  has no input gradient to compute), the median over
   ``steps`` steps after ``warmup``, gradients accumulating as over a step's
   microbatches; the loss is timed with the last layer. The clock is the thread's CPU
   time when the layers compute on the CPU with one thread (as ranks run: immune to
@@ -56,7 +58,7 @@ from torch.utils import _pytree as pytree
 
 from ..configuration import LayerCost
 from .graph_profile import GraphGroups, group_boundaries, group_module, trace_groups
-from .timing import Timer, leaf_inputs, preserved, tensor_bytes
+from .timing import Timer, leaf_inputs, preserved, stage_input, tensor_bytes
 
 __all__ = ["LayerCosts", "balance_bounds", "default_microbatch_sizes", "measure_layer_costs",
            "traced_stage_of"]
@@ -297,11 +299,11 @@ def _counted(kept: Optional[Dict[int, int]]) -> Any:
 
 def _forward(chain: _Chain, env: Dict[Hashable, Any], timer: Timer,
              kept: Optional[List[Dict[int, int]]]) -> _Step:
-    """Every unit's forward on leaf copies of its inputs, in chain order; with ``kept``,
+    """Every unit's forward on its inputs as ``timing.stage_input`` gives them, in chain order; with ``kept``,
     the storages each unit saves for its backward."""
     step = _Step([], [], [], [], [])
     for g, unit in enumerate(chain.units):
-        x = [leaf_inputs(env[k]) for k in unit.ins]
+        x = [stage_input(env[k]) for k in unit.ins]
         with _counted(None if kept is None else kept[g]):
             t0 = timer.start()
             y = unit.call(x)

@@ -20,7 +20,7 @@ from torch import nn
 from tqdm import tqdm
 
 from .._extension import _C
-from .timing import Timer, leaf_inputs, preserved
+from .timing import Timer, preserved, stage_input
 
 __all__ = ["profile_sequential"]
 
@@ -47,14 +47,15 @@ def _bytes(x: Any) -> float:
 
 def _forward(layers: List[nn.Module], sample_input: Any, loss_fn: LossFn, target: Any,
              timer: Timer, act_bytes: List[float]) -> Tuple[List[Any], List[Any], Any, list]:
-    """One forward, layer by layer on detached inputs; returns inputs, outputs, loss, times."""
+    """One forward, layer by layer on detached inputs (``timing.stage_input``); returns
+    inputs, outputs, loss, times."""
     inputs: List[Any] = []
     outputs: List[Any] = []
     f_thunks: List[Callable[[], float]] = []
     loss = None
     h: Any = sample_input
     for i, layer in enumerate(layers):
-        x = leaf_inputs(h)
+        x = stage_input(h)
         t0 = timer.start()
         y = layer(*x) if isinstance(x, (tuple, list)) else layer(x)
         if i == len(layers) - 1:

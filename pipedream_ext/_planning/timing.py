@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["Timer", "leaf_inputs", "preserved", "tensor_bytes"]
+__all__ = ["Timer", "leaf_inputs", "preserved", "stage_input", "tensor_bytes"]
 
 
 class Timer:
@@ -54,6 +54,18 @@ def leaf_inputs(value: Any) -> Any:
             d.requires_grad_(True)
         return d
     return pytree.tree_map_only(torch.Tensor, one, value)
+
+
+def stage_input(value: Any) -> Any:
+    """``value`` as a layer of the first stage receives it: what carries a gradient (made
+    by parameters upstream) as fresh leaves (:func:`leaf_inputs`: the layer runs its own
+    backward only); the rest (the model's data, what only data made) detached and
+    without gradient, as stage 0 runs on the user's batch: its first layer computes no
+    input gradient there (a ``Linear``'s backward is one matmul, not two), and no
+    profile should count one."""
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(value)):
+        return leaf_inputs(value)
+    return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, value)
 
 
 def tensor_bytes(value: Any) -> float:
