@@ -92,13 +92,14 @@ bench: setup
 	$(PY) benchmarks/schedule_build.py
 	$(PY) benchmarks/planner_speed.py --clusters 4,16,4x4,64 > benchmarks/results/planner_speed.md
 	$(PY) benchmarks/comm_volume.py
-	$(PY) benchmarks/plan_accuracy.py
+	$(PY) benchmarks/plan_accuracy.py --repeats 3
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/split_backward.py
 	$(PY) benchmarks/zero_bubble.py
 	$(PY) benchmarks/vs_torch.py
 	$(PY) benchmarks/shape_change.py
+	$(PY) benchmarks/message_load.py
 	$(PY) benchmarks/deferred_init.py
 	$(PY) benchmarks/meta_init.py
 	$(PY) benchmarks/traced.py

@@ -47,11 +47,12 @@ agreement = _load("agreement")
 fsdp_2d = _load("fsdp_2d")
 schedule_build = _load("schedule_build")
 util = _load("_harness")
+message_load = _load("message_load")
 
 
 def test_scripts_do_not_import_torch_at_module_level():
     for script in (plan_accuracy, memory, soak, deferred_init, traced, zero_bubble, vs_torch, split_backward,
-                   agreement, fsdp_2d, schedule_build, vs_torch_tp):
+                   agreement, fsdp_2d, schedule_build, vs_torch_tp, message_load):
         assert "torch" not in vars(script), script.__name__
 
 
@@ -266,6 +267,23 @@ def test_cpu_watch_counts_what_others_took_of_the_cpus(monkeypatch):
     with util.CpuWatch() as off:
         pass
     assert off.others_share is None and off.steal_share is None
+
+
+def test_message_load_reports_quiet_and_loaded_side_by_side():
+    def cases(scale):
+        return [{"compute_ms": ms, "mode": mode, "us": scale * (1e3 * ms + extra)}
+                for ms, extra in ((0.0, 200.0), (1.0, 400.0)) for mode in ("both", "sender")]
+    results = {"quiet": {"cases": cases(1.0), "launch_s": 8.0, "others_cpu_share": 0.01},
+               "loaded": {"cases": cases(2.0), "launch_s": 11.0, "others_cpu_share": 0.47}}
+    info = {"cpu_count": "2", "cpu_model": "x", "torch": "2.13.0", "python": "3.11", "platform": "p",
+            "cuda": "none", "loadavg_at_start": "0.1 0.1 0.1"}
+    text = message_load.report(results, info, "python3 benchmarks/message_load.py", 20.0)
+    assert "| 1.0 | sender | 1400 | 400 | 2800 | 1800 |" in text
+    assert "quiet: others 1% of the CPUs, loaded: others 47% of the CPUs" in text
+    args = message_load.parse_args(["--compute-ms", "0,0.5"])
+    assert args.compute == [0.0, 0.5]
+    with pytest.raises(SystemExit):
+        message_load.parse_args(["--compute-ms", "fast"])
 
 
 def test_config_key_names_the_choices():
