@@ -62,12 +62,11 @@ lint:
 docs:
 	$(PY) -m sphinx -b html -E -q -W --keep-going docs build/docs
 
-# The README's test command: the linters, the docs, GoogleTest (ctest, plain and
-# sanitized), pytest.
+# The README's test command: the linters, the docs, GoogleTest (under the sanitizers:
+# the same suite as cpp-test, which test-all also builds plain), pytest.
 test: setup
 	$(MAKE) lint
 	$(MAKE) docs
-	$(MAKE) cpp-test
 	$(MAKE) cpp-test-sanitized
 	$(MAKE) py-test
 
