@@ -22,6 +22,13 @@
 //     after it) bounds the makespan; a replay of the schedule
 //     (MakespanReplay, replay.h) makes that simulation cheap enough for every
 //     node the cheaper bounds leave;
+//   - for a flush schedule with one stage per rank, each stage's chains (the
+//     forwards before it, its rank's list, its microbatches' round trips
+//     through the later stages, the backwards after it) at the least costs its
+//     layers allow: the largest over the stages cut and the least, over the
+//     cuts of the rest, of the largest over theirs (RoundTripBound,
+//     path_bound.h; admissibility there); at the root it bounds the whole
+//     point before its seed is scored;
 //   - a rank whose layers are all cut and that does not fit prunes the prefix.
 // Phase 1 visits the points by their bound and scores the min-max balance of
 // each (its seed) until the bound cannot beat the (candidates + 1)-th best

@@ -680,8 +680,8 @@ TEST(SearchConfigurations, EqualsTheEnumerationOnRandomInstances) {
 
 // Nearly as many stages as layers, every flush schedule: the space where
 // near-equal balances abound, and where the points' seeds bound the runners-up,
-// the later stages' windows bound their costs and the simulation is replayed
-// at every node. Still the enumeration's result.
+// the later stages' windows bound their costs, the simulation is replayed at
+// every node and RoundTripBound prunes whole points. Still the enumeration's result.
 TEST(SearchConfigurations, EqualsTheEnumerationWhenStagesNearlyMatchLayers) {
   std::mt19937 rng(96);
   std::vector<std::string> flush;
@@ -689,7 +689,7 @@ TEST(SearchConfigurations, EqualsTheEnumerationWhenStagesNearlyMatchLayers) {
     if (!scheduleTraits(name).asynchronous) flush.push_back(name);
   }
   long long searched = 0, enumerated = 0;
-  int pruning = 0;
+  int pruning = 0, tripPrunes = 0;
   for (int trial = 0; trial < 12; ++trial) {
     Instance x = randomInstance(rng);
     while (x.layers.size() < 9) {
@@ -709,9 +709,32 @@ TEST(SearchConfigurations, EqualsTheEnumerationWhenStagesNearlyMatchLayers) {
     searched += found.evaluated;
     enumerated += all.evaluated;
     pruning += found.pruned > 0 ? 1 : 0;
+    // Points whose RoundTripBound alone (the pipeline, no per-step terms)
+    // exceeds the best step: the search drops them before their seed.
+    for (const auto& mesh : x.space.meshes) {
+      for (const char* name : {"gpipe", "1f1b", "zb-h1"}) {
+        for (int m : x.space.microbatches) {
+          PointOptions options;
+          options.schedule = name;
+          options.microbatches = m;
+          options.pp = mesh[0];
+          options.dp = mesh[1];
+          std::unique_ptr<PointModel> model;
+          try {
+            model = std::make_unique<PointModel>(x.layers, x.space.batchSize, x.machine, options);
+          } catch (const std::invalid_argument&) {
+            continue;
+          }
+          RoundTripBound bound(*model, x.layers, x.machine.actionSeconds, 1);
+          ASSERT_TRUE(bound.enabled()) << name;
+          tripPrunes += bound.rest(model->stages(), 0) > all.best.prediction.stepSeconds ? 1 : 0;
+        }
+      }
+    }
   }
   EXPECT_EQ(pruning, 12);
   EXPECT_LT(searched * 10, enumerated);  // the bounds do prune
+  EXPECT_GE(tripPrunes, 50) << tripPrunes;
 }
 
 }  // namespace
