@@ -22,6 +22,13 @@
 //     after it) bounds the makespan; a replay of the schedule
 //     (MakespanReplay, replay.h) makes that simulation cheap enough for every
 //     node the cheaper bounds leave;
+//   - for a flush schedule with one stage per rank, each stage's chains (the
+//     forwards before it, its rank's list, its microbatches' round trips
+//     through the later stages, the backwards after it) at the least costs its
+//     layers allow: the largest over the stages cut and the least, over the
+//     cuts of the rest, of the largest over theirs (RoundTripBound,
+//     path_bound.h; admissibility there); at the root it bounds the whole
+//     point before its seed is scored;
 //   - a rank whose layers are all cut and that does not fit prunes the prefix.
 // Phase 1 visits the points by their bound and scores the min-max balance of
 // each (its seed) until the bound cannot beat the (candidates + 1)-th best
@@ -252,7 +259,14 @@ class PointSearch {
     if (fixedList) recompute_ = c_.space.recomputeStages;
     if (c_.space.recompute == RecomputeChoice::kAlways && !fixedList) recompute_.assign(stages_, 1);
     searching_ = !fixedList && c_.space.recompute == RecomputeChoice::kSearch;
+    if (bounded_ && c_.space.balance.empty()) {
+      trip_ = std::make_unique<RoundTripBound>(model, c_.layers, c_.machine.actionSeconds, point.mesh[2]);
+      if (!trip_->enabled()) trip_.reset();
+    }
   }
+
+  // A bound on the makespan of every balance of the point (0: none known).
+  double rootMakespan() { return trip_ ? trip_->rest(stages_, 0) : 0.0; }
 
   // Scores the min-max balance; true when it fits (then seedStep() is its step).
   bool seed(Ranked& fallback, bool& anyFallback) {
@@ -288,6 +302,7 @@ class PointSearch {
     double tail = 0.0;            // backwards (input gradients) before the next stage
     double chain = 0.0;           // one microbatch through the stages cut so far
     double pathBound = 0.0;       // the largest makespan bound of the stages cut so far
+    double tripBound = 0.0;       // the largest RoundTripBound::stage of the stages cut so far
     std::vector<double> rankBusy;
     std::vector<double> rankBytes;
     std::vector<double> rankTensors;
@@ -375,6 +390,7 @@ class PointSearch {
   std::vector<std::unique_ptr<Collected>> paths_;
   StageCosts costs_;  // simulatedBound's scratch
   std::unique_ptr<MakespanReplay> replay_;  // the schedule's makespan, for simulatedBound
+  std::unique_ptr<RoundTripBound> trip_;    // null where it does not apply
 };
 
 // The step-time bound of a prefix whose stage j ends at layer e.
@@ -384,6 +400,7 @@ double PointSearch::bound(int j, int e, const State& next, const StageCost& stag
   double makespan = next.pathBound;
   if (j + 1 < stages_) makespan = std::max(makespan, table_.suffix(stages_ - 1 - j, e));
   makespan = std::max(makespan, next.chain + table_.chain(e, layers_, stages_ - 1 - j));
+  if (trip_) makespan = std::max({makespan, next.tripBound, trip_->rest(stages_ - 1 - j, e)});
   double rankBytes = c_.totalParameters / ranks_;
   // The slowest optimizer is at least the average and any rank's known part.
   double optimizer = optimizerSeconds(c_.machine, point_, c_.space.fsdp, rankBytes,
@@ -494,6 +511,9 @@ void PointSearch::descend(int j, const State& state) {
     const double stagePath = split ? std::max(state.head + busy, state.head + state.tail + own)
                                    : state.head + busy + state.tail;
     next.pathBound = std::max(state.pathBound, stagePath);
+    // Both only grow with e (the break below).
+    const double stageBound = trip_ ? std::max(stagePath, trip_->stage(j, a, e)) : stagePath;
+    next.tripBound = std::max(state.tripBound, stageBound);
     next.head += s.forward + comm;
     next.tail += s.backward + comm;
     next.chain += s.forward + s.backward + comm;
@@ -513,7 +533,7 @@ void PointSearch::descend(int j, const State& state) {
       }
       if (cannotBeat(here, threshold())) {
         ++c_.pruned;
-        const double alone = stagePath + stepTermsBound(c_.machine, point_, 0.0, 0.0);
+        const double alone = stageBound + stepTermsBound(c_.machine, point_, 0.0, 0.0);
         recompute_ = saved;
         if (cannotBeat(alone, threshold())) break;  // the stage only grows with e
         continue;
@@ -553,13 +573,18 @@ struct Visited {
   bool seeded = false;
 };
 
+// A bound on the per-step terms of every configuration of a point.
+double pointTerms(Context& c, const SpacePoint& point) {
+  const double rankBytes = c.totalParameters / point.mesh[0];
+  return stepTermsBound(
+      c.machine, point, rankBytes,
+      optimizerSeconds(c.machine, point, c.space.fsdp, rankBytes, c.totalTensors / point.mesh[0]));
+}
+
 // The bound of a point before its schedule is built.
 double pointBound(Context& c, const SpacePoint& point) {
   const ScheduleTraits& traits = scheduleTraits(point.schedule);
-  const double rankBytes = c.totalParameters / point.mesh[0];
-  const double terms = stepTermsBound(
-      c.machine, point, rankBytes,
-      optimizerSeconds(c.machine, point, c.space.fsdp, rankBytes, c.totalTensors / point.mesh[0]));
+  const double terms = pointTerms(c, point);
   if (traits.asynchronous) return terms;
   WorkTable& table = c.table(point, traits.splitBackward);
   const int stages = point.stages();
@@ -607,6 +632,12 @@ SearchResult searchConfigurations(const std::vector<LayerCost>& layers,
     }
     anyBuilt = true;
     v->search = std::make_unique<PointSearch>(c, v->point, *v->model);
+    // With its schedule the point may have a better bound: then it is not seeded.
+    v->bound = std::max(v->bound, v->search->rootMakespan() + pointTerms(c, point));
+    if (cannotBeat(v->bound, seeds.bar())) {
+      ++c.pruned;
+      continue;
+    }
     v->seeded = v->search->seed(fallback, anyFallback);
     if (v->seeded) seeds.add(v->search->seedStep());
     visited.push_back(std::move(v));

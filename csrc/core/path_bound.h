@@ -1,11 +1,14 @@
 // PathBound: a critical path of a flush schedule as a lower bound on the
-// makespan of every balance, for the configuration search's branch and bound
-// (configure_search.cpp). Internal to csrc/core.
+// makespan of every balance; RoundTripBound: every stage's chains through the
+// other stages, as a min-max over the cuts; both for the configuration
+// search's branch and bound (configure_search.cpp). Internal to csrc/core.
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <limits>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -63,6 +66,70 @@ class PathBound {
   CriticalPath path_;
   int stages_, layers_;
   std::vector<double> rest_;
+};
+
+// A lower bound on the makespan of a flush schedule with one stage per rank,
+// for every balance, as the least over the cuts of the largest of per-stage
+// terms Q(k, a, e) (stage k holding layers [a, e)): a min-max dynamic program
+// like the search's WorkTable, but each term follows stage k's own list.
+//
+// Admissibility. The simulator runs each rank's list in order: an action
+// starts at or after the end of the one before it on its rank and of the
+// actions it waits for (plus the boundary's transfer between ranks), so any
+// chain of such dependencies bounds the makespan from below by the sum of
+// its costs. Stage k's rank (a different rank from every other stage's, so
+// every boundary is a transfer, at least the least commSeconds of any layer)
+// has these chains, each with its own cost counts (cF, cB, cW) of stage k:
+//   - head: the rank's first action is a forward F(i), after F(i) of every
+//     earlier stage: at least the forwards of layers [0, a), k action
+//     overheads and k transfers;
+//   - then the rank's list up to the end (T0), or up to its last backward
+//     (B or I) X of microbatch x, after which x's backwards through the
+//     earlier stages follow (tail: their input gradients, overheads and
+//     transfers; T1);
+//   - or, for a microbatch i, the list up to F(i), then i's forwards and
+//     backwards (input gradients) through every later stage and back (its
+//     round trip: the layers [e, L) at least, 2 (S - 1 - k) overheads and
+//     transfers), then the list from i's backward to the end (R0) or to X
+//     and the tail (R1).
+// Stage k's costs are at least its layers' sums plus one action overhead
+// each (send posting, tp collectives and recomputation only add), and the
+// other stages' at least theirs: so Q(k, a, e), the largest chain at those
+// least costs, is at most the makespan of every balance cutting stage k at
+// [a, e), and the largest Q of a balance's stages is too. Q never shrinks as
+// e grows: the counts are nonnegative and a chain through the round trip
+// counts F(i) and its backward, so a layer moving from the later stages into
+// stage k costs it at least as much. Disabled (enabled() false) for other
+// schedules: several stages on a rank, collectives in the lists, or
+// backwards the search's costs do not charge as B or I.
+class RoundTripBound {
+ public:
+  RoundTripBound(const PointModel& model, const std::vector<LayerCost>& layers,
+                 double actionSeconds, int tp);
+
+  bool enabled() const { return enabled_; }
+  // Q(k, a, e): a bound on the makespan of every balance cutting stage k at [a, e).
+  double stage(int k, int a, int e) const;
+  // The least, over the cuts of layers [a, L) into the last s stages, of their
+  // largest Q (infinite: no such cut).
+  double rest(int s, int a);
+
+ private:
+  using Counts = std::array<double, 3>;  // F, B (I), W of stage k
+  struct Family {
+    bool tail = false, trip = false;
+    std::vector<Counts> counts;  // none dominated by another
+  };
+  bool readLists(const PointModel& model);
+  void ensure(int s);
+
+  bool enabled_ = false;
+  bool split_ = false;
+  int stages_ = 0, layers_ = 0;
+  double act_ = 0.0, comm_ = 0.0;
+  std::vector<double> forward_, input_, weight_;  // prefix sums per microbatch
+  std::vector<std::vector<Family>> families_;     // per stage
+  std::vector<std::vector<double>> table_;        // rest(s, a) by s
 };
 
 }  // namespace pipedream

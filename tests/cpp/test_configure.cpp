@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <random>
 #include <stdexcept>
@@ -587,6 +588,63 @@ TEST(SearchConfigurations, CollectedPathBoundNeverExceedsAnyCompletion) {
   EXPECT_GE(tight, 20);
 }
 
+// RoundTripBound: for one-stage-per-rank flush schedules, each stage's chains
+// (head, its list, its microbatches' round trips through the later stages,
+// tail) at the least costs its layers allow, as a min-max over the cuts. It
+// must never exceed the makespan of any balance (with or without
+// recomputation), over a prefix or at the root, and it must be tight enough
+// to prune (close to the makespan of some balance of every point).
+TEST(SearchConfigurations, RoundTripBoundNeverExceedsAnyCompletion) {
+  std::mt19937 rng(11);
+  const std::vector<std::string> names = {"gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv"};
+  int checked = 0, close = 0, enabled = 0;
+  for (int trial = 0; trial < 40; ++trial) {
+    Instance x = randomInstance(rng);
+    while (x.layers.size() < 7) x.layers.push_back(x.layers[rng() % x.layers.size()]);
+    const int layers = static_cast<int>(x.layers.size());
+    PointOptions options;
+    options.schedule = names[trial % names.size()];
+    options.chunks = scheduleTraits(options.schedule).multiChunk ? 2 : 1;
+    options.pp = options.chunks == 2 ? 2 : 3 + static_cast<int>(rng() % 3);
+    options.tp = 1 + static_cast<int>(rng() % 2);
+    options.microbatches = 1 + static_cast<int>(rng() % 8);
+    std::unique_ptr<PointModel> model;
+    try {
+      model = std::make_unique<PointModel>(x.layers, 8, x.machine, options);
+    } catch (const std::invalid_argument&) {
+      continue;  // the schedule refuses this point (e.g. too few microbatches)
+    }
+    const int stages = model->stages();
+    RoundTripBound bound(*model, x.layers, x.machine.actionSeconds, options.tp);
+    // Several stages on a rank: its chains are not one stage's.
+    EXPECT_EQ(bound.enabled(), options.chunks == 1) << options.schedule;
+    if (!bound.enabled() || stages > layers) continue;
+    ++enabled;
+    double least = std::numeric_limits<double>::infinity();
+    double tightest = 0.0;
+    std::vector<int> start(stages + 1, 0);
+    forEachStarts(layers, stages, start, 0, [&](const std::vector<int>& s) {
+      const double makespan = model->makespan(model->stageCosts(s, {}));
+      const double recomputed = model->makespan(model->stageCosts(s, std::vector<int>(stages, 1)));
+      least = std::min(least, makespan);
+      double prefix = 0.0;
+      for (int j = 0; j < stages; ++j) {
+        prefix = std::max(prefix, bound.stage(j, s[j], s[j + 1]));
+        const double node = std::max(prefix, bound.rest(stages - 1 - j, s[j + 1]));
+        EXPECT_LE(node, makespan * (1 + 1e-12)) << options.schedule << " trial " << trial << " prefix " << j;
+        EXPECT_LE(node, recomputed * (1 + 1e-12)) << options.schedule << " trial " << trial;
+        ++checked;
+      }
+      tightest = std::max(tightest, prefix / makespan);
+    });
+    EXPECT_LE(bound.rest(stages, 0), least * (1 + 1e-12)) << options.schedule << " trial " << trial;
+    close += tightest > 0.9 ? 1 : 0;
+  }
+  EXPECT_GE(enabled, 15);
+  EXPECT_GE(checked, 1000);
+  EXPECT_GE(close, enabled * 3 / 4);
+}
+
 TEST(SearchConfigurations, EqualsTheEnumerationOnRandomInstances) {
   std::mt19937 rng(39);
   int compared = 0, infeasible = 0, recomputing = 0, pruning = 0;
@@ -622,8 +680,8 @@ TEST(SearchConfigurations, EqualsTheEnumerationOnRandomInstances) {
 
 // Nearly as many stages as layers, every flush schedule: the space where
 // near-equal balances abound, and where the points' seeds bound the runners-up,
-// the later stages' windows bound their costs and the simulation is replayed
-// at every node. Still the enumeration's result.
+// the later stages' windows bound their costs, the simulation is replayed at
+// every node and RoundTripBound prunes whole points. Still the enumeration's result.
 TEST(SearchConfigurations, EqualsTheEnumerationWhenStagesNearlyMatchLayers) {
   std::mt19937 rng(96);
   std::vector<std::string> flush;
@@ -631,7 +689,7 @@ TEST(SearchConfigurations, EqualsTheEnumerationWhenStagesNearlyMatchLayers) {
     if (!scheduleTraits(name).asynchronous) flush.push_back(name);
   }
   long long searched = 0, enumerated = 0;
-  int pruning = 0;
+  int pruning = 0, tripPrunes = 0;
   for (int trial = 0; trial < 12; ++trial) {
     Instance x = randomInstance(rng);
     while (x.layers.size() < 9) {
@@ -651,9 +709,32 @@ TEST(SearchConfigurations, EqualsTheEnumerationWhenStagesNearlyMatchLayers) {
     searched += found.evaluated;
     enumerated += all.evaluated;
     pruning += found.pruned > 0 ? 1 : 0;
+    // Points whose RoundTripBound alone (the pipeline, no per-step terms)
+    // exceeds the best step: the search drops them before their seed.
+    for (const auto& mesh : x.space.meshes) {
+      for (const char* name : {"gpipe", "1f1b", "zb-h1"}) {
+        for (int m : x.space.microbatches) {
+          PointOptions options;
+          options.schedule = name;
+          options.microbatches = m;
+          options.pp = mesh[0];
+          options.dp = mesh[1];
+          std::unique_ptr<PointModel> model;
+          try {
+            model = std::make_unique<PointModel>(x.layers, x.space.batchSize, x.machine, options);
+          } catch (const std::invalid_argument&) {
+            continue;
+          }
+          RoundTripBound bound(*model, x.layers, x.machine.actionSeconds, 1);
+          ASSERT_TRUE(bound.enabled()) << name;
+          tripPrunes += bound.rest(model->stages(), 0) > all.best.prediction.stepSeconds ? 1 : 0;
+        }
+      }
+    }
   }
   EXPECT_EQ(pruning, 12);
   EXPECT_LT(searched * 10, enumerated);  // the bounds do prune
+  EXPECT_GE(tripPrunes, 50) << tripPrunes;
 }
 
 }  // namespace
