@@ -93,7 +93,8 @@ class WorkTable {
         n_(microbatches),
         work_(layers_ + 1, 0.0),
         chain_(layers_ + 1, 0.0),
-        head_(layers_ + 1, 0.0) {
+        head_(layers_ + 1, 0.0),
+        cuts_(layers_, stages) {
     for (int l = 0; l < layers_; ++l) {
       const LayerCost& c = layers[l];
       const double forward = (c.forwardFixed + c.forwardPerSample * samples) / tp;
@@ -124,9 +125,7 @@ class WorkTable {
   // The least, over the cuts of layers [a, L) into the last s stages, of the
   // largest path of those stages.
   double suffix(int s, int a) {
-    if (s == 0) return a == layers_ ? 0.0 : kInf;
-    ensure(s);
-    return table_[s][a];
+    return cuts_.rest(s, a, [this](int k, int from, int to) { return path(k, from, to); });
   }
 
   // A balance reaching suffix(stages, 0).
@@ -148,36 +147,13 @@ class WorkTable {
   }
 
  private:
-  void ensure(int s) {
-    while (static_cast<int>(table_.size()) <= s) {
-      const int size = static_cast<int>(table_.size());
-      std::vector<double> row(layers_ + 1, kInf);
-      if (size == 0) row[layers_] = 0.0;
-      const int k = stages_ - size;  // the stage this row's first cut makes
-      for (int a = 0; size > 0 && a < layers_; ++a) {
-        if (size == 1) {
-          row[a] = path(k, a, layers_);
-          continue;
-        }
-        double best = kInf;
-        for (int e = a + 1; e <= layers_ - (size - 1); ++e) {
-          const double here = path(k, a, e);
-          if (here >= best) break;  // later cuts only make this stage longer
-          best = std::min(best, std::max(here, table_[size - 1][e]));
-        }
-        row[a] = best;
-      }
-      table_.push_back(std::move(row));
-    }
-  }
-
   int layers_, stages_;
   double fixed_, chainFixed_;
   bool split_;
   double act_;
   int n_;
   std::vector<double> work_, chain_, head_;
-  std::vector<std::vector<double>> table_;
+  MinMaxCuts cuts_;  // suffix(s, a)
 };
 
 double sharedRanksOf(const MachineCosts& machine, int world) {

@@ -35,7 +35,8 @@ RoundTripBound::RoundTripBound(const PointModel& model, const std::vector<LayerC
       act_(actionSeconds),
       forward_(layers_ + 1, 0.0),
       input_(layers_ + 1, 0.0),
-      weight_(layers_ + 1, 0.0) {
+      weight_(layers_ + 1, 0.0),
+      cuts_(layers_, stages_) {
   const double b = model.samples();
   for (int l = 0; l < layers_; ++l) {
     const LayerCost& c = layers[l];
@@ -135,32 +136,7 @@ double RoundTripBound::stage(int k, int a, int e) const {
 }
 
 double RoundTripBound::rest(int s, int a) {
-  if (s == 0) return a == layers_ ? 0.0 : kInf;
-  ensure(s);
-  return table_[s][a];
-}
-
-void RoundTripBound::ensure(int s) {
-  while (static_cast<int>(table_.size()) <= s) {
-    const int size = static_cast<int>(table_.size());
-    std::vector<double> row(layers_ + 1, kInf);
-    if (size == 0) row[layers_] = 0.0;
-    const int k = stages_ - size;  // the stage this row's first cut makes
-    for (int a = 0; size > 0 && a < layers_; ++a) {
-      if (size == 1) {
-        row[a] = stage(k, a, layers_);
-        continue;
-      }
-      double best = kInf;
-      for (int e = a + 1; e <= layers_ - (size - 1); ++e) {
-        const double here = stage(k, a, e);
-        if (here >= best) break;  // Q only grows with e
-        best = std::min(best, std::max(here, table_[size - 1][e]));
-      }
-      row[a] = best;
-    }
-    table_.push_back(std::move(row));
-  }
+  return cuts_.rest(s, a, [this](int k, int from, int to) { return stage(k, from, to); });
 }
 
 }  // namespace pipedream

@@ -1,6 +1,7 @@
 // PathBound: a critical path of a flush schedule as a lower bound on the
 // makespan of every balance; RoundTripBound: every stage's chains through the
-// other stages, as a min-max over the cuts; both for the configuration
+// other stages, as a min-max over the cuts (MinMaxCuts, which the search's
+// per-stage work bound shares); all for the configuration
 // search's branch and bound (configure_search.cpp). Internal to csrc/core.
 #pragma once
 
@@ -68,6 +69,51 @@ class PathBound {
   std::vector<double> rest_;
 };
 
+// The least, over the cuts of layers [a, L) into the last s of `stages`
+// stages, of the largest stage cost: cost(k, a, e) for stage k holding layers
+// [a, e), which must never shrink as e grows (the scan over e stops at the
+// first cut whose own stage costs no less than the best found). Rows by s are
+// built on first use and kept; `cost` must be the same function at every call.
+class MinMaxCuts {
+ public:
+  MinMaxCuts(int layers, int stages) : layers_(layers), stages_(stages) {}
+
+  // Infinite when layers [a, L) cannot be cut into s stages.
+  template <typename Cost>
+  double rest(int s, int a, const Cost& cost) {
+    if (s == 0) return a == layers_ ? 0.0 : std::numeric_limits<double>::infinity();
+    while (static_cast<int>(table_.size()) <= s) extend(cost);
+    return table_[s][a];
+  }
+
+ private:
+  template <typename Cost>
+  void extend(const Cost& cost) {
+    const double inf = std::numeric_limits<double>::infinity();
+    const int size = static_cast<int>(table_.size());
+    std::vector<double> row(layers_ + 1, inf);
+    if (size == 0) row[layers_] = 0.0;
+    const int k = stages_ - size;  // the stage this row's first cut makes
+    for (int a = 0; size > 0 && a < layers_; ++a) {
+      if (size == 1) {
+        row[a] = cost(k, a, layers_);
+        continue;
+      }
+      double best = inf;
+      for (int e = a + 1; e <= layers_ - (size - 1); ++e) {
+        const double here = cost(k, a, e);
+        if (here >= best) break;  // later cuts only make this stage costlier
+        best = std::min(best, std::max(here, table_[size - 1][e]));
+      }
+      row[a] = best;
+    }
+    table_.push_back(std::move(row));
+  }
+
+  int layers_, stages_;
+  std::vector<std::vector<double>> table_;  // rest(s, a) by s
+};
+
 // A lower bound on the makespan of a flush schedule with one stage per rank,
 // for every balance, as the least over the cuts of the largest of per-stage
 // terms Q(k, a, e) (stage k holding layers [a, e)): a min-max dynamic program
@@ -121,7 +167,6 @@ class RoundTripBound {
     std::vector<Counts> counts;  // none dominated by another
   };
   bool readLists(const PointModel& model);
-  void ensure(int s);
 
   bool enabled_ = false;
   bool split_ = false;
@@ -129,7 +174,7 @@ class RoundTripBound {
   double act_ = 0.0, comm_ = 0.0;
   std::vector<double> forward_, input_, weight_;  // prefix sums per microbatch
   std::vector<std::vector<Family>> families_;     // per stage
-  std::vector<std::vector<double>> table_;        // rest(s, a) by s
+  MinMaxCuts cuts_;                                // rest(s, a)
 };
 
 }  // namespace pipedream
