@@ -522,6 +522,24 @@ void forEachStarts(int layers, int stages, std::vector<int>& start, int j,
   }
 }
 
+// A random instance of at least 7 layers (its own layers repeated): enough
+// balances for a bound to be checked against every completion.
+Instance randomInstanceOfSevenLayers(std::mt19937& rng) {
+  Instance x = randomInstance(rng);
+  while (x.layers.size() < 7) x.layers.push_back(x.layers[rng() % x.layers.size()]);
+  return x;
+}
+
+// The point's model, or null where its schedule refuses the point (e.g. too
+// few microbatches).
+std::unique_ptr<PointModel> modelOrNull(const Instance& x, int batch, const PointOptions& options) {
+  try {
+    return std::make_unique<PointModel>(x.layers, batch, x.machine, options);
+  } catch (const std::invalid_argument&) {
+    return nullptr;
+  }
+}
+
 // The search collects critical paths of simulations at other costs (its
 // simulated bound's) and bounds a prefix by each path's length over the stages
 // cut plus the least, over the cuts of the rest, of its length over the rest
@@ -536,20 +554,15 @@ TEST(SearchConfigurations, CollectedPathBoundNeverExceedsAnyCompletion) {
   }
   int checked = 0, tight = 0;
   for (int trial = 0; trial < 40; ++trial) {
-    Instance x = randomInstance(rng);
-    while (x.layers.size() < 7) x.layers.push_back(x.layers[rng() % x.layers.size()]);
+    Instance x = randomInstanceOfSevenLayers(rng);
     const int layers = static_cast<int>(x.layers.size());
     PointOptions options;
     options.schedule = flush[trial % flush.size()];
     options.chunks = scheduleTraits(options.schedule).multiChunk ? 2 : 1;
     options.pp = options.chunks == 2 ? 2 + static_cast<int>(rng() % 2) : 3 + static_cast<int>(rng() % 2);
     options.microbatches = 1 + static_cast<int>(rng() % 6);
-    std::unique_ptr<PointModel> model;
-    try {
-      model = std::make_unique<PointModel>(x.layers, 8, x.machine, options);
-    } catch (const std::invalid_argument&) {
-      continue;  // the schedule refuses this point (e.g. too few microbatches)
-    }
+    const std::unique_ptr<PointModel> model = modelOrNull(x, 8, options);
+    if (!model) continue;
     const int stages = model->stages();
     if (stages > layers) continue;
     // A path from random costs of the schedule's shape (as the simulated
@@ -599,8 +612,7 @@ TEST(SearchConfigurations, RoundTripBoundNeverExceedsAnyCompletion) {
   const std::vector<std::string> names = {"gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zbv"};
   int checked = 0, close = 0, enabled = 0;
   for (int trial = 0; trial < 40; ++trial) {
-    Instance x = randomInstance(rng);
-    while (x.layers.size() < 7) x.layers.push_back(x.layers[rng() % x.layers.size()]);
+    Instance x = randomInstanceOfSevenLayers(rng);
     const int layers = static_cast<int>(x.layers.size());
     PointOptions options;
     options.schedule = names[trial % names.size()];
@@ -608,12 +620,8 @@ TEST(SearchConfigurations, RoundTripBoundNeverExceedsAnyCompletion) {
     options.pp = options.chunks == 2 ? 2 : 3 + static_cast<int>(rng() % 3);
     options.tp = 1 + static_cast<int>(rng() % 2);
     options.microbatches = 1 + static_cast<int>(rng() % 8);
-    std::unique_ptr<PointModel> model;
-    try {
-      model = std::make_unique<PointModel>(x.layers, 8, x.machine, options);
-    } catch (const std::invalid_argument&) {
-      continue;  // the schedule refuses this point (e.g. too few microbatches)
-    }
+    const std::unique_ptr<PointModel> model = modelOrNull(x, 8, options);
+    if (!model) continue;
     const int stages = model->stages();
     RoundTripBound bound(*model, x.layers, x.machine.actionSeconds, options.tp);
     // Several stages on a rank: its chains are not one stage's.
@@ -719,12 +727,8 @@ TEST(SearchConfigurations, EqualsTheEnumerationWhenStagesNearlyMatchLayers) {
           options.microbatches = m;
           options.pp = mesh[0];
           options.dp = mesh[1];
-          std::unique_ptr<PointModel> model;
-          try {
-            model = std::make_unique<PointModel>(x.layers, x.space.batchSize, x.machine, options);
-          } catch (const std::invalid_argument&) {
-            continue;
-          }
+          const std::unique_ptr<PointModel> model = modelOrNull(x, x.space.batchSize, options);
+          if (!model) continue;
           RoundTripBound bound(*model, x.layers, x.machine.actionSeconds, 1);
           ASSERT_TRUE(bound.enabled()) << name;
           tripPrunes += bound.rest(model->stages(), 0) > all.best.prediction.stepSeconds ? 1 : 0;
