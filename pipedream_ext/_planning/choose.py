@@ -14,7 +14,6 @@ What the user fixed enters the search space as its only value (:class:`Request`)
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import logging
 import time
@@ -31,7 +30,7 @@ from ..configuration import Configuration, LayerCost, MachineCosts
 from ..planner import Plan, Stage, Topology
 from .calibration import calibrate
 from .graph_profile import GraphGroups
-from .layer_costs import LayerCosts, default_microbatch_sizes, measure_layer_costs
+from .layer_costs import LayerCosts, balance_bounds, default_microbatch_sizes, measure_layer_costs
 from .mesh_calibration import mesh_costs
 from .profile_chain import ProfileChain
 
@@ -345,11 +344,14 @@ def plan_of(chosen: Configuration, costs: LayerCosts, batch: int, machine: Machi
     size = batch / chosen.microbatches
     assert chosen.prediction is not None
     peaks = chosen.prediction.peak_bytes
-    # An nn.Sequential; a traced model's or a branching profile's stages list its nodes.
+    # An nn.Sequential's stages list its children; a traced model's or a branching
+    # profile's, its nodes.
     chain = costs.group_of is None and stage_nodes is None
-    nodes = [[str(l) for l in range(lo, lo + n)] for lo, n in
-             zip(itertools.accumulate([0] + chosen.balance[:-1]), chosen.balance)] if chain \
-        else stage_nodes if stage_nodes is not None else costs.stage_nodes(chosen.balance)
+    nodes = stage_nodes
+    if nodes is None:
+        bounds = balance_bounds(chosen.balance, len(layers))
+        nodes = [[str(l) for l in range(lo, hi)] for lo, hi in zip(bounds, bounds[1:])] if chain \
+            else costs.stage_nodes(chosen.balance)
     stages, start = [], 0
     for j, count in enumerate(chosen.balance):
         part = layers[start:start + count]
