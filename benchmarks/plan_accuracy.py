@@ -67,10 +67,8 @@ __all__ = ["MODELS", "accuracy_summary", "balance_for", "draw_grid", "error_stat
 LOG = logging.getLogger("plan_accuracy")
 JSON_TAG = "PLAN_ACCURACY_JSON "
 MIB = float(1 << 20)
-COMPUTE_KINDS = ("F", "B", "I", "W")
-WAIT_KINDS = ("RECV_F", "RECV_B", "SEND_WAIT", "ALLREDUCE", "TIED_ALLREDUCE")
-SEND_KINDS = ("SEND_F", "SEND_B", "RECV_POST")
-TERMS = ("compute", "waits", "transfers", "overhead")
+#: The terms of ``Prediction.breakdown``, measured as ``configuration.measured_breakdown``.
+TERMS = ("compute", "waits", "transfers", "all-reduce", "overhead")
 #: The models of the study: batch (samples per step) and what builds them in a worker.
 MODELS: Dict[str, Dict[str, Any]] = {
     "digits": {"batch": 64, "text": "examples/train_digits.py's CNN (10 layers), real digits"},
@@ -191,19 +189,15 @@ def measured_step(step_seconds: Sequence[Sequence[float]]) -> float:
 
 
 def measured_terms(rank: Dict[str, Any], step_s: float) -> Dict[str, float]:
-    """Where one rank's step goes, in seconds per step, from its ``pipe.stats()``.
-
-    ``compute``: F+B+I+W; ``waits``: blocked on receives, sends and all-reduces (the
-    replicas' and the tied weights' gradients);
-    ``transfers``: posting sends; ``overhead``: the rest of ``step_s`` (the runtime's own
-    time, the ``step`` call around it, the optimizer, the loss all-reduce).
+    """Where one rank's step goes, in seconds per step, from its ``pipe.stats()``: the
+    terms of ``Prediction.breakdown`` as ``configuration.measured_breakdown`` counts them
+    (``waits``: blocked on receives, sends and the tied weights' all-reduce;
+    ``all-reduce``: the replicas' gradients; ``overhead``: the rest of ``step_s``, the
+    runtime's own time, the ``step`` call around it, the optimizer, the loss all-reduce).
     """
-    kinds, steps = rank["seconds_by_kind"], rank["steps"]
-    out = {"compute": sum(kinds.get(k, 0.0) for k in COMPUTE_KINDS) / steps,
-           "waits": sum(kinds.get(k, 0.0) for k in WAIT_KINDS) / steps,
-           "transfers": sum(kinds.get(k, 0.0) for k in SEND_KINDS) / steps}
-    out["overhead"] = step_s - sum(out.values())
-    return out
+    from pipedream_ext import configuration
+
+    return configuration.measured_breakdown(rank["seconds_by_kind"], rank["steps"], step_s)
 
 
 def overhead_parts(rank: Dict[str, Any], step_s: float) -> Dict[str, float]:
@@ -211,19 +205,21 @@ def overhead_parts(rank: Dict[str, Any], step_s: float) -> Dict[str, float]:
     ``optimizer`` (the user's ``opt.step()`` and ``zero_grad``, mean over steps), ``runtime``
     (inside the runtime but in no F/B/I/W, wait or send span) and ``outside`` (the rest: the
     ``step`` call around the runtime, the loss all-reduce, the ranks' drift)."""
+    from pipedream_ext import configuration
+
     kinds, steps = rank["seconds_by_kind"], rank["steps"]
-    spans = sum(kinds.get(k, 0.0) for k in COMPUTE_KINDS + WAIT_KINDS + SEND_KINDS) / steps
+    spans = sum(kinds.get(k, 0.0) for ks in configuration.ACTION_TERMS.values() for k in ks) / steps
     optimizer = statistics.mean(rank["optimizer_s"]) if rank.get("optimizer_s") else 0.0
     runtime = max(rank["busy_s"] / steps - spans, 0.0)
     return {"optimizer": optimizer, "runtime": runtime, "outside": step_s - spans - optimizer - runtime}
 
 
 def predicted_terms(prediction: Dict[str, Any], rank: int) -> Dict[str, float]:
-    """The prediction's terms for ``rank``, in seconds per step (the same four as
-    :func:`measured_terms`; overhead includes the all-reduce, zero without data parallelism)."""
-    return {"compute": prediction["compute_seconds"][rank], "waits": prediction["wait_seconds"][rank],
-            "transfers": prediction["transfer_seconds"][rank],
-            "overhead": prediction["overhead_seconds"] + prediction["all_reduce_seconds"]}
+    """The prediction's terms for ``rank`` (``Prediction.breakdown`` of its dict form), in
+    seconds per step."""
+    from pipedream_ext import configuration
+
+    return configuration.Prediction.from_dict(prediction).breakdown(rank)
 
 
 def time_breakdown(rows: Sequence[Dict[str, Any]]) -> Dict[str, Dict[str, float]]:
@@ -842,11 +838,12 @@ def report(raw: Dict[str, Any], rows: List[Dict[str, Any]], total_s: float) -> s
     lines += summary_table(summaries)
     lines += ["", "## Where the time goes", "",
               "Per rank and step (median over the runs and ranks of each group), measured from `pipe.stats()` "
-              "against the prediction's terms: compute (F, B, I, W), waits (receives, sends, all-reduces of the "
-              "replicas' and of tied weights' gradients; the "
-              "prediction's idle time in the simulated makespan), transfers (posting sends) and overhead (the "
-              "rest of the step: the runtime's own time, the `step` call, the optimizer, the loss all-reduce; "
-              "predicted: per-step costs and the optimizer).", ""]
+              "against the prediction's terms (`Prediction.breakdown`, measured by "
+              "`configuration.measured_breakdown`, as the run's own check does): compute (F, B, I, W), waits "
+              "(receives, sends, the tied weights' all-reduce; the prediction's idle time in the simulated "
+              "makespan), transfers (posting sends), all-reduce (the replicas' gradients: none here, every "
+              "run is one pipeline) and overhead (the rest of the step: the runtime's own time, the `step` "
+              "call, the optimizer, the loss all-reduce; predicted: per-step costs and the optimizer).", ""]
     lines += terms_table(groups)
     lines += ["", "The overhead in parts (median over runs and ranks): the user's optimizer step and `zero_grad` "
               "against the rank's layers' `optimizer_seconds` (Adam over copies of their parameters, less its "

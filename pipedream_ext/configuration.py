@@ -26,8 +26,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ._extension import _C
 
-__all__ = ["Configuration", "LayerCost", "MachineCosts", "Prediction", "flush_schedules",
-           "microbatch_candidates", "predict", "search"]
+__all__ = ["ACTION_TERMS", "Configuration", "LayerCost", "MachineCosts", "Prediction", "flush_schedules",
+           "measured_breakdown", "microbatch_candidates", "predict", "search"]
 
 RecomputeSpec = Union[str, Sequence[bool]]
 
@@ -132,6 +132,39 @@ class MachineCosts:
         fields = _strict_fields(cls, d, "machine costs")
         return cls(**{k: int(v) if k in ("cores", "ranks_per_node") else float(v)
                       for k, v in fields.items()})
+
+
+#: The runtime's span kinds (``pipe.stats()["seconds_by_kind"]``: the executor's actions,
+#: csrc/core/action.cpp, its SEND_WAIT, and the tied weights' all-reduce outside it, where
+#: the first rank to finish waits for the last) by term of :meth:`Prediction.breakdown`;
+#: the rest of a step is overhead.
+ACTION_TERMS: Dict[str, Tuple[str, ...]] = {
+    "compute": ("F", "B", "I", "W"), "waits": ("RECV_F", "RECV_B", "SEND_WAIT", "TIED_ALLREDUCE"),
+    "transfers": ("SEND_F", "SEND_B", "RECV_POST"), "all-reduce": ("ALLREDUCE",)}
+
+
+def measured_breakdown(seconds_by_kind: Dict[str, float], steps: int,
+                       step_seconds: float) -> Dict[str, float]:
+    """Where a rank's measured steps went, in the terms of :meth:`Prediction.breakdown`.
+
+    Args:
+        seconds_by_kind: seconds per span kind over the measured steps (``pipe.stats()``).
+        steps: how many steps they cover.
+        step_seconds: the measured step time; ``overhead`` is what the other terms leave
+            of it (never below zero).
+
+    Returns:
+        ``{"compute", "waits", "transfers", "all-reduce", "overhead"}``, seconds per step.
+
+    Raises:
+        ValueError: ``steps`` below 1.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1 (got {steps})")
+    terms = {term: sum(seconds_by_kind.get(k, 0.0) for k in kinds) / steps
+             for term, kinds in ACTION_TERMS.items()}
+    terms["overhead"] = max(0.0, step_seconds - sum(terms.values()))
+    return terms
 
 
 @dataclasses.dataclass

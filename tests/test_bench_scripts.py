@@ -172,13 +172,18 @@ def test_measured_step_is_the_median_of_the_slowest_rank_per_step():
 
 def test_measured_and_predicted_terms():
     rank = {"steps": 2, "seconds_by_kind": {"F": 1.0, "B": 2.0, "W": 1.0, "RECV_F": 0.5, "RECV_B": 0.5,
-                                            "SEND_F": 0.2, "RECV_POST": 0.2, "ALLREDUCE": 1.0}}
+                                            "SEND_F": 0.2, "RECV_POST": 0.2, "ALLREDUCE": 1.0,
+                                            "TIED_ALLREDUCE": 0.4}}
     assert plan_accuracy.measured_terms(rank, 5.0) == pytest.approx(
-        {"compute": 2.0, "waits": 1.0, "transfers": 0.2, "overhead": 1.8})
-    pred = {"compute_seconds": [1.0, 2.0], "wait_seconds": [0.5, 0.25], "transfer_seconds": [0.1, 0.0],
-            "overhead_seconds": 0.3, "all_reduce_seconds": 0.2}
+        {"compute": 2.0, "waits": 0.7, "transfers": 0.2, "all-reduce": 0.5, "overhead": 1.6})
+    pred = {"step_seconds": 3.0, "pipeline_seconds": 2.5, "compute_seconds": [1.0, 2.0],
+            "wait_seconds": [0.5, 0.25], "transfer_seconds": [0.1, 0.0], "overhead_seconds": 0.3,
+            "all_reduce_seconds": 0.2, "peak_bytes": [1.0, 1.0], "bubble_fraction": 0.1, "fits": True}
     assert plan_accuracy.predicted_terms(pred, 1) == pytest.approx(
-        {"compute": 2.0, "waits": 0.25, "transfers": 0.0, "overhead": 0.5})
+        {"compute": 2.0, "waits": 0.25, "transfers": 0.0, "all-reduce": 0.2, "overhead": 0.3})
+    # The study and the run's own check (pipe.stats(), the warning) count the same terms.
+    assert list(plan_accuracy.measured_terms(rank, 5.0)) == list(plan_accuracy.predicted_terms(pred, 0))
+    assert tuple(plan_accuracy.measured_terms(rank, 5.0)) == plan_accuracy.TERMS
 
 
 def test_overhead_parts_split_what_no_span_covers():

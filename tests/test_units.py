@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipedream_ext import _C, PipeDream, schedules
+from pipedream_ext import _C, PipeDream, configuration, schedules
 from pipedream_ext._cli import schedule as schedule_cli
 from pipedream_ext._dist.groups import RankNames
 from pipedream_ext._frontend.local_stages import LocalStages
@@ -1084,6 +1084,11 @@ def test_prediction_check_warns_once_naming_the_largest_term(monkeypatch: pytest
     assert pc.measured_terms({}, {"F": 2.0, "RECV_B": 1.0, "TIED_ALLREDUCE": 3.0}, 2, 4.0)["waits"] == 2.0
     # Posting a receive is a transfer's cost, like posting a send.
     assert pc.measured_terms({}, {"F": 2.0, "SEND_B": 0.5, "RECV_POST": 0.5}, 2, 3.0)["transfers"] == 0.5
+    # Readings subtract per kind; the public count is the same, and refuses an empty window.
+    assert pc.measured_terms({"F": 1.0}, {"F": 3.0, "B": 1.0}, 1, 5.0) == \
+        configuration.measured_breakdown({"F": 2.0, "B": 1.0}, 1, 5.0)
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        configuration.measured_breakdown({"F": 1.0}, 0, 1.0)
     reset = pc.PredictionCheck(4e-3, predicted, "rank 0")
     assert run(reset, 4.0, {"F": 2.0}, steps=6, reset_at=3) == [] and reset.measured is None
     assert len(run(reset, 40.0, {"F": 2.0}, steps=6)) == 1 and reset.measured == pytest.approx(0.04)

@@ -18,6 +18,8 @@ import time
 import warnings
 from typing import Any, Callable, Dict, List, Optional
 
+from ..configuration import measured_breakdown
+
 __all__ = ["FIRST", "LAST", "TOLERANCE", "PredictionCheck", "measured_terms"]
 
 _log = logging.getLogger("pipedream_ext._pipe")
@@ -27,17 +29,11 @@ FIRST, LAST = 3, 7
 #: The relative difference of measured and predicted step time that warns.
 TOLERANCE = 0.25
 
-# The executor's action kinds (csrc/core/action.cpp kTokens, plus its SEND_WAIT) and the
-# step's waits outside it (observe.OUTSIDE_WAITS: the tied weights' all-reduce, where the
-# first rank to finish waits for the last, idle time in the prediction) by term of a
-# prediction's breakdown; the rest of a step is overhead.
-_TERMS = {"compute": ("F", "B", "I", "W"), "waits": ("RECV_F", "RECV_B", "SEND_WAIT", "TIED_ALLREDUCE"),
-          "transfers": ("SEND_F", "SEND_B", "RECV_POST"), "all-reduce": ("ALLREDUCE",)}
-
 
 def measured_terms(before: Dict[str, float], after: Dict[str, float], steps: int,
                    step_seconds: float) -> Dict[str, float]:
-    """Seconds per step of each term of a prediction's breakdown, measured.
+    """Seconds per step of each term of a prediction's breakdown, measured
+    (``configuration.measured_breakdown`` of what the spans added between two readings).
 
     Args:
         before: ``seconds_by_kind`` at the start of the measured steps.
@@ -45,10 +41,8 @@ def measured_terms(before: Dict[str, float], after: Dict[str, float], steps: int
         steps: how many steps lie between.
         step_seconds: the measured step time (overhead is what the other terms leave).
     """
-    terms = {term: sum(after.get(k, 0.0) - before.get(k, 0.0) for k in kinds) / steps
-             for term, kinds in _TERMS.items()}
-    terms["overhead"] = max(0.0, step_seconds - sum(terms.values()))
-    return terms
+    return measured_breakdown({k: t - before.get(k, 0.0) for k, t in after.items()}, steps,
+                              step_seconds)
 
 
 class PredictionCheck:
