@@ -211,23 +211,23 @@ def test_data_parallel_auto_takes_what_the_cost_model_prefers_and_what_fits() ->
 
     # Costly collective calls: FSDP's two per stage lose to one all-reduce.
     calls = MachineCosts(all_reduce_latency_seconds=1.0)
-    best, batch = best_of(_layers(), calls, _request([(2, 2, 1)]), 8)
+    best, batch = best_of(_layers(), calls, _request([(2, 2, 1)]).searches(8))
     assert (best.mesh, best.data_parallel, batch) == ((2, 2, 1), "replicate", 8)
     assert "fsdp" in {c.data_parallel for c in best.candidates}
     # A costly optimizer step: FSDP's ranks each step 1/dp of the weights.
     optimizer = MachineCosts(optimizer_seconds_per_byte=1.0)
-    assert best_of(_layers(), optimizer, _request([(2, 2, 1)]), 8)[0].data_parallel == "fsdp"
+    assert best_of(_layers(), optimizer, _request([(2, 2, 1)]).searches(8))[0].data_parallel == "fsdp"
     # A memory limit only FSDP's shards fit, whatever the costs.
     peaks = {fsdp: max(predict(_layers(), calls, dataclasses.replace(best, data_parallel=None),
                                8, fsdp=fsdp).peak_bytes) for fsdp in (False, True)}
     assert peaks[True] < peaks[False], peaks
     limit = (peaks[True] + peaks[False]) / 2
-    fitted, _ = best_of(_layers(), calls, _request([(2, 2, 1)], memory=limit), 8)
+    fitted, _ = best_of(_layers(), calls, _request([(2, 2, 1)], memory=limit).searches(8))
     assert fitted.data_parallel == "fsdp" and max(fitted.predicted_peak_bytes) <= limit
     with pytest.raises(ValueError, match="no configuration fits on any mesh or data parallelism"):
-        best_of(_layers(), calls, _request([(2, 2, 1)], memory=peaks[True] / 100), 8)
+        best_of(_layers(), calls, _request([(2, 2, 1)], memory=peaks[True] / 100).searches(8))
     # With dp = 1 there is nothing to choose.
-    alone, _ = best_of(_layers(), calls, _request([(2, 1, 1)]), 8)
+    alone, _ = best_of(_layers(), calls, _request([(2, 1, 1)]).searches(8))
     assert alone.data_parallel is None and all(c.data_parallel is None for c in alone.candidates)
 
 
@@ -245,20 +245,20 @@ def test_mesh_auto_compares_every_factorisation_on_one_global_batch() -> None:
         [(8, [1, 2, 4, 8]), (4, [1, 2, 4]), (2, [1, 2])]
     # Communication free, a fixed cost per step: more copies leave each less to do.
     machine = MachineCosts(step_seconds=1.0)
-    best, batch = best_of(_layers(), machine, request, 8)
+    best, batch = best_of(_layers(), machine, request.searches(8))
     assert best.mesh == (1, 4, 1) and batch == 2, best.table()
     every = [best] + best.candidates
     assert {c.mesh for c in every} == set(meshes)
     assert best.predicted_step_seconds == min(c.predicted_step_seconds for c in every)
     # Costly collectives: the pipeline over the world wins.
     slow = MachineCosts(all_reduce_latency_seconds=1e3)
-    assert best_of(_layers(), slow, request, 8)[0].mesh == (4, 1, 1)
+    assert best_of(_layers(), slow, request.searches(8))[0].mesh == (4, 1, 1)
     # 3 microbatches: only the pipeline without a mesh may split 8 rows unevenly.
     three = _request(meshes, global_batch=True, microbatches=[3])
-    assert best_of(_layers(), machine, three, 8)[0].mesh == (4, 1, 1)
+    assert best_of(_layers(), machine, three.searches(8))[0].mesh == (4, 1, 1)
     with pytest.raises(ValueError, match=r"microbatches=\[3\] fits no pipeline's batch of the "
                                          r"candidate meshes \[\[2, 2, 1\]\]"):
-        best_of(_layers(), machine, _request([(2, 2, 1)], global_batch=True, microbatches=[3]), 8)
+        best_of(_layers(), machine, _request([(2, 2, 1)], global_batch=True, microbatches=[3]).searches(8))
 
 
 def test_tensor_parallel_sizes_are_those_the_plan_splits_evenly() -> None:
@@ -293,9 +293,9 @@ def test_fsdp_pays_its_measured_call_per_unit_and_loses_where_calls_are_costly()
     # A costly optimizer alone favours FSDP (1/dp of it per rank); FSDP's measured calls
     # (8 of them) outweigh the optimizer it saves: replicate is chosen.
     costly = MachineCosts(optimizer_seconds_per_byte=0.01)
-    assert best_of(_layers(), costly, _request([(2, 2, 1)]), 8)[0].data_parallel == "fsdp"
+    assert best_of(_layers(), costly, _request([(2, 2, 1)]).searches(8))[0].data_parallel == "fsdp"
     calls = dataclasses.replace(costly, fsdp_call_seconds=1.0, replicate_call_seconds=1.0)
-    assert best_of(_layers(), calls, _request([(2, 2, 1)]), 8)[0].data_parallel == "replicate"
+    assert best_of(_layers(), calls, _request([(2, 2, 1)]).searches(8))[0].data_parallel == "replicate"
     assert MachineCosts.from_dict(calls.to_dict()) == calls
 
 
@@ -324,7 +324,7 @@ def test_tensor_parallel_collectives_are_priced_from_a_dict_plan() -> None:
     layers = with_tp_traffic(_layers(), [(2.0, 64.0)] * 4)
     assert layers[0].tp_collectives == 2.0 and with_tp_traffic(_layers(), []) == _layers()
     slow = MachineCosts(all_reduce_latency_seconds=10.0)
-    free, _ = best_of(_layers(), slow, _request([(1, 1, 2), (1, 2, 1)]), 8)
+    free, _ = best_of(_layers(), slow, _request([(1, 1, 2), (1, 2, 1)]).searches(8))
     assert free.mesh == (1, 1, 2), free.table()  # unpriced: tp halves the compute
-    priced, _ = best_of(layers, slow, _request([(1, 1, 2), (1, 2, 1)]), 8)
+    priced, _ = best_of(layers, slow, _request([(1, 1, 2), (1, 2, 1)]).searches(8))
     assert priced.mesh == (1, 2, 1), priced.table()

@@ -91,7 +91,11 @@ class Request:
     def searches(self, rows: int) -> List[Tuple[int, bool, Dict[str, Any]]]:
         """One search per pipeline batch, microbatch rule and data parallelism: each
         ``(batch, fsdp, keywords of configuration.search)``; a mesh whose batch no
-        candidate count fits is left out."""
+        candidate count fits is left out.
+
+        Raises:
+            ValueError: no mesh left (:func:`unsearchable`).
+        """
         out = []
         groups: Dict[Tuple[int, bool], List[Mesh]] = {}
         for mesh in self.meshes:
@@ -110,26 +114,25 @@ class Request:
                     microbatches=counts, meshes=meshes, balance=self.balance,
                     recompute=self.recompute, memory=self.memory,
                     interleaved_chunks=self.chunks, fsdp=fsdp)))
+        if not out:
+            raise unsearchable(self, rows)
         return out
 
 
-def best_of(layers: Sequence[LayerCost], machine: MachineCosts, request: Request, rows: int,
+def best_of(layers: Sequence[LayerCost], machine: MachineCosts,
+            searches: Sequence[Tuple[int, bool, Dict[str, Any]]],
             candidates: int = 5) -> Tuple[Configuration, int]:
-    """The best configuration of every search of ``request`` (one per pipeline batch
-    and data parallelism: ``configuration.search`` scores one batch and one sharding),
-    by predicted step time, each search's runners-up merged.
+    """The best configuration of every search (:meth:`Request.searches`: one per pipeline
+    batch and data parallelism, ``configuration.search`` scores one batch and one
+    sharding), by predicted step time, each search's runners-up merged.
 
     Returns:
         The best configuration (``data_parallel`` recorded where ``dp > 1``) with the
         ``candidates`` best others, and its pipeline's batch.
 
     Raises:
-        ValueError: no search space (no count fits a pipeline's batch), or nothing fits
-            ``memory`` in any search (each one's smallest peak named).
+        ValueError: nothing fits ``memory`` in any search (each one's smallest peak named).
     """
-    searches = request.searches(rows)
-    if not searches:
-        raise unsearchable(request, rows)
     found: List[Tuple[Configuration, int]] = []
     errors = []
     for batch, fsdp, arguments in searches:
@@ -162,8 +165,8 @@ def with_tp_traffic(layers: Sequence[LayerCost],
 
 
 def unsearchable(request: Request, rows: int) -> ValueError:
-    """The error of a request with no search (:meth:`Request.searches` empty): its fixed
-    microbatch count fits no candidate pipeline's batch."""
+    """The error of a request with no search (:meth:`Request.searches` finds none): its
+    fixed microbatch count fits no candidate pipeline's batch."""
     split = " split over dp" if request.global_batch else ""
     return ValueError(
         f"microbatches={request.microbatches} fits no pipeline's batch of the candidate meshes "
@@ -285,13 +288,11 @@ def choose(measuring: Measuring, request: Request) -> Tuple[Configuration, Plan]
     def search(machine: MachineCosts) -> str:
         started = time.perf_counter()
         searches = request.searches(rows)
-        if not searches:
-            raise unsearchable(request, rows)
         costs = measuring.costs([(batch, arguments["microbatches"])
                                  for batch, _, arguments in searches])
         measured = time.perf_counter()
         best, batch = best_of(with_tp_traffic(costs.layers, request.tp_traffic), machine,
-                              request, rows)
+                              searches)
         _log.info("measured %d layers in %.2f s, searched in %.3f s", len(costs.layers),
                   measured - started, time.perf_counter() - measured)
         return plan_of(best, costs, batch, machine).to_json(indent=None)
@@ -387,6 +388,6 @@ def search_profile(chain: ProfileChain, machine: MachineCosts, request: Request,
     Raises:
         ValueError: nothing fits ``memory``, or a bad search space.
     """
-    best, batch = best_of(chain.costs.layers, machine, request, batch_size)
+    best, batch = best_of(chain.costs.layers, machine, request.searches(batch_size))
     return best, plan_of(best, chain.costs, batch, machine,
                          None if chain.nodes is None else chain.stage_nodes(best.balance))
