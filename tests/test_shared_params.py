@@ -125,6 +125,7 @@ def check_matches_unsplit(schedule: str, balance: List[int], replicas: Optional[
         waited = stats["seconds_by_kind"].get("TIED_ALLREDUCE")
         assert (waited is not None) == (len(local_layers & {0, 4}) == 1), (what, stats)
         assert waited is None or 0 < waited <= stats["wait_s"] <= stats["busy_s"], (what, stats)
+        assert stats["bubble_fraction"] == pytest.approx(1 - stats["compute_s"] / stats["busy_s"]), stats
 
 
 def check_meta_built(schedule: str, balance: List[int],

@@ -96,6 +96,9 @@ void bindRuntimeStats(py::module_& m) {
       .def("merge", &RuntimeStats::merge, py::arg("other"),
            "A new RuntimeStats: sums; peaks and per-stage versions take the maximum; "
            "seconds_by_kind adds per kind.")
+      .def("with_wait", &RuntimeStats::withWait, py::arg("kind"), py::arg("seconds"),
+           "A new RuntimeStats with seconds waited outside the executor: they add to "
+           "seconds_by_kind[kind], wait_s and busy_s.")
       .def("as_dict", &statsToDict, "A dict with exactly the property names as keys.")
       .def("__repr__", &statsRepr);
 }

@@ -31,4 +31,12 @@ RuntimeStats RuntimeStats::merge(const RuntimeStats& other) const {
   return out;
 }
 
+RuntimeStats RuntimeStats::withWait(const std::string& kind, double seconds) const {
+  RuntimeStats out = *this;
+  out.secondsByKind[kind] += seconds;
+  out.waitSeconds += seconds;
+  out.busySeconds += seconds;
+  return out;
+}
+
 }  // namespace pipedream

@@ -37,6 +37,11 @@ struct RuntimeStats {
   // Counters and times add; peaks (and each stage's peak versions) take the
   // maximum; secondsByKind adds per kind.
   RuntimeStats merge(const RuntimeStats& other) const;
+
+  // A copy with `seconds` the step waited outside the executor (the tied
+  // weights' all-reduce, where the first rank to finish waits for the last):
+  // they add to secondsByKind[kind], waitSeconds and busySeconds alike.
+  RuntimeStats withWait(const std::string& kind, double seconds) const;
 };
 
 }  // namespace pipedream

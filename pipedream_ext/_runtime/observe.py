@@ -111,13 +111,10 @@ class Observer:
 
     def stats(self, executor: Any) -> Dict[str, Any]:
         """This rank's stats since construction or :meth:`reset` (see ``PipeDream.stats``)."""
-        merged = self._retired.merge(executor.stats()).as_dict()
+        stats = self._retired.merge(executor.stats())
         for kind, seconds in self._outside.items():
-            merged["seconds_by_kind"][kind] = merged["seconds_by_kind"].get(kind, 0.0) + seconds
-            merged["wait_s"] += seconds
-            merged["busy_s"] += seconds
-        if self._outside and merged["busy_s"] > 0:
-            merged["bubble_fraction"] = 1.0 - merged["compute_s"] / merged["busy_s"]
+            stats = stats.with_wait(kind, seconds)
+        merged = stats.as_dict()
         merged["rank"] = self.rank
         merged["stages"] = list(self.stages)
         if self._check is not None:

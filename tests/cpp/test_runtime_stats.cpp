@@ -57,5 +57,21 @@ TEST(RuntimeStats, MergeSumsCountersAndTakesPeakMaxima) {
   EXPECT_EQ(b.peakWeightVersions.size(), 2u);
 }
 
+TEST(RuntimeStats, AWaitOutsideTheExecutorIsBusyAndIdle) {
+  RuntimeStats s;
+  s.computeSeconds = 1;
+  s.waitSeconds = 1;
+  s.busySeconds = 2;
+  s.secondsByKind = {{"F", 1.0}, {"RECV_F", 1.0}};
+  const RuntimeStats w = s.withWait("TIED_ALLREDUCE", 2.0).withWait("TIED_ALLREDUCE", 1.0);
+  EXPECT_DOUBLE_EQ(w.waitSeconds, 4);
+  EXPECT_DOUBLE_EQ(w.busySeconds, 5);
+  EXPECT_DOUBLE_EQ(w.computeSeconds, 1);
+  EXPECT_EQ(w.secondsByKind,
+            (std::map<std::string, double>{{"F", 1.0}, {"RECV_F", 1.0}, {"TIED_ALLREDUCE", 3.0}}));
+  EXPECT_DOUBLE_EQ(w.bubbleFraction(), 0.8);
+  EXPECT_DOUBLE_EQ(s.busySeconds, 2);  // unchanged
+}
+
 }  // namespace
 }  // namespace pipedream
