@@ -30,6 +30,8 @@ def _diamond() -> "pe.ProfileGraph":
 
 
 def test_a_branching_profile_is_cut_in_topological_order_with_the_bytes_crossing() -> None:
+    # The planner's rule for an input source, as the nodes report it.
+    assert [n["is_input"] for n in _diamond().nodes()] == [True, False, False, False, False]
     chain = chain_of_profile(_diamond(), batch_size=4)
     assert chain.nodes == [["n0", "a"], ["c"], ["b"], ["d"]]
     layers = chain.costs.layers

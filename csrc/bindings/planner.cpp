@@ -78,6 +78,7 @@ py::list graphNodes(const ProfileGraph& g) {
     d["backward_ms"] = n.backwardMs;
     d["activation_bytes"] = n.activationBytes;
     d["parameter_bytes"] = n.parameterBytes;
+    d["is_input"] = n.isInput();  // the planner's rule (an "Input..." description)
     out.append(d);
   }
   return out;
@@ -98,7 +99,10 @@ void bindProfileGraph(py::module_& m) {
            py::arg("src"), py::arg("dst"))
       .def("__len__", &ProfileGraph::numNodes)
       .def("is_chain", [](const ProfileGraph& g) { return g.isChain(); })
-      .def("nodes", &graphNodes)
+      .def("nodes", &graphNodes,
+           "One dict per node, in file order: id, description, forward_ms, backward_ms, "
+           "activation_bytes, parameter_bytes and is_input (an 'Input...' source, which the "
+           "planner places in stage 0).")
       .def("edges", [](const ProfileGraph& g) {
         std::vector<std::pair<std::string, std::string>> out;
         for (const auto& e : g.edges()) out.emplace_back(g.node(e.first).id, g.node(e.second).id);

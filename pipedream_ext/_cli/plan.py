@@ -72,7 +72,7 @@ def _run_profile(args: argparse.Namespace) -> int:
                     progress=args.progress)
     total_f = sum(n["forward_ms"] for n in graph.nodes())
     total_b = sum(n["backward_ms"] for n in graph.nodes())
-    inputs = sum(1 for n in graph.nodes() if n["description"].startswith("Input"))
+    inputs = sum(1 for n in graph.nodes() if n["is_input"])
     what = "layers" if isinstance(model, nn.Sequential) else \
         f"groups of the traced graph, {len(graph.edges())} edges"
     print(f"profiled {len(graph) - inputs} {what}: forward {total_f:.3f} ms, backward "

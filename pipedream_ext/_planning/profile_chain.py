@@ -55,10 +55,6 @@ class ProfileChain:
         return [[n for layer in self.nodes[lo:hi] for n in layer] for lo, hi in zip(bounds, bounds[1:])]
 
 
-def _is_input(node: Mapping[str, Any]) -> bool:
-    return str(node["description"]).startswith("Input")
-
-
 def _topological(ids: Sequence[str], after: Mapping[str, List[str]],
                  before: Mapping[str, List[str]]) -> List[str]:
     """Kahn's order, ties broken by file position.
@@ -148,12 +144,12 @@ def chain_of_profile(graph: Any, batch_size: int, max_layers: int = MAX_LAYERS) 
     # An input sits just before its first consumer (its bytes cross from there on).
     placed = sorted(order, key=lambda n: min((position[m] for m in after.get(n, [])),
                                              default=position[n]) - 0.5
-                    if _is_input(nodes[n]) else position[n])
+                    if nodes[n]["is_input"] else position[n])
     members: List[List[str]] = []
     starts: List[int] = []  # each layer's first position in ``placed``
     pending: List[str] = []
     for i, n in enumerate(placed):
-        if _is_input(nodes[n]):
+        if nodes[n]["is_input"]:
             pending.append(n)
             continue
         starts.append(i - len(pending))
@@ -164,9 +160,9 @@ def chain_of_profile(graph: Any, batch_size: int, max_layers: int = MAX_LAYERS) 
     members[-1] += pending  # inputs nothing uses
     size = {n: float(nodes[n]["activation_bytes"]) for n in placed}
     cross = _crossing(placed, after, size)
-    fed = [sum(size[n] for n in m if _is_input(nodes[n])) for m in members]
+    fed = [sum(size[n] for n in m if nodes[n]["is_input"]) for m in members]
     in_bytes = [(cross[s - 1] if s > 0 else 0.0) + f for s, f in zip(starts, fed)]
-    computing = [next(n for n in m if not _is_input(nodes[n])) for m in members]
+    computing = [next(n for n in m if not nodes[n]["is_input"]) for m in members]
     # The last layer's output goes to the loss, crossing no cut: its own bytes.
     out_bytes = [cross[s - 1] for s in starts[1:]] + [size[computing[-1]]]
     return _merged(nodes, computing, members, in_bytes, out_bytes, batch_size,
