@@ -119,9 +119,12 @@ def test_plan_auto_plans_a_branching_profile(name: str, tmp_path: Path,
     rc = cli_main(["plan", "--auto", "--profile", str(DATA / f"{name}.txt"), "--workers", "2",
                    "--bandwidth", "1e10", "--batch-size", "32", "--max-layers", "12",
                    "--schedule", "1f1b", "-o", str(out)])
-    capsys.readouterr()
+    printed = capsys.readouterr().out
     assert rc == 0
     plan, graph = pe.Plan.load(out), pe.load_profile(DATA / f"{name}.txt")
+    # The table's balance counts merged layers, and says so.
+    assert f"of the 12 layers the profile's {len(graph)} nodes (inputs included) were merged into" \
+        in printed, printed
     stage = _stage_of(plan)
     ids: List[str] = [n["id"] for n in graph.nodes()]
     assert sorted(stage) == sorted(ids) and len(stage) == len(ids)

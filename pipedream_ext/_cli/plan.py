@@ -100,7 +100,13 @@ def _run_auto(args: argparse.Namespace) -> int:
         microbatches=microbatch_candidates(args.batch_size), chunks=(2,), balance=None,
         recompute=args.recompute, memory=args.memory, meshes=[(world, 1, 1)])
     best, result = choose.search_profile(chain, machine, request, args.batch_size)
-    return _report(result, best.table(), args)
+    table = best.table()
+    if chain.nodes is not None:
+        merged = sum(len(nodes) for nodes in chain.nodes)
+        table += (f"\nbalance: layers per stage of the {len(chain.nodes)} layers the profile's "
+                  f"{merged} nodes (inputs included) were merged into (--max-layers); the plan "
+                  "(-o, --json) names each stage's nodes")
+    return _report(result, table, args)
 
 
 def _report(result: Plan, table: str, args: argparse.Namespace) -> int:
