@@ -935,3 +935,24 @@ def test_gpu_check_runs_every_step_on_the_cpu(tmp_path):
         assert (tmp_path / f"vs_torch_world{world}.json").exists()
     assert "| zbv | ScheduleZBVZeroBubble |" in summary and "| gpipe | ScheduleGPipe |" in summary
     assert len(list(tmp_path.iterdir())) <= 8  # what the device tool brings back from $OUT
+
+
+@pytest.mark.slow  # a 2-rank launch building 4 pipelines (about 15 s on 2 cores): `make test-all`
+def test_mesh_choice_smoke_run():
+    """benchmarks/mesh_choice.py: mesh="auto" chooses on 2 ranks, then every candidate it
+    names is built on its own mesh and measured: one row per candidate, best first."""
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=str(BENCH.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(BENCH / "mesh_choice.py"), "mlp", "--steps", "2", "--warmup", "1"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = [line.split() for line in proc.stdout.splitlines() if re.match(r"(best|#\d+) ", line)]
+    rows = re.findall(r"^\| mlp, 2 \| (\d+x\d+x\d+) ?(\w*) \| ([\d.]+) \| ([\d.]+) \|$", proc.stdout, re.M)
+    assert table and len(rows) == len(table), proc.stdout
+    # The table's meshes, in its order (best first), are the rows measured.
+    assert [r[0] for r in rows] == [t[4] for t in table], proc.stdout
+    # Each row's prediction is the table's step time of its candidate (ms, third column from the end).
+    assert all(abs(float(r[2]) - float(t[-3])) < 0.006 for r, t in zip(rows, table)), proc.stdout
+    assert all(float(pred) > 0 and float(meas) > 0 for _, _, pred, meas in rows), rows
+    assert {r[0] for r in rows} >= {"1x2x1", "2x1x1"}, rows
