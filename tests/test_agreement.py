@@ -599,3 +599,24 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def test_a_dict_valued_argument_names_only_the_entries_that_differ() -> None:
+    """A plan dict that differs on one rank names that entry, not the whole JSON value."""
+    from pipedream_ext._dist.agreement import _disagreement
+    from pipedream_ext._dist.groups import RankNames
+
+    plan = {f"*.w{i}": {"style": "Colwise", "settings": {"use_local_output": "True"}} for i in range(14)}
+    other = {**plan, "*.w3": {"style": "Rowwise", "settings": {"use_local_output": "True"}}}
+    names = RankNames([0, 1, 2, 3])
+    assert _disagreement("tensor_parallel", [plan, plan, plan, other], names) == \
+        "tensor_parallel['*.w3']['style'] is \"Colwise\" on ranks 0, 1, 2; \"Rowwise\" on rank 3"
+    assert _disagreement("microbatches", [2, 4], RankNames([0, 1])) == "microbatches is 2 on rank 0; 4 on rank 1"
+    # A key only some ranks have; and no more than three differences spelled out.
+    assert _disagreement("d", [{"a": 1}, {}], RankNames([0, 1])) == "d['a'] is 1 on rank 0; \"(absent)\" on rank 1"
+    # A level's own values come before those inside its dicts: the style before its settings.
+    nested = [{"style": "C", "settings": {"x": 1}}, {"style": "R", "settings": {"x": 2}}]
+    assert _disagreement("p", nested, RankNames([0, 1])).startswith("p['style'] is \"C\" on rank 0")
+    many = [{k: i for k in "abcde"} for i in range(2)]
+    assert _disagreement("d", many, RankNames([0, 1])).endswith("d['c'] is 0 on rank 0; 1 on rank 1 (and 2 more "
+                                                                "differences)")

@@ -234,9 +234,11 @@ def check_plan_shards() -> None:
     import pipedream_ext as pd
 
     mesh = mesh_of((2, 1, 2))
+    shared = plan()
+    settings = {k: dict(vars(style)) for k, style in shared.items()}
     # Each tp rank builds other weights: the pipeline starts from tp rank 0's (llama(0)).
     pipe = pd.PipeDream(llama(seed=mesh["tp"].get_local_rank()), lm_loss, schedule="1f1b",
-                        microbatches=2, mesh=mesh, tensor_parallel=plan(), balance=BALANCE, timeout=60)
+                        microbatches=2, mesh=mesh, tensor_parallel=shared, balance=BALANCE, timeout=60)
     sharded = 0
     for name, p in pipe.named_parameters():
         leaf = name.split(".")[-2]
@@ -256,6 +258,17 @@ def check_plan_shards() -> None:
         with torch.no_grad():
             close(out, llama()(x), "forward_only's output")
     pipe.close()
+    # One plan dict serves any number of pipelines: applying it leaves the user's styles as
+    # they were (parallelize_module writes into the styles it applies, on the ranks whose
+    # stages they match), so a second pipeline (another split) agrees on every rank.
+    assert {k: dict(vars(style)) for k, style in shared.items()} == settings
+    again = pd.PipeDream(llama(), lm_loss, schedule="gpipe", microbatches=2, mesh=mesh,
+                         tensor_parallel=shared, balance=[3, 2], timeout=60)
+    out = again.forward_only(x)
+    if again.is_last:
+        with torch.no_grad():
+            close(out, llama()(x), "a second pipeline's forward_only output")
+    again.close()
 
 
 def check_stats_and_trace() -> None:
@@ -334,9 +347,12 @@ def check_refusals() -> None:
         assert names in str(info.value), (names, str(info.value))
     # The plan is compared at construction: one rank's other style fails every rank.
     other = {**plan(), "*.attn.wo": ColwiseParallel()} if dist.get_rank() == 3 else plan()
-    with pytest.raises(ValueError, match="ranks disagree on the pipeline configuration: "
-                                         "tensor_parallel is"):
+    # Only the entry that differs is named, with its values per rank.
+    with pytest.raises(ValueError, match=r"ranks disagree on the pipeline configuration: "
+                                         r"tensor_parallel\['\*\.attn\.wo'\]\['style'\] is "
+                                         r"\S*RowwiseParallel\S* on .*; \S*ColwiseParallel\S* on rank 3") as info:
         build(tensor_parallel=other, balance=BALANCE)
+    assert "'*.attn.wq'" not in str(info.value), str(info.value)
     pipe = build()
     with pytest.raises(ValueError, match=row("tp-checkpoint")):
         pd.save_checkpoint(os.path.join(os.environ.get("TMPDIR", "/tmp"), "tp-ckpt"), pipe)

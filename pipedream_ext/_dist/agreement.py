@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -71,6 +71,35 @@ def _per_rank(values: Sequence[Any], names: Optional[RankNames] = None) -> str:
     return "; ".join(f"{text} on {names.many(ranks)}" for text, ranks in groups.items())
 
 
+_ABSENT = "(absent)"
+
+
+def _differences(values: Sequence[Any], path: str = "") -> List[Tuple[str, List[Any]]]:
+    """Where per-rank JSON values differ: for dicts, the paths (``[key]...``) of the
+    differing entries, down to the first values that are not all dicts (an absent key
+    reads ``"(absent)"``), a level's own values before those inside its dicts (a
+    style's name before its settings); else ``[("", values)]``."""
+    if not all(isinstance(v, dict) for v in values):
+        return [(path, list(values))]
+    leaves: List[Tuple[str, List[Any]]] = []
+    nested: List[Tuple[str, List[Any]]] = []
+    for key in sorted({k for v in values for k in v}):
+        entries = [v.get(key, _ABSENT) for v in values]
+        if not _same(entries):
+            found = _differences(entries, f"{path}[{key!r}]")
+            (nested if all(isinstance(e, dict) for e in entries) else leaves).extend(found)
+    return leaves + nested
+
+
+def _disagreement(key: str, values: Sequence[Any], names: RankNames, shown: int = 3) -> str:
+    """``key is X on ranks ...; Y on ranks ...``, naming only the differing entries of a
+    dict-valued argument (the first ``shown`` of them)."""
+    parts = _differences(values)
+    text = "; ".join(f"{key}{path} is {_per_rank(vs, names)}" for path, vs in parts[:shown])
+    more = len(parts) - shown
+    return text + (f" (and {more} more difference{'s' if more > 1 else ''})" if more > 0 else "")
+
+
 def agree_at_construction(group: dist.ProcessGroup, config: Mapping[str, Any],
                           fingerprint: StagesFingerprint,
                           names: Optional[RankNames] = None) -> Optional[List[List[str]]]:
@@ -106,7 +135,7 @@ def agree_at_construction(group: dist.ProcessGroup, config: Mapping[str, Any],
         values = [g["config"].get(key) for g in gathered]
         if not _same(values):
             raise ValueError(f"{names.of_global(rank)}: ranks disagree on the pipeline "
-                             f"configuration: {key} is {_per_rank(values, names)}; every rank "
+                             f"configuration: {_disagreement(key, values, names)}; every rank "
                              "must build PipeDream with the same arguments and model")
     stages = [g["stages"] for g in gathered]
     for j in range(len(stages[0])):

@@ -32,6 +32,7 @@ rank; a ``DTensor`` that cannot cross is refused by name.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import fnmatch
@@ -67,7 +68,8 @@ def _setting(value: Any) -> str:
 
 def describe_plan(plan: Any) -> Any:
     """The JSON value ranks compare at construction: each pattern's style class and its
-    settings (``repr`` of its attributes), or a callable's qualified name.
+    settings (``repr`` of its attributes but ``src_data_rank``, which the pipeline always
+    sets to ``None``: each rank cuts its own shards), or a callable's qualified name.
 
     Args:
         plan: the ``tensor_parallel`` value (checked), or ``None``.
@@ -79,7 +81,8 @@ def describe_plan(plan: Any) -> Any:
         return None
     if isinstance(plan, Mapping):
         return {str(k): {"style": _qualified(v),
-                         "settings": {a: _setting(x) for a, x in sorted(vars(v).items())}}
+                         "settings": {a: _setting(x) for a, x in sorted(vars(v).items())
+                                      if a != "src_data_rank"}}
                 for k, v in sorted(plan.items())}
     return {"callable": _qualified(plan)}
 
@@ -616,7 +619,9 @@ class TensorParallel:
                 # checked over every stage (_refuse_unmatched) instead.
                 warnings.filterwarnings("ignore", message="Parallelize plan key .* could "
                                         "not be resolved")
-                parallelize_module(module, self.tp_mesh, {k: self.plan[k] for k in keys},
+                # Copies: parallelize_module writes src_data_rank into the styles it
+                # applies, which would leave the user's plan differing between ranks.
+                parallelize_module(module, self.tp_mesh, {k: copy.copy(self.plan[k]) for k in keys},
                                    src_data_rank=None)
 
     def _refuse_unmatched(self, found: Any) -> None:
