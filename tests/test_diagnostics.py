@@ -3,7 +3,7 @@ this process (the checks on a 1-rank Gloo group; several ranks disagreeing are c
 tests/test_agreement.py through PipeDream)."""
 from __future__ import annotations
 
-from typing import List
+from typing import Any, List
 
 import pytest
 import torch
@@ -80,3 +80,33 @@ def test_agreement_checks_on_one_rank(group: dist.ProcessGroup) -> None:
     x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
     pdd.check_batches_agree(x, y)
     pdd.check_batches_agree(x, y, group=group, first_ranks=[0], last_ranks=[0])
+
+
+class Masked(nn.Module):
+    """torchtitan's Llama signature: optional arguments that default to None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, tokens: torch.Tensor, attention_masks: Any = None, positions: Any = None,
+                scale: float = 2.0) -> torch.Tensor:
+        h = self.inp(tokens) * scale
+        if attention_masks is not None:
+            h = h * attention_masks
+        if positions is not None:
+            h = h + positions
+        return self.out(h)
+
+
+def test_positional_inputs_leave_other_parameters_at_their_defaults() -> None:
+    """``model(x)`` takes forward's defaults for the rest, so tracing on ``(x,)`` does too
+    (fx: fixed while tracing), without concrete_args; a value given in concrete_args wins."""
+    model, x = Masked(), torch.randn(4, 6)
+    split = pdd.trace_split(model, ["out"], (x,))
+    assert split.tracer == "fx"
+    with torch.no_grad():
+        assert torch.equal(split.stages[1](split.stages[0](x)), model(x))
+        fixed = pdd.trace_split(model, ["out"], (x,), concrete_args={"scale": 3.0})
+        assert torch.equal(fixed.stages[1](fixed.stages[0](x)), model(x, scale=3.0))

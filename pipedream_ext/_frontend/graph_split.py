@@ -136,8 +136,8 @@ def trace_model(model: nn.Module, num_inputs: int,
         concrete_args: non-tensor arguments of ``forward`` fixed for tracing
             (``{"use_cache": False}``); fx bakes their branch into the graph.
         input_names: the tensor inputs by parameter name instead (a dict of named
-            inputs); every other parameter is then fixed to its value in
-            ``concrete_args`` or to its default, as ``model(**inputs)`` would.
+            inputs). Every other parameter is fixed to its value in ``concrete_args``
+            or to its default, as ``model(**inputs)`` (``model(*inputs)``) would.
         keep_calls: qualified names of modules whose calls stay calls (fx traces
             through every module outside ``torch.nn`` by default); their hooks (a
             tensor-parallel style's) then run as in the model.
@@ -154,6 +154,8 @@ def trace_model(model: nn.Module, num_inputs: int,
     concrete = dict(concrete_args or {})
     if input_names is not None:
         concrete.update(_defaults(model, input_names, concrete))
+    else:
+        concrete.update(_positional_defaults(model, num_inputs, concrete))
     try:
         tracer = _KeepCalls(keep_calls)
         traced_graph = tracer.trace(model, concrete_args=concrete or None)
@@ -214,6 +216,19 @@ def _defaults(model: nn.Module, input_names: Sequence[str],
                              "or fix it with concrete_args={...}")
         fixed[name] = param.default
     return fixed
+
+
+def _positional_defaults(model: nn.Module, num_inputs: int,
+                         concrete: Mapping[str, Any]) -> Dict[str, Any]:
+    """The defaults of ``forward``'s parameters after the ``num_inputs`` positional
+    tensors that are not fixed, as ``model(*inputs)`` would take them (torchtitan's
+    ``attention_masks=None``); none past a ``*args``, which takes the inputs."""
+    params = list(inspect.signature(model.forward).parameters.values())
+    if any(p.kind == p.VAR_POSITIONAL for p in params[:num_inputs + 1]):
+        return {}
+    return {p.name: p.default for p in params[num_inputs:]
+            if p.name not in concrete and p.default is not p.empty
+            and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
 
 
 def _where(exc: BaseException, model: nn.Module) -> str:
