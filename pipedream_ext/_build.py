@@ -47,7 +47,7 @@ from ._frontend.tied_params import (
     find_shared,
     find_shared_in_stages,
 )
-from ._parallel import auto_mesh, tp_costs
+from ._parallel import auto_mesh, tp_costs, tp_record
 from ._parallel.data_parallel import DataParallel
 from ._parallel.dims import ParallelDims, check_schedule, resolve_dims
 from ._parallel.fsdp import refuse_split_ties
@@ -172,6 +172,7 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
         RuntimeError: no process group and no torchrun environment.
     """
     args, compile_context = _unwrap_compiled(args)
+    args = _recorded_tensor_parallel(args)
     originals = optimizer_check.original_parameters(args.module)  # before any is replaced
     prepared = prepare_model(args)
     model_shapes = reshard.key_shapes(args.module)
@@ -247,6 +248,16 @@ def _unwrap_compiled(args: PipelineArguments) -> Tuple[PipelineArguments, Option
         return args, None
     return dataclasses.replace(args, module=module, split_points=compiled.strip_compiled_prefix(
         args.split_points)), context
+
+
+def _recorded_tensor_parallel(args: PipelineArguments) -> PipelineArguments:
+    """A callable ``tensor_parallel`` plan on a traced model, as the dict it applies
+    (``tp_record``: the stages replay it module by module); anything else as it is."""
+    plan, mesh = args.tensor_parallel, args.mesh
+    if args.split_points is None or plan is None or isinstance(plan, Mapping) or \
+            "tp" not in (getattr(mesh, "mesh_dim_names", None) or ()):
+        return args  # a mesh without tp (or none): refused with the mesh's checks
+    return dataclasses.replace(args, tensor_parallel=tp_record.recorded_plan(plan, args.module, mesh["tp"]))
 
 
 def _parallel_dims(args: PipelineArguments, config: PipelineConfig) -> ParallelDims:

@@ -170,6 +170,23 @@ def titan_plan(sequence_parallel: bool = False) -> Dict[str, Any]:
     return plan
 
 
+def titan_apply_tp(sequence_parallel: bool = False) -> Any:
+    """torchtitan's way to hand the plan over: a parallelize function of the whole model
+    (``apply_tp(model, tp_mesh)``), walking its structure (``model.layers.values()``),
+    which a traced stage does not have."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    plan = titan_plan(sequence_parallel)
+    top = {k: v for k, v in plan.items() if not k.startswith("layers.")}
+    block = {k.removeprefix("layers.*."): v for k, v in plan.items() if k.startswith("layers.")}
+
+    def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
+        parallelize_module(model, tp_mesh, top)
+        for transformer_block in model.layers.values():
+            parallelize_module(transformer_block, tp_mesh, block)
+    return apply_tp
+
+
 def pipeline(model: nn.Module, plan: Any, schedule: str = "1f1b", **kwargs: Any) -> Any:
     import pipedream_ext as pd
 
@@ -201,16 +218,19 @@ def models(cls: type, meta: bool) -> Tuple[nn.Module, nn.Module]:
 
 
 def check_training(schedule: str, tracer: str = "fx", sequence_parallel: bool = False,
-                   dp: int = 1, data_parallel: str = "replicate", meta: bool = False) -> None:
+                   dp: int = 1, data_parallel: str = "replicate", meta: bool = False,
+                   callable_plan: bool = False) -> None:
     """STEPS AdamW steps of the pipeline and of the unsplit model agree: the loss of every
     step, every gradient of step 0, every weight after each step (with ``dp`` > 1: on a
     pp2 x dp x tp2 mesh, each dp rank given its part of the unsplit model's batch; with
     ``meta``, the model built on the meta device: each rank materialises only its stages'
-    units, which the plan then shards)."""
+    units, which the plan then shards; with ``callable_plan``, the plan handed over as
+    torchtitan's parallelize function)."""
     cls = ExportedTransformer if tracer == "export" else Transformer
     mesh = mesh_of((2, dp, 2))
     ref, model = models(cls, meta)
-    pipe = pipeline(model, titan_plan(sequence_parallel), schedule, mesh=mesh,
+    plan = titan_apply_tp(sequence_parallel) if callable_plan else titan_plan(sequence_parallel)
+    pipe = pipeline(model, plan, schedule, mesh=mesh,
                     data_parallel=data_parallel, init_fn=init_unit if meta else None)
     if meta:  # this rank's shards only; the other stage's tensors were never allocated
         assert not any(p.is_meta for p in pipe.parameters())
@@ -218,6 +238,10 @@ def check_training(schedule: str, tracer: str = "fx", sequence_parallel: bool = 
                    if n not in dict(pipe.named_parameters())), "the other stage was materialised"
     dp_rank = mesh["dp"].get_local_rank()
     assert pipe.traced.tracer == tracer
+    from torch.distributed.tensor import DTensor
+
+    sharded = sorted(n.split(".")[-2] for n, p in pipe.named_parameters() if isinstance(p, DTensor))
+    assert {"wq", "wk", "wv", "wo", "w1", "w2", "w3"} <= set(sharded), sharded  # the plan applied
     opt = torch.optim.AdamW(pipe.parameters(), lr=0.01, eps=1e-4)  # eps: test_tensor_parallel
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, eps=1e-4)
     refs = dict(ref.named_parameters())
@@ -312,22 +336,30 @@ def check_plan_shards(tracer: str) -> None:
 
 def check_refusals() -> None:
     """A pattern matching nothing, a split point inside a module the plan keeps as one
-    call, a callable plan with split_points, and a call the export path cannot put
-    back are refused, naming them."""
+    call, a callable plan a traced stage cannot replay, and a call the export path
+    cannot put back are refused, naming them."""
     from test_bad_input import ROWS
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput
 
     def row(row_id: str) -> str:
         return next(r[2] for r in ROWS if r[0] == row_id)
 
+    from torch.distributed.tensor.parallel import parallelize_module
+
     keep_attention = {**titan_plan(), "layers.*.attention": PrepareModuleInput()}
+
+    def set_heads(model: nn.Module, tp_mesh: Any) -> None:  # what a stage could not replay
+        titan_apply_tp()(model, tp_mesh)
+        model.layers["0"].attention.n_heads = HEADS // 2
     refused = [  # (row, what the message names, the model, the options)
         ("tp-plan-unmatched", "'layers.*.attention.wz'", Transformer,
          dict(tensor_parallel={**titan_plan(), "layers.*.attention.wz": ColwiseParallel()})),
         ("tp-split-inside", "split point 'layers.1.attention.wq' is inside 'layers.1.attention'",
          Transformer, dict(tensor_parallel=keep_attention, split_points=["layers.1.attention.wq"])),
-        ("tp-unsupported", "a callable plan and split_points", Transformer,
-         dict(tensor_parallel=lambda stage, mesh: None)),
+        ("tp-callable-replay", "changed ['layers.0.attention'] of the model", Transformer,
+         dict(tensor_parallel=set_heads)),
+        ("tp-callable-replay", "applies ColwiseParallel to the whole model", Transformer,
+         dict(tensor_parallel=lambda model, tp_mesh: parallelize_module(model, tp_mesh, ColwiseParallel()))),
         ("tp-export-call", "keeps 'layers.0.attention' (Attention) as a module call",
          ExportedTransformer, dict(tensor_parallel=keep_attention)),
     ]
@@ -347,6 +379,9 @@ def cases(world: int) -> Cases:
     c.add(check_training, "1f1b", "export")
     c.add(check_training, "zb-h1", sequence_parallel=True, name="training-zb-h1-sequence-parallel")
     c.add(check_training, "1f1b", meta=True, name="training-1f1b-meta")
+    c.add(check_training, "1f1b", callable_plan=True, name="training-1f1b-callable")
+    c.add(check_training, "zb-h1", sequence_parallel=True, callable_plan=True,
+          name="training-zb-h1-sequence-parallel-callable")
     c.add(check_training, "1f1b", "export", meta=True, name="training-1f1b-export-meta")
     c.add(check_refusals)
     return c
@@ -405,3 +440,47 @@ def test_tensor_parallel_on_a_traced_model_pp2_dp2_tp2(case: CaseRef) -> None:
 
 if __name__ == "__main__":
     worker_main([LAUNCH, MESH_3D])
+
+
+def test_a_callable_plan_is_recorded_as_the_dict_it_applies(group: Any) -> None:
+    """One process: torchtitan's parallelize function, run on a meta copy with the styles
+    recording instead of applying, gives the dict plan it amounts to (exact module
+    names, in its order), a style class it defines as it runs included; the model is
+    untouched and the styles apply for real afterwards; two styles on one module are
+    refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
+
+    from pipedream_ext._parallel.tp_record import recorded_plan
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    model = build(Transformer)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    plan = recorded_plan(titan_apply_tp(), model, mesh)
+    per_block = ["attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1",
+                 "feed_forward.w2", "feed_forward.w3"]
+    assert list(plan) == ["tok_embeddings", "output"] + [f"layers.{i}.{m}" for i in range(LAYERS)
+                                                           for m in per_block]
+    assert type(plan["layers.1.attention.wo"]).__name__ == "RowwiseParallel"
+    assert all(torch.equal(p, before[n]) and not isinstance(p, DTensor) for n, p in model.named_parameters())
+    assert not any(m._forward_pre_hooks for m in model.modules())  # nothing applied
+
+    def own_style(model: nn.Module, tp_mesh: Any) -> None:
+        class Counting(ParallelStyle):
+            def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+                module.register_forward_pre_hook(lambda *_: None)
+                return module
+        parallelize_module(model.layers["1"].attention, tp_mesh, Counting())
+    recorded = recorded_plan(own_style, model, mesh)
+    assert list(recorded) == ["layers.1.attention"] and not model.layers["1"].attention._forward_pre_hooks
+    parallelize_module(model.layers["1"].attention, mesh, recorded["layers.1.attention"])
+    assert len(model.layers["1"].attention._forward_pre_hooks) == 1  # applied for real
+    parallelize_module(model, mesh, {"layers.0.attention.wq": ColwiseParallel()})
+    assert isinstance(model.layers["0"].attention.wq.weight, DTensor)  # the patch is undone
+
+    def twice(model: nn.Module, tp_mesh: Any) -> None:
+        parallelize_module(model, tp_mesh, {"output": ColwiseParallel()})
+        parallelize_module(model.output, tp_mesh, ColwiseParallel())
+    with pytest.raises(ValueError, match="applies two styles to 'output'"):
+        recorded_plan(twice, build(Transformer), mesh)

@@ -93,7 +93,7 @@ def check_option(plan: Any, options: Any) -> None:
     Raises:
         ValueError: a plan that is neither a dict of ``ParallelStyle`` nor a callable, or
             what it does not support yet (an asynchronous schedule: its weight stashing of
-            DTensor shards; a callable with ``split_points``), naming the value and the fix.
+            DTensor shards), naming the value and the fix.
     """
     if plan is None:
         return
@@ -112,10 +112,6 @@ def check_option(plan: Any, options: Any) -> None:
     unsupported = [
         (schedules.traits(options.schedule).asynchronous, f"schedule={options.schedule!r}",
          f"use schedule= one of {', '.join(schedules.synchronous_names())}"),
-        (options.split_points is not None and not isinstance(plan, Mapping),
-         "a callable plan and split_points",
-         "give a dict {pattern: ParallelStyle}: a traced stage calls only the modules a dict's "
-         "patterns match (tracing runs through the others, whose hooks would never run)"),
     ]
     for bad, what, fix in unsupported:
         if bad:

@@ -311,9 +311,11 @@ class PipelineOptions:
         stage over ``mesh["tp"]``, a dict ``{pattern: ParallelStyle}`` (fnmatch patterns over the original
         model's module names, ``*`` one name component, as ``parallelize_module`` reads them; each stage's
         modules get what ``parallelize_module(model, mesh["tp"], plan)`` gives them) or a callable
-        ``fn(stage_module, tp_mesh)``. Every tp rank of a dp coordinate is given the same batch. An
-        ``nn.Sequential`` with a flush schedule; docs/guide/tensor_parallel.md lists what is
-        refused.""", group="placement", check=_check_tensor_parallel, agreed=describe_plan)
+        ``fn(stage_module, tp_mesh)`` (with ``split_points``: ``fn(model, tp_mesh)`` of the whole model,
+        torchtitan's parallelize function, recorded as the dict it applies). Every tp rank of a dp
+        coordinate is given the same batch. An ``nn.Sequential`` with a flush schedule;
+        docs/guide/tensor_parallel.md lists what is refused.""",
+        group="placement", check=_check_tensor_parallel, agreed=describe_plan)
 
     # -- numerics ---------------------------------------------------------------------------
     autocast: Optional[torch.dtype] = option(None, """
