@@ -56,6 +56,7 @@ from ._parallel.tensor_parallel import (
     CutLayouts,
     LayoutExchange,
     check_split_points,
+    enclosing_calls,
     kept_calls,
     sequence_parallel,
 )
@@ -441,6 +442,7 @@ def _trace_stages(args: PipelineArguments) -> TracedSplit:
     # A tensor-parallel plan's modules stay module calls in the stages (their hooks run).
     check_split_points(args.tensor_parallel, module, args.split_points)
     keep = kept_calls(args.tensor_parallel, module)
+    enclosing = enclosing_calls(args.tensor_parallel, module, args.split_points)
     first = sample[0]
     if deferred_init.has_meta_tensors(module):
         # Traced without values: the sample's shapes and dtypes on the meta device, as the
@@ -449,9 +451,10 @@ def _trace_stages(args: PipelineArguments) -> TracedSplit:
     if isinstance(first, Mapping):  # keyword inputs: traced by name, passed by name
         model_io.positional_inputs(list(first), first, "sample")  # tensors only
         return split_model(module, args.split_points, dict(first), args.concrete_args,
-                           keep_calls=keep)
+                           keep_calls=keep, enclosing_calls=enclosing)
     inputs = tuple(first) if isinstance(first, (tuple, list)) else (first,)
-    return split_model(module, args.split_points, inputs, args.concrete_args, keep_calls=keep)
+    return split_model(module, args.split_points, inputs, args.concrete_args, keep_calls=keep,
+                       enclosing_calls=enclosing)
 
 
 def _is_plan(balance: Any) -> bool:

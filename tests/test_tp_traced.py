@@ -111,6 +111,35 @@ class ExportedTransformer(Transformer):
         return super().forward(tokens)
 
 
+class RotaryAttention(Attention):
+    """torchtitan's rotary embedding: ``reshape(*x.shape[:-1], -1, 2)``, which torch.fx
+    cannot trace (a shape unpacked) and torch.export records with the unsplit head count."""
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        pairs = q.reshape(*q.shape[:-1], -1, 2)
+        q = torch.stack((pairs[..., 0] - pairs[..., 1], pairs[..., 0] + pairs[..., 1]), -1).flatten(3) * freqs
+        k = self.wk(x).view(bs, seqlen, -1, self.head_dim) * freqs
+        v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        k, v = (t.repeat_interleave(HEADS // KV_HEADS, dim=2) for t in (k, v))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+
+class RotaryTransformer(Transformer):
+    """The Llama with torchtitan's rotary reshape in every attention: traced by torch.fx
+    only with the attentions kept as calls (they enclose the plan's wq/wk/wv/wo)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for block in self.layers.values():
+            rotary = RotaryAttention()
+            rotary.load_state_dict(block.attention.state_dict())
+            block.attention = rotary
+
+
 def build(cls: type = Transformer, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     model = cls()
@@ -226,7 +255,7 @@ def check_training(schedule: str, tracer: str = "fx", sequence_parallel: bool = 
     ``meta``, the model built on the meta device: each rank materialises only its stages'
     units, which the plan then shards; with ``callable_plan``, the plan handed over as
     torchtitan's parallelize function)."""
-    cls = ExportedTransformer if tracer == "export" else Transformer
+    cls = {"export": ExportedTransformer, "fx-enclosing": RotaryTransformer}.get(tracer, Transformer)
     mesh = mesh_of((2, dp, 2))
     ref, model = models(cls, meta)
     plan = titan_apply_tp(sequence_parallel) if callable_plan else titan_plan(sequence_parallel)
@@ -237,7 +266,7 @@ def check_training(schedule: str, tracer: str = "fx", sequence_parallel: bool = 
         assert any(p.is_meta for n, p in model.named_parameters()
                    if n not in dict(pipe.named_parameters())), "the other stage was materialised"
     dp_rank = mesh["dp"].get_local_rank()
-    assert pipe.traced.tracer == tracer
+    assert pipe.traced.tracer == tracer.partition("-")[0]
     from torch.distributed.tensor import DTensor
 
     sharded = sorted(n.split(".")[-2] for n, p in pipe.named_parameters() if isinstance(p, DTensor))
@@ -380,6 +409,7 @@ def cases(world: int) -> Cases:
     c.add(check_training, "zb-h1", sequence_parallel=True, name="training-zb-h1-sequence-parallel")
     c.add(check_training, "1f1b", meta=True, name="training-1f1b-meta")
     c.add(check_training, "1f1b", callable_plan=True, name="training-1f1b-callable")
+    c.add(check_training, "1f1b", "fx-enclosing", name="training-1f1b-fx-enclosing")
     c.add(check_training, "zb-h1", sequence_parallel=True, callable_plan=True,
           name="training-zb-h1-sequence-parallel-callable")
     c.add(check_training, "1f1b", "export", meta=True, name="training-1f1b-export-meta")

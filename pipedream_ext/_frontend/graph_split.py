@@ -22,6 +22,7 @@ import dataclasses
 import difflib
 import inspect
 import linecache
+import logging
 import operator
 import os
 import traceback
@@ -48,6 +49,8 @@ from .fx_graph import (
 __all__ = ["TracedSplit", "UntraceableError", "trace_model", "stage_starts", "stage_assignment",
            "live_sets", "build_stages", "check_one_stage_per_state", "split_model", "reorder_cuts",
            "merge_stage_modules"]
+
+_log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class TracedSplit:
@@ -484,7 +487,7 @@ def split_model(model: nn.Module, split_points: Sequence[str],
                 concrete_args: Optional[Mapping[str, Any]] = None,
                 stage_of: Optional[Mapping[str, int]] = None,
                 traced: Optional[Tuple[fx.GraphModule, Mapping[fx.Node, str]]] = None,
-                keep_calls: Sequence[str] = ()) -> TracedSplit:
+                keep_calls: Sequence[str] = (), enclosing_calls: Sequence[str] = ()) -> TracedSplit:
     """Traces ``model`` on ``inputs`` and cuts it at ``split_points`` (or as ``stage_of`` says).
 
     torch.fx first (module calls stay calls: BatchNorm keeps its running statistics,
@@ -510,6 +513,11 @@ def split_model(model: nn.Module, split_points: Sequence[str],
             tensor-parallel plan matches: their styles' hooks must run); fx keeps them
             as leaves, the torch.export path puts the calls back
             (``export.keep_module_calls``).
+        enclosing_calls: modules enclosing those of ``keep_calls`` (an attention around
+            its ``wq``), kept as calls too when torch.fx cannot trace the model otherwise
+            and can with them: their own operations (a rotary embedding's reshape of
+            the heads) then run as in the model, where torch.export would record them
+            with the unsplit sizes a tensor-parallel rank does not have.
 
     Returns:
         The stages and the live set of every cut.
@@ -530,7 +538,7 @@ def split_model(model: nn.Module, split_points: Sequence[str],
     else:  # a sample of distinct tensors, as every batch is (model_io.distinct_inputs)
         inputs = model_io.distinct_inputs(inputs, model)
         gm, input_names, output_spec, tracer = _trace_or_export(model, inputs, concrete_args,
-                                                                keep_calls)
+                                                                keep_calls, enclosing_calls)
         kinds = None
     if stage_of is not None:
         if tracer != "fx":
@@ -619,9 +627,11 @@ def reorder_cuts(split: TracedSplit, orders: Sequence[Sequence[str]]) -> TracedS
 
 
 def _trace_or_export(model: nn.Module, inputs: Union[Tuple[torch.Tensor, ...], Mapping[str, Any]],
-                     concrete_args: Optional[Mapping[str, Any]], keep_calls: Sequence[str] = ()
+                     concrete_args: Optional[Mapping[str, Any]], keep_calls: Sequence[str] = (),
+                     enclosing_calls: Sequence[str] = ()
                      ) -> Tuple[fx.GraphModule, List[str], Optional[Any], str]:
-    """The model's graph: torch.fx, else torch.export (``keep_calls``: as :func:`split_model`).
+    """The model's graph: torch.fx, else torch.fx keeping ``enclosing_calls`` too, else
+    torch.export (``keep_calls``, ``enclosing_calls``: as :func:`split_model`).
 
     Returns:
         The graph, the input names in its order (named inputs), the output structure
@@ -637,6 +647,17 @@ def _trace_or_export(model: nn.Module, inputs: Union[Tuple[torch.Tensor, ...], M
         names = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
         return gm, names, None, "fx"
     except UntraceableError as fx_error:
+        if enclosing_calls:
+            try:
+                gm = trace_model(model, len(inputs), concrete_args,
+                                 input_names=list(inputs) if named else None,
+                                 keep_calls=list(keep_calls) + list(enclosing_calls))
+            except UntraceableError:
+                pass
+            else:
+                _log.info("torch.fx traces %s with %s kept as module calls (%s)", type(model).__name__,
+                          list(enclosing_calls), fx_error.reason)
+                return gm, [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"], None, "fx"
         try:
             gm, export_names, spec = export.export_model(model, inputs, concrete_args, keep_calls)
         except export.ExportRefused as exc:

@@ -52,7 +52,7 @@ from .._dist.groups import RankNames
 from . import tp_agree
 
 __all__ = ["CutLayout", "CutLayouts", "LayoutExchange", "TensorParallel", "check_option", "check_sequence_length",
-           "check_split_points", "describe_plan", "kept_calls", "local", "matched_patterns",
+           "check_split_points", "describe_plan", "enclosing_calls", "kept_calls", "local", "matched_patterns",
            "pattern_matches", "sequence_parallel", "uneven_split"]
 
 def _qualified(value: Any) -> str:
@@ -125,6 +125,23 @@ def kept_calls(plan: Any, module: nn.Module) -> List[str]:
     if not isinstance(plan, Mapping):
         return []
     return [n for n, _ in module.named_modules() if n and any(pattern_matches(k, n) for k in plan)]
+
+
+def enclosing_calls(plan: Any, module: nn.Module, split_points: Sequence[Any]) -> List[str]:
+    """The modules directly enclosing those :func:`kept_calls` keeps (an attention around
+    its ``wq``), for the tracer to keep as calls too where torch.fx needs it
+    (``graph_split.split_model(enclosing_calls=)``): not the model itself, a container
+    (``ModuleList``, ``ModuleDict``), a kept module or one a split point lies inside."""
+    kept = set(kept_calls(plan, module))
+    modules = dict(module.named_modules())
+    out: Dict[str, None] = {}
+    for name in kept:
+        parent = name.rpartition(".")[0]
+        if parent and parent not in kept and \
+                not isinstance(modules[parent], (nn.ModuleList, nn.ModuleDict)) and \
+                not any(isinstance(p, str) and p.startswith(parent + ".") for p in split_points):
+            out[parent] = None
+    return sorted(out)
 
 
 def check_split_points(plan: Any, module: nn.Module, split_points: Sequence[Any]) -> None:
