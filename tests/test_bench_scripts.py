@@ -48,11 +48,12 @@ fsdp_2d = _load("fsdp_2d")
 schedule_build = _load("schedule_build")
 util = _load("_harness")
 message_load = _load("message_load")
+torchtitan_tp = _load("torchtitan_tp")
 
 
 def test_scripts_do_not_import_torch_at_module_level():
     for script in (plan_accuracy, memory, soak, deferred_init, traced, zero_bubble, vs_torch, split_backward,
-                   agreement, fsdp_2d, schedule_build, vs_torch_tp, message_load):
+                   agreement, fsdp_2d, schedule_build, vs_torch_tp, message_load, torchtitan_tp):
         assert "torch" not in vars(script), script.__name__
 
 
@@ -956,3 +957,17 @@ def test_mesh_choice_smoke_run():
     assert all(abs(float(r[2]) - float(t[-3])) < 0.006 for r, t in zip(rows, table)), proc.stdout
     assert all(float(pred) > 0 and float(meas) > 0 for _, _, pred, meas in rows), rows
     assert {r[0] for r in rows} >= {"1x2x1", "2x1x1"}, rows
+
+
+def test_torchtitan_tp_needs_a_checkout_and_reports_every_configuration(tmp_path):
+    with pytest.raises(SystemExit):
+        torchtitan_tp.parse_args(["--torchtitan", str(tmp_path)])  # no torchtitan/models/llama3 there
+    (tmp_path / "torchtitan" / "models" / "llama3").mkdir(parents=True)
+    assert torchtitan_tp.parse_args(["--torchtitan", str(tmp_path)]).torchtitan == str(tmp_path)
+    configs = [{"schedule": s, "sequence_parallel": sp, "tracer": "fx", "loss_rel": 1e-7, "weight_rel": 2e-5}
+               for sp in (True, False) for s in torchtitan_tp.SCHEDULES]
+    info = {"cpu_count": "2", "cpu_model": "x", "torch": "2.13.0", "python": "3.11", "platform": "p",
+            "cuda": "none", "loadavg_at_start": "0 0 0"}
+    text = torchtitan_tp.report({"configs": configs, "launch_s": 30.0}, info, "cmd", 31.0)
+    assert text.count("| fx | 1.0e-07 | 2.0e-05 |") == 6, text
+    assert "| zbv | linear layers only | fx |" in text and "| 1f1b | apply_tp (sequence parallel) | fx |" in text
