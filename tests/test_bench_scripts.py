@@ -209,8 +209,9 @@ def test_optimizer_of_sums_each_ranks_layers():
 def _row(key, step, pred_step, peaks, pred_peaks, auto=False):
     pred = {"step_seconds": pred_step, "peak_bytes": pred_peaks, "compute_seconds": [step / 2] * len(peaks),
             "wait_seconds": [0.0] * len(peaks), "transfer_seconds": [0.0] * len(peaks), "overhead_seconds": 0.0,
-            "all_reduce_seconds": 0.0}
-    terms = [{"compute": step / 2, "waits": step / 4, "transfers": 0.0, "overhead": step / 4}] * len(peaks)
+            "all_reduce_seconds": 0.0, "pipeline_seconds": pred_step, "bubble_fraction": 0.0, "fits": True}
+    terms = [{"compute": step / 2, "waits": step / 4, "transfers": 0.0, "all-reduce": 0.0,
+              "overhead": step / 4}] * len(peaks)
     return {"key": key, "step_s": step, "prediction": pred, "peak_bytes": peaks, "terms": terms, "auto": auto}
 
 
