@@ -791,10 +791,27 @@ def test_tracing_errors_name_the_value_and_the_fix() -> None:
 
     with pytest.raises(ValueError, match="stage 1 uses nothing stage 0 or the inputs produce"):
         split_model(Disconnected(), ["b"], (torch.randn(2, 4),))
-    # A flag left symbolic: the error names the module, the line and concrete_args.
-    with pytest.raises(ValueError, match=r"module '\(the root\)' \(_SkipNet.forward, "
+    # A flag with a default takes it, as model(x, mask) would.
+    net, x, mask = _SkipNet().eval(), torch.randn(2, 3), torch.ones(2, 4)
+    split = split_model(net, ["out"], (x, mask))
+    with torch.no_grad():
+        torch.testing.assert_close(split.stages[1](split.stages[0]((x, mask))), net(x, mask))
+
+    class Flagged(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, flag: bool) -> torch.Tensor:
+            h = self.a(x)
+            if flag:
+                h = h * 2
+            return self.b(h)
+
+    # A flag without a default left symbolic: the error names the module, the line and concrete_args.
+    with pytest.raises(ValueError, match=r"module '\(the root\)' \(Flagged.forward, "
                                          r"test_units.py:\d+: if flag:\).*concrete_args"):
-        split_model(_SkipNet(), ["out"], (torch.randn(2, 3), torch.ones(2, 4)))
+        split_model(Flagged(), ["b"], (torch.randn(2, 4),))
 
 
 def test_constants_are_made_by_each_stage_and_called_buffers_kept_in_one() -> None:
