@@ -50,9 +50,12 @@ class Attention(nn.Module):
         self.wv = nn.Linear(DIM, KV_HEADS * self.head_dim, bias=False)
         self.wo = nn.Linear(HEADS * self.head_dim, DIM, bias=False)
 
+    def rotate(self, q: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        return q * freqs
+
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         bs, seqlen, _ = x.shape
-        q = self.wq(x).view(bs, seqlen, -1, self.head_dim) * freqs
+        q = self.rotate(self.wq(x).view(bs, seqlen, -1, self.head_dim), freqs)
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim) * freqs
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         k, v = (t.repeat_interleave(HEADS // KV_HEADS, dim=2) for t in (k, v))
@@ -115,17 +118,9 @@ class RotaryAttention(Attention):
     """torchtitan's rotary embedding: ``reshape(*x.shape[:-1], -1, 2)``, which torch.fx
     cannot trace (a shape unpacked) and torch.export records with the unsplit head count."""
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        bs, seqlen, _ = x.shape
-        q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+    def rotate(self, q: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         pairs = q.reshape(*q.shape[:-1], -1, 2)
-        q = torch.stack((pairs[..., 0] - pairs[..., 1], pairs[..., 0] + pairs[..., 1]), -1).flatten(3) * freqs
-        k = self.wk(x).view(bs, seqlen, -1, self.head_dim) * freqs
-        v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
-        k, v = (t.repeat_interleave(HEADS // KV_HEADS, dim=2) for t in (k, v))
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+        return torch.stack((pairs[..., 0] - pairs[..., 1], pairs[..., 0] + pairs[..., 1]), -1).flatten(3) * freqs
 
 
 class RotaryTransformer(Transformer):
