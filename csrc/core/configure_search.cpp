@@ -337,8 +337,9 @@ class PointSearch {
   void addPath(const CriticalPath& path, int j);
   void descend(int j, const State& state);
   void leaf();
-  double bound(int j, int e, const State& next, const StageCost& stage, double boundary);
-  double simulatedBound(int j, int e, StageCosts& costs);
+  double bound(int j, int e, const State& next, const StageCost& stage, double boundary,
+               double& terms);
+  double simulatedBound(int j, int e, double terms, StageCosts& costs);
   StageCost cheapestStage(int k, int first, int last) const;
 
   Context& c_;
@@ -372,7 +373,7 @@ class PointSearch {
 // The step-time bound of a prefix whose stage j ends at layer e.
 // `stage`: stage j's costs; `boundary`: its boundary's transfer.
 double PointSearch::bound(int j, int e, const State& next, const StageCost& stage,
-                          double boundary) {
+                          double boundary, double& terms) {
   double makespan = next.pathBound;
   if (j + 1 < stages_) makespan = std::max(makespan, table_.suffix(stages_ - 1 - j, e));
   makespan = std::max(makespan, next.chain + table_.chain(e, layers_, stages_ - 1 - j));
@@ -389,7 +390,7 @@ double PointSearch::bound(int j, int e, const State& next, const StageCost& stag
   }
   const int world = point_.mesh[0] * point_.mesh[1] * point_.mesh[2];
   const double shared = sharedRanksOf(c_.machine, world) * table_.totalBusy() / ranks_;
-  const double terms = stepTermsBound(c_.machine, point_, rankBytes, optimizer);
+  terms = stepTermsBound(c_.machine, point_, rankBytes, optimizer);
   double result = std::max(makespan, shared) + terms;
   // The collected paths last, the last to prune first: the loop stops at a
   // prune (the node has no children that would read the later prefixes).
@@ -423,8 +424,9 @@ StageCost PointSearch::cheapestStage(int k, int first, int last) const {
 // The simulator is monotone in every cost: the stages cut so far at their
 // costs and the rest at the least any of them can have bound the makespan
 // (stage k > j starts at layer e + (k - j - 1) or later, and leaves at least
-// one layer to each stage after it).
-double PointSearch::simulatedBound(int j, int e, StageCosts& costs) {
+// one layer to each stage after it); `terms`, the node's bound on the per-step
+// terms (bound()), is added to it as bound() adds it to its makespan.
+double PointSearch::simulatedBound(int j, int e, double terms, StageCosts& costs) {
   costs.forward.resize(stages_);
   costs.backward.resize(stages_);
   if (model_.splitBackward()) costs.weight.resize(stages_);
@@ -444,7 +446,7 @@ double PointSearch::simulatedBound(int j, int e, StageCosts& costs) {
   const double makespan = replay_->compiled() ? replay_->makespan(costs) : model_.makespan(costs);
   const int world = point_.mesh[0] * point_.mesh[1] * point_.mesh[2];
   const double shared = sharedRanksOf(c_.machine, world) * table_.totalBusy() / ranks_;
-  return std::max(makespan, shared) + stepTermsBound(c_.machine, point_, 0.0, 0.0);
+  return std::max(makespan, shared) + terms;
 }
 
 // Adds a critical path's bound; the node at depth j has its stages 0..j cut
@@ -498,9 +500,10 @@ void PointSearch::descend(int j, const State& state) {
     next.rankTensors[rank] += model_.parameterTensors(a, e);
     if (bounded_) {
       const double boundary = j + 1 < stages_ ? model_.commSeconds(e) : 0.0;
-      double here = bound(j, e, next, s, boundary);
+      double terms = 0.0;  // the prefix's bound on the per-step terms (bound() sets it)
+      double here = bound(j, e, next, s, boundary, terms);
       if (!cannotBeat(here, threshold())) {
-        here = std::max(here, simulatedBound(j, e, costs_));  // the costliest bound: last
+        here = std::max(here, simulatedBound(j, e, terms, costs_));  // the costliest bound: last
         // Where only the simulation prunes, its critical path becomes a
         // cheap bound for the nodes like this one.
         if (cannotBeat(here, threshold()) && c_.space.balance.empty()) {
