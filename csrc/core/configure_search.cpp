@@ -21,7 +21,8 @@
 //     lies where that stage's can (at least one layer per stage before and
 //     after it) bounds the makespan; a replay of the schedule
 //     (MakespanReplay, replay.h) makes that simulation cheap enough for every
-//     node the cheaper bounds leave;
+//     node the cheaper bounds leave (at a depth where it rarely prunes, for a
+//     sample of them);
 //   - for a flush schedule with one stage per rank, each stage's chains (the
 //     forwards before it, its rank's list, its microbatches' round trips
 //     through the later stages, the backwards after it) at the least costs its
@@ -69,6 +70,12 @@ constexpr double kTie = 1e-10;
 // Critical paths a point's search collects at most (each costs a table and a
 // term of every node's bound).
 constexpr int kMaxPaths = 64;
+
+// The simulated bound costs most of a node; where it rarely prunes it runs
+// on a sample of the nodes (PointSearch::simulating).
+constexpr long long kWarmUp = 64;
+constexpr long long kPruneRate = 256;
+constexpr long long kSample = 16;
 
 bool cannotBeat(double bound, double threshold) {
   return bound * (1 - kRounding) >= threshold * (1 - kTie);
@@ -229,7 +236,8 @@ class PointSearch {
         stages_(model.stages()), ranks_(model.ranks()), layers_(static_cast<int>(context.layers.size())),
         bounded_(!model.asynchronous()),
         table_(context.table(point, model.splitBackward())),
-        start_(stages_ + 1, 0), recompute_(stages_, 0), lastStage_(ranks_, 0) {
+        start_(stages_ + 1, 0), recompute_(stages_, 0), lastStage_(ranks_, 0),
+        simulated_(stages_) {
     for (int r = 0; r < ranks_; ++r) lastStage_[r] = model.rankStages(r).back();
     const bool fixedList = !c_.space.recomputeStages.empty();
     if (fixedList) recompute_ = c_.space.recomputeStages;
@@ -334,6 +342,18 @@ class PointSearch {
     return busy;
   }
 
+  // Whether the simulated bound runs at depth j: at its first kWarmUp nodes
+  // there, then while it prunes at least one node in kPruneRate, else at
+  // every kSample-th node (it still samples; its critical paths are
+  // collected from those). Skipping a bound only weakens the prune test.
+  bool simulating(int j) {
+    Simulated& at = simulated_[j];
+    const bool run = at.calls < kWarmUp || at.prunes * kPruneRate >= at.calls ||
+                     ++at.skipped % kSample == 0;
+    if (run) ++at.calls;
+    return run;
+  }
+
   void addPath(const CriticalPath& path, int j);
   void descend(int j, const State& state);
   void leaf();
@@ -365,6 +385,10 @@ class PointSearch {
   };
   // The last to prune first; the one pruning least recently is replaced.
   std::vector<std::unique_ptr<Collected>> paths_;
+  struct Simulated {
+    long long calls = 0, prunes = 0, skipped = 0;
+  };
+  std::vector<Simulated> simulated_;  // per depth
   StageCosts costs_;  // simulatedBound's scratch
   std::unique_ptr<MakespanReplay> replay_;  // the schedule's makespan, for simulatedBound
   std::unique_ptr<RoundTripBound> trip_;    // null where it does not apply
@@ -502,12 +526,13 @@ void PointSearch::descend(int j, const State& state) {
       const double boundary = j + 1 < stages_ ? model_.commSeconds(e) : 0.0;
       double terms = 0.0;  // the prefix's bound on the per-step terms (bound() sets it)
       double here = bound(j, e, next, s, boundary, terms);
-      if (!cannotBeat(here, threshold())) {
+      if (!cannotBeat(here, threshold()) && simulating(j)) {
         here = std::max(here, simulatedBound(j, e, terms, costs_));  // the costliest bound: last
         // Where only the simulation prunes, its critical path becomes a
         // cheap bound for the nodes like this one.
-        if (cannotBeat(here, threshold()) && c_.space.balance.empty()) {
-          addPath(model_.criticalPath(costs_), j);
+        if (cannotBeat(here, threshold())) {
+          ++simulated_[j].prunes;
+          if (c_.space.balance.empty()) addPath(model_.criticalPath(costs_), j);
         }
       }
       if (cannotBeat(here, threshold())) {

@@ -686,6 +686,34 @@ TEST(SearchConfigurations, EqualsTheEnumerationOnRandomInstances) {
   EXPECT_GE(pruning, 10);
 }
 
+// Longer chains than the random instances' (13 layers, up to 6 stages, every
+// flush schedule, 16 microbatches): trees deep and wide enough that the
+// simulated bound runs on a sample of the nodes at some depths. Still the
+// enumeration's result.
+TEST(SearchConfigurations, EqualsTheEnumerationOnLongerChains) {
+  std::mt19937 rng(13);
+  std::vector<std::string> flush;
+  for (const std::string& name : scheduleNames()) {
+    if (!scheduleTraits(name).asynchronous) flush.push_back(name);
+  }
+  for (int trial = 0; trial < 3; ++trial) {
+    Instance x = randomInstance(rng);
+    while (x.layers.size() < 13) x.layers.push_back(x.layers[rng() % x.layers.size()]);
+    x.layers.resize(13);
+    x.space.worldSize = 6;
+    x.space.batchSize = 16;
+    x.space.meshes = {{6, 1, 1}, {3, 2, 1}};
+    x.space.schedules = flush;
+    x.space.microbatches = {8, 16};
+    x.space.recompute = RecomputeChoice::kNever;
+    x.space.memoryBytes = 0.0;
+    const SearchResult all = enumerateConfigurations(x.layers, x.machine, x.space);
+    const SearchResult found = searchConfigurations(x.layers, x.machine, x.space);
+    expectSameResult(found, all, x, "instance " + std::to_string(trial));
+    EXPECT_GT(found.pruned, 0);
+  }
+}
+
 // RoundTripBound counts the sends each stage posts: on the middle stage of
 // three (1f1b, 4 microbatches) every chain holds at least its 4 forwards'
 // (or backwards') posts, the one of the forward before it and the one of the
