@@ -21,7 +21,8 @@
 //     lies where that stage's can (at least one layer per stage before and
 //     after it) bounds the makespan; a replay of the schedule
 //     (MakespanReplay, replay.h) makes that simulation cheap enough for every
-//     node the cheaper bounds leave;
+//     node the cheaper bounds leave (at a depth where it rarely prunes, for a
+//     sample of them);
 //   - for a flush schedule with one stage per rank, each stage's chains (the
 //     forwards before it, its rank's list, its microbatches' round trips
 //     through the later stages, the backwards after it) at the least costs its
@@ -69,6 +70,12 @@ constexpr double kTie = 1e-10;
 // Critical paths a point's search collects at most (each costs a table and a
 // term of every node's bound).
 constexpr int kMaxPaths = 64;
+
+// The simulated bound costs most of a node; where it rarely prunes it runs
+// on a sample of the nodes (PointSearch::simulating).
+constexpr long long kWarmUp = 64;
+constexpr long long kPruneRate = 256;
+constexpr long long kSample = 16;
 
 bool cannotBeat(double bound, double threshold) {
   return bound * (1 - kRounding) >= threshold * (1 - kTie);
@@ -229,7 +236,8 @@ class PointSearch {
         stages_(model.stages()), ranks_(model.ranks()), layers_(static_cast<int>(context.layers.size())),
         bounded_(!model.asynchronous()),
         table_(context.table(point, model.splitBackward())),
-        start_(stages_ + 1, 0), recompute_(stages_, 0), lastStage_(ranks_, 0) {
+        start_(stages_ + 1, 0), recompute_(stages_, 0), lastStage_(ranks_, 0),
+        simulated_(stages_) {
     for (int r = 0; r < ranks_; ++r) lastStage_[r] = model.rankStages(r).back();
     const bool fixedList = !c_.space.recomputeStages.empty();
     if (fixedList) recompute_ = c_.space.recomputeStages;
@@ -334,11 +342,24 @@ class PointSearch {
     return busy;
   }
 
+  // Whether the simulated bound runs at depth j: at its first kWarmUp nodes
+  // there, then while it prunes at least one node in kPruneRate, else at
+  // every kSample-th node (it still samples; its critical paths are
+  // collected from those). Skipping a bound only weakens the prune test.
+  bool simulating(int j) {
+    Simulated& at = simulated_[j];
+    const bool run = at.calls < kWarmUp || at.prunes * kPruneRate >= at.calls ||
+                     ++at.skipped % kSample == 0;
+    if (run) ++at.calls;
+    return run;
+  }
+
   void addPath(const CriticalPath& path, int j);
   void descend(int j, const State& state);
   void leaf();
-  double bound(int j, int e, const State& next, const StageCost& stage, double boundary);
-  double simulatedBound(int j, int e, StageCosts& costs);
+  double bound(int j, int e, const State& next, const StageCost& stage, double boundary,
+               double& terms);
+  double simulatedBound(int j, int e, double terms, StageCosts& costs);
   StageCost cheapestStage(int k, int first, int last) const;
 
   Context& c_;
@@ -364,6 +385,10 @@ class PointSearch {
   };
   // The last to prune first; the one pruning least recently is replaced.
   std::vector<std::unique_ptr<Collected>> paths_;
+  struct Simulated {
+    long long calls = 0, prunes = 0, skipped = 0;
+  };
+  std::vector<Simulated> simulated_;  // per depth
   StageCosts costs_;  // simulatedBound's scratch
   std::unique_ptr<MakespanReplay> replay_;  // the schedule's makespan, for simulatedBound
   std::unique_ptr<RoundTripBound> trip_;    // null where it does not apply
@@ -372,7 +397,7 @@ class PointSearch {
 // The step-time bound of a prefix whose stage j ends at layer e.
 // `stage`: stage j's costs; `boundary`: its boundary's transfer.
 double PointSearch::bound(int j, int e, const State& next, const StageCost& stage,
-                          double boundary) {
+                          double boundary, double& terms) {
   double makespan = next.pathBound;
   if (j + 1 < stages_) makespan = std::max(makespan, table_.suffix(stages_ - 1 - j, e));
   makespan = std::max(makespan, next.chain + table_.chain(e, layers_, stages_ - 1 - j));
@@ -389,7 +414,7 @@ double PointSearch::bound(int j, int e, const State& next, const StageCost& stag
   }
   const int world = point_.mesh[0] * point_.mesh[1] * point_.mesh[2];
   const double shared = sharedRanksOf(c_.machine, world) * table_.totalBusy() / ranks_;
-  const double terms = stepTermsBound(c_.machine, point_, rankBytes, optimizer);
+  terms = stepTermsBound(c_.machine, point_, rankBytes, optimizer);
   double result = std::max(makespan, shared) + terms;
   // The collected paths last, the last to prune first: the loop stops at a
   // prune (the node has no children that would read the later prefixes).
@@ -423,8 +448,9 @@ StageCost PointSearch::cheapestStage(int k, int first, int last) const {
 // The simulator is monotone in every cost: the stages cut so far at their
 // costs and the rest at the least any of them can have bound the makespan
 // (stage k > j starts at layer e + (k - j - 1) or later, and leaves at least
-// one layer to each stage after it).
-double PointSearch::simulatedBound(int j, int e, StageCosts& costs) {
+// one layer to each stage after it); `terms`, the node's bound on the per-step
+// terms (bound()), is added to it as bound() adds it to its makespan.
+double PointSearch::simulatedBound(int j, int e, double terms, StageCosts& costs) {
   costs.forward.resize(stages_);
   costs.backward.resize(stages_);
   if (model_.splitBackward()) costs.weight.resize(stages_);
@@ -444,7 +470,7 @@ double PointSearch::simulatedBound(int j, int e, StageCosts& costs) {
   const double makespan = replay_->compiled() ? replay_->makespan(costs) : model_.makespan(costs);
   const int world = point_.mesh[0] * point_.mesh[1] * point_.mesh[2];
   const double shared = sharedRanksOf(c_.machine, world) * table_.totalBusy() / ranks_;
-  return std::max(makespan, shared) + stepTermsBound(c_.machine, point_, 0.0, 0.0);
+  return std::max(makespan, shared) + terms;
 }
 
 // Adds a critical path's bound; the node at depth j has its stages 0..j cut
@@ -498,13 +524,15 @@ void PointSearch::descend(int j, const State& state) {
     next.rankTensors[rank] += model_.parameterTensors(a, e);
     if (bounded_) {
       const double boundary = j + 1 < stages_ ? model_.commSeconds(e) : 0.0;
-      double here = bound(j, e, next, s, boundary);
-      if (!cannotBeat(here, threshold())) {
-        here = std::max(here, simulatedBound(j, e, costs_));  // the costliest bound: last
+      double terms = 0.0;  // the prefix's bound on the per-step terms (bound() sets it)
+      double here = bound(j, e, next, s, boundary, terms);
+      if (!cannotBeat(here, threshold()) && simulating(j)) {
+        here = std::max(here, simulatedBound(j, e, terms, costs_));  // the costliest bound: last
         // Where only the simulation prunes, its critical path becomes a
         // cheap bound for the nodes like this one.
-        if (cannotBeat(here, threshold()) && c_.space.balance.empty()) {
-          addPath(model_.criticalPath(costs_), j);
+        if (cannotBeat(here, threshold())) {
+          ++simulated_[j].prunes;
+          if (c_.space.balance.empty()) addPath(model_.criticalPath(costs_), j);
         }
       }
       if (cannotBeat(here, threshold())) {

@@ -46,9 +46,15 @@ RoundTripBound::RoundTripBound(const PointModel& model, const std::vector<LayerC
     input_[l + 1] = input_[l] + (full - weight) / tp;
     weight_[l + 1] = weight_[l] + weight / tp;
   }
-  comm_ = kInf;
-  for (int l = 1; l < layers_; ++l) comm_ = std::min(comm_, model.commSeconds(l));
-  if (stages_ < 2) comm_ = 0.0;
+  comm_ = postForward_ = postInput_ = kInf;
+  postBackward_.assign(layers_ + 1, 0.0);
+  for (int l = 1; l < layers_; ++l) {
+    comm_ = std::min(comm_, model.commSeconds(l));
+    postForward_ = std::min(postForward_, model.postSeconds(l - 1, true));
+    postBackward_[l] = model.postSeconds(l, false);
+    postInput_ = std::min(postInput_, postBackward_[l]);
+  }
+  if (stages_ < 2) comm_ = postForward_ = postInput_ = 0.0;
   enabled_ = comm_ >= 0.0 && readLists(model);
 }
 
@@ -117,13 +123,17 @@ bool RoundTripBound::readLists(const PointModel& model) {
 }
 
 double RoundTripBound::stage(int k, int a, int e) const {
-  const Counts cost{forward_[e] - forward_[a] + act_, input_[e] - input_[a] + act_,
+  // Posting the forward's send at the least over the cuts keeps Q growing with e.
+  const int after = stages_ - 1 - k;
+  const Counts cost{forward_[e] - forward_[a] + act_ + (after > 0 ? postForward_ : 0.0),
+                    input_[e] - input_[a] + act_ + (k > 0 ? postBackward_[a] : 0.0),
                     split_ ? weight_[e] - weight_[a] + act_ : 0.0};
   const double hop = act_ + comm_;
-  const double head = forward_[a] + k * hop;
-  const double tail = input_[a] + k * hop;
+  const double head = forward_[a] + k * (hop + postForward_);
+  const double tail = input_[a] + k * hop + std::max(0, k - 1) * postInput_;
   const double trip = forward_[layers_] - forward_[e] + input_[layers_] - input_[e] +
-                      2.0 * (stages_ - 1 - k) * hop;
+                      2.0 * after * hop + std::max(0, after - 1) * postForward_ +
+                      after * postInput_;
   double best = 0.0;
   for (const Family& f : families_[k]) {
     double own = 0.0;

@@ -139,8 +139,11 @@ class MinMaxCuts {
 //     transfers), then the list from i's backward to the end (R0) or to X
 //     and the tail (R1).
 // Stage k's costs are at least its layers' sums plus one action overhead
-// each (send posting, tp collectives and recomputation only add), and the
-// other stages' at least theirs: so Q(k, a, e), the largest chain at those
+// each and the time to post its sends (a forward's: the least over the cuts,
+// a backward's: its first layer's; tp collectives and recomputation only add),
+// and the other stages' at least theirs (each posting at least the least any
+// cut can: the forwards of stages 0..S-2 and the backwards of 1..S-1 send):
+// so Q(k, a, e), the largest chain at those
 // least costs, is at most the makespan of every balance cutting stage k at
 // [a, e), and the largest Q of a balance's stages is too. Q never shrinks as
 // e grows: the counts are nonnegative and a chain through the round trip
@@ -172,6 +175,10 @@ class RoundTripBound {
   bool split_ = false;
   int stages_ = 0, layers_ = 0;
   double act_ = 0.0, comm_ = 0.0;
+  // The least time any stage's forward takes to post its send, a backward's
+  // with its first layer at a (postBackward_[a]) and the least of those.
+  double postForward_ = 0.0, postInput_ = 0.0;
+  std::vector<double> postBackward_;
   std::vector<double> forward_, input_, weight_;  // prefix sums per microbatch
   std::vector<std::vector<Family>> families_;     // per stage
   MinMaxCuts cuts_;                                // rest(s, a)

@@ -686,6 +686,69 @@ TEST(SearchConfigurations, EqualsTheEnumerationOnRandomInstances) {
   EXPECT_GE(pruning, 10);
 }
 
+// Longer chains than the random instances' (13 layers, up to 6 stages, every
+// flush schedule, 16 microbatches): trees deep and wide enough that the
+// simulated bound runs on a sample of the nodes at some depths. Still the
+// enumeration's result.
+TEST(SearchConfigurations, EqualsTheEnumerationOnLongerChains) {
+  std::mt19937 rng(13);
+  std::vector<std::string> flush;
+  for (const std::string& name : scheduleNames()) {
+    if (!scheduleTraits(name).asynchronous) flush.push_back(name);
+  }
+  for (int trial = 0; trial < 3; ++trial) {
+    Instance x = randomInstance(rng);
+    while (x.layers.size() < 13) x.layers.push_back(x.layers[rng() % x.layers.size()]);
+    x.layers.resize(13);
+    x.space.worldSize = 6;
+    x.space.batchSize = 16;
+    x.space.meshes = {{6, 1, 1}, {3, 2, 1}};
+    x.space.schedules = flush;
+    x.space.microbatches = {8, 16};
+    x.space.recompute = RecomputeChoice::kNever;
+    x.space.memoryBytes = 0.0;
+    const SearchResult all = enumerateConfigurations(x.layers, x.machine, x.space);
+    const SearchResult found = searchConfigurations(x.layers, x.machine, x.space);
+    expectSameResult(found, all, x, "instance " + std::to_string(trial));
+    EXPECT_GT(found.pruned, 0);
+  }
+}
+
+// RoundTripBound counts the sends each stage posts: on the middle stage of
+// three (1f1b, 4 microbatches) every chain holds at least its 4 forwards'
+// (or backwards') posts, the one of the forward before it and the one of the
+// backward after it, so posting sendSeconds raises every Q by at least 6 of them.
+TEST(SearchConfigurations, RoundTripBoundCountsTheSendsPosted) {
+  std::mt19937 rng(5);
+  int checked = 0;
+  for (int trial = 0; trial < 10; ++trial) {
+    Instance x = randomInstanceOfSevenLayers(rng);
+    const int layers = static_cast<int>(x.layers.size());
+    PointOptions options;
+    options.schedule = "1f1b";
+    options.pp = 3;
+    options.microbatches = 4;
+    x.machine.sendSecondsPerByte = 0.0;
+    x.machine.sendSeconds = 0.0;
+    const std::unique_ptr<PointModel> silent = modelOrNull(x, 8, options);
+    const double post = 0.01;
+    x.machine.sendSeconds = post;
+    const std::unique_ptr<PointModel> posting = modelOrNull(x, 8, options);
+    ASSERT_TRUE(silent && posting);
+    const RoundTripBound without(*silent, x.layers, x.machine.actionSeconds, 1);
+    const RoundTripBound with(*posting, x.layers, x.machine.actionSeconds, 1);
+    ASSERT_TRUE(without.enabled() && with.enabled());
+    for (int a = 1; a < layers - 1; ++a) {
+      for (int e = a + 1; e < layers; ++e) {
+        EXPECT_GE(with.stage(1, a, e) - without.stage(1, a, e), 6 * post * (1 - 1e-9))
+            << "trial " << trial << " layers [" << a << ", " << e << ")";
+        ++checked;
+      }
+    }
+  }
+  EXPECT_GE(checked, 100);
+}
+
 // Nearly as many stages as layers, every flush schedule: the space where
 // near-equal balances abound, and where the points' seeds bound the runners-up,
 // the later stages' windows bound their costs, the simulation is replayed at
