@@ -442,7 +442,7 @@ def _trace_stages(args: PipelineArguments) -> TracedSplit:
     # A tensor-parallel plan's modules stay module calls in the stages (their hooks run).
     check_split_points(args.tensor_parallel, module, args.split_points)
     keep = kept_calls(args.tensor_parallel, module)
-    enclosing = enclosing_calls(args.tensor_parallel, module, args.split_points)
+    enclosing = enclosing_calls(keep, module, args.split_points)
     first = sample[0]
     if deferred_init.has_meta_tensors(module):
         # Traced without values: the sample's shapes and dtypes on the meta device, as the

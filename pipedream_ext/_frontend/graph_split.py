@@ -52,6 +52,7 @@ __all__ = ["TracedSplit", "UntraceableError", "trace_model", "stage_starts", "st
 
 _log = logging.getLogger(__name__)
 
+
 @dataclasses.dataclass
 class TracedSplit:
     """A model traced and cut into stages.
@@ -641,35 +642,31 @@ def _trace_or_export(model: nn.Module, inputs: Union[Tuple[torch.Tensor, ...], M
         ValueError: neither can trace it (both reasons, with the module and line).
     """
     named = isinstance(inputs, Mapping)
-    try:
-        gm = trace_model(model, len(inputs), concrete_args,
-                         input_names=list(inputs) if named else None, keep_calls=keep_calls)
-        names = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
-        return gm, names, None, "fx"
-    except UntraceableError as fx_error:
-        if enclosing_calls:
-            try:
-                gm = trace_model(model, len(inputs), concrete_args,
-                                 input_names=list(inputs) if named else None,
-                                 keep_calls=list(keep_calls) + list(enclosing_calls))
-            except UntraceableError:
-                pass
-            else:
-                _log.info("torch.fx traces %s with %s kept as module calls (%s)", type(model).__name__,
-                          list(enclosing_calls), fx_error.reason)
-                return gm, [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"], None, "fx"
+    fx_error: Optional[UntraceableError] = None
+    for keep in [list(keep_calls)] + ([list(keep_calls) + list(enclosing_calls)] if enclosing_calls else []):
         try:
-            gm, export_names, spec = export.export_model(model, inputs, concrete_args, keep_calls)
-        except export.ExportRefused as exc:
-            raise ValueError(f"{fx_error.reason}; torch.export (non-strict) exports it, but "
-                             f"{exc}. To trace it with torch.fx: {fx_error.advice}") from exc
-        except Exception as exc:  # reported with fx's reason
-            raise ValueError(
-                f"{fx_error.reason}; torch.export (non-strict) cannot export it either: "
-                f"{type(exc).__name__}{_where(exc, model)}: {_first_line(exc).rstrip('.')}. "
-                f"{fx_error.advice} (the whole forward is traced, whatever the split "
-                "points)") from exc
-        return gm, export_names or [], spec, "export"
+            gm = trace_model(model, len(inputs), concrete_args,
+                             input_names=list(inputs) if named else None, keep_calls=keep)
+        except UntraceableError as exc:
+            fx_error = fx_error or exc
+            continue
+        if fx_error is not None:
+            _log.info("torch.fx traces %s with %s kept as module calls (%s)", type(model).__name__,
+                      list(enclosing_calls), fx_error.reason)
+        return gm, [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"], None, "fx"
+    assert fx_error is not None
+    try:
+        gm, export_names, spec = export.export_model(model, inputs, concrete_args, keep_calls)
+    except export.ExportRefused as exc:
+        raise ValueError(f"{fx_error.reason}; torch.export (non-strict) exports it, but "
+                         f"{exc}. To trace it with torch.fx: {fx_error.advice}") from exc
+    except Exception as exc:  # reported with fx's reason
+        raise ValueError(
+            f"{fx_error.reason}; torch.export (non-strict) cannot export it either: "
+            f"{type(exc).__name__}{_where(exc, model)}: {_first_line(exc).rstrip('.')}. "
+            f"{fx_error.advice} (the whole forward is traced, whatever the split "
+            "points)") from exc
+    return gm, export_names or [], spec, "export"
 
 
 def _first_line(exc: BaseException, limit: int = 300) -> str:

@@ -53,9 +53,9 @@ from . import tp_agree
 
 __all__ = ["CutLayout", "CutLayouts", "LayoutExchange", "TensorParallel", "check_option", "check_sequence_length",
            "check_split_points", "describe_plan", "enclosing_calls", "kept_calls", "local", "matched_patterns",
-           "pattern_matches", "sequence_parallel", "uneven_split"]
+           "pattern_matches", "qualified_name", "sequence_parallel", "uneven_split"]
 
-def _qualified(value: Any) -> str:
+def qualified_name(value: Any) -> str:
     """A function's (or class's) qualified name, else its type's."""
     named = value if hasattr(value, "__qualname__") else type(value)
     return f"{getattr(named, '__module__', '?')}.{named.__qualname__}"
@@ -80,11 +80,11 @@ def describe_plan(plan: Any) -> Any:
     if plan is None:
         return None
     if isinstance(plan, Mapping):
-        return {str(k): {"style": _qualified(v),
+        return {str(k): {"style": qualified_name(v),
                          "settings": {a: _setting(x) for a, x in sorted(vars(v).items())
                                       if a != "src_data_rank"}}
                 for k, v in sorted(plan.items())}
-    return {"callable": _qualified(plan)}
+    return {"callable": qualified_name(plan)}
 
 
 def check_option(plan: Any, options: Any) -> None:
@@ -127,17 +127,17 @@ def kept_calls(plan: Any, module: nn.Module) -> List[str]:
     return [n for n, _ in module.named_modules() if n and any(pattern_matches(k, n) for k in plan)]
 
 
-def enclosing_calls(plan: Any, module: nn.Module, split_points: Sequence[Any]) -> List[str]:
-    """The modules directly enclosing those :func:`kept_calls` keeps (an attention around
-    its ``wq``), for the tracer to keep as calls too where torch.fx needs it
+def enclosing_calls(kept: Sequence[str], module: nn.Module, split_points: Sequence[Any]) -> List[str]:
+    """The modules directly enclosing the ``kept`` ones (:func:`kept_calls`; an attention
+    around its ``wq``), for the tracer to keep as calls too where torch.fx needs it
     (``graph_split.split_model(enclosing_calls=)``): not the model itself, a container
     (``ModuleList``, ``ModuleDict``), a kept module or one a split point lies inside."""
-    kept = set(kept_calls(plan, module))
+    named = set(kept)
     modules = dict(module.named_modules())
     out: Dict[str, None] = {}
-    for name in kept:
+    for name in named:
         parent = name.rpartition(".")[0]
-        if parent and parent not in kept and \
+        if parent and parent not in named and \
                 not isinstance(modules[parent], (nn.ModuleList, nn.ModuleDict)) and \
                 not any(isinstance(p, str) and p.startswith(parent + ".") for p in split_points):
             out[parent] = None

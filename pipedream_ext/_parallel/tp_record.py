@@ -24,11 +24,9 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 import torch
 from torch import nn
 
+from .tensor_parallel import qualified_name
+
 __all__ = ["recorded_plan"]
-
-
-def _qualified(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
 
 
 def _meta_copy(module: nn.Module) -> nn.Module:
@@ -124,7 +122,7 @@ def recorded_plan(plan: Callable[[nn.Module, Any], Any], module: nn.Module,
         ValueError: the plan applied no style, a style to the whole model or to a module
             not in it, two styles to one module, or changed the model otherwise.
     """
-    name = _qualified(plan)
+    name = qualified_name(plan)
     clone = _meta_copy(module)
     names = {id(m): n for n, m in clone.named_modules()}
     before = _state(clone)
