@@ -206,33 +206,33 @@ def trace_model(model: nn.Module, num_inputs: int,
     return gm
 
 
-def _defaults(model: nn.Module, input_names: Sequence[str],
-              concrete: Mapping[str, Any]) -> Dict[str, Any]:
-    """The defaults of ``forward``'s parameters that are neither inputs nor fixed."""
+def _defaults(model: nn.Module, input_names: Sequence[str], concrete: Mapping[str, Any],
+              required: bool = True) -> Dict[str, Any]:
+    """The defaults of ``forward``'s parameters that are neither inputs nor fixed
+    (``required``: a parameter without one is an error; else it is left out)."""
     fixed: Dict[str, Any] = {}
     for name, param in inspect.signature(model.forward).parameters.items():
         if name in input_names or name in concrete or \
                 param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue
-        if param.default is param.empty:
+        if param.default is not param.empty:
+            fixed[name] = param.default
+        elif required:
             raise ValueError(f"{type(model).__name__}.forward parameter {name!r} has no default "
                              "and is not among the inputs; add it to the inputs dict (a tensor) "
                              "or fix it with concrete_args={...}")
-        fixed[name] = param.default
     return fixed
 
 
 def _positional_defaults(model: nn.Module, num_inputs: int,
                          concrete: Mapping[str, Any]) -> Dict[str, Any]:
-    """The defaults of ``forward``'s parameters after the ``num_inputs`` positional
-    tensors that are not fixed, as ``model(*inputs)`` would take them (torchtitan's
-    ``attention_masks=None``); none past a ``*args``, which takes the inputs."""
+    """:func:`_defaults` of the parameters after the ``num_inputs`` positional tensors, as
+    ``model(*inputs)`` would take them (torchtitan's ``attention_masks=None``); none past
+    a ``*args``, which takes the inputs; one without a default stays a placeholder."""
     params = list(inspect.signature(model.forward).parameters.values())
     if any(p.kind == p.VAR_POSITIONAL for p in params[:num_inputs + 1]):
         return {}
-    return {p.name: p.default for p in params[num_inputs:]
-            if p.name not in concrete and p.default is not p.empty
-            and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    return _defaults(model, [p.name for p in params[:num_inputs]], concrete, required=False)
 
 
 def _where(exc: BaseException, model: nn.Module) -> str:
