@@ -49,7 +49,8 @@ from ._frontend.tied_params import (
 )
 from ._parallel import auto_mesh, tp_costs, tp_record
 from ._parallel.data_parallel import DataParallel
-from ._parallel.dims import ParallelDims, check_schedule, resolve_dims
+from ._parallel.expert_parallel import check_plan_matches
+from ._parallel.dims import ParallelDims, check_expert_mesh, check_schedule, resolve_dims
 from ._parallel.fsdp import refuse_split_ties
 from ._parallel.parallelize import data_parallel_policy, parallelize_stages
 from ._parallel.tensor_parallel import (
@@ -174,6 +175,8 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     """
     args, compile_context = _unwrap_compiled(args)
     args = _recorded_tensor_parallel(args)
+    check_expert_mesh(args.mesh, args.expert_parallel)
+    check_plan_matches(args.expert_parallel, args.module)
     originals = optimizer_check.original_parameters(args.module)  # before any is replaced
     prepared = prepare_model(args)
     model_shapes = reshard.key_shapes(args.module)
@@ -268,8 +271,12 @@ def _parallel_dims(args: PipelineArguments, config: PipelineConfig) -> ParallelD
     Raises:
         ValueError: what ``resolve_dims`` and ``check_schedule`` refuse.
     """
-    dims = resolve_dims(args.mesh, args.data_parallel, args.process_group, args.replicas,
-                        args.reshard_after_forward, args.mp_policy, args.tensor_parallel)
+    data_parallel = args.data_parallel
+    if args.expert_parallel is not None and "data_parallel" not in args.given:
+        data_parallel = "replicate"  # the default with experts (FSDP of them: not yet)
+    dims = resolve_dims(args.mesh, data_parallel, args.process_group, args.replicas,
+                        args.reshard_after_forward, args.mp_policy, args.tensor_parallel,
+                        args.expert_parallel)
     check_schedule(dims, config.schedule, config.asynchronous,
                    planned=_is_plan(args.balance) and not isinstance(args.module, nn.Sequential))
     return dims
@@ -440,8 +447,10 @@ def _trace_stages(args: PipelineArguments) -> TracedSplit:
                          "tensors)")
     assert args.split_points is not None
     # A tensor-parallel plan's modules stay module calls in the stages (their hooks run).
-    check_split_points(args.tensor_parallel, module, args.split_points)
-    keep = kept_calls(args.tensor_parallel, module)
+    keep: List[str] = []
+    for plan in (args.tensor_parallel, args.expert_parallel):
+        check_split_points(plan, module, args.split_points)
+        keep += [name for name in kept_calls(plan, module) if name not in keep]
     enclosing = enclosing_calls(keep, module, args.split_points)
     first = sample[0]
     if deferred_init.has_meta_tensors(module):
@@ -520,6 +529,9 @@ def _check_search(args: PipelineArguments, prepared: PreparedModel) -> None:
 def _placement_refusal(args: PipelineArguments) -> str:
     """Why ``mesh="auto"`` or ``data_parallel="auto"`` cannot run with these arguments
     (``""``: they can)."""
+    if args.expert_parallel is not None and AUTO in (args.mesh, args.data_parallel):
+        return ("expert_parallel= with mesh='auto' or data_parallel='auto' is not supported yet; "
+                "give mesh=init_device_mesh(device_type, (pp, ep), mesh_dim_names=('pp', 'ep'))")
     if args.data_parallel == AUTO and args.mesh is None:
         return ("data_parallel='auto' chooses how a mesh's 'dp' ranks hold the stages, but there "
                 "is no mesh; pass mesh='auto' (the planner factors the world) or a DeviceMesh, or "

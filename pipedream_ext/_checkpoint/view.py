@@ -52,6 +52,8 @@ class PipelineView:
         tp_size: a mesh's tp size (``PipeDream(tensor_parallel=...)``; 1 without): each
             stage's first ``tp_size`` ranks in ``stage_ranks`` are dp rank 0's tp ranks,
             each holding its own shards of the stage (DTensors over ``mesh["tp"]``).
+        expert_parallel: whether the stages' experts are sharded over a mesh's ``ep``
+            ranks (``PipeDream(expert_parallel=...)``), which checkpoints refuse for now.
     """
 
     rank: int
@@ -75,6 +77,7 @@ class PipelineView:
     checkpoint_group: Optional[dist.ProcessGroup] = None
     data_parallel: Optional[str] = None
     tp_size: int = 1
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         # Frozen copies: the view cannot change the pipeline's own containers.
@@ -123,6 +126,19 @@ class PipelineView:
                              "save_checkpoint(..., format='dcp') and load_checkpoint of that "
                              "checkpoint (DCP re-shards), or "
                              "pd.consolidate(path) for the unsplit state dict")
+
+    def refuse_expert_parallel(self, call: str) -> None:
+        """Checkpoints do not know the experts' shards over ``ep`` yet (each ep rank holds
+        others): saving one copy would lose the rest.
+
+        Raises:
+            ValueError: ``call`` on a pipeline built with ``expert_parallel=``.
+        """
+        if self.expert_parallel:
+            raise ValueError(f"{call} does not support pipelines built with expert_parallel= yet "
+                             "(each ep rank holds other experts); nothing was written or loaded. "
+                             "Save each rank's pipe.state_dict() (its expert shards are DTensors "
+                             "over mesh['ep']) with torch.save, or train without expert_parallel")
 
     def describe(self) -> Dict[str, Any]:
         """The pipeline's layout as the manifest records it (JSON)."""

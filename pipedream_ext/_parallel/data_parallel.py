@@ -5,14 +5,16 @@ hooks do nothing, so a runner calls them on every run. Its subclasses run one co
 the pipeline per rank of ``mesh["dp"]``, each on its own part of the batch:
 
 * :class:`ReplicatedStages` (``data_parallel="replicate"``): every dp rank keeps whole
-  stages; gradients are all-reduced over ``dp`` at the end of each step.
+  stages; gradients are all-reduced over ``dp`` at the end of each step (with expert
+  parallelism, ``dp`` counts the ep ranks too, and the experts' shards are reduced over
+  the ranks holding the same ones: ``expert_parallel.py``).
 * ``fsdp.FsdpStages`` (``data_parallel="fsdp"``): FSDP2 over ``dp``.
 
 ``parallelize.data_parallel_policy`` picks one from the run's ``ParallelDims``.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 from torch import nn
@@ -21,6 +23,7 @@ from .._dist import collectives
 from .._dist.collectives import is_dtensor
 from .._frontend.local_stages import LocalStages
 from .dims import ParallelDims
+from .expert_parallel import split_experts
 
 __all__ = ["DataParallel", "ReplicatedStages", "broadcast_from_first"]
 
@@ -104,31 +107,46 @@ class ReplicatedStages(DataParallel):
     summed for ``"sum"`` and ``"tokens"``), one flat all-reduce per stage."""
 
     def attach(self, stages: LocalStages) -> None:
-        """Takes this rank's built stages; every replica starts from dp rank 0's weights."""
+        """Takes this rank's built stages; every replica starts from dp rank 0's weights
+        (with expert parallelism: its dense weights from the first copy, its expert
+        shards from the first rank holding the same shards)."""
         self.stages = stages
         for j in stages:
-            broadcast_from_first(stages[j], self.dims.dp_group)
+            dense, experts = split_experts(list(stages[j].parameters()), self.dims)
+            with torch.no_grad():
+                for t in dense + list(stages[j].buffers()):
+                    collectives.broadcast_data(_local(t.detach()), 0, self.dims.dp_group)
+                for t in experts if self.dims.expert_dp_group is not None else ():
+                    collectives.broadcast_data(_local(t.detach()), 0, self.dims.expert_dp_group)
 
     def after_step(self) -> None:
-        group = self.dims.dp_group
         for j in self.stages:
             params = [p for p in self.stages.parameters_of(j) if p.requires_grad]
-            if not params:
-                continue
-            with torch.no_grad():
-                for p in params:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                # A DTensor's gradient (tensor parallelism): its local shard, in place.
-                grads = [_local(p.grad) for p in params]
-                flat = torch.cat([g.reshape(-1) for g in grads])
+            dense, experts = split_experts(params, self.dims)
+            self._reduce(dense, self.dims.dp_group)
+            # An expert shard's gradient already holds every ep rank's tokens' part.
+            self._reduce(experts, self.dims.expert_dp_group)
+
+    def _reduce(self, params: List[nn.Parameter], group: Any) -> None:
+        """``params``' gradients summed over ``group`` (``None``: this rank alone) in one
+        flat all-reduce, then divided by ``dp_size`` when averaging."""
+        if not params:
+            return
+        with torch.no_grad():
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            # A DTensor's gradient (tensor or expert parallelism): its local shard, in place.
+            grads = [_local(p.grad) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            if group is not None:
                 collectives.all_reduce_data(flat, group)
-                if self.average_over_dp:
-                    flat /= self.dims.dp_size
-                offset = 0
-                for g in grads:
-                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                    offset += g.numel()
+            if self.average_over_dp:
+                flat /= self.dims.dp_size
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
 
 
 def _first_tensor(value: Any) -> torch.Tensor:

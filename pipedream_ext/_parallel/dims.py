@@ -5,7 +5,10 @@ A plain process group is ``pp=N, dp=1, tp=1``; ``PipeDream(mesh=...)`` gives a
 ``("pp", "dp")``, ``("pp", "tp")`` or ``("pp", "dp", "tp")`` DeviceMesh over every rank: one
 pipeline per ``(dp, tp)`` coordinate, the mesh's ``pp`` dimension each pipeline's group.
 Callers read the sizes and the ``*_enabled`` properties instead of testing for a mesh.
-Expert parallelism will add its dimension here (``ep``), with its sibling module.
+With ``expert_parallel`` the mesh is ``("pp", "ep")`` or ``("pp", "dp", "ep")``: the ep
+ranks are data ranks for everything but the experts (torchtitan's dp2ep), so the pipelines
+are the ``(dp, ep)`` copies and ``dp_size`` counts them all; ``expert_parallel.py`` applies
+the plan over ``ep_mesh`` and the replicas reduce the experts' shards over ``expert_dp_group``.
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ import torch.distributed as dist
 
 from .._dist.groups import RankNames, bounded_group, checkpoint_group, side_group
 
-__all__ = ["DATA_PARALLEL", "ParallelDims", "mesh_pipelines", "resolve_dims", "check_schedule"]
+__all__ = ["DATA_PARALLEL", "ParallelDims", "check_expert_mesh", "check_schedule", "mesh_pipelines",
+           "resolve_dims"]
 
 #: The values of ``data_parallel``.
 DATA_PARALLEL = ("fsdp", "replicate")
@@ -59,8 +63,16 @@ class ParallelDims:
         tp_mesh: the 1-D mesh over this rank's tp group, on a group bounded by the
             pipeline's timeout (:meth:`create_groups`; with ``tensor_parallel`` only).
         timeout: the pipeline's timeout in seconds (:meth:`create_groups`).
-        plan_group: with ``tensor_parallel``, a group over every rank bounded by twice
-            the timeout, on which applying the plan is agreed (``TensorParallel.apply``).
+        plan_group: with ``tensor_parallel`` or ``expert_parallel``, a group over every
+            rank bounded by twice the timeout, on which applying the plan is agreed
+            (``TensorParallel.apply``).
+        ep_size: the mesh's ep size (1 without an ``"ep"`` dimension).
+        expert_parallel: the plan (``PipeDream(expert_parallel=...)``), or ``None``.
+        ep_mesh: the 1-D mesh over this rank's ep group (the ranks of its stage whose dp
+            coordinate is its own), bounded by the timeout (:meth:`create_groups`).
+        expert_dp_group: the ranks of this rank's stage holding the same expert shards
+            (its ep coordinate, every dp coordinate), bounded by the timeout; ``None``
+            where ``dp = 1``.
     """
 
     mesh: Any
@@ -76,6 +88,10 @@ class ParallelDims:
     tp_mesh: Any = None
     timeout: float = 0.0
     plan_group: Any = None
+    ep_size: int = 1
+    expert_parallel: Any = None
+    ep_mesh: Any = None
+    expert_dp_group: Any = None
 
     @classmethod
     def plain(cls, group: Optional[dist.ProcessGroup], data_parallel: str) -> "ParallelDims":
@@ -112,6 +128,11 @@ class ParallelDims:
     def tp_enabled(self) -> bool:
         """A tensor-parallel plan applied inside every stage (over a ``"tp"`` dimension)."""
         return self.tensor_parallel is not None
+
+    @property
+    def ep_enabled(self) -> bool:
+        """An expert-parallel plan applied inside every stage (over an ``"ep"`` dimension)."""
+        return self.expert_parallel is not None
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -223,11 +244,14 @@ class ParallelDims:
                 if me in row:
                     self.dp_mesh = DeviceMesh.from_group(group, self.mesh.device_type, mesh=row,
                                                          mesh_dim_names=("dp",))
-        if self.tensor_parallel is None:
+        if self.tensor_parallel is None and self.expert_parallel is None:
             return
         # Applying the plan is agreed on over the world with twice the timeout: a rank
         # whose tp peer's plan raised before its collective waits that long in it first.
         self.plan_group = bounded_group(self.world_ranks, 2 * timeout)
+        if self.expert_parallel is not None:
+            self._create_expert_groups(timeout)
+            return
         tp_group = None
         for pp in range(len(self.pipelines[0])):
             for d in range(self.dp_size):
@@ -242,6 +266,25 @@ class ParallelDims:
         both = DeviceMesh.from_group([self.dp_mesh.get_group(), tp_group], self.mesh.device_type,
                                      mesh=layout, mesh_dim_names=("dp", "tp"))
         self.dp_mesh, self.tp_mesh = both["dp"], both["tp"]
+
+    def _create_expert_groups(self, timeout: float) -> None:
+        """Every stage's ep groups (one per dp coordinate) and, with dp > 1, its groups of
+        the ranks holding the same expert shards (one per ep coordinate)."""
+        from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 - as fully_shard
+
+        me, ep, dp = dist.get_rank(), self.ep_size, self.dp_size // self.ep_size
+        for pp in range(len(self.pipelines[0])):
+            for d in range(dp):
+                row = [ranks[pp] for ranks in self.pipelines[d * ep:(d + 1) * ep]]
+                group = bounded_group(row, timeout)
+                if me in row:
+                    self.ep_mesh = DeviceMesh.from_group(group, self.mesh.device_type, mesh=row,
+                                                         mesh_dim_names=("ep",))
+            for e in range(ep if dp > 1 else 0):
+                row = [ranks[pp] for ranks in self.pipelines[e::ep]]
+                group = bounded_group(row, timeout)
+                if me in row:
+                    self.expert_dp_group = group
 
     @property
     def world_ranks(self) -> List[int]:
@@ -261,15 +304,15 @@ class ParallelDims:
 
         Returns:
             ``PipelineView`` fields: ``rank``, ``world_size``, ``group``, ``stage_ranks``
-            (global ranks, in pipeline order ``dp * tp_size + tp``), ``checkpoint_group``
-            and ``tp_size``.
+            (global ranks, in pipeline order ``dp * tp_size + tp``), ``checkpoint_group``,
+            ``tp_size`` and ``expert_parallel``.
         """
         return {"rank": dist.get_rank(), "world_size": dist.get_world_size(),
                 "group": dist.group.WORLD,
                 "stage_ranks": [[ranks[r] for ranks in self.pipelines for r in local]
                                 for local in stage_ranks],
                 "checkpoint_group": checkpoint_group(self.world_ranks, timeout),
-                "tp_size": self.tp_size}
+                "tp_size": self.tp_size, "expert_parallel": self.ep_enabled}
 
 
 def mesh_pipelines(layout: Sequence[Sequence[int]]) -> List[List[int]]:
@@ -312,7 +355,8 @@ def mesh_pipelines(layout: Sequence[Sequence[int]]) -> List[List[int]]:
 
 def resolve_dims(mesh: Any, data_parallel: str, process_group: Optional[dist.ProcessGroup],
                  replicas: Optional[Sequence[int]], reshard_after_forward: bool,
-                 mp_policy: Any, tensor_parallel: Any = None) -> ParallelDims:
+                 mp_policy: Any, tensor_parallel: Any = None,
+                 expert_parallel: Any = None) -> ParallelDims:
     """Checks ``mesh`` and the data-parallel arguments (needs the default group).
 
     Returns:
@@ -324,11 +368,14 @@ def resolve_dims(mesh: Any, data_parallel: str, process_group: Optional[dist.Pro
             ``tensor_parallel``, ``("pp", "dp", "tp")`` or ``("pp", "tp")``) over every
             rank, or whose rank order gives no stage order (:func:`mesh_pipelines`);
             ``replicas`` or ``process_group`` together with a mesh; ``tensor_parallel``
-            without a tp dimension (or a tp dimension without it).
+            without a tp dimension (or a tp dimension without it); the same for
+            ``expert_parallel`` and an ep dimension (``("pp", "ep")`` or ``("pp", "dp",
+            "ep")``; not with ``tensor_parallel`` yet).
     """
     if data_parallel not in DATA_PARALLEL:
         raise ValueError(f"data_parallel={data_parallel!r}; use 'fsdp' (FSDP2 over mesh['dp']) "
                          "or 'replicate' (gradients all-reduced over mesh['dp'])")
+    check_expert_mesh(mesh, expert_parallel)
     if mesh is None:
         if tensor_parallel is not None:
             raise ValueError("tensor_parallel= needs a mesh with a 'tp' dimension: pass mesh="
@@ -340,6 +387,9 @@ def resolve_dims(mesh: Any, data_parallel: str, process_group: Optional[dist.Pro
                              "mesh_dim_names=('pp', 'dp')), or drop them")
         return ParallelDims.plain(process_group, data_parallel)
     names = tuple(mesh.mesh_dim_names or ())
+    if "ep" in names or expert_parallel is not None:
+        return _expert_parallel_dims(mesh, names, data_parallel, replicas, process_group,
+                                     tensor_parallel, expert_parallel)
     if names not in (("pp", "dp"), ("pp", "tp"), ("pp", "dp", "tp")):
         raise ValueError(f"mesh has dimensions {names or mesh.ndim}; PipeDream takes a 2-D mesh "
                          "init_device_mesh(device_type, (pp, dp), mesh_dim_names=('pp', 'dp')), "
@@ -389,6 +439,64 @@ def _tensor_parallel_dims(mesh: Any, data_parallel: str, reshard_after_forward: 
     return ParallelDims(mesh, data_parallel, reshard_after_forward, mp_policy, pipelines,
                         pp_group=mesh["pp"].get_group(), world_group=dist.group.WORLD,
                         tp_size=tp_size, tensor_parallel=tensor_parallel)
+
+
+def check_expert_mesh(mesh: Any, expert_parallel: Any) -> None:
+    """An ``"ep"`` mesh dimension without ``expert_parallel`` (or the plan without one),
+    refused before the model is traced (tracing would fail first, inside the experts).
+
+    Raises:
+        ValueError: naming the mesh's dimensions and the fix.
+    """
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if "ep" in names and expert_parallel is None:
+        raise ValueError(f"mesh has an 'ep' dimension of size {int(mesh.shape[names.index('ep')])} "
+                         "but expert_parallel= is not given; pass expert_parallel={pattern: "
+                         "ParallelStyle} (torchtitan's ExpertParallel() on the experts), or build "
+                         "the mesh with mesh_dim_names=('pp', 'dp')")
+    if expert_parallel is not None and mesh is None:
+        raise ValueError("expert_parallel= needs a mesh with an 'ep' dimension: pass mesh="
+                         "init_device_mesh(device_type, (pp, ep), mesh_dim_names=('pp', 'ep')) "
+                         "or (pp, dp, ep) with mesh_dim_names=('pp', 'dp', 'ep')")
+
+
+def _expert_parallel_dims(mesh: Any, names: Sequence[str], data_parallel: str, replicas: Any,
+                          process_group: Any, tensor_parallel: Any, expert_parallel: Any
+                          ) -> ParallelDims:
+    """A mesh with an ``"ep"`` dimension: one pipeline per ``(dp, ep)`` coordinate, the ep
+    ranks data ranks for the dense layers (torchtitan's dp2ep).
+
+    Raises:
+        ValueError: naming what does not fit and the fix.
+    """
+    if names not in (("pp", "ep"), ("pp", "dp", "ep")):
+        raise ValueError(f"expert_parallel= needs mesh_dim_names ('pp', 'ep') or ('pp', 'dp', 'ep'), "
+                         f"not {tuple(names)}; with tensor_parallel= too it is not supported yet "
+                         "(drop one of them)" if tensor_parallel is not None or "tp" in names else
+                         f"expert_parallel= needs mesh_dim_names ('pp', 'ep') or ('pp', 'dp', 'ep'), "
+                         f"not {tuple(names)}; build it with init_device_mesh(device_type, (pp, ep), "
+                         "mesh_dim_names=('pp', 'ep'))")
+    ep = int(mesh.shape[names.index("ep")])
+    if mesh.size() != dist.get_world_size():
+        raise ValueError(f"mesh spans {mesh.size()} ranks but the world has "
+                         f"{dist.get_world_size()}; build the mesh over every rank")
+    if replicas is not None or process_group is not None:
+        raise ValueError("replicas= and process_group= cannot be combined with mesh=; drop them "
+                         "(the pipeline runs on mesh['pp'], one copy per (dp, ep) coordinate)")
+    if data_parallel != "replicate":
+        raise ValueError(f"expert_parallel= with data_parallel={data_parallel!r} is not supported "
+                         "yet; pass data_parallel='replicate' (the dense layers' gradients are "
+                         "averaged over dp x ep, the experts' over dp)")
+    shape = [int(n) for n in mesh.shape]
+    if not torch.equal(mesh.mesh.cpu(), torch.arange(mesh.size()).reshape(shape)):
+        raise ValueError(f"mesh {mesh.mesh.tolist()} with an 'ep' dimension must number ranks in "
+                         "ascending order (not supported yet otherwise); use init_device_mesh("
+                         f"device_type, {tuple(shape)}, mesh_dim_names={tuple(names)})")
+    pp, copies = shape[0], mesh.size() // shape[0]
+    pipelines = [[p * copies + c for p in range(pp)] for c in range(copies)]
+    return ParallelDims(mesh, data_parallel, False, None, pipelines,
+                        pp_group=mesh["pp"].get_group(), world_group=dist.group.WORLD,
+                        ep_size=ep, expert_parallel=expert_parallel)
 
 
 def check_schedule(dims: ParallelDims, schedule: str, asynchronous: bool, planned: bool) -> None:

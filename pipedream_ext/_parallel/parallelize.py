@@ -4,8 +4,8 @@ replicas (torchtitan's ``parallelize_llama`` order).
 :func:`data_parallel_policy` picks the data-parallel policy from the run's dims before
 the stages exist (FSDP shards each layer as it is materialised); once the stages are
 built, :func:`parallelize_stages` applies the tensor-parallel plan and hands the stages
-to that policy. Expert parallelism, when it comes, is one more step between the two,
-in its own sibling module.
+to that policy; expert parallelism (``expert_parallel.py``) is one more step between
+the two.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from .. import schedules
 from .._frontend.local_stages import LocalStages
 from .data_parallel import DataParallel, ReplicatedStages
 from .dims import ParallelDims
+from .expert_parallel import apply_expert_parallel
 from .fsdp import FsdpStages, keep_unsharded_after
 from .tensor_parallel import TensorParallel
 from .tp_init import materialize_sharded
@@ -45,8 +46,8 @@ def data_parallel_policy(dims: ParallelDims, average_over_dp: bool,
 
 
 def parallelize_stages(stages: LocalStages, dims: ParallelDims, data_parallel: DataParallel) -> None:
-    """This rank's built stages parallelized: the tensor-parallel plan, then data
-    parallelism (FSDP2 over the plan's DTensors, or replicas from dp rank 0's weights).
+    """This rank's built stages parallelized: the tensor-parallel plan, the
+    expert-parallel plan, then data parallelism (FSDP2 over the plan's DTensors, or replicas from dp rank 0's weights).
 
     Args:
         stages: this rank's stages (meta layers still pending with tensor parallelism).
@@ -58,6 +59,8 @@ def parallelize_stages(stages: LocalStages, dims: ParallelDims, data_parallel: D
     """
     if dims.tp_enabled:
         apply_tensor_parallel(stages, dims)
+    if dims.ep_enabled:
+        apply_expert_parallel(stages, dims)
     data_parallel.attach(stages)
 
 

@@ -566,12 +566,14 @@ class TensorParallel:
         timeout: the pipeline's timeout in seconds (a peer held in a callable plan's
             collective by a rank that raised is released after it: the exchange of
             outcomes waits twice as long).
+        option: the option the plan came from, for messages (``expert_parallel.py``
+            applies its plan over the ep mesh with this class).
     """
 
     def __init__(self, plan: Any, tp_mesh: Any, world: dist.ProcessGroup, names: RankNames,
-                 timeout: float) -> None:
+                 timeout: float, option: str = "tensor_parallel") -> None:
         self.plan, self.tp_mesh, self.world = plan, tp_mesh, world
-        self.names, self.timeout = names, timeout
+        self.names, self.timeout, self.option = names, timeout, option
 
     def apply(self, stages: Mapping[int, nn.Module]) -> None:
         """Broadcasts each stage from tp rank 0 and parallelizes it; collective over
@@ -602,7 +604,7 @@ class TensorParallel:
             payload.update(layouts=tp_agree.layouts(stages), uneven=tp_agree.uneven(stages))
         try:
             gathered = collectives.gather_outcomes(
-                error, self.world, 2 * self.timeout, "applying the tensor_parallel plan",
+                error, self.world, 2 * self.timeout, f"applying the {self.option} plan",
                 payload=payload, names=self.names)
         except (ValueError, RuntimeError) as exc:
             raise type(exc)(
@@ -641,7 +643,7 @@ class TensorParallel:
         missing = [k for k in self.plan if k not in found]
         if missing:
             raise ValueError(
-                f"tensor_parallel pattern{'s' if len(missing) > 1 else ''} "
+                f"{self.option} pattern{'s' if len(missing) > 1 else ''} "
                 f"{', '.join(repr(k) for k in missing)} match{'es' if len(missing) == 1 else ''} no "
                 "module of any stage; patterns are fnmatch patterns over the original model's "
                 "module names (model.named_modules(), '*' one name component), e.g. '*.attn.wq'")

@@ -31,6 +31,7 @@ from torch import nn
 from .. import schedules
 from .._extension import _C
 from .._frontend import deferred_init
+from .._parallel.expert_parallel import check_option as _check_expert_parallel
 from .._parallel.tensor_parallel import check_option as _check_tensor_parallel
 from .._parallel.tensor_parallel import describe_plan
 from ..planner import Plan
@@ -316,6 +317,16 @@ class PipelineOptions:
         coordinate is given the same batch. An ``nn.Sequential`` with a flush schedule;
         docs/guide/tensor_parallel.md lists what is refused.""",
         group="placement", check=_check_tensor_parallel, agreed=describe_plan)
+    expert_parallel: Optional[Any] = option(None, """
+        with a ``("pp", "ep")`` or ``("pp", "dp", "ep")`` ``mesh``: expert parallelism inside each stage
+        over ``mesh["ep"]``, a dict ``{pattern: ParallelStyle}`` (torchtitan's ``ExpertParallel()`` on
+        the experts, e.g. ``{"layers.*.moe.experts": ExpertParallel()}``; patterns as ``tensor_parallel``
+        reads them) or a callable ``fn(stage_module, ep_mesh)``. The ep ranks are data ranks for
+        everything else: one pipeline per ``(dp, ep)`` coordinate, each given its own part of the batch;
+        dense gradients averaged over dp x ep, the experts' shards over dp.
+        ``data_parallel="replicate"`` (the default with this option); docs/guide/expert_parallel.md lists
+        what is refused.""",
+        group="placement", check=_check_expert_parallel, agreed=describe_plan)
 
     # -- numerics ---------------------------------------------------------------------------
     autocast: Optional[torch.dtype] = option(None, """

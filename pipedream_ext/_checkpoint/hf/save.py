@@ -256,6 +256,7 @@ def save_pretrained(pipe: Pipeline, out_dir: str, config: Any = None) -> Dict[st
             see a file another rank wrote (nothing was replaced).
     """
     view = pipe.checkpoint_view
+    view.refuse_expert_parallel("save_pretrained")
     if view.asynchronous:
         pipe.flush()
     out_dir = os.fspath(out_dir)

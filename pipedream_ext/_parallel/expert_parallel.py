@@ -1,0 +1,128 @@
+"""Expert parallelism inside the stages: a plan (torchtitan's ``ExpertParallel`` on the
+experts) applied over ``mesh["ep"]``, the ep ranks data ranks for everything else.
+
+On a ``("pp", "ep")`` or ``("pp", "dp", "ep")`` mesh every ``(dp, ep)`` coordinate runs
+its own copy of the pipeline on its own part of the batch (``ParallelDims``). The plan
+shards the matched modules' parameters over the stage's ep group (``Shard(0)``: each ep
+rank its experts) and dispatches tokens to them and back with ``all_to_all``
+(the style's hooks, which run because a traced stage keeps those modules as calls).
+Gradients then differ by kind (``ReplicatedStages``):
+
+* dense parameters: every copy holds them whole; averaged over all ``dp x ep`` copies;
+* expert shards: a shard's gradient already sums the contributions of every ep rank's
+  tokens (the combine's all_to_all carries them back), so it is all-reduced over the
+  ranks holding the same shard (``expert_dp_group``, the dp coordinates) and divided by
+  the same ``dp x ep`` (pytorch issue 160285: dividing by dp alone leaves them ``ep``
+  times too large).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, List, Tuple
+
+import torch
+
+from .. import schedules
+from .._dist.collectives import is_dtensor
+from .._frontend.local_stages import LocalStages
+from .dims import ParallelDims
+from .tensor_parallel import TensorParallel, pattern_matches
+
+__all__ = ["apply_expert_parallel", "check_option", "check_plan_matches", "split_experts"]
+
+
+def check_option(plan: Any, options: Any) -> None:
+    """``PipelineOptions.expert_parallel``'s check (no process group needed).
+
+    Raises:
+        ValueError: a plan that is neither a dict of ``ParallelStyle`` nor a callable, or
+            what it does not support yet, naming the value and the fix.
+    """
+    if plan is None:
+        return
+    from torch.distributed.tensor.parallel import ParallelStyle  # noqa: PLC0415 - only with ep
+
+    if isinstance(plan, dict):
+        for key, style in plan.items():
+            if not isinstance(key, str) or not isinstance(style, ParallelStyle):
+                raise ValueError(
+                    f"expert_parallel[{key!r}] = {style!r}: a plan maps module-name patterns "
+                    "(str, e.g. 'layers.*.moe.experts') to torch ParallelStyles (torchtitan's "
+                    "ExpertParallel())")
+    elif not callable(plan):
+        raise ValueError(f"expert_parallel={plan!r}; give a dict {{pattern: ParallelStyle}} or a "
+                         "callable fn(stage_module, ep_mesh)")
+    unsupported = [
+        (schedules.traits(options.schedule).asynchronous, f"schedule={options.schedule!r}",
+         f"use schedule= one of {', '.join(schedules.synchronous_names())}"),
+        (_recomputes(options.recompute), f"recompute={options.recompute!r}", "drop recompute"),
+        (options.clip_grad_norm is not None, f"clip_grad_norm={options.clip_grad_norm!r}",
+         "drop clip_grad_norm"),
+        (options.tensor_parallel is not None, "tensor_parallel=", "drop one of them"),
+    ]
+    for bad, what, fix in unsupported:
+        if bad:
+            raise ValueError(f"expert_parallel with {what} is not supported yet; {fix}")
+
+
+def check_plan_matches(plan: Any, module: torch.nn.Module) -> None:
+    """Every pattern of a dict plan names some module of the model, checked before the
+    model is traced (the experts it should keep as calls would fail the tracer first).
+
+    Raises:
+        ValueError: naming the patterns that match nothing.
+    """
+    if not isinstance(plan, dict):
+        return
+    names = [n for n, _ in module.named_modules() if n]
+    missing = [k for k in plan if not any(pattern_matches(k, n) for n in names)]
+    if missing:
+        raise ValueError(
+            f"expert_parallel pattern{'s' if len(missing) > 1 else ''} "
+            f"{', '.join(repr(k) for k in missing)} match{'es' if len(missing) == 1 else ''} no "
+            "module of the model; patterns are fnmatch patterns over model.named_modules() names "
+            "('*' one name component), e.g. 'layers.*.moe.experts'")
+
+
+def _recomputes(recompute: Any) -> bool:
+    """Whether ``recompute`` may recompute a stage (``True``, ``"auto"``, a list with one)."""
+    if isinstance(recompute, (list, tuple)):
+        return any(bool(r) for r in recompute)
+    return recompute is True or recompute == "auto"
+
+
+def apply_expert_parallel(stages: LocalStages, dims: ParallelDims) -> None:
+    """The plan applied to this rank's stages over its ep group (each stage's modules
+    as ``parallelize_module(model, mesh["ep"], plan)`` gives them), agreed over the mesh.
+
+    Args:
+        stages: this rank's stages (materialised).
+        dims: the run's dims (its plan, ep mesh and groups).
+
+    Raises:
+        ValueError: on every rank: a pattern that names no module of any stage, a stage
+            split differently on its ranks, or a plan that raised on some rank
+            (``TensorParallel.apply``).
+    """
+    if stages.pending:
+        raise ValueError("expert_parallel= with a model on the meta device is not supported yet; "
+                         "build the model for real (or drop init_fn)")
+    TensorParallel(dims.expert_parallel, dims.ep_mesh, dims.plan_group, dims.names, dims.timeout,
+                   option="expert_parallel").apply({j: stages[j] for j in stages})
+
+
+def split_experts(params: Iterable[torch.nn.Parameter], dims: ParallelDims
+                  ) -> Tuple[List[torch.nn.Parameter], List[torch.nn.Parameter]]:
+    """``params`` as (dense, expert shards): an expert shard is a ``DTensor`` over the ep
+    mesh (what the plan made of the experts' parameters); without expert parallelism
+    every parameter is dense.
+
+    Returns:
+        The two lists, each in ``params``' order.
+    """
+    dense: List[torch.nn.Parameter] = []
+    experts: List[torch.nn.Parameter] = []
+    for p in params:
+        on_ep = dims.ep_enabled and is_dtensor(p) and \
+            "ep" in (p.device_mesh.mesh_dim_names or ())
+        (experts if on_ep else dense).append(p)
+    return dense, experts

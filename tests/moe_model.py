@@ -1,0 +1,180 @@
+"""A small mixture-of-experts transformer as torchtitan writes one, and torchtitan's
+``ExpertParallel`` style, for the expert-parallel tests.
+
+``MoE`` routes each token to its ``top_k`` experts (softmax scores, ``topk``, tokens
+sorted by expert with a stable ``argsort``, counts by ``bincount``), runs them in
+``GroupedExperts`` (one parameter per projection, experts along dim 0, a loop over the
+experts: dropless, any count including 0) and adds the scored outputs back per token.
+``ExpertParallel`` follows torchtitan's ``torchtitan/distributed/expert_parallel.py``
+(BSD): the experts' parameters ``Shard(0)`` over the ep mesh, token dispatch by an
+``all_to_all_single`` of the counts then ``all_to_all_single_autograd`` of the tokens,
+regrouped by local expert, and the combine in reverse; its ``_permute`` is a plain
+regrouping here (no padding: the experts loop).
+"""
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["DIM", "EXPERTS", "ExpertParallel", "GroupedExperts", "MoE", "MoETransformer", "VOCAB",
+           "build", "clear_counts", "counts_seen"]
+
+DIM, HIDDEN, EXPERTS, TOP_K, VOCAB, LAYERS = 8, 16, 8, 2, 32, 2
+
+#: The smallest token count any expert received in a forward, per process (the tests
+#: check that routing left some expert without tokens).
+_SEEN: List[int] = []
+
+
+def counts_seen() -> List[int]:
+    """Every count ``GroupedExperts`` received since :func:`clear_counts`."""
+    return list(_SEEN)
+
+
+def clear_counts() -> None:
+    _SEEN.clear()
+
+
+class GroupedExperts(nn.Module):
+    """torchtitan's experts: ``w1``, ``w3`` (experts, hidden, dim), ``w2`` (experts, dim,
+    hidden); SwiGLU per expert over its contiguous run of tokens."""
+
+    def __init__(self, dim: int = DIM, hidden: int = HIDDEN, experts: int = EXPERTS) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(experts, hidden, dim) * dim ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(experts, dim, hidden) * hidden ** -0.5)
+        self.w3 = nn.Parameter(torch.randn(experts, hidden, dim) * dim ** -0.5)
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+        counts = num_tokens_per_expert.tolist()
+        _SEEN.extend(counts)
+        out = [(F.silu(chunk @ w1[e].T) * (chunk @ w3[e].T)) @ w2[e].T
+               for e, chunk in enumerate(torch.split(x, counts))]
+        return torch.cat(out) if out else x[:0]
+
+
+class MoE(nn.Module):
+    """Router, experts, and the scatter back (torchtitan's ``MoE`` without shared experts,
+    scores applied before the experts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(DIM, EXPERTS, bias=False)
+        self.experts = GroupedExperts()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, DIM)
+        scores = torch.softmax(self.router(x), dim=-1)
+        top, chosen = torch.topk(scores, TOP_K, dim=-1)
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=EXPERTS)
+        token = order // TOP_K
+        routed = x[token] * top.reshape(-1)[order].unsqueeze(-1)
+        out = self.experts(routed, counts)
+        return torch.zeros_like(x).index_add(0, token, out).reshape(shape)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.moe_norm = nn.RMSNorm(DIM), nn.RMSNorm(DIM)
+        self.mix = nn.Linear(DIM, DIM)  # the attention's place: dense, per token
+        self.moe = MoE()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.mix(self.norm(h))
+        return h + self.moe(self.moe_norm(h))
+
+
+class MoETransformer(nn.Module):
+    """torchtitan's layout: tok_embeddings, layers (a ModuleDict of MoE blocks), norm, output."""
+
+    def __init__(self, layers: int = LAYERS) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleDict({str(i): Block() for i in range(layers)})
+        self.norm = nn.RMSNorm(DIM)
+        self.output = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def build(layers: int = LAYERS, seed: int = 0) -> MoETransformer:
+    torch.manual_seed(seed)
+    model = MoETransformer(layers)
+    with torch.no_grad():  # norms start at ones: make their gradients' errors visible
+        for m in model.modules():
+            if isinstance(m, nn.RMSNorm):
+                m.weight.uniform_(0.5, 1.5)
+    return model
+
+
+def _expert_parallel_base() -> type:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    return ParallelStyle
+
+
+class ExpertParallel(_expert_parallel_base()):
+    """torchtitan's ``ExpertParallel`` (token dispatch and combine by all_to_all over the
+    ep mesh, experts ``Shard(0)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_splits: List[int] = []
+        self.output_splits: List[int] = []
+        self.received: List[int] = []
+        self.order: List[int] = []
+
+    def _partition_fn(self, name: str, mod: nn.Module, device_mesh: Any) -> None:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        for param_name, param in list(mod.named_parameters(recurse=False)):
+            mod.register_parameter(param_name, nn.Parameter(distribute_tensor(param, device_mesh, [Shard(0)])))
+
+    def _token_dispatch(self, mod: nn.Module, inputs: Tuple[torch.Tensor, torch.Tensor],
+                        device_mesh: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+
+        routed_input, num_tokens_per_expert = inputs
+        ep = device_mesh.shape[0]
+        local = num_tokens_per_expert.shape[0] // ep
+        with torch.no_grad():
+            received = all_to_all_single(num_tokens_per_expert, None, None, group=device_mesh.get_group())
+            received = torch.ops._c10d_functional.wait_tensor(received)
+            self.input_splits = num_tokens_per_expert.view(ep, -1).sum(dim=1).tolist()
+            self.output_splits = received.view(ep, -1).sum(dim=1).tolist()
+        routed_input = all_to_all_single_autograd(routed_input, self.output_splits, self.input_splits,
+                                                  device_mesh.get_group())
+        # From [rank r: its tokens for local experts 0..] to [local expert e: every rank's].
+        self.received = received.tolist()
+        self.order = [r * local + e for e in range(local) for r in range(ep)]
+        chunks = torch.split(routed_input, self.received)
+        routed_input = torch.cat([chunks[i] for i in self.order])
+        return routed_input, received.view(ep, local).sum(dim=0)
+
+    def _token_combine(self, mod: nn.Module, routed_output: torch.Tensor, device_mesh: Any) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        pieces = torch.split(routed_output, [self.received[i] for i in self.order])
+        back = [torch.empty(0)] * len(self.order)
+        for piece, i in zip(pieces, self.order):
+            back[i] = piece
+        return all_to_all_single_autograd(torch.cat(back), self.input_splits, self.output_splits,
+                                          device_mesh.get_group())
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        from torch.distributed.tensor import distribute_module
+
+        return distribute_module(module, device_mesh, partition_fn=self._partition_fn,
+                                 input_fn=self._token_dispatch, output_fn=self._token_combine)
