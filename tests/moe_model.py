@@ -24,8 +24,8 @@ __all__ = ["DIM", "EXPERTS", "ExpertParallel", "GroupedExperts", "MoE", "MoETran
 
 DIM, HIDDEN, EXPERTS, TOP_K, VOCAB, LAYERS = 8, 16, 8, 2, 32, 2
 
-#: The smallest token count any expert received in a forward, per process (the tests
-#: check that routing left some expert without tokens).
+#: Every token count a sharded ``GroupedExperts`` received in a forward, per process
+#: (the tests check that routing left some expert without tokens, and count forwards).
 _SEEN: List[int] = []
 
 
@@ -49,9 +49,11 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.randn(experts, hidden, dim) * dim ** -0.5)
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+        sharded = hasattr(self.w1, "to_local")  # a DTensor: expert parallelism
+        w1, w2, w3 = (w.to_local() if sharded else w for w in (self.w1, self.w2, self.w3))
         counts = num_tokens_per_expert.tolist()
-        _SEEN.extend(counts)
+        if sharded:
+            _SEEN.extend(counts)
         out = [(F.silu(chunk @ w1[e].T) * (chunk @ w3[e].T)) @ w2[e].T
                for e, chunk in enumerate(torch.split(x, counts))]
         return torch.cat(out) if out else x[:0]

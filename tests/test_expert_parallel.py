@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import pytest
 import torch
@@ -68,28 +68,39 @@ def optimizers(kind: str, pipe: Any, ref: nn.Module):
     return make(pipe.parameters()), make(ref.parameters())
 
 
-def check_training(schedule: str, optimizer: str = "adamw", layers: int = 2) -> None:
+def check_training(schedule: str, optimizer: str = "adamw", layers: int = 2,
+                   clip: Optional[float] = None, dp: int = 1, **options: Any) -> None:
     """STEPS steps of the pipeline and of the unsplit model agree: the loss of every
     step, every gradient of step 0 and every weight after each step; the ep ranks are
     data ranks (each its part of the batch); some expert got no tokens somewhere. With
-    4 layers, 4 stages (two per rank: zbv's V)."""
+    4 layers, 4 stages (two per rank: zbv's V); with ``clip``, ``pd.clip_grad_norm_``
+    before every update equals torch's on the unsplit model (each expert shard counted
+    once); with ``dp`` > 1 on a (pp 2, dp, ep 2) mesh."""
+    import pipedream_ext as pd
+
+    if dp > 1:
+        options["mesh"] = mesh_of((2, dp, 2), ("pp", "dp", "ep"))
+
     ref, model = build(layers), build(layers)
     split = SPLIT if layers == 2 else [f"layers.{i}" for i in range(1, layers)]
-    pipe = pipeline(model, schedule, split_points=split, chunks=1 if layers == 2 else 2)
-    ep_rank, ep = pipe.data_parallel_rank, pipe.data_parallel_size
-    assert ep == 2, ep
+    pipe = pipeline(model, schedule, split_points=split, chunks=1 if layers == 2 else 2, **options)
+    copy, copies = pipe.data_parallel_rank, pipe.data_parallel_size  # (dp, ep) coordinates
+    assert copies == dist.get_world_size() // 2, copies
     opt, ref_opt = optimizers(optimizer, pipe, ref)
     refs = dict(ref.named_parameters())
     what = f"{schedule} {optimizer}"
-    clear_counts()
+    clear_counts()  # construction measured the sample's forward
     for step in range(STEPS):
-        x, y = batch(step, ROWS * ep)
-        part = slice(ep_rank * ROWS, (ep_rank + 1) * ROWS)
+        x, y = batch(step, ROWS * copies)
+        part = slice(copy * ROWS, (copy + 1) * ROWS)
         loss = pipe.step(x[part], y[part])
         ref_opt.zero_grad()
         ref_loss = lm_loss(ref(x), y)
         ref_loss.backward()
         close(torch.as_tensor(float(loss)), ref_loss, f"{what} loss of step {step}")
+        if clip is not None:
+            close(pd.clip_grad_norm_(pipe, clip), torch.nn.utils.clip_grad_norm_(ref.parameters(), clip),
+                  f"{what} gradient norm of step {step}")
         names = [name for name, _ in pipe.named_parameters()]
         assert names and set(names) <= set(refs), names
         if step == 0:
@@ -100,6 +111,9 @@ def check_training(schedule: str, optimizer: str = "adamw", layers: int = 2) -> 
         ref_opt.step()
         for name, p in pipe.named_parameters():
             close(p, refs[name], f"{what} weight {name} after step {step}")
+    if layers == 2:  # one MoE layer per rank: each forward records its local experts' counts
+        runs = 2 if options.get("recompute") else 1  # a recomputed forward routes again
+        assert len(counts_seen()) == runs * STEPS * 2 * (EXPERTS // 2), len(counts_seen())
     empty = torch.tensor([int(0 in counts_seen())])
     dist.all_reduce(empty)
     assert int(empty) > 0, "no expert was left without tokens: the test does not cover it"
@@ -151,8 +165,7 @@ def check_refusals() -> None:
         return next(r[2] for r in ROWS if r[0] == row_id)
 
     refused = [  # (row, what the message names, the options)
-        ("ep-unsupported", "recompute=True", dict(recompute=True)),
-        ("ep-unsupported", "clip_grad_norm=1.0", dict(clip_grad_norm=1.0)),
+        ("ep-unsupported", "schedule='pipedream'", dict(schedule="pipedream")),
         ("ep-unsupported", "data_parallel='fsdp'", dict(data_parallel="fsdp")),
         ("ep-unsupported", "mesh='auto'", dict(mesh="auto")),
         ("ep-mesh", "'ep' dimension of size 2", dict(expert_parallel=None)),
@@ -179,7 +192,8 @@ def check_refusals() -> None:
 def cases(world: int) -> Cases:
     c = Cases()
     c.add(check_shards)
-    c.add(check_training, "1f1b")
+    c.add(check_training, "1f1b", clip=0.5, name="training-1f1b-clip")
+    c.add(check_training, "zb-h1", recompute=True, name="training-zb-h1-recompute")
     c.add(check_training, "zb-h1", "sgd")
     c.add(check_training, "gpipe", "sgd")
     c.add(check_training, "zbv", "adamw", layers=4, name="training-zbv-4-stages")
@@ -187,7 +201,14 @@ def cases(world: int) -> Cases:
     return c
 
 
+def mesh_3d_cases(world: int) -> Cases:
+    c = Cases()
+    c.add(check_training, "1f1b", clip=0.5, dp=2, name="training-pp2-dp2-ep2-clip")
+    return c
+
+
 LAUNCH = Launch(HERE, 4, cases, timeout=300)
+MESH_3D = Launch(HERE, 8, mesh_3d_cases, name="8ranks", timeout=300, marks=(pytest.mark.slow,))
 
 
 @parametrize_cases(LAUNCH)
@@ -195,5 +216,11 @@ def test_expert_parallel_on_a_traced_moe(case: CaseRef) -> None:
     case.check()
 
 
+@pytest.mark.slow
+@parametrize_cases(MESH_3D)
+def test_expert_parallel_pp2_dp2_ep2(case: CaseRef) -> None:
+    case.check()
+
+
 if __name__ == "__main__":
-    worker_main([LAUNCH])
+    worker_main([LAUNCH, MESH_3D])

@@ -148,7 +148,11 @@ class ParallelDims:
 
     @property
     def coordinates(self) -> Optional[Dict[str, int]]:
-        """With tensor parallelism, this rank's ``{"dp": .., "tp": ..}``, else ``None``."""
+        """With tensor parallelism, this rank's ``{"dp": .., "tp": ..}``; with expert
+        parallelism its ``{"dp": .., "ep": ..}`` (the mesh's own dp coordinate, not the
+        copy); else ``None``."""
+        if self.ep_enabled:
+            return {"dp": self.copy // self.ep_size, "ep": self.copy % self.ep_size}
         return {"dp": self.dp_rank, "tp": self.tp_rank} if self.tp_enabled else None
 
     def planner_sizes(self) -> Dict[str, Any]:

@@ -54,9 +54,6 @@ def check_option(plan: Any, options: Any) -> None:
     unsupported = [
         (schedules.traits(options.schedule).asynchronous, f"schedule={options.schedule!r}",
          f"use schedule= one of {', '.join(schedules.synchronous_names())}"),
-        (_recomputes(options.recompute), f"recompute={options.recompute!r}", "drop recompute"),
-        (options.clip_grad_norm is not None, f"clip_grad_norm={options.clip_grad_norm!r}",
-         "drop clip_grad_norm"),
         (options.tensor_parallel is not None, "tensor_parallel=", "drop one of them"),
     ]
     for bad, what, fix in unsupported:
@@ -81,13 +78,6 @@ def check_plan_matches(plan: Any, module: torch.nn.Module) -> None:
             f"{', '.join(repr(k) for k in missing)} match{'es' if len(missing) == 1 else ''} no "
             "module of the model; patterns are fnmatch patterns over model.named_modules() names "
             "('*' one name component), e.g. 'layers.*.moe.experts'")
-
-
-def _recomputes(recompute: Any) -> bool:
-    """Whether ``recompute`` may recompute a stage (``True``, ``"auto"``, a list with one)."""
-    if isinstance(recompute, (list, tuple)):
-        return any(bool(r) for r in recompute)
-    return recompute is True or recompute == "auto"
 
 
 def apply_expert_parallel(stages: LocalStages, dims: ParallelDims) -> None:

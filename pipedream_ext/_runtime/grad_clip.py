@@ -31,7 +31,8 @@ Which rank counts which gradient:
 * with tensor parallelism, a ``DTensor`` whose mesh lacks one of the ``dp`` and ``tp``
   dimensions is replicated along it (a tp DTensor over dp with ``"replicate"``, an
   FSDP shard of a plain parameter over tp): only coordinate 0 of that dimension
-  counts it (:meth:`GradientClipper._first_outside`).
+  counts it (:meth:`GradientClipper._first_outside`); likewise with expert
+  parallelism an expert shard (over ``ep``) on dp coordinate 0 only, every ep rank its own.
 
 Each rank computes ``L = torch.nn.utils.get_total_norm`` of the gradients it counts
 (torch's own arithmetic: per-tensor norms, foreach, the norm of the norms); one
