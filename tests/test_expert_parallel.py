@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import CaseRef, Cases, Launch, parametrize_cases, worker_main
+from _multiprocess import CaseRef, Cases, FromEnv, Launch, parametrize_cases, worker_main
 from moe_model import EXPERTS, VOCAB, ExpertParallel, build, clear_counts, counts_seen
-from test_tensor_parallel import close, mesh_of
+from test_tensor_parallel import close, full, mesh_of
 
 HERE = os.path.abspath(__file__)
 SEQ, ROWS, STEPS = 4, 4, 3
@@ -182,11 +182,84 @@ def check_refusals() -> None:
     pipe = pipeline(build())
     directory = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ep-refused-{os.getpid()}")
     with pytest.raises(ValueError, match=row("ep-checkpoint")):
-        pd.save_checkpoint(directory, pipe)
+        pd.save_pretrained(pipe, directory)
     assert not os.path.exists(directory)
-    with pytest.raises(ValueError, match=row("ep-checkpoint")):
-        pipe.load_state_dict(build().state_dict())
     pipe.close()
+
+
+def gathered(pipe: Any) -> Dict[str, torch.Tensor]:
+    """Every parameter of the whole model, experts gathered (collective over the world)."""
+    mine = {name: full(p.detach()).clone() for name, p in pipe.named_parameters()}
+    parts: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def same(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], what: str) -> None:
+    """Bit for bit."""
+    assert set(actual) == set(expected), (what, sorted(actual), sorted(expected))
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value, rtol=0, atol=0,
+                                   msg=lambda m, key=key: f"{what}: {key}: {m}")
+
+
+def train(pipe: Any, opt: Any, steps: range) -> List[float]:
+    copy, copies = pipe.data_parallel_rank, pipe.data_parallel_size
+    losses = []
+    for step in steps:
+        x, y = batch(100 + step, ROWS * copies)
+        part = slice(copy * ROWS, (copy + 1) * ROWS)
+        losses.append(float(pipe.step(x[part], y[part])))
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def check_checkpoints(root: str) -> None:
+    """pp2 x ep2 trains 2 AdamW steps and saves (``format="dcp"``); a fresh pp2 x ep2 loads
+    it (the ep ranks of dp coordinate 0 wrote their experts: bit-identical weights) and
+    trains on exactly as the uninterrupted run; ``pd.consolidate`` gives the whole
+    model's weights at the save; the checkpoint also loads into pp2 x dp2 x ep1 (every
+    rank all of its stage's experts, re-sharded by DCP) and trains on as the saving run; ``load_state_dict`` of the unsplit model's state dict cuts each
+    rank's experts; ``format="pipedream"`` and ``save_pretrained`` are refused."""
+    from test_bad_input import ROWS as BAD_ROWS
+
+    import pipedream_ext as pd
+
+    path = os.path.join(root, "pp2-ep2")
+    saving = pipeline(build())
+    opt = torch.optim.AdamW(saving.parameters(), lr=0.01, eps=1e-4)
+    train(saving, opt, range(2))
+    at_save = gathered(saving)
+    pd.save_checkpoint(path, saving, opt, step=2, format="dcp")
+    with pytest.raises(ValueError, match=next(r[2] for r in BAD_ROWS if r[0] == "ep-checkpoint")):
+        pd.save_checkpoint(path + "-pipedream", saving, opt)
+    with pytest.raises(ValueError, match=next(r[2] for r in BAD_ROWS if r[0] == "ep-checkpoint")):
+        pd.save_pretrained(saving, path + "-hf")
+    later = train(saving, opt, range(2, 4))
+    after = gathered(saving)
+    saving.close()
+    if dist.get_rank() == 0:
+        same(dict(pd.consolidate(path)), at_save, "consolidate")
+    fresh = pipeline(build(seed=7))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01, eps=1e-4)
+    assert pd.load_checkpoint(path, fresh, fresh_opt).step == 2
+    same(gathered(fresh), at_save, "pp2 x ep2 loaded")
+    assert train(fresh, fresh_opt, range(2, 4)) == later
+    same(gathered(fresh), after, "pp2 x ep2 resumed")
+    fresh.close()
+    dense = pipeline(build(seed=7), mesh=mesh_of((2, 2, 1), ("pp", "dp", "ep")))
+    dense_opt = torch.optim.AdamW(dense.parameters(), lr=0.01, eps=1e-4)
+    pd.load_checkpoint(path, dense, dense_opt)
+    same(gathered(dense), at_save, "pp2 x dp2 x ep1 loaded")
+    resumed = train(dense, dense_opt, range(2, 4))
+    torch.testing.assert_close(resumed, later, rtol=1e-5, atol=1e-6)
+    dense.close()
+    model = build(seed=3)
+    loading = pipeline(build())
+    loading.load_state_dict(model.state_dict())
+    same(gathered(loading), {k: v.detach() for k, v in model.named_parameters()}, "load_state_dict")
+    loading.close()
 
 
 def cases(world: int) -> Cases:
@@ -198,6 +271,7 @@ def cases(world: int) -> Cases:
     c.add(check_training, "gpipe", "sgd")
     c.add(check_training, "zbv", "adamw", layers=4, name="training-zbv-4-stages")
     c.add(check_refusals)
+    c.add(check_checkpoints, FromEnv("PDEP_DIR"), name="checkpoints")
     return c
 
 
@@ -207,7 +281,7 @@ def mesh_3d_cases(world: int) -> Cases:
     return c
 
 
-LAUNCH = Launch(HERE, 4, cases, timeout=300)
+LAUNCH = Launch(HERE, 4, cases, timeout=300, dirs=("PDEP_DIR",))
 MESH_3D = Launch(HERE, 8, mesh_3d_cases, name="8ranks", timeout=300, marks=(pytest.mark.slow,))
 
 

@@ -63,7 +63,6 @@ def load_checkpoint(path: PathLike, pipe: Pipeline,
     """
     directory = os.fspath(path)
     view = pipe.checkpoint_view
-    view.refuse_expert_parallel("load_checkpoint")
     finish_pending(view)
     if view.asynchronous:
         pipe.flush()

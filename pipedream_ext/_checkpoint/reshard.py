@@ -236,7 +236,6 @@ def load_parts(pipe: Pipeline, split: Callable[[Any], Tuple[StageStates, List[st
             copies of one tensor (tied, replicated) would differ (``copies.check_copies``).
     """
     view = pipe.checkpoint_view
-    view.refuse_expert_parallel("load_state_dict")
     if view.asynchronous:
         pipe.flush()
     error: Optional[BaseException] = None

@@ -102,7 +102,6 @@ def save_checkpoint(path: PathLike, pipe: Pipeline, optimizer: Optional[torch.op
     storage = _storage_for(format, async_save)
     directory = os.fspath(path)
     view = pipe.checkpoint_view
-    view.refuse_expert_parallel("save_checkpoint")
     storage.check_pipeline(view)
     finish_pending(view)
     if view.asynchronous:

@@ -49,11 +49,14 @@ class PipelineView:
             else ``None``. With a mesh, ``rank``, ``world_size``, ``group`` and
             ``stage_ranks`` are the whole world's (every dp rank runs each stage: a
             copy, or with ``"fsdp"`` a shard), ``checkpoint_group`` a Gloo group over it.
-        tp_size: a mesh's tp size (``PipeDream(tensor_parallel=...)``; 1 without): each
-            stage's first ``tp_size`` ranks in ``stage_ranks`` are dp rank 0's tp ranks,
-            each holding its own shards of the stage (DTensors over ``mesh["tp"]``).
+        tp_size: the ranks of each stage holding shards of one copy: a mesh's tp size
+            (``PipeDream(tensor_parallel=...)``) or ep size (``expert_parallel=``); 1
+            without: each stage's first ``tp_size`` ranks in ``stage_ranks`` are dp rank
+            0's tp (or ep) ranks, each holding its own shards of the stage (DTensors over
+            ``mesh["tp"]``, or the experts' over ``mesh["ep"]``).
         expert_parallel: whether the stages' experts are sharded over a mesh's ``ep``
-            ranks (``PipeDream(expert_parallel=...)``), which checkpoints refuse for now.
+            ranks (``PipeDream(expert_parallel=...)``): DCP checkpoints and
+            ``load_state_dict`` handle them; ``save_pretrained`` refuses them for now.
     """
 
     rank: int
@@ -119,7 +122,9 @@ class PipelineView:
             ValueError: ``call`` on a pipeline built with ``mesh=``.
         """
         if self.data_parallel is not None:
-            holds = ("each tp rank holds shards of its stage (tensor_parallel)" if self.tp_size > 1
+            holds = ("each ep rank holds other experts of its stage (expert_parallel)"
+                     if self.expert_parallel else
+                     "each tp rank holds shards of its stage (tensor_parallel)" if self.tp_size > 1
                      else "each dp rank holds a copy or a shard of its stage")
             raise ValueError(f"{call} does not support pipelines built with mesh= "
                              f"(data_parallel={self.data_parallel!r}): {holds}; use "
@@ -128,8 +133,8 @@ class PipelineView:
                              "pd.consolidate(path) for the unsplit state dict")
 
     def refuse_expert_parallel(self, call: str) -> None:
-        """Checkpoints do not know the experts' shards over ``ep`` yet (each ep rank holds
-        others): saving one copy would lose the rest.
+        """``call`` does not know the experts' shards over ``ep`` yet (each ep rank holds
+        others): writing one copy would lose the rest.
 
         Raises:
             ValueError: ``call`` on a pipeline built with ``expert_parallel=``.
@@ -137,8 +142,8 @@ class PipelineView:
         if self.expert_parallel:
             raise ValueError(f"{call} does not support pipelines built with expert_parallel= yet "
                              "(each ep rank holds other experts); nothing was written or loaded. "
-                             "Save each rank's pipe.state_dict() (its expert shards are DTensors "
-                             "over mesh['ep']) with torch.save, or train without expert_parallel")
+                             "Save a DCP checkpoint (save_checkpoint(..., format='dcp')) and write "
+                             "pd.consolidate(path) of it with the model's own save_pretrained")
 
     def describe(self) -> Dict[str, Any]:
         """The pipeline's layout as the manifest records it (JSON)."""

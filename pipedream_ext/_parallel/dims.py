@@ -316,7 +316,9 @@ class ParallelDims:
                 "stage_ranks": [[ranks[r] for ranks in self.pipelines for r in local]
                                 for local in stage_ranks],
                 "checkpoint_group": checkpoint_group(self.world_ranks, timeout),
-                "tp_size": self.tp_size, "expert_parallel": self.ep_enabled}
+                # The ranks of a stage that write its shards: dp rank 0's tp ranks, or
+                # its ep ranks (each its experts; the dense tensors DCP writes once).
+                "tp_size": self.tp_size * self.ep_size, "expert_parallel": self.ep_enabled}
 
 
 def mesh_pipelines(layout: Sequence[Sequence[int]]) -> List[List[int]]:
