@@ -9,6 +9,7 @@ from ._extension import _C as _C  # re-exported: tests and users reach the exten
 from ._frontend.deferred_init import layer_seed, materialize
 from ._pipe import NonFiniteError, PipeDream, clip_grad_norm_
 from ._planning.profiler import profile
+from ._runtime.aux_loss import add_aux_loss, aux_loss_scale
 from ._runtime.step_loss import StepLoss
 from .planner import Plan, ProfileGraph, Stage, Topology, load_profile, plan
 
@@ -47,6 +48,8 @@ __all__ = [
     "PendingCheckpoint",
     "materialize",
     "layer_seed",
+    "add_aux_loss",
+    "aux_loss_scale",
 ]
 __version__ = "0.1.0"
 

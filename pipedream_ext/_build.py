@@ -224,7 +224,8 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
                       LayoutExchange.agree(dims.world_group, dims.copy, config.timeout)
                       ) if dims.tp_enabled else None
     stage_fn = _stage_function(args.loss_fn, cut.traced, stages, schedule, groups, config, device,
-                               recomputes[groups.rank], dims.names.of_group(groups.rank), cuts)
+                               recomputes[groups.rank], dims.names.of_group(groups.rank), cuts,
+                               copies=dims.dp_size)
     input_names = None if cut.traced is None or cut.traced.input_names is None else \
         list(cut.traced.input_names)
     runner = make_runner(config, schedule, action_feed, stages, groups, stage_fn, observer, device,
@@ -1051,11 +1052,11 @@ def _stage_function(loss_fn: Callable[..., torch.Tensor], traced: Optional[Trace
                     stages: LocalStages, schedule: "schedules.Schedule",
                     groups: PipelineGroups, config: PipelineConfig,
                     device: torch.device, recompute: bool, rank_name: Optional[str] = None,
-                    cuts: Optional[CutLayouts] = None) -> StageFunction:
+                    cuts: Optional[CutLayouts] = None, copies: int = 1) -> StageFunction:
     """The executor's forward callback over this rank's stages (``recompute``: whether
     this rank's stages recompute, ``PipelineConfig.rank_recomputes``; ``rank_name``: how
     its messages name the rank; default ``"rank {rank}"``; ``cuts``: with tensor
-    parallelism, what crosses a cut)."""
+    parallelism, what crosses a cut; ``copies``: the pipeline's data-parallel copies)."""
     # An exported model's last stage returns its output's tensors flat; loss_fn gets
     # the model's own structure (a ModelOutput) back.
     spec = traced.output_spec if traced is not None else None
@@ -1063,4 +1064,15 @@ def _stage_function(loss_fn: Callable[..., torch.Tensor], traced: Optional[Trace
     return StageFunction(stages, stage_loss, schedule.num_stages, device,
                          config.check_finite, raise_at_once=config.asynchronous,
                          rank=groups.rank, recompute=recompute,
-                         loss_reduction=config.loss_reduction, rank_name=rank_name, cuts=cuts)
+                         loss_reduction=config.loss_reduction, rank_name=rank_name, cuts=cuts,
+                         aux_weight=_aux_weight(config, copies))
+
+
+def _aux_weight(config: PipelineConfig, copies: int) -> float:
+    """What one microbatch's aux losses weigh (``_runtime.aux_loss``): as its share of a
+    mean (``1 / microbatches``; the copies' gradients are then averaged), of a token mean
+    (the copies' gradients add: ``1 / (microbatches x copies)``), or 1 for a sum."""
+    reduction = config.loss_reduction
+    if not reduction.averages_over_dp and not reduction.counts_tokens:
+        return 1.0
+    return 1.0 / (config.microbatches * (copies if reduction.counts_tokens else 1))

@@ -19,10 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import pipedream_ext as pd
+
 __all__ = ["DIM", "EXPERTS", "ExpertParallel", "GroupedExperts", "MoE", "MoETransformer", "VOCAB",
            "build", "clear_counts", "counts_seen"]
 
 DIM, HIDDEN, EXPERTS, TOP_K, VOCAB, LAYERS = 8, 16, 8, 2, 32, 2
+# Large enough that a wrongly scaled aux gradient shows in the weights within 1e-4.
+AUX_COEF = 0.1
 
 #: Every token count a sharded ``GroupedExperts`` received in a forward, per process
 #: (the tests check that routing left some expert without tokens, and count forwards).
@@ -61,12 +65,16 @@ class GroupedExperts(nn.Module):
 
 class MoE(nn.Module):
     """Router, experts, and the scatter back (torchtitan's ``MoE`` without shared experts,
-    scores applied before the experts)."""
+    scores applied before the experts). With ``aux``, Switch Transformer's load-balancing
+    loss ``E * sum_e f_e * P_e`` (``f_e``: the share of the routed slots expert ``e``
+    got, ``P_e``: its mean router probability) times ``AUX_COEF`` is added in the layer's
+    own backward (``pd.add_aux_loss``, Megatron's ``MoEAuxLossAutoScaler``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, aux: bool = False) -> None:
         super().__init__()
         self.router = nn.Linear(DIM, EXPERTS, bias=False)
         self.experts = GroupedExperts()
+        self.aux = aux
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -79,15 +87,19 @@ class MoE(nn.Module):
         token = order // TOP_K
         routed = x[token] * top.reshape(-1)[order].unsqueeze(-1)
         out = self.experts(routed, counts)
-        return torch.zeros_like(x).index_add(0, token, out).reshape(shape)
+        y = torch.zeros_like(x).index_add(0, token, out).reshape(shape)
+        if self.aux:
+            share = counts.float() / flat.shape[0]
+            y = pd.add_aux_loss(y, AUX_COEF * EXPERTS * (share * scores.mean(0)).sum())
+        return y
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, aux: bool = False) -> None:
         super().__init__()
         self.norm, self.moe_norm = nn.RMSNorm(DIM), nn.RMSNorm(DIM)
         self.mix = nn.Linear(DIM, DIM)  # the attention's place: dense, per token
-        self.moe = MoE()
+        self.moe = MoE(aux)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h = h + self.mix(self.norm(h))
@@ -97,10 +109,10 @@ class Block(nn.Module):
 class MoETransformer(nn.Module):
     """torchtitan's layout: tok_embeddings, layers (a ModuleDict of MoE blocks), norm, output."""
 
-    def __init__(self, layers: int = LAYERS) -> None:
+    def __init__(self, layers: int = LAYERS, aux: bool = False) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleDict({str(i): Block() for i in range(layers)})
+        self.layers = nn.ModuleDict({str(i): Block(aux) for i in range(layers)})
         self.norm = nn.RMSNorm(DIM)
         self.output = nn.Linear(DIM, VOCAB, bias=False)
 
@@ -111,9 +123,9 @@ class MoETransformer(nn.Module):
         return self.output(self.norm(h))
 
 
-def build(layers: int = LAYERS, seed: int = 0) -> MoETransformer:
+def build(layers: int = LAYERS, seed: int = 0, aux: bool = False) -> MoETransformer:
     torch.manual_seed(seed)
-    model = MoETransformer(layers)
+    model = MoETransformer(layers, aux)
     with torch.no_grad():  # norms start at ones: make their gradients' errors visible
         for m in model.modules():
             if isinstance(m, nn.RMSNorm):

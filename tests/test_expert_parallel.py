@@ -120,6 +120,62 @@ def check_training(schedule: str, optimizer: str = "adamw", layers: int = 2,
     pipe.close()
 
 
+def check_aux_loss(schedule: str, layers: int = 2, **options: Any) -> None:
+    """A router's load-balancing loss added in its layer's backward (``pd.add_aux_loss``)
+    trains as gradient accumulation of the unsplit model over the same microbatches with
+    ``pd.aux_loss_scale(1 / (microbatches x copies))``: the loss of every step (the
+    model's loss, without the aux term), every gradient of step 0 and every weight after
+    3 SGD steps, whichever stage and schedule runs the layer (the split backward's I and
+    W: zb-h1, zbv) and with recompute. The aux term really moves the routers."""
+    import pipedream_ext as pd
+
+    ref, model = build(layers, aux=True), build(layers, aux=True)
+    split = SPLIT if layers == 2 else [f"layers.{i}" for i in range(1, layers)]
+    pipe = pipeline(model, schedule, split_points=split, chunks=1 if layers == 2 else 2, **options)
+    copy, copies = pipe.data_parallel_rank, pipe.data_parallel_size
+    opt, ref_opt = optimizers("sgd", pipe, ref)
+    refs = dict(ref.named_parameters())
+    weight = 1.0 / (2 * copies)  # microbatches=2
+    for step in range(STEPS):
+        x, y = batch(step, ROWS * copies)
+        part = slice(copy * ROWS, (copy + 1) * ROWS)
+        loss = pipe.step(x[part], y[part])
+        ref_opt.zero_grad()
+        ref_loss = torch.zeros(())
+        for c in range(copies):
+            rows = slice(c * ROWS, (c + 1) * ROWS)
+            for xi, yi in zip(torch.tensor_split(x[rows], 2), torch.tensor_split(y[rows], 2)):
+                with pd.aux_loss_scale(weight):
+                    mb_loss = lm_loss(ref(xi), yi) * weight
+                mb_loss.backward()
+                ref_loss += mb_loss.detach()
+        close(torch.as_tensor(float(loss)), ref_loss, f"{schedule} aux: loss of step {step}")
+        if step == 0:
+            for name, p in pipe.named_parameters():
+                close(p.grad, refs[name].grad, f"{schedule} aux: step-0 gradient of {name}")
+            router = "layers.0.moe.router.weight"
+            with_aux = refs[router].grad.clone()
+            ref_opt.zero_grad()
+            for c in range(copies):
+                rows = slice(c * ROWS, (c + 1) * ROWS)
+                with pd.aux_loss_scale(0.0):
+                    (lm_loss(ref(x[rows]), y[rows]) / copies).backward()
+            moved = (with_aux - refs[router].grad).abs().max()
+            assert moved > 1e-3 * with_aux.abs().max(), f"the aux loss hardly changes {router}: {moved}"
+            ref_opt.zero_grad()
+            for c in range(copies):  # the aux run's gradients back for the step
+                rows = slice(c * ROWS, (c + 1) * ROWS)
+                for xi, yi in zip(torch.tensor_split(x[rows], 2), torch.tensor_split(y[rows], 2)):
+                    with pd.aux_loss_scale(weight):
+                        (lm_loss(ref(xi), yi) * weight).backward()
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        for name, p in pipe.named_parameters():
+            close(p, refs[name], f"{schedule} aux: weight {name} after step {step}")
+    pipe.close()
+
+
 def check_shards() -> None:
     """The experts' w1/w2/w3 are DTensors Shard(0) over mesh['ep'] with half the experts
     each (ep rank r holds experts [r * 4, r * 4 + 4) of the unsplit model), everything
@@ -270,9 +326,55 @@ def cases(world: int) -> Cases:
     c.add(check_training, "zb-h1", "sgd")
     c.add(check_training, "gpipe", "sgd")
     c.add(check_training, "zbv", "adamw", layers=4, name="training-zbv-4-stages")
+    c.add(check_aux_loss, "1f1b")
+    c.add(check_aux_loss, "zb-h1", recompute=True, name="aux-loss-zb-h1-recompute")
+    c.add(check_aux_loss, "zbv", layers=4, name="aux-loss-zbv-4-stages")
     c.add(check_refusals)
     c.add(check_checkpoints, FromEnv("PDEP_DIR"), name="checkpoints")
     return c
+
+
+class AuxMLP(nn.Module):
+    """Two linears, the first adding an aux loss (its output's mean square)."""
+
+    def __init__(self, exported: bool = False) -> None:
+        super().__init__()
+        self.a, self.b, self.exported = nn.Linear(4, 4), nn.Linear(4, 2), exported
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import pipedream_ext as pd
+
+        if self.exported and x.shape[-1] > 1024:  # a branch on a shape: fx cannot trace it
+            raise ValueError("too wide")
+        h = self.a(x)
+        return self.b(pd.add_aux_loss(h, h.pow(2).mean()))
+
+
+def test_add_aux_loss_is_one_node_under_fx_and_refused_by_export() -> None:
+    """One process: torch.fx keeps ``add_aux_loss`` as one ``call_function`` node, whose
+    stage runs it (the aux gradient is injected: ``aux_loss_scale(0.5)`` adds half the
+    aux term's gradient); the torch.export path refuses it, naming it."""
+    from pipedream_ext._frontend.graph_split import split_model
+
+    import pipedream_ext as pd
+
+    torch.manual_seed(0)
+    model, x = AuxMLP(), torch.randn(3, 4)
+    split = split_model(model, ["b"], (x,))
+    assert split.tracer == "fx"
+    calls = [n for stage in split.stages for n in stage.graph.nodes if n.target is pd.add_aux_loss]
+    assert len(calls) == 1, [n.format_node() for s in split.stages for n in s.graph.nodes]
+    for scale in (0.0, 0.5):
+        model.zero_grad()
+        with pd.aux_loss_scale(scale):
+            split.stages[1](split.stages[0](x)).sum().backward()
+        got = model.a.weight.grad.clone()
+        model.zero_grad()
+        h = model.a(x)
+        (model.b(h).sum() + scale * h.pow(2).mean()).backward()
+        torch.testing.assert_close(got, model.a.weight.grad)
+    with pytest.raises(ValueError, match="add_aux_loss cannot be traced by torch.export"):
+        split_model(AuxMLP(exported=True), ["b"], (x,))
 
 
 def mesh_3d_cases(world: int) -> Cases:

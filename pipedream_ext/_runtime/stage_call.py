@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .._frontend.local_stages import LocalStages
+from .aux_loss import aux_loss_scale
 from .loss_reduction import LossReduction, MeanLoss, no_tokens
 
 if TYPE_CHECKING:
@@ -307,6 +308,8 @@ class StageFunction:
         rank_name: how messages name this rank (default ``"rank {rank}"``).
         cuts: with ``tensor_parallel``: what crosses a cut (a ``DTensor`` as its local
             shard, wrapped back on the receiving stage by its published ``CutLayout``), else ``None``.
+        aux_weight: what one microbatch's aux losses weigh (``aux_loss.add_aux_loss``),
+            times the grad scaler's scale: set around every training forward.
     """
 
     def __init__(self, stages: LocalStages, loss_fn: Callable[..., torch.Tensor],
@@ -314,8 +317,10 @@ class StageFunction:
                  check_finite: Optional[str], raise_at_once: bool, rank: int,
                  recompute: bool = False,
                  loss_reduction: Optional[LossReduction] = None,
-                 rank_name: Optional[str] = None, cuts: Optional["CutLayouts"] = None) -> None:
+                 rank_name: Optional[str] = None, cuts: Optional["CutLayouts"] = None,
+                 aux_weight: float = 1.0) -> None:
         self.stages = stages
+        self.aux_weight = aux_weight
         self.cuts = cuts
         self.loss_fn = loss_fn
         self.num_stages = num_stages
@@ -339,11 +344,13 @@ class StageFunction:
         run = self._run_again if again else self._run
         if context.before_forward is not None:
             context.before_forward(stage, microbatch, not context.evaluating)
-        if context.autocast is None:
-            outputs = run(context, stage, microbatch, inputs, weights)
-        else:
-            with torch.autocast(device_type=self.device.type, dtype=context.autocast):
+        scale = 0.0 if context.evaluating else self.aux_weight * context.loss_scale()
+        with aux_loss_scale(scale):
+            if context.autocast is None:
                 outputs = run(context, stage, microbatch, inputs, weights)
+            else:
+                with torch.autocast(device_type=self.device.type, dtype=context.autocast):
+                    outputs = run(context, stage, microbatch, inputs, weights)
         if self.check_finite and not context.evaluating:
             self._check_finite(context, stage, microbatch, outputs)
         return outputs
