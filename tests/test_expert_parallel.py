@@ -2,7 +2,8 @@
 
 Runs under pytest, which launches the worker side with torchrun, or standalone:
 
-    PIPEDREAM_TEST_LAUNCH=4ranks torchrun --standalone --nproc-per-node 4 tests/test_expert_parallel.py
+    PIPEDREAM_TEST_LAUNCH=4ranks-nccl_rules PIPEDREAM_TEST_BACKEND=nccl_rules PDEP_DIR=/tmp/x \
+        torchrun --standalone --nproc-per-node 4 tests/test_expert_parallel.py
 
 A torchtitan-style MoE transformer (``tests/moe_model.py``: ``layers`` a ModuleDict of
 blocks whose ``moe.experts`` are ``GroupedExperts``), cut by ``split_points`` on pp2 x ep2
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _multiprocess import CaseRef, Cases, FromEnv, Launch, parametrize_cases, worker_main
+from _multiprocess import CaseRef, Cases, FromEnv, Launch, parametrize_cases, strict_and_gloo, worker_main
 from moe_model import EXPERTS, VOCAB, ExpertParallel, build, clear_counts, counts_seen
 from test_tensor_parallel import close, full, mesh_of
 
@@ -383,11 +384,14 @@ def mesh_3d_cases(world: int) -> Cases:
     return c
 
 
-LAUNCH = Launch(HERE, 4, cases, timeout=300, dirs=("PDEP_DIR",))
+# `make test` runs the 4-rank cases on nccl_rules (NCCL's point-to-point rules, the
+# all_to_all a collective of each stage's ep group in every rank's order), `make
+# test-all` on Gloo too.
+LAUNCH, LAUNCH_GLOO = strict_and_gloo(HERE, 4, cases, timeout=300, dirs=("PDEP_DIR",))
 MESH_3D = Launch(HERE, 8, mesh_3d_cases, name="8ranks", timeout=300, marks=(pytest.mark.slow,))
 
 
-@parametrize_cases(LAUNCH)
+@parametrize_cases(LAUNCH, LAUNCH_GLOO)
 def test_expert_parallel_on_a_traced_moe(case: CaseRef) -> None:
     case.check()
 
@@ -399,4 +403,4 @@ def test_expert_parallel_pp2_dp2_ep2(case: CaseRef) -> None:
 
 
 if __name__ == "__main__":
-    worker_main([LAUNCH, MESH_3D])
+    worker_main([LAUNCH, LAUNCH_GLOO, MESH_3D])
