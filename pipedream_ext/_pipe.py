@@ -64,14 +64,25 @@ class _DataParallelPart:
         """This rank's data-parallel rank, ``0 <= rank < data_parallel_size`` (0 without
         dp): it feeds rows ``[rank * n / size, (rank + 1) * n / size)`` of an ``n``-row
         global batch, e.g. ``DistributedSampler(..., num_replicas=pipe.data_parallel_size,
-        rank=pipe.data_parallel_rank)``; every pp and tp rank of one copy feeds the same."""
+        rank=pipe.data_parallel_rank)``; every pp and tp rank of one copy feeds the same
+        (with ``expert_parallel`` the copies are the ``(dp, ep)`` coordinates, ``dp * ep_size +
+        ep``)."""
         return self._dims.dp_rank
 
     @property
     def data_parallel_size(self) -> int:
         """Copies of the pipeline over which each global batch is split (``mesh["dp"]``'s
-        size; 1 without a mesh)."""
+        size, times ``mesh["ep"]``'s with ``expert_parallel``; 1 without a mesh)."""
         return self._dims.dp_size
+
+    @property
+    def data_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        """The ranks running this rank's stages in every copy of the pipeline (its dp
+        ranks, with ``expert_parallel`` its dp x ep ranks), bounded by ``timeout=``: the
+        group to sum what each copy counted over, e.g. a router's tokens per expert
+        before an aux-loss-free bias update (docs/guide/expert_parallel.md); ``None``
+        without a mesh."""
+        return self._dims.dp_group if self._dims.dp_mesh is not None else None
 
 
 class PipeDream(_DataParallelPart):

@@ -22,7 +22,7 @@ from torch import nn
 import pipedream_ext as pd
 
 __all__ = ["DIM", "EXPERTS", "ExpertParallel", "GroupedExperts", "MoE", "MoETransformer", "VOCAB",
-           "build", "clear_counts", "counts_seen"]
+           "build", "clear_counts", "counts_seen", "update_expert_bias"]
 
 DIM, HIDDEN, EXPERTS, TOP_K, VOCAB, LAYERS = 8, 16, 8, 2, 32, 2
 # Large enough that a wrongly scaled aux gradient shows in the weights within 1e-4.
@@ -70,20 +70,31 @@ class MoE(nn.Module):
     got, ``P_e``: its mean router probability) times ``AUX_COEF`` is added in the layer's
     own backward (``pd.add_aux_loss``, Megatron's ``MoEAuxLossAutoScaler``)."""
 
-    def __init__(self, aux: bool = False) -> None:
+    def __init__(self, aux: bool = False, bias: bool = False) -> None:
         super().__init__()
         self.router = nn.Linear(DIM, EXPERTS, bias=False)
         self.experts = GroupedExperts()
         self.aux = aux
+        if bias:  # torchtitan's aux-loss-free balancing: a bias on the choice, not the scores
+            self.register_buffer("expert_bias", torch.zeros(EXPERTS))
+            self.register_buffer("tokens_per_expert", torch.zeros(EXPERTS), persistent=False)
+        self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, DIM)
         scores = torch.softmax(self.router(x), dim=-1)
-        top, chosen = torch.topk(scores, TOP_K, dim=-1)
+        if self.bias:
+            _, chosen = torch.topk(scores + self.expert_bias, TOP_K, dim=-1)
+            top = scores.gather(-1, chosen)
+        else:
+            top, chosen = torch.topk(scores, TOP_K, dim=-1)
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=EXPERTS)
+        if self.bias:
+            with torch.no_grad():
+                self.tokens_per_expert.add_(counts)
         token = order // TOP_K
         routed = x[token] * top.reshape(-1)[order].unsqueeze(-1)
         out = self.experts(routed, counts)
@@ -95,11 +106,11 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, aux: bool = False) -> None:
+    def __init__(self, aux: bool = False, bias: bool = False) -> None:
         super().__init__()
         self.norm, self.moe_norm = nn.RMSNorm(DIM), nn.RMSNorm(DIM)
         self.mix = nn.Linear(DIM, DIM)  # the attention's place: dense, per token
-        self.moe = MoE(aux)
+        self.moe = MoE(aux, bias)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h = h + self.mix(self.norm(h))
@@ -109,10 +120,10 @@ class Block(nn.Module):
 class MoETransformer(nn.Module):
     """torchtitan's layout: tok_embeddings, layers (a ModuleDict of MoE blocks), norm, output."""
 
-    def __init__(self, layers: int = LAYERS, aux: bool = False) -> None:
+    def __init__(self, layers: int = LAYERS, aux: bool = False, bias: bool = False) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleDict({str(i): Block(aux) for i in range(layers)})
+        self.layers = nn.ModuleDict({str(i): Block(aux, bias) for i in range(layers)})
         self.norm = nn.RMSNorm(DIM)
         self.output = nn.Linear(DIM, VOCAB, bias=False)
 
@@ -123,14 +134,34 @@ class MoETransformer(nn.Module):
         return self.output(self.norm(h))
 
 
-def build(layers: int = LAYERS, seed: int = 0, aux: bool = False) -> MoETransformer:
+def build(layers: int = LAYERS, seed: int = 0, aux: bool = False, bias: bool = False) -> MoETransformer:
     torch.manual_seed(seed)
-    model = MoETransformer(layers, aux)
+    model = MoETransformer(layers, aux, bias)
     with torch.no_grad():  # norms start at ones: make their gradients' errors visible
         for m in model.modules():
             if isinstance(m, nn.RMSNorm):
                 m.weight.uniform_(0.5, 1.5)
     return model
+
+
+def update_expert_bias(model: Any, group: Any = None, coef: float = 0.05) -> None:
+    """torchtitan's aux-loss-free balancing step (before the optimizer's): every MoE's
+    tokens per expert summed over ``group`` (the copies), the bias moved towards the
+    experts that got fewer, the counts cleared. By buffer name, so that ``model`` may be
+    a pipeline (whose traced stages keep the buffers under their names, not the MoE
+    modules)."""
+    import torch.distributed as dist
+
+    buffers = dict(model.named_buffers())
+    for name, counts in buffers.items():
+        if not name.endswith("tokens_per_expert"):
+            continue
+        if group is not None:
+            dist.all_reduce(counts, group=group)
+        with torch.no_grad():
+            delta = coef * torch.sign(counts.mean() - counts)
+            buffers[name.rpartition(".")[0] + ".expert_bias"].add_(delta - delta.mean())
+            counts.zero_()
 
 
 def _expert_parallel_base() -> type:

@@ -30,7 +30,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _multiprocess import CaseRef, Cases, FromEnv, Launch, parametrize_cases, strict_and_gloo, worker_main
-from moe_model import EXPERTS, VOCAB, ExpertParallel, build, clear_counts, counts_seen
+from moe_model import EXPERTS, VOCAB, ExpertParallel, build, clear_counts, counts_seen, update_expert_bias
 from test_tensor_parallel import close, full, mesh_of
 
 HERE = os.path.abspath(__file__)
@@ -174,6 +174,81 @@ def check_aux_loss(schedule: str, layers: int = 2, **options: Any) -> None:
         ref_opt.step()
         for name, p in pipe.named_parameters():
             close(p, refs[name], f"{schedule} aux: weight {name} after step {step}")
+    pipe.close()
+
+
+def token_sum_loss(logits: torch.Tensor, targets: torch.Tensor):
+    """``loss_reduction="tokens"``: the sum of the token losses (targets -100 skipped) and
+    their count."""
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="sum",
+                           ignore_index=-100)
+    return loss, (targets != -100).sum()
+
+
+def check_token_mean() -> None:
+    """``loss_reduction="tokens"`` with masked targets (each ep rank's part holds another
+    number of real tokens): every step's loss, the step-0 gradients and the weights after
+    3 AdamW steps equal the unsplit model's mean over the whole batch's real tokens, the
+    experts' gradients included (summed over the ep ranks, not averaged)."""
+    import pipedream_ext as pd
+
+    ref, model = build(), build()
+    pipe = pd.PipeDream(model, token_sum_loss, schedule="1f1b", microbatches=2, timeout=60,
+                        mesh=mesh_of((2, 2), ("pp", "ep")), split_points=SPLIT, sample=batch(0),
+                        expert_parallel=plan(), loss_reduction="tokens")
+    copy, copies = pipe.data_parallel_rank, pipe.data_parallel_size
+    opt, ref_opt = optimizers("adamw", pipe, ref)
+    refs = dict(ref.named_parameters())
+    for step in range(STEPS):
+        x, y = batch(step, ROWS * copies)
+        y[:ROWS, : 1 + step] = -100  # the first copy's rows hold fewer real tokens
+        part = slice(copy * ROWS, (copy + 1) * ROWS)
+        loss = pipe.step(x[part], y[part])
+        ref_opt.zero_grad()
+        total, count = token_sum_loss(ref(x), y)
+        ref_loss = total / count
+        ref_loss.backward()
+        close(torch.as_tensor(float(loss)), ref_loss, f"tokens: loss of step {step}")
+        if step == 0:
+            for name, p in pipe.named_parameters():
+                close(p.grad, refs[name].grad, f"tokens: step-0 gradient of {name}")
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        for name, p in pipe.named_parameters():
+            close(p, refs[name], f"tokens: weight {name} after step {step}")
+    pipe.close()
+
+
+def check_bias_balancing() -> None:
+    """torchtitan's aux-loss-free balancing through an optimizer pre-step hook: each
+    copy counts its tokens per expert, the hook sums them over ``pipe.data_parallel_group``
+    and moves the expert bias; the losses, the weights and the biases after 3 AdamW steps
+    equal the unsplit model's with the same hook over the whole batch, and the biases
+    really moved."""
+    ref, model = build(bias=True), build(bias=True)
+    pipe = pipeline(model, "zb-h1")
+    copy, copies = pipe.data_parallel_rank, pipe.data_parallel_size
+    assert pipe.data_parallel_group is not None
+    opt, ref_opt = optimizers("adamw", pipe, ref)
+    opt.register_step_pre_hook(lambda *_: update_expert_bias(pipe, pipe.data_parallel_group))
+    ref_opt.register_step_pre_hook(lambda *_: update_expert_bias(ref))
+    refs = {**dict(ref.named_parameters()), **dict(ref.named_buffers())}
+    for step in range(STEPS):
+        x, y = batch(step, ROWS * copies)
+        part = slice(copy * ROWS, (copy + 1) * ROWS)
+        loss = pipe.step(x[part], y[part])
+        ref_opt.zero_grad()
+        ref_loss = lm_loss(ref(x), y)
+        ref_loss.backward()
+        close(torch.as_tensor(float(loss)), ref_loss, f"bias balancing: loss of step {step}")
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        for name, t in [*pipe.named_parameters(), *pipe.named_buffers()]:
+            close(t, refs[name], f"bias balancing: {name} after step {step}")
+    biases = [b for n, b in pipe.named_buffers() if n.endswith("expert_bias")]
+    assert biases and all(float(b.abs().max()) > 0 for b in biases), biases
     pipe.close()
 
 
@@ -327,6 +402,8 @@ def cases(world: int) -> Cases:
     c.add(check_training, "zb-h1", "sgd")
     c.add(check_training, "gpipe", "sgd")
     c.add(check_training, "zbv", "adamw", layers=4, name="training-zbv-4-stages")
+    c.add(check_token_mean)
+    c.add(check_bias_balancing)
     c.add(check_aux_loss, "1f1b")
     c.add(check_aux_loss, "zb-h1", recompute=True, name="aux-loss-zb-h1-recompute")
     c.add(check_aux_loss, "zbv", layers=4, name="aux-loss-zbv-4-stages")
