@@ -30,7 +30,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _multiprocess import CaseRef, Cases, FromEnv, Launch, parametrize_cases, strict_and_gloo, worker_main
-from moe_model import EXPERTS, VOCAB, ExpertParallel, build, clear_counts, counts_seen, update_expert_bias
+from moe_model import (EXPERTS, VOCAB, ExpertParallel, MoETransformer, build, clear_counts, counts_seen,
+                       update_expert_bias)
 from test_tensor_parallel import close, full, mesh_of
 
 HERE = os.path.abspath(__file__)
@@ -306,10 +307,16 @@ def check_refusals() -> None:
         ("ep-plan-unmatched", "'layers.*.moe.gate'",
          dict(expert_parallel={"layers.*.moe.gate": ExpertParallel()})),
         ("ep-plan-type", "'experts'", dict(expert_parallel={"layers.*.moe.experts": "experts"})),
+        ("ep-unsupported", "on the meta device", dict(model="meta")),
     ]
     for row_id, names, kwargs in refused:
+        if kwargs.pop("model", None) == "meta":
+            with torch.device("meta"):
+                model = MoETransformer()
+        else:
+            model = build()
         with pytest.raises(ValueError, match=row(row_id)) as info:
-            pipeline(build(), **kwargs)
+            pipeline(model, **kwargs)
         assert names in str(info.value), (names, str(info.value))
     pipe = pipeline(build())
     directory = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ep-refused-{os.getpid()}")

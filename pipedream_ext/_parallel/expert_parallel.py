@@ -25,6 +25,7 @@ from .. import schedules
 from .._dist.collectives import is_dtensor
 from .._frontend.local_stages import LocalStages
 from .dims import ParallelDims
+from .._frontend.deferred_init import has_meta_tensors
 from .tensor_parallel import TensorParallel, pattern_matches
 
 __all__ = ["apply_expert_parallel", "check_option", "check_plan_matches", "split_experts"]
@@ -63,11 +64,19 @@ def check_option(plan: Any, options: Any) -> None:
 
 def check_plan_matches(plan: Any, module: torch.nn.Module) -> None:
     """Every pattern of a dict plan names some module of the model, checked before the
-    model is traced (the experts it should keep as calls would fail the tracer first).
+    model is traced (the experts it should keep as calls would fail the tracer first);
+    and the model is not on the meta device: tracing runs the graph on meta values,
+    which data-dependent routing (``bincount``, the experts' ``tolist()``) cannot.
 
     Raises:
-        ValueError: naming the patterns that match nothing.
+        ValueError: naming the patterns that match nothing, or the meta tensors.
     """
+    if plan is None:
+        return
+    if has_meta_tensors(module):
+        raise ValueError("expert_parallel= with a model on the meta device is not supported yet "
+                         "(tracing runs the model on meta values, and routing tokens to experts "
+                         "needs their values: bincount, tolist()); build the model for real")
     if not isinstance(plan, dict):
         return
     names = [n for n, _ in module.named_modules() if n]
@@ -93,9 +102,6 @@ def apply_expert_parallel(stages: LocalStages, dims: ParallelDims) -> None:
             split differently on its ranks, or a plan that raised on some rank
             (``TensorParallel.apply``).
     """
-    if stages.pending:
-        raise ValueError("expert_parallel= with a model on the meta device is not supported yet; "
-                         "build the model for real (or drop init_fn)")
     TensorParallel(dims.expert_parallel, dims.ep_mesh, dims.plan_group, dims.names, dims.timeout,
                    option="expert_parallel").apply({j: stages[j] for j in stages})
 
