@@ -106,6 +106,7 @@ bench: setup
 	$(PY) benchmarks/p2p_engine.py
 	$(PY) benchmarks/fsdp_2d.py
 	$(PY) benchmarks/vs_torch_tp.py
+	$(PY) benchmarks/vs_torch_ep.py
 	$(PY) benchmarks/update_readme.py
 
 # Time to accuracy on an emulated 4-host cluster (network namespaces, tc-limited

@@ -386,11 +386,12 @@ def _held(config: _Config) -> Dict[str, int]:
             "optim": tensor_bytes(state)}
 
 
-def _rounds(args: argparse.Namespace, configs: Dict[str, _Config], result: Dict[str, Any]) -> None:
+def _rounds(args: argparse.Namespace, configs: Dict[str, _Config], result: Dict[str, Any],
+            comparisons: Sequence[Tuple[str, int, str]] = COMPARISONS) -> None:
     """``--pairs`` rounds; per comparison both sides' ``--steps`` steps, the first side
     alternating per round."""
     for pair in range(args.pairs):
-        for ours, _chunks, _cls in COMPARISONS:
+        for ours, _chunks, _cls in comparisons:
             sides = ("torch", "ours") if pair % 2 == 0 else ("ours", "torch")
             for key in (f"{side} {ours}" for side in sides):
                 if key not in configs:
@@ -441,10 +442,11 @@ def _fmt_range(s: Dict[str, float], digits: int = 0) -> str:
     return "n/a" if not s else f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
 
 
-def _speed_table(result: Dict[str, Any]) -> Tuple[List[str], Dict[str, Any]]:
+def _speed_table(result: Dict[str, Any], comparisons: Sequence[Tuple[str, int, str]] = COMPARISONS
+                 ) -> Tuple[List[str], Dict[str, Any]]:
     summaries: Dict[str, Any] = {}
     rows = []
-    for ours, _chunks, cls_name in COMPARISONS:
+    for ours, _chunks, cls_name in comparisons:
         entries = [result["configs"].get(f"{side} {ours}", {}) for side in ("ours", "torch")]
         if not any(entries):
             continue
@@ -465,9 +467,9 @@ def _speed_table(result: Dict[str, Any]) -> Tuple[List[str], Dict[str, Any]]:
                     "ours blocked on receives, ms per step (4 ranks)", "errors"], rows), summaries
 
 
-def _bytes_table(result: Dict[str, Any]) -> List[str]:
+def _bytes_table(result: Dict[str, Any], comparisons: Sequence[Tuple[str, int, str]] = COMPARISONS) -> List[str]:
     rows = []
-    for ours, _chunks, _cls in COMPARISONS:
+    for ours, _chunks, _cls in comparisons:
         sides = [result["configs"].get(f"{side} {ours}", {}).get("ranks") for side in ("ours", "torch")]
         if not all(sides):
             continue
@@ -483,9 +485,10 @@ def _bytes_table(result: Dict[str, Any]) -> List[str]:
                     "peak ours / torch"], rows)
 
 
-def _collectives_table(result: Dict[str, Any]) -> List[str]:
+def _collectives_table(result: Dict[str, Any], comparisons: Sequence[Tuple[str, int, str]] = COMPARISONS
+                       ) -> List[str]:
     rows = []
-    for ours, _chunks, _cls in COMPARISONS:
+    for ours, _chunks, _cls in comparisons:
         for side in ("ours", "torch"):
             ranks = result["configs"].get(f"{side} {ours}", {}).get("ranks")
             for rank, r in enumerate(ranks or []):

@@ -13,6 +13,7 @@ regrouping here (no padding: the experts loop).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, List, Tuple
 
 import torch
@@ -21,10 +22,25 @@ from torch import nn
 
 import pipedream_ext as pd
 
-__all__ = ["DIM", "EXPERTS", "ExpertParallel", "GroupedExperts", "MoE", "MoETransformer", "VOCAB",
+__all__ = ["DIM", "EXPERTS", "ExpertParallel", "GroupedExperts", "MoE", "MoEConfig", "MoETransformer", "VOCAB",
            "build", "clear_counts", "counts_seen", "update_expert_bias"]
 
 DIM, HIDDEN, EXPERTS, TOP_K, VOCAB, LAYERS = 8, 16, 8, 2, 32, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Sizes (the tests' defaults; benchmarks/vs_torch_ep.py scales them)."""
+
+    dim: int = DIM
+    hidden: int = HIDDEN
+    experts: int = EXPERTS
+    top_k: int = TOP_K
+    vocab: int = VOCAB
+    aux: bool = False   # Switch Transformer's load-balancing loss through pd.add_aux_loss
+    bias: bool = False  # torchtitan's aux-loss-free balancing buffers
+
+
 # Large enough that a wrongly scaled aux gradient shows in the weights within 1e-4.
 AUX_COEF = 0.1
 
@@ -70,47 +86,47 @@ class MoE(nn.Module):
     got, ``P_e``: its mean router probability) times ``AUX_COEF`` is added in the layer's
     own backward (``pd.add_aux_loss``, Megatron's ``MoEAuxLossAutoScaler``)."""
 
-    def __init__(self, aux: bool = False, bias: bool = False) -> None:
+    def __init__(self, cfg: MoEConfig = MoEConfig()) -> None:
         super().__init__()
-        self.router = nn.Linear(DIM, EXPERTS, bias=False)
-        self.experts = GroupedExperts()
-        self.aux = aux
-        if bias:  # torchtitan's aux-loss-free balancing: a bias on the choice, not the scores
-            self.register_buffer("expert_bias", torch.zeros(EXPERTS))
-            self.register_buffer("tokens_per_expert", torch.zeros(EXPERTS), persistent=False)
-        self.bias = bias
+        self.cfg = cfg
+        self.router = nn.Linear(cfg.dim, cfg.experts, bias=False)
+        self.experts = GroupedExperts(cfg.dim, cfg.hidden, cfg.experts)
+        if cfg.bias:  # torchtitan's aux-loss-free balancing: a bias on the choice, not the scores
+            self.register_buffer("expert_bias", torch.zeros(cfg.experts))
+            self.register_buffer("tokens_per_expert", torch.zeros(cfg.experts), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
         shape = x.shape
-        x = x.reshape(-1, DIM)
+        x = x.reshape(-1, cfg.dim)
         scores = torch.softmax(self.router(x), dim=-1)
-        if self.bias:
-            _, chosen = torch.topk(scores + self.expert_bias, TOP_K, dim=-1)
+        if cfg.bias:
+            _, chosen = torch.topk(scores + self.expert_bias, cfg.top_k, dim=-1)
             top = scores.gather(-1, chosen)
         else:
-            top, chosen = torch.topk(scores, TOP_K, dim=-1)
+            top, chosen = torch.topk(scores, cfg.top_k, dim=-1)
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=EXPERTS)
-        if self.bias:
+        counts = torch.bincount(flat, minlength=cfg.experts)
+        if cfg.bias:
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts)
-        token = order // TOP_K
+        token = order // cfg.top_k
         routed = x[token] * top.reshape(-1)[order].unsqueeze(-1)
         out = self.experts(routed, counts)
         y = torch.zeros_like(x).index_add(0, token, out).reshape(shape)
-        if self.aux:
+        if cfg.aux:
             share = counts.float() / flat.shape[0]
-            y = pd.add_aux_loss(y, AUX_COEF * EXPERTS * (share * scores.mean(0)).sum())
+            y = pd.add_aux_loss(y, AUX_COEF * cfg.experts * (share * scores.mean(0)).sum())
         return y
 
 
 class Block(nn.Module):
-    def __init__(self, aux: bool = False, bias: bool = False) -> None:
+    def __init__(self, cfg: MoEConfig = MoEConfig()) -> None:
         super().__init__()
-        self.norm, self.moe_norm = nn.RMSNorm(DIM), nn.RMSNorm(DIM)
-        self.mix = nn.Linear(DIM, DIM)  # the attention's place: dense, per token
-        self.moe = MoE(aux, bias)
+        self.norm, self.moe_norm = nn.RMSNorm(cfg.dim), nn.RMSNorm(cfg.dim)
+        self.mix = nn.Linear(cfg.dim, cfg.dim)  # the attention's place: dense, per token
+        self.moe = MoE(cfg)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h = h + self.mix(self.norm(h))
@@ -120,12 +136,12 @@ class Block(nn.Module):
 class MoETransformer(nn.Module):
     """torchtitan's layout: tok_embeddings, layers (a ModuleDict of MoE blocks), norm, output."""
 
-    def __init__(self, layers: int = LAYERS, aux: bool = False, bias: bool = False) -> None:
+    def __init__(self, layers: int = LAYERS, cfg: MoEConfig = MoEConfig()) -> None:
         super().__init__()
-        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleDict({str(i): Block(aux, bias) for i in range(layers)})
-        self.norm = nn.RMSNorm(DIM)
-        self.output = nn.Linear(DIM, VOCAB, bias=False)
+        self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(layers)})
+        self.norm = nn.RMSNorm(cfg.dim)
+        self.output = nn.Linear(cfg.dim, cfg.vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
@@ -134,9 +150,10 @@ class MoETransformer(nn.Module):
         return self.output(self.norm(h))
 
 
-def build(layers: int = LAYERS, seed: int = 0, aux: bool = False, bias: bool = False) -> MoETransformer:
+def build(layers: int = LAYERS, seed: int = 0, aux: bool = False, bias: bool = False,
+          cfg: MoEConfig = MoEConfig()) -> MoETransformer:
     torch.manual_seed(seed)
-    model = MoETransformer(layers, aux, bias)
+    model = MoETransformer(layers, dataclasses.replace(cfg, aux=aux or cfg.aux, bias=bias or cfg.bias))
     with torch.no_grad():  # norms start at ones: make their gradients' errors visible
         for m in model.modules():
             if isinstance(m, nn.RMSNorm):

@@ -1,6 +1,6 @@
 """The benchmark scripts' pure helpers (benchmarks/plan_accuracy.py, memory.py, soak.py,
 deferred_init.py, traced.py, zero_bubble.py, split_backward.py, fsdp_2d.py,
-schedule_build.py, vs_torch.py, vs_torch_tp.py) and the harness they stand on (benchmarks/_harness.py).
+schedule_build.py, vs_torch.py, vs_torch_tp.py, vs_torch_ep.py) and the harness they stand on (benchmarks/_harness.py).
 
 Fast: the scripts import torch only inside functions, so loading them imports no torch;
 only the smoke runs (traced.py, about 25 s; zero_bubble.py, split_backward.py and
@@ -49,11 +49,12 @@ schedule_build = _load("schedule_build")
 util = _load("_harness")
 message_load = _load("message_load")
 torchtitan_tp = _load("torchtitan_tp")
+vs_torch_ep = _load("vs_torch_ep")
 
 
 def test_scripts_do_not_import_torch_at_module_level():
     for script in (plan_accuracy, memory, soak, deferred_init, traced, zero_bubble, vs_torch, split_backward,
-                   agreement, fsdp_2d, schedule_build, vs_torch_tp, message_load, torchtitan_tp):
+                   agreement, fsdp_2d, schedule_build, vs_torch_tp, message_load, torchtitan_tp, vs_torch_ep):
         assert "torch" not in vars(script), script.__name__
 
 
@@ -790,6 +791,28 @@ def test_vs_torch_smoke_run(tmp_path):
     assert set(data["summary"]["comparisons"]) == {ours for ours, _, _ in vs_torch.COMPARISONS}
     text = (tmp_path / "vs_torch.md").read_text()
     assert "| zbv | ScheduleZBVZeroBubble |" in text and "Load average (1 min)" in text
+
+
+def test_vs_torch_ep_arguments():
+    args = vs_torch_ep.parse_args(["--smoke"])
+    assert (args.layers, args.experts, args.pairs) == (2, 4, 1)
+    for bad in (["--layers", "3"], ["--experts", "5"], ["--batch", "6"], ["--schedules", "zbv"]):
+        with pytest.raises(SystemExit):
+            vs_torch_ep.parse_args(bad)
+
+
+@pytest.mark.slow
+def test_vs_torch_ep_smoke_run(tmp_path):
+    """benchmarks/vs_torch_ep.py --smoke (one 4-rank launch, about 20 s): every
+    configuration equals the unsplit model on its first step and the report has its tables."""
+    proc = _smoke("vs_torch_ep.py", tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = (tmp_path / "vs_torch_ep.md").read_text()
+    for comparison in ("| 1f1b | Schedule1F1B |", "| gpipe | ScheduleGPipe |", "| zb-h1 | ScheduleInterleavedZeroBubble |"):
+        assert comparison in text, text
+    same = [line for line in text.splitlines() if line.startswith(("| ours 1f1b", "| ours gpipe", "| ours zb-h1",
+                                                                  "| torch 1f1b", "| torch gpipe", "| torch zb-h1"))]
+    assert len(same) == 6 and all("| 19 of 19 |" in line for line in same), same
 
 
 def test_vs_torch_tp_balance_and_collective_counts():
