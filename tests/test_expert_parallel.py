@@ -10,8 +10,9 @@ blocks whose ``moe.experts`` are ``GroupedExperts``), cut by ``split_points`` on
 (4 ranks, Gloo) with torchtitan's ``ExpertParallel`` on ``layers.*.moe.experts``, trains
 side by side with the unsplit model on the whole batch (each ep rank given its part, as
 a data rank): the loss of every step, every gradient of step 0 and every weight after
-3 steps within 1e-4, with AdamW and SGD with momentum, on 1f1b, zb-h1, gpipe and (4
-stages, two experts' stages per rank) zbv. The
+3 steps within 1e-4, with AdamW and SGD with momentum, on every flush schedule: 1f1b,
+zb-h1, gpipe and (4 stages, two stages' experts per rank) zbv, interleaved-1f1b, dualpipev
+and interleaved-zb. The
 routing is data-dependent and uneven (some experts get no tokens in some microbatches,
 checked); the experts' parameters really are shards (half the experts per rank, DTensors
 over ``mesh["ep"]``); what is not supported yet is refused by name.
@@ -409,6 +410,9 @@ def cases(world: int) -> Cases:
     c.add(check_training, "zb-h1", "sgd")
     c.add(check_training, "gpipe", "sgd")
     c.add(check_training, "zbv", "adamw", layers=4, name="training-zbv-4-stages")
+    c.add(check_training, "interleaved-1f1b", "sgd", layers=4, name="training-interleaved-1f1b-4-stages")
+    c.add(check_training, "dualpipev", "adamw", layers=4, microbatches=4, name="training-dualpipev-4-stages")
+    c.add(check_training, "interleaved-zb", "sgd", layers=4, name="training-interleaved-zb-4-stages")
     c.add(check_token_mean)
     c.add(check_bias_balancing)
     c.add(check_aux_loss, "1f1b")
