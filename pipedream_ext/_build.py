@@ -272,10 +272,7 @@ def _parallel_dims(args: PipelineArguments, config: PipelineConfig) -> ParallelD
     Raises:
         ValueError: what ``resolve_dims`` and ``check_schedule`` refuse.
     """
-    data_parallel = args.data_parallel
-    if args.expert_parallel is not None and "data_parallel" not in args.given:
-        data_parallel = "replicate"  # the default with experts (FSDP of them: not yet)
-    dims = resolve_dims(args.mesh, data_parallel, args.process_group, args.replicas,
+    dims = resolve_dims(args.mesh, args.data_parallel, args.process_group, args.replicas,
                         args.reshard_after_forward, args.mp_policy, args.tensor_parallel,
                         args.expert_parallel)
     check_schedule(dims, config.schedule, config.asynchronous,

@@ -262,7 +262,7 @@ def check_shards() -> None:
     from torch.distributed.tensor import DTensor, Shard
 
     ref = build()
-    pipe = pipeline(build())
+    pipe = pipeline(build(), data_parallel="replicate")
     ep_rank = pipe.data_parallel_rank
     refs = dict(ref.named_parameters())
     experts = []
@@ -300,7 +300,6 @@ def check_refusals() -> None:
 
     refused = [  # (row, what the message names, the options)
         ("ep-unsupported", "schedule='pipedream'", dict(schedule="pipedream")),
-        ("ep-unsupported", "data_parallel='fsdp'", dict(data_parallel="fsdp")),
         ("ep-unsupported", "mesh='auto'", dict(mesh="auto")),
         ("ep-mesh", "'ep' dimension of size 2", dict(expert_parallel=None)),
         ("ep-mesh", "needs a mesh with an 'ep' dimension", dict(mesh=None)),
@@ -406,6 +405,7 @@ def cases(world: int) -> Cases:
     c = Cases()
     c.add(check_shards)
     c.add(check_training, "1f1b", clip=0.5, name="training-1f1b-clip")
+    c.add(check_training, "1f1b", clip=0.5, data_parallel="replicate", name="training-1f1b-clip-replicate")
     c.add(check_training, "zb-h1", recompute=True, name="training-zb-h1-recompute")
     c.add(check_training, "zb-h1", "sgd")
     c.add(check_training, "gpipe", "sgd")
@@ -469,6 +469,8 @@ def test_add_aux_loss_is_one_node_under_fx_and_refused_by_export() -> None:
 def mesh_3d_cases(world: int) -> Cases:
     c = Cases()
     c.add(check_training, "1f1b", clip=0.5, dp=2, name="training-pp2-dp2-ep2-clip")
+    c.add(check_training, "zb-h1", clip=0.5, dp=2, data_parallel="replicate",
+          name="training-pp2-dp2-ep2-clip-replicate")
     return c
 
 

@@ -70,9 +70,10 @@ class ParallelDims:
         expert_parallel: the plan (``PipeDream(expert_parallel=...)``), or ``None``.
         ep_mesh: the 1-D mesh over this rank's ep group (the ranks of its stage whose dp
             coordinate is its own), bounded by the timeout (:meth:`create_groups`).
-        expert_dp_group: the ranks of this rank's stage holding the same expert shards
-            (its ep coordinate, every dp coordinate), bounded by the timeout; ``None``
-            where ``dp = 1``.
+        expert_dp_mesh: the 1-D mesh over the ranks of this rank's stage holding the same
+            expert shards (its ep coordinate, every dp coordinate), bounded by the
+            timeout; with ``ep_mesh``, one ``(dp, ep)`` mesh (FSDP of the experts).
+        expert_dp_group: ``expert_dp_mesh``'s group where ``dp > 1``, else ``None``.
     """
 
     mesh: Any
@@ -91,6 +92,7 @@ class ParallelDims:
     ep_size: int = 1
     expert_parallel: Any = None
     ep_mesh: Any = None
+    expert_dp_mesh: Any = None
     expert_dp_group: Any = None
 
     @classmethod
@@ -149,10 +151,14 @@ class ParallelDims:
     @property
     def coordinates(self) -> Optional[Dict[str, int]]:
         """With tensor parallelism, this rank's ``{"dp": .., "tp": ..}``; with expert
-        parallelism its ``{"dp": .., "ep": ..}`` (the mesh's own dp coordinate, not the
-        copy); else ``None``."""
+        parallelism and replicas its ``{"dp": .., "ep": ..}`` (the mesh's own dp
+        coordinate, not the copy); else ``None``."""
         if self.ep_enabled:
-            return {"dp": self.copy // self.ep_size, "ep": self.copy % self.ep_size}
+            # Only replicas hold a DTensor replicated along a dimension its mesh lacks (an
+            # expert shard over ep, the same on every dp coordinate); under FSDP every
+            # DTensor shard is distinct (the dense ones over all dp x ep copies).
+            return None if self.fsdp_enabled else {"dp": self.copy // self.ep_size,
+                                                   "ep": self.copy % self.ep_size}
         return {"dp": self.dp_rank, "tp": self.tp_rank} if self.tp_enabled else None
 
     def planner_sizes(self) -> Dict[str, Any]:
@@ -272,23 +278,31 @@ class ParallelDims:
         self.dp_mesh, self.tp_mesh = both["dp"], both["tp"]
 
     def _create_expert_groups(self, timeout: float) -> None:
-        """Every stage's ep groups (one per dp coordinate) and, with dp > 1, its groups of
-        the ranks holding the same expert shards (one per ep coordinate)."""
+        """Every stage's ep groups (one per dp coordinate) and its groups of the ranks
+        holding the same expert shards (one per ep coordinate), joined as one (dp, ep)
+        mesh per rank: FSDP2 over the experts' ep DTensors needs both meshes to share
+        their root, as over tp's (``create_groups``)."""
         from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 - as fully_shard
 
         me, ep, dp = dist.get_rank(), self.ep_size, self.dp_size // self.ep_size
+        ep_group = edp_group = None
         for pp in range(len(self.pipelines[0])):
             for d in range(dp):
                 row = [ranks[pp] for ranks in self.pipelines[d * ep:(d + 1) * ep]]
                 group = bounded_group(row, timeout)
                 if me in row:
-                    self.ep_mesh = DeviceMesh.from_group(group, self.mesh.device_type, mesh=row,
-                                                         mesh_dim_names=("ep",))
-            for e in range(ep if dp > 1 else 0):
+                    ep_group = group
+            for e in range(ep):
                 row = [ranks[pp] for ranks in self.pipelines[e::ep]]
                 group = bounded_group(row, timeout)
                 if me in row:
-                    self.expert_dp_group = group
+                    edp_group = group
+        pp = self.pipelines[self.copy].index(me)
+        layout = [[self.pipelines[d * ep + e][pp] for e in range(ep)] for d in range(dp)]
+        both = DeviceMesh.from_group([edp_group, ep_group], self.mesh.device_type, mesh=layout,
+                                     mesh_dim_names=("dp", "ep"))
+        self.ep_mesh, self.expert_dp_mesh = both["ep"], both["dp"]
+        self.expert_dp_group = edp_group if dp > 1 else None
 
     @property
     def world_ranks(self) -> List[int]:
@@ -395,7 +409,8 @@ def resolve_dims(mesh: Any, data_parallel: str, process_group: Optional[dist.Pro
     names = tuple(mesh.mesh_dim_names or ())
     if "ep" in names or expert_parallel is not None:
         return _expert_parallel_dims(mesh, names, data_parallel, replicas, process_group,
-                                     tensor_parallel, expert_parallel)
+                                     tensor_parallel, expert_parallel, bool(reshard_after_forward),
+                                     mp_policy)
     if names not in (("pp", "dp"), ("pp", "tp"), ("pp", "dp", "tp")):
         raise ValueError(f"mesh has dimensions {names or mesh.ndim}; PipeDream takes a 2-D mesh "
                          "init_device_mesh(device_type, (pp, dp), mesh_dim_names=('pp', 'dp')), "
@@ -467,8 +482,8 @@ def check_expert_mesh(mesh: Any, expert_parallel: Any) -> None:
 
 
 def _expert_parallel_dims(mesh: Any, names: Sequence[str], data_parallel: str, replicas: Any,
-                          process_group: Any, tensor_parallel: Any, expert_parallel: Any
-                          ) -> ParallelDims:
+                          process_group: Any, tensor_parallel: Any, expert_parallel: Any,
+                          reshard_after_forward: bool, mp_policy: Any) -> ParallelDims:
     """A mesh with an ``"ep"`` dimension: one pipeline per ``(dp, ep)`` coordinate, the ep
     ranks data ranks for the dense layers (torchtitan's dp2ep).
 
@@ -489,10 +504,6 @@ def _expert_parallel_dims(mesh: Any, names: Sequence[str], data_parallel: str, r
     if replicas is not None or process_group is not None:
         raise ValueError("replicas= and process_group= cannot be combined with mesh=; drop them "
                          "(the pipeline runs on mesh['pp'], one copy per (dp, ep) coordinate)")
-    if data_parallel != "replicate":
-        raise ValueError(f"expert_parallel= with data_parallel={data_parallel!r} is not supported "
-                         "yet; pass data_parallel='replicate' (the dense layers' gradients are "
-                         "averaged over dp x ep, the experts' over dp)")
     shape = [int(n) for n in mesh.shape]
     if not torch.equal(mesh.mesh.cpu(), torch.arange(mesh.size()).reshape(shape)):
         raise ValueError(f"mesh {mesh.mesh.tolist()} with an 'ep' dimension must number ranks in "
@@ -500,7 +511,7 @@ def _expert_parallel_dims(mesh: Any, names: Sequence[str], data_parallel: str, r
                          f"device_type, {tuple(shape)}, mesh_dim_names={tuple(names)})")
     pp, copies = shape[0], mesh.size() // shape[0]
     pipelines = [[p * copies + c for p in range(pp)] for c in range(copies)]
-    return ParallelDims(mesh, data_parallel, False, None, pipelines,
+    return ParallelDims(mesh, data_parallel, reshard_after_forward, mp_policy, pipelines,
                         pp_group=mesh["pp"].get_group(), world_group=dist.group.WORLD,
                         ep_size=ep, expert_parallel=expert_parallel)
 

@@ -27,12 +27,16 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
+import torch
 from torch import nn
 
 from .. import schedules
+from .._dist import collectives
 from .._frontend.local_stages import LocalStages
 from .data_parallel import DataParallel, broadcast_from_first
 from .dims import ParallelDims
+from .expert_parallel import split_experts
+from .tensor_parallel import local
 
 __all__ = ["FsdpStages", "graph_units", "keep_unsharded_after", "refuse_split_ties"]
 
@@ -108,50 +112,78 @@ class FsdpStages(DataParallel):
         self.keep_unsharded = keep_unsharded
         self.units = 0
 
-    def _shard(self, module: nn.Module) -> Any:
+    def _shard(self, module: nn.Module, experts: bool = False) -> Any:
         # torch's fully_shard: imported at call time so that torch.distributed.fsdp (and
         # its import cost) is only paid by pipelines that shard.
         from torch.distributed.fsdp import fully_shard  # noqa: PLC0415 - optional, see above
 
-        kwargs: Dict[str, Any] = {"mesh": self.dims.dp_mesh,
-                                  "reshard_after_forward": self.dims.reshard_after_forward}
+        # Expert shards (DTensors over ep): over the ranks holding the same ones.
+        mesh = self.dims.expert_dp_mesh if experts else self.dims.dp_mesh
+        kwargs: Dict[str, Any] = {"mesh": mesh, "reshard_after_forward": self.dims.reshard_after_forward}
         if self.dims.mp_policy is not None:
             kwargs["mp_policy"] = self.dims.mp_policy
         sharded = fully_shard(module, **kwargs)
-        if not self.average_over_dp:  # dp ranks' gradients add up, as their losses do
-            sharded.set_gradient_divide_factor(1.0)
-            # A plain SUM (then a division by 1): Gloo has no PREMUL_SUM.
-            sharded.set_force_sum_reduction_for_comms(True)
+        if not self.average_over_dp or experts:
+            # Summed over the dp ranks as their losses are; an expert shard's gradient
+            # already holds every ep rank's tokens' part, so a mean divides by dp x ep.
+            sharded.set_gradient_divide_factor(float(self.dims.dp_size) if self.average_over_dp else 1.0)
+            # A plain SUM (then the division): Gloo has no PREMUL_SUM. Not on a mesh of
+            # one rank (experts with dp 1): there torch 2.13 applies the factor twice.
+            if mesh.size() > 1:
+                sharded.set_force_sum_reduction_for_comms(True)
         return sharded
 
     @property
     def after_layer(self) -> Optional[Callable[[nn.Module], None]]:
-        # With tensor parallelism the plan comes first (torchtitan's order): in attach.
-        return None if self.dims.tp_enabled else self.shard_layer
+        # With tensor or expert parallelism the plan comes first (torchtitan's order): in attach.
+        return None if self.dims.tp_enabled or self.dims.ep_enabled else self.shard_layer
+
+    def _broadcast(self, module: nn.Module) -> None:
+        """``module``'s tensors from dp rank 0 (with expert parallelism: the dense ones
+        from the first copy, the expert shards from the first rank holding the same)."""
+        if not self.dims.ep_enabled:
+            broadcast_from_first(module, self.dims.dp_group)
+            return
+        dense, experts = split_experts(list(module.parameters()), self.dims)
+        with torch.no_grad():
+            for t in dense + list(module.buffers()):
+                collectives.broadcast_data(local(t.detach()), 0, self.dims.dp_group)
+            for t in experts if self.dims.expert_dp_group is not None else ():
+                collectives.broadcast_data(local(t.detach()), 0, self.dims.expert_dp_group)
+
+    def _shard_unit(self, unit: nn.Module) -> None:
+        """One unit, its expert modules (those holding expert shards themselves) first,
+        each a unit of its own over the expert mesh."""
+        if self.dims.ep_enabled:
+            for module in list(unit.modules()):
+                if module is not unit and split_experts(list(module.parameters(recurse=False)), self.dims)[1]:
+                    self._shard(module, experts=True)
+                    self.units += 1
+        experts_only = self.dims.ep_enabled and not split_experts(list(unit.parameters()), self.dims)[0]
+        self._shard(unit, experts=experts_only)
+        self.units += 1
 
     def shard_layer(self, layer: nn.Module) -> None:
         """Shards one top-level layer (``LocalStages(after_layer=...)``) right after it
         is materialised, before the next one is, from dp rank 0's values."""
-        broadcast_from_first(layer, self.dims.dp_group)
+        self._broadcast(layer)
         if any(True for _ in layer.parameters()):
-            self._shard(layer)
-            self.units += 1
+            self._shard_unit(layer)
 
     def attach(self, stages: LocalStages) -> None:
         """Makes each stage module an FSDP root over its sharded layers; a traced
-        stage's units (:func:`graph_units`), or with tensor parallelism every top-level
-        layer, are sharded here, from dp rank 0's values."""
+        stage's units (:func:`graph_units`), or with tensor or expert parallelism every
+        top-level layer, are sharded here, from dp rank 0's values."""
         self.stages = stages
-        if self.dims.tp_enabled and not stages.traced:  # after the plan (parallelize_stages)
-            for j in stages:
+        if (self.dims.tp_enabled or self.dims.ep_enabled) and not stages.traced:
+            for j in stages:  # after the plan (parallelize_stages)
                 for layer in stages[j].children():
                     self.shard_layer(layer)
         for j in stages:
             if stages.traced:
-                broadcast_from_first(stages[j], self.dims.dp_group)
+                self._broadcast(stages[j])
                 for unit in graph_units(stages[j]):
-                    self._shard(unit)
-                    self.units += 1
+                    self._shard_unit(unit)
             self._shard(stages[j])
             stages[j].set_reshard_after_forward(self.dims.reshard_after_forward)
         stages.remerge()  # a traced stage's parameters are new (sharded) objects

@@ -323,8 +323,8 @@ class PipelineOptions:
         the experts, e.g. ``{"layers.*.moe.experts": ExpertParallel()}``; patterns as ``tensor_parallel``
         reads them) or a callable ``fn(stage_module, ep_mesh)``. The ep ranks are data ranks for
         everything else: one pipeline per ``(dp, ep)`` coordinate, each given its own part of the batch;
-        dense gradients averaged over dp x ep, the experts' shards over dp.
-        ``data_parallel="replicate"`` (the default with this option); docs/guide/expert_parallel.md lists
+        dense gradients averaged over dp x ep, the experts' shards over dp (with ``data_parallel="fsdp"``
+        the dense layers sharded over dp x ep, the experts over dp); docs/guide/expert_parallel.md lists
         what is refused.""",
         group="placement", check=_check_expert_parallel, agreed=describe_plan)
 
