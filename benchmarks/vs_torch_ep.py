@@ -13,7 +13,8 @@ cross-entropy, AdamW. Both sides apply torchtitan's ``ExpertParallel`` (experts
 
 * **ours**: ``pd.PipeDream(model, loss, schedule=S, mesh=init_device_mesh("cpu", (2, 2),
   ("pp", "ep")), split_points=["layers.L/2"], sample=..., expert_parallel={"layers.*.moe.experts":
-  ExpertParallel()})``;
+  ExpertParallel()}, data_parallel="replicate")`` (the dense weights whole on both ep
+  ranks, as torch's side keeps them);
 * **torch**: each rank cuts its stage out of the model by hand (the same cut: the
   embedding and the first half of the blocks | the rest, the norm and the head, under
   their unsplit names), ``parallelize_module(stage, mesh["ep"], plan)``, one
@@ -102,7 +103,7 @@ def _ours(args: argparse.Namespace, name: str, mesh: Any, x: Any, y: Any) -> tp.
     part = _part(args, mesh["ep"].get_local_rank())
     pipe = pd.PipeDream(_model(args), tp._loss, schedule=name, microbatches=args.microbatches, mesh=mesh,
                         split_points=[f"layers.{args.layers // 2}"], sample=(x[part], y[part]),
-                        expert_parallel=_plan(), timeout=args.pipe_timeout)
+                        expert_parallel=_plan(), data_parallel="replicate", timeout=args.pipe_timeout)
     c = tp._Config()
     c.pipe = pipe
     c.params = list(pipe.parameters())
