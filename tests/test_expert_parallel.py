@@ -19,9 +19,10 @@ over ``mesh["ep"]``); what is not supported yet is refused by name.
 """
 from __future__ import annotations
 
+import copy
 import os
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import pytest
 import torch
@@ -71,49 +72,93 @@ def optimizers(kind: str, pipe: Any, ref: nn.Module):
     return make(pipe.parameters()), make(ref.parameters())
 
 
-def check_training(schedule: str, optimizer: str = "adamw", layers: int = 2,
-                   clip: Optional[float] = None, dp: int = 1, **options: Any) -> None:
-    """STEPS steps of the pipeline and of the unsplit model agree: the loss of every
-    step, every gradient of step 0 and every weight after each step; the ep ranks are
-    data ranks (each its part of the batch); some expert got no tokens somewhere. With
-    4 layers, 4 stages (two per rank: zbv's V); with ``clip``, ``pd.clip_grad_norm_``
-    before every update equals torch's on the unsplit model (each expert shard counted
-    once); with ``dp`` > 1 on a (pp 2, dp, ep 2) mesh."""
+def train_alongside(what: str, pipe: Any, opt: Any, ref: nn.Module, ref_opt: Any,
+                    ref_step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
+                    clip: Optional[float] = None, buffers: bool = False,
+                    mask: Optional[Callable[[torch.Tensor, int], None]] = None) -> None:
+    """STEPS steps of the pipeline (each copy its rows of the global batch) and of the
+    unsplit model (``ref_step(x, y, copies)``: its backward on the whole batch, returning
+    the loss) agree: the loss of every step, every gradient of step 0 and every weight
+    (and with ``buffers`` every buffer) after each step; with ``clip``,
+    ``pd.clip_grad_norm_`` before every update equals torch's on the unsplit model;
+    ``mask(y, step)`` edits the global targets first."""
     import pipedream_ext as pd
 
-    if dp > 1:
-        options["mesh"] = mesh_of((2, dp, 2), ("pp", "dp", "ep"))
-
-    ref, model = build(layers), build(layers)
-    split = SPLIT if layers == 2 else [f"layers.{i}" for i in range(1, layers)]
-    pipe = pipeline(model, schedule, split_points=split, chunks=1 if layers == 2 else 2, **options)
-    copy, copies = pipe.data_parallel_rank, pipe.data_parallel_size  # (dp, ep) coordinates
-    assert copies == dist.get_world_size() // 2, copies
-    opt, ref_opt = optimizers(optimizer, pipe, ref)
-    refs = dict(ref.named_parameters())
-    what = f"{schedule} {optimizer}"
-    clear_counts()  # construction measured the sample's forward
+    mine, copies = pipe.data_parallel_rank, pipe.data_parallel_size  # (dp, ep) coordinates
+    refs = {**dict(ref.named_parameters()), **(dict(ref.named_buffers()) if buffers else {})}
     for step in range(STEPS):
         x, y = batch(step, ROWS * copies)
-        part = slice(copy * ROWS, (copy + 1) * ROWS)
+        if mask is not None:
+            mask(y, step)
+        part = slice(mine * ROWS, (mine + 1) * ROWS)
         loss = pipe.step(x[part], y[part])
         ref_opt.zero_grad()
-        ref_loss = lm_loss(ref(x), y)
-        ref_loss.backward()
-        close(torch.as_tensor(float(loss)), ref_loss, f"{what} loss of step {step}")
+        close(torch.as_tensor(float(loss)), ref_step(x, y, copies), f"{what}: loss of step {step}")
         if clip is not None:
             close(pd.clip_grad_norm_(pipe, clip), torch.nn.utils.clip_grad_norm_(ref.parameters(), clip),
-                  f"{what} gradient norm of step {step}")
-        names = [name for name, _ in pipe.named_parameters()]
-        assert names and set(names) <= set(refs), names
+                  f"{what}: gradient norm of step {step}")
         if step == 0:
             for name, p in pipe.named_parameters():
-                close(p.grad, refs[name].grad, f"{what} step-0 gradient of {name}")
+                close(p.grad, refs[name].grad, f"{what}: step-0 gradient of {name}")
         opt.step()
         opt.zero_grad()
         ref_opt.step()
-        for name, p in pipe.named_parameters():
-            close(p, refs[name], f"{what} weight {name} after step {step}")
+        tensors = [*pipe.named_parameters(), *(pipe.named_buffers() if buffers else [])]
+        assert tensors and {name for name, _ in tensors} <= set(refs), tensors
+        for name, t in tensors:
+            close(t, refs[name], f"{what}: {name} after step {step}")
+
+
+def whole_batch(ref: nn.Module, loss_fn: Callable[..., Any] = lm_loss):
+    """``ref_step`` of :func:`train_alongside`: the unsplit model's loss on the whole
+    batch (a token-sum loss divided by its tokens), backward run."""
+    def step(x: torch.Tensor, y: torch.Tensor, copies: int) -> torch.Tensor:
+        value = loss_fn(ref(x), y)
+        loss = value[0] / value[1] if isinstance(value, tuple) else value
+        loss.backward()
+        return loss.detach()
+    return step
+
+
+def accumulated(ref: nn.Module, aux_scale: Optional[float] = None):
+    """``ref_step`` of :func:`train_alongside`: gradient accumulation of the unsplit model
+    over each copy's 2 microbatches, each weighing ``1 / (2 x copies)``, its aux losses
+    ``aux_scale`` (default that weight too)."""
+    import pipedream_ext as pd
+
+    def step(x: torch.Tensor, y: torch.Tensor, copies: int) -> torch.Tensor:
+        weight, total = 1.0 / (2 * copies), torch.zeros(())
+        for c in range(copies):
+            rows = slice(c * ROWS, (c + 1) * ROWS)
+            for xi, yi in zip(torch.tensor_split(x[rows], 2), torch.tensor_split(y[rows], 2)):
+                with pd.aux_loss_scale(weight if aux_scale is None else aux_scale):
+                    loss = lm_loss(ref(xi), yi) * weight
+                loss.backward()
+                total += loss.detach()
+        return total
+    return step
+
+
+def split_pipeline(model: nn.Module, schedule: str, layers: int, **options: Any) -> Any:
+    """:func:`pipeline` cut into 2 stages, or with 4 layers 4 (two per rank)."""
+    split = SPLIT if layers == 2 else [f"layers.{i}" for i in range(1, layers)]
+    return pipeline(model, schedule, split_points=split, chunks=1 if layers == 2 else 2, **options)
+
+
+def check_training(schedule: str, optimizer: str = "adamw", layers: int = 2,
+                   clip: Optional[float] = None, dp: int = 1, **options: Any) -> None:
+    """The pipeline trains as the unsplit model (:func:`train_alongside`), the ep ranks
+    data ranks; some expert got no tokens somewhere. With 4 layers, 4 stages (two per
+    rank: zbv's V); with ``clip`` each expert shard counted once; with ``dp`` > 1 on a
+    (pp 2, dp, ep 2) mesh."""
+    if dp > 1:
+        options["mesh"] = mesh_of((2, dp, 2), ("pp", "dp", "ep"))
+    ref = build(layers)
+    pipe = split_pipeline(build(layers), schedule, layers, **options)
+    assert pipe.data_parallel_size == dist.get_world_size() // 2, pipe.data_parallel_size
+    opt, ref_opt = optimizers(optimizer, pipe, ref)
+    clear_counts()  # construction measured the sample's forward
+    train_alongside(f"{schedule} {optimizer}", pipe, opt, ref, ref_opt, whole_batch(ref), clip=clip)
     if layers == 2:  # one MoE layer per rank: each forward records its local experts' counts
         runs = 2 if options.get("recompute") else 1  # a recomputed forward routes again
         assert len(counts_seen()) == runs * STEPS * 2 * (EXPERTS // 2), len(counts_seen())
@@ -126,56 +171,23 @@ def check_training(schedule: str, optimizer: str = "adamw", layers: int = 2,
 def check_aux_loss(schedule: str, layers: int = 2, **options: Any) -> None:
     """A router's load-balancing loss added in its layer's backward (``pd.add_aux_loss``)
     trains as gradient accumulation of the unsplit model over the same microbatches with
-    ``pd.aux_loss_scale(1 / (microbatches x copies))``: the loss of every step (the
-    model's loss, without the aux term), every gradient of step 0 and every weight after
-    3 SGD steps, whichever stage and schedule runs the layer (the split backward's I and
-    W: zb-h1, zbv) and with recompute. The aux term really moves the routers."""
-    import pipedream_ext as pd
-
-    ref, model = build(layers, aux=True), build(layers, aux=True)
-    split = SPLIT if layers == 2 else [f"layers.{i}" for i in range(1, layers)]
-    pipe = pipeline(model, schedule, split_points=split, chunks=1 if layers == 2 else 2, **options)
-    copy, copies = pipe.data_parallel_rank, pipe.data_parallel_size
+    ``pd.aux_loss_scale(1 / (microbatches x copies))`` (:func:`accumulated`; the reported
+    loss is the model's, without the aux term), whichever stage and schedule runs the
+    layer (the split backward's I and W: zb-h1, zbv) and with recompute, 3 SGD steps.
+    The aux term really moves the routers."""
+    ref = build(layers, aux=True)
+    pipe = split_pipeline(build(layers, aux=True), schedule, layers, **options)
+    x, y = batch(0, ROWS * pipe.data_parallel_size)
+    router = "layers.0.moe.router.weight"
+    grads = []
+    for aux_scale in (None, 0.0):  # on a copy: the weights the test starts from stay
+        probe = copy.deepcopy(ref)
+        accumulated(probe, aux_scale)(x, y, pipe.data_parallel_size)
+        grads.append(dict(probe.named_parameters())[router].grad)
+    moved = (grads[0] - grads[1]).abs().max()
+    assert moved > 1e-3 * grads[0].abs().max(), f"the aux loss hardly changes {router}: {moved}"
     opt, ref_opt = optimizers("sgd", pipe, ref)
-    refs = dict(ref.named_parameters())
-    weight = 1.0 / (2 * copies)  # microbatches=2
-    for step in range(STEPS):
-        x, y = batch(step, ROWS * copies)
-        part = slice(copy * ROWS, (copy + 1) * ROWS)
-        loss = pipe.step(x[part], y[part])
-        ref_opt.zero_grad()
-        ref_loss = torch.zeros(())
-        for c in range(copies):
-            rows = slice(c * ROWS, (c + 1) * ROWS)
-            for xi, yi in zip(torch.tensor_split(x[rows], 2), torch.tensor_split(y[rows], 2)):
-                with pd.aux_loss_scale(weight):
-                    mb_loss = lm_loss(ref(xi), yi) * weight
-                mb_loss.backward()
-                ref_loss += mb_loss.detach()
-        close(torch.as_tensor(float(loss)), ref_loss, f"{schedule} aux: loss of step {step}")
-        if step == 0:
-            for name, p in pipe.named_parameters():
-                close(p.grad, refs[name].grad, f"{schedule} aux: step-0 gradient of {name}")
-            router = "layers.0.moe.router.weight"
-            with_aux = refs[router].grad.clone()
-            ref_opt.zero_grad()
-            for c in range(copies):
-                rows = slice(c * ROWS, (c + 1) * ROWS)
-                with pd.aux_loss_scale(0.0):
-                    (lm_loss(ref(x[rows]), y[rows]) / copies).backward()
-            moved = (with_aux - refs[router].grad).abs().max()
-            assert moved > 1e-3 * with_aux.abs().max(), f"the aux loss hardly changes {router}: {moved}"
-            ref_opt.zero_grad()
-            for c in range(copies):  # the aux run's gradients back for the step
-                rows = slice(c * ROWS, (c + 1) * ROWS)
-                for xi, yi in zip(torch.tensor_split(x[rows], 2), torch.tensor_split(y[rows], 2)):
-                    with pd.aux_loss_scale(weight):
-                        (lm_loss(ref(xi), yi) * weight).backward()
-        opt.step()
-        opt.zero_grad()
-        ref_opt.step()
-        for name, p in pipe.named_parameters():
-            close(p, refs[name], f"{schedule} aux: weight {name} after step {step}")
+    train_alongside(f"{schedule} aux", pipe, opt, ref, ref_opt, accumulated(ref))
     pipe.close()
 
 
@@ -189,36 +201,21 @@ def token_sum_loss(logits: torch.Tensor, targets: torch.Tensor):
 
 def check_token_mean() -> None:
     """``loss_reduction="tokens"`` with masked targets (each ep rank's part holds another
-    number of real tokens): every step's loss, the step-0 gradients and the weights after
-    3 AdamW steps equal the unsplit model's mean over the whole batch's real tokens, the
-    experts' gradients included (summed over the ep ranks, not averaged)."""
+    number of real tokens) trains as the unsplit model's mean over the whole batch's
+    real tokens (AdamW), the experts' gradients included (summed over the ep ranks, not
+    averaged)."""
     import pipedream_ext as pd
 
-    ref, model = build(), build()
-    pipe = pd.PipeDream(model, token_sum_loss, schedule="1f1b", microbatches=2, timeout=60,
+    ref = build()
+    pipe = pd.PipeDream(build(), token_sum_loss, schedule="1f1b", microbatches=2, timeout=60,
                         mesh=mesh_of((2, 2), ("pp", "ep")), split_points=SPLIT, sample=batch(0),
                         expert_parallel=plan(), loss_reduction="tokens")
-    copy, copies = pipe.data_parallel_rank, pipe.data_parallel_size
     opt, ref_opt = optimizers("adamw", pipe, ref)
-    refs = dict(ref.named_parameters())
-    for step in range(STEPS):
-        x, y = batch(step, ROWS * copies)
-        y[:ROWS, : 1 + step] = -100  # the first copy's rows hold fewer real tokens
-        part = slice(copy * ROWS, (copy + 1) * ROWS)
-        loss = pipe.step(x[part], y[part])
-        ref_opt.zero_grad()
-        total, count = token_sum_loss(ref(x), y)
-        ref_loss = total / count
-        ref_loss.backward()
-        close(torch.as_tensor(float(loss)), ref_loss, f"tokens: loss of step {step}")
-        if step == 0:
-            for name, p in pipe.named_parameters():
-                close(p.grad, refs[name].grad, f"tokens: step-0 gradient of {name}")
-        opt.step()
-        opt.zero_grad()
-        ref_opt.step()
-        for name, p in pipe.named_parameters():
-            close(p, refs[name], f"tokens: weight {name} after step {step}")
+
+    def mask(y: torch.Tensor, step: int) -> None:
+        y[:ROWS, :1 + step] = -100  # the first copy's rows hold fewer real tokens
+
+    train_alongside("tokens", pipe, opt, ref, ref_opt, whole_batch(ref, token_sum_loss), mask=mask)
     pipe.close()
 
 
@@ -228,27 +225,13 @@ def check_bias_balancing() -> None:
     and moves the expert bias; the losses, the weights and the biases after 3 AdamW steps
     equal the unsplit model's with the same hook over the whole batch, and the biases
     really moved."""
-    ref, model = build(bias=True), build(bias=True)
-    pipe = pipeline(model, "zb-h1")
-    copy, copies = pipe.data_parallel_rank, pipe.data_parallel_size
+    ref = build(bias=True)
+    pipe = pipeline(build(bias=True), "zb-h1")
     assert pipe.data_parallel_group is not None
     opt, ref_opt = optimizers("adamw", pipe, ref)
     opt.register_step_pre_hook(lambda *_: update_expert_bias(pipe, pipe.data_parallel_group))
     ref_opt.register_step_pre_hook(lambda *_: update_expert_bias(ref))
-    refs = {**dict(ref.named_parameters()), **dict(ref.named_buffers())}
-    for step in range(STEPS):
-        x, y = batch(step, ROWS * copies)
-        part = slice(copy * ROWS, (copy + 1) * ROWS)
-        loss = pipe.step(x[part], y[part])
-        ref_opt.zero_grad()
-        ref_loss = lm_loss(ref(x), y)
-        ref_loss.backward()
-        close(torch.as_tensor(float(loss)), ref_loss, f"bias balancing: loss of step {step}")
-        opt.step()
-        opt.zero_grad()
-        ref_opt.step()
-        for name, t in [*pipe.named_parameters(), *pipe.named_buffers()]:
-            close(t, refs[name], f"bias balancing: {name} after step {step}")
+    train_alongside("bias balancing", pipe, opt, ref, ref_opt, whole_batch(ref), buffers=True)
     biases = [b for n, b in pipe.named_buffers() if n.endswith("expert_bias")]
     assert biases and all(float(b.abs().max()) > 0 for b in biases), biases
     pipe.close()
@@ -343,11 +326,11 @@ def same(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], wha
 
 
 def train(pipe: Any, opt: Any, steps: range) -> List[float]:
-    copy, copies = pipe.data_parallel_rank, pipe.data_parallel_size
+    mine, copies = pipe.data_parallel_rank, pipe.data_parallel_size
     losses = []
     for step in steps:
         x, y = batch(100 + step, ROWS * copies)
-        part = slice(copy * ROWS, (copy + 1) * ROWS)
+        part = slice(mine * ROWS, (mine + 1) * ROWS)
         losses.append(float(pipe.step(x[part], y[part])))
         opt.step()
         opt.zero_grad()

@@ -449,17 +449,25 @@ def _tensor_parallel_dims(mesh: Any, data_parallel: str, reshard_after_forward: 
     Raises:
         ValueError: a mesh not in ascending rank order.
     """
+    return ParallelDims(mesh, data_parallel, reshard_after_forward, mp_policy,
+                        _ascending_pipelines(mesh, "a 'tp'"), pp_group=mesh["pp"].get_group(),
+                        world_group=dist.group.WORLD, tp_size=tp_size, tensor_parallel=tensor_parallel)
+
+
+def _ascending_pipelines(mesh: Any, dimension: str) -> List[List[int]]:
+    """The pipelines of a mesh whose ranks ascend in its order (``pp`` first): one per
+    coordinate of the other dimensions, in that order.
+
+    Raises:
+        ValueError: a mesh in another order, naming ``dimension`` (``"a 'tp'"``).
+    """
     shape = [int(n) for n in mesh.shape]
-    ascending = torch.arange(mesh.size()).reshape(shape)
-    if not torch.equal(mesh.mesh.cpu(), ascending):
-        raise ValueError(f"mesh {mesh.mesh.tolist()} with a 'tp' dimension must number ranks in "
+    if not torch.equal(mesh.mesh.cpu(), torch.arange(mesh.size()).reshape(shape)):
+        raise ValueError(f"mesh {mesh.mesh.tolist()} with {dimension} dimension must number ranks in "
                          "ascending order (not supported yet otherwise); use init_device_mesh("
                          f"device_type, {tuple(shape)}, mesh_dim_names={tuple(mesh.mesh_dim_names)})")
     pp, copies = shape[0], mesh.size() // shape[0]
-    pipelines = [[p * copies + c for p in range(pp)] for c in range(copies)]
-    return ParallelDims(mesh, data_parallel, reshard_after_forward, mp_policy, pipelines,
-                        pp_group=mesh["pp"].get_group(), world_group=dist.group.WORLD,
-                        tp_size=tp_size, tensor_parallel=tensor_parallel)
+    return [[p * copies + c for p in range(pp)] for c in range(copies)]
 
 
 def check_expert_mesh(mesh: Any, expert_parallel: Any) -> None:
@@ -504,16 +512,9 @@ def _expert_parallel_dims(mesh: Any, names: Sequence[str], data_parallel: str, r
     if replicas is not None or process_group is not None:
         raise ValueError("replicas= and process_group= cannot be combined with mesh=; drop them "
                          "(the pipeline runs on mesh['pp'], one copy per (dp, ep) coordinate)")
-    shape = [int(n) for n in mesh.shape]
-    if not torch.equal(mesh.mesh.cpu(), torch.arange(mesh.size()).reshape(shape)):
-        raise ValueError(f"mesh {mesh.mesh.tolist()} with an 'ep' dimension must number ranks in "
-                         "ascending order (not supported yet otherwise); use init_device_mesh("
-                         f"device_type, {tuple(shape)}, mesh_dim_names={tuple(names)})")
-    pp, copies = shape[0], mesh.size() // shape[0]
-    pipelines = [[p * copies + c for p in range(pp)] for c in range(copies)]
-    return ParallelDims(mesh, data_parallel, reshard_after_forward, mp_policy, pipelines,
-                        pp_group=mesh["pp"].get_group(), world_group=dist.group.WORLD,
-                        ep_size=ep, expert_parallel=expert_parallel)
+    return ParallelDims(mesh, data_parallel, reshard_after_forward, mp_policy,
+                        _ascending_pipelines(mesh, "an 'ep'"), pp_group=mesh["pp"].get_group(),
+                        world_group=dist.group.WORLD, ep_size=ep, expert_parallel=expert_parallel)
 
 
 def check_schedule(dims: ParallelDims, schedule: str, asynchronous: bool, planned: bool) -> None:

@@ -26,7 +26,7 @@ from .._dist.collectives import is_dtensor
 from .._frontend.local_stages import LocalStages
 from .dims import ParallelDims
 from .._frontend.deferred_init import has_meta_tensors
-from .tensor_parallel import TensorParallel, pattern_matches
+from .tensor_parallel import TensorParallel, check_plan_type, pattern_matches
 
 __all__ = ["apply_expert_parallel", "check_option", "check_plan_matches", "split_experts"]
 
@@ -40,18 +40,8 @@ def check_option(plan: Any, options: Any) -> None:
     """
     if plan is None:
         return
-    from torch.distributed.tensor.parallel import ParallelStyle  # noqa: PLC0415 - only with ep
-
-    if isinstance(plan, dict):
-        for key, style in plan.items():
-            if not isinstance(key, str) or not isinstance(style, ParallelStyle):
-                raise ValueError(
-                    f"expert_parallel[{key!r}] = {style!r}: a plan maps module-name patterns "
-                    "(str, e.g. 'layers.*.moe.experts') to torch ParallelStyles (torchtitan's "
-                    "ExpertParallel())")
-    elif not callable(plan):
-        raise ValueError(f"expert_parallel={plan!r}; give a dict {{pattern: ParallelStyle}} or a "
-                         "callable fn(stage_module, ep_mesh)")
+    check_plan_type(plan, "expert_parallel", "'layers.*.moe.experts'", "torchtitan's ExpertParallel()",
+                    "ep_mesh")
     unsupported = [
         (schedules.traits(options.schedule).asynchronous, f"schedule={options.schedule!r}",
          f"use schedule= one of {', '.join(schedules.synchronous_names())}"),

@@ -51,9 +51,9 @@ from .._dist.collectives import is_dtensor
 from .._dist.groups import RankNames
 from . import tp_agree
 
-__all__ = ["CutLayout", "CutLayouts", "LayoutExchange", "TensorParallel", "check_option", "check_sequence_length",
-           "check_split_points", "describe_plan", "enclosing_calls", "kept_calls", "local", "matched_patterns",
-           "pattern_matches", "qualified_name", "sequence_parallel", "uneven_split"]
+__all__ = ["CutLayout", "CutLayouts", "LayoutExchange", "TensorParallel", "check_option", "check_plan_type",
+           "check_sequence_length", "check_split_points", "describe_plan", "enclosing_calls", "kept_calls", "local",
+           "matched_patterns", "pattern_matches", "qualified_name", "sequence_parallel", "uneven_split"]
 
 def qualified_name(value: Any) -> str:
     """A function's (or class's) qualified name, else its type's."""
@@ -97,18 +97,8 @@ def check_option(plan: Any, options: Any) -> None:
     """
     if plan is None:
         return
-    from torch.distributed.tensor.parallel import ParallelStyle  # noqa: PLC0415 - only with tp
-
-    if isinstance(plan, Mapping):
-        for key, style in plan.items():
-            if not isinstance(key, str) or not isinstance(style, ParallelStyle):
-                raise ValueError(
-                    f"tensor_parallel[{key!r}] = {style!r}: a plan maps module-name patterns "
-                    "(str, e.g. '*.attn.wq') to torch ParallelStyles (ColwiseParallel(), "
-                    "RowwiseParallel(), ...)")
-    elif not callable(plan):
-        raise ValueError(f"tensor_parallel={plan!r}; give a dict {{pattern: ParallelStyle}} or a "
-                         "callable fn(stage_module, tp_mesh)")
+    check_plan_type(plan, "tensor_parallel", "'*.attn.wq'", "ColwiseParallel(), RowwiseParallel(), ...",
+                    "tp_mesh")
     unsupported = [
         (schedules.traits(options.schedule).asynchronous, f"schedule={options.schedule!r}",
          f"use schedule= one of {', '.join(schedules.synchronous_names())}"),
@@ -116,6 +106,30 @@ def check_option(plan: Any, options: Any) -> None:
     for bad, what, fix in unsupported:
         if bad:
             raise ValueError(f"tensor_parallel with {what} is not supported yet; {fix}")
+
+
+def check_plan_type(plan: Any, option: str, pattern: str, styles: str, mesh: str) -> None:
+    """A plan is a dict of ``ParallelStyle`` by module-name pattern, or a callable.
+
+    Args:
+        plan: the option's value (not ``None``).
+        option: its name, and for the message an example ``pattern``, example ``styles``
+            and the callable's ``mesh`` argument.
+
+    Raises:
+        ValueError: naming the bad entry or value and the fix.
+    """
+    from torch.distributed.tensor.parallel import ParallelStyle  # noqa: PLC0415 - only with a plan
+
+    if isinstance(plan, Mapping):
+        for key, style in plan.items():
+            if not isinstance(key, str) or not isinstance(style, ParallelStyle):
+                raise ValueError(
+                    f"{option}[{key!r}] = {style!r}: a plan maps module-name patterns (str, e.g. "
+                    f"{pattern}) to torch ParallelStyles ({styles})")
+    elif not callable(plan):
+        raise ValueError(f"{option}={plan!r}; give a dict {{pattern: ParallelStyle}} or a callable "
+                         f"fn(stage_module, {mesh})")
 
 
 def kept_calls(plan: Any, module: nn.Module) -> List[str]:
