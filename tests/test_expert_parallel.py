@@ -168,6 +168,28 @@ def check_training(schedule: str, optimizer: str = "adamw", layers: int = 2,
     pipe.close()
 
 
+def sequential(seed: int = 0) -> nn.Sequential:
+    """The MoE transformer as an nn.Sequential (embedding, blocks, norm, head)."""
+    moe = build(seed=seed)
+    return nn.Sequential(moe.tok_embeddings, *moe.layers.values(), moe.norm, moe.output)
+
+
+def check_sequential(schedule: str) -> None:
+    """An nn.Sequential (no tracing: its children are the stages' layers, the plan's
+    pattern ``*.moe.experts`` over their names) on pp2 x ep2, with FSDP, trains as the
+    unsplit model."""
+    import pipedream_ext as pd
+
+    ref = sequential()
+    pipe = pd.PipeDream(sequential(), lm_loss, schedule=schedule, microbatches=2, balance=[2, 3],
+                        mesh=mesh_of((2, 2), ("pp", "ep")), timeout=60,
+                        expert_parallel={"*.moe.experts": ExpertParallel()})
+    assert any(".moe.experts." in n for n, _ in pipe.named_parameters())
+    opt, ref_opt = optimizers("adamw", pipe, ref)
+    train_alongside(f"Sequential {schedule}", pipe, opt, ref, ref_opt, whole_batch(ref))
+    pipe.close()
+
+
 def check_aux_loss(schedule: str, layers: int = 2, **options: Any) -> None:
     """A router's load-balancing loss added in its layer's backward (``pd.add_aux_loss``)
     trains as gradient accumulation of the unsplit model over the same microbatches with
@@ -397,6 +419,7 @@ def cases(world: int) -> Cases:
     c.add(check_training, "dualpipev", "adamw", layers=4, microbatches=4, name="training-dualpipev-4-stages")
     c.add(check_training, "interleaved-zb", "sgd", layers=4, name="training-interleaved-zb-4-stages")
     c.add(check_token_mean)
+    c.add(check_sequential, "zb-h1")
     c.add(check_bias_balancing)
     c.add(check_aux_loss, "1f1b")
     c.add(check_aux_loss, "zb-h1", recompute=True, name="aux-loss-zb-h1-recompute")
