@@ -95,19 +95,19 @@ def _part(args: argparse.Namespace, ep_rank: int) -> slice:
     return slice(ep_rank * rows, (ep_rank + 1) * rows)
 
 
-def _ours(args: argparse.Namespace, name: str, mesh: Any, x: Any, y: Any) -> tp._Config:
+def _ours(args: argparse.Namespace, name: str, mesh: Any, x: Any, y: Any) -> tp.Config:
     import torch
 
     import pipedream_ext as pd
 
     part = _part(args, mesh["ep"].get_local_rank())
-    pipe = pd.PipeDream(_model(args), tp._loss, schedule=name, microbatches=args.microbatches, mesh=mesh,
+    pipe = pd.PipeDream(_model(args), tp.lm_loss, schedule=name, microbatches=args.microbatches, mesh=mesh,
                         split_points=[f"layers.{args.layers // 2}"], sample=(x[part], y[part]),
                         expert_parallel=_plan(), data_parallel="replicate", timeout=args.pipe_timeout)
-    c = tp._Config()
+    c = tp.Config()
     c.pipe = pipe
     c.params = list(pipe.parameters())
-    tp._named(c, pipe)
+    tp.named_parameters_of(c, pipe)
     c.opt = torch.optim.AdamW(c.params, lr=args.lr)
 
     def forward_backward(loss: bool) -> float:
@@ -147,7 +147,7 @@ class _Stage:
         return Stage()
 
 
-def _torch(args: argparse.Namespace, cls_name: str, mesh: Any, x: Any, y: Any) -> tp._Config:
+def _torch(args: argparse.Namespace, cls_name: str, mesh: Any, x: Any, y: Any) -> tp.Config:
     import torch
     import torch.distributed as dist
     from torch.distributed import pipelining
@@ -159,7 +159,7 @@ def _torch(args: argparse.Namespace, cls_name: str, mesh: Any, x: Any, y: Any) -
     parallelize_module(module, mesh["ep"], _plan())
     stage = pipelining.PipelineStage(module, pp_rank, PP, torch.device("cpu"), group=mesh["pp"].get_group())
     sched = getattr(pipelining, cls_name)(stage if cls_name != "ScheduleInterleavedZeroBubble" else [stage],
-                                         args.microbatches, loss_fn=tp._loss)
+                                         args.microbatches, loss_fn=tp.lm_loss)
     params = list(module.parameters())
     experts = [p for p in params if hasattr(p, "device_mesh")]
     dense = [p for p in params if not hasattr(p, "device_mesh")]
@@ -190,7 +190,7 @@ def _torch(args: argparse.Namespace, cls_name: str, mesh: Any, x: Any, y: Any) -
         dist.all_reduce(value)
         return float(value.item())
 
-    c = tp._Config()
+    c = tp.Config()
     c.params = params
     c.named = list(module.named_parameters())
     c.opt = torch.optim.AdamW(params, lr=args.lr)
@@ -198,17 +198,17 @@ def _torch(args: argparse.Namespace, cls_name: str, mesh: Any, x: Any, y: Any) -
     return c
 
 
-def _build(args: argparse.Namespace, mesh: Any, x: Any, y: Any, result: Dict[str, Any]) -> Dict[str, tp._Config]:
+def _build(args: argparse.Namespace, mesh: Any, x: Any, y: Any, result: Dict[str, Any]) -> Dict[str, tp.Config]:
     """Every configuration (torch's, then ours, per comparison), each checked against the
     unsplit model on the whole batch; a failing one is recorded and left out."""
     import torch
     import torch.distributed as dist
 
     model = _model(args)
-    loss = tp._loss(model(x), y)
+    loss = tp.lm_loss(model(x), y)
     loss.backward()
     reference = (float(loss), {n: p.grad.detach().clone() for n, p in model.named_parameters()})
-    configs: Dict[str, tp._Config] = {}
+    configs: Dict[str, tp.Config] = {}
     for ours, _chunks, cls_name in COMPARISONS:
         if ours not in args.schedules:
             continue
@@ -217,7 +217,7 @@ def _build(args: argparse.Namespace, mesh: Any, x: Any, y: Any, result: Dict[str
             entry = result["configs"].setdefault(key, {"class": cls_name if side == "torch" else ours})
             try:
                 config = _torch(args, cls_name, mesh, x, y) if side == "torch" else _ours(args, ours, mesh, x, y)
-                entry["same_work"] = tp._same_work(config, *reference)
+                entry["same_work"] = tp.same_work(config, *reference)
                 for _ in range(args.warmup - 1):
                     config.step()
                 if config.pipe is not None:
@@ -246,9 +246,9 @@ def run_worker(args: argparse.Namespace) -> int:
         x, y = _batch(args)
         result.update(rounds=[], configs={}, loadavg_start=list(os.getloadavg()))
         configs = _build(args, mesh, x, y, result)
-        tp._rounds(args, configs, result, COMPARISONS)
+        tp.timed_rounds(args, configs, result, COMPARISONS)
         result["loadavg_end"] = list(os.getloadavg())
-        tp._measure(args, configs, result)
+        tp.measure(args, configs, result)
         for config in configs.values():
             if config.pipe is not None:
                 config.pipe.close()
@@ -259,7 +259,7 @@ def run_worker(args: argparse.Namespace) -> int:
 def report(result: Dict[str, Any], info: Dict[str, str], command: str, args: argparse.Namespace,
            total_s: float) -> Tuple[str, Dict[str, Any]]:
     """The Markdown report and the summary figures of one run (vs_torch_tp.py's tables)."""
-    speed, summaries = tp._speed_table(result, COMPARISONS)
+    speed, summaries = tp.speed_table(result, COMPARISONS)
     lines = [f"# pp {PP} x ep {EP}: ours against torch's pieces composed torchtitan's way", "",
              f"Model: a torchtitan-style MoE transformer (tests/moe_model.py): {args.layers} blocks of width "
              f"{args.dim}, each a dense per-token mix and an MoE of {args.experts} SwiGLU experts of width "
@@ -276,12 +276,12 @@ def report(result: Dict[str, Any], info: Dict[str, str], command: str, args: arg
         lines += ["", f"Load average (1 min) over the rounds: {min(loads):.2f}-{max(loads):.2f}."]
     lines += ["", "Bytes per rank after the rounds (parameters, gradients, AdamW state; an expert DTensor's "
               "local shard) and one profiled forward-backward's allocator peak above its start:", ""]
-    lines += tp._bytes_table(result, COMPARISONS)
+    lines += tp.bytes_table(result, COMPARISONS)
     lines += ["", "Collectives of that profiled step, per rank (the experts' dispatch and combine are "
               "`alltoall_base_`; the dense gradients' all-reduce `allreduce_`):", ""]
-    lines += tp._collectives_table(result, COMPARISONS)
+    lines += tp.collectives_table(result, COMPARISONS)
     lines += ["", "Same work: each configuration's first step against the unsplit model:", ""]
-    lines += tp._same_work_lines(result)
+    lines += tp.same_work_lines(result)
     lines += ["", h.machine_line(info), "", h.command_sentence(command, total_s, {PP * EP: result["launch_s"]}), ""]
     return "\n".join(lines), {"comparisons": summaries}
 

@@ -69,8 +69,9 @@ from memory import cumulative_peak
 from vs_torch import summarise
 from zero_bubble import placement
 
-__all__ = ["COMPARISONS", "balance", "collective_counts", "cpu_ms_per_step", "main", "parse_args", "report",
-           "run_driver", "run_worker"]
+__all__ = ["COMPARISONS", "Config", "balance", "bytes_table", "collective_counts", "collectives_table",
+           "cpu_ms_per_step", "lm_loss", "main", "measure", "named_parameters_of", "parse_args", "report", "run_driver",
+           "run_worker", "same_work", "same_work_lines", "speed_table", "timed_rounds"]
 
 JSON_TAG = "VS_TORCH_TP_JSON "
 LOG = logging.getLogger("vs_torch_tp")
@@ -155,13 +156,13 @@ def _batch(args: argparse.Namespace) -> Tuple[Any, Any]:
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
-def _loss(logits: Any, targets: Any) -> Any:
+def lm_loss(logits: Any, targets: Any) -> Any:
     import torch.nn.functional as F
 
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-class _Config:
+class Config:
     """One built configuration on this rank: ``forward_backward(loss)`` (a batch's
     forward and backward; with ``loss``, returns the batch loss on every rank), its
     parameters and optimizer."""
@@ -179,18 +180,18 @@ class _Config:
         self.opt.zero_grad(set_to_none=False)
 
 
-def _ours(args: argparse.Namespace, name: str, chunks: int, mesh: Any, x: Any, y: Any) -> _Config:
+def _ours(args: argparse.Namespace, name: str, chunks: int, mesh: Any, x: Any, y: Any) -> Config:
     import torch
 
     import pipedream_ext as pd
 
-    pipe = pd.PipeDream(_model(args), _loss, schedule=name, microbatches=args.microbatches, chunks=chunks,
+    pipe = pd.PipeDream(_model(args), lm_loss, schedule=name, microbatches=args.microbatches, chunks=chunks,
                         balance=balance(args.blocks, PP * chunks), mesh=mesh, tensor_parallel=_plan(args),
                         timeout=args.pipe_timeout)
-    c = _Config()
+    c = Config()
     c.pipe = pipe
     c.params = list(pipe.parameters())
-    _named(c, pipe)
+    named_parameters_of(c, pipe)
     c.opt = torch.optim.AdamW(c.params, lr=args.lr)
 
     def forward_backward(loss: bool) -> float:
@@ -212,7 +213,7 @@ def _torch_stage_module(layers: Sequence[Any], start: int, stop: int) -> Any:
     return nn.Sequential(OrderedDict((str(i), layers[i]) for i in range(start, stop)))
 
 
-def _torch(args: argparse.Namespace, name: str, chunks: int, cls_name: str, mesh: Any, x: Any, y: Any) -> _Config:
+def _torch(args: argparse.Namespace, name: str, chunks: int, cls_name: str, mesh: Any, x: Any, y: Any) -> Config:
     import torch
     import torch.distributed as dist
     from torch.distributed import pipelining
@@ -233,7 +234,7 @@ def _torch(args: argparse.Namespace, name: str, chunks: int, cls_name: str, mesh
         stages.append(pipelining.PipelineStage(module, j, n, torch.device("cpu"), group=mesh["pp"].get_group()))
     cls = getattr(pipelining, cls_name)
     sched = cls(stages if chunks > 1 or cls_name != "Schedule1F1B" else stages[0], args.microbatches,
-                loss_fn=_loss)
+                loss_fn=lm_loss)
 
     def forward_backward(loss: bool) -> float:
         losses: List[Any] = []
@@ -246,15 +247,15 @@ def _torch(args: argparse.Namespace, name: str, chunks: int, cls_name: str, mesh
         dist.all_reduce(value)
         return float(value.item())
 
-    c = _Config()
+    c = Config()
     c.params = [p for s in stages for p in s.submod.parameters()]
-    _named(c, stages)
+    named_parameters_of(c, stages)
     c.opt = torch.optim.AdamW(c.params, lr=args.lr)
     c.forward_backward = forward_backward
     return c
 
 
-def _named(config: _Config, pipe_or_stages: Any) -> None:
+def named_parameters_of(config: Config, pipe_or_stages: Any) -> None:
     """``config.named``: this rank's parameters by their name in the unsplit model."""
     if hasattr(pipe_or_stages, "named_parameters"):
         config.named = list(pipe_or_stages.named_parameters())
@@ -265,12 +266,12 @@ def _named(config: _Config, pipe_or_stages: Any) -> None:
 def _reference(args: argparse.Namespace, x: Any, y: Any) -> Tuple[float, Dict[str, Any]]:
     """The unsplit model's loss and gradients by name."""
     model = _model(args)
-    loss = _loss(model(x), y)
+    loss = lm_loss(model(x), y)
     loss.backward()
     return float(loss), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def _same_work(config: _Config, ref_loss: float, ref_grads: Dict[str, Any]) -> Dict[str, Any]:
+def same_work(config: Config, ref_loss: float, ref_grads: Dict[str, Any]) -> Dict[str, Any]:
     """The first step's loss and every gradient (gathered from its tp shards) against the
     unsplit model's, the largest difference over the ranks; the gradients are dropped
     after, so that both sides go on from the same weights."""
@@ -293,14 +294,14 @@ def _same_work(config: _Config, ref_loss: float, ref_grads: Dict[str, Any]) -> D
 
 
 def _build_one(args: argparse.Namespace, side: str, comparison: Tuple[str, int, str], mesh: Any, x: Any, y: Any,
-               reference: Tuple[float, Dict[str, Any]]) -> Tuple[_Config, Dict[str, Any]]:
+               reference: Tuple[float, Dict[str, Any]]) -> Tuple[Config, Dict[str, Any]]:
     """One configuration, checked against the unsplit model and warmed up."""
     ours, chunks, cls_name = comparison
     if side == "torch":
         config = _torch(args, ours, chunks, cls_name, mesh, x, y)
     else:
         config = _ours(args, ours, chunks, mesh, x, y)
-    same = _same_work(config, *reference)
+    same = same_work(config, *reference)
     for _ in range(args.warmup - 1):
         config.step()
     if config.pipe is not None:
@@ -308,14 +309,14 @@ def _build_one(args: argparse.Namespace, side: str, comparison: Tuple[str, int, 
     return config, same
 
 
-def _build(args: argparse.Namespace, mesh: Any, x: Any, y: Any, result: Dict[str, Any]) -> Dict[str, _Config]:
+def _build(args: argparse.Namespace, mesh: Any, x: Any, y: Any, result: Dict[str, Any]) -> Dict[str, Config]:
     """Every configuration (torch's, then ours, per comparison); a failing one is
     recorded and left out (every rank agrees on which run)."""
     import torch
     import torch.distributed as dist
 
     reference = _reference(args, x, y)
-    configs: Dict[str, _Config] = {}
+    configs: Dict[str, Config] = {}
     for comparison in COMPARISONS:
         if comparison[0] not in args.schedules:
             continue
@@ -340,7 +341,7 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _timed_round(args: argparse.Namespace, config: _Config) -> Tuple[float, float]:
+def _timed_round(args: argparse.Namespace, config: Config) -> Tuple[float, float]:
     """``--steps`` training steps between two barriers: the slowest rank's seconds and
     the CPU seconds of all ranks together (less moved by other work's load than the
     wall time: a rank that waits for the CPU does not count it)."""
@@ -358,7 +359,7 @@ def _timed_round(args: argparse.Namespace, config: _Config) -> Tuple[float, floa
     return float(wall.item()), float(cpu.item())
 
 
-def _profiled_step(config: _Config) -> Dict[str, Any]:
+def _profiled_step(config: Config) -> Dict[str, Any]:
     """One forward-backward under ``torch.profiler`` (CPU, memory): the allocator's peak
     above the step's start, the collectives by name and their milliseconds on this
     rank's calling thread."""
@@ -377,7 +378,7 @@ def _profiled_step(config: _Config) -> Dict[str, Any]:
             "collective_ms": sum(e.duration_ns() for e in events if "c10d" in e.name()) / 1e6}
 
 
-def _held(config: _Config) -> Dict[str, int]:
+def _held(config: Config) -> Dict[str, int]:
     """The bytes of this rank's parameters, gradients and AdamW state (local shards)."""
     import torch
 
@@ -386,7 +387,7 @@ def _held(config: _Config) -> Dict[str, int]:
             "optim": tensor_bytes(state)}
 
 
-def _rounds(args: argparse.Namespace, configs: Dict[str, _Config], result: Dict[str, Any],
+def timed_rounds(args: argparse.Namespace, configs: Dict[str, Config], result: Dict[str, Any],
             comparisons: Sequence[Tuple[str, int, str]] = COMPARISONS) -> None:
     """``--pairs`` rounds; per comparison both sides' ``--steps`` steps, the first side
     alternating per round."""
@@ -403,7 +404,7 @@ def _rounds(args: argparse.Namespace, configs: Dict[str, _Config], result: Dict[
                                          "loadavg_1min": os.getloadavg()[0]})
 
 
-def _measure(args: argparse.Namespace, configs: Dict[str, _Config], result: Dict[str, Any]) -> None:
+def measure(args: argparse.Namespace, configs: Dict[str, Config], result: Dict[str, Any]) -> None:
     """Per configuration: every rank's bytes held and profiled step; ours' receive waits."""
     for key, config in configs.items():
         entry = result["configs"][key]
@@ -427,9 +428,9 @@ def run_worker(args: argparse.Namespace) -> int:
         x, y = _batch(args)
         result.update(rounds=[], configs={}, loadavg_start=list(os.getloadavg()))
         configs = _build(args, mesh, x, y, result)
-        _rounds(args, configs, result)
+        timed_rounds(args, configs, result)
         result["loadavg_end"] = list(os.getloadavg())
-        _measure(args, configs, result)
+        measure(args, configs, result)
         for config in configs.values():
             if config.pipe is not None:
                 config.pipe.close()
@@ -442,7 +443,7 @@ def _fmt_range(s: Dict[str, float], digits: int = 0) -> str:
     return "n/a" if not s else f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
 
 
-def _speed_table(result: Dict[str, Any], comparisons: Sequence[Tuple[str, int, str]] = COMPARISONS
+def speed_table(result: Dict[str, Any], comparisons: Sequence[Tuple[str, int, str]] = COMPARISONS
                  ) -> Tuple[List[str], Dict[str, Any]]:
     summaries: Dict[str, Any] = {}
     rows = []
@@ -467,7 +468,7 @@ def _speed_table(result: Dict[str, Any], comparisons: Sequence[Tuple[str, int, s
                     "ours blocked on receives, ms per step (4 ranks)", "errors"], rows), summaries
 
 
-def _bytes_table(result: Dict[str, Any], comparisons: Sequence[Tuple[str, int, str]] = COMPARISONS) -> List[str]:
+def bytes_table(result: Dict[str, Any], comparisons: Sequence[Tuple[str, int, str]] = COMPARISONS) -> List[str]:
     rows = []
     for ours, _chunks, _cls in comparisons:
         sides = [result["configs"].get(f"{side} {ours}", {}).get("ranks") for side in ("ours", "torch")]
@@ -485,7 +486,7 @@ def _bytes_table(result: Dict[str, Any], comparisons: Sequence[Tuple[str, int, s
                     "peak ours / torch"], rows)
 
 
-def _collectives_table(result: Dict[str, Any], comparisons: Sequence[Tuple[str, int, str]] = COMPARISONS
+def collectives_table(result: Dict[str, Any], comparisons: Sequence[Tuple[str, int, str]] = COMPARISONS
                        ) -> List[str]:
     rows = []
     for ours, _chunks, _cls in comparisons:
@@ -498,7 +499,7 @@ def _collectives_table(result: Dict[str, Any], comparisons: Sequence[Tuple[str, 
                     "their ms on the calling thread"], rows)
 
 
-def _same_work_lines(result: Dict[str, Any]) -> List[str]:
+def same_work_lines(result: Dict[str, Any]) -> List[str]:
     rows = []
     for key, entry in result["configs"].items():
         sw = entry.get("same_work")
@@ -526,7 +527,7 @@ def report(result: Dict[str, Any], info: Dict[str, str], command: str, args: arg
     Returns:
         ``(text, {"comparisons": {ours: summarise(...)}})``.
     """
-    speed, summaries = _speed_table(result)
+    speed, summaries = speed_table(result)
     lines = [f"# pp {PP} x tp {TP}: ours against torch's pieces composed torchtitan's way", "",
              f"Model: a torchtitan-style Llama (benchmarks/_llama.py): {args.blocks} blocks of width {args.dim}, "
              f"{args.heads} query and {args.kv_heads} key/value heads (GQA, rotary), SwiGLU {args.hidden}, "
@@ -547,13 +548,13 @@ def report(result: Dict[str, Any], info: Dict[str, str], command: str, args: arg
               "torch's held bytes beside ours. Step peak: one forward-backward under torch.profiler "
               "(`profile_memory=True`, the calling thread): the CPU allocator's peak above the step's start "
               "(activations, transfer buffers, autograd temporaries; the gradients were allocated before).",
-              ""] + _bytes_table(result)
+              ""] + bytes_table(result)
     lines += ["", "Collectives of that profiled step, per rank: the c10d ops the calling thread issued "
               "(both sides' pipeline transfers are `send`/`recv_`; TP's are `allreduce_` and, for the "
               "head's replicated logits, `allgather_into_tensor_coalesced_`), and their time on that "
-              "thread, waits for the peers included (under the profiler):", ""] + _collectives_table(result)
+              "thread, waits for the peers included (under the profiler):", ""] + collectives_table(result)
     lines += ["", "Same work: each configuration's first step against the unsplit model:", ""]
-    lines += _same_work_lines(result)
+    lines += same_work_lines(result)
     lines += ["", h.machine_line(info), "", h.command_sentence(command, total_s, {PP * TP: result["launch_s"]}), ""]
     return "\n".join(lines), {"comparisons": summaries}
 

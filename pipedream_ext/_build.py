@@ -49,8 +49,8 @@ from ._frontend.tied_params import (
 )
 from ._parallel import auto_mesh, tp_costs, tp_record
 from ._parallel.data_parallel import DataParallel
-from ._parallel.expert_parallel import check_plan_matches
 from ._parallel.dims import ParallelDims, check_expert_mesh, check_schedule, resolve_dims
+from ._parallel.expert_parallel import check_plan_matches
 from ._parallel.fsdp import refuse_split_ties
 from ._parallel.parallelize import data_parallel_policy, parallelize_stages
 from ._parallel.tensor_parallel import (

@@ -808,7 +808,8 @@ def test_vs_torch_ep_smoke_run(tmp_path):
     proc = _smoke("vs_torch_ep.py", tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = (tmp_path / "vs_torch_ep.md").read_text()
-    for comparison in ("| 1f1b | Schedule1F1B |", "| gpipe | ScheduleGPipe |", "| zb-h1 | ScheduleInterleavedZeroBubble |"):
+    for comparison in ("| 1f1b | Schedule1F1B |", "| gpipe | ScheduleGPipe |",
+                       "| zb-h1 | ScheduleInterleavedZeroBubble |"):
         assert comparison in text, text
     same = [line for line in text.splitlines() if line.startswith(("| ours 1f1b", "| ours gpipe", "| ours zb-h1",
                                                                   "| torch 1f1b", "| torch gpipe", "| torch zb-h1"))]

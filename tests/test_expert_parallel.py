@@ -32,8 +32,16 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _multiprocess import CaseRef, Cases, FromEnv, Launch, parametrize_cases, strict_and_gloo, worker_main
-from moe_model import (EXPERTS, VOCAB, ExpertParallel, MoETransformer, build, clear_counts, counts_seen,
-                       update_expert_bias)
+from moe_model import (
+    EXPERTS,
+    VOCAB,
+    ExpertParallel,
+    MoETransformer,
+    build,
+    clear_counts,
+    counts_seen,
+    update_expert_bias,
+)
 from test_tensor_parallel import close, full, mesh_of
 
 HERE = os.path.abspath(__file__)
@@ -297,8 +305,9 @@ def check_shards() -> None:
 def check_refusals() -> None:
     """What expert parallelism does not support yet is refused at construction, naming it
     (docs/bad_input.md's rows); a checkpoint save is refused before anything is written."""
-    import pipedream_ext as pd
     from test_bad_input import ROWS
+
+    import pipedream_ext as pd
 
     def row(row_id: str) -> str:
         return next(r[2] for r in ROWS if r[0] == row_id)
@@ -364,8 +373,9 @@ def check_checkpoints(root: str) -> None:
     it (the ep ranks of dp coordinate 0 wrote their experts: bit-identical weights) and
     trains on exactly as the uninterrupted run; ``pd.consolidate`` gives the whole
     model's weights at the save; the checkpoint also loads into pp2 x dp2 x ep1 (every
-    rank all of its stage's experts, re-sharded by DCP) and trains on as the saving run; ``load_state_dict`` of the unsplit model's state dict cuts each
-    rank's experts; ``format="pipedream"`` and ``save_pretrained`` are refused."""
+    rank all of its stage's experts, re-sharded by DCP) and trains on as the saving run;
+    ``load_state_dict`` of the unsplit model's state dict cuts each rank's experts;
+    ``format="pipedream"`` and ``save_pretrained`` are refused (FSDP, the default)."""
     from test_bad_input import ROWS as BAD_ROWS
 
     import pipedream_ext as pd
@@ -449,9 +459,8 @@ def test_add_aux_loss_is_one_node_under_fx_and_refused_by_export() -> None:
     """One process: torch.fx keeps ``add_aux_loss`` as one ``call_function`` node, whose
     stage runs it (the aux gradient is injected: ``aux_loss_scale(0.5)`` adds half the
     aux term's gradient); the torch.export path refuses it, naming it."""
-    from pipedream_ext._frontend.graph_split import split_model
-
     import pipedream_ext as pd
+    from pipedream_ext._frontend.graph_split import split_model
 
     torch.manual_seed(0)
     model, x = AuxMLP(), torch.randn(3, 4)

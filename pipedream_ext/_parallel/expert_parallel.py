@@ -23,9 +23,9 @@ import torch
 
 from .. import schedules
 from .._dist.collectives import is_dtensor
+from .._frontend.deferred_init import has_meta_tensors
 from .._frontend.local_stages import LocalStages
 from .dims import ParallelDims
-from .._frontend.deferred_init import has_meta_tensors
 from .tensor_parallel import TensorParallel, check_plan_type, pattern_matches
 
 __all__ = ["apply_expert_parallel", "check_option", "check_plan_matches", "split_experts"]
