@@ -88,17 +88,22 @@ class DataParallel:
         """Called after ``forward_only``."""
 
 
-def broadcast_from_first(module: nn.Module, group: Any) -> None:
-    """``module``'s parameters and buffers (their local shards) from the group's first
-    rank, as DDP broadcasts rank 0's at construction; one broadcast per tensor.
+def broadcast_from_first(module: nn.Module, dims: ParallelDims) -> None:
+    """``module``'s parameters and buffers (their local shards) from dp rank 0, as DDP
+    broadcasts rank 0's at construction; one broadcast per tensor. With expert
+    parallelism the expert shards come from the first rank holding the same ones (its
+    dp coordinate 0), the rest from the first copy.
 
     Args:
         module: a stage or one of its layers.
-        group: the dp group.
+        dims: the run's dims (its dp group and expert dp group).
     """
+    dense, experts = split_experts(list(module.parameters()), dims)
     with torch.no_grad():
-        for t in list(module.parameters()) + list(module.buffers()):
-            collectives.broadcast_data(_local(t.detach()), 0, group)
+        for t in dense + list(module.buffers()):
+            collectives.broadcast_data(_local(t.detach()), 0, dims.dp_group)
+        for t in experts if dims.expert_dp_group is not None else ():
+            collectives.broadcast_data(_local(t.detach()), 0, dims.expert_dp_group)
 
 
 class ReplicatedStages(DataParallel):
@@ -112,12 +117,7 @@ class ReplicatedStages(DataParallel):
         shards from the first rank holding the same shards)."""
         self.stages = stages
         for j in stages:
-            dense, experts = split_experts(list(stages[j].parameters()), self.dims)
-            with torch.no_grad():
-                for t in dense + list(stages[j].buffers()):
-                    collectives.broadcast_data(_local(t.detach()), 0, self.dims.dp_group)
-                for t in experts if self.dims.expert_dp_group is not None else ():
-                    collectives.broadcast_data(_local(t.detach()), 0, self.dims.expert_dp_group)
+            broadcast_from_first(stages[j], self.dims)
 
     def after_step(self) -> None:
         for j in self.stages:

@@ -27,16 +27,13 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-import torch
 from torch import nn
 
 from .. import schedules
-from .._dist import collectives
 from .._frontend.local_stages import LocalStages
 from .data_parallel import DataParallel, broadcast_from_first
 from .dims import ParallelDims
 from .expert_parallel import split_experts
-from .tensor_parallel import local
 
 __all__ = ["FsdpStages", "graph_units", "keep_unsharded_after", "refuse_split_ties"]
 
@@ -138,19 +135,6 @@ class FsdpStages(DataParallel):
         # With tensor or expert parallelism the plan comes first (torchtitan's order): in attach.
         return None if self.dims.tp_enabled or self.dims.ep_enabled else self.shard_layer
 
-    def _broadcast(self, module: nn.Module) -> None:
-        """``module``'s tensors from dp rank 0 (with expert parallelism: the dense ones
-        from the first copy, the expert shards from the first rank holding the same)."""
-        if not self.dims.ep_enabled:
-            broadcast_from_first(module, self.dims.dp_group)
-            return
-        dense, experts = split_experts(list(module.parameters()), self.dims)
-        with torch.no_grad():
-            for t in dense + list(module.buffers()):
-                collectives.broadcast_data(local(t.detach()), 0, self.dims.dp_group)
-            for t in experts if self.dims.expert_dp_group is not None else ():
-                collectives.broadcast_data(local(t.detach()), 0, self.dims.expert_dp_group)
-
     def _shard_unit(self, unit: nn.Module) -> None:
         """One unit, its expert modules (those holding expert shards themselves) first,
         each a unit of its own over the expert mesh."""
@@ -166,7 +150,7 @@ class FsdpStages(DataParallel):
     def shard_layer(self, layer: nn.Module) -> None:
         """Shards one top-level layer (``LocalStages(after_layer=...)``) right after it
         is materialised, before the next one is, from dp rank 0's values."""
-        self._broadcast(layer)
+        broadcast_from_first(layer, self.dims)
         if any(True for _ in layer.parameters()):
             self._shard_unit(layer)
 
@@ -181,7 +165,7 @@ class FsdpStages(DataParallel):
                     self.shard_layer(layer)
         for j in stages:
             if stages.traced:
-                self._broadcast(stages[j])
+                broadcast_from_first(stages[j], self.dims)
                 for unit in graph_units(stages[j]):
                     self._shard_unit(unit)
             self._shard(stages[j])
