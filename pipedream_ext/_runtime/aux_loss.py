@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -37,21 +37,25 @@ _local = threading.local()
 
 def current_scale() -> float:
     """The weight an aux loss registered now gets (1 outside :func:`aux_loss_scale`)."""
-    return getattr(_local, "scale", 1.0)
+    scale, grad_scaler = getattr(_local, "scale", (1.0, None))
+    # Read only when an aux loss is registered: get_scale() waits for the device.
+    return scale * float(grad_scaler.get_scale()) if grad_scaler is not None else scale
 
 
 @contextlib.contextmanager
-def aux_loss_scale(scale: float) -> Iterator[None]:
+def aux_loss_scale(scale: float, grad_scaler: Optional[Any] = None) -> Iterator[None]:
     """Aux losses registered in this block (:func:`add_aux_loss`) weigh ``scale``: their
-    gradient in the backward is ``scale`` (Megatron's ``set_loss_scale``). The pipeline
-    sets it around each microbatch's forward; use it in a reference loop of gradient
-    accumulation (``1 / microbatches``).
+    gradient in the backward is ``scale`` (Megatron's ``set_loss_scale``), times
+    ``grad_scaler``'s scale if one is given. The pipeline sets it around each
+    microbatch's forward; use it in a reference loop of gradient accumulation
+    (``1 / microbatches``).
 
     Args:
         scale: a finite number.
+        grad_scaler: a ``GradScaler`` whose current scale multiplies ``scale``, or ``None``.
     """
-    previous = current_scale()
-    _local.scale = float(scale)
+    previous = getattr(_local, "scale", (1.0, None))
+    _local.scale = (float(scale), grad_scaler)
     try:
         yield
     finally:

@@ -344,8 +344,7 @@ class StageFunction:
         run = self._run_again if again else self._run
         if context.before_forward is not None:
             context.before_forward(stage, microbatch, not context.evaluating)
-        scale = 0.0 if context.evaluating else self.aux_weight * context.loss_scale()
-        with aux_loss_scale(scale):
+        with aux_loss_scale(0.0 if context.evaluating else self.aux_weight, context.grad_scaler):
             if context.autocast is None:
                 outputs = run(context, stage, microbatch, inputs, weights)
             else:
