@@ -21,12 +21,11 @@ from typing import Any, Iterable, List, Tuple
 
 import torch
 
-from .. import schedules
 from .._dist.collectives import is_dtensor
 from .._frontend.deferred_init import has_meta_tensors
 from .._frontend.local_stages import LocalStages
 from .dims import ParallelDims
-from .tensor_parallel import TensorParallel, check_plan_type, pattern_matches
+from .tensor_parallel import TensorParallel, check_plan, pattern_matches
 
 __all__ = ["apply_expert_parallel", "check_option", "check_plan_matches", "split_experts"]
 
@@ -38,18 +37,8 @@ def check_option(plan: Any, options: Any) -> None:
         ValueError: a plan that is neither a dict of ``ParallelStyle`` nor a callable, or
             what it does not support yet, naming the value and the fix.
     """
-    if plan is None:
-        return
-    check_plan_type(plan, "expert_parallel", "'layers.*.moe.experts'", "torchtitan's ExpertParallel()",
-                    "ep_mesh")
-    unsupported = [
-        (schedules.traits(options.schedule).asynchronous, f"schedule={options.schedule!r}",
-         f"use schedule= one of {', '.join(schedules.synchronous_names())}"),
-        (options.tensor_parallel is not None, "tensor_parallel=", "drop one of them"),
-    ]
-    for bad, what, fix in unsupported:
-        if bad:
-            raise ValueError(f"expert_parallel with {what} is not supported yet; {fix}")
+    check_plan(plan, options, "expert_parallel", "'layers.*.moe.experts'", "torchtitan's ExpertParallel()",
+               "ep_mesh", [(options.tensor_parallel is not None, "tensor_parallel=", "drop one of them")])
 
 
 def check_plan_matches(plan: Any, module: torch.nn.Module) -> None:

@@ -51,7 +51,7 @@ from .._dist.collectives import is_dtensor
 from .._dist.groups import RankNames
 from . import tp_agree
 
-__all__ = ["CutLayout", "CutLayouts", "LayoutExchange", "TensorParallel", "check_option", "check_plan_type",
+__all__ = ["CutLayout", "CutLayouts", "LayoutExchange", "TensorParallel", "check_option", "check_plan",
            "check_sequence_length", "check_split_points", "describe_plan", "enclosing_calls", "kept_calls", "local",
            "matched_patterns", "pattern_matches", "qualified_name", "sequence_parallel", "uneven_split"]
 
@@ -95,30 +95,27 @@ def check_option(plan: Any, options: Any) -> None:
             what it does not support yet (an asynchronous schedule: its weight stashing of
             DTensor shards), naming the value and the fix.
     """
-    if plan is None:
-        return
-    check_plan_type(plan, "tensor_parallel", "'*.attn.wq'", "ColwiseParallel(), RowwiseParallel(), ...",
-                    "tp_mesh")
-    unsupported = [
-        (schedules.traits(options.schedule).asynchronous, f"schedule={options.schedule!r}",
-         f"use schedule= one of {', '.join(schedules.synchronous_names())}"),
-    ]
-    for bad, what, fix in unsupported:
-        if bad:
-            raise ValueError(f"tensor_parallel with {what} is not supported yet; {fix}")
+    check_plan(plan, options, "tensor_parallel", "'*.attn.wq'", "ColwiseParallel(), RowwiseParallel(), ...",
+               "tp_mesh")
 
 
-def check_plan_type(plan: Any, option: str, pattern: str, styles: str, mesh: str) -> None:
-    """A plan is a dict of ``ParallelStyle`` by module-name pattern, or a callable.
+def check_plan(plan: Any, options: Any, option: str, pattern: str, styles: str, mesh: str,
+               unsupported: Sequence[Tuple[bool, str, str]] = ()) -> None:
+    """A plan option's check: a dict of ``ParallelStyle`` by module-name pattern or a
+    callable, with a flush schedule (an asynchronous one would stash DTensor shards).
 
     Args:
-        plan: the option's value (not ``None``).
+        plan: the option's value (``None``: nothing to check).
+        options: the other options (``schedule``).
         option: its name, and for the message an example ``pattern``, example ``styles``
             and the callable's ``mesh`` argument.
+        unsupported: more ``(bad, what, fix)`` this option does not support yet.
 
     Raises:
-        ValueError: naming the bad entry or value and the fix.
+        ValueError: naming the bad entry, value or combination and the fix.
     """
+    if plan is None:
+        return
     from torch.distributed.tensor.parallel import ParallelStyle  # noqa: PLC0415 - only with a plan
 
     if isinstance(plan, Mapping):
@@ -130,6 +127,11 @@ def check_plan_type(plan: Any, option: str, pattern: str, styles: str, mesh: str
     elif not callable(plan):
         raise ValueError(f"{option}={plan!r}; give a dict {{pattern: ParallelStyle}} or a callable "
                          f"fn(stage_module, {mesh})")
+    refused = [(schedules.traits(options.schedule).asynchronous, f"schedule={options.schedule!r}",
+                f"use schedule= one of {', '.join(schedules.synchronous_names())}"), *unsupported]
+    for bad, what, fix in refused:
+        if bad:
+            raise ValueError(f"{option} with {what} is not supported yet; {fix}")
 
 
 def kept_calls(plan: Any, module: nn.Module) -> List[str]:
