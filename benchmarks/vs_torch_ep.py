@@ -40,7 +40,6 @@ import argparse
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -288,33 +287,14 @@ def report(result: Dict[str, Any], info: Dict[str, str], command: str, args: arg
 
 def run_driver(args: argparse.Namespace) -> int:
     """The one 4-rank launch, then ``<out-dir>/vs_torch_ep.md`` and ``.json``."""
-    info, command = h.start_report(LOG)
-    start = time.perf_counter()
-    worker_args = ["--worker"] + h.forward(args, "pairs", "steps", "warmup", "batch", "dim", "hidden", "experts",
-                                           "top_k", "vocab", "layers", "seq", "microbatches", "lr",
-                                           "pipe_timeout", "schedules")
-    result = h.launch_torchrun(Path(__file__).resolve(), PP * EP, worker_args, JSON_TAG, timeout=args.timeout)
-    if h.launch_failed(result) or "rounds" not in result:
-        LOG.error("the launch failed: %s", result.get("error"))
-        return 1
-    text, summary = report(result, info, command, args, time.perf_counter() - start)
-    h.write_results(Path(args.out_dir), "vs_torch_ep", text,
-                    {"machine": info, "command": command, "args": h.run_options(args), "result": result,
-                     "summary": summary})
-    failed = "error" in result or any("error" in e for e in result["configs"].values())
-    if failed:
-        LOG.error("%s", result.get("error") or "a configuration failed (see the report)")
-    return 1 if failed else 0
+    return tp.drive(args, Path(__file__).resolve(), "vs_torch_ep", PP * EP, JSON_TAG,
+                    ["dim", "hidden", "experts", "top_k", "vocab", "layers"], report, LOG)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """The command line (``--worker`` under torchrun)."""
     p = h.make_parser(__doc__, worker=True)
-    p.add_argument("--pairs", type=int, default=12, help="rounds over every comparison")
-    p.add_argument("--steps", type=int, default=1, help="steps per side per round")
-    p.add_argument("--warmup", type=int, default=2, help="warm-up steps (the first checks the same work)")
-    p.add_argument("--batch", type=int, default=16, help="global batch rows (each ep rank its half)")
-    p.add_argument("--microbatches", type=int, default=4)
+    tp.add_round_args(p, COMPARISONS, pairs=12, batch=16, batch_help="global batch rows (each ep rank its half)")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--hidden", type=int, default=256, help="each expert's SwiGLU width")
     p.add_argument("--experts", type=int, default=8, help="experts per MoE layer (a multiple of ep)")
@@ -322,18 +302,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--layers", type=int, default=4, help="MoE blocks (even: two stages)")
     p.add_argument("--seq", type=int, default=32, help="tokens per sequence")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--schedules", type=lambda s: s.split(","), default=[c for c, _, _ in COMPARISONS],
-                   help="ours of each comparison to run (comma-separated; default: all)")
-    p.add_argument("--pipe-timeout", type=float, default=120.0, help="seconds any wait on another rank may take")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole launch")
-    p.add_argument("--smoke", action="store_true", help="a tiny model, one pair of one step: checks that it runs")
     args = p.parse_args(argv)
-    h.apply_smoke(args, SMOKE)
-    unknown = set(args.schedules) - {c for c, _, _ in COMPARISONS}
-    if unknown:
-        p.error(f"unknown schedules {sorted(unknown)}; known: {[c for c, _, _ in COMPARISONS]}")
-    h.check_step_args(p, args)
+    tp.check_round_args(p, args, COMPARISONS, SMOKE)
     if args.layers % 2 or args.experts % EP or args.batch % (EP * args.microbatches):
         p.error(f"--layers {args.layers} must be even, --experts {args.experts} a multiple of ep {EP}, and "
                 f"--batch {args.batch} a multiple of ep x --microbatches ({EP * args.microbatches})")

@@ -69,9 +69,10 @@ from memory import cumulative_peak
 from vs_torch import summarise
 from zero_bubble import placement
 
-__all__ = ["COMPARISONS", "Config", "balance", "bytes_table", "collective_counts", "collectives_table",
-           "cpu_ms_per_step", "lm_loss", "main", "measure", "named_parameters_of", "parse_args", "report", "run_driver",
-           "run_worker", "same_work", "same_work_lines", "speed_table", "timed_rounds"]
+__all__ = ["COMPARISONS", "Config", "add_round_args", "balance", "bytes_table", "check_round_args",
+           "collective_counts", "collectives_table", "cpu_ms_per_step", "drive", "lm_loss", "main", "measure",
+           "named_parameters_of", "parse_args", "report", "run_driver", "run_worker", "same_work", "same_work_lines",
+           "speed_table", "timed_rounds"]
 
 JSON_TAG = "VS_TORCH_TP_JSON "
 LOG = logging.getLogger("vs_torch_tp")
@@ -559,35 +560,67 @@ def report(result: Dict[str, Any], info: Dict[str, str], command: str, args: arg
     return "\n".join(lines), {"comparisons": summaries}
 
 
-def run_driver(args: argparse.Namespace) -> int:
-    """The one 4-rank launch, then ``<out-dir>/vs_torch_tp.md`` and ``.json``."""
-    info, command = h.start_report(LOG)
+def drive(args: argparse.Namespace, script: Path, name: str, world: int, tag: str, model_args: Sequence[str],
+          report_fn: Callable[..., Tuple[str, Dict[str, Any]]], log: logging.Logger) -> int:
+    """A comparison script's driver: its one launch of ``world`` ranks (forwarding the
+    rounds' options and ``model_args``), then ``<out-dir>/<name>.md`` and ``.json`` from
+    ``report_fn`` (:func:`report`'s signature); non-zero when the launch or a
+    configuration failed."""
+    info, command = h.start_report(log)
     start = time.perf_counter()
-    worker_args = ["--worker"] + h.forward(args, "pairs", "steps", "warmup", "batch", "dim", "heads", "kv_heads",
-                                           "hidden", "vocab", "blocks", "seq", "microbatches", "lr",
-                                           "pipe_timeout", "schedules")
-    result = h.launch_torchrun(Path(__file__).resolve(), PP * TP, worker_args, JSON_TAG, timeout=args.timeout)
+    worker_args = ["--worker"] + h.forward(args, "pairs", "steps", "warmup", "batch", *model_args, "seq",
+                                           "microbatches", "lr", "pipe_timeout", "schedules")
+    result = h.launch_torchrun(script, world, worker_args, tag, timeout=args.timeout)
     if h.launch_failed(result) or "rounds" not in result:
-        LOG.error("the launch failed: %s", result.get("error"))
+        log.error("the launch failed: %s", result.get("error"))
         return 1
-    text, summary = report(result, info, command, args, time.perf_counter() - start)
-    h.write_results(Path(args.out_dir), "vs_torch_tp", text,
+    text, summary = report_fn(result, info, command, args, time.perf_counter() - start)
+    h.write_results(Path(args.out_dir), name, text,
                     {"machine": info, "command": command, "args": h.run_options(args), "result": result,
                      "summary": summary})
     failed = "error" in result or any("error" in e for e in result["configs"].values())
     if failed:
-        LOG.error("%s", result.get("error") or "a configuration failed (see the report)")
+        log.error("%s", result.get("error") or "a configuration failed (see the report)")
     return 1 if failed else 0
+
+
+def run_driver(args: argparse.Namespace) -> int:
+    """The one 4-rank launch, then ``<out-dir>/vs_torch_tp.md`` and ``.json``."""
+    return drive(args, Path(__file__).resolve(), "vs_torch_tp", PP * TP, JSON_TAG,
+                 ["dim", "heads", "kv_heads", "hidden", "vocab", "blocks"], report, LOG)
+
+
+def add_round_args(p: argparse.ArgumentParser, comparisons: Sequence[Tuple[str, int, str]], pairs: int,
+                   batch: int, batch_help: Optional[str] = None) -> None:
+    """A comparison script's options for the rounds, the launch and the batch (its model's
+    are its own)."""
+    p.add_argument("--pairs", type=int, default=pairs, help="rounds over every comparison")
+    p.add_argument("--steps", type=int, default=1, help="steps per side per round")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up steps (the first checks the same work)")
+    p.add_argument("--batch", type=int, default=batch, help=batch_help)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--schedules", type=lambda s: s.split(","), default=[c for c, _, _ in comparisons],
+                   help="ours of each comparison to run (comma-separated; default: all)")
+    p.add_argument("--pipe-timeout", type=float, default=120.0, help="seconds any wait on another rank may take")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole launch")
+    p.add_argument("--smoke", action="store_true", help="a tiny model, one pair of one step: checks that it runs")
+
+
+def check_round_args(p: argparse.ArgumentParser, args: argparse.Namespace,
+                     comparisons: Sequence[Tuple[str, int, str]], smoke: Dict[str, Any]) -> None:
+    """``--smoke``'s sizes applied, then the schedules and step counts checked (``p.error``)."""
+    h.apply_smoke(args, smoke)
+    unknown = set(args.schedules) - {c for c, _, _ in comparisons}
+    if unknown:
+        p.error(f"unknown schedules {sorted(unknown)}; known: {[c for c, _, _ in comparisons]}")
+    h.check_step_args(p, args)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """The command line (``--worker`` under torchrun)."""
     p = h.make_parser(__doc__, worker=True)
-    p.add_argument("--pairs", type=int, default=16, help="rounds over every comparison")
-    p.add_argument("--steps", type=int, default=1, help="steps per side per round")
-    p.add_argument("--warmup", type=int, default=2, help="warm-up steps (the first checks the same work)")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--microbatches", type=int, default=4)
+    add_round_args(p, COMPARISONS, pairs=16, batch=8)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--heads", type=int, default=8, help="query heads (a multiple of tp and of --kv-heads)")
     p.add_argument("--kv-heads", type=int, default=4, help="key/value heads (a multiple of tp)")
@@ -595,18 +628,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=2048, help="vocabulary (a multiple of tp)")
     p.add_argument("--blocks", type=int, default=4, help="Llama blocks (a multiple of 4: the V's 4 stages)")
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--schedules", type=lambda s: s.split(","), default=[c for c, _, _ in COMPARISONS],
-                   help="ours of each comparison to run (comma-separated; default: all)")
-    p.add_argument("--pipe-timeout", type=float, default=120.0, help="seconds any wait on another rank may take")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole launch")
-    p.add_argument("--smoke", action="store_true", help="a tiny model, one pair of one step: checks that it runs")
     args = p.parse_args(argv)
-    h.apply_smoke(args, SMOKE)
-    unknown = set(args.schedules) - {c for c, _, _ in COMPARISONS}
-    if unknown:
-        p.error(f"unknown schedules {sorted(unknown)}; known: {[c for c, _, _ in COMPARISONS]}")
-    h.check_step_args(p, args)
+    check_round_args(p, args, COMPARISONS, SMOKE)
     if args.blocks % 4:
         p.error(f"--blocks {args.blocks} must be a multiple of 4 (4 stages at block boundaries for zbv)")
     if args.heads % args.kv_heads or any(v % TP for v in (args.heads, args.kv_heads, args.hidden, args.vocab)) \
