@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         save_checkpoint,
         save_pretrained,
     )
+    from ._parallel.routed_experts import RoutedExpertParallel
 
 __all__ = [
     "schedules",
@@ -50,26 +51,29 @@ __all__ = [
     "layer_seed",
     "add_aux_loss",
     "aux_loss_scale",
+    "RoutedExpertParallel",
 ]
 __version__ = "0.1.0"
 
-# The checkpoint calls, imported on first use (PEP 562): DCP, DTensor and
-# safetensors cost a second of start-up, and a process that never saves needs none
-# of them (tests/test_import_cost.py).
-_CHECKPOINT_NAMES = frozenset({
-    "save_checkpoint", "load_checkpoint", "consolidate", "save_pretrained", "detect",
-    "CheckpointError", "CheckpointInfo", "PendingCheckpoint"})
+# The checkpoint calls and the DTensor styles, imported on first use (PEP 562): DCP,
+# DTensor and safetensors cost a second of start-up, and a process that never saves
+# needs none of them (tests/test_import_cost.py).
+_LAZY_NAMES = {
+    **dict.fromkeys(("save_checkpoint", "load_checkpoint", "consolidate", "save_pretrained", "detect",
+                     "CheckpointError", "CheckpointInfo", "PendingCheckpoint"), "._checkpoint"),
+    "RoutedExpertParallel": "._parallel.routed_experts",
+}
 
 
 def __getattr__(name: str) -> Any:
-    """A checkpoint call, imported from ``_checkpoint`` on first use.
+    """A checkpoint call or a DTensor style, imported from its module on first use.
 
     Raises:
         AttributeError: not a public name of this package.
     """
-    if name not in _CHECKPOINT_NAMES:
+    if name not in _LAZY_NAMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module("._checkpoint", __name__), name)
+    value = getattr(importlib.import_module(_LAZY_NAMES[name], __name__), name)
     globals()[name] = value
     return value
 

@@ -50,7 +50,7 @@ from ._frontend.tied_params import (
 from ._parallel import auto_mesh, tp_costs, tp_record
 from ._parallel.data_parallel import DataParallel
 from ._parallel.dims import ParallelDims, check_expert_mesh, check_schedule, resolve_dims
-from ._parallel.expert_parallel import check_plan_matches
+from ._parallel.expert_parallel import check_plan_matches, resolve_auto
 from ._parallel.fsdp import refuse_split_ties
 from ._parallel.parallelize import data_parallel_policy, parallelize_stages
 from ._parallel.tensor_parallel import (
@@ -175,6 +175,7 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     """
     args, compile_context = _unwrap_compiled(args)
     args = _recorded_tensor_parallel(args)
+    args = dataclasses.replace(args, expert_parallel=resolve_auto(args.expert_parallel, args.module))
     check_expert_mesh(args.mesh, args.expert_parallel)
     check_plan_matches(args.expert_parallel, args.module)
     originals = optimizer_check.original_parameters(args.module)  # before any is replaced

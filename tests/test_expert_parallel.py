@@ -63,13 +63,14 @@ def plan() -> Dict[str, Any]:
     return {"layers.*.moe.experts": ExpertParallel()}
 
 
-def pipeline(model: nn.Module, schedule: str = "1f1b", **kwargs: Any) -> Any:
+def pipeline(model: nn.Module, schedule: str = "1f1b", loss_fn: Callable[..., Any] = lm_loss,
+             **kwargs: Any) -> Any:
     import pipedream_ext as pd
 
     options = dict(schedule=schedule, microbatches=2, mesh=mesh_of((2, 2), ("pp", "ep")),
                    timeout=60, split_points=SPLIT, sample=batch(0), expert_parallel=plan())
     options.update(kwargs)
-    return pd.PipeDream(model, lm_loss, **options)
+    return pd.PipeDream(model, loss_fn, **options)
 
 
 def optimizers(kind: str, pipe: Any, ref: nn.Module):
@@ -322,11 +323,18 @@ def check_refusals() -> None:
          dict(expert_parallel={"layers.*.moe.gate": ExpertParallel()})),
         ("ep-plan-type", "'experts'", dict(expert_parallel={"layers.*.moe.experts": "experts"})),
         ("ep-unsupported", "on the meta device", dict(model="meta")),
+        ("ep-auto", "MoETransformer has none", dict(expert_parallel="auto")),
+        ("ep-routed-experts", "has 3 experts, which the ep size 2 does not divide",
+         dict(model="qwen3_moe_3", expert_parallel="auto", split_points=["model.layers.1"],
+              loss_fn=transformers_loss, concrete_args={"use_cache": False})),
     ]
     for row_id, names, kwargs in refused:
-        if kwargs.pop("model", None) == "meta":
+        kind = kwargs.pop("model", None)
+        if kind == "meta":
             with torch.device("meta"):
                 model = MoETransformer()
+        elif kind == "qwen3_moe_3":
+            model = transformers_moe("qwen3_moe", experts=3)
         else:
             model = build()
         with pytest.raises(ValueError, match=row(row_id)) as info:
@@ -337,6 +345,73 @@ def check_refusals() -> None:
     with pytest.raises(ValueError, match=row("ep-checkpoint")):
         pd.save_pretrained(pipe, directory)
     assert not os.path.exists(directory)
+    pipe.close()
+
+
+def transformers_moe(kind: str, idle: bool = False, experts: int = 4) -> nn.Module:
+    """A tiny transformers MoE (``"qwen3_moe"`` or ``"mixtral"``: 2 layers of 4 experts,
+    top-2), seeded; ``idle``: the routers' weights zero, so that in the first step every
+    token picks experts 0 and 1 (topk's first of equal scores) and the ep rank holding
+    experts 2 and 3 receives no row at all."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if kind == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(num_local_experts=experts, num_experts_per_tok=2, **shape))
+    else:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(num_experts=experts, num_experts_per_tok=2,
+                                                   moe_intermediate_size=32, **shape))
+    if idle:
+        with torch.no_grad():
+            for name, module in model.named_modules():
+                if name.endswith("mlp.gate"):
+                    module.weight.zero_()
+    return model.train()
+
+
+def transformers_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+    return lm_loss(out.logits, y)
+
+
+def check_transformers(kind: str, schedule: str, split: List[str], idle: bool = False,
+                       **options: Any) -> None:
+    """A transformers MoE (its own experts, taken by the torch.export path) with
+    ``expert_parallel="auto"`` (``RoutedExpertParallel`` on the experts its ``ep_plan``
+    names) trains as the unsplit model; its experts are shards; with ``idle`` an ep rank
+    received no row in the first step (checked) and the result is still exact."""
+    from pipedream_ext._parallel import routed_experts
+
+    received: List[int] = []
+    dispatch = routed_experts._Dispatching._dispatch
+
+    def recording(self: Any, *args: Any) -> Any:
+        out = dispatch(self, *args)
+        received.append(out[0].shape[0])
+        return out
+
+    ref = transformers_moe(kind, idle)
+    routed_experts._Dispatching._dispatch = recording
+    try:
+        pipe = pipeline(transformers_moe(kind, idle), schedule, expert_parallel="auto", split_points=split,
+                        concrete_args={"use_cache": False}, loss_fn=transformers_loss, **options)
+        experts = {n: p for n, p in pipe.named_parameters() if ".experts." in n}
+        assert experts and all(p.to_local().shape[0] == 2 for p in experts.values()), experts
+        opt, ref_opt = optimizers("adamw", pipe, ref)
+
+        def ref_step(x: torch.Tensor, y: torch.Tensor, copies: int) -> torch.Tensor:
+            loss = transformers_loss(ref(x, use_cache=False), y)
+            loss.backward()
+            return loss.detach()
+        received.clear()  # construction ran the sample
+        train_alongside(f"{kind} {schedule}", pipe, opt, ref, ref_opt, ref_step, clip=0.5)
+    finally:
+        routed_experts._Dispatching._dispatch = dispatch
+    if idle:
+        none = torch.tensor([int(0 in received)])
+        dist.all_reduce(none)
+        assert int(none) > 0, "every ep rank received rows: the test does not cover an idle one"
     pipe.close()
 
 
@@ -434,6 +509,10 @@ def cases(world: int) -> Cases:
     c.add(check_aux_loss, "1f1b")
     c.add(check_aux_loss, "zb-h1", recompute=True, name="aux-loss-zb-h1-recompute")
     c.add(check_aux_loss, "zbv", layers=4, name="aux-loss-zbv-4-stages")
+    c.add(check_transformers, "qwen3_moe", "1f1b", ["model.layers.1"], idle=True,
+          name="transformers-qwen3-moe-1f1b-idle-rank")
+    c.add(check_transformers, "mixtral", "zbv", ["model.layers.0.mlp", "model.layers.1", "model.layers.1.mlp"],
+          chunks=2, recompute=True, data_parallel="replicate", name="transformers-mixtral-zbv-4-stages")
     c.add(check_refusals)
     c.add(check_checkpoints, FromEnv("PDEP_DIR"), name="checkpoints")
     return c

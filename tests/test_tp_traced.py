@@ -114,6 +114,30 @@ class ExportedTransformer(Transformer):
         return super().forward(tokens)
 
 
+class DictFeedForward(FeedForward):
+    """The feed-forward returning ``{"out": y}``: a call the torch.export path cannot put
+    back (its result is not a tensor or a tuple of tensors)."""
+
+    def forward(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:  # type: ignore[override]
+        return {"out": super().forward(x)}
+
+
+class DictBlock(TransformerBlock):
+    def __init__(self) -> None:
+        super().__init__()
+        self.feed_forward = DictFeedForward()
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs)
+        return h + self.feed_forward(self.ffn_norm(h))["out"]
+
+
+class DictTransformer(ExportedTransformer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): DictBlock() for i in range(LAYERS)})
+
+
 class RotaryAttention(Attention):
     """torchtitan's rotary embedding: ``reshape(*x.shape[:-1], -1, 2)``, which torch.fx
     cannot trace (a shape unpacked) and torch.export records with the unsplit head count."""
@@ -384,8 +408,8 @@ def check_refusals() -> None:
          dict(tensor_parallel=set_heads)),
         ("tp-callable-replay", "applies ColwiseParallel to the whole model", Transformer,
          dict(tensor_parallel=lambda model, tp_mesh: parallelize_module(model, tp_mesh, ColwiseParallel()))),
-        ("tp-export-call", "keeps 'layers.0.attention' (Attention) as a module call",
-         ExportedTransformer, dict(tensor_parallel=keep_attention)),
+        ("tp-export-call", "keeps 'layers.0.feed_forward' (DictFeedForward) as a module call",
+         DictTransformer, dict(tensor_parallel={**titan_plan(), "layers.*.feed_forward": PrepareModuleInput()})),
     ]
     for row_id, names, cls, kwargs in refused:
         plan = kwargs.pop("tensor_parallel")
@@ -408,6 +432,8 @@ def cases(world: int) -> Cases:
     c.add(check_training, "zb-h1", sequence_parallel=True, callable_plan=True,
           name="training-zb-h1-sequence-parallel-callable")
     c.add(check_training, "1f1b", "export", meta=True, name="training-1f1b-export-meta")
+    c.add(check_training, "zb-h1", "export", sequence_parallel=True,
+          name="training-zb-h1-export-sequence-parallel")
     c.add(check_refusals)
     return c
 

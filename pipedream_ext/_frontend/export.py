@@ -36,6 +36,7 @@ Design and limits: docs/tracing.md. Index legend: ``j`` stage.
 from __future__ import annotations
 
 import inspect
+import operator
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -196,7 +197,8 @@ def export_model(model: nn.Module, inputs: Any, concrete_args: Optional[Mapping[
                                            with_kwargs=True) if hooked else None
     try:
         ep = torch.export.export(model, args, kwargs,
-                                 dynamic_shapes=_dynamic_shapes(model, args, kwargs), strict=False)
+                                 dynamic_shapes=_dynamic_shapes(model, args, kwargs), strict=False,
+                                 preserve_module_call_signature=tuple(keep_calls))
     finally:
         if hook is not None:
             hook.remove()
@@ -222,7 +224,9 @@ def export_model(model: nn.Module, inputs: Any, concrete_args: Optional[Mapping[
             _set_tensor(gm, target, own[target])
     _rename_tied_reads(gm, model)
     _clean(gm, tensor_inputs)
-    keep_module_calls(gm, model, keep_calls)
+    lifted = {**signature.inputs_to_parameters, **signature.inputs_to_buffers,
+              **signature.inputs_to_lifted_tensor_constants}
+    keep_module_calls(gm, model, keep_calls, ep.module_call_graph, lifted)
     _dropout_as_modules(gm, model)
     positional = tuple(inputs[name_of[p]] for p in tensor_inputs) if named else args
     _refuse_updates(model, _updated_in_place(gm, model, positional))
@@ -327,25 +331,33 @@ def _updated_in_place(gm: fx.GraphModule, model: nn.Module,
     return changed
 
 
-def keep_module_calls(gm: fx.GraphModule, model: nn.Module, keep: Sequence[str]) -> None:
+def keep_module_calls(gm: fx.GraphModule, model: nn.Module, keep: Sequence[str],
+                      signatures: Sequence[Any] = (), lifted: Optional[Mapping[str, str]] = None) -> None:
     """Puts the calls of the modules named in ``keep`` back into an exported graph.
 
     Export records the operations a module runs, never its call. Every call of a kept
     module (the nodes whose ``nn_module_stack`` holds that call's entry) becomes one
     ``call_module`` of the model's own module at its path, so hooks registered on it
-    later (a tensor-parallel style's) run as in the model. Only a call with one tensor
-    in and one value out can be put back (``nn.Linear``, ``nn.Embedding``, a norm):
-    its input is then the module's argument and its output the module's result.
+    later (a parallel style's) run as in the model. The call's arguments and results
+    are the ones export recorded for it (``preserve_module_call_signature``: which
+    graph value is which argument, in the forward's own order, keywords included);
+    without a signature only a call with one tensor in and one value out can be put
+    back (its input is then the module's argument).
 
     Args:
         gm: the exported graph (modified in place).
         model: the model it was exported from.
         keep: qualified module names.
+        signatures: the exported program's ``module_call_graph`` entries.
+        lifted: the exported program's input names of the model's tensors (``b_freqs``),
+            by their names in the model (read by ``get_attr`` in ``gm``).
 
     Raises:
-        ExportRefused: a kept module called with other inputs (naming it and them).
+        ExportRefused: a kept call whose arguments or results the graph cannot give
+            (naming the module and them).
     """
     graph = gm.graph
+    replaced: Dict[str, fx.Node] = {}  # results of calls put back, by the exported names
     for path in sorted(keep, key=lambda p: p.count(".")):  # an enclosing module first
         calls: Dict[str, List[fx.Node]] = {}
         for node in graph.nodes:
@@ -354,8 +366,10 @@ def keep_module_calls(gm: fx.GraphModule, model: nn.Module, keep: Sequence[str])
                     calls.setdefault(key, []).append(node)
         if calls:
             install_attribute(model, gm, path)
+        own = [e.signature for e in signatures
+               if e.signature is not None and e.fqn.split("@")[0] == path]
         for key, region in calls.items():
-            _outline(gm, path, key, region)
+            _outline(gm, path, key, _without_sizes(region), own, lifted or {}, replaced)
         for node in [n for n in graph.nodes if n.op == "get_attr" and not n.users and
                      str(n.target).startswith(path + ".")]:
             graph.erase_node(node)
@@ -363,35 +377,103 @@ def keep_module_calls(gm: fx.GraphModule, model: nn.Module, keep: Sequence[str])
     gm.recompile()
 
 
-def _outline(gm: fx.GraphModule, path: str, key: str, region: List[fx.Node]) -> None:
-    """Replaces the nodes of one call of the module at ``path`` by a call of it."""
+def _without_sizes(region: List[fx.Node]) -> List[fx.Node]:
+    """``region`` less its size arithmetic on sizes from outside it (``2 * s0``, which
+    export computes once, where first needed, and shares with later users)."""
+    inside, sizes = set(region), set()
+    for node in region:
+        if not isinstance(node.meta.get("val"), torch.Tensor) and node.op == "call_function" and \
+                all(a not in inside or a in sizes for a in node.all_input_nodes) and \
+                not isinstance(node.meta.get("val"), (tuple, list)):
+            sizes.add(node)
+    return [n for n in region if n not in sizes]
+
+
+def _refuse_call(gm: fx.GraphModule, path: str, why: str) -> ExportRefused:
+    module = gm.get_submodule(path)
+    return ExportRefused(
+        f"expert_parallel / tensor_parallel keeps {path!r} ({type(module).__name__}) as a module "
+        f"call, but the torch.export path cannot put this call back: {why} (torch.export "
+        "records a module's operations, not its call); match modules called with tensors and "
+        "returning tensors, or make the forward traceable by torch.fx, which keeps any module "
+        "as a call")
+
+
+def _call_values(gm: fx.GraphModule, path: str, region: List[fx.Node], signatures: Sequence[Any],
+                 lifted: Mapping[str, str], replaced: Mapping[str, fx.Node]
+                 ) -> Tuple[Tuple[Any, ...], Dict[str, Any], List[fx.Node], Any]:
+    """The recorded call of ``region``: its arguments (graph nodes and constants), its
+    result nodes and the result's structure (``None``: one value)."""
+    inside, by_name = set(region), {n.name: n for n in gm.graph.nodes}
+    reads = {str(n.target): n for n in gm.graph.nodes if n.op == "get_attr"}
+    by_name.update({name: reads[target] for name, target in lifted.items() if target in reads})
+    by_name.update(replaced)
+    names = {n.name for n in region}
+    signature = next((s for s in signatures if s.outputs and
+                      all(getattr(a, "name", None) in names for a in s.outputs)), None)
+    if signature is None:
+        def internal(a: fx.Node) -> bool:  # the call's own nodes and its module's tensors
+            return a in inside or (a.op == "get_attr" and str(a.target).startswith(path + "."))
+
+        inputs = list(dict.fromkeys(a for n in region for a in n.all_input_nodes if not internal(a)))
+        outputs = [n for n in region if any(u not in inside for u in n.users)]
+        if len(inputs) != 1 or not isinstance(inputs[0].meta.get("val"), torch.Tensor) or \
+                len(outputs) != 1:
+            raise _refuse_call(gm, path, f"no call signature was recorded and it takes "
+                               f"{[a.name for a in inputs]} and returns {[n.name for n in outputs]}")
+        return (inputs[0],), {}, outputs, None
+    leaves = []
+    for a in signature.inputs:
+        if hasattr(a, "value"):  # ConstantArgument
+            leaves.append(a.value)
+        elif getattr(a, "name", None) in by_name:
+            leaves.append(by_name[a.name])
+        else:
+            raise _refuse_call(gm, path, f"its argument {a!r} is not a value of the graph")
+    for leaf in leaves:  # a tensor of the model read inside the call, given to it
+        if isinstance(leaf, fx.Node) and leaf in inside and leaf.op == "get_attr":
+            region.remove(leaf)
+            inside.discard(leaf)
+    args, kwargs = pytree.tree_unflatten(leaves, signature.in_spec)
+    outputs = [by_name[a.name] for a in signature.outputs]
+    escaping = [n.name for n in region if n not in outputs and any(u not in inside for u in n.users)]
+    if escaping:
+        raise _refuse_call(gm, path, f"the graph uses {escaping} computed inside the call")
+    spec = signature.out_spec
+    if not spec.is_leaf() and not (spec.type in (tuple, list) and
+                                   all(c.is_leaf() for c in spec.children_specs)):
+        raise _refuse_call(gm, path, f"it returns a {spec.type.__name__}, not a tensor or a tuple")
+    return tuple(args), dict(kwargs), outputs, None if spec.is_leaf() else spec
+
+
+def _outline(gm: fx.GraphModule, path: str, key: str, region: List[fx.Node],
+             signatures: Sequence[Any], lifted: Mapping[str, str], replaced: Dict[str, fx.Node]) -> None:
+    """Replaces the nodes of one call of the module at ``path`` by a call of it (its
+    results recorded in ``replaced`` under the names of the nodes they replace)."""
     graph, inside = gm.graph, set(region)
-
-    def internal(a: fx.Node) -> bool:  # the call's own nodes and its module's tensors
-        return a in inside or (a.op == "get_attr" and str(a.target).startswith(path + "."))
-
-    inputs = list(dict.fromkeys(a for n in region for a in n.all_input_nodes if not internal(a)))
-    outputs = [n for n in region if any(u not in inside for u in n.users)]
-    if len(inputs) != 1 or not isinstance(inputs[0].meta.get("val"), torch.Tensor) or \
-            len(outputs) != 1:
-        module = gm.get_submodule(path)
-        raise ExportRefused(
-            f"tensor_parallel keeps {path!r} ({type(module).__name__}) as a module call, which "
-            "the torch.export path can only put back for a call with one tensor in and one "
-            f"value out; its call takes {[a.name for a in inputs]} and returns "
-            f"{[n.name for n in outputs]} (torch.export records a module's operations, not its "
-            "call); match nn.Linear / nn.Embedding / norm modules only, or make the forward "
-            "traceable by torch.fx, which keeps any module as a call")
-    out = outputs[0]
+    args, kwargs, outputs, structure = _call_values(gm, path, region, signatures, lifted, replaced)
+    last = max(outputs, key=lambda n: region.index(n))
     stack: Dict[str, Any] = {}
-    for k, entry in (out.meta.get("nn_module_stack") or {}).items():
+    for k, entry in (last.meta.get("nn_module_stack") or {}).items():
         stack[k] = entry
         if k == key:
             break
-    with graph.inserting_after(out):
-        call = graph.call_module(path, (inputs[0],))
-    call.meta = {"nn_module_stack": stack, "val": out.meta.get("val")}
-    out.replace_all_uses_with(call, delete_user_cb=lambda u: u not in inside and u is not call)
+    with graph.inserting_after(last):
+        call = graph.call_module(path, args, kwargs)
+    values = [n.meta.get("val") for n in outputs]
+    call.meta = {"nn_module_stack": stack, "val": values[0] if structure is None else tuple(values)}
+    results = [call]
+    if structure is not None:
+        results = []
+        for i in range(len(outputs)):
+            with graph.inserting_after(results[-1] if results else call):
+                item = graph.call_function(operator.getitem, (call, i))
+            item.meta = {"nn_module_stack": stack, "val": values[i]}
+            results.append(item)
+    made = {call, *results}
+    for out, result in zip(outputs, results):
+        out.replace_all_uses_with(result, delete_user_cb=lambda u: u not in inside and u not in made)
+        replaced[out.name] = result
     for node in reversed(region):
         graph.erase_node(node)
 

@@ -25,9 +25,13 @@ from .._dist.collectives import is_dtensor
 from .._frontend.deferred_init import has_meta_tensors
 from .._frontend.local_stages import LocalStages
 from .dims import ParallelDims
+from .routed_experts import transformers_plan
 from .tensor_parallel import TensorParallel, check_plan, pattern_matches
 
-__all__ = ["apply_expert_parallel", "check_option", "check_plan_matches", "split_experts"]
+#: ``expert_parallel="auto"``: the plan a transformers model's own ``ep_plan`` gives.
+AUTO = "auto"
+
+__all__ = ["apply_expert_parallel", "check_option", "check_plan_matches", "resolve_auto", "split_experts"]
 
 
 def check_option(plan: Any, options: Any) -> None:
@@ -37,8 +41,24 @@ def check_option(plan: Any, options: Any) -> None:
         ValueError: a plan that is neither a dict of ``ParallelStyle`` nor a callable, or
             what it does not support yet, naming the value and the fix.
     """
-    check_plan(plan, options, "expert_parallel", "'layers.*.moe.experts'", "torchtitan's ExpertParallel()",
-               "ep_mesh", [(options.tensor_parallel is not None, "tensor_parallel=", "drop one of them")])
+    check_plan({} if _is_auto(plan) else plan, options, "expert_parallel", "'layers.*.moe.experts'",
+               "torchtitan's ExpertParallel(), RoutedExpertParallel()", "ep_mesh",
+               [(options.tensor_parallel is not None, "tensor_parallel=", "drop one of them")])
+
+
+def resolve_auto(plan: Any, module: torch.nn.Module) -> Any:
+    """``expert_parallel="auto"`` as the plan it stands for: :class:`RoutedExpertParallel`
+    on the experts a transformers model's ``ep_plan`` names (``routed_experts``); any
+    other plan as it is.
+
+    Raises:
+        ValueError: ``"auto"`` for a model without a usable ``ep_plan`` (naming why).
+    """
+    return transformers_plan(module) if _is_auto(plan) else plan
+
+
+def _is_auto(plan: Any) -> bool:
+    return isinstance(plan, str) and plan == AUTO
 
 
 def check_plan_matches(plan: Any, module: torch.nn.Module) -> None:

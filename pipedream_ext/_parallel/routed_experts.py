@@ -1,0 +1,176 @@
+"""Expert parallelism for experts called with their routing: ``experts(hidden_states,
+top_k_index, top_k_weights)``, every parameter stacked along dim 0 by expert (transformers'
+MoE experts: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, GPT-OSS, ...).
+
+:class:`RoutedExpertParallel` is the ``ParallelStyle`` for them (torchtitan's
+``ExpertParallel`` expects ``experts(tokens_sorted_by_expert, counts)`` instead): each ep
+rank keeps ``num_experts / ep`` experts (``Shard(0)``); a call sends every ``(token,
+expert)`` pair to the rank owning the expert and the results back with
+``all_to_all_single``, the experts' own forward running on the received rows with local
+expert ids and unit weights, the routing weights applied where the tokens live (so their
+gradient stays there). Index legend: ``r`` ep rank, ``e`` expert, ``t`` token.
+
+::
+
+    rank r: pairs (t, e) sorted by e ──all_to_all──▶ rank e // local: rows of its experts
+                                                       experts' forward (local ids, weight 1)
+    rank r: Σ_k w[t, k] · out[t, k]  ◀──all_to_all── the rows' outputs, in the same order
+
+:func:`transformers_plan` reads a transformers model's own ``ep_plan`` (its
+``"ep_dispatch_experts"`` modules): what ``PipeDream(expert_parallel="auto")`` applies.
+"""
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from typing import Any, Dict, Iterator, List, Tuple
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+__all__ = ["RoutedExpertParallel", "transformers_plan"]
+
+# The styles of a transformers ep_plan this plan covers: the experts module's
+# dispatch and the sharding of its stacked parameters (which the dispatch style does).
+_DISPATCH, _STACKED = "ep_dispatch_experts", "grouped_gemm"
+
+
+class RoutedExpertParallel(ParallelStyle):
+    """Experts ``Shard(0)`` over the ep mesh, tokens dispatched and combined by all_to_all.
+
+    The module must have ``num_experts`` (divisible by the ep size) and parameters whose
+    dim 0 is that count; its forward takes ``(hidden_states [T, H], top_k_index [T, k],
+    top_k_weights [T, k])`` and returns ``[T, H]`` (``Σ_k w · expert(x)``), and accepts
+    top-1 routing (``k = 1``). Experts receiving no token are exact (their shard's
+    gradient is zero).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.src_data_rank = 0
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        from torch.distributed.tensor import Shard, distribute_tensor  # noqa: PLC0415 - with a mesh
+
+        experts, ep = _expert_count(module), device_mesh.size()
+        if experts % ep:
+            raise ValueError(f"RoutedExpertParallel: {type(module).__name__} has {experts} experts, "
+                             f"which the ep size {ep} does not divide; give a mesh whose 'ep' "
+                             "dimension divides the expert count")
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.dim() == 0 or param.shape[0] != experts:
+                raise ValueError(f"RoutedExpertParallel: {type(module).__name__}.{name} has shape "
+                                 f"{tuple(param.shape)}, not one slice per expert ({experts}, ...); "
+                                 "match only modules whose parameters are stacked by expert")
+            shard = distribute_tensor(param.detach(), device_mesh, [Shard(0)],
+                                      src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
+        module.num_experts = experts // ep
+        # transformers' experts drop the rows of ids beyond num_experts only when told they are split.
+        if hasattr(module, "_is_expert_parallel"):
+            module._is_expert_parallel = True  # noqa: SLF001 - transformers' own switch
+        module.forward = _Dispatching(module, module.forward, device_mesh)
+        return module
+
+
+def _expert_count(module: nn.Module) -> int:
+    count = getattr(module, "num_experts", None)
+    if not isinstance(count, int):
+        raise ValueError(f"RoutedExpertParallel: {type(module).__name__} has no integer "
+                         "num_experts; match the module holding the stacked experts")
+    return count
+
+
+class _Dispatching:
+    """The experts' forward behind the dispatch and combine (the module's ``forward``)."""
+
+    def __init__(self, module: nn.Module, forward: Any, mesh: Any) -> None:
+        self.module, self.forward, self.mesh = module, forward, mesh
+        self.local = module.num_experts
+
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        rows, local_ids, order, splits = self._dispatch(hidden_states, top_k_index)
+        with _local_parameters(self.module):
+            if rows.shape[0]:
+                out = self.forward(rows, local_ids, torch.ones_like(local_ids, dtype=rows.dtype))
+            else:  # no rows: an empty result still connected to the dispatch (whose backward
+                # all_to_all every ep rank runs) and to the parameters (zero gradients)
+                out = rows.new_zeros(0, hidden_states.shape[-1]) + rows.sum() * 0 + \
+                    sum(p.sum() * 0 for p in self.module.parameters(recurse=False))
+        return self._combine(out, top_k_weights, order, splits)
+
+    def _dispatch(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Tuple[List[int], List[int]]]:
+        from torch.distributed import all_to_all_single  # noqa: PLC0415 - with a mesh
+        from torch.distributed._functional_collectives import all_to_all_single_autograd  # noqa: PLC0415
+
+        group, ep, k = self.mesh.get_group(), self.mesh.size(), top_k_index.shape[-1]
+        expert_ids = top_k_index.reshape(-1)
+        order = torch.argsort(expert_ids, stable=True)  # pairs grouped by expert, so by rank
+        counts = torch.bincount(expert_ids, minlength=self.local * ep).to(torch.long).view(ep, self.local)
+        received = torch.empty_like(counts)
+        all_to_all_single(received, counts, group=group)
+        sent_sizes, received_sizes = torch.stack([counts.sum(1), received.sum(1)]).tolist()
+        rows = all_to_all_single_autograd(hidden_states[order // k], received_sizes, sent_sizes, group)
+        rows = torch.ops._c10d_functional.wait_tensor(rows)  # noqa: SLF001 - the pending result
+        local_ids = torch.arange(self.local, device=rows.device).repeat(ep)
+        local_ids = local_ids.repeat_interleave(received.reshape(-1)).unsqueeze(-1)
+        return rows, local_ids, order, (sent_sizes, received_sizes)
+
+    def _combine(self, out: torch.Tensor, top_k_weights: torch.Tensor, order: torch.Tensor,
+                 splits: Tuple[List[int], List[int]]) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd  # noqa: PLC0415
+
+        sent_sizes, received_sizes = splits
+        back = all_to_all_single_autograd(out, sent_sizes, received_sizes, self.mesh.get_group())
+        back = torch.ops._c10d_functional.wait_tensor(back)  # noqa: SLF001 - the pending result
+        pairs = torch.empty_like(back).index_copy(0, order, back)  # (t, k) order again
+        pairs = pairs.view(*top_k_weights.shape, back.shape[-1])
+        return (pairs * top_k_weights.unsqueeze(-1).to(pairs.dtype)).sum(dim=1).to(out.dtype)
+
+
+@contextlib.contextmanager
+def _local_parameters(module: nn.Module) -> Iterator[None]:
+    """The module's DTensor shards as their local tensors during its forward (the
+    experts' code indexes them with local ids); gradients reach the shards through
+    ``to_local``."""
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415 - with a mesh
+
+    shards = {n: p for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
+    for name, shard in shards.items():
+        module._parameters[name] = shard.to_local()  # noqa: SLF001 - swapped back below
+    try:
+        yield
+    finally:
+        for name, shard in shards.items():
+            module._parameters[name] = shard  # noqa: SLF001
+
+
+def transformers_plan(model: nn.Module) -> Dict[str, ParallelStyle]:
+    """``{pattern: RoutedExpertParallel()}`` for the ``"ep_dispatch_experts"`` modules of
+    a transformers model's ``ep_plan`` (``model.ep_plan``, full module names).
+
+    Raises:
+        ValueError: the model has no ``ep_plan``, or it names styles other than the
+            experts' dispatch and stacked parameters (naming them), or its patterns match
+            no module.
+    """
+    plan = getattr(model, "ep_plan", None)
+    if not isinstance(plan, dict) or not plan:
+        raise ValueError(f"expert_parallel='auto' reads a transformers model's ep_plan, and "
+                         f"{type(model).__name__} has none; give expert_parallel={{pattern: "
+                         "RoutedExpertParallel()}} (transformers-style experts) or "
+                         "{pattern: ExpertParallel()} (torchtitan's)")
+    other = sorted({f"{k}: {v}" for k, v in plan.items() if v not in (_DISPATCH, _STACKED)})
+    if other:
+        raise ValueError(f"expert_parallel='auto': {type(model).__name__}.ep_plan names {other}, "
+                         "which only the experts' dispatch and stacked parameters are supported "
+                         "beside; give expert_parallel= as a dict of ParallelStyles instead")
+    names = [n for n, _ in model.named_modules()]
+    out = {k: RoutedExpertParallel() for k, v in plan.items() if v == _DISPATCH}
+    if not out or not any(fnmatch.fnmatchcase(n, k) for k in out for n in names):
+        raise ValueError(f"expert_parallel='auto': {type(model).__name__}.ep_plan {plan} names no "
+                         "experts module of the model; give expert_parallel= as a dict")
+    return out
