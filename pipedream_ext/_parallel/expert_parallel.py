@@ -25,7 +25,6 @@ from .._dist.collectives import is_dtensor
 from .._frontend.deferred_init import has_meta_tensors
 from .._frontend.local_stages import LocalStages
 from .dims import ParallelDims
-from .routed_experts import transformers_plan
 from .tensor_parallel import TensorParallel, check_plan, pattern_matches
 
 #: ``expert_parallel="auto"``: the plan a transformers model's own ``ep_plan`` gives.
@@ -54,7 +53,11 @@ def resolve_auto(plan: Any, module: torch.nn.Module) -> Any:
     Raises:
         ValueError: ``"auto"`` for a model without a usable ``ep_plan`` (naming why).
     """
-    return transformers_plan(module) if _is_auto(plan) else plan
+    if not _is_auto(plan):
+        return plan
+    from .routed_experts import transformers_plan  # noqa: PLC0415 - DTensor only with a plan
+
+    return transformers_plan(module)
 
 
 def _is_auto(plan: Any) -> bool:

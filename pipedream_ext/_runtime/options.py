@@ -321,7 +321,8 @@ class PipelineOptions:
         with a ``("pp", "ep")`` or ``("pp", "dp", "ep")`` ``mesh``: expert parallelism inside each stage
         over ``mesh["ep"]``, a dict ``{pattern: ParallelStyle}`` (torchtitan's ``ExpertParallel()`` on
         the experts, e.g. ``{"layers.*.moe.experts": ExpertParallel()}``; patterns as ``tensor_parallel``
-        reads them) or a callable ``fn(stage_module, ep_mesh)``. The ep ranks are data ranks for
+        reads them), ``"auto"`` (a transformers model's own ``ep_plan``: ``RoutedExpertParallel()`` on its
+        experts) or a callable ``fn(stage_module, ep_mesh)``. The ep ranks are data ranks for
         everything else: one pipeline per ``(dp, ep)`` coordinate, each given its own part of the batch;
         dense gradients averaged over dp x ep, the experts' shards over dp (with ``data_parallel="fsdp"``
         the dense layers sharded over dp x ep, the experts over dp); docs/guide/expert_parallel.md lists
