@@ -50,7 +50,7 @@ from ._frontend.tied_params import (
 from ._parallel import auto_mesh, tp_costs, tp_record
 from ._parallel.data_parallel import DataParallel
 from ._parallel.dims import ParallelDims, check_expert_mesh, check_schedule, resolve_dims
-from ._parallel.expert_parallel import check_plan_matches, resolve_auto
+from ._parallel.expert_parallel import check_plan_matches, meta_tracing_refused, resolve_auto
 from ._parallel.fsdp import refuse_split_ties
 from ._parallel.parallelize import data_parallel_policy, parallelize_stages
 from ._parallel.tensor_parallel import (
@@ -458,11 +458,16 @@ def _trace_stages(args: PipelineArguments) -> TracedSplit:
         first = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), first)
     if isinstance(first, Mapping):  # keyword inputs: traced by name, passed by name
         model_io.positional_inputs(list(first), first, "sample")  # tensors only
-        return split_model(module, args.split_points, dict(first), args.concrete_args,
-                           keep_calls=keep, enclosing_calls=enclosing)
-    inputs = tuple(first) if isinstance(first, (tuple, list)) else (first,)
-    return split_model(module, args.split_points, inputs, args.concrete_args, keep_calls=keep,
-                       enclosing_calls=enclosing)
+        inputs: Any = dict(first)
+    else:
+        inputs = tuple(first) if isinstance(first, (tuple, list)) else (first,)
+    try:
+        return split_model(module, args.split_points, inputs, args.concrete_args, keep_calls=keep,
+                           enclosing_calls=enclosing)
+    except Exception as error:
+        if args.expert_parallel is not None and deferred_init.has_meta_tensors(module):
+            raise meta_tracing_refused(module, error) from error
+        raise
 
 
 def _is_plan(balance: Any) -> bool:

@@ -64,9 +64,17 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, dim: int = DIM, hidden: int = HIDDEN, experts: int = EXPERTS) -> None:
         super().__init__()
-        self.w1 = nn.Parameter(torch.randn(experts, hidden, dim) * dim ** -0.5)
-        self.w2 = nn.Parameter(torch.randn(experts, dim, hidden) * hidden ** -0.5)
-        self.w3 = nn.Parameter(torch.randn(experts, hidden, dim) * dim ** -0.5)
+        self.w1 = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal, each matrix scaled by its fan-in (what a meta-built model gets from
+        ``pd.materialize``, one unit at a time)."""
+        with torch.no_grad():
+            for w in (self.w1, self.w2, self.w3):
+                w.normal_(0.0, w.shape[-1] ** -0.5)
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         sharded = hasattr(self.w1, "to_local")  # a DTensor: expert parallelism

@@ -322,7 +322,10 @@ def check_refusals() -> None:
         ("ep-plan-unmatched", "'layers.*.moe.gate'",
          dict(expert_parallel={"layers.*.moe.gate": ExpertParallel()})),
         ("ep-plan-type", "'experts'", dict(expert_parallel={"layers.*.moe.experts": "experts"})),
-        ("ep-unsupported", "on the meta device", dict(model="meta")),
+        ("ep-unsupported", "(MoETransformer) on the meta device", dict(model="meta")),
+        ("ep-unsupported", "(Qwen3MoeForCausalLM) on the meta device",
+         dict(model="qwen3_moe_meta", expert_parallel="auto", split_points=["model.layers.1"],
+              loss_fn=transformers_loss, concrete_args={"use_cache": False})),
         ("ep-auto", "MoETransformer has none", dict(expert_parallel="auto")),
         ("ep-routed-experts", "has 3 experts, which the ep size 2 does not divide",
          dict(model="qwen3_moe_3", expert_parallel="auto", split_points=["model.layers.1"],
@@ -330,9 +333,12 @@ def check_refusals() -> None:
     ]
     for row_id, names, kwargs in refused:
         kind = kwargs.pop("model", None)
-        if kind == "meta":
+        if kind == "meta":  # its router's bincount has no meta kernel
             with torch.device("meta"):
                 model = MoETransformer()
+        elif kind == "qwen3_moe_meta":  # grouped_mm's meta kernel takes bf16 only
+            with torch.device("meta"):
+                model = transformers_moe("qwen3_moe")
         elif kind == "qwen3_moe_3":
             model = transformers_moe("qwen3_moe", experts=3)
         else:
@@ -348,7 +354,7 @@ def check_refusals() -> None:
     pipe.close()
 
 
-def transformers_moe(kind: str, idle: bool = False, experts: int = 4) -> nn.Module:
+def transformers_moe(kind: str, idle: bool = False, experts: int = 4, impl: Optional[str] = None) -> nn.Module:
     """A tiny transformers MoE (``"qwen3_moe"`` or ``"mixtral"``: 2 layers of 4 experts,
     top-2), seeded; ``idle``: the routers' weights zero, so that in the first step every
     token picks experts 0 and 1 (topk's first of equal scores) and the ep rank holding
@@ -356,8 +362,10 @@ def transformers_moe(kind: str, idle: bool = False, experts: int = 4) -> nn.Modu
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    shape: Dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if impl is not None:
+        shape["experts_implementation"] = impl
     if kind == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(num_local_experts=experts, num_experts_per_tok=2, **shape))
     else:
@@ -412,6 +420,32 @@ def check_transformers(kind: str, schedule: str, split: List[str], idle: bool = 
         none = torch.tensor([int(0 in received)])
         dist.all_reduce(none)
         assert int(none) > 0, "every ep rank received rows: the test does not cover an idle one"
+    pipe.close()
+
+
+def check_from_meta() -> None:
+    """transformers' Qwen3-MoE built on the meta device, its experts' forward one that runs
+    on meta values (``experts_implementation="batched_mm"``; the default ``grouped_mm`` and
+    the torchtitan-style router's ``bincount`` cannot, and are refused: check_refusals):
+    each rank materialises only its stage, the plan then shards its experts, and it trains
+    as the same model materialised whole (``pd.materialize``, the same seed), unsplit."""
+    import pipedream_ext as pd
+
+    def model() -> nn.Module:
+        with torch.device("meta"):
+            return transformers_moe("qwen3_moe", impl="batched_mm")
+
+    pipe = pipeline(model(), "1f1b", init_seed=5, expert_parallel="auto", split_points=["model.layers.1"],
+                    concrete_args={"use_cache": False}, loss_fn=transformers_loss)
+    assert not any(p.is_meta for p in pipe.parameters())
+    ref = pd.materialize(model(), "cpu", seed=5)
+    opt, ref_opt = optimizers("adamw", pipe, ref)
+
+    def ref_step(x: torch.Tensor, y: torch.Tensor, copies: int) -> torch.Tensor:
+        loss = transformers_loss(ref(x, use_cache=False), y)
+        loss.backward()
+        return loss.detach()
+    train_alongside("qwen3_moe from meta", pipe, opt, ref, ref_opt, ref_step)
     pipe.close()
 
 
@@ -513,6 +547,7 @@ def cases(world: int) -> Cases:
           name="transformers-qwen3-moe-1f1b-idle-rank")
     c.add(check_transformers, "mixtral", "zbv", ["model.layers.0.mlp", "model.layers.1", "model.layers.1.mlp"],
           chunks=2, recompute=True, data_parallel="replicate", name="transformers-mixtral-zbv-4-stages")
+    c.add(check_from_meta)
     c.add(check_refusals)
     c.add(check_checkpoints, FromEnv("PDEP_DIR"), name="checkpoints")
     return c

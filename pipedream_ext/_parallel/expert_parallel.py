@@ -22,7 +22,6 @@ from typing import Any, Iterable, List, Tuple
 import torch
 
 from .._dist.collectives import is_dtensor
-from .._frontend.deferred_init import has_meta_tensors
 from .._frontend.local_stages import LocalStages
 from .dims import ParallelDims
 from .tensor_parallel import TensorParallel, check_plan, pattern_matches
@@ -30,7 +29,8 @@ from .tensor_parallel import TensorParallel, check_plan, pattern_matches
 #: ``expert_parallel="auto"``: the plan a transformers model's own ``ep_plan`` gives.
 AUTO = "auto"
 
-__all__ = ["apply_expert_parallel", "check_option", "check_plan_matches", "resolve_auto", "split_experts"]
+__all__ = ["apply_expert_parallel", "check_option", "check_plan_matches", "meta_tracing_refused", "resolve_auto",
+           "split_experts"]
 
 
 def check_option(plan: Any, options: Any) -> None:
@@ -66,19 +66,13 @@ def _is_auto(plan: Any) -> bool:
 
 def check_plan_matches(plan: Any, module: torch.nn.Module) -> None:
     """Every pattern of a dict plan names some module of the model, checked before the
-    model is traced (the experts it should keep as calls would fail the tracer first);
-    and the model is not on the meta device: tracing runs the graph on meta values,
-    which data-dependent routing (``bincount``, the experts' ``tolist()``) cannot.
+    model is traced (the experts it should keep as calls would fail the tracer first).
 
     Raises:
-        ValueError: naming the patterns that match nothing, or the meta tensors.
+        ValueError: naming the patterns that match nothing.
     """
     if plan is None:
         return
-    if has_meta_tensors(module):
-        raise ValueError("expert_parallel= with a model on the meta device is not supported yet "
-                         "(tracing runs the model on meta values, and routing tokens to experts "
-                         "needs their values: bincount, tolist()); build the model for real")
     if not isinstance(plan, dict):
         return
     names = [n for n, _ in module.named_modules() if n]
@@ -89,6 +83,23 @@ def check_plan_matches(plan: Any, module: torch.nn.Module) -> None:
             f"{', '.join(repr(k) for k in missing)} match{'es' if len(missing) == 1 else ''} no "
             "module of the model; patterns are fnmatch patterns over model.named_modules() names "
             "('*' one name component), e.g. 'layers.*.moe.experts'")
+
+
+def meta_tracing_refused(module: torch.nn.Module, error: Exception) -> ValueError:
+    """Why tracing a model on the meta device with ``expert_parallel=`` failed: tracing
+    runs the model on meta values, which routing code that needs the tokens' values
+    (``bincount``, ``tolist()``: torchtitan's MoE) or a kernel without a float32 meta path
+    (transformers' default ``grouped_mm``) cannot.
+
+    Returns:
+        The error to raise (``error`` as its cause).
+    """
+    return ValueError(
+        f"expert_parallel= with this model ({type(module).__name__}) on the meta device is not "
+        f"supported yet: tracing runs it on meta values and failed ({type(error).__name__}: "
+        f"{str(error)[:300]}); routing that needs the tokens' values (bincount, tolist()) cannot "
+        "run there. Build the model for real, or make its experts' forward run on meta "
+        "(transformers: experts_implementation='batched_mm' in the config)")
 
 
 def apply_expert_parallel(stages: LocalStages, dims: ParallelDims) -> None:
