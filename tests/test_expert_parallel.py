@@ -349,7 +349,7 @@ def check_refusals() -> None:
     pipe = pipeline(build())
     directory = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ep-refused-{os.getpid()}")
     with pytest.raises(ValueError, match=row("ep-checkpoint")):
-        pd.save_pretrained(pipe, directory)
+        pd.save_checkpoint(directory, pipe)  # format="pipedream": one copy per stage
     assert not os.path.exists(directory)
     pipe.close()
 
@@ -384,11 +384,13 @@ def transformers_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
 
 
 def check_transformers(kind: str, schedule: str, split: List[str], idle: bool = False,
-                       **options: Any) -> None:
+                       root: Optional[str] = None, **options: Any) -> None:
     """A transformers MoE (its own experts, taken by the torch.export path) with
     ``expert_parallel="auto"`` (``RoutedExpertParallel`` on the experts its ``ep_plan``
     names) trains as the unsplit model; its experts are shards; with ``idle`` an ep rank
-    received no row in the first step (checked) and the result is still exact."""
+    received no row in the first step (checked) and the result is still exact; with
+    ``root``, ``save_pretrained`` writes every expert, gathered over ep, which the model's
+    own ``from_pretrained`` loads: the pipeline's weights, bit for bit."""
     from pipedream_ext._parallel import routed_experts
 
     received: List[int] = []
@@ -420,6 +422,15 @@ def check_transformers(kind: str, schedule: str, split: List[str], idle: bool = 
         none = torch.tensor([int(0 in received)])
         dist.all_reduce(none)
         assert int(none) > 0, "every ep rank received rows: the test does not cover an idle one"
+    if root is not None:
+        import pipedream_ext as pd
+
+        directory = os.path.join(root, f"{kind}-hf")
+        whole = gathered(pipe)
+        pd.save_pretrained(pipe, directory)
+        if dist.get_rank() == 0:
+            loaded = type(ref).from_pretrained(directory)
+            same({k: v.detach() for k, v in loaded.named_parameters()}, whole, "from_pretrained of save_pretrained")
     pipe.close()
 
 
@@ -484,7 +495,9 @@ def check_checkpoints(root: str) -> None:
     model's weights at the save; the checkpoint also loads into pp2 x dp2 x ep1 (every
     rank all of its stage's experts, re-sharded by DCP) and trains on as the saving run;
     ``load_state_dict`` of the unsplit model's state dict cuts each rank's experts;
-    ``format="pipedream"`` and ``save_pretrained`` are refused (FSDP, the default)."""
+    ``save_pretrained`` writes every expert (gathered over ep) and ``load_state_dict`` of
+    that directory gives the weights at the save; ``format="pipedream"`` is refused (FSDP,
+    the default)."""
     from test_bad_input import ROWS as BAD_ROWS
 
     import pipedream_ext as pd
@@ -497,8 +510,7 @@ def check_checkpoints(root: str) -> None:
     pd.save_checkpoint(path, saving, opt, step=2, format="dcp")
     with pytest.raises(ValueError, match=next(r[2] for r in BAD_ROWS if r[0] == "ep-checkpoint")):
         pd.save_checkpoint(path + "-pipedream", saving, opt)
-    with pytest.raises(ValueError, match=next(r[2] for r in BAD_ROWS if r[0] == "ep-checkpoint")):
-        pd.save_pretrained(saving, path + "-hf")
+    pd.save_pretrained(saving, path + "-hf")  # every expert, gathered over ep, by its own name
     later = train(saving, opt, range(2, 4))
     after = gathered(saving)
     saving.close()
@@ -511,6 +523,10 @@ def check_checkpoints(root: str) -> None:
     assert train(fresh, fresh_opt, range(2, 4)) == later
     same(gathered(fresh), after, "pp2 x ep2 resumed")
     fresh.close()
+    from_hf = pipeline(build(seed=7))
+    from_hf.load_state_dict(path + "-hf")  # each rank reads its experts' rows
+    same(gathered(from_hf), at_save, "save_pretrained, loaded into pp2 x ep2")
+    from_hf.close()
     dense = pipeline(build(seed=7), mesh=mesh_of((2, 2, 1), ("pp", "dp", "ep")))
     dense_opt = torch.optim.AdamW(dense.parameters(), lr=0.01, eps=1e-4)
     pd.load_checkpoint(path, dense, dense_opt)
@@ -543,8 +559,8 @@ def cases(world: int) -> Cases:
     c.add(check_aux_loss, "1f1b")
     c.add(check_aux_loss, "zb-h1", recompute=True, name="aux-loss-zb-h1-recompute")
     c.add(check_aux_loss, "zbv", layers=4, name="aux-loss-zbv-4-stages")
-    c.add(check_transformers, "qwen3_moe", "1f1b", ["model.layers.1"], idle=True,
-          name="transformers-qwen3-moe-1f1b-idle-rank")
+    c.add(check_transformers, "qwen3_moe", "1f1b", ["model.layers.1"], idle=True, root=FromEnv("PDEP_DIR"),
+          name="transformers-qwen3-moe-1f1b-idle-rank-save-pretrained")
     c.add(check_transformers, "mixtral", "zbv", ["model.layers.0.mlp", "model.layers.1", "model.layers.1.mlp"],
           chunks=2, recompute=True, data_parallel="replicate", name="transformers-mixtral-zbv-4-stages")
     c.add(check_from_meta)

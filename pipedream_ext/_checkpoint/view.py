@@ -132,19 +132,6 @@ class PipelineView:
                              "checkpoint (DCP re-shards), or "
                              "pd.consolidate(path) for the unsplit state dict")
 
-    def refuse_expert_parallel(self, call: str) -> None:
-        """``call`` does not know the experts' shards over ``ep`` yet (each ep rank holds
-        others): writing one copy would lose the rest.
-
-        Raises:
-            ValueError: ``call`` on a pipeline built with ``expert_parallel=``.
-        """
-        if self.expert_parallel:
-            raise ValueError(f"{call} does not support pipelines built with expert_parallel= yet "
-                             "(each ep rank holds other experts); nothing was written or loaded. "
-                             "Save a DCP checkpoint (save_checkpoint(..., format='dcp')) and write "
-                             "pd.consolidate(path) of it with the model's own save_pretrained")
-
     def describe(self) -> Dict[str, Any]:
         """The pipeline's layout as the manifest records it (JSON)."""
         return {"schedule": self.schedule_name, "microbatches": self.microbatches,

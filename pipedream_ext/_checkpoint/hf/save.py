@@ -225,7 +225,8 @@ def save_pretrained(pipe: Pipeline, out_dir: str, config: Any = None) -> Dict[st
     shard ``model-0000k-of-0000n.safetensors`` (a stage whose tensors all belong to
     another stage, such as a tied head, writes none); DTensor parameters (``mesh=``:
     FSDP, tensor parallelism) are gathered one tensor at a time within the stage's
-    ranks to its leader, so no rank holds more than its stage whole. Rank 0 writes
+    ranks to its leader (expert shards over the ep ranks too: ``expert_parallel``), so no rank
+    holds more than its stage whole. Rank 0 writes
     ``model.safetensors.index.json``, ``config.json`` and ``generation_config.json``
     (the model's, when it has them). Like transformers' ``save_pretrained`` it adds
     its files to ``out_dir`` and keeps everything else there (a tokenizer, a README,
@@ -256,7 +257,6 @@ def save_pretrained(pipe: Pipeline, out_dir: str, config: Any = None) -> Dict[st
             see a file another rank wrote (nothing was replaced).
     """
     view = pipe.checkpoint_view
-    view.refuse_expert_parallel("save_pretrained")
     if view.asynchronous:
         pipe.flush()
     out_dir = os.fspath(out_dir)
