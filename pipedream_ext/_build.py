@@ -47,7 +47,7 @@ from ._frontend.tied_params import (
     find_shared,
     find_shared_in_stages,
 )
-from ._parallel import auto_mesh, tp_costs, tp_record
+from ._parallel import auto_mesh, ep_costs, tp_costs, tp_record
 from ._parallel.data_parallel import DataParallel
 from ._parallel.dims import ParallelDims, check_expert_mesh, check_schedule, resolve_dims
 from ._parallel.expert_parallel import check_plan_matches, meta_tracing_refused, resolve_auto
@@ -656,6 +656,7 @@ def _request(args: PipelineArguments, given: Optional[ParallelDims],
         meshes = [(given.pp_size, given.dp_size, given.tp_size)]
         on_mesh = meshes if given.on_mesh else []
         traffic = _tp_traffic(args, traced, [given.tp_size])
+    ep = 1 if given is None else given.ep_size
     fsdp = (False, True) if args.data_parallel == AUTO else \
         (given.fsdp_enabled,) if given is not None else (args.data_parallel == "fsdp",)
     return choose.Request(
@@ -666,7 +667,21 @@ def _request(args: PipelineArguments, given: Optional[ParallelDims],
         balance=None if args.balance in (None, AUTO) else list(args.balance),
         recompute=_recompute_request(args.recompute), memory=args.memory, meshes=meshes,
         fsdp=fsdp, global_batch=given is None, on_mesh=on_mesh,
-        tp_traffic=traffic or ())
+        tp_traffic=traffic or (), ep=ep, ep_traffic=_ep_traffic(args, traced, ep))
+
+
+def _ep_traffic(args: PipelineArguments, traced: Optional[GraphGroups],
+                ep: int) -> List[Tuple[float, float, float]]:
+    """The experts and exchanges ``args.expert_parallel`` adds per layer of the chain
+    (``ep_costs.plan_traffic``): ``[]`` without ep > 1, for a traced model or a callable
+    plan (not priced: logged)."""
+    if args.expert_parallel is None or ep == 1 or traced is not None:
+        return []
+    traffic = ep_costs.plan_traffic(args.expert_parallel, args.module, args.sample[0])
+    if traffic is None:
+        _log.info("expert_parallel: a callable plan's experts and all_to_all cannot be seen; the "
+                  "cost model prices the model as dense (give a dict plan)")
+    return traffic or []
 
 
 def _tp_traffic(args: PipelineArguments, traced: Optional[GraphGroups],
@@ -773,11 +788,12 @@ def _predict_fixed(args: PipelineArguments, prepared: PreparedModel, config: Pip
         balance=list(cut.partition.balance), replicas=list(cut.partition.replicas),
         recompute=config.recompute_stages(cut.partition.num_stages),
         mesh=(dims.pp_size, dims.dp_size, dims.tp_size), prediction=None, candidates=[],
-        data_parallel=dims.data_parallel if dims.dp_enabled else None)
+        data_parallel=dims.data_parallel if dims.dp_enabled else None, ep=dims.ep_size)
     try:
         predicted = choose.predict_fixed(_measuring(args, dims.world_group, device,
                                                     config.timeout), fixed,
-                                         args.memory, dims.fsdp_enabled)
+                                         args.memory, dims.fsdp_enabled,
+                                         _ep_traffic(args, None, dims.ep_size))
     except ValueError as exc:  # the same on every rank: rank 0's error was broadcast
         warnings.warn(f"no prediction of this configuration: {exc}", stacklevel=4)
         return None, cut.plan

@@ -59,7 +59,12 @@ class LayerCost:
     machine's per-byte and per-tensor estimate alone). ``tp_collectives`` and
     ``tp_collective_bytes_per_sample``: the all-reduces a ``tensor_parallel=`` plan adds to
     one microbatch's forward and backward of this layer at ``tp > 1`` and the bytes per
-    sample they reduce (0: the plan leaves the layer whole).
+    sample they reduce (0: the plan leaves the layer whole). ``expert_parameter_bytes``:
+    the part of ``parameter_bytes`` an ``expert_parallel=`` plan shards over ep (each ep
+    rank holds ``1 / ep``; its gradients reduce over the copies holding the same experts),
+    ``all_to_all_calls`` the exchanges the plan adds per microbatch (forward and backward)
+    and ``all_to_all_bytes_per_sample`` the routed rows' bytes per sample of each of the 4
+    that move rows (``_parallel.ep_costs``).
     """
 
     forward_fixed: float = 0.0
@@ -76,6 +81,9 @@ class LayerCost:
     optimizer_seconds: float = 0.0
     tp_collectives: float = 0.0
     tp_collective_bytes_per_sample: float = 0.0
+    expert_parameter_bytes: float = 0.0
+    all_to_all_calls: float = 0.0
+    all_to_all_bytes_per_sample: float = 0.0
 
     def to_dict(self) -> Dict[str, float]:
         """Returns the fields by name (the binding's layer dict; JSON-able)."""
@@ -225,7 +233,8 @@ class Prediction:
 class Configuration:
     """One whole configuration: what the planner chose (or the user fixed) and what it
     predicts. ``recompute`` has one flag per stage, ``balance`` the layers per stage
-    (``pp * chunks`` stages), ``mesh`` is ``(pp, dp, tp)``; ``data_parallel`` how dp
+    (``pp * chunks`` stages), ``mesh`` is ``(pp, dp, tp)``, ``ep`` how many of the dp
+    copies share each stage's experts (``expert_parallel=``; 1: none); ``data_parallel`` how dp
     holds the stages (``"fsdp"`` or ``"replicate"``; ``None`` with ``dp = 1`` or in a plan
     file written before it was recorded); ``candidates`` are the runners-up of a search,
     best first, each with its prediction."""
@@ -240,6 +249,7 @@ class Configuration:
     prediction: Optional[Prediction] = None
     candidates: List["Configuration"] = dataclasses.field(default_factory=list)
     data_parallel: Optional[str] = None
+    ep: int = 1
 
     @property
     def predicted_step_seconds(self) -> Optional[float]:
@@ -258,7 +268,7 @@ class Configuration:
                 "replicas": list(self.replicas), "recompute": list(self.recompute),
                 "mesh": list(self.mesh), "data_parallel": self.data_parallel,
                 "prediction": None if self.prediction is None else self.prediction.to_dict(),
-                "candidates": [c.to_dict() for c in self.candidates]}
+                "candidates": [c.to_dict() for c in self.candidates], "ep": self.ep}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Configuration":
@@ -287,7 +297,8 @@ class Configuration:
                    recompute=[bool(x) for x in fields.get("recompute", [])],
                    mesh=(mesh[0], mesh[1], mesh[2]), data_parallel=data_parallel,
                    prediction=None if prediction is None else Prediction.from_dict(prediction),
-                   candidates=[cls.from_dict(c) for c in fields.get("candidates", [])])
+                   candidates=[cls.from_dict(c) for c in fields.get("candidates", [])],
+                   ep=int(fields.get("ep", 1)))
 
     def table(self) -> str:
         """The best configuration and its runners-up, one line each, as a text table."""
@@ -305,6 +316,7 @@ class Configuration:
         recompute = [j for j, r in enumerate(self.recompute) if r]
         lines = [f"configuration: schedule {self.schedule} (chunks {self.chunks}), "
                  f"{self.microbatches} microbatches, mesh pp={pp} dp={dp} tp={tp}"
+                 + (f" (ep={self.ep} of the dp copies share their experts)" if self.ep > 1 else "")
                  + (f" ({self.data_parallel})" if self.data_parallel else ""),
                  f"  balance {self.balance}, recompute stages {recompute or 'none'}"]
         if self.prediction is not None:
@@ -325,7 +337,7 @@ def _binding_dict(config: Configuration) -> Dict[str, Any]:
     """``config`` as the binding's configuration dict."""
     pp, dp, tp = config.mesh
     return {"schedule": config.schedule, "chunks": config.chunks,
-            "microbatches": config.microbatches, "pp": pp, "dp": dp, "tp": tp,
+            "microbatches": config.microbatches, "pp": pp, "dp": dp, "tp": tp, "ep": config.ep,
             "balance": list(config.balance), "replicas": list(config.replicas),
             "recompute": [int(bool(r)) for r in config.recompute]}
 
@@ -336,7 +348,7 @@ def _from_binding(d: Dict[str, Any]) -> Configuration:
                          balance=[int(x) for x in d["balance"]], chunks=int(d["chunks"]),
                          replicas=[int(x) for x in d["replicas"]],
                          recompute=[bool(x) for x in d["recompute"]],
-                         mesh=(int(d["pp"]), int(d["dp"]), int(d["tp"])),
+                         mesh=(int(d["pp"]), int(d["dp"]), int(d["tp"])), ep=int(d.get("ep", 1)),
                          prediction=Prediction.from_dict(d["prediction"]))
 
 
@@ -405,7 +417,7 @@ def _space(world_size: int, batch_size: int, schedules: Sequence[str],
            microbatches: Sequence[int], meshes: Optional[Sequence[Sequence[int]]],
            balance: Optional[Sequence[int]], recompute: RecomputeSpec, memory: Optional[float],
            interleaved_chunks: Sequence[int], optimizer_state_factor: float, fsdp: bool,
-           candidates: int) -> Dict[str, Any]:
+           candidates: int, ep: int = 1) -> Dict[str, Any]:
     space = {"world_size": int(world_size), "batch_size": int(batch_size),
              "schedules": list(schedules), "microbatches": [int(m) for m in microbatches],
              "meshes": [[int(x) for x in mesh] for mesh in (meshes or [])],
@@ -413,7 +425,7 @@ def _space(world_size: int, batch_size: int, schedules: Sequence[str],
              "memory_bytes": _memory_bytes(memory),
              "interleaved_chunks": [int(v) for v in interleaved_chunks],
              "optimizer_state_factor": float(optimizer_state_factor), "fsdp": bool(fsdp),
-             "candidates": int(candidates)}
+             "candidates": int(candidates), "ep": int(ep)}
     for mesh in space["meshes"]:
         if len(mesh) != 3:
             raise ValueError(f"meshes: each mesh is (pp, dp, tp) (got {mesh})")
@@ -427,7 +439,7 @@ def search(layers: Sequence[LayerCost], machine: MachineCosts, *, world_size: in
            balance: Optional[Sequence[int]] = None, recompute: RecomputeSpec = "never",
            memory: Optional[float] = None, interleaved_chunks: Sequence[int] = (2,),
            optimizer_state_factor: float = 2.0, fsdp: bool = False,
-           candidates: int = 5) -> Configuration:
+           candidates: int = 5, ep: int = 1) -> Configuration:
     """The best configuration of the space under the cost model (exactly what scoring
     every point would find), with its runners-up.
 
@@ -448,6 +460,8 @@ def search(layers: Sequence[LayerCost], machine: MachineCosts, *, world_size: in
         optimizer_state_factor: optimizer state bytes per weight byte (Adam: 2).
         fsdp: data parallelism shards weights, gradients and optimizer state.
         candidates: runners-up to keep (the best of other schedule/microbatch/mesh points).
+        ep: of each mesh's dp copies, how many share each stage's experts
+            (``expert_parallel=``; it must divide dp, with tp 1).
 
     Returns:
         The best :class:`Configuration`, its prediction filled, with ``candidates``.
@@ -457,7 +471,7 @@ def search(layers: Sequence[LayerCost], machine: MachineCosts, *, world_size: in
             (the message names the limit and the smallest peak found).
     """
     space = _space(world_size, batch_size, schedules, microbatches, meshes, balance, recompute,
-                   memory, interleaved_chunks, optimizer_state_factor, fsdp, candidates)
+                   memory, interleaved_chunks, optimizer_state_factor, fsdp, candidates, ep)
     raw = _C.search_configurations([layer.to_dict() for layer in layers], machine.to_dict(),
                                    space)
     best = _from_binding(raw["best"])

@@ -199,6 +199,24 @@ def check_sequential(schedule: str) -> None:
     pipe.close()
 
 
+def check_planned_sequential() -> None:
+    """``balance="auto"`` on pp2 x ep2: the planner cuts the nn.Sequential knowing the
+    plan's experts and all_to_all (``pipe.configuration.ep``), and the chosen pipeline
+    trains as the unsplit model."""
+    ref = sequential()
+    import pipedream_ext as pd
+
+    pipe = pd.PipeDream(sequential(), lm_loss, schedule="1f1b", microbatches=2, balance="auto",
+                        sample=batch(0), mesh=mesh_of((2, 2), ("pp", "ep")), timeout=60,
+                        expert_parallel={"*.moe.experts": ExpertParallel()})
+    chosen = pipe.configuration
+    assert chosen is not None and chosen.ep == 2 and chosen.mesh == (2, 2, 1), chosen
+    assert "ep=2 of the dp copies share their experts" in chosen.summary()
+    opt, ref_opt = optimizers("adamw", pipe, ref)
+    train_alongside("Sequential balance='auto'", pipe, opt, ref, ref_opt, whole_batch(ref))
+    pipe.close()
+
+
 def check_aux_loss(schedule: str, layers: int = 2, **options: Any) -> None:
     """A router's load-balancing loss added in its layer's backward (``pd.add_aux_loss``)
     trains as gradient accumulation of the unsplit model over the same microbatches with
@@ -555,6 +573,7 @@ def cases(world: int) -> Cases:
     c.add(check_training, "interleaved-zb", "sgd", layers=4, name="training-interleaved-zb-4-stages")
     c.add(check_token_mean)
     c.add(check_sequential, "zb-h1")
+    c.add(check_planned_sequential)
     c.add(check_bias_balancing)
     c.add(check_aux_loss, "1f1b")
     c.add(check_aux_loss, "zb-h1", recompute=True, name="aux-loss-zb-h1-recompute")
@@ -609,6 +628,41 @@ def test_add_aux_loss_is_one_node_under_fx_and_refused_by_export() -> None:
         torch.testing.assert_close(got, model.a.weight.grad)
     with pytest.raises(ValueError, match="add_aux_loss cannot be traced by torch.export"):
         split_model(AuxMLP(exported=True), ["b"], (x,))
+
+
+def test_the_cost_model_sees_the_experts_and_their_all_to_all() -> None:
+    """One process: ``ep_costs.plan_traffic`` per top-level layer: the matched modules'
+    parameter bytes, 5 exchanges per microbatch, and the routed rows' bytes per sample
+    (torchtitan's experts: the rows they receive, tokens x top-k; transformers': tokens
+    times ``top_k_index``'s k); the cost model then holds 1 / ep of the experts."""
+    from moe_model import DIM, EXPERTS, HIDDEN, TOP_K
+
+    from pipedream_ext import configuration
+    from pipedream_ext._parallel import ep_costs
+    from pipedream_ext._parallel.routed_experts import RoutedExpertParallel
+
+    model = sequential()
+    x, _ = batch(0)
+    traffic = ep_costs.plan_traffic({"*.moe.experts": ExpertParallel()}, model, (x,))
+    experts = 3.0 * EXPERTS * HIDDEN * DIM * 4
+    routed = SEQ * TOP_K * DIM * 4.0
+    assert traffic == [(0.0, 0.0, 0.0), (experts, 5.0, routed), (experts, 5.0, routed), (0.0, 0.0, 0.0),
+                       (0.0, 0.0, 0.0)], traffic
+    assert ep_costs.plan_traffic(lambda stage, mesh: None, model, (x,)) is None
+    hf = transformers_moe("qwen3_moe")
+    hf_traffic = ep_costs.plan_traffic({"model.layers.*.mlp.experts": RoutedExpertParallel()}, hf, (x,))
+    shard = sum(p.numel() * 4.0 for p in hf.model.layers[0].mlp.experts.parameters())
+    assert hf_traffic == [(2 * shard, 10.0, 2 * SEQ * 2 * 32 * 4.0), (0.0, 0.0, 0.0)], hf_traffic
+    # predicted: a stage holding both MoE layers keeps half their experts per ep rank
+    layers = [configuration.LayerCost(parameter_bytes=e, expert_parameter_bytes=e, all_to_all_calls=c,
+                                      all_to_all_bytes_per_sample=b, forward_per_sample=1.0)
+              for e, c, b in traffic]
+    config = configuration.Configuration(schedule="gpipe", microbatches=1, balance=[2, 3],
+                                         mesh=(2, 2, 1), ep=2)
+    dense = configuration.Configuration(schedule="gpipe", microbatches=1, balance=[2, 3], mesh=(2, 2, 1))
+    split = configuration.predict(layers, configuration.MachineCosts(), config, 4)
+    whole = configuration.predict(layers, configuration.MachineCosts(), dense, 4)
+    assert split.peak_bytes[0] < whole.peak_bytes[0] and split.pipeline_seconds > whole.pipeline_seconds
 
 
 def mesh_3d_cases(world: int) -> Cases:

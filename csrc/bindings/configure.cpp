@@ -59,6 +59,9 @@ LayerCost layerFromDict(const py::dict& d) {
             {"largest_parameter_bytes", into(c.largestParameterBytes)},
             {"tp_collectives", into(c.tpCollectives)},
             {"tp_collective_bytes_per_sample", into(c.tpCollectiveBytesPerSample)},
+            {"expert_parameter_bytes", into(c.expertParameterBytes)},
+            {"all_to_all_calls", into(c.allToAllCalls)},
+            {"all_to_all_bytes_per_sample", into(c.allToAllBytesPerSample)},
             {"optimizer_seconds", into(c.optimizerSeconds)}},
            "layer");
   return c;
@@ -114,6 +117,7 @@ SearchSpace spaceFromDict(const py::dict& d) {
             {"memory_bytes", into(s.memoryBytes)},
             {"optimizer_state_factor", into(s.optimizerStateFactor)},
             {"fsdp", into(s.fsdp)},
+            {"ep", into(s.ep)},
             {"candidates", into(s.candidates)}},
            "space");
   return s;
@@ -128,6 +132,7 @@ Configuration configFromDict(const py::dict& d) {
             {"pp", into(c.pp)},
             {"dp", into(c.dp)},
             {"tp", into(c.tp)},
+            {"ep", into(c.ep)},
             {"balance", into(c.balance)},
             {"replicas", into(c.replicas)},
             {"recompute", into(c.recompute)},
@@ -160,6 +165,7 @@ py::dict configToDict(const Configuration& c) {
   d["pp"] = c.pp;
   d["dp"] = c.dp;
   d["tp"] = c.tp;
+  d["ep"] = c.ep;
   d["balance"] = c.balance;
   d["replicas"] = c.replicas;
   d["recompute"] = c.recompute;

@@ -51,6 +51,13 @@ void checkLayers(const std::vector<LayerCost>& layers) {
     checkNonNegative(c.optimizerSeconds, at + "optimizer_seconds");
     checkNonNegative(c.tpCollectives, at + "tp_collectives");
     checkNonNegative(c.tpCollectiveBytesPerSample, at + "tp_collective_bytes_per_sample");
+    checkNonNegative(c.expertParameterBytes, at + "expert_parameter_bytes");
+    checkNonNegative(c.allToAllCalls, at + "all_to_all_calls");
+    checkNonNegative(c.allToAllBytesPerSample, at + "all_to_all_bytes_per_sample");
+    if (c.expertParameterBytes > c.parameterBytes) {
+      fail(at + "expert_parameter_bytes (" + str(c.expertParameterBytes) + ") must be part of "
+           "parameter_bytes (" + str(c.parameterBytes) + ")");
+    }
     if (!(c.weightShare >= 0 && c.weightShare <= 1)) {
       fail(at + "weight_share must be in [0, 1] (got " + str(c.weightShare) + ")");
     }
@@ -86,6 +93,14 @@ void checkMachine(const MachineCosts& m) {
   if (m.ranksPerNode < 0) {
     fail("ranks_per_node must be >= 0 (0: every rank on one node; got " + str(m.ranksPerNode) + ")");
   }
+}
+
+void checkExpertParallel(int ep, int dp, int tp) {
+  if (ep < 1 || dp % ep != 0) {
+    fail("ep must be >= 1 and divide dp, which counts every copy (got ep=" + str(ep) + ", dp=" +
+         str(dp) + ")");
+  }
+  if (ep > 1 && tp > 1) fail("ep > 1 with tp > 1 is not modelled (got ep=" + str(ep) + ", tp=" + str(tp) + ")");
 }
 
 void checkMemoryArguments(double memoryBytes, double optimizerStateFactor) {
@@ -127,12 +142,30 @@ double tpCollectiveSeconds(const LayerCost& c, const MachineCosts& machine, int 
          2.0 * (tp - 1) / tp * c.tpCollectiveBytesPerSample * b / machine.allReduceBandwidth;
 }
 
+// A layer's expert-parallel all_to_all of one microbatch of b samples: its
+// calls, and 4 exchanges of its routed rows (dispatch and combine, forward and
+// backward), (ep - 1) / ep of them to other ranks; none at ep = 1.
+double allToAllSeconds(const LayerCost& c, const MachineCosts& machine, int ep, double b) {
+  if (ep <= 1) return 0.0;
+  const double call = machine.replicateCallSeconds > 0 ? machine.replicateCallSeconds
+                                                       : machine.allReduceLatencySeconds;
+  return c.allToAllCalls * call +
+         4.0 * (ep - 1) / ep * c.allToAllBytesPerSample * b / machine.allReduceBandwidth;
+}
+
 }  // namespace
+
+double heldParameterBytes(const LayerCost& c, int ep, bool fsdp) {
+  // FSDP shards experts over the dp / ep copies holding the same ones: 1 / dp in all, as the rest.
+  return c.parameterBytes - c.expertParameterBytes + c.expertParameterBytes / (fsdp ? 1 : ep);
+}
 
 struct PointModel::Sums {
   PrefixSums forward, backward, weight, stash, deferred, parameters, tensors, optimizer;
-  PrefixSums units;   // FSDP units: layers with parameters
-  PrefixSums tpComm;  // tensor parallelism's all-reduces per microbatch (F + B)
+  PrefixSums units;    // FSDP units: layers with parameters
+  PrefixSums tpComm;   // tensor parallelism's all-reduces per microbatch (F + B)
+  PrefixSums experts;  // expert bytes (whole: every ep rank's shards)
+  PrefixSums epComm;   // expert parallelism's all_to_all per microbatch (F + B)
 };
 
 PointModel::PointModel(const std::vector<LayerCost>& layers, int batchSize,
@@ -160,7 +193,15 @@ PointModel::PointModel(const std::vector<LayerCost>& layers, int batchSize,
   sums_->deferred = PrefixSums(layers, [b](const LayerCost& c) {
     return std::min(c.stashBytesPerSample, c.inputBytesPerSample + c.outputBytesPerSample) * b;
   });
-  sums_->parameters = PrefixSums(layers, [](const LayerCost& c) { return c.parameterBytes; });
+  // What a rank holds of a layer's parameters (its experts' shards: 1 / ep), times
+  // the layer's copies on it; FSDP's and tp's division come later, as for any tensor.
+  sums_->parameters = PrefixSums(layers, [&options](const LayerCost& c) {
+    return heldParameterBytes(c, options.ep, options.fsdp);
+  });
+  sums_->experts = PrefixSums(layers, [](const LayerCost& c) { return c.expertParameterBytes; });
+  sums_->epComm = PrefixSums(layers, [&](const LayerCost& c) {
+    return allToAllSeconds(c, machine, options.ep, b);
+  });
   sums_->tensors = PrefixSums(layers, [](const LayerCost& c) { return c.parameterTensors; });
   sums_->optimizer = PrefixSums(layers, [](const LayerCost& c) { return c.optimizerSeconds; });
   sums_->units = PrefixSums(layers, [](const LayerCost& c) { return c.parameterBytes > 0 ? 1.0 : 0.0; });
@@ -265,8 +306,9 @@ StageCost PointModel::stageCost(int j, int a, int e, bool recompute) const {
   const double full = sums_->backward.over(a, e) / tp;
   const double weight = split_ ? sums_->weight.over(a, e) / tp : 0.0;
   // tp's collectives are not divided by tp; half each way (row- and
-  // column-parallel layers pair up), the backward's in I (input gradients).
-  const double collective = sums_->tpComm.over(a, e) / 2.0;
+  // column-parallel layers pair up), the backward's in I (input gradients);
+  // ep's all_to_all likewise (dispatch and combine each way).
+  const double collective = (sums_->tpComm.over(a, e) + sums_->epComm.over(a, e)) / 2.0;
   StageCost c;
   c.forward = forward + collective + act + (sendsForward(j) ? postSeconds(e - 1, true) : 0.0);
   c.backward = full - weight + collective + (recompute ? forward + collective : 0.0) + act +
@@ -392,12 +434,14 @@ double PointModel::collectiveCalls(double stages, double units) const {
 // The per-step collectives and fixed costs of one rank.
 void PointModel::stepTerms(const std::vector<int>& start, Prediction& p,
                            std::vector<double>& optimizer) const {
-  const int dp = options_.dp;
+  const int dp = options_.dp, ep = options_.ep;
+  const int expertCopies = dp / ep;  // the copies holding the same experts
   optimizer.assign(ranks_, 0.0);
   double overhead = 0.0, allReduce = 0.0;
   for (int r = 0; r < ranks_; ++r) {
-    double bytes = 0.0, tensors = 0.0, units = 0.0, holding = 0.0, measured = 0.0;
+    double bytes = 0.0, tensors = 0.0, units = 0.0, holding = 0.0, measured = 0.0, experts = 0.0;
     for (int j : rankStages_[r]) {
+      experts += sums_->experts.over(start[j], start[j + 1]);
       bytes += sums_->parameters.over(start[j], start[j + 1]);
       tensors += sums_->tensors.over(start[j], start[j + 1]);
       measured += sums_->optimizer.over(start[j], start[j + 1]);
@@ -406,8 +450,14 @@ void PointModel::stepTerms(const std::vector<int>& start, Prediction& p,
       holding += stageUnits > 0 ? 1.0 : 0.0;
     }
     if (dp > 1) {
-      allReduce = std::max(allReduce, collectiveCalls(holding, units) + 2.0 * (dp - 1) / dp *
-                                          (bytes / options_.tp) / machine_.allReduceBandwidth);
+      // Dense gradients over every copy; an ep rank's expert shard over the copies holding it.
+      const double dense = bytes - (options_.fsdp ? experts : experts / ep);
+      const double shard = experts / ep;
+      allReduce = std::max(
+          allReduce, collectiveCalls(holding, units) +
+                         (2.0 * (dp - 1) / dp * dense +
+                          2.0 * (expertCopies - 1) / expertCopies * shard) /
+                             options_.tp / machine_.allReduceBandwidth);
     }
     measured /= options_.tp * (options_.fsdp ? dp : 1);
     optimizer[r] = measured + estimatedOptimizerSeconds(machine_, bytes, tensors, options_.tp, dp,
@@ -615,6 +665,7 @@ void checkConfiguration(const std::vector<LayerCost>& layers, int batchSize, con
     fail("mesh (pp, dp, tp) must be >= 1 each (got (" + str(c.pp) + ", " + str(c.dp) + ", " +
          str(c.tp) + "))");
   }
+  checkExpertParallel(c.ep, c.dp, c.tp);
   if (c.chunks < 1) fail("chunks must be >= 1 (got " + str(c.chunks) + ")");
   if (c.microbatches < 1 || c.microbatches > batchSize) {
     fail("microbatches must be in 1.." + str(batchSize) + " (every microbatch needs a sample of "
@@ -661,6 +712,7 @@ PointOptions pointOptions(const Configuration& config, double memoryBytes,
   o.pp = config.pp;
   o.dp = config.dp;
   o.tp = config.tp;
+  o.ep = config.ep;
   o.replicas = config.replicas;
   o.memoryBytes = memoryBytes;
   o.optimizerStateFactor = optimizerStateFactor;

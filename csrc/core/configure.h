@@ -40,6 +40,13 @@
 //   - tensor parallelism: each microbatch's forward and backward of a layer
 //     add its tpCollectives all-reduces over tp (half in each, a measured
 //     in-step call each: replicateCallSeconds), not divided by tp;
+//   - expert parallelism (ep > 1; dp counts every copy, ep of them sharing
+//     their experts): a layer's experts are held 1 / ep each (under FSDP
+//     1 / dp, as the dense part), their gradients reduced over dp / ep copies
+//     (the dense part's over dp); each microbatch's forward and backward add
+//     its allToAllCalls (half in each, replicateCallSeconds each) and 4 row
+//     exchanges of (ep - 1) / ep x allToAllBytesPerSample x b bytes at the
+//     all-reduce bandwidth;
 //   - memory per rank: weights, gradients and optimizer state
 //     (optimizerStateFactor x weights; / dp under FSDP; / tp), plus the
 //     activations in flight as the simulator counts them for the schedule
@@ -83,6 +90,16 @@ struct LayerCost {
   // backward), and the bytes per sample they reduce. 0: the plan leaves it whole.
   double tpCollectives = 0.0;
   double tpCollectiveBytesPerSample = 0.0;
+  // Expert parallelism (ep > 1): the part of parameterBytes that is experts
+  // sharded over ep (each ep rank holds 1 / ep of it; its gradients reduce over
+  // dp / ep copies, the rest over all dp), and the all_to_all exchanges a plan
+  // adds per microbatch, forward and backward together (dispatch and combine,
+  // their backward, the counts), with the bytes of routed rows one sample sends
+  // in each exchange that moves rows (4 per microbatch), (ep - 1) / ep of them
+  // to other ranks.
+  double expertParameterBytes = 0.0;
+  double allToAllCalls = 0.0;
+  double allToAllBytesPerSample = 0.0;
 };
 
 // What the machine adds to the layers' compute, measured at start-up by a
@@ -133,6 +150,7 @@ struct SearchSpace {
   double memoryBytes = 0.0;            // per rank; 0 = unlimited
   double optimizerStateFactor = 2.0;   // optimizer state bytes per weight byte (Adam: 2)
   bool fsdp = false;                   // dp shards weights, gradients and optimizer state
+  int ep = 1;  // expert parallelism (fixed): ep of each mesh's dp copies share their experts
   int candidates = 5;                  // runners-up kept in SearchResult::candidates
 };
 
@@ -156,6 +174,7 @@ struct Configuration {
   int chunks = 1;
   int microbatches = 1;
   int pp = 1, dp = 1, tp = 1;
+  int ep = 1;                  // of the dp copies, ep share each stage's experts (ep divides dp)
   std::vector<int> balance;    // layers per stage, pp * chunks entries
   std::vector<int> replicas;   // PipeDream replicas per stage (predict only); empty = 1 each
   std::vector<int> recompute;  // 0/1 per stage

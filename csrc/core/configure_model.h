@@ -45,12 +45,19 @@ void checkMachine(const MachineCosts& machine);
 double estimatedOptimizerSeconds(const MachineCosts& machine, double bytes, double tensors,
                                  int tp, int dp, bool fsdp);
 void checkMemoryArguments(double memoryBytes, double optimizerStateFactor);
+// ep >= 1 dividing dp (the copies), and not with tp.
+void checkExpertParallel(int ep, int dp, int tp);
+// What one rank holds of a layer's parameters before FSDP's and tp's division:
+// the dense part whole, its experts 1 / ep (under FSDP whole: FSDP's 1 / dp then
+// covers the ep shards too).
+double heldParameterBytes(const LayerCost& c, int ep, bool fsdp);
 
 struct PointOptions {
   std::string schedule;
   int chunks = 1;
   int microbatches = 1;
   int pp = 1, dp = 1, tp = 1;
+  int ep = 1;  // divides dp (SearchSpace::ep, Configuration::ep)
   std::vector<int> replicas;  // empty: 1 each
   double memoryBytes = 0.0;
   double optimizerStateFactor = 2.0;

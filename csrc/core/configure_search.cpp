@@ -179,11 +179,11 @@ double optimizerSeconds(const MachineCosts& machine, const SpacePoint& point, bo
 // the largest parameter bytes a rank is known to hold and a lower bound on
 // the slowest rank's optimizer step.
 double stepTermsBound(const MachineCosts& machine, const SpacePoint& point, double rankBytes,
-                      double optimizer) {
+                      double optimizer, int ep) {
   const int dp = point.mesh[1];
   const double bytes = rankBytes / point.mesh[2];
   double bound = machine.stepSeconds + optimizer;
-  if (dp > 1) {
+  if (dp > 1 && ep == 1) {  // with ep, which of the bytes are experts (reduced over fewer) is unknown here
     // No call latency: a stage without parameters makes none (replicate or FSDP).
     bound += 2.0 * (dp - 1) / dp * bytes / machine.allReduceBandwidth;
   }
@@ -414,7 +414,7 @@ double PointSearch::bound(int j, int e, const State& next, const StageCost& stag
   }
   const int world = point_.mesh[0] * point_.mesh[1] * point_.mesh[2];
   const double shared = sharedRanksOf(c_.machine, world) * table_.totalBusy() / ranks_;
-  terms = stepTermsBound(c_.machine, point_, rankBytes, optimizer);
+  terms = stepTermsBound(c_.machine, point_, rankBytes, optimizer, c_.space.ep);
   double result = std::max(makespan, shared) + terms;
   // The collected paths last, the last to prune first: the loop stops at a
   // prune (the node has no children that would read the later prefixes).
@@ -537,7 +537,7 @@ void PointSearch::descend(int j, const State& state) {
       }
       if (cannotBeat(here, threshold())) {
         ++c_.pruned;
-        const double alone = stageBound + stepTermsBound(c_.machine, point_, 0.0, 0.0);
+        const double alone = stageBound + stepTermsBound(c_.machine, point_, 0.0, 0.0, c_.space.ep);
         recompute_ = saved;
         if (cannotBeat(alone, threshold())) break;  // the stage only grows with e
         continue;
@@ -582,7 +582,8 @@ double pointTerms(Context& c, const SpacePoint& point) {
   const double rankBytes = c.totalParameters / point.mesh[0];
   return stepTermsBound(
       c.machine, point, rankBytes,
-      optimizerSeconds(c.machine, point, c.space.fsdp, rankBytes, c.totalTensors / point.mesh[0]));
+      optimizerSeconds(c.machine, point, c.space.fsdp, rankBytes, c.totalTensors / point.mesh[0]),
+      c.space.ep);
 }
 
 // The bound of a point before its schedule is built.
@@ -607,7 +608,7 @@ SearchResult searchConfigurations(const std::vector<LayerCost>& layers,
   checkSpace(layers, machine, space);
   Context c{layers, machine, space, {}, 0.0, 0, 0};
   for (const LayerCost& l : layers) {
-    c.totalParameters += l.parameterBytes;
+    c.totalParameters += heldParameterBytes(l, space.ep, space.fsdp);
     c.totalTensors += l.parameterTensors;
   }
   std::vector<std::pair<double, SpacePoint>> points;
@@ -677,7 +678,7 @@ SearchResult searchConfigurations(const std::vector<LayerCost>& layers,
         (refusal.empty() ? std::string() : " (" + refusal + ")"));
   }
   if (pointBests.empty()) pointBests.push_back(fallback);
-  return resultOf(std::move(pointBests), space.candidates, c.evaluated, c.pruned);
+  return resultOf(std::move(pointBests), space.candidates, c.evaluated, c.pruned, space.ep);
 }
 
 }  // namespace pipedream

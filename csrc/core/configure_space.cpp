@@ -68,6 +68,8 @@ void checkSpace(const std::vector<LayerCost>& layers, const MachineCosts& machin
     if (v < 2) fail("interleaved_chunks " + joined(space.interleavedChunks) + " must be >= 2 each");
   }
   checkMeshes(space);
+  for (const auto& mesh : space.meshes) checkExpertParallel(space.ep, mesh[1], mesh[2]);
+  if (space.meshes.empty()) checkExpertParallel(space.ep, 1, 1);
   checkFixedLists(layers, space);
   if (space.candidates < 0) fail("candidates must be >= 0 (got " + str(space.candidates) + ")");
 }
@@ -118,6 +120,7 @@ PointOptions pointOptions(const SpacePoint& point, const SearchSpace& space) {
   o.pp = point.mesh[0];
   o.dp = point.mesh[1];
   o.tp = point.mesh[2];
+  o.ep = space.ep;
   o.memoryBytes = space.memoryBytes;
   o.optimizerStateFactor = space.optimizerStateFactor;
   o.fsdp = space.fsdp;
@@ -178,7 +181,8 @@ std::vector<std::vector<int>> recomputeChoices(const SpacePoint& point, const Po
 }
 
 SearchResult resultOf(std::vector<Ranked> pointBests, int candidates, long long evaluated,
-                      long long pruned) {
+                      long long pruned, int ep) {
+  for (Ranked& r : pointBests) r.config.ep = ep;
   SearchResult result;
   result.evaluated = evaluated;
   result.pruned = pruned;
@@ -255,7 +259,7 @@ SearchResult enumerateConfigurations(const std::vector<LayerCost>& layers,
          " layers, does not match the fixed balance or recompute list, or the schedule refuses it" +
          (refusal.empty() ? std::string() : " (" + refusal + ")"));
   }
-  return resultOf(std::move(pointBests), space.candidates, evaluated, 0);
+  return resultOf(std::move(pointBests), space.candidates, evaluated, 0, space.ep);
 }
 
 }  // namespace pipedream

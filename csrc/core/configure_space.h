@@ -57,8 +57,9 @@ std::vector<std::vector<int>> recomputeChoices(const SpacePoint& point, const Po
                                                const SearchSpace& space);
 
 // Per point, the best configuration found, turned into a SearchResult: the
-// best one and up to space.candidates runners-up that fit.
+// best one and up to space.candidates runners-up that fit, each with the
+// space's ep.
 SearchResult resultOf(std::vector<Ranked> pointBests, int candidates, long long evaluated,
-                      long long pruned);
+                      long long pruned, int ep);
 
 }  // namespace pipedream

@@ -69,6 +69,11 @@ class Request:
         tp_traffic: per layer of the chain, the collectives a ``tensor_parallel`` plan
             adds at ``tp > 1`` (``(calls per microbatch, bytes per sample)``,
             ``_parallel.tp_costs``), or empty (none).
+        ep: of each mesh's dp copies, how many share each stage's experts
+            (``expert_parallel=``; 1: none).
+        ep_traffic: per layer of the chain, what an ``expert_parallel`` plan adds
+            (``(expert bytes, all_to_all calls per microbatch, bytes per sample)``,
+            ``_parallel.ep_costs``), or empty (none).
     """
 
     schedules: List[str]
@@ -82,6 +87,8 @@ class Request:
     global_batch: bool = False
     on_mesh: Sequence[Mesh] = ()
     tp_traffic: Sequence[Tuple[float, float]] = ()
+    ep: int = 1
+    ep_traffic: Sequence[Tuple[float, float, float]] = ()
 
     def batch_of(self, rows: int, dp: int) -> int:
         """Samples per step of one pipeline: ``rows`` of the sample, split over ``dp``
@@ -113,7 +120,7 @@ class Request:
                     world_size=pp * dp * tp, batch_size=batch, schedules=list(self.schedules),
                     microbatches=counts, meshes=meshes, balance=self.balance,
                     recompute=self.recompute, memory=self.memory,
-                    interleaved_chunks=self.chunks, fsdp=fsdp)))
+                    interleaved_chunks=self.chunks, fsdp=fsdp, ep=self.ep)))
         if not out:
             raise unsearchable(self, rows)
         return out
@@ -162,6 +169,17 @@ def with_tp_traffic(layers: Sequence[LayerCost],
         return list(layers)
     return [dataclasses.replace(layer, tp_collectives=calls, tp_collective_bytes_per_sample=size)
             for layer, (calls, size) in zip(layers, traffic)]
+
+
+def with_ep_traffic(layers: Sequence[LayerCost],
+                    traffic: Sequence[Tuple[float, float, float]]) -> List[LayerCost]:
+    """``layers`` with an expert-parallel plan's experts and exchanges
+    (:attr:`Request.ep_traffic`; empty: ``layers`` as they are)."""
+    if not traffic:
+        return list(layers)
+    return [dataclasses.replace(layer, expert_parameter_bytes=min(experts, layer.parameter_bytes),
+                                all_to_all_calls=calls, all_to_all_bytes_per_sample=size)
+            for layer, (experts, calls, size) in zip(layers, traffic)]
 
 
 def unsearchable(request: Request, rows: int) -> ValueError:
@@ -291,8 +309,8 @@ def choose(measuring: Measuring, request: Request) -> Tuple[Configuration, Plan]
         costs = measuring.costs([(batch, arguments["microbatches"])
                                  for batch, _, arguments in searches])
         measured = time.perf_counter()
-        best, batch = best_of(with_tp_traffic(costs.layers, request.tp_traffic), machine,
-                              searches)
+        layers = with_ep_traffic(with_tp_traffic(costs.layers, request.tp_traffic), request.ep_traffic)
+        best, batch = best_of(layers, machine, searches)
         _log.info("measured %d layers in %.2f s, searched in %.3f s", len(costs.layers),
                   measured - started, time.perf_counter() - measured)
         return plan_of(best, costs, batch, machine).to_json(indent=None)
@@ -306,8 +324,9 @@ def choose(measuring: Measuring, request: Request) -> Tuple[Configuration, Plan]
 
 
 def predict_fixed(measuring: Measuring, fixed: Configuration, memory: Optional[float],
-                  fsdp: bool) -> Configuration:
-    """The prediction of a configuration the user fixed (collective over ``measuring.group``).
+                  fsdp: bool, ep_traffic: Sequence[Tuple[float, float, float]] = ()) -> Configuration:
+    """The prediction of a configuration the user fixed (collective over ``measuring.group``),
+    with an expert-parallel plan's ``ep_traffic`` (:attr:`Request.ep_traffic`).
 
     Returns:
         ``fixed`` with its prediction, the same on every rank.
@@ -319,8 +338,8 @@ def predict_fixed(measuring: Measuring, fixed: Configuration, memory: Optional[f
 
     def predict(machine: MachineCosts) -> str:
         costs = measuring.costs([(batch, [fixed.microbatches])])
-        prediction = configuration.predict(costs.layers, machine, fixed, batch,
-                                           memory=memory, fsdp=fsdp)
+        prediction = configuration.predict(with_ep_traffic(costs.layers, ep_traffic), machine, fixed,
+                                           batch, memory=memory, fsdp=fsdp)
         return json.dumps(dataclasses.replace(fixed, prediction=prediction).to_dict())
 
     text = _on_rank_zero(measuring, "predicting the configuration", predict,

@@ -217,6 +217,60 @@ TEST(PredictConfiguration, TensorParallelCollectivesAreHalfForwardHalfBackward) 
   EXPECT_DOUBLE_EQ(measured.pipelineSeconds, simulatedMakespan("gpipe", 2, 4, 5.0, 6.0, 0.0));
 }
 
+TEST(PredictConfiguration, ExpertParallelHoldsShardsReducesThemOverTheirCopiesAndPaysAllToAll) {
+  MachineCosts m;
+  m.allReduceLatencySeconds = 0.5;
+  m.allReduceBandwidth = 10;
+  std::vector<LayerCost> layers = uniformLayers();
+  for (LayerCost& l : layers) {
+    l.expertParameterBytes = 60;   // of its 100 parameter bytes
+    l.allToAllCalls = 2;           // per microbatch, forward and backward
+    l.allToAllBytesPerSample = 10; // routed rows per sample and exchange
+  }
+  Configuration c = twoStages("gpipe", 4);
+  c.dp = 2;  // two copies, which share their experts
+  c.ep = 2;
+  // b = 1: per layer and microbatch 2 x 0.5 + 4 x (ep - 1) / ep x 10 / 10 = 3 s, half
+  // each way; a stage of 2 layers: F = 2 + 3, B = 4 + 3.
+  const Prediction p = predictConfiguration(layers, 4, m, c);
+  EXPECT_DOUBLE_EQ(p.pipelineSeconds, simulatedMakespan("gpipe", 2, 4, 5.0, 7.0, 0.0));
+  // A rank holds its stage's dense 2 x 40 bytes and half its 2 x 60 expert bytes:
+  // 140 x (weights, gradients, 2 x Adam state) + gpipe's activations: 4 microbatches
+  // x (20 stashed + 1 input) + 1 of backward working memory.
+  const double activations = 4 * 21 + 1;
+  EXPECT_DOUBLE_EQ(p.peakBytes[1], 140 * 4 + activations);
+  // Dense gradients over both copies (ring: 2 (2 - 1) / 2 x 80 / 10 = 8 s); the expert
+  // shards are held by one copy each: nothing to reduce. One call per stage.
+  EXPECT_DOUBLE_EQ(p.allReduceSeconds, 0.5 + 8.0);
+  // FSDP shards everything over the copies (the experts over (dp / ep) x ep): 200 / 2.
+  const Prediction sharded = predictConfiguration(layers, 4, m, c, 0.0, 2.0, true);
+  EXPECT_DOUBLE_EQ(sharded.peakBytes[1], 100 * 4 + activations);
+  EXPECT_DOUBLE_EQ(sharded.allReduceSeconds, 2 * 2 * 0.5 + 8.0);
+  // Four copies, two per expert shard: the shards' 60 bytes reduce over 2 (6 s more).
+  c.dp = 4;
+  EXPECT_DOUBLE_EQ(predictConfiguration(layers, 4, m, c).allReduceSeconds,
+                   0.5 + 2.0 * 3 / 4 * 80 / 10 + 6.0);
+  // ep = 1: the experts are dense parameters and nothing is exchanged.
+  c.dp = 2;
+  c.ep = 1;
+  const Prediction whole = predictConfiguration(layers, 4, m, c);
+  EXPECT_DOUBLE_EQ(whole.pipelineSeconds, simulatedMakespan("gpipe", 2, 4, 2.0, 4.0, 0.0));
+  EXPECT_DOUBLE_EQ(whole.peakBytes[1], 200 * 4 + activations);
+  EXPECT_DOUBLE_EQ(whole.allReduceSeconds, 0.5 + 20.0);
+  // ep must divide the copies, and is not modelled with tp.
+  c.ep = 3;
+  EXPECT_NE(errorOf([&] { predictConfiguration(layers, 4, m, c); }).find("ep must be >= 1 and divide dp"),
+            std::string::npos);
+  c.ep = 2;
+  c.tp = 2;
+  EXPECT_NE(errorOf([&] { predictConfiguration(layers, 4, m, c); }).find("ep > 1 with tp > 1"),
+            std::string::npos);
+  layers[0].expertParameterBytes = 101;
+  c.tp = 1;
+  EXPECT_NE(errorOf([&] { predictConfiguration(layers, 4, m, c); }).find("must be part of parameter_bytes"),
+            std::string::npos);
+}
+
 TEST(PredictConfiguration, RanksSharingCoresStretchThePipeline) {
   MachineCosts m;
   m.cores = 1;
@@ -684,6 +738,44 @@ TEST(SearchConfigurations, EqualsTheEnumerationOnRandomInstances) {
   EXPECT_GE(infeasible, 3);
   EXPECT_GE(recomputing, 3);
   EXPECT_GE(pruning, 10);
+}
+
+// Expert parallelism: the same random instances on their meshes whose copies ep = 2
+// divides (tp 1), with expert bytes and all_to_all traffic on some layers. The
+// search's bounds stay bounds (the all-reduce's, whose expert part reduces over
+// fewer copies, is left out): still the enumeration's result.
+TEST(SearchConfigurations, EqualsTheEnumerationWithExpertParallelism) {
+  std::mt19937 rng(41), extra(7);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  int compared = 0;
+  for (int trial = 0; trial < 60; ++trial) {
+    Instance x = randomInstance(rng);
+    auto& meshes = x.space.meshes;
+    meshes.erase(std::remove_if(meshes.begin(), meshes.end(),
+                                [](const auto& mesh) { return mesh[1] % 2 != 0 || mesh[2] != 1; }),
+                 meshes.end());
+    if (meshes.empty()) continue;
+    x.space.ep = 2;
+    for (LayerCost& c : x.layers) {
+      c.tpCollectives = 0;
+      if (extra() % 2 == 0) continue;
+      c.expertParameterBytes = c.parameterBytes * u(extra);
+      c.allToAllCalls = 5;
+      c.allToAllBytesPerSample = 1e3 * u(extra);
+    }
+    const std::string what = "ep instance " + std::to_string(trial);
+    SearchResult all;
+    try {
+      all = enumerateConfigurations(x.layers, x.machine, x.space);
+    } catch (const std::invalid_argument&) {
+      continue;
+    }
+    const SearchResult found = searchConfigurations(x.layers, x.machine, x.space);
+    expectSameResult(found, all, x, what);
+    EXPECT_EQ(found.best.ep, 2) << what;
+    ++compared;
+  }
+  EXPECT_GE(compared, 15);
 }
 
 // Longer chains than the random instances' (13 layers, up to 6 stages, every
