@@ -452,6 +452,37 @@ def check_transformers(kind: str, schedule: str, split: List[str], idle: bool = 
     pipe.close()
 
 
+def check_experts_over_tp(schedule: str) -> None:
+    """Mixtral on pp2 x tp2 with one ``tensor_parallel=`` plan: Megatron-style attention
+    (q/k/v column-, o row-parallel, the attention kept as a call) and
+    ``RoutedExpertParallel`` on the experts, which a tp mesh gives replicated tokens: each
+    tp rank dispatches its slice of them to the rank holding their experts and gathers
+    the results (tp2ep). Half the experts per rank; trains as the unsplit model."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+    import pipedream_ext as pd
+
+    plan = {"model.layers.*.self_attn": PrepareModuleInput(),
+            **{f"model.layers.*.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
+            "model.layers.*.self_attn.o_proj": RowwiseParallel(),
+            "model.layers.*.mlp.experts": pd.RoutedExpertParallel()}
+    ref = transformers_moe("mixtral")
+    pipe = pipeline(transformers_moe("mixtral"), schedule, mesh=mesh_of((2, 1, 2), ("pp", "dp", "tp")),
+                    expert_parallel=None, tensor_parallel=plan, split_points=["model.layers.1"],
+                    concrete_args={"use_cache": False}, loss_fn=transformers_loss, data_parallel="replicate")
+    shards = {n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1]: tuple(p.to_local().shape)
+              for n, p in pipe.named_parameters() if hasattr(p, "to_local")}
+    assert shards["experts.gate_up_proj"][0] == 2 and shards["q_proj.weight"][0] == 16, shards
+    opt, ref_opt = optimizers("adamw", pipe, ref)
+
+    def ref_step(x: torch.Tensor, y: torch.Tensor, copies: int) -> torch.Tensor:
+        loss = transformers_loss(ref(x, use_cache=False), y)
+        loss.backward()
+        return loss.detach()
+    train_alongside(f"experts over tp, {schedule}", pipe, opt, ref, ref_opt, ref_step, clip=0.5)
+    pipe.close()
+
+
 def check_from_meta() -> None:
     """transformers' Qwen3-MoE built on the meta device, its experts' forward one that runs
     on meta values (``experts_implementation="batched_mm"``; the default ``grouped_mm`` and
@@ -583,6 +614,7 @@ def cases(world: int) -> Cases:
     c.add(check_transformers, "mixtral", "zbv", ["model.layers.0.mlp", "model.layers.1", "model.layers.1.mlp"],
           chunks=2, recompute=True, data_parallel="replicate", name="transformers-mixtral-zbv-4-stages")
     c.add(check_from_meta)
+    c.add(check_experts_over_tp, "zb-h1")
     c.add(check_refusals)
     c.add(check_checkpoints, FromEnv("PDEP_DIR"), name="checkpoints")
     return c

@@ -401,16 +401,19 @@ def _refuse_call(gm: fx.GraphModule, path: str, why: str) -> ExportRefused:
 
 def _call_values(gm: fx.GraphModule, path: str, region: List[fx.Node], signatures: Sequence[Any],
                  lifted: Mapping[str, str], replaced: Mapping[str, fx.Node]
-                 ) -> Tuple[Tuple[Any, ...], Dict[str, Any], List[fx.Node], Any]:
+                 ) -> Tuple[Tuple[Any, ...], Dict[str, Any], List[Optional[fx.Node]], Any]:
     """The recorded call of ``region``: its arguments (graph nodes and constants), its
-    result nodes and the result's structure (``None``: one value)."""
+    result nodes (``None`` for a constant result, such as attention weights not
+    returned) and the result's structure (``None``: one value)."""
     inside, by_name = set(region), {n.name: n for n in gm.graph.nodes}
     reads = {str(n.target): n for n in gm.graph.nodes if n.op == "get_attr"}
     by_name.update({name: reads[target] for name, target in lifted.items() if target in reads})
     by_name.update(replaced)
     names = {n.name for n in region}
-    signature = next((s for s in signatures if s.outputs and
-                      all(getattr(a, "name", None) in names for a in s.outputs)), None)
+    def tensors(s: Any) -> List[str]:  # its results that are graph values (not a constant None)
+        return [a.name for a in s.outputs if not hasattr(a, "value") and hasattr(a, "name")]
+
+    signature = next((s for s in signatures if tensors(s) and all(n in names for n in tensors(s))), None)
     if signature is None:
         def internal(a: fx.Node) -> bool:  # the call's own nodes and its module's tensors
             return a in inside or (a.op == "get_attr" and str(a.target).startswith(path + "."))
@@ -435,7 +438,7 @@ def _call_values(gm: fx.GraphModule, path: str, region: List[fx.Node], signature
             region.remove(leaf)
             inside.discard(leaf)
     args, kwargs = pytree.tree_unflatten(leaves, signature.in_spec)
-    outputs = [by_name[a.name] for a in signature.outputs]
+    outputs = [None if hasattr(a, "value") else by_name.get(a.name) for a in signature.outputs]
     escaping = [n.name for n in region if n not in outputs and any(u not in inside for u in n.users)]
     if escaping:
         raise _refuse_call(gm, path, f"the graph uses {escaping} computed inside the call")
@@ -452,7 +455,8 @@ def _outline(gm: fx.GraphModule, path: str, key: str, region: List[fx.Node],
     results recorded in ``replaced`` under the names of the nodes they replace)."""
     graph, inside = gm.graph, set(region)
     args, kwargs, outputs, structure = _call_values(gm, path, region, signatures, lifted, replaced)
-    last = max(outputs, key=lambda n: region.index(n))
+    nodes = [n for n in outputs if n is not None]
+    last = max(nodes, key=lambda n: region.index(n))
     stack: Dict[str, Any] = {}
     for k, entry in (last.meta.get("nn_module_stack") or {}).items():
         stack[k] = entry
@@ -460,18 +464,20 @@ def _outline(gm: fx.GraphModule, path: str, key: str, region: List[fx.Node],
             break
     with graph.inserting_after(last):
         call = graph.call_module(path, args, kwargs)
-    values = [n.meta.get("val") for n in outputs]
+    values = [None if n is None else n.meta.get("val") for n in outputs]
     call.meta = {"nn_module_stack": stack, "val": values[0] if structure is None else tuple(values)}
-    results = [call]
+    pairs = [(outputs[0], call)]
     if structure is not None:
-        results = []
-        for i in range(len(outputs)):
-            with graph.inserting_after(results[-1] if results else call):
-                item = graph.call_function(operator.getitem, (call, i))
-            item.meta = {"nn_module_stack": stack, "val": values[i]}
-            results.append(item)
-    made = {call, *results}
-    for out, result in zip(outputs, results):
+        pairs, previous = [], call
+        for i, out in enumerate(outputs):
+            if out is None:  # a constant result: nothing of the graph uses it
+                continue
+            with graph.inserting_after(previous):
+                previous = graph.call_function(operator.getitem, (call, i))
+            previous.meta = {"nn_module_stack": stack, "val": values[i]}
+            pairs.append((out, previous))
+    made = {call, *(result for _, result in pairs)}
+    for out, result in pairs:
         out.replace_all_uses_with(result, delete_user_cb=lambda u: u not in inside and u not in made)
         replaced[out.name] = result
     for node in reversed(region):

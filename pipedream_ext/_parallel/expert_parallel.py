@@ -42,7 +42,9 @@ def check_option(plan: Any, options: Any) -> None:
     """
     check_plan({} if _is_auto(plan) else plan, options, "expert_parallel", "'layers.*.moe.experts'",
                "torchtitan's ExpertParallel(), RoutedExpertParallel()", "ep_mesh",
-               [(options.tensor_parallel is not None, "tensor_parallel=", "drop one of them")])
+               [(options.tensor_parallel is not None, "tensor_parallel=",
+                 "drop expert_parallel= and put RoutedExpertParallel() on the experts in the "
+                 "tensor_parallel plan (experts over the tp ranks), or drop tensor_parallel=")])
 
 
 def resolve_auto(plan: Any, module: torch.nn.Module) -> Any:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -44,11 +44,20 @@ class RoutedExpertParallel(ParallelStyle):
     top_k_weights [T, k])`` and returns ``[T, H]`` (``Σ_k w · expert(x)``), and accepts
     top-1 routing (``k = 1``). Experts receiving no token are exact (their shard's
     gradient is zero).
+
+    Args:
+        replicated_tokens: every rank of the mesh holds the same tokens (a tp mesh:
+            ``tensor_parallel={...: RoutedExpertParallel()}``, experts spread over the tp
+            ranks), so each rank dispatches its ``1 / size`` of the rows and the results
+            are gathered back (transformers' ``AllToAllEP`` over tp); ``None``: when the
+            mesh's dimension is named ``"tp"``. Otherwise each rank routes its own tokens
+            (``expert_parallel=``'s ep ranks are data ranks).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, replicated_tokens: Optional[bool] = None) -> None:
         super().__init__()
         self.src_data_rank = 0
+        self.replicated_tokens = replicated_tokens
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         from torch.distributed.tensor import Shard, distribute_tensor  # noqa: PLC0415 - with a mesh
@@ -70,7 +79,9 @@ class RoutedExpertParallel(ParallelStyle):
         # transformers' experts drop the rows of ids beyond num_experts only when told they are split.
         if hasattr(module, "_is_expert_parallel"):
             module._is_expert_parallel = True  # noqa: SLF001 - transformers' own switch
-        module.forward = _Dispatching(module, module.forward, device_mesh)
+        replicated = self.replicated_tokens if self.replicated_tokens is not None else \
+            tuple(device_mesh.mesh_dim_names or ()) == ("tp",)
+        module.forward = _Dispatching(module, module.forward, device_mesh, replicated)
         return module
 
 
@@ -85,11 +96,22 @@ def _expert_count(module: nn.Module) -> int:
 class _Dispatching:
     """The experts' forward behind the dispatch and combine (the module's ``forward``)."""
 
-    def __init__(self, module: nn.Module, forward: Any, mesh: Any) -> None:
-        self.module, self.forward, self.mesh = module, forward, mesh
+    def __init__(self, module: nn.Module, forward: Any, mesh: Any, replicated: bool) -> None:
+        self.module, self.forward, self.mesh, self.replicated = module, forward, mesh, replicated
         self.local = module.num_experts
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        tokens = hidden_states.shape[0]
+        if self.replicated:  # this rank's rows: a local slice, whose backward gathers the gradients
+            hidden_states, top_k_index, top_k_weights = (
+                _redistribute(t, self.mesh, "Replicate", "Shard") for t in (hidden_states, top_k_index, top_k_weights))
+        out = self._experts(hidden_states, top_k_index, top_k_weights)
+        if self.replicated:  # every rank's rows again (uneven or empty slices too)
+            out = _redistribute(out, self.mesh, "Shard", "Replicate", rows=tokens)
+        return out
+
+    def _experts(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         rows, local_ids, order, splits = self._dispatch(hidden_states, top_k_index)
         with _local_parameters(self.module):
@@ -129,6 +151,20 @@ class _Dispatching:
         pairs = torch.empty_like(back).index_copy(0, order, back)  # (t, k) order again
         pairs = pairs.view(*top_k_weights.shape, back.shape[-1])
         return (pairs * top_k_weights.unsqueeze(-1).to(pairs.dtype)).sum(dim=1).to(out.dtype)
+
+
+def _redistribute(tensor: torch.Tensor, mesh: Any, source: str, target: str,
+                  rows: Optional[int] = None) -> torch.Tensor:
+    """``tensor`` from ``source`` to ``target`` placement over ``mesh`` (``"Replicate"``
+    or ``"Shard"``: rows split as DTensor splits them), as a local tensor."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: PLC0415 - with a mesh
+
+    placements = {"Replicate": Replicate(), "Shard": Shard(0)}
+    shape = None if rows is None else (rows, *tensor.shape[1:])
+    stride = None if shape is None else torch.empty(shape, device="meta").stride()
+    dt = DTensor.from_local(tensor.contiguous(), mesh, [placements[source]], run_check=False,
+                            shape=shape, stride=stride)
+    return dt.redistribute(mesh, [placements[target]]).to_local()
 
 
 @contextlib.contextmanager
