@@ -130,15 +130,18 @@ class PrefixSums {
 
 namespace {
 
+// One collective call inside a step: what an all-reduce there was measured to
+// cost (replicateCallSeconds), else an all-reduce's latency.
+double inStepCallSeconds(const MachineCosts& machine) {
+  return machine.replicateCallSeconds > 0 ? machine.replicateCallSeconds
+                                          : machine.allReduceLatencySeconds;
+}
+
 // A layer's tensor-parallel all-reduces of one microbatch of b samples (ring:
-// 2 (tp - 1) / tp of the bytes each way); none at tp = 1. Each call costs what
-// an all-reduce inside a step was measured to (replicateCallSeconds), else
-// an all-reduce's latency.
+// 2 (tp - 1) / tp of the bytes each way); none at tp = 1.
 double tpCollectiveSeconds(const LayerCost& c, const MachineCosts& machine, int tp, double b) {
   if (tp <= 1) return 0.0;
-  const double call = machine.replicateCallSeconds > 0 ? machine.replicateCallSeconds
-                                                       : machine.allReduceLatencySeconds;
-  return c.tpCollectives * call +
+  return c.tpCollectives * inStepCallSeconds(machine) +
          2.0 * (tp - 1) / tp * c.tpCollectiveBytesPerSample * b / machine.allReduceBandwidth;
 }
 
@@ -147,9 +150,7 @@ double tpCollectiveSeconds(const LayerCost& c, const MachineCosts& machine, int 
 // backward), (ep - 1) / ep of them to other ranks; none at ep = 1.
 double allToAllSeconds(const LayerCost& c, const MachineCosts& machine, int ep, double b) {
   if (ep <= 1) return 0.0;
-  const double call = machine.replicateCallSeconds > 0 ? machine.replicateCallSeconds
-                                                       : machine.allReduceLatencySeconds;
-  return c.allToAllCalls * call +
+  return c.allToAllCalls * inStepCallSeconds(machine) +
          4.0 * (ep - 1) / ep * c.allToAllBytesPerSample * b / machine.allReduceBandwidth;
 }
 

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .._planning.timing import preserved
 from .tensor_parallel import pattern_matches
+from .tp_costs import run_once
 
 __all__ = ["ALL_TO_ALL_CALLS", "plan_traffic"]
 
@@ -78,13 +78,7 @@ def plan_traffic(plan: Any, module: nn.Sequential, inputs: Any) -> Optional[Traf
         experts = float(sum(p.numel() * p.element_size() for p in sub.parameters()))
         before = traffic[index]
         traffic[index] = (before[0] + experts, before[1], before[2])
-    device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    try:
-        with preserved([module], device), torch.no_grad():
-            module(*inputs) if isinstance(inputs, (tuple, list)) else module(inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
+    run_once(module, inputs, handles)
     for name, size in seen.items():
         index = children.index(name.split(".")[0])
         experts, calls, before = traffic[index]

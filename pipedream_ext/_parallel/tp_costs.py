@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 from .._planning.timing import preserved, tensor_bytes
 from .tensor_parallel import pattern_matches
 
-__all__ = ["plan_traffic"]
+__all__ = ["plan_traffic", "run_once"]
 
 #: Per top-level layer: (collective calls per microbatch forward + backward, bytes per sample).
 Traffic = List[Tuple[float, float]]
@@ -59,6 +59,18 @@ def _module_traffic(style: Any, inputs: Any, output: Any, rows: int) -> Tuple[fl
     return calls, bytes_
 
 
+def run_once(module: nn.Module, inputs: Any, handles: List[Any]) -> None:
+    """One forward of ``module`` on ``inputs`` for its hooks to record (no gradients;
+    modes, buffers and the RNG put back), the ``handles`` removed after it."""
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    try:
+        with preserved([module], device), torch.no_grad():
+            module(*inputs) if isinstance(inputs, (tuple, list)) else module(inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def plan_traffic(plan: Any, module: nn.Sequential, inputs: Any) -> Optional[Traffic]:
     """The collectives ``plan`` adds to each top-level layer of ``module`` at ``tp > 1``
     (module docstring), measured on one forward of ``inputs`` (no gradients; modes,
@@ -87,13 +99,7 @@ def plan_traffic(plan: Any, module: nn.Sequential, inputs: Any) -> Optional[Traf
         def record(_m: nn.Module, args: Any, output: Any, name: str = name, style: Any = style) -> None:
             seen[name] = _module_traffic(style, args, output, rows)
         handles.append(sub.register_forward_hook(record))
-    device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    try:
-        with preserved([module], device), torch.no_grad():
-            module(*inputs) if isinstance(inputs, (tuple, list)) else module(inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
+    run_once(module, inputs, handles)
     children = [n for n, _ in module.named_children()]
     for name, (calls, size) in seen.items():
         index = children.index(name.split(".")[0])
