@@ -533,9 +533,10 @@ def _check_search(args: PipelineArguments, prepared: PreparedModel) -> None:
 def _placement_refusal(args: PipelineArguments) -> str:
     """Why ``mesh="auto"`` or ``data_parallel="auto"`` cannot run with these arguments
     (``""``: they can)."""
-    if args.expert_parallel is not None and AUTO in (args.mesh, args.data_parallel):
-        return ("expert_parallel= with mesh='auto' or data_parallel='auto' is not supported yet; "
-                "give mesh=init_device_mesh(device_type, (pp, ep), mesh_dim_names=('pp', 'ep'))")
+    if args.expert_parallel is not None and args.mesh == AUTO:
+        return ("expert_parallel= with mesh='auto' is not supported yet (the planner does not "
+                "choose ep); give mesh=init_device_mesh(device_type, (pp, ep), mesh_dim_names=("
+                "'pp', 'ep')), data_parallel='auto' may stay")
     if args.data_parallel == AUTO and args.mesh is None:
         return ("data_parallel='auto' chooses how a mesh's 'dp' ranks hold the stages, but there "
                 "is no mesh; pass mesh='auto' (the planner factors the world) or a DeviceMesh, or "

@@ -200,17 +200,19 @@ def check_sequential(schedule: str) -> None:
 
 
 def check_planned_sequential() -> None:
-    """``balance="auto"`` on pp2 x ep2: the planner cuts the nn.Sequential knowing the
-    plan's experts and all_to_all (``pipe.configuration.ep``), and the chosen pipeline
+    """``balance="auto"``, ``schedule="auto"`` and ``data_parallel="auto"`` on pp2 x ep2:
+    the planner cuts the nn.Sequential and picks its schedule and FSDP or replicas knowing
+    the plan's experts and all_to_all (``pipe.configuration.ep``), and the chosen pipeline
     trains as the unsplit model."""
     ref = sequential()
     import pipedream_ext as pd
 
-    pipe = pd.PipeDream(sequential(), lm_loss, schedule="1f1b", microbatches=2, balance="auto",
-                        sample=batch(0), mesh=mesh_of((2, 2), ("pp", "ep")), timeout=60,
-                        expert_parallel={"*.moe.experts": ExpertParallel()})
+    pipe = pd.PipeDream(sequential(), lm_loss, schedule="auto", microbatches=2, balance="auto",
+                        data_parallel="auto", sample=batch(0), mesh=mesh_of((2, 2), ("pp", "ep")),
+                        timeout=60, expert_parallel={"*.moe.experts": ExpertParallel()})
     chosen = pipe.configuration
     assert chosen is not None and chosen.ep == 2 and chosen.mesh == (2, 2, 1), chosen
+    assert chosen.data_parallel in ("fsdp", "replicate") and chosen.candidates, chosen
     assert "ep=2 of the dp copies share their experts" in chosen.summary()
     opt, ref_opt = optimizers("adamw", pipe, ref)
     train_alongside("Sequential balance='auto'", pipe, opt, ref, ref_opt, whole_batch(ref))
