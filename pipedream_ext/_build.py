@@ -533,10 +533,6 @@ def _check_search(args: PipelineArguments, prepared: PreparedModel) -> None:
 def _placement_refusal(args: PipelineArguments) -> str:
     """Why ``mesh="auto"`` or ``data_parallel="auto"`` cannot run with these arguments
     (``""``: they can)."""
-    if args.expert_parallel is not None and args.mesh == AUTO:
-        return ("expert_parallel= with mesh='auto' is not supported yet (the planner does not "
-                "choose ep); give mesh=init_device_mesh(device_type, (pp, ep), mesh_dim_names=("
-                "'pp', 'ep')), data_parallel='auto' may stay")
     if args.data_parallel == AUTO and args.mesh is None:
         return ("data_parallel='auto' chooses how a mesh's 'dp' ranks hold the stages, but there "
                 "is no mesh; pass mesh='auto' (the planner factors the world) or a DeviceMesh, or "
@@ -639,6 +635,12 @@ def _request(args: PipelineArguments, given: Optional[ParallelDims],
     if given is None:
         world = dist.get_world_size()
         tps = auto_mesh.tp_sizes(world, args.tensor_parallel, args.module, args.sample[0])
+        eps = auto_mesh.ep_sizes(world, args.expert_parallel, args.module)
+        if not eps:
+            raise ValueError("expert_parallel= with mesh='auto' and a callable plan is not supported "
+                             "yet: the planner cannot see which experts it shards, so it cannot "
+                             "choose ep; give a dict plan {pattern: style} or a mesh with an 'ep' "
+                             "dimension")
         traffic = _tp_traffic(args, traced, tps)
         if traffic is None and len(tps) > 1:
             _log.info("mesh='auto': tp %s left out: a callable tensor_parallel plan's collectives "
@@ -652,12 +654,12 @@ def _request(args: PipelineArguments, given: Optional[ParallelDims],
                 f"model's {layers} layers, dp must divide the sample's {rows} rows (the whole "
                 f"run's batch), tp must be one of {tps} (1 without tensor_parallel=, else the "
                 "sizes its plan splits evenly); give a sample whose rows dp divides, or a mesh")
-        on_mesh = [m for m in meshes if auto_mesh.runs_on_device_mesh(m)]
+        on_mesh = [m for m in meshes if auto_mesh.runs_on_device_mesh(m) or args.expert_parallel is not None]
     else:
         meshes = [(given.pp_size, given.dp_size, given.tp_size)]
         on_mesh = meshes if given.on_mesh else []
         traffic = _tp_traffic(args, traced, [given.tp_size])
-    ep = 1 if given is None else given.ep_size
+        eps = [given.ep_size]
     fsdp = (False, True) if args.data_parallel == AUTO else \
         (given.fsdp_enabled,) if given is not None else (args.data_parallel == "fsdp",)
     return choose.Request(
@@ -668,7 +670,7 @@ def _request(args: PipelineArguments, given: Optional[ParallelDims],
         balance=None if args.balance in (None, AUTO) else list(args.balance),
         recompute=_recompute_request(args.recompute), memory=args.memory, meshes=meshes,
         fsdp=fsdp, global_batch=given is None, on_mesh=on_mesh,
-        tp_traffic=traffic or (), ep=ep, ep_traffic=_ep_traffic(args, traced, ep))
+        tp_traffic=traffic or (), eps=tuple(eps), ep_traffic=_ep_traffic(args, traced, max(eps)))
 
 
 def _ep_traffic(args: PipelineArguments, traced: Optional[GraphGroups],
@@ -702,7 +704,8 @@ def _placed(args: PipelineArguments, chosen: Configuration,
     left ``"auto"`` with ``dp = 1`` as ``"replicate"`` (nothing to hold)."""
     values: Dict[str, Any] = {}
     if args.mesh == AUTO:
-        values["mesh"] = auto_mesh.build_mesh(chosen.mesh, device.type)
+        values["mesh"] = auto_mesh.build_mesh(chosen.mesh, device.type,
+                                              chosen.ep if args.expert_parallel is not None else 0)
         if chosen.mesh[2] == 1:
             values["tensor_parallel"] = None
     if args.data_parallel == AUTO:

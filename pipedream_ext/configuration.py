@@ -357,7 +357,7 @@ def _row(config: Configuration) -> List[str]:
     p = config.prediction
     recompute = "".join("1" if r else "0" for r in config.recompute) or "-"
     return [config.schedule, str(config.chunks), str(config.microbatches),
-            "x".join(str(x) for x in config.mesh) +
+            "x".join(str(x) for x in config.mesh) + (f" ep{config.ep}" if config.ep > 1 else "") +
             (f" {config.data_parallel}" if config.data_parallel else ""), ",".join(str(x) for x in config.balance),
             recompute,
             "-" if p is None else f"{p.step_seconds * 1e3:.3f}",

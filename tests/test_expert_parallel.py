@@ -219,6 +219,24 @@ def check_planned_sequential() -> None:
     pipe.close()
 
 
+def check_mesh_auto() -> None:
+    """``mesh="auto"`` with a dict plan: the planner factors the 4 ranks into (pp, dp, tp)
+    and an ep dividing dp and the 8 experts (each ep a search of its own), builds the
+    chosen ``("pp", "ep")`` / ``("pp", "dp", "ep")`` mesh, and the pipeline trains as the
+    unsplit model on the whole run's batch."""
+    import pipedream_ext as pd
+
+    ref = sequential()
+    pipe = pd.PipeDream(sequential(), lm_loss, schedule="auto", microbatches=2, balance="auto",
+                        data_parallel="auto", sample=batch(0, 2 * ROWS), mesh="auto", timeout=60,
+                        expert_parallel={"*.moe.experts": ExpertParallel()})
+    chosen = pipe.configuration
+    assert chosen.mesh[1] % chosen.ep == 0 and pipe.data_parallel_size == chosen.mesh[1], chosen
+    opt, ref_opt = optimizers("adamw", pipe, ref)
+    train_alongside("mesh='auto'", pipe, opt, ref, ref_opt, whole_batch(ref))
+    pipe.close()
+
+
 def check_aux_loss(schedule: str, layers: int = 2, **options: Any) -> None:
     """A router's load-balancing loss added in its layer's backward (``pd.add_aux_loss``)
     trains as gradient accumulation of the unsplit model over the same microbatches with
@@ -335,7 +353,9 @@ def check_refusals() -> None:
 
     refused = [  # (row, what the message names, the options)
         ("ep-unsupported", "schedule='pipedream'", dict(schedule="pipedream")),
-        ("ep-unsupported", "mesh='auto'", dict(mesh="auto")),
+        ("ep-unsupported", "mesh='auto' and a callable plan",
+         dict(mesh="auto", sample=batch(0, 8), balance="auto", split_points=None, model="sequential",
+              expert_parallel=lambda stage, mesh: None)),
         ("ep-mesh", "'ep' dimension of size 2", dict(expert_parallel=None)),
         ("ep-mesh", "needs a mesh with an 'ep' dimension", dict(mesh=None)),
         ("ep-mesh", "not ('pp', 'dp')", dict(mesh=mesh_of((2, 2), ("pp", "dp")))),
@@ -356,6 +376,8 @@ def check_refusals() -> None:
         if kind == "meta":  # its router's bincount has no meta kernel
             with torch.device("meta"):
                 model = MoETransformer()
+        elif kind == "sequential":
+            model = sequential()
         elif kind == "qwen3_moe_meta":  # grouped_mm's meta kernel takes bf16 only
             with torch.device("meta"):
                 model = transformers_moe("qwen3_moe")
@@ -607,6 +629,7 @@ def cases(world: int) -> Cases:
     c.add(check_token_mean)
     c.add(check_sequential, "zb-h1")
     c.add(check_planned_sequential)
+    c.add(check_mesh_auto)
     c.add(check_bias_balancing)
     c.add(check_aux_loss, "1f1b")
     c.add(check_aux_loss, "zb-h1", recompute=True, name="aux-loss-zb-h1-recompute")
@@ -697,6 +720,25 @@ def test_the_cost_model_sees_the_experts_and_their_all_to_all() -> None:
     split = configuration.predict(layers, configuration.MachineCosts(), config, 4)
     whole = configuration.predict(layers, configuration.MachineCosts(), dense, 4)
     assert split.peak_bytes[0] < whole.peak_bytes[0] and split.pipeline_seconds > whole.pipeline_seconds
+
+
+def test_mesh_auto_tries_every_ep_that_divides_the_copies_and_the_experts() -> None:
+    """One process: ``auto_mesh.ep_sizes`` (divisors of the world dividing every matched
+    module's expert count; none for a callable plan) and ``Request.searches`` (a search per
+    ep dividing a mesh's dp)."""
+    from pipedream_ext._parallel import auto_mesh
+    from pipedream_ext._planning.choose import Request
+
+    plan = {"*.moe.experts": ExpertParallel()}
+    assert auto_mesh.ep_sizes(4, plan, sequential()) == [1, 2, 4]
+    assert auto_mesh.ep_sizes(6, plan, sequential()) == [1, 2]  # 8 experts: not 3 or 6
+    assert auto_mesh.ep_sizes(4, None, sequential()) == [1]
+    assert auto_mesh.ep_sizes(4, lambda stage, mesh: None, sequential()) == []
+    request = Request(schedules=["1f1b"], microbatches=[2], chunks=(2,), balance=None,
+                      recompute="never", memory=None, meshes=[(4, 1, 1), (2, 2, 1)],
+                      global_batch=True, eps=(1, 2, 4))
+    searched = sorted((a["meshes"][0], a["ep"]) for _, _, a in request.searches(8))
+    assert searched == [((2, 2, 1), 1), ((2, 2, 1), 2), ((4, 1, 1), 1)], searched
 
 
 def mesh_3d_cases(world: int) -> Cases:

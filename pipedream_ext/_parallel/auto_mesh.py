@@ -18,7 +18,7 @@ from torch import nn
 
 from .tensor_parallel import check_sequence_length, uneven_split
 
-__all__ = ["Mesh", "build_mesh", "mesh_candidates", "runs_on_device_mesh", "tp_sizes"]
+__all__ = ["Mesh", "build_mesh", "ep_sizes", "mesh_candidates", "runs_on_device_mesh", "tp_sizes"]
 
 Mesh = Tuple[int, int, int]
 
@@ -52,6 +52,24 @@ def tp_sizes(world: int, plan: Any, module: nn.Module, inputs: Any) -> List[int]
     return sizes
 
 
+def ep_sizes(world: int, plan: Any, module: nn.Module) -> List[int]:
+    """The expert-parallel sizes ``mesh="auto"`` may choose with an ``expert_parallel=``
+    dict plan: every divisor of ``world`` that divides each matched module's expert count
+    (its parameters' dim 0: experts stacked); ``[1]`` without a plan, ``[]`` for a
+    callable one (which cannot be inspected: give a mesh).
+    """
+    if plan is None:
+        return [1]
+    if not isinstance(plan, dict):
+        return []
+    from .tensor_parallel import pattern_matches  # noqa: PLC0415 - with a plan
+
+    counts = {next(iter(sub.parameters())).shape[0] for name, sub in module.named_modules()
+              if name and any(pattern_matches(p, name) for p in plan) and
+              any(True for _ in sub.parameters())}
+    return [ep for ep in _divisors(world) if all(count % ep == 0 for count in counts)]
+
+
 def mesh_candidates(world: int, rows: int, layers: int, tps: Sequence[int]) -> List[Mesh]:
     """Every ``(pp, dp, tp)`` with ``pp * dp * tp = world``, ``tp`` in ``tps``, ``dp``
     dividing the global batch's ``rows`` and ``pp`` at most ``layers``; ordered by tp,
@@ -72,15 +90,21 @@ def runs_on_device_mesh(mesh: Sequence[int]) -> bool:
     return mesh[1] * mesh[2] > 1
 
 
-def build_mesh(mesh: Sequence[int], device_type: str) -> Optional[Any]:
+def build_mesh(mesh: Sequence[int], device_type: str, ep: int = 0) -> Optional[Any]:
     """The DeviceMesh of a chosen ``(pp, dp, tp)``, over every rank in ascending order
-    (collective: every rank calls it with the same shape), or ``None`` for ``(pp, 1, 1)``.
+    (collective: every rank calls it with the same shape), or ``None`` for ``(pp, 1, 1)``;
+    with ``ep`` (``expert_parallel=``; 0: none) ``("pp", "ep")`` or ``("pp", "dp", "ep")``,
+    ``ep`` of the ``dp`` copies sharing their experts.
     """
-    if not runs_on_device_mesh(mesh):
-        return None
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415 - as dims
 
     pp, dp, tp = (int(x) for x in mesh)
+    if ep:
+        if dp == ep:
+            return init_device_mesh(device_type, (pp, ep), mesh_dim_names=("pp", "ep"))
+        return init_device_mesh(device_type, (pp, dp // ep, ep), mesh_dim_names=("pp", "dp", "ep"))
+    if not runs_on_device_mesh(mesh):
+        return None
     if tp == 1:
         return init_device_mesh(device_type, (pp, dp), mesh_dim_names=("pp", "dp"))
     return init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))

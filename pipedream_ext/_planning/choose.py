@@ -69,8 +69,9 @@ class Request:
         tp_traffic: per layer of the chain, the collectives a ``tensor_parallel`` plan
             adds at ``tp > 1`` (``(calls per microbatch, bytes per sample)``,
             ``_parallel.tp_costs``), or empty (none).
-        ep: of each mesh's dp copies, how many share each stage's experts
-            (``expert_parallel=``; 1: none).
+        eps: the expert-parallel sizes tried (``expert_parallel=``; ``(1,)``: none): of
+            each mesh's dp copies, how many share each stage's experts (each ``ep``
+            dividing dp is a search of its own).
         ep_traffic: per layer of the chain, what an ``expert_parallel`` plan adds
             (``(expert bytes, all_to_all calls per microbatch, bytes per sample)``,
             ``_parallel.ep_costs``), or empty (none).
@@ -87,7 +88,7 @@ class Request:
     global_batch: bool = False
     on_mesh: Sequence[Mesh] = ()
     tp_traffic: Sequence[Tuple[float, float]] = ()
-    ep: int = 1
+    eps: Tuple[int, ...] = (1,)
     ep_traffic: Sequence[Tuple[float, float, float]] = ()
 
     def batch_of(self, rows: int, dp: int) -> int:
@@ -115,12 +116,13 @@ class Request:
             if batch < 1 or not counts:
                 continue
             for fsdp in (self.fsdp if dp > 1 else (False,)):
-                pp, _, tp = meshes[0]
-                out.append((batch, fsdp, dict(
-                    world_size=pp * dp * tp, batch_size=batch, schedules=list(self.schedules),
-                    microbatches=counts, meshes=meshes, balance=self.balance,
-                    recompute=self.recompute, memory=self.memory,
-                    interleaved_chunks=self.chunks, fsdp=fsdp, ep=self.ep)))
+                for ep in (e for e in self.eps if dp % e == 0):
+                    pp, _, tp = meshes[0]
+                    out.append((batch, fsdp, dict(
+                        world_size=pp * dp * tp, batch_size=batch, schedules=list(self.schedules),
+                        microbatches=counts, meshes=meshes, balance=self.balance,
+                        recompute=self.recompute, memory=self.memory,
+                        interleaved_chunks=self.chunks, fsdp=fsdp, ep=ep)))
         if not out:
             raise unsearchable(self, rows)
         return out
