@@ -397,11 +397,18 @@ def check_refusals() -> None:
 
 
 def transformers_moe(kind: str, idle: bool = False, experts: int = 4, impl: Optional[str] = None) -> nn.Module:
-    """A tiny transformers MoE (``"qwen3_moe"`` or ``"mixtral"``: 2 layers of 4 experts,
-    top-2), seeded; ``idle``: the routers' weights zero, so that in the first step every
+    """A tiny transformers MoE (``"qwen3_moe"``, ``"mixtral"`` or ``"gpt_oss"``: 2 layers of
+    4 experts, top-2), seeded; ``idle``: the routers' weights zero, so that in the first step every
     token picks experts 0 and 1 (topk's first of equal scores) and the ep rank holding
     experts 2 and 3 receives no row at all."""
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (
+        GptOssConfig,
+        GptOssForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     torch.manual_seed(0)
     shape: Dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -410,6 +417,10 @@ def transformers_moe(kind: str, idle: bool = False, experts: int = 4, impl: Opti
         shape["experts_implementation"] = impl
     if kind == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(num_local_experts=experts, num_experts_per_tok=2, **shape))
+    elif kind == "gpt_oss":  # experts(hidden_states, router_indices, routing_weights), with biases
+        model = GptOssForCausalLM(GptOssConfig(num_local_experts=experts, num_experts_per_tok=2, head_dim=8,
+                                               sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                                               **dict(shape, intermediate_size=32)))
     else:
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(num_experts=experts, num_experts_per_tok=2,
                                                    moe_intermediate_size=32, **shape))
@@ -636,6 +647,7 @@ def cases(world: int) -> Cases:
     c.add(check_aux_loss, "zbv", layers=4, name="aux-loss-zbv-4-stages")
     c.add(check_transformers, "qwen3_moe", "1f1b", ["model.layers.1"], idle=True, root=FromEnv("PDEP_DIR"),
           name="transformers-qwen3-moe-1f1b-idle-rank-save-pretrained")
+    c.add(check_transformers, "gpt_oss", "gpipe", ["model.layers.1"], name="transformers-gpt-oss-gpipe")
     c.add(check_transformers, "mixtral", "zbv", ["model.layers.0.mlp", "model.layers.1", "model.layers.1.mlp"],
           chunks=2, recompute=True, data_parallel="replicate", name="transformers-mixtral-zbv-4-stages")
     c.add(check_from_meta)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import inspect
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -41,7 +42,8 @@ class RoutedExpertParallel(ParallelStyle):
 
     The module must have ``num_experts`` (divisible by the ep size) and parameters whose
     dim 0 is that count; its forward takes ``(hidden_states [T, H], top_k_index [T, k],
-    top_k_weights [T, k])`` and returns ``[T, H]`` (``Σ_k w · expert(x)``), and accepts
+    top_k_weights [T, k])`` first, whatever their names (GPT-OSS: ``router_indices``,
+    ``routing_weights``), and returns ``[T, H]`` (``Σ_k w · expert(x)``), and accepts
     top-1 routing (``k = 1``). Experts receiving no token are exact (their shard's
     gradient is zero).
 
@@ -63,6 +65,10 @@ class RoutedExpertParallel(ParallelStyle):
         from torch.distributed.tensor import Shard, distribute_tensor  # noqa: PLC0415 - with a mesh
 
         experts, ep = _expert_count(module), device_mesh.size()
+        if len(inspect.signature(module.forward).parameters) < 3:
+            raise ValueError(f"RoutedExpertParallel: {type(module).__name__}.forward takes "
+                             f"{list(inspect.signature(module.forward).parameters)}, not (hidden_states, "
+                             "top_k_index, top_k_weights); match the experts module a router calls")
         if experts % ep:
             raise ValueError(f"RoutedExpertParallel: {type(module).__name__} has {experts} experts, "
                              f"which the ep size {ep} does not divide; give a mesh whose 'ep' "
@@ -99,9 +105,12 @@ class _Dispatching:
     def __init__(self, module: nn.Module, forward: Any, mesh: Any, replicated: bool) -> None:
         self.module, self.forward, self.mesh, self.replicated = module, forward, mesh, replicated
         self.local = module.num_experts
+        self.signature = inspect.signature(forward)
 
-    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                 top_k_weights: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # The experts' own argument names (top_k_index / router_indices, ...), in their order.
+        bound = self.signature.bind(*args, **kwargs)
+        hidden_states, top_k_index, top_k_weights = list(bound.arguments.values())[:3]
         tokens = hidden_states.shape[0]
         if self.replicated:  # this rank's rows: a local slice, whose backward gathers the gradients
             hidden_states, top_k_index, top_k_weights = (
