@@ -212,9 +212,13 @@ def check_case(case: Case) -> None:
             if opt is not None:
                 opt.step(); opt.zero_grad()
     ref_params = dict(ref.named_parameters(remove_duplicate=False))  # a tie: every name
+    # Adam divides by the root of the squared gradients: where those are tiny, a last-bit
+    # difference in the summation order (a tie's two stages, the dp reduction) moves a
+    # weight by up to ~1e-6 of lr 0.01 (seen on AVX-512 machines, main included).
+    weight_atol = max(atol, 1e-5) if case.optimizer == "adamw" else atol
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(full(p.detach()).float(), ref_params[name].detach(),
-                                   rtol=rtol, atol=atol, msg=lambda m: f"{case} weight {name}: {m}")
+                                   rtol=rtol, atol=weight_atol, msg=lambda m: f"{case} weight {name}: {m}")
     if case.data_parallel == "fsdp" and case.dp > 1 and case.traced:
         groups = fsdp_param_groups(pipe)
         assert pipe._runner.data_parallel.units > 0, f"{case}: no submodule sharded on its own"
