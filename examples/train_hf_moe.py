@@ -15,7 +15,9 @@ them. The text is the standard library's own source (as in examples/train_gpt.py
 
 The last stage prints the validation loss next to the unigram baseline (the entropy of
 the training bytes); the script exits non-zero unless the validation loss is below the
-baseline by ``--goal-margin`` (default 10%).
+baseline by ``--goal-margin`` (default 10%). With ``--save DIR``, ``pd.save_pretrained``
+writes the model (every expert gathered over ep, under its own name) and rank 0 loads it
+into a plain ``Qwen3MoeForCausalLM.from_pretrained(DIR)``, whose validation loss it prints.
 """
 from __future__ import annotations
 
@@ -86,6 +88,20 @@ def evaluate(pipe: pd.PipeDream, batches: Sequence[Tuple[torch.Tensor, torch.Ten
     return float(total[0] / total[1])
 
 
+def evaluate_unsplit(directory: str, batches: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """The validation loss of ``from_pretrained(directory)``: plain transformers, no pipeline."""
+    from transformers import Qwen3MoeForCausalLM
+
+    model = Qwen3MoeForCausalLM.from_pretrained(directory).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in batches:
+            logits = model(input_ids=x, **NO_CACHE).logits
+            total += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
+            count += y.numel()
+    return total / count
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ep", type=int, default=2, help="expert-parallel ranks per stage (default 2)")
@@ -105,6 +121,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goal-margin", type=float, default=0.10)
     p.add_argument("--no-goal", action="store_true", help="do not check the goal (quick runs)")
+    p.add_argument("--save", default=None, help="save_pretrained here; rank 0 then evaluates "
+                   "the directory in a plain Qwen3MoeForCausalLM")
     args = p.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % args.ep or world // args.ep < 2:
@@ -161,6 +179,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if show:
         print(f"VALIDATION LOSS {val_loss:.4f} PERPLEXITY {math.exp(val_loss):.2f} (unigram baseline "
               f"{baseline:.4f}) after {args.steps} steps, {time.time() - start:.1f} s", flush=True)
+    if args.save:
+        pd.save_pretrained(pipe, args.save)
+        if dist.get_rank() == 0:
+            print(f"FROM_PRETRAINED VALIDATION LOSS {evaluate_unsplit(args.save, val_set):.4f} "
+                  f"(a plain Qwen3MoeForCausalLM from {args.save})", flush=True)
     pipe.close()
     dist.destroy_process_group()
     goal = (1 - args.goal_margin) * baseline

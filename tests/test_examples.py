@@ -136,21 +136,24 @@ def test_hf_gpt2_example_tiny_run_trains_evaluates_generates_and_consolidates(tm
     assert consolidated == val, (consolidated, val)
 
 
-def test_hf_moe_example_tiny_run_trains_on_pipeline_and_expert_parallelism():
+def test_hf_moe_example_tiny_run_trains_on_pipeline_and_expert_parallelism(tmp_path):
     """examples/train_hf_moe.py (README's MoE example) in a few steps: a transformers
     Qwen3-MoE on pp 2 x ep 2 with expert_parallel="auto", each ep rank holding half of
-    every layer's experts; the loss and the validation loss are printed."""
+    every layer's experts; the loss and the validation loss are printed, and the model
+    save_pretrained wrote gives plain transformers the same validation loss."""
     pytest.importorskip("transformers")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            os.path.join(ROOT, "examples", "train_hf_moe.py"), "--steps", "4", "--width", "32",
-           "--data-bytes", "60000", "--val-bytes", "2048", "--no-goal"]
+           "--data-bytes", "60000", "--val-bytes", "2048", "--no-goal", "--save", str(tmp_path / "hf")]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert "pp 2 x ep 2, schedule 1f1b" in result.stderr, result.stderr[-3000:]
     assert "experts.gate_up_proj', (4, 64, 32))" in result.stderr, result.stderr[-3000:]  # 4 of 8
     assert re.search(r"step 4: train loss [0-9.]+", result.stderr), result.stderr[-3000:]
-    assert re.search(r"VALIDATION LOSS [0-9.]+ PERPLEXITY", result.stdout), result.stdout
+    val = re.search(r"VALIDATION LOSS ([0-9.]+) PERPLEXITY", result.stdout).group(1)
+    assert re.search(r"FROM_PRETRAINED VALIDATION LOSS ([0-9.]+)", result.stdout).group(1) == val, \
+        result.stdout
 
 
 @pytest.mark.slow  # 12-23 s on 2 shared cores; tests/test_fsdp.py keeps FSDP in `make test`
