@@ -54,9 +54,17 @@ def tp_sizes(world: int, plan: Any, module: nn.Module, inputs: Any) -> List[int]
 
 def ep_sizes(world: int, plan: Any, module: nn.Module) -> List[int]:
     """The expert-parallel sizes ``mesh="auto"`` may choose with an ``expert_parallel=``
-    dict plan: every divisor of ``world`` that divides each matched module's expert count
-    (its parameters' dim 0: experts stacked); ``[1]`` without a plan, ``[]`` for a
-    callable one (which cannot be inspected: give a mesh).
+    dict plan.
+
+    Args:
+        world: ranks in all.
+        plan: the ``expert_parallel`` value, or ``None``.
+        module: the whole model (its module names are the plan's).
+
+    Returns:
+        Every divisor of ``world`` that divides each matched module's expert count (its
+        parameters' dim 0: experts stacked); ``[1]`` without a plan, ``[]`` for a
+        callable one (which cannot be inspected: give a mesh).
     """
     if plan is None:
         return [1]
