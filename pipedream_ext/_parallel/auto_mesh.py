@@ -16,7 +16,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from .tensor_parallel import check_sequence_length, uneven_split
+from .tensor_parallel import check_sequence_length, kept_calls, uneven_split
 
 __all__ = ["Mesh", "build_mesh", "ep_sizes", "mesh_candidates", "runs_on_device_mesh", "tp_sizes"]
 
@@ -70,11 +70,8 @@ def ep_sizes(world: int, plan: Any, module: nn.Module) -> List[int]:
         return [1]
     if not isinstance(plan, dict):
         return []
-    from .tensor_parallel import pattern_matches  # noqa: PLC0415 - with a plan
-
-    counts = {next(iter(sub.parameters())).shape[0] for name, sub in module.named_modules()
-              if name and any(pattern_matches(p, name) for p in plan) and
-              any(True for _ in sub.parameters())}
+    firsts = (next(module.get_submodule(name).parameters(), None) for name in kept_calls(plan, module))
+    counts = {p.shape[0] for p in firsts if p is not None}
     return [ep for ep in _divisors(world) if all(count % ep == 0 for count in counts)]
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .tensor_parallel import pattern_matches
+from .tensor_parallel import kept_calls
 from .tp_costs import run_once
 
 __all__ = ["ALL_TO_ALL_CALLS", "plan_traffic"]
@@ -63,24 +63,20 @@ def plan_traffic(plan: Any, module: nn.Sequential, inputs: Any) -> Optional[Traf
     if not isinstance(plan, Mapping):
         return None
     children = [n for n, _ in module.named_children()]
-    traffic: Traffic = [(0.0, 0.0, 0.0)] * len(children)
     rows = max(1, int(tree_leaves(inputs)[0].shape[0]))
+    planned = {name: module.get_submodule(name) for name in kept_calls(plan, module)}
     seen: Dict[str, float] = {}
-    handles = []
-    for name, sub in module.named_modules():
-        if not (name and any(pattern_matches(p, name) for p in plan)):
-            continue
 
-        def record(_m: nn.Module, args: Any, _output: Any, name: str = name) -> None:
+    def recorder(name: str) -> Any:
+        def record(_m: nn.Module, args: Any, _output: Any) -> None:
             seen[name] = seen.get(name, 0.0) + routed_bytes(args) / rows
-        handles.append(sub.register_forward_hook(record))
+        return record
+    run_once(module, inputs, [sub.register_forward_hook(recorder(name)) for name, sub in planned.items()])
+    traffic: Traffic = [(0.0, 0.0, 0.0)] * len(children)
+    for name, sub in planned.items():
         index = children.index(name.split(".")[0])
-        experts = float(sum(p.numel() * p.element_size() for p in sub.parameters()))
-        before = traffic[index]
-        traffic[index] = (before[0] + experts, before[1], before[2])
-    run_once(module, inputs, handles)
-    for name, size in seen.items():
-        index = children.index(name.split(".")[0])
-        experts, calls, before = traffic[index]
-        traffic[index] = (experts, calls + ALL_TO_ALL_CALLS, before + size)
+        experts, calls, size = traffic[index]
+        called = name in seen
+        traffic[index] = (experts + float(sum(p.numel() * p.element_size() for p in sub.parameters())),
+                          calls + (ALL_TO_ALL_CALLS if called else 0.0), size + seen.get(name, 0.0))
     return traffic

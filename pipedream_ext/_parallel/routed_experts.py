@@ -22,13 +22,14 @@ gradient stays there). Index legend: ``r`` ep rank, ``e`` expert, ``t`` token.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import inspect
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
+
+from .tensor_parallel import kept_calls
 
 __all__ = ["RoutedExpertParallel", "transformers_plan"]
 
@@ -65,10 +66,11 @@ class RoutedExpertParallel(ParallelStyle):
         from torch.distributed.tensor import Shard, distribute_tensor  # noqa: PLC0415 - with a mesh
 
         experts, ep = _expert_count(module), device_mesh.size()
-        if len(inspect.signature(module.forward).parameters) < 3:
+        arguments = list(inspect.signature(module.forward).parameters)
+        if len(arguments) < 3:
             raise ValueError(f"RoutedExpertParallel: {type(module).__name__}.forward takes "
-                             f"{list(inspect.signature(module.forward).parameters)}, not (hidden_states, "
-                             "top_k_index, top_k_weights); match the experts module a router calls")
+                             f"{arguments}, not (hidden_states, top_k_index, top_k_weights); "
+                             "match the experts module a router calls")
         if experts % ep:
             raise ValueError(f"RoutedExpertParallel: {type(module).__name__} has {experts} experts, "
                              f"which the ep size {ep} does not divide; give a mesh whose 'ep' "
@@ -140,7 +142,7 @@ class _Dispatching:
         group, ep, k = self.mesh.get_group(), self.mesh.size(), top_k_index.shape[-1]
         expert_ids = top_k_index.reshape(-1)
         order = torch.argsort(expert_ids, stable=True)  # pairs grouped by expert, so by rank
-        counts = torch.bincount(expert_ids, minlength=self.local * ep).to(torch.long).view(ep, self.local)
+        counts = torch.bincount(expert_ids, minlength=self.local * ep).view(ep, self.local)
         received = torch.empty_like(counts)
         all_to_all_single(received, counts, group=group)
         sent_sizes, received_sizes = torch.stack([counts.sum(1), received.sum(1)]).tolist()
@@ -213,9 +215,8 @@ def transformers_plan(model: nn.Module) -> Dict[str, ParallelStyle]:
         raise ValueError(f"expert_parallel='auto': {type(model).__name__}.ep_plan names {other}, "
                          "which only the experts' dispatch and stacked parameters are supported "
                          "beside; give expert_parallel= as a dict of ParallelStyles instead")
-    names = [n for n, _ in model.named_modules()]
     out = {k: RoutedExpertParallel() for k, v in plan.items() if v == _DISPATCH}
-    if not out or not any(fnmatch.fnmatchcase(n, k) for k in out for n in names):
+    if not out or not kept_calls(out, model):
         raise ValueError(f"expert_parallel='auto': {type(model).__name__}.ep_plan {plan} names no "
                          "experts module of the model; give expert_parallel= as a dict")
     return out
