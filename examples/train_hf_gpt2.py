@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_gpt import (
     PROMPTS,
     VOCAB,
+    goal_exit_status,
     learning_rate,
     split_by_file,
     stdlib_sources,
@@ -240,13 +241,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"(unmodified GPT2LMHeadModel from {args.checkpoint})", flush=True)
     dist.barrier()
     dist.destroy_process_group()
-    goal = (1 - args.goal_margin) * baseline
-    if not args.no_goal and not val_loss < goal:
-        if show:
-            log.error("validation loss %.4f is not below %.4f (unigram baseline %.4f - %d%%)",
-                      val_loss, goal, baseline, round(100 * args.goal_margin))
-        return 1
-    return 0
+    return goal_exit_status(val_loss, baseline, args, show, log)
 
 
 if __name__ == "__main__":
