@@ -26,23 +26,13 @@ from typing import Any, List
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from moe_model import VOCAB, ExpertParallel, build
+from moe_model import VOCAB, ExpertParallel, lm_loss, sequential
 
 import pipedream_ext as pd
-
-
-def sequential(layers: int) -> nn.Sequential:
-    moe = build(layers)
-    return nn.Sequential(moe.tok_embeddings, *moe.layers.values(), moe.norm, moe.output)
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
 def callable_plan(stage: nn.Module, ep_mesh: Any) -> None:

@@ -23,7 +23,7 @@ from torch import nn
 import pipedream_ext as pd
 
 __all__ = ["DIM", "EXPERTS", "ExpertParallel", "GroupedExperts", "MoE", "MoEConfig", "MoETransformer", "VOCAB",
-           "build", "clear_counts", "counts_seen", "update_expert_bias"]
+           "build", "clear_counts", "counts_seen", "lm_loss", "sequential", "update_expert_bias"]
 
 DIM, HIDDEN, EXPERTS, TOP_K, VOCAB, LAYERS = 8, 16, 8, 2, 32, 2
 
@@ -167,6 +167,17 @@ def build(layers: int = LAYERS, seed: int = 0, aux: bool = False, bias: bool = F
             if isinstance(m, nn.RMSNorm):
                 m.weight.uniform_(0.5, 1.5)
     return model
+
+
+def sequential(layers: int = LAYERS, seed: int = 0) -> nn.Sequential:
+    """The MoE transformer as an nn.Sequential (embedding, blocks, norm, head)."""
+    moe = build(layers, seed=seed)
+    return nn.Sequential(moe.tok_embeddings, *moe.layers.values(), moe.norm, moe.output)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy over every position."""
+    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
 def update_expert_bias(model: Any, group: Any = None, coef: float = 0.05) -> None:

@@ -40,6 +40,8 @@ from moe_model import (
     build,
     clear_counts,
     counts_seen,
+    lm_loss,
+    sequential,
     update_expert_bias,
 )
 from test_tensor_parallel import close, full, mesh_of
@@ -47,10 +49,6 @@ from test_tensor_parallel import close, full, mesh_of
 HERE = os.path.abspath(__file__)
 SEQ, ROWS, STEPS = 4, 4, 3
 SPLIT = ["layers.1"]
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
 def batch(seed: int, rows: int = ROWS):
@@ -175,12 +173,6 @@ def check_training(schedule: str, optimizer: str = "adamw", layers: int = 2,
     dist.all_reduce(empty)
     assert int(empty) > 0, "no expert was left without tokens: the test does not cover it"
     pipe.close()
-
-
-def sequential(seed: int = 0) -> nn.Sequential:
-    """The MoE transformer as an nn.Sequential (embedding, blocks, norm, head)."""
-    moe = build(seed=seed)
-    return nn.Sequential(moe.tok_embeddings, *moe.layers.values(), moe.norm, moe.output)
 
 
 def check_sequential(schedule: str) -> None:
