@@ -52,6 +52,7 @@ __all__ = [
     "add_aux_loss",
     "aux_loss_scale",
     "RoutedExpertParallel",
+    "yield_turn",
 ]
 __version__ = "0.1.0"
 
@@ -62,6 +63,7 @@ _LAZY_NAMES = {
     **dict.fromkeys(("save_checkpoint", "load_checkpoint", "consolidate", "save_pretrained", "detect",
                      "CheckpointError", "CheckpointInfo", "PendingCheckpoint"), "._checkpoint"),
     "RoutedExpertParallel": "._parallel.routed_experts",
+    "yield_turn": "._dist.turns",
 }
 
 

@@ -71,7 +71,7 @@ from ._planning.graph_profile import (
     trace_groups,
 )
 from ._planning.startup import auto_plan, check_plan_world, partition_from_plan
-from ._runtime import optimizer_check
+from ._runtime import optimizer_check, overlap
 from ._runtime.config import PipelineConfig
 from ._runtime.grad_clip import check_updates_aligned
 from ._runtime.observe import Observer
@@ -186,6 +186,8 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     device = _join_default_group(args.device, config.timeout)
     args, dims, chosen, chosen_plan = _choose_configuration(args, prepared, config, device)
     config = args.checked_config()
+    if config.overlap is True and overlap.hook_of(True, args.module) is not None:  # the model's own
+        config = dataclasses.replace(config, overlap=overlap.hook_of(True, args.module))
     check_schedule(dims, config.schedule, config.asynchronous, planned=False)
     cut = cut_model(args, prepared, config, dims)
     cut.plan = chosen_plan or cut.plan

@@ -429,13 +429,15 @@ def transformers_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
 
 
 def check_transformers(kind: str, schedule: str, split: List[str], idle: bool = False,
-                       root: Optional[str] = None, **options: Any) -> None:
+                       root: Optional[str] = None, yields: bool = False, **options: Any) -> None:
     """A transformers MoE (its own experts, taken by the torch.export path) with
     ``expert_parallel="auto"`` (``RoutedExpertParallel`` on the experts its ``ep_plan``
     names) trains as the unsplit model; its experts are shards; with ``idle`` an ep rank
     received no row in the first step (checked) and the result is still exact; with
     ``root``, ``save_pretrained`` writes every expert, gathered over ep, which the model's
-    own ``from_pretrained`` loads: the pipeline's weights, bit for bit."""
+    own ``from_pretrained`` loads: the pipeline's weights, bit for bit; with ``yields``
+    (``overlap=True``) the halves of dualpipev's F&B pairs passed the turn at the
+    exchanges."""
     from pipedream_ext._parallel import routed_experts
 
     received: List[int] = []
@@ -461,6 +463,8 @@ def check_transformers(kind: str, schedule: str, split: List[str], idle: bool = 
             return loss.detach()
         received.clear()  # construction ran the sample
         train_alongside(f"{kind} {schedule}", pipe, opt, ref, ref_opt, ref_step, clip=0.5)
+        if yields:
+            assert pipe.stats()["overlap_yields"] > 0, "no half of an F&B pair yielded"
     finally:
         routed_experts._Dispatching._dispatch = dispatch
     if idle:
@@ -477,6 +481,19 @@ def check_transformers(kind: str, schedule: str, split: List[str], idle: bool = 
             loaded = type(ref).from_pretrained(directory)
             same({k: v.detach() for k, v in loaded.named_parameters()}, whole, "from_pretrained of save_pretrained")
     pipe.close()
+
+
+def dualpipe_example(module0: Any, inputs0: List[torch.Tensor], module1: Any,
+                     outputs1: List[torch.Tensor], output_grads1: List[Optional[torch.Tensor]]):
+    """DualPipe's example ``overlapped_forward_backward``: the forward, then the backward."""
+    outputs0 = module0(*inputs0)
+    torch.autograd.backward(outputs1, output_grads1)
+    return outputs0
+
+
+def forgets_the_backward(module0: Any, inputs0: List[torch.Tensor], module1: Any,
+                         outputs1: List[torch.Tensor], output_grads1: List[Optional[torch.Tensor]]):
+    return module0(*inputs0)
 
 
 def check_experts_over_tp(schedule: str) -> None:
@@ -629,6 +646,10 @@ def cases(world: int) -> Cases:
     c.add(check_training, "interleaved-1f1b", "sgd", layers=4, name="training-interleaved-1f1b-4-stages")
     c.add(check_training, "dualpipev", "adamw", layers=4, microbatches=4, name="training-dualpipev-4-stages")
     c.add(check_training, "interleaved-zb", "sgd", layers=4, name="training-interleaved-zb-4-stages")
+    c.add(check_training, "dualpipev", "sgd", layers=4, microbatches=4, overlap=True,
+          name="training-dualpipev-overlap")
+    c.add(check_training, "dualpipev", "adamw", layers=4, microbatches=4, overlap=dualpipe_example,
+          recompute=True, name="training-dualpipev-overlap-hook-recompute")
     c.add(check_token_mean)
     c.add(check_sequential, "zb-h1")
     c.add(check_planned_sequential)
@@ -642,6 +663,12 @@ def cases(world: int) -> Cases:
     c.add(check_transformers, "gpt_oss", "gpipe", ["model.layers.1"], name="transformers-gpt-oss-gpipe")
     c.add(check_transformers, "mixtral", "zbv", ["model.layers.0.mlp", "model.layers.1", "model.layers.1.mlp"],
           chunks=2, recompute=True, data_parallel="replicate", name="transformers-mixtral-zbv-4-stages")
+    c.add(check_transformers, "qwen3_moe", "dualpipev", ["model.layers.0.mlp", "model.layers.1", "model.layers.1.mlp"],
+          chunks=2, microbatches=4, overlap=True, yields=True, data_parallel="replicate",
+          name="transformers-qwen3-moe-dualpipev-overlap")
+    c.add(check_transformers, "mixtral", "dualpipev", ["model.layers.0.mlp", "model.layers.1", "model.layers.1.mlp"],
+          chunks=2, microbatches=4, overlap=True, yields=True, recompute=True,
+          name="transformers-mixtral-dualpipev-overlap-fsdp-recompute")
     c.add(check_from_meta)
     c.add(check_experts_over_tp, "zb-h1")
     c.add(check_refusals)
@@ -663,6 +690,47 @@ class AuxMLP(nn.Module):
             raise ValueError("too wide")
         h = self.a(x)
         return self.b(pd.add_aux_loss(h, h.pow(2).mean()))
+
+
+def test_an_overlap_hook_must_run_both_halves_once() -> None:
+    """One process: ``PairCallback`` runs a model's ``overlapped_forward_backward`` and
+    refuses one that skips the backward (zero gradients would go upstream), runs the
+    forward twice, or returns something else, naming the hook, the pair and the fix."""
+    from pipedream_ext._runtime.overlap import PairCallback
+
+    layer = nn.Linear(3, 3)
+    forward = lambda stage, microbatch, inputs, weights: [layer(inputs[0])]  # noqa: E731
+
+    def pair(hook: Any) -> Callable[[], List[torch.Tensor]]:
+        x = torch.randn(2, 3, requires_grad=True)
+        out = layer(x)
+        callback = PairCallback(hook, forward, {0: layer, 1: layer})
+        return lambda: callback(1, 5, [torch.randn(2, 3)], 0, 4, [out], [torch.ones_like(out)])
+
+    assert pair(dualpipe_example)()[0].shape == (2, 3)
+    with pytest.raises(RuntimeError, match=r"forgets_the_backward \(forward: stage 1 microbatch 5, backward: "
+                                           r"stage 0 microbatch 4\) returned without the backward reaching "
+                                           r"outputs1; call torch.autograd.backward"):
+        pair(forgets_the_backward)()
+    twice = lambda m0, i0, m1, o1, g1: (m0(*i0), dualpipe_example(m0, i0, m1, o1, g1))[1]  # noqa: E731
+    with pytest.raises(RuntimeError, match="ran module0 2 times; run it exactly once"):
+        pair(twice)()
+    with pytest.raises(RuntimeError, match="returned Tensor; return module0's outputs"):
+        pair(lambda *a: dualpipe_example(*a)[0])()
+    with pytest.raises(RuntimeError, match="runs the pair's backward"):
+        pair(lambda m0, i0, m1, o1, g1: m1(*i0))()
+
+
+def test_overlap_needs_dualpipev() -> None:
+    """One process: ``overlap`` on another schedule, or of another type, is refused."""
+    from pipedream_ext._runtime.config import PipelineConfig
+
+    with pytest.raises(ValueError, match="overlap runs the F&B pairs of schedule='dualpipev' together; "
+                                         "schedule '1f1b' has none"):
+        PipelineConfig.checked("1f1b", 4, overlap=True)
+    with pytest.raises(ValueError, match="overlap='yes' must be True, False or a function"):
+        PipelineConfig.checked("dualpipev", 4, chunks=2, overlap="yes")
+    assert PipelineConfig.checked("dualpipev", 4, chunks=2, overlap=True).overlap is True
 
 
 def test_add_aux_loss_is_one_node_under_fx_and_refused_by_export() -> None:

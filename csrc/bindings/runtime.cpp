@@ -9,6 +9,7 @@
 
 #include "bindings/bindings.h"
 #include "core/runtime_stats.h"
+#include "runtime/overlap.h"
 #include "runtime/comm_engine.h"
 #include "runtime/executor.h"
 #include "runtime/nccl_rules_backend.h"
@@ -91,6 +92,8 @@ void bindRuntimeStats(py::module_& m) {
       .def_property_readonly("peak_weight_versions", [](const S& s) { return s.peakWeightVersions; },
                              "Per local stage (asynchronous schedules); empty otherwise.")
       .def_property_readonly("weight_bytes_copied", [](const S& s) { return s.weightBytesCopied; })
+      .def_property_readonly("overlap_yields", [](const S& s) { return s.overlapYields; },
+                             "Turns the halves of overlapped F&B pairs passed each other.")
       .def_property_readonly("bubble_fraction", &RuntimeStats::bubbleFraction,
                              "1 - compute_s / busy_s; 0 when busy_s is 0.")
       .def("merge", &RuntimeStats::merge, py::arg("other"),
@@ -155,7 +158,8 @@ ExecutorPtr makeExecutor(const Schedule& lowered, int rank, const ProcessGroupPt
                          const ProcessGroupPtr& side, double timeoutSeconds, py::function forward,
                          std::map<int, std::vector<at::Tensor>> parameters, const std::string& device,
                          py::object update, std::map<int, ProcessGroupPtr> replicaGroups,
-                         bool recompute, const std::string& protocol) {
+                         bool recompute, const std::string& protocol, bool overlap,
+                         py::object pair) {
   auto engine = std::make_shared<CommEngine>(group, side, toMilliseconds(timeoutSeconds),
                                              at::Device(device), parseProtocol(protocol));
   auto fn = [forward](int stage, int microbatch, const std::vector<at::Tensor>& inputs,
@@ -170,9 +174,20 @@ ExecutorPtr makeExecutor(const Schedule& lowered, int rank, const ProcessGroupPt
       update(stage, version);
     };
   }
+  PipelineExecutor::PairFn pairFn;
+  if (!pair.is_none()) {
+    pairFn = [pair](int fStage, int fMicrobatch, const std::vector<at::Tensor>& inputs, int bStage,
+                    int bMicrobatch, const std::vector<at::Tensor>& roots,
+                    const std::vector<at::Tensor>& grads) {
+      py::gil_scoped_acquire gil;
+      return pair(fStage, fMicrobatch, inputs, bStage, bMicrobatch, roots, grads)
+          .cast<std::vector<at::Tensor>>();
+    };
+  }
   return ExecutorPtr(new PipelineExecutor(lowered, rank, std::move(engine), std::move(fn),
                                           std::move(parameters), std::move(updateFn),
-                                          std::move(replicaGroups), recompute));
+                                          std::move(replicaGroups), recompute, overlap,
+                                          std::move(pairFn)));
 }
 
 // take_action_log(): the spans as (name, category, start_us, duration_us).
@@ -190,12 +205,16 @@ void bindPipelineExecutor(py::module_& m) {
            py::arg("side_group"), py::arg("timeout_seconds"), py::arg("forward"),
            py::arg("stage_parameters"), py::arg("device") = "cpu", py::arg("update") = py::none(),
            py::arg("replica_groups") = std::map<int, ProcessGroupPtr>{},
-           py::arg("recompute") = false, py::arg("protocol") = "fused",
+           py::arg("recompute") = false, py::arg("protocol") = "fused", py::arg("overlap") = false,
+           py::arg("pair") = py::none(),
            "Executes `lowered_schedule` (in transfer order: order_transfers) for `rank`; stashing, "
            "streaming and replica reduction follow the schedule's traits (schedule_traits(name)). "
            "`side_group`: a Gloo group over the same ranks (csrc/runtime/comm_engine.h); "
            "`protocol`: 'fused' or 'split'. `update(stage, version)` steps the optimizer and is "
-           "required when the traits stash weights.")
+           "required when the traits stash weights. `overlap`: the list's F&B pairs "
+           "(pair_forward_backward) run their halves together: by `pair(f_stage, f_microbatch, "
+           "inputs, b_stage, b_microbatch, roots, grads) -> outputs` if given, else on two threads "
+           "taking turns at overlap_yield().")
       .def("run", &PipelineExecutor::run, py::arg("inputs"), py::call_guard<py::gil_scoped_release>(),
            "Runs one step; returns the scaled loss of each microbatch whose last stage ran here.")
       .def("run_forward", &PipelineExecutor::runForward, py::arg("inputs"),
@@ -227,6 +246,16 @@ void bindPipelineExecutor(py::module_& m) {
 }  // namespace
 
 void bindRuntime(py::module_& m) {
+  m.def("overlap_yield",
+        [](int direction) {
+          TORCH_CHECK(direction == 0 || direction == 1, "overlap_yield: direction ", direction,
+                      " must be 0 (forward) or 1 (backward)");
+          return overlapYield(static_cast<OverlapTurn::Role>(direction));
+        },
+        py::arg("direction"), py::call_guard<py::gil_scoped_release>(),
+        "Inside an overlapped F&B pair's forward (direction 0) or backward (1), right after "
+        "issuing an asynchronous collective: lets the pair's other half run until it yields or "
+        "ends (csrc/runtime/overlap.h). Returns whether it did; False at once elsewhere.");
   bindRuntimeStats(m);
   bindSplitBackward(m);
   bindNcclRulesBackend(m);

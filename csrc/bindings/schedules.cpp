@@ -8,6 +8,7 @@
 #include "core/channels.h"
 #include "core/generators.h"
 #include "core/lower.h"
+#include "core/pairs.h"
 #include "core/schedule.h"
 #include "core/traits.h"
 #include "core/validate.h"
@@ -221,6 +222,13 @@ void bindScheduleFunctions(py::module_& m) {
   m.def("order_transfers", &orderTransfers, py::arg("lowered"), py::arg("microbatches_per_step") = 0,
         "Moves RECVs to where they are issued so both ends of every pair of ranks issue the pair's "
         "transfers in one mirrored order (csrc/core/channels.h).");
+  m.def("pair_forward_backward", &pairForwardBackward, py::arg("ordered"),
+        "The ordered schedule with every F followed only by transfers and then a B of another "
+        "stage made adjacent (an F&B pair: its transfers after the B, the B's receive before the "
+        "F), checked by validate_channels (csrc/core/pairs.h).");
+  m.def("pair_starts",
+        [](const Schedule& s, int rank) { return pairStarts(s.actions(rank)); }, py::arg("ordered"),
+        py::arg("rank"), "Positions of the F of every F&B pair in `rank`'s list.");
   m.def("validate_channels", py::overload_cast<const Schedule&, bool>(&validateChannels),
         py::arg("ordered"), py::arg("forward_only") = false,
         "Raises ValueError unless every pair's sequences mirror each other and the schedule cannot "

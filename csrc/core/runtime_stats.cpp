@@ -28,6 +28,7 @@ RuntimeStats RuntimeStats::merge(const RuntimeStats& other) const {
     mine = std::max(mine, versions);
   }
   out.weightBytesCopied += other.weightBytesCopied;
+  out.overlapYields += other.overlapYields;
   return out;
 }
 

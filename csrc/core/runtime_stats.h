@@ -29,6 +29,7 @@ struct RuntimeStats {
   int64_t peakSendsInFlight = 0;  // most sends held at once (their buffers live)
   std::map<int, int64_t> peakWeightVersions;  // per local stage (weight stashing only)
   int64_t weightBytesCopied = 0;  // weight stores' snapshot copies
+  int64_t overlapYields = 0;      // turns an F&B pair's halves passed (csrc/runtime/overlap.h)
 
   // 1 - compute / busy: the share of the runtime's time with no work; 0 when
   // nothing ran.

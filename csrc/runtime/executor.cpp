@@ -1,11 +1,16 @@
 #include "runtime/executor.h"
 
 #include <c10/util/Exception.h>
+#include <ATen/ThreadLocalState.h>
+#include <c10/core/DeviceGuard.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
 #include <climits>
 #include <optional>
+#include <thread>
+
+#include "core/pairs.h"
 
 namespace pipedream {
 
@@ -35,7 +40,7 @@ PipelineExecutor::PipelineExecutor(Schedule schedule, int rank, std::shared_ptr<
                                    std::map<int, std::vector<at::Tensor>> stageParameters,
                                    UpdateFn update,
                                    std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>> replicaGroups,
-                                   bool recompute)
+                                   bool recompute, bool overlap, PairFn pair)
     : schedule_(std::move(schedule)),
       traits_(scheduleTraits(schedule_.name())),
       rank_(rank),
@@ -45,6 +50,8 @@ PipelineExecutor::PipelineExecutor(Schedule schedule, int rank, std::shared_ptr<
       stageParameters_(std::move(stageParameters)),
       replicaGroups_(std::move(replicaGroups)),
       recompute_(recompute),
+      overlap_(overlap),
+      pair_(std::move(pair)),
       ledger_(makeLedger(schedule_, rank_, traits_)) {
   // The schedule must be lowered (lower()); a single stage has nothing to send,
   // so that cannot be told from the actions.
@@ -65,6 +72,8 @@ PipelineExecutor::PipelineExecutor(Schedule schedule, int rank, std::shared_ptr<
     }
   }
   lastStage_ = schedule_.numStages() - 1;
+  TORCH_CHECK(!overlap_ || (!traits_.stashWeights && !traits_.streaming), "schedule '",
+              traits_.name, "' stashes weights or streams: its F&B pairs cannot be overlapped");
   if (traits_.stashWeights) {
     for (const auto& [stage, params] : stageParameters_) stores_.emplace(stage, WeightStore(params));
   }
@@ -77,7 +86,11 @@ std::string PipelineExecutor::describe(const char* what, int stage, int microbat
 
 void PipelineExecutor::account(const std::string& kind, const std::string& name, const char* category,
                                TimePoint start, bool isWait) {
-  const auto end = Clock::now();
+  accountSpan(kind, name, category, start, Clock::now(), isWait);
+}
+
+void PipelineExecutor::accountSpan(const std::string& kind, const std::string& name,
+                                   const char* category, TimePoint start, TimePoint end, bool isWait) {
   const double seconds = std::chrono::duration<double>(end - start).count();
   stats_.secondsByKind[kind] += seconds;
   if (isWait) {
@@ -91,7 +104,9 @@ void PipelineExecutor::account(const std::string& kind, const std::string& name,
     return;
   }
   using namespace std::chrono;
-  const auto wallEnd = duration_cast<microseconds>(system_clock::now().time_since_epoch()).count();
+  // The span's end on the wall clock: now, less how long ago it ended.
+  const auto wallEnd = duration_cast<microseconds>(system_clock::now().time_since_epoch()).count() -
+                       duration_cast<microseconds>(Clock::now() - end).count();
   const auto durationUs = duration_cast<microseconds>(end - start).count();
   actionLog_.push_back(ActionLogEntry{name, category, wallEnd - durationUs, durationUs});
 }
@@ -197,21 +212,31 @@ void PipelineExecutor::gradientRoots(const Action& a, const Stash& s, std::vecto
   }
 }
 
-void PipelineExecutor::inputGradients(const Action& a, Stash& s, const std::vector<at::Tensor>& roots,
-                                      const std::vector<at::Tensor>& grads, bool inputOnly) {
-  std::vector<at::Tensor> gradInputs(s.inputs.size());
+std::vector<at::Tensor> PipelineExecutor::inputGradients(const Action& a, Stash& s,
+                                                         const std::vector<at::Tensor>& roots,
+                                                         const std::vector<at::Tensor>& grads,
+                                                         bool inputOnly) {
   if (inputOnly) {
     static const std::vector<at::Tensor> kNoWeights;
     auto params = stageParameters_.find(a.stage);
-    gradInputs = SplitBackward::inputPass(
-        roots, grads, s.inputs, params != stageParameters_.end() ? params->second : kNoWeights,
-        s.split);
-  } else if (!roots.empty()) {
-    torch::autograd::backward(roots, grads);
-    for (size_t k = 0; k < s.inputs.size(); ++k) {
-      if (s.inputs[k].requires_grad()) gradInputs[k] = s.inputs[k].grad();
-    }
+    return SplitBackward::inputPass(roots, grads, s.inputs,
+                                    params != stageParameters_.end() ? params->second : kNoWeights,
+                                    s.split);
   }
+  if (!roots.empty()) torch::autograd::backward(roots, grads);
+  return leafGradients(s);
+}
+
+std::vector<at::Tensor> PipelineExecutor::leafGradients(const Stash& s) {
+  std::vector<at::Tensor> gradInputs(s.inputs.size());
+  for (size_t k = 0; k < s.inputs.size(); ++k) {
+    if (s.inputs[k].requires_grad()) gradInputs[k] = s.inputs[k].grad();
+  }
+  return gradInputs;
+}
+
+void PipelineExecutor::keepInputGradients(const Action& a, const Stash& s,
+                                          std::vector<at::Tensor> gradInputs) {
   if (a.stage == 0) return;  // nobody upstream
   // Float inputs without a gradient get zeros; others an empty marker.
   for (size_t k = 0; k < gradInputs.size(); ++k) {
@@ -228,27 +253,40 @@ void PipelineExecutor::inputGradients(const Action& a, Stash& s, const std::vect
   }
 }
 
-void PipelineExecutor::differentiate(const Action& a, bool inputOnly, bool weightOnly) {
+PipelineExecutor::Stash& PipelineExecutor::stashOf(const Action& a) {
   auto it = stash_.find({a.stage, a.microbatch});
   TORCH_CHECK(it != stash_.end(), "rank ", rank_, ": ", a.toString(),
               " has no stashed forward (schedule bug)");
-  Stash& s = it->second;
+  return it->second;
+}
+
+void PipelineExecutor::prepareBackward(const Action& a, Stash& s, std::vector<at::Tensor>& roots,
+                                       std::vector<at::Tensor>& grads) {
+  if (recompute_ && s.rngState.defined()) recomputeForward(a, s);
+  // Roots: outputs that require grad, with their gradients.
+  gradientRoots(a, s, roots, grads);
+}
+
+void PipelineExecutor::releaseStash(const Action& a) {
+  if (traits_.stashWeights) {
+    auto& store = stores_.at(a.stage);
+    store.moveGradsToLive(stash_.at({a.stage, a.microbatch}).version);
+    store.release(stash_.at({a.stage, a.microbatch}).version);
+  }
+  stash_.erase({a.stage, a.microbatch});
+}
+
+void PipelineExecutor::differentiate(const Action& a, bool inputOnly, bool weightOnly) {
+  Stash& s = stashOf(a);
   if (weightOnly) {
     s.split.weightPass();  // from the gradients I captured: no input path again
   } else {
-    if (recompute_ && s.rngState.defined()) recomputeForward(a, s);
-    // Roots: outputs that require grad, with their gradients.
     std::vector<at::Tensor> roots, grads;
-    gradientRoots(a, s, roots, grads);
-    inputGradients(a, s, roots, grads, inputOnly);
+    prepareBackward(a, s, roots, grads);
+    keepInputGradients(a, s, inputGradients(a, s, roots, grads, inputOnly));
     if (inputOnly) return;  // keep the stash (graph retained) for W
   }
-  if (traits_.stashWeights) {
-    auto& store = stores_.at(a.stage);
-    store.moveGradsToLive(s.version);
-    store.release(s.version);
-  }
-  stash_.erase(it);
+  releaseStash(a);
 }
 
 int PipelineExecutor::oldestFutureRead(int stage, size_t from) const {
@@ -463,6 +501,13 @@ void PipelineExecutor::execute(size_t begin, size_t end, const InputFn& inputOf,
         a.kind != ActionKind::kRecvForward) {
       continue;
     }
+    if (overlap_ && !forwardOnly && index + 1 < end && startsPair(list_, index)) {
+      pairAction(index, inputOf, results);  // accounts both halves itself
+      stats_.actions += 2;
+      afterAction(index);
+      afterAction(++index);
+      continue;
+    }
     auto start = Clock::now();
     switch (a.kind) {
       case ActionKind::kForward: forwardAction(a, inputOf, forwardOnly, results, start); break;
@@ -477,16 +522,86 @@ void PipelineExecutor::execute(size_t begin, size_t end, const InputFn& inputOf,
       case ActionKind::kRecvBackward: postReceive(a); break;  // consumers wait for them
     }
     accountAction(a, start);
-    if (ledger_.isReceiptPoint(static_cast<size_t>(idOf(index)))) {
-      // The schedule proves these arrived (csrc/core/receipt.h): each wait
-      // returns at once, and the buffers go now rather than at the step's end.
-      const auto releaseStart = Clock::now();
-      releaseSends(ledger_.releaseAtReceiptPoint(static_cast<size_t>(idOf(index))));
-      account("SEND_WAIT", "wait for sends", "wait", releaseStart, true);
-    }
-    stats_.peakSendsInFlight =
-        std::max(stats_.peakSendsInFlight, static_cast<int64_t>(ledger_.sendsInFlight()));
+    afterAction(index);
   }
+}
+
+void PipelineExecutor::afterAction(size_t index) {
+  if (ledger_.isReceiptPoint(static_cast<size_t>(idOf(index)))) {
+    // The schedule proves these arrived (csrc/core/receipt.h): each wait
+    // returns at once, and the buffers go now rather than at the step's end.
+    const auto releaseStart = Clock::now();
+    releaseSends(ledger_.releaseAtReceiptPoint(static_cast<size_t>(idOf(index))));
+    account("SEND_WAIT", "wait for sends", "wait", releaseStart, true);
+  }
+  stats_.peakSendsInFlight =
+      std::max(stats_.peakSendsInFlight, static_cast<int64_t>(ledger_.sendsInFlight()));
+}
+
+void PipelineExecutor::pairAction(size_t index, const InputFn& inputOf, Results& results) {
+  const Action& f = list_[index];
+  const Action& b = list_[index + 1];
+  // Both halves' inputs first, F's then B's, as DualPipe's runtime waits for them.
+  TimePoint start = Clock::now();
+  std::vector<at::Tensor> in = forwardInputs(f, inputOf, false, start);
+  RngState rngState;
+  if (recompute_) rngState = RngState::capture(engine_->device());
+  takeGradOutputs(b, start);
+  Stash& s = stashOf(b);
+  std::vector<at::Tensor> roots, grads, out, gradInputs;
+  start = Clock::now();
+  prepareBackward(b, s, roots, grads);  // a recompute runs here, whole, restoring the RNG state
+  if (pair_) {
+    out = pair_(f.stage, f.microbatch, in, b.stage, b.microbatch, roots, grads);
+    gradInputs = leafGradients(s);
+    accountSpan("F&B", f.toString() + "&" + b.toString(), "compute", start, Clock::now(), false);
+  } else {
+    accountSpan(kindToken(b.kind), b.toString(), "compute", start, Clock::now(), false);
+    runTurns(f, in, out, b, s, roots, grads, gradInputs);
+  }
+  keepForward(f, std::move(in), std::move(out), std::move(rngState), false, results);
+  keepInputGradients(b, s, std::move(gradInputs));
+  releaseStash(b);
+}
+
+void PipelineExecutor::runTurns(const Action& f, const std::vector<at::Tensor>& in,
+                                std::vector<at::Tensor>& out, const Action& b, const Stash& s,
+                                const std::vector<at::Tensor>& roots,
+                                const std::vector<at::Tensor>& grads,
+                                std::vector<at::Tensor>& gradInputs) {
+  OverlapTurn turn(engine_->timeout());
+  OverlapTurn::setActive(&turn);
+  const at::ThreadLocalState state;  // grad mode, autocast, dispatch modes of this thread
+  const at::Device device = engine_->device();
+  std::exception_ptr forwardError, backwardError;
+  std::thread forwardThread([&] {
+    try {
+      at::ThreadLocalStateGuard guard(state);
+      c10::OptionalDeviceGuard deviceGuard;
+      if (!device.is_cpu()) deviceGuard.reset_device(device);
+      out = callForward(f, in, {}, false);
+    } catch (...) {
+      forwardError = std::current_exception();
+    }
+    turn.finish(OverlapTurn::Role::kForward);
+  });
+  try {
+    turn.waitFor(OverlapTurn::Role::kBackward);
+    if (!roots.empty()) torch::autograd::backward(roots, grads);
+    gradInputs = leafGradients(s);
+  } catch (...) {
+    backwardError = std::current_exception();
+  }
+  turn.finish(OverlapTurn::Role::kBackward);
+  forwardThread.join();
+  OverlapTurn::setActive(nullptr);
+  for (const auto& segment : turn.segments()) {
+    const Action& a = segment.role == OverlapTurn::Role::kForward ? f : b;
+    accountSpan(kindToken(a.kind), a.toString(), "compute", segment.start, segment.end, false);
+  }
+  stats_.overlapYields += turn.yields();
+  if (forwardError) std::rethrow_exception(forwardError);
+  if (backwardError) std::rethrow_exception(backwardError);
 }
 
 void PipelineExecutor::accountAction(const Action& a, TimePoint start) {
@@ -531,19 +646,29 @@ std::vector<at::Tensor> PipelineExecutor::forwardInputs(const Action& a, const I
 
 void PipelineExecutor::forwardAction(const Action& a, const InputFn& inputOf, bool forwardOnly,
                                      Results& results, TimePoint& start) {
-  const Key key{a.stage, a.microbatch};
   std::vector<at::Tensor> in = forwardInputs(a, inputOf, forwardOnly, start);
   std::vector<at::Tensor> weights;
   if (traits_.stashWeights && !forwardOnly) weights = stores_.at(a.stage).acquire(a.version);
   RngState rngState;
-  std::vector<at::Tensor> out;
+  if (recompute_ && !forwardOnly) rngState = RngState::capture(engine_->device());
+  std::vector<at::Tensor> out = callForward(a, in, weights, forwardOnly);
+  keepForward(a, std::move(in), std::move(out), std::move(rngState), forwardOnly, results);
+}
+
+std::vector<at::Tensor> PipelineExecutor::callForward(const Action& a, const std::vector<at::Tensor>& in,
+                                                      const std::vector<at::Tensor>& weights,
+                                                      bool forwardOnly) {
   if (recompute_ && !forwardOnly) {
-    rngState = RngState::capture(engine_->device());
     at::NoGradGuard noGrad;
-    out = forward_(a.stage, a.microbatch, in, weights);
-  } else {
-    out = forward_(a.stage, a.microbatch, in, weights);
+    return forward_(a.stage, a.microbatch, in, weights);
   }
+  return forward_(a.stage, a.microbatch, in, weights);
+}
+
+void PipelineExecutor::keepForward(const Action& a, std::vector<at::Tensor> in,
+                                   std::vector<at::Tensor> out, RngState rngState, bool forwardOnly,
+                                   Results& results) {
+  const Key key{a.stage, a.microbatch};
   const bool sendsLater = a.stage != lastStage_ &&
                           schedule_.layout().rankFor(a.stage + 1, a.microbatch) != rank_;
   if (a.stage == lastStage_) {
@@ -592,27 +717,30 @@ void PipelineExecutor::backwardAction(const Action& a, TimePoint& start) {
   }
   TORCH_CHECK(!traits_.stashWeights || a.kind == ActionKind::kBackward,
               "split backward (I/W) is not supported with weight stashing");
-  const Key key{a.stage, a.microbatch};
-  if (a.stage != lastStage_) {
-    auto& s = stash_.at(key);
-    if (schedule_.layout().rankFor(a.stage + 1, a.microbatch) == rank_) {
-      auto local = localGrads_.find(key);
-      TORCH_CHECK(local != localGrads_.end(), "rank ", rank_, ": ", a.toString(),
-                  " has no gradient from stage ", a.stage + 1);
-      s.gradOutputs = std::move(local->second);
-      localGrads_.erase(local);
-    } else {
-      s.gradOutputs = receive(key, kBackwardDir);
-      if (auto sent = ledger_.releaseByGradient(a.stage, a.microbatch)) {
-        // The peer has the activation by now: the wait returns at once.
-        const auto releaseStart = Clock::now();
-        releaseSends({*sent});
-        account("SEND_WAIT", "wait for sends", "wait", releaseStart, true);
-      }
-      start = Clock::now();
-    }
-  }
+  takeGradOutputs(a, start);
   differentiate(a, a.kind == ActionKind::kBackwardInput, false);
+}
+
+void PipelineExecutor::takeGradOutputs(const Action& a, TimePoint& start) {
+  if (a.stage == lastStage_) return;  // the loss: no gradient comes in
+  const Key key{a.stage, a.microbatch};
+  auto& s = stash_.at(key);
+  if (schedule_.layout().rankFor(a.stage + 1, a.microbatch) == rank_) {
+    auto local = localGrads_.find(key);
+    TORCH_CHECK(local != localGrads_.end(), "rank ", rank_, ": ", a.toString(),
+                " has no gradient from stage ", a.stage + 1);
+    s.gradOutputs = std::move(local->second);
+    localGrads_.erase(local);
+    return;
+  }
+  s.gradOutputs = receive(key, kBackwardDir);
+  if (auto sent = ledger_.releaseByGradient(a.stage, a.microbatch)) {
+    // The peer has the activation by now: the wait returns at once.
+    const auto releaseStart = Clock::now();
+    releaseSends({*sent});
+    account("SEND_WAIT", "wait for sends", "wait", releaseStart, true);
+  }
+  start = Clock::now();
 }
 
 void PipelineExecutor::sendBackwardAction(const Action& a, size_t index) {

@@ -46,7 +46,11 @@
 // spans into the Chrome trace and the debug log.
 //
 // Threading: an executor is used by one thread at a time (the caller of
-// run*()); all members below are owned by that thread.
+// run*()); all members below are owned by that thread. An overlapped F&B
+// pair runs its forward's callback on a second thread while the caller runs
+// the backward; that thread touches only the pair's own locals (inputs in,
+// outputs out), and the bookkeeping before and after the pair is the
+// caller's.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -67,6 +71,7 @@
 #include "core/traits.h"
 #include "core/transfer_ledger.h"
 #include "runtime/comm_engine.h"
+#include "runtime/overlap.h"
 #include "runtime/rng_state.h"
 #include "runtime/weight_store.h"
 
@@ -90,14 +95,23 @@ class PipelineExecutor {
       int, int, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&)>;
   // update(stage, newVersion): step the optimizer of `stage`.
   using UpdateFn = std::function<void(int, int)>;
+  // pair(fStage, fMicrobatch, fInputs, bStage, bMicrobatch, bRoots, bGrads)
+  // -> the forward's outputs: runs an F&B pair's two halves itself (a model's
+  // overlapped_forward_backward); the backward must reach the stash's inputs.
+  using PairFn = std::function<std::vector<at::Tensor>(
+      int, int, const std::vector<at::Tensor>&, int, int, const std::vector<at::Tensor>&,
+      const std::vector<at::Tensor>&)>;
 
   // `update` is required when the schedule's traits stash weights;
   // `replicaGroups` maps each replicated local stage to its replicas' group.
+  // `overlap`: every F&B pair of the list (csrc/core/pairs.h: an F directly
+  // followed by a B of another stage) runs its halves together, by `pair` if
+  // given, else on two threads taking turns (csrc/runtime/overlap.h).
   PipelineExecutor(Schedule schedule, int rank, std::shared_ptr<CommEngine> engine,
                    ForwardFn forward, std::map<int, std::vector<at::Tensor>> stageParameters,
                    UpdateFn update = nullptr,
                    std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>> replicaGroups = {},
-                   bool recompute = false);
+                   bool recompute = false, bool overlap = false, PairFn pair = nullptr);
 
   // Runs the rank's whole list once (state reset first). `inputs[i]` are
   // microbatch i's inputs of stage 0 (ignored unless this rank holds stage
@@ -172,6 +186,25 @@ class PipelineExecutor {
                                         TimePoint& start);
   void sendForwardAction(const Action& a, size_t index, bool forwardOnly);
   void backwardAction(const Action& a, TimePoint& start);
+  // An F&B pair at list_[index], list_[index + 1] (overlap_ only).
+  void pairAction(size_t index, const InputFn& inputOf, Results& results);
+  void runTurns(const Action& f, const std::vector<at::Tensor>& in, std::vector<at::Tensor>& out,
+                const Action& b, const Stash& s, const std::vector<at::Tensor>& roots,
+                const std::vector<at::Tensor>& grads, std::vector<at::Tensor>& gradInputs);
+  // Receipt points and peaks after list_[index] ran.
+  void afterAction(size_t index);
+  // F in three parts (the pair runs the middle one on its own thread).
+  std::vector<at::Tensor> callForward(const Action& a, const std::vector<at::Tensor>& in,
+                                      const std::vector<at::Tensor>& weights, bool forwardOnly);
+  void keepForward(const Action& a, std::vector<at::Tensor> in, std::vector<at::Tensor> out,
+                   RngState rngState, bool forwardOnly, Results& results);
+  // B's gradients in (received or handed over by stage j+1 on this rank).
+  void takeGradOutputs(const Action& a, TimePoint& start);
+  Stash& stashOf(const Action& a);
+  // Recompute (if on) and the roots of B or I.
+  void prepareBackward(const Action& a, Stash& s, std::vector<at::Tensor>& roots,
+                       std::vector<at::Tensor>& grads);
+  void releaseStash(const Action& a);
   void sendBackwardAction(const Action& a, size_t index);
   void updateAction(const Action& a, size_t index);
   void allReduceAction(const Action& a);
@@ -183,9 +216,13 @@ class PipelineExecutor {
   void recomputeForward(const Action& a, Stash& s);
   void gradientRoots(const Action& a, const Stash& s, std::vector<at::Tensor>& roots,
                      std::vector<at::Tensor>& grads) const;
-  // Input gradients of B or I, kept for SEND_B or the same rank's stage j-1.
-  void inputGradients(const Action& a, Stash& s, const std::vector<at::Tensor>& roots,
-                      const std::vector<at::Tensor>& grads, bool inputOnly);
+  // Input gradients of B or I; keepInputGradients() keeps them for SEND_B or
+  // the same rank's stage j-1.
+  std::vector<at::Tensor> inputGradients(const Action& a, Stash& s,
+                                         const std::vector<at::Tensor>& roots,
+                                         const std::vector<at::Tensor>& grads, bool inputOnly);
+  static std::vector<at::Tensor> leafGradients(const Stash& s);
+  void keepInputGradients(const Action& a, const Stash& s, std::vector<at::Tensor> gradInputs);
   int oldestFutureRead(int stage, size_t from) const;
   // Received activations of `stage`: the number of tensors and their dtypes
   // (not their shapes) must be those of the stage's first input.
@@ -198,6 +235,8 @@ class PipelineExecutor {
   // Accounts [start, now) to `kind` in stats_ and, when logging actions, the action log.
   void account(const std::string& kind, const std::string& name, const char* category,
                TimePoint start, bool isWait);
+  void accountSpan(const std::string& kind, const std::string& name, const char* category,
+                   TimePoint start, TimePoint end, bool isWait);
 
   Schedule schedule_;          // layout and metadata
   const ScheduleTraits& traits_;  // of schedule_.name(); a static table entry
@@ -211,6 +250,8 @@ class PipelineExecutor {
   std::map<int, std::vector<at::Tensor>> stageParameters_;
   std::map<int, c10::intrusive_ptr<c10d::ProcessGroup>> replicaGroups_;
   bool recompute_;  // F keeps only its inputs; B re-runs the forward first
+  bool overlap_;    // F&B pairs run their halves together
+  PairFn pair_;     // how (empty: two threads taking turns)
   std::map<int, WeightStore> stores_;  // per local stage (stashing only)
 
   // Stream state (cleared by reset()).

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from .._dist.turns import BACKWARD, FORWARD, yield_turn
 from .tensor_parallel import kept_calls
 
 __all__ = ["RoutedExpertParallel", "transformers_plan"]
@@ -136,32 +137,55 @@ class _Dispatching:
 
     def _dispatch(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Tuple[List[int], List[int]]]:
-        from torch.distributed import all_to_all_single  # noqa: PLC0415 - with a mesh
-        from torch.distributed._functional_collectives import all_to_all_single_autograd  # noqa: PLC0415
-
         group, ep, k = self.mesh.get_group(), self.mesh.size(), top_k_index.shape[-1]
         expert_ids = top_k_index.reshape(-1)
         order = torch.argsort(expert_ids, stable=True)  # pairs grouped by expert, so by rank
         counts = torch.bincount(expert_ids, minlength=self.local * ep).view(ep, self.local)
-        received = torch.empty_like(counts)
-        all_to_all_single(received, counts, group=group)
+        received = _exchange(counts, None, None, group, FORWARD)
         sent_sizes, received_sizes = torch.stack([counts.sum(1), received.sum(1)]).tolist()
-        rows = all_to_all_single_autograd(hidden_states[order // k], received_sizes, sent_sizes, group)
-        rows = torch.ops._c10d_functional.wait_tensor(rows)  # noqa: SLF001 - the pending result
+        rows = _Exchange.apply(hidden_states[order // k], received_sizes, sent_sizes, group)
         local_ids = torch.arange(self.local, device=rows.device).repeat(ep)
         local_ids = local_ids.repeat_interleave(received.reshape(-1)).unsqueeze(-1)
         return rows, local_ids, order, (sent_sizes, received_sizes)
 
     def _combine(self, out: torch.Tensor, top_k_weights: torch.Tensor, order: torch.Tensor,
                  splits: Tuple[List[int], List[int]]) -> torch.Tensor:
-        from torch.distributed._functional_collectives import all_to_all_single_autograd  # noqa: PLC0415
-
         sent_sizes, received_sizes = splits
-        back = all_to_all_single_autograd(out, sent_sizes, received_sizes, self.mesh.get_group())
-        back = torch.ops._c10d_functional.wait_tensor(back)  # noqa: SLF001 - the pending result
+        back = _Exchange.apply(out, sent_sizes, received_sizes, self.mesh.get_group())
         pairs = torch.empty_like(back).index_copy(0, order, back)  # (t, k) order again
         pairs = pairs.view(*top_k_weights.shape, back.shape[-1])
         return (pairs * top_k_weights.unsqueeze(-1).to(pairs.dtype)).sum(dim=1).to(out.dtype)
+
+
+def _exchange(tensor: torch.Tensor, output_sizes: Optional[List[int]],
+              input_sizes: Optional[List[int]], group: Any, direction: int) -> torch.Tensor:
+    """``all_to_all_single`` issued asynchronously; the other half of an overlapped F&B
+    pair runs before it is waited for (``_runtime.overlap.yield_turn``)."""
+    import torch.distributed as dist  # noqa: PLC0415 - with a mesh
+
+    tensor = tensor.contiguous()
+    rows = tensor.shape[0] if output_sizes is None else sum(output_sizes)
+    out = tensor.new_empty((rows, *tensor.shape[1:]))
+    work = dist.all_to_all_single(out, tensor, output_sizes, input_sizes, group=group, async_op=True)
+    yield_turn(direction)
+    work.wait()
+    return out
+
+
+class _Exchange(torch.autograd.Function):
+    """Rows to their ranks (``input_sizes`` to each, ``output_sizes`` from each); the
+    gradients go back the same way reversed, in the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, output_sizes: List[int], input_sizes: List[int],
+                group: Any) -> torch.Tensor:
+        ctx.sizes, ctx.group = (output_sizes, input_sizes), group
+        return _exchange(tensor, output_sizes, input_sizes, group, FORWARD)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None, None]:
+        output_sizes, input_sizes = ctx.sizes
+        return _exchange(grad, input_sizes, output_sizes, ctx.group, BACKWARD), None, None, None
 
 
 def _redistribute(tensor: torch.Tensor, mesh: Any, source: str, target: str,

@@ -40,6 +40,7 @@ class PipelineConfig:
     chunks: int
     timeout: float
     vertical_sync: bool
+    overlap: Any
     recompute: Union[bool, Tuple[bool, ...]]
     autocast: Optional[torch.dtype]
     check_finite: Optional[str]

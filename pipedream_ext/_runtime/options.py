@@ -129,6 +129,20 @@ def _check_vertical_sync(vertical_sync: bool, options: "PipelineOptions") -> Non
                          f"(got {options.schedule!r})")
 
 
+def _check_overlap(overlap: Any, options: "PipelineOptions") -> None:
+    if not isinstance(overlap, bool) and not callable(overlap):
+        raise ValueError(f"overlap={overlap!r} must be True, False or a function "
+                         "overlapped_forward_backward(module0, inputs0, module1, outputs1, output_grads1)")
+    if overlap is not False and options.schedule != "dualpipev":
+        raise ValueError(f"overlap runs the F&B pairs of schedule='dualpipev' together; schedule "
+                         f"{options.schedule!r} has none: give schedule='dualpipev' (chunks=2) or "
+                         "overlap=False")
+
+
+def _overlap_json(overlap: Any) -> Any:
+    return overlap if isinstance(overlap, bool) else "hook"
+
+
 def _check_timeout(timeout: float, _: "PipelineOptions") -> None:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
             not math.isfinite(timeout) or timeout <= 0:
@@ -240,6 +254,14 @@ class PipelineOptions:
     vertical_sync: bool = option(False, """
         ``pipedream`` only: every stage uses, for a minibatch, the weight version stage 0 used.""",
         group="schedule", position=7, check=_check_vertical_sync, convert=bool, agreed=_same)
+    overlap: Union[bool, Callable[..., Any]] = option(False, """
+        ``dualpipev`` only: run each F&B pair's forward and backward together, so that one's
+        all_to_all hides behind the other's compute. ``True``: on two threads taking turns at each
+        asynchronous collective (``RoutedExpertParallel`` yields at its exchanges; the model class's
+        own ``overlapped_forward_backward``, if it defines one, runs the pair instead); a function
+        ``fn(module0, inputs0, module1, outputs1, output_grads1) -> outputs0`` (DualPipe's shape)
+        runs every pair. Same result as without (docs/guide/expert_parallel.md, "Overlapping F&B
+        pairs").""", group="schedule", check=_check_overlap, convert=_same, agreed=_overlap_json)
 
     # -- split ------------------------------------------------------------------------------
     balance: Optional[Union[Sequence[int], str, os.PathLike, Plan]] = option(None, """

@@ -45,6 +45,7 @@ from .grad_clip import GradientClipper, check_max_norm, check_norm_type
 from .loss_reduction import no_tokens, returned_mismatch
 from .mesh_steps import MeshSteps, PipelineSteps, StepMismatch
 from .observe import Observer
+from .overlap import PairCallback
 from .stage_call import (
     NonFiniteError,
     StageFunction,
@@ -169,7 +170,8 @@ class Runner:
         # The clipper, not the runner: the executor holding the callback must not hold the runner.
         self._update = _OptimizerStep(None if config.clip_grad_norm is None else
                                       functools.partial(self.clipper.clip, *config.clip_grad_norm))
-        self.executor: Optional["_C.PipelineExecutor"] = self._make_executor(schedule.lowered)
+        self.executor: Optional["_C.PipelineExecutor"] = self._make_executor(
+            schedule.lowered, overlap=config.overlap is not False)
         self._eval_executor: Optional["_C.PipelineExecutor"] = None
         _LIVE.add(self)
 
@@ -182,16 +184,23 @@ class Runner:
     # -- executors ----------------------------------------------------------------
     def _make_executor(self, lowered: "_C.Schedule", rank: Optional[int] = None,
                        group: Optional[dist.ProcessGroup] = None,
-                       side: Optional[dist.ProcessGroup] = None) -> "_C.PipelineExecutor":
+                       side: Optional[dist.ProcessGroup] = None,
+                       overlap: bool = False) -> "_C.PipelineExecutor":
         traits = schedules.traits(lowered.name)
         group = self.groups.group if group is None else group
+        pair = None
+        if overlap:  # dualpipev's F&B pairs made adjacent, run together (docs/runtime.md)
+            lowered = _C.pair_forward_backward(lowered)
+            if callable(self.config.overlap):
+                pair = PairCallback(self.config.overlap, self._forward,
+                                    {j: self.stages[j] for j in self.stages})
         executor = _C.PipelineExecutor(
             lowered, self.groups.rank if rank is None else rank, group,
             self.groups.side if side is None else side, self.config.timeout,
             self._forward, self.stages.parameters_by_stage(), str(self.device),
             update=self._update if traits.stash_weights else None,
             replica_groups=self.groups.replica_groups, recompute=self.stage_fn.recompute,
-            protocol=p2p_protocol(group, self.device, traits.streaming))
+            protocol=p2p_protocol(group, self.device, traits.streaming), overlap=overlap, pair=pair)
         # PIPEDREAM_LOG=debug (or a DEBUG level on this logger) logs every action.
         executor.action_logging = self.observer.tracing
         return executor
