@@ -22,7 +22,9 @@ gradient stays there). Index legend: ``r`` ep rank, ``e`` expert, ``t`` token.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
+import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -32,11 +34,34 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from .._dist.turns import BACKWARD, FORWARD, yield_turn
 from .tensor_parallel import kept_calls
 
-__all__ = ["RoutedExpertParallel", "transformers_plan"]
+__all__ = ["EXCHANGES", "ExchangeTimes", "RoutedExpertParallel", "transformers_plan"]
 
 # The styles of a transformers ep_plan this plan covers: the experts module's
 # dispatch and the sharding of its stacked parameters (which the dispatch style does).
 _DISPATCH, _STACKED = "ep_dispatch_experts", "grouped_gemm"
+
+
+@dataclasses.dataclass
+class ExchangeTimes:
+    """What this process's ``RoutedExpertParallel`` exchanges cost since :meth:`reset`
+    (benchmarks/ep_overlap.py reads them).
+
+    Attributes:
+        calls: all_to_all calls.
+        wait_seconds: time blocked waiting for them: the exchange time no other work hid.
+        yielded: calls during which the other half of an overlapped F&B pair ran.
+    """
+
+    calls: int = 0
+    wait_seconds: float = 0.0
+    yielded: int = 0
+
+    def reset(self) -> None:
+        self.calls, self.wait_seconds, self.yielded = 0, 0.0, 0
+
+
+#: This process's exchanges.
+EXCHANGES = ExchangeTimes()
 
 
 class RoutedExpertParallel(ParallelStyle):
@@ -56,7 +81,13 @@ class RoutedExpertParallel(ParallelStyle):
             are gathered back (transformers' ``AllToAllEP`` over tp); ``None``: when the
             mesh's dimension is named ``"tp"``. Otherwise each rank routes its own tokens
             (``expert_parallel=``'s ep ranks are data ranks).
+
+    Attributes:
+        exchanges: what this process's exchanges cost (:class:`ExchangeTimes`, shared by
+            every module this style parallelized; ``exchanges.reset()`` starts it over).
     """
+
+    exchanges = EXCHANGES
 
     def __init__(self, replicated_tokens: Optional[bool] = None) -> None:
         super().__init__()
@@ -167,8 +198,12 @@ def _exchange(tensor: torch.Tensor, output_sizes: Optional[List[int]],
     rows = tensor.shape[0] if output_sizes is None else sum(output_sizes)
     out = tensor.new_empty((rows, *tensor.shape[1:]))
     work = dist.all_to_all_single(out, tensor, output_sizes, input_sizes, group=group, async_op=True)
-    yield_turn(direction)
+    yielded = yield_turn(direction)
+    start = time.perf_counter()
     work.wait()
+    EXCHANGES.calls += 1
+    EXCHANGES.wait_seconds += time.perf_counter() - start
+    EXCHANGES.yielded += int(yielded)
     return out
 
 
