@@ -166,6 +166,8 @@ def check_training(schedule: str, optimizer: str = "adamw", layers: int = 2,
     opt, ref_opt = optimizers(optimizer, pipe, ref)
     clear_counts()  # construction measured the sample's forward
     train_alongside(f"{schedule} {optimizer}", pipe, opt, ref, ref_opt, whole_batch(ref), clip=clip)
+    if options.get("overlap") is True:  # torchtitan's ExpertParallel: yields around its hooks
+        assert pipe.stats()["overlap_yields"] > 0, "no half of an F&B pair yielded"
     if layers == 2:  # one MoE layer per rank: each forward records its local experts' counts
         runs = 2 if options.get("recompute") else 1  # a recomputed forward routes again
         assert len(counts_seen()) == runs * STEPS * 2 * (EXPERTS // 2), len(counts_seen())

@@ -22,9 +22,10 @@ from typing import Any, Iterable, List, Tuple
 import torch
 
 from .._dist.collectives import is_dtensor
+from .._dist.turns import FORWARD, yield_turn
 from .._frontend.local_stages import LocalStages
 from .dims import ParallelDims
-from .tensor_parallel import TensorParallel, check_plan, pattern_matches
+from .tensor_parallel import TensorParallel, check_plan, kept_calls, pattern_matches
 
 #: ``expert_parallel="auto"``: the plan a transformers model's own ``ep_plan`` gives.
 AUTO = "auto"
@@ -119,6 +120,29 @@ def apply_expert_parallel(stages: LocalStages, dims: ParallelDims) -> None:
     """
     TensorParallel(dims.expert_parallel, dims.ep_mesh, dims.plan_group, dims.names, dims.timeout,
                    option="expert_parallel").apply({j: stages[j] for j in stages})
+    for j in stages:
+        _yield_around(stages[j], dims.expert_parallel)
+
+
+def _yield_around(stage: torch.nn.Module, plan: Any) -> None:
+    """Each module a dict plan parallelizes with a style that does not yield itself
+    (torchtitan's ``ExpertParallel``) yields an overlapped F&B pair's turn after the
+    style's input hook (its token dispatch, an asynchronous functional collective, in
+    flight) and after its output hook (the combine): the other half computes meanwhile.
+    Registered after the style's own hooks, so they run after them; nothing outside a pair."""
+    from .routed_experts import RoutedExpertParallel  # noqa: PLC0415 - DTensor, with a plan
+
+    modules = dict(stage.named_modules())
+    for name in kept_calls(plan, stage):
+        styles = [style for pattern, style in plan.items() if pattern_matches(pattern, name)]
+        if all(isinstance(style, RoutedExpertParallel) for style in styles):
+            continue  # yields at each of its exchanges itself
+        modules[name].register_forward_pre_hook(_yield_forward)
+        modules[name].register_forward_hook(_yield_forward)
+
+
+def _yield_forward(*_: Any) -> None:
+    yield_turn(FORWARD)
 
 
 def split_experts(params: Iterable[torch.nn.Parameter], dims: ParallelDims
