@@ -63,7 +63,7 @@ std::vector<size_t> pairStarts(const std::vector<Action>& list) {
 }
 
 Schedule pairForwardBackward(const Schedule& ordered) {
-  if (!ordered.isLowered()) {
+  if (!ordered.isLowered() && ordered.numRanks() > 1) {  // one rank: nothing to send
     throw std::invalid_argument("pairForwardBackward: schedule '" + ordered.name() +
                                 "' is not lowered; pair its lowered, ordered form");
   }

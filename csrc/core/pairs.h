@@ -35,7 +35,8 @@ std::vector<size_t> pairStarts(const std::vector<Action>& list);
 
 // `ordered` (lowered, in transfer order) with every F ... B of another stage
 // separated only by transfers made adjacent (see above). Throws
-// std::invalid_argument naming the schedule when it is not lowered, or when
+// std::invalid_argument naming the schedule when it is not lowered (over
+// several ranks; one rank has no transfers to lower), or when
 // the moved transfers are not safe (validateChannels' message).
 Schedule pairForwardBackward(const Schedule& ordered);
 
