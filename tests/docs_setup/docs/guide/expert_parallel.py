@@ -1,4 +1,4 @@
-"""docs/guide/expert_parallel.md's example on 2 ranks (``make_model()`` a fresh copy for each later pipeline): pp 1 x ep 2, the torchtitan-style MoE
+"""docs/guide/expert_parallel.md's example on 2 ranks: pp 1 x ep 2, the torchtitan-style MoE
 of tests/moe_model.py (with the aux-loss-free balancing buffers) as an nn.Sequential of its
 embedding, blocks, norm and head, and its batch: each ep rank's part of a 2 x 4-row global
 batch."""
@@ -14,6 +14,7 @@ pp, ep = 1, 2
 
 
 def make_model() -> torch.nn.Sequential:
+    """A fresh copy of the model, for each later pipeline."""
     moe = build(bias=True)
     return torch.nn.Sequential(moe.tok_embeddings, *moe.layers.values(), moe.norm, moe.output)
 
