@@ -484,8 +484,7 @@ class PipeDream(_DataParallelPart):
             before their consumer waited), ``redirected_sends`` (larger than their
             slot's capacity: payload on the side channel), ``padding_bytes`` and
             ``host_syncs`` (device-to-host copies of Gloo carrying CUDA tensors); see
-            docs/runtime.md, "Communication engine". ``overlap_yields``: turns the halves of
-            overlapped F&B pairs passed each other (``overlap=True``).
+            docs/runtime.md, "Communication engine"; ``overlap_yields`` (``overlap=True``).
             On a CUDA device also ``cuda_memory_allocated`` and
             ``cuda_peak_memory_allocated`` (bytes held by this rank's stages, now and
             at most since construction or :meth:`reset_stats`).

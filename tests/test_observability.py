@@ -122,7 +122,7 @@ STATS_KEYS = {"compute_s", "wait_s", "busy_s", "actions", "steps", "seconds_by_k
               "bytes_received", "sends", "receives", "messages_sent", "preposted_receives",
               "redirected_sends", "padding_bytes", "host_syncs",
               "peak_activations", "peak_sends_in_flight", "peak_weight_versions",
-              "weight_bytes_copied", "bubble_fraction"}
+              "weight_bytes_copied", "overlap_yields", "bubble_fraction"}
 
 
 def check_reset_stats(rank: int) -> None:

@@ -2,7 +2,8 @@
 
 #include <c10/util/Exception.h>
 #include <ATen/ThreadLocalState.h>
-#include <c10/core/DeviceGuard.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
@@ -572,13 +573,16 @@ void PipelineExecutor::runTurns(const Action& f, const std::vector<at::Tensor>& 
   OverlapTurn turn(engine_->timeout());
   OverlapTurn::setActive(&turn);
   const at::ThreadLocalState state;  // grad mode, autocast, dispatch modes of this thread
+  // The caller's current stream on the pipeline's device: a thread's own starts as the default.
+  std::optional<c10::Stream> stream;
   const at::Device device = engine_->device();
+  if (!device.is_cpu()) stream = c10::impl::getDeviceGuardImpl(device.type())->getStream(device);
   std::exception_ptr forwardError, backwardError;
   std::thread forwardThread([&] {
     try {
       at::ThreadLocalStateGuard guard(state);
-      c10::OptionalDeviceGuard deviceGuard;
-      if (!device.is_cpu()) deviceGuard.reset_device(device);
+      c10::OptionalStreamGuard streamGuard;
+      if (stream) streamGuard.reset_stream(*stream);
       out = callForward(f, in, {}, false);
     } catch (...) {
       forwardError = std::current_exception();

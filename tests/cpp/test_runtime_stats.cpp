@@ -27,12 +27,14 @@ TEST(RuntimeStats, MergeSumsCountersAndTakesPeakMaxima) {
   a.prePostedReceives = 1; a.redirectedSends = 0;
   a.peakActivations = 2; a.peakSendsInFlight = 5; a.peakWeightVersions = {{0, 3}, {1, 1}};
   a.weightBytesCopied = 64;
+  a.overlapYields = 3;
   b.computeSeconds = 0.5; b.waitSeconds = 1; b.busySeconds = 2; b.actions = 4; b.steps = 2;
   b.secondsByKind = {{"F", 2.0}, {"B", 3.0}};
   b.bytesSent = 1; b.bytesReceived = 2; b.sends = 1; b.receives = 1;
   b.prePostedReceives = 1; b.redirectedSends = 1;
   b.peakActivations = 4; b.peakSendsInFlight = 1; b.peakWeightVersions = {{1, 2}, {2, 1}};
   b.weightBytesCopied = 32;
+  b.overlapYields = 4;
 
   const RuntimeStats m = a.merge(b);
   EXPECT_DOUBLE_EQ(m.computeSeconds, 1.5);
@@ -51,6 +53,7 @@ TEST(RuntimeStats, MergeSumsCountersAndTakesPeakMaxima) {
   EXPECT_EQ(m.peakSendsInFlight, 5);
   EXPECT_EQ(m.peakWeightVersions, (std::map<int, int64_t>{{0, 3}, {1, 2}, {2, 1}}));
   EXPECT_EQ(m.weightBytesCopied, 96);
+  EXPECT_EQ(m.overlapYields, 7);
   EXPECT_DOUBLE_EQ(m.bubbleFraction(), 0.75);
   // The operands are unchanged.
   EXPECT_EQ(a.steps, 1);
