@@ -820,6 +820,8 @@ def mesh_3d_cases(world: int) -> Cases:
     c.add(check_training, "1f1b", clip=0.5, dp=2, name="training-pp2-dp2-ep2-clip")
     c.add(check_training, "zb-h1", clip=0.5, dp=2, data_parallel="replicate",
           name="training-pp2-dp2-ep2-clip-replicate")
+    c.add(check_training, "dualpipev", "sgd", layers=4, microbatches=4, dp=2, overlap=True,
+          name="training-pp2-dp2-ep2-dualpipev-overlap")
     return c
 
 
