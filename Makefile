@@ -109,6 +109,7 @@ bench: setup
 	$(PY) benchmarks/vs_torch_ep.py
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node 4 benchmarks/ep_prediction.py > benchmarks/results/ep_prediction.md
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node 4 benchmarks/ep_overlap.py > benchmarks/results/ep_overlap.md
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/ep_overlap.py >> benchmarks/results/ep_overlap.md
 	$(PY) benchmarks/update_readme.py
 
 # Time to accuracy on an emulated 4-host cluster (network namespaces, tc-limited

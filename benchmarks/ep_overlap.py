@@ -1,8 +1,9 @@
 """dualpipev with its F&B pairs overlapped (``overlap=True``) against plain dualpipev.
 
-Run under ``torchrun --standalone --nproc-per-node 4 benchmarks/ep_overlap.py``: a
-transformers Qwen3-MoE (``--hidden``, ``--experts`` top-2, 4 layers, one per stage:
-dualpipev's V over pp 2, so that both halves of every F&B pair exchange) on pp 2 x ep 2 with ``expert_parallel="auto"``
+Run under ``torchrun --standalone --nproc-per-node 4 benchmarks/ep_overlap.py`` (pp 2 x ep
+2; with 2 processes pp 1 x ep 2): a transformers Qwen3-MoE (``--hidden``, ``--experts``
+top-2, 4 layers cut into dualpipev's 2 pp stages, so that both halves of every F&B pair
+exchange) with ``expert_parallel="auto"``
 (``RoutedExpertParallel``, which yields its turn at each all_to_all), replicas over ep,
 each ep rank stepping on its ``--rows`` rows with Adam (a barrier before each step). The two
 pipelines train from the same weights on the same batches, alternating by repeat.
@@ -46,14 +47,15 @@ def loss_fn(out: Any, y: torch.Tensor) -> torch.Tensor:
 def run(args: argparse.Namespace, overlap: bool) -> Dict[str, float]:
     """One pipeline's median step (ms), blocked all_to_all ms per step, yielded
     exchanges per step and last loss."""
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
+    pp = dist.get_world_size() // 2
+    mesh = init_device_mesh("cpu", (pp, 2), mesh_dim_names=("pp", "ep"))
     g = torch.Generator().manual_seed(1 + mesh["ep"].get_local_rank())
     batches = [(torch.randint(0, args.vocab, (args.rows, args.seq), generator=g),
                 torch.randint(0, args.vocab, (args.rows, args.seq), generator=g))
                for _ in range(args.warmup + args.steps)]
     pipe = pd.PipeDream(model(args), loss_fn, schedule="dualpipev", chunks=2, microbatches=args.microbatches,
                         mesh=mesh, expert_parallel="auto", data_parallel="replicate", overlap=overlap,
-                        split_points=["model.layers.1", "model.layers.2", "model.layers.3"],
+                        split_points=[f"model.layers.{i}" for i in range(4 // (2 * pp), 4, 4 // (2 * pp))],
                         sample=batches[0], concrete_args={"use_cache": False}, timeout=120)
     opt = torch.optim.Adam(pipe.parameters(), lr=1e-3)
     times: List[float] = []
