@@ -723,6 +723,24 @@ def test_an_overlap_hook_must_run_both_halves_once() -> None:
         pair(lambda m0, i0, m1, o1, g1: m1(*i0))()
 
 
+def test_overlap_true_takes_the_model_class_hook() -> None:
+    """One process: ``overlap=True`` runs a model class's own ``overlapped_forward_backward``
+    (a classmethod, as DualPipe's modules define it), else the executor's turns; a function
+    given is the hook."""
+    from pipedream_ext._runtime.overlap import hook_of
+
+    class DualPipeModel(nn.Linear):
+        @classmethod
+        def overlapped_forward_backward(cls, module0: Any, inputs0: List[torch.Tensor], module1: Any,
+                                        outputs1: List[torch.Tensor], output_grads1: List[Any]) -> Any:
+            return dualpipe_example(module0, inputs0, module1, outputs1, output_grads1)
+
+    own = hook_of(True, DualPipeModel(2, 2))
+    assert own is not None and own.__func__ is DualPipeModel.overlapped_forward_backward.__func__
+    assert hook_of(True, nn.Linear(2, 2)) is None and hook_of(False, DualPipeModel(2, 2)) is None
+    assert hook_of(dualpipe_example, DualPipeModel(2, 2)) is dualpipe_example
+
+
 def test_overlap_needs_dualpipev() -> None:
     """One process: ``overlap`` on another schedule, or of another type, is refused."""
     from pipedream_ext._runtime.config import PipelineConfig
