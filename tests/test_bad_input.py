@@ -500,7 +500,7 @@ ROWS: List[Tuple[str, str, str, str]] = [
     ('ep-plan-type', "an `expert_parallel` plan value that is not a `ParallelStyle`, or a plan that is neither a dict nor a callable",
      r"expert_parallel(\[.*\] = .*: a plan maps module-name patterns|=.*; give a dict \{pattern: ParallelStyle\} or a callable fn\(stage_module, ep_mesh\))",
      'tests/test_expert_parallel.py::test_expert_parallel_on_a_traced_moe'),
-    ('ep-unsupported', "`expert_parallel` with what it does not support yet: an asynchronous schedule, `tensor_parallel`, a meta-device model whose routing or experts cannot run on meta values (tracing fails), `mesh='auto'` with a callable plan",
+    ('ep-unsupported', "`expert_parallel` with what it does not support yet: an asynchronous schedule, `tensor_parallel` on a separate `'tp'` mesh dimension, a meta-device model whose routing or experts cannot run on meta values (tracing fails), `mesh='auto'` with a callable plan",
      r"expert_parallel(=)? with .* is not supported yet",
      'tests/test_expert_parallel.py::test_expert_parallel_on_a_traced_moe'),
     ('ep-auto', "`expert_parallel=\"auto\"` for a model without a transformers `ep_plan`, or whose `ep_plan` names styles other than the experts' dispatch (`\"ep_dispatch_experts\"`) and stacked parameters (`\"grouped_gemm\"`)",

@@ -339,6 +339,7 @@ def check_refusals() -> None:
     """What expert parallelism does not support yet is refused at construction, naming it
     (docs/bad_input.md's rows); a checkpoint save is refused before anything is written."""
     from test_bad_input import ROWS
+    from torch.distributed.tensor.parallel import ColwiseParallel
 
     import pipedream_ext as pd
 
@@ -350,6 +351,10 @@ def check_refusals() -> None:
         ("ep-unsupported", "mesh='auto' and a callable plan",
          dict(mesh="auto", sample=batch(0, 8), balance="auto", split_points=None, model="sequential",
               expert_parallel=lambda stage, mesh: None)),
+        ("ep-unsupported", "put RoutedExpertParallel() on the experts in the tensor_parallel plan",
+         dict(mesh=mesh_of((2, 1, 2), ("pp", "ep", "tp")), tensor_parallel={"layers.*.mix": ColwiseParallel()})),
+        ("ep-unsupported", "on a separate 'tp' mesh dimension (mesh_dim_names ('pp', 'ep', 'tp'))",
+         dict(mesh=mesh_of((2, 1, 2), ("pp", "ep", "tp")))),
         ("ep-mesh", "'ep' dimension of size 2", dict(expert_parallel=None)),
         ("ep-mesh", "needs a mesh with an 'ep' dimension", dict(mesh=None)),
         ("ep-mesh", "not ('pp', 'dp')", dict(mesh=mesh_of((2, 2), ("pp", "dp")))),

@@ -499,9 +499,12 @@ def _expert_parallel_dims(mesh: Any, names: Sequence[str], data_parallel: str, r
         ValueError: naming what does not fit and the fix.
     """
     if names not in (("pp", "ep"), ("pp", "dp", "ep")):
-        raise ValueError(f"expert_parallel= needs mesh_dim_names ('pp', 'ep') or ('pp', 'dp', 'ep'), "
-                         f"not {tuple(names)}; with tensor_parallel= too it is not supported yet "
-                         "(drop one of them)" if tensor_parallel is not None or "tp" in names else
+        raise ValueError(f"expert_parallel= with tensor_parallel= on a separate 'tp' mesh dimension "
+                         f"(mesh_dim_names {tuple(names)}) is not supported yet: drop one of them, or "
+                         "spread the experts over the tp ranks instead (a ('pp', 'dp', 'tp') mesh, "
+                         "RoutedExpertParallel() in the tensor_parallel= plan; "
+                         "docs/guide/expert_parallel.md)"
+                         if tensor_parallel is not None or "tp" in names else
                          f"expert_parallel= needs mesh_dim_names ('pp', 'ep') or ('pp', 'dp', 'ep'), "
                          f"not {tuple(names)}; build it with init_device_mesh(device_type, (pp, ep), "
                          "mesh_dim_names=('pp', 'ep'))")
