@@ -56,13 +56,14 @@ def batch(step: int, device: torch.device):
             torch.randint(0, 3, (8,), generator=g).to(device))
 
 
-def check_flush_equals_unsplit(schedule: str, device: torch.device, optimizer: str) -> None:
+def check_flush_equals_unsplit(schedule: str, device: torch.device, optimizer: str,
+                               overlap: bool = False) -> None:
     import pipedream_ext as pd
 
     chunks = 2 if pd.schedules.traits(schedule).multi_chunk else 1
     ref = make_model().to(device)
     pipe = pd.PipeDream(make_model(), F.cross_entropy, schedule=schedule, microbatches=4,
-                        chunks=chunks, device=device, timeout=120)
+                        chunks=chunks, device=device, timeout=120, overlap=overlap)
     expected = os.environ.get("PIPEDREAM_P2P_PROTOCOL") or (
         "split" if "nccl" in str(dist.get_backend()) else "fused")
     assert pipe._runner.executor.protocol == expected, pipe._runner.executor.protocol
@@ -148,11 +149,11 @@ def cuda0() -> torch.device:
     return torch.device("cuda", 0)
 
 
-def check_flush_on_the_gpu(schedule: str, optimizer: str, protocol: str = "") -> None:
+def check_flush_on_the_gpu(schedule: str, optimizer: str, protocol: str = "", overlap: bool = False) -> None:
     if protocol:
         os.environ["PIPEDREAM_P2P_PROTOCOL"] = protocol
     try:
-        check_flush_equals_unsplit(schedule, cuda0(), optimizer)
+        check_flush_equals_unsplit(schedule, cuda0(), optimizer, overlap)
     finally:
         os.environ.pop("PIPEDREAM_P2P_PROTOCOL", None)
 
@@ -170,6 +171,8 @@ def gloo_cases(world: int) -> Cases:
             cases.add(check_flush_on_the_gpu, schedule, optimizer)
     for schedule in ("1f1b", "zbv"):
         cases.add(check_flush_on_the_gpu, schedule, "adam", protocol="split")  # what NCCL groups speak
+    # dualpipev's F&B pairs overlapped: the forward on a second thread, on the caller's stream
+    cases.add(check_flush_on_the_gpu, "dualpipev", "adam", overlap=True)
     cases.add(lambda: check_recompute_restores_cuda_rng(cuda0()), name="recompute_restores_cuda_rng")
     cases.add(lambda: check_bf16_and_stats(cuda0()), name="bf16_and_stats")
     cases.add(lambda: check_async_and_checkpoint(cuda0(), os.path.join(gpu_directory(), "ckpt")),
@@ -185,6 +188,7 @@ def nccl_cases(world: int) -> Cases:
     cases = Cases()
     cases.add(check_flush_on_the_gpu, "interleaved-1f1b", "adam")
     cases.add(check_flush_on_the_gpu, "1f1b", "sgd")
+    cases.add(check_flush_on_the_gpu, "dualpipev", "adam", overlap=True)
     cases.add(check_pipedream_made_an_nccl_group)
     return cases
 
