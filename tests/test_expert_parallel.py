@@ -127,17 +127,17 @@ def whole_batch(ref: nn.Module, loss_fn: Callable[..., Any] = lm_loss):
     return step
 
 
-def accumulated(ref: nn.Module, aux_scale: Optional[float] = None):
+def accumulated(ref: nn.Module, aux_scale: Optional[float] = None, microbatches: int = 2):
     """``ref_step`` of :func:`train_alongside`: gradient accumulation of the unsplit model
-    over each copy's 2 microbatches, each weighing ``1 / (2 x copies)``, its aux losses
-    ``aux_scale`` (default that weight too)."""
+    over each copy's ``microbatches``, each weighing ``1 / (microbatches x copies)``, its aux
+    losses ``aux_scale`` (default that weight too)."""
     import pipedream_ext as pd
 
     def step(x: torch.Tensor, y: torch.Tensor, copies: int) -> torch.Tensor:
-        weight, total = 1.0 / (2 * copies), torch.zeros(())
+        weight, total = 1.0 / (microbatches * copies), torch.zeros(())
         for c in range(copies):
             rows = slice(c * ROWS, (c + 1) * ROWS)
-            for xi, yi in zip(torch.tensor_split(x[rows], 2), torch.tensor_split(y[rows], 2)):
+            for xi, yi in zip(torch.tensor_split(x[rows], microbatches), torch.tensor_split(y[rows], microbatches)):
                 with pd.aux_loss_scale(weight if aux_scale is None else aux_scale):
                     loss = lm_loss(ref(xi), yi) * weight
                 loss.backward()
@@ -250,7 +250,8 @@ def check_aux_loss(schedule: str, layers: int = 2, **options: Any) -> None:
     moved = (grads[0] - grads[1]).abs().max()
     assert moved > 1e-3 * grads[0].abs().max(), f"the aux loss hardly changes {router}: {moved}"
     opt, ref_opt = optimizers("sgd", pipe, ref)
-    train_alongside(f"{schedule} aux", pipe, opt, ref, ref_opt, accumulated(ref))
+    train_alongside(f"{schedule} aux", pipe, opt, ref, ref_opt,
+                    accumulated(ref, microbatches=options.get("microbatches", 2)))
     pipe.close()
 
 
@@ -665,6 +666,7 @@ def cases(world: int) -> Cases:
     c.add(check_aux_loss, "1f1b")
     c.add(check_aux_loss, "zb-h1", recompute=True, name="aux-loss-zb-h1-recompute")
     c.add(check_aux_loss, "zbv", layers=4, name="aux-loss-zbv-4-stages")
+    c.add(check_aux_loss, "dualpipev", layers=4, microbatches=4, overlap=True, name="aux-loss-dualpipev-overlap")
     c.add(check_transformers, "qwen3_moe", "1f1b", ["model.layers.1"], idle=True, root=FromEnv("PDEP_DIR"),
           name="transformers-qwen3-moe-1f1b-idle-rank-save-pretrained")
     c.add(check_transformers, "gpt_oss", "gpipe", ["model.layers.1"], name="transformers-gpt-oss-gpipe")
