@@ -717,6 +717,10 @@ def test_an_overlap_hook_must_run_both_halves_once() -> None:
         return lambda: callback(1, 5, [torch.randn(2, 3)], 0, 4, [out], [torch.ones_like(out)])
 
     assert pair(dualpipe_example)()[0].shape == (2, 3)
+    x, out = torch.randn(2, 3, requires_grad=True), layer(torch.randn(2, 3))  # recompute: no graph kept
+    kept = PairCallback(dualpipe_example, forward, {0: layer, 1: layer}, recompute=True)(
+        1, 5, [x], 0, 4, [out], [torch.ones_like(out)])
+    assert not kept[0].requires_grad
     with pytest.raises(RuntimeError, match=r"forgets_the_backward \(forward: stage 1 microbatch 5, backward: "
                                            r"stage 0 microbatch 4\) returned without the backward reaching "
                                            r"outputs1; call torch.autograd.backward"):

@@ -76,17 +76,23 @@ class PairCallback:
         hook: the model's :data:`OverlapHook`.
         forward: the executor's forward callback (``StepCallback``).
         modules: this rank's stage modules, by stage.
+        recompute: this rank's stages recompute: ``module0`` runs without autograd, as
+            the executor's own forward then does (the backward recomputes it).
     """
 
     def __init__(self, hook: OverlapHook, forward: Callable[..., List[torch.Tensor]],
-                 modules: Dict[int, nn.Module]) -> None:
-        self.hook, self.forward, self.modules = hook, forward, modules
+                 modules: Dict[int, nn.Module], recompute: bool = False) -> None:
+        self.hook, self.forward, self.modules, self.recompute = hook, forward, modules, recompute
+
+    def _forward(self, stage: int, microbatch: int, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.recompute):
+            return self.forward(stage, microbatch, list(inputs), [])
 
     def __call__(self, f_stage: int, f_microbatch: int, inputs: List[torch.Tensor], b_stage: int,
                  b_microbatch: int, roots: List[torch.Tensor], grads: List[torch.Tensor]
                  ) -> List[torch.Tensor]:
         module0 = StageCall(f_stage, f_microbatch, self.modules[f_stage],
-                            lambda *xs: self.forward(f_stage, f_microbatch, list(xs), []))
+                            lambda *xs: self._forward(f_stage, f_microbatch, xs))
         module1 = StageCall(b_stage, b_microbatch, self.modules[b_stage])
         reached: set = set()
         handles = [root.register_hook(lambda g, k=k: reached.add(k))

@@ -193,7 +193,7 @@ class Runner:
             lowered = _C.pair_forward_backward(lowered)
             if callable(self.config.overlap):
                 pair = PairCallback(self.config.overlap, self._forward,
-                                    {j: self.stages[j] for j in self.stages})
+                                    {j: self.stages[j] for j in self.stages}, self.stage_fn.recompute)
         executor = _C.PipelineExecutor(
             lowered, self.groups.rank if rank is None else rank, group,
             self.groups.side if side is None else side, self.config.timeout,
