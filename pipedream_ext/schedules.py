@@ -273,6 +273,22 @@ class Schedule:
         _C.validate_channels(self._lowered)
         _C.validate_channels(self._lowered, forward_only=True)
 
+    def pairs(self) -> List[List[str]]:
+        """The F&B pairs ``PipeDream(overlap=True)`` runs together, per rank: an F followed,
+        past transfers only, by a B of another stage (``"0F3&3B1"``); after
+        ``_C.pair_forward_backward`` makes each adjacent (csrc/core/pairs.h). Empty lists
+        for a schedule without any (every one but ``dualpipev``).
+
+        Raises:
+            ValueError: moving the pairs' transfers would not be safe (the channels' proof).
+        """
+        paired = _C.pair_forward_backward(self._lowered)
+        out = []
+        for rank in range(paired.num_ranks):
+            actions = paired.actions(rank)
+            out.append([f"{actions[k]}&{actions[k + 1]}" for k in _C.pair_starts(paired, rank)])
+        return out
+
     def channels(self) -> str:
         """Each rank's operations with each peer, in the order it issues them.
 

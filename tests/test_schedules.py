@@ -188,6 +188,17 @@ def test_cli_channels_print_the_mirrored_transfer_order():
         assert ("SEND" in a) != ("SEND" in b), (a, b)
 
 
+def test_cli_pairs_print_dualpipev_f_and_b():
+    """``--pairs``: each rank's F&B pairs, as the generator pairs them (rank r of p: 2(m-2p+r+1)
+    + (p-r-1); tests/cpp/test_pairs.cpp); none for 1f1b."""
+    out = _cli("schedule", "--name", "dualpipev", "--stages", "2", "--microbatches", "4", "--pairs")
+    assert out.returncode == 0, out.stderr
+    pairs = out.stdout.split("F&B pairs")[1]
+    lines = dict(line.split(": ", 1) for line in pairs.splitlines() if line.startswith("rank "))
+    assert lines == {"rank 0": "0F3&3B1 3F2&0B0 3F3&0B1", "rank 1": "1F2&2B0 2F2&1B0 1F3&2B1 2F3&1B1"}, lines
+    assert schedules.build("1f1b", 2, 4).pairs() == [[], []]
+
+
 def test_cli_errors_exit_nonzero_with_the_value():
     out = _cli("schedule", "--name", "interleaved-1f1b", "--stages", "3", "--microbatches", "7",
                "--chunks", "2")

@@ -72,6 +72,8 @@ def register(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--channels", action="store_true",
                    help="also print each rank's operations with each peer, in the order it issues "
                         "them (the two lines of a pair mirror each other, as NCCL matches them)")
+    p.add_argument("--pairs", action="store_true",
+                   help="print the F&B pairs per rank that PipeDream(overlap=True) runs together (dualpipev)")
     p.add_argument("--trace", metavar="PATH", help="write a Chrome trace (chrome://tracing, Perfetto)")
     p.add_argument("--csv", metavar="PATH", help="write the lowered schedule as CSV")
     p.add_argument("--plot", metavar="PATH.png",
@@ -130,4 +132,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"{label.ljust(width)}  {value}")
     if args.channels:
         print("\ntransfer order per pair of ranks:\n" + schedule.channels(), end="")
+    if args.pairs:
+        print("\nF&B pairs (overlap=True runs each together):")
+        for rank, pairs in enumerate(schedule.pairs()):
+            print(f"rank {rank}: {' '.join(pairs) or '(none)'}")
     return 0
