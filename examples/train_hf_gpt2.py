@@ -69,7 +69,7 @@ def make_model(layers: int, width: int, heads: int, context: int, dropout: float
 
 
 def lm_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-byte cross entropy of a ``CausalLMOutputWithCrossAttentions``."""
+    """Mean next-byte cross entropy of a transformers causal LM's output (``.logits``)."""
     return F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
 
 
@@ -83,15 +83,18 @@ def block_split_points(layers: int, stages: int) -> List[str]:
 
 
 def evaluate(pipe: pd.PipeDream, batches: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Mean next-byte cross entropy over the validation batches, on every rank."""
+    """Mean next-byte cross entropy over the validation batches (on a mesh each copy its
+    part of every batch), on every rank."""
     pipe.eval()
+    copy, copies = pipe.data_parallel_rank, pipe.data_parallel_size
     total = torch.zeros(2, dtype=torch.float64)  # summed loss, tokens
     for x, y in batches:
-        out = pipe.forward_only({"input_ids": x})
-        if out is not None:  # the last stage's rank: the model's own output structure
-            total[0] += F.cross_entropy(out.logits.flatten(0, 1), y.flatten(), reduction="sum").item()
-            total[1] += y.numel()
-    dist.broadcast(total, src=pipe.last_rank)
+        part = slice(copy * len(x) // copies, (copy + 1) * len(x) // copies)
+        out = pipe.forward_only({"input_ids": x[part]})
+        if out is not None:  # a last stage's rank: the model's own output structure
+            total[0] += F.cross_entropy(out.logits.flatten(0, 1), y[part].flatten(), reduction="sum").item()
+            total[1] += y[part].numel()
+    dist.all_reduce(total)  # every copy's last stage: the whole batches
     pipe.train()
     return float(total[0] / total[1])
 

@@ -31,7 +31,6 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import pipedream_ext as pd
@@ -47,9 +46,9 @@ from train_gpt import (
     unigram_entropy,
     validation_batches,
 )
+from train_hf_gpt2 import NO_CACHE, evaluate, evaluate_unsplit, lm_loss
 
 log = logging.getLogger("train_hf_moe")
-NO_CACHE = {"use_cache": False}
 
 
 def make_model(layers: int, width: int, experts: int, top_k: int, seed: int) -> Any:
@@ -67,40 +66,11 @@ def make_model(layers: int, width: int, experts: int, top_k: int, seed: int) -> 
     return Qwen3MoeForCausalLM(config)
 
 
-def lm_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-byte cross entropy of the model's ``MoeCausalLMOutputWithPast``."""
-    return F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
-
-
-def evaluate(pipe: pd.PipeDream, batches: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Mean next-byte cross entropy over the validation batches (each copy its part of
-    every batch), on every rank."""
-    pipe.eval()
-    copy, copies = pipe.data_parallel_rank, pipe.data_parallel_size
-    total = torch.zeros(2, dtype=torch.float64)  # summed loss, tokens
-    for x, y in batches:
-        part = slice(copy * len(x) // copies, (copy + 1) * len(x) // copies)
-        out = pipe.forward_only({"input_ids": x[part]})
-        if out is not None:  # a last stage's rank
-            total[0] += F.cross_entropy(out.logits.flatten(0, 1), y[part].flatten(), reduction="sum").item()
-            total[1] += y[part].numel()
-    dist.all_reduce(total)
-    pipe.train()
-    return float(total[0] / total[1])
-
-
-def evaluate_unsplit(directory: str, batches: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> float:
+def evaluate_pretrained(directory: str, batches: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> float:
     """The validation loss of ``from_pretrained(directory)``: plain transformers, no pipeline."""
     from transformers import Qwen3MoeForCausalLM
 
-    model = Qwen3MoeForCausalLM.from_pretrained(directory).eval()
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for x, y in batches:
-            logits = model(input_ids=x, **NO_CACHE).logits
-            total += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
-            count += y.numel()
-    return total / count
+    return evaluate_unsplit(Qwen3MoeForCausalLM.from_pretrained(directory), batches)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -183,7 +153,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.save:
         pd.save_pretrained(pipe, args.save)
         if dist.get_rank() == 0:
-            print(f"FROM_PRETRAINED VALIDATION LOSS {evaluate_unsplit(args.save, val_set):.4f} "
+            print(f"FROM_PRETRAINED VALIDATION LOSS {evaluate_pretrained(args.save, val_set):.4f} "
                   f"(a plain Qwen3MoeForCausalLM from {args.save})", flush=True)
     pipe.close()
     dist.destroy_process_group()
