@@ -186,8 +186,9 @@ def build_pipeline(args: PipelineArguments) -> BuiltPipeline:
     device = _join_default_group(args.device, config.timeout)
     args, dims, chosen, chosen_plan = _choose_configuration(args, prepared, config, device)
     config = args.checked_config()
-    if config.overlap is True and overlap.hook_of(True, args.module) is not None:  # the model's own
-        config = dataclasses.replace(config, overlap=overlap.hook_of(True, args.module))
+    own_hook = overlap.hook_of(True, args.module) if config.overlap is True else None
+    if own_hook is not None:  # the model class's own overlapped_forward_backward
+        config = dataclasses.replace(config, overlap=own_hook)
     check_schedule(dims, config.schedule, config.asynchronous, planned=False)
     cut = cut_model(args, prepared, config, dims)
     cut.plan = chosen_plan or cut.plan
