@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -352,10 +352,12 @@ def check_refusals() -> None:
         ("ep-unsupported", "mesh='auto' and a callable plan",
          dict(mesh="auto", sample=batch(0, 8), balance="auto", split_points=None, model="sequential",
               expert_parallel=lambda stage, mesh: None)),
-        ("ep-unsupported", "put RoutedExpertParallel() on the experts in the tensor_parallel plan",
-         dict(mesh=mesh_of((2, 1, 2), ("pp", "ep", "tp")), tensor_parallel={"layers.*.mix": ColwiseParallel()})),
-        ("ep-unsupported", "on a separate 'tp' mesh dimension (mesh_dim_names ('pp', 'ep', 'tp'))",
-         dict(mesh=mesh_of((2, 1, 2), ("pp", "ep", "tp")))),
+        ("tp-mesh", "after 'ep' with expert_parallel= (mesh has ('pp', 'ep'))",
+         dict(tensor_parallel={"layers.*.mix": ColwiseParallel()})),
+        ("tp-mesh", "'tp' dimension of size 2 but tensor_parallel= is not given",
+         dict(mesh=mesh_of((1, 2, 2), ("pp", "ep", "tp")))),
+        ("ep-mesh", "not ('pp', 'tp', 'ep')", dict(mesh=mesh_of((1, 2, 2), ("pp", "tp", "ep")),
+                                                 tensor_parallel={"layers.*.mix": ColwiseParallel()})),
         ("ep-mesh", "'ep' dimension of size 2", dict(expert_parallel=None)),
         ("ep-mesh", "needs a mesh with an 'ep' dimension", dict(mesh=None)),
         ("ep-mesh", "not ('pp', 'dp')", dict(mesh=mesh_of((2, 2), ("pp", "dp")))),
@@ -535,6 +537,42 @@ def check_experts_over_tp(schedule: str) -> None:
     pipe.close()
 
 
+def check_experts_and_tp(shape: Tuple[int, ...], schedule: str, **options: Any) -> None:
+    """Mixtral on a ``("pp", "dp", "ep", "tp")`` mesh (or ``("pp", "ep", "tp")`` for a
+    3-tuple ``shape``), two plans on two dimensions: ``tensor_parallel=`` Megatron-style
+    attention over tp, ``expert_parallel=`` ``RoutedExpertParallel`` over ep. The experts
+    are shards over ep (half per rank) replicated over tp, the attention shards over tp
+    replicated over dp x ep; trains as the unsplit model (the copies' losses averaged),
+    ``clip_grad_norm_`` counting every shard once."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+    import pipedream_ext as pd
+
+    attention = {"model.layers.*.self_attn": PrepareModuleInput(),
+                 **{f"model.layers.*.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
+                 "model.layers.*.self_attn.o_proj": RowwiseParallel()}
+    names = ("pp", "dp", "ep", "tp") if len(shape) == 4 else ("pp", "ep", "tp")
+    ref = transformers_moe("mixtral")
+    pipe = pipeline(transformers_moe("mixtral"), schedule, mesh=mesh_of(shape, names), tensor_parallel=attention,
+                    expert_parallel={"model.layers.*.mlp.experts": pd.RoutedExpertParallel()}, split_points=["model.layers.1"],
+                    concrete_args={"use_cache": False}, loss_fn=transformers_loss, **options)
+    meshes = {n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1]: (tuple(p.to_local().shape), p.device_mesh.mesh_dim_names)
+              for n, p in pipe.named_parameters() if hasattr(p, "to_local")}
+    if options.get("data_parallel") == "replicate":
+        assert meshes["experts.gate_up_proj"] == ((2, 128, 32), ("ep",)), meshes
+        assert meshes["q_proj.weight"] == ((16, 32), ("tp",)), meshes
+    assert pipe.data_parallel_size == dist.get_world_size() // (shape[0] * shape[-1]), pipe.data_parallel_size
+    opt, ref_opt = optimizers("adamw", pipe, ref)
+
+    def ref_step(x: torch.Tensor, y: torch.Tensor, copies: int) -> torch.Tensor:
+        loss = transformers_loss(ref(x, use_cache=False), y)
+        loss.backward()
+        return loss.detach()
+    train_alongside(f"experts over ep and attention over tp, {schedule}", pipe, opt, ref, ref_opt, ref_step,
+                    clip=0.5)
+    pipe.close()
+
+
 def check_from_meta() -> None:
     """transformers' Qwen3-MoE built on the meta device, its experts' forward one that runs
     on meta values (``experts_implementation="batched_mm"``; the default ``grouped_mm`` and
@@ -680,6 +718,9 @@ def cases(world: int) -> Cases:
           name="transformers-mixtral-dualpipev-overlap-fsdp-recompute")
     c.add(check_from_meta)
     c.add(check_experts_over_tp, "zb-h1")
+    c.add(check_experts_and_tp, (1, 2, 2), "zbv", chunks=2, data_parallel="replicate", name="experts-and-tp-zbv-ep2-tp2-replicate")
+    c.add(check_experts_and_tp, (1, 2, 2), "dualpipev", chunks=2, microbatches=4, overlap=True, recompute=True,
+          name="experts-and-tp-dualpipev-ep2-tp2-fsdp-overlap-recompute")
     c.add(check_refusals)
     c.add(check_checkpoints, FromEnv("PDEP_DIR"), name="checkpoints")
     return c

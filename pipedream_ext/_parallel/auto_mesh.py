@@ -98,16 +98,18 @@ def runs_on_device_mesh(mesh: Sequence[int]) -> bool:
 def build_mesh(mesh: Sequence[int], device_type: str, ep: int = 0) -> Optional[Any]:
     """The DeviceMesh of a chosen ``(pp, dp, tp)``, over every rank in ascending order
     (collective: every rank calls it with the same shape), or ``None`` for ``(pp, 1, 1)``;
-    with ``ep`` (``expert_parallel=``; 0: none) ``("pp", "ep")`` or ``("pp", "dp", "ep")``,
-    ``ep`` of the ``dp`` copies sharing their experts.
+    with ``ep`` (``expert_parallel=``; 0: none) ``("pp", "dp", "ep", "tp")`` without the
+    dimensions of size 1 (``dp`` the copies beyond ``ep``), ``ep`` of the ``dp`` copies
+    sharing their experts.
     """
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415 - as dims
 
     pp, dp, tp = (int(x) for x in mesh)
     if ep:
-        if dp == ep:
-            return init_device_mesh(device_type, (pp, ep), mesh_dim_names=("pp", "ep"))
-        return init_device_mesh(device_type, (pp, dp // ep, ep), mesh_dim_names=("pp", "dp", "ep"))
+        sizes = [("pp", pp), ("dp", dp // ep), ("ep", ep), ("tp", tp)]
+        kept = [(name, n) for name, n in sizes if n > 1 or name in ("pp", "ep")]
+        return init_device_mesh(device_type, tuple(n for _, n in kept),
+                                mesh_dim_names=tuple(name for name, _ in kept))
     if not runs_on_device_mesh(mesh):
         return None
     if tp == 1:

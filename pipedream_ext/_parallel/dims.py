@@ -150,16 +150,21 @@ class ParallelDims:
 
     @property
     def coordinates(self) -> Optional[Dict[str, int]]:
-        """With tensor parallelism, this rank's ``{"dp": .., "tp": ..}``; with expert
-        parallelism and replicas its ``{"dp": .., "ep": ..}`` (the mesh's own dp
-        coordinate, not the copy); else ``None``."""
+        """The coordinates along which this rank may hold a replicated DTensor shard (which
+        :class:`GradientClipper` counts on coordinate 0 only): with tensor parallelism
+        ``{"dp": .., "tp": ..}``; with expert parallelism and replicas ``{"dp": .., "ep": ..}``
+        (the mesh's own dp coordinate, not the copy), plus ``"tp"`` with both; under FSDP with
+        expert parallelism only ``{"tp": ..}`` (or ``None`` without tp); else ``None``."""
+        tp = {"tp": self.tp_rank} if self.tp_enabled else {}
         if self.ep_enabled:
-            # Only replicas hold a DTensor replicated along a dimension its mesh lacks (an
-            # expert shard over ep, the same on every dp coordinate); under FSDP every
-            # DTensor shard is distinct (the dense ones over all dp x ep copies).
-            return None if self.fsdp_enabled else {"dp": self.copy // self.ep_size,
-                                                   "ep": self.copy % self.ep_size}
-        return {"dp": self.dp_rank, "tp": self.tp_rank} if self.tp_enabled else None
+            # Under FSDP the dense shards are distinct over all dp x ep copies and the
+            # experts' over (dp, ep): only tp replicates them (the experts, the plain
+            # parameters' shards). Replicas hold a DTensor replicated along each dimension
+            # its mesh lacks (an expert shard over dp and tp, a tp shard over dp and ep).
+            if self.fsdp_enabled:
+                return tp or None
+            return {"dp": self.dp_rank // self.ep_size, "ep": self.dp_rank % self.ep_size, **tp}
+        return {"dp": self.dp_rank, **tp} if self.tp_enabled else None
 
     def planner_sizes(self) -> Dict[str, Any]:
         """What the planner plans for on a mesh (``partition_from_plan``'s keywords):
@@ -259,9 +264,18 @@ class ParallelDims:
         # Applying the plan is agreed on over the world with twice the timeout: a rank
         # whose tp peer's plan raised before its collective waits that long in it first.
         self.plan_group = bounded_group(self.world_ranks, 2 * timeout)
+        if self.tensor_parallel is not None:
+            self._create_tensor_groups(timeout)
         if self.expert_parallel is not None:
             self._create_expert_groups(timeout)
-            return
+
+    def _create_tensor_groups(self, timeout: float) -> None:
+        """Every stage's tp groups (one per dp coordinate, ``dp * ep`` of them with expert
+        parallelism), joined with this rank's dp group as one ``(dp, tp)`` mesh: FSDP2
+        over TP needs the dp and tp meshes to share their root."""
+        from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 - as fully_shard
+
+        me, tp = dist.get_rank(), self.tp_size
         tp_group = None
         for pp in range(len(self.pipelines[0])):
             for d in range(self.dp_size):
@@ -269,8 +283,6 @@ class ParallelDims:
                 group = bounded_group(row, timeout)
                 if me in row:
                     tp_group = group
-        # One (dp, tp) mesh over this rank's two groups: FSDP2 over TP needs the dp and
-        # tp meshes to share their root.
         pp = self.pipelines[self.copy].index(me)
         layout = [[self.pipelines[d * tp + t][pp] for t in range(tp)] for d in range(self.dp_size)]
         both = DeviceMesh.from_group([self.dp_mesh.get_group(), tp_group], self.mesh.device_type,
@@ -284,21 +296,27 @@ class ParallelDims:
         their root, as over tp's (``create_groups``)."""
         from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 - as fully_shard
 
-        me, ep, dp = dist.get_rank(), self.ep_size, self.dp_size // self.ep_size
+        me, ep, tp = dist.get_rank(), self.ep_size, self.tp_size
+        dp = self.dp_size // ep
+
+        def copy(d: int, e: int, t: int) -> int:  # the pipelines' order: (d * ep + e) * tp + t
+            return (d * ep + e) * tp + t
         ep_group = edp_group = None
         for pp in range(len(self.pipelines[0])):
             for d in range(dp):
-                row = [ranks[pp] for ranks in self.pipelines[d * ep:(d + 1) * ep]]
-                group = bounded_group(row, timeout)
-                if me in row:
-                    ep_group = group
+                for t in range(tp):
+                    row = [self.pipelines[copy(d, e, t)][pp] for e in range(ep)]
+                    group = bounded_group(row, timeout)
+                    if me in row:
+                        ep_group = group
             for e in range(ep):
-                row = [ranks[pp] for ranks in self.pipelines[e::ep]]
-                group = bounded_group(row, timeout)
-                if me in row:
-                    edp_group = group
-        pp = self.pipelines[self.copy].index(me)
-        layout = [[self.pipelines[d * ep + e][pp] for e in range(ep)] for d in range(dp)]
+                for t in range(tp):
+                    row = [self.pipelines[copy(d, e, t)][pp] for d in range(dp)]
+                    group = bounded_group(row, timeout)
+                    if me in row:
+                        edp_group = group
+        pp, t = self.pipelines[self.copy].index(me), self.tp_rank
+        layout = [[self.pipelines[copy(d, e, t)][pp] for e in range(ep)] for d in range(dp)]
         both = DeviceMesh.from_group([edp_group, ep_group], self.mesh.device_type, mesh=layout,
                                      mesh_dim_names=("dp", "ep"))
         self.ep_mesh, self.expert_dp_mesh = both["ep"], both["dp"]
@@ -498,16 +516,18 @@ def _expert_parallel_dims(mesh: Any, names: Sequence[str], data_parallel: str, r
     Raises:
         ValueError: naming what does not fit and the fix.
     """
-    if names not in (("pp", "ep"), ("pp", "dp", "ep")):
-        raise ValueError(f"expert_parallel= with tensor_parallel= on a separate 'tp' mesh dimension "
-                         f"(mesh_dim_names {tuple(names)}) is not supported yet: drop one of them, or "
-                         "spread the experts over the tp ranks instead (a ('pp', 'dp', 'tp') mesh, "
-                         "RoutedExpertParallel() in the tensor_parallel= plan; "
-                         "docs/guide/expert_parallel.md)"
-                         if tensor_parallel is not None or "tp" in names else
-                         f"expert_parallel= needs mesh_dim_names ('pp', 'ep') or ('pp', 'dp', 'ep'), "
+    if names not in _EXPERT_MESHES:
+        raise ValueError(f"expert_parallel= needs mesh_dim_names ('pp', 'ep') or ('pp', 'dp', 'ep'), "
+                         "or with tensor_parallel= ('pp', 'ep', 'tp') or ('pp', 'dp', 'ep', 'tp'), "
                          f"not {tuple(names)}; build it with init_device_mesh(device_type, (pp, ep), "
                          "mesh_dim_names=('pp', 'ep'))")
+    if ("tp" in names) != (tensor_parallel is not None):
+        raise ValueError(f"mesh has a 'tp' dimension of size {int(mesh.shape[names.index('tp')])} but "
+                         "tensor_parallel= is not given; pass tensor_parallel={pattern: ParallelStyle} "
+                         "(or a callable), or build the mesh without 'tp'" if "tp" in names else
+                         f"tensor_parallel= needs a 'tp' mesh dimension, after 'ep' with "
+                         f"expert_parallel= (mesh has {tuple(names)}); build it with init_device_mesh(device_type, "
+                         "(pp, dp, ep, tp), mesh_dim_names=('pp', 'dp', 'ep', 'tp'))")
     ep = int(mesh.shape[names.index("ep")])
     if mesh.size() != dist.get_world_size():
         raise ValueError(f"mesh spans {mesh.size()} ranks but the world has "
@@ -515,9 +535,15 @@ def _expert_parallel_dims(mesh: Any, names: Sequence[str], data_parallel: str, r
     if replicas is not None or process_group is not None:
         raise ValueError("replicas= and process_group= cannot be combined with mesh=; drop them "
                          "(the pipeline runs on mesh['pp'], one copy per (dp, ep) coordinate)")
+    tp = int(mesh.shape[names.index("tp")]) if "tp" in names else 1
     return ParallelDims(mesh, data_parallel, reshard_after_forward, mp_policy,
                         _ascending_pipelines(mesh, "an 'ep'"), pp_group=mesh["pp"].get_group(),
-                        world_group=dist.group.WORLD, ep_size=ep, expert_parallel=expert_parallel)
+                        world_group=dist.group.WORLD, tp_size=tp, tensor_parallel=tensor_parallel,
+                        ep_size=ep, expert_parallel=expert_parallel)
+
+
+#: The meshes ``expert_parallel=`` runs on (the last two with ``tensor_parallel=``).
+_EXPERT_MESHES = (("pp", "ep"), ("pp", "dp", "ep"), ("pp", "ep", "tp"), ("pp", "dp", "ep", "tp"))
 
 
 def check_schedule(dims: ParallelDims, schedule: str, asynchronous: bool, planned: bool) -> None:

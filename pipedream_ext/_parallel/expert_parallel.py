@@ -42,10 +42,7 @@ def check_option(plan: Any, options: Any) -> None:
             what it does not support yet, naming the value and the fix.
     """
     check_plan({} if _is_auto(plan) else plan, options, "expert_parallel", "'layers.*.moe.experts'",
-               "torchtitan's ExpertParallel(), RoutedExpertParallel()", "ep_mesh",
-               [(options.tensor_parallel is not None, "tensor_parallel=",
-                 "drop expert_parallel= and put RoutedExpertParallel() on the experts in the "
-                 "tensor_parallel plan (experts over the tp ranks), or drop tensor_parallel=")])
+               "torchtitan's ExpertParallel(), RoutedExpertParallel()", "ep_mesh")
 
 
 def resolve_auto(plan: Any, module: torch.nn.Module) -> Any:

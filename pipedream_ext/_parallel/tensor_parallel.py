@@ -607,7 +607,8 @@ class TensorParallel:
             for module in stages.values():
                 for t in list(module.parameters()) + list(module.buffers()):
                     if not t.is_meta:  # meta layers: equal on every rank as materialised (tp_init)
-                        collectives.broadcast_data(t.detach(), 0, group)
+                        # Another plan's shards (tp's, before the ep plan) are equal along this mesh.
+                        collectives.broadcast_data(local(t.detach()), 0, group)
         matched: Dict[str, None] = {}
         error: Optional[BaseException] = None
         try:
