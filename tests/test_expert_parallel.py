@@ -537,13 +537,11 @@ def check_experts_over_tp(schedule: str) -> None:
     pipe.close()
 
 
-def check_experts_and_tp(shape: Tuple[int, ...], schedule: str, **options: Any) -> None:
-    """Mixtral on a ``("pp", "dp", "ep", "tp")`` mesh (or ``("pp", "ep", "tp")`` for a
-    3-tuple ``shape``), two plans on two dimensions: ``tensor_parallel=`` Megatron-style
-    attention over tp, ``expert_parallel=`` ``RoutedExpertParallel`` over ep. The experts
-    are shards over ep (half per rank) replicated over tp, the attention shards over tp
-    replicated over dp x ep; trains as the unsplit model (the copies' losses averaged),
-    ``clip_grad_norm_`` counting every shard once."""
+def experts_and_tp(shape: Tuple[int, ...], schedule: str, **options: Any) -> Any:
+    """transformers' Mixtral on a ``("pp", "dp", "ep", "tp")`` mesh (``("pp", "ep", "tp")``
+    for a 3-tuple ``shape``) with two plans on two dimensions: ``tensor_parallel=``
+    Megatron-style attention over tp, ``expert_parallel=`` ``RoutedExpertParallel`` over ep.
+    ``options["scale"]`` scales its initial weights (another model)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
     import pipedream_ext as pd
@@ -552,11 +550,24 @@ def check_experts_and_tp(shape: Tuple[int, ...], schedule: str, **options: Any) 
                  **{f"model.layers.*.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
                  "model.layers.*.self_attn.o_proj": RowwiseParallel()}
     names = ("pp", "dp", "ep", "tp") if len(shape) == 4 else ("pp", "ep", "tp")
+    model, scale = transformers_moe("mixtral"), options.pop("scale", 1.0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(scale)
+    return pipeline(model, schedule, mesh=mesh_of(shape, names), tensor_parallel=attention,
+                    expert_parallel={"model.layers.*.mlp.experts": pd.RoutedExpertParallel()},
+                    split_points=["model.layers.1"], concrete_args={"use_cache": False}, loss_fn=transformers_loss,
+                    **options)
+
+
+def check_experts_and_tp(shape: Tuple[int, ...], schedule: str, **options: Any) -> None:
+    """:func:`experts_and_tp`: the experts are shards over ep (half per rank) replicated
+    over tp, the attention shards over tp replicated over dp x ep; trains as the unsplit
+    model (the copies' losses averaged), ``clip_grad_norm_`` counting every shard once."""
     ref = transformers_moe("mixtral")
-    pipe = pipeline(transformers_moe("mixtral"), schedule, mesh=mesh_of(shape, names), tensor_parallel=attention,
-                    expert_parallel={"model.layers.*.mlp.experts": pd.RoutedExpertParallel()}, split_points=["model.layers.1"],
-                    concrete_args={"use_cache": False}, loss_fn=transformers_loss, **options)
-    meshes = {n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1]: (tuple(p.to_local().shape), p.device_mesh.mesh_dim_names)
+    pipe = experts_and_tp(shape, schedule, **options)
+    meshes = {n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1]:
+              (tuple(p.to_local().shape), p.device_mesh.mesh_dim_names)
               for n, p in pipe.named_parameters() if hasattr(p, "to_local")}
     if options.get("data_parallel") == "replicate":
         assert meshes["experts.gate_up_proj"] == ((2, 128, 32), ("ep",)), meshes
@@ -571,6 +582,44 @@ def check_experts_and_tp(shape: Tuple[int, ...], schedule: str, **options: Any) 
     train_alongside(f"experts over ep and attention over tp, {schedule}", pipe, opt, ref, ref_opt, ref_step,
                     clip=0.5)
     pipe.close()
+
+
+def check_experts_and_tp_checkpoints(root: str) -> None:
+    """ep2 x tp2 (FSDP) trains 2 AdamW steps and saves (``format="dcp"``, and
+    ``save_pretrained``); ``pd.consolidate`` gives the whole model's weights at the save;
+    another model on ep2 x tp2 with replicas loads it (bit-identical weights) and trains on
+    as the saving run did; pp2 x ep2 without tp loads the ``save_pretrained`` directory."""
+    import pipedream_ext as pd
+
+    path = os.path.join(root, "ep2-tp2")
+    saving = experts_and_tp((1, 2, 2), "zbv", chunks=2)
+    opt = torch.optim.AdamW(saving.parameters(), lr=0.01, eps=1e-4)
+    train(saving, opt, range(2))
+    at_save = gathered(saving)
+    pd.save_checkpoint(path, saving, opt, step=2, format="dcp")
+    pd.save_pretrained(saving, path + "-hf")
+    later = train(saving, opt, range(2, 4))
+    after = gathered(saving)
+    saving.close()
+    if dist.get_rank() == 0:
+        same(dict(pd.consolidate(path)), at_save, "consolidate")
+    fresh = experts_and_tp((1, 2, 2), "zbv", chunks=2, data_parallel="replicate", scale=0.5)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01, eps=1e-4)
+    assert pd.load_checkpoint(path, fresh, fresh_opt).step == 2
+    same(gathered(fresh), at_save, "ep2 x tp2 loaded")
+    torch.testing.assert_close(train(fresh, fresh_opt, range(2, 4)), later, rtol=1e-5, atol=1e-6)
+    for name, value in gathered(fresh).items():
+        torch.testing.assert_close(value, after[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"resumed {name}: {m}")
+    fresh.close()
+    model = transformers_moe("mixtral")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    from_hf = pipeline(model, split_points=["model.layers.1"], concrete_args={"use_cache": False},
+                       loss_fn=transformers_loss, expert_parallel="auto")
+    from_hf.load_state_dict(path + "-hf")
+    same(gathered(from_hf), at_save, "save_pretrained of ep2 x tp2, loaded into pp2 x ep2")
+    from_hf.close()
 
 
 def check_from_meta() -> None:
@@ -718,11 +767,13 @@ def cases(world: int) -> Cases:
           name="transformers-mixtral-dualpipev-overlap-fsdp-recompute")
     c.add(check_from_meta)
     c.add(check_experts_over_tp, "zb-h1")
-    c.add(check_experts_and_tp, (1, 2, 2), "zbv", chunks=2, data_parallel="replicate", name="experts-and-tp-zbv-ep2-tp2-replicate")
+    c.add(check_experts_and_tp, (1, 2, 2), "zbv", chunks=2, data_parallel="replicate",
+          name="experts-and-tp-zbv-ep2-tp2-replicate")
     c.add(check_experts_and_tp, (1, 2, 2), "dualpipev", chunks=2, microbatches=4, overlap=True, recompute=True,
           name="experts-and-tp-dualpipev-ep2-tp2-fsdp-overlap-recompute")
     c.add(check_refusals)
     c.add(check_checkpoints, FromEnv("PDEP_DIR"), name="checkpoints")
+    c.add(check_experts_and_tp_checkpoints, FromEnv("PDEP_DIR"), name="experts-and-tp-checkpoints")
     return c
 
 
