@@ -917,6 +917,20 @@ def test_the_cost_model_sees_the_experts_and_their_all_to_all() -> None:
     assert split.peak_bytes[0] < whole.peak_bytes[0] and split.pipeline_seconds > whole.pipeline_seconds
 
 
+def test_mesh_auto_builds_the_expert_mesh_of_its_choice() -> None:
+    """One process: the mesh ``mesh="auto"`` builds for a chosen ``(pp, dp, tp)`` and ep
+    (``dp`` every copy per tp coordinate) keeps ``pp`` and ``ep`` and drops a ``dp`` or
+    ``tp`` of size 1; its ascending ranks number the copies ``(d * ep + e) * tp + t``, the
+    planner's ``dp * tp + t``."""
+    from pipedream_ext._parallel.auto_mesh import expert_mesh_dims
+
+    assert expert_mesh_dims((2, 2, 1), 2) == ((2, 2), ("pp", "ep"))
+    assert expert_mesh_dims((2, 4, 1), 2) == ((2, 2, 2), ("pp", "dp", "ep"))
+    assert expert_mesh_dims((2, 2, 2), 2) == ((2, 2, 2), ("pp", "ep", "tp"))
+    assert expert_mesh_dims((1, 4, 2), 2) == ((1, 2, 2, 2), ("pp", "dp", "ep", "tp"))
+    assert expert_mesh_dims((2, 4, 2), 1) == ((2, 4, 1, 2), ("pp", "dp", "ep", "tp"))
+
+
 def test_mesh_auto_tries_every_ep_that_divides_the_copies_and_the_experts() -> None:
     """One process: ``auto_mesh.ep_sizes`` (divisors of the world dividing every matched
     module's expert count; none for a callable plan) and ``Request.searches`` (a search per
@@ -943,6 +957,9 @@ def mesh_3d_cases(world: int) -> Cases:
           name="training-pp2-dp2-ep2-clip-replicate")
     c.add(check_training, "dualpipev", "sgd", layers=4, microbatches=4, dp=2, overlap=True,
           name="training-pp2-dp2-ep2-dualpipev-overlap")
+    c.add(check_experts_and_tp, (1, 2, 2, 2), "zbv", chunks=2, name="experts-and-tp-zbv-dp2-ep2-tp2-fsdp")
+    c.add(check_experts_and_tp, (2, 1, 2, 2), "1f1b", data_parallel="replicate",
+          name="experts-and-tp-1f1b-pp2-ep2-tp2-replicate")
     return c
 
 

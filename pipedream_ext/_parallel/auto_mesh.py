@@ -18,7 +18,7 @@ from torch import nn
 
 from .tensor_parallel import check_sequence_length, kept_calls, uneven_split
 
-__all__ = ["Mesh", "build_mesh", "ep_sizes", "mesh_candidates", "runs_on_device_mesh", "tp_sizes"]
+__all__ = ["Mesh", "build_mesh", "ep_sizes", "expert_mesh_dims", "mesh_candidates", "runs_on_device_mesh", "tp_sizes"]
 
 Mesh = Tuple[int, int, int]
 
@@ -95,6 +95,21 @@ def runs_on_device_mesh(mesh: Sequence[int]) -> bool:
     return mesh[1] * mesh[2] > 1
 
 
+def expert_mesh_dims(mesh: Sequence[int], ep: int) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
+    """The shape and dimension names of the expert-parallel mesh of a chosen ``(pp, dp, tp)``
+    whose ``dp`` copies share their experts ``ep`` at a time: ``("pp", "dp", "ep", "tp")``
+    without a ``dp`` or ``tp`` of size 1 (``dp`` the copies beyond ``ep``).
+
+    Args:
+        mesh: ``(pp, dp, tp)``, ``dp`` counting every copy per tp coordinate.
+        ep: the ep size (divides ``dp``).
+    """
+    pp, dp, tp = (int(x) for x in mesh)
+    sizes = [("pp", pp), ("dp", dp // ep), ("ep", ep), ("tp", tp)]
+    kept = [(name, n) for name, n in sizes if n > 1 or name in ("pp", "ep")]
+    return tuple(n for _, n in kept), tuple(name for name, _ in kept)
+
+
 def build_mesh(mesh: Sequence[int], device_type: str, ep: int = 0) -> Optional[Any]:
     """The DeviceMesh of a chosen ``(pp, dp, tp)``, over every rank in ascending order
     (collective: every rank calls it with the same shape), or ``None`` for ``(pp, 1, 1)``;
@@ -106,10 +121,8 @@ def build_mesh(mesh: Sequence[int], device_type: str, ep: int = 0) -> Optional[A
 
     pp, dp, tp = (int(x) for x in mesh)
     if ep:
-        sizes = [("pp", pp), ("dp", dp // ep), ("ep", ep), ("tp", tp)]
-        kept = [(name, n) for name, n in sizes if n > 1 or name in ("pp", "ep")]
-        return init_device_mesh(device_type, tuple(n for _, n in kept),
-                                mesh_dim_names=tuple(name for name, _ in kept))
+        shape, names = expert_mesh_dims(mesh, ep)
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
     if not runs_on_device_mesh(mesh):
         return None
     if tp == 1:
