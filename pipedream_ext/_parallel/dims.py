@@ -9,6 +9,9 @@ With ``expert_parallel`` the mesh is ``("pp", "ep")`` or ``("pp", "dp", "ep")``:
 ranks are data ranks for everything but the experts (torchtitan's dp2ep), so the pipelines
 are the ``(dp, ep)`` copies and ``dp_size`` counts them all; ``expert_parallel.py`` applies
 the plan over ``ep_mesh`` and the replicas reduce the experts' shards over ``expert_dp_group``.
+With ``tensor_parallel`` too the mesh ends in ``"tp"`` (``("pp", "dp", "ep", "tp")``): copy
+``(d * ep + e) * tp + t``, so that the tp code reads ``dp * tp + t`` with ``dp`` counting dp x
+ep, and the ep groups are taken at fixed ``(d, t)``, the expert-dp groups at fixed ``(e, t)``.
 """
 from __future__ import annotations
 
@@ -47,7 +50,8 @@ class ParallelDims:
         reshard_after_forward: FSDP's ``reshard_after_forward``.
         mp_policy: FSDP's ``MixedPrecisionPolicy``, or ``None``.
         pipelines: the global ranks of every pipeline (the pp group of each dp rank,
-            or with tp of each ``(dp, tp)`` coordinate, index ``dp * tp_size + tp``), each
+            or with tp of each ``(dp, tp)`` coordinate, index ``dp * tp_size + tp``; with
+            ep ``dp`` is ``d * ep_size + e``), each
             in pp rank order (ascending); without a mesh the one pipeline's group.
         pp_group: this rank's pipeline's group: ``mesh["pp"]``'s until
             :meth:`create_groups` bounds it by the pipeline's timeout, for the executor
@@ -69,9 +73,9 @@ class ParallelDims:
         ep_size: the mesh's ep size (1 without an ``"ep"`` dimension).
         expert_parallel: the plan (``PipeDream(expert_parallel=...)``), or ``None``.
         ep_mesh: the 1-D mesh over this rank's ep group (the ranks of its stage whose dp
-            coordinate is its own), bounded by the timeout (:meth:`create_groups`).
+            and tp coordinates are its own), bounded by the timeout (:meth:`create_groups`).
         expert_dp_mesh: the 1-D mesh over the ranks of this rank's stage holding the same
-            expert shards (its ep coordinate, every dp coordinate), bounded by the
+            expert shards (its ep and tp coordinates, every dp coordinate), bounded by the
             timeout; with ``ep_mesh``, one ``(dp, ep)`` mesh (FSDP of the experts).
         expert_dp_group: ``expert_dp_mesh``'s group where ``dp > 1``, else ``None``.
     """
@@ -290,8 +294,8 @@ class ParallelDims:
         self.dp_mesh, self.tp_mesh = both["dp"], both["tp"]
 
     def _create_expert_groups(self, timeout: float) -> None:
-        """Every stage's ep groups (one per dp coordinate) and its groups of the ranks
-        holding the same expert shards (one per ep coordinate), joined as one (dp, ep)
+        """Every stage's ep groups (one per dp and tp coordinate) and its groups of the ranks
+        holding the same expert shards (one per ep and tp coordinate), joined as one (dp, ep)
         mesh per rank: FSDP2 over the experts' ep DTensors needs both meshes to share
         their root, as over tp's (``create_groups``)."""
         from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 - as fully_shard
@@ -408,7 +412,7 @@ def resolve_dims(mesh: Any, data_parallel: str, process_group: Optional[dist.Pro
             ``replicas`` or ``process_group`` together with a mesh; ``tensor_parallel``
             without a tp dimension (or a tp dimension without it); the same for
             ``expert_parallel`` and an ep dimension (``("pp", "ep")`` or ``("pp", "dp",
-            "ep")``; not with ``tensor_parallel`` yet).
+            "ep")``, with ``tensor_parallel`` ending in ``"tp"``).
     """
     if data_parallel not in DATA_PARALLEL:
         raise ValueError(f"data_parallel={data_parallel!r}; use 'fsdp' (FSDP2 over mesh['dp']) "

@@ -340,7 +340,8 @@ class PipelineOptions:
         docs/guide/tensor_parallel.md lists what is refused.""",
         group="placement", check=_check_tensor_parallel, agreed=describe_plan)
     expert_parallel: Optional[Any] = option(None, """
-        with a ``("pp", "ep")`` or ``("pp", "dp", "ep")`` ``mesh``: expert parallelism inside each stage
+        with a ``("pp", "ep")`` or ``("pp", "dp", "ep")`` ``mesh`` (with ``tensor_parallel``: ``("pp", "ep",
+        "tp")`` or ``("pp", "dp", "ep", "tp")``, the experts replicated over tp): expert parallelism inside each stage
         over ``mesh["ep"]``, a dict ``{pattern: ParallelStyle}`` (torchtitan's ``ExpertParallel()`` on
         the experts, e.g. ``{"layers.*.moe.experts": ExpertParallel()}``; patterns as ``tensor_parallel``
         reads them), ``"auto"`` (a transformers model's own ``ep_plan``: ``RoutedExpertParallel()`` on its
