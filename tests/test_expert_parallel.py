@@ -541,7 +541,8 @@ def experts_and_tp(shape: Tuple[int, ...], schedule: str, **options: Any) -> Any
     """transformers' Mixtral on a ``("pp", "dp", "ep", "tp")`` mesh (``("pp", "ep", "tp")``
     for a 3-tuple ``shape``) with two plans on two dimensions: ``tensor_parallel=``
     Megatron-style attention over tp, ``expert_parallel=`` ``RoutedExpertParallel`` over ep.
-    ``options["scale"]`` scales its initial weights (another model)."""
+    ``options["scale"]`` scales its initial weights (another model); ``options["meta"]``
+    builds it on the meta device (each rank materialises its shards, ``init_seed=5``)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
     import pipedream_ext as pd
@@ -550,7 +551,7 @@ def experts_and_tp(shape: Tuple[int, ...], schedule: str, **options: Any) -> Any
                  **{f"model.layers.*.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
                  "model.layers.*.self_attn.o_proj": RowwiseParallel()}
     names = ("pp", "dp", "ep", "tp") if len(shape) == 4 else ("pp", "ep", "tp")
-    model, scale = transformers_moe("mixtral"), options.pop("scale", 1.0)
+    model, scale = mixtral(options.pop("meta", False)), options.pop("scale", 1.0)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(scale)
@@ -560,12 +561,24 @@ def experts_and_tp(shape: Tuple[int, ...], schedule: str, **options: Any) -> Any
                     **options)
 
 
-def check_experts_and_tp(shape: Tuple[int, ...], schedule: str, **options: Any) -> None:
+def mixtral(meta: bool) -> nn.Module:
+    """transformers' tiny Mixtral, or built on the meta device (experts that run there)."""
+    if not meta:
+        return transformers_moe("mixtral")
+    with torch.device("meta"):
+        return transformers_moe("mixtral", impl="batched_mm")
+
+
+def check_experts_and_tp(shape: Tuple[int, ...], schedule: str, meta: bool = False, **options: Any) -> None:
     """:func:`experts_and_tp`: the experts are shards over ep (half per rank) replicated
     over tp, the attention shards over tp replicated over dp x ep; trains as the unsplit
-    model (the copies' losses averaged), ``clip_grad_norm_`` counting every shard once."""
-    ref = transformers_moe("mixtral")
-    pipe = experts_and_tp(shape, schedule, **options)
+    model (the copies' losses averaged), ``clip_grad_norm_`` counting every shard once.
+    With ``meta`` from the meta device, against ``pd.materialize`` of the same model."""
+    import pipedream_ext as pd
+
+    ref = pd.materialize(mixtral(True), "cpu", seed=5) if meta else mixtral(False)
+    pipe = experts_and_tp(shape, schedule, meta=meta, **({"init_seed": 5} if meta else {}), **options)
+    assert not any(p.is_meta for p in pipe.parameters())
     meshes = {n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1]:
               (tuple(p.to_local().shape), p.device_mesh.mesh_dim_names)
               for n, p in pipe.named_parameters() if hasattr(p, "to_local")}
@@ -770,7 +783,7 @@ def cases(world: int) -> Cases:
     c.add(check_experts_and_tp, (1, 2, 2), "zbv", chunks=2, data_parallel="replicate",
           name="experts-and-tp-zbv-ep2-tp2-replicate")
     c.add(check_experts_and_tp, (1, 2, 2), "dualpipev", chunks=2, microbatches=4, overlap=True, recompute=True,
-          name="experts-and-tp-dualpipev-ep2-tp2-fsdp-overlap-recompute")
+          meta=True, name="experts-and-tp-dualpipev-ep2-tp2-fsdp-overlap-recompute-meta")
     c.add(check_refusals)
     c.add(check_checkpoints, FromEnv("PDEP_DIR"), name="checkpoints")
     c.add(check_experts_and_tp_checkpoints, FromEnv("PDEP_DIR"), name="experts-and-tp-checkpoints")
