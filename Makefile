@@ -110,6 +110,7 @@ bench: setup
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node 4 benchmarks/ep_prediction.py > benchmarks/results/ep_prediction.md
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node 4 benchmarks/ep_overlap.py > benchmarks/results/ep_overlap.md
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/ep_overlap.py >> benchmarks/results/ep_overlap.md
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node 4 benchmarks/ep_tp_layouts.py > benchmarks/results/ep_tp_layouts.md
 	$(PY) benchmarks/update_readme.py
 
 # Time to accuracy on an emulated 4-host cluster (network namespaces, tc-limited
