@@ -620,3 +620,18 @@ def test_a_dict_valued_argument_names_only_the_entries_that_differ() -> None:
     many = [{k: i for k in "abcde"} for i in range(2)]
     assert _disagreement("d", many, RankNames([0, 1])).endswith("d['c'] is 0 on rank 0; 1 on rank 1 (and 2 more "
                                                                 "differences)")
+
+
+def test_a_mesh_rank_is_named_by_its_coordinates() -> None:
+    """Messages name a mesh's rank by pp and its copy's coordinates: ``(dp, tp)`` with tp,
+    ``(dp, ep, tp)`` with ep too (copy ``(d * ep + e) * tp + t``)."""
+    from pipedream_ext._dist.groups import RankNames
+
+    two_d = [[0, 2], [1, 3]]  # (pp 2, dp 2)
+    assert RankNames([1, 3], two_d).of_global(3) == "rank 3 (pp 1, dp 1)"
+    four_d = [[c, 8 + c] for c in range(8)]  # (pp 2, dp 2, ep 2, tp 2), ascending
+    assert RankNames(four_d[0], four_d, 2).of_global(13) == "rank 13 (pp 1, dp 2, tp 1)"
+    assert RankNames(four_d[0], four_d, 2, 2).of_global(13) == "rank 13 (pp 1, dp 1, ep 0, tp 1)"
+    assert RankNames(four_d[0], four_d, 2, 2).many([6, 7]) == \
+        "ranks 6 (pp 0, dp 1, ep 1, tp 0), 7 (pp 0, dp 1, ep 1, tp 1)"
+    assert RankNames(four_d[0], four_d[:4], 1, 2).of_global(3) == "rank 3 (pp 0, dp 1, ep 1)"

@@ -195,14 +195,17 @@ class RankNames:
     pipelines: Optional[List[List[int]]] = None
     #: A mesh's tp size: pipeline ``c`` is ``(dp, tp) = divmod(c, tp_size)``.
     tp_size: int = 1
+    #: A mesh's ep size: the ``dp`` above is ``d * ep_size + e``.
+    ep_size: int = 1
 
     def of_global(self, rank: int) -> str:
-        """``"rank 3 (pp 1, dp 1)"`` on a mesh (``"(pp 1, dp 0, tp 1)"`` with tp), else
-        ``"rank 3"``."""
+        """``"rank 3 (pp 1, dp 1)"`` on a mesh (``"(pp 1, dp 0, tp 1)"`` with tp,
+        ``"(pp 1, dp 0, ep 1, tp 1)"`` with ep and tp), else ``"rank 3"``."""
         for copy, ranks in enumerate(self.pipelines or ()):
             if rank in ranks:
                 dp, tp = divmod(copy, self.tp_size)
-                where = f", tp {tp}" if self.tp_size > 1 else ""
+                dp, ep = divmod(dp, self.ep_size)
+                where = (f", ep {ep}" if self.ep_size > 1 else "") + (f", tp {tp}" if self.tp_size > 1 else "")
                 return f"rank {rank} (pp {ranks.index(rank)}, dp {dp}{where})"
         return f"rank {rank}"
 

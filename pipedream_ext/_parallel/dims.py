@@ -209,7 +209,7 @@ class ParallelDims:
         coordinates; else by their rank in the pipeline's group."""
         if not self.on_mesh:
             return RankNames(list(range(self.pp_size)))
-        return RankNames(self.pipelines[self.copy], self.pipelines, self.tp_size)
+        return RankNames(self.pipelines[self.copy], self.pipelines, self.tp_size, self.ep_size)
 
     @property
     def world_names(self) -> Optional[RankNames]:
