@@ -506,20 +506,25 @@ def forgets_the_backward(module0: Any, inputs0: List[torch.Tensor], module1: Any
     return module0(*inputs0)
 
 
+def megatron_attention() -> Dict[str, Any]:
+    """A ``tensor_parallel=`` plan of transformers' attention, Megatron-style: q/k/v
+    column-, o row-parallel, the attention kept as a call (its reshapes run per rank)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+    return {"model.layers.*.self_attn": PrepareModuleInput(),
+            **{f"model.layers.*.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
+            "model.layers.*.self_attn.o_proj": RowwiseParallel()}
+
+
 def check_experts_over_tp(schedule: str) -> None:
     """Mixtral on pp2 x tp2 with one ``tensor_parallel=`` plan: Megatron-style attention
     (q/k/v column-, o row-parallel, the attention kept as a call) and
     ``RoutedExpertParallel`` on the experts, which a tp mesh gives replicated tokens: each
     tp rank dispatches its slice of them to the rank holding their experts and gathers
     the results (tp2ep). Half the experts per rank; trains as the unsplit model."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
-
     import pipedream_ext as pd
 
-    plan = {"model.layers.*.self_attn": PrepareModuleInput(),
-            **{f"model.layers.*.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
-            "model.layers.*.self_attn.o_proj": RowwiseParallel(),
-            "model.layers.*.mlp.experts": pd.RoutedExpertParallel()}
+    plan = {**megatron_attention(), "model.layers.*.mlp.experts": pd.RoutedExpertParallel()}
     ref = transformers_moe("mixtral")
     pipe = pipeline(transformers_moe("mixtral"), schedule, mesh=mesh_of((2, 1, 2), ("pp", "dp", "tp")),
                     expert_parallel=None, tensor_parallel=plan, split_points=["model.layers.1"],
@@ -543,13 +548,9 @@ def experts_and_tp(shape: Tuple[int, ...], schedule: str, **options: Any) -> Any
     Megatron-style attention over tp, ``expert_parallel=`` ``RoutedExpertParallel`` over ep.
     ``options["scale"]`` scales its initial weights (another model); ``options["meta"]``
     builds it on the meta device (each rank materialises its shards, ``init_seed=5``)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
-
     import pipedream_ext as pd
 
-    attention = {"model.layers.*.self_attn": PrepareModuleInput(),
-                 **{f"model.layers.*.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
-                 "model.layers.*.self_attn.o_proj": RowwiseParallel()}
+    attention = megatron_attention()
     names = ("pp", "dp", "ep", "tp") if len(shape) == 4 else ("pp", "ep", "tp")
     model, scale = mixtral(options.pop("meta", False)), options.pop("scale", 1.0)
     with torch.no_grad():
