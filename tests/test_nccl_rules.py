@@ -11,6 +11,8 @@ that breaks those rules; the ``nccl_rules`` backend (``pipedream_ext.testing``,
   and a crossing send/send order both run on Gloo and fail on it within the
   timeout, with an error that names the operations (not a hang, not an abort);
   the same crossing issued as a coalesced group (``batch_isend_irecv``) passes;
+* creating its groups is safe however the backend's worker threads interleave with
+  its constructor (an LD_PRELOAD shim forces the interleaving that crashed it);
 * the pipeline speaks the split protocol on it (metadata on the side group, the
   tensors alone on the data channel) and the fused one when forced, with exact
   message counts;
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -39,6 +42,7 @@ from _multiprocess import BACKEND_ENV, ROOT, launch_raw
 from torch import nn
 
 HERE = os.path.abspath(__file__)
+RACE_SHIM = os.path.join(os.path.dirname(HERE), "data", "race_after_thread_start.c")
 WAIT = datetime.timedelta(seconds=3)
 
 
@@ -96,6 +100,19 @@ def pipeline_messages(protocol: str) -> None:
     assert stats["redirected_sends"] == 0 and stats["host_syncs"] == 0, stats
 
 
+def create_groups(count: int) -> None:
+    """``count`` ``nccl_rules`` groups over every rank, each used once and destroyed."""
+    import pipedream_ext.testing as pdt
+
+    pdt.register_nccl_rules_backend()
+    for _ in range(count):
+        group = dist.new_group(backend="nccl_rules")
+        value = torch.ones(2)
+        dist.all_reduce(value, group=group)
+        assert value.tolist() == [2.0, 2.0], value
+        dist.destroy_process_group(group)
+
+
 def run_case(case: str, backend: str) -> None:
     if backend == "nccl_rules":
         import pipedream_ext.testing as pdt
@@ -105,7 +122,9 @@ def run_case(case: str, backend: str) -> None:
     rank = dist.get_rank()
     start = time.time()
     try:
-        if case == "tagged":
+        if case == "groups":
+            create_groups(5)
+        elif case == "tagged":
             old_tagged_exchange(rank)
         elif case in ("crossing", "coalesced"):
             crossing(rank, coalesced=case == "coalesced")
@@ -152,6 +171,23 @@ def test_a_crossing_send_send_order_times_out_under_nccl_rules_naming_the_head()
 def test_the_same_crossing_as_a_coalesced_group_passes_under_nccl_rules() -> None:
     results = launch_raw(HERE, 2, "coalesced:nccl_rules", timeout=120)
     assert all(r.returncode == 0 and "PASSED" in r.stdout for r in results), [r.stdout for r in results]
+
+
+def test_new_groups_survive_a_worker_that_starts_while_its_backend_is_built(tmp_path) -> None:
+    """Creating ``nccl_rules`` groups is safe however the threads interleave: the backend
+    starts a worker per peer, which reads the peers' vector at once; with the threads
+    started before the vector was full, a ``push_back`` that reallocated freed it under a
+    worker (a SIGSEGV in about 1 launch in 20). The shim (tests/data/race_after_thread_start.c,
+    LD_PRELOAD) makes the creator sleep at its first ``free`` after starting a thread, so
+    that interleaving happens every time: 2 ranks create and destroy 5 groups each."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the LD_PRELOAD shim (the extension's build needs one)")
+    shim = tmp_path / "race.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(shim), str(RACE_SHIM), "-ldl"], check=True)
+    results = launch_raw(HERE, 2, "groups:gloo", timeout=120, rank_env=[{"LD_PRELOAD": str(shim)}] * 2)
+    assert all(r.returncode == 0 and "PASSED" in r.stdout for r in results), \
+        [(r.returncode, r.stdout[-2000:]) for r in results]
 
 
 @pytest.mark.parametrize("backend, protocol, forced", [

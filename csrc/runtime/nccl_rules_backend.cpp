@@ -88,13 +88,21 @@ NcclRulesBackend::NcclRulesBackend(c10::intrusive_ptr<c10d::Backend> gloo, int r
   TORCH_CHECK(gloo_, "nccl_rules needs an inner Gloo backend");
   TORCH_CHECK(gloo_->getRank() == rank && gloo_->getSize() == size, "nccl_rules: the inner group is rank ",
               gloo_->getRank(), " of ", gloo_->getSize(), " but this backend is rank ", rank, " of ", size);
-  for (int q = 0; q < size; ++q) {
-    peers_.push_back(std::make_shared<Peer>());
-    if (q != rank) peers_.back()->worker = std::thread([this, q] { runPeer(q); });
+  peers_.reserve(size);
+  for (int q = 0; q < size; ++q) peers_.push_back(std::make_shared<Peer>());
+  try {
+    for (int q = 0; q < size; ++q) {
+      if (q != rank) peers_[q]->worker = std::thread([this, q] { runPeer(q); });
+    }
+  } catch (...) {
+    stopWorkers();  // no destructor runs for a constructor that throws
+    throw;
   }
 }
 
-NcclRulesBackend::~NcclRulesBackend() {
+NcclRulesBackend::~NcclRulesBackend() { stopWorkers(); }
+
+void NcclRulesBackend::stopWorkers() {
   for (auto& peer : peers_) {
     std::lock_guard<std::mutex> lock(peer->mutex);
     peer->stop = true;

@@ -133,11 +133,15 @@ class NcclRulesBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> enqueue(bool send, at::Tensor tensor, int peer);
   void runPeer(int peer);
   void runItem(int peer, Item& item);
+  // Stops every started worker and joins it (the destructor; a constructor that throws).
+  void stopWorkers();
   std::string describe(const Op& op, int peer) const;
 
   c10::intrusive_ptr<c10d::Backend> gloo_;  // immutable after construction
   std::chrono::milliseconds timeout_;
-  std::vector<std::shared_ptr<Peer>> peers_;  // by rank; the vector is immutable after construction
+  // By rank; filled before the first worker starts (a worker reads it: a push_back that
+  // reallocated would free the buffer under it), then immutable.
+  std::vector<std::shared_ptr<Peer>> peers_;
   // Coalescing state: the caller's thread only.
   bool coalescing_ = false;
   std::vector<std::pair<int, Item>> coalesced_;
