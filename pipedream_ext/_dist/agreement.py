@@ -287,8 +287,8 @@ class StepAgreement:
                         f"of dp coordinate {d // self.tp_size} were given different {kind} "
                         f"(fingerprints: {each}); tensor parallelism splits the weights, not the "
                         "batch: give every tp rank of a dp coordinate the same batch "
-                        "(DistributedSampler(dataset, num_replicas=mesh['dp'].size(), "
-                        "rank=mesh['dp'].get_local_rank()))")
+                        "(DistributedSampler(dataset, num_replicas=pipe.data_parallel_size, "
+                        "rank=pipe.data_parallel_rank), which counts dp x ep on an expert-parallel mesh)")
 
     def _check_batch(self, gathered: List[Dict[str, Any]], ranks: List[int], index: int) -> None:
         """One pipeline's first and last stages were given one batch (``gathered``: its

@@ -185,8 +185,8 @@ class MeshSteps(PipelineSteps):
                         f"{each}), so each tp rank trained its shards on another batch and the "
                         "weights are no longer the unsplit model's; tensor parallelism splits the "
                         "weights, not the batch: give every tp rank of a dp coordinate the same "
-                        "batch (DistributedSampler(dataset, num_replicas=mesh['dp'].size(), "
-                        "rank=mesh['dp'].get_local_rank()))")
+                        "batch (DistributedSampler(dataset, num_replicas=pipe.data_parallel_size, "
+                        "rank=pipe.data_parallel_rank), which counts dp x ep on an expert-parallel mesh)")
 
     def _by_value(self, values: List[int], word: Callable[[int], str]) -> str:
         groups: "collections.OrderedDict[int, List[int]]" = collections.OrderedDict()
