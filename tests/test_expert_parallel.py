@@ -552,22 +552,24 @@ def experts_and_tp(shape: Tuple[int, ...], schedule: str, **options: Any) -> Any
 
     attention = megatron_attention()
     names = ("pp", "dp", "ep", "tp") if len(shape) == 4 else ("pp", "ep", "tp")
-    model, scale = mixtral(options.pop("meta", False)), options.pop("scale", 1.0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(scale)
+    model = mixtral(options.pop("meta", False), options.pop("scale", 1.0))
     return pipeline(model, schedule, mesh=mesh_of(shape, names), tensor_parallel=attention,
                     expert_parallel={"model.layers.*.mlp.experts": pd.RoutedExpertParallel()},
                     split_points=["model.layers.1"], concrete_args={"use_cache": False}, loss_fn=transformers_loss,
                     **options)
 
 
-def mixtral(meta: bool) -> nn.Module:
-    """transformers' tiny Mixtral, or built on the meta device (experts that run there)."""
-    if not meta:
-        return transformers_moe("mixtral")
-    with torch.device("meta"):
-        return transformers_moe("mixtral", impl="batched_mm")
+def mixtral(meta: bool = False, scale: float = 1.0) -> nn.Module:
+    """transformers' tiny Mixtral, its initial weights times ``scale`` (another model), or
+    built on the meta device (experts that run there)."""
+    if meta:
+        with torch.device("meta"):
+            return transformers_moe("mixtral", impl="batched_mm")
+    model = transformers_moe("mixtral")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(scale)
+    return model
 
 
 def check_experts_and_tp(shape: Tuple[int, ...], schedule: str, meta: bool = False, **options: Any) -> None:
@@ -577,7 +579,7 @@ def check_experts_and_tp(shape: Tuple[int, ...], schedule: str, meta: bool = Fal
     With ``meta`` from the meta device, against ``pd.materialize`` of the same model."""
     import pipedream_ext as pd
 
-    ref = pd.materialize(mixtral(True), "cpu", seed=5) if meta else mixtral(False)
+    ref = pd.materialize(mixtral(meta=True), "cpu", seed=5) if meta else mixtral()
     pipe = experts_and_tp(shape, schedule, meta=meta, **({"init_seed": 5} if meta else {}), **options)
     assert not any(p.is_meta for p in pipe.parameters())
     meshes = {n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1]:
@@ -625,11 +627,7 @@ def check_experts_and_tp_checkpoints(root: str) -> None:
     for name, value in gathered(fresh).items():
         torch.testing.assert_close(value, after[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"resumed {name}: {m}")
     fresh.close()
-    model = transformers_moe("mixtral")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(0.5)
-    from_hf = pipeline(model, split_points=["model.layers.1"], concrete_args={"use_cache": False},
+    from_hf = pipeline(mixtral(scale=0.5), split_points=["model.layers.1"], concrete_args={"use_cache": False},
                        loss_fn=transformers_loss, expert_parallel="auto")
     from_hf.load_state_dict(path + "-hf")
     same(gathered(from_hf), at_save, "save_pretrained of ep2 x tp2, loaded into pp2 x ep2")
